@@ -1,0 +1,43 @@
+// Package topology is the shared vocabulary of topodra: the device attribute
+// names that carry topology, the driver name of the topodra node agent, and
+// (in later files) device coordinates and topology domains.
+package topology
+
+import resourceapi "k8s.io/api/resource/v1"
+
+// DriverName is the DRA driver name of the topodra node agent.
+const DriverName = "gpu.topodra.io"
+
+// Standard, driver-independent topology attributes (KEP-5491 / KEP-6072).
+// Any DRA driver may publish them; topodra reads them from every driver.
+const (
+	// AttrPCIeRoot is the PCIe root complex of a device, e.g. "pci0000:00".
+	AttrPCIeRoot resourceapi.QualifiedName = "resource.kubernetes.io/pcieRoot"
+	// AttrNUMANode is the NUMA node of a device: an int, or a list of ints
+	// whose first entry is the physical node.
+	AttrNUMANode resourceapi.QualifiedName = "resource.kubernetes.io/numaNode"
+	// AttrPCIBusID is the PCI bus id of a device, e.g. "0000:3b:00.0".
+	AttrPCIBusID resourceapi.QualifiedName = "resource.kubernetes.io/pciBusID"
+)
+
+// Attributes published by the topodra node agent.
+const (
+	// AttrNVLinkClique is a string id shared by the GPUs of one node that are
+	// joined by active NVLinks (one connected component of the NVLink graph).
+	// In a slice of driver gpu.topodra.io it is published as "nvlinkClique".
+	AttrNVLinkClique resourceapi.QualifiedName = DriverName + "/nvlinkClique"
+)
+
+// Annotations on a ResourceClaim (copied from its template) that override the
+// alignment policy for that claim.
+const (
+	// AnnotationAlignment is "require", "prefer" or "none".
+	AnnotationAlignment = "topodra.io/alignment"
+	// AnnotationAlignWith is "pod": align this claim's devices with the
+	// devices of the pod's other claims that carry the same annotation.
+	AnnotationAlignWith = "topodra.io/align-with"
+)
+
+// DefaultTaintKey is the device taint key that the node agent can publish on
+// devices that only topodra should hand out (architecture decision 6).
+const DefaultTaintKey = "gpu.topodra.io/topodra-only"
