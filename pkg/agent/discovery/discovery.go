@@ -1,0 +1,143 @@
+// Package discovery finds the GPUs of one node and describes them as DRA
+// devices: attributes compatible with NVIDIA's DRA driver where names
+// overlap, the standard topology attributes (PCIe root, PCI bus id, NUMA
+// node) and topodra's NVLink clique.
+//
+// Discovery sits behind [Interface] so that the node agent, the simulator and
+// tests can run on real NVML ([NewNVML] on nvml.New()) or on a simulated
+// machine (package mockgpu builds an nvml.Interface and a fake sysfs).
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+)
+
+// ErrNoGPU is returned (wrapped) by discovery when the node has no usable
+// NVIDIA GPU: the NVML library is missing, the kernel driver is not loaded,
+// or NVML reports zero devices. Callers that merely probe a node, like
+// hack/gpu-check.sh, treat it as "nothing here" rather than as a failure.
+var ErrNoGPU = errors.New("no NVIDIA GPU found")
+
+// Interface discovers the devices of one node.
+//
+// Implementations must be safe for concurrent use. Discover must return the
+// same result (same device names, same attribute values, same order) for an
+// unchanged machine, because the agent republishes whenever the result
+// changes.
+type Interface interface {
+	// Discover returns the node's current inventory. An error wrapping
+	// [ErrNoGPU] means that there is nothing to publish; other errors
+	// are faults (the agent retries).
+	Discover(ctx context.Context) (*Inventory, error)
+}
+
+// HealthWatcher is implemented by discoveries that can report device faults.
+type HealthWatcher interface {
+	// WatchHealth sends an event for every device fault until ctx is
+	// canceled, then returns nil. It must not block on a send after ctx
+	// is canceled. It returns an error when health cannot be watched at
+	// all (for example no device supports events); the agent then runs
+	// without health reporting.
+	WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error
+}
+
+// HealthEvent reports that one device (or all devices) became unhealthy.
+// Devices stay unhealthy until the agent restarts: NVML gives no reliable
+// "recovered" signal after a critical XID or a lost GPU.
+type HealthEvent struct {
+	// Device is the device name in the slice ("gpu-3"). Empty means that
+	// every device of the node is affected (for example the event set
+	// itself reported that a GPU is lost without saying which).
+	Device string
+	// Reason is short and machine readable: "xid-79", "gpu-lost".
+	// It is published as the value of the health taint.
+	Reason string
+	// Message is for humans (agent log, kubelet health message).
+	Message string
+	// Time is when the fault was observed.
+	Time time.Time
+}
+
+// GPU is one whole GPU that discovery found and that the agent publishes.
+type GPU struct {
+	// Name is the device name in the ResourceSlice: "gpu-<index>".
+	Name string
+	// UUID is NVML's GPU UUID ("GPU-…"); it also goes into
+	// NVIDIA_VISIBLE_DEVICES when the GPU is prepared for a container.
+	UUID string
+	// Index is NVML's device index.
+	Index int
+	// Minor is the minor number of /dev/nvidia<minor>.
+	Minor int
+	// PCIBusID is the canonical bus id ("0000:1b:00.0"), empty if NVML
+	// did not report one.
+	PCIBusID string
+	// Device is what gets published for this GPU: name, attributes and
+	// capacity. It never carries taints; the agent adds those.
+	Device resourceapi.Device
+}
+
+// Skipped is a GPU that discovery found but deliberately does not publish
+// as a whole GPU, with the reason. MIG-enabled GPUs end up here: handing one
+// out as a whole GPU would give a pod a device whose memory and SMs belong to
+// MIG instances.
+type Skipped struct {
+	UUID     string
+	Index    int
+	PCIBusID string
+	Reason   string
+}
+
+// Inventory is the result of one discovery run. GPUs are sorted by index.
+type Inventory struct {
+	GPUs    []GPU
+	Skipped []Skipped
+}
+
+// GPU returns the GPU with the given device name, nil if there is none.
+func (inv *Inventory) GPU(name string) *GPU {
+	if inv == nil {
+		return nil
+	}
+	for i := range inv.GPUs {
+		if inv.GPUs[i].Name == name {
+			return &inv.GPUs[i]
+		}
+	}
+	return nil
+}
+
+// Devices returns deep copies of the devices to publish, in index order.
+func (inv *Inventory) Devices() []resourceapi.Device {
+	if inv == nil {
+		return nil
+	}
+	devices := make([]resourceapi.Device, 0, len(inv.GPUs))
+	for i := range inv.GPUs {
+		devices = append(devices, *inv.GPUs[i].Device.DeepCopy())
+	}
+	return devices
+}
+
+// DriverResources describes the inventory as one pool with one slice, the
+// way a node-local driver publishes it. The agent uses it and adds taints.
+// An empty inventory still yields one empty slice: "driver up, no devices"
+// differs from "no pool".
+func (inv *Inventory) DriverResources(poolName string) resourceslice.DriverResources {
+	return resourceslice.DriverResources{
+		Pools: map[string]resourceslice.Pool{
+			poolName: {Slices: []resourceslice.Slice{{Devices: inv.Devices()}}},
+		},
+	}
+}
+
+// DeviceName is the published name of the GPU with the given NVML index.
+func DeviceName(index int) string {
+	return fmt.Sprintf("gpu-%d", index)
+}

@@ -1,0 +1,679 @@
+package discovery_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	nvmlmock "github.com/NVIDIA/go-nvml/pkg/nvml/mock"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/gpus"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
+
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+)
+
+// model is what all GPUs of a simulated machine have in common.
+type model struct {
+	product, arch, brand, cc, driver, cuda, memory string
+	multiprocessors                                int64
+}
+
+var (
+	h100 = model{"NVIDIA H100 80GB HBM3", "Hopper", "Nvidia", "9.0.0", "550.54.15", "12.4.0", "80Gi", 132}
+	a100 = model{"NVIDIA A100-PCIE-80GB", "Ampere", "Nvidia", "8.0.0", "550.54.15", "12.4.0", "80Gi", 108}
+	rtx  = model{"NVIDIA RTX 6000 Ada Generation", "Ada Lovelace", "NvidiaRTX", "8.9.0", "570.133.7", "12.8.0", "49140Mi", 142}
+)
+
+// Clique ids are hashes of the member bus ids: stable across restarts and
+// machines with the same layout.
+const (
+	cliqueDGX     = "nvl-4b503e6bfa88"
+	cliquePair01  = "nvl-c2023d3a6c34"
+	cliquePair23  = "nvl-dc9d14c3d4a7"
+	cliquePair45  = "nvl-c870b7b80bd4"
+	cliquePair67  = "nvl-298a5bc61407"
+	noNUMA        = -1
+	noClique      = ""
+	node1GPU0UUID = "GPU-19315b3c-c1d1-5ce1-a32f-07677490362a"
+	node2GPU0UUID = "GPU-7c13a1bf-49ed-57cc-a226-e3ed4d4de1a6"
+)
+
+// gpuDevice builds the device that discovery must publish.
+func gpuDevice(m model, index int, uuid, bus, root string, numa int, clique string) resourceapi.Device {
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		"type":                            {StringValue: ptr.To("gpu")},
+		"uuid":                            {StringValue: ptr.To(uuid)},
+		"index":                           {IntValue: ptr.To(int64(index))},
+		"minor":                           {IntValue: ptr.To(int64(index))},
+		"productName":                     {StringValue: ptr.To(m.product)},
+		"brand":                           {StringValue: ptr.To(m.brand)},
+		"architecture":                    {StringValue: ptr.To(m.arch)},
+		"cudaComputeCapability":           {VersionValue: ptr.To(m.cc)},
+		"driverVersion":                   {VersionValue: ptr.To(m.driver)},
+		"cudaDriverVersion":               {VersionValue: ptr.To(m.cuda)},
+		"resource.kubernetes.io/pciBusID": {StringValue: ptr.To(bus)},
+		"resource.kubernetes.io/pcieRoot": {StringValue: ptr.To(root)},
+	}
+	if numa >= 0 {
+		attrs["resource.kubernetes.io/numaNode"] = resourceapi.DeviceAttribute{IntValue: ptr.To(int64(numa))}
+	}
+	if clique != "" {
+		attrs["nvlinkClique"] = resourceapi.DeviceAttribute{StringValue: ptr.To(clique)}
+	}
+	return resourceapi.Device{
+		Name:       discovery.DeviceName(index),
+		Attributes: attrs,
+		Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
+			"memory":          {Value: resource.MustParse(m.memory)},
+			"multiprocessors": {Value: *resource.NewQuantity(m.multiprocessors, resource.DecimalSI)},
+		},
+	}
+}
+
+// assertDevices compares YAML renderings: exact, readable, and insensitive
+// to how a quantity was constructed.
+func assertDevices(t *testing.T, want, got []resourceapi.Device) {
+	t.Helper()
+	wantYAML, err := yaml.Marshal(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gotYAML, err := yaml.Marshal(got)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(string(wantYAML), string(gotYAML)); diff != "" {
+		t.Errorf("devices differ (-want +got):\n%s", diff)
+	}
+}
+
+func discover(ctx context.Context, t *testing.T, m *mockgpu.Machine, opts discovery.NVMLOptions) *discovery.Inventory {
+	t.Helper()
+	opts.Lib = m.NVML()
+	if opts.Sysfs == nil {
+		opts.Sysfs = m.Sysfs()
+	}
+	d, err := discovery.NewNVML(opts)
+	if err != nil {
+		t.Fatalf("NewNVML: %v", err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	inv, err := d.Discover(ctx)
+	if err != nil {
+		t.Fatalf("Discover: %v", err)
+	}
+	return inv
+}
+
+func TestDiscoverProfiles(t *testing.T) {
+	type gpu struct {
+		bus, root string
+		numa      int
+		clique    string
+	}
+	testcases := map[string]struct {
+		profile string
+		model   model
+		gpus    []gpu
+	}{
+		"dgx-h100: pairs on PCIe roots, 4+4 NUMA, one NVSwitch clique": {
+			profile: mockgpu.ProfileDGXH100,
+			model:   h100,
+			gpus: []gpu{
+				{"0000:1b:00.0", "pci0000:16", 0, cliqueDGX},
+				{"0000:43:00.0", "pci0000:16", 0, cliqueDGX},
+				{"0000:52:00.0", "pci0000:49", 0, cliqueDGX},
+				{"0000:61:00.0", "pci0000:49", 0, cliqueDGX},
+				{"0000:9d:00.0", "pci0000:97", 1, cliqueDGX},
+				{"0000:c3:00.0", "pci0000:97", 1, cliqueDGX},
+				{"0000:d1:00.0", "pci0000:c9", 1, cliqueDGX},
+				{"0000:df:00.0", "pci0000:c9", 1, cliqueDGX},
+			},
+		},
+		"pcie-nvlink-pairs: bridged pairs, own PCIe roots, 4+4 NUMA": {
+			profile: mockgpu.ProfilePCIeNVLinkPairs,
+			model:   a100,
+			gpus: []gpu{
+				{"0000:17:00.0", "pci0000:16", 0, cliquePair01},
+				{"0000:31:00.0", "pci0000:30", 0, cliquePair01},
+				{"0000:4b:00.0", "pci0000:4a", 0, cliquePair23},
+				{"0000:65:00.0", "pci0000:64", 0, cliquePair23},
+				{"0000:98:00.0", "pci0000:97", 1, cliquePair45},
+				{"0000:b1:00.0", "pci0000:b0", 1, cliquePair45},
+				{"0000:ca:00.0", "pci0000:c9", 1, cliquePair67},
+				{"0000:e3:00.0", "pci0000:e2", 1, cliquePair67},
+			},
+		},
+		"workstation-2gpu: no NVLink, no NUMA affinity": {
+			profile: mockgpu.ProfileWorkstation2GPU,
+			model:   rtx,
+			gpus: []gpu{
+				{"0000:01:00.0", "pci0000:00", noNUMA, noClique},
+				{"0000:41:00.0", "pci0000:00", noNUMA, noClique},
+			},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.New(tc.profile, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv := discover(ctx, t, m, discovery.NVMLOptions{})
+			var want []resourceapi.Device
+			for i, g := range tc.gpus {
+				want = append(want, gpuDevice(tc.model, i, m.UUID(i), g.bus, g.root, g.numa, g.clique))
+			}
+			assertDevices(t, want, inv.Devices())
+			if len(inv.Skipped) != 0 {
+				t.Errorf("unexpected skipped GPUs: %+v", inv.Skipped)
+			}
+			for i, g := range inv.GPUs {
+				if g.Minor != i || g.Index != i || g.UUID != m.UUID(i) || g.PCIBusID != tc.gpus[i].bus {
+					t.Errorf("GPU %d: got index %d minor %d uuid %s bus %s", i, g.Index, g.Minor, g.UUID, g.PCIBusID)
+				}
+			}
+		})
+	}
+}
+
+func TestDiscoverUUIDsAreStablePerNode(t *testing.T) {
+	testcases := map[string]struct {
+		node string
+		want string
+	}{
+		"node-1": {node: "node-1", want: node1GPU0UUID},
+		"node-2": {node: "node-2", want: node2GPU0UUID},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			for range 2 { // a restart sees the same machine
+				m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: tc.node})
+				if err != nil {
+					t.Fatal(err)
+				}
+				inv := discover(ctx, t, m, discovery.NVMLOptions{})
+				if got := inv.GPUs[0].UUID; got != tc.want {
+					t.Errorf("gpu-0 UUID: want %s, got %s", tc.want, got)
+				}
+			}
+		})
+	}
+}
+
+func TestDiscoverMIGEnabledGPUIsNotPublished(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SetMIG(2, true)
+	inv := discover(ctx, t, m, discovery.NVMLOptions{})
+
+	if len(inv.GPUs) != 7 {
+		t.Fatalf("want 7 whole GPUs, got %d", len(inv.GPUs))
+	}
+	if inv.GPU("gpu-2") != nil {
+		t.Error("MIG-enabled gpu-2 was published as a whole GPU")
+	}
+	if len(inv.Skipped) != 1 {
+		t.Fatalf("want one skipped GPU, got %+v", inv.Skipped)
+	}
+	s := inv.Skipped[0]
+	if s.Index != 2 || s.UUID != m.UUID(2) || s.PCIBusID != "0000:52:00.0" || !strings.Contains(s.Reason, "MIG mode is enabled") {
+		t.Errorf("unexpected skipped entry: %+v", s)
+	}
+	// The remaining seven still form one clique, but not the clique of eight.
+	clique := *inv.GPUs[0].Device.Attributes["nvlinkClique"].StringValue
+	if clique == cliqueDGX {
+		t.Errorf("clique id unchanged although gpu-2 left the clique")
+	}
+	for _, g := range inv.GPUs {
+		if got := *g.Device.Attributes["nvlinkClique"].StringValue; got != clique {
+			t.Errorf("%s: clique %s, want %s", g.Name, got, clique)
+		}
+	}
+}
+
+func TestDiscoverNVLinkFailures(t *testing.T) {
+	testcases := map[string]struct {
+		profile string
+		break_  func(m *mockgpu.Machine)
+		// want maps device name to clique; "" means no clique, "same:<name>"
+		// means the same (new) clique as that device.
+		want map[string]string
+	}{
+		"full fabric, one link down: clique unchanged": {
+			profile: mockgpu.ProfileDGXH100,
+			break_:  func(m *mockgpu.Machine) { m.SetLinkState(0, 3, false) },
+			want: map[string]string{
+				"gpu-0": cliqueDGX, "gpu-1": cliqueDGX, "gpu-2": cliqueDGX, "gpu-3": cliqueDGX,
+				"gpu-4": cliqueDGX, "gpu-5": cliqueDGX, "gpu-6": cliqueDGX, "gpu-7": cliqueDGX,
+			},
+		},
+		"full fabric, all links of gpu-5 down: gpu-5 alone, seven in a new clique": {
+			profile: mockgpu.ProfileDGXH100,
+			break_:  func(m *mockgpu.Machine) { m.SetAllLinks(5, false) },
+			want: map[string]string{
+				"gpu-0": "same:gpu-1", "gpu-1": "same:gpu-2", "gpu-2": "same:gpu-3", "gpu-3": "same:gpu-4",
+				"gpu-4": "same:gpu-6", "gpu-5": noClique, "gpu-6": "same:gpu-7", "gpu-7": "same:gpu-0",
+			},
+		},
+		"pairs, bridge 2-3 broken: both lose their clique, other pairs keep theirs": {
+			profile: mockgpu.ProfilePCIeNVLinkPairs,
+			break_:  func(m *mockgpu.Machine) { m.SetAllLinks(2, false) },
+			want: map[string]string{
+				"gpu-0": cliquePair01, "gpu-1": cliquePair01, "gpu-2": noClique, "gpu-3": noClique,
+				"gpu-4": cliquePair45, "gpu-5": cliquePair45, "gpu-6": cliquePair67, "gpu-7": cliquePair67,
+			},
+		},
+		"pairs, one of twelve bridge links down: pair intact": {
+			profile: mockgpu.ProfilePCIeNVLinkPairs,
+			break_:  func(m *mockgpu.Machine) { m.SetLinkState(6, 0, false) },
+			want: map[string]string{
+				"gpu-0": cliquePair01, "gpu-1": cliquePair01, "gpu-2": cliquePair23, "gpu-3": cliquePair23,
+				"gpu-4": cliquePair45, "gpu-5": cliquePair45, "gpu-6": cliquePair67, "gpu-7": cliquePair67,
+			},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.New(tc.profile, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.break_(m)
+			inv := discover(ctx, t, m, discovery.NVMLOptions{})
+			got := map[string]string{}
+			for _, g := range inv.GPUs {
+				if a, ok := g.Device.Attributes["nvlinkClique"]; ok {
+					got[g.Name] = *a.StringValue
+				} else {
+					got[g.Name] = noClique
+				}
+			}
+			for dev, want := range tc.want {
+				if peer, ok := strings.CutPrefix(want, "same:"); ok {
+					if got[dev] == noClique || got[dev] != got[peer] || got[dev] == cliqueDGX {
+						t.Errorf("%s: clique %q, want a new clique shared with %s (%q)", dev, got[dev], peer, got[peer])
+					}
+					continue
+				}
+				if got[dev] != want {
+					t.Errorf("%s: clique %q, want %q", dev, got[dev], want)
+				}
+			}
+		})
+	}
+}
+
+func TestNVLinkCliques(t *testing.T) {
+	const a, b, c, d = "0000:01:00.0", "0000:02:00.0", "0000:03:00.0", "0000:04:00.0"
+	const sw1, sw2 = "0001:01:00.0", "0001:02:00.0"
+	mesh := func(gpus ...string) []discovery.Link {
+		var links []discovery.Link
+		for _, x := range gpus {
+			for _, y := range gpus {
+				if x != y {
+					links = append(links, discovery.Link{GPU: x, Remote: y})
+				}
+			}
+		}
+		return links
+	}
+	testcases := map[string]struct {
+		gpus  []string
+		links []discovery.Link
+		// groups lists the expected cliques; GPUs not listed have none.
+		groups [][]string
+	}{
+		"full mesh of direct links": {
+			gpus: []string{a, b, c, d}, links: mesh(a, b, c, d),
+			groups: [][]string{{a, b, c, d}},
+		},
+		"switch fabric": {
+			gpus: []string{a, b, c, d},
+			links: []discovery.Link{
+				{GPU: a, Remote: sw1}, {GPU: a, Remote: sw2}, {GPU: b, Remote: sw1},
+				{GPU: c, Remote: sw2}, {GPU: d, Remote: sw1},
+			},
+			groups: [][]string{{a, b, c, d}},
+		},
+		"pairs": {
+			gpus: []string{a, b, c, d}, links: append(mesh(a, b), mesh(c, d)...),
+			groups: [][]string{{a, b}, {c, d}},
+		},
+		"broken link seen from one side still joins": {
+			gpus:   []string{a, b, c, d},
+			links:  []discovery.Link{{GPU: a, Remote: b}, {GPU: c, Remote: d}},
+			groups: [][]string{{a, b}, {c, d}},
+		},
+		"broken pair link": {
+			gpus:   []string{a, b, c, d},
+			links:  mesh(a, b),
+			groups: [][]string{{a, b}},
+		},
+		"GPU alone on a switch is no clique": {
+			gpus:  []string{a, b},
+			links: []discovery.Link{{GPU: a, Remote: sw1}, {GPU: b, Remote: sw2}},
+		},
+		"links from unknown GPUs are ignored": {
+			gpus:  []string{a, b},
+			links: []discovery.Link{{GPU: c, Remote: a}, {GPU: c, Remote: b}},
+		},
+		"no links": {gpus: []string{a, b}},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			got := discovery.NVLinkCliques(tc.gpus, tc.links)
+			inGroup := map[string]bool{}
+			for _, group := range tc.groups {
+				id := got[group[0]]
+				if id == "" {
+					t.Errorf("%s: no clique, want one with %v", group[0], group)
+				}
+				for _, gpu := range group {
+					inGroup[gpu] = true
+					if got[gpu] != id {
+						t.Errorf("%s: clique %q, want %q (same as %s)", gpu, got[gpu], id, group[0])
+					}
+				}
+			}
+			ids := map[string]bool{}
+			for _, group := range tc.groups {
+				if ids[got[group[0]]] {
+					t.Errorf("two groups share clique id %s", got[group[0]])
+				}
+				ids[got[group[0]]] = true
+			}
+			for _, gpu := range tc.gpus {
+				if !inGroup[gpu] && got[gpu] != "" {
+					t.Errorf("%s: unexpected clique %q", gpu, got[gpu])
+				}
+			}
+			// Enumeration order must not matter.
+			reversed := make([]string, len(tc.gpus))
+			for i, gpu := range tc.gpus {
+				reversed[len(tc.gpus)-1-i] = gpu
+			}
+			if again := discovery.NVLinkCliques(reversed, tc.links); !cmp.Equal(got, again) {
+				t.Errorf("clique ids depend on GPU order: %v vs %v", got, again)
+			}
+		})
+	}
+}
+
+// sncSpec is a one-socket machine with sub-NUMA clustering (two NUMA nodes
+// on socket 0) and a second socket: list-form numaNode of a GPU on node 0
+// is [0 1].
+func sncSpec() mockgpu.Spec {
+	return mockgpu.Spec{
+		NewServer: func(n int) *server.Server {
+			return dgxh100.NewWithGPUs(gpus.Multiple(n, gpus.H100_SXM5_80GB)...)
+		},
+		Multiprocessors: 132,
+		NUMADistances:   [][]int{{10, 11, 21, 21}, {11, 10, 21, 21}, {21, 21, 10, 11}, {21, 21, 11, 10}},
+		NUMASockets:     []int{0, 0, 1, 1},
+		GPUs: []mockgpu.GPUSpec{
+			{PCIBusID: "0000:1b:00.0", PCIeRoot: "pci0000:16", NUMANode: 0},
+			{PCIBusID: "0000:9d:00.0", PCIeRoot: "pci0000:97", NUMANode: 3},
+			{PCIBusID: "0000:c3:00.0", PCIeRoot: "pci0000:c1", NUMANode: -1},
+		},
+	}
+}
+
+// TestStandardAttributesFromSysfs reads a fake sysfs written to disk, the
+// way deviceattribute.WithFSFromRoot reads a directory.
+func TestStandardAttributesFromSysfs(t *testing.T) {
+	testcases := map[string]struct {
+		form discovery.NUMAForm
+		// remove deletes a sysfs entry before discovery.
+		remove string
+		want   map[string]map[string]string
+	}{
+		"scalar numaNode, pcieRoot, pciBusID": {
+			form: discovery.NUMAScalar,
+			want: map[string]map[string]string{
+				"gpu-0": {"numaNode": "0", "pcieRoot": "pci0000:16", "pciBusID": "0000:1b:00.0"},
+				"gpu-1": {"numaNode": "3", "pcieRoot": "pci0000:97", "pciBusID": "0000:9d:00.0"},
+				"gpu-2": {"numaNode": "", "pcieRoot": "pci0000:c1", "pciBusID": "0000:c3:00.0"},
+			},
+		},
+		"list numaNode: physical node first, then same-socket nodes at minimum distance": {
+			form: discovery.NUMAList,
+			want: map[string]map[string]string{
+				"gpu-0": {"numaNode": "[0 1]", "pcieRoot": "pci0000:16"},
+				"gpu-1": {"numaNode": "[3 2]", "pcieRoot": "pci0000:97"},
+				"gpu-2": {"numaNode": ""},
+			},
+		},
+		"list numaNode without SLIT table falls back to the physical node": {
+			form:   discovery.NUMAList,
+			remove: "devices/system/node/node0/distance",
+			want: map[string]map[string]string{
+				"gpu-0": {"numaNode": "[0]"},
+			},
+		},
+		"device missing from sysfs: only pciBusID": {
+			form:   discovery.NUMAScalar,
+			remove: "bus/pci/devices/0000:9d:00.0",
+			want: map[string]map[string]string{
+				"gpu-0": {"numaNode": "0", "pcieRoot": "pci0000:16"},
+				"gpu-1": {"numaNode": "", "pcieRoot": "", "pciBusID": "0000:9d:00.0"},
+			},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.NewFromSpec(sncSpec(), mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			root := t.TempDir()
+			if err := m.WriteSysfs(root); err != nil {
+				t.Fatal(err)
+			}
+			if tc.remove != "" {
+				if err := os.Remove(root + "/" + tc.remove); err != nil {
+					t.Fatal(err)
+				}
+			}
+			sysfs := os.DirFS(root).(fs.ReadLinkFS)
+			inv := discover(ctx, t, m, discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: tc.form})
+			for dev, attrs := range tc.want {
+				g := inv.GPU(dev)
+				if g == nil {
+					t.Fatalf("%s not discovered", dev)
+				}
+				for short, want := range attrs {
+					attr, ok := g.Device.Attributes[resourceapi.QualifiedName("resource.kubernetes.io/"+short)]
+					got := ""
+					switch {
+					case !ok:
+					case attr.IntValue != nil:
+						got = fmt.Sprint(*attr.IntValue)
+					case attr.IntValues != nil:
+						got = fmt.Sprint(attr.IntValues)
+					case attr.StringValue != nil:
+						got = *attr.StringValue
+					}
+					if got != want {
+						t.Errorf("%s %s: want %q, got %q", dev, short, want, got)
+					}
+				}
+			}
+		})
+	}
+}
+
+func TestCanonicalPCIBusID(t *testing.T) {
+	testcases := map[string]struct{ in, want string }{
+		"NVML form":         {"00000000:1B:00.0", "0000:1b:00.0"},
+		"already canonical": {"0000:1b:00.0", "0000:1b:00.0"},
+		"non-zero domain":   {"00000001:C3:00.0", "0001:c3:00.0"},
+		"legacy short":      {"0000:c3:00.0", "0000:c3:00.0"},
+		"garbage":           {"Not-A-Bus", "not-a-bus"},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			if got := discovery.CanonicalPCIBusID(tc.in); got != tc.want {
+				t.Errorf("want %q, got %q", tc.want, got)
+			}
+		})
+	}
+}
+
+func TestDriverVersionIsSemver(t *testing.T) {
+	testcases := map[string]struct{ driver, want string }{
+		"three parts":        {"550.54.15", "550.54.15"},
+		"leading zero patch": {"535.104.05", "535.104.5"},
+		"two parts":          {"550.54", "550.54.0"},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			s, err := server.New(server.WithGPUs(gpus.H100_SXM5_80GB), server.WithDriverVersion(tc.driver), server.WithCUDADriverVersion(12020))
+			if err != nil {
+				t.Fatal(err)
+			}
+			spec := mockgpu.Spec{
+				NewServer: func(int) *server.Server { return s },
+				GPUs:      []mockgpu.GPUSpec{{PCIBusID: "0000:01:00.0", PCIeRoot: "pci0000:00", NUMANode: 0}},
+			}
+			m, err := mockgpu.NewFromSpec(spec, mockgpu.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv := discover(ctx, t, m, discovery.NVMLOptions{})
+			attrs := inv.GPUs[0].Device.Attributes
+			if got := *attrs["driverVersion"].VersionValue; got != tc.want {
+				t.Errorf("driverVersion: want %q, got %q", tc.want, got)
+			}
+			if got := *attrs["cudaDriverVersion"].VersionValue; got != "12.2.0" {
+				t.Errorf("cudaDriverVersion: want 12.2.0, got %q", got)
+			}
+			if _, ok := inv.GPUs[0].Device.Capacity["multiprocessors"]; ok {
+				t.Errorf("multiprocessors published although NVML reported 0")
+			}
+		})
+	}
+}
+
+func TestNoNVML(t *testing.T) {
+	testcases := map[string]struct {
+		init    nvml.Return
+		count   int
+		wantErr error
+	}{
+		"library missing":   {init: nvml.ERROR_LIBRARY_NOT_FOUND, wantErr: discovery.ErrNoGPU},
+		"driver not loaded": {init: nvml.ERROR_DRIVER_NOT_LOADED, wantErr: discovery.ErrNoGPU},
+		"zero devices":      {init: nvml.SUCCESS, count: 0, wantErr: discovery.ErrNoGPU},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			lib := &nvmlmock.Interface{
+				InitFunc:           func() nvml.Return { return tc.init },
+				ShutdownFunc:       func() nvml.Return { return nvml.SUCCESS },
+				DeviceGetCountFunc: func() (int, nvml.Return) { return tc.count, nvml.SUCCESS },
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib})
+			if err == nil {
+				_, err = d.Discover(ctx)
+			}
+			if !errors.Is(err, tc.wantErr) {
+				t.Errorf("want error wrapping %v, got %v", tc.wantErr, err)
+			}
+		})
+	}
+}
+
+func TestWatchHealth(t *testing.T) {
+	type step struct {
+		do   func(m *mockgpu.Machine) error
+		want discovery.HealthEvent
+	}
+	xid := func(gpu int, x uint64) func(m *mockgpu.Machine) error {
+		return func(m *mockgpu.Machine) error { return m.InjectXID(gpu, x) }
+	}
+	testcases := map[string][]step{
+		"critical XID marks that device": {
+			{do: xid(3, 79), want: discovery.HealthEvent{Device: "gpu-3", Reason: "xid-79", Message: "critical XID 79: GPU has fallen off the bus"}},
+		},
+		"application XIDs are ignored": {
+			{do: func(m *mockgpu.Machine) error {
+				if err := m.InjectXID(1, 13); err != nil {
+					return err
+				}
+				return m.InjectXID(6, 48)
+			}, want: discovery.HealthEvent{Device: "gpu-6", Reason: "xid-48", Message: "critical XID 48: double-bit ECC error"}},
+		},
+		"lost GPU marks every device": {
+			{do: func(m *mockgpu.Machine) error { m.LoseGPU(); return nil }, want: discovery.HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU"}},
+		},
+	}
+	for name, steps := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			ctx, cancel := context.WithCancel(ctx)
+			m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := d.Discover(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			events := make(chan discovery.HealthEvent)
+			done := make(chan error)
+			go func() { done <- d.WatchHealth(ctx, inv, events) }()
+			for _, s := range steps {
+				if err := s.do(m); err != nil {
+					t.Fatal(err)
+				}
+				select {
+				case got := <-events:
+					got.Time = time.Time{}
+					if diff := cmp.Diff(s.want, got); diff != "" {
+						t.Errorf("event (-want +got):\n%s", diff)
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatal("no health event")
+				}
+			}
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("WatchHealth: %v", err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("WatchHealth did not return after cancel")
+			}
+		})
+	}
+}

@@ -1,0 +1,148 @@
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"k8s.io/klog/v2"
+)
+
+// ErrHealthUnsupported is returned by WatchHealth when no device supports
+// the events that health watching needs.
+var ErrHealthUnsupported = errors.New("no device supports critical XID events")
+
+// ApplicationXIDs are XIDs caused by applications (illegal address, page
+// faults, a killed context, …) rather than by the GPU. They do not make a
+// device unhealthy. Every other XID does.
+var ApplicationXIDs = map[uint64]bool{
+	13:  true, // graphics engine exception
+	31:  true, // GPU memory page fault
+	43:  true, // GPU stopped processing (reset channel)
+	45:  true, // preemptive cleanup after a killed context
+	68:  true, // video processor exception
+	109: true, // context switch timeout
+}
+
+// xidMessages explain the most common critical XIDs in the taint message.
+var xidMessages = map[uint64]string{
+	48:  "double-bit ECC error",
+	63:  "ECC page retirement or row remapping event",
+	64:  "ECC page retirement or row remapper recording failure",
+	74:  "NVLink error",
+	79:  "GPU has fallen off the bus",
+	92:  "high single-bit ECC error rate",
+	94:  "contained ECC error",
+	95:  "uncontained ECC error",
+	119: "GSP RPC timeout",
+	120: "GSP error",
+}
+
+// waitTimeout bounds one wait on the NVML event set so that cancellation
+// is noticed promptly.
+const waitTimeout = 1000 * time.Millisecond
+
+// WatchHealth implements [HealthWatcher] with NVML events: a critical XID
+// on a device marks that device unhealthy; an event set reporting
+// ERROR_GPU_IS_LOST marks every device unhealthy (NVML does not say which).
+func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
+	logger := klog.FromContext(ctx)
+
+	set, ret := d.lib.EventSetCreate()
+	if ret != nvml.SUCCESS {
+		return fmt.Errorf("create NVML event set: %w", ret)
+	}
+	defer set.Free()
+
+	nameByUUID := map[string]string{}
+	for _, gpu := range inv.GPUs {
+		dev, ret := d.lib.DeviceGetHandleByUUID(gpu.UUID)
+		if ret != nvml.SUCCESS {
+			logger.Info("cannot watch device health", "device", gpu.Name, "err", ret)
+			continue
+		}
+		supported, ret := dev.GetSupportedEventTypes()
+		if ret != nvml.SUCCESS || supported&nvml.EventTypeXidCriticalError == 0 {
+			logger.Info("device does not support critical XID events", "device", gpu.Name, "err", ret)
+			continue
+		}
+		if ret := dev.RegisterEvents(nvml.EventTypeXidCriticalError, set); ret != nvml.SUCCESS {
+			logger.Info("cannot register for device events", "device", gpu.Name, "err", ret)
+			continue
+		}
+		nameByUUID[gpu.UUID] = gpu.Name
+	}
+	if len(nameByUUID) == 0 {
+		return ErrHealthUnsupported
+	}
+	logger.V(2).Info("watching device health", "devices", len(nameByUUID))
+
+	send := func(ev HealthEvent) bool {
+		select {
+		case <-ctx.Done():
+			return false
+		case events <- ev:
+			return true
+		}
+	}
+	pause := func() bool {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(waitTimeout):
+			return true
+		}
+	}
+
+	lostReported := false
+	for ctx.Err() == nil {
+		data, ret := set.Wait(uint32(waitTimeout.Milliseconds()))
+		switch ret {
+		case nvml.SUCCESS:
+		case nvml.ERROR_TIMEOUT:
+			continue
+		case nvml.ERROR_GPU_IS_LOST:
+			if !lostReported {
+				lostReported = true
+				if !send(HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU", Time: time.Now()}) {
+					return nil
+				}
+			}
+			if !pause() {
+				return nil
+			}
+			continue
+		default:
+			logger.Info("waiting for NVML events failed", "err", ret)
+			if !pause() {
+				return nil
+			}
+			continue
+		}
+		if data.EventType&nvml.EventTypeXidCriticalError == 0 {
+			continue
+		}
+		xid := data.EventData
+		if ApplicationXIDs[xid] {
+			logger.V(4).Info("ignoring application XID", "xid", xid)
+			continue
+		}
+		name := ""
+		if data.Device != nil {
+			if uuid, ret := data.Device.GetUUID(); ret == nvml.SUCCESS {
+				name = nameByUUID[uuid]
+			}
+		}
+		msg := fmt.Sprintf("critical XID %d", xid)
+		if what, ok := xidMessages[xid]; ok {
+			msg += ": " + what
+		}
+		if !send(HealthEvent{Device: name, Reason: fmt.Sprintf("xid-%d", xid), Message: msg, Time: time.Now()}) {
+			return nil
+		}
+	}
+	return nil
+}

@@ -1,0 +1,485 @@
+package discovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// Attribute names published for every GPU. Where NVIDIA's DRA driver
+// (gpu.nvidia.com) publishes the same information, the names are the same,
+// so CEL selectors like `device.attributes["gpu.topodra.io"].productName`
+// carry over by changing only the domain.
+const (
+	AttrType                  resourceapi.QualifiedName = "type"
+	AttrUUID                  resourceapi.QualifiedName = "uuid"
+	AttrIndex                 resourceapi.QualifiedName = "index"
+	AttrMinor                 resourceapi.QualifiedName = "minor"
+	AttrProductName           resourceapi.QualifiedName = "productName"
+	AttrBrand                 resourceapi.QualifiedName = "brand"
+	AttrArchitecture          resourceapi.QualifiedName = "architecture"
+	AttrCUDAComputeCapability resourceapi.QualifiedName = "cudaComputeCapability"
+	AttrDriverVersion         resourceapi.QualifiedName = "driverVersion"
+	AttrCUDADriverVersion     resourceapi.QualifiedName = "cudaDriverVersion"
+
+	// AttrNVLinkClique is topology.AttrNVLinkClique in the driver's own
+	// domain (published unqualified).
+	AttrNVLinkClique resourceapi.QualifiedName = "nvlinkClique"
+
+	// CapacityMemory is the GPU's total memory in bytes.
+	CapacityMemory resourceapi.QualifiedName = "memory"
+	// CapacityMultiprocessors is the number of streaming multiprocessors.
+	CapacityMultiprocessors resourceapi.QualifiedName = "multiprocessors"
+
+	// TypeGPU is the value of the "type" attribute of a whole GPU.
+	TypeGPU = "gpu"
+)
+
+// The unqualified clique name must be the topology vocabulary's name in our
+// own domain; a mismatch would be a silent break between agent and scheduler.
+var _ = func() bool {
+	if topology.DriverName+"/"+string(AttrNVLinkClique) != string(topology.AttrNVLinkClique) {
+		panic("discovery.AttrNVLinkClique does not match topology.AttrNVLinkClique")
+	}
+	return true
+}()
+
+// NUMAForm selects how resource.kubernetes.io/numaNode is published.
+type NUMAForm = deviceattribute.AttributeForm
+
+const (
+	// NUMAScalar publishes the physical NUMA node as an int (no feature gate).
+	NUMAScalar = deviceattribute.ScalarAttribute
+	// NUMAList publishes a list: physical node first, then same-socket nodes
+	// at minimum SLIT distance. Needs DRAListTypeAttributes in the cluster.
+	NUMAList = deviceattribute.ListAttribute
+)
+
+// NVMLOptions configure [NewNVML].
+type NVMLOptions struct {
+	// Lib is the NVML implementation: nvml.New() on a real node, a mock
+	// server in tests and simulations. Required.
+	Lib nvml.Interface
+	// Sysfs is the sysfs tree (rooted like /sys) from which PCIe roots and
+	// NUMA nodes are read. Nil means the host's /sys.
+	Sysfs fs.ReadLinkFS
+	// NUMAForm chooses scalar (default) or list numaNode attributes.
+	NUMAForm NUMAForm
+}
+
+// NVML discovers GPUs through NVML. It implements [Interface] and
+// [HealthWatcher]. Create it with [NewNVML]; call Close when done.
+type NVML struct {
+	lib      nvml.Interface
+	sysfs    fs.ReadLinkFS
+	numaForm NUMAForm
+
+	// mutex serializes NVML calls: the library is thread-safe, but a
+	// discovery run should see one consistent machine.
+	mutex sync.Mutex
+}
+
+var _ Interface = &NVML{}
+var _ HealthWatcher = &NVML{}
+
+// NewNVML initializes NVML. When the library or the kernel driver is missing
+// the error wraps [ErrNoGPU].
+func NewNVML(opts NVMLOptions) (*NVML, error) {
+	if opts.Lib == nil {
+		return nil, errors.New("NVML library must be set")
+	}
+	switch ret := opts.Lib.Init(); ret {
+	case nvml.SUCCESS:
+	case nvml.ERROR_LIBRARY_NOT_FOUND, nvml.ERROR_DRIVER_NOT_LOADED:
+		return nil, fmt.Errorf("%w: initialize NVML: %w", ErrNoGPU, ret)
+	default:
+		return nil, fmt.Errorf("initialize NVML: %w", ret)
+	}
+	return &NVML{lib: opts.Lib, sysfs: opts.Sysfs, numaForm: opts.NUMAForm}, nil
+}
+
+// Close shuts NVML down.
+func (d *NVML) Close() error {
+	if ret := d.lib.Shutdown(); ret != nvml.SUCCESS {
+		return fmt.Errorf("shut down NVML: %w", ret)
+	}
+	return nil
+}
+
+// gpuInfo is what one GPU reports, before cliques are known.
+type gpuInfo struct {
+	GPU
+	links []Link
+}
+
+// Discover implements [Interface].
+func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
+	logger := klog.FromContext(ctx)
+	d.mutex.Lock()
+	defer d.mutex.Unlock()
+
+	count, ret := d.lib.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("count devices: %w", ret)
+	}
+	if count == 0 {
+		return nil, fmt.Errorf("%w: NVML reports zero devices", ErrNoGPU)
+	}
+
+	// System-wide versions, shared by all GPUs. Missing versions only
+	// drop the attribute.
+	var driverVersion, cudaDriverVersion string
+	if v, ret := d.lib.SystemGetDriverVersion(); ret == nvml.SUCCESS {
+		driverVersion = semver(v)
+	} else {
+		logger.V(2).Info("driver version unavailable", "err", ret)
+	}
+	if v, ret := d.lib.SystemGetCudaDriverVersion(); ret == nvml.SUCCESS {
+		cudaDriverVersion = fmt.Sprintf("%d.%d.0", v/1000, (v%1000)/10)
+	} else {
+		logger.V(2).Info("CUDA driver version unavailable", "err", ret)
+	}
+
+	inv := &Inventory{}
+	var infos []gpuInfo
+	for i := 0; i < count; i++ {
+		dev, ret := d.lib.DeviceGetHandleByIndex(i)
+		if ret != nvml.SUCCESS {
+			// A lost GPU still counts but cannot be opened: report it,
+			// publish the others.
+			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: fmt.Sprintf("get device handle: %v", ret)})
+			logger.Info("skipping GPU", "index", i, "reason", inv.Skipped[len(inv.Skipped)-1].Reason)
+			continue
+		}
+		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion)
+		if err != nil {
+			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: err.Error()})
+			logger.Info("skipping GPU", "index", i, "reason", err.Error())
+			continue
+		}
+		if skipped != nil {
+			inv.Skipped = append(inv.Skipped, *skipped)
+			logger.Info("not publishing GPU as a whole GPU", "index", skipped.Index, "uuid", skipped.UUID, "reason", skipped.Reason)
+			continue
+		}
+		infos = append(infos, *info)
+	}
+
+	// NVLink cliques over all published GPUs. MIG-enabled GPUs are not
+	// published and therefore cannot anchor a clique either.
+	var busIDs []string
+	var links []Link
+	for _, info := range infos {
+		if info.PCIBusID != "" {
+			busIDs = append(busIDs, info.PCIBusID)
+		}
+		links = append(links, info.links...)
+	}
+	cliques := NVLinkCliques(busIDs, links)
+	for _, info := range infos {
+		if id, ok := cliques[info.PCIBusID]; ok {
+			info.Device.Attributes[AttrNVLinkClique] = resourceapi.DeviceAttribute{StringValue: ptr.To(id)}
+		}
+		inv.GPUs = append(inv.GPUs, info.GPU)
+	}
+	slices.SortFunc(inv.GPUs, func(a, b GPU) int { return a.Index - b.Index })
+	if logger.V(5).Enabled() {
+		logger.V(5).Info("discovered GPUs", "published", len(inv.GPUs), "skipped", len(inv.Skipped), "cliques", cliques)
+	}
+	return inv, nil
+}
+
+// describe reads one GPU. It returns exactly one of info, skipped or err.
+func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string) (*gpuInfo, *Skipped, error) {
+	logger := klog.FromContext(ctx)
+
+	index, ret := dev.GetIndex()
+	if ret != nvml.SUCCESS {
+		return nil, nil, fmt.Errorf("get index: %w", ret)
+	}
+	uuid, ret := dev.GetUUID()
+	if ret != nvml.SUCCESS {
+		return nil, nil, fmt.Errorf("get UUID: %w", ret)
+	}
+	minor, ret := dev.GetMinorNumber()
+	if ret != nvml.SUCCESS {
+		return nil, nil, fmt.Errorf("get minor number: %w", ret)
+	}
+	var busID string
+	if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
+		busID = CanonicalPCIBusID(cString(pci.BusId[:]))
+	} else {
+		logger.V(2).Info("PCI info unavailable", "index", index, "err", ret)
+	}
+
+	// A GPU in MIG mode is partitioned; publishing it whole would hand out
+	// memory and SMs that belong to MIG instances.
+	if current, _, ret := dev.GetMigMode(); ret == nvml.SUCCESS && current == nvml.DEVICE_MIG_ENABLE {
+		return nil, &Skipped{
+			UUID:     uuid,
+			Index:    index,
+			PCIBusID: busID,
+			Reason:   "MIG mode is enabled: topodra publishes whole GPUs only; disable MIG (nvidia-smi -i " + strconv.Itoa(index) + " -mig 0) or use a MIG-aware DRA driver for this GPU",
+		}, nil
+	} else if ret != nvml.SUCCESS && ret != nvml.ERROR_NOT_SUPPORTED {
+		return nil, nil, fmt.Errorf("get MIG mode: %w", ret)
+	}
+
+	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		AttrType:  {StringValue: ptr.To(TypeGPU)},
+		AttrUUID:  {StringValue: ptr.To(uuid)},
+		AttrIndex: {IntValue: ptr.To(int64(index))},
+		AttrMinor: {IntValue: ptr.To(int64(minor))},
+	}
+	if name, ret := dev.GetName(); ret == nvml.SUCCESS {
+		attrs[AttrProductName] = resourceapi.DeviceAttribute{StringValue: ptr.To(name)}
+	}
+	if brand, ret := dev.GetBrand(); ret == nvml.SUCCESS {
+		attrs[AttrBrand] = resourceapi.DeviceAttribute{StringValue: ptr.To(BrandName(brand))}
+	}
+	if arch, ret := dev.GetArchitecture(); ret == nvml.SUCCESS {
+		attrs[AttrArchitecture] = resourceapi.DeviceAttribute{StringValue: ptr.To(ArchitectureName(arch))}
+	}
+	if major, minor, ret := dev.GetCudaComputeCapability(); ret == nvml.SUCCESS {
+		attrs[AttrCUDAComputeCapability] = resourceapi.DeviceAttribute{VersionValue: ptr.To(fmt.Sprintf("%d.%d.0", major, minor))}
+	}
+	if driverVersion != "" {
+		attrs[AttrDriverVersion] = resourceapi.DeviceAttribute{VersionValue: ptr.To(driverVersion)}
+	}
+	if cudaDriverVersion != "" {
+		attrs[AttrCUDADriverVersion] = resourceapi.DeviceAttribute{VersionValue: ptr.To(cudaDriverVersion)}
+	}
+	if busID != "" {
+		for _, attr := range d.pciAttributes(ctx, busID) {
+			attrs[attr.Name] = attr.Value
+		}
+	}
+
+	capacity := map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{}
+	if mem, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS && mem.Total > 0 {
+		capacity[CapacityMemory] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(int64(mem.Total), resource.BinarySI)}
+	} else if ret != nvml.SUCCESS {
+		logger.V(2).Info("memory info unavailable", "index", index, "err", ret)
+	}
+	if da, ret := dev.GetAttributes(); ret == nvml.SUCCESS && da.MultiprocessorCount > 0 {
+		capacity[CapacityMultiprocessors] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(int64(da.MultiprocessorCount), resource.DecimalSI)}
+	} else if ret != nvml.SUCCESS {
+		logger.V(2).Info("device attributes unavailable", "index", index, "err", ret)
+	}
+
+	name := DeviceName(index)
+	info := &gpuInfo{
+		GPU: GPU{
+			Name:     name,
+			UUID:     uuid,
+			Index:    index,
+			Minor:    minor,
+			PCIBusID: busID,
+			Device: resourceapi.Device{
+				Name:       name,
+				Attributes: attrs,
+				Capacity:   capacity,
+			},
+		},
+	}
+	if busID != "" {
+		info.links = activeLinks(ctx, dev, busID)
+	}
+	return info, nil, nil
+}
+
+// pciAttributes returns the standard attributes derived from the bus id:
+// pciBusID always, pcieRoot and numaNode when sysfs knows them. numaNode is
+// omitted when the kernel reports -1 (no affinity).
+func (d *NVML) pciAttributes(ctx context.Context, busID string) []deviceattribute.DeviceAttribute {
+	logger := klog.FromContext(ctx)
+	var mods []deviceattribute.MachineModifier
+	if d.sysfs != nil {
+		mods = append(mods, deviceattribute.WithFS(d.sysfs))
+	}
+	var attrs []deviceattribute.DeviceAttribute
+	if attr, err := deviceattribute.GetPCIBusIDAttribute(busID); err == nil {
+		attrs = append(attrs, attr)
+	} else {
+		logger.V(2).Info("no pciBusID attribute", "pciBusID", busID, "err", err)
+		return nil
+	}
+	if attr, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(busID, mods...); err == nil {
+		attrs = append(attrs, attr)
+	} else {
+		logger.V(2).Info("no pcieRoot attribute", "pciBusID", busID, "err", err)
+	}
+	if attr, err := deviceattribute.GetNUMANodeAttributeByPCIBusID(busID, d.numaForm, mods...); err == nil {
+		attrs = append(attrs, attr)
+	} else {
+		logger.V(4).Info("no numaNode attribute", "pciBusID", busID, "err", err)
+	}
+	return attrs
+}
+
+// activeLinks lists the GPU's active NVLinks with their far ends. Links to
+// an IBM NPU (a CPU) are ignored: they do not join GPUs.
+func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
+	logger := klog.FromContext(ctx)
+	var links []Link
+	for l := 0; l < nvml.NVLINK_MAX_LINKS; l++ {
+		state, ret := dev.GetNvLinkState(l)
+		switch {
+		case ret == nvml.ERROR_NOT_SUPPORTED && l == 0:
+			// No NVLink on this GPU at all.
+			return nil
+		case ret == nvml.ERROR_INVALID_ARGUMENT:
+			// Past the last link of this GPU.
+			return links
+		case ret != nvml.SUCCESS, state != nvml.FEATURE_ENABLED:
+			continue
+		}
+		remote, ret := dev.GetNvLinkRemotePciInfo(l)
+		if ret != nvml.SUCCESS {
+			logger.V(4).Info("NVLink remote unknown", "pciBusID", busID, "link", l, "err", ret)
+			continue
+		}
+		if typ, ret := dev.GetNvLinkRemoteDeviceType(l); ret == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_IBMNPU {
+			continue
+		}
+		links = append(links, Link{GPU: busID, Remote: CanonicalPCIBusID(cString(remote.BusId[:]))})
+	}
+	return links
+}
+
+// CanonicalPCIBusID turns NVML's "00000000:1B:00.0" into sysfs' "0000:1b:00.0".
+// Input that does not look like a bus id is returned lower-cased.
+func CanonicalPCIBusID(id string) string {
+	id = strings.ToLower(strings.TrimSpace(id))
+	domain, rest, ok := strings.Cut(id, ":")
+	if !ok || strings.Count(rest, ":") != 1 {
+		return id
+	}
+	if len(domain) > 4 {
+		domain = domain[len(domain)-4:]
+	}
+	for len(domain) < 4 {
+		domain = "0" + domain
+	}
+	return domain + ":" + rest
+}
+
+func cString(b []int8) string {
+	buf := make([]byte, 0, len(b))
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		buf = append(buf, byte(c))
+	}
+	return string(buf)
+}
+
+// semver turns a driver version like "535.104.05" or "550.54" into a valid
+// semantic version ("535.104.5", "550.54.0"); DRA version attributes must be
+// semver. Non-numeric parts are dropped from the end.
+func semver(v string) string {
+	parts := strings.Split(strings.TrimSpace(v), ".")
+	nums := make([]string, 0, 3)
+	for _, p := range parts {
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 0 {
+			break
+		}
+		nums = append(nums, strconv.Itoa(n))
+		if len(nums) == 3 {
+			break
+		}
+	}
+	if len(nums) == 0 {
+		return ""
+	}
+	for len(nums) < 3 {
+		nums = append(nums, "0")
+	}
+	return strings.Join(nums, ".")
+}
+
+// BrandName is the brand string that NVIDIA's DRA driver publishes.
+func BrandName(b nvml.BrandType) string {
+	switch b {
+	case nvml.BRAND_QUADRO:
+		return "Quadro"
+	case nvml.BRAND_TESLA:
+		return "Tesla"
+	case nvml.BRAND_NVS:
+		return "NVS"
+	case nvml.BRAND_GRID:
+		return "Grid"
+	case nvml.BRAND_GEFORCE:
+		return "GeForce"
+	case nvml.BRAND_TITAN:
+		return "Titan"
+	case nvml.BRAND_NVIDIA_VAPPS:
+		return "NvidiaVApps"
+	case nvml.BRAND_NVIDIA_VPC:
+		return "NvidiaVPC"
+	case nvml.BRAND_NVIDIA_VCS:
+		return "NvidiaVCS"
+	case nvml.BRAND_NVIDIA_VWS:
+		return "NvidiaVWS"
+	case nvml.BRAND_NVIDIA_CLOUD_GAMING:
+		return "NvidiaCloudGaming"
+	case nvml.BRAND_QUADRO_RTX:
+		return "QuadroRTX"
+	case nvml.BRAND_NVIDIA_RTX:
+		return "NvidiaRTX"
+	case nvml.BRAND_NVIDIA:
+		return "Nvidia"
+	case nvml.BRAND_GEFORCE_RTX:
+		return "GeForceRTX"
+	case nvml.BRAND_TITAN_RTX:
+		return "TitanRTX"
+	default:
+		return "Unknown"
+	}
+}
+
+// ArchitectureName is the architecture string that NVIDIA's DRA driver
+// publishes.
+func ArchitectureName(a nvml.DeviceArchitecture) string {
+	switch a {
+	case nvml.DEVICE_ARCH_KEPLER:
+		return "Kepler"
+	case nvml.DEVICE_ARCH_MAXWELL:
+		return "Maxwell"
+	case nvml.DEVICE_ARCH_PASCAL:
+		return "Pascal"
+	case nvml.DEVICE_ARCH_VOLTA:
+		return "Volta"
+	case nvml.DEVICE_ARCH_TURING:
+		return "Turing"
+	case nvml.DEVICE_ARCH_AMPERE:
+		return "Ampere"
+	case nvml.DEVICE_ARCH_ADA:
+		return "Ada Lovelace"
+	case nvml.DEVICE_ARCH_HOPPER:
+		return "Hopper"
+	case nvml.DEVICE_ARCH_BLACKWELL:
+		return "Blackwell"
+	case nvml.DEVICE_ARCH_RUBIN:
+		return "Rubin"
+	default:
+		return "Unknown"
+	}
+}

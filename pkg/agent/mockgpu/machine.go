@@ -1,0 +1,358 @@
+package mockgpu
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing/fstest"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	nvmlmock "github.com/NVIDIA/go-nvml/pkg/nvml/mock"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"github.com/google/uuid"
+)
+
+// Options configure [New].
+type Options struct {
+	// NodeName seeds the GPU UUIDs, so that simulated nodes built from the
+	// same profile have distinct GPUs and a node keeps its UUIDs across
+	// agent restarts. Empty is allowed (one anonymous machine).
+	NodeName string
+}
+
+// Machine is one simulated GPU machine. Its NVML and sysfs views stay
+// consistent while tests change it (links, MIG mode, faults). All methods
+// are safe for concurrent use.
+type Machine struct {
+	spec     Spec
+	nodeName string
+	server   *server.Server
+	devices  []*server.Device
+	links    [][]remoteEnd
+	sysfs    fstest.MapFS
+	events   chan nvml.EventData
+
+	mutex    sync.Mutex
+	linkDown map[[2]int]bool
+	lost     bool
+}
+
+type remoteEnd struct {
+	busID string
+	typ   nvml.IntNvLinkDeviceType
+}
+
+// eventQueueSize bounds injected, not yet consumed NVML events.
+const eventQueueSize = 64
+
+// New builds the machine of a built-in profile.
+func New(profile string, opts Options) (*Machine, error) {
+	spec, err := ProfileSpec(profile)
+	if err != nil {
+		return nil, err
+	}
+	return NewFromSpec(spec, opts)
+}
+
+// NewFromSpec builds a machine from an explicit Spec.
+func NewFromSpec(spec Spec, opts Options) (*Machine, error) {
+	if spec.NewServer == nil {
+		return nil, errors.New("spec has no NVML server constructor")
+	}
+	if len(spec.GPUs) == 0 {
+		return nil, errors.New("spec has no GPUs")
+	}
+	m := &Machine{
+		spec:     spec,
+		nodeName: opts.NodeName,
+		server:   spec.NewServer(len(spec.GPUs)),
+		events:   make(chan nvml.EventData, eventQueueSize),
+		linkDown: map[[2]int]bool{},
+	}
+	if len(m.server.Devices) != len(spec.GPUs) {
+		return nil, fmt.Errorf("NVML mock server has %d devices, spec has %d GPUs", len(m.server.Devices), len(spec.GPUs))
+	}
+	m.links = make([][]remoteEnd, len(spec.GPUs))
+	for i := range spec.GPUs {
+		for l := 0; l < spec.NVSwitchLinks; l++ {
+			m.links[i] = append(m.links[i], remoteEnd{busID: switchBusID(l % 4), typ: nvml.NVLINK_DEVICE_TYPE_SWITCH})
+		}
+	}
+	for _, b := range spec.Bridges {
+		for _, end := range [][2]int{{b[0], b[1]}, {b[1], b[0]}} {
+			for l := 0; l < spec.LinksPerBridge; l++ {
+				m.links[end[0]] = append(m.links[end[0]], remoteEnd{busID: spec.GPUs[end[1]].PCIBusID, typ: nvml.NVLINK_DEVICE_TYPE_GPU})
+			}
+		}
+	}
+	for i, d := range m.server.Devices {
+		dev, ok := d.(*server.Device)
+		if !ok {
+			return nil, fmt.Errorf("NVML mock device %d has unexpected type %T", i, d)
+		}
+		m.devices = append(m.devices, dev)
+		m.overlay(i, dev)
+	}
+	m.server.EventSetCreateFunc = m.newEventSet
+	m.sysfs = buildSysfs(spec)
+	return m, nil
+}
+
+func switchBusID(n int) string {
+	return fmt.Sprintf("0001:%02x:00.0", n+1)
+}
+
+// nvmlBusID is how NVML spells a bus id: 8-digit domain, upper case.
+func nvmlBusID(canonical string) string {
+	return strings.ToUpper("0000" + canonical)
+}
+
+func pciInfo(canonical string) nvml.PciInfo {
+	var info nvml.PciInfo
+	id := nvmlBusID(canonical)
+	for i := 0; i < len(id) && i < len(info.BusId)-1; i++ {
+		info.BusId[i] = int8(id[i])
+	}
+	var domain, bus, device uint32
+	_, _ = fmt.Sscanf(canonical, "%x:%x:%x.", &domain, &bus, &device)
+	info.Domain, info.Bus, info.Device = domain, bus, device
+	return info
+}
+
+// overlay adds what go-nvml's mock device does not model.
+func (m *Machine) overlay(i int, dev *server.Device) {
+	g := m.spec.GPUs[i]
+	dev.UUID = "GPU-" + uuid.NewSHA1(uuid.NameSpaceOID, []byte(fmt.Sprintf("topodra/%s/gpu/%d", m.nodeName, i))).String()
+	dev.PciBusID = nvmlBusID(g.PCIBusID)
+	deviceID := dev.Config.PciDeviceId
+	dev.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
+		info := pciInfo(g.PCIBusID)
+		info.PciDeviceId = deviceID
+		return info, nvml.SUCCESS
+	}
+	dev.GetAttributesFunc = func() (nvml.DeviceAttributes, nvml.Return) {
+		return nvml.DeviceAttributes{
+			MultiprocessorCount: m.spec.Multiprocessors,
+			MemorySizeMB:        dev.Config.MemoryMB,
+		}, nvml.SUCCESS
+	}
+	links := m.links[i]
+	dev.GetNvLinkStateFunc = func(link int) (nvml.EnableState, nvml.Return) {
+		if len(links) == 0 {
+			return nvml.FEATURE_DISABLED, nvml.ERROR_NOT_SUPPORTED
+		}
+		if link < 0 || link >= len(links) {
+			return nvml.FEATURE_DISABLED, nvml.ERROR_INVALID_ARGUMENT
+		}
+		m.mutex.Lock()
+		defer m.mutex.Unlock()
+		if m.linkDown[[2]int{i, link}] {
+			return nvml.FEATURE_DISABLED, nvml.SUCCESS
+		}
+		return nvml.FEATURE_ENABLED, nvml.SUCCESS
+	}
+	dev.GetNvLinkRemotePciInfoFunc = func(link int) (nvml.PciInfo, nvml.Return) {
+		if link < 0 || link >= len(links) {
+			return nvml.PciInfo{}, nvml.ERROR_INVALID_ARGUMENT
+		}
+		return pciInfo(links[link].busID), nvml.SUCCESS
+	}
+	dev.GetNvLinkRemoteDeviceTypeFunc = func(link int) (nvml.IntNvLinkDeviceType, nvml.Return) {
+		if link < 0 || link >= len(links) {
+			return nvml.NVLINK_DEVICE_TYPE_UNKNOWN, nvml.ERROR_INVALID_ARGUMENT
+		}
+		return links[link].typ, nvml.SUCCESS
+	}
+	dev.GetSupportedEventTypesFunc = func() (uint64, nvml.Return) {
+		return nvml.EventTypeXidCriticalError | nvml.EventTypeDoubleBitEccError | nvml.EventTypeSingleBitEccError, nvml.SUCCESS
+	}
+	dev.RegisterEventsFunc = func(uint64, nvml.EventSet) nvml.Return {
+		return nvml.SUCCESS
+	}
+}
+
+func (m *Machine) newEventSet() (nvml.EventSet, nvml.Return) {
+	set := &nvmlmock.EventSet{}
+	set.FreeFunc = func() nvml.Return { return nvml.SUCCESS }
+	set.WaitFunc = func(timeoutMs uint32) (nvml.EventData, nvml.Return) {
+		m.mutex.Lock()
+		lost := m.lost
+		m.mutex.Unlock()
+		if lost {
+			return nvml.EventData{}, nvml.ERROR_GPU_IS_LOST
+		}
+		timer := time.NewTimer(time.Duration(timeoutMs) * time.Millisecond)
+		defer timer.Stop()
+		select {
+		case ev := <-m.events:
+			return ev, nvml.SUCCESS
+		case <-timer.C:
+			return nvml.EventData{}, nvml.ERROR_TIMEOUT
+		}
+	}
+	return set, nvml.SUCCESS
+}
+
+// NVML returns the machine's NVML implementation.
+func (m *Machine) NVML() nvml.Interface { return m.server }
+
+// Sysfs returns the machine's sysfs tree (rooted like /sys).
+func (m *Machine) Sysfs() fs.ReadLinkFS { return m.sysfs }
+
+// Spec returns the machine's Spec.
+func (m *Machine) Spec() Spec { return m.spec }
+
+// NodeName returns the node name that seeded the machine.
+func (m *Machine) NodeName() string { return m.nodeName }
+
+// UUID returns the UUID of the GPU with the given NVML index.
+func (m *Machine) UUID(gpu int) string { return m.devices[gpu].UUID }
+
+// SetLinkState brings one NVLink of a GPU up or down.
+func (m *Machine) SetLinkState(gpu, link int, up bool) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	if up {
+		delete(m.linkDown, [2]int{gpu, link})
+	} else {
+		m.linkDown[[2]int{gpu, link}] = true
+	}
+}
+
+// SetAllLinks brings every NVLink of a GPU up or down. Bridge links are
+// brought down at both ends.
+func (m *Machine) SetAllLinks(gpu int, up bool) {
+	for l := range m.links[gpu] {
+		m.SetLinkState(gpu, l, up)
+	}
+	for peer, ends := range m.links {
+		for l, end := range ends {
+			if end.busID == m.spec.GPUs[gpu].PCIBusID {
+				m.SetLinkState(peer, l, up)
+			}
+		}
+	}
+}
+
+// SetMIG enables or disables MIG mode on a GPU.
+func (m *Machine) SetMIG(gpu int, enabled bool) {
+	mode := 0
+	if enabled {
+		mode = nvml.DEVICE_MIG_ENABLE
+	}
+	m.devices[gpu].SetMigMode(mode)
+}
+
+// InjectXID queues a critical-XID event for a GPU, as NVML would deliver it
+// to an event set. It fails when too many events are pending.
+func (m *Machine) InjectXID(gpu int, xid uint64) error {
+	if gpu < 0 || gpu >= len(m.devices) {
+		return fmt.Errorf("no GPU %d", gpu)
+	}
+	select {
+	case m.events <- nvml.EventData{Device: m.devices[gpu], EventType: nvml.EventTypeXidCriticalError, EventData: xid}:
+		return nil
+	default:
+		return errors.New("NVML event queue is full")
+	}
+}
+
+// LoseGPU makes event sets report ERROR_GPU_IS_LOST from now on.
+func (m *Machine) LoseGPU() {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	m.lost = true
+}
+
+// buildSysfs lays out the part of /sys that deviceattribute reads:
+// bus/pci/devices/<bdf> -> ../../../devices/<root>/<port>/<bdf> with
+// numa_node, and devices/system/{node,cpu} with SLIT distances and sockets.
+func buildSysfs(spec Spec) fstest.MapFS {
+	sysfs := fstest.MapFS{}
+	ports := map[string]int{}
+	addPCI := func(busID, root string, numa int) {
+		ports[root]++
+		domain, rootBus, _ := strings.Cut(strings.TrimPrefix(root, "pci"), ":")
+		port := fmt.Sprintf("%s:%s:%02x.0", domain, rootBus, ports[root])
+		dir := path.Join("devices", root, port, busID)
+		sysfs[path.Join(dir, "numa_node")] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d\n", numa)}
+		sysfs[path.Join("bus/pci/devices", busID)] = &fstest.MapFile{
+			Data: []byte(path.Join("../../..", dir)),
+			Mode: fs.ModeSymlink,
+		}
+	}
+	for _, g := range spec.GPUs {
+		addPCI(g.PCIBusID, g.PCIeRoot, g.NUMANode)
+	}
+	for _, n := range spec.NICs {
+		addPCI(n.PCIBusID, n.PCIeRoot, n.NUMANode)
+	}
+	const cpusPerNode = 4
+	for node, row := range spec.NUMADistances {
+		dist := make([]string, len(row))
+		for i, d := range row {
+			dist[i] = fmt.Sprint(d)
+		}
+		nodeDir := fmt.Sprintf("devices/system/node/node%d", node)
+		sysfs[nodeDir+"/distance"] = &fstest.MapFile{Data: []byte(strings.Join(dist, " ") + "\n")}
+		first := node * cpusPerNode
+		sysfs[nodeDir+"/cpulist"] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d-%d\n", first, first+cpusPerNode-1)}
+		socket := 0
+		if node < len(spec.NUMASockets) {
+			socket = spec.NUMASockets[node]
+		}
+		for cpu := first; cpu < first+cpusPerNode; cpu++ {
+			cpuDir := fmt.Sprintf("devices/system/cpu/cpu%d", cpu)
+			sysfs[cpuDir+"/topology/physical_package_id"] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d\n", socket)}
+			sysfs[fmt.Sprintf("%s/node%d", cpuDir, node)] = &fstest.MapFile{Mode: fs.ModeDir | 0o755}
+		}
+	}
+	return sysfs
+}
+
+// WriteSysfs writes the machine's sysfs tree below root, with real
+// symlinks, for code that reads a directory (deviceattribute.WithFSFromRoot).
+func (m *Machine) WriteSysfs(root string) error {
+	return WriteFS(m.sysfs, root)
+}
+
+// WriteFS writes an in-memory tree to disk below root.
+func WriteFS(tree fstest.MapFS, root string) error {
+	names := make([]string, 0, len(tree))
+	for name := range tree {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		f := tree[name]
+		p := filepath.Join(root, filepath.FromSlash(name))
+		switch {
+		case f.Mode&fs.ModeDir != 0:
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				return err
+			}
+		case f.Mode&fs.ModeSymlink != 0:
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				return err
+			}
+			if err := os.Symlink(string(f.Data), p); err != nil {
+				return err
+			}
+		default:
+			if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+				return err
+			}
+			if err := os.WriteFile(p, f.Data, 0o644); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
