@@ -1,0 +1,520 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// Allocate finds the best allocation of claims (the pod's claims that still
+// need one) on node. It is safe for concurrent use.
+//
+// It returns (nil, err) only for problems that make the claims unallocatable
+// on every node: an invalid CEL expression, an unknown DeviceClass, an
+// invalid topodra annotation (these wrap ErrInvalidInput and name the claim,
+// request and expression or class), whatever upstream considers fatal, and
+// cancellation of ctx. Otherwise the Result is non-nil; Result.Allocations
+// is nil when the claims do not fit on this node, and Result.Explanation
+// then says why.
+func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim) (*Result, error) {
+	logger := klog.FromContext(ctx)
+	if node == nil {
+		return nil, errors.New("allocate: node is nil")
+	}
+	ns, err := a.gatherNode(node)
+	if err != nil {
+		return nil, err
+	}
+	infos, passthrough, err := a.analyze(ctx, ns, claims)
+	if err != nil {
+		return nil, err
+	}
+	var allUnits []*unit
+	for _, info := range infos {
+		for _, r := range info.requests {
+			allUnits = append(allUnits, r.alts...)
+		}
+	}
+
+	if !passthrough {
+		if expl := a.countCheck(infos); expl != nil {
+			logger.V(5).Info("Claims do not fit by counting", "node", klog.KObj(node), "reason", expl.String())
+			return &Result{Explanation: expl}, nil
+		}
+	}
+
+	var groups []*group
+	var attempts [][]*resourceapi.ResourceSlice
+	if !passthrough && len(a.policy.Attributes) > 0 {
+		groups = buildGroups(infos)
+		p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, groups: groups, allUnits: allUnits}
+		maxPlans := 2
+		for _, g := range groups {
+			if g.mode == AlignmentRequire && g.need > 1 {
+				maxPlans = 8
+				avail := make([]bool, len(ns.devices))
+				for i := range avail {
+					avail[i] = true
+				}
+				if len(p.fittingDomains(g, avail)) == 0 {
+					return &Result{Explanation: a.explain(infos, ns, g, true)}, nil
+				}
+			}
+		}
+		if len(groups) > 0 {
+			podHasAll := false
+			for _, info := range infos {
+				podHasAll = podHasAll || info.hasAll
+			}
+			plans := p.plans(maxPlans)
+			for i := range plans {
+				filter := false
+				for gi, d := range plans[i].domains {
+					if d != nil && groups[gi].need > 1 {
+						filter = !podHasAll
+					}
+				}
+				attempts = append(attempts, p.viewFor(&plans[i], filter))
+			}
+			if len(plans) > 0 {
+				// Reordered but complete: as feasible as the node.
+				attempts = append(attempts, p.viewFor(&plans[0], false))
+			}
+		}
+	}
+	// The node's slices as they are: upstream's own answer.
+	attempts = append(attempts, ns.slices)
+
+	requireRejected := false
+	for n, view := range attempts {
+		final := n == len(attempts)-1
+		results, err := a.upstream(ctx, node, claims, view)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, err
+			}
+			if !final {
+				logger.V(5).Info("Preferred view failed, trying the next", "node", klog.KObj(node), "attempt", n, "err", err)
+				continue
+			}
+			if errors.Is(err, structured.ErrFailedAllocationOnNode) {
+				return &Result{Explanation: &Explanation{Requests: []RequestExplanation{{
+					Claim: claims[0].Name, Request: "*", Reason: strings.TrimSpace(err.Error()),
+				}}}}, nil
+			}
+			return nil, err
+		}
+		if results == nil {
+			continue
+		}
+		ok, requireOK := a.accept(ns, infos, groups, results, final)
+		if !requireOK {
+			requireRejected = true
+		}
+		if !ok {
+			continue
+		}
+		q := a.quality(ns, infos, allUnits, results)
+		res := &Result{Allocations: results, Quality: q}
+		if !q.Aligned {
+			res.Explanation = a.explainSpan(infos, ns, groups)
+		}
+		if logger.V(4).Enabled() {
+			logger.V(4).Info("Allocated", "node", klog.KObj(node), "attempt", n, "of", len(attempts), "devices", q.Devices, "level", q.LevelName, "score", q.Score)
+		}
+		return res, nil
+	}
+	var expl *Explanation
+	if requireRejected {
+		for _, g := range groups {
+			if g.mode == AlignmentRequire && g.need > 1 {
+				expl = a.explain(infos, ns, g, true)
+				break
+			}
+		}
+	}
+	if expl == nil {
+		expl = a.explain(infos, ns, nil, false)
+	}
+	return &Result{Explanation: expl}, nil
+}
+
+func (a *Allocator) upstream(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim, view []*resourceapi.ResourceSlice) ([]resourceapi.AllocationResult, error) {
+	alloc, err := structured.NewAllocator(ctx, a.features, a.state, a.classLister, view, a.celCache)
+	if err != nil {
+		return nil, err
+	}
+	return alloc.Allocate(ctx, node, claims)
+}
+
+// accept checks a result of a preferred view: firstAvailable requests must
+// not get a worse subrequest than counting expects (upstream would prefer
+// the better one), and claims with alignment=require must be aligned. The
+// final view is upstream's own answer, so only the second check applies.
+func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, results []resourceapi.AllocationResult, final bool) (ok, requireOK bool) {
+	if !final {
+		for ci, info := range infos {
+			for _, r := range info.requests {
+				if len(r.alts) < 2 || r.target < 0 {
+					continue
+				}
+				prefix := r.name + "/"
+				for _, d := range results[ci].Devices.Results {
+					sub, found := strings.CutPrefix(d.Request, prefix)
+					if !found {
+						continue
+					}
+					for i, u := range r.alts {
+						if u.subName == sub && i > r.target {
+							return false, true
+						}
+					}
+				}
+			}
+		}
+	}
+	index := ns.index()
+	for _, g := range groups {
+		if g.mode != AlignmentRequire || g.need < 2 {
+			continue
+		}
+		var devs []int
+		for _, ci := range g.claims {
+			for _, d := range results[ci].Devices.Results {
+				if i, ok := index[d.Driver+"/"+d.Pool+"/"+d.Device]; ok {
+					devs = append(devs, i)
+				}
+			}
+		}
+		if level, _ := a.sharedLevel(ns, devs); level >= len(a.policy.Attributes) {
+			return false, false
+		}
+	}
+	return true, true
+}
+
+// index maps "driver/pool/device" to the node device index.
+func (ns *nodeState) index() map[string]int {
+	if ns.byName == nil {
+		ns.byName = make(map[string]int, len(ns.devices))
+		for i := range ns.devices {
+			ns.byName[ns.devices[i].name] = i
+		}
+	}
+	return ns.byName
+}
+
+// sharedLevel returns the tightest level at which all devs share one value,
+// and that value; len(Attributes) if none.
+func (a *Allocator) sharedLevel(ns *nodeState, devs []int) (int, string) {
+	for l := range a.policy.Attributes {
+		v := ""
+		shared := len(devs) > 0
+		for _, i := range devs {
+			c := ns.devices[i].coords[l]
+			if c == "" || (v != "" && c != v) {
+				shared = false
+				break
+			}
+			v = c
+		}
+		if shared {
+			return l, v
+		}
+	}
+	return len(a.policy.Attributes), ""
+}
+
+// quality describes a result.
+func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit, results []resourceapi.AllocationResult) Quality {
+	L := len(a.policy.Attributes)
+	index := ns.index()
+	var q Quality
+	seen := map[int]bool{}
+	var devs []int
+	perClaim := make([][]int, len(results))
+	for ci := range results {
+		for _, d := range results[ci].Devices.Results {
+			name := d.Driver + "/" + d.Pool + "/" + d.Device
+			i, ok := index[name]
+			if !ok {
+				continue
+			}
+			perClaim[ci] = append(perClaim[ci], i)
+			if !seen[i] {
+				seen[i] = true
+				devs = append(devs, i)
+				q.Devices = append(q.Devices, name)
+			}
+		}
+	}
+
+	q.DomainsSpanned = 1
+	switch {
+	case L == 0:
+		q.Level, q.LevelName = 0, "node"
+	case len(devs) <= 1:
+		q.Level, q.LevelName = 0, string(a.policy.Attributes[0])
+		for l := range L {
+			if len(devs) == 1 && ns.devices[devs[0]].coords[l] != "" {
+				q.Domain = topology.FormatDomain(a.policy.Attributes[l], ns.devices[devs[0]].coords[l])
+				break
+			}
+		}
+	default:
+		level, value := a.sharedLevel(ns, devs)
+		q.Level = level
+		if level < L {
+			q.LevelName = string(a.policy.Attributes[level])
+			q.Domain = topology.FormatDomain(a.policy.Attributes[level], value)
+		} else {
+			q.LevelName = "node"
+			q.DomainsSpanned = math.MaxInt
+			for l := range L {
+				values := map[string]bool{}
+				n := 0
+				for _, i := range devs {
+					if v := ns.devices[i].coords[l]; v != "" {
+						if !values[v] {
+							values[v] = true
+							n++
+						}
+					} else {
+						n++
+					}
+				}
+				q.DomainsSpanned = min(q.DomainsSpanned, n)
+			}
+		}
+	}
+
+	// Aligned: every multi-device claim and the align-with=pod group share a domain.
+	q.Aligned = true
+	var podDevs []int
+	for ci, info := range infos {
+		if len(perClaim[ci]) > 1 && L > 0 {
+			if level, _ := a.sharedLevel(ns, perClaim[ci]); level >= L {
+				q.Aligned = false
+			}
+		}
+		if info.alignPod {
+			podDevs = append(podDevs, perClaim[ci]...)
+		}
+	}
+	if len(podDevs) > 1 && L > 0 {
+		if level, _ := a.sharedLevel(ns, podDevs); level >= L {
+			q.Aligned = false
+		}
+	}
+
+	// Packing.
+	matching := make([]bool, len(ns.devices))
+	total, used := 0, 0
+	for _, u := range allUnits {
+		for i, m := range u.matching {
+			if m && !matching[i] {
+				matching[i] = true
+				total++
+				if ns.devices[i].inUse || seen[i] {
+					used++
+				}
+			}
+		}
+	}
+	nodeUtil := 1.0
+	if total > 0 {
+		nodeUtil = float64(used) / float64(total)
+	}
+	fullness := nodeUtil
+	if len(devs) > 0 && L > 0 {
+		level := min(q.Level, L-1)
+		if q.Level >= L {
+			level = -1
+		}
+		if level >= 0 {
+			v := ns.devices[devs[0]].coords[level]
+			if v != "" {
+				size, busy := 0, 0
+				for i := range ns.devices {
+					if matching[i] && ns.devices[i].coords[level] == v {
+						size++
+						if ns.devices[i].inUse || seen[i] {
+							busy++
+						}
+					}
+				}
+				if size > 0 {
+					fullness = float64(busy) / float64(size)
+				}
+			}
+		}
+	}
+	q.Packing = (nodeUtil + fullness) / 2
+
+	align := 1.0
+	if L > 0 && len(devs) > 1 {
+		if q.Level < L {
+			align = float64(L-q.Level) / float64(L)
+		} else {
+			align = 0.5 / float64(L*max(q.DomainsSpanned, 1))
+		}
+	}
+	pack := q.Packing
+	if !a.policy.Packing {
+		pack = 1 - nodeUtil
+	}
+	q.Score = int64(math.Round(100 * (0.7*align + 0.3*pack)))
+	q.Score = max(0, min(100, q.Score))
+	return q
+}
+
+// countCheck returns an explanation if some request cannot fit by counting
+// alone (an upper bound of what upstream can allocate), nil otherwise.
+func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
+	var expl *Explanation
+	for _, info := range infos {
+		for _, r := range info.requests {
+			uncertain := false
+			for _, u := range r.alts {
+				uncertain = uncertain || u.uncertn
+			}
+			if uncertain {
+				// Upstream may report a CEL runtime error instead.
+				return nil
+			}
+			if r.target >= 0 || len(r.alts) == 0 {
+				continue
+			}
+			if expl == nil {
+				expl = &Explanation{}
+			}
+			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], nil, ""))
+		}
+	}
+	return expl
+}
+
+// requestExplanation describes one unit; ns may be nil (no domain info).
+func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) RequestExplanation {
+	re := RequestExplanation{
+		Claim:    u.claim.Name,
+		Request:  u.displayName(),
+		Matching: u.nMatch,
+		Free:     len(u.free),
+		Needed:   u.count,
+	}
+	if u.all {
+		re.Needed = u.nMatch
+	}
+	if ns != nil {
+		re.BestDomain, re.BestDomainFree = a.bestDomain(ns, u.free)
+	}
+	if reason == "" {
+		switch {
+		case u.nMatch == 0:
+			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
+		case u.upper < re.Needed:
+			reason = fmt.Sprintf("only %s matches (needs %d)", plural(u.upper, "free device"), re.Needed)
+		case len(u.free) < re.Needed:
+			reason = fmt.Sprintf("only %s match with tolerated taints (needs %d)", plural(len(u.free), "free device"), re.Needed)
+		default:
+			reason = fmt.Sprintf("%s match, but no combination satisfies the claim's constraints, counters and the pod's other requests", plural(len(u.free), "free device"))
+		}
+	}
+	re.Reason = reason
+	return re
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
+
+// bestDomain returns the domain with the most of devs, tightest first on ties.
+func (a *Allocator) bestDomain(ns *nodeState, devs []int) (string, int) {
+	best, bestN := "", 0
+	for l, attr := range a.policy.Attributes {
+		counts := map[string]int{}
+		for _, i := range devs {
+			if v := ns.devices[i].coords[l]; v != "" {
+				counts[v]++
+			}
+		}
+		for v, n := range counts {
+			name := topology.FormatDomain(attr, v)
+			if n > bestN || (n == bestN && n > 0 && strings.Compare(name, best) < 0 && strings.HasPrefix(best, string(attr)+"=")) {
+				best, bestN = name, n
+			}
+		}
+	}
+	return best, bestN
+}
+
+// explain describes why nothing fit: for a failed alignment=require group
+// (requireGroup != nil), or in general.
+func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *group, require bool) *Explanation {
+	expl := &Explanation{}
+	if require && requireGroup != nil {
+		names := make([]string, 0, len(a.policy.Attributes))
+		for _, attr := range a.policy.Attributes {
+			names = append(names, topology.ShortName(attr))
+		}
+		for _, u := range requireGroup.units {
+			reason := fmt.Sprintf("%s but not within one %s (alignment=require)", plural(len(u.free), "device")+" free", strings.Join(names, " or "))
+			if len(u.free) < u.count {
+				reason = ""
+			}
+			expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, reason))
+		}
+		return expl
+	}
+	for _, info := range infos {
+		for _, r := range info.requests {
+			u := r.chosen()
+			if u == nil && len(r.alts) > 0 {
+				u = r.alts[0]
+			}
+			if u == nil {
+				continue
+			}
+			expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+		}
+	}
+	if len(expl.Requests) == 0 {
+		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node"})
+	}
+	return expl
+}
+
+// explainSpan explains why an alignment=prefer group had to span domains.
+func (a *Allocator) explainSpan(infos []*claimInfo, ns *nodeState, groups []*group) *Explanation {
+	var expl *Explanation
+	for _, g := range groups {
+		if g.need < 2 || g.mode != AlignmentPrefer {
+			continue
+		}
+		for _, u := range g.units {
+			if expl == nil {
+				expl = &Explanation{}
+			}
+			re := a.requestExplanation(u, ns, "")
+			re.Reason = fmt.Sprintf("devices span domains: the best domain %s has %d of %d needed free devices (alignment=prefer)", re.BestDomain, re.BestDomainFree, g.need)
+			if re.BestDomain == "" {
+				re.Reason = "devices span domains: the matching devices publish no topology attributes (alignment=prefer)"
+			}
+			expl.Requests = append(expl.Requests, re)
+		}
+	}
+	return expl
+}

@@ -1,0 +1,569 @@
+package allocator
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// Options configure an Allocator. ClassLister is required; the others have
+// usable zero values.
+type Options struct {
+	// Features are the DRA features enabled in the scheduler; passed through
+	// to the upstream allocator unchanged.
+	Features structured.Features
+	// AllocatedState holds the devices already allocated or in flight (from
+	// SharedDRAManager().ResourceClaims().GatherAllocatedState()). Nil means
+	// nothing is allocated.
+	AllocatedState *structured.AllocatedState
+	// ClassLister gives access to DeviceClasses.
+	ClassLister structured.DeviceClassLister
+	// Slices are all ResourceSlices of the cluster, as the stock plugin
+	// passes them. New indexes them per node.
+	Slices []*resourceapi.ResourceSlice
+	// CELCache compiles selectors; nil means a private cache.
+	CELCache *cel.Cache
+	// Policy is the preference model. A zero Alignment means prefer, nil
+	// Attributes mean the default attributes.
+	Policy Policy
+}
+
+// Allocator finds the best valid allocation of a pod's claims on one node at
+// a time. It is built once per scheduling cycle and is safe for concurrent
+// use by many goroutines (one per node).
+type Allocator struct {
+	features    structured.Features
+	state       structured.AllocatedState
+	classLister structured.DeviceClassLister
+	celCache    *cel.Cache
+	policy      Policy
+	listTypes   bool
+
+	// inUse holds every device that has any committed allocation: fully
+	// allocated, or shared with consumed capacity.
+	inUse sets.Set[structured.DeviceID]
+
+	// Slices indexed once: by node name, the ones without a node name
+	// (node selector, all nodes, per-device selection), and by pool.
+	byNode map[string][]*resourceapi.ResourceSlice
+	shared []*resourceapi.ResourceSlice
+	byPool map[poolKey][]*resourceapi.ResourceSlice
+}
+
+type poolKey struct{ driver, pool string }
+
+// ErrInvalidInput is wrapped by errors about claims, requests or classes that
+// cannot be allocated anywhere (invalid CEL, unknown class, bad annotation).
+var ErrInvalidInput = errors.New("invalid input")
+
+// New indexes the cluster's slices and prepares allocation for one
+// scheduling cycle. It only fails for missing required options.
+func New(ctx context.Context, opts Options) (*Allocator, error) {
+	if opts.ClassLister == nil {
+		return nil, errors.New("allocator: ClassLister is required")
+	}
+	policy := opts.Policy
+	if policy.Attributes == nil {
+		policy.Attributes = slices.Clone(topology.DefaultAttributes)
+	}
+	if policy.Alignment == "" {
+		policy.Alignment = AlignmentPrefer
+	}
+	if _, err := ParseAlignmentMode(string(policy.Alignment)); err != nil {
+		return nil, fmt.Errorf("allocator: policy: %w", err)
+	}
+	celCache := opts.CELCache
+	if celCache == nil {
+		celCache = cel.NewCache(100, cel.Features{
+			EnableConsumableCapacity: opts.Features.ConsumableCapacity,
+			EnableListTypeAttributes: opts.Features.ListTypeAttributes,
+		})
+	}
+	a := &Allocator{
+		features:    opts.Features,
+		classLister: opts.ClassLister,
+		celCache:    celCache,
+		policy:      policy,
+		listTypes:   opts.Features.ListTypeAttributes,
+		byNode:      map[string][]*resourceapi.ResourceSlice{},
+		byPool:      map[poolKey][]*resourceapi.ResourceSlice{},
+	}
+	if opts.AllocatedState != nil {
+		a.state = *opts.AllocatedState
+	}
+	a.inUse = sets.New[structured.DeviceID]()
+	for id := range a.state.AllocatedSharedDeviceIDs {
+		a.inUse.Insert(id.GetDeviceID())
+	}
+	for id := range a.state.AggregatedCapacity {
+		a.inUse.Insert(id)
+	}
+	for _, slice := range opts.Slices {
+		if slice == nil {
+			continue
+		}
+		if name := ptr.Deref(slice.Spec.NodeName, ""); name != "" {
+			a.byNode[name] = append(a.byNode[name], slice)
+		} else {
+			a.shared = append(a.shared, slice)
+		}
+		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
+		a.byPool[key] = append(a.byPool[key], slice)
+	}
+	klog.FromContext(ctx).V(5).Info("Indexed resource slices", "slices", len(opts.Slices), "nodes", len(a.byNode), "pools", len(a.byPool))
+	return a, nil
+}
+
+// nodeDevice is one device that is accessible from the node.
+type nodeDevice struct {
+	id     structured.DeviceID
+	name   string // "driver/pool/device"
+	driver string
+	slice  *resourceapi.ResourceSlice
+	// sliceIndex is the index of slice in nodeState.slices.
+	sliceIndex int
+	// deviceIndex is the index in slice.Spec.Devices.
+	deviceIndex int
+	device      *resourceapi.Device
+	coords      topology.Coordinates
+	inUse       bool
+}
+
+// nodeState is what Allocate knows about one node.
+type nodeState struct {
+	node *v1.Node
+	// slices is the view of the complete node: the relevant slices and all
+	// other slices of their pools, unmodified.
+	slices []*resourceapi.ResourceSlice
+	// devices in upstream's order: driver, pool, slice name, index.
+	devices []nodeDevice
+	// dupPools names the pools ("driver/pool") with duplicate device names:
+	// invalid upstream, so views never drop devices there.
+	dupPools map[string]bool
+	// byName is built by index().
+	byName map[string]int
+}
+
+// gatherNode collects the node's slices and devices.
+func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
+	ns := &nodeState{node: node}
+	relevant := map[*resourceapi.ResourceSlice]bool{}
+	pools := map[poolKey]bool{}
+	add := func(slice *resourceapi.ResourceSlice) {
+		relevant[slice] = true
+		pools[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] = true
+	}
+	for _, slice := range a.byNode[node.Name] {
+		add(slice)
+	}
+	for _, slice := range a.shared {
+		switch {
+		case ptr.Deref(slice.Spec.AllNodes, false) || slice.Spec.NodeSelector != nil:
+			match, err := structured.NodeMatches(a.features, node, "", ptr.Deref(slice.Spec.AllNodes, false), slice.Spec.NodeSelector)
+			if err != nil {
+				return nil, fmt.Errorf("node selection of slice %s: %w", slice.Name, err)
+			}
+			if match {
+				add(slice)
+			}
+		case ptr.Deref(slice.Spec.PerDeviceNodeSelection, false):
+			for i := range slice.Spec.Devices {
+				d := &slice.Spec.Devices[i]
+				match, err := structured.NodeMatches(a.features, node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
+				if err != nil {
+					return nil, fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+				}
+				if match {
+					add(slice)
+					break
+				}
+			}
+		}
+	}
+	if len(pools) == 0 {
+		return ns, nil
+	}
+	// Every slice of a relevant pool travels with the view, so that upstream
+	// sees the same pool (completeness, generations, counters) as it does
+	// with all slices of the cluster.
+	keys := make([]poolKey, 0, len(pools))
+	for key := range pools {
+		keys = append(keys, key)
+	}
+	slices.SortFunc(keys, func(x, y poolKey) int {
+		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
+	})
+	for _, key := range keys {
+		poolSlices := a.byPool[key]
+		var generation int64
+		for _, slice := range poolSlices {
+			generation = max(generation, slice.Spec.Pool.Generation)
+		}
+		start := len(ns.slices)
+		ns.slices = append(ns.slices, poolSlices...)
+		sorted := ns.slices[start:]
+		slices.SortStableFunc(sorted, func(x, y *resourceapi.ResourceSlice) int { return cmp.Compare(x.Name, y.Name) })
+		names := map[string]bool{}
+		for i, slice := range sorted {
+			if relevant[slice] && slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 {
+				for j := range slice.Spec.Devices {
+					name := slice.Spec.Devices[j].Name
+					if names[name] {
+						if ns.dupPools == nil {
+							ns.dupPools = map[string]bool{}
+						}
+						ns.dupPools[key.driver+"/"+key.pool] = true
+					}
+					names[name] = true
+				}
+			}
+			if !relevant[slice] || slice.Spec.Pool.Generation != generation {
+				continue
+			}
+			if len(slice.Spec.SharedCounters) > 0 && a.features.PartitionableDevices {
+				// Counter sets only; devices there are ignored upstream.
+				continue
+			}
+			if !a.features.PartitionableDevices && (slice.Spec.PerDeviceNodeSelection != nil || len(slice.Spec.SharedCounters) > 0) {
+				continue
+			}
+			perDevice := ptr.Deref(slice.Spec.PerDeviceNodeSelection, false)
+			for j := range slice.Spec.Devices {
+				d := &slice.Spec.Devices[j]
+				if perDevice {
+					match, err := structured.NodeMatches(a.features, node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
+					if err != nil {
+						return nil, fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+					}
+					if !match {
+						continue
+					}
+				}
+				if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
+					continue
+				}
+				id := structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, d.Name)
+				ns.devices = append(ns.devices, nodeDevice{
+					id:          id,
+					name:        slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name,
+					driver:      slice.Spec.Driver,
+					slice:       slice,
+					sliceIndex:  start + i,
+					deviceIndex: j,
+					device:      d,
+					coords:      topology.DeviceCoordinates(slice.Spec.Driver, d, a.policy.Attributes),
+					inUse:       a.state.AllocatedDevices.Has(id) || a.inUse.Has(id),
+				})
+			}
+		}
+	}
+	return ns, nil
+}
+
+// unit is one request, or one subrequest of a firstAvailable request, that
+// needs devices.
+type unit struct {
+	claimIndex int
+	claim      *resourceapi.ResourceClaim
+	// request is the request name; subName the subrequest name or "".
+	request, subName string
+	subIndex         int
+	all              bool
+	count            int
+	admin            bool
+	class            *resourceapi.DeviceClass
+	selectors        []cel.CompilationResult
+	tolerations      []resourceapi.DeviceToleration
+
+	// matching[i] is true if device i matches class and selectors.
+	matching []bool
+	// free lists the matching devices that are usable: not in use (or
+	// shareable / admin access), taints tolerated.
+	free []int
+	// upper counts matching devices that are not in use (or may be shared);
+	// an upper bound for what upstream can allocate.
+	upper   int
+	nMatch  int
+	uncertn bool // some CEL evaluation failed at runtime
+}
+
+func (u *unit) displayName() string {
+	if u.subName != "" {
+		return u.request + "/" + u.subName
+	}
+	return u.request
+}
+
+// request is one request of a claim with its alternatives (one for
+// ExactCount, several for firstAvailable).
+type request struct {
+	claimIndex int
+	name       string
+	alts       []*unit
+	// target is the index in alts that counting expects upstream to choose:
+	// the first alternative that can fit. -1 if none can.
+	target int
+}
+
+func (r *request) chosen() *unit {
+	if r.target < 0 {
+		return nil
+	}
+	return r.alts[r.target]
+}
+
+// claimInfo is what Allocate derives from one claim.
+type claimInfo struct {
+	claim     *resourceapi.ResourceClaim
+	mode      AlignmentMode
+	alignPod  bool
+	requests  []*request
+	hasAll    bool
+	hasSubreq bool
+}
+
+// analyze validates claims and evaluates selectors on the node's devices.
+// passthrough is true for inputs this package does not interpret (future
+// fields, disabled features): upstream alone decides and reports them.
+func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resourceapi.ResourceClaim) (infos []*claimInfo, passthrough bool, err error) {
+	for ci, claim := range claims {
+		info := &claimInfo{claim: claim, mode: a.policy.Alignment}
+		if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
+			mode, err := ParseAlignmentMode(value)
+			if err != nil {
+				return nil, false, fmt.Errorf("%w: claim %s: annotation %s: %w", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignment, err)
+			}
+			info.mode = mode
+		}
+		if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
+			if value != "pod" {
+				return nil, false, fmt.Errorf("%w: claim %s: annotation %s: invalid value %q (want pod)", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignWith, value)
+			}
+			info.alignPod = true
+		}
+		for _, c := range claim.Spec.Devices.Constraints {
+			if c.MatchAttribute == nil && c.DistinctAttribute == nil {
+				passthrough = true
+			}
+		}
+		for ri := range claim.Spec.Devices.Requests {
+			req := &claim.Spec.Devices.Requests[ri]
+			r := &request{claimIndex: ci, name: req.Name, target: -1}
+			switch {
+			case req.Exactly != nil:
+				e := req.Exactly
+				if len(e.DerivedAttributes) > 0 || (e.Capacity != nil && !a.features.ConsumableCapacity) ||
+					(ptr.Deref(e.AdminAccess, false) && !a.features.AdminAccess) {
+					passthrough = true
+				}
+				u, err := a.newUnit(ctx, ns, ci, claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
+				if err != nil {
+					return nil, false, err
+				}
+				if u == nil {
+					passthrough = true
+					continue
+				}
+				r.alts = []*unit{u}
+			case len(req.FirstAvailable) > 0:
+				info.hasSubreq = true
+				if !a.features.PrioritizedList {
+					passthrough = true
+				}
+				for si := range req.FirstAvailable {
+					s := &req.FirstAvailable[si]
+					if len(s.DerivedAttributes) > 0 || (s.Capacity != nil && !a.features.ConsumableCapacity) {
+						passthrough = true
+					}
+					u, err := a.newUnit(ctx, ns, ci, claim, req.Name, s.Name, si, s.DeviceClassName, s.Selectors, s.AllocationMode, s.Count, false, s.Tolerations)
+					if err != nil {
+						return nil, false, err
+					}
+					if u == nil {
+						passthrough = true
+						continue
+					}
+					r.alts = append(r.alts, u)
+				}
+			default:
+				passthrough = true
+				continue
+			}
+			for i, u := range r.alts {
+				if u.all {
+					info.hasAll = true
+				}
+				if r.target < 0 && (u.all || u.upper >= u.count) {
+					r.target = i
+				}
+			}
+			info.requests = append(info.requests, r)
+		}
+		infos = append(infos, info)
+	}
+	return infos, passthrough, nil
+}
+
+// newUnit resolves the class, compiles selectors and evaluates them on the
+// node's devices. It returns nil (and no error) for requests it does not
+// understand.
+func (a *Allocator) newUnit(ctx context.Context, ns *nodeState, claimIndex int, claim *resourceapi.ResourceClaim,
+	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
+	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unit, error) {
+	display := requestName
+	if subName != "" {
+		display = requestName + "/" + subName
+	}
+	if className == "" {
+		return nil, nil
+	}
+	u := &unit{
+		claimIndex:  claimIndex,
+		claim:       claim,
+		request:     requestName,
+		subName:     subName,
+		subIndex:    subIndex,
+		admin:       admin,
+		tolerations: tolerations,
+	}
+	switch mode {
+	case resourceapi.DeviceAllocationModeAll:
+		u.all = true
+	case resourceapi.DeviceAllocationModeExactCount, "":
+		if count < 0 || count > resourceapi.AllocationResultsMaxSize {
+			return nil, nil
+		}
+		u.count = int(count)
+		if mode == "" && count == 0 {
+			u.count = 1
+		}
+	default:
+		return nil, nil
+	}
+	class, err := a.classLister.Get(className)
+	if err != nil {
+		return nil, fmt.Errorf("%w: claim %s, request %s: device class %s: %w", ErrInvalidInput, klog.KObj(claim), display, className, err)
+	}
+	u.class = class
+	for i, sel := range class.Spec.Selectors {
+		if sel.CEL == nil {
+			return nil, nil
+		}
+		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
+		if expr.Error != nil {
+			return nil, fmt.Errorf("%w: claim %s, request %s: device class %s: selector #%d: CEL expression %q: %w", ErrInvalidInput, klog.KObj(claim), display, className, i, sel.CEL.Expression, expr.Error)
+		}
+		u.selectors = append(u.selectors, expr)
+	}
+	for i, sel := range selectors {
+		if sel.CEL == nil {
+			return nil, nil
+		}
+		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
+		if expr.Error != nil {
+			return nil, fmt.Errorf("%w: claim %s, request %s: selector #%d: CEL expression %q: %w", ErrInvalidInput, klog.KObj(claim), display, i, sel.CEL.Expression, expr.Error)
+		}
+		u.selectors = append(u.selectors, expr)
+	}
+	a.evaluate(ctx, ns, u)
+	return u, nil
+}
+
+// evaluate fills in matching, free and upper for u.
+func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
+	u.matching = make([]bool, len(ns.devices))
+	var memo *sliceMemo
+	var memoSlice *resourceapi.ResourceSlice
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if d.slice != memoSlice {
+			memoSlice = d.slice
+			memo = globalMemo.forSlice(d.slice.UID, d.slice.Generation, a.listTypes)
+		}
+		matches := true
+		for _, expr := range u.selectors {
+			state := memoUnknown
+			if memo != nil {
+				state = memo.get(expr.Expression, d.deviceIndex)
+			}
+			if state == memoUnknown {
+				ok, _, err := expr.DeviceMatches(ctx, cel.Device{
+					Driver:                   d.driver,
+					AllowMultipleAllocations: d.device.AllowMultipleAllocations,
+					Attributes:               d.device.Attributes,
+					Capacity:                 d.device.Capacity,
+				})
+				switch {
+				case err != nil:
+					state = memoError
+				case ok:
+					state = memoTrue
+				default:
+					state = memoFalse
+				}
+				if memo != nil && (err == nil || ctx.Err() == nil) {
+					memo.set(expr.Expression, d.deviceIndex, len(d.slice.Spec.Devices), state)
+				}
+			}
+			if state == memoError {
+				// Upstream reports runtime errors when it gets to
+				// this device; count it as matching so that counting
+				// never rules out what upstream would do.
+				u.uncertn = true
+				continue
+			}
+			if state == memoFalse {
+				matches = false
+				break
+			}
+		}
+		if !matches {
+			continue
+		}
+		u.matching[i] = true
+		u.nMatch++
+		shareable := ptr.Deref(d.device.AllowMultipleAllocations, false)
+		if d.inUse && !u.admin && !shareable {
+			continue
+		}
+		u.upper++
+		if a.features.DeviceTaints && taintPrevents(d.device, u.tolerations) {
+			continue
+		}
+		u.free = append(u.free, i)
+	}
+}
+
+// taintPrevents reports whether a NoSchedule or NoExecute taint on the
+// device is not tolerated.
+func taintPrevents(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) bool {
+	for _, taint := range device.Taints {
+		if taint.Effect != resourceapi.DeviceTaintEffectNoSchedule && taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
+			continue
+		}
+		tolerated := false
+		for _, t := range tolerations {
+			if resourceclaim.ToleratesTaint(t, taint) {
+				tolerated = true
+				break
+			}
+		}
+		if !tolerated {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,403 @@
+package allocator
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+func TestAllocateShapes(t *testing.T) {
+	const nodeName = "worker"
+	gpus := func(name string, n int64) *claimBuilder { return claim(name).request("gpus", "gpu", n) }
+
+	testcases := map[string]struct {
+		slices    []*resourceapi.ResourceSlice
+		allocated *structured.AllocatedState
+		claims    []*resourceapi.ResourceClaim
+		policy    *Policy
+
+		// want are the chosen devices (sorted); nil means infeasible.
+		want []string
+		// upstreamWant documents (and checks) what first-fit picks.
+		upstreamWant []string
+		wantLevel    resourceapi.QualifiedName // "" = do not check; "node" = spanning
+		wantAligned  bool
+		wantExplain  string // substring of Explanation.String(); "" = no explanation expected
+	}{
+		"dgx-empty-1gpu": {
+			slices:       dgx(nodeName),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
+			want:         []string{"gpu-0"},
+			upstreamWant: []string{"gpu-0"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"dgx-first-fit-trap": {
+			// gpu-0 is taken: first-fit pairs gpu-1 and gpu-2 across two
+			// PCIe roots; the aligned pair gpu-2,gpu-3 is free.
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).obj()},
+			want:         []string{"gpu-2", "gpu-3"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"dgx-best-fit-1gpu": {
+			// gpu-2 is taken: the half-used pair (gpu-3) is filled before
+			// a fresh pair is opened.
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-2"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
+			want:         []string{"gpu-3"},
+			upstreamWant: []string{"gpu-0"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"dgx-best-fit-prefers-fuller-numa": {
+			// Two half-used pairs: gpu-1 (NUMA 0 has 3 free) and gpu-5
+			// (NUMA 1 has 1 free). Take gpu-5, NUMA 0 keeps a 2+1 block.
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-4", "gpu-6", "gpu-7"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
+			want:         []string{"gpu-5"},
+			upstreamWant: []string{"gpu-1"},
+			wantAligned:  true,
+		},
+		"dgx-4gpu-one-numa": {
+			// The clique holds all 8 GPUs; within it, prefer one NUMA node:
+			// NUMA 0 has gpu-0 taken, so all of NUMA 1.
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).obj()},
+			want:         []string{"gpu-4", "gpu-5", "gpu-6", "gpu-7"},
+			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-4"},
+			wantLevel:    topology.AttrNVLinkClique,
+			wantAligned:  true,
+		},
+		"dgx-two-claims-two-pairs": {
+			slices:    dgx(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:    []*resourceapi.ResourceClaim{gpus("a", 2).obj(), gpus("b", 2).obj()},
+			// a: pair 1 (NUMA 0, best fit); b: a pair of NUMA 1.
+			want:         []string{"gpu-2", "gpu-3", "gpu-4", "gpu-5"},
+			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-4"},
+			wantAligned:  true,
+		},
+		"pcie-box-nvlink-pairs": {
+			// gpu-0 taken: first-fit takes gpu-1 (bridged to gpu-0) and
+			// gpu-2; topodra takes the bridged pair gpu-2,gpu-3.
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).obj()},
+			want:         []string{"gpu-2", "gpu-3"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"pcie-box-nvlink-first": {
+			// With NVLink as the top priority the same pair is chosen, at
+			// the clique level.
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-5"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).obj()},
+			policy:       &Policy{Attributes: []resourceapi.QualifiedName{topology.AttrNVLinkClique, topology.AttrPCIeRoot}, Packing: true},
+			want:         []string{"gpu-2", "gpu-3"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantLevel:    topology.AttrNVLinkClique,
+			wantAligned:  true,
+		},
+		"gpu-nic-share-pcie-root": {
+			// GPU and NIC from different drivers, aligned by pcieRoot.
+			slices: gpuNIC(nodeName),
+			claims: []*resourceapi.ResourceClaim{
+				gpus("gpu", 1).annotate(topology.AnnotationAlignWith, "pod").obj(),
+				claim("nic").request("nic", "nic", 1).annotate(topology.AnnotationAlignWith, "pod").obj(),
+			},
+			want:         []string{"gpu-0", "nic-1"},
+			upstreamWant: []string{"gpu-0", "nic-0"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"gpu-nic-one-claim": {
+			// One claim with two requests: aligned without annotations.
+			slices:       gpuNIC(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-2"),
+			claims:       []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1).request("nic", "nic", 1).obj()},
+			want:         []string{"gpu-3", "nic-0"},
+			upstreamWant: []string{"gpu-0", "nic-0"},
+			wantLevel:    topology.AttrPCIeRoot,
+			wantAligned:  true,
+		},
+		"multi-claim-pod-aligned-on-numa": {
+			// NICs only publish numaNode (list-typed): the pod's GPU pair
+			// and NIC share NUMA node 0 (nic-1), not nic-0 on NUMA 1.
+			slices: numaNICs(nodeName),
+			claims: []*resourceapi.ResourceClaim{
+				gpus("gpu", 2).annotate(topology.AnnotationAlignWith, "pod").obj(),
+				claim("nic").request("nic", "nic", 1).annotate(topology.AnnotationAlignWith, "pod").obj(),
+			},
+			want:         []string{"gpu-0", "gpu-1", "nic-1"},
+			upstreamWant: []string{"gpu-0", "gpu-1", "nic-0"},
+			wantLevel:    topology.AttrNUMANode,
+			wantAligned:  true,
+		},
+		"no-topology-attributes": {
+			slices:       plainGPUs(nodeName, 4),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).obj()},
+			want:         []string{"gpu-1", "gpu-2"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantLevel:    "node",
+			wantAligned:  false,
+			wantExplain:  "publish no topology attributes",
+		},
+		"alignment-none-is-first-fit": {
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).annotate(topology.AnnotationAlignment, "none").obj()},
+			want:         []string{"gpu-1", "gpu-2"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantLevel:    topology.AttrNVLinkClique,
+			wantAligned:  true,
+		},
+		"prefer-spans-when-nothing-fits": {
+			// 5 free GPUs, no pcieRoot/NUMA has 4 free, no NVLink clique
+			// holds 4: span, filling as few domains as possible.
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-4", "gpu-5"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).obj()},
+			want:         []string{"gpu-1", "gpu-2", "gpu-3", "gpu-6"},
+			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-6"},
+			wantLevel:    "node",
+			wantAligned:  false,
+			wantExplain:  "has 3 of 4 needed free devices (alignment=prefer)",
+		},
+		"require-infeasible": {
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-4", "gpu-5"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).annotate(topology.AnnotationAlignment, "require").obj()},
+			want:         nil,
+			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-6"},
+			wantExplain:  "claim c request gpus: 5 devices free but not within one pcieRoot or nvlinkClique or numaNode (alignment=require)",
+		},
+		"require-feasible": {
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-4"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).annotate(topology.AnnotationAlignment, "require").obj()},
+			want:         []string{"gpu-2", "gpu-3"},
+			upstreamWant: []string{"gpu-1", "gpu-2"},
+			wantAligned:  true,
+		},
+		"policy-require-from-options": {
+			slices:       pcieBox(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-4", "gpu-5"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).obj()},
+			policy:       &Policy{Alignment: AlignmentRequire},
+			want:         nil,
+			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-6"},
+			wantExplain:  "not within one",
+		},
+		"too-few-devices": {
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"),
+			claims:       []*resourceapi.ResourceClaim{gpus("gpu-claim", 2).obj()},
+			want:         nil,
+			upstreamWant: nil,
+			wantExplain:  "claim gpu-claim request gpus: only 1 free device matches (needs 2)",
+		},
+		"no-matching-device": {
+			slices:       dgx(nodeName),
+			claims:       []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1, `device.attributes["gpu.topodra.io"].model == "B200"`).obj()},
+			want:         nil,
+			upstreamWant: nil,
+			wantExplain:  "no device matches class gpu",
+		},
+		"spread-policy": {
+			// LeastAllocated: the single GPU goes to the emptiest domain.
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
+			policy:       &Policy{Packing: false},
+			want:         []string{"gpu-4"},
+			upstreamWant: []string{"gpu-1"},
+			wantAligned:  true,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			state := tc.allocated
+			if state == nil {
+				state = allocated(gpuDriver, nodeName)
+			}
+			policy := DefaultPolicy()
+			if tc.policy != nil {
+				policy = *tc.policy
+			}
+			a, err := New(ctx, Options{
+				Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
+				Slices: tc.slices, CELCache: newCELCache(), Policy: policy,
+			})
+			if err != nil {
+				t.Fatalf("New: %v", err)
+			}
+			res, err := a.Allocate(ctx, node(nodeName), tc.claims)
+			if err != nil {
+				t.Fatalf("Allocate: %v", err)
+			}
+			if res == nil {
+				t.Fatal("Allocate returned a nil result")
+			}
+			if got := deviceNames(res.Allocations); !slices.Equal(got, tc.want) {
+				t.Errorf("devices: got %v, want %v (explanation: %s)", got, tc.want, res.Explanation.String())
+			}
+			if tc.want == nil && res.Allocations != nil {
+				t.Errorf("expected infeasible, got allocations")
+			}
+			if tc.want != nil && len(res.Allocations) != len(tc.claims) {
+				t.Errorf("got %d allocations for %d claims", len(res.Allocations), len(tc.claims))
+			}
+
+			up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
+			if err != nil {
+				t.Fatal(err)
+			}
+			upResult, err := up.Allocate(ctx, node(nodeName), tc.claims)
+			if err != nil {
+				t.Fatalf("upstream: %v", err)
+			}
+			if got := deviceNames(upResult); !slices.Equal(got, tc.upstreamWant) {
+				t.Errorf("upstream devices: got %v, want %v", got, tc.upstreamWant)
+			}
+
+			if tc.want != nil {
+				q := res.Quality
+				if tc.wantLevel != "" && q.LevelName != string(tc.wantLevel) {
+					t.Errorf("level: got %s (%d), want %s", q.LevelName, q.Level, tc.wantLevel)
+				}
+				if q.Aligned != tc.wantAligned {
+					t.Errorf("aligned: got %v, want %v", q.Aligned, tc.wantAligned)
+				}
+				if q.Score < 0 || q.Score > 100 || q.Packing < 0 || q.Packing > 1 {
+					t.Errorf("score %d / packing %f out of range", q.Score, q.Packing)
+				}
+				if len(q.Devices) != len(tc.want) {
+					t.Errorf("quality lists %v", q.Devices)
+				}
+			}
+			if tc.wantExplain == "" {
+				if res.Explanation != nil {
+					t.Errorf("unexpected explanation: %s", res.Explanation)
+				}
+			} else if !strings.Contains(res.Explanation.String(), tc.wantExplain) {
+				t.Errorf("explanation %q does not contain %q", res.Explanation.String(), tc.wantExplain)
+			}
+		})
+	}
+}
+
+// TestScoreOrdersNodes checks that the score prefers an aligned allocation
+// over a spanning one and a best-fit one over a fresh domain.
+func TestScoreOrdersNodes(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	score := func(state *structured.AllocatedState, c *resourceapi.ResourceClaim) Quality {
+		t.Helper()
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgx("n"), Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{c})
+		if err != nil || res.Allocations == nil {
+			t.Fatalf("allocate: %v %v", err, res.Explanation)
+		}
+		return res.Quality
+	}
+	two := claim("c").request("gpus", "gpu", 2).obj()
+	one := claim("c").request("gpus", "gpu", 1).obj()
+	aligned := score(allocated(gpuDriver, "n", "gpu-0"), two)
+	// Every pair broken: the best is the clique level.
+	broken := score(allocated(gpuDriver, "n", "gpu-0", "gpu-2", "gpu-4", "gpu-6"), two)
+	if aligned.Level != 0 || broken.Level != 1 {
+		t.Fatalf("levels: %d, %d", aligned.Level, broken.Level)
+	}
+	if aligned.Score <= broken.Score {
+		t.Errorf("aligned score %d should beat clique-level score %d", aligned.Score, broken.Score)
+	}
+	half := score(allocated(gpuDriver, "n", "gpu-2"), one)
+	empty := score(allocated(gpuDriver, "n"), one)
+	if half.Packing <= empty.Packing || half.Score < empty.Score {
+		t.Errorf("best-fit on a half-used node should pack better: %+v vs %+v", half, empty)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	testcases := map[string]struct {
+		claim   *resourceapi.ResourceClaim
+		classes classLister
+		want    []string
+	}{
+		"invalid-cel-in-request": {
+			claim: claim("my-claim").request("my-request", "gpu", 1, `device.attributes["gpu.topodra.io"].model ==`).obj(),
+			want:  []string{"default/my-claim", "my-request", `device.attributes[\"gpu.topodra.io\"].model ==`},
+		},
+		"invalid-cel-in-class": {
+			claim:   claim("my-claim").request("my-request", "broken", 1).obj(),
+			classes: classes(class("broken", `device.driver = "x"`)),
+			want:    []string{"default/my-claim", "my-request", "broken", `device.driver = \"x\"`},
+		},
+		"unknown-class": {
+			claim: claim("my-claim").request("my-request", "no-such-class", 1).obj(),
+			want:  []string{"default/my-claim", "my-request", "no-such-class"},
+		},
+		"bad-annotation": {
+			claim: claim("my-claim").request("my-request", "gpu", 1).annotate(topology.AnnotationAlignment, "always").obj(),
+			want:  []string{"default/my-claim", topology.AnnotationAlignment, "always"},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			cl := tc.classes
+			if cl == nil {
+				cl = defaultClasses
+			}
+			a, err := New(ctx, Options{Features: allFeatures, ClassLister: cl, Slices: dgx("n"), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{tc.claim})
+			if err == nil {
+				t.Fatalf("expected an error, got %+v", res)
+			}
+			if res != nil {
+				t.Errorf("expected a nil result with the error")
+			}
+			if !errors.Is(err, ErrInvalidInput) {
+				t.Errorf("error does not wrap ErrInvalidInput: %v", err)
+			}
+			for _, want := range tc.want {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("error %q does not mention %q", err, want)
+				}
+			}
+		})
+	}
+}
+
+func TestNewRequiresClassLister(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	if _, err := New(ctx, Options{}); err == nil {
+		t.Fatal("expected an error without ClassLister")
+	}
+	if _, err := New(ctx, Options{ClassLister: defaultClasses, Policy: Policy{Alignment: "sometimes"}}); err == nil {
+		t.Fatal("expected an error for an invalid policy alignment")
+	}
+}

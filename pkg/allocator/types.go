@@ -1,0 +1,156 @@
+// Package allocator finds the best valid device allocation for a pod's
+// ResourceClaims on one node, with the node's topology in mind.
+//
+// The upstream structured allocator (k8s.io/dynamic-resource-allocation/structured)
+// stays the judge of validity: this package only decides preference. It
+// counts the free devices that match each request per topology domain,
+// chooses the tightest, best-fitting domain, and then hands the upstream
+// allocator a view of the node's ResourceSlices in which the preferred
+// devices come first (and, for multi-device requests, the devices of other
+// domains are hidden). Upstream's first-fit answer on that view is the
+// preferred allocation. If a view yields nothing, the next view is tried; the
+// last view is always the node's complete set of slices in their original
+// order, so an allocation is found exactly when upstream finds one
+// (feasibility parity), except where a claim asks for alignment=require.
+package allocator
+
+import (
+	"fmt"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// AlignmentMode says how strictly the devices of a claim must share one
+// topology domain.
+type AlignmentMode string
+
+const (
+	// AlignmentPrefer chooses an aligned allocation when one exists and
+	// otherwise falls back to the best spanning one. The default.
+	AlignmentPrefer AlignmentMode = "prefer"
+	// AlignmentRequire only accepts allocations in which the claim's devices
+	// share one value of one of the configured attributes.
+	AlignmentRequire AlignmentMode = "require"
+	// AlignmentNone allocates like upstream first-fit.
+	AlignmentNone AlignmentMode = "none"
+)
+
+// Policy is the configurable preference model (architecture decision 4).
+type Policy struct {
+	// Attributes are the topology attributes that define domains, in
+	// priority order (fully qualified names, e.g. topology.AttrPCIeRoot).
+	// The first attribute that has a domain fitting a request wins. Nil means
+	// DefaultPolicy().Attributes; an empty non-nil list disables topology.
+	Attributes []resourceapi.QualifiedName
+	// Alignment is the default for claims without the topodra.io/alignment
+	// annotation. Empty means prefer.
+	Alignment AlignmentMode
+	// Packing selects best-fit (MostAllocated-like: fill partly used domains
+	// first, keep large aligned blocks free) when true, and spreading
+	// (LeastAllocated: use the emptiest domains first) when false.
+	Packing bool
+}
+
+// DefaultPolicy returns pcieRoot, nvlinkClique, numaNode; prefer; packing.
+func DefaultPolicy() Policy {
+	return Policy{
+		Attributes: append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
+		Alignment:  AlignmentPrefer,
+		Packing:    true,
+	}
+}
+
+// ParseAlignmentMode parses the value of the topodra.io/alignment annotation.
+func ParseAlignmentMode(value string) (AlignmentMode, error) {
+	switch mode := AlignmentMode(value); mode {
+	case AlignmentPrefer, AlignmentRequire, AlignmentNone:
+		return mode, nil
+	}
+	return "", fmt.Errorf("invalid alignment %q (want %s, %s or %s)", value, AlignmentPrefer, AlignmentRequire, AlignmentNone)
+}
+
+// Result is the outcome of Allocate on one node.
+type Result struct {
+	// Allocations has one entry per claim, in the order of the input claims.
+	// Nil means the claims do not fit on this node.
+	Allocations []resourceapi.AllocationResult
+	// Quality describes the chosen allocation; zero when infeasible.
+	Quality Quality
+	// Explanation is set when infeasible, and when alignment=prefer could
+	// not be met.
+	Explanation *Explanation
+}
+
+// Quality describes how well an allocation fits the node's topology.
+type Quality struct {
+	// Level is the index into Policy.Attributes of the tightest attribute
+	// whose single value is shared by all devices of the pod (multi-device
+	// allocations); len(Policy.Attributes) means the devices span domains
+	// (node level only). A single-device allocation has level 0.
+	Level int
+	// LevelName is the attribute name of Level, or "node".
+	LevelName string
+	// DomainsSpanned is 1 for an aligned pod; otherwise the fewest domains of
+	// one attribute that hold all its devices (a device without the
+	// attribute counts as a domain of its own).
+	DomainsSpanned int
+	// Packing in [0,1]: the mean of how much of the node's matching devices
+	// are in use after this allocation and how full the shared domain (at
+	// Level) is afterwards, so best-fit choices score higher.
+	Packing float64
+	// Aligned is true if every multi-device claim (and the align-with=pod
+	// group) was placed inside one domain of some attribute.
+	Aligned bool
+	// Devices are the chosen devices as "driver/pool/device".
+	Devices []string
+	// Domain is the shared domain, e.g. "resource.kubernetes.io/pcieRoot=pci0000:00";
+	// empty if the devices span domains.
+	Domain string
+	// Score in 0..100, higher is better:
+	//
+	//	Score = round(100 * (0.7*alignment + 0.3*packing))
+	//
+	// where alignment is 1 for a single device or Level 0, (L-Level)/L for
+	// Level < L (L = number of attributes), and 0.5/(L*DomainsSpanned) when
+	// spanning; packing is Packing with Policy.Packing, 1 - node usage
+	// without it (spread).
+	Score int64
+}
+
+// Explanation says why claims did not fit on a node (or why alignment could
+// not be met), per request.
+type Explanation struct {
+	Requests []RequestExplanation
+}
+
+// RequestExplanation describes one request of one claim on one node.
+type RequestExplanation struct {
+	// Claim and Request name the request ("request/subrequest" for the
+	// chosen subrequest of firstAvailable).
+	Claim, Request string
+	// Matching counts the devices that match the class and selectors,
+	// Free those of them that are also available (not allocated, taints
+	// tolerated), Needed how many the request asks for.
+	Matching, Free, Needed int
+	// BestDomain is the domain with the most free matching devices.
+	BestDomain     string
+	BestDomainFree int
+	// Reason is a short user-facing explanation.
+	Reason string
+}
+
+// String returns one short user-facing sentence that does not mention the
+// node, e.g. "claim gpu-claim request gpus: only 1 free device matches (needs 2)".
+func (e *Explanation) String() string {
+	if e == nil || len(e.Requests) == 0 {
+		return ""
+	}
+	parts := make([]string, 0, len(e.Requests))
+	for _, r := range e.Requests {
+		parts = append(parts, fmt.Sprintf("claim %s request %s: %s", r.Claim, r.Request, r.Reason))
+	}
+	return strings.Join(parts, "; ")
+}
