@@ -383,13 +383,13 @@ func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
 	var expl *Explanation
 	for _, info := range infos {
 		for _, r := range info.requests {
-			uncertain := false
 			for _, u := range r.alts {
-				uncertain = uncertain || u.uncertn
-			}
-			if uncertain {
-				// Upstream may report a CEL runtime error instead.
-				return nil
+				if u.uncertn || u.all {
+					// Upstream may report an error instead (a CEL
+					// runtime error; All mode on an incomplete or
+					// invalid pool): let it decide.
+					return nil
+				}
 			}
 			if r.target >= 0 || len(r.alts) == 0 {
 				continue
@@ -422,16 +422,26 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 		switch {
 		case u.nMatch == 0:
 			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
+		case u.upper == 0:
+			reason = fmt.Sprintf("all %s in use (needs %d)", plural(u.nMatch, "matching device")+" are", re.Needed)
 		case u.upper < re.Needed:
-			reason = fmt.Sprintf("only %s matches (needs %d)", plural(u.upper, "free device"), re.Needed)
+			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
-			reason = fmt.Sprintf("only %s match with tolerated taints (needs %d)", plural(len(u.free), "free device"), re.Needed)
+			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
 		default:
-			reason = fmt.Sprintf("%s match, but no combination satisfies the claim's constraints, counters and the pod's other requests", plural(len(u.free), "free device"))
+			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
 		}
 	}
 	re.Reason = reason
 	return re
+}
+
+// matchPhrase says "1 free device matches" or "3 free devices match".
+func matchPhrase(n int) string {
+	if n == 1 {
+		return "1 free device matches"
+	}
+	return fmt.Sprintf("%d free devices match", n)
 }
 
 func plural(n int, what string) string {
@@ -479,6 +489,9 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 		}
 		return expl
 	}
+	// Name the requests that are short of devices; if none is, the
+	// combination failed: name the first request.
+	var first *unit
 	for _, info := range infos {
 		for _, r := range info.requests {
 			u := r.chosen()
@@ -488,8 +501,20 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 			if u == nil {
 				continue
 			}
-			expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+			if first == nil {
+				first = u
+			}
+			needed := u.count
+			if u.all {
+				needed = u.nMatch
+			}
+			if len(u.free) < needed || u.nMatch == 0 {
+				expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+			}
 		}
+	}
+	if len(expl.Requests) == 0 && first != nil {
+		expl.Requests = append(expl.Requests, a.requestExplanation(first, ns, ""))
 	}
 	if len(expl.Requests) == 0 {
 		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node"})

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 
 	v1 "k8s.io/api/core/v1"
@@ -359,6 +360,7 @@ func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resour
 				passthrough = true
 			}
 		}
+		claimMin := 0
 		for ri := range claim.Spec.Devices.Requests {
 			req := &claim.Spec.Devices.Requests[ri]
 			r := &request{claimIndex: ci, name: req.Name, target: -1}
@@ -402,6 +404,13 @@ func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resour
 				passthrough = true
 				continue
 			}
+			minCount := math.MaxInt
+			for _, u := range r.alts {
+				minCount = min(minCount, u.count)
+			}
+			if len(r.alts) > 0 {
+				claimMin += minCount
+			}
 			for i, u := range r.alts {
 				if u.all {
 					info.hasAll = true
@@ -411,6 +420,10 @@ func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resour
 				}
 			}
 			info.requests = append(info.requests, r)
+		}
+		if claimMin > resourceapi.AllocationResultsMaxSize {
+			// Upstream rejects such claims with an error.
+			passthrough = true
 		}
 		infos = append(infos, info)
 	}

@@ -1,0 +1,493 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+var (
+	parityCases = flag.Int("parity.cases", 2000, "number of random cases in TestParityWithUpstream")
+	paritySeed  = flag.Uint64("parity.seed", 1, "seed of TestParityWithUpstream")
+)
+
+// parityCase is one random cluster, pod and allocation state.
+type parityCase struct {
+	node     *v1.Node
+	slices   []*resourceapi.ResourceSlice
+	classes  classLister
+	claims   []*resourceapi.ResourceClaim
+	state    *structured.AllocatedState
+	features structured.Features
+	policy   Policy
+}
+
+// describe renders a case for failure messages.
+func (pc *parityCase) describe() string {
+	var b strings.Builder
+	for _, s := range pc.slices {
+		fmt.Fprintf(&b, "slice %s driver=%s pool=%s gen=%d count=%d node=%v all=%v sel=%v counters=%d:", s.Name, s.Spec.Driver, s.Spec.Pool.Name,
+			s.Spec.Pool.Generation, s.Spec.Pool.ResourceSliceCount, ptr.Deref(s.Spec.NodeName, ""), ptr.Deref(s.Spec.AllNodes, false), s.Spec.NodeSelector != nil, len(s.Spec.SharedCounters))
+		for _, d := range s.Spec.Devices {
+			fmt.Fprintf(&b, " %s{", d.Name)
+			keys := make([]string, 0, len(d.Attributes))
+			for k := range d.Attributes {
+				keys = append(keys, string(k))
+			}
+			sort.Strings(keys)
+			for _, k := range keys {
+				v, _ := topology.DomainValue(d.Attributes[resourceapi.QualifiedName(k)])
+				fmt.Fprintf(&b, "%s=%s ", k, v)
+			}
+			if len(d.Taints) > 0 {
+				fmt.Fprintf(&b, "tainted ")
+			}
+			if len(d.ConsumesCounters) > 0 {
+				fmt.Fprintf(&b, "counters ")
+			}
+			b.WriteString("}")
+		}
+		b.WriteString("\n")
+	}
+	for id := range pc.state.AllocatedDevices {
+		fmt.Fprintf(&b, "allocated %s\n", id)
+	}
+	for _, c := range pc.claims {
+		fmt.Fprintf(&b, "claim %s annotations=%v constraints=%d:", c.Name, c.Annotations, len(c.Spec.Devices.Constraints))
+		for _, r := range c.Spec.Devices.Requests {
+			if r.Exactly != nil {
+				fmt.Fprintf(&b, " %s(%s %s x%d sel=%d admin=%v tol=%d)", r.Name, r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count, len(r.Exactly.Selectors), ptr.Deref(r.Exactly.AdminAccess, false), len(r.Exactly.Tolerations))
+			}
+			for _, s := range r.FirstAvailable {
+				fmt.Fprintf(&b, " %s/%s(%s x%d)", r.Name, s.Name, s.DeviceClassName, s.Count)
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// genCase builds a random case. Everything comes from rnd.
+func genCase(rnd *rand.Rand) *parityCase {
+	pc := &parityCase{
+		node:     node("node-a"),
+		classes:  classes(class("gpu", `device.driver == "`+gpuDriver+`"`), class("nic", `device.driver == "`+nicDriver+`"`), class("any"), class("fast", `"mem" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].mem >= 40`)),
+		features: allFeatures,
+		policy:   DefaultPolicy(),
+		state:    allocated(gpuDriver, "none"),
+	}
+	pc.node.Labels["zone"] = []string{"z1", "z2"}[rnd.IntN(2)]
+	if rnd.IntN(6) == 0 {
+		pc.features.PartitionableDevices = false
+	}
+	if rnd.IntN(6) == 0 {
+		pc.features.DeviceTaints = false
+	}
+	if rnd.IntN(4) == 0 {
+		pc.policy.Packing = false
+	}
+	if rnd.IntN(5) == 0 {
+		pc.policy.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode, topology.AttrPCIeRoot}
+	}
+	uid := 0
+	newSlice := func(name, driver, pool string, nodeName string, gen, count int64) *resourceapi.ResourceSlice {
+		uid++
+		s := &resourceapi.ResourceSlice{
+			ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(fmt.Sprintf("%s-%d-%d", name, rnd.Uint64(), uid)), Generation: 1},
+			Spec: resourceapi.ResourceSliceSpec{
+				Driver: driver,
+				Pool:   resourceapi.ResourcePool{Name: pool, Generation: gen, ResourceSliceCount: count},
+			},
+		}
+		if nodeName != "" {
+			s.Spec.NodeName = ptr.To(nodeName)
+		}
+		return s
+	}
+	randDevice := func(driver, name string) resourceapi.Device {
+		a := attrs{}
+		if rnd.IntN(5) > 0 {
+			a[topology.AttrPCIeRoot] = str(fmt.Sprintf("pci%d", rnd.IntN(3)))
+		}
+		switch rnd.IntN(4) {
+		case 0:
+		case 1:
+			a[topology.AttrNUMANode] = nums(int64(rnd.IntN(2)), int64(rnd.IntN(2)))
+		default:
+			a[topology.AttrNUMANode] = num(int64(rnd.IntN(2)))
+		}
+		if driver == gpuDriver {
+			if rnd.IntN(3) > 0 {
+				a["nvlinkClique"] = str(fmt.Sprintf("c%d", rnd.IntN(2)))
+			}
+			a["mem"] = num([]int64{24, 40, 80}[rnd.IntN(3)])
+			a["model"] = str([]string{"a", "b"}[rnd.IntN(2)])
+		}
+		d := resourceapi.Device{Name: name, Attributes: a}
+		if rnd.IntN(8) == 0 {
+			d.Taints = []resourceapi.DeviceTaint{{Key: "health", Value: "bad", Effect: []resourceapi.DeviceTaintEffect{resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute, resourceapi.DeviceTaintEffectNone}[rnd.IntN(3)]}}
+		}
+		return d
+	}
+	var allDevices []structured.DeviceID
+	addDevices := func(s *resourceapi.ResourceSlice, n int, prefix string) {
+		for i := range n {
+			name := fmt.Sprintf("%s%d", prefix, i)
+			if rnd.IntN(60) == 0 && i > 0 {
+				name = fmt.Sprintf("%s%d", prefix, i-1) // duplicate name: invalid pool
+			}
+			s.Spec.Devices = append(s.Spec.Devices, randDevice(s.Spec.Driver, name))
+			allDevices = append(allDevices, structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, name))
+		}
+	}
+
+	// GPU pool of node-a: one or two slices, maybe partitionable with
+	// counters, maybe incomplete, maybe with an outdated slice.
+	nSlices := int64(1 + rnd.IntN(2))
+	count := nSlices
+	if rnd.IntN(15) == 0 {
+		count++ // incomplete
+	}
+	withCounters := rnd.IntN(4) == 0
+	if withCounters {
+		count++
+		cs := newSlice("a-gpu-counters", gpuDriver, "node-a", "node-a", 2, count)
+		cs.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse(fmt.Sprintf("%d", 80+rnd.IntN(80)))}}}}
+		pc.slices = append(pc.slices, cs)
+	}
+	for i := range nSlices {
+		s := newSlice(fmt.Sprintf("a-gpu-%d", i), gpuDriver, "node-a", "node-a", 2, count)
+		addDevices(s, 2+rnd.IntN(7), fmt.Sprintf("gpu-%d-", i))
+		if withCounters {
+			for j := range s.Spec.Devices {
+				s.Spec.Devices[j].ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("40")}}}}
+			}
+		}
+		pc.slices = append(pc.slices, s)
+	}
+	if rnd.IntN(6) == 0 {
+		old := newSlice("a-gpu-old", gpuDriver, "node-a", "node-a", 1, 1)
+		addDevices(old, 2, "old-")
+		pc.slices = append(pc.slices, old)
+	}
+	// NIC pool of node-a.
+	if rnd.IntN(3) > 0 {
+		s := newSlice("a-nic", nicDriver, "node-a", "node-a", 1, 1)
+		addDevices(s, 1+rnd.IntN(3), "nic-")
+		pc.slices = append(pc.slices, s)
+	}
+	// Another node's pool, which must never be used.
+	other := newSlice("b-gpu", gpuDriver, "node-b", "node-b", 1, 1)
+	addDevices(other, 2, "gpu-")
+	pc.slices = append(pc.slices, other)
+	// Network-attached devices: all nodes, or a zone by node selector.
+	if rnd.IntN(3) == 0 {
+		s := newSlice("net-all", nicDriver, "net", "", 1, 1)
+		s.Spec.AllNodes = ptr.To(true)
+		addDevices(s, 1+rnd.IntN(2), "net-")
+		pc.slices = append(pc.slices, s)
+	}
+	if rnd.IntN(3) == 0 {
+		s := newSlice("zone-gpus", gpuDriver, "zone", "", 1, 1)
+		s.Spec.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "zone", Operator: v1.NodeSelectorOpIn, Values: []string{"z1"}}}}}}
+		addDevices(s, 1+rnd.IntN(2), "zgpu-")
+		pc.slices = append(pc.slices, s)
+	}
+	rnd.Shuffle(len(pc.slices), func(i, j int) { pc.slices[i], pc.slices[j] = pc.slices[j], pc.slices[i] })
+
+	// Prior allocations.
+	for _, id := range allDevices {
+		if rnd.IntN(6) == 0 {
+			pc.state.AllocatedDevices.Insert(id)
+		}
+	}
+
+	// Claims.
+	nClaims := []int{1, 1, 2, 2, 3}[rnd.IntN(5)]
+	for ci := range nClaims {
+		b := claim(fmt.Sprintf("claim-%d", ci))
+		switch rnd.IntN(6) {
+		case 0:
+			b.annotate(topology.AnnotationAlignment, "none")
+		case 1:
+			b.annotate(topology.AnnotationAlignWith, "pod")
+		}
+		nReq := []int{1, 1, 1, 2}[rnd.IntN(4)]
+		for ri := range nReq {
+			name := fmt.Sprintf("req-%d", ri)
+			cls := []string{"gpu", "gpu", "gpu", "gpu", "nic", "any", "fast"}[rnd.IntN(7)]
+			var sels []string
+			if rnd.IntN(4) == 0 {
+				sels = append(sels, `"model" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].model == "a"`)
+			}
+			if rnd.IntN(5) == 0 && pc.features.PrioritizedList {
+				r := resourceapi.DeviceRequest{Name: name}
+				for si := range 2 {
+					r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
+						Name: fmt.Sprintf("s%d", si), DeviceClassName: cls,
+						AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: int64(2 - si + rnd.IntN(2)),
+					})
+				}
+				b.c.Spec.Devices.Requests = append(b.c.Spec.Devices.Requests, r)
+				continue
+			}
+			b.request(name, cls, []int64{1, 1, 2, 2, 3, 4}[rnd.IntN(6)], sels...)
+			r := b.c.Spec.Devices.Requests[len(b.c.Spec.Devices.Requests)-1].Exactly
+			if rnd.IntN(12) == 0 {
+				r.AllocationMode = resourceapi.DeviceAllocationModeAll
+				r.Count = 0
+			}
+			if rnd.IntN(4) == 0 {
+				r.Tolerations = []resourceapi.DeviceToleration{{Key: "health", Operator: resourceapi.DeviceTolerationOpExists}}
+			}
+			if rnd.IntN(25) == 0 {
+				r.AdminAccess = ptr.To(true)
+			}
+		}
+		if len(b.c.Spec.Devices.Requests) > 1 || rnd.IntN(3) == 0 {
+			switch rnd.IntN(5) {
+			case 0:
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))})
+			case 1:
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrNUMANode))})
+			case 2:
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{DistinctAttribute: ptr.To(resourceapi.FullyQualifiedName(gpuDriver + "/model"))})
+			}
+		}
+		pc.claims = append(pc.claims, b.obj())
+	}
+	return pc
+}
+
+// checkValid verifies a topodra allocation independently of how it was
+// found: every claim got results for its requests, no device is on another
+// node or already in use (without admin access), and upstream allocates the
+// same devices when only those devices are visible.
+func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.AllocationResult) error {
+	if len(results) != len(pc.claims) {
+		return fmt.Errorf("%d results for %d claims", len(results), len(pc.claims))
+	}
+	chosen := sets.New[structured.DeviceID]()
+	for ci, r := range results {
+		admin := map[string]bool{}
+		for _, req := range pc.claims[ci].Spec.Devices.Requests {
+			if req.Exactly != nil && ptr.Deref(req.Exactly.AdminAccess, false) {
+				admin[req.Name] = true
+			}
+		}
+		for _, d := range r.Devices.Results {
+			id := structured.MakeDeviceID(d.Driver, d.Pool, d.Device)
+			if d.Pool == "node-b" {
+				return fmt.Errorf("device %s belongs to another node", id)
+			}
+			if pc.state.AllocatedDevices.Has(id) && !admin[d.Request] {
+				return fmt.Errorf("device %s is already allocated", id)
+			}
+			chosen.Insert(id)
+		}
+	}
+	// Upstream, with only the chosen devices visible.
+	var restricted []*resourceapi.ResourceSlice
+	for _, s := range pc.slices {
+		c := *s
+		c.Spec.Devices = nil
+		for _, d := range s.Spec.Devices {
+			if chosen.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) {
+				c.Spec.Devices = append(c.Spec.Devices, d)
+			}
+		}
+		restricted = append(restricted, &c)
+	}
+	up, err := structured.NewAllocator(ctx, pc.features, *pc.state, pc.classes, restricted, newCELCache())
+	if err != nil {
+		return err
+	}
+	// Pin firstAvailable requests to the subrequest topodra chose: with
+	// fewer devices visible, upstream's first solution could otherwise
+	// settle for a later subrequest.
+	pinned := make([]*resourceapi.ResourceClaim, len(pc.claims))
+	for ci, c := range pc.claims {
+		c = c.DeepCopy()
+		for ri := range c.Spec.Devices.Requests {
+			req := &c.Spec.Devices.Requests[ri]
+			for _, d := range results[ci].Devices.Results {
+				for _, sub := range req.FirstAvailable {
+					if d.Request == req.Name+"/"+sub.Name {
+						req.Exactly = &resourceapi.ExactDeviceRequest{
+							DeviceClassName: sub.DeviceClassName, Selectors: sub.Selectors,
+							AllocationMode: sub.AllocationMode, Count: sub.Count, Tolerations: sub.Tolerations,
+						}
+					}
+				}
+			}
+			req.FirstAvailable = nil
+		}
+		pinned[ci] = c
+	}
+	again, err := up.Allocate(ctx, pc.node, pinned)
+	if err != nil {
+		return fmt.Errorf("upstream on the chosen devices: %w", err)
+	}
+	if again == nil {
+		return errors.New("upstream cannot allocate the claims with only the chosen devices")
+	}
+	againSet := sets.New[structured.DeviceID]()
+	for _, r := range again {
+		for _, d := range r.Devices.Results {
+			againSet.Insert(structured.MakeDeviceID(d.Driver, d.Pool, d.Device))
+		}
+	}
+	if !againSet.Equal(chosen) {
+		return fmt.Errorf("upstream on the chosen devices picks %v, topodra %v", againSet.UnsortedList(), chosen.UnsortedList())
+	}
+	return nil
+}
+
+// quietContext logs only V(1) and below: the random tests run upstream
+// thousands of times.
+func quietContext(t *testing.T) context.Context {
+	return klog.NewContext(context.Background(), ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(1))))
+}
+
+func TestParityWithUpstream(t *testing.T) {
+	ctx := quietContext(t)
+	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
+	var feasible, infeasible, improved, errs int
+	for i := range *parityCases {
+		pc := genCase(rnd)
+		up, err := structured.NewAllocator(ctx, pc.features, *pc.state, pc.classes, pc.slices, newCELCache())
+		if err != nil {
+			t.Fatal(err)
+		}
+		upResult, upErr := up.Allocate(ctx, pc.node, pc.claims)
+		if errors.Is(upErr, structured.ErrFailedAllocationOnNode) {
+			upResult, upErr = nil, nil
+		}
+
+		a, err := New(ctx, Options{Features: pc.features, AllocatedState: pc.state, ClassLister: pc.classes, Slices: pc.slices, CELCache: newCELCache(), Policy: pc.policy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, pc.node, pc.claims)
+		switch {
+		case upErr != nil || err != nil:
+			if (upErr == nil) != (err == nil) {
+				t.Fatalf("case %d: upstream error %v, topodra error %v\n%s", i, upErr, err, pc.describe())
+			}
+			errs++
+			continue
+		case res == nil:
+			t.Fatalf("case %d: nil result without error", i)
+		}
+		if (upResult == nil) != (res.Allocations == nil) {
+			t.Fatalf("case %d: upstream allocates %v, topodra %v (explanation: %s)\nupstream: %v\n%s", i, upResult != nil, res.Allocations != nil, res.Explanation, deviceNames(upResult), pc.describe())
+		}
+		if res.Allocations == nil {
+			infeasible++
+			if os.Getenv("PARITY_DEBUG") != "" && infeasible < 40 {
+				t.Logf("infeasible: %s", res.Explanation)
+			}
+			if res.Explanation == nil || res.Explanation.String() == "" {
+				t.Fatalf("case %d: infeasible without explanation", i)
+			}
+			continue
+		}
+		feasible++
+		if err := checkValid(ctx, pc, res.Allocations); err != nil {
+			t.Fatalf("case %d: invalid topodra allocation %v: %v\n%s", i, deviceNames(res.Allocations), err, pc.describe())
+		}
+		if !slices.Equal(deviceNames(res.Allocations), deviceNames(upResult)) {
+			improved++
+		}
+	}
+	t.Logf("%d cases: %d feasible (%d with other devices than upstream), %d infeasible, %d errors on both sides", *parityCases, feasible, improved, infeasible, errs)
+	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 {
+		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different", feasible, infeasible, improved)
+	}
+}
+
+// TestRequireIsAlignedAndValid runs random cases with alignment=require:
+// topodra may refuse where upstream allocates, but whatever it returns is
+// valid, and aligned.
+func TestRequireIsAlignedAndValid(t *testing.T) {
+	ctx := quietContext(t)
+	rnd := rand.New(rand.NewPCG(*paritySeed, 7))
+	var allocatedN, refused int
+	for i := range max(*parityCases/4, 100) {
+		pc := genCase(rnd)
+		pc.policy.Alignment = AlignmentRequire
+		a, err := New(ctx, Options{Features: pc.features, AllocatedState: pc.state, ClassLister: pc.classes, Slices: pc.slices, CELCache: newCELCache(), Policy: pc.policy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, pc.node, pc.claims)
+		if err != nil || res.Allocations == nil {
+			refused++
+			continue
+		}
+		allocatedN++
+		if err := checkValid(ctx, pc, res.Allocations); err != nil {
+			t.Fatalf("case %d: invalid allocation: %v\n%s", i, err, pc.describe())
+		}
+		for ci, c := range pc.claims {
+			if c.Annotations[topology.AnnotationAlignment] == "none" || c.Annotations[topology.AnnotationAlignWith] == "pod" {
+				continue
+			}
+			all := false
+			for _, r := range c.Spec.Devices.Requests {
+				all = all || (r.Exactly != nil && r.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll)
+			}
+			if all || len(res.Allocations[ci].Devices.Results) < 2 {
+				continue
+			}
+			if !sharesDomain(pc, res.Allocations[ci]) {
+				t.Fatalf("case %d: claim %s not aligned: %v\n%s", i, c.Name, deviceNames(res.Allocations[ci:ci+1]), pc.describe())
+			}
+		}
+	}
+	t.Logf("require: %d allocated, %d refused", allocatedN, refused)
+}
+
+func sharesDomain(pc *parityCase, r resourceapi.AllocationResult) bool {
+	coordsOf := map[string]topology.Coordinates{}
+	for _, s := range pc.slices {
+		for i := range s.Spec.Devices {
+			coordsOf[s.Spec.Driver+"/"+s.Spec.Pool.Name+"/"+s.Spec.Devices[i].Name] = topology.DeviceCoordinates(s.Spec.Driver, &s.Spec.Devices[i], pc.policy.Attributes)
+		}
+	}
+	for l := range pc.policy.Attributes {
+		v, ok := "", true
+		for _, d := range r.Devices.Results {
+			c := coordsOf[d.Driver+"/"+d.Pool+"/"+d.Device][l]
+			if c == "" || (v != "" && c != v) {
+				ok = false
+				break
+			}
+			v = c
+		}
+		if ok {
+			return true
+		}
+	}
+	return false
+}
