@@ -1,5 +1,5 @@
 // Command topodra-scheduler is kube-scheduler with the TopologyDRA plugin
-// compiled in. This file is wiring only.
+// compiled in. This file is wiring only; see ./app.
 package main
 
 import (
@@ -9,10 +9,10 @@ import (
 	_ "k8s.io/component-base/logs/json/register"
 	_ "k8s.io/component-base/metrics/prometheus/clientgo"
 	_ "k8s.io/component-base/metrics/prometheus/version"
-	"k8s.io/kubernetes/cmd/kube-scheduler/app"
+
+	"github.com/topodra/topodra/cmd/scheduler/app"
 )
 
 func main() {
-	command := app.NewSchedulerCommand()
-	os.Exit(cli.Run(command))
+	os.Exit(cli.Run(app.NewCommand()))
 }

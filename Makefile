@@ -1,0 +1,43 @@
+# topodra — thin targets; see README.md.
+GO        ?= go
+BIN       ?= bin
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo v0.1.0-dev)
+K8S_VERSION := v1.37.2
+LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s.io/component-base/version.gitVersion=$(K8S_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
+# Integration tests start real apiservers; keep package parallelism low on small machines.
+TEST_FLAGS ?= -count=1 -timeout=40m -p=2
+
+.PHONY: all build test unit integration verify demo bench bench-short clean
+
+all: build
+
+build:
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-scheduler ./cmd/scheduler
+	@if ls cmd/node-agent/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-node-agent ./cmd/node-agent; fi
+	@if ls cmd/simulator/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-sim ./cmd/simulator; fi
+
+# What CI runs: unit and integration tests.
+test:
+	$(GO) test $(TEST_FLAGS) ./...
+
+unit:
+	$(GO) test $(TEST_FLAGS) ./pkg/... ./cmd/...
+
+integration:
+	$(GO) test $(TEST_FLAGS) ./test/integration/...
+
+verify:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+demo:
+	$(GO) run ./cmd/simulator $(DEMO_ARGS)
+
+bench:
+	$(GO) run ./test/perf/cmd $(if $(BENCH_OUT),--out $(BENCH_OUT))
+
+bench-short:
+	$(GO) run ./test/perf/cmd --short $(if $(BENCH_OUT),--out $(BENCH_OUT))
+
+clean:
+	rm -rf $(BIN) _out

@@ -1,0 +1,30 @@
+package app
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/topodra/topodra/pkg/version"
+)
+
+func TestVersionString(t *testing.T) {
+	got := VersionString()
+	if !strings.HasPrefix(got, "topodra-scheduler "+version.Version+" ") {
+		t.Errorf("VersionString() = %q, want it to start with the topodra version %q", got, version.Version)
+	}
+	if !strings.Contains(got, "kube-scheduler v") {
+		t.Errorf("VersionString() = %q, want the kube-scheduler version too", got)
+	}
+}
+
+func TestCommandHasSchedulerFlags(t *testing.T) {
+	cmd := NewCommand()
+	if cmd.Use != SchedulerName {
+		t.Errorf("Use = %q, want %q", cmd.Use, SchedulerName)
+	}
+	for _, name := range []string{"config", "secure-port", "version", "kubeconfig"} {
+		if cmd.Flags().Lookup(name) == nil {
+			t.Errorf("flag --%s missing", name)
+		}
+	}
+}

@@ -1,0 +1,114 @@
+package framework
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/yaml"
+
+	schedulerapp "github.com/topodra/topodra/cmd/scheduler/app"
+)
+
+// SchedulerOptions says which scheduler to run and with which configuration.
+type SchedulerOptions struct {
+	// Name labels the instance in logs and in the config file name.
+	Name string
+	// Stock runs plain kube-scheduler (stock DynamicResources plugin), not
+	// topodra-scheduler.
+	Stock bool
+	// Config is a KubeSchedulerConfiguration (YAML). Its clientConnection and
+	// leaderElection are filled in by StartScheduler. Empty means the
+	// default: one profile named after the scheduler.
+	Config []byte
+	// ConfigFile is read when Config is empty.
+	ConfigFile string
+	// Args are extra command-line flags.
+	Args []string
+}
+
+// DefaultStockConfig is a config with one stock profile, default-scheduler.
+const DefaultStockConfig = `apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+profiles:
+- schedulerName: default-scheduler
+`
+
+// StartScheduler runs a scheduler in process against the control plane, from
+// the same options and setup code as the binary, with --secure-port=0 and
+// leader election off. The returned function stops it and waits until it has
+// stopped; it is also stopped at teardown.
+func (cp *ControlPlane) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
+	config := opts.Config
+	if len(config) == 0 && opts.ConfigFile != "" {
+		data, err := os.ReadFile(opts.ConfigFile)
+		if err != nil {
+			return nil, fmt.Errorf("read scheduler config: %w", err)
+		}
+		config = data
+	}
+	if len(config) == 0 {
+		config = []byte(DefaultStockConfig)
+	}
+	name := opts.Name
+	if name == "" {
+		name = "scheduler"
+	}
+	path, err := cp.writeSchedulerConfig(name, config)
+	if err != nil {
+		return nil, err
+	}
+	args := append([]string{"--config=" + path, "--secure-port=0"}, opts.Args...)
+
+	ctx, cancel := context.WithCancel(ctx)
+	logger := klog.FromContext(ctx).WithName(name)
+	ctx = klog.NewContext(ctx, logger)
+	done := make(chan error, 1)
+	go func() { done <- schedulerapp.Run(ctx, args, opts.Stock) }()
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil && ctx.Err() == nil {
+				logger.Error(err, "scheduler stopped")
+			}
+		})
+	}
+	cp.AddStop(stop)
+	return stop, nil
+}
+
+// writeSchedulerConfig fills in the client connection and leader election
+// of a KubeSchedulerConfiguration and writes it to a file.
+func (cp *ControlPlane) writeSchedulerConfig(name string, config []byte) (string, error) {
+	var obj map[string]any
+	if err := yaml.Unmarshal(config, &obj); err != nil {
+		return "", fmt.Errorf("parse scheduler config: %w", err)
+	}
+	conn, _ := obj["clientConnection"].(map[string]any)
+	if conn == nil {
+		conn = map[string]any{}
+	}
+	conn["kubeconfig"] = cp.Kubeconfig
+	conn["qps"] = 5000
+	conn["burst"] = 10000
+	obj["clientConnection"] = conn
+	le, _ := obj["leaderElection"].(map[string]any)
+	if le == nil {
+		le = map[string]any{}
+	}
+	le["leaderElect"] = false
+	obj["leaderElection"] = le
+	out, err := yaml.Marshal(obj)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(cp.Dir, name+"-config.yaml")
+	if err := os.WriteFile(path, out, 0o644); err != nil {
+		return "", fmt.Errorf("write scheduler config: %w", err)
+	}
+	return path, nil
+}
