@@ -1,0 +1,454 @@
+// Package agent is the topodra node agent: it publishes a node's GPUs as
+// ResourceSlices (driver gpu.topodra.io, one pool per node) and implements
+// the kubelet DRA plugin that prepares them for containers through CDI.
+//
+// # Running an agent
+//
+// [New] wires everything: discovery, kubeletplugin.Start, health watching,
+// then PublishResources. The agent republishes when discovery reports a
+// change (polled every [Options.RescanInterval]) and when a device becomes
+// unhealthy. Publishing goes through the kubeletplugin helper, which runs
+// the resourceslice controller: a restart with the same devices finds the
+// existing slices equal to the desired ones and changes nothing in the API.
+//
+// # Publish-only mode (simulators)
+//
+// A real agent registers with the kubelet through sockets below
+// /var/lib/kubelet. A simulator has no kubelet. With [Options.PublishOnly]
+// the agent starts the kubeletplugin helper with its registration and DRA
+// gRPC services disabled (kubeletplugin.RegistrationService(false),
+// kubeletplugin.DRAService(false)): no socket, no directory, no kubelet, but
+// the same ResourceSlice publishing, republishing and health taints as on a
+// real node. Prepare and Unprepare still work when called directly if
+// [Options.StateDir] and [Options.CDIDir] are set. [StartSimulated] builds a
+// mock machine and a publish-only agent for one simulated node in one call.
+//
+// # Taints
+//
+// With [Options.OwnedTaint] every device carries the NoSchedule device taint
+// topology.DefaultTaintKey (architecture decision 6): the default scheduler
+// does not allocate these devices, topodra tolerates its own taint. A device
+// that NVML reports as faulty (critical XID, lost GPU) carries the
+// NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
+// until the agent restarts.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// HealthTaintKey is the device taint that marks a faulty device.
+const HealthTaintKey = topology.DriverName + "/unhealthy"
+
+// DefaultRescanInterval is how often the agent rediscovers devices.
+const DefaultRescanInterval = time.Minute
+
+// healthResendInterval keeps the kubelet's health data fresh; the kubelet
+// treats data older than healthCheckTimeout as unknown.
+const (
+	healthResendInterval = 10 * time.Second
+	healthCheckTimeout   = 30 * time.Second
+)
+
+// Options configure [New]. NodeName, KubeClient and Discovery are required.
+type Options struct {
+	// NodeName is the node whose devices are published; it owns the slices.
+	NodeName string
+	// KubeClient talks to the API server.
+	KubeClient kubernetes.Interface
+	// Discovery finds the node's devices.
+	Discovery discovery.Interface
+	// Health watches device faults. Nil means: use Discovery if it
+	// implements discovery.HealthWatcher, otherwise no health reporting
+	// (WatchHealthStatus returns kubeletplugin.ErrHealthNotSupported).
+	Health discovery.HealthWatcher
+
+	// DriverName defaults to topology.DriverName.
+	DriverName string
+	// PoolName defaults to NodeName.
+	PoolName string
+
+	// PublishOnly disables the kubelet registration and DRA gRPC services:
+	// the agent only publishes ResourceSlices. For simulators and tests.
+	PublishOnly bool
+	// PluginDataDir holds the DRA socket; it defaults to
+	// /var/lib/kubelet/plugins/<driver>. Unused with PublishOnly.
+	PluginDataDir string
+	// RegistrarDir is the kubelet's plugin registry directory; it defaults
+	// to /var/lib/kubelet/plugins_registry. Unused with PublishOnly.
+	RegistrarDir string
+	// StateDir holds the checkpoint of prepared claims; it defaults to
+	// PluginDataDir. With PublishOnly and no StateDir, Prepare fails.
+	StateDir string
+	// CDIDir receives the per-claim CDI specs; it defaults to /var/run/cdi.
+	// With PublishOnly and no CDIDir, Prepare fails.
+	CDIDir string
+
+	// OwnedTaint publishes the NoSchedule taint OwnedTaintKey on every
+	// device, so that only topodra (which tolerates it) allocates them.
+	OwnedTaint bool
+	// OwnedTaintKey defaults to topology.DefaultTaintKey.
+	OwnedTaintKey string
+
+	// RescanInterval is how often devices are rediscovered (default
+	// DefaultRescanInterval); negative disables rescanning.
+	RescanInterval time.Duration
+}
+
+// Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
+type Agent struct {
+	opts      Options
+	discovery discovery.Interface
+	health    discovery.HealthWatcher
+	store     *checkpoint.Store
+	cdi       *cdi.Writer
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	wg     sync.WaitGroup
+	helper *kubeletplugin.Helper
+
+	// prepareMutex serializes Prepare and Unprepare (the helper already
+	// serializes gRPC calls; direct callers like simulators may not).
+	prepareMutex sync.Mutex
+
+	// publishMutex keeps publish calls in order.
+	publishMutex sync.Mutex
+
+	// mutex guards the fields below.
+	mutex         sync.Mutex
+	inventory     *discovery.Inventory
+	unhealthy     map[string]discovery.HealthEvent
+	published     *resourceslice.DriverResources
+	healthChanged chan struct{}
+	healthActive  bool
+	stopHealth    context.CancelFunc
+}
+
+var _ kubeletplugin.DRAPlugin = &Agent{}
+
+// New discovers devices, starts the kubelet plugin helper (or, with
+// PublishOnly, only its publishing part), publishes the node's pool and
+// starts rescanning and health watching in the background. Everything stops
+// when ctx is canceled or Stop is called. A node without GPUs (discovery
+// returns discovery.ErrNoGPU) publishes an empty pool; other discovery
+// errors fail New.
+func New(ctx context.Context, opts Options) (*Agent, error) {
+	if opts.NodeName == "" {
+		return nil, errors.New("node name must be set")
+	}
+	if opts.KubeClient == nil {
+		return nil, errors.New("kube client must be set")
+	}
+	if opts.Discovery == nil {
+		return nil, errors.New("discovery must be set")
+	}
+	if opts.DriverName == "" {
+		opts.DriverName = topology.DriverName
+	}
+	if opts.PoolName == "" {
+		opts.PoolName = opts.NodeName
+	}
+	if opts.OwnedTaintKey == "" {
+		opts.OwnedTaintKey = topology.DefaultTaintKey
+	}
+	if opts.RescanInterval == 0 {
+		opts.RescanInterval = DefaultRescanInterval
+	}
+	if !opts.PublishOnly {
+		if opts.PluginDataDir == "" {
+			opts.PluginDataDir = filepath.Join(kubeletplugin.KubeletPluginsDir, opts.DriverName)
+		}
+		if opts.RegistrarDir == "" {
+			opts.RegistrarDir = kubeletplugin.KubeletRegistryDir
+		}
+		if opts.StateDir == "" {
+			opts.StateDir = opts.PluginDataDir
+		}
+		if opts.CDIDir == "" {
+			opts.CDIDir = cdi.DefaultDir
+		}
+	}
+	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", opts.NodeName, "driver", opts.DriverName)
+	ctx = klog.NewContext(ctx, logger)
+
+	a := &Agent{
+		opts:          opts,
+		discovery:     opts.Discovery,
+		health:        opts.Health,
+		unhealthy:     map[string]discovery.HealthEvent{},
+		healthChanged: make(chan struct{}),
+	}
+	if a.health == nil {
+		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
+			a.health = hw
+		}
+	}
+	if opts.StateDir != "" && opts.CDIDir != "" {
+		store, err := checkpoint.New(opts.StateDir)
+		if err != nil {
+			return nil, err
+		}
+		// Fail early on an unreadable checkpoint instead of on the first
+		// Prepare: the agent must not forget prepared devices.
+		if _, err := store.Load(); err != nil {
+			return nil, err
+		}
+		writer, err := cdi.New(opts.CDIDir)
+		if err != nil {
+			return nil, err
+		}
+		a.store, a.cdi = store, writer
+	}
+
+	inv, err := opts.Discovery.Discover(ctx)
+	switch {
+	case errors.Is(err, discovery.ErrNoGPU):
+		logger.Info("no GPUs found, publishing an empty pool", "reason", err.Error())
+		inv = &discovery.Inventory{}
+	case err != nil:
+		return nil, fmt.Errorf("discover devices: %w", err)
+	}
+	a.inventory = inv
+	logDiscovery(logger, inv)
+
+	a.ctx, a.cancel = context.WithCancelCause(ctx)
+	helperOpts := []kubeletplugin.Option{
+		kubeletplugin.DriverName(opts.DriverName),
+		kubeletplugin.NodeName(opts.NodeName),
+		kubeletplugin.KubeClient(opts.KubeClient),
+	}
+	if opts.PublishOnly {
+		helperOpts = append(helperOpts,
+			kubeletplugin.RegistrationService(false),
+			kubeletplugin.DRAService(false),
+		)
+	} else {
+		helperOpts = append(helperOpts,
+			kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
+			kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
+		)
+	}
+	helper, err := kubeletplugin.Start(a.ctx, a, helperOpts...)
+	if err != nil {
+		a.cancel(err)
+		return nil, fmt.Errorf("start kubelet plugin: %w", err)
+	}
+	a.helper = helper
+
+	if err := a.publish(a.ctx); err != nil {
+		a.Stop()
+		return nil, err
+	}
+	if a.health != nil {
+		a.startHealth(inv)
+	}
+	if opts.RescanInterval > 0 {
+		a.wg.Go(func() { a.rescanLoop(a.ctx) })
+	}
+	return a, nil
+}
+
+func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
+	names := make([]string, 0, len(inv.GPUs))
+	for _, g := range inv.GPUs {
+		names = append(names, g.Name)
+	}
+	logger.V(2).Info("discovered devices", "devices", names)
+	for _, s := range inv.Skipped {
+		logger.Info("GPU not published", "index", s.Index, "uuid", s.UUID, "pciBusID", s.PCIBusID, "reason", s.Reason)
+	}
+}
+
+// Stop stops publishing, health watching and the kubelet plugin and waits
+// for background work to finish. Published slices stay in the API (a
+// restarted agent takes them over); they are garbage collected with the
+// Node. Stop may be called more than once.
+func (a *Agent) Stop() {
+	a.cancel(errors.New("agent stopped"))
+	a.helper.Stop()
+	a.wg.Wait()
+}
+
+// Done is closed when the agent stops, because its context was canceled,
+// Stop was called, or a fatal error occurred; Err then says why.
+func (a *Agent) Done() <-chan struct{} { return a.ctx.Done() }
+
+// Err returns why the agent stopped, nil while it runs.
+func (a *Agent) Err() error {
+	if a.ctx.Err() == nil {
+		return nil
+	}
+	return context.Cause(a.ctx)
+}
+
+// Inventory returns the current discovery result. Callers must not modify it.
+func (a *Agent) Inventory() *discovery.Inventory {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	return a.inventory
+}
+
+// Resources returns what the agent currently wants published.
+func (a *Agent) Resources() resourceslice.DriverResources {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	return a.resourcesLocked()
+}
+
+func (a *Agent) resourcesLocked() resourceslice.DriverResources {
+	return BuildResources(a.inventory, a.opts.PoolName, a.unhealthy, TaintOptions{
+		Owned:    a.opts.OwnedTaint,
+		OwnedKey: a.opts.OwnedTaintKey,
+	})
+}
+
+// TaintOptions control the taints that [BuildResources] adds.
+type TaintOptions struct {
+	// Owned adds the NoSchedule taint OwnedKey to every device.
+	Owned    bool
+	OwnedKey string
+}
+
+// BuildResources turns an inventory into the pool that the agent publishes:
+// one slice with all devices in index order, each with the owned taint (if
+// enabled) and a health taint if it is in unhealthy. The result is a pure
+// function of its inputs, so republishing an unchanged node is a no-op.
+func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[string]discovery.HealthEvent, taints TaintOptions) resourceslice.DriverResources {
+	resources := inv.DriverResources(poolName)
+	devices := resources.Pools[poolName].Slices[0].Devices
+	for i := range devices {
+		if taints.Owned {
+			key := taints.OwnedKey
+			if key == "" {
+				key = topology.DefaultTaintKey
+			}
+			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
+				Key:    key,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+			})
+		}
+		if ev, ok := unhealthy[devices[i].Name]; ok {
+			taint := resourceapi.DeviceTaint{
+				Key:    HealthTaintKey,
+				Value:  ev.Reason,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+			}
+			if !ev.Time.IsZero() {
+				taint.TimeAdded = &metav1.Time{Time: ev.Time.Truncate(time.Second)}
+			}
+			devices[i].Taints = append(devices[i].Taints, taint)
+		}
+	}
+	return resources
+}
+
+// publish hands the desired resources to the helper if they changed since
+// the last call.
+func (a *Agent) publish(ctx context.Context) error {
+	a.publishMutex.Lock()
+	defer a.publishMutex.Unlock()
+	a.mutex.Lock()
+	resources := a.resourcesLocked()
+	if a.published != nil && apiequality.Semantic.DeepEqual(a.published, &resources) {
+		a.mutex.Unlock()
+		return nil
+	}
+	a.published = &resources
+	a.mutex.Unlock()
+
+	klog.FromContext(ctx).V(2).Info("publishing devices", "pool", a.opts.PoolName, "devices", len(resources.Pools[a.opts.PoolName].Slices[0].Devices))
+	if err := a.helper.PublishResources(ctx, resources); err != nil {
+		return fmt.Errorf("publish resources: %w", err)
+	}
+	return nil
+}
+
+// Rescan rediscovers devices now and republishes if anything changed.
+func (a *Agent) Rescan(ctx context.Context) error {
+	logger := klog.FromContext(ctx)
+	inv, err := a.discovery.Discover(ctx)
+	switch {
+	case errors.Is(err, discovery.ErrNoGPU):
+		inv = &discovery.Inventory{}
+	case err != nil:
+		return fmt.Errorf("discover devices: %w", err)
+	}
+	a.mutex.Lock()
+	old := a.inventory
+	changed := !apiequality.Semantic.DeepEqual(old, inv)
+	restartHealth := changed && !sameUUIDs(old, inv)
+	if changed {
+		a.inventory = inv
+		for name := range a.unhealthy {
+			if inv.GPU(name) == nil {
+				delete(a.unhealthy, name)
+			}
+		}
+	}
+	a.mutex.Unlock()
+	if !changed {
+		return nil
+	}
+	logger.V(2).Info("devices changed")
+	logDiscovery(logger, inv)
+	if restartHealth && a.health != nil {
+		a.startHealth(inv)
+	}
+	return a.publish(ctx)
+}
+
+func sameUUIDs(a, b *discovery.Inventory) bool {
+	if len(a.GPUs) != len(b.GPUs) {
+		return false
+	}
+	for i := range a.GPUs {
+		if a.GPUs[i].UUID != b.GPUs[i].UUID || a.GPUs[i].Name != b.GPUs[i].Name {
+			return false
+		}
+	}
+	return true
+}
+
+func (a *Agent) rescanLoop(ctx context.Context) {
+	ticker := time.NewTicker(a.opts.RescanInterval)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+			if err := a.Rescan(ctx); err != nil {
+				utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
+			}
+		}
+	}
+}
+
+// HandleError implements kubeletplugin.DRAPlugin: recoverable errors are
+// logged, fatal ones stop the agent (Done is closed, Err says why).
+func (a *Agent) HandleError(ctx context.Context, err error, msg string) {
+	utilruntime.HandleErrorWithContext(ctx, err, msg)
+	if !errors.Is(err, kubeletplugin.ErrRecoverable) {
+		a.cancel(fmt.Errorf("fatal error: %s: %w", msg, err))
+	}
+}

@@ -1,0 +1,534 @@
+package agent_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+const nodeName = "node-1"
+
+type env struct {
+	machine  *mockgpu.Machine
+	stateDir string
+	cdiDir   string
+	client   *fake.Clientset
+}
+
+func newEnv(t *testing.T) *env {
+	m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &env{
+		machine:  m,
+		stateDir: t.TempDir(),
+		cdiDir:   t.TempDir(),
+		client:   fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid"}}),
+	}
+}
+
+// start runs a publish-only agent with state, as after a (re)start.
+func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
+	t.Helper()
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     e.client,
+		Discovery:      disc,
+		PublishOnly:    true,
+		StateDir:       e.stateDir,
+		CDIDir:         e.cdiDir,
+		RescanInterval: -1,
+	})
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	return a
+}
+
+type alloc struct {
+	request, device string
+	pool, driver    string
+	admin           bool
+}
+
+func claim(name string, allocs ...alloc) *resourceapi.ResourceClaim {
+	c := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name, UID: types.UID("uid-" + name)},
+		Status: resourceapi.ResourceClaimStatus{
+			Allocation: &resourceapi.AllocationResult{},
+		},
+	}
+	for _, a := range allocs {
+		r := resourceapi.DeviceRequestAllocationResult{
+			Request: a.request, Driver: topology.DriverName, Pool: nodeName, Device: a.device,
+		}
+		if a.driver != "" {
+			r.Driver = a.driver
+		}
+		if a.pool != "" {
+			r.Pool = a.pool
+		}
+		if a.admin {
+			r.AdminAccess = ptr.To(true)
+		}
+		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results, r)
+	}
+	return c
+}
+
+func gpus(request string, devices ...string) []alloc {
+	var out []alloc
+	for _, d := range devices {
+		out = append(out, alloc{request: request, device: d})
+	}
+	return out
+}
+
+func ref(c *resourceapi.ResourceClaim) kubeletplugin.NamespacedObject {
+	return kubeletplugin.NamespacedObject{NamespacedName: types.NamespacedName{Namespace: c.Namespace, Name: c.Name}, UID: c.UID}
+}
+
+func readSpec(t *testing.T, e *env, uid types.UID) *cdispec.Spec {
+	t.Helper()
+	w, err := cdi.New(e.cdiDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(w.SpecPath(uid))
+	if err != nil {
+		t.Fatalf("read CDI spec: %v", err)
+	}
+	var spec cdispec.Spec
+	if err := json.Unmarshal(data, &spec); err != nil {
+		t.Fatal(err)
+	}
+	return &spec
+}
+
+func TestPrepareWritesCDISpec(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	c := claim("train", append(gpus("gpus", "gpu-0", "gpu-3"), alloc{request: "nic", device: "nic-0", driver: mockgpu.NICDriverName})...)
+
+	result, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := kubeletplugin.PrepareResult{Devices: []kubeletplugin.Device{
+		{Requests: []string{"gpus"}, PoolName: nodeName, DeviceName: "gpu-0", CDIDeviceIDs: []string{"gpu.topodra.io/gpu=uid-train-gpu-0"}},
+		{Requests: []string{"gpus"}, PoolName: nodeName, DeviceName: "gpu-3", CDIDeviceIDs: []string{"gpu.topodra.io/gpu=uid-train-gpu-3"}},
+	}}
+	if diff := cmp.Diff(map[types.UID]kubeletplugin.PrepareResult{c.UID: want}, result); diff != "" {
+		t.Errorf("result (-want +got):\n%s", diff)
+	}
+
+	wantSpec := &cdispec.Spec{
+		Version: readSpec(t, e, c.UID).Version,
+		Kind:    "gpu.topodra.io/gpu",
+		Devices: []cdispec.Device{
+			{Name: "uid-train-gpu-0", ContainerEdits: cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: "/dev/nvidia0"}}}},
+			{Name: "uid-train-gpu-3", ContainerEdits: cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: "/dev/nvidia3"}}}},
+		},
+		ContainerEdits: cdispec.ContainerEdits{
+			Env: []string{"NVIDIA_VISIBLE_DEVICES=" + e.machine.UUID(0) + "," + e.machine.UUID(3)},
+			DeviceNodes: []*cdispec.DeviceNode{
+				{Path: "/dev/nvidiactl"}, {Path: "/dev/nvidia-uvm"}, {Path: "/dev/nvidia-uvm-tools"},
+			},
+		},
+	}
+	if wantSpec.Version == "" {
+		t.Error("CDI spec has no cdiVersion")
+	}
+	if diff := cmp.Diff(wantSpec, readSpec(t, e, c.UID)); diff != "" {
+		t.Errorf("CDI spec (-want +got):\n%s", diff)
+	}
+}
+
+func TestPrepareUnprepare(t *testing.T) {
+	a01 := claim("a", gpus("gpus", "gpu-0", "gpu-1")...)
+	b1 := claim("b", gpus("gpus", "gpu-1")...)
+	c2 := claim("c", gpus("gpus", "gpu-2")...)
+	admin1 := claim("admin", alloc{request: "monitor", device: "gpu-1", admin: true})
+	admin1b := claim("admin-b", alloc{request: "monitor", device: "gpu-1", admin: true})
+
+	// step is one call; wantErr maps claim names to the error they must get
+	// (errAny: any error); all other claims must succeed.
+	errAny := errors.New("any error")
+	type step struct {
+		prepare   []*resourceapi.ResourceClaim
+		unprepare []*resourceapi.ResourceClaim
+		restart   bool
+		// deleteCDI removes the spec of a claim before the step.
+		deleteCDI *resourceapi.ResourceClaim
+		wantErr   map[string]error
+		// wantPrepared lists the claims in the checkpoint after the step.
+		wantPrepared []string
+	}
+	testcases := map[string][]step{
+		"prepare twice is idempotent": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+		},
+		"lost CDI spec is restored": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{deleteCDI: a01, prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+		},
+		"device prepared for another claim is refused": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{prepare: []*resourceapi.ResourceClaim{b1, c2}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"a", "c"}},
+		},
+		"conflict inside one call is refused": {
+			{prepare: []*resourceapi.ResourceClaim{a01, b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"a"}},
+		},
+		"refusal survives a restart": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{restart: true, prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"a"}},
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+		},
+		"admin access may share with admin access only": {
+			{prepare: []*resourceapi.ResourceClaim{admin1, admin1b}, wantPrepared: []string{"admin", "admin-b"}},
+			{prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"admin", "admin-b"}},
+		},
+		"unprepare frees the device, twice is fine": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{unprepare: []*resourceapi.ResourceClaim{a01}},
+			{unprepare: []*resourceapi.ResourceClaim{a01}},
+			{prepare: []*resourceapi.ResourceClaim{b1}, wantPrepared: []string{"b"}},
+		},
+		"unprepare of an unknown claim is fine": {
+			{unprepare: []*resourceapi.ResourceClaim{c2}},
+		},
+		"unknown device, foreign pool, unallocated claim": {
+			{
+				prepare: []*resourceapi.ResourceClaim{
+					claim("missing", gpus("gpus", "gpu-9")...),
+					claim("foreign", alloc{request: "gpus", device: "gpu-0", pool: "node-2"}),
+					{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "unallocated", UID: "uid-unallocated"}},
+				},
+				wantErr: map[string]error{"missing": errAny, "foreign": errAny, "unallocated": errAny},
+			},
+		},
+	}
+	for name, steps := range testcases {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel() // each case has its own directories and agent
+			_, ctx := ktesting.NewTestContext(t)
+			e := newEnv(t)
+			a := e.start(ctx, t)
+			for i, s := range steps {
+				if s.restart {
+					a.Stop()
+					a = e.start(ctx, t)
+				}
+				if s.deleteCDI != nil {
+					w, _ := cdi.New(e.cdiDir)
+					if err := os.Remove(w.SpecPath(s.deleteCDI.UID)); err != nil {
+						t.Fatal(err)
+					}
+				}
+				if len(s.prepare) > 0 {
+					result, err := a.PrepareResourceClaims(ctx, s.prepare)
+					if err != nil {
+						t.Fatalf("step %d: prepare: %v", i, err)
+					}
+					for _, c := range s.prepare {
+						r, ok := result[c.UID]
+						if !ok {
+							t.Errorf("step %d: no result for %s", i, c.Name)
+							continue
+						}
+						want := s.wantErr[c.Name]
+						switch {
+						case want == nil && r.Err != nil:
+							t.Errorf("step %d: %s: unexpected error %v", i, c.Name, r.Err)
+						case want == errAny && r.Err == nil, want != nil && want != errAny && !errors.Is(r.Err, want):
+							t.Errorf("step %d: %s: want error %v, got %v", i, c.Name, want, r.Err)
+						case r.Err == nil:
+							if len(r.Devices) == 0 {
+								t.Errorf("step %d: %s: no devices", i, c.Name)
+							}
+							spec := readSpec(t, e, c.UID)
+							if len(spec.Devices) != len(r.Devices) {
+								t.Errorf("step %d: %s: CDI spec has %d devices, result %d", i, c.Name, len(spec.Devices), len(r.Devices))
+							}
+						}
+					}
+				}
+				if len(s.unprepare) > 0 {
+					refs := make([]kubeletplugin.NamespacedObject, 0, len(s.unprepare))
+					for _, c := range s.unprepare {
+						refs = append(refs, ref(c))
+					}
+					result, err := a.UnprepareResourceClaims(ctx, refs)
+					if err != nil {
+						t.Fatalf("step %d: unprepare: %v", i, err)
+					}
+					for _, c := range s.unprepare {
+						if err, ok := result[c.UID]; !ok || err != nil {
+							t.Errorf("step %d: unprepare %s: ok=%v err=%v", i, c.Name, ok, err)
+						}
+						w, _ := cdi.New(e.cdiDir)
+						if _, err := os.Stat(w.SpecPath(c.UID)); !os.IsNotExist(err) {
+							t.Errorf("step %d: CDI spec of %s still exists: %v", i, c.Name, err)
+						}
+					}
+				}
+				store, err := checkpoint.New(e.stateDir)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cp, err := store.Load()
+				if err != nil {
+					t.Fatal(err)
+				}
+				var got []string
+				for _, c := range cp.Claims {
+					got = append(got, c.Name)
+				}
+				if diff := cmp.Diff(s.wantPrepared, got, cmpSorted); diff != "" {
+					t.Errorf("step %d: prepared claims (-want +got):\n%s", i, diff)
+				}
+			}
+		})
+	}
+}
+
+var cmpSorted = cmp.Transformer("sort", func(in []string) []string {
+	out := append([]string(nil), in...)
+	for i := range out {
+		for j := i + 1; j < len(out); j++ {
+			if out[j] < out[i] {
+				out[i], out[j] = out[j], out[i]
+			}
+		}
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	return out
+})
+
+func TestUnprepareRemovesOrphanedCDISpec(t *testing.T) {
+	// A crash after writing the CDI spec but before saving the checkpoint
+	// leaves a spec for a claim the checkpoint does not know.
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	w, err := cdi.New(e.cdiDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	orphan := claim("orphan", gpus("gpus", "gpu-4")...)
+	if _, err := w.WriteClaimSpec(orphan.UID, []cdi.Device{{Name: "gpu-4", UUID: e.machine.UUID(4), Minor: 4}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(orphan)}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(w.SpecPath(orphan.UID)); !os.IsNotExist(err) {
+		t.Errorf("orphaned CDI spec not removed: %v", err)
+	}
+}
+
+func TestPublishOnlyWithoutStateCannotPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	s, err := agent.StartSimulated(ctx, agent.SimulatedOptions{NodeName: nodeName, Machine: e.machine, KubeClient: e.client})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop()
+	if _, err := s.Agent.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("a", gpus("gpus", "gpu-0")...)}); !errors.Is(err, agent.ErrNoState) {
+		t.Errorf("want ErrNoState, got %v", err)
+	}
+}
+
+func TestBuildResourcesTaints(t *testing.T) {
+	at := time.Date(2026, 11, 30, 1, 2, 3, 400, time.UTC)
+	testcases := map[string]struct {
+		owned     bool
+		unhealthy map[string]discovery.HealthEvent
+		want      map[string][]resourceapi.DeviceTaint
+	}{
+		"no taints": {},
+		"owned taint on every device": {
+			owned: true,
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-0": {{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+				"gpu-1": {{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+			},
+		},
+		"health taint on the faulty device only": {
+			unhealthy: map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-1": {{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}}},
+			},
+		},
+		"both": {
+			owned:     true,
+			unhealthy: map[string]discovery.HealthEvent{"gpu-0": {Reason: "gpu-lost", Time: at}},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-0": {
+					{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule},
+					{Key: agent.HealthTaintKey, Value: "gpu-lost", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}},
+				},
+				"gpu-1": {{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+			},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: nodeName})
+			if err != nil {
+				t.Fatal(err)
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := d.Discover(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned})
+			if len(res.Pools) != 1 || len(res.Pools["pool"].Slices) != 1 {
+				t.Fatalf("want one pool with one slice, got %+v", res)
+			}
+			got := map[string][]resourceapi.DeviceTaint{}
+			for _, dev := range res.Pools["pool"].Slices[0].Devices {
+				if len(dev.Taints) > 0 {
+					got[dev.Name] = dev.Taints
+				}
+			}
+			if tc.want == nil {
+				tc.want = map[string][]resourceapi.DeviceTaint{}
+			}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("taints (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestWatchHealthStatus(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	reports := make(chan kubeletplugin.DeviceHealthReport)
+	done := make(chan error, 1)
+	go func() { done <- a.WatchHealthStatus(ctx, reports) }()
+
+	health := func(r kubeletplugin.DeviceHealthReport) map[string]kubeletplugin.HealthStatus {
+		out := map[string]kubeletplugin.HealthStatus{}
+		for _, d := range r.Devices {
+			out[d.DeviceName] = d.Health
+		}
+		return out
+	}
+	first := health(<-reports)
+	if len(first) != 8 || first["gpu-5"] != kubeletplugin.HealthStatusHealthy {
+		t.Fatalf("initial report: %v", first)
+	}
+	if err := e.machine.InjectXID(5, 79); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.After(30 * time.Second)
+	for {
+		select {
+		case r := <-reports:
+			h := health(r)
+			if h["gpu-5"] != kubeletplugin.HealthStatusUnhealthy {
+				continue
+			}
+			for dev, status := range h {
+				if dev != "gpu-5" && status != kubeletplugin.HealthStatusHealthy {
+					t.Errorf("%s: %s", dev, status)
+				}
+			}
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("WatchHealthStatus: %v", err)
+			}
+			return
+		case <-deadline:
+			t.Fatal("gpu-5 never reported unhealthy")
+		}
+	}
+}
+
+type noHealthDiscovery struct{ discovery.Interface }
+
+func TestWatchHealthStatusNotSupported(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(ctx, agent.Options{
+		NodeName: nodeName, KubeClient: e.client, Discovery: noHealthDiscovery{disc}, PublishOnly: true, RescanInterval: -1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Stop()
+	err = a.WatchHealthStatus(ctx, make(chan kubeletplugin.DeviceHealthReport))
+	if !errors.Is(err, kubeletplugin.ErrHealthNotSupported) {
+		t.Errorf("want ErrHealthNotSupported, got %v", err)
+	}
+}
+
+func TestOptionsRequired(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testcases := map[string]agent.Options{
+		"no node name": {KubeClient: e.client, Discovery: disc},
+		"no client":    {NodeName: nodeName, Discovery: disc},
+		"no discovery": {NodeName: nodeName, KubeClient: e.client},
+	}
+	for name, opts := range testcases {
+		t.Run(name, func(t *testing.T) {
+			opts.PublishOnly = true
+			if a, err := agent.New(ctx, opts); err == nil {
+				a.Stop()
+				t.Error("want error")
+			}
+		})
+	}
+}

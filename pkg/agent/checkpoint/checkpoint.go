@@ -1,0 +1,188 @@
+// Package checkpoint persists which ResourceClaims the node agent has
+// prepared, so that Prepare and Unprepare stay idempotent across agent
+// restarts and a device is never handed to two claims.
+//
+// The file is written atomically: encode to a temporary file in the same
+// directory, fsync it, rename it over the checkpoint, fsync the directory.
+// A crash at any point leaves either the old or the new checkpoint, never a
+// mix; stray temporary files are removed by [New]. The file carries a
+// version and a checksum; a file with an unknown version or a bad checksum
+// is an error, not an empty checkpoint, because silently forgetting
+// prepared claims could double-allocate a GPU.
+package checkpoint
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"k8s.io/apimachinery/pkg/types"
+)
+
+// Version identifies the checkpoint format written by this package.
+const Version = "checkpoint.gpu.topodra.io/v1"
+
+// FileName is the checkpoint's name inside its directory.
+const FileName = "checkpoint.json"
+
+const tempPrefix = FileName + ".tmp-"
+
+var (
+	// ErrUnknownVersion means the file was written by an incompatible agent.
+	ErrUnknownVersion = errors.New("unknown checkpoint version")
+	// ErrCorrupt means the checksum does not match the content.
+	ErrCorrupt = errors.New("checkpoint checksum mismatch")
+)
+
+// Checkpoint is the persisted state: prepared claims by UID.
+type Checkpoint struct {
+	Claims map[types.UID]PreparedClaim `json:"claims"`
+}
+
+// PreparedClaim is one claim that Prepare handled.
+type PreparedClaim struct {
+	Namespace string           `json:"namespace"`
+	Name      string           `json:"name"`
+	Devices   []PreparedDevice `json:"devices"`
+}
+
+// PreparedDevice is one allocated device of a prepared claim.
+type PreparedDevice struct {
+	Requests     []string `json:"requests"`
+	Pool         string   `json:"pool"`
+	Device       string   `json:"device"`
+	UUID         string   `json:"uuid"`
+	Minor        int      `json:"minor"`
+	AdminAccess  bool     `json:"adminAccess,omitempty"`
+	CDIDeviceIDs []string `json:"cdiDeviceIDs"`
+}
+
+// file is the on-disk envelope.
+type file struct {
+	Version  string          `json:"version"`
+	Checksum uint32          `json:"checksum"`
+	Data     json.RawMessage `json:"data"`
+}
+
+// Store reads and writes one checkpoint file. It is safe for concurrent use.
+type Store struct {
+	dir   string
+	mutex sync.Mutex
+	// beforeRename, if set, runs after the temporary file is synced and
+	// before it replaces the checkpoint. Tests use it to simulate a crash.
+	beforeRename func()
+}
+
+// New creates the directory if needed and removes temporary files that a
+// crash during Save left behind.
+func New(dir string) (*Store, error) {
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, fmt.Errorf("create checkpoint directory %s: %w", dir, err)
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read checkpoint directory %s: %w", dir, err)
+	}
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), tempPrefix) {
+			if err := os.Remove(filepath.Join(dir, e.Name())); err != nil {
+				return nil, fmt.Errorf("remove stale temporary checkpoint: %w", err)
+			}
+		}
+	}
+	return &Store{dir: dir}, nil
+}
+
+// Path is the checkpoint file's path.
+func (s *Store) Path() string { return filepath.Join(s.dir, FileName) }
+
+// Load returns the stored checkpoint; an empty one if there is no file yet.
+func (s *Store) Load() (*Checkpoint, error) {
+	s.mutex.Lock()
+	defer s.mutex.Unlock()
+	data, err := os.ReadFile(s.Path())
+	if errors.Is(err, fs.ErrNotExist) {
+		return &Checkpoint{Claims: map[types.UID]PreparedClaim{}}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read checkpoint %s: %w", s.Path(), err)
+	}
+	var f file
+	if err := json.Unmarshal(data, &f); err != nil {
+		return nil, fmt.Errorf("decode checkpoint %s: %w", s.Path(), err)
+	}
+	if f.Version != Version {
+		return nil, fmt.Errorf("read checkpoint %s: %w %q (want %q)", s.Path(), ErrUnknownVersion, f.Version, Version)
+	}
+	if crc32.ChecksumIEEE(f.Data) != f.Checksum {
+		return nil, fmt.Errorf("read checkpoint %s: %w", s.Path(), ErrCorrupt)
+	}
+	cp := &Checkpoint{}
+	dec := json.NewDecoder(bytes.NewReader(f.Data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(cp); err != nil {
+		return nil, fmt.Errorf("decode checkpoint %s: %w", s.Path(), err)
+	}
+	if cp.Claims == nil {
+		cp.Claims = map[types.UID]PreparedClaim{}
+	}
+	return cp, nil
+}
+
+// Save replaces the checkpoint atomically.
+func (s *Store) Save(cp *Checkpoint) error {
+	s.mutex.Lock()
+	defer s.mutex.Unlock()
+	data, err := json.Marshal(cp)
+	if err != nil {
+		return fmt.Errorf("encode checkpoint: %w", err)
+	}
+	// Compact on purpose: the checksum covers the exact bytes of Data.
+	out, err := json.Marshal(file{Version: Version, Checksum: crc32.ChecksumIEEE(data), Data: data})
+	if err != nil {
+		return fmt.Errorf("encode checkpoint: %w", err)
+	}
+
+	tmp, err := os.CreateTemp(s.dir, tempPrefix+"*")
+	if err != nil {
+		return fmt.Errorf("create temporary checkpoint: %w", err)
+	}
+	fail := func(what string, err error) error {
+		_ = tmp.Close()
+		_ = os.Remove(tmp.Name())
+		return fmt.Errorf("%s %s: %w", what, tmp.Name(), err)
+	}
+	if _, err := tmp.Write(out); err != nil {
+		return fail("write temporary checkpoint", err)
+	}
+	if err := tmp.Sync(); err != nil {
+		return fail("sync temporary checkpoint", err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fail("close temporary checkpoint", err)
+	}
+	if s.beforeRename != nil {
+		s.beforeRename()
+	}
+	if err := os.Rename(tmp.Name(), s.Path()); err != nil {
+		_ = os.Remove(tmp.Name())
+		return fmt.Errorf("replace checkpoint %s: %w", s.Path(), err)
+	}
+	// Make the rename durable.
+	dir, err := os.Open(s.dir)
+	if err != nil {
+		return fmt.Errorf("open checkpoint directory: %w", err)
+	}
+	defer func() { _ = dir.Close() }()
+	if err := dir.Sync(); err != nil {
+		return fmt.Errorf("sync checkpoint directory: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,150 @@
+package checkpoint
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+
+	"k8s.io/apimachinery/pkg/types"
+)
+
+func claim(name string, devices ...string) PreparedClaim {
+	c := PreparedClaim{Namespace: "default", Name: name}
+	for i, d := range devices {
+		c.Devices = append(c.Devices, PreparedDevice{
+			Requests: []string{"gpus"}, Pool: "node-1", Device: d, UUID: "GPU-" + d, Minor: i,
+			CDIDeviceIDs: []string{"topodra.io/gpu=" + name + "-" + d},
+		})
+	}
+	return c
+}
+
+func TestRoundTrip(t *testing.T) {
+	testcases := map[string]*Checkpoint{
+		"empty":      {Claims: map[types.UID]PreparedClaim{}},
+		"one claim":  {Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0", "gpu-1")}},
+		"two claims": {Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0"), "uid-b": claim("b", "gpu-3")}},
+	}
+	for name, cp := range testcases {
+		t.Run(name, func(t *testing.T) {
+			s, err := New(t.TempDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Save(cp); err != nil {
+				t.Fatal(err)
+			}
+			got, err := s.Load()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if diff := cmp.Diff(cp, got); diff != "" {
+				t.Errorf("(-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+func TestLoadMissingIsEmpty(t *testing.T) {
+	s, err := New(filepath.Join(t.TempDir(), "new", "dir"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp, err := s.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cp.Claims == nil || len(cp.Claims) != 0 {
+		t.Errorf("want empty claims, got %v", cp.Claims)
+	}
+}
+
+func TestLoadRejectsBadFiles(t *testing.T) {
+	testcases := map[string]struct {
+		mutate  func(data string) string
+		wantErr error
+	}{
+		"unknown version": {
+			mutate:  func(d string) string { return strings.Replace(d, Version, "checkpoint.gpu.topodra.io/v99", 1) },
+			wantErr: ErrUnknownVersion,
+		},
+		"flipped content": {
+			mutate:  func(d string) string { return strings.Replace(d, "gpu-0", "gpu-7", 1) },
+			wantErr: ErrCorrupt,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			s, err := New(t.TempDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Save(&Checkpoint{Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")}}); err != nil {
+				t.Fatal(err)
+			}
+			data, err := os.ReadFile(s.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(s.Path(), []byte(tc.mutate(string(data))), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := s.Load(); !errors.Is(err, tc.wantErr) {
+				t.Errorf("want %v, got %v", tc.wantErr, err)
+			}
+		})
+	}
+}
+
+// TestCrashBetweenWriteAndRename kills the saving goroutine after the new
+// content is written and synced to the temporary file but before the rename,
+// like a process dying there. The old checkpoint must survive intact and a
+// restarted store must clean up the temporary file.
+func TestCrashBetweenWriteAndRename(t *testing.T) {
+	dir := t.TempDir()
+	s, err := New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := &Checkpoint{Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")}}
+	if err := s.Save(old); err != nil {
+		t.Fatal(err)
+	}
+
+	s.beforeRename = runtime.Goexit
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = s.Save(&Checkpoint{Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0"), "uid-b": claim("b", "gpu-1")}})
+		t.Error("Save returned although it should have crashed")
+	}()
+	<-done
+
+	temps, err := filepath.Glob(filepath.Join(dir, tempPrefix+"*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(temps) != 1 {
+		t.Fatalf("want the crashed write's temporary file, got %v", temps)
+	}
+
+	restarted, err := New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := restarted.Load()
+	if err != nil {
+		t.Fatalf("load after crash: %v", err)
+	}
+	if diff := cmp.Diff(old, got); diff != "" {
+		t.Errorf("checkpoint after crash (-want +got):\n%s", diff)
+	}
+	if temps, _ := filepath.Glob(filepath.Join(dir, tempPrefix+"*")); len(temps) != 0 {
+		t.Errorf("stale temporary files not removed: %v", temps)
+	}
+}

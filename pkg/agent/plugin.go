@@ -1,0 +1,207 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
+)
+
+// ErrNoState is returned by Prepare and Unprepare when the agent has no
+// checkpoint or CDI directory (publish-only mode without StateDir/CDIDir).
+var ErrNoState = errors.New("agent has no state or CDI directory: it cannot prepare devices")
+
+// ErrDeviceInUse is the per-claim error when an allocated device is already
+// prepared for another claim.
+var ErrDeviceInUse = errors.New("device already prepared for another claim")
+
+// PrepareResourceClaims implements kubeletplugin.DRAPlugin. For each claim
+// it writes a CDI spec with the claim's GPUs and records the claim in the
+// checkpoint, then returns the CDI device ids. It is idempotent: a claim
+// that is already prepared gets the recorded result (and its CDI spec back
+// if the file went missing). A device that is prepared for a different
+// claim is refused with ErrDeviceInUse (unless both use admin access), the
+// DRA driver being the last line of defense against double allocation.
+//
+// Per-claim problems are per-claim errors; an unreadable or unwritable
+// checkpoint fails the whole call so that the kubelet retries.
+func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	if a.store == nil {
+		return nil, ErrNoState
+	}
+	a.prepareMutex.Lock()
+	defer a.prepareMutex.Unlock()
+	logger := klog.FromContext(ctx)
+
+	cp, err := a.store.Load()
+	if err != nil {
+		return nil, err
+	}
+	result := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
+	changed := false
+	for _, claim := range claims {
+		prepared, isNew, err := a.prepareClaim(ctx, cp, claim)
+		if err != nil {
+			logger.Error(err, "cannot prepare claim", "claim", klog.KObj(claim))
+			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
+			continue
+		}
+		if isNew {
+			cp.Claims[claim.UID] = prepared
+			changed = true
+		}
+		result[claim.UID] = kubeletplugin.PrepareResult{Devices: prepareResultDevices(prepared)}
+		logger.V(2).Info("claim prepared", "claim", klog.KObj(claim), "devices", len(prepared.Devices), "new", isNew)
+	}
+	if changed {
+		if err := a.store.Save(cp); err != nil {
+			return nil, err
+		}
+	}
+	return result, nil
+}
+
+func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Device {
+	devices := make([]kubeletplugin.Device, 0, len(prepared.Devices))
+	for _, d := range prepared.Devices {
+		devices = append(devices, kubeletplugin.Device{
+			Requests:     slices.Clone(d.Requests),
+			PoolName:     d.Pool,
+			DeviceName:   d.Device,
+			CDIDeviceIDs: slices.Clone(d.CDIDeviceIDs),
+		})
+	}
+	return devices
+}
+
+// prepareClaim prepares one claim against the loaded checkpoint. isNew
+// reports whether the caller must record the result.
+func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
+	if prepared, ok := cp.Claims[claim.UID]; ok {
+		// Already prepared: same answer as before. Restore the CDI spec
+		// if it was lost (e.g. /var/run is a tmpfs and the node rebooted).
+		if _, err := os.Stat(a.cdi.SpecPath(claim.UID)); err != nil {
+			klog.FromContext(ctx).V(2).Info("restoring missing CDI spec", "claim", klog.KObj(claim))
+			if _, err := a.cdi.WriteClaimSpec(claim.UID, cdiDevices(prepared)); err != nil {
+				return checkpoint.PreparedClaim{}, false, err
+			}
+		}
+		return prepared, false, nil
+	}
+	if claim.Status.Allocation == nil {
+		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s is not allocated", klog.KObj(claim))
+	}
+
+	inv := a.Inventory()
+	prepared := checkpoint.PreparedClaim{Namespace: claim.Namespace, Name: claim.Name}
+	byDevice := map[string]int{}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if r.Driver != a.opts.DriverName {
+			continue
+		}
+		if r.Pool != a.opts.PoolName {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: device %s is from pool %q, this node publishes pool %q", klog.KObj(claim), r.Device, r.Pool, a.opts.PoolName)
+		}
+		gpu := inv.GPU(r.Device)
+		if gpu == nil {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: device %s does not exist on node %s", klog.KObj(claim), r.Device, a.opts.NodeName)
+		}
+		admin := ptr.Deref(r.AdminAccess, false)
+		if owner, uid, ok := preparedElsewhere(cp, claim.UID, r.Device, admin); ok {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for claim %s/%s (%s)", klog.KObj(claim), ErrDeviceInUse, r.Device, owner.Namespace, owner.Name, uid)
+		}
+		if i, ok := byDevice[r.Device]; ok {
+			prepared.Devices[i].Requests = append(prepared.Devices[i].Requests, r.Request)
+			continue
+		}
+		byDevice[r.Device] = len(prepared.Devices)
+		prepared.Devices = append(prepared.Devices, checkpoint.PreparedDevice{
+			Requests:    []string{r.Request},
+			Pool:        r.Pool,
+			Device:      r.Device,
+			UUID:        gpu.UUID,
+			Minor:       gpu.Minor,
+			AdminAccess: admin,
+		})
+	}
+	ids, err := a.cdi.WriteClaimSpec(claim.UID, cdiDevices(prepared))
+	if err != nil {
+		return checkpoint.PreparedClaim{}, false, err
+	}
+	for i := range prepared.Devices {
+		prepared.Devices[i].CDIDeviceIDs = []string{ids[prepared.Devices[i].Device]}
+	}
+	return prepared, true, nil
+}
+
+// preparedElsewhere finds another claim that holds device. Two claims may
+// share a device only if both use admin access (monitoring).
+func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, device string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
+	for uid, other := range cp.Claims {
+		if uid == self {
+			continue
+		}
+		for _, d := range other.Devices {
+			if d.Device == device && !(admin && d.AdminAccess) {
+				return other, uid, true
+			}
+		}
+	}
+	return checkpoint.PreparedClaim{}, "", false
+}
+
+func cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
+	devices := make([]cdi.Device, 0, len(prepared.Devices))
+	for _, d := range prepared.Devices {
+		devices = append(devices, cdi.Device{Name: d.Device, UUID: d.UUID, Minor: d.Minor})
+	}
+	return devices
+}
+
+// UnprepareResourceClaims implements kubeletplugin.DRAPlugin: it removes
+// each claim's CDI spec and checkpoint entry. Unknown claims are fine (the
+// call is idempotent); their CDI spec is removed anyway in case a crash
+// happened between writing it and recording the claim.
+func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	if a.store == nil {
+		return nil, ErrNoState
+	}
+	a.prepareMutex.Lock()
+	defer a.prepareMutex.Unlock()
+	logger := klog.FromContext(ctx)
+
+	cp, err := a.store.Load()
+	if err != nil {
+		return nil, err
+	}
+	result := make(map[types.UID]error, len(claims))
+	changed := false
+	for _, claim := range claims {
+		if err := a.cdi.DeleteClaimSpec(claim.UID); err != nil {
+			result[claim.UID] = err
+			continue
+		}
+		if _, ok := cp.Claims[claim.UID]; ok {
+			delete(cp.Claims, claim.UID)
+			changed = true
+			logger.V(2).Info("claim unprepared", "claim", claim.NamespacedName)
+		}
+		result[claim.UID] = nil
+	}
+	if changed {
+		if err := a.store.Save(cp); err != nil {
+			return nil, err
+		}
+	}
+	return result, nil
+}

@@ -1,0 +1,116 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+)
+
+// SimulatedOptions configure [StartSimulated].
+type SimulatedOptions struct {
+	// NodeName of the simulated node; the Node object must exist (the
+	// slices are owned by it). Required.
+	NodeName string
+	// Profile is a mockgpu profile name, e.g. mockgpu.ProfileDGXH100.
+	// Required unless Machine is set.
+	Profile string
+	// Machine, if set, is used instead of building one from Profile
+	// (for custom specs or for a machine shared with a test).
+	Machine *mockgpu.Machine
+	// KubeClient talks to the API server. Required.
+	KubeClient kubernetes.Interface
+	// OwnedTaint: see [Options.OwnedTaint].
+	OwnedTaint bool
+	// NICs also publishes the machine's simulated NICs under driver
+	// mockgpu.NICDriverName, in a pool named after the node.
+	NICs bool
+	// StateDir and CDIDir enable direct Prepare/Unprepare calls; optional.
+	StateDir, CDIDir string
+	// NUMAForm: see discovery.NVMLOptions.
+	NUMAForm discovery.NUMAForm
+}
+
+// Simulated is a publish-only agent on a simulated machine.
+type Simulated struct {
+	Agent   *Agent
+	Machine *mockgpu.Machine
+	nics    *resourceslice.Controller
+}
+
+// StartSimulated runs an agent for one simulated node in this process: it
+// builds the mock machine (unless given), discovery on it, and an agent in
+// publish-only mode (no kubelet needed); with NICs it also publishes the
+// machine's NICs. Health faults are injected through Machine (InjectXID,
+// LoseGPU) and show up as device taints. A simulator runs N nodes by calling
+// this N times with different node names, each with its own machine (GPU
+// UUIDs are seeded by the node name). Stop it with Stop or by canceling ctx.
+func StartSimulated(ctx context.Context, opts SimulatedOptions) (*Simulated, error) {
+	if opts.NodeName == "" {
+		return nil, errors.New("node name must be set")
+	}
+	m := opts.Machine
+	if m == nil {
+		var err error
+		m, err = mockgpu.New(opts.Profile, mockgpu.Options{NodeName: opts.NodeName})
+		if err != nil {
+			return nil, err
+		}
+	}
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs(), NUMAForm: opts.NUMAForm})
+	if err != nil {
+		return nil, err
+	}
+	a, err := New(ctx, Options{
+		NodeName:    opts.NodeName,
+		KubeClient:  opts.KubeClient,
+		Discovery:   disc,
+		PublishOnly: true,
+		StateDir:    opts.StateDir,
+		CDIDir:      opts.CDIDir,
+		OwnedTaint:  opts.OwnedTaint,
+	})
+	if err != nil {
+		return nil, err
+	}
+	s := &Simulated{Agent: a, Machine: m}
+	if opts.NICs && len(m.NICDevices()) > 0 {
+		s.nics, err = PublishStatic(ctx, opts.KubeClient, mockgpu.NICDriverName, opts.NodeName, m.NICResources())
+		if err != nil {
+			a.Stop()
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// Stop stops the agent and the NIC publisher.
+func (s *Simulated) Stop() {
+	s.nics.Stop()
+	s.Agent.Stop()
+}
+
+// PublishStatic publishes fixed resources of one driver for one node (the
+// Node owns the slices) until ctx is canceled or the returned controller is
+// stopped. Use the controller's Update to change them. Simulators use it
+// for devices without a real driver, like mockgpu's NICs.
+func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*resourceslice.Controller, error) {
+	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", nodeName, "driver", driverName)
+	ctx = klog.NewContext(ctx, klog.LoggerWithName(logger, "ResourceSlice controller"))
+	c, err := resourceslice.StartController(ctx, resourceslice.Options{
+		DriverName: driverName,
+		KubeClient: client,
+		Owner:      &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: nodeName},
+		Resources:  &resources,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("publish %s resources for node %s: %w", driverName, nodeName, err)
+	}
+	return c, nil
+}
