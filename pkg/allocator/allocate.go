@@ -52,8 +52,9 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 		}
 	}
 
+	// The views to try, built lazily: most preferred first.
 	var groups []*group
-	var attempts [][]*resourceapi.ResourceSlice
+	var attempts []func() []*resourceapi.ResourceSlice
 	if !passthrough && len(a.policy.Attributes) > 0 {
 		groups = buildGroups(infos)
 		p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, groups: groups, allUnits: allUnits}
@@ -77,27 +78,36 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 			}
 			plans := p.plans(maxPlans)
 			for i := range plans {
-				filter := false
-				for gi, d := range plans[i].domains {
+				pl := &plans[i]
+				if podHasAll {
+					// "All" means all devices: never hide any.
+					break
+				}
+				// Only the picked devices (and what other claims may
+				// use): upstream merely confirms the choice, and has
+				// few devices to look at.
+				attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(pl, viewPicks) })
+				for gi, d := range pl.domains {
 					if d != nil && groups[gi].need > 1 {
-						filter = !podHasAll
+						// The chosen domains, picks first.
+						attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(pl, viewDomains) })
+						break
 					}
 				}
-				attempts = append(attempts, p.viewFor(&plans[i], filter))
 			}
 			if len(plans) > 0 {
 				// Reordered but complete: as feasible as the node.
-				attempts = append(attempts, p.viewFor(&plans[0], false))
+				attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(&plans[0], viewAll) })
 			}
 		}
 	}
 	// The node's slices as they are: upstream's own answer.
-	attempts = append(attempts, ns.slices)
+	attempts = append(attempts, func() []*resourceapi.ResourceSlice { return ns.slices })
 
 	requireRejected := false
 	for n, view := range attempts {
 		final := n == len(attempts)-1
-		results, err := a.upstream(ctx, node, claims, view)
+		results, err := a.upstream(ctx, node, claims, view())
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, err

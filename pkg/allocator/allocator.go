@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
+	"sync"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -62,6 +64,14 @@ type Allocator struct {
 	byNode map[string][]*resourceapi.ResourceSlice
 	shared []*resourceapi.ResourceSlice
 	byPool map[poolKey][]*resourceapi.ResourceSlice
+	// poolGen is the newest generation of each pool.
+	poolGen map[poolKey]int64
+	// attrsKey identifies Policy.Attributes in the slice memo.
+	attrsKey string
+	// static caches what Allocate derives from a claim alone
+	// (*resourceapi.ResourceClaim -> *claimStatic); the claims of a pod are
+	// the same objects for every node of a cycle.
+	static sync.Map
 }
 
 type poolKey struct{ driver, pool string }
@@ -124,6 +134,20 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
 		a.byPool[key] = append(a.byPool[key], slice)
 	}
+	a.poolGen = make(map[poolKey]int64, len(a.byPool))
+	for key, poolSlices := range a.byPool {
+		slices.SortStableFunc(poolSlices, func(x, y *resourceapi.ResourceSlice) int { return cmp.Compare(x.Name, y.Name) })
+		var generation int64
+		for _, slice := range poolSlices {
+			generation = max(generation, slice.Spec.Pool.Generation)
+		}
+		a.poolGen[key] = generation
+	}
+	attrNames := make([]string, len(policy.Attributes))
+	for i, attr := range policy.Attributes {
+		attrNames[i] = string(attr)
+	}
+	a.attrsKey = strings.Join(attrNames, ",")
 	klog.FromContext(ctx).V(5).Info("Indexed resource slices", "slices", len(opts.Slices), "nodes", len(a.byNode), "pools", len(a.byPool))
 	return a, nil
 }
@@ -161,11 +185,15 @@ type nodeState struct {
 // gatherNode collects the node's slices and devices.
 func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	ns := &nodeState{node: node}
-	relevant := map[*resourceapi.ResourceSlice]bool{}
-	pools := map[poolKey]bool{}
+	// Few slices per node: small slices beat maps here.
+	var relevant []*resourceapi.ResourceSlice
+	var pools []poolKey
 	add := func(slice *resourceapi.ResourceSlice) {
-		relevant[slice] = true
-		pools[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] = true
+		relevant = append(relevant, slice)
+		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
+		if !slices.Contains(pools, key) {
+			pools = append(pools, key)
+		}
 	}
 	for _, slice := range a.byNode[node.Name] {
 		add(slice)
@@ -199,47 +227,42 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	}
 	// Every slice of a relevant pool travels with the view, so that upstream
 	// sees the same pool (completeness, generations, counters) as it does
-	// with all slices of the cluster.
-	keys := make([]poolKey, 0, len(pools))
-	for key := range pools {
-		keys = append(keys, key)
-	}
-	slices.SortFunc(keys, func(x, y poolKey) int {
+	// with all slices of the cluster. Pools in upstream's order.
+	slices.SortFunc(pools, func(x, y poolKey) int {
 		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
 	})
-	for _, key := range keys {
-		poolSlices := a.byPool[key]
-		var generation int64
-		for _, slice := range poolSlices {
-			generation = max(generation, slice.Spec.Pool.Generation)
-		}
+	for _, key := range pools {
+		poolSlices := a.byPool[key] // sorted by name in New
+		generation := a.poolGen[key]
 		start := len(ns.slices)
 		ns.slices = append(ns.slices, poolSlices...)
-		sorted := ns.slices[start:]
-		slices.SortStableFunc(sorted, func(x, y *resourceapi.ResourceSlice) int { return cmp.Compare(x.Name, y.Name) })
-		names := map[string]bool{}
-		for i, slice := range sorted {
-			if relevant[slice] && slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 {
-				for j := range slice.Spec.Devices {
-					name := slice.Spec.Devices[j].Name
-					if names[name] {
-						if ns.dupPools == nil {
-							ns.dupPools = map[string]bool{}
-						}
-						ns.dupPools[key.driver+"/"+key.pool] = true
-					}
-					names[name] = true
+		var names map[string]bool // only for pools with several device slices
+		for i, slice := range poolSlices {
+			if !slices.Contains(relevant, slice) || slice.Spec.Pool.Generation != generation {
+				continue
+			}
+			if len(slice.Spec.SharedCounters) > 0 {
+				// Counter sets only (or ignored without partitionable
+				// devices): upstream allocates no devices from here.
+				continue
+			}
+			if !a.features.PartitionableDevices && slice.Spec.PerDeviceNodeSelection != nil {
+				continue
+			}
+			info := a.sliceInfo(slice)
+			if info.dup {
+				ns.markDup(key)
+			}
+			if len(poolSlices) > 1 {
+				if names == nil {
+					names = map[string]bool{}
 				}
-			}
-			if !relevant[slice] || slice.Spec.Pool.Generation != generation {
-				continue
-			}
-			if len(slice.Spec.SharedCounters) > 0 && a.features.PartitionableDevices {
-				// Counter sets only; devices there are ignored upstream.
-				continue
-			}
-			if !a.features.PartitionableDevices && (slice.Spec.PerDeviceNodeSelection != nil || len(slice.Spec.SharedCounters) > 0) {
-				continue
+				for j := range slice.Spec.Devices {
+					if names[slice.Spec.Devices[j].Name] {
+						ns.markDup(key)
+					}
+					names[slice.Spec.Devices[j].Name] = true
+				}
 			}
 			perDevice := ptr.Deref(slice.Spec.PerDeviceNodeSelection, false)
 			for j := range slice.Spec.Devices {
@@ -256,22 +279,60 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 				if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
 					continue
 				}
-				id := structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, d.Name)
+				id := info.ids[j]
 				ns.devices = append(ns.devices, nodeDevice{
 					id:          id,
-					name:        slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name,
+					name:        info.names[j],
 					driver:      slice.Spec.Driver,
 					slice:       slice,
 					sliceIndex:  start + i,
 					deviceIndex: j,
 					device:      d,
-					coords:      topology.DeviceCoordinates(slice.Spec.Driver, d, a.policy.Attributes),
+					coords:      info.coords[j],
 					inUse:       a.state.AllocatedDevices.Has(id) || a.inUse.Has(id),
 				})
 			}
 		}
 	}
 	return ns, nil
+}
+
+func (ns *nodeState) markDup(key poolKey) {
+	if ns.dupPools == nil {
+		ns.dupPools = map[string]bool{}
+	}
+	ns.dupPools[key.driver+"/"+key.pool] = true
+}
+
+// sliceInfo returns the per-device data of a slice that does not depend on
+// the cycle, from the memo when the slice can be memoised.
+func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
+	memo := globalMemo.forSlice(slice.UID, slice.Generation, a.listTypes)
+	if memo != nil {
+		if info := memo.info.Load(); info != nil && info.attrsKey == a.attrsKey {
+			return info
+		}
+	}
+	info := &sliceInfo{attrsKey: a.attrsKey}
+	n := len(slice.Spec.Devices)
+	info.ids = make([]structured.DeviceID, n)
+	info.names = make([]string, n)
+	info.coords = make([]topology.Coordinates, n)
+	seen := make(map[string]bool, n)
+	for j := range slice.Spec.Devices {
+		d := &slice.Spec.Devices[j]
+		info.ids[j] = structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, d.Name)
+		info.names[j] = slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name
+		info.coords[j] = topology.DeviceCoordinates(slice.Spec.Driver, d, a.policy.Attributes)
+		if seen[d.Name] {
+			info.dup = true
+		}
+		seen[d.Name] = true
+	}
+	if memo != nil {
+		memo.info.Store(info)
+	}
+	return info
 }
 
 // unit is one request, or one subrequest of a firstAvailable request, that

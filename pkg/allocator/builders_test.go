@@ -5,6 +5,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync/atomic"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -100,7 +101,7 @@ func node(name string) *v1.Node {
 func slice(nodeName, driver string, devices ...resourceapi.Device) *resourceapi.ResourceSlice {
 	name := nodeName + "-" + strings.ReplaceAll(driver, ".", "-")
 	return &resourceapi.ResourceSlice{
-		ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("uid-" + name), Generation: 1},
+		ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(fmt.Sprintf("uid-%s-%d", name, sliceUIDs.Add(1))), Generation: 1},
 		Spec: resourceapi.ResourceSliceSpec{
 			Driver:   driver,
 			NodeName: ptr.To(nodeName),
@@ -109,6 +110,10 @@ func slice(nodeName, driver string, devices ...resourceapi.Device) *resourceapi.
 		},
 	}
 }
+
+// sliceUIDs makes slice UIDs unique, as the API server does: the slice
+// memo relies on UID and generation identifying the content.
+var sliceUIDs atomic.Int64
 
 // claimBuilder builds ResourceClaims.
 type claimBuilder struct{ c *resourceapi.ResourceClaim }

@@ -5,6 +5,9 @@ import (
 	"sync/atomic"
 
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/structured"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // selectorMemo remembers CEL selector results per device across scheduling
@@ -41,6 +44,20 @@ const (
 type sliceMemo struct {
 	mu     sync.RWMutex
 	byExpr map[string][]uint8
+	// info holds the slice's device IDs, names and coordinates.
+	info atomic.Pointer[sliceInfo]
+}
+
+// sliceInfo is per-device data of one slice that stays valid for as long as
+// the slice does not change.
+type sliceInfo struct {
+	// attrsKey names the attributes that coords were computed for.
+	attrsKey string
+	ids      []structured.DeviceID
+	names    []string // "driver/pool/device"
+	coords   []topology.Coordinates
+	// dup is true if device names repeat within the slice.
+	dup bool
 }
 
 var globalMemo selectorMemo

@@ -336,13 +336,27 @@ func (p *planner) plans(maxPlans int) []plan {
 	return result
 }
 
+// viewKind selects which devices a view shows.
+type viewKind int
+
+const (
+	// viewAll shows every device, preferred ones first.
+	viewAll viewKind = iota
+	// viewDomains hides the devices that only multi-device aligned groups
+	// could use and that are outside their chosen domains.
+	viewDomains
+	// viewPicks shows only the picked devices and the devices that
+	// requests outside the groups can use.
+	viewPicks
+)
+
 // viewFor builds the slices that upstream gets for a plan: picked devices
 // first (in pick order), then the rest of the chosen domains, then all other
-// devices in upstream's order. With filter, devices that only multi-device
-// aligned groups could use and that are outside their domains are left out.
-// Devices that consume counters, and pools with duplicate device names, are
-// never left out, so that no invalid pool turns valid in a view.
-func (p *planner) viewFor(pl *plan, filter bool) []*resourceapi.ResourceSlice {
+// devices in upstream's order, minus what kind hides. Devices that consume
+// counters, and pools with duplicate device names, are never hidden, so that
+// no invalid pool turns valid in a view; neither are slices, so that pools
+// stay complete.
+func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice {
 	ns := p.ns
 	const others = 1 << 40
 	rank := make([]int64, len(ns.devices))
@@ -371,8 +385,11 @@ func (p *planner) viewFor(pl *plan, filter bool) []*resourceapi.ResourceSlice {
 		}
 	}
 	var excluded []bool
-	if filter {
+	switch kind {
+	case viewDomains:
 		excluded = p.exclusions(pl)
+	case viewPicks:
+		excluded = p.picksOnly(pl, rank, others)
 	}
 
 	// Group device indices per slice.
@@ -432,6 +449,44 @@ func (p *planner) viewFor(pl *plan, filter bool) []*resourceapi.ResourceSlice {
 	return view
 }
 
+// keeper reports whether device i must stay in every view.
+func (p *planner) keeper(i int) bool {
+	d := &p.ns.devices[i]
+	return len(d.device.ConsumesCounters) > 0 || p.ns.dupPools[d.slice.Spec.Driver+"/"+d.slice.Spec.Pool.Name]
+}
+
+// picksOnly marks all devices except the picked ones, those that requests
+// outside the groups may use, and keepers.
+func (p *planner) picksOnly(pl *plan, rank []int64, others int64) []bool {
+	excluded := make([]bool, len(p.ns.devices))
+	grouped := map[*unit]bool{}
+	for _, g := range p.groups {
+		for _, u := range g.units {
+			grouped[u] = true
+		}
+	}
+	var open []*unit
+	for _, u := range p.allUnits {
+		if !grouped[u] {
+			open = append(open, u)
+		}
+	}
+	for i := range excluded {
+		if rank[i] < others/2 || p.keeper(i) {
+			continue
+		}
+		used := false
+		for _, u := range open {
+			if u.matching[i] {
+				used = true
+				break
+			}
+		}
+		excluded[i] = !used
+	}
+	return excluded
+}
+
 // exclusions marks the devices that a filtered view leaves out.
 func (p *planner) exclusions(pl *plan) []bool {
 	ns := p.ns
@@ -475,10 +530,7 @@ func (p *planner) exclusions(pl *plan) []bool {
 		}
 	}
 	for i := range excluded {
-		if !inGroup[i] || allowed[i] || ns.dupPools[ns.devices[i].slice.Spec.Driver+"/"+ns.devices[i].slice.Spec.Pool.Name] {
-			continue
-		}
-		if len(ns.devices[i].device.ConsumesCounters) > 0 {
+		if !inGroup[i] || allowed[i] || p.keeper(i) {
 			continue
 		}
 		excluded[i] = true
