@@ -66,7 +66,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 				for i := range avail {
 					avail[i] = true
 				}
-				if len(p.fittingDomains(g, avail)) == 0 {
+				if len(p.fittingDomains(g, avail, false)) == 0 {
 					return &Result{Explanation: a.explain(infos, ns, g, true)}, nil
 				}
 			}

@@ -180,6 +180,35 @@ type nodeState struct {
 	dupPools map[string]bool
 	// byName is built by index().
 	byName map[string]int
+	// dom[l][i] numbers the value of attribute l of device i among
+	// domVals[l]; -1 if the device does not have it.
+	dom     [][]int32
+	domVals [][]string
+}
+
+// numberDomains fills dom and domVals.
+func (ns *nodeState) numberDomains(levels int) {
+	ns.dom = make([][]int32, levels)
+	ns.domVals = make([][]string, levels)
+	ids := make([]int32, levels*len(ns.devices))
+	for l := range levels {
+		ns.dom[l] = ids[l*len(ns.devices) : (l+1)*len(ns.devices)]
+		var vals []string
+		for i := range ns.devices {
+			v := ns.devices[i].coords[l]
+			if v == "" {
+				ns.dom[l][i] = -1
+				continue
+			}
+			id := slices.Index(vals, v)
+			if id < 0 {
+				id = len(vals)
+				vals = append(vals, v)
+			}
+			ns.dom[l][i] = int32(id)
+		}
+		ns.domVals[l] = vals
+	}
 }
 
 // gatherNode collects the node's slices and devices.
@@ -231,6 +260,11 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	slices.SortFunc(pools, func(x, y poolKey) int {
 		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
 	})
+	n := 0
+	for _, slice := range relevant {
+		n += len(slice.Spec.Devices)
+	}
+	ns.devices = make([]nodeDevice, 0, n)
 	for _, key := range pools {
 		poolSlices := a.byPool[key] // sorted by name in New
 		generation := a.poolGen[key]
@@ -294,6 +328,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 			}
 		}
 	}
+	ns.numberDomains(len(a.policy.Attributes))
 	return ns, nil
 }
 

@@ -23,6 +23,7 @@ type group struct {
 type domainRef struct {
 	level int
 	value string
+	id    int32 // index of value in nodeState.domVals[level]
 }
 
 // candidate is a domain that can hold a group, with its ranking data.
@@ -100,29 +101,51 @@ func buildGroups(infos []*claimInfo) []*group {
 // fittingDomains lists the domains that can hold g given the available
 // devices, best first: tightest level, then best fit (least slack; most
 // slack when spreading), then the tightest enclosing domains, then value.
-func (p *planner) fittingDomains(g *group, avail []bool) []candidate {
-	union := map[int]bool{}
+// Unless allLevels is set, it stops after the first level that has any.
+func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candidate {
+	ns := p.ns
+	inUnion := make([]bool, len(ns.devices))
+	var union []int
 	for _, u := range g.units {
 		for _, i := range u.free {
-			if avail[i] {
-				union[i] = true
+			if avail[i] && !inUnion[i] {
+				inUnion[i] = true
+				union = append(union, i)
 			}
 		}
 	}
-	sizeAt := make([]map[string]int, p.levels)
+	total := 0
 	for l := range p.levels {
-		sizeAt[l] = map[string]int{}
+		total += len(ns.domVals[l])
 	}
-	for i := range union {
-		for l, v := range p.ns.devices[i].coords {
-			if v != "" {
+	sizes := make([]int, 2*total)
+	sizeAt := make([][]int, p.levels)
+	firstAt := make([][]int, p.levels)
+	off := 0
+	for l := range p.levels {
+		n := len(ns.domVals[l])
+		sizeAt[l] = sizes[off : off+n]
+		firstAt[l] = sizes[total+off : total+off+n]
+		off += n
+		for v := range firstAt[l] {
+			firstAt[l][v] = math.MaxInt
+		}
+	}
+	for _, i := range union {
+		for l := range p.levels {
+			if v := ns.dom[l][i]; v >= 0 {
 				sizeAt[l][v]++
+				firstAt[l][v] = min(firstAt[l][v], i)
 			}
 		}
 	}
 	var result []candidate
+	var enclosing []int // backing array of all candidates' enclosing sizes
 	for l := range p.levels {
-		var atLevel []candidate
+		if !allLevels && len(result) > 0 {
+			break
+		}
+		start := len(result)
 		for v, size := range sizeAt[l] {
 			if size < g.need {
 				continue
@@ -131,7 +154,7 @@ func (p *planner) fittingDomains(g *group, avail []bool) []candidate {
 			for _, u := range g.units {
 				n := 0
 				for _, i := range u.free {
-					if avail[i] && p.ns.devices[i].coords[l] == v {
+					if avail[i] && ns.dom[l][i] == int32(v) {
 						n++
 					}
 				}
@@ -143,27 +166,26 @@ func (p *planner) fittingDomains(g *group, avail []bool) []candidate {
 			if !fits {
 				continue
 			}
-			c := candidate{domainRef: domainRef{level: l, value: v}, slack: size - g.need}
-			// Enclosing sizes, from the first device of the domain in
-			// upstream order.
-			first := -1
-			for i := range union {
-				if p.ns.devices[i].coords[l] == v && (first < 0 || i < first) {
-					first = i
-				}
+			c := candidate{domainRef: domainRef{level: l, value: ns.domVals[l][v], id: int32(v)}, slack: size - g.need}
+			first := firstAt[l][v]
+			if enclosing == nil {
+				enclosing = make([]int, 0, len(ns.domVals[l])*(p.levels-1))
 			}
+			from := len(enclosing)
 			for k := range p.levels {
 				if k == l {
 					continue
 				}
-				if ev := p.ns.devices[first].coords[k]; ev != "" {
-					c.enclosing = append(c.enclosing, sizeAt[k][ev])
+				if ev := ns.dom[k][first]; ev >= 0 {
+					enclosing = append(enclosing, sizeAt[k][ev])
 				} else {
-					c.enclosing = append(c.enclosing, math.MaxInt32)
+					enclosing = append(enclosing, math.MaxInt32)
 				}
 			}
-			atLevel = append(atLevel, c)
+			c.enclosing = enclosing[from:len(enclosing):len(enclosing)]
+			result = append(result, c)
 		}
+		atLevel := result[start:]
 		slices.SortFunc(atLevel, func(x, y candidate) int {
 			if x.slack != y.slack {
 				if p.pack {
@@ -181,7 +203,6 @@ func (p *planner) fittingDomains(g *group, avail []bool) []candidate {
 			}
 			return cmp.Compare(x.value, y.value)
 		})
-		result = append(result, atLevel...)
 	}
 	return result
 }
@@ -199,48 +220,51 @@ func (p *planner) fill(devs []int, n int, levels []int) []int {
 		return devs[:min(n, len(devs))]
 	}
 	l := levels[0]
-	byValue := map[string][]int{}
+	ids := p.ns.dom[l]
+	// Devices per value, in order of first appearance.
+	var values []int32
+	var members [][]int
 	var missing []int
-	var values []string
 	for _, i := range devs {
-		v := p.ns.devices[i].coords[l]
-		if v == "" {
+		v := ids[i]
+		if v < 0 {
 			missing = append(missing, i)
 			continue
 		}
-		if _, ok := byValue[v]; !ok {
+		k := slices.Index(values, v)
+		if k < 0 {
+			k = len(values)
 			values = append(values, v)
+			members = append(members, nil)
 		}
-		byValue[v] = append(byValue[v], i)
+		members[k] = append(members[k], i)
 	}
 	var result []int
 	remaining := n
-	for remaining > 0 && len(values) > 0 {
+	for remaining > 0 && len(members) > 0 {
 		// Best fit among the domains that hold the remainder.
-		best := ""
-		for _, v := range values {
-			size := len(byValue[v])
-			if size < remaining {
+		best := -1
+		for k, m := range members {
+			if len(m) < remaining {
 				continue
 			}
-			if best == "" || (p.pack && size < len(byValue[best])) || (!p.pack && size > len(byValue[best])) {
-				best = v
+			if best < 0 || (p.pack && len(m) < len(members[best])) || (!p.pack && len(m) > len(members[best])) {
+				best = k
 			}
 		}
-		if best != "" {
-			result = append(result, p.fill(byValue[best], remaining, levels[1:])...)
-			return result
+		if best >= 0 {
+			return append(result, p.fill(members[best], remaining, levels[1:])...)
 		}
 		// None holds it: take the largest domain whole.
-		largest := values[0]
-		for _, v := range values[1:] {
-			if len(byValue[v]) > len(byValue[largest]) {
-				largest = v
+		largest := 0
+		for k, m := range members {
+			if len(m) > len(members[largest]) {
+				largest = k
 			}
 		}
-		result = append(result, p.fill(byValue[largest], len(byValue[largest]), levels[1:])...)
-		remaining -= len(byValue[largest])
-		values = slices.DeleteFunc(values, func(v string) bool { return v == largest })
+		result = append(result, p.fill(members[largest], len(members[largest]), levels[1:])...)
+		remaining -= len(members[largest])
+		members = slices.Delete(members, largest, largest+1)
 	}
 	if remaining > 0 {
 		result = append(result, missing[:min(remaining, len(missing))]...)
@@ -274,7 +298,7 @@ func (p *planner) pickIn(g *group, d *domainRef, avail []bool) []int {
 			if !avail[i] || taken[i] {
 				continue
 			}
-			if d != nil && p.ns.devices[i].coords[d.level] != d.value {
+			if d != nil && p.ns.dom[d.level][i] != d.id {
 				continue
 			}
 			devs = append(devs, i)
@@ -308,7 +332,7 @@ func (p *planner) plans(maxPlans int) []plan {
 		}
 		pl := plan{domains: make([]*domainRef, len(p.groups)), picks: make([][]int, len(p.groups))}
 		for gi, g := range p.groups {
-			domains := p.fittingDomains(g, avail)
+			domains := p.fittingDomains(g, avail, gi == first && maxPlans > 2)
 			if gi == first && attempt == 0 {
 				firstDomains = domains
 			}
@@ -378,7 +402,7 @@ func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice 
 		}
 		for _, u := range p.groups[gi].units {
 			for i, m := range u.matching {
-				if m && rank[i] >= others && ns.devices[i].coords[d.level] == d.value {
+				if m && rank[i] >= others && ns.dom[d.level][i] == d.id {
 					rank[i] = others/2 + int64(i)
 				}
 			}
@@ -392,54 +416,71 @@ func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice 
 		excluded = p.picksOnly(pl, rank, others)
 	}
 
-	// Group device indices per slice.
-	perSlice := map[int][]int{}
+	// Devices of one slice are contiguous in ns.devices.
+	view := slices.Clone(ns.slices)
+	type run struct{ si, from, to int }
+	var runs []run
 	for i := range ns.devices {
 		si := ns.devices[i].sliceIndex
-		perSlice[si] = append(perSlice[si], i)
-	}
-	view := slices.Clone(ns.slices)
-	changed := map[poolKey]int{}
-	for si, devs := range perSlice {
-		slice := ns.slices[si]
-		ordered := slices.Clone(devs)
-		slices.SortStableFunc(ordered, func(x, y int) int { return cmp.Compare(rank[x], rank[y]) })
-		onNode := map[int]bool{}
-		for _, i := range devs {
-			onNode[ns.devices[i].deviceIndex] = true
+		if len(runs) == 0 || runs[len(runs)-1].si != si {
+			runs = append(runs, run{si: si, from: i})
 		}
-		newDevices := make([]resourceapi.Device, 0, len(slice.Spec.Devices))
-		for _, i := range ordered {
-			if excluded != nil && excluded[i] {
-				continue
+		runs[len(runs)-1].to = i + 1
+	}
+	var changed []poolKey
+	ordered := make([]int, 0, len(ns.devices))
+	for _, r := range runs {
+		slice := ns.slices[r.si]
+		ordered = ordered[:0]
+		for i := r.from; i < r.to; i++ {
+			if excluded == nil || !excluded[i] {
+				ordered = append(ordered, i)
 			}
+		}
+		slices.SortStableFunc(ordered, func(x, y int) int { return cmp.Compare(rank[x], rank[y]) })
+		newDevices := make([]resourceapi.Device, 0, len(ordered))
+		for _, i := range ordered {
 			newDevices = append(newDevices, *ns.devices[i].device)
 		}
-		for j := range slice.Spec.Devices {
-			if !onNode[j] {
-				newDevices = append(newDevices, slice.Spec.Devices[j])
+		if r.to-r.from < len(slice.Spec.Devices) {
+			// Devices for other nodes (per-device node selection) stay,
+			// after this node's.
+			onNode := make([]bool, len(slice.Spec.Devices))
+			for i := r.from; i < r.to; i++ {
+				onNode[ns.devices[i].deviceIndex] = true
+			}
+			for j := range slice.Spec.Devices {
+				if !onNode[j] {
+					newDevices = append(newDevices, slice.Spec.Devices[j])
+				}
 			}
 		}
 		c := *slice
 		c.Spec.Devices = newDevices
-		view[si] = &c
-		changed[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}]++
+		view[r.si] = &c
+		changed = append(changed, poolKey{slice.Spec.Driver, slice.Spec.Pool.Name})
 	}
-	// Upstream walks the slices of a pool by name. Where a pool has several
-	// slices with devices for this node, rename them in the view so that the
-	// slice holding the most preferred device comes first. Names never
-	// leave the view: allocation results only name driver, pool and device.
-	for key, n := range changed {
-		if n < 2 {
-			continue
+	slices.SortFunc(changed, func(x, y poolKey) int {
+		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
+	})
+	var renamePools []poolKey
+	for k := 1; k < len(changed); k++ {
+		if changed[k] == changed[k-1] && !slices.Contains(renamePools, changed[k]) {
+			renamePools = append(renamePools, changed[k])
 		}
+	}
+	for _, key := range renamePools {
 		for si, slice := range view {
 			if slice.Spec.Driver != key.driver || slice.Spec.Pool.Name != key.pool {
 				continue
 			}
 			best := int64(1<<50) + int64(si)
-			for _, i := range perSlice[si] {
-				best = min(best, rank[i])
+			for _, r := range runs {
+				if r.si == si {
+					for i := r.from; i < r.to; i++ {
+						best = min(best, rank[i])
+					}
+				}
 			}
 			c := *slice
 			c.Name = fmt.Sprintf("%016x-%s", best, slice.Name)
@@ -504,7 +545,7 @@ func (p *planner) exclusions(pl *plan) []bool {
 					continue
 				}
 				inGroup[i] = true
-				if ns.devices[i].coords[d.level] == d.value {
+				if ns.dom[d.level][i] == d.id {
 					allowed[i] = true
 				}
 			}
