@@ -192,15 +192,14 @@ func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, r
 			}
 		}
 	}
-	index := ns.index()
 	for _, g := range groups {
 		if g.mode != AlignmentRequire || g.need < 2 {
 			continue
 		}
 		var devs []int
 		for _, ci := range g.claims {
-			for _, d := range results[ci].Devices.Results {
-				if i, ok := index[d.Driver+"/"+d.Pool+"/"+d.Device]; ok {
+			for k := range results[ci].Devices.Results {
+				if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
 					devs = append(devs, i)
 				}
 			}
@@ -212,15 +211,15 @@ func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, r
 	return true, true
 }
 
-// index maps "driver/pool/device" to the node device index.
-func (ns *nodeState) index() map[string]int {
-	if ns.byName == nil {
-		ns.byName = make(map[string]int, len(ns.devices))
-		for i := range ns.devices {
-			ns.byName[ns.devices[i].name] = i
+// lookup returns the node device index of a result entry, or -1.
+func (ns *nodeState) lookup(r *resourceapi.DeviceRequestAllocationResult) int {
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if d.device.Name == r.Device && d.slice.Spec.Pool.Name == r.Pool && d.driver == r.Driver {
+			return i
 		}
 	}
-	return ns.byName
+	return -1
 }
 
 // sharedLevel returns the tightest level at which all devs share one value,
@@ -247,23 +246,21 @@ func (a *Allocator) sharedLevel(ns *nodeState, devs []int) (int, string) {
 // quality describes a result.
 func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit, results []resourceapi.AllocationResult) Quality {
 	L := len(a.policy.Attributes)
-	index := ns.index()
 	var q Quality
-	seen := map[int]bool{}
+	seen := make([]bool, len(ns.devices))
 	var devs []int
 	perClaim := make([][]int, len(results))
 	for ci := range results {
-		for _, d := range results[ci].Devices.Results {
-			name := d.Driver + "/" + d.Pool + "/" + d.Device
-			i, ok := index[name]
-			if !ok {
+		for k := range results[ci].Devices.Results {
+			i := ns.lookup(&results[ci].Devices.Results[k])
+			if i < 0 {
 				continue
 			}
 			perClaim[ci] = append(perClaim[ci], i)
 			if !seen[i] {
 				seen[i] = true
 				devs = append(devs, i)
-				q.Devices = append(q.Devices, name)
+				q.Devices = append(q.Devices, ns.devices[i].name)
 			}
 		}
 	}

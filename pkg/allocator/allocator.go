@@ -178,8 +178,6 @@ type nodeState struct {
 	// dupPools names the pools ("driver/pool") with duplicate device names:
 	// invalid upstream, so views never drop devices there.
 	dupPools map[string]bool
-	// byName is built by index().
-	byName map[string]int
 	// dom[l][i] numbers the value of attribute l of device i among
 	// domVals[l]; -1 if the device does not have it.
 	dom     [][]int32
@@ -370,11 +368,9 @@ func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
 	return info
 }
 
-// unit is one request, or one subrequest of a firstAvailable request, that
-// needs devices.
-type unit struct {
-	claimIndex int
-	claim      *resourceapi.ResourceClaim
+// unitSpec is one request, or one subrequest of a firstAvailable request,
+// as the claim and its class define it.
+type unitSpec struct {
 	// request is the request name; subName the subrequest name or "".
 	request, subName string
 	subIndex         int
@@ -384,6 +380,13 @@ type unit struct {
 	class            *resourceapi.DeviceClass
 	selectors        []cel.CompilationResult
 	tolerations      []resourceapi.DeviceToleration
+}
+
+// unit is a unitSpec evaluated on one node.
+type unit struct {
+	*unitSpec
+	claimIndex int
+	claim      *resourceapi.ResourceClaim
 
 	// matching[i] is true if device i matches class and selectors.
 	matching []bool
@@ -397,7 +400,7 @@ type unit struct {
 	uncertn bool // some CEL evaluation failed at runtime
 }
 
-func (u *unit) displayName() string {
+func (u *unitSpec) displayName() string {
 	if u.subName != "" {
 		return u.request + "/" + u.subName
 	}
@@ -422,131 +425,171 @@ func (r *request) chosen() *unit {
 	return r.alts[r.target]
 }
 
-// claimInfo is what Allocate derives from one claim.
+// claimInfo is what Allocate derives from one claim on one node.
 type claimInfo struct {
-	claim     *resourceapi.ResourceClaim
-	mode      AlignmentMode
-	alignPod  bool
-	requests  []*request
-	hasAll    bool
-	hasSubreq bool
+	claim    *resourceapi.ResourceClaim
+	mode     AlignmentMode
+	alignPod bool
+	requests []*request
+	hasAll   bool
+}
+
+// claimStatic is what a claim alone determines; computed once per claim
+// object and cycle.
+type claimStatic struct {
+	// err is a fatal input error (ErrInvalidInput).
+	err         error
+	mode        AlignmentMode
+	alignPod    bool
+	passthrough bool
+	requests    []requestStatic
+}
+
+type requestStatic struct {
+	name string
+	alts []*unitSpec
 }
 
 // analyze validates claims and evaluates selectors on the node's devices.
 // passthrough is true for inputs this package does not interpret (future
 // fields, disabled features): upstream alone decides and reports them.
 func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resourceapi.ResourceClaim) (infos []*claimInfo, passthrough bool, err error) {
+	infos = make([]*claimInfo, 0, len(claims))
 	for ci, claim := range claims {
-		info := &claimInfo{claim: claim, mode: a.policy.Alignment}
-		if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
-			mode, err := ParseAlignmentMode(value)
-			if err != nil {
-				return nil, false, fmt.Errorf("%w: claim %s: annotation %s: %w", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignment, err)
-			}
-			info.mode = mode
+		st := a.claimStatic(claim)
+		if st.err != nil {
+			return nil, false, st.err
 		}
-		if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
-			if value != "pod" {
-				return nil, false, fmt.Errorf("%w: claim %s: annotation %s: invalid value %q (want pod)", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignWith, value)
-			}
-			info.alignPod = true
-		}
-		for _, c := range claim.Spec.Devices.Constraints {
-			if c.MatchAttribute == nil && c.DistinctAttribute == nil {
-				passthrough = true
-			}
-		}
-		claimMin := 0
-		for ri := range claim.Spec.Devices.Requests {
-			req := &claim.Spec.Devices.Requests[ri]
-			r := &request{claimIndex: ci, name: req.Name, target: -1}
-			switch {
-			case req.Exactly != nil:
-				e := req.Exactly
-				if len(e.DerivedAttributes) > 0 || (e.Capacity != nil && !a.features.ConsumableCapacity) ||
-					(ptr.Deref(e.AdminAccess, false) && !a.features.AdminAccess) {
-					passthrough = true
-				}
-				u, err := a.newUnit(ctx, ns, ci, claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
-				if err != nil {
-					return nil, false, err
-				}
-				if u == nil {
-					passthrough = true
-					continue
-				}
-				r.alts = []*unit{u}
-			case len(req.FirstAvailable) > 0:
-				info.hasSubreq = true
-				if !a.features.PrioritizedList {
-					passthrough = true
-				}
-				for si := range req.FirstAvailable {
-					s := &req.FirstAvailable[si]
-					if len(s.DerivedAttributes) > 0 || (s.Capacity != nil && !a.features.ConsumableCapacity) {
-						passthrough = true
-					}
-					u, err := a.newUnit(ctx, ns, ci, claim, req.Name, s.Name, si, s.DeviceClassName, s.Selectors, s.AllocationMode, s.Count, false, s.Tolerations)
-					if err != nil {
-						return nil, false, err
-					}
-					if u == nil {
-						passthrough = true
-						continue
-					}
-					r.alts = append(r.alts, u)
-				}
-			default:
-				passthrough = true
-				continue
-			}
-			minCount := math.MaxInt
-			for _, u := range r.alts {
-				minCount = min(minCount, u.count)
-			}
-			if len(r.alts) > 0 {
-				claimMin += minCount
-			}
-			for i, u := range r.alts {
+		passthrough = passthrough || st.passthrough
+		info := &claimInfo{claim: claim, mode: st.mode, alignPod: st.alignPod}
+		for _, rs := range st.requests {
+			r := &request{claimIndex: ci, name: rs.name, target: -1}
+			for _, spec := range rs.alts {
+				u := &unit{unitSpec: spec, claimIndex: ci, claim: claim}
+				a.evaluate(ctx, ns, u)
+				r.alts = append(r.alts, u)
 				if u.all {
 					info.hasAll = true
 				}
 				if r.target < 0 && (u.all || u.upper >= u.count) {
-					r.target = i
+					r.target = len(r.alts) - 1
 				}
 			}
 			info.requests = append(info.requests, r)
-		}
-		if claimMin > resourceapi.AllocationResultsMaxSize {
-			// Upstream rejects such claims with an error.
-			passthrough = true
 		}
 		infos = append(infos, info)
 	}
 	return infos, passthrough, nil
 }
 
-// newUnit resolves the class, compiles selectors and evaluates them on the
-// node's devices. It returns nil (and no error) for requests it does not
-// understand.
-func (a *Allocator) newUnit(ctx context.Context, ns *nodeState, claimIndex int, claim *resourceapi.ResourceClaim,
+// claimStatic returns the cached analysis of a claim.
+func (a *Allocator) claimStatic(claim *resourceapi.ResourceClaim) *claimStatic {
+	if st, ok := a.static.Load(claim); ok {
+		return st.(*claimStatic)
+	}
+	st := a.analyzeClaim(claim)
+	a.static.Store(claim, st)
+	return st
+}
+
+func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic {
+	st := &claimStatic{mode: a.policy.Alignment}
+	if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
+		mode, err := ParseAlignmentMode(value)
+		if err != nil {
+			st.err = fmt.Errorf("%w: claim %s: annotation %s: %w", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignment, err)
+			return st
+		}
+		st.mode = mode
+	}
+	if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
+		if value != "pod" {
+			st.err = fmt.Errorf("%w: claim %s: annotation %s: invalid value %q (want pod)", ErrInvalidInput, klog.KObj(claim), topology.AnnotationAlignWith, value)
+			return st
+		}
+		st.alignPod = true
+	}
+	for _, c := range claim.Spec.Devices.Constraints {
+		if c.MatchAttribute == nil && c.DistinctAttribute == nil {
+			st.passthrough = true
+		}
+	}
+	claimMin := 0
+	for ri := range claim.Spec.Devices.Requests {
+		req := &claim.Spec.Devices.Requests[ri]
+		rs := requestStatic{name: req.Name}
+		switch {
+		case req.Exactly != nil:
+			e := req.Exactly
+			if len(e.DerivedAttributes) > 0 || (e.Capacity != nil && !a.features.ConsumableCapacity) ||
+				(ptr.Deref(e.AdminAccess, false) && !a.features.AdminAccess) {
+				st.passthrough = true
+			}
+			spec, err := a.newUnitSpec(claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
+			if err != nil {
+				st.err = err
+				return st
+			}
+			if spec == nil {
+				st.passthrough = true
+				continue
+			}
+			rs.alts = []*unitSpec{spec}
+		case len(req.FirstAvailable) > 0:
+			if !a.features.PrioritizedList {
+				st.passthrough = true
+			}
+			for si := range req.FirstAvailable {
+				sub := &req.FirstAvailable[si]
+				if len(sub.DerivedAttributes) > 0 || (sub.Capacity != nil && !a.features.ConsumableCapacity) {
+					st.passthrough = true
+				}
+				spec, err := a.newUnitSpec(claim, req.Name, sub.Name, si, sub.DeviceClassName, sub.Selectors, sub.AllocationMode, sub.Count, false, sub.Tolerations)
+				if err != nil {
+					st.err = err
+					return st
+				}
+				if spec == nil {
+					st.passthrough = true
+					continue
+				}
+				rs.alts = append(rs.alts, spec)
+			}
+		default:
+			st.passthrough = true
+			continue
+		}
+		minCount := math.MaxInt
+		for _, u := range rs.alts {
+			minCount = min(minCount, u.count)
+		}
+		if len(rs.alts) > 0 {
+			claimMin += minCount
+		}
+		st.requests = append(st.requests, rs)
+	}
+	if claimMin > resourceapi.AllocationResultsMaxSize {
+		// Upstream rejects such claims with an error.
+		st.passthrough = true
+	}
+	return st
+}
+
+// newUnitSpec resolves the class and compiles selectors. It returns nil (and
+// no error) for requests it does not understand.
+func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
-	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unit, error) {
-	display := requestName
-	if subName != "" {
-		display = requestName + "/" + subName
-	}
-	if className == "" {
-		return nil, nil
-	}
-	u := &unit{
-		claimIndex:  claimIndex,
-		claim:       claim,
+	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unitSpec, error) {
+	u := &unitSpec{
 		request:     requestName,
 		subName:     subName,
 		subIndex:    subIndex,
 		admin:       admin,
 		tolerations: tolerations,
+	}
+	display := u.displayName()
+	if className == "" {
+		return nil, nil
 	}
 	switch mode {
 	case resourceapi.DeviceAllocationModeAll:
@@ -587,7 +630,6 @@ func (a *Allocator) newUnit(ctx context.Context, ns *nodeState, claimIndex int, 
 		}
 		u.selectors = append(u.selectors, expr)
 	}
-	a.evaluate(ctx, ns, u)
 	return u, nil
 }
 
