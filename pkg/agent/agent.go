@@ -125,7 +125,11 @@ type Agent struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	wg     sync.WaitGroup
+	// helper is the kubelet plugin helper (nil with PublishOnly); it
+	// publishes through its own ResourceSlice controller.
 	helper *kubeletplugin.Helper
+	// publisher publishes with PublishOnly (nil otherwise).
+	publisher *Publisher
 
 	// prepareMutex serializes Prepare and Unprepare (the helper already
 	// serializes gRPC calls; direct callers like simulators may not).
@@ -232,28 +236,20 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	logDiscovery(logger, inv)
 
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
-	helperOpts := []kubeletplugin.Option{
-		kubeletplugin.DriverName(opts.DriverName),
-		kubeletplugin.NodeName(opts.NodeName),
-		kubeletplugin.KubeClient(opts.KubeClient),
-	}
-	if opts.PublishOnly {
-		helperOpts = append(helperOpts,
-			kubeletplugin.RegistrationService(false),
-			kubeletplugin.DRAService(false),
-		)
-	} else {
-		helperOpts = append(helperOpts,
+	if !opts.PublishOnly {
+		helper, err := kubeletplugin.Start(a.ctx, a,
+			kubeletplugin.DriverName(opts.DriverName),
+			kubeletplugin.NodeName(opts.NodeName),
+			kubeletplugin.KubeClient(opts.KubeClient),
 			kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
 			kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
 		)
+		if err != nil {
+			a.cancel(err)
+			return nil, fmt.Errorf("start kubelet plugin: %w", err)
+		}
+		a.helper = helper
 	}
-	helper, err := kubeletplugin.Start(a.ctx, a, helperOpts...)
-	if err != nil {
-		a.cancel(err)
-		return nil, fmt.Errorf("start kubelet plugin: %w", err)
-	}
-	a.helper = helper
 
 	if err := a.publish(a.ctx); err != nil {
 		a.Stop()
@@ -286,6 +282,9 @@ func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
 func (a *Agent) Stop() {
 	a.cancel(errors.New("agent stopped"))
 	a.helper.Stop()
+	a.publishMutex.Lock()
+	a.publisher.Stop()
+	a.publishMutex.Unlock()
 	a.wg.Wait()
 }
 
@@ -377,10 +376,36 @@ func (a *Agent) publish(ctx context.Context) error {
 	a.mutex.Unlock()
 
 	klog.FromContext(ctx).V(2).Info("publishing devices", "pool", a.opts.PoolName, "devices", len(resources.Pools[a.opts.PoolName].Slices[0].Devices))
-	if err := a.helper.PublishResources(ctx, resources); err != nil {
-		return fmt.Errorf("publish resources: %w", err)
+	if a.helper != nil {
+		if err := a.helper.PublishResources(ctx, resources); err != nil {
+			return fmt.Errorf("publish resources: %w", err)
+		}
+		return nil
 	}
+	if a.publisher != nil {
+		a.publisher.Update(resources)
+		return nil
+	}
+	// Publish-only mode: the same controller that the kubelet plugin
+	// helper would run, started directly and owned by the Node.
+	publisher, err := PublishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, resources)
+	if err != nil {
+		return err
+	}
+	a.publisher = publisher
 	return nil
+}
+
+// PublishStatus reports on publishing; ok is false unless the agent runs
+// with PublishOnly (the kubelet plugin helper does not expose its
+// controller).
+func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
+	a.publishMutex.Lock()
+	defer a.publishMutex.Unlock()
+	if a.publisher == nil {
+		return PublishStatus{}, false
+	}
+	return a.publisher.Status(), true
 }
 
 // Rescan rediscovers devices now and republishes if anything changed.

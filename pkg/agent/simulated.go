@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/workqueue"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
 
@@ -41,7 +44,8 @@ type SimulatedOptions struct {
 type Simulated struct {
 	Agent   *Agent
 	Machine *mockgpu.Machine
-	nics    *resourceslice.Controller
+	// NICs publishes the machine's NICs (nil unless requested).
+	NICs *Publisher
 }
 
 // StartSimulated runs an agent for one simulated node in this process: it
@@ -81,7 +85,7 @@ func StartSimulated(ctx context.Context, opts SimulatedOptions) (*Simulated, err
 	}
 	s := &Simulated{Agent: a, Machine: m}
 	if opts.NICs && len(m.NICDevices()) > 0 {
-		s.nics, err = PublishStatic(ctx, opts.KubeClient, mockgpu.NICDriverName, opts.NodeName, m.NICResources())
+		s.NICs, err = PublishStatic(ctx, opts.KubeClient, mockgpu.NICDriverName, opts.NodeName, m.NICResources())
 		if err != nil {
 			a.Stop()
 			return nil, err
@@ -92,25 +96,91 @@ func StartSimulated(ctx context.Context, opts SimulatedOptions) (*Simulated, err
 
 // Stop stops the agent and the NIC publisher.
 func (s *Simulated) Stop() {
-	s.nics.Stop()
+	s.NICs.Stop()
 	s.Agent.Stop()
 }
 
+// Publisher publishes fixed resources of one driver for one node through
+// a resourceslice controller (the engine behind the kubelet plugin helper's
+// PublishResources), with the Node as owner of the slices.
+type Publisher struct {
+	controller *resourceslice.Controller
+	queue      *countingQueue
+}
+
+// PublishStatus describes a [Publisher].
+type PublishStatus struct {
+	// Syncs counts completed sync attempts of the pool(s). After a
+	// (re)start, Syncs > 0 means the controller has compared the API with
+	// the desired slices at least once.
+	Syncs int64
+	// Stats counts the API writes the controller made.
+	Stats resourceslice.Stats
+}
+
 // PublishStatic publishes fixed resources of one driver for one node (the
-// Node owns the slices) until ctx is canceled or the returned controller is
-// stopped. Use the controller's Update to change them. Simulators use it
-// for devices without a real driver, like mockgpu's NICs.
-func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*resourceslice.Controller, error) {
+// Node must exist; it owns the slices) until ctx is canceled or Stop is
+// called. Simulators use it for devices without a driver of their own, like
+// mockgpu's NICs; publish-only agents use it for their GPUs.
+func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*Publisher, error) {
 	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", nodeName, "driver", driverName)
 	ctx = klog.NewContext(ctx, klog.LoggerWithName(logger, "ResourceSlice controller"))
-	c, err := resourceslice.StartController(ctx, resourceslice.Options{
+	p := &Publisher{queue: newCountingQueue()}
+	var err error
+	p.controller, err = resourceslice.StartController(ctx, resourceslice.Options{
 		DriverName: driverName,
 		KubeClient: client,
 		Owner:      &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: nodeName},
 		Resources:  &resources,
+		Queue:      p.queue,
+		ErrorHandler: func(ctx context.Context, err error, msg string) {
+			// Like the kubelet plugin helper: publishing errors are
+			// not fixed by a restart, so they are all recoverable.
+			utilruntime.HandleErrorWithContext(ctx, err, msg)
+		},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("publish %s resources for node %s: %w", driverName, nodeName, err)
 	}
-	return c, nil
+	return p, nil
+}
+
+// Update replaces the published resources.
+func (p *Publisher) Update(resources resourceslice.DriverResources) {
+	p.controller.Update(&resources)
+}
+
+// Status reports what the controller has done so far.
+func (p *Publisher) Status() PublishStatus {
+	return PublishStatus{Syncs: p.queue.done.Load(), Stats: p.controller.GetStats()}
+}
+
+// Stop stops publishing and waits for the controller. The slices stay.
+// Stop on a nil Publisher is a no-op.
+func (p *Publisher) Stop() {
+	if p == nil {
+		return
+	}
+	p.controller.Stop()
+}
+
+// countingQueue is the controller's default work queue, counting Done calls
+// (one per processed item).
+type countingQueue struct {
+	workqueue.TypedRateLimitingInterface[string]
+	done atomic.Int64
+}
+
+func newCountingQueue() *countingQueue {
+	return &countingQueue{
+		TypedRateLimitingInterface: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.DefaultTypedControllerRateLimiter[string](),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "node_resource_slices"},
+		),
+	}
+}
+
+func (q *countingQueue) Done(item string) {
+	q.TypedRateLimitingInterface.Done(item)
+	q.done.Add(1)
 }
