@@ -30,6 +30,9 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 	if node == nil {
 		return nil, errors.New("allocate: node is nil")
 	}
+	if a.simplePod(claims) {
+		return a.allocateOrdered(ctx, node, claims)
+	}
 	ns, err := a.gatherNode(node)
 	if err != nil {
 		return nil, err
@@ -117,9 +120,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 				continue
 			}
 			if errors.Is(err, structured.ErrFailedAllocationOnNode) {
-				return &Result{Explanation: &Explanation{Requests: []RequestExplanation{{
-					Claim: claims[0].Name, Request: "*", Reason: strings.TrimSpace(err.Error()),
-				}}}}, nil
+				return &Result{Explanation: nodeFailure(claims, err)}, nil
 			}
 			return nil, err
 		}
@@ -156,6 +157,16 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 		expl = a.explain(infos, ns, nil, false)
 	}
 	return &Result{Explanation: expl}, nil
+}
+
+// nodeFailure explains an upstream failure that only concerns this node
+// (structured.ErrFailedAllocationOnNode, e.g. an invalid pool).
+func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
+	name := "*"
+	if len(claims) > 0 {
+		name = claims[0].Name
+	}
+	return &Explanation{Requests: []RequestExplanation{{Claim: name, Request: "*", Reason: strings.TrimSpace(err.Error())}}}
 }
 
 func (a *Allocator) upstream(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim, view []*resourceapi.ResourceSlice) ([]resourceapi.AllocationResult, error) {

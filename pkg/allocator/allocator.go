@@ -72,6 +72,9 @@ type Allocator struct {
 	// (*resourceapi.ResourceClaim -> *claimStatic); the claims of a pod are
 	// the same objects for every node of a cycle.
 	static sync.Map
+	// ordered is the claim-independent best-fit view (ordered.go).
+	ordered   orderedState
+	numSlices int
 }
 
 type poolKey struct{ driver, pool string }
@@ -126,6 +129,7 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		if slice == nil {
 			continue
 		}
+		a.numSlices++
 		if name := ptr.Deref(slice.Spec.NodeName, ""); name != "" {
 			a.byNode[name] = append(a.byNode[name], slice)
 		} else {

@@ -46,6 +46,8 @@ type sliceMemo struct {
 	byExpr map[string][]uint8
 	// info holds the slice's device IDs, names and coordinates.
 	info atomic.Pointer[sliceInfo]
+	// permuted is the slice's last reordered copy (ordered view).
+	permuted atomic.Pointer[permutedSlice]
 }
 
 // sliceInfo is per-device data of one slice that stays valid for as long as
