@@ -1,0 +1,290 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
+
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/component-base/featuregate"
+	logsapi "k8s.io/component-base/logs/api/v1"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
+	"sigs.k8s.io/yaml"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/pkg/version"
+)
+
+// noGPUMessage starts the one line --dry-run prints (on stderr, exit code 0)
+// on a node without NVIDIA GPU; hack/gpu-check.sh looks for it.
+const noGPUMessage = "no NVIDIA GPU here"
+
+type options struct {
+	nodeName       string
+	kubeconfig     string
+	nvml           string
+	sysfsRoot      string
+	pluginDataDir  string
+	registrarDir   string
+	stateDir       string
+	cdiDir         string
+	ownedTaint     bool
+	ownedTaintKey  string
+	numaList       bool
+	rescanInterval time.Duration
+	publishOnly    bool
+	dryRun         bool
+}
+
+func newCommand() *cobra.Command {
+	cmd, _ := newCommandWithOptions()
+	return cmd
+}
+
+func newCommandWithOptions() (*cobra.Command, *options) {
+	o := &options{}
+	featureGate := featuregate.NewFeatureGate()
+	utilruntime.Must(logsapi.AddFeatureGates(featureGate))
+	logConfig := logsapi.NewLoggingConfiguration()
+
+	cmd := &cobra.Command{
+		Use:   "topodra-node-agent",
+		Short: "Publish this node's NVIDIA GPUs with their topology for DRA and prepare them for containers",
+		Long: `topodra-node-agent discovers NVIDIA GPUs through NVML, publishes them as
+ResourceSlices of driver ` + topology.DriverName + ` (one pool per node) with NVIDIA-compatible
+attributes plus topology (resource.kubernetes.io/pcieRoot, numaNode, pciBusID and
+nvlinkClique), turns NVML faults into device taints, and serves the kubelet DRA
+plugin that prepares allocated GPUs through CDI specs.
+
+Every flag can also be set through its environment variable (shown in brackets);
+the command line wins.`,
+		Version:      version.Version,
+		SilenceUsage: true,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := applyEnv(cmd.Flags(), agentFlags); err != nil {
+				return err
+			}
+			if err := logsapi.ValidateAndApply(logConfig, featureGate); err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return run(ctx, o, cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringVar(&o.nodeName, "node-name", "", "Name of this node; the slices are owned by its Node object. Required except with --dry-run (default there: the host name).")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Kubeconfig file, for running outside the cluster. Empty: in-cluster configuration.")
+	fs.StringVar(&o.nvml, "nvml", "real", "Where GPUs come from: 'real' (libnvidia-ml) or 'mock:<profile>' with profile one of "+strings.Join(mockgpu.Profiles(), ", ")+".")
+	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
+	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, topology.DriverName), "Directory of the DRA plugin socket.")
+	fs.StringVar(&o.registrarDir, "registrar-dir", kubeletplugin.KubeletRegistryDir, "The kubelet's plugin registration directory.")
+	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
+	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
+	fs.BoolVar(&o.ownedTaint, "owned-taint", false, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them; the default scheduler leaves them alone.")
+	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
+	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
+	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")
+	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
+	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
+	agentFlags = nil
+	fs.VisitAll(func(f *pflag.Flag) { agentFlags = append(agentFlags, f.Name) })
+	for _, name := range agentFlags {
+		f := fs.Lookup(name)
+		f.Usage += " [$" + envName(name) + "]"
+	}
+	logsapi.AddFlags(logConfig, fs)
+	featureGate.AddFlag(fs)
+	return cmd, o
+}
+
+// agentFlags are the flags with environment twins (not the logging flags).
+var agentFlags []string
+
+func envName(flag string) string {
+	return strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
+}
+
+// applyEnv sets each named flag that was not given on the command line from
+// its environment variable, if that is set.
+func applyEnv(fs *pflag.FlagSet, names []string) error {
+	for _, name := range names {
+		f := fs.Lookup(name)
+		if f == nil || f.Changed {
+			continue
+		}
+		value, ok := os.LookupEnv(envName(name))
+		if !ok {
+			continue
+		}
+		if err := fs.Set(name, value); err != nil {
+			return fmt.Errorf("environment variable %s: %w", envName(name), err)
+		}
+	}
+	return nil
+}
+
+// newDiscovery builds discovery for --nvml.
+func newDiscovery(o *options, nodeName string) (*discovery.NVML, error) {
+	form := discovery.NUMAScalar
+	if o.numaList {
+		form = discovery.NUMAList
+	}
+	switch {
+	case o.nvml == "real":
+		var sysfs fs.ReadLinkFS
+		if o.sysfsRoot != "/sys" {
+			sysfs = os.DirFS(o.sysfsRoot).(fs.ReadLinkFS)
+		}
+		return discovery.NewNVML(discovery.NVMLOptions{Lib: nvml.New(), Sysfs: sysfs, NUMAForm: form})
+	case strings.HasPrefix(o.nvml, "mock:"):
+		m, err := mockgpu.New(strings.TrimPrefix(o.nvml, "mock:"), mockgpu.Options{NodeName: nodeName})
+		if err != nil {
+			return nil, fmt.Errorf("--nvml: %w", err)
+		}
+		return discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs(), NUMAForm: form})
+	default:
+		return nil, fmt.Errorf("--nvml must be 'real' or 'mock:<profile>', got %q", o.nvml)
+	}
+}
+
+func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	logger := klog.FromContext(ctx)
+	nodeName := o.nodeName
+	if nodeName == "" && o.dryRun {
+		nodeName, _ = os.Hostname()
+	}
+	if nodeName == "" {
+		return errors.New("--node-name (or NODE_NAME) is required")
+	}
+
+	disc, err := newDiscovery(o, nodeName)
+	if o.dryRun {
+		if err == nil {
+			defer func() { _ = disc.Close() }()
+			err = dryRun(ctx, disc, o, nodeName, stdout)
+		}
+		if errors.Is(err, discovery.ErrNoGPU) {
+			_, _ = fmt.Fprintf(stderr, "%s: %v\n", noGPUMessage, err)
+			return nil
+		}
+		return err
+	}
+	var agentDiscovery discovery.Interface = disc
+	switch {
+	case errors.Is(err, discovery.ErrNoGPU):
+		// Keep running with an empty pool: "driver up, no devices".
+		logger.Info(noGPUMessage+", publishing an empty pool", "reason", err.Error())
+		agentDiscovery = noGPU{err: err}
+	case err != nil:
+		return err
+	default:
+		defer func() { _ = disc.Close() }()
+	}
+
+	config, err := kubeConfig(o.kubeconfig)
+	if err != nil {
+		return err
+	}
+	client, err := kubernetes.NewForConfig(config)
+	if err != nil {
+		return fmt.Errorf("create kube client: %w", err)
+	}
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     client,
+		Discovery:      agentDiscovery,
+		PublishOnly:    o.publishOnly,
+		PluginDataDir:  o.pluginDataDir,
+		RegistrarDir:   o.registrarDir,
+		StateDir:       o.stateDir,
+		CDIDir:         o.cdiDir,
+		OwnedTaint:     o.ownedTaint,
+		OwnedTaintKey:  o.ownedTaintKey,
+		RescanInterval: rescan(o.rescanInterval),
+	})
+	if err != nil {
+		return err
+	}
+	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
+	<-a.Done()
+	cause := a.Err()
+	a.Stop()
+	if ctx.Err() != nil {
+		logger.Info("shutting down", "reason", context.Cause(ctx))
+		return nil
+	}
+	return cause
+}
+
+func rescan(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
+}
+
+// noGPU is the discovery of a node without GPUs.
+type noGPU struct{ err error }
+
+func (n noGPU) Discover(context.Context) (*discovery.Inventory, error) { return nil, n.err }
+
+func kubeConfig(path string) (*rest.Config, error) {
+	if path == "" {
+		config, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("in-cluster configuration (use --kubeconfig outside a cluster): %w", err)
+		}
+		return config, nil
+	}
+	config, err := clientcmd.BuildConfigFromFlags("", path)
+	if err != nil {
+		return nil, fmt.Errorf("load kubeconfig %s: %w", path, err)
+	}
+	return config, nil
+}
+
+// dryRun prints the slice the agent would publish, with GPUs that it would
+// not publish as comments.
+func dryRun(ctx context.Context, disc discovery.Interface, o *options, nodeName string, out io.Writer) error {
+	inv, err := disc.Discover(ctx)
+	if err != nil {
+		return err
+	}
+	resources := agent.BuildResources(inv, nodeName, nil, agent.TaintOptions{Owned: o.ownedTaint, OwnedKey: o.ownedTaintKey})
+	for _, s := range inv.Skipped {
+		if _, err := fmt.Fprintf(out, "# not published: GPU %d %s (%s): %s\n", s.Index, s.UUID, s.PCIBusID, s.Reason); err != nil {
+			return err
+		}
+	}
+	for _, slice := range agent.SliceObjects(topology.DriverName, nodeName, resources) {
+		data, err := yaml.Marshal(slice)
+		if err != nil {
+			return err
+		}
+		if _, err := fmt.Fprintf(out, "---\n%s", data); err != nil {
+			return err
+		}
+	}
+	return nil
+}

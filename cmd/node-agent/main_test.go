@@ -1,0 +1,134 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/klog/v2/ktesting"
+	"sigs.k8s.io/yaml"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+func TestEnvironmentTwins(t *testing.T) {
+	testcases := map[string]struct {
+		env  map[string]string
+		args []string
+		want options
+	}{
+		"environment only": {
+			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s"},
+			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true},
+		},
+		"command line wins": {
+			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100"},
+			args: []string{"--node-name=flag-node"},
+			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100"},
+		},
+		"defaults": {
+			want: options{nvml: "real"},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			cmd, o := newCommandWithOptions()
+			if err := cmd.ParseFlags(tc.args); err != nil {
+				t.Fatal(err)
+			}
+			if err := applyEnv(cmd.Flags(), agentFlags); err != nil {
+				t.Fatal(err)
+			}
+			if o.nodeName != tc.want.nodeName || o.nvml != tc.want.nvml || o.ownedTaint != tc.want.ownedTaint {
+				t.Errorf("got node %q nvml %q ownedTaint %v, want %q %q %v", o.nodeName, o.nvml, o.ownedTaint, tc.want.nodeName, tc.want.nvml, tc.want.ownedTaint)
+			}
+			if v, ok := tc.env["RESCAN_INTERVAL"]; ok && o.rescanInterval.String() != v {
+				t.Errorf("rescan interval %v, want %s", o.rescanInterval, v)
+			}
+		})
+	}
+}
+
+func TestEnvironmentTwinRejectsBadValue(t *testing.T) {
+	t.Setenv("OWNED_TAINT", "maybe")
+	cmd, _ := newCommandWithOptions()
+	if err := cmd.ParseFlags(nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(cmd.Flags(), agentFlags); err == nil || !strings.Contains(err.Error(), "OWNED_TAINT") {
+		t.Errorf("want an error naming OWNED_TAINT, got %v", err)
+	}
+}
+
+func TestDryRun(t *testing.T) {
+	testcases := map[string]struct {
+		opts        options
+		wantDevices int
+		wantTaints  bool
+		wantErr     string
+	}{
+		"dgx-h100":                  {opts: options{nvml: "mock:dgx-h100"}, wantDevices: 8},
+		"workstation with taint":    {opts: options{nvml: "mock:workstation-2gpu", ownedTaint: true, ownedTaintKey: topology.DefaultTaintKey}, wantDevices: 2, wantTaints: true},
+		"unknown profile":           {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
+		"neither real nor mock":     {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
+		"missing node name outside": {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			o := tc.opts
+			o.dryRun = !strings.HasPrefix(name, "missing")
+			if o.dryRun {
+				o.nodeName = "node-1"
+			}
+			var stdout, stderr bytes.Buffer
+			err := run(ctx, &o, &stdout, &stderr)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("want error containing %q, got %v", tc.wantErr, err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			doc := strings.TrimPrefix(stdout.String(), "---\n")
+			var slice resourceapi.ResourceSlice
+			if err := yaml.UnmarshalStrict([]byte(doc), &slice); err != nil {
+				t.Fatalf("output is not one ResourceSlice: %v\n%s", err, stdout.String())
+			}
+			if slice.Spec.Driver != topology.DriverName || slice.Spec.Pool.Name != "node-1" || *slice.Spec.NodeName != "node-1" {
+				t.Errorf("unexpected slice header: %+v", slice.Spec)
+			}
+			if len(slice.Spec.Devices) != tc.wantDevices {
+				t.Errorf("%d devices, want %d", len(slice.Spec.Devices), tc.wantDevices)
+			}
+			for _, d := range slice.Spec.Devices {
+				if got := len(d.Taints) > 0; got != tc.wantTaints {
+					t.Errorf("%s: taints %v, want taints: %v", d.Name, d.Taints, tc.wantTaints)
+				}
+			}
+		})
+	}
+}
+
+// TestDryRunRealNVML runs against the real NVML library. Where there is no
+// GPU (CI) it must say so and succeed.
+func TestDryRunRealNVML(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	var stdout, stderr bytes.Buffer
+	err := run(ctx, &options{nvml: "real", sysfsRoot: "/sys", dryRun: true, nodeName: "node-1"}, &stdout, &stderr)
+	if err != nil {
+		t.Fatalf("dry run with real NVML: %v", err)
+	}
+	if stdout.Len() > 0 {
+		t.Skipf("this machine has an NVIDIA GPU:\n%s", stdout.String())
+	}
+	if !strings.HasPrefix(stderr.String(), noGPUMessage) {
+		t.Errorf("want %q on stderr, got %q", noGPUMessage, stderr.String())
+	}
+}
