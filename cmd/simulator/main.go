@@ -1,0 +1,167 @@
+// Command topodra-sim runs a simulated GPU cluster in process (embedded etcd,
+// kube-apiserver, the ResourceClaim controller, node agents on mock machines
+// publishing real ResourceSlices) and the same seeded workload through
+// topodra-scheduler and, on a fresh identical cluster, the stock
+// kube-scheduler; then it prints where every GPU went, side by side.
+//
+//	go run ./cmd/simulator [--nodes 8] [--profile dgx-h100=6,pcie-nvlink-pairs=2]
+//	    [--pods 160] [--seed 1] [--schedulers topodra,stock]
+//	    [--workload FILE] [--report out.html] [--json out.json]
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/sim"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("topodra-sim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var (
+		opts       sim.Options
+		schedulers string
+		workload   string
+		reportPath string
+		jsonPath   string
+		logFile    string
+		verbosity  int
+		schedCfg   string
+	)
+	fs.IntVar(&opts.Nodes, "nodes", 0, "number of simulated nodes (default: the sum of the --profile mix, or 8)")
+	fs.StringVar(&opts.Profile, "profile", sim.DefaultProfile, "machine profile, or a mix like dgx-h100=6,pcie-nvlink-pairs=2 (profiles: dgx-h100, pcie-nvlink-pairs, workstation-2gpu); a mix is scaled to --nodes")
+	fs.IntVar(&opts.Pods, "pods", 160, "number of pods of the built-in workload")
+	fs.Int64Var(&opts.Seed, "seed", 1, "seed of the built-in workload")
+	fs.StringVar(&schedulers, "schedulers", "topodra,stock", "schedulers to compare, in order: topodra, stock")
+	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of the built-in workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks)")
+	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
+	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
+	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
+	fs.StringVar(&jsonPath, "json", "", "write the full results as JSON to this file")
+	fs.StringVar(&schedCfg, "scheduler-config", "", "KubeSchedulerConfiguration for the topodra run instead of the embedded config/scheduler-config.yaml (its profile must be named topodra-scheduler)")
+	fs.StringVar(&logFile, "log-file", "", "write component logs (apiserver, schedulers, agents) to this file; by default they are discarded")
+	fs.IntVar(&verbosity, "v", 0, "log verbosity for --log-file")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "unexpected arguments: %v\n", fs.Args())
+		return 2
+	}
+	opts.Schedulers = sim.ParseSchedulers(schedulers)
+	if opts.Checkpoints == 0 {
+		opts.Checkpoints = -1
+	}
+	if workload != "" {
+		w, err := sim.LoadWorkload(workload)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+		opts.Workload = w
+	}
+	if schedCfg != "" {
+		data, err := os.ReadFile(schedCfg)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+		opts.SchedulerConfig = data
+	}
+	if err := setUpLogging(logFile, verbosity); err != nil {
+		fmt.Fprintln(stderr, err)
+		return 2
+	}
+	defer klog.Flush()
+	opts.Progress = stderr
+
+	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer cancel()
+	start := time.Now()
+	report, err := sim.Run(ctx, opts)
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "\ntopodra-sim: seed %d, %d pods over %d ticks, %d nodes (%s)\n\n", report.Seed, report.Pods, report.Ticks, len(report.Nodes), report.Profile)
+	if err := report.WriteTable(stdout); err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	if s := report.Summary(); s != "" {
+		fmt.Fprintf(stdout, "\n%s\n", s)
+	}
+	code := 0
+	for _, res := range report.Results {
+		for _, e := range res.Errors {
+			fmt.Fprintf(stderr, "[%s] inconsistency: %s\n", res.Scheduler, e)
+			code = 1
+		}
+	}
+	if reportPath != "" {
+		if err := writeFile(reportPath, report.WriteHTML); err != nil {
+			fmt.Fprintln(stderr, err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "report: %s\n", reportPath)
+	}
+	if jsonPath != "" {
+		if err := writeFile(jsonPath, func(w io.Writer) error {
+			enc := json.NewEncoder(w)
+			enc.SetIndent("", "  ")
+			return enc.Encode(report)
+		}); err != nil {
+			fmt.Fprintln(stderr, err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "json: %s\n", jsonPath)
+	}
+	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
+	return code
+}
+
+func writeFile(path string, write func(io.Writer) error) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := write(f); err != nil {
+		_ = f.Close()
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return f.Close()
+}
+
+// setUpLogging sends klog (all components run in this process) to a file,
+// or nowhere: the simulator's own output is the progress and the table.
+func setUpLogging(path string, verbosity int) error {
+	kfs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(kfs)
+	set := func(name, value string) {
+		_ = kfs.Set(name, value)
+	}
+	set("v", fmt.Sprint(verbosity))
+	set("logtostderr", "false")
+	set("alsologtostderr", "false")
+	set("stderrthreshold", "FATAL")
+	if path == "" {
+		klog.SetOutput(io.Discard)
+		return nil
+	}
+	set("log_file", path)
+	return nil
+}

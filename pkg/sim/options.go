@@ -1,0 +1,225 @@
+// Package sim is topodra-sim: it starts an embedded control plane (etcd,
+// kube-apiserver, the ResourceClaim controller), simulated GPU nodes whose
+// node agents run on mock machines and publish real ResourceSlices, and runs
+// one seeded workload through topodra-scheduler and, on a fresh identical
+// cluster, through the stock kube-scheduler. It tracks where every device
+// went and reports placement quality side by side (text, JSON, HTML).
+//
+// # Time
+//
+// A workload runs in ticks, a virtual clock. At each tick the simulator
+// deletes the pods whose lifetime has ended and waits until their claims are
+// released, creates the pods that arrive at that tick and waits until each
+// of them is bound or marked unschedulable. Nothing waits on a fixed sleep,
+// so both schedulers see the same sequence of events and a run takes as long
+// as the schedulers need.
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+)
+
+// Scheduler names accepted by Options.Schedulers.
+const (
+	SchedulerTopodra = "topodra"
+	SchedulerStock   = "stock"
+)
+
+// Device class names created in every simulated cluster.
+const (
+	GPUClassName = "gpu.topodra.io"
+	NICClassName = "nic.topodra.io"
+)
+
+// Options configure [Run]. The zero value of a field means its default.
+type Options struct {
+	// Nodes is the number of simulated nodes (default 8). With a mixed
+	// Profile whose counts add up, Nodes may be 0.
+	Nodes int
+	// Profile is a machine profile name, or a mix like
+	// "dgx-h100=6,pcie-nvlink-pairs=2" (default "dgx-h100=6,pcie-nvlink-pairs=2").
+	// A mix whose counts do not add up to Nodes is scaled to Nodes.
+	Profile string
+	// Pods is the number of pods of the built-in workload (default 160).
+	Pods int
+	// Seed drives the built-in workload (default 1).
+	Seed int64
+	// Schedulers to compare, in order (default topodra, stock).
+	Schedulers []string
+	// SchedulerConfig replaces the embedded topodra profile
+	// (config.SchedulerConfig) for the topodra run.
+	SchedulerConfig []byte
+	// Workload, if set, replaces the built-in workload.
+	Workload *Workload
+	// Pin gives every pod of the built-in workload a node (nodeSelector on
+	// kubernetes.io/hostname) chosen by the seed among the nodes where it
+	// fits by count. Then node choice is out of the schedulers' hands and
+	// only device choice differs: runs are reproducible even between two
+	// schedulers that break node-score ties at random. For tests.
+	Pin bool
+	// Checkpoints is the number of intermediate snapshots of the device
+	// maps (default 3; negative: none).
+	Checkpoints int
+	// SettleTimeout bounds each wait for pods to be bound or marked
+	// unschedulable, and for claims to be released (default 60s).
+	SettleTimeout time.Duration
+	// Progress receives one line now and then while a run goes on; nil
+	// means no progress output.
+	Progress io.Writer
+}
+
+// NodeSpec is one simulated node.
+type NodeSpec struct {
+	Name    string `json:"name"`
+	Profile string `json:"profile"`
+}
+
+// DefaultProfile is the default machine mix.
+const DefaultProfile = "dgx-h100=6,pcie-nvlink-pairs=2"
+
+func (o *Options) setDefaults() {
+	if o.Profile == "" {
+		o.Profile = DefaultProfile
+	}
+	if o.Pods == 0 {
+		o.Pods = 160
+	}
+	if o.Seed == 0 {
+		o.Seed = 1
+	}
+	if len(o.Schedulers) == 0 {
+		o.Schedulers = []string{SchedulerTopodra, SchedulerStock}
+	}
+	if o.Checkpoints == 0 {
+		o.Checkpoints = 3
+	}
+	if o.SettleTimeout == 0 {
+		o.SettleTimeout = 60 * time.Second
+	}
+}
+
+func (o *Options) validate() error {
+	var errs []error
+	if o.Nodes < 0 {
+		errs = append(errs, fmt.Errorf("nodes must not be negative, got %d", o.Nodes))
+	}
+	if o.Pods < 0 {
+		errs = append(errs, fmt.Errorf("pods must not be negative, got %d", o.Pods))
+	}
+	seen := map[string]bool{}
+	for _, s := range o.Schedulers {
+		if s != SchedulerTopodra && s != SchedulerStock {
+			errs = append(errs, fmt.Errorf("unknown scheduler %q (known: %s, %s)", s, SchedulerTopodra, SchedulerStock))
+		}
+		if seen[s] {
+			errs = append(errs, fmt.Errorf("scheduler %q listed twice", s))
+		}
+		seen[s] = true
+	}
+	return errors.Join(errs...)
+}
+
+// ParseSchedulers splits "topodra,stock".
+func ParseSchedulers(s string) []string {
+	var out []string
+	for _, part := range strings.Split(s, ",") {
+		if part = strings.TrimSpace(part); part != "" {
+			out = append(out, part)
+		}
+	}
+	return out
+}
+
+// PlanNodes turns a profile (a name, or a mix "a=6,b=2") and a node count
+// into node specs named sim-node-0, sim-node-1, …. A single profile is used
+// for every node. A mix whose counts add up to nodes (or nodes == 0) is used
+// as is; otherwise it is scaled to nodes by largest remainder, keeping at
+// least one node of each profile when nodes allows.
+func PlanNodes(profile string, nodes int) ([]NodeSpec, error) {
+	known := mockgpu.Profiles()
+	type part struct {
+		name  string
+		count int
+	}
+	var parts []part
+	total := 0
+	for _, item := range strings.Split(profile, ",") {
+		item = strings.TrimSpace(item)
+		if item == "" {
+			continue
+		}
+		name, countStr, hasCount := strings.Cut(item, "=")
+		name = strings.TrimSpace(name)
+		if !slices.Contains(known, name) {
+			return nil, fmt.Errorf("unknown machine profile %q (known: %s)", name, strings.Join(known, ", "))
+		}
+		count := 1
+		if hasCount {
+			n, err := strconv.Atoi(strings.TrimSpace(countStr))
+			if err != nil || n < 1 {
+				return nil, fmt.Errorf("profile %q: count must be a positive integer, got %q", name, countStr)
+			}
+			count = n
+		}
+		parts = append(parts, part{name, count})
+		total += count
+	}
+	if len(parts) == 0 {
+		return nil, errors.New("no machine profile given")
+	}
+	if nodes == 0 {
+		nodes = total
+		if len(parts) == 1 && !strings.Contains(profile, "=") {
+			nodes = 8
+		}
+	}
+	if nodes < 1 {
+		return nil, fmt.Errorf("need at least one node, got %d", nodes)
+	}
+	counts := make([]int, len(parts))
+	switch {
+	case len(parts) == 1:
+		counts[0] = nodes
+	case total == nodes:
+		for i, p := range parts {
+			counts[i] = p.count
+		}
+	default:
+		// Largest remainder: floor shares, then hand out the rest by
+		// remainder (ties: earlier profile first).
+		assigned := 0
+		rem := make([]float64, len(parts))
+		for i, p := range parts {
+			share := float64(p.count) * float64(nodes) / float64(total)
+			counts[i] = int(share)
+			rem[i] = share - float64(counts[i])
+			assigned += counts[i]
+		}
+		for assigned < nodes {
+			best := 0
+			for i := range rem {
+				if rem[i] > rem[best] {
+					best = i
+				}
+			}
+			counts[best]++
+			rem[best] = -1
+			assigned++
+		}
+	}
+	var specs []NodeSpec
+	for i, p := range parts {
+		for range counts[i] {
+			specs = append(specs, NodeSpec{Name: fmt.Sprintf("sim-node-%d", len(specs)), Profile: p.name})
+		}
+	}
+	return specs, nil
+}

@@ -1,0 +1,286 @@
+package sim
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+)
+
+// Placement is one allocated claim, rated against the free devices just
+// before its allocation was written.
+type Placement struct {
+	Pod   string   `json:"pod"`
+	Claim string   `json:"claim"`
+	Node  string   `json:"node"`
+	Tick  int      `json:"tick"`
+	GPUs  []string `json:"gpus,omitempty"`
+	NICs  []string `json:"nics,omitempty"`
+
+	// MultiGPU: the claim got two or more GPUs. The In* fields say whether
+	// they all share one NVLink clique / PCIe root / NUMA node; the
+	// *Possible fields whether some node the pod could use had that many
+	// free GPUs in one such domain.
+	MultiGPU       bool `json:"multiGPU,omitempty"`
+	InClique       bool `json:"inClique,omitempty"`
+	CliquePossible bool `json:"cliquePossible,omitempty"`
+	InRoot         bool `json:"inRoot,omitempty"`
+	RootPossible   bool `json:"rootPossible,omitempty"`
+	InNUMA         bool `json:"inNUMA,omitempty"`
+	NUMAPossible   bool `json:"numaPossible,omitempty"`
+	// GPUNIC: the claim got GPUs and NICs. NICSameRoot: all on one PCIe
+	// root; NICPossible: a root with enough free GPUs and NICs existed.
+	GPUNIC      bool `json:"gpuNIC,omitempty"`
+	NICSameRoot bool `json:"nicSameRoot,omitempty"`
+	NICPossible bool `json:"nicPossible,omitempty"`
+}
+
+// Snapshot is the device assignment at one tick: device key -> pod.
+type Snapshot struct {
+	Label string            `json:"label"`
+	Tick  int               `json:"tick"`
+	Used  map[string]string `json:"used"`
+}
+
+// Ratio counts aligned allocations among those where alignment was
+// possible.
+type Ratio struct {
+	Aligned  int `json:"aligned"`
+	Possible int `json:"possible"`
+}
+
+// Percent is Aligned/Possible in percent; 100 when nothing was possible.
+func (r Ratio) Percent() float64 {
+	if r.Possible == 0 {
+		return 100
+	}
+	return 100 * float64(r.Aligned) / float64(r.Possible)
+}
+
+func (r Ratio) String() string {
+	if r.Possible == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%d/%d (%.0f%%)", r.Aligned, r.Possible, r.Percent())
+}
+
+func (r *Ratio) add(aligned, possible bool) {
+	// An aligned allocation proves that alignment was possible, even if
+	// the tracked state (written, not in-flight, allocations) said not.
+	if aligned || possible {
+		r.Possible++
+	}
+	if aligned {
+		r.Aligned++
+	}
+}
+
+// Alignment sums up placement quality.
+type Alignment struct {
+	MultiGPU int   `json:"multiGPU"`
+	Clique   Ratio `json:"nvlinkClique"`
+	Root     Ratio `json:"pcieRoot"`
+	NUMA     Ratio `json:"numaNode"`
+	GPUNIC   int   `json:"gpuNIC"`
+	NICRoot  Ratio `json:"gpuNICPCIeRoot"`
+}
+
+// Fraction is all aligned over all possible, across the four measures.
+func (a Alignment) Fraction() float64 {
+	aligned := a.Clique.Aligned + a.Root.Aligned + a.NUMA.Aligned + a.NICRoot.Aligned
+	possible := a.Clique.Possible + a.Root.Possible + a.NUMA.Possible + a.NICRoot.Possible
+	if possible == 0 {
+		return 1
+	}
+	return float64(aligned) / float64(possible)
+}
+
+// NodeEnd is a node's free capacity at the end of a run.
+type NodeEnd struct {
+	Node     string `json:"node"`
+	Profile  string `json:"profile"`
+	GPUs     int    `json:"gpus"`
+	FreeGPUs int    `json:"freeGPUs"`
+	// LargestBlock is the most free GPUs that share one NUMA node and one
+	// NVLink clique (devices without the attribute count as sharing it).
+	LargestBlock int `json:"largestAlignedFreeBlock"`
+	// Fit8 is how many more 8-GPU jobs fit; Fit4 how many more 4-GPU jobs
+	// fit inside one NUMA node each.
+	Fit8 int `json:"fit8GPU"`
+	Fit4 int `json:"fit4GPUNUMAAligned"`
+}
+
+// Result is the outcome of one scheduler's run.
+type Result struct {
+	Scheduler       string    `json:"scheduler"`
+	SchedulerName   string    `json:"schedulerName"`
+	Pods            int       `json:"pods"`
+	Placed          int       `json:"placed"`
+	Pending         int       `json:"pending"`
+	RunningAtEnd    int       `json:"runningAtEnd"`
+	Finished        int       `json:"finished"`
+	Alignment       Alignment `json:"alignment"`
+	AlignedFraction float64   `json:"alignedFraction"`
+	Nodes           []NodeEnd `json:"nodes"`
+	Fit8            int       `json:"fit8GPU"`
+	Fit4            int       `json:"fit4GPUNUMAAligned"`
+	FreeGPUs        int       `json:"freeGPUs"`
+	// Throughput is pods bound in their arrival tick per second of time
+	// spent waiting for them.
+	Throughput float64 `json:"throughputPodsPerSecond"`
+	// Latency from pod creation to the bind being observed, for pods
+	// bound in their arrival tick.
+	LatencyP50Ms   float64     `json:"latencyP50Ms"`
+	LatencyP99Ms   float64     `json:"latencyP99Ms"`
+	LatencySamples int         `json:"latencySamples"`
+	WallSeconds    float64     `json:"wallSeconds"`
+	Snapshots      []Snapshot  `json:"snapshots"`
+	Placements     []Placement `json:"placements"`
+	// PendingPods names the pods never bound, with the scheduler's last
+	// message.
+	PendingPods map[string]string `json:"pendingPods,omitempty"`
+	// Errors are inconsistencies found while tracking (allocated devices
+	// that do not exist, double allocation, claims on another node).
+	Errors []string `json:"errors,omitempty"`
+}
+
+// DeviceInfo describes one device for the maps.
+type DeviceInfo struct {
+	Key    string `json:"key"`
+	Name   string `json:"name"`
+	GPU    bool   `json:"gpu"`
+	NUMA   string `json:"numaNode,omitempty"`
+	Root   string `json:"pcieRoot,omitempty"`
+	Clique string `json:"nvlinkClique,omitempty"`
+}
+
+// NodeTopology is a node's devices as published.
+type NodeTopology struct {
+	Node    string       `json:"node"`
+	Profile string       `json:"profile"`
+	Devices []DeviceInfo `json:"devices"`
+}
+
+// Report is the outcome of Run.
+type Report struct {
+	Seed        int64          `json:"seed"`
+	Profile     string         `json:"profile"`
+	Pods        int            `json:"pods"`
+	Ticks       int            `json:"ticks"`
+	Nodes       []NodeTopology `json:"nodes"`
+	Results     []Result       `json:"results"`
+	WallSeconds float64        `json:"wallSeconds"`
+}
+
+// WriteTable prints the side-by-side table.
+func (r *Report) WriteTable(out io.Writer) error {
+	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	header := "\t"
+	for _, res := range r.Results {
+		header += res.Scheduler + "\t"
+	}
+	fmt.Fprintln(w, header)
+	row := func(label string, cell func(Result) string) {
+		line := label + "\t"
+		for _, res := range r.Results {
+			line += cell(res) + "\t"
+		}
+		fmt.Fprintln(w, line)
+	}
+	row("pods placed / pending", func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) })
+	row("  finished / running at end", func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) })
+	row("multi-GPU allocations", func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) })
+	row("  in one NVLink clique", func(res Result) string { return res.Alignment.Clique.String() })
+	row("  in one PCIe root", func(res Result) string { return res.Alignment.Root.String() })
+	row("  in one NUMA node", func(res Result) string { return res.Alignment.NUMA.String() })
+	row("GPU+NIC allocations", func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) })
+	row("  sharing a PCIe root", func(res Result) string { return res.Alignment.NICRoot.String() })
+	row("aligned overall", func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
+	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
+	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
+	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })
+	row("throughput (pods/s)", func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
+	row("create->bind p50 / p99", func(res Result) string {
+		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
+	})
+	row("wall time", func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
+	if err := w.Flush(); err != nil {
+		return err
+	}
+
+	// Per node at the end.
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "at the end, per node: free GPUs / largest aligned free block / more 8-GPU jobs / more 4-GPU NUMA-aligned jobs")
+	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	header = "node\tprofile\t"
+	for _, res := range r.Results {
+		header += res.Scheduler + "\t"
+	}
+	fmt.Fprintln(w, header)
+	for i, n := range r.Nodes {
+		line := n.Node + "\t" + n.Profile + "\t"
+		for _, res := range r.Results {
+			if i < len(res.Nodes) {
+				e := res.Nodes[i]
+				line += fmt.Sprintf("%d / %d / %d / %d", e.FreeGPUs, e.LargestBlock, e.Fit8, e.Fit4)
+			}
+			line += "\t"
+		}
+		fmt.Fprintln(w, line)
+	}
+	return w.Flush()
+}
+
+// Summary is a one-line verdict comparing the first two results.
+func (r *Report) Summary() string {
+	if len(r.Results) < 2 {
+		return ""
+	}
+	a, b := r.Results[0], r.Results[1]
+	var parts []string
+	parts = append(parts, fmt.Sprintf("aligned %.1f%% (%s) vs %.1f%% (%s)", 100*a.AlignedFraction, a.Scheduler, 100*b.AlignedFraction, b.Scheduler))
+	parts = append(parts, fmt.Sprintf("placed %d vs %d", a.Placed, b.Placed))
+	parts = append(parts, fmt.Sprintf("room for 8-GPU jobs %d vs %d, 4-GPU %d vs %d", a.Fit8, b.Fit8, a.Fit4, b.Fit4))
+	return strings.Join(parts, "; ")
+}
+
+// nodeEnds computes per-node free capacity from a snapshot.
+func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
+	var out []NodeEnd
+	for _, n := range topo {
+		e := NodeEnd{Node: n.Node, Profile: n.Profile}
+		block := map[[2]string]int{}
+		numa := map[string]int{}
+		for _, d := range n.Devices {
+			if !d.GPU {
+				continue
+			}
+			e.GPUs++
+			if _, used := snap.Used[d.Key]; used {
+				continue
+			}
+			e.FreeGPUs++
+			block[[2]string{d.NUMA, d.Clique}]++
+			numa[d.NUMA]++
+		}
+		for _, c := range block {
+			e.LargestBlock = max(e.LargestBlock, c)
+		}
+		e.Fit8 = e.FreeGPUs / 8
+		for _, c := range numa {
+			e.Fit4 += c / 4
+		}
+		out = append(out, e)
+	}
+	return out
+}
+
+// percentile of sorted values (nearest rank).
+func percentile(sorted []float64, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(p*float64(len(sorted))+0.999999) - 1
+	i = min(max(i, 0), len(sorted)-1)
+	return sorted[i]
+}

@@ -1,0 +1,382 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// Namespace is where a run creates its templates, pods and claims.
+const Namespace = "sim"
+
+// pollInterval is how often waits re-check the tracked state (in memory,
+// fed by informers).
+const pollInterval = 5 * time.Millisecond
+
+// Run runs the workload through each scheduler in turn, each on a fresh
+// cluster built from the same nodes, and returns the report. A failure to
+// start or an unmet wait fails the run with an error that says what was
+// waited for.
+func Run(ctx context.Context, opts Options) (*Report, error) {
+	opts.setDefaults()
+	if err := opts.validate(); err != nil {
+		return nil, err
+	}
+	nodes, err := PlanNodes(opts.Profile, opts.Nodes)
+	if err != nil {
+		return nil, err
+	}
+	workload := opts.Workload
+	if workload == nil {
+		workload, err = Generate(opts.Seed, opts.Pods, nodes, opts.Pin)
+		if err != nil {
+			return nil, err
+		}
+	}
+	start := time.Now()
+	report := &Report{Seed: opts.Seed, Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
+	for _, sched := range opts.Schedulers {
+		res, topo, err := runOne(ctx, opts, nodes, workload, sched)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", sched, err)
+		}
+		if report.Nodes == nil {
+			report.Nodes = topo
+		}
+		report.Results = append(report.Results, *res)
+	}
+	report.WallSeconds = time.Since(start).Seconds()
+	return report, nil
+}
+
+func (o *Options) progressf(format string, args ...any) {
+	if o.Progress != nil {
+		fmt.Fprintf(o.Progress, format+"\n", args...)
+	}
+}
+
+// runOne builds a cluster, runs the workload through one scheduler and
+// tears the cluster down again (scheduler, agents, claim controller and
+// informers before the apiserver).
+func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workload, sched string) (res *Result, topo []NodeTopology, err error) {
+	start := time.Now()
+	logger := klog.FromContext(ctx).WithName(sched)
+	ctx, cancel := context.WithCancel(klog.NewContext(ctx, logger))
+	tb := framework.NewProcessTB("topodra-sim-"+sched, logger)
+	defer func() {
+		cancel()
+		tb.Close()
+	}()
+	defer func() {
+		if r := recover(); r != nil {
+			fe, ok := r.(framework.FatalError)
+			if !ok {
+				panic(r)
+			}
+			err = fmt.Errorf("control plane: %s", fe.Msg)
+		}
+	}()
+
+	opts.progressf("[%s] starting control plane (etcd, kube-apiserver, claim controller)", sched)
+	cp, err := framework.Start(tb)
+	if err != nil {
+		return nil, nil, err
+	}
+	client := cp.Client
+	if _, err := cp.StartClaimController(ctx); err != nil {
+		return nil, nil, err
+	}
+	for _, class := range []*resourceapi.DeviceClass{
+		framework.DeviceClass(GPUClassName, topology.DriverName),
+		framework.DeviceClass(NICClassName, mockgpu.NICDriverName),
+	} {
+		if _, err := client.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil {
+			return nil, nil, fmt.Errorf("create device class: %w", err)
+		}
+	}
+
+	// Nodes and their agents.
+	var nodeObjs []*v1.Node
+	wantSlices := 0
+	for _, n := range nodes {
+		node, err := framework.CreateReadyNode(ctx, client, n.Name, map[string]string{LabelProfile: n.Profile})
+		if err != nil {
+			return nil, nil, err
+		}
+		nodeObjs = append(nodeObjs, node)
+		simAgent, err := agent.StartSimulated(ctx, agent.SimulatedOptions{
+			NodeName: n.Name, Profile: n.Profile, KubeClient: client, NICs: true,
+		})
+		if err != nil {
+			return nil, nil, fmt.Errorf("start agent on %s: %w", n.Name, err)
+		}
+		cp.AddStop(simAgent.Stop)
+		wantSlices++
+		if len(simAgent.Machine.NICDevices()) > 0 {
+			wantSlices++
+		}
+	}
+	opts.progressf("[%s] %d nodes, waiting for their agents to publish ResourceSlices", sched, len(nodes))
+	var slices_ []resourceapi.ResourceSlice
+	err = wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, opts.SettleTimeout, true, func(ctx context.Context) (bool, error) {
+		list, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		slices_ = list.Items
+		return len(list.Items) >= wantSlices, nil
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("waiting for %d ResourceSlices, have %d: %w", wantSlices, len(slices_), err)
+	}
+
+	// Workload objects.
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: Namespace}}, metav1.CreateOptions{}); err != nil {
+		return nil, nil, fmt.Errorf("create namespace: %w", err)
+	}
+	for _, tmpl := range workload.Templates {
+		tmpl = tmpl.DeepCopy()
+		tmpl.Namespace = Namespace
+		tmpl.ResourceVersion = ""
+		if _, err := client.ResourceV1().ResourceClaimTemplates(Namespace).Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
+			return nil, nil, fmt.Errorf("create ResourceClaimTemplate %s: %w", tmpl.Name, err)
+		}
+	}
+	tr := newTracker(Namespace)
+	tr.loadDevices(slices_, nodeObjs)
+	topo = tr.topology(nodes)
+	if err := tr.start(ctx, client); err != nil {
+		return nil, nil, err
+	}
+
+	schedOpts := framework.SchedulerOptions{Name: sched}
+	schedulerName := "topodra-scheduler"
+	switch sched {
+	case SchedulerTopodra:
+		schedOpts.Config = config.SchedulerConfig
+		if len(opts.SchedulerConfig) > 0 {
+			schedOpts.Config = opts.SchedulerConfig
+		}
+	case SchedulerStock:
+		schedOpts.Stock = true
+		schedulerName = "default-scheduler"
+	}
+	if _, err := cp.StartScheduler(ctx, schedOpts); err != nil {
+		return nil, nil, err
+	}
+	if err := probeScheduler(ctx, client, schedulerName, opts.SettleTimeout); err != nil {
+		return nil, nil, err
+	}
+	setup := time.Since(start)
+	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
+
+	res, err = drive(ctx, opts, workload, tr, client, sched, schedulerName)
+	if err != nil {
+		return nil, nil, err
+	}
+	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
+	for _, e := range res.Nodes {
+		res.Fit8 += e.Fit8
+		res.Fit4 += e.Fit4
+		res.FreeGPUs += e.FreeGPUs
+	}
+	res.WallSeconds = time.Since(start).Seconds()
+	return res, topo, nil
+}
+
+// topology lists the nodes' devices in display order.
+func (t *tracker) topology(nodes []NodeSpec) []NodeTopology {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []NodeTopology
+	for _, n := range nodes {
+		nt := NodeTopology{Node: n.Name, Profile: n.Profile}
+		for _, d := range t.nodeDevices[n.Name] {
+			nt.Devices = append(nt.Devices, DeviceInfo{Key: d.Key, Name: d.Name, GPU: d.GPU, NUMA: d.NUMA, Root: d.Root, Clique: d.Clique})
+		}
+		out = append(out, nt)
+	}
+	return out
+}
+
+// drive runs the ticks of a workload against a ready cluster.
+func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, client kubernetes.Interface, sched, schedulerName string) (*Result, error) {
+	res := &Result{Scheduler: sched, SchedulerName: schedulerName, Pods: len(workload.Jobs)}
+	ticks := workload.Ticks()
+	checkpoints := map[int]bool{}
+	for i := 1; i <= opts.Checkpoints; i++ {
+		checkpoints[ticks*i/(opts.Checkpoints+1)] = true
+	}
+	lifetime := func(job int) int { return workload.Jobs[job].Lifetime }
+	byTick := map[int][]int{}
+	for i, j := range workload.Jobs {
+		byTick[j.Arrival] = append(byTick[j.Arrival], i)
+	}
+	var busy time.Duration
+	boundOnArrival := 0
+	progressEvery := max(1, ticks/10)
+	lastProgress := time.Now()
+
+	waitFor := func(what string, cond func() (bool, string)) error {
+		var last string
+		err := wait.PollUntilContextTimeout(ctx, pollInterval, opts.SettleTimeout, true, func(context.Context) (bool, error) {
+			ok, why := cond()
+			last = why
+			return ok, nil
+		})
+		if err != nil {
+			return fmt.Errorf("waiting for %s: %w; %s", what, err, last)
+		}
+		return nil
+	}
+
+	for tick := range ticks {
+		tr.setTick(tick)
+		// Departures: delete pods whose lifetime is over and wait until
+		// their claims are released, so that arrivals see the freed devices.
+		if gone := tr.expired(tick, lifetime); len(gone) > 0 {
+			for _, name := range gone {
+				err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+				if err != nil && !apierrors.IsNotFound(err) {
+					return nil, fmt.Errorf("delete pod %s: %w", name, err)
+				}
+			}
+			if err := waitFor(fmt.Sprintf("tick %d: %d finished pods to release their devices", tick, len(gone)), func() (bool, string) { return tr.released(gone) }); err != nil {
+				return nil, err
+			}
+		}
+		// Arrivals.
+		if jobs := byTick[tick]; len(jobs) > 0 {
+			t0 := time.Now()
+			var names []string
+			for _, j := range jobs {
+				pod := workload.Jobs[j].Pod.DeepCopy()
+				pod.Namespace = Namespace
+				pod.ResourceVersion = ""
+				pod.Spec.SchedulerName = schedulerName
+				tr.created(pod, j)
+				if _, err := client.CoreV1().Pods(Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+					return nil, fmt.Errorf("create pod %s: %w", pod.Name, err)
+				}
+				names = append(names, pod.Name)
+			}
+			if err := waitFor(fmt.Sprintf("tick %d: %d new pods to be bound or marked unschedulable", tick, len(names)), func() (bool, string) { return tr.settled(names) }); err != nil {
+				return nil, err
+			}
+			busy += time.Since(t0)
+			boundOnArrival += tr.boundAt(names, tick)
+		}
+		if checkpoints[tick] {
+			res.Snapshots = append(res.Snapshots, tr.snapshot(fmt.Sprintf("tick %d", tick)))
+		}
+		if tick%progressEvery == progressEvery-1 || time.Since(lastProgress) > 5*time.Second {
+			placed, running, pending := tr.counts()
+			opts.progressf("[%s] tick %3d/%d  placed %3d  running %3d  pending %3d", sched, tick+1, ticks, placed, running, pending)
+			lastProgress = time.Now()
+		}
+	}
+	res.Snapshots = append(res.Snapshots, tr.snapshot("end"))
+	tr.fill(res)
+	if busy > 0 {
+		res.Throughput = float64(boundOnArrival) / busy.Seconds()
+	}
+	return res, nil
+}
+
+// boundAt counts the named pods bound at tick.
+func (t *tracker) boundAt(names []string, tick int) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, name := range names {
+		if ps := t.pods[name]; ps.Bound && ps.BoundTick == tick {
+			n++
+		}
+	}
+	return n
+}
+
+// fill adds counts, alignment, latency and consistency checks to res.
+func (t *tracker) fill(res *Result) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var latencies []float64
+	res.PendingPods = map[string]string{}
+	for _, ps := range t.pods {
+		switch {
+		case ps.Bound:
+			res.Placed++
+			if ps.Gone {
+				res.Finished++
+			} else {
+				res.RunningAtEnd++
+			}
+			if ps.BoundTick == ps.CreatedTick {
+				latencies = append(latencies, float64(ps.BoundAt.Sub(ps.Created).Microseconds())/1000)
+			}
+		default:
+			res.Pending++
+			res.PendingPods[ps.Name] = ps.Message
+		}
+	}
+	slices.Sort(latencies)
+	res.LatencySamples = len(latencies)
+	res.LatencyP50Ms = percentile(latencies, 0.50)
+	res.LatencyP99Ms = percentile(latencies, 0.99)
+	res.Placements = slices.Clone(t.placements)
+	for _, p := range t.placements {
+		if p.MultiGPU {
+			res.Alignment.MultiGPU++
+			res.Alignment.Clique.add(p.InClique, p.CliquePossible)
+			res.Alignment.Root.add(p.InRoot, p.RootPossible)
+			res.Alignment.NUMA.add(p.InNUMA, p.NUMAPossible)
+		}
+		if p.GPUNIC {
+			res.Alignment.GPUNIC++
+			res.Alignment.NICRoot.add(p.NICSameRoot, p.NICPossible)
+		}
+		if ps := t.pods[p.Pod]; ps != nil && ps.Bound && ps.Node != p.Node {
+			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s allocated on %s, pod bound to %s", p.Claim, p.Pod, p.Node, ps.Node))
+		}
+	}
+	res.AlignedFraction = res.Alignment.Fraction()
+	res.Errors = slices.Clone(t.errs)
+}
+
+// probeScheduler waits until the scheduler binds a pod without claims. It
+// proves that the scheduler started (it runs in process; a bad
+// configuration makes it exit at once) and that its caches are warm before
+// the workload starts.
+func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerName string, timeout time.Duration) error {
+	const ns = "sim-probe"
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create namespace: %w", err)
+	}
+	pod := framework.PodWithClaims(ns, "probe", schedulerName)
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create probe pod: %w", err)
+	}
+	if _, err := framework.WaitForPodScheduled(ctx, client, ns, pod.Name, timeout); err != nil {
+		return fmt.Errorf("scheduler %s did not bind a probe pod (did it start? rerun with --log-file to see its log): %w", schedulerName, err)
+	}
+	if err := client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		return fmt.Errorf("delete probe pod: %w", err)
+	}
+	return nil
+}

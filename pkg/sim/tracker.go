@@ -1,0 +1,470 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// device is one published device, with its topology.
+type device struct {
+	Key    string // driver/pool/name
+	Driver string
+	Node   string
+	Name   string
+	Index  int // numeric suffix of the name, for ordering
+	GPU    bool
+	NUMA   string
+	Root   string
+	Clique string
+}
+
+// podState is what the tracker knows about one workload pod.
+type podState struct {
+	Name          string
+	Job           int
+	NodeSelector  map[string]string
+	Claims        int // number of pod claims
+	Created       time.Time
+	CreatedTick   int
+	Bound         bool
+	BoundAt       time.Time
+	BoundTick     int
+	Node          string
+	Unschedulable bool
+	Message       string
+	Deleting      bool
+	Gone          bool
+}
+
+// claimState is an allocated claim.
+type claimState struct {
+	Pod     string
+	Devices []string // device keys
+}
+
+// tracker follows pods and claims of one run through informers and keeps
+// the free/used state of every device. All methods are safe for concurrent
+// use.
+type tracker struct {
+	namespace string
+
+	mu          sync.Mutex
+	tick        int
+	devices     map[string]*device
+	nodeDevices map[string][]*device // per node, GPUs by index then NICs by index
+	nodeLabels  map[string]labels.Set
+	pods        map[string]*podState
+	claims      map[types.UID]*claimState
+	usedBy      map[string]string // device key -> pod
+	placements  []Placement
+	errs        []string
+}
+
+func newTracker(namespace string) *tracker {
+	return &tracker{
+		namespace:   namespace,
+		devices:     map[string]*device{},
+		nodeDevices: map[string][]*device{},
+		nodeLabels:  map[string]labels.Set{},
+		pods:        map[string]*podState{},
+		claims:      map[types.UID]*claimState{},
+		usedBy:      map[string]string{},
+	}
+}
+
+// loadDevices records the devices of the simulated nodes.
+func (t *tracker) loadDevices(slices_ []resourceapi.ResourceSlice, nodes []*v1.Node) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, n := range nodes {
+		t.nodeLabels[n.Name] = labels.Set(n.Labels)
+	}
+	for _, s := range slices_ {
+		if s.Spec.NodeName == nil {
+			continue
+		}
+		driver := s.Spec.Driver
+		for i := range s.Spec.Devices {
+			d := &s.Spec.Devices[i]
+			dev := &device{
+				Key:    driver + "/" + s.Spec.Pool.Name + "/" + d.Name,
+				Driver: driver,
+				Node:   *s.Spec.NodeName,
+				Name:   d.Name,
+				Index:  nameIndex(d.Name),
+				GPU:    driver == topology.DriverName,
+			}
+			if a, ok := topology.LookupAttribute(driver, d.Attributes, topology.AttrNUMANode); ok {
+				dev.NUMA, _ = topology.DomainValue(a)
+			}
+			if a, ok := topology.LookupAttribute(driver, d.Attributes, topology.AttrPCIeRoot); ok {
+				dev.Root, _ = topology.DomainValue(a)
+			}
+			if a, ok := topology.LookupAttribute(driver, d.Attributes, topology.AttrNVLinkClique); ok {
+				dev.Clique, _ = topology.DomainValue(a)
+			}
+			t.devices[dev.Key] = dev
+			t.nodeDevices[dev.Node] = append(t.nodeDevices[dev.Node], dev)
+		}
+	}
+	for _, devs := range t.nodeDevices {
+		slices.SortFunc(devs, func(a, b *device) int {
+			if a.GPU != b.GPU {
+				if a.GPU {
+					return -1
+				}
+				return 1
+			}
+			if a.Index != b.Index {
+				return a.Index - b.Index
+			}
+			return strings.Compare(a.Name, b.Name)
+		})
+	}
+}
+
+func nameIndex(name string) int {
+	i := strings.LastIndexByte(name, '-')
+	n, err := strconv.Atoi(name[i+1:])
+	if err != nil {
+		return 1 << 30
+	}
+	return n
+}
+
+// start runs pod and claim informers for the namespace until ctx ends and
+// waits for their caches to sync.
+func (t *tracker) start(ctx context.Context, client kubernetes.Interface) error {
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(t.namespace))
+	podInformer := factory.Core().V1().Pods().Informer()
+	claimInformer := factory.Resource().V1().ResourceClaims().Informer()
+	if _, err := podInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { t.onPod(obj, false) },
+		UpdateFunc: func(_, obj any) { t.onPod(obj, false) },
+		DeleteFunc: func(obj any) { t.onPod(obj, true) },
+	}); err != nil {
+		return err
+	}
+	if _, err := claimInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { t.onClaim(obj, false) },
+		UpdateFunc: func(_, obj any) { t.onClaim(obj, false) },
+		DeleteFunc: func(obj any) { t.onClaim(obj, true) },
+	}); err != nil {
+		return err
+	}
+	factory.Start(ctx.Done())
+	go func() {
+		<-ctx.Done()
+		factory.Shutdown()
+	}()
+	for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return fmt.Errorf("cache for %v did not sync", typ)
+		}
+	}
+	return nil
+}
+
+func (t *tracker) setTick(tick int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.tick = tick
+}
+
+// created registers a pod just before it is created.
+func (t *tracker) created(pod *v1.Pod, job int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.pods[pod.Name] = &podState{
+		Name:         pod.Name,
+		Job:          job,
+		NodeSelector: pod.Spec.NodeSelector,
+		Claims:       len(pod.Spec.ResourceClaims),
+		Created:      time.Now(),
+		CreatedTick:  t.tick,
+	}
+}
+
+func (t *tracker) onPod(obj any, deleted bool) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	pod, ok := obj.(*v1.Pod)
+	if !ok {
+		return
+	}
+	now := time.Now()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps := t.pods[pod.Name]
+	if ps == nil {
+		return // not ours
+	}
+	if deleted {
+		ps.Gone = true
+		return
+	}
+	if pod.Spec.NodeName != "" && !ps.Bound {
+		ps.Bound = true
+		ps.BoundAt = now
+		ps.BoundTick = t.tick
+		ps.Node = pod.Spec.NodeName
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == v1.PodScheduled && c.Status == v1.ConditionFalse && c.Reason == v1.PodReasonUnschedulable {
+			ps.Unschedulable = true
+			ps.Message = c.Message
+		}
+	}
+}
+
+func claimPod(claim *resourceapi.ResourceClaim) string {
+	for _, ref := range claim.OwnerReferences {
+		if ref.Kind == "Pod" {
+			return ref.Name
+		}
+	}
+	for _, ref := range claim.Status.ReservedFor {
+		if ref.Resource == "pods" {
+			return ref.Name
+		}
+	}
+	return ""
+}
+
+func (t *tracker) onClaim(obj any, deleted bool) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	claim, ok := obj.(*resourceapi.ResourceClaim)
+	if !ok {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	cs := t.claims[claim.UID]
+	if deleted || claim.Status.Allocation == nil {
+		if cs != nil {
+			for _, key := range cs.Devices {
+				delete(t.usedBy, key)
+			}
+			delete(t.claims, claim.UID)
+		}
+		return
+	}
+	if cs != nil {
+		return // already recorded
+	}
+	pod := claimPod(claim)
+	var keys []string
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		key := r.Driver + "/" + r.Pool + "/" + r.Device
+		if t.devices[key] == nil {
+			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: allocated device %s does not exist", claim.Name, pod, key))
+			continue
+		}
+		if other, used := t.usedBy[key]; used {
+			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
+		}
+		keys = append(keys, key)
+	}
+	t.placements = append(t.placements, t.judge(claim.Name, pod, keys))
+	for _, key := range keys {
+		t.usedBy[key] = pod
+	}
+	t.claims[claim.UID] = &claimState{Pod: pod, Devices: keys}
+}
+
+// judge rates an allocation against the state just before it. Caller holds
+// mu.
+func (t *tracker) judge(claim, pod string, keys []string) Placement {
+	p := Placement{Pod: pod, Claim: claim, Tick: t.tick}
+	var gpus, nics []*device
+	for _, key := range keys {
+		d := t.devices[key]
+		if d.GPU {
+			gpus = append(gpus, d)
+			p.GPUs = append(p.GPUs, d.Name)
+		} else {
+			nics = append(nics, d)
+			p.NICs = append(p.NICs, d.Name)
+		}
+		p.Node = d.Node
+	}
+	// Where could the pod have gone? Nodes matching its nodeSelector.
+	var selector labels.Selector = labels.Everything()
+	if ps := t.pods[pod]; ps != nil && len(ps.NodeSelector) > 0 {
+		selector = labels.SelectorFromSet(ps.NodeSelector)
+	}
+	freeByDomain := func(field func(*device) string, gpu bool) map[string]int {
+		out := map[string]int{}
+		for node, devs := range t.nodeDevices {
+			if !selector.Matches(t.nodeLabels[node]) {
+				continue
+			}
+			for _, d := range devs {
+				if d.GPU != gpu {
+					continue
+				}
+				if _, used := t.usedBy[d.Key]; used {
+					continue
+				}
+				if v := field(d); v != "" {
+					out[node+"/"+v]++
+				}
+			}
+		}
+		return out
+	}
+	same := func(devs []*device, field func(*device) string) bool {
+		if len(devs) == 0 || field(devs[0]) == "" {
+			return false
+		}
+		for _, d := range devs[1:] {
+			if field(d) != field(devs[0]) || d.Node != devs[0].Node {
+				return false
+			}
+		}
+		return true
+	}
+	anyFits := func(free map[string]int, n int) bool {
+		for _, c := range free {
+			if c >= n {
+				return true
+			}
+		}
+		return false
+	}
+	clique := func(d *device) string { return d.Clique }
+	root := func(d *device) string { return d.Root }
+	numa := func(d *device) string { return d.NUMA }
+	if len(gpus) >= 2 {
+		p.MultiGPU = true
+		p.InClique, p.CliquePossible = same(gpus, clique), anyFits(freeByDomain(clique, true), len(gpus))
+		p.InRoot, p.RootPossible = same(gpus, root), anyFits(freeByDomain(root, true), len(gpus))
+		p.InNUMA, p.NUMAPossible = same(gpus, numa), anyFits(freeByDomain(numa, true), len(gpus))
+	}
+	if len(gpus) > 0 && len(nics) > 0 {
+		p.GPUNIC = true
+		p.NICSameRoot = same(append(slices.Clone(gpus), nics...), root)
+		freeGPU, freeNIC := freeByDomain(root, true), freeByDomain(root, false)
+		for dom, g := range freeGPU {
+			if g >= len(gpus) && freeNIC[dom] >= len(nics) {
+				p.NICPossible = true
+			}
+		}
+	}
+	return p
+}
+
+// settled reports whether every named pod is bound with all its claims
+// allocated, or marked unschedulable.
+func (t *tracker) settled(names []string) (bool, string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, name := range names {
+		ps := t.pods[name]
+		if ps.Bound {
+			if n := t.allocatedClaims(name); n < ps.Claims {
+				return false, fmt.Sprintf("pod %s bound to %s, %d of %d claims allocated", name, ps.Node, n, ps.Claims)
+			}
+			continue
+		}
+		if !ps.Unschedulable {
+			return false, fmt.Sprintf("pod %s neither bound nor marked unschedulable", name)
+		}
+	}
+	return true, ""
+}
+
+// released reports whether the named pods are gone and their claims
+// deallocated or deleted.
+func (t *tracker) released(names []string) (bool, string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, name := range names {
+		if !t.pods[name].Gone {
+			return false, fmt.Sprintf("pod %s not deleted yet", name)
+		}
+		if n := t.allocatedClaims(name); n > 0 {
+			return false, fmt.Sprintf("pod %s deleted, %d claims still allocated", name, n)
+		}
+	}
+	return true, ""
+}
+
+func (t *tracker) allocatedClaims(pod string) int {
+	n := 0
+	for _, cs := range t.claims {
+		if cs.Pod == pod {
+			n++
+		}
+	}
+	return n
+}
+
+// expired returns the bound pods whose lifetime ends at or before tick.
+func (t *tracker) expired(tick int, lifetime func(job int) int) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for _, ps := range t.pods {
+		if life := lifetime(ps.Job); ps.Bound && !ps.Deleting && life > 0 && ps.BoundTick+life <= tick {
+			ps.Deleting = true
+			out = append(out, ps.Name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// counts returns placed (ever bound), running and pending pods.
+func (t *tracker) counts() (placed, running, pending int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, ps := range t.pods {
+		switch {
+		case ps.Bound:
+			placed++
+			if !ps.Gone {
+				running++
+			}
+		default:
+			pending++
+		}
+	}
+	return
+}
+
+// snapshot copies the device assignment of every node.
+func (t *tracker) snapshot(label string) Snapshot {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	snap := Snapshot{Label: label, Tick: t.tick, Used: map[string]string{}}
+	for key, pod := range t.usedBy {
+		snap.Used[key] = pod
+	}
+	return snap
+}
+
+// profileOf reads a node's profile label.
+func (t *tracker) profileOf(node string) string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.nodeLabels[node][LabelProfile]
+}

@@ -1,0 +1,397 @@
+package sim
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strconv"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+)
+
+// Annotations on the pods of a workload file.
+const (
+	// AnnotationArrival is the tick at which the pod is created (an
+	// integer >= 0). Pods without it arrive one per tick in file order,
+	// after the last annotated arrival.
+	AnnotationArrival = "sim.topodra.io/arrival"
+	// AnnotationLifetime is how many ticks the pod runs once bound before
+	// it is deleted (an integer >= 1). Without it the pod runs to the end.
+	AnnotationLifetime = "sim.topodra.io/lifetime"
+)
+
+// LabelProfile is the node label that names a simulated node's machine
+// profile.
+const LabelProfile = "sim.topodra.io/profile"
+
+// Job is one pod of a workload.
+type Job struct {
+	// Pod is created as given except for its namespace and schedulerName,
+	// which each run sets.
+	Pod *v1.Pod
+	// Arrival is the tick at which the pod is created.
+	Arrival int
+	// Lifetime is how many ticks the pod runs once bound; 0 means until
+	// the end of the run.
+	Lifetime int
+}
+
+// Workload is what a run creates: claim templates up front, then pods over
+// ticks.
+type Workload struct {
+	Templates []*resourceapi.ResourceClaimTemplate
+	Jobs      []Job
+}
+
+// Ticks is the number of ticks the workload spans.
+func (w *Workload) Ticks() int {
+	n := 0
+	for _, j := range w.Jobs {
+		n = max(n, j.Arrival+1)
+	}
+	return n
+}
+
+// jobKind is one shape of the built-in workload.
+type jobKind struct {
+	prefix   string
+	template string
+	gpus     int
+	nics     int
+	weight   int
+}
+
+var builtinKinds = []jobKind{
+	{prefix: "train-1g", template: "gpu-1", gpus: 1, weight: 33},
+	{prefix: "train-2g", template: "gpu-2", gpus: 2, weight: 25},
+	{prefix: "train-4g", template: "gpu-4", gpus: 4, weight: 15},
+	{prefix: "train-8g", template: "gpu-8", gpus: 8, weight: 9},
+	{prefix: "rdma-1g", template: "gpu-1-nic-1", gpus: 1, nics: 1, weight: 18},
+}
+
+// builtinTemplates are the claim templates of the built-in workload. The
+// GPU+NIC template has two requests in one claim and no matchAttribute: a
+// shared PCIe root is a preference, which the stock allocator cannot
+// express and topodra can.
+func builtinTemplates() []*resourceapi.ResourceClaimTemplate {
+	var out []*resourceapi.ResourceClaimTemplate
+	for _, k := range builtinKinds {
+		tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: k.template}}
+		add := func(name, class string, n int) {
+			tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
+				Name: name,
+				Exactly: &resourceapi.ExactDeviceRequest{
+					DeviceClassName: class,
+					AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
+					Count:           int64(n),
+				},
+			})
+		}
+		add("gpu", GPUClassName, k.gpus)
+		if k.nics > 0 {
+			add("nic", NICClassName, k.nics)
+		}
+		out = append(out, tmpl)
+	}
+	return out
+}
+
+// nodeCapacity is what the generator knows about a node.
+type nodeCapacity struct {
+	name string
+	gpus int
+	nics int
+}
+
+func capacities(nodes []NodeSpec) ([]nodeCapacity, error) {
+	var out []nodeCapacity
+	for _, n := range nodes {
+		spec, err := mockgpu.ProfileSpec(n.Profile)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, nodeCapacity{name: n.Name, gpus: len(spec.GPUs), nics: len(spec.NICs)})
+	}
+	return out, nil
+}
+
+// Generate builds the built-in workload: training-like pods asking 1, 2, 4
+// or 8 GPUs, and pods asking one GPU plus one NIC (only when some node has
+// NICs), arriving at a steady rate that keeps the cluster about full, most
+// finishing after 4 to 16 ticks, a few running to the end. The same seed and
+// nodes give the same workload. With pin, every pod gets a node (see
+// Options.Pin); a pod that fits nowhere at its tick arrives at the first
+// later tick where it fits.
+func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, error) {
+	caps, err := capacities(nodes)
+	if err != nil {
+		return nil, err
+	}
+	rng := rand.New(rand.NewPCG(uint64(seed), 0x70_70_d7a))
+	totalGPUs, totalNICs, maxGPUs := 0, 0, 0
+	for _, c := range caps {
+		totalGPUs += c.gpus
+		totalNICs += c.nics
+		maxGPUs = max(maxGPUs, c.gpus)
+	}
+	if totalGPUs == 0 {
+		return nil, errors.New("the nodes have no GPUs")
+	}
+	var kinds []jobKind
+	weightSum := 0
+	for _, k := range builtinKinds {
+		if k.gpus > maxGPUs || (k.nics > 0 && totalNICs == 0) {
+			continue
+		}
+		kinds = append(kinds, k)
+		weightSum += k.weight
+	}
+	meanGPUs := 0.0
+	for _, k := range kinds {
+		meanGPUs += float64(k.gpus*k.weight) / float64(weightSum)
+	}
+	const (
+		minLife, maxLife = 4, 16
+		foreverPercent   = 8
+		targetLoad       = 1.1
+	)
+	meanLife := float64(minLife+maxLife) / 2
+	rate := targetLoad * float64(totalGPUs) / (meanGPUs * meanLife) // pods per tick
+	rate = math.Max(rate, 0.5)
+
+	w := &Workload{Templates: builtinTemplates()}
+	// For pinning: GPUs and NICs held per node until a tick.
+	type hold struct {
+		node, until, gpus, nics int
+	}
+	var holds []hold
+	free := func(node, tick int) (int, int) {
+		g, n := caps[node].gpus, caps[node].nics
+		for _, h := range holds {
+			if h.node == node && (h.until == 0 || h.until > tick) {
+				g -= h.gpus
+				n -= h.nics
+			}
+		}
+		return g, n
+	}
+	counts := map[string]int{}
+	tick := 0
+	for i := range pods {
+		pick := rng.IntN(weightSum)
+		kind := kinds[0]
+		for _, k := range kinds {
+			if pick < k.weight {
+				kind = k
+				break
+			}
+			pick -= k.weight
+		}
+		life := minLife + rng.IntN(maxLife-minLife+1)
+		if rng.IntN(100) < foreverPercent {
+			life = 0
+		}
+		arrival := int(float64(i) / rate)
+		arrival = max(arrival, tick)
+		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
+		counts[kind.prefix]++
+		pod := builtinPod(name, kind)
+		if pin {
+			for {
+				var fits []int
+				for n := range caps {
+					g, nc := free(n, arrival)
+					if g >= kind.gpus && nc >= kind.nics {
+						fits = append(fits, n)
+					}
+				}
+				if len(fits) > 0 {
+					node := fits[rng.IntN(len(fits))]
+					until := 0
+					if life > 0 {
+						until = arrival + life
+					}
+					holds = append(holds, hold{node: node, until: until, gpus: kind.gpus, nics: kind.nics})
+					pod.Spec.NodeSelector = map[string]string{v1.LabelHostname: caps[node].name}
+					break
+				}
+				if !slices.ContainsFunc(holds, func(h hold) bool { return h.until > arrival }) {
+					// Nothing will ever be released: the pod can never fit.
+					return nil, fmt.Errorf("pinned workload: pod %s needs %d GPUs and %d NICs, which no node can ever free", name, kind.gpus, kind.nics)
+				}
+				arrival++
+			}
+		}
+		tick = arrival
+		w.Jobs = append(w.Jobs, Job{Pod: pod, Arrival: arrival, Lifetime: life})
+	}
+	return w, nil
+}
+
+func builtinPod(name string, kind jobKind) *v1.Pod {
+	return &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:   name,
+			Labels: map[string]string{"app.kubernetes.io/name": kind.prefix},
+		},
+		Spec: v1.PodSpec{
+			Containers: []v1.Container{{
+				Name:      "trainer",
+				Image:     "registry.k8s.io/pause:3.10",
+				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "devices"}}},
+			}},
+			ResourceClaims: []v1.PodResourceClaim{{
+				Name:                      "devices",
+				ResourceClaimTemplateName: ptr.To(kind.template),
+			}},
+			TerminationGracePeriodSeconds: ptr.To[int64](0),
+		},
+	}
+}
+
+// LoadWorkload reads a workload file: Kubernetes YAML (or JSON) documents,
+// each a Pod or a ResourceClaimTemplate (a v1 List of them works too).
+// Pods take their arrival and lifetime from AnnotationArrival and
+// AnnotationLifetime. Every claim of a pod must come from a template in the
+// file (resourceClaimTemplateName), since each run uses a fresh cluster.
+func LoadWorkload(path string) (*Workload, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read workload: %w", err)
+	}
+	w, err := ParseWorkload(data)
+	if err != nil {
+		return nil, fmt.Errorf("workload %s: %w", path, err)
+	}
+	return w, nil
+}
+
+// ParseWorkload parses the contents of a workload file; see LoadWorkload.
+func ParseWorkload(data []byte) (*Workload, error) {
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	decoder := scheme.Codecs.UniversalDeserializer()
+	var pods []*v1.Pod
+	w := &Workload{}
+	var add func(obj any, doc int) error
+	add = func(obj any, doc int) error {
+		switch o := obj.(type) {
+		case *v1.Pod:
+			pods = append(pods, o)
+		case *resourceapi.ResourceClaimTemplate:
+			w.Templates = append(w.Templates, o)
+		case *v1.List:
+			for _, item := range o.Items {
+				inner, _, err := decoder.Decode(item.Raw, nil, nil)
+				if err != nil {
+					return fmt.Errorf("document %d: list item: %w", doc, err)
+				}
+				if err := add(inner, doc); err != nil {
+					return err
+				}
+			}
+		default:
+			return fmt.Errorf("document %d: %T is not supported (only Pods and resource.k8s.io/v1 ResourceClaimTemplates)", doc, obj)
+		}
+		return nil
+	}
+	for doc := 1; ; doc++ {
+		raw, err := reader.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("document %d: %w", doc, err)
+		}
+		if len(bytes.TrimSpace(raw)) == 0 || isComment(raw) {
+			continue
+		}
+		obj, _, err := decoder.Decode(raw, nil, nil)
+		if err != nil {
+			return nil, fmt.Errorf("document %d: %w", doc, err)
+		}
+		if err := add(obj, doc); err != nil {
+			return nil, err
+		}
+	}
+	if len(pods) == 0 {
+		return nil, errors.New("no pods")
+	}
+	templates := map[string]bool{}
+	for _, t := range w.Templates {
+		if t.Name == "" {
+			return nil, errors.New("a ResourceClaimTemplate has no name")
+		}
+		if templates[t.Name] {
+			return nil, fmt.Errorf("ResourceClaimTemplate %s defined twice", t.Name)
+		}
+		templates[t.Name] = true
+	}
+	names := map[string]bool{}
+	next := 0
+	for _, p := range pods {
+		if p.Name == "" {
+			return nil, errors.New("a pod has no name (generateName is not supported)")
+		}
+		if names[p.Name] {
+			return nil, fmt.Errorf("pod %s defined twice", p.Name)
+		}
+		names[p.Name] = true
+		for _, c := range p.Spec.ResourceClaims {
+			switch {
+			case c.ResourceClaimTemplateName == nil:
+				return nil, fmt.Errorf("pod %s: claim %s must use resourceClaimTemplateName", p.Name, c.Name)
+			case !templates[*c.ResourceClaimTemplateName]:
+				return nil, fmt.Errorf("pod %s: claim %s: ResourceClaimTemplate %s is not in the file", p.Name, c.Name, *c.ResourceClaimTemplateName)
+			}
+		}
+		if v, ok := p.Annotations[AnnotationArrival]; ok {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 0 {
+				return nil, fmt.Errorf("pod %s: annotation %s must be an integer >= 0, got %q", p.Name, AnnotationArrival, v)
+			}
+			next = max(next, n+1)
+		}
+	}
+	for _, p := range pods {
+		job := Job{Pod: p}
+		if v, ok := p.Annotations[AnnotationArrival]; ok {
+			job.Arrival, _ = strconv.Atoi(v)
+		} else {
+			job.Arrival = next
+			next++
+		}
+		if v, ok := p.Annotations[AnnotationLifetime]; ok {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 {
+				return nil, fmt.Errorf("pod %s: annotation %s must be an integer >= 1, got %q", p.Name, AnnotationLifetime, v)
+			}
+			job.Lifetime = n
+		}
+		w.Jobs = append(w.Jobs, job)
+	}
+	slices.SortStableFunc(w.Jobs, func(a, b Job) int { return a.Arrival - b.Arrival })
+	return w, nil
+}
+
+func isComment(doc []byte) bool {
+	for _, line := range bytes.Split(doc, []byte("\n")) {
+		line = bytes.TrimSpace(line)
+		if len(line) > 0 && line[0] != '#' && !bytes.Equal(line, []byte("---")) {
+			return false
+		}
+	}
+	return true
+}
