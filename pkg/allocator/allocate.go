@@ -342,7 +342,7 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 			if m && !matching[i] {
 				matching[i] = true
 				total++
-				if ns.devices[i].inUse || seen[i] {
+				if ns.inUse[i] || seen[i] {
 					used++
 				}
 			}
@@ -365,7 +365,7 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 				for i := range ns.devices {
 					if matching[i] && ns.devices[i].coords[level] == v {
 						size++
-						if ns.devices[i].inUse || seen[i] {
+						if ns.inUse[i] || seen[i] {
 							busy++
 						}
 					}

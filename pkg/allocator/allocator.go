@@ -12,6 +12,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
@@ -168,7 +169,6 @@ type nodeDevice struct {
 	deviceIndex int
 	device      *resourceapi.Device
 	coords      topology.Coordinates
-	inUse       bool
 }
 
 // nodeState is what Allocate knows about one node.
@@ -178,7 +178,10 @@ type nodeState struct {
 	// other slices of their pools, unmodified.
 	slices []*resourceapi.ResourceSlice
 	// devices in upstream's order: driver, pool, slice name, index.
+	// Shared between cycles: read-only.
 	devices []nodeDevice
+	// inUse[i] is true if device i has an allocation (this cycle).
+	inUse []bool
 	// dupPools names the pools ("driver/pool") with duplicate device names:
 	// invalid upstream, so views never drop devices there.
 	dupPools map[string]bool
@@ -262,16 +265,86 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	slices.SortFunc(pools, func(x, y poolKey) int {
 		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
 	})
+	for _, key := range pools {
+		ns.slices = append(ns.slices, a.byPool[key]...) // sorted by name in New
+	}
+	stamp, cacheable := a.stamp(ns.slices, relevant)
+	if cacheable {
+		if cached, ok := nodeCache.Load(node.Name); ok {
+			st := cached.(*nodeStatic)
+			if st.attrsKey == a.attrsKey && st.features == a.features && slices.Equal(st.stamp, stamp) {
+				ns.devices, ns.dupPools, ns.dom, ns.domVals = st.devices, st.dupPools, st.dom, st.domVals
+				ns.fillInUse(a)
+				return ns, nil
+			}
+		}
+	}
+	if err := a.buildDevices(ns, relevant, pools); err != nil {
+		return nil, err
+	}
+	if cacheable {
+		nodeCache.Store(node.Name, &nodeStatic{stamp: stamp, attrsKey: a.attrsKey, features: a.features,
+			devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
+	}
+	ns.fillInUse(a)
+	return ns, nil
+}
+
+// nodeStatic is the part of a nodeState that only depends on the node's
+// slices; cached per node name across cycles and validated by stamp.
+type nodeStatic struct {
+	stamp    []sliceStamp
+	attrsKey string
+	features structured.Features
+	devices  []nodeDevice
+	dupPools map[string]bool
+	dom      [][]int32
+	domVals  [][]string
+}
+
+// sliceStamp identifies one slice of a node's view.
+type sliceStamp struct {
+	uid        types.UID
+	generation int64
+	relevant   bool
+}
+
+var nodeCache sync.Map // node name -> *nodeStatic
+
+// stamp identifies the node's view; it is not cacheable when a slice has no
+// UID or selects nodes per device (that depends on the node's labels).
+func (a *Allocator) stamp(view, relevant []*resourceapi.ResourceSlice) ([]sliceStamp, bool) {
+	stamp := make([]sliceStamp, len(view))
+	for i, slice := range view {
+		if slice.UID == "" || ptr.Deref(slice.Spec.PerDeviceNodeSelection, false) {
+			return nil, false
+		}
+		stamp[i] = sliceStamp{uid: slice.UID, generation: slice.Generation, relevant: slices.Contains(relevant, slice)}
+	}
+	return stamp, true
+}
+
+// fillInUse records which devices have an allocation in this cycle.
+func (ns *nodeState) fillInUse(a *Allocator) {
+	ns.inUse = make([]bool, len(ns.devices))
+	for i := range ns.devices {
+		ns.inUse[i] = a.deviceInUse(ns.devices[i].id)
+	}
+}
+
+// buildDevices collects the devices of the node's view that upstream may
+// allocate on the node.
+func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.ResourceSlice, pools []poolKey) error {
+	node := ns.node
 	n := 0
 	for _, slice := range relevant {
 		n += len(slice.Spec.Devices)
 	}
 	ns.devices = make([]nodeDevice, 0, n)
+	start := 0
 	for _, key := range pools {
-		poolSlices := a.byPool[key] // sorted by name in New
+		poolSlices := a.byPool[key]
 		generation := a.poolGen[key]
-		start := len(ns.slices)
-		ns.slices = append(ns.slices, poolSlices...)
 		var names map[string]bool // only for pools with several device slices
 		for i, slice := range poolSlices {
 			if !slices.Contains(relevant, slice) || slice.Spec.Pool.Generation != generation {
@@ -306,7 +379,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 				if perDevice {
 					match, err := structured.NodeMatches(a.features, node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
 					if err != nil {
-						return nil, fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+						return fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
 					}
 					if !match {
 						continue
@@ -315,9 +388,8 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 				if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
 					continue
 				}
-				id := info.ids[j]
 				ns.devices = append(ns.devices, nodeDevice{
-					id:          id,
+					id:          info.ids[j],
 					name:        info.names[j],
 					driver:      slice.Spec.Driver,
 					slice:       slice,
@@ -325,13 +397,13 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 					deviceIndex: j,
 					device:      d,
 					coords:      info.coords[j],
-					inUse:       a.state.AllocatedDevices.Has(id) || a.inUse.Has(id),
 				})
 			}
 		}
+		start += len(poolSlices)
 	}
 	ns.numberDomains(len(a.policy.Attributes))
-	return ns, nil
+	return nil
 }
 
 func (ns *nodeState) markDup(key poolKey) {
@@ -365,6 +437,24 @@ func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
 			info.dup = true
 		}
 		seen[d.Name] = true
+	}
+	levels := len(a.policy.Attributes)
+	info.dom = make([]int32, n*levels)
+	info.domVals = make([][]string, levels)
+	for l := range levels {
+		for j := range n {
+			v := info.coords[j][l]
+			if v == "" {
+				info.dom[j*levels+l] = -1
+				continue
+			}
+			id := slices.Index(info.domVals[l], v)
+			if id < 0 {
+				id = len(info.domVals[l])
+				info.domVals[l] = append(info.domVals[l], v)
+			}
+			info.dom[j*levels+l] = int32(id)
+		}
 	}
 	if memo != nil {
 		memo.info.Store(info)
@@ -691,7 +781,7 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 		u.matching[i] = true
 		u.nMatch++
 		shareable := ptr.Deref(d.device.AllowMultipleAllocations, false)
-		if d.inUse && !u.admin && !shareable {
+		if ns.inUse[i] && !u.admin && !shareable {
 			continue
 		}
 		u.upper++

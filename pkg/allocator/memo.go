@@ -60,6 +60,10 @@ type sliceInfo struct {
 	coords   []topology.Coordinates
 	// dup is true if device names repeat within the slice.
 	dup bool
+	// dom[j*levels+l] numbers device j's value of attribute l among
+	// domVals[l] (-1: absent), for counting without string compares.
+	dom     []int32
+	domVals [][]string
 }
 
 var globalMemo selectorMemo

@@ -70,95 +70,114 @@ func (a *Allocator) allocateOrdered(ctx context.Context, node *v1.Node, claims [
 func (a *Allocator) orderedUpstream(ctx context.Context) (structured.Allocator, error) {
 	a.ordered.once.Do(func() {
 		view := make([]*resourceapi.ResourceSlice, 0, a.numSlices)
+		var sc orderScratch
 		for key, poolSlices := range a.byPool {
-			view = a.appendOrderedPool(view, key, poolSlices)
+			view = a.appendOrderedPool(view, key, poolSlices, &sc)
 		}
 		a.ordered.alloc, a.ordered.err = structured.NewAllocator(ctx, a.features, a.state, a.classLister, view, a.celCache)
 	})
 	return a.ordered.alloc, a.ordered.err
 }
 
-// domainCount counts the free devices of one domain value at one level.
-type domainCount struct {
-	level int
-	value string
-	free  int
+// orderScratch holds buffers reused while ordering the pools of a cycle.
+type orderScratch struct {
+	inUse []bool
+	keys  []int
+	perm  []int
+	count [][]int
 }
 
 // appendOrderedPool appends the pool's slices, with devices sorted, to view.
-func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poolKey, poolSlices []*resourceapi.ResourceSlice) []*resourceapi.ResourceSlice {
+func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poolKey, poolSlices []*resourceapi.ResourceSlice, sc *orderScratch) []*resourceapi.ResourceSlice {
 	generation := a.poolGen[key]
 	levels := len(a.policy.Attributes)
 	if levels == 0 {
 		return append(view, poolSlices...)
 	}
-	// Free devices per domain, over the pool's current device slices.
-	var counts []domainCount
-	find := func(level int, value string) int {
-		for k := range counts {
-			if counts[k].level == level && counts[k].value == value {
-				return k
-			}
-		}
-		return -1
-	}
-	usable := func(slice *resourceapi.ResourceSlice) bool {
-		return slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 && len(slice.Spec.Devices) > 1
-	}
+	// The common case: one slice with devices per pool (one node, one
+	// driver). Other pools count free devices per domain by value.
+	var deviceSlices []*resourceapi.ResourceSlice
 	for _, slice := range poolSlices {
-		if slice.Spec.Pool.Generation != generation || len(slice.Spec.SharedCounters) > 0 {
-			continue
+		if slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 && len(slice.Spec.Devices) > 0 {
+			deviceSlices = append(deviceSlices, slice)
 		}
-		info := a.sliceInfo(slice)
-		for j := range slice.Spec.Devices {
-			if a.deviceInUse(info.ids[j]) {
-				continue
-			}
-			for l, v := range info.coords[j] {
-				if v == "" {
+	}
+	var byValue map[domainRef]int
+	if len(deviceSlices) > 1 {
+		byValue = map[domainRef]int{}
+		for _, slice := range deviceSlices {
+			info := a.sliceInfo(slice)
+			for j := range slice.Spec.Devices {
+				if a.deviceInUse(info.ids[j]) {
 					continue
 				}
-				if k := find(l, v); k >= 0 {
-					counts[k].free++
-				} else {
-					counts = append(counts, domainCount{level: l, value: v, free: 1})
+				for l, v := range info.coords[j] {
+					if v != "" {
+						byValue[domainRef{level: l, value: v}]++
+					}
 				}
 			}
 		}
 	}
 	for _, slice := range poolSlices {
-		if !usable(slice) {
+		if len(slice.Spec.Devices) < 2 || !slices.Contains(deviceSlices, slice) {
 			view = append(view, slice)
 			continue
 		}
 		info := a.sliceInfo(slice)
 		n := len(slice.Spec.Devices)
+		sc.inUse = slices.Grow(sc.inUse[:0], n)[:n]
+		for j := range n {
+			sc.inUse[j] = a.deviceInUse(info.ids[j])
+		}
+		// Free devices per domain of this slice.
+		if byValue == nil {
+			sc.count = slices.Grow(sc.count[:0], levels)[:levels]
+			for l := range levels {
+				sc.count[l] = slices.Grow(sc.count[l][:0], len(info.domVals[l]))[:len(info.domVals[l])]
+				clear(sc.count[l])
+			}
+			for j := range n {
+				if sc.inUse[j] {
+					continue
+				}
+				for l := range levels {
+					if id := info.dom[j*levels+l]; id >= 0 {
+						sc.count[l][id]++
+					}
+				}
+			}
+		}
 		// keys[j*levels+l]: the free count of device j's domain at level l,
 		// negated when spreading; MaxInt for in-use devices and missing
 		// attributes, which go last.
-		keys := make([]int, n*levels)
+		sc.keys = slices.Grow(sc.keys[:0], n*levels)[:n*levels]
 		for j := range n {
-			inUse := a.deviceInUse(info.ids[j])
-			for l, v := range info.coords[j] {
+			for l := range levels {
 				k := math.MaxInt
-				if !inUse && v != "" {
-					k = counts[find(l, v)].free
+				if id := info.dom[j*levels+l]; !sc.inUse[j] && id >= 0 {
+					if byValue != nil {
+						k = byValue[domainRef{level: l, value: info.domVals[l][id]}]
+					} else {
+						k = sc.count[l][id]
+					}
 					if !a.policy.Packing {
 						k = -k
 					}
 				}
-				keys[j*levels+l] = k
+				sc.keys[j*levels+l] = k
 			}
 		}
-		perm := make([]int, n)
-		for j := range perm {
-			perm[j] = j
+		sc.perm = slices.Grow(sc.perm[:0], n)[:n]
+		for j := range sc.perm {
+			sc.perm[j] = j
 		}
-		slices.SortStableFunc(perm, func(x, y int) int {
+		keys := sc.keys
+		slices.SortStableFunc(sc.perm, func(x, y int) int {
 			return slices.Compare(keys[x*levels:(x+1)*levels], keys[y*levels:(y+1)*levels])
 		})
 		identity := true
-		for j, p := range perm {
+		for j, p := range sc.perm {
 			if j != p {
 				identity = false
 				break
@@ -168,7 +187,7 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 			view = append(view, slice)
 			continue
 		}
-		view = append(view, a.permutedSlice(slice, perm))
+		view = append(view, a.permutedSlice(slice, sc.perm))
 	}
 	return view
 }
@@ -188,14 +207,14 @@ func (a *Allocator) permutedSlice(slice *resourceapi.ResourceSlice, perm []int) 
 		c.Spec.Devices[j] = slice.Spec.Devices[p]
 	}
 	if memo != nil {
-		memo.permuted.Store(&permutedSlice{perm: perm, slice: &c})
+		memo.permuted.Store(&permutedSlice{perm: slices.Clone(perm), slice: &c})
 	}
 	return &c
 }
 
 // deviceInUse reports whether a device has a committed or in-flight allocation.
 func (a *Allocator) deviceInUse(id structured.DeviceID) bool {
-	return a.state.AllocatedDevices.Has(id) || a.inUse.Has(id)
+	return a.state.AllocatedDevices.Has(id) || (len(a.inUse) > 0 && a.inUse.Has(id))
 }
 
 // simplePod reports whether every claim of the pod needs exactly one device
