@@ -273,7 +273,16 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 		if cached, ok := nodeCache.Load(node.Name); ok {
 			st := cached.(*nodeStatic)
 			if st.attrsKey == a.attrsKey && st.features == a.features && slices.Equal(st.stamp, stamp) {
-				ns.devices, ns.dupPools, ns.dom, ns.domVals = st.devices, st.dupPools, st.dom, st.domVals
+				ns.dupPools, ns.dom, ns.domVals = st.dupPools, st.dom, st.domVals
+				// Point at the current objects: equal UID and generation
+				// mean an equal spec, except for taints that the DRA
+				// manager patches in from DeviceTaintRules.
+				ns.devices = slices.Clone(st.devices)
+				for i := range ns.devices {
+					d := &ns.devices[i]
+					d.slice = ns.slices[d.sliceIndex]
+					d.device = &d.slice.Spec.Devices[d.deviceIndex]
+				}
 				ns.fillInUse(a)
 				return ns, nil
 			}

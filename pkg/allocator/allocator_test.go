@@ -401,3 +401,40 @@ func TestNewRequiresClassLister(t *testing.T) {
 		t.Fatal("expected an error for an invalid policy alignment")
 	}
 }
+
+// TestTaintPatchedCopies: the DRA manager hands out copies of slices with
+// taints from DeviceTaintRules patched in, under the same UID and
+// generation. Caches keyed by UID and generation must not serve stale
+// taints, in the single-device (ordered) path or the view path.
+func TestTaintPatchedCopies(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	original := dgx("n")
+	for _, count := range []int64{1, 2} {
+		c := claim("c").request("gpus", "gpu", count).obj()
+		allocate := func(slices []*resourceapi.ResourceSlice) []string {
+			t.Helper()
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n", "gpu-2"), ClassLister: defaultClasses, Slices: slices, Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{c})
+			if err != nil || res.Allocations == nil {
+				t.Fatalf("allocate: %v %v", err, res.Explanation)
+			}
+			return deviceNames(res.Allocations)
+		}
+		first := allocate(original)
+		patched := original[0].DeepCopy()
+		for i := range patched.Spec.Devices {
+			if slices.Contains(first, patched.Spec.Devices[i].Name) {
+				patched.Spec.Devices[i].Taints = []resourceapi.DeviceTaint{{Key: "broken", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+			}
+		}
+		second := allocate([]*resourceapi.ResourceSlice{patched})
+		for _, d := range second {
+			if slices.Contains(first, d) {
+				t.Errorf("count %d: tainted device %s allocated (first %v, then %v)", count, d, first, second)
+			}
+		}
+	}
+}

@@ -197,7 +197,9 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 func (a *Allocator) permutedSlice(slice *resourceapi.ResourceSlice, perm []int) *resourceapi.ResourceSlice {
 	memo := globalMemo.forSlice(slice.UID, slice.Generation, a.listTypes)
 	if memo != nil {
-		if cached := memo.permuted.Load(); cached != nil && slices.Equal(cached.perm, perm) {
+		// Only for the same object: a patched copy (DeviceTaintRules) has
+		// the same UID and generation but other taints.
+		if cached := memo.permuted.Load(); cached != nil && cached.src == slice && slices.Equal(cached.perm, perm) {
 			return cached.slice
 		}
 	}
@@ -207,7 +209,7 @@ func (a *Allocator) permutedSlice(slice *resourceapi.ResourceSlice, perm []int) 
 		c.Spec.Devices[j] = slice.Spec.Devices[p]
 	}
 	if memo != nil {
-		memo.permuted.Store(&permutedSlice{perm: slices.Clone(perm), slice: &c})
+		memo.permuted.Store(&permutedSlice{src: slice, perm: slices.Clone(perm), slice: &c})
 	}
 	return &c
 }
@@ -255,6 +257,7 @@ func (a *Allocator) simplePod(claims []*resourceapi.ResourceClaim) bool {
 
 // permutedSlice is a slice copy with its devices reordered.
 type permutedSlice struct {
+	src   *resourceapi.ResourceSlice
 	perm  []int
 	slice *resourceapi.ResourceSlice
 }
