@@ -446,6 +446,8 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
 			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
+		case ns != nil && len(ns.incomplete) > 0:
+			reason = fmt.Sprintf("%s, but resource pool %s is incomplete (being updated)", matchPhrase(len(u.free)), strings.Join(ns.incomplete, ", "))
 		default:
 			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
 		}

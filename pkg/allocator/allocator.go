@@ -182,6 +182,8 @@ type nodeState struct {
 	devices []nodeDevice
 	// inUse[i] is true if device i has an allocation (this cycle).
 	inUse []bool
+	// incomplete names the pools ("driver/pool") that lack slices.
+	incomplete []string
 	// dupPools names the pools ("driver/pool") with duplicate device names:
 	// invalid upstream, so views never drop devices there.
 	dupPools map[string]bool
@@ -266,7 +268,19 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
 	})
 	for _, key := range pools {
-		ns.slices = append(ns.slices, a.byPool[key]...) // sorted by name in New
+		poolSlices := a.byPool[key] // sorted by name in New
+		ns.slices = append(ns.slices, poolSlices...)
+		current := int64(0)
+		var want int64
+		for _, slice := range poolSlices {
+			if slice.Spec.Pool.Generation == a.poolGen[key] {
+				current++
+				want = slice.Spec.Pool.ResourceSliceCount
+			}
+		}
+		if current < want {
+			ns.incomplete = append(ns.incomplete, key.driver+"/"+key.pool)
+		}
 	}
 	stamp, cacheable := a.stamp(ns.slices, relevant)
 	if cacheable {

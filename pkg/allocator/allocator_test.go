@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -435,6 +436,55 @@ func TestTaintPatchedCopies(t *testing.T) {
 			if slices.Contains(first, d) {
 				t.Errorf("count %d: tainted device %s allocated (first %v, then %v)", count, d, first, second)
 			}
+		}
+	}
+}
+
+// TestPoolsLikeUpstream: incomplete pools and duplicate device names make a
+// node infeasible for topodra exactly as for upstream, for single-device
+// (ordered path) and multi-device (planned path) claims.
+func TestPoolsLikeUpstream(t *testing.T) {
+	incomplete := dgx("n")
+	incomplete[0].Spec.Pool.ResourceSliceCount = 2
+	duplicate := dgx("n")
+	for i := range duplicate[0].Spec.Devices {
+		duplicate[0].Spec.Devices[i].Name = fmt.Sprintf("gpu-%d", i/2)
+	}
+	for name, tc := range map[string]struct {
+		slices      []*resourceapi.ResourceSlice
+		wantExplain string
+	}{
+		"incomplete-pool":        {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"duplicate-device-names": {slices: duplicate, wantExplain: "invalid resource pools"},
+	} {
+		for _, count := range []int64{1, 2} {
+			t.Run(fmt.Sprintf("%s/%d", name, count), func(t *testing.T) {
+				_, ctx := ktesting.NewTestContext(t)
+				claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", count).obj()}
+				state := allocated(gpuDriver, "n")
+				up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
+				if err != nil {
+					t.Fatal(err)
+				}
+				upResult, upErr := up.Allocate(ctx, node("n"), claims)
+				if upResult != nil {
+					t.Fatalf("upstream allocates: %v", deviceNames(upResult))
+				}
+				a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: tc.slices, Policy: DefaultPolicy()})
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := a.Allocate(ctx, node("n"), claims)
+				if err != nil {
+					t.Fatalf("Allocate: %v (upstream: %v)", err, upErr)
+				}
+				if res.Allocations != nil {
+					t.Fatalf("topodra allocates %v where upstream does not", deviceNames(res.Allocations))
+				}
+				if !strings.Contains(res.Explanation.String(), tc.wantExplain) {
+					t.Errorf("explanation %q does not contain %q", res.Explanation, tc.wantExplain)
+				}
+			})
 		}
 	}
 }
