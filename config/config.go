@@ -9,3 +9,9 @@ import _ "embed"
 //
 //go:embed scheduler-config.yaml
 var SchedulerConfig []byte
+
+// MultiProfileConfig is multi-profile.yaml: default-scheduler and
+// topodra-scheduler in one binary.
+//
+//go:embed multi-profile.yaml
+var MultiProfileConfig []byte

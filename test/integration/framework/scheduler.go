@@ -67,14 +67,21 @@ func (cp *ControlPlane) StartScheduler(ctx context.Context, opts SchedulerOption
 	logger := klog.FromContext(ctx).WithName(name)
 	ctx = klog.NewContext(ctx, logger)
 	done := make(chan error, 1)
-	go func() { done <- schedulerapp.Run(ctx, args, opts.Stock) }()
+	go func() {
+		err := schedulerapp.Run(ctx, args, opts.Stock)
+		if err != nil && ctx.Err() == nil {
+			// Failed on its own (bad config, API unreachable): say so
+			// where a test log or the simulator's output shows it.
+			logger.Error(err, "scheduler failed")
+			fmt.Fprintf(os.Stderr, "scheduler %s failed: %v\n", name, err)
+		}
+		done <- err
+	}()
 	var once sync.Once
 	stop := func() {
 		once.Do(func() {
 			cancel()
-			if err := <-done; err != nil && ctx.Err() == nil {
-				logger.Error(err, "scheduler stopped")
-			}
+			<-done
 		})
 	}
 	cp.AddStop(stop)

@@ -1,0 +1,79 @@
+// Package config holds the internal type of the TopologyDRA plugin's
+// arguments. The versioned type users write is in ./v1; both are registered
+// in the kube-scheduler's configuration scheme (group
+// kubescheduler.config.k8s.io) by the scheme package, so the scheduler
+// decodes pluginConfig args strictly and applies defaults like it does for
+// its own plugins.
+package config
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+)
+
+// GroupName is the kube-scheduler configuration group.
+const GroupName = "kubescheduler.config.k8s.io"
+
+// SchemeGroupVersion is the internal version.
+var SchemeGroupVersion = schema.GroupVersion{Group: GroupName, Version: runtime.APIVersionInternal}
+
+// ScoringStrategy says how device usage on a node affects its score.
+type ScoringStrategy string
+
+const (
+	// MostAllocated prefers nodes and domains whose devices are already in
+	// use (bin packing): large aligned blocks stay free for big jobs.
+	MostAllocated ScoringStrategy = "MostAllocated"
+	// LeastAllocated prefers the emptiest nodes and domains (spreading).
+	LeastAllocated ScoringStrategy = "LeastAllocated"
+)
+
+// AlignmentPolicy is the default alignment for claims without the
+// topodra.io/alignment annotation.
+type AlignmentPolicy string
+
+const (
+	AlignmentPrefer  AlignmentPolicy = "prefer"
+	AlignmentRequire AlignmentPolicy = "require"
+	AlignmentNone    AlignmentPolicy = "none"
+)
+
+// TopologyDRAArgs are the arguments of the TopologyDRA plugin.
+type TopologyDRAArgs struct {
+	metav1.TypeMeta
+
+	// TopologyAttributes define topology domains, highest priority first
+	// (fully qualified device attribute names).
+	TopologyAttributes []string
+	// ScoringStrategy: MostAllocated (default) or LeastAllocated.
+	ScoringStrategy ScoringStrategy
+	// AlignmentWeight and PackingWeight weigh the two parts of a node's
+	// score; they are normalised to sum 100.
+	AlignmentWeight int32
+	PackingWeight   int32
+	// Alignment is the default alignment policy: prefer, require or none.
+	Alignment AlignmentPolicy
+	// OwnedTaintKey is the device taint key that marks devices only topodra
+	// hands out; topodra tolerates it. Empty disables the toleration.
+	OwnedTaintKey string
+	// BindingTimeoutSeconds bounds how long PreBind waits for device
+	// binding conditions.
+	BindingTimeoutSeconds int64
+}
+
+// DeepCopyObject implements runtime.Object.
+func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
+	if a == nil {
+		return nil
+	}
+	out := *a
+	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
+	return &out
+}
+
+// AddToScheme registers the internal type.
+func AddToScheme(s *runtime.Scheme) error {
+	s.AddKnownTypes(SchemeGroupVersion, &TopologyDRAArgs{})
+	return nil
+}

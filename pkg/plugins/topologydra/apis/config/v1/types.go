@@ -1,0 +1,129 @@
+// Package v1 is the versioned (user-facing) form of the TopologyDRA
+// plugin's arguments, in group kubescheduler.config.k8s.io/v1:
+//
+//	pluginConfig:
+//	- name: TopologyDRA
+//	  args:
+//	    scoringStrategy: MostAllocated
+//	    topologyAttributes: [resource.kubernetes.io/pcieRoot, gpu.topodra.io/nvlinkClique, resource.kubernetes.io/numaNode]
+package v1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/conversion"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// SchemeGroupVersion is kubescheduler.config.k8s.io/v1.
+var SchemeGroupVersion = schema.GroupVersion{Group: config.GroupName, Version: "v1"}
+
+// TopologyDRAArgs are the arguments of the TopologyDRA plugin. Every field
+// is optional; see config.TopologyDRAArgs for the meaning and SetDefaults
+// for the defaults.
+type TopologyDRAArgs struct {
+	metav1.TypeMeta `json:",inline"`
+
+	TopologyAttributes    []string `json:"topologyAttributes,omitempty"`
+	ScoringStrategy       *string  `json:"scoringStrategy,omitempty"`
+	AlignmentWeight       *int32   `json:"alignmentWeight,omitempty"`
+	PackingWeight         *int32   `json:"packingWeight,omitempty"`
+	Alignment             *string  `json:"alignment,omitempty"`
+	OwnedTaintKey         *string  `json:"ownedTaintKey,omitempty"`
+	BindingTimeoutSeconds *int64   `json:"bindingTimeoutSeconds,omitempty"`
+}
+
+// DeepCopyObject implements runtime.Object.
+func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
+	if a == nil {
+		return nil
+	}
+	out := &TopologyDRAArgs{TypeMeta: a.TypeMeta}
+	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
+	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
+	out.AlignmentWeight = copyPtr(a.AlignmentWeight)
+	out.PackingWeight = copyPtr(a.PackingWeight)
+	out.Alignment = copyPtr(a.Alignment)
+	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
+	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
+	return out
+}
+
+func copyPtr[T any](p *T) *T {
+	if p == nil {
+		return nil
+	}
+	return ptr.To(*p)
+}
+
+// SetDefaults fills in every unset field.
+func SetDefaults(a *TopologyDRAArgs) {
+	if a.TopologyAttributes == nil {
+		for _, attr := range topology.DefaultAttributes {
+			a.TopologyAttributes = append(a.TopologyAttributes, string(attr))
+		}
+	}
+	if a.ScoringStrategy == nil {
+		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
+	}
+	if a.AlignmentWeight == nil {
+		a.AlignmentWeight = ptr.To[int32](70)
+	}
+	if a.PackingWeight == nil {
+		a.PackingWeight = ptr.To[int32](30)
+	}
+	if a.Alignment == nil {
+		a.Alignment = ptr.To(string(config.AlignmentPrefer))
+	}
+	if a.OwnedTaintKey == nil {
+		a.OwnedTaintKey = ptr.To(topology.DefaultTaintKey)
+	}
+	if a.BindingTimeoutSeconds == nil {
+		a.BindingTimeoutSeconds = ptr.To[int64](600)
+	}
+}
+
+// Convert copies a defaulted versioned object into the internal type.
+func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
+	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
+	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
+	out.AlignmentWeight = ptr.Deref(in.AlignmentWeight, 0)
+	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
+	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
+	out.OwnedTaintKey = ptr.Deref(in.OwnedTaintKey, "")
+	out.BindingTimeoutSeconds = ptr.Deref(in.BindingTimeoutSeconds, 0)
+}
+
+// ConvertBack copies the internal type into a versioned object.
+func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
+	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
+	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
+	out.AlignmentWeight = ptr.To(in.AlignmentWeight)
+	out.PackingWeight = ptr.To(in.PackingWeight)
+	out.Alignment = ptr.To(string(in.Alignment))
+	out.OwnedTaintKey = ptr.To(in.OwnedTaintKey)
+	out.BindingTimeoutSeconds = ptr.To(in.BindingTimeoutSeconds)
+}
+
+// AddToScheme registers the versioned type, its defaults and conversions.
+func AddToScheme(s *runtime.Scheme) error {
+	s.AddKnownTypes(SchemeGroupVersion, &TopologyDRAArgs{})
+	s.AddTypeDefaultingFunc(&TopologyDRAArgs{}, func(obj any) { SetDefaults(obj.(*TopologyDRAArgs)) })
+	if err := s.AddConversionFunc((*TopologyDRAArgs)(nil), (*config.TopologyDRAArgs)(nil), func(a, b any, _ conversion.Scope) error {
+		Convert(a.(*TopologyDRAArgs), b.(*config.TopologyDRAArgs))
+		return nil
+	}); err != nil {
+		return err
+	}
+	if err := s.AddConversionFunc((*config.TopologyDRAArgs)(nil), (*TopologyDRAArgs)(nil), func(a, b any, _ conversion.Scope) error {
+		ConvertBack(a.(*config.TopologyDRAArgs), b.(*TopologyDRAArgs))
+		return nil
+	}); err != nil {
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,49 @@
+package config
+
+import (
+	"strings"
+
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+)
+
+// ValidateTopologyDRAArgs checks the arguments; path is where they sit in
+// the configuration (for error messages).
+func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.ErrorList {
+	var errs field.ErrorList
+	seen := sets.New[string]()
+	for i, attr := range args.TopologyAttributes {
+		p := path.Child("topologyAttributes").Index(i)
+		domain, name, ok := strings.Cut(attr, "/")
+		switch {
+		case !ok || domain == "" || name == "":
+			errs = append(errs, field.Invalid(p, attr, "must be a fully qualified attribute name, <domain>/<name>"))
+		case seen.Has(attr):
+			errs = append(errs, field.Duplicate(p, attr))
+		}
+		seen.Insert(attr)
+	}
+	switch args.ScoringStrategy {
+	case MostAllocated, LeastAllocated:
+	default:
+		errs = append(errs, field.NotSupported(path.Child("scoringStrategy"), args.ScoringStrategy, []ScoringStrategy{MostAllocated, LeastAllocated}))
+	}
+	switch args.Alignment {
+	case AlignmentPrefer, AlignmentRequire, AlignmentNone:
+	default:
+		errs = append(errs, field.NotSupported(path.Child("alignment"), args.Alignment, []AlignmentPolicy{AlignmentPrefer, AlignmentRequire, AlignmentNone}))
+	}
+	if args.AlignmentWeight < 0 {
+		errs = append(errs, field.Invalid(path.Child("alignmentWeight"), args.AlignmentWeight, "must not be negative"))
+	}
+	if args.PackingWeight < 0 {
+		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must not be negative"))
+	}
+	if args.AlignmentWeight+args.PackingWeight == 0 {
+		errs = append(errs, field.Invalid(path.Child("alignmentWeight"), args.AlignmentWeight, "alignmentWeight and packingWeight must not both be zero"))
+	}
+	if args.BindingTimeoutSeconds <= 0 {
+		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, "must be positive"))
+	}
+	return errs
+}

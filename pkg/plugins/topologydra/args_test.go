@@ -1,0 +1,152 @@
+package topologydra
+
+import (
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/klog/v2"
+	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
+	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
+
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+)
+
+func loadProfileArgs(t *testing.T, path, profile string) (*config.TopologyDRAArgs, *schedconfig.KubeSchedulerProfile) {
+	t.Helper()
+	cfg, err := options.LoadConfigFromFile(klog.Background(), path)
+	if err != nil {
+		t.Fatalf("load %s: %v", path, err)
+	}
+	for i := range cfg.Profiles {
+		p := &cfg.Profiles[i]
+		if p.SchedulerName != profile {
+			continue
+		}
+		for _, pc := range p.PluginConfig {
+			if pc.Name == Name {
+				args, ok := pc.Args.(*config.TopologyDRAArgs)
+				if !ok {
+					t.Fatalf("%s: args of %s decoded as %T, want *config.TopologyDRAArgs", path, Name, pc.Args)
+				}
+				return args, p
+			}
+		}
+		return nil, p
+	}
+	t.Fatalf("%s: no profile %s", path, profile)
+	return nil, nil
+}
+
+func TestConfigFilesDecode(t *testing.T) {
+	tests := map[string]struct {
+		file string
+		want config.TopologyDRAArgs
+	}{
+		"scheduler-config.yaml": {
+			file: "scheduler-config.yaml",
+			want: config.TopologyDRAArgs{
+				TopologyAttributes:    []string{"resource.kubernetes.io/pcieRoot", "gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/numaNode"},
+				ScoringStrategy:       config.MostAllocated,
+				AlignmentWeight:       70,
+				PackingWeight:         30,
+				Alignment:             config.AlignmentPrefer,
+				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
+				BindingTimeoutSeconds: 600,
+			},
+		},
+		"multi-profile.yaml (defaults filled in)": {
+			file: "multi-profile.yaml",
+			want: *DefaultArgs(),
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			args, profile := loadProfileArgs(t, filepath.Join("..", "..", "..", "config", tc.file), "topodra-scheduler")
+			if args == nil {
+				t.Fatalf("no TopologyDRA args in profile")
+			}
+			got := *args
+			got.TypeMeta = tc.want.TypeMeta
+			if strings.Join(got.TopologyAttributes, ",") != strings.Join(tc.want.TopologyAttributes, ",") {
+				t.Errorf("topologyAttributes = %v, want %v", got.TopologyAttributes, tc.want.TopologyAttributes)
+			}
+			got.TopologyAttributes, tc.want.TopologyAttributes = nil, nil
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("args = %+v, want %+v", got, tc.want)
+			}
+			if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args); len(errs) > 0 {
+				t.Errorf("config file args invalid: %v", errs)
+			}
+			enabled := false
+			for _, p := range profile.Plugins.MultiPoint.Enabled {
+				enabled = enabled || p.Name == Name
+			}
+			for _, p := range profile.Plugins.MultiPoint.Disabled {
+				if p.Name == Name {
+					enabled = false
+				}
+			}
+			if !enabled {
+				t.Errorf("%s not enabled in profile", Name)
+			}
+		})
+	}
+}
+
+func TestStrictDecoding(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "bad.yaml")
+	data := `apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+profiles:
+- schedulerName: topodra-scheduler
+  pluginConfig:
+  - name: TopologyDRA
+    args:
+      scoringStrategy: MostAllocated
+      alignmentWieght: 3
+`
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := options.LoadConfigFromFile(klog.Background(), path)
+	if err == nil || !strings.Contains(err.Error(), "alignmentWieght") {
+		t.Errorf("unknown field: got error %v, want one naming alignmentWieght", err)
+	}
+}
+
+func TestValidateArgs(t *testing.T) {
+	tests := map[string]struct {
+		mutate  func(*config.TopologyDRAArgs)
+		wantErr string
+	}{
+		"defaults are valid":  {mutate: func(*config.TopologyDRAArgs) {}},
+		"unqualified attr":    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
+		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.AlignmentWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			args := DefaultArgs()
+			tc.mutate(args)
+			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args)
+			if tc.wantErr == "" {
+				if len(errs) > 0 {
+					t.Errorf("unexpected errors: %v", errs)
+				}
+				return
+			}
+			if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), tc.wantErr) {
+				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
+			}
+		})
+	}
+}

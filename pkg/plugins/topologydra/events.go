@@ -1,0 +1,94 @@
+package topologydra
+
+import (
+	"context"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+)
+
+// EventsToRegister lists the cluster events that can make a pod that this
+// plugin rejected schedulable, with hints that filter out the many events
+// that cannot.
+func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWithHint, error) {
+	return []fwk.ClusterEventWithHint{
+		// Node labels feed allocation node selectors and slice node selectors.
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable}},
+		// Claims: the pod's own claim created or changed, or devices freed.
+		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Add | fwk.Update | fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterClaimChange},
+		// The claim controller names generated claims in the pod status.
+		{Event: fwk.ClusterEvent{Resource: fwk.TargetPod, ActionType: fwk.UpdatePodGeneratedResourceClaim}, QueueingHintFn: pl.isSchedulableAfterPodUpdate},
+		// A missing or broken class may be created or fixed.
+		{Event: fwk.ClusterEvent{Resource: fwk.DeviceClass, ActionType: fwk.Add | fwk.Update}},
+		// New or changed slices bring devices.
+		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Add | fwk.Update}, QueueingHintFn: pl.isSchedulableAfterSliceChange},
+	}, nil
+}
+
+// isSchedulableAfterClaimChange: requeue when one of the pod's claims
+// appears or its status changes, or when any claim gives devices back
+// (deallocated or deleted while allocated).
+func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	if _, ok := oldObj.(cache.DeletedFinalStateUnknown); ok && newObj == nil {
+		return fwk.Queue, nil
+	}
+	oldClaim, _ := oldObj.(*resourceapi.ResourceClaim)
+	newClaim, _ := newObj.(*resourceapi.ResourceClaim)
+	if newClaim == nil {
+		if oldClaim != nil && oldClaim.Status.Allocation != nil {
+			return fwk.Queue, nil // devices freed
+		}
+		return fwk.QueueSkip, nil
+	}
+	if oldClaim != nil && oldClaim.Status.Allocation != nil && newClaim.Status.Allocation == nil {
+		return fwk.Queue, nil // devices freed
+	}
+	if !pl.usesClaim(pod, newClaim) {
+		return fwk.QueueSkip, nil
+	}
+	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) {
+		return fwk.Queue, nil
+	}
+	return fwk.QueueSkip, nil
+}
+
+func (pl *TopologyDRA) usesClaim(pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
+	if claim.Namespace != pod.Namespace {
+		return false
+	}
+	for i := range pod.Spec.ResourceClaims {
+		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
+		if err == nil && name != nil && *name == claim.Name {
+			return true
+		}
+	}
+	return false
+}
+
+// isSchedulableAfterPodUpdate: requeue once all of the pod's claims exist.
+func (pl *TopologyDRA) isSchedulableAfterPodUpdate(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	modified, ok := newObj.(*v1.Pod)
+	if !ok {
+		return fwk.Queue, nil
+	}
+	if _, err := pl.podClaims(modified); err != nil {
+		return fwk.QueueSkip, nil
+	}
+	return fwk.Queue, nil
+}
+
+// isSchedulableAfterSliceChange: a slice update that only touches metadata
+// (e.g. a resync by the driver) brings no devices.
+func (pl *TopologyDRA) isSchedulableAfterSliceChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	oldSlice, _ := oldObj.(*resourceapi.ResourceSlice)
+	newSlice, _ := newObj.(*resourceapi.ResourceSlice)
+	if oldSlice != nil && newSlice != nil && apiequality.Semantic.DeepEqual(&oldSlice.Spec, &newSlice.Spec) {
+		return fwk.QueueSkip, nil
+	}
+	return fwk.Queue, nil
+}

@@ -1,0 +1,63 @@
+package topologydra
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/component-base/metrics"
+	"k8s.io/component-base/metrics/legacyregistry"
+)
+
+const metricsSubsystem = "topodra"
+
+var (
+	allocationDuration = metrics.NewHistogram(&metrics.HistogramOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "allocation_duration_seconds",
+		Help:           "Time to find the best allocation of a pod's claims on one node (one Filter call).",
+		Buckets:        metrics.ExponentialBuckets(0.00001, 2, 18),
+		StabilityLevel: metrics.ALPHA,
+	})
+	placements = metrics.NewCounterVec(&metrics.CounterOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "placements_total",
+		Help:           "Pods whose claims topodra allocated, by the tightest topology level their devices share (an attribute name, or node).",
+		StabilityLevel: metrics.ALPHA,
+	}, []string{"level"})
+	devicesAllocated = metrics.NewHistogram(&metrics.HistogramOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "devices_per_placement",
+		Help:           "Number of devices allocated per pod.",
+		Buckets:        []float64{1, 2, 4, 8, 16, 32},
+		StabilityLevel: metrics.ALPHA,
+	})
+	registerOnce sync.Once
+)
+
+func init() {
+	registerOnce.Do(func() {
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated)
+	})
+}
+
+// recordPlacement updates metrics and emits an event on the pod naming the
+// chosen devices and the domain they share.
+func (pl *TopologyDRA) recordPlacement(pod *v1.Pod, nodeName string, s *stateData) {
+	q := s.result.Quality
+	level := q.LevelName
+	if level == "" {
+		level = "node"
+	}
+	placements.WithLabelValues(level).Inc()
+	devicesAllocated.Observe(float64(len(q.Devices)))
+	where := "devices span domains"
+	if q.Domain != "" {
+		where = "sharing " + q.Domain
+	} else if len(q.Devices) == 1 {
+		where = "single device"
+	}
+	msg := fmt.Sprintf("allocated %s on node %s (%s)", strings.Join(q.Devices, ", "), nodeName, where)
+	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "DevicesAllocated", "Binding", "%s", msg)
+}

@@ -1,0 +1,136 @@
+// Package topologydra is the TopologyDRA scheduler framework plugin. It
+// replaces the stock DynamicResources plugin in a profile: it allocates the
+// devices of a pod's ResourceClaims with exactly the upstream semantics
+// (pkg/allocator asks the upstream structured allocator), but among all
+// valid allocations it picks the best aligned and best packed one, scores
+// nodes by that quality, and writes the allocation back to the claims.
+//
+// Deliberately not supported (the stock plugin handles them; use the
+// default profile for such pods): extended resources backed by DRA, claims
+// of PodGroups (GenericWorkload), node-allocatable DRA resources.
+package topologydra
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/dynamic-resource-allocation/structured"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
+
+	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+	v1 "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config/v1"
+	_ "github.com/topodra/topodra/pkg/plugins/topologydra/apis/scheme"
+)
+
+// Name is the plugin name used in scheduler configuration.
+const Name = "TopologyDRA"
+
+// TopologyDRA is the plugin. All fields are set in New and read-only after.
+type TopologyDRA struct {
+	args       config.TopologyDRAArgs
+	policy     allocator.Policy
+	features   structured.Features
+	draManager fwk.SharedDRAManager
+	client     kubernetes.Interface
+	handle     fwk.Handle
+	celCache   *cel.Cache
+	// score turns an allocation's quality into a node score (0..100). It
+	// is chosen once from the args.
+	score func(q allocator.Quality) int64
+	// ownedToleration is added to every request so that devices tainted
+	// with the owned taint key are available to topodra; nil if disabled.
+	ownedToleration *resourceapi.DeviceToleration
+	bindingTimeout  time.Duration
+}
+
+var (
+	_ fwk.PreEnqueuePlugin  = &TopologyDRA{}
+	_ fwk.PreFilterPlugin   = &TopologyDRA{}
+	_ fwk.FilterPlugin      = &TopologyDRA{}
+	_ fwk.PostFilterPlugin  = &TopologyDRA{}
+	_ fwk.PreScorePlugin    = &TopologyDRA{}
+	_ fwk.ScorePlugin       = &TopologyDRA{}
+	_ fwk.ReservePlugin     = &TopologyDRA{}
+	_ fwk.PreBindPlugin     = &TopologyDRA{}
+	_ fwk.EnqueueExtensions = &TopologyDRA{}
+)
+
+// New builds the plugin from its (already decoded and defaulted) args.
+func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, error) {
+	args, err := argsFrom(obj)
+	if err != nil {
+		return nil, err
+	}
+	if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args); len(errs) > 0 {
+		return nil, fmt.Errorf("invalid %s args: %w", Name, errs.ToAggregate())
+	}
+	if h.SharedDRAManager() == nil {
+		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", Name)
+	}
+	pl := &TopologyDRA{
+		args:           *args,
+		features:       dynamicresources.AllocatorFeatures(feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)),
+		draManager:     h.SharedDRAManager(),
+		client:         h.ClientSet(),
+		handle:         h,
+		celCache:       cel.NewCache(1000, cel.Features{EnableConsumableCapacity: true}),
+		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
+	}
+	pl.policy = allocator.Policy{
+		Alignment: allocator.AlignmentMode(args.Alignment),
+		Packing:   args.ScoringStrategy == config.MostAllocated,
+	}
+	pl.policy.Attributes = []resourceapi.QualifiedName{}
+	for _, attr := range args.TopologyAttributes {
+		pl.policy.Attributes = append(pl.policy.Attributes, resourceapi.QualifiedName(attr))
+	}
+	pl.score = newScorer(*args, len(pl.policy.Attributes))
+	if args.OwnedTaintKey != "" {
+		pl.ownedToleration = &resourceapi.DeviceToleration{
+			Key:      args.OwnedTaintKey,
+			Operator: resourceapi.DeviceTolerationOpExists,
+		}
+	}
+	return pl, nil
+}
+
+// argsFrom accepts the internal type (what the scheduler's config loader
+// produces), nil (no pluginConfig entry: defaults) or the versioned type.
+func argsFrom(obj runtime.Object) (*config.TopologyDRAArgs, error) {
+	switch a := obj.(type) {
+	case *config.TopologyDRAArgs:
+		return a, nil
+	case nil:
+		return DefaultArgs(), nil
+	case *v1.TopologyDRAArgs:
+		out := &config.TopologyDRAArgs{}
+		a = a.DeepCopyObject().(*v1.TopologyDRAArgs)
+		v1.SetDefaults(a)
+		v1.Convert(a, out)
+		return out, nil
+	default:
+		return nil, fmt.Errorf("want args of type TopologyDRAArgs, got %T", obj)
+	}
+}
+
+// DefaultArgs returns the defaulted internal args.
+func DefaultArgs() *config.TopologyDRAArgs {
+	versioned := &v1.TopologyDRAArgs{}
+	v1.SetDefaults(versioned)
+	out := &config.TopologyDRAArgs{}
+	v1.Convert(versioned, out)
+	return out
+}
+
+// Name implements fwk.Plugin.
+func (pl *TopologyDRA) Name() string { return Name }

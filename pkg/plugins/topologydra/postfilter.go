@@ -1,0 +1,43 @@
+package topologydra
+
+import (
+	"context"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// PostFilter runs when no node fits. If that is because one of the pod's
+// claims is allocated on devices no node can use (e.g. a previous attempt
+// allocated it and the node is gone) and no other pod uses that claim, the
+// allocation is removed so the next attempt can allocate afresh. One claim
+// per attempt, like the stock plugin.
+func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
+	logger := klog.FromContext(ctx)
+	s, err := getState(cs)
+	if err != nil {
+		return nil, fwk.NewStatus(fwk.Unschedulable)
+	}
+	s.mu.Lock()
+	unavailable := s.unavailableClaims.UnsortedList()
+	s.mu.Unlock()
+	for _, index := range unavailable {
+		claim := s.claims[index]
+		reserved := claim.Status.ReservedFor
+		if len(reserved) > 1 || (len(reserved) == 1 && reserved[0].UID != pod.UID) {
+			continue // in use by another pod: leave it
+		}
+		claim = claim.DeepCopy()
+		claim.Status.ReservedFor = nil
+		claim.Status.Allocation = nil
+		claim.Status.Devices = nil
+		logger.V(2).Info("deallocating claim that no node can use", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+			return nil, internalError(logger, err, "claim", klog.KObj(claim))
+		}
+		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
+	}
+	return nil, fwk.NewStatus(fwk.Unschedulable)
+}

@@ -1,0 +1,199 @@
+package topologydra
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/util/retry"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// PreBindPreFlight lets PreBind run in parallel with other plugins' PreBind
+// and skips pods without claims.
+func (pl *TopologyDRA) PreBindPreFlight(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeName string) (*fwk.PreBindPreFlightResult, *fwk.Status) {
+	result := &fwk.PreBindPreFlightResult{AllowParallel: true}
+	if _, err := getState(cs); err != nil {
+		return result, fwk.NewStatus(fwk.Skip)
+	}
+	return result, nil
+}
+
+// PreBind writes the allocations chosen in Reserve to the claims and adds
+// the pod to their reservedFor, with optimistic concurrency (retry on
+// conflict against the latest claim). On failure the scheduler calls
+// Unreserve, which undoes the reservation; an allocation that reached the
+// API stays and is reused or deallocated by a later cycle (PostFilter), so
+// nothing is half-written.
+func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
+	logger := klog.FromContext(ctx)
+	s, err := getState(cs)
+	if err != nil {
+		return nil
+	}
+	var bound []int
+	for i, claim := range s.claims {
+		if resourceclaim.IsReservedForPod(pod, claim, false) {
+			continue
+		}
+		updated, err := pl.bindClaim(ctx, pod, claim, s.allocations[i])
+		if err != nil {
+			return internalError(logger, err, "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		}
+		s.claims[i] = updated
+		if s.allocations[i] != nil {
+			bound = append(bound, i)
+		}
+	}
+	// Written to the API: the in-flight entries are no longer needed.
+	for _, i := range bound {
+		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(s.claims[i].UID, true)
+	}
+	if st := pl.waitForBindingConditions(ctx, s); st != nil {
+		return st
+	}
+	if s.result != nil && len(bound) > 0 {
+		pl.recordPlacement(pod, nodeName, s)
+	}
+	return nil
+}
+
+func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, allocation *resourceapi.AllocationResult) (*resourceapi.ResourceClaim, error) {
+	logger := klog.FromContext(ctx)
+	claims := pl.client.ResourceV1().ResourceClaims(claim.Namespace)
+	claim = claim.DeepCopy()
+	refresh := false
+	var modified bool
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		if refresh {
+			latest, err := claims.Get(ctx, claim.Name, metav1.GetOptions{})
+			if err != nil {
+				return fmt.Errorf("get claim %s after conflict: %w", claim.Name, err)
+			}
+			claim = latest
+		}
+		refresh = true
+		if claim.DeletionTimestamp != nil {
+			return fmt.Errorf("claim %s is being deleted", claim.Name)
+		}
+		if allocation != nil {
+			if claim.Status.Allocation != nil {
+				return fmt.Errorf("claim %s was allocated by someone else in the meantime", claim.Name)
+			}
+			if !slices.Contains(claim.Finalizers, resourceapi.Finalizer) {
+				// The finalizer protects the allocation from deletion of
+				// the claim; it needs a normal update first.
+				claim.Finalizers = append(claim.Finalizers, resourceapi.Finalizer)
+				updated, err := claims.Update(ctx, claim, metav1.UpdateOptions{})
+				if err != nil {
+					return err
+				}
+				claim = updated
+			}
+			claim.Status.Allocation = allocation.DeepCopy()
+			if pl.features.DeviceBindingAndStatus && claim.Status.Allocation.AllocationTimestamp == nil {
+				claim.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: time.Now()}
+			}
+		} else if claim.Status.Allocation == nil {
+			return fmt.Errorf("claim %s was deallocated in the meantime", claim.Name)
+		}
+		// The apiserver enforces the reservedFor limit and rejects
+		// duplicates; no need to re-check here.
+		claim.Status.ReservedFor = append(claim.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{
+			Resource: "pods", Name: pod.Name, UID: pod.UID,
+		})
+		updated, err := claims.UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+		if err != nil {
+			return err
+		}
+		claim = updated
+		modified = true
+		return nil
+	})
+	if modified {
+		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
+			// Only fails when the informer already has a newer object.
+			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)
+	}
+	return claim, nil
+}
+
+// waitForBindingConditions waits, when the allocated devices have binding
+// conditions (DRADeviceBindingConditions), until the driver reports all of
+// them true, any failure condition true, or the binding timeout passes.
+func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, s *stateData) *fwk.Status {
+	if !pl.features.DeviceBindingAndStatus {
+		return nil
+	}
+	pending := func(claim *resourceapi.ResourceClaim) (bool, error) {
+		if claim.Status.Allocation == nil {
+			return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
+		}
+		for _, r := range claim.Status.Allocation.Devices.Results {
+			if len(r.BindingConditions) == 0 && len(r.BindingFailureConditions) == 0 {
+				continue
+			}
+			var conds []metav1.Condition
+			for _, d := range claim.Status.Devices {
+				if d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device {
+					conds = d.Conditions
+				}
+			}
+			for _, c := range r.BindingFailureConditions {
+				if apimeta.IsStatusConditionTrue(conds, c) {
+					return false, fmt.Errorf("claim %s device %s: binding failed (%s)", claim.Name, r.Device, c)
+				}
+			}
+			for _, c := range r.BindingConditions {
+				if !apimeta.IsStatusConditionTrue(conds, c) {
+					return true, nil
+				}
+			}
+		}
+		return false, nil
+	}
+	var names []string
+	for _, c := range s.claims {
+		if p, err := pending(c); err != nil || p {
+			names = append(names, c.Name)
+		}
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	err := wait.PollUntilContextTimeout(ctx, time.Second, pl.bindingTimeout, true, func(ctx context.Context) (bool, error) {
+		for _, name := range names {
+			claim, err := pl.client.ResourceV1().ResourceClaims(s.claims[0].Namespace).Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return false, nil
+			}
+			p, err := pending(claim)
+			if err != nil {
+				return false, err
+			}
+			if p {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		// Unreserve runs; PostFilter of the next attempt deallocates the
+		// failed claims so that other devices can be tried.
+		return unschedulable(fmt.Sprintf("binding conditions of claims %s: %v", strings.Join(names, ", "), err))
+	}
+	return nil
+}

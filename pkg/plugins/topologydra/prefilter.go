@@ -1,0 +1,238 @@
+package topologydra
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
+)
+
+// PreEnqueue keeps a pod out of the active queue until all of its claims
+// exist (claims from templates are created by the ResourceClaim controller
+// and named in pod.status.resourceClaimStatuses).
+func (pl *TopologyDRA) PreEnqueue(ctx context.Context, pod *v1.Pod) *fwk.Status {
+	if _, err := pl.podClaims(pod); err != nil {
+		return unschedulable(err.Error())
+	}
+	return nil
+}
+
+// podClaims returns the pod's claims from the scheduler's claim cache, in
+// pod.spec.resourceClaims order, or an error saying which one is missing.
+func (pl *TopologyDRA) podClaims(pod *v1.Pod) ([]*resourceapi.ResourceClaim, error) {
+	claims := make([]*resourceapi.ResourceClaim, 0, len(pod.Spec.ResourceClaims))
+	for i := range pod.Spec.ResourceClaims {
+		podClaim := &pod.Spec.ResourceClaims[i]
+		name, mustCheckOwner, err := resourceclaim.Name(pod, podClaim)
+		if err != nil {
+			return nil, err
+		}
+		if name == nil {
+			// A template claim that the controller decided is not
+			// needed; nothing to allocate.
+			continue
+		}
+		claim, err := pl.draManager.ResourceClaims().Get(pod.Namespace, *name)
+		if err != nil {
+			return nil, fmt.Errorf("waiting for resource claim %s/%s: %w", pod.Namespace, *name, err)
+		}
+		if claim.DeletionTimestamp != nil {
+			return nil, fmt.Errorf("resource claim %s/%s is being deleted", pod.Namespace, *name)
+		}
+		if mustCheckOwner {
+			if err := resourceclaim.IsForPod(pod, claim, false); err != nil {
+				return nil, err
+			}
+		}
+		claims = append(claims, claim)
+	}
+	return claims, nil
+}
+
+// PreFilter gathers the pod's claims, validates them, and builds the
+// per-cycle allocator. Pods without claims are skipped.
+func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+	logger := klog.FromContext(ctx)
+	if len(pod.Spec.ResourceClaims) == 0 {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	claims, err := pl.podClaims(pod)
+	if err != nil {
+		// The claim cache may be behind; a claim event requeues the pod.
+		return nil, unschedulable(err.Error())
+	}
+	if len(claims) == 0 {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
+	s := &stateData{
+		claims:            claims,
+		availableOnNodes:  make([]*nodeaffinity.NodeSelector, len(claims)),
+		results:           map[string]*allocator.Result{},
+		unavailableClaims: sets.New[int](),
+		allocations:       make([]*resourceapi.AllocationResult, len(claims)),
+	}
+	cs.Write(stateKey, s)
+
+	for i, claim := range claims {
+		if claim.Status.Allocation != nil {
+			if !resourceclaim.CanBeReserved(claim) && !resourceclaim.IsReservedForPod(pod, claim, false) {
+				// Shared claim with a full reservedFor list; a claim
+				// update (a consumer leaving) requeues the pod.
+				return nil, unschedulable(fmt.Sprintf("resource claim %s is in use by %d pods, the most a claim can be reserved for", claim.Name, len(claim.Status.ReservedFor)))
+			}
+			if sel := claim.Status.Allocation.NodeSelector; sel != nil {
+				ns, err := nodeaffinity.NewNodeSelector(sel)
+				if err != nil {
+					return nil, internalError(logger, fmt.Errorf("claim %s: node selector of allocation: %w", claim.Name, err))
+				}
+				s.availableOnNodes[i] = ns
+			}
+			continue
+		}
+		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
+			// Another pod's cycle is allocating this shared claim right
+			// now; its claim update requeues us.
+			return nil, unschedulable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
+		}
+		if st := pl.validateClaim(ctx, claim); st != nil {
+			return nil, st
+		}
+		s.toAllocate = append(s.toAllocate, i)
+		s.allocClaims = append(s.allocClaims, pl.withOwnedToleration(claim))
+	}
+	if len(s.toAllocate) == 0 {
+		return nil, nil
+	}
+
+	allocatedState, err := pl.gatherAllocatedState(ctx)
+	if err != nil {
+		return nil, internalError(logger, fmt.Errorf("gather allocated devices: %w", err))
+	}
+	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	if err != nil {
+		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
+	}
+	a, err := allocator.New(ctx, allocator.Options{
+		Features:       pl.features,
+		AllocatedState: allocatedState,
+		ClassLister:    pl.draManager.DeviceClasses(),
+		Slices:         slices,
+		CELCache:       pl.celCache,
+		Policy:         pl.policy,
+	})
+	if err != nil {
+		return nil, unresolvable(err.Error())
+	}
+	s.allocator = a
+	return nil, nil
+}
+
+// validateClaim checks what no node can fix: request types, device classes
+// and CEL selectors that do not compile. Problems are reported on the pod
+// (the returned status) and as a warning event on the claim.
+func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.ResourceClaim) *fwk.Status {
+	var problems []string
+	checkSelectors := func(request string, selectors []resourceapi.DeviceSelector) {
+		for _, sel := range selectors {
+			if sel.CEL == nil {
+				continue
+			}
+			if res := pl.celCache.GetOrCompile(sel.CEL.Expression); res.Error != nil {
+				problems = append(problems, fmt.Sprintf("request %s: invalid CEL selector %q: %v", request, sel.CEL.Expression, res.Error))
+			}
+		}
+	}
+	checkClass := func(request, className string) {
+		class, err := pl.draManager.DeviceClasses().Get(className)
+		if err != nil {
+			problems = append(problems, fmt.Sprintf("request %s: device class %s does not exist", request, className))
+			return
+		}
+		checkSelectors(request+" (class "+className+")", class.Spec.Selectors)
+	}
+	for _, req := range claim.Spec.Devices.Requests {
+		switch {
+		case req.Exactly != nil:
+			checkClass(req.Name, req.Exactly.DeviceClassName)
+			checkSelectors(req.Name, req.Exactly.Selectors)
+		case len(req.FirstAvailable) > 0:
+			if !pl.features.PrioritizedList {
+				problems = append(problems, fmt.Sprintf("request %s: has subrequests, but the DRAPrioritizedList feature is disabled", req.Name))
+			}
+			for _, sub := range req.FirstAvailable {
+				name := resourceclaim.CreateSubRequestRef(req.Name, sub.Name)
+				checkClass(name, sub.DeviceClassName)
+				checkSelectors(name, sub.Selectors)
+			}
+		default:
+			problems = append(problems, fmt.Sprintf("request %s: unknown request type", req.Name))
+		}
+	}
+	if len(problems) == 0 {
+		return nil
+	}
+	msg := fmt.Sprintf("resource claim %s: %s", claim.Name, strings.Join(problems, "; "))
+	pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", msg)
+	// A missing class may be created, a broken class fixed: DeviceClass
+	// events requeue the pod. A broken claim needs a new claim.
+	return unresolvable(msg)
+}
+
+// gatherAllocatedState reads allocated and in-flight devices, retrying
+// while the claim tracker reports a concurrent modification.
+func (pl *TopologyDRA) gatherAllocatedState(ctx context.Context) (*structured.AllocatedState, error) {
+	var state *structured.AllocatedState
+	var lastErr error
+	err := wait.PollUntilContextTimeout(ctx, time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
+		s, err := pl.draManager.ResourceClaims().GatherAllocatedState()
+		if err != nil {
+			lastErr = err
+			return false, nil
+		}
+		state = s
+		return true, nil
+	})
+	if err != nil {
+		if lastErr != nil {
+			return nil, lastErr
+		}
+		return nil, err
+	}
+	return state, nil
+}
+
+// withOwnedToleration returns the claim as the allocator sees it: with a
+// toleration for the owned device taint on every request, so that devices
+// reserved for topodra (architecture decision 6) are available to it.
+func (pl *TopologyDRA) withOwnedToleration(claim *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+	if pl.ownedToleration == nil {
+		return claim
+	}
+	claim = claim.DeepCopy()
+	for i := range claim.Spec.Devices.Requests {
+		req := &claim.Spec.Devices.Requests[i]
+		if req.Exactly != nil {
+			req.Exactly.Tolerations = append(req.Exactly.Tolerations, *pl.ownedToleration)
+		}
+		for j := range req.FirstAvailable {
+			req.FirstAvailable[j].Tolerations = append(req.FirstAvailable[j].Tolerations, *pl.ownedToleration)
+		}
+	}
+	return claim
+}
+
+// PreFilterExtensions implements fwk.PreFilterPlugin. Pods do not affect
+// device availability, so there is nothing to add or remove.
+func (pl *TopologyDRA) PreFilterExtensions() fwk.PreFilterExtensions { return nil }

@@ -1,0 +1,82 @@
+package topologydra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// Reserve marks the allocation chosen for the node as in flight in the
+// scheduler's shared claim tracker, so that no other pod — of this profile
+// or another one in the same binary — is given the same devices before
+// PreBind has written them to the API.
+func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeName string) *fwk.Status {
+	logger := klog.FromContext(ctx)
+	s, err := getState(cs)
+	if err != nil {
+		return nil // PreFilter skipped the pod: no claims.
+	}
+	if len(s.toAllocate) == 0 {
+		return nil
+	}
+	res := s.getResult(nodeName)
+	if res == nil || len(res.Allocations) != len(s.toAllocate) {
+		// Filter accepted the node, so this is a bug.
+		return internalError(logger, errors.New("no allocation recorded for the chosen node"), "node", nodeName)
+	}
+	s.nodeName, s.result = nodeName, res
+	for j, index := range s.toAllocate {
+		allocation := res.Allocations[j].DeepCopy()
+		claim := s.claims[index].DeepCopy()
+		if !slices.Contains(claim.Finalizers, resourceapi.Finalizer) {
+			claim.Finalizers = append(claim.Finalizers, resourceapi.Finalizer)
+		}
+		claim.Status.Allocation = allocation
+		if err := pl.draManager.ResourceClaims().SignalClaimPendingAllocation(claim.UID, claim); err != nil {
+			return internalError(logger, fmt.Errorf("mark allocation of claim %s in flight: %w", claim.Name, err))
+		}
+		s.allocations[index] = allocation
+		logger.V(5).Info("reserved devices", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "node", nodeName, "allocation", klog.Format(allocation))
+	}
+	return nil
+}
+
+// Unreserve undoes Reserve and whatever PreBind managed to write: in-flight
+// allocations are dropped (the claim cache goes back to the API's view) and
+// the pod is removed from reservedFor of claims that list it. It is
+// idempotent.
+func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeName string) {
+	logger := klog.FromContext(ctx)
+	s, err := getState(cs)
+	if err != nil {
+		return
+	}
+	for _, index := range s.toAllocate {
+		claim := s.claims[index]
+		if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false) {
+			pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, claim.Name)
+			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		}
+	}
+	for _, claim := range s.claims {
+		if claim.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, claim, false) {
+			continue
+		}
+		// A strategic merge patch removes just this pod, whatever else
+		// changed in the claim meanwhile.
+		patch := fmt.Sprintf(`{"metadata":{"uid":%q},"status":{"reservedFor":[{"$patch":"delete","uid":%q}]}}`, claim.UID, pod.UID)
+		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Patch(ctx, claim.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
+			// The next scheduling attempt of the pod runs Unreserve again.
+			logger.Error(err, "remove pod from claim reservedFor", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		}
+	}
+}

@@ -1,0 +1,98 @@
+package topologydra
+
+import (
+	"context"
+	"math"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+)
+
+// newScorer picks the scoring function once, from the args. A node's score
+// (0..100) is the weighted mean of
+//
+//   - alignment: 1 when the pod's devices share a domain of the first
+//     (tightest) topology attribute or it has one device; (L-level)/L for a
+//     shared domain of a later attribute; 0.5/(L*domains) when they span
+//     domains (fewer domains is better);
+//   - packing: the allocator's Packing (node and domain fullness after this
+//     allocation) for MostAllocated, 1-Packing for LeastAllocated.
+func newScorer(args config.TopologyDRAArgs, levels int) func(q allocator.Quality) int64 {
+	wa := float64(args.AlignmentWeight)
+	wp := float64(args.PackingWeight)
+	sum := wa + wp
+	packing := func(q allocator.Quality) float64 { return q.Packing }
+	if args.ScoringStrategy == config.LeastAllocated {
+		packing = func(q allocator.Quality) float64 { return 1 - q.Packing }
+	}
+	return func(q allocator.Quality) int64 {
+		a := alignmentValue(q, levels)
+		return int64(math.Round(100 * (wa*a + wp*packing(q)) / sum))
+	}
+}
+
+func alignmentValue(q allocator.Quality, levels int) float64 {
+	if levels == 0 || q.Level == 0 {
+		return 1
+	}
+	if q.Level < levels {
+		return float64(levels-q.Level) / float64(levels)
+	}
+	spanned := max(q.DomainsSpanned, 1)
+	return 0.5 / float64(levels*spanned)
+}
+
+// PreScore skips scoring for pods with nothing to allocate.
+func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
+	s, err := getState(cs)
+	if err != nil {
+		// No state: PreFilter skipped this pod.
+		return fwk.NewStatus(fwk.Skip)
+	}
+	if s.allocator == nil {
+		return fwk.NewStatus(fwk.Skip)
+	}
+	return nil
+}
+
+// Score returns the quality of the allocation Filter found on the node.
+func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
+	s, err := getState(cs)
+	if err != nil {
+		return 0, internalError(klog.FromContext(ctx), err)
+	}
+	res := s.getResult(nodeInfo.Node().Name)
+	if res == nil {
+		return 0, nil
+	}
+	return pl.score(res.Quality), nil
+}
+
+// ScoreExtensions implements fwk.ScorePlugin.
+func (pl *TopologyDRA) ScoreExtensions() fwk.ScoreExtensions { return pl }
+
+// NormalizeScore stretches the scores of the feasible nodes to the full
+// 0..100 range (min-max), so that the difference between a well and a
+// poorly aligned or packed node outweighs the generic spreading plugins of
+// the profile. Equal scores stay as they are.
+func (pl *TopologyDRA) NormalizeScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, scores fwk.NodeScoreList) *fwk.Status {
+	if len(scores) == 0 {
+		return nil
+	}
+	lo, hi := scores[0].Score, scores[0].Score
+	for _, s := range scores {
+		lo = min(lo, s.Score)
+		hi = max(hi, s.Score)
+	}
+	if hi == lo {
+		return nil
+	}
+	for i := range scores {
+		scores[i].Score = (scores[i].Score - lo) * fwk.MaxNodeScore / (hi - lo)
+	}
+	return nil
+}

@@ -1,0 +1,97 @@
+package topologydra
+
+import (
+	"errors"
+	"sync"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+
+	"github.com/topodra/topodra/pkg/allocator"
+)
+
+
+// stateKey is the one key under which the plugin keeps its cycle state.
+const stateKey fwk.StateKey = Name
+
+// stateData is the plugin's per-pod scheduling cycle state.
+type stateData struct {
+	// claims are the pod's ResourceClaims in pod.spec.resourceClaims order.
+	// Written by PreFilter; PreBind replaces entries with the updated
+	// objects it got back from the API (Unreserve needs them). Read by all.
+	// PreBind runs after Filter and Score are done, so no lock is needed.
+	claims []*resourceapi.ResourceClaim
+
+	// toAllocate are the indexes into claims of the claims that this cycle
+	// allocates (not allocated yet). Written by PreFilter, read-only after.
+	toAllocate []int
+
+	// allocClaims are the claims of toAllocate, in that order, as handed
+	// to the allocator (copies carrying the owned-taint toleration).
+	// Written by PreFilter, read-only after.
+	allocClaims []*resourceapi.ResourceClaim
+
+	// availableOnNodes holds, per claim index, the node selector of an
+	// existing allocation (nil when not allocated or allocated for all
+	// nodes). Written by PreFilter, read-only after.
+	availableOnNodes []*nodeaffinity.NodeSelector
+
+	// allocator is built in PreFilter when toAllocate is not empty and used
+	// concurrently by Filter (it is thread-safe).
+	allocator *allocator.Allocator
+
+	// mu guards results and unavailableClaims, which Filter writes
+	// concurrently for many nodes.
+	mu sync.Mutex
+	// results maps node name to the allocation chosen on that node
+	// (feasible nodes only). Read by PreScore, Score and Reserve after
+	// Filter is done.
+	results map[string]*allocator.Result
+	// unavailableClaims are indexes of allocated claims whose allocation
+	// does not fit some node; PostFilter may deallocate them.
+	unavailableClaims sets.Set[int]
+
+	// allocations holds, per claim index, the allocation Reserve chose for
+	// the node (nil for claims allocated earlier). Written by Reserve, read
+	// by PreBind and Unreserve.
+	allocations []*resourceapi.AllocationResult
+	// nodeName and result are the node Reserve picked and its result.
+	nodeName string
+	result   *allocator.Result
+}
+
+// Clone implements fwk.StateData. The state is only written by this
+// plugin's own extension points of one cycle, so sharing is safe.
+func (s *stateData) Clone() fwk.StateData { return s }
+
+func getState(cs fwk.CycleState) (*stateData, error) {
+	data, err := cs.Read(stateKey)
+	if err != nil {
+		return nil, err
+	}
+	s, ok := data.(*stateData)
+	if !ok {
+		return nil, errors.New("internal error: unexpected cycle state type")
+	}
+	return s, nil
+}
+
+func (s *stateData) setResult(node string, r *allocator.Result) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.results[node] = r
+}
+
+func (s *stateData) getResult(node string) *allocator.Result {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.results[node]
+}
+
+func (s *stateData) markUnavailable(index int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.unavailableClaims.Insert(index)
+}

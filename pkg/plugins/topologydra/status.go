@@ -1,0 +1,30 @@
+package topologydra
+
+import (
+	"fmt"
+
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/klog/v2"
+)
+
+// Every failure goes through one of these helpers.
+
+// unschedulable: the pod does not fit (this node, or for now). It is
+// retried when one of the registered cluster events may have changed that.
+func unschedulable(msg string) *fwk.Status {
+	return fwk.NewStatus(fwk.Unschedulable, msg)
+}
+
+// unresolvable: the pod cannot fit until the user changes something that
+// another scheduling attempt cannot fix (an invalid CEL selector, a claim
+// pinned to another node). Registered events still requeue it.
+func unresolvable(msg string) *fwk.Status {
+	return fwk.NewStatus(fwk.UnschedulableAndUnresolvable, msg)
+}
+
+// internalError: a fault of the scheduler or the API (conflict, lost cache
+// entry); the pod goes to backoff and is retried.
+func internalError(logger klog.Logger, err error, kv ...any) *fwk.Status {
+	logger.Error(err, "TopologyDRA", kv...)
+	return fwk.AsStatus(fmt.Errorf("%s: %w", Name, err))
+}
