@@ -6,12 +6,11 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
-	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
 )
-
 
 // stateKey is the one key under which the plugin keeps its cycle state.
 const stateKey fwk.StateKey = Name

@@ -3,8 +3,8 @@ package topologydra
 import (
 	"fmt"
 
-	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
 )
 
 // Every failure goes through one of these helpers.

@@ -152,7 +152,9 @@ func PodWithClaims(namespace, name, schedulerName string, templates ...string) *
 }
 
 // IntAttr, StringAttr and IntListAttr build device attributes.
-func IntAttr(v int64) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{IntValue: ptr.To(v)} }
+func IntAttr(v int64) resourceapi.DeviceAttribute {
+	return resourceapi.DeviceAttribute{IntValue: ptr.To(v)}
+}
 
 // StringAttr builds a string device attribute.
 func StringAttr(v string) resourceapi.DeviceAttribute {

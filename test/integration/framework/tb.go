@@ -48,7 +48,7 @@ type FatalError struct{ Msg string }
 
 func (e FatalError) Error() string { return e.Msg }
 
-func (p *ProcessTB) Attr(key, value string)       {}
+func (p *ProcessTB) Attr(key, value string)        {}
 func (p *ProcessTB) Chdir(dir string)              { _ = os.Chdir(dir) }
 func (p *ProcessTB) Helper()                       {}
 func (p *ProcessTB) Name() string                  { return p.name }
