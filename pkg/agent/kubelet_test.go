@@ -1,0 +1,100 @@
+package agent_test
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2/ktesting"
+	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// TestKubeletPluginServesPrepare runs the agent as on a node: registration
+// and DRA sockets, and NodePrepareResources/NodeUnprepareResources called
+// over gRPC the way the kubelet calls them.
+func TestKubeletPluginServesPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	// Unix socket paths are limited to ~108 bytes; t.TempDir can be longer.
+	base, err := os.MkdirTemp("", "ta")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(base) })
+	pluginDir, registrarDir := filepath.Join(base, "p"), filepath.Join(base, "r")
+	for _, dir := range []string{pluginDir, registrarDir} {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     e.client,
+		Discovery:      disc,
+		PluginDataDir:  pluginDir,
+		RegistrarDir:   registrarDir,
+		StateDir:       e.stateDir,
+		CDIDir:         e.cdiDir,
+		RescanInterval: -1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Stop()
+	if _, err := os.Stat(filepath.Join(registrarDir, topology.DriverName+"-reg.sock")); err != nil {
+		t.Errorf("registration socket: %v", err)
+	}
+	if _, ok := a.PublishStatus(); ok {
+		t.Error("PublishStatus must report ok=false when the kubelet plugin helper publishes")
+	}
+
+	c := claim("kubelet", gpus("gpus", "gpu-6")...)
+	if _, err := e.client.ResourceV1().ResourceClaims(c.Namespace).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient("unix://"+filepath.Join(pluginDir, "dra.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	client := drapb.NewDRAPluginClient(conn)
+	pbClaim := &drapb.Claim{Namespace: c.Namespace, Name: c.Name, Uid: string(c.UID)}
+
+	for range 2 { // the kubelet may ask again after a restart
+		resp, err := client.NodePrepareResources(ctx, &drapb.NodePrepareResourcesRequest{Claims: []*drapb.Claim{pbClaim}})
+		if err != nil {
+			t.Fatalf("NodePrepareResources: %v", err)
+		}
+		got := resp.Claims[string(c.UID)]
+		if got == nil || got.Error != "" || len(got.Devices) != 1 {
+			t.Fatalf("unexpected response: %v", resp)
+		}
+		d := got.Devices[0]
+		if d.PoolName != nodeName || d.DeviceName != "gpu-6" || len(d.CdiDeviceIds) != 1 || d.CdiDeviceIds[0] != "gpu.topodra.io/gpu=uid-kubelet-gpu-6" {
+			t.Errorf("unexpected device: %v", d)
+		}
+	}
+	if spec := readSpec(t, e, c.UID); spec.Devices[0].ContainerEdits.DeviceNodes[0].Path != "/dev/nvidia6" {
+		t.Errorf("CDI spec device node %s, want /dev/nvidia6", spec.Devices[0].ContainerEdits.DeviceNodes[0].Path)
+	}
+
+	resp, err := client.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{pbClaim}})
+	if err != nil {
+		t.Fatalf("NodeUnprepareResources: %v", err)
+	}
+	if got := resp.Claims[string(c.UID)]; got == nil || got.Error != "" {
+		t.Errorf("unexpected unprepare response: %v", resp)
+	}
+}
