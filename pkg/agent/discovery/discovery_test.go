@@ -26,6 +26,7 @@ import (
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // model is what all GPUs of a simulated machine have in common.
@@ -526,6 +527,14 @@ func TestStandardAttributesFromSysfs(t *testing.T) {
 	}
 }
 
+// TestCliqueAttributeName keeps the published (unqualified) name in step
+// with the vocabulary the scheduler reads.
+func TestCliqueAttributeName(t *testing.T) {
+	if got := topology.DriverName + "/" + string(discovery.AttrNVLinkClique); got != string(topology.AttrNVLinkClique) {
+		t.Errorf("published as %q, scheduler reads %q", got, topology.AttrNVLinkClique)
+	}
+}
+
 func TestCanonicalPCIBusID(t *testing.T) {
 	testcases := map[string]struct{ in, want string }{
 		"NVML form":         {"00000000:1B:00.0", "0000:1b:00.0"},
@@ -628,6 +637,14 @@ func TestWatchHealth(t *testing.T) {
 				return m.InjectXID(6, 48)
 			}, want: discovery.HealthEvent{Device: "gpu-6", Reason: "xid-48", Message: "critical XID 48: double-bit ECC error"}},
 		},
+		"XID on an unpublished MIG GPU is ignored": {
+			{do: func(m *mockgpu.Machine) error {
+				if err := m.InjectXID(7, 79); err != nil {
+					return err
+				}
+				return m.InjectXID(2, 94)
+			}, want: discovery.HealthEvent{Device: "gpu-2", Reason: "xid-94", Message: "critical XID 94: contained ECC error"}},
+		},
 		"lost GPU marks every device": {
 			{do: func(m *mockgpu.Machine) error { m.LoseGPU(); return nil }, want: discovery.HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU"}},
 		},
@@ -640,6 +657,7 @@ func TestWatchHealth(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			m.SetMIG(7, true)
 			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
 			if err != nil {
 				t.Fatal(err)

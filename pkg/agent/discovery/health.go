@@ -130,10 +130,16 @@ func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 			logger.V(4).Info("ignoring application XID", "xid", xid)
 			continue
 		}
+		// Without a device NVML cannot say which GPU failed: all are
+		// suspect. A device we do not publish (MIG-enabled) is ignored.
 		name := ""
 		if data.Device != nil {
-			if uuid, ret := data.Device.GetUUID(); ret == nvml.SUCCESS {
-				name = nameByUUID[uuid]
+			uuid, ret := data.Device.GetUUID()
+			if ret != nvml.SUCCESS {
+				logger.Info("critical XID on a device without UUID, marking all devices", "xid", xid, "err", ret)
+			} else if name = nameByUUID[uuid]; name == "" {
+				logger.Info("ignoring critical XID on an unpublished device", "xid", xid, "uuid", uuid)
+				continue
 			}
 		}
 		msg := fmt.Sprintf("critical XID %d", xid)

@@ -17,8 +17,6 @@ import (
 	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
-
-	"github.com/topodra/topodra/pkg/topology"
 )
 
 // Attribute names published for every GPU. Where NVIDIA's DRA driver
@@ -38,7 +36,7 @@ const (
 	AttrCUDADriverVersion     resourceapi.QualifiedName = "cudaDriverVersion"
 
 	// AttrNVLinkClique is topology.AttrNVLinkClique in the driver's own
-	// domain (published unqualified).
+	// domain (published unqualified; a test keeps the two in step).
 	AttrNVLinkClique resourceapi.QualifiedName = "nvlinkClique"
 
 	// CapacityMemory is the GPU's total memory in bytes.
@@ -49,15 +47,6 @@ const (
 	// TypeGPU is the value of the "type" attribute of a whole GPU.
 	TypeGPU = "gpu"
 )
-
-// The unqualified clique name must be the topology vocabulary's name in our
-// own domain; a mismatch would be a silent break between agent and scheduler.
-var _ = func() bool {
-	if topology.DriverName+"/"+string(AttrNVLinkClique) != string(topology.AttrNVLinkClique) {
-		panic("discovery.AttrNVLinkClique does not match topology.AttrNVLinkClique")
-	}
-	return true
-}()
 
 // NUMAForm selects how resource.kubernetes.io/numaNode is published.
 type NUMAForm = deviceattribute.AttributeForm
