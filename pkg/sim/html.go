@@ -1,6 +1,349 @@
 package sim
 
-import "io"
+import (
+	"bufio"
+	"fmt"
+	"html"
+	"io"
+	"math"
+	"slices"
+	"strings"
+)
 
-// WriteHTML writes the report as a self-contained HTML page.
-func (r *Report) WriteHTML(w io.Writer) error { return nil }
+// WriteHTML writes the report as one self-contained HTML page (inline CSS
+// and SVG, nothing fetched): the side-by-side table, the per-node free
+// capacity at the end, and for each scheduler a map of every node's GPUs at
+// the end and at each checkpoint. A map groups GPUs by NUMA node and PCIe
+// root, colors them by pod and draws NVLink cliques as bars under their
+// members. Each map is an <svg class="node-map"> with data-scheduler,
+// data-node and data-snapshot ("end" or "tick N") attributes.
+func (r *Report) WriteHTML(out io.Writer) error {
+	w := bufio.NewWriter(out)
+	e := html.EscapeString
+	p := func(format string, args ...any) { fmt.Fprintf(w, format, args...) }
+
+	p("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n")
+	p("<title>topodra-sim report</title>\n<style>%s</style>\n</head>\n<body>\n", css)
+	p("<h1>topodra-sim</h1>\n<p class=\"meta\">seed %d &middot; %d pods over %d ticks &middot; %d nodes (%s) &middot; %.1f s</p>\n",
+		r.Seed, r.Pods, r.Ticks, len(r.Nodes), e(r.Profile), r.WallSeconds)
+	if s := r.Summary(); s != "" {
+		p("<p class=\"summary\">%s</p>\n", e(s))
+	}
+
+	// The table.
+	p("<h2>Side by side</h2>\n<table class=\"results\">\n<thead><tr><th></th>")
+	for _, res := range r.Results {
+		p("<th>%s</th>", e(res.Scheduler))
+	}
+	p("</tr></thead>\n<tbody>\n")
+	row := func(label string, sub bool, cell func(Result) string) {
+		class := ""
+		if sub {
+			class = " class=\"sub\""
+		}
+		p("<tr%s><th>%s</th>", class, e(label))
+		for _, res := range r.Results {
+			p("<td>%s</td>", e(cell(res)))
+		}
+		p("</tr>\n")
+	}
+	row("pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) })
+	row("finished / running at end", true, func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) })
+	row("multi-GPU allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) })
+	row("in one NVLink clique", true, func(res Result) string { return res.Alignment.Clique.String() })
+	row("in one PCIe root", true, func(res Result) string { return res.Alignment.Root.String() })
+	row("in one NUMA node", true, func(res Result) string { return res.Alignment.NUMA.String() })
+	row("GPU+NIC allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) })
+	row("sharing a PCIe root", true, func(res Result) string { return res.Alignment.NICRoot.String() })
+	row("aligned overall", false, func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
+	row("free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
+	row("more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) })
+	row("more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) })
+	row("throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
+	row("create→bind p50 / p99", false, func(res Result) string {
+		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
+	})
+	row("wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
+	p("</tbody>\n</table>\n")
+	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use.</p>\n")
+
+	// Per node at the end.
+	p("<h2>Free capacity at the end</h2>\n<table class=\"results\">\n<thead><tr><th>node</th><th>profile</th>")
+	for _, res := range r.Results {
+		p("<th>%s</th>", e(res.Scheduler))
+	}
+	p("</tr></thead>\n<tbody>\n")
+	for i, n := range r.Nodes {
+		p("<tr><th>%s</th><td>%s</td>", e(n.Node), e(n.Profile))
+		for _, res := range r.Results {
+			if i < len(res.Nodes) {
+				ne := res.Nodes[i]
+				p("<td>%d free &middot; block %d &middot; 8-GPU %d &middot; 4-GPU %d</td>", ne.FreeGPUs, ne.LargestBlock, ne.Fit8, ne.Fit4)
+			} else {
+				p("<td></td>")
+			}
+		}
+		p("</tr>\n")
+	}
+	p("</tbody>\n</table>\n")
+	p("<p class=\"note\">block: most free GPUs sharing one NUMA node and NVLink clique; 4-GPU: jobs that fit inside one NUMA node.</p>\n")
+
+	// Maps: the end first, then the checkpoints, schedulers side by side.
+	labels := []string{}
+	for _, res := range r.Results {
+		for _, s := range res.Snapshots {
+			if !slices.Contains(labels, s.Label) {
+				labels = append(labels, s.Label)
+			}
+		}
+	}
+	if i := slices.Index(labels, "end"); i > 0 {
+		labels = append([]string{"end"}, slices.Delete(labels, i, i+1)...)
+	}
+	colors := podColors(r)
+	p("<h2>GPU maps</h2>\n<p class=\"note\">Each box is a node: NUMA nodes (outer), PCIe roots (inner), GPUs (squares, colored by pod; gray dashed = free) and NICs (small, after a root's GPUs). Bars under GPUs join an NVLink clique. Hover a device for its pod.</p>\n")
+	for _, label := range labels {
+		title := "at the end"
+		if label != "end" {
+			title = "at " + label
+		}
+		p("<section class=\"snapshot\" data-snapshot=\"%s\">\n<h3>%s</h3>\n<div class=\"columns\">\n", e(label), e(title))
+		for _, res := range r.Results {
+			var snap *Snapshot
+			for i := range res.Snapshots {
+				if res.Snapshots[i].Label == label {
+					snap = &res.Snapshots[i]
+				}
+			}
+			p("<div class=\"column\"><h4>%s</h4>\n", e(res.Scheduler))
+			if snap != nil {
+				for _, n := range r.Nodes {
+					p("<div class=\"node\"><div class=\"node-title\">%s <span>%s</span></div>\n", e(n.Node), e(n.Profile))
+					writeNodeSVG(w, res.Scheduler, label, n, snap.Used, colors)
+					p("</div>\n")
+				}
+			}
+			p("</div>\n")
+		}
+		p("</div>\n</section>\n")
+	}
+	p("</body>\n</html>\n")
+	return w.Flush()
+}
+
+const css = `
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #1d2430; background: #fafbfc; }
+h1 { margin: 0 0 4px; } h2 { margin-top: 28px; } h3 { margin: 18px 0 6px; } h4 { margin: 6px 0; font-size: 16px; }
+.meta, .note { color: #5b6575; font-size: 13px; }
+.summary { font-weight: 600; }
+table.results { border-collapse: collapse; font-size: 14px; background: white; }
+table.results th, table.results td { border: 1px solid #d8dde5; padding: 4px 10px; text-align: left; }
+table.results thead th { background: #eef1f5; }
+table.results tr.sub th { font-weight: normal; padding-left: 24px; }
+.columns { display: flex; gap: 24px; align-items: flex-start; }
+.column { flex: 1; min-width: 0; }
+.node { display: inline-block; vertical-align: top; margin: 0 10px 10px 0; background: white; border: 1px solid #d8dde5; border-radius: 6px; padding: 6px; }
+.node-title { font-size: 12px; font-weight: 600; margin-bottom: 2px; }
+.node-title span { font-weight: normal; color: #5b6575; }
+svg.node-map text { font-family: system-ui, sans-serif; }
+`
+
+// Geometry of a node map.
+const (
+	gpuSize   float64 = 34
+	nicW      float64 = 14
+	devGap    float64 = 4
+	rootPad   float64 = 4
+	rootLabel float64 = 11
+	numaPad   float64 = 5
+	numaLabel float64 = 13
+	cliqueGap float64 = 8
+)
+
+func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used map[string]string, colors map[string]string) {
+	e := html.EscapeString
+	// Group: NUMA -> root -> devices, in first-seen order (devices are
+	// sorted GPUs first by index, then NICs).
+	type rootGroup struct {
+		root string
+		devs []DeviceInfo
+	}
+	type numaGroup struct {
+		numa  string
+		roots []*rootGroup
+	}
+	var numas []*numaGroup
+	for _, d := range n.Devices {
+		var ng *numaGroup
+		for _, g := range numas {
+			if g.numa == d.NUMA {
+				ng = g
+			}
+		}
+		if ng == nil {
+			ng = &numaGroup{numa: d.NUMA}
+			numas = append(numas, ng)
+		}
+		var rg *rootGroup
+		for _, g := range ng.roots {
+			if g.root == d.Root {
+				rg = g
+			}
+		}
+		if rg == nil {
+			rg = &rootGroup{root: d.Root}
+			ng.roots = append(ng.roots, rg)
+		}
+		rg.devs = append(rg.devs, d)
+	}
+	slices.SortStableFunc(numas, func(a, b *numaGroup) int { return strings.Compare(a.numa, b.numa) })
+
+	var body strings.Builder
+	b := func(format string, args ...any) { fmt.Fprintf(&body, format, args...) }
+	centers := map[string]float64{} // GPU key -> x center
+	x := 0.0
+	top := 0.0
+	devTop := top + numaLabel + numaPad + rootLabel + rootPad
+	height := devTop + gpuSize + rootPad + numaPad
+	for _, ng := range numas {
+		nx := x
+		x += numaPad
+		for _, rg := range ng.roots {
+			rx := x
+			x += rootPad
+			for _, d := range rg.devs {
+				wdt := gpuSize
+				if !d.GPU {
+					wdt = nicW
+				}
+				pod, busy := used[d.Key]
+				fill, stroke, dash := "#eceff3", "#9aa3af", " stroke-dasharray=\"3,2\""
+				if busy {
+					fill, stroke, dash = colors[pod], "#2d3440", ""
+				}
+				tip := d.Name + ": free"
+				if busy {
+					tip = d.Name + ": " + pod
+				}
+				b("<g class=\"device\" data-device=\"%s\" data-pod=\"%s\"><title>%s</title>", e(d.Name), e(pod), e(tip))
+				b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"3\" fill=\"%s\" stroke=\"%s\"%s/>", x, devTop, wdt, gpuSize, fill, stroke, dash)
+				if d.GPU {
+					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"10\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+12, e(strings.TrimPrefix(d.Name, "gpu-")))
+					if busy {
+						b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"8\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+26, e(shortPod(pod)))
+					}
+					centers[d.Key] = x + wdt/2
+				} else {
+					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"7\" text-anchor=\"middle\" fill=\"#1d2430\" transform=\"rotate(-90 %.0f %.0f)\">NIC</text>", x+wdt/2, devTop+gpuSize/2+3, x+wdt/2, devTop+gpuSize/2)
+				}
+				b("</g>")
+				x += wdt + devGap
+			}
+			x += rootPad - devGap
+			rootName := rg.root
+			if rootName == "" {
+				rootName = "no PCIe root"
+			}
+			b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"3\" fill=\"none\" stroke=\"#8fa3bf\"/>", rx, devTop-rootPad-rootLabel, x-rx, rootLabel+2*rootPad+gpuSize)
+			b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"8\" fill=\"#5b6575\">%s</text>", rx+3, devTop-rootPad-2, e(strings.TrimPrefix(rootName, "pci0000:")))
+			x += devGap
+		}
+		x += numaPad - devGap
+		numaName := "NUMA " + ng.numa
+		if ng.numa == "" {
+			numaName = "no NUMA"
+		}
+		b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"5\" fill=\"none\" stroke=\"#4a5568\" stroke-width=\"1.5\"/>", nx, top, x-nx, height-top)
+		b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"10\" font-weight=\"600\" fill=\"#2d3440\">%s</text>", nx+4, top+11, e(numaName))
+		x += 6
+	}
+	width := x - 6
+
+	// NVLink cliques: a bar under the members of each clique with two or
+	// more GPUs.
+	cliques := map[string][]float64{}
+	var order []string
+	for _, d := range n.Devices {
+		if d.GPU && d.Clique != "" {
+			if _, ok := cliques[d.Clique]; !ok {
+				order = append(order, d.Clique)
+			}
+			cliques[d.Clique] = append(cliques[d.Clique], centers[d.Key])
+		}
+	}
+	y := height + cliqueGap
+	lanes := 0
+	for i, c := range order {
+		xs := cliques[c]
+		if len(xs) < 2 {
+			continue
+		}
+		slices.Sort(xs)
+		lane := 0
+		// Overlapping cliques (not expected) get their own lane.
+		for j := range i {
+			other := cliques[order[j]]
+			if len(other) >= 2 && other[0] <= xs[len(xs)-1] && xs[0] <= other[len(other)-1] {
+				lane++
+			}
+		}
+		lanes = max(lanes, lane+1)
+		ly := y + float64(lane)*8
+		color := cliqueColors[i%len(cliqueColors)]
+		b("<g class=\"nvlink\" data-clique=\"%s\"><title>NVLink clique %s (%d GPUs)</title>", e(c), e(c), len(xs))
+		b("<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"3\" stroke-linecap=\"round\"/>", xs[0], ly, xs[len(xs)-1], ly, color)
+		for _, cx := range xs {
+			b("<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"2\"/>", cx, devTop+gpuSize, cx, ly, color)
+		}
+		b("</g>")
+	}
+	total := height
+	if lanes > 0 {
+		total = y + float64(lanes-1)*8 + 4
+		b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"8\" fill=\"#5b6575\">NVLink</text>", width+2, y+3)
+		width += 30
+	}
+	fmt.Fprintf(w, "<svg class=\"node-map\" data-scheduler=\"%s\" data-node=\"%s\" data-snapshot=\"%s\" xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\">",
+		e(scheduler), e(n.Node), e(snapshot), width+1, total+1, width+1, total+1)
+	io.WriteString(w, body.String())
+	io.WriteString(w, "</svg>\n")
+}
+
+var cliqueColors = []string{"#7b3fe4", "#0f9d8a", "#d9480f", "#1c7ed6", "#c2255c", "#5c940d"}
+
+// podColors gives every pod of the report a color, the same in every map:
+// pods in name order walk the hue circle by the golden angle, so pods near
+// each other in the workload get clearly different colors.
+func podColors(r *Report) map[string]string {
+	var pods []string
+	seen := map[string]bool{}
+	for _, res := range r.Results {
+		for _, s := range res.Snapshots {
+			for _, pod := range s.Used {
+				if !seen[pod] {
+					seen[pod] = true
+					pods = append(pods, pod)
+				}
+			}
+		}
+	}
+	slices.Sort(pods)
+	colors := map[string]string{}
+	for i, pod := range pods {
+		hue := math.Mod(float64(i)*137.508, 360)
+		light := 68 + (i%3)*6
+		colors[pod] = fmt.Sprintf("hsl(%.0f,65%%,%d%%)", hue, light)
+	}
+	return colors
+}
+
+// shortPod shortens "train-2g-012" to "2g-012" to fit a GPU box.
+func shortPod(pod string) string {
+	if i := strings.IndexByte(pod, '-'); i >= 0 && len(pod) > 7 {
+		pod = pod[i+1:]
+	}
+	if len(pod) > 7 {
+		pod = pod[len(pod)-7:]
+	}
+	return pod
+}

@@ -16,6 +16,7 @@
 package sim
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +24,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 )
@@ -71,6 +74,11 @@ type Options struct {
 	// SettleTimeout bounds each wait for pods to be bound or marked
 	// unschedulable, and for claims to be released (default 60s).
 	SettleTimeout time.Duration
+	// AfterRun, if set, is called at the end of each scheduler's run,
+	// before its cluster is torn down, with an admin client of that
+	// cluster and the run's result. Tests use it to check the result
+	// against the API. An error fails the run.
+	AfterRun func(ctx context.Context, client kubernetes.Interface, res *Result) error
 	// Progress receives one line now and then while a run goes on; nil
 	// means no progress output.
 	Progress io.Writer

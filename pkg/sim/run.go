@@ -2,8 +2,10 @@ package sim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -99,6 +101,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 	client := cp.Client
+	opts.progressf("[%s] apiserver up in %.1fs", sched, time.Since(start).Seconds())
 	if _, err := cp.StartClaimController(ctx); err != nil {
 		return nil, nil, err
 	}
@@ -111,28 +114,43 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		}
 	}
 
-	// Nodes and their agents.
+	// Nodes, then their agents, started in parallel (each builds a mock
+	// machine and runs discovery, which takes a while).
 	var nodeObjs []*v1.Node
-	wantSlices := 0
 	for _, n := range nodes {
 		node, err := framework.CreateReadyNode(ctx, client, n.Name, map[string]string{LabelProfile: n.Profile})
 		if err != nil {
 			return nil, nil, err
 		}
 		nodeObjs = append(nodeObjs, node)
-		simAgent, err := agent.StartSimulated(ctx, agent.SimulatedOptions{
-			NodeName: n.Name, Profile: n.Profile, KubeClient: client, NICs: true,
+	}
+	agents := make([]*agent.Simulated, len(nodes))
+	agentErrs := make([]error, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Go(func() {
+			agents[i], agentErrs[i] = agent.StartSimulated(ctx, agent.SimulatedOptions{
+				NodeName: n.Name, Profile: n.Profile, KubeClient: client, NICs: true,
+			})
 		})
-		if err != nil {
-			return nil, nil, fmt.Errorf("start agent on %s: %w", n.Name, err)
+	}
+	wg.Wait()
+	wantSlices := 0
+	for i, a := range agents {
+		if agentErrs[i] != nil {
+			err = errors.Join(err, fmt.Errorf("start agent on %s: %w", nodes[i].Name, agentErrs[i]))
+			continue
 		}
-		cp.AddStop(simAgent.Stop)
+		cp.AddStop(a.Stop)
 		wantSlices++
-		if len(simAgent.Machine.NICDevices()) > 0 {
+		if len(a.Machine.NICDevices()) > 0 {
 			wantSlices++
 		}
 	}
-	opts.progressf("[%s] %d nodes, waiting for their agents to publish ResourceSlices", sched, len(nodes))
+	if err != nil {
+		return nil, nil, err
+	}
+	opts.progressf("[%s] control plane up in %.1fs; %d nodes, waiting for their agents to publish ResourceSlices", sched, time.Since(start).Seconds(), len(nodes))
 	var slices_ []resourceapi.ResourceSlice
 	err = wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, opts.SettleTimeout, true, func(ctx context.Context) (bool, error) {
 		list, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
@@ -195,6 +213,11 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		res.Fit8 += e.Fit8
 		res.Fit4 += e.Fit4
 		res.FreeGPUs += e.FreeGPUs
+	}
+	if opts.AfterRun != nil {
+		if err := opts.AfterRun(ctx, client, res); err != nil {
+			return nil, nil, fmt.Errorf("after run: %w", err)
+		}
 	}
 	res.WallSeconds = time.Since(start).Seconds()
 	return res, topo, nil

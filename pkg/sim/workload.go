@@ -130,11 +130,13 @@ func capacities(nodes []NodeSpec) ([]nodeCapacity, error) {
 
 // Generate builds the built-in workload: training-like pods asking 1, 2, 4
 // or 8 GPUs, and pods asking one GPU plus one NIC (only when some node has
-// NICs), arriving at a steady rate that keeps the cluster about full, most
-// finishing after 4 to 16 ticks, a few running to the end. The same seed and
+// NICs), arriving at a steady rate that keeps the cluster about full and
+// slower for the last quarter so that it drains; most finish after 4 to 16
+// ticks, a tenth of the 1- and 2-GPU pods run to the end. The same seed and
 // nodes give the same workload. With pin, every pod gets a node (see
 // Options.Pin); a pod that fits nowhere at its tick arrives at the first
-// later tick where it fits.
+// later tick where it fits; pinned workloads have no pods that run to the
+// end.
 func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, error) {
 	caps, err := capacities(nodes)
 	if err != nil {
@@ -165,8 +167,13 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 	}
 	const (
 		minLife, maxLife = 4, 16
-		foreverPercent   = 8
+		foreverPercent   = 10 // of the 1- and 2-GPU pods
 		targetLoad       = 1.1
+		// The last quarter of the pods arrives at 40% of the rate, so the
+		// cluster drains towards the end and the free capacity left
+		// (fragmentation) shows.
+		rampFrom  = 0.75
+		rampSpeed = 0.4
 	)
 	meanLife := float64(minLife+maxLife) / 2
 	rate := targetLoad * float64(totalGPUs) / (meanGPUs * meanLife) // pods per tick
@@ -201,10 +208,16 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 			pick -= k.weight
 		}
 		life := minLife + rng.IntN(maxLife-minLife+1)
-		if rng.IntN(100) < foreverPercent {
+		if kind.gpus <= 2 && rng.IntN(100) < foreverPercent && !pin {
+			// Pinned workloads have no long runners: every pinned pod
+			// must fit its node eventually.
 			life = 0
 		}
-		arrival := int(float64(i) / rate)
+		at := float64(i) / rate
+		if cut := rampFrom * float64(pods); float64(i) > cut {
+			at = cut/rate + (float64(i)-cut)/(rate*rampSpeed)
+		}
+		arrival := int(at)
 		arrival = max(arrival, tick)
 		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
 		counts[kind.prefix]++

@@ -1,0 +1,62 @@
+package sim
+
+import (
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestPlanNodes(t *testing.T) {
+	tests := map[string]struct {
+		profile string
+		nodes   int
+		want    map[string]int
+		wantErr string
+	}{
+		"single profile, default count": {profile: "dgx-h100", want: map[string]int{"dgx-h100": 8}},
+		"single profile":                {profile: "workstation-2gpu", nodes: 3, want: map[string]int{"workstation-2gpu": 3}},
+		"mix used as is":                {profile: "dgx-h100=6,pcie-nvlink-pairs=2", want: map[string]int{"dgx-h100": 6, "pcie-nvlink-pairs": 2}},
+		"mix matching nodes":            {profile: "dgx-h100=6,pcie-nvlink-pairs=2", nodes: 8, want: map[string]int{"dgx-h100": 6, "pcie-nvlink-pairs": 2}},
+		"mix scaled down":               {profile: "dgx-h100=6,pcie-nvlink-pairs=2", nodes: 4, want: map[string]int{"dgx-h100": 3, "pcie-nvlink-pairs": 1}},
+		"mix scaled up":                 {profile: "dgx-h100=1,pcie-nvlink-pairs=1", nodes: 5, want: map[string]int{"dgx-h100": 3, "pcie-nvlink-pairs": 2}},
+		"unknown profile":               {profile: "dgx-b200", wantErr: `unknown machine profile "dgx-b200"`},
+		"bad count":                     {profile: "dgx-h100=x", wantErr: "count must be a positive integer"},
+		"empty":                         {profile: " , ", wantErr: "no machine profile"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			specs, err := PlanNodes(tc.profile, tc.nodes)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("got error %v, want one containing %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := map[string]int{}
+			for i, s := range specs {
+				got[s.Profile]++
+				if want := fmt.Sprintf("sim-node-%d", i); s.Name != want {
+					t.Errorf("node %d named %q, want %q", i, s.Name, want)
+				}
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Errorf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestOptionsValidate(t *testing.T) {
+	o := Options{Schedulers: []string{"topodra", "kube"}}
+	o.setDefaults()
+	if err := o.validate(); err == nil || !strings.Contains(err.Error(), `unknown scheduler "kube"`) {
+		t.Errorf("got %v, want an unknown-scheduler error", err)
+	}
+	if got := ParseSchedulers(" topodra, ,stock"); !reflect.DeepEqual(got, []string{"topodra", "stock"}) {
+		t.Errorf("ParseSchedulers = %v", got)
+	}
+}

@@ -1,0 +1,163 @@
+package sim
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+)
+
+func TestGenerateIsSeeded(t *testing.T) {
+	nodes, err := PlanNodes(DefaultProfile, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := Generate(3, 100, nodes, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := Generate(3, 100, nodes, false)
+	c, _ := Generate(4, 100, nodes, false)
+	if !reflect.DeepEqual(a, b) {
+		t.Error("same seed gave different workloads")
+	}
+	if reflect.DeepEqual(a, c) {
+		t.Error("different seeds gave the same workload")
+	}
+	if len(a.Jobs) != 100 {
+		t.Fatalf("got %d jobs, want 100", len(a.Jobs))
+	}
+	sizes := map[string]int{}
+	finite := 0
+	for i, j := range a.Jobs {
+		if i > 0 && j.Arrival < a.Jobs[i-1].Arrival {
+			t.Errorf("job %d arrives before job %d", i, i-1)
+		}
+		sizes[*j.Pod.Spec.ResourceClaims[0].ResourceClaimTemplateName]++
+		if j.Lifetime > 0 {
+			finite++
+		}
+	}
+	for _, tmpl := range []string{"gpu-1", "gpu-2", "gpu-4", "gpu-8", "gpu-1-nic-1"} {
+		if sizes[tmpl] == 0 {
+			t.Errorf("no pod uses template %s: %v", tmpl, sizes)
+		}
+	}
+	if finite == 0 || finite == len(a.Jobs) {
+		t.Errorf("%d of %d pods finish; want churn and some long runners", finite, len(a.Jobs))
+	}
+}
+
+func TestGeneratePinnedFits(t *testing.T) {
+	nodes, err := PlanNodes("dgx-h100=3,pcie-nvlink-pairs=1", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := Generate(7, 60, nodes, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caps, _ := capacities(nodes)
+	capOf := map[string]nodeCapacity{}
+	for _, c := range caps {
+		capOf[c.name] = c
+	}
+	// Replay: at every tick, the pinned pods alive on a node fit it.
+	for tick := 0; tick < w.Ticks(); tick++ {
+		gpus, nics := map[string]int{}, map[string]int{}
+		for _, j := range w.Jobs {
+			if j.Arrival <= tick && (j.Lifetime == 0 || j.Arrival+j.Lifetime > tick) {
+				node := j.Pod.Spec.NodeSelector[v1.LabelHostname]
+				tmpl := *j.Pod.Spec.ResourceClaims[0].ResourceClaimTemplateName
+				for _, k := range builtinKinds {
+					if k.template == tmpl {
+						gpus[node] += k.gpus
+						nics[node] += k.nics
+					}
+				}
+			}
+		}
+		for node, g := range gpus {
+			if g > capOf[node].gpus || nics[node] > capOf[node].nics {
+				t.Fatalf("tick %d: node %s holds %d GPUs, %d NICs; has %d, %d", tick, node, g, nics[node], capOf[node].gpus, capOf[node].nics)
+			}
+		}
+	}
+}
+
+func TestParseWorkload(t *testing.T) {
+	good := `
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: two-gpus
+spec:
+  spec:
+    devices:
+      requests:
+      - name: gpu
+        exactly:
+          deviceClassName: gpu.topodra.io
+          count: 2
+---
+# a comment-only document
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: late
+  annotations:
+    sim.topodra.io/arrival: "5"
+    sim.topodra.io/lifetime: "3"
+spec:
+  containers:
+  - name: c
+    image: registry.k8s.io/pause:3.10
+    resources:
+      claims: [{name: gpus}]
+  resourceClaims:
+  - name: gpus
+    resourceClaimTemplateName: two-gpus
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: next
+spec:
+  containers:
+  - name: c
+    image: registry.k8s.io/pause:3.10
+`
+	w, err := ParseWorkload([]byte(good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(w.Templates) != 1 || len(w.Jobs) != 2 {
+		t.Fatalf("got %d templates and %d jobs", len(w.Templates), len(w.Jobs))
+	}
+	if j := w.Jobs[0]; j.Pod.Name != "late" || j.Arrival != 5 || j.Lifetime != 3 {
+		t.Errorf("first job %s arrival %d lifetime %d", j.Pod.Name, j.Arrival, j.Lifetime)
+	}
+	if j := w.Jobs[1]; j.Pod.Name != "next" || j.Arrival != 6 || j.Lifetime != 0 {
+		t.Errorf("second job %s arrival %d lifetime %d", j.Pod.Name, j.Arrival, j.Lifetime)
+	}
+
+	bad := map[string]struct {
+		doc     string
+		wantErr string
+	}{
+		"missing template": {doc: "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  containers: [{name: c, image: x}]\n  resourceClaims: [{name: g, resourceClaimTemplateName: nope}]\n", wantErr: "ResourceClaimTemplate nope is not in the file"},
+		"bad lifetime":     {doc: "apiVersion: v1\nkind: Pod\nmetadata: {name: p, annotations: {sim.topodra.io/lifetime: \"0\"}}\nspec:\n  containers: [{name: c, image: x}]\n", wantErr: "must be an integer >= 1"},
+		"other kind":       {doc: "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", wantErr: "is not supported"},
+		"no pods":          {doc: "# nothing\n", wantErr: "no pods"},
+	}
+	for name, tc := range bad {
+		t.Run(name, func(t *testing.T) {
+			_, err := ParseWorkload([]byte(tc.doc))
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("got %v, want error containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
