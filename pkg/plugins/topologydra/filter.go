@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -37,7 +38,15 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if err != nil {
 		// Bad input, e.g. a CEL runtime error on this node's devices. The
 		// message names the claim, request and expression; other pods
-		// keep scheduling.
+		// keep scheduling. The claim gets a warning event, once per cycle.
+		s.reportOnce.Do(func() {
+			for _, index := range s.toAllocate {
+				claim := s.claims[index]
+				if strings.Contains(err.Error(), claim.Name) {
+					pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
+				}
+			}
+		})
 		return unresolvable(err.Error())
 	}
 	if res.Allocations == nil {

@@ -41,6 +41,10 @@ type stateData struct {
 	// concurrently by Filter (it is thread-safe).
 	allocator *allocator.Allocator
 
+	// reportOnce limits the warning event for a claim error to one per
+	// cycle (Filter runs for many nodes).
+	reportOnce sync.Once
+
 	// mu guards results and unavailableClaims, which Filter writes
 	// concurrently for many nodes.
 	mu sync.Mutex

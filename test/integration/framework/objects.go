@@ -28,6 +28,13 @@ func CreateNamespace(ctx context.Context, client kubernetes.Interface, prefix st
 // for plenty of pods. Nodes have no kubelet here; the scheduler only reads
 // their status.
 func CreateReadyNode(ctx context.Context, client kubernetes.Interface, name string, labels map[string]string) (*v1.Node, error) {
+	return CreateReadyNodeWithCPU(ctx, client, name, labels, "256")
+}
+
+// CreateReadyNodeWithCPU is CreateReadyNode with a given CPU capacity. Small
+// nodes make the stock scheduler's CPU spreading (NodeResourcesFit,
+// LeastAllocated, default requests) deterministic.
+func CreateReadyNodeWithCPU(ctx context.Context, client kubernetes.Interface, name string, labels map[string]string, cpu string) (*v1.Node, error) {
 	if labels == nil {
 		labels = map[string]string{}
 	}
@@ -39,12 +46,12 @@ func CreateReadyNode(ctx context.Context, client kubernetes.Interface, name stri
 	}
 	node.Status = v1.NodeStatus{
 		Capacity: v1.ResourceList{
-			v1.ResourceCPU:    resource.MustParse("256"),
+			v1.ResourceCPU:    resource.MustParse(cpu),
 			v1.ResourceMemory: resource.MustParse("2Ti"),
 			v1.ResourcePods:   resource.MustParse("1000"),
 		},
 		Allocatable: v1.ResourceList{
-			v1.ResourceCPU:    resource.MustParse("256"),
+			v1.ResourceCPU:    resource.MustParse(cpu),
 			v1.ResourceMemory: resource.MustParse("2Ti"),
 			v1.ResourcePods:   resource.MustParse("1000"),
 		},

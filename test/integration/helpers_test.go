@@ -1,0 +1,169 @@
+package integration
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+const (
+	topodraName = "topodra-scheduler"
+	stockName   = "default-scheduler"
+	waitTimeout = 60 * time.Second
+)
+
+// env is one test's slice of the shared cluster: a namespace, a GPU class
+// and nodes labelled test=<namespace> that only its pods select.
+type env struct {
+	tCtx  ktesting.TContext
+	ns    string
+	class string
+}
+
+func newEnv(tCtx ktesting.TContext, prefix string) *env {
+	ns, err := framework.CreateNamespace(tCtx, cp.Client, prefix)
+	tCtx.ExpectNoError(err)
+	e := &env{tCtx: tCtx, ns: ns, class: ns + "-gpu"}
+	_, err = cp.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass(e.class, topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	return e
+}
+
+// dgxNodes creates n DGX-like nodes (see framework.DGXLikeGPUs) in group
+// (a label value pods select) and returns their names.
+func (e *env) dgxNodes(group string, n int, cpu string) []string {
+	var names []string
+	for i := range n {
+		name := fmt.Sprintf("%s-%s-%d", e.ns, group, i)
+		_, err := framework.CreateReadyNodeWithCPU(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group}, cpu)
+		e.tCtx.ExpectNoError(err)
+		_, err = cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, framework.SliceForNode(name, topology.DriverName, framework.DGXLikeGPUs(name)), metav1.CreateOptions{})
+		e.tCtx.ExpectNoError(err)
+		names = append(names, name)
+	}
+	return names
+}
+
+// template creates a ResourceClaimTemplate named gpus-<count> with one
+// request for count GPUs, once.
+func (e *env) template(count int64, annotations map[string]string) string {
+	name := fmt.Sprintf("gpus-%d", count)
+	if annotations != nil {
+		name += "-annotated"
+	}
+	tmpl := framework.ClaimTemplate(e.ns, name, e.class, count)
+	tmpl.Spec.ObjectMeta.Annotations = annotations
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
+	if err != nil && !strings.Contains(err.Error(), "already exists") {
+		e.tCtx.ExpectNoError(err)
+	}
+	return name
+}
+
+// pod creates a pod for the scheduler, pinned to the node group, with one
+// claim per template.
+func (e *env) pod(name, scheduler, group string, templates ...string) *v1.Pod {
+	pod := framework.PodWithClaims(e.ns, name, scheduler, templates...)
+	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+	created, err := cp.Client.CoreV1().Pods(e.ns).Create(e.tCtx, pod, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err, "create pod "+name)
+	return created
+}
+
+func (e *env) waitScheduled(name string) *v1.Pod {
+	pod, err := framework.WaitForPodScheduled(e.tCtx, cp.Client, e.ns, name, waitTimeout)
+	e.tCtx.ExpectNoError(err)
+	return pod
+}
+
+// devicesOf returns the sorted devices allocated to a scheduled pod's
+// claims, after checking that each claim is allocated and reserved for it.
+func (e *env) devicesOf(pod *v1.Pod) []string {
+	e.tCtx.Helper()
+	claims, err := framework.PodClaims(e.tCtx, cp.Client, pod)
+	e.tCtx.ExpectNoError(err)
+	var devices []string
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			e.tCtx.Fatalf("claim %s of scheduled pod %s is not allocated", c.Name, pod.Name)
+		}
+		if len(c.Status.ReservedFor) != 1 || c.Status.ReservedFor[0].UID != pod.UID {
+			e.tCtx.Fatalf("claim %s reservedFor = %+v, want pod %s", c.Name, c.Status.ReservedFor, pod.Name)
+		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			if r.Pool != pod.Spec.NodeName {
+				e.tCtx.Fatalf("claim %s got device %s/%s, but the pod runs on %s", c.Name, r.Pool, r.Device, pod.Spec.NodeName)
+			}
+		}
+		devices = append(devices, framework.AllocatedDevices(c)...)
+	}
+	slices.Sort(devices)
+	return devices
+}
+
+// dgxIndex parses "gpu-N".
+func dgxIndex(device string) int {
+	i, _ := strconv.Atoi(strings.TrimPrefix(device, "gpu-"))
+	return i
+}
+
+// sharedDomain says whether all devices share a PCIe root / NUMA node in
+// the DGX-like layout.
+func sharedDomain(devices []string, groupSize int) bool {
+	for _, d := range devices {
+		if dgxIndex(d)/groupSize != dgxIndex(devices[0])/groupSize {
+			return false
+		}
+	}
+	return true
+}
+
+func startTopodra(tCtx ktesting.TContext) {
+	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: config.SchedulerConfig})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(stop)
+}
+
+func startStock(tCtx ktesting.TContext) {
+	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "stock", Stock: true})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(stop)
+}
+
+// preallocate creates a claim that already holds a device of the node, as
+// if an earlier pod had it.
+func (e *env) preallocate(name, node, device string) {
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name:    "req-0",
+			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+		}}}},
+	}
+	created, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Create(e.tCtx, claim, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	created.Status.Allocation = &resourceapi.AllocationResult{
+		Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+			Request: "req-0", Driver: topology.DriverName, Pool: node, Device: device,
+		}}},
+		NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+			MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
+		}}},
+	}
+	_, err = cp.Client.ResourceV1().ResourceClaims(e.ns).UpdateStatus(e.tCtx, created, metav1.UpdateOptions{})
+	e.tCtx.ExpectNoError(err)
+}
+
+var _ = ptr.To[int]

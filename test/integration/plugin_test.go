@@ -1,0 +1,214 @@
+package integration
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/kubernetes/test/utils/ktesting"
+
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+func TestAlignedPlacement(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "aligned")
+	e.dgxNodes("a", 2, "256")
+	two, four := e.template(2, nil), e.template(4, nil)
+	startTopodra(tCtx)
+
+	// Several pods of each size, so later ones land next to earlier ones.
+	for i := range 3 {
+		e.pod(fmt.Sprintf("two-%d", i), topodraName, "a", two)
+		e.waitScheduled(fmt.Sprintf("two-%d", i))
+	}
+	for i := range 2 {
+		e.pod(fmt.Sprintf("four-%d", i), topodraName, "a", four)
+		e.waitScheduled(fmt.Sprintf("four-%d", i))
+	}
+	for _, name := range []string{"two-0", "two-1", "two-2", "four-0", "four-1"} {
+		pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, name, metav1.GetOptions{})
+		tCtx.ExpectNoError(err)
+		devices := e.devicesOf(pod)
+		switch {
+		case strings.HasPrefix(name, "two"):
+			if len(devices) != 2 || !sharedDomain(devices, 2) {
+				t.Errorf("pod %s got %v on %s, want 2 GPUs sharing one PCIe root", name, devices, pod.Spec.NodeName)
+			}
+		default:
+			if len(devices) != 4 || !sharedDomain(devices, 4) {
+				t.Errorf("pod %s got %v on %s, want 4 GPUs in one NUMA node", name, devices, pod.Spec.NodeName)
+			}
+		}
+		t.Logf("pod %s: node %s devices %v", name, pod.Spec.NodeName, devices)
+	}
+	// The scheduled pod has an event naming its devices.
+	events, err := cp.Client.EventsV1().Events(e.ns).List(tCtx, metav1.ListOptions{FieldSelector: "regarding.name=two-0"})
+	tCtx.ExpectNoError(err)
+	found := false
+	for _, ev := range events.Items {
+		if ev.Reason == "DevicesAllocated" && strings.Contains(ev.Note, string(topology.AttrPCIeRoot)) {
+			found = true
+		}
+	}
+	if !found {
+		t.Errorf("no DevicesAllocated event naming the shared PCIe root on pod two-0; events: %d", len(events.Items))
+	}
+}
+
+// TestFirstFitTrap: gpu-0 is taken. First-fit gives a 2-GPU claim gpu-1 and
+// gpu-2 (two PCIe roots); topodra gives gpu-2,gpu-3 (one root, and in the
+// NUMA node that is already in use, keeping NUMA node 1 whole).
+func TestFirstFitTrap(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "trap")
+	topoNode := e.dgxNodes("topodra", 1, "256")[0]
+	stockNode := e.dgxNodes("stock", 1, "256")[0]
+	e.preallocate("taken-topodra", topoNode, "gpu-0")
+	e.preallocate("taken-stock", stockNode, "gpu-0")
+	two := e.template(2, nil)
+	startTopodra(tCtx)
+	startStock(tCtx)
+
+	e.pod("topodra", topodraName, "topodra", two)
+	e.pod("stock", stockName, "stock", two)
+	got := e.devicesOf(e.waitScheduled("topodra"))
+	stock := e.devicesOf(e.waitScheduled("stock"))
+	t.Logf("topodra chose %v, stock chose %v", got, stock)
+	if strings.Join(got, ",") != "gpu-2,gpu-3" {
+		t.Errorf("topodra allocated %v, want gpu-2,gpu-3", got)
+	}
+	if strings.Join(stock, ",") != "gpu-1,gpu-2" {
+		t.Errorf("stock allocated %v; this test documents first-fit choosing gpu-1,gpu-2", stock)
+	}
+}
+
+// TestFragmentationVsStock runs one sequence of 1/2/4/8-GPU pods, one at a
+// time, through both schedulers on identical 4-node clusters.
+func TestFragmentationVsStock(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "frag")
+	// Small CPU capacity: the stock profile's default-request spreading
+	// (NodeResourcesFit LeastAllocated) then decides its placement
+	// deterministically.
+	e.dgxNodes("topodra", 4, "8")
+	e.dgxNodes("stock", 4, "8")
+	startTopodra(tCtx)
+	startStock(tCtx)
+
+	// The crafted sequence: a burst of small jobs, then big ones that
+	// together exactly fill the 32 GPUs, then one more that cannot fit
+	// if they all did.
+	var sizes []int64
+	for range 12 {
+		sizes = append(sizes, 1)
+	}
+	sizes = append(sizes, 8, 8, 2, 2, 4)
+	for _, s := range []int64{1, 2, 4, 8} {
+		e.template(s, nil)
+	}
+	type outcome struct{ placed, placed8 int }
+	results := map[string]*outcome{"topodra": {}, "stock": {}}
+	for i, size := range sizes {
+		for group, sched := range map[string]string{"topodra": topodraName, "stock": stockName} {
+			name := fmt.Sprintf("%s-%02d-%dgpu", group, i, size)
+			e.pod(name, sched, group, fmt.Sprintf("gpus-%d", size))
+			pod, err := framework.WaitForPod(tCtx, cp.Client, e.ns, name, waitTimeout, "scheduled or unschedulable", func(p *v1.Pod) (bool, error) {
+				c := framework.PodScheduledCondition(p)
+				return p.Spec.NodeName != "" || (c != nil && c.Reason == v1.PodReasonUnschedulable), nil
+			})
+			tCtx.ExpectNoError(err)
+			if pod.Spec.NodeName != "" {
+				results[group].placed++
+				if size == 8 {
+					results[group].placed8++
+				}
+			} else {
+				// Leave no pending pod behind to take devices later.
+				tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, name, metav1.DeleteOptions{}))
+			}
+		}
+	}
+	topo, stock := results["topodra"], results["stock"]
+	t.Logf("of %d pods: topodra placed %d (8-GPU: %d), stock placed %d (8-GPU: %d)", len(sizes), topo.placed, topo.placed8, stock.placed, stock.placed8)
+	fmt.Printf("TestFragmentationVsStock: of %d pods topodra placed %d (8-GPU: %d), stock placed %d (8-GPU: %d)\n", len(sizes), topo.placed, topo.placed8, stock.placed, stock.placed8)
+	if topo.placed < stock.placed {
+		t.Errorf("topodra placed fewer pods (%d) than stock (%d)", topo.placed, stock.placed)
+	}
+	if topo.placed8 <= stock.placed8 {
+		t.Errorf("topodra placed %d 8-GPU pods, stock %d: want strictly more", topo.placed8, stock.placed8)
+	}
+}
+
+func TestRequeueOnNewSlice(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "requeue")
+	node := fmt.Sprintf("%s-a-0", e.ns)
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, node, map[string]string{"test": e.ns, "group": "a"})
+	tCtx.ExpectNoError(err)
+	four := e.template(4, nil)
+	startTopodra(tCtx)
+
+	e.pod("waiting", topodraName, "a", four)
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
+	tCtx.ExpectNoError(err)
+	t.Logf("before the slice: %s", framework.PodScheduledCondition(pod).Message)
+
+	_, err = cp.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node)), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	devices := e.devicesOf(e.waitScheduled("waiting"))
+	if len(devices) != 4 || !sharedDomain(devices, 4) {
+		t.Errorf("got %v, want 4 GPUs of one NUMA node", devices)
+	}
+}
+
+func TestInvalidCELIsReported(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "badcel")
+	e.dgxNodes("a", 1, "256")
+	// The apiserver rejects selectors that do not compile, so the error a
+	// scheduler sees is a runtime one: an attribute that no device has.
+	const broken = `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`
+	tmpl := framework.ClaimTemplate(e.ns, "broken", e.class, 1)
+	tmpl.Spec.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: broken}}}
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, tmpl, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+
+	e.pod("broken", topodraName, "a", "broken")
+	e.pod("fine", topodraName, "a", one)
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "broken", waitTimeout)
+	tCtx.ExpectNoError(err)
+	msg := framework.PodScheduledCondition(pod).Message
+	if !strings.Contains(msg, broken) || !strings.Contains(msg, "req-0") {
+		t.Errorf("pod condition %q does not name the request and the expression %q", msg, broken)
+	}
+	e.waitScheduled("fine")
+	// The claim carries a warning event too.
+	claims, err := cp.Client.ResourceV1().ResourceClaims(e.ns).List(tCtx, metav1.ListOptions{})
+	tCtx.ExpectNoError(err)
+	var brokenClaim string
+	for _, c := range claims.Items {
+		if strings.HasPrefix(c.Name, "broken-") {
+			brokenClaim = c.Name
+		}
+	}
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		events, err := cp.Client.EventsV1().Events(e.ns).List(tCtx, metav1.ListOptions{FieldSelector: "regarding.name=" + brokenClaim})
+		tCtx.ExpectNoError(err)
+		if len(events.Items) > 0 && events.Items[0].Reason == "InvalidClaim" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no InvalidClaim event on claim %s", brokenClaim)
+		}
+		time.Sleep(framework.PollInterval)
+	}
+}
