@@ -257,6 +257,7 @@ func TestDiscoverMIGEnabledGPUIsNotPublished(t *testing.T) {
 func TestDiscoverNVLinkFailures(t *testing.T) {
 	testcases := map[string]struct {
 		profile string
+		hidden  bool
 		break_  func(m *mockgpu.Machine)
 		// want maps device name to clique; "" means no clique, "same:<name>"
 		// means the same (new) clique as that device.
@@ -286,6 +287,15 @@ func TestDiscoverNVLinkFailures(t *testing.T) {
 				"gpu-4": cliquePair45, "gpu-5": cliquePair45, "gpu-6": cliquePair67, "gpu-7": cliquePair67,
 			},
 		},
+		"NVSwitches without PCI info: still one clique": {
+			profile: mockgpu.ProfileDGXH100,
+			hidden:  true,
+			break_:  func(m *mockgpu.Machine) {},
+			want: map[string]string{
+				"gpu-0": cliqueDGX, "gpu-1": cliqueDGX, "gpu-2": cliqueDGX, "gpu-3": cliqueDGX,
+				"gpu-4": cliqueDGX, "gpu-5": cliqueDGX, "gpu-6": cliqueDGX, "gpu-7": cliqueDGX,
+			},
+		},
 		"pairs, one of twelve bridge links down: pair intact": {
 			profile: mockgpu.ProfilePCIeNVLinkPairs,
 			break_:  func(m *mockgpu.Machine) { m.SetLinkState(6, 0, false) },
@@ -298,7 +308,12 @@ func TestDiscoverNVLinkFailures(t *testing.T) {
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
-			m, err := mockgpu.New(tc.profile, mockgpu.Options{NodeName: "node-1"})
+			spec, err := mockgpu.ProfileSpec(tc.profile)
+			if err != nil {
+				t.Fatal(err)
+			}
+			spec.HiddenSwitches = tc.hidden
+			m, err := mockgpu.NewFromSpec(spec, mockgpu.Options{NodeName: "node-1"})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -321,6 +321,9 @@ func (d *NVML) pciAttributes(ctx context.Context, busID string) []deviceattribut
 	return attrs
 }
 
+// NVSwitchFabric is the far end of every NVLink that ends at an NVSwitch.
+const NVSwitchFabric = "nvswitch-fabric"
+
 // activeLinks lists the GPU's active NVLinks with their far ends. Links to
 // an IBM NPU (a CPU) are ignored: they do not join GPUs.
 func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
@@ -338,12 +341,20 @@ func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
 		case ret != nvml.SUCCESS, state != nvml.FEATURE_ENABLED:
 			continue
 		}
+		// NVSwitches are often not visible as PCI devices (remote PCI info
+		// fails or is meaningless), and all switches of one node form one
+		// fabric, so every switch link ends at the node's fabric.
+		typ, typRet := dev.GetNvLinkRemoteDeviceType(l)
+		if typRet == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_IBMNPU {
+			continue
+		}
+		if typRet == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_SWITCH {
+			links = append(links, Link{GPU: busID, Remote: NVSwitchFabric})
+			continue
+		}
 		remote, ret := dev.GetNvLinkRemotePciInfo(l)
 		if ret != nvml.SUCCESS {
 			logger.V(4).Info("NVLink remote unknown", "pciBusID", busID, "link", l, "err", ret)
-			continue
-		}
-		if typ, ret := dev.GetNvLinkRemoteDeviceType(l); ret == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_IBMNPU {
 			continue
 		}
 		links = append(links, Link{GPU: busID, Remote: CanonicalPCIBusID(cString(remote.BusId[:]))})

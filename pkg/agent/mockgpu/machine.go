@@ -162,6 +162,9 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		if link < 0 || link >= len(links) {
 			return nvml.PciInfo{}, nvml.ERROR_INVALID_ARGUMENT
 		}
+		if m.spec.HiddenSwitches && links[link].typ == nvml.NVLINK_DEVICE_TYPE_SWITCH {
+			return nvml.PciInfo{}, nvml.ERROR_NOT_SUPPORTED
+		}
 		return pciInfo(links[link].busID), nvml.SUCCESS
 	}
 	dev.GetNvLinkRemoteDeviceTypeFunc = func(link int) (nvml.IntNvLinkDeviceType, nvml.Return) {

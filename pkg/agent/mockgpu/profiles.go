@@ -57,6 +57,9 @@ type Spec struct {
 	// NVSwitchLinks > 0 joins every GPU to the NVSwitch fabric with that
 	// many links per GPU (spread over four switches).
 	NVSwitchLinks int
+	// HiddenSwitches makes NVML fail to report the PCI info of NVSwitch
+	// link ends, as on systems whose switches are not PCI devices.
+	HiddenSwitches bool
 	// Bridges are direct GPU-to-GPU NVLinks (by index), with LinksPerBridge
 	// links each.
 	Bridges        [][2]int
