@@ -1,0 +1,282 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/net/html"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/kubernetes/test/utils/ktesting"
+
+	"github.com/topodra/topodra/pkg/sim"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// testWriter turns progress lines into test log lines.
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+// TestSimulatorEndToEnd runs topodra-sim small: 4 nodes (3 DGX H100 with
+// NICs, 1 PCIe box with NVLink pairs), 40 pods through topodra-scheduler and
+// the stock scheduler, each on its own fresh control plane. Pods are pinned
+// to nodes by the seed (sim.Options.Pin), so node choice is out of the
+// schedulers' hands and the stock run is reproducible; the comparison is
+// then about device choice, where topodra must never be worse.
+func TestSimulatorEndToEnd(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	const nodes = 4
+	opts := sim.Options{
+		Nodes:    nodes,
+		Profile:  "dgx-h100=3,pcie-nvlink-pairs=1",
+		Pods:     40,
+		Seed:     7,
+		Pin:      true,
+		Progress: testWriter{t},
+		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
+			return checkAgainstAPI(ctx, client, res)
+		},
+	}
+	report, err := sim.Run(tCtx, opts)
+	tCtx.ExpectNoError(err, "simulator run")
+
+	var table bytes.Buffer
+	tCtx.ExpectNoError(report.WriteTable(&table))
+	t.Logf("report:\n%s", table.String())
+
+	if got, want := len(report.Results), 2; got != want {
+		t.Fatalf("got %d results, want %d", got, want)
+	}
+	if len(report.Nodes) != nodes {
+		t.Fatalf("report has %d nodes, want %d", len(report.Nodes), nodes)
+	}
+	totalGPUs := 0
+	for _, n := range report.Nodes {
+		for _, d := range n.Devices {
+			if d.GPU {
+				totalGPUs++
+			}
+		}
+	}
+	byName := map[string]sim.Result{}
+	for _, res := range report.Results {
+		byName[res.Scheduler] = res
+		checkCounts(t, res, report.Pods, totalGPUs)
+	}
+	topodra, stock := byName[sim.SchedulerTopodra], byName[sim.SchedulerStock]
+	if topodra.AlignedFraction < stock.AlignedFraction {
+		t.Errorf("topodra aligned %.3f of multi-GPU and GPU+NIC allocations, stock %.3f: topodra must not be worse", topodra.AlignedFraction, stock.AlignedFraction)
+	}
+	if topodra.Alignment.MultiGPU == 0 || topodra.Alignment.GPUNIC == 0 {
+		t.Errorf("workload exercised too little: %d multi-GPU and %d GPU+NIC allocations", topodra.Alignment.MultiGPU, topodra.Alignment.GPUNIC)
+	}
+
+	var page bytes.Buffer
+	tCtx.ExpectNoError(report.WriteHTML(&page))
+	checkHTML(t, page.Bytes(), report)
+}
+
+// checkCounts checks that a result's numbers add up.
+func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
+	t.Helper()
+	name := res.Scheduler
+	for _, e := range res.Errors {
+		t.Errorf("%s: tracking found: %s", name, e)
+	}
+	if res.Pods != pods || res.Placed+res.Pending != pods {
+		t.Errorf("%s: pods %d, placed %d + pending %d, want %d in all", name, res.Pods, res.Placed, res.Pending, pods)
+	}
+	// Pinned pods go where they fit by count: nothing may stay pending.
+	if res.Pending != 0 {
+		t.Errorf("%s: %d pods pending with a pinned workload that fits: %v", name, res.Pending, res.PendingPods)
+	}
+	if res.Finished+res.RunningAtEnd != res.Placed {
+		t.Errorf("%s: finished %d + running %d != placed %d", name, res.Finished, res.RunningAtEnd, res.Placed)
+	}
+	// Every pod of the built-in workload has one claim: one placement per
+	// placed pod.
+	if len(res.Placements) != res.Placed {
+		t.Errorf("%s: %d placements for %d placed pods", name, len(res.Placements), res.Placed)
+	}
+	multi, gpuNIC := 0, 0
+	for _, p := range res.Placements {
+		if len(p.GPUs) >= 2 {
+			multi++
+		}
+		if len(p.GPUs) > 0 && len(p.NICs) > 0 {
+			gpuNIC++
+		}
+	}
+	a := res.Alignment
+	if a.MultiGPU != multi || a.GPUNIC != gpuNIC {
+		t.Errorf("%s: alignment counts %d multi-GPU / %d GPU+NIC, placements say %d / %d", name, a.MultiGPU, a.GPUNIC, multi, gpuNIC)
+	}
+	for label, r := range map[string]sim.Ratio{"clique": a.Clique, "root": a.Root, "numa": a.NUMA} {
+		if r.Aligned > r.Possible || r.Possible > a.MultiGPU {
+			t.Errorf("%s: %s: aligned %d, possible %d, multi-GPU %d", name, label, r.Aligned, r.Possible, a.MultiGPU)
+		}
+	}
+	if a.NICRoot.Aligned > a.NICRoot.Possible || a.NICRoot.Possible > a.GPUNIC {
+		t.Errorf("%s: GPU+NIC: aligned %d, possible %d, total %d", name, a.NICRoot.Aligned, a.NICRoot.Possible, a.GPUNIC)
+	}
+	end := res.Snapshots[len(res.Snapshots)-1]
+	usedGPUs := 0
+	for key := range end.Used {
+		if strings.HasPrefix(key, "gpu.topodra.io/") {
+			usedGPUs++
+		}
+	}
+	if res.FreeGPUs+usedGPUs != totalGPUs {
+		t.Errorf("%s: free %d + used %d GPUs at the end != %d", name, res.FreeGPUs, usedGPUs, totalGPUs)
+	}
+	fit8, fit4 := 0, 0
+	for _, n := range res.Nodes {
+		if n.LargestBlock > n.FreeGPUs || n.Fit8*8 > n.FreeGPUs || n.Fit4*4 > n.FreeGPUs {
+			t.Errorf("%s: node %s: free %d, block %d, 8-GPU %d, 4-GPU %d do not fit together", name, n.Node, n.FreeGPUs, n.LargestBlock, n.Fit8, n.Fit4)
+		}
+		fit8 += n.Fit8
+		fit4 += n.Fit4
+	}
+	if fit8 != res.Fit8 || fit4 != res.Fit4 {
+		t.Errorf("%s: totals 8-GPU %d / 4-GPU %d, per node %d / %d", name, res.Fit8, res.Fit4, fit8, fit4)
+	}
+}
+
+// checkAgainstAPI runs before a cluster is torn down: every pod the report
+// calls running is bound, its claims are allocated on its node with devices
+// that the node's ResourceSlices publish and reserved for it, and the
+// report's final map matches the API.
+func checkAgainstAPI(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
+	slices_, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	published := map[string]string{} // driver/pool/device -> node
+	for _, s := range slices_.Items {
+		if s.Spec.NodeName == nil {
+			continue
+		}
+		for _, d := range s.Spec.Devices {
+			published[s.Spec.Driver+"/"+s.Spec.Pool.Name+"/"+d.Name] = *s.Spec.NodeName
+		}
+	}
+	pods, err := client.CoreV1().Pods(sim.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err
+	}
+	var problems []string
+	apiUsed := map[string]string{}
+	running := 0
+	for i := range pods.Items {
+		pod := &pods.Items[i]
+		if pod.Spec.NodeName == "" {
+			continue
+		}
+		running++
+		claims, err := framework.PodClaims(ctx, client, pod)
+		if err != nil {
+			problems = append(problems, err.Error())
+			continue
+		}
+		for _, claim := range claims {
+			if claim.Status.Allocation == nil {
+				problems = append(problems, fmt.Sprintf("pod %s on %s: claim %s not allocated", pod.Name, pod.Spec.NodeName, claim.Name))
+				continue
+			}
+			if !slices.ContainsFunc(claim.Status.ReservedFor, func(r resourceapi.ResourceClaimConsumerReference) bool { return r.UID == pod.UID }) {
+				problems = append(problems, fmt.Sprintf("pod %s: claim %s not reserved for it", pod.Name, claim.Name))
+			}
+			for _, r := range claim.Status.Allocation.Devices.Results {
+				key := r.Driver + "/" + r.Pool + "/" + r.Device
+				node, ok := published[key]
+				switch {
+				case !ok:
+					problems = append(problems, fmt.Sprintf("pod %s: claim %s: device %s is not published", pod.Name, claim.Name, key))
+				case node != pod.Spec.NodeName:
+					problems = append(problems, fmt.Sprintf("pod %s on %s: claim %s: device %s is on %s", pod.Name, pod.Spec.NodeName, claim.Name, key, node))
+				}
+				if other, dup := apiUsed[key]; dup {
+					problems = append(problems, fmt.Sprintf("device %s allocated to %s and %s", key, other, pod.Name))
+				}
+				apiUsed[key] = pod.Name
+			}
+		}
+	}
+	if running != res.RunningAtEnd {
+		problems = append(problems, fmt.Sprintf("API has %d bound pods, report says %d running", running, res.RunningAtEnd))
+	}
+	end := res.Snapshots[len(res.Snapshots)-1].Used
+	for key, pod := range apiUsed {
+		if end[key] != pod {
+			problems = append(problems, fmt.Sprintf("device %s: API says pod %s, report map says %q", key, pod, end[key]))
+		}
+	}
+	if len(end) != len(apiUsed) {
+		problems = append(problems, fmt.Sprintf("report map has %d used devices, API %d", len(end), len(apiUsed)))
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("%s: %s", res.Scheduler, strings.Join(problems, "; "))
+	}
+	return nil
+}
+
+// checkHTML parses the report page and counts the final node maps.
+func checkHTML(t *testing.T, page []byte, report *sim.Report) {
+	t.Helper()
+	doc, err := html.Parse(bytes.NewReader(page))
+	if err != nil {
+		t.Fatalf("report HTML does not parse: %v", err)
+	}
+	attr := func(n *html.Node, key string) string {
+		for _, a := range n.Attr {
+			if a.Key == key {
+				return a.Val
+			}
+		}
+		return ""
+	}
+	endMaps := map[string][]string{} // scheduler -> nodes
+	maps, external := 0, 0
+	for n := range doc.Descendants() {
+		if n.Type != html.ElementNode {
+			continue
+		}
+		switch n.Data {
+		case "script", "link", "img", "iframe":
+			external++
+		}
+		if n.Data == "svg" && strings.Contains(attr(n, "class"), "node-map") {
+			maps++
+			if attr(n, "data-snapshot") == "end" {
+				endMaps[attr(n, "data-scheduler")] = append(endMaps[attr(n, "data-scheduler")], attr(n, "data-node"))
+			}
+		}
+	}
+	if external > 0 {
+		t.Errorf("report has %d script/link/img/iframe elements; it must be self-contained", external)
+	}
+	var nodeNames []string
+	for _, n := range report.Nodes {
+		nodeNames = append(nodeNames, n.Node)
+	}
+	for _, res := range report.Results {
+		got := endMaps[res.Scheduler]
+		slices.Sort(got)
+		want := slices.Sorted(slices.Values(nodeNames))
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: final maps for nodes %v, want one per node %v", res.Scheduler, got, want)
+		}
+	}
+	if want := len(report.Nodes) * len(report.Results) * 2; maps < want {
+		t.Errorf("report has %d maps, want at least %d (the end and checkpoints)", maps, want)
+	}
+}
