@@ -6,7 +6,7 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 make build
+RUN CGO_ENABLED=0 go build -o /src/bin/topodra-scheduler ./cmd/scheduler
 
 FROM gcr.io/distroless/static:nonroot AS scheduler
 COPY --from=build /src/bin/topodra-scheduler /topodra-scheduler

@@ -5,6 +5,8 @@ VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo v0
 K8S_VERSION := v1.37.2
 LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s.io/component-base/version.gitVersion=$(K8S_VERSION) -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 # Integration tests start real apiservers; keep package parallelism low on small machines.
+# go-nvml is cgo; silence its deprecation warnings.
+export CGO_CFLAGS ?= -Wno-deprecated-declarations
 TEST_FLAGS ?= -count=1 -timeout=40m -p=2
 
 .PHONY: all build test unit integration verify demo bench bench-short clean
