@@ -17,9 +17,11 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/topodra/topodra/pkg/sim"
@@ -87,6 +89,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	defer klog.Flush()
+	progress, err := quietStderr(logFile)
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 2
+	}
+	if progress != nil && stderr == os.Stderr {
+		stderr = progress
+	}
 	opts.Progress = stderr
 
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -144,6 +154,34 @@ func writeFile(path string, write func(io.Writer) error) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return f.Close()
+}
+
+// quietStderr points file descriptor 2 at the log file (or /dev/null) and
+// returns a file for the original stderr. Embedded etcd and its clients log
+// through their own loggers straight to stderr, which would tear up the
+// progress output. It returns nil where descriptors cannot be moved.
+func quietStderr(logFile string) (*os.File, error) {
+	target := os.DevNull
+	if logFile != "" {
+		target = logFile
+	}
+	sink, err := os.OpenFile(target, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer sink.Close()
+	orig, err := unix.Dup(int(os.Stderr.Fd()))
+	if err != nil {
+		return nil, nil
+	}
+	if err := unix.Dup2(int(sink.Fd()), int(os.Stderr.Fd())); err != nil {
+		_ = unix.Close(orig)
+		return nil, nil
+	}
+	f := os.NewFile(uintptr(orig), "stderr")
+	// Crashes still reach the terminal.
+	_ = debug.SetCrashOutput(f, debug.CrashOptions{})
+	return f, nil
 }
 
 // setUpLogging sends klog (all components run in this process) to a file,

@@ -101,7 +101,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		labels = append([]string{"end"}, slices.Delete(labels, i, i+1)...)
 	}
 	colors := podColors(r)
-	p("<h2>GPU maps</h2>\n<p class=\"note\">Each box is a node: NUMA nodes (outer), PCIe roots (inner), GPUs (squares, colored by pod; gray dashed = free) and NICs (small, after a root's GPUs). Bars under GPUs join an NVLink clique. Hover a device for its pod.</p>\n")
+	p("<h2>GPU maps</h2>\n<p class=\"note\">Each box is a node: NUMA nodes (outer), PCIe roots (inner), GPUs (squares, colored by pod; gray dashed = free) and NICs (small, after a root's GPUs). Colored bars under GPUs join the members of an NVLink clique (a DGX H100 is one clique of 8 through NVSwitch; the PCIe machine has bridged pairs). Hover a device for its pod.</p>\n")
 	for _, label := range labels {
 		title := "at the end"
 		if label != "end" {
@@ -142,7 +142,7 @@ table.results thead th { background: #eef1f5; }
 table.results tr.sub th { font-weight: normal; padding-left: 24px; }
 .columns { display: flex; gap: 24px; align-items: flex-start; }
 .column { flex: 1; min-width: 0; }
-.node { display: inline-block; vertical-align: top; margin: 0 10px 10px 0; background: white; border: 1px solid #d8dde5; border-radius: 6px; padding: 6px; }
+.node { display: inline-block; vertical-align: top; margin: 0 6px 6px 0; background: white; border: 1px solid #d8dde5; border-radius: 6px; padding: 6px; }
 .node-title { font-size: 12px; font-weight: 600; margin-bottom: 2px; }
 .node-title span { font-weight: normal; color: #5b6575; }
 svg.node-map text { font-family: system-ui, sans-serif; }
@@ -150,8 +150,8 @@ svg.node-map text { font-family: system-ui, sans-serif; }
 
 // Geometry of a node map.
 const (
-	gpuSize   float64 = 34
-	nicW      float64 = 14
+	gpuSize   float64 = 26
+	nicW      float64 = 10
 	devGap    float64 = 4
 	rootPad   float64 = 4
 	rootLabel float64 = 11
@@ -228,13 +228,13 @@ func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used 
 				b("<g class=\"device\" data-device=\"%s\" data-pod=\"%s\"><title>%s</title>", e(d.Name), e(pod), e(tip))
 				b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"3\" fill=\"%s\" stroke=\"%s\"%s/>", x, devTop, wdt, gpuSize, fill, stroke, dash)
 				if d.GPU {
-					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"10\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+12, e(strings.TrimPrefix(d.Name, "gpu-")))
+					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"9\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+10, e(strings.TrimPrefix(d.Name, "gpu-")))
 					if busy {
-						b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"8\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+26, e(shortPod(pod)))
+						b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"6.5\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+21, e(shortPod(pod)))
 					}
 					centers[d.Key] = x + wdt/2
 				} else {
-					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"7\" text-anchor=\"middle\" fill=\"#1d2430\" transform=\"rotate(-90 %.0f %.0f)\">NIC</text>", x+wdt/2, devTop+gpuSize/2+3, x+wdt/2, devTop+gpuSize/2)
+					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"6\" text-anchor=\"middle\" fill=\"#1d2430\" transform=\"rotate(-90 %.0f %.0f)\">NIC</text>", x+wdt/2, devTop+gpuSize/2+3, x+wdt/2, devTop+gpuSize/2)
 				}
 				b("</g>")
 				x += wdt + devGap
@@ -300,8 +300,6 @@ func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used 
 	total := height
 	if lanes > 0 {
 		total = y + float64(lanes-1)*8 + 4
-		b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"8\" fill=\"#5b6575\">NVLink</text>", width+2, y+3)
-		width += 30
 	}
 	fmt.Fprintf(w, "<svg class=\"node-map\" data-scheduler=\"%s\" data-node=\"%s\" data-snapshot=\"%s\" xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\">",
 		e(scheduler), e(n.Node), e(snapshot), width+1, total+1, width+1, total+1)

@@ -139,6 +139,9 @@ type Result struct {
 	// PendingPods names the pods never bound, with the scheduler's last
 	// message.
 	PendingPods map[string]string `json:"pendingPods,omitempty"`
+	// Notes are observations worth a look, like pods that fit by count
+	// but stayed pending.
+	Notes []string `json:"notes,omitempty"`
 	// Errors are inconsistencies found while tracking (allocated devices
 	// that do not exist, double allocation, claims on another node).
 	Errors []string `json:"errors,omitempty"`

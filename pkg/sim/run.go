@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/agent"
@@ -26,6 +27,10 @@ import (
 
 // Namespace is where a run creates its templates, pods and claims.
 const Namespace = "sim"
+
+// retryTimeout bounds the wait for pending pods that fit by count to be
+// bound after devices were freed. Both schedulers run with a 1 s backoff.
+const retryTimeout = 10 * time.Second
 
 // pollInterval is how often waits re-check the tracked state (in memory,
 // fed by informers).
@@ -193,7 +198,11 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		}
 	case SchedulerStock:
 		schedOpts.Stock = true
+		schedOpts.Config = []byte(framework.DefaultStockConfig)
 		schedulerName = "default-scheduler"
+	}
+	if schedOpts.Config, err = withShortBackoff(schedOpts.Config); err != nil {
+		return nil, nil, err
 	}
 	if _, err := cp.StartScheduler(ctx, schedOpts); err != nil {
 		return nil, nil, err
@@ -251,6 +260,13 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 	for i, j := range workload.Jobs {
 		byTick[j.Arrival] = append(byTick[j.Arrival], i)
 	}
+	templates := map[string]*resourceapi.ResourceClaimTemplate{}
+	for _, tmpl := range workload.Templates {
+		templates[tmpl.Name] = tmpl
+	}
+	// stuck are pods that fit by count but were not bound within
+	// retryTimeout; they are reported and not waited for again.
+	stuck := map[string]bool{}
 	var busy time.Duration
 	boundOnArrival := 0
 	progressEvery := max(1, ticks/10)
@@ -284,6 +300,26 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				return nil, err
 			}
 		}
+		// Pending pods that now fit by count: give the scheduler the chance
+		// a real cluster would give it (ticks stand for minutes) before new
+		// pods compete for the freed devices.
+		if pending := tr.retryable(stuck); len(pending) > 0 {
+			var last []string
+			err := wait.PollUntilContextTimeout(ctx, pollInterval, retryTimeout, true, func(context.Context) (bool, error) {
+				last = tr.retryable(stuck)
+				return len(last) == 0 && tr.boundWithClaims(pending), nil
+			})
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if err != nil {
+				for _, name := range last {
+					stuck[name] = true
+					res.Notes = append(res.Notes, fmt.Sprintf("tick %d: pod %s fits by free device count but was not scheduled within %s", tick, name, retryTimeout))
+					opts.progressf("[%s] tick %d: pod %s fits by free device count but was not scheduled within %s", sched, tick, name, retryTimeout)
+				}
+			}
+		}
 		// Arrivals.
 		if jobs := byTick[tick]; len(jobs) > 0 {
 			t0 := time.Now()
@@ -293,7 +329,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				pod.Namespace = Namespace
 				pod.ResourceVersion = ""
 				pod.Spec.SchedulerName = schedulerName
-				tr.created(pod, j)
+				tr.created(pod, j, demandOf(pod, templates))
 				if _, err := client.CoreV1().Pods(Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 					return nil, fmt.Errorf("create pod %s: %w", pod.Name, err)
 				}
@@ -402,4 +438,23 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 		return fmt.Errorf("delete probe pod: %w", err)
 	}
 	return nil
+}
+
+// withShortBackoff sets the pod backoff of a KubeSchedulerConfiguration to
+// 1 s (initial and maximum). Ticks are compressed time: with the default
+// maximum of 10 s a pod that failed a few times would sit out many ticks
+// after devices were freed, which a real cluster, whose ticks are minutes
+// long, would not see. Both schedulers get the same setting.
+func withShortBackoff(config []byte) ([]byte, error) {
+	var obj map[string]any
+	if err := yaml.Unmarshal(config, &obj); err != nil {
+		return nil, fmt.Errorf("parse scheduler config: %w", err)
+	}
+	obj["podInitialBackoffSeconds"] = 1
+	obj["podMaxBackoffSeconds"] = 1
+	out, err := yaml.Marshal(obj)
+	if err != nil {
+		return nil, fmt.Errorf("write scheduler config: %w", err)
+	}
+	return out, nil
 }

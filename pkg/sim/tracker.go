@@ -17,8 +17,11 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/topology"
 )
+
+const mockNICDriver = mockgpu.NICDriverName
 
 // device is one published device, with its topology.
 type device struct {
@@ -49,7 +52,13 @@ type podState struct {
 	Message       string
 	Deleting      bool
 	Gone          bool
+	// Demand is what the pod's claims ask for, when that is simple enough
+	// to check against free device counts (see demandOf).
+	Demand *demand
 }
+
+// demand is a pod's total ExactCount request of GPUs and NICs.
+type demand struct{ GPUs, NICs int }
 
 // claimState is an allocated claim.
 type claimState struct {
@@ -187,10 +196,11 @@ func (t *tracker) setTick(tick int) {
 }
 
 // created registers a pod just before it is created.
-func (t *tracker) created(pod *v1.Pod, job int) {
+func (t *tracker) created(pod *v1.Pod, job int, d *demand) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.pods[pod.Name] = &podState{
+		Demand:       d,
 		Name:         pod.Name,
 		Job:          job,
 		NodeSelector: pod.Spec.NodeSelector,
@@ -467,4 +477,92 @@ func (t *tracker) profileOf(node string) string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.nodeLabels[node][LabelProfile]
+}
+
+// demandOf sums what a pod's claims ask for, or returns nil when some
+// request is not a plain ExactCount of the GPU or NIC class (selectors,
+// constraints, All mode, firstAvailable, other classes): then free counts
+// say nothing certain about whether the pod fits.
+func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTemplate) *demand {
+	d := &demand{}
+	for _, pc := range pod.Spec.ResourceClaims {
+		if pc.ResourceClaimTemplateName == nil {
+			return nil
+		}
+		tmpl := templates[*pc.ResourceClaimTemplateName]
+		if tmpl == nil || len(tmpl.Spec.Spec.Devices.Constraints) > 0 {
+			return nil
+		}
+		for _, r := range tmpl.Spec.Spec.Devices.Requests {
+			ex := r.Exactly
+			if ex == nil || len(ex.Selectors) > 0 || ex.AllocationMode == resourceapi.DeviceAllocationModeAll || ex.AdminAccess != nil && *ex.AdminAccess {
+				return nil
+			}
+			n := int(ex.Count)
+			if n == 0 {
+				n = 1
+			}
+			switch ex.DeviceClassName {
+			case GPUClassName:
+				d.GPUs += n
+			case NICClassName:
+				d.NICs += n
+			default:
+				return nil
+			}
+		}
+	}
+	return d
+}
+
+// retryable lists the pods that are not bound, though some node they may
+// use has enough free GPUs and NICs for them (by count), leaving out skip.
+// Any scheduler that is correct must bind these once it retries them.
+func (t *tracker) retryable(skip map[string]bool) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	type free struct{ gpus, nics int }
+	perNode := map[string]*free{}
+	for node, devs := range t.nodeDevices {
+		f := &free{}
+		for _, d := range devs {
+			if _, used := t.usedBy[d.Key]; used {
+				continue
+			}
+			if d.GPU {
+				f.gpus++
+			} else if d.Driver == mockNICDriver {
+				f.nics++
+			}
+		}
+		perNode[node] = f
+	}
+	var out []string
+	for _, ps := range t.pods {
+		if ps.Bound || ps.Gone || ps.Demand == nil || skip[ps.Name] {
+			continue
+		}
+		selector := labels.SelectorFromSet(ps.NodeSelector)
+		for node, f := range perNode {
+			if selector.Matches(t.nodeLabels[node]) && f.gpus >= ps.Demand.GPUs && f.nics >= ps.Demand.NICs {
+				out = append(out, ps.Name)
+				break
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// boundWithClaims reports whether every named pod that is bound has all its
+// claims allocated in the tracked state.
+func (t *tracker) boundWithClaims(names []string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, name := range names {
+		if ps := t.pods[name]; ps.Bound && t.allocatedClaims(name) < ps.Claims {
+			return false
+		}
+	}
+	return true
 }

@@ -54,6 +54,9 @@ type Job struct {
 type Workload struct {
 	Templates []*resourceapi.ResourceClaimTemplate
 	Jobs      []Job
+	// Drain is how many ticks the run goes on after the last arrival,
+	// with finished pods leaving and pending pods still being scheduled.
+	Drain int
 }
 
 // Ticks is the number of ticks the workload spans.
@@ -62,7 +65,7 @@ func (w *Workload) Ticks() int {
 	for _, j := range w.Jobs {
 		n = max(n, j.Arrival+1)
 	}
-	return n
+	return n + w.Drain
 }
 
 // jobKind is one shape of the built-in workload.
@@ -131,7 +134,8 @@ func capacities(nodes []NodeSpec) ([]nodeCapacity, error) {
 // Generate builds the built-in workload: training-like pods asking 1, 2, 4
 // or 8 GPUs, and pods asking one GPU plus one NIC (only when some node has
 // NICs), arriving at a steady rate that keeps the cluster about full and
-// slower for the last quarter so that it drains; most finish after 4 to 16
+// slower for the last quarter, then a few ticks without arrivals, so that
+// it drains; most finish after 4 to 16
 // ticks, a tenth of the 1- and 2-GPU pods run to the end. The same seed and
 // nodes give the same workload. With pin, every pod gets a node (see
 // Options.Pin); a pod that fits nowhere at its tick arrives at the first
@@ -174,12 +178,15 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 		// (fragmentation) shows.
 		rampFrom  = 0.75
 		rampSpeed = 0.4
+		// Then a few ticks without arrivals: what the long runners leave
+		// behind is the fragmentation.
+		drainTicks = 6
 	)
 	meanLife := float64(minLife+maxLife) / 2
 	rate := targetLoad * float64(totalGPUs) / (meanGPUs * meanLife) // pods per tick
 	rate = math.Max(rate, 0.5)
 
-	w := &Workload{Templates: builtinTemplates()}
+	w := &Workload{Templates: builtinTemplates(), Drain: drainTicks}
 	// For pinning: GPUs and NICs held per node until a tick.
 	type hold struct {
 		node, until, gpus, nics int
