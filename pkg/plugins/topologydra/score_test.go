@@ -1,0 +1,69 @@
+package topologydra
+
+import (
+	"testing"
+
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+)
+
+func TestScorer(t *testing.T) {
+	args := *DefaultArgs() // 70/30, MostAllocated, 3 levels
+	score := newScorer(args, 3)
+	tests := map[string]struct {
+		q    allocator.Quality
+		want int64
+	}{
+		"aligned at tightest level, empty node": {q: allocator.Quality{Level: 0, Packing: 0}, want: 70},
+		"aligned at tightest level, full node":  {q: allocator.Quality{Level: 0, Packing: 1}, want: 100},
+		"aligned at numa level":                 {q: allocator.Quality{Level: 2, Packing: 0}, want: 23},
+		"spans two domains":                     {q: allocator.Quality{Level: 3, DomainsSpanned: 2, Packing: 0}, want: 6},
+		"spans four domains":                    {q: allocator.Quality{Level: 3, DomainsSpanned: 4, Packing: 0}, want: 3},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			if got := score(tc.q); got != tc.want {
+				t.Errorf("score = %d, want %d", got, tc.want)
+			}
+		})
+	}
+	// Tighter always beats looser at equal packing, and more packed beats
+	// less packed at equal alignment.
+	if score(allocator.Quality{Level: 1, Packing: 0.5}) <= score(allocator.Quality{Level: 2, Packing: 0.5}) {
+		t.Error("level 1 should score above level 2")
+	}
+	args.ScoringStrategy = config.LeastAllocated
+	spread := newScorer(args, 3)
+	if spread(allocator.Quality{Packing: 0.2}) <= spread(allocator.Quality{Packing: 0.8}) {
+		t.Error("LeastAllocated should prefer the emptier node")
+	}
+}
+
+func TestNormalizeScore(t *testing.T) {
+	pl := &TopologyDRA{}
+	tests := map[string]struct {
+		in, want []int64
+	}{
+		"stretch":   {in: []int64{70, 71, 100}, want: []int64{0, 3, 100}},
+		"all equal": {in: []int64{42, 42}, want: []int64{42, 42}},
+		"empty":     {in: nil, want: nil},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			var scores fwk.NodeScoreList
+			for i, s := range tc.in {
+				scores = append(scores, fwk.NodeScore{Name: string(rune('a' + i)), Score: s})
+			}
+			if st := pl.NormalizeScore(t.Context(), nil, nil, scores); st != nil {
+				t.Fatal(st)
+			}
+			for i := range scores {
+				if scores[i].Score != tc.want[i] {
+					t.Errorf("node %d: %d, want %d", i, scores[i].Score, tc.want[i])
+				}
+			}
+		})
+	}
+}
