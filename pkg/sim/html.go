@@ -60,12 +60,18 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) })
 	row("throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
+	row("attempt latency p50 / p99", false, func(res Result) string {
+		return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
+	})
+	row("attempts: scheduled / unschedulable", true, func(res Result) string {
+		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
+	})
 	row("create→bind p50 / p99", false, func(res Result) string {
 		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
 	})
 	row("wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
 	p("</tbody>\n</table>\n")
-	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use.</p>\n")
+	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
 
 	// Per node at the end.
 	p("<h2>Free capacity at the end</h2>\n<table class=\"results\">\n<thead><tr><th>node</th><th>profile</th>")

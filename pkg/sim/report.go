@@ -130,12 +130,19 @@ type Result struct {
 	Throughput float64 `json:"throughputPodsPerSecond"`
 	// Latency from pod creation to the bind being observed, for pods
 	// bound in their arrival tick.
-	LatencyP50Ms   float64     `json:"latencyP50Ms"`
-	LatencyP99Ms   float64     `json:"latencyP99Ms"`
-	LatencySamples int         `json:"latencySamples"`
-	WallSeconds    float64     `json:"wallSeconds"`
-	Snapshots      []Snapshot  `json:"snapshots"`
-	Placements     []Placement `json:"placements"`
+	LatencyP50Ms   float64 `json:"latencyP50Ms"`
+	LatencyP99Ms   float64 `json:"latencyP99Ms"`
+	LatencySamples int     `json:"latencySamples"`
+	// AttemptP50Ms and AttemptP99Ms come from the scheduler's own
+	// histogram scheduler_scheduling_attempt_duration_seconds (scheduling
+	// algorithm + binding) for successful attempts, interpolated within
+	// its exponential buckets. Attempts counts attempts by result.
+	AttemptP50Ms float64           `json:"attemptP50Ms"`
+	AttemptP99Ms float64           `json:"attemptP99Ms"`
+	Attempts     map[string]uint64 `json:"attempts,omitempty"`
+	WallSeconds  float64           `json:"wallSeconds"`
+	Snapshots    []Snapshot        `json:"snapshots"`
+	Placements   []Placement       `json:"placements"`
 	// PendingPods names the pods never bound, with the scheduler's last
 	// message.
 	PendingPods map[string]string `json:"pendingPods,omitempty"`
@@ -203,6 +210,12 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })
 	row("throughput (pods/s)", func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
+	row("attempt latency p50 / p99", func(res Result) string {
+		return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
+	})
+	row("  attempts: scheduled / unschedulable", func(res Result) string {
+		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
+	})
 	row("create->bind p50 / p99", func(res Result) string {
 		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
 	})

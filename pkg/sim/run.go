@@ -204,6 +204,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if schedOpts.Config, err = withShortBackoff(schedOpts.Config); err != nil {
 		return nil, nil, err
 	}
+	before := readAttempts(schedulerName)
 	if _, err := cp.StartScheduler(ctx, schedOpts); err != nil {
 		return nil, nil, err
 	}
@@ -217,6 +218,10 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if err != nil {
 		return nil, nil, err
 	}
+	att := readAttempts(schedulerName).since(before)
+	res.AttemptP50Ms = 1000 * att.quantile(0.50)
+	res.AttemptP99Ms = 1000 * att.quantile(0.99)
+	res.Attempts = att.byResult
 	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
 	for _, e := range res.Nodes {
 		res.Fit8 += e.Fit8
