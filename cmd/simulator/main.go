@@ -75,6 +75,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		opts.Workload = w
+		opts.WorkloadName = workload
 	}
 	if schedCfg != "" {
 		data, err := os.ReadFile(schedCfg)
@@ -107,7 +108,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "\ntopodra-sim: seed %d, %d pods over %d ticks, %d nodes (%s)\n\n", report.Seed, report.Pods, report.Ticks, len(report.Nodes), report.Profile)
+	fmt.Fprintf(stdout, "\ntopodra-sim: %s, %d pods over %d ticks, %d nodes (%s)\n\n", report.Description(), report.Pods, report.Ticks, len(report.Nodes), report.Profile)
 	if err := report.WriteTable(stdout); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1

@@ -24,8 +24,8 @@ func (r *Report) WriteHTML(out io.Writer) error {
 
 	p("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n")
 	p("<title>topodra-sim report</title>\n<style>%s</style>\n</head>\n<body>\n", css)
-	p("<h1>topodra-sim</h1>\n<p class=\"meta\">seed %d &middot; %d pods over %d ticks &middot; %d nodes (%s) &middot; %.1f s</p>\n",
-		r.Seed, r.Pods, r.Ticks, len(r.Nodes), e(r.Profile), r.WallSeconds)
+	p("<h1>topodra-sim</h1>\n<p class=\"meta\">%s &middot; %d pods over %d ticks &middot; %d nodes (%s) &middot; %.1f s</p>\n",
+		e(r.Description()), r.Pods, r.Ticks, len(r.Nodes), e(r.Profile), r.WallSeconds)
 	if s := r.Summary(); s != "" {
 		p("<p class=\"summary\">%s</p>\n", e(s))
 	}

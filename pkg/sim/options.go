@@ -60,8 +60,10 @@ type Options struct {
 	// SchedulerConfig replaces the embedded topodra profile
 	// (config.SchedulerConfig) for the topodra run.
 	SchedulerConfig []byte
-	// Workload, if set, replaces the built-in workload.
-	Workload *Workload
+	// Workload, if set, replaces the built-in workload; WorkloadName
+	// says where it came from (for the report).
+	Workload     *Workload
+	WorkloadName string
 	// Pin gives every pod of the built-in workload a node (nodeSelector on
 	// kubernetes.io/hostname) chosen by the seed among the nodes where it
 	// fits by count. Then node choice is out of the schedulers' hands and

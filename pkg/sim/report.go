@@ -173,7 +173,9 @@ type NodeTopology struct {
 
 // Report is the outcome of Run.
 type Report struct {
-	Seed        int64          `json:"seed"`
+	Seed int64 `json:"seed"`
+	// Workload is "built-in" or the workload's name (its file).
+	Workload    string         `json:"workload"`
 	Profile     string         `json:"profile"`
 	Pods        int            `json:"pods"`
 	Ticks       int            `json:"ticks"`
@@ -245,6 +247,14 @@ func (r *Report) WriteTable(out io.Writer) error {
 		fmt.Fprintln(w, line)
 	}
 	return w.Flush()
+}
+
+// Description names the workload: "built-in workload, seed 1" or the file.
+func (r *Report) Description() string {
+	if r.Workload == "" || r.Workload == "built-in" {
+		return fmt.Sprintf("built-in workload, seed %d", r.Seed)
+	}
+	return "workload " + r.Workload
 }
 
 // Summary is a one-line verdict comparing the first two results.

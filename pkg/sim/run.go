@@ -57,7 +57,10 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		}
 	}
 	start := time.Now()
-	report := &Report{Seed: opts.Seed, Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
+	report := &Report{Seed: opts.Seed, Workload: "built-in", Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
+	if opts.Workload != nil {
+		report.Workload = opts.WorkloadName
+	}
 	for _, sched := range opts.Schedulers {
 		res, topo, err := runOne(ctx, opts, nodes, workload, sched)
 		if err != nil {
