@@ -36,7 +36,7 @@ fi
 # The page height: tall enough for every map. Chromium cannot size the
 # screenshot to the page, so estimate from the number of node maps.
 maps=$(grep -o 'class="node-map"' "$report" | wc -l)
-height=${HEIGHT:-$((900 + maps * 36))}
+height=${HEIGHT:-$((1000 + maps * 40))}
 
 abs=$(cd "$(dirname "$report")" && pwd)/$(basename "$report")
 out_abs=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
