@@ -30,7 +30,10 @@ type Placement struct {
 	NUMAPossible   bool `json:"numaPossible,omitempty"`
 	// GPUNIC: the claim got GPUs and NICs. NICSameRoot: all on one PCIe
 	// root; NICPossible: a root with enough free GPUs and NICs existed.
-	GPUNIC      bool `json:"gpuNIC,omitempty"`
+	GPUNIC bool `json:"gpuNIC,omitempty"`
+	// PodLevel: the GPU+NIC fields cover all claims of the pod (this is
+	// its last claim to be allocated), not only this claim.
+	PodLevel    bool `json:"podLevel,omitempty"`
 	NICSameRoot bool `json:"nicSameRoot,omitempty"`
 	NICPossible bool `json:"nicPossible,omitempty"`
 }

@@ -321,6 +321,7 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 	if ps := t.pods[pod]; ps != nil && len(ps.NodeSelector) > 0 {
 		selector = labels.SelectorFromSet(ps.NodeSelector)
 	}
+	// Without a tracked pod (not ours), nothing counts as its own.
 	freeByDomain := func(field func(*device) string, gpu bool) map[string]int {
 		out := map[string]int{}
 		for node, devs := range t.nodeDevices {
@@ -331,7 +332,9 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 				if d.GPU != gpu {
 					continue
 				}
-				if _, used := t.usedBy[d.Key]; used {
+				// Devices of the pod's own earlier claims count as
+				// free: the pair is judged as of the pod's first claim.
+				if user, used := t.usedBy[d.Key]; used && user != pod {
 					continue
 				}
 				if v := field(d); v != "" {
@@ -368,6 +371,25 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 		p.InClique, p.CliquePossible = same(gpus, clique), anyFits(freeByDomain(clique, true), len(gpus))
 		p.InRoot, p.RootPossible = same(gpus, root), anyFits(freeByDomain(root, true), len(gpus))
 		p.InNUMA, p.NUMAPossible = same(gpus, numa), anyFits(freeByDomain(numa, true), len(gpus))
+	}
+	// GPU+NIC pairs: within this claim, or, for a pod with several claims
+	// (say one GPU claim and one NIC claim with topodra.io/align-with:
+	// pod), over all its claims once the last one is allocated.
+	if ps := t.pods[pod]; ps != nil && ps.Claims > 1 && t.allocatedClaims(pod)+1 == ps.Claims {
+		gpus, nics = nil, nil
+		for _, cs := range t.claims {
+			if cs.Pod == pod {
+				keys = append(slices.Clone(keys), cs.Devices...)
+			}
+		}
+		for _, key := range keys {
+			if d := t.devices[key]; d.GPU {
+				gpus = append(gpus, d)
+			} else {
+				nics = append(nics, d)
+			}
+		}
+		p.PodLevel = true
 	}
 	if len(gpus) > 0 && len(nics) > 0 {
 		p.GPUNIC = true
