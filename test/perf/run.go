@@ -1,0 +1,422 @@
+package perf
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math"
+	"runtime/pprof"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// Scheduler names as they appear in results.
+const (
+	Topodra = "topodra"
+	Stock   = "stock"
+)
+
+// profileOf is the scheduler profile (schedulerName) of each scheduler.
+var profileOf = map[string]string{Topodra: "topodra-scheduler", Stock: "default-scheduler"}
+
+// Options configure Run.
+type Options struct {
+	// Schedulers to compare, in order; default topodra then stock.
+	Schedulers []string
+	// Progress receives one line per step; nil discards.
+	Progress io.Writer
+	// Logger is used by the control plane and schedulers.
+	Logger klog.Logger
+}
+
+// Result is one workload run by one scheduler. The JSON keys workload,
+// scheduler, pods, seconds, podsPerSecond, p50Ms, p99Ms and alignedPercent
+// are the stable interface (`make bench BENCH_OUT=...`); the rest is
+// detail.
+type Result struct {
+	Workload  string `json:"workload"`
+	Scheduler string `json:"scheduler"`
+	// Pods is the number of measured pods that got bound.
+	Pods int `json:"pods"`
+	// Seconds is the measured time: from the first measured pod's creation
+	// to the last bind (burst), or the steady-state duration.
+	Seconds       float64 `json:"seconds"`
+	PodsPerSecond float64 `json:"podsPerSecond"`
+	// P50Ms and P99Ms are scheduling-attempt latencies (all results),
+	// from the scheduler's attempt histogram: the scheduling cycle plus
+	// the binding cycle (PreBind writes the claims' status, Bind the pod)
+	// of scheduled pods, so API round trips are included.
+	P50Ms float64 `json:"p50Ms"`
+	P99Ms float64 `json:"p99Ms"`
+	// AlgorithmP50Ms and AlgorithmP99Ms are the scheduling algorithm
+	// alone (PreFilter to Score over all nodes, no API calls): where the
+	// DRA plugins differ.
+	AlgorithmP50Ms float64 `json:"algorithmP50Ms"`
+	AlgorithmP99Ms float64 `json:"algorithmP99Ms"`
+	// AlignedPercent: multi-device claims placed in one topology domain,
+	// out of those for which such a placement existed; nil where the
+	// workload does not measure it.
+	AlignedPercent *float64 `json:"alignedPercent"`
+
+	Mode        string `json:"mode"`
+	Unscheduled int    `json:"unscheduled"`
+	Attempts    int    `json:"attempts"`
+	AlignedOf   int    `json:"alignedEligible,omitempty"`
+	// Throughput percentiles over 1 s windows (upstream's
+	// SchedulingThroughput Perc50/90/99: higher percentile = faster window).
+	ThroughputP50 float64 `json:"throughputP50"`
+	ThroughputP90 float64 `json:"throughputP90"`
+	ThroughputP99 float64 `json:"throughputP99"`
+	// SchedulerHeapMB is the live heap (after GC) with the scheduler
+	// running at the end of the run minus the live heap right after it
+	// was stopped: what the scheduler held.
+	SchedulerHeapMB float64 `json:"schedulerHeapMB"`
+	// ProcessRSSMB is the whole process (apiserver, etcd, controller,
+	// harness and the scheduler) at the end of the run.
+	ProcessRSSMB float64 `json:"processRssMB"`
+	// Misplaced lists a few claims that were not aligned although an
+	// aligned placement existed.
+	Misplaced []string `json:"misplaced,omitempty"`
+}
+
+func (o *Options) progressf(format string, args ...any) {
+	if o.Progress != nil {
+		_, _ = fmt.Fprintf(o.Progress, format+"\n", args...)
+	}
+}
+
+// RunWorkload starts a control plane, sets up the workload's cluster once
+// and runs it through each scheduler in turn. Before each scheduler the
+// measured namespace of the previous one is emptied and its claims are
+// gone, so both see the same nodes, slices and pre-allocated claims.
+func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Result, err error) {
+	if len(opts.Schedulers) == 0 {
+		opts.Schedulers = []string{Topodra, Stock}
+	}
+	logger := opts.Logger
+	tb := framework.NewProcessTB("perf", logger)
+	defer tb.Close()
+	defer func() {
+		if r := recover(); r != nil {
+			var fe framework.FatalError
+			if e, ok := r.(framework.FatalError); ok {
+				fe = e
+				err = fmt.Errorf("control plane: %s", fe.Msg)
+				return
+			}
+			panic(r)
+		}
+	}()
+	ctx = klog.NewContext(ctx, logger)
+	start := time.Now()
+	cp, err := framework.Start(tb)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := cp.StartClaimController(ctx); err != nil {
+		return nil, err
+	}
+	if err := setUpCluster(ctx, cp.Client, &w); err != nil {
+		return nil, err
+	}
+	opts.progressf("%s: control plane and %d nodes, %d pre-allocated claims ready in %.1fs", w.Name, w.Nodes, w.InitClaims, time.Since(start).Seconds())
+	for _, sched := range opts.Schedulers {
+		res, err := runScheduler(ctx, opts, cp, &w, sched)
+		if err != nil {
+			return results, fmt.Errorf("%s with %s: %w", w.Name, sched, err)
+		}
+		opts.progressf("%s: %s: %d pods in %.1fs = %.1f pods/s, attempt p50 %.1fms p99 %.1fms, algorithm p50 %.2fms p99 %.2fms%s, heap %.0f MiB",
+			w.Name, sched, res.Pods, res.Seconds, res.PodsPerSecond, res.P50Ms, res.P99Ms, res.AlgorithmP50Ms, res.AlgorithmP99Ms, alignedText(res), res.SchedulerHeapMB)
+		results = append(results, *res)
+	}
+	return results, nil
+}
+
+func alignedText(r *Result) string {
+	s := ""
+	if r.AlignedPercent != nil {
+		s += fmt.Sprintf(", aligned %.1f%% of %d", *r.AlignedPercent, r.AlignedOf)
+	}
+	if r.Unscheduled > 0 {
+		s += fmt.Sprintf(", %d unscheduled", r.Unscheduled)
+	}
+	return s
+}
+
+func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane, w *Workload, sched string) (*Result, error) {
+	profile, ok := profileOf[sched]
+	if !ok {
+		return nil, fmt.Errorf("unknown scheduler %q", sched)
+	}
+	client := cp.Client
+	ns := "test-" + sched
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		return nil, fmt.Errorf("create namespace: %w", err)
+	}
+	if err := createTemplates(ctx, client, ns, w); err != nil {
+		return nil, err
+	}
+
+	// Steady state: each bound pod is deleted and replaced.
+	bound := make(chan *v1.Pod, 1000)
+	var onBind func(*v1.Pod)
+	if w.Mode == Steady {
+		onBind = func(p *v1.Pod) {
+			select {
+			case bound <- p:
+			default: // the driver loop is behind; it only needs the count
+			}
+		}
+	}
+	tr := newTracker(ns, w.Shape, w.Nodes, onBind)
+	if err := tr.start(ctx, client); err != nil {
+		return nil, err
+	}
+	defer tr.shutdown()
+
+	// Start the scheduler with a pprof label, so a CPU profile of the run
+	// can be split by scheduler (go tool pprof -tagfocus scheduler=topodra).
+	var stop func()
+	var err error
+	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
+		so := framework.SchedulerOptions{Name: sched, Stock: sched == Stock}
+		if sched == Topodra {
+			so.Config = config.SchedulerConfig
+		}
+		stop, err = cp.StartScheduler(ctx, so)
+	})
+	if err != nil {
+		return nil, err
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			stop()
+		}
+	}()
+	if err := warmUp(ctx, client, profile, sched); err != nil {
+		return nil, err
+	}
+
+	before, err := gatherHistogram(attemptMetric, profile)
+	if err != nil {
+		return nil, err
+	}
+	algoBefore, err := gatherHistogram(algorithmMetric, "")
+	if err != nil {
+		return nil, err
+	}
+	res := &Result{Workload: w.Name, Scheduler: sched, Mode: string(w.Mode)}
+	var t0, end time.Time
+	switch w.Mode {
+	case Burst:
+		t0, end, err = runBurst(ctx, client, ns, profile, w, tr)
+		res.Unscheduled = w.podCount() - tr.boundCount()
+	case Steady:
+		t0, end, err = runSteady(ctx, client, ns, profile, w, bound)
+	}
+	if err != nil {
+		return nil, err
+	}
+	after, err := gatherHistogram(attemptMetric, profile)
+	if err != nil {
+		return nil, err
+	}
+	algoAfter, err := gatherHistogram(algorithmMetric, "")
+	if err != nil {
+		return nil, err
+	}
+	binds := tr.bindTimes()
+	for _, b := range binds {
+		if !b.After(end) {
+			res.Pods++
+		}
+	}
+	res.Seconds = end.Sub(t0).Seconds()
+	if res.Seconds > 0 {
+		res.PodsPerSecond = float64(res.Pods) / res.Seconds
+	}
+	rates := windowRates(binds, t0, end, time.Second)
+	res.ThroughputP50, res.ThroughputP90, res.ThroughputP99 = percentile(rates, 50), percentile(rates, 90), percentile(rates, 99)
+	h := after.sub(before)
+	res.Attempts = int(h.total())
+	res.P50Ms, res.P99Ms = h.quantile(0.50)*1000, h.quantile(0.99)*1000
+	algo := algoAfter.sub(algoBefore)
+	res.AlgorithmP50Ms, res.AlgorithmP99Ms = algo.quantile(0.50)*1000, algo.quantile(0.99)*1000
+	if w.Aligned {
+		aligned, eligible, examples := tr.alignment()
+		if eligible > 0 {
+			res.AlignedPercent = ptr.To(100 * float64(aligned) / float64(eligible))
+		}
+		res.AlignedOf = eligible
+		res.Misplaced = examples
+	}
+
+	// Memory: live heap with the scheduler, minus without it, at the same
+	// cluster state.
+	withScheduler := liveHeapMB()
+	res.ProcessRSSMB, _ = processRSSMB()
+	stop()
+	stopped = true
+	res.SchedulerHeapMB = withScheduler - liveHeapMB()
+
+	// Leave the cluster as it was for the next scheduler.
+	if err := drain(ctx, client, ns); err != nil {
+		return nil, err
+	}
+	sanitize(res)
+	return res, nil
+}
+
+// sanitize turns NaN (no samples) into 0 so the JSON stays valid.
+func sanitize(r *Result) {
+	for _, f := range []*float64{&r.P50Ms, &r.P99Ms, &r.AlgorithmP50Ms, &r.AlgorithmP99Ms, &r.ThroughputP50, &r.ThroughputP90, &r.ThroughputP99} {
+		if math.IsNaN(*f) {
+			*f = 0
+		}
+	}
+}
+
+// warmUp schedules one pod without claims and deletes it: the scheduler
+// has synced its informers and runs.
+func warmUp(ctx context.Context, client kubernetes.Interface, profile, sched string) error {
+	ns := "warmup-" + sched
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace: %w", err)
+	}
+	pod := framework.PodWithClaims(ns, "warmup", profile)
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create warm-up pod: %w", err)
+	}
+	if _, err := framework.WaitForPodScheduled(ctx, client, ns, pod.Name, 2*time.Minute); err != nil {
+		return fmt.Errorf("scheduler did not start: %w", err)
+	}
+	return deletePod(ctx, client, ns, pod.Name)
+}
+
+func deletePod(ctx context.Context, client kubernetes.Interface, ns, name string) error {
+	err := client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{
+		GracePeriodSeconds: ptr.To[int64](0),
+		PropagationPolicy:  ptr.To(metav1.DeletePropagationBackground),
+	})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("delete pod %s/%s: %w", ns, name, err)
+	}
+	return nil
+}
+
+// runBurst creates all measured pods at once and waits until all are
+// bound or none got bound for w.Stall.
+func runBurst(ctx context.Context, client kubernetes.Interface, ns, profile string, w *Workload, tr *tracker) (start, end time.Time, err error) {
+	templates := w.podTemplates()
+	start = time.Now()
+	err = parallel(ctx, len(templates), 16, func(ctx context.Context, i int) error {
+		_, err := client.CoreV1().Pods(ns).Create(ctx, newPod(ns, profile, templates[i]), metav1.CreateOptions{})
+		if err != nil {
+			return fmt.Errorf("create pod: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return start, start, err
+	}
+	lastCount, lastChange := -1, time.Now()
+	for {
+		n := tr.boundCount()
+		if n != lastCount {
+			lastCount, lastChange = n, time.Now()
+		}
+		if n >= len(templates) || time.Since(lastChange) > w.Stall {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return start, start, ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	end = start
+	if binds := tr.bindTimes(); len(binds) > 0 {
+		end = binds[len(binds)-1]
+	}
+	return start, end, nil
+}
+
+// runSteady keeps w.Pods pods pending for w.Duration: each bound pod is
+// deleted (its generated claim goes with it) and replaced by a new one,
+// like upstream's createPodsOp with steadyState.
+func runSteady(ctx context.Context, client kubernetes.Interface, ns, profile string, w *Workload, bound <-chan *v1.Pod) (start, end time.Time, err error) {
+	create := func(ctx context.Context) error {
+		_, err := client.CoreV1().Pods(ns).Create(ctx, newPod(ns, profile, w.Templates[0].Name), metav1.CreateOptions{})
+		return err
+	}
+	start = time.Now()
+	if err := parallel(ctx, w.Pods, 16, func(ctx context.Context, _ int) error { return create(ctx) }); err != nil {
+		return start, start, fmt.Errorf("create pods: %w", err)
+	}
+	runCtx, cancel := context.WithTimeout(ctx, w.Duration)
+	defer cancel()
+	for {
+		select {
+		case <-runCtx.Done():
+			if ctx.Err() != nil {
+				return start, start, ctx.Err()
+			}
+			return start, start.Add(w.Duration), nil
+		case pod := <-bound:
+			if err := deletePod(runCtx, client, ns, pod.Name); err != nil && runCtx.Err() == nil {
+				return start, start, err
+			}
+			if err := create(runCtx); err != nil && runCtx.Err() == nil {
+				return start, start, fmt.Errorf("create pod: %w", err)
+			}
+		}
+	}
+}
+
+// drain deletes the measured pods, waits until the claim controller has
+// deallocated their claims (it does so when a pod is gone; deleting the
+// generated claims is the garbage collector's job, which does not run
+// here) and deletes the claims, so the next scheduler starts from the
+// pre-allocated state.
+func drain(ctx context.Context, client kubernetes.Interface, ns string) error {
+	err := client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("delete pods: %w", err)
+	}
+	var left, allocated int
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		pods, err := client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		claims, err := client.ResourceV1().ResourceClaims(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		left, allocated = len(pods.Items), 0
+		for _, c := range claims.Items {
+			if c.Status.Allocation != nil || len(c.Finalizers) > 0 {
+				allocated++
+			}
+		}
+		return left == 0 && allocated == 0, nil
+	})
+	if err != nil {
+		return fmt.Errorf("drain namespace %s: %d pods and %d allocated claims left: %w", ns, left, allocated, err)
+	}
+	if err := client.ResourceV1().ResourceClaims(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		return fmt.Errorf("delete claims: %w", err)
+	}
+	return nil
+}
