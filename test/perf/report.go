@@ -40,8 +40,8 @@ func WriteTable(out io.Writer, results []Result) error {
 		}
 	}
 	var b strings.Builder
-	b.WriteString("| workload | mode | topodra pods/s | stock pods/s | ratio | attempt p50/p99 ms topodra | stock | algorithm p50/p99 ms topodra | stock | aligned % topodra | stock | unscheduled topodra/stock | heap MiB topodra | stock | ratio |\n")
-	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| workload | mode | topodra pods/s | stock pods/s | ratio | attempt p50/p99 ms topodra | stock | algorithm p50/p99 ms topodra | stock | scheduler CPU ms/pod topodra | stock | ratio | aligned % topodra | stock | unscheduled topodra/stock | heap MiB topodra | stock | ratio |\n")
+	b.WriteString("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, name := range order {
 		p := rows[name]
 		mode := ""
@@ -50,13 +50,15 @@ func WriteTable(out io.Writer, results []Result) error {
 				mode = r.Mode
 			}
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
 			name, mode,
 			f(p.topodra, func(r *Result) string { return fmt.Sprintf("%.1f", r.PodsPerSecond) }),
 			f(p.stock, func(r *Result) string { return fmt.Sprintf("%.1f", r.PodsPerSecond) }),
 			ratio(p.topodra, p.stock, func(r *Result) float64 { return r.PodsPerSecond }),
 			f(p.topodra, latency), f(p.stock, latency),
 			f(p.topodra, algorithm), f(p.stock, algorithm),
+			f(p.topodra, cpuPerPod), f(p.stock, cpuPerPod),
+			ratio(p.topodra, p.stock, func(r *Result) float64 { return r.SchedulerCPUMsPerPod }),
 			f(p.topodra, aligned), f(p.stock, aligned),
 			fmt.Sprintf("%s/%s", f(p.topodra, unscheduled), f(p.stock, unscheduled)),
 			f(p.topodra, heap), f(p.stock, heap),
@@ -77,6 +79,12 @@ func f(r *Result, format func(*Result) string) string {
 func latency(r *Result) string { return fmt.Sprintf("%.1f/%.1f", r.P50Ms, r.P99Ms) }
 func algorithm(r *Result) string {
 	return fmt.Sprintf("%.2f/%.2f", r.AlgorithmP50Ms, r.AlgorithmP99Ms)
+}
+func cpuPerPod(r *Result) string {
+	if r.SchedulerCPUSeconds < 0 {
+		return "?"
+	}
+	return fmt.Sprintf("%.2f", r.SchedulerCPUMsPerPod)
 }
 func unscheduled(r *Result) string { return fmt.Sprint(r.Unscheduled) }
 func heap(r *Result) string        { return fmt.Sprintf("%.0f", r.SchedulerHeapMB) }

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
+	"path/filepath"
 	"runtime/pprof"
+	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -37,6 +40,9 @@ type Options struct {
 	Progress io.Writer
 	// Logger is used by the control plane and schedulers.
 	Logger klog.Logger
+	// CPUProfileDir, if set, receives the CPU profile of each measured
+	// interval as <workload>-<scheduler>.pprof.
+	CPUProfileDir string
 }
 
 // Result is one workload run by one scheduler. The JSON keys workload,
@@ -77,6 +83,15 @@ type Result struct {
 	ThroughputP50 float64 `json:"throughputP50"`
 	ThroughputP90 float64 `json:"throughputP90"`
 	ThroughputP99 float64 `json:"throughputP99"`
+	// SchedulerCPUSeconds is the CPU time of the scheduler's goroutines
+	// during the measured interval (see cpuprofile.go; -1 if unknown), and
+	// SchedulerCPUMsPerPod that per bound pod: the cost of scheduling
+	// independent of how busy the machine's other components are.
+	SchedulerCPUSeconds  float64 `json:"schedulerCpuSeconds"`
+	SchedulerCPUMsPerPod float64 `json:"schedulerCpuMsPerPod"`
+	// ProcessCPUSeconds is the whole process' CPU time (apiserver, etcd,
+	// claim controller, harness, scheduler) during the measured interval.
+	ProcessCPUSeconds float64 `json:"processCpuSeconds"`
 	// SchedulerHeapMB is the live heap (after GC) with the scheduler
 	// running at the end of the run minus the live heap right after it
 	// was stopped: what the scheduler held.
@@ -135,8 +150,8 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 		if err != nil {
 			return results, fmt.Errorf("%s with %s: %w", w.Name, sched, err)
 		}
-		opts.progressf("%s: %s: %d pods in %.1fs = %.1f pods/s, attempt p50 %.1fms p99 %.1fms, algorithm p50 %.2fms p99 %.2fms%s, heap %.0f MiB",
-			w.Name, sched, res.Pods, res.Seconds, res.PodsPerSecond, res.P50Ms, res.P99Ms, res.AlgorithmP50Ms, res.AlgorithmP99Ms, alignedText(res), res.SchedulerHeapMB)
+		opts.progressf("%s: %s: %d pods in %.1fs = %.1f pods/s, attempt p50 %.1fms p99 %.1fms, algorithm p50 %.2fms p99 %.2fms, scheduler CPU %.2fs (%.1f ms/pod) of %.1fs%s, heap %.0f MiB",
+			w.Name, sched, res.Pods, res.Seconds, res.PodsPerSecond, res.P50Ms, res.P99Ms, res.AlgorithmP50Ms, res.AlgorithmP99Ms, res.SchedulerCPUSeconds, res.SchedulerCPUMsPerPod, res.ProcessCPUSeconds, alignedText(res), res.SchedulerHeapMB)
 		results = append(results, *res)
 	}
 	return results, nil
@@ -217,6 +232,7 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 		return nil, err
 	}
 	res := &Result{Workload: w.Name, Scheduler: sched, Mode: string(w.Mode)}
+	prof := startCPUProfile()
 	var t0, end time.Time
 	switch w.Mode {
 	case Burst:
@@ -225,8 +241,19 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 	case Steady:
 		t0, end, err = runSteady(ctx, client, ns, profile, w, bound)
 	}
+	cpu, processCPU, raw, cpuErr := prof.stop(sched)
 	if err != nil {
 		return nil, err
+	}
+	if cpuErr != nil {
+		return nil, cpuErr
+	}
+	res.SchedulerCPUSeconds, res.ProcessCPUSeconds = cpu, processCPU
+	if opts.CPUProfileDir != "" && raw != nil {
+		name := strings.NewReplacer("/", "_", " ", "_").Replace(w.Name) + "-" + sched + ".pprof"
+		if err := os.WriteFile(filepath.Join(opts.CPUProfileDir, name), raw, 0o644); err != nil {
+			return nil, fmt.Errorf("write profile: %w", err)
+		}
 	}
 	after, err := gatherHistogram(attemptMetric, profile)
 	if err != nil {
@@ -243,6 +270,9 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 		}
 	}
 	res.Seconds = end.Sub(t0).Seconds()
+	if res.Pods > 0 && cpu >= 0 {
+		res.SchedulerCPUMsPerPod = 1000 * cpu / float64(res.Pods)
+	}
 	if res.Seconds > 0 {
 		res.PodsPerSecond = float64(res.Pods) / res.Seconds
 	}

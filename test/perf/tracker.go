@@ -3,6 +3,7 @@ package perf
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -218,19 +219,25 @@ func (t *tracker) judge(key string, pos []devicePos) {
 			t.eligible++
 			return
 		}
-		if t.alignedOptionExists(level, gpus, nics) {
+		if option := t.alignedOption(level, gpus, nics); option != "" {
 			t.eligible++
 			if len(t.misplaced) < 5 {
-				t.misplaced = append(t.misplaced, fmt.Sprintf("%s on %s", key, pos[0].node))
+				var names []string
+				for _, p := range pos {
+					names = append(names, t.shape[p.index].name)
+				}
+				t.misplaced = append(t.misplaced, fmt.Sprintf("%s got %s on %s while %s was free", key, strings.Join(names, ","), pos[0].node, option))
 			}
 		}
 		return
 	}
 }
 
-func (t *tracker) alignedOptionExists(level func(deviceSpec) int, gpus, nics int) bool {
+// alignedOption names a free domain of the level with room for gpus
+// and nics, or returns "".
+func (t *tracker) alignedOption(level func(deviceSpec) int, gpus, nics int) string {
 	freeG, freeN := map[int]int{}, map[int]int{}
-	for _, used := range t.used {
+	for node, used := range t.used {
 		clear(freeG)
 		clear(freeN)
 		for i, d := range t.shape {
@@ -245,11 +252,17 @@ func (t *tracker) alignedOptionExists(level func(deviceSpec) int, gpus, nics int
 		}
 		for v, g := range freeG {
 			if g >= gpus && freeN[v] >= nics {
-				return true
+				var names []string
+				for i, d := range t.shape {
+					if !used[i] && level(d) == v {
+						names = append(names, d.name)
+					}
+				}
+				return node + " " + strings.Join(names, ",")
 			}
 		}
 	}
-	return false
+	return ""
 }
 
 // counts returns how many measured pods got bound and when.

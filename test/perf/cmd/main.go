@@ -3,7 +3,7 @@
 // plane, and prints a markdown table with the ratio topodra/stock.
 //
 //	go run ./test/perf/cmd [--short] [--out FILE.json] [--run REGEXP]
-//	    [--schedulers topodra,stock] [--cpuprofile FILE] [--log-file FILE]
+//	    [--schedulers topodra,stock] [--cpuprofile-dir DIR] [--log-file FILE]
 //
 // `make bench` and `make bench-short` call it.
 package main
@@ -16,7 +16,6 @@ import (
 	"os"
 	"os/signal"
 	"regexp"
-	"runtime/pprof"
 	"strings"
 	"syscall"
 	"time"
@@ -39,7 +38,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	out := fs.String("out", "", "write the results as a JSON array to this file")
 	runRE := fs.String("run", "", "only workloads whose name matches this regular expression")
 	schedulers := fs.String("schedulers", "topodra,stock", "schedulers to run, in order")
-	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (goroutines of each scheduler carry the pprof label scheduler=topodra|stock)")
+	cpuProfileDir := fs.String("cpuprofile-dir", "", "write the CPU profile of each measured run here as <workload>-<scheduler>.pprof (the scheduler's goroutines carry the pprof label scheduler=topodra|stock)")
 	logFile := fs.String("log-file", "", "write component logs here; by default they are discarded")
 	verbosity := fs.Int("v", 0, "log verbosity for --log-file")
 	if err := fs.Parse(args); err != nil {
@@ -70,20 +69,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	defer klog.Flush()
-	if *cpuProfile != "" {
-		f, err := os.Create(*cpuProfile)
-		if err != nil {
+	if *cpuProfileDir != "" {
+		if err := os.MkdirAll(*cpuProfileDir, 0o755); err != nil {
 			fmt.Fprintln(stderr, err)
 			return 2
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
-		}
-		defer func() {
-			pprof.StopCPUProfile()
-			_ = f.Close()
-		}()
 	}
 
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -92,6 +82,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		Schedulers: strings.Split(*schedulers, ","),
 		Progress:   stderr,
 		Logger:     klog.Background(),
+
+		CPUProfileDir: *cpuProfileDir,
 	}
 	start := time.Now()
 	var results []perf.Result
