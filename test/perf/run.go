@@ -404,10 +404,12 @@ func runSteady(ctx context.Context, client kubernetes.Interface, ns, profile str
 			}
 			return start, start.Add(w.Duration), nil
 		case pod := <-bound:
-			if err := deletePod(runCtx, client, ns, pod.Name); err != nil && runCtx.Err() == nil {
+			// The calls use ctx, not runCtx: the client's rate limiter
+			// fails calls that would end after runCtx's deadline.
+			if err := deletePod(ctx, client, ns, pod.Name); err != nil {
 				return start, start, err
 			}
-			if err := create(runCtx); err != nil && runCtx.Err() == nil {
+			if err := create(ctx); err != nil {
 				return start, start, fmt.Errorf("create pod: %w", err)
 			}
 		}
