@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -107,10 +108,26 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 	// The node's slices as they are: upstream's own answer.
 	attempts = append(attempts, func() []*resourceapi.ResourceSlice { return ns.slices })
 
+	// Preferred views share a time budget: upstream's search can take
+	// exponential time on some inputs, and then only its own answer
+	// (the final view) is worth waiting for.
+	prefCtx := ctx
+	if len(attempts) > 1 {
+		var cancel context.CancelFunc
+		prefCtx, cancel = context.WithTimeout(ctx, preferredViewsBudget)
+		defer cancel()
+	}
 	requireRejected := false
 	for n, view := range attempts {
 		final := n == len(attempts)-1
-		results, err := a.upstream(ctx, node, claims, view())
+		callCtx := ctx
+		if !final {
+			if prefCtx.Err() != nil {
+				continue
+			}
+			callCtx = prefCtx
+		}
+		results, err := a.upstream(callCtx, node, claims, view())
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, err
@@ -168,6 +185,10 @@ func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
 	}
 	return &Explanation{Requests: []RequestExplanation{{Claim: name, Request: "*", Reason: strings.TrimSpace(err.Error())}}}
 }
+
+// preferredViewsBudget bounds the time spent on preferred views per node.
+// A view usually takes tens of microseconds.
+const preferredViewsBudget = 20 * time.Millisecond
 
 func (a *Allocator) upstream(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim, view []*resourceapi.ResourceSlice) ([]resourceapi.AllocationResult, error) {
 	alloc, err := structured.NewAllocator(ctx, a.features, a.state, a.classLister, view, a.celCache)
