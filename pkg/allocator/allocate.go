@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"time"
 
@@ -297,44 +298,11 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 		}
 	}
 
-	q.DomainsSpanned = 1
-	switch {
-	case L == 0:
-		q.Level, q.LevelName = 0, "node"
-	case len(devs) <= 1:
-		q.Level, q.LevelName = 0, string(a.policy.Attributes[0])
-		for l := range L {
-			if len(devs) == 1 && ns.devices[devs[0]].coords[l] != "" {
-				q.Domain = topology.FormatDomain(a.policy.Attributes[l], ns.devices[devs[0]].coords[l])
-				break
-			}
-		}
-	default:
-		level, value := a.sharedLevel(ns, devs)
-		q.Level = level
-		if level < L {
-			q.LevelName = string(a.policy.Attributes[level])
-			q.Domain = topology.FormatDomain(a.policy.Attributes[level], value)
-		} else {
-			q.LevelName = "node"
-			q.DomainsSpanned = math.MaxInt
-			for l := range L {
-				values := map[string]bool{}
-				n := 0
-				for _, i := range devs {
-					if v := ns.devices[i].coords[l]; v != "" {
-						if !values[v] {
-							values[v] = true
-							n++
-						}
-					} else {
-						n++
-					}
-				}
-				q.DomainsSpanned = min(q.DomainsSpanned, n)
-			}
-		}
+	coords := make([]topology.Coordinates, len(devs))
+	for k, i := range devs {
+		coords[k] = ns.devices[i].coords
 	}
+	q.Level, q.LevelName, q.Domain, q.DomainsSpanned = a.levelOf(coords)
 
 	// Aligned: every multi-device claim and the align-with=pod group share a domain.
 	q.Aligned = true
@@ -399,8 +367,62 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	}
 	q.Packing = (nodeUtil + fullness) / 2
 
+	q.Score = a.score(q, len(devs), nodeUtil)
+	return q
+}
+
+// levelOf computes Quality.Level, LevelName, Domain and DomainsSpanned for
+// the coordinates of the chosen devices.
+func (a *Allocator) levelOf(coords []topology.Coordinates) (level int, name, domain string, spanned int) {
+	L := len(a.policy.Attributes)
+	switch {
+	case L == 0:
+		return 0, "node", "", 1
+	case len(coords) <= 1:
+		for l := range L {
+			if len(coords) == 1 && coords[0][l] != "" {
+				domain = topology.FormatDomain(a.policy.Attributes[l], coords[0][l])
+				break
+			}
+		}
+		return 0, string(a.policy.Attributes[0]), domain, 1
+	}
+	for l := range L {
+		v := coords[0][l]
+		shared := v != ""
+		for _, c := range coords[1:] {
+			if c[l] != v {
+				shared = false
+				break
+			}
+		}
+		if shared {
+			return l, string(a.policy.Attributes[l]), topology.FormatDomain(a.policy.Attributes[l], v), 1
+		}
+	}
+	spanned = math.MaxInt
+	for l := range L {
+		var values []string
+		n := 0
+		for _, c := range coords {
+			switch {
+			case c[l] == "":
+				n++
+			case !slices.Contains(values, c[l]):
+				values = append(values, c[l])
+				n++
+			}
+		}
+		spanned = min(spanned, n)
+	}
+	return L, "node", "", spanned
+}
+
+// score combines alignment and packing as documented on Quality.Score.
+func (a *Allocator) score(q Quality, numDevices int, nodeUtil float64) int64 {
+	L := len(a.policy.Attributes)
 	align := 1.0
-	if L > 0 && len(devs) > 1 {
+	if L > 0 && numDevices > 1 {
 		if q.Level < L {
 			align = float64(L-q.Level) / float64(L)
 		} else {
@@ -411,9 +433,8 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	if !a.policy.Packing {
 		pack = 1 - nodeUtil
 	}
-	q.Score = int64(math.Round(100 * (0.7*align + 0.3*pack)))
-	q.Score = max(0, min(100, q.Score))
-	return q
+	score := int64(math.Round(100 * (0.7*align + 0.3*pack)))
+	return max(0, min(100, score))
 }
 
 // countCheck returns an explanation if some request cannot fit by counting

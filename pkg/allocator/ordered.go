@@ -11,6 +11,8 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // The ordered view serves pods whose claims each need one device: for them
@@ -27,6 +29,8 @@ type orderedState struct {
 	once  sync.Once
 	alloc structured.Allocator
 	err   error
+	// stats per pool; written inside once, read-only afterwards.
+	stats map[poolKey]*poolStats
 }
 
 // allocateOrdered allocates a simple pod on the ordered view.
@@ -41,6 +45,14 @@ func (a *Allocator) allocateOrdered(ctx context.Context, node *v1.Node, claims [
 			return &Result{Explanation: nodeFailure(claims, err)}, nil
 		}
 		return nil, err
+	}
+	if results != nil {
+		if q, ok := a.orderedQuality(results); ok {
+			if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
+				logger.V(4).Info("Allocated", "node", klog.KObj(node), "view", "ordered", "devices", q.Devices, "level", q.LevelName, "score", q.Score)
+			}
+			return &Result{Allocations: results, Quality: q}, nil
+		}
 	}
 	ns, err := a.gatherNode(node)
 	if err != nil {
@@ -59,16 +71,13 @@ func (a *Allocator) allocateOrdered(ctx context.Context, node *v1.Node, claims [
 			allUnits = append(allUnits, r.alts...)
 		}
 	}
-	q := a.quality(ns, infos, allUnits, results)
-	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
-		logger.V(4).Info("Allocated", "node", klog.KObj(node), "view", "ordered", "devices", q.Devices, "level", q.LevelName, "score", q.Score)
-	}
-	return &Result{Allocations: results, Quality: q}, nil
+	return &Result{Allocations: results, Quality: a.quality(ns, infos, allUnits, results)}, nil
 }
 
 // orderedUpstream returns the upstream allocator over the ordered view.
 func (a *Allocator) orderedUpstream(ctx context.Context) (structured.Allocator, error) {
 	a.ordered.once.Do(func() {
+		a.ordered.stats = make(map[poolKey]*poolStats, len(a.byPool))
 		view := make([]*resourceapi.ResourceSlice, 0, a.numSlices)
 		var sc orderScratch
 		for key, poolSlices := range a.byPool {
@@ -84,7 +93,28 @@ type orderScratch struct {
 	inUse []bool
 	keys  []int
 	perm  []int
-	count [][]int
+}
+
+// poolStats describes a pool's devices per domain in this cycle; the ordered
+// view sorts by it and quality reads it.
+type poolStats struct {
+	total, used int
+	// vals[l] are the values of attribute l in the pool; size and free
+	// count the pool's devices with that value.
+	vals       [][]string
+	size, free [][]int
+	// remap[slice][l][local id] is the pool-level id of a slice-local
+	// domain id (sliceInfo.dom).
+	remap map[*resourceapi.ResourceSlice][][]int32
+}
+
+// poolID returns the pool-level id of device j of slice at level l, or -1.
+func (st *poolStats) poolID(slice *resourceapi.ResourceSlice, info *sliceInfo, levels, j, l int) int32 {
+	local := info.dom[j*levels+l]
+	if local < 0 {
+		return -1
+	}
+	return st.remap[slice][l][local]
 }
 
 // appendOrderedPool appends the pool's slices, with devices sorted, to view.
@@ -94,60 +124,71 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 	if levels == 0 {
 		return append(view, poolSlices...)
 	}
-	// The common case: one slice with devices per pool (one node, one
-	// driver). Other pools count free devices per domain by value.
+	st := &poolStats{
+		vals:  make([][]string, levels),
+		size:  make([][]int, levels),
+		free:  make([][]int, levels),
+		remap: map[*resourceapi.ResourceSlice][][]int32{},
+	}
+	// Count per domain over the pool's current device slices.
+	sc.inUse = sc.inUse[:0]
 	var deviceSlices []*resourceapi.ResourceSlice
 	for _, slice := range poolSlices {
-		if slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 && len(slice.Spec.Devices) > 0 {
-			deviceSlices = append(deviceSlices, slice)
+		if slice.Spec.Pool.Generation != generation || len(slice.Spec.SharedCounters) > 0 || len(slice.Spec.Devices) == 0 {
+			continue
 		}
-	}
-	var byValue map[domainRef]int
-	if len(deviceSlices) > 1 {
-		byValue = map[domainRef]int{}
-		for _, slice := range deviceSlices {
-			info := a.sliceInfo(slice)
-			for j := range slice.Spec.Devices {
-				if a.deviceInUse(info.ids[j]) {
-					continue
+		deviceSlices = append(deviceSlices, slice)
+		info := a.sliceInfo(slice)
+		remap := make([][]int32, levels)
+		for l := range levels {
+			remap[l] = make([]int32, len(info.domVals[l]))
+			for local, v := range info.domVals[l] {
+				id := slices.Index(st.vals[l], v)
+				if id < 0 {
+					id = len(st.vals[l])
+					st.vals[l] = append(st.vals[l], v)
+					st.size[l] = append(st.size[l], 0)
+					st.free[l] = append(st.free[l], 0)
 				}
-				for l, v := range info.coords[j] {
-					if v != "" {
-						byValue[domainRef{level: l, value: v}]++
+				remap[l][local] = int32(id)
+			}
+		}
+		st.remap[slice] = remap
+		for j := range slice.Spec.Devices {
+			inUse := a.deviceInUse(info.ids[j])
+			sc.inUse = append(sc.inUse, inUse)
+			st.total++
+			if inUse {
+				st.used++
+			}
+			for l := range levels {
+				if local := info.dom[j*levels+l]; local >= 0 {
+					id := remap[l][local]
+					st.size[l][id]++
+					if !inUse {
+						st.free[l][id]++
 					}
 				}
 			}
 		}
 	}
+	if a.ordered.stats != nil {
+		a.ordered.stats[key] = st
+	}
+	offset := 0
 	for _, slice := range poolSlices {
-		if len(slice.Spec.Devices) < 2 || !slices.Contains(deviceSlices, slice) {
+		if !slices.Contains(deviceSlices, slice) {
+			view = append(view, slice)
+			continue
+		}
+		n := len(slice.Spec.Devices)
+		inUse := sc.inUse[offset : offset+n]
+		offset += n
+		if n < 2 {
 			view = append(view, slice)
 			continue
 		}
 		info := a.sliceInfo(slice)
-		n := len(slice.Spec.Devices)
-		sc.inUse = slices.Grow(sc.inUse[:0], n)[:n]
-		for j := range n {
-			sc.inUse[j] = a.deviceInUse(info.ids[j])
-		}
-		// Free devices per domain of this slice.
-		if byValue == nil {
-			sc.count = slices.Grow(sc.count[:0], levels)[:levels]
-			for l := range levels {
-				sc.count[l] = slices.Grow(sc.count[l][:0], len(info.domVals[l]))[:len(info.domVals[l])]
-				clear(sc.count[l])
-			}
-			for j := range n {
-				if sc.inUse[j] {
-					continue
-				}
-				for l := range levels {
-					if id := info.dom[j*levels+l]; id >= 0 {
-						sc.count[l][id]++
-					}
-				}
-			}
-		}
 		// keys[j*levels+l]: the free count of device j's domain at level l,
 		// negated when spreading; MaxInt for in-use devices and missing
 		// attributes, which go last.
@@ -155,12 +196,8 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 		for j := range n {
 			for l := range levels {
 				k := math.MaxInt
-				if id := info.dom[j*levels+l]; !sc.inUse[j] && id >= 0 {
-					if byValue != nil {
-						k = byValue[domainRef{level: l, value: info.domVals[l][id]}]
-					} else {
-						k = sc.count[l][id]
-					}
+				if id := st.poolID(slice, info, levels, j, l); !inUse[j] && id >= 0 {
+					k = st.free[l][id]
 					if !a.policy.Packing {
 						k = -k
 					}
@@ -190,6 +227,98 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 		view = append(view, a.permutedSlice(slice, sc.perm))
 	}
 	return view
+}
+
+// orderedQuality describes a result of the ordered view from the pool
+// statistics, without looking at the node's devices. It reports false if
+// a device cannot be found (then the caller computes it the long way).
+func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Quality, bool) {
+	levels := len(a.policy.Attributes)
+	type chosen struct {
+		stats  *poolStats
+		ids    []int32
+		coords topology.Coordinates
+	}
+	var devs []chosen
+	var q Quality
+	for ci := range results {
+		for k := range results[ci].Devices.Results {
+			r := &results[ci].Devices.Results[k]
+			key := poolKey{r.Driver, r.Pool}
+			st := a.ordered.stats[key]
+			if st == nil {
+				return q, false
+			}
+			found := false
+			for _, slice := range a.byPool[key] {
+				remap := st.remap[slice]
+				if remap == nil {
+					continue
+				}
+				for j := range slice.Spec.Devices {
+					if slice.Spec.Devices[j].Name != r.Device {
+						continue
+					}
+					info := a.sliceInfo(slice)
+					c := chosen{stats: st, coords: info.coords[j], ids: make([]int32, levels)}
+					for l := range levels {
+						c.ids[l] = st.poolID(slice, info, levels, j, l)
+					}
+					devs = append(devs, c)
+					q.Devices = append(q.Devices, info.names[j])
+					found = true
+					break
+				}
+				if found {
+					break
+				}
+			}
+			if !found {
+				return q, false
+			}
+		}
+	}
+	coords := make([]topology.Coordinates, len(devs))
+	for i := range devs {
+		coords[i] = devs[i].coords
+	}
+	q.Level, q.LevelName, q.Domain, q.DomainsSpanned = a.levelOf(coords)
+	// Every claim has one device, the align-with=pod group at most one.
+	q.Aligned = true
+
+	total, used := 0, 0
+	var seen []*poolStats
+	for _, d := range devs {
+		if !slices.Contains(seen, d.stats) {
+			seen = append(seen, d.stats)
+			total += d.stats.total
+			used += d.stats.used
+		}
+	}
+	used += len(devs)
+	nodeUtil := 1.0
+	if total > 0 {
+		nodeUtil = min(1, float64(used)/float64(total))
+	}
+	fullness := nodeUtil
+	if len(devs) > 0 && q.Level < levels {
+		first := devs[0]
+		if id := first.ids[q.Level]; id >= 0 {
+			size := first.stats.size[q.Level][id]
+			busy := size - first.stats.free[q.Level][id]
+			for _, d := range devs {
+				if d.stats == first.stats && d.ids[q.Level] == id {
+					busy++
+				}
+			}
+			if size > 0 {
+				fullness = min(1, float64(busy)/float64(size))
+			}
+		}
+	}
+	q.Packing = (nodeUtil + fullness) / 2
+	q.Score = a.score(q, len(devs), nodeUtil)
+	return q, true
 }
 
 // permutedSlice returns a copy of slice with devices in perm order, reusing
