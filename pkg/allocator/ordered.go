@@ -29,8 +29,10 @@ type orderedState struct {
 	once  sync.Once
 	alloc structured.Allocator
 	err   error
-	// stats per pool; written inside once, read-only afterwards.
+	// stats per pool and infos per device slice; written inside once,
+	// read-only afterwards.
 	stats map[poolKey]*poolStats
+	infos map[*resourceapi.ResourceSlice]*sliceInfo
 }
 
 // allocateOrdered allocates a simple pod on the ordered view.
@@ -78,6 +80,7 @@ func (a *Allocator) allocateOrdered(ctx context.Context, node *v1.Node, claims [
 func (a *Allocator) orderedUpstream(ctx context.Context) (structured.Allocator, error) {
 	a.ordered.once.Do(func() {
 		a.ordered.stats = make(map[poolKey]*poolStats, len(a.byPool))
+		a.ordered.infos = make(map[*resourceapi.ResourceSlice]*sliceInfo, a.numSlices)
 		view := make([]*resourceapi.ResourceSlice, 0, a.numSlices)
 		var sc orderScratch
 		for key, poolSlices := range a.byPool {
@@ -99,20 +102,33 @@ type orderScratch struct {
 // view sorts by it and quality reads it.
 type poolStats struct {
 	total, used int
-	// vals[l] are the values of attribute l in the pool; size and free
-	// count the pool's devices with that value.
-	vals       [][]string
-	size, free [][]int
+	// vals[l] are the values of attribute l in the pool (shared with the
+	// slice's sliceInfo when the pool has one device slice).
+	vals [][]string
+	// counts holds, per level l and value id, the pool's devices with that
+	// value (size) and those free, at counts[2*(off(l)+id)] and +1.
+	counts []int
 	// remap[slice][l][local id] is the pool-level id of a slice-local
-	// domain id (sliceInfo.dom).
+	// domain id (sliceInfo.dom); nil when the pool has one device slice.
 	remap map[*resourceapi.ResourceSlice][][]int32
 }
+
+func (st *poolStats) off(l int) int {
+	o := 0
+	for k := range l {
+		o += len(st.vals[k])
+	}
+	return o
+}
+
+func (st *poolStats) size(l int, id int32) int { return st.counts[2*(st.off(l)+int(id))] }
+func (st *poolStats) free(l int, id int32) int { return st.counts[2*(st.off(l)+int(id))+1] }
 
 // poolID returns the pool-level id of device j of slice at level l, or -1.
 func (st *poolStats) poolID(slice *resourceapi.ResourceSlice, info *sliceInfo, levels, j, l int) int32 {
 	local := info.dom[j*levels+l]
-	if local < 0 {
-		return -1
+	if local < 0 || st.remap == nil {
+		return local
 	}
 	return st.remap[slice][l][local]
 }
@@ -124,36 +140,45 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 	if levels == 0 {
 		return append(view, poolSlices...)
 	}
-	st := &poolStats{
-		vals:  make([][]string, levels),
-		size:  make([][]int, levels),
-		free:  make([][]int, levels),
-		remap: map[*resourceapi.ResourceSlice][][]int32{},
+	st := &poolStats{}
+	var deviceSlices []*resourceapi.ResourceSlice
+	var infos []*sliceInfo
+	for _, slice := range poolSlices {
+		if slice.Spec.Pool.Generation == generation && len(slice.Spec.SharedCounters) == 0 && len(slice.Spec.Devices) > 0 {
+			deviceSlices = append(deviceSlices, slice)
+			info := a.sliceInfo(slice)
+			infos = append(infos, info)
+			a.ordered.infos[slice] = info
+		}
 	}
+	// Domain values of the pool.
+	if len(deviceSlices) == 1 {
+		st.vals = infos[0].domVals
+	} else {
+		st.vals = make([][]string, levels)
+		st.remap = make(map[*resourceapi.ResourceSlice][][]int32, len(deviceSlices))
+		for s, slice := range deviceSlices {
+			info := infos[s]
+			remap := make([][]int32, levels)
+			for l := range levels {
+				remap[l] = make([]int32, len(info.domVals[l]))
+				for local, v := range info.domVals[l] {
+					id := slices.Index(st.vals[l], v)
+					if id < 0 {
+						id = len(st.vals[l])
+						st.vals[l] = append(st.vals[l], v)
+					}
+					remap[l][local] = int32(id)
+				}
+			}
+			st.remap[slice] = remap
+		}
+	}
+	st.counts = make([]int, 2*st.off(levels))
 	// Count per domain over the pool's current device slices.
 	sc.inUse = sc.inUse[:0]
-	var deviceSlices []*resourceapi.ResourceSlice
-	for _, slice := range poolSlices {
-		if slice.Spec.Pool.Generation != generation || len(slice.Spec.SharedCounters) > 0 || len(slice.Spec.Devices) == 0 {
-			continue
-		}
-		deviceSlices = append(deviceSlices, slice)
-		info := a.sliceInfo(slice)
-		remap := make([][]int32, levels)
-		for l := range levels {
-			remap[l] = make([]int32, len(info.domVals[l]))
-			for local, v := range info.domVals[l] {
-				id := slices.Index(st.vals[l], v)
-				if id < 0 {
-					id = len(st.vals[l])
-					st.vals[l] = append(st.vals[l], v)
-					st.size[l] = append(st.size[l], 0)
-					st.free[l] = append(st.free[l], 0)
-				}
-				remap[l][local] = int32(id)
-			}
-		}
-		st.remap[slice] = remap
+	for s, slice := range deviceSlices {
+		info := infos[s]
 		for j := range slice.Spec.Devices {
 			inUse := a.deviceInUse(info.ids[j])
 			sc.inUse = append(sc.inUse, inUse)
@@ -162,22 +187,21 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 				st.used++
 			}
 			for l := range levels {
-				if local := info.dom[j*levels+l]; local >= 0 {
-					id := remap[l][local]
-					st.size[l][id]++
+				if id := st.poolID(slice, info, levels, j, l); id >= 0 {
+					k := 2 * (st.off(l) + int(id))
+					st.counts[k]++
 					if !inUse {
-						st.free[l][id]++
+						st.counts[k+1]++
 					}
 				}
 			}
 		}
 	}
-	if a.ordered.stats != nil {
-		a.ordered.stats[key] = st
-	}
+	a.ordered.stats[key] = st
 	offset := 0
 	for _, slice := range poolSlices {
-		if !slices.Contains(deviceSlices, slice) {
+		s := slices.Index(deviceSlices, slice)
+		if s < 0 {
 			view = append(view, slice)
 			continue
 		}
@@ -188,7 +212,7 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 			view = append(view, slice)
 			continue
 		}
-		info := a.sliceInfo(slice)
+		info := infos[s]
 		// keys[j*levels+l]: the free count of device j's domain at level l,
 		// negated when spreading; MaxInt for in-use devices and missing
 		// attributes, which go last.
@@ -197,7 +221,7 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 			for l := range levels {
 				k := math.MaxInt
 				if id := st.poolID(slice, info, levels, j, l); !inUse[j] && id >= 0 {
-					k = st.free[l][id]
+					k = st.free(l, id)
 					if !a.policy.Packing {
 						k = -k
 					}
@@ -251,15 +275,17 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 			}
 			found := false
 			for _, slice := range a.byPool[key] {
-				remap := st.remap[slice]
-				if remap == nil {
+				if slice.Spec.Pool.Generation != a.poolGen[key] || len(slice.Spec.SharedCounters) > 0 {
 					continue
 				}
 				for j := range slice.Spec.Devices {
 					if slice.Spec.Devices[j].Name != r.Device {
 						continue
 					}
-					info := a.sliceInfo(slice)
+					info := a.ordered.infos[slice]
+					if info == nil {
+						return q, false
+					}
 					c := chosen{stats: st, coords: info.coords[j], ids: make([]int32, levels)}
 					for l := range levels {
 						c.ids[l] = st.poolID(slice, info, levels, j, l)
@@ -304,8 +330,8 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 	if len(devs) > 0 && q.Level < levels {
 		first := devs[0]
 		if id := first.ids[q.Level]; id >= 0 {
-			size := first.stats.size[q.Level][id]
-			busy := size - first.stats.free[q.Level][id]
+			size := first.stats.size(q.Level, id)
+			busy := size - first.stats.free(q.Level, id)
 			for _, d := range devs {
 				if d.stats == first.stats && d.ids[q.Level] == id {
 					busy++
