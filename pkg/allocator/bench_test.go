@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -142,17 +143,7 @@ func BenchmarkAllocate(b *testing.B) {
 func BenchmarkCycle(b *testing.B) {
 	ctx := benchContext()
 	for _, numNodes := range []int{50, 500} {
-		var all []*resourceapi.ResourceSlice
-		var nodes []*v1.Node
-		state := allocated(gpuDriver, "none")
-		for i := range numNodes {
-			name := fmt.Sprintf("node-%d", i)
-			nodes = append(nodes, node(name))
-			all = append(all, dgx(name)...)
-			for j := range i % 8 {
-				state.AllocatedDevices.Insert(structured.MakeDeviceID(gpuDriver, name, fmt.Sprintf("gpu-%d", (j*3)%8)))
-			}
-		}
+		all, nodes, state := benchCluster(numNodes)
 		claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1).obj()}
 		celCache := newCELCache()
 		b.Run(fmt.Sprintf("%dnodes/topodra", numNodes), func(b *testing.B) {
@@ -182,4 +173,106 @@ func BenchmarkCycle(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkRatio runs topodra and upstream alternately on the same inputs
+// in one loop and reports both times and their ratio, which is robust
+// against load changes on a shared machine. Per shape it measures one
+// Allocate call (allocators built once); "cycle-N" measures building the
+// allocator from N nodes' slices plus one Allocate per node.
+func BenchmarkRatio(b *testing.B) {
+	ctx := benchContext()
+	report := func(b *testing.B, topodra, upstream time.Duration, n int) {
+		b.ReportMetric(float64(topodra.Nanoseconds())/float64(n), "topodra-ns/op")
+		b.ReportMetric(float64(upstream.Nanoseconds())/float64(n), "upstream-ns/op")
+		b.ReportMetric(float64(topodra)/float64(upstream), "ratio")
+	}
+	for _, s := range benchShapes {
+		b.Run(s.name, func(b *testing.B) {
+			nodeName := "node-0"
+			slices := s.slices(nodeName)
+			state := benchState(nodeName, s)
+			cl := s.classes
+			if cl == nil {
+				cl = defaultClasses
+			}
+			n := node(nodeName)
+			celCache := newCELCache()
+			top, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: cl, Slices: slices, CELCache: celCache, Policy: DefaultPolicy()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			up, err := structured.NewAllocator(ctx, allFeatures, *state, cl, slices, celCache)
+			if err != nil {
+				b.Fatal(err)
+			}
+			var tTop, tUp time.Duration
+			iterations := 0
+			for b.Loop() {
+				start := time.Now()
+				if res, err := top.Allocate(ctx, n, s.claims); err != nil || res.Allocations == nil {
+					b.Fatalf("topodra: %v", err)
+				}
+				mid := time.Now()
+				if res, err := up.Allocate(ctx, n, s.claims); err != nil || res == nil {
+					b.Fatalf("upstream: %v", err)
+				}
+				tTop += mid.Sub(start)
+				tUp += time.Since(mid)
+				iterations++
+			}
+			report(b, tTop, tUp, iterations)
+		})
+	}
+	for _, numNodes := range []int{50, 500} {
+		b.Run(fmt.Sprintf("cycle-%d", numNodes), func(b *testing.B) {
+			all, nodes, state := benchCluster(numNodes)
+			claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1).obj()}
+			celCache := newCELCache()
+			var tTop, tUp time.Duration
+			iterations := 0
+			for b.Loop() {
+				start := time.Now()
+				top, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, CELCache: celCache, Policy: DefaultPolicy()})
+				if err != nil {
+					b.Fatal(err)
+				}
+				for _, n := range nodes {
+					if _, err := top.Allocate(ctx, n, claims); err != nil {
+						b.Fatal(err)
+					}
+				}
+				mid := time.Now()
+				up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, all, celCache)
+				if err != nil {
+					b.Fatal(err)
+				}
+				for _, n := range nodes {
+					if _, err := up.Allocate(ctx, n, claims); err != nil {
+						b.Fatal(err)
+					}
+				}
+				tTop += mid.Sub(start)
+				tUp += time.Since(mid)
+				iterations++
+			}
+			report(b, tTop, tUp, iterations)
+		})
+	}
+}
+
+// benchCluster builds numNodes DGX nodes; node i has i%8 GPUs in use.
+func benchCluster(numNodes int) ([]*resourceapi.ResourceSlice, []*v1.Node, *structured.AllocatedState) {
+	var all []*resourceapi.ResourceSlice
+	var nodes []*v1.Node
+	state := allocated(gpuDriver, "none")
+	for i := range numNodes {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, node(name))
+		all = append(all, dgx(name)...)
+		for j := range i % 8 {
+			state.AllocatedDevices.Insert(structured.MakeDeviceID(gpuDriver, name, fmt.Sprintf("gpu-%d", (j*3)%8)))
+		}
+	}
+	return all, nodes, state
 }
