@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
@@ -486,5 +488,74 @@ func TestPoolsLikeUpstream(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestConcurrentAllocate calls Allocate for many nodes at once, as Filter
+// does, on both paths, and expects the results of sequential calls (run
+// with -race to check the shared caches).
+func TestConcurrentAllocate(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	// A fresh cluster (new slice UIDs) per pod, so that the concurrent
+	// calls also fill the caches.
+	cluster := func() ([]*resourceapi.ResourceSlice, []*v1.Node, *structured.AllocatedState) {
+		var all []*resourceapi.ResourceSlice
+		var nodes []*v1.Node
+		state := allocated(gpuDriver, "none")
+		for i := range 24 {
+			name := fmt.Sprintf("node-%d", i)
+			nodes = append(nodes, node(name))
+			all = append(all, dgxWithNICs(name)...)
+			for j := range i % 8 {
+				state.AllocatedDevices.Insert(structured.MakeDeviceID(gpuDriver, name, fmt.Sprintf("gpu-%d", (j*3)%8)))
+			}
+		}
+		return all, nodes, state
+	}
+	pods := map[string][]*resourceapi.ResourceClaim{
+		"one-gpu":  {claim("c").request("gpus", "gpu", 1).obj()},
+		"two-gpus": {claim("c").request("gpus", "gpu", 2).obj()},
+		"gpu-nic": {
+			claim("g").request("gpus", "gpu", 2).annotate(topology.AnnotationAlignWith, "pod").obj(),
+			claim("n").request("nic", "nic", 1).annotate(topology.AnnotationAlignWith, "pod").obj(),
+		},
+	}
+	for name, claims := range pods {
+		t.Run(name, func(t *testing.T) {
+			all, nodes, state := cluster()
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make([][]string, len(nodes))
+			var wg sync.WaitGroup
+			for i, n := range nodes {
+				wg.Go(func() {
+					res, err := a.Allocate(ctx, n, claims)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					got[i] = deviceNames(res.Allocations)
+				})
+			}
+			wg.Wait()
+			want := make([][]string, len(nodes))
+			for i, n := range nodes {
+				res, err := a.Allocate(ctx, n, claims)
+				if err != nil {
+					t.Fatal(err)
+				}
+				want[i] = deviceNames(res.Allocations)
+			}
+			for i := range nodes {
+				if !slices.Equal(got[i], want[i]) {
+					t.Errorf("node %d: concurrent %v, sequential %v", i, got[i], want[i])
+				}
+				if want[i] == nil && i%8 < 6 {
+					t.Errorf("node %d: nothing allocated", i)
+				}
+			}
+		})
 	}
 }

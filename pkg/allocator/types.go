@@ -144,7 +144,9 @@ type Quality struct {
 	DomainsSpanned int
 	// Packing in [0,1]: the mean of how much of the node's matching devices
 	// are in use after this allocation and how full the shared domain (at
-	// Level) is afterwards, so best-fit choices score higher.
+	// Level) is afterwards, so best-fit choices score higher. For pods that
+	// take the ordered path (one device per claim) the devices of the
+	// chosen devices' pools stand in for the matching ones.
 	Packing float64
 	// Aligned is true if every multi-device claim (and the align-with=pod
 	// group) was placed inside one domain of some attribute.
