@@ -733,7 +733,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {
-			return nil, fmt.Errorf("%w: claim %s, request %s: device class %s: selector #%d: CEL expression %q: %w", ErrInvalidInput, klog.KObj(claim), display, className, i, sel.CEL.Expression, expr.Error)
+			return nil, fmt.Errorf("%w: claim %s, request %s: device class %s: selector #%d: CEL expression `%s`: %w", ErrInvalidInput, klog.KObj(claim), display, className, i, sel.CEL.Expression, expr.Error)
 		}
 		u.selectors = append(u.selectors, expr)
 	}
@@ -743,7 +743,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {
-			return nil, fmt.Errorf("%w: claim %s, request %s: selector #%d: CEL expression %q: %w", ErrInvalidInput, klog.KObj(claim), display, i, sel.CEL.Expression, expr.Error)
+			return nil, fmt.Errorf("%w: claim %s, request %s: selector #%d: CEL expression `%s`: %w", ErrInvalidInput, klog.KObj(claim), display, i, sel.CEL.Expression, expr.Error)
 		}
 		u.selectors = append(u.selectors, expr)
 	}

@@ -349,12 +349,12 @@ func TestBadInput(t *testing.T) {
 	}{
 		"invalid-cel-in-request": {
 			claim: claim("my-claim").request("my-request", "gpu", 1, `device.attributes["gpu.topodra.io"].model ==`).obj(),
-			want:  []string{"default/my-claim", "my-request", `device.attributes[\"gpu.topodra.io\"].model ==`},
+			want:  []string{"default/my-claim", "my-request", "`device.attributes[\"gpu.topodra.io\"].model ==`"},
 		},
 		"invalid-cel-in-class": {
 			claim:   claim("my-claim").request("my-request", "broken", 1).obj(),
 			classes: classes(class("broken", `device.driver = "x"`)),
-			want:    []string{"default/my-claim", "my-request", "broken", `device.driver = \"x\"`},
+			want:    []string{"default/my-claim", "my-request", "broken", "`device.driver = \"x\"`"},
 		},
 		"unknown-class": {
 			claim: claim("my-claim").request("my-request", "no-such-class", 1).obj(),
