@@ -155,7 +155,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 		q := a.quality(ns, infos, allUnits, results)
 		res := &Result{Allocations: results, Quality: q}
 		if !q.Aligned {
-			res.Explanation = a.explainSpan(infos, ns, groups)
+			res.Explanation = a.explainSpan(ns, groups, results)
 		}
 		if logger.V(4).Enabled() {
 			logger.V(4).Info("Allocated", "node", klog.KObj(node), "attempt", n, "of", len(attempts), "devices", q.Devices, "level", q.LevelName, "score", q.Score)
@@ -584,11 +584,22 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 	return expl
 }
 
-// explainSpan explains why an alignment=prefer group had to span domains.
-func (a *Allocator) explainSpan(infos []*claimInfo, ns *nodeState, groups []*group) *Explanation {
+// explainSpan explains why alignment=prefer groups had to span domains.
+func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resourceapi.AllocationResult) *Explanation {
 	var expl *Explanation
 	for _, g := range groups {
 		if g.need < 2 || g.mode != AlignmentPrefer {
+			continue
+		}
+		var devs []int
+		for _, ci := range g.claims {
+			for k := range results[ci].Devices.Results {
+				if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
+					devs = append(devs, i)
+				}
+			}
+		}
+		if level, _ := a.sharedLevel(ns, devs); level < len(a.policy.Attributes) {
 			continue
 		}
 		for _, u := range g.units {
