@@ -40,6 +40,9 @@ type Options struct {
 	Progress io.Writer
 	// Logger is used by the control plane and schedulers.
 	Logger klog.Logger
+	// TopodraConfig replaces config/scheduler-config.yaml for topodra
+	// (to compare plugin arguments); its profile must be topodra-scheduler.
+	TopodraConfig []byte
 	// CPUProfileDir, if set, receives the CPU profile of each measured
 	// interval as <workload>-<scheduler>.pprof.
 	CPUProfileDir string
@@ -207,6 +210,9 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 		so := framework.SchedulerOptions{Name: sched, Stock: sched == Stock}
 		if sched == Topodra {
 			so.Config = config.SchedulerConfig
+			if len(opts.TopodraConfig) > 0 {
+				so.Config = opts.TopodraConfig
+			}
 		}
 		stop, err = cp.StartScheduler(ctx, so)
 	})

@@ -39,6 +39,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	runRE := fs.String("run", "", "only workloads whose name matches this regular expression")
 	schedulers := fs.String("schedulers", "topodra,stock", "schedulers to run, in order")
 	cpuProfileDir := fs.String("cpuprofile-dir", "", "write the CPU profile of each measured run here as <workload>-<scheduler>.pprof (the scheduler's goroutines carry the pprof label scheduler=topodra|stock)")
+	topodraConfig := fs.String("topodra-config", "", "KubeSchedulerConfiguration for topodra instead of config/scheduler-config.yaml (profile topodra-scheduler)")
 	logFile := fs.String("log-file", "", "write component logs here; by default they are discarded")
 	verbosity := fs.Int("v", 0, "log verbosity for --log-file")
 	if err := fs.Parse(args); err != nil {
@@ -76,6 +77,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 
+	var topodraCfg []byte
+	if *topodraConfig != "" {
+		var err error
+		if topodraCfg, err = os.ReadFile(*topodraConfig); err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+	}
+
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
 	opts := perf.Options{
@@ -84,6 +94,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		Logger:     klog.Background(),
 
 		CPUProfileDir: *cpuProfileDir,
+		TopodraConfig: topodraCfg,
 	}
 	start := time.Now()
 	var results []perf.Result
