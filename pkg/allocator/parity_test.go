@@ -104,6 +104,9 @@ func genCase(rnd *rand.Rand) *parityCase {
 	if rnd.IntN(6) == 0 {
 		pc.features.DeviceTaints = false
 	}
+	if rnd.IntN(6) == 0 {
+		pc.features.ListTypeAttributes = false
+	}
 	if rnd.IntN(4) == 0 {
 		pc.policy.Packing = false
 	}
