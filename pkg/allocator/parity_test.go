@@ -151,8 +151,14 @@ func genCase(rnd *rand.Rand) *parityCase {
 		if rnd.IntN(8) == 0 {
 			d.Taints = []resourceapi.DeviceTaint{{Key: "health", Value: "bad", Effect: []resourceapi.DeviceTaintEffect{resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute, resourceapi.DeviceTaintEffectNone}[rnd.IntN(3)]}}
 		}
+		if driver == nicDriver && rnd.IntN(3) == 0 {
+			// Consumable capacity: a shareable NIC.
+			d.AllowMultipleAllocations = ptr.To(true)
+			d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"bandwidth": {Value: resource.MustParse("100")}}
+		}
 		return d
 	}
+	shareable := sets.New[structured.DeviceID]()
 	var allDevices []structured.DeviceID
 	addDevices := func(s *resourceapi.ResourceSlice, n int, prefix string) {
 		for i := range n {
@@ -160,8 +166,13 @@ func genCase(rnd *rand.Rand) *parityCase {
 			if rnd.IntN(60) == 0 && i > 0 {
 				name = fmt.Sprintf("%s%d", prefix, i-1) // duplicate name: invalid pool
 			}
-			s.Spec.Devices = append(s.Spec.Devices, randDevice(s.Spec.Driver, name))
-			allDevices = append(allDevices, structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, name))
+			d := randDevice(s.Spec.Driver, name)
+			s.Spec.Devices = append(s.Spec.Devices, d)
+			id := structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, name)
+			allDevices = append(allDevices, id)
+			if ptr.Deref(d.AllowMultipleAllocations, false) {
+				shareable.Insert(id)
+			}
 		}
 	}
 
@@ -221,7 +232,14 @@ func genCase(rnd *rand.Rand) *parityCase {
 
 	// Prior allocations.
 	for _, id := range allDevices {
-		if rnd.IntN(6) == 0 {
+		switch {
+		case shareable.Has(id) && rnd.IntN(2) == 0:
+			// Partly consumed by an earlier claim.
+			uid := types.UID(fmt.Sprintf("share-%d", rnd.IntN(1000)))
+			pc.state.AllocatedSharedDeviceIDs.Insert(structured.MakeSharedDeviceID(id, &uid))
+			q := resource.MustParse(fmt.Sprintf("%d", 20+rnd.IntN(70)))
+			pc.state.AggregatedCapacity[id] = structured.ConsumedCapacity{"bandwidth": &q}
+		case !shareable.Has(id) && rnd.IntN(6) == 0:
 			pc.state.AllocatedDevices.Insert(id)
 		}
 	}
@@ -267,6 +285,11 @@ func genCase(rnd *rand.Rand) *parityCase {
 			if rnd.IntN(25) == 0 {
 				r.AdminAccess = ptr.To(true)
 			}
+			if cls == "nic" && rnd.IntN(2) == 0 {
+				r.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{
+					"bandwidth": resource.MustParse(fmt.Sprintf("%d", 10+rnd.IntN(60))),
+				}}
+			}
 		}
 		if len(b.c.Spec.Devices.Requests) > 1 || rnd.IntN(3) == 0 {
 			switch rnd.IntN(5) {
@@ -292,6 +315,7 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 		return fmt.Errorf("%d results for %d claims", len(results), len(pc.claims))
 	}
 	chosen := sets.New[structured.DeviceID]()
+	shared := false
 	for ci, r := range results {
 		admin := map[string]bool{}
 		for _, req := range pc.claims[ci].Spec.Devices.Requests {
@@ -303,6 +327,9 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 			id := structured.MakeDeviceID(d.Driver, d.Pool, d.Device)
 			if d.Pool == "node-b" {
 				return fmt.Errorf("device %s belongs to another node", id)
+			}
+			if d.ShareID != nil {
+				shared = true
 			}
 			if pc.state.AllocatedDevices.Has(id) && !admin[d.Request] {
 				return fmt.Errorf("device %s is already allocated", id)
@@ -369,7 +396,7 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 			anyAdmin = anyAdmin || (r.Exactly != nil && ptr.Deref(r.Exactly.AdminAccess, false))
 		}
 	}
-	if !anyAdmin && !againSet.Equal(chosen) {
+	if !anyAdmin && !shared && !againSet.Equal(chosen) {
 		return fmt.Errorf("upstream on the chosen devices picks %v, topodra %v", againSet.UnsortedList(), chosen.UnsortedList())
 	}
 	return nil
@@ -384,7 +411,7 @@ func quietContext(t *testing.T) context.Context {
 func TestParityWithUpstream(t *testing.T) {
 	ctx := quietContext(t)
 	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
-	var feasible, infeasible, improved, errs, skipped int
+	var feasible, infeasible, improved, errs, skipped, sharedCases int
 	var slowest time.Duration
 	slowestCase := -1
 	for i := range *parityCases {
@@ -446,8 +473,15 @@ func TestParityWithUpstream(t *testing.T) {
 		if !slices.Equal(deviceNames(res.Allocations), deviceNames(upResult)) {
 			improved++
 		}
+		for _, r := range res.Allocations {
+			for _, d := range r.Devices.Results {
+				if d.ShareID != nil {
+					sharedCases++
+				}
+			}
+		}
 	}
-	t.Logf("slowest topodra Allocate: case %d, %v", slowestCase, slowest)
+	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated", slowestCase, slowest, sharedCases)
 	t.Logf("%d cases: %d feasible (%d with other devices than upstream), %d infeasible, %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, infeasible, errs, skipped)
 	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 {
 		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different", feasible, infeasible, improved)
