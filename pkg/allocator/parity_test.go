@@ -228,6 +228,23 @@ func genCase(rnd *rand.Rand) *parityCase {
 		addDevices(s, 1+rnd.IntN(2), "zgpu-")
 		pc.slices = append(pc.slices, s)
 	}
+	if rnd.IntN(4) == 0 {
+		// Per-device node selection: a pool shared by node-a and node-b.
+		s := newSlice("per-device", gpuDriver, "per-device", "", 1, 1)
+		s.Spec.PerDeviceNodeSelection = ptr.To(true)
+		addDevices(s, 2+rnd.IntN(4), "pd-")
+		for j := range s.Spec.Devices {
+			switch rnd.IntN(3) {
+			case 0:
+				s.Spec.Devices[j].NodeName = ptr.To("node-a")
+			case 1:
+				s.Spec.Devices[j].NodeName = ptr.To("node-b")
+			default:
+				s.Spec.Devices[j].AllNodes = ptr.To(true)
+			}
+		}
+		pc.slices = append(pc.slices, s)
+	}
 	rnd.Shuffle(len(pc.slices), func(i, j int) { pc.slices[i], pc.slices[j] = pc.slices[j], pc.slices[i] })
 
 	// Prior allocations.
@@ -314,6 +331,14 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 	if len(results) != len(pc.claims) {
 		return fmt.Errorf("%d results for %d claims", len(results), len(pc.claims))
 	}
+	onlyNodeB := sets.New[structured.DeviceID]()
+	for _, s := range pc.slices {
+		for _, d := range s.Spec.Devices {
+			if ptr.Deref(d.NodeName, "") == "node-b" {
+				onlyNodeB.Insert(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name))
+			}
+		}
+	}
 	chosen := sets.New[structured.DeviceID]()
 	shared := false
 	for ci, r := range results {
@@ -327,6 +352,9 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 			id := structured.MakeDeviceID(d.Driver, d.Pool, d.Device)
 			if d.Pool == "node-b" {
 				return fmt.Errorf("device %s belongs to another node", id)
+			}
+			if onlyNodeB.Has(id) {
+				return fmt.Errorf("device %s is selected for node-b only", id)
 			}
 			if d.ShareID != nil {
 				shared = true
