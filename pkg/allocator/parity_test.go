@@ -107,6 +107,9 @@ func genCase(rnd *rand.Rand) *parityCase {
 	if rnd.IntN(6) == 0 {
 		pc.features.ListTypeAttributes = false
 	}
+	if rnd.IntN(6) == 0 {
+		pc.features.DeviceBindingAndStatus = false
+	}
 	if rnd.IntN(4) == 0 {
 		pc.policy.Packing = false
 	}
@@ -205,10 +208,17 @@ func genCase(rnd *rand.Rand) *parityCase {
 		addDevices(old, 2, "old-")
 		pc.slices = append(pc.slices, old)
 	}
-	// NIC pool of node-a.
+	// NIC pool of node-a, maybe with binding conditions (such pools come
+	// last in upstream's order).
 	if rnd.IntN(3) > 0 {
 		s := newSlice("a-nic", nicDriver, "node-a", "node-a", 1, 1)
 		addDevices(s, 1+rnd.IntN(3), "nic-")
+		if rnd.IntN(6) == 0 {
+			for j := range s.Spec.Devices {
+				s.Spec.Devices[j].BindingConditions = []string{"attached"}
+				s.Spec.Devices[j].BindingFailureConditions = []string{"failed"}
+			}
+		}
 		pc.slices = append(pc.slices, s)
 	}
 	// Another node's pool, which must never be used.
