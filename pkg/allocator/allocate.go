@@ -140,7 +140,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 			if errors.Is(err, structured.ErrFailedAllocationOnNode) {
 				return &Result{Explanation: nodeFailure(claims, err)}, nil
 			}
-			return nil, err
+			return nil, a.explainFatal(ctx, node, claims, err)
 		}
 		if results == nil {
 			continue
@@ -303,6 +303,12 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 		coords[k] = ns.devices[i].coords
 	}
 	q.Level, q.LevelName, q.Domain, q.DomainsSpanned = a.levelOf(coords)
+	if len(devs) > 1 && q.Level < L {
+		// Of the domains the devices share, report the smallest.
+		level, value := a.tightestShared(ns, devs, allUnits)
+		q.Level, q.LevelName = level, string(a.policy.Attributes[level])
+		q.Domain = topology.FormatDomain(a.policy.Attributes[level], value)
+	}
 
 	// Aligned: every multi-device claim and the align-with=pod group share a domain.
 	q.Aligned = true
@@ -367,8 +373,63 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	}
 	q.Packing = (nodeUtil + fullness) / 2
 
+	q.Tightness = 1
+	if len(devs) > 1 && q.Level < L {
+		size := 0
+		v := ns.devices[devs[0]].coords[q.Level]
+		for i := range ns.devices {
+			if matching[i] && ns.devices[i].coords[q.Level] == v {
+				size++
+			}
+		}
+		if size > 0 {
+			q.Tightness = min(1, float64(len(devs))/float64(size))
+		}
+	}
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q
+}
+
+// tightestShared returns the level whose domain shared by all devs is the
+// smallest (fewest devices that match the pod's requests; ties go to the
+// attribute listed first), and that domain's value; len(Attributes) if
+// the devices share no domain. Smaller domains are tighter: on a DGX the
+// NVSwitch clique holds all eight GPUs, so four GPUs in one NUMA node are
+// better aligned than four GPUs that only share the clique.
+func (a *Allocator) tightestShared(ns *nodeState, devs []int, allUnits []*unit) (int, string) {
+	L := len(a.policy.Attributes)
+	best, bestValue, bestSize := L, "", math.MaxInt
+	for l := range L {
+		v := ""
+		shared := len(devs) > 0
+		for _, i := range devs {
+			c := ns.devices[i].coords[l]
+			if c == "" || (v != "" && c != v) {
+				shared = false
+				break
+			}
+			v = c
+		}
+		if !shared {
+			continue
+		}
+		size := 0
+		for i := range ns.devices {
+			if ns.devices[i].coords[l] != v {
+				continue
+			}
+			for _, u := range allUnits {
+				if u.matching != nil && u.matching[i] {
+					size++
+					break
+				}
+			}
+		}
+		if size < bestSize {
+			best, bestValue, bestSize = l, v, size
+		}
+	}
+	return best, bestValue
 }
 
 // levelOf computes Quality.Level, LevelName, Domain and DomainsSpanned for
@@ -385,7 +446,8 @@ func (a *Allocator) levelOf(coords []topology.Coordinates) (level int, name, dom
 				break
 			}
 		}
-		return 0, string(a.policy.Attributes[0]), domain, 1
+		// A single device is aligned by definition.
+		return 0, "device", domain, 1
 	}
 	for l := range L {
 		v := coords[0][l]
@@ -420,15 +482,7 @@ func (a *Allocator) levelOf(coords []topology.Coordinates) (level int, name, dom
 
 // score combines alignment and packing as documented on Quality.Score.
 func (a *Allocator) score(q Quality, numDevices int, nodeUtil float64) int64 {
-	L := len(a.policy.Attributes)
-	align := 1.0
-	if L > 0 && numDevices > 1 {
-		if q.Level < L {
-			align = float64(L-q.Level) / float64(L)
-		} else {
-			align = 0.5 / float64(L*max(q.DomainsSpanned, 1))
-		}
-	}
+	align := q.Alignment(len(a.policy.Attributes), numDevices)
 	pack := q.Packing
 	if !a.policy.Packing {
 		pack = 1 - nodeUtil

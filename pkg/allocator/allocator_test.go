@@ -39,7 +39,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
 			want:         []string{"gpu-0"},
 			upstreamWant: []string{"gpu-0"},
-			wantLevel:    topology.AttrPCIeRoot,
+			wantLevel:    "device",
 			wantAligned:  true,
 		},
 		"dgx-first-fit-trap": {
@@ -61,7 +61,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 1).obj()},
 			want:         []string{"gpu-3"},
 			upstreamWant: []string{"gpu-0"},
-			wantLevel:    topology.AttrPCIeRoot,
+			wantLevel:    "device",
 			wantAligned:  true,
 		},
 		"dgx-best-fit-prefers-fuller-numa": {
@@ -82,7 +82,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).obj()},
 			want:         []string{"gpu-4", "gpu-5", "gpu-6", "gpu-7"},
 			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-4"},
-			wantLevel:    topology.AttrNVLinkClique,
+			wantLevel:    topology.AttrNUMANode,
 			wantAligned:  true,
 		},
 		"dgx-two-claims-two-pairs": {
@@ -102,7 +102,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).obj()},
 			want:         []string{"gpu-2", "gpu-3"},
 			upstreamWant: []string{"gpu-1", "gpu-2"},
-			wantLevel:    topology.AttrPCIeRoot,
+			wantLevel:    topology.AttrNVLinkClique,
 			wantAligned:  true,
 		},
 		"pcie-box-nvlink-first": {
@@ -168,7 +168,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 2).annotate(topology.AnnotationAlignment, "none").obj()},
 			want:         []string{"gpu-1", "gpu-2"},
 			upstreamWant: []string{"gpu-1", "gpu-2"},
-			wantLevel:    topology.AttrNVLinkClique,
+			wantLevel:    topology.AttrNUMANode,
 			wantAligned:  true,
 		},
 		"prefer-spans-when-nothing-fits": {
@@ -189,7 +189,7 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{gpus("c", 4).annotate(topology.AnnotationAlignment, "require").obj()},
 			want:         nil,
 			upstreamWant: []string{"gpu-1", "gpu-2", "gpu-3", "gpu-6"},
-			wantExplain:  "claim c request gpus: 5 devices free but not within one pcieRoot or nvlinkClique or numaNode (alignment=require)",
+			wantExplain:  "claim c request gpus: 5 devices free but not within one nvlinkClique or pcieRoot or numaNode (alignment=require)",
 		},
 		"require-feasible": {
 			slices:       pcieBox(nodeName),
@@ -326,13 +326,14 @@ func TestScoreOrdersNodes(t *testing.T) {
 	two := claim("c").request("gpus", "gpu", 2).obj()
 	one := claim("c").request("gpus", "gpu", 1).obj()
 	aligned := score(allocated(gpuDriver, "n", "gpu-0"), two)
-	// Every pair broken: the best is the clique level.
+	// Every pair broken: the best is one NUMA node (4 GPUs), tighter than
+	// the clique of all 8.
 	broken := score(allocated(gpuDriver, "n", "gpu-0", "gpu-2", "gpu-4", "gpu-6"), two)
-	if aligned.Level != 0 || broken.Level != 1 {
-		t.Fatalf("levels: %d, %d", aligned.Level, broken.Level)
+	if aligned.LevelName != string(topology.AttrPCIeRoot) || broken.LevelName != string(topology.AttrNUMANode) {
+		t.Fatalf("levels: %s, %s", aligned.LevelName, broken.LevelName)
 	}
 	if aligned.Score <= broken.Score {
-		t.Errorf("aligned score %d should beat clique-level score %d", aligned.Score, broken.Score)
+		t.Errorf("aligned score %d should beat NUMA-level score %d", aligned.Score, broken.Score)
 	}
 	half := score(allocated(gpuDriver, "n", "gpu-2"), one)
 	empty := score(allocated(gpuDriver, "n"), one)
@@ -359,6 +360,19 @@ func TestBadInput(t *testing.T) {
 		"unknown-class": {
 			claim: claim("my-claim").request("my-request", "no-such-class", 1).obj(),
 			want:  []string{"default/my-claim", "my-request", "no-such-class"},
+		},
+		"cel-runtime-error-one-device": {
+			claim: claim("my-claim").request("my-request", "gpu", 1, `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`).obj(),
+			want:  []string{"default/my-claim", "my-request", "`device.attributes[\"gpu.topodra.io\"].noSuchAttribute > 3`", "fails on device", "no such key"},
+		},
+		"cel-runtime-error-two-devices": {
+			claim: claim("my-claim").request("my-request", "gpu", 2, `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`).obj(),
+			want:  []string{"default/my-claim", "my-request", "`device.attributes[\"gpu.topodra.io\"].noSuchAttribute > 3`", "fails on device"},
+		},
+		"cel-runtime-error-in-class": {
+			claim:   claim("my-claim").request("my-request", "odd", 1).obj(),
+			classes: classes(class("odd", `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`)),
+			want:    []string{"default/my-claim", "my-request", "device class odd", "noSuchAttribute"},
 		},
 		"bad-annotation": {
 			claim: claim("my-claim").request("my-request", "gpu", 1).annotate(topology.AnnotationAlignment, "always").obj(),

@@ -46,7 +46,7 @@ func (a *Allocator) allocateOrdered(ctx context.Context, node *v1.Node, claims [
 		if ctx.Err() == nil && errors.Is(err, structured.ErrFailedAllocationOnNode) {
 			return &Result{Explanation: nodeFailure(claims, err)}, nil
 		}
-		return nil, err
+		return nil, a.explainFatal(ctx, node, claims, err)
 	}
 	if results != nil {
 		if q, ok := a.orderedQuality(results); ok {
@@ -343,6 +343,7 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 		}
 	}
 	q.Packing = (nodeUtil + fullness) / 2
+	q.Tightness = 1 // one device per claim
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q, true
 }

@@ -139,9 +139,50 @@ func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candi
 			}
 		}
 	}
+	// Domain sizes: how many devices matching the group's requests (free
+	// or not) each domain has. Levels are tried smallest domain first, so
+	// that the tightest domain wins whatever the attribute: on a DGX four
+	// GPUs go to a NUMA node before the NVSwitch clique of all eight.
+	totalAt := make([][]int, p.levels)
+	for l := range p.levels {
+		totalAt[l] = make([]int, len(ns.domVals[l]))
+	}
+	for i := range ns.devices {
+		m := false
+		for _, u := range g.units {
+			if u.matching != nil && u.matching[i] {
+				m = true
+				break
+			}
+		}
+		if !m {
+			continue
+		}
+		for l := range p.levels {
+			if v := ns.dom[l][i]; v >= 0 {
+				totalAt[l][v]++
+			}
+		}
+	}
+	type levelRank struct{ level, minTotal int }
+	var ranked []levelRank
+	for l := range p.levels {
+		best := math.MaxInt
+		for v, size := range sizeAt[l] {
+			if size >= g.need {
+				best = min(best, totalAt[l][v])
+			}
+		}
+		if best < math.MaxInt {
+			ranked = append(ranked, levelRank{l, best})
+		}
+	}
+	slices.SortStableFunc(ranked, func(x, y levelRank) int { return cmp.Compare(x.minTotal, y.minTotal) })
+
 	var result []candidate
 	var enclosing []int // backing array of all candidates' enclosing sizes
-	for l := range p.levels {
+	for _, rank := range ranked {
+		l := rank.level
 		if !allLevels && len(result) > 0 {
 			break
 		}

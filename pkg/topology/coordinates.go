@@ -9,9 +9,12 @@ import (
 )
 
 // DefaultAttributes are the topology attributes that define domains when the
-// configuration does not say otherwise, tightest first: devices behind one
-// PCIe root, then GPUs joined by NVLink, then devices on one NUMA node.
-var DefaultAttributes = []resourceapi.QualifiedName{AttrPCIeRoot, AttrNVLinkClique, AttrNUMANode}
+// configuration does not say otherwise, in priority order: GPUs joined by
+// NVLink, devices behind one PCIe root, devices on one NUMA node. The
+// allocator prefers the smallest domain that fits whatever its attribute;
+// the order only breaks ties between equally small domains (an NVLink pair
+// beats two GPUs that merely share a PCIe switch).
+var DefaultAttributes = []resourceapi.QualifiedName{AttrNVLinkClique, AttrPCIeRoot, AttrNUMANode}
 
 // LookupAttribute returns the attribute called name (a fully qualified name,
 // "domain/id") of a device published by driver, with the qualified-name

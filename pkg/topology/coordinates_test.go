@@ -95,9 +95,9 @@ func TestGroupDomains(t *testing.T) {
 		got = append(got, d.String()+"#"+string(rune('0'+len(d.Members))))
 	}
 	want := []string{
+		"gpu.topodra.io/nvlinkClique=c#3",
 		"resource.kubernetes.io/pcieRoot=r0#2",
 		"resource.kubernetes.io/pcieRoot=r1#1",
-		"gpu.topodra.io/nvlinkClique=c#3",
 		"resource.kubernetes.io/numaNode=0#2",
 		"resource.kubernetes.io/numaNode=1#2",
 	}

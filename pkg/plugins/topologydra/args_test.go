@@ -49,7 +49,7 @@ func TestConfigFilesDecode(t *testing.T) {
 		"scheduler-config.yaml": {
 			file: "scheduler-config.yaml",
 			want: config.TopologyDRAArgs{
-				TopologyAttributes:    []string{"resource.kubernetes.io/pcieRoot", "gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/numaNode"},
+				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
 				ScoringStrategy:       config.MostAllocated,
 				AlignmentWeight:       70,
 				PackingWeight:         30,

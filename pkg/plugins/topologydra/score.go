@@ -15,10 +15,9 @@ import (
 // newScorer picks the scoring function once, from the args. A node's score
 // (0..100) is the weighted mean of
 //
-//   - alignment: 1 when the pod's devices share a domain of the first
-//     (tightest) topology attribute or it has one device; (L-level)/L for a
-//     shared domain of a later attribute; 0.5/(L*domains) when they span
-//     domains (fewer domains is better);
+//   - alignment (allocator.Quality.Alignment): 1 for a single device or
+//     devices that fill the smallest domain they share, less the bigger that
+//     domain is compared to the allocation, small when they span domains;
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated.
 func newScorer(args config.TopologyDRAArgs, levels int) func(q allocator.Quality) int64 {
@@ -30,20 +29,9 @@ func newScorer(args config.TopologyDRAArgs, levels int) func(q allocator.Quality
 		packing = func(q allocator.Quality) float64 { return 1 - q.Packing }
 	}
 	return func(q allocator.Quality) int64 {
-		a := alignmentValue(q, levels)
+		a := q.Alignment(levels, len(q.Devices))
 		return int64(math.Round(100 * (wa*a + wp*packing(q)) / sum))
 	}
-}
-
-func alignmentValue(q allocator.Quality, levels int) float64 {
-	if levels == 0 || q.Level == 0 {
-		return 1
-	}
-	if q.Level < levels {
-		return float64(levels-q.Level) / float64(levels)
-	}
-	spanned := max(q.DomainsSpanned, 1)
-	return 0.5 / float64(levels*spanned)
 }
 
 // PreScore skips scoring for pods with nothing to allocate.

@@ -12,15 +12,17 @@ import (
 func TestScorer(t *testing.T) {
 	args := *DefaultArgs() // 70/30, MostAllocated, 3 levels
 	score := newScorer(args, 3)
+	two := []string{"a", "b"}
 	tests := map[string]struct {
 		q    allocator.Quality
 		want int64
 	}{
-		"aligned at tightest level, empty node": {q: allocator.Quality{Level: 0, Packing: 0}, want: 70},
-		"aligned at tightest level, full node":  {q: allocator.Quality{Level: 0, Packing: 1}, want: 100},
-		"aligned at numa level":                 {q: allocator.Quality{Level: 2, Packing: 0}, want: 23},
-		"spans two domains":                     {q: allocator.Quality{Level: 3, DomainsSpanned: 2, Packing: 0}, want: 6},
-		"spans four domains":                    {q: allocator.Quality{Level: 3, DomainsSpanned: 4, Packing: 0}, want: 3},
+		"single device, empty node":         {q: allocator.Quality{Devices: []string{"a"}, Packing: 0}, want: 70},
+		"single device, full node":          {q: allocator.Quality{Devices: []string{"a"}, Packing: 1}, want: 100},
+		"pair filling its domain":           {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Packing: 0}, want: 65},
+		"pair in a domain of eight":         {q: allocator.Quality{Devices: two, Level: 0, Tightness: 0.25, Packing: 0}, want: 18},
+		"pair spanning two domains":         {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 0}, want: 6},
+		"pair spanning two domains, packed": {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 1}, want: 36},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -31,12 +33,12 @@ func TestScorer(t *testing.T) {
 	}
 	// Tighter always beats looser at equal packing, and more packed beats
 	// less packed at equal alignment.
-	if score(allocator.Quality{Level: 1, Packing: 0.5}) <= score(allocator.Quality{Level: 2, Packing: 0.5}) {
-		t.Error("level 1 should score above level 2")
+	if score(allocator.Quality{Devices: two, Level: 2, Tightness: 1, Packing: 0.5}) <= score(allocator.Quality{Devices: two, Level: 0, Tightness: 0.5, Packing: 0.5}) {
+		t.Error("a domain the devices fill should beat a bigger one")
 	}
 	args.ScoringStrategy = config.LeastAllocated
 	spread := newScorer(args, 3)
-	if spread(allocator.Quality{Packing: 0.2}) <= spread(allocator.Quality{Packing: 0.8}) {
+	if spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.2}) <= spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.8}) {
 		t.Error("LeastAllocated should prefer the emptier node")
 	}
 }

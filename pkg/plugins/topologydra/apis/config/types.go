@@ -43,8 +43,9 @@ const (
 type TopologyDRAArgs struct {
 	metav1.TypeMeta
 
-	// TopologyAttributes define topology domains, highest priority first
-	// (fully qualified device attribute names).
+	// TopologyAttributes define topology domains (fully qualified device
+	// attribute names). The smallest domain that fits is preferred; the
+	// order breaks ties.
 	TopologyAttributes []string
 	// ScoringStrategy: MostAllocated (default) or LeastAllocated.
 	ScoringStrategy ScoringStrategy

@@ -5,7 +5,7 @@
 //	- name: TopologyDRA
 //	  args:
 //	    scoringStrategy: MostAllocated
-//	    topologyAttributes: [resource.kubernetes.io/pcieRoot, gpu.topodra.io/nvlinkClique, resource.kubernetes.io/numaNode]
+//	    topologyAttributes: [gpu.topodra.io/nvlinkClique, resource.kubernetes.io/pcieRoot, resource.kubernetes.io/numaNode]
 package v1
 
 import (
