@@ -374,17 +374,38 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	q.Packing = (nodeUtil + fullness) / 2
 
 	q.Tightness = 1
-	if len(devs) > 1 && q.Level < L {
-		size := 0
-		v := ns.devices[devs[0]].coords[q.Level]
-		for i := range ns.devices {
-			if matching[i] && ns.devices[i].coords[q.Level] == v {
-				size++
+	if len(devs) > 1 && L > 0 {
+		// Every domain the devices share counts, by how little of it is
+		// left over: a DGX pair under one PCIe root (which also shares a
+		// NUMA node and the NVSwitch clique) beats an NVLink-bridged pair
+		// of a PCIe box, which beats two GPUs behind one PCIe switch.
+		sum := 0.0
+		for l := range L {
+			v := ns.devices[devs[0]].coords[l]
+			if v == "" {
+				continue
+			}
+			shared := true
+			for _, i := range devs[1:] {
+				if ns.devices[i].coords[l] != v {
+					shared = false
+					break
+				}
+			}
+			if !shared {
+				continue
+			}
+			size := 0
+			for i := range ns.devices {
+				if matching[i] && ns.devices[i].coords[l] == v {
+					size++
+				}
+			}
+			if size > 0 {
+				sum += min(1, float64(len(devs))/float64(size))
 			}
 		}
-		if size > 0 {
-			q.Tightness = min(1, float64(len(devs))/float64(size))
-		}
+		q.Tightness = sum / float64(L)
 	}
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q

@@ -149,10 +149,11 @@ type Quality struct {
 	// take the ordered path (one device per claim) the devices of the
 	// chosen devices' pools stand in for the matching ones.
 	Packing float64
-	// Tightness in (0,1]: the number of devices divided by the size of
-	// the shared domain at Level (devices that match the pod's requests);
-	// 1 for single devices and for allocations that fill their domain.
-	// Meaningless when the devices span domains.
+	// Tightness in [0,1]: over the configured attributes, the mean of
+	// devices/size of the domain the devices share at that attribute (0
+	// where they share none; size counts devices that match the pod's
+	// requests). 1 for a single device. Sharing more, and smaller,
+	// domains is tighter.
 	Tightness float64
 	// Aligned is true if every multi-device claim (and the align-with=pod
 	// group) was placed inside one domain of some attribute.
@@ -166,9 +167,8 @@ type Quality struct {
 	//
 	//	Score = round(100 * (0.7*alignment + 0.3*packing))
 	//
-	// where alignment is 1 for a single device, Tightness*(1-0.2*Level/L)
-	// for devices that share a domain (L = number of attributes), and
-	// 0.5/(L*DomainsSpanned) when spanning; packing is Packing with Policy.Packing, 1 - node usage
+	// where alignment is Alignment (1 for a single device, Tightness for
+	// devices that share a domain, a small value when spanning); packing is Packing with Policy.Packing, 1 - node usage
 	// without it (spread).
 	Score int64
 }
@@ -210,16 +210,15 @@ func (e *Explanation) String() string {
 
 // Alignment is the alignment part of Score in [0,1] for an allocation of
 // numDevices devices under a policy with levels attributes: 1 for a single
-// device; Tightness*(1-0.2*Level/levels) for devices that share a domain
-// (tight, with a small preference for attributes listed first when domains
-// are equally tight); 0.5/(levels*DomainsSpanned) for devices that span
-// domains. The scheduler plugin weighs it against packing.
+// device; Tightness for devices that share a domain; 0.5/(levels*
+// DomainsSpanned)/levels, less than any shared domain gives, for devices
+// that span domains. The scheduler plugin weighs it against packing.
 func (q Quality) Alignment(levels, numDevices int) float64 {
 	if levels == 0 || numDevices <= 1 {
 		return 1
 	}
 	if q.Level < levels {
-		return q.Tightness * (1 - 0.2*float64(q.Level)/float64(levels))
+		return q.Tightness
 	}
-	return 0.5 / float64(levels*max(q.DomainsSpanned, 1))
+	return 0.5 / float64(levels*levels*max(q.DomainsSpanned, 1))
 }

@@ -19,10 +19,10 @@ func TestScorer(t *testing.T) {
 	}{
 		"single device, empty node":         {q: allocator.Quality{Devices: []string{"a"}, Packing: 0}, want: 70},
 		"single device, full node":          {q: allocator.Quality{Devices: []string{"a"}, Packing: 1}, want: 100},
-		"pair filling its domain":           {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Packing: 0}, want: 65},
+		"pair sharing every domain fully":   {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Packing: 0}, want: 70},
 		"pair in a domain of eight":         {q: allocator.Quality{Devices: two, Level: 0, Tightness: 0.25, Packing: 0}, want: 18},
-		"pair spanning two domains":         {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 0}, want: 6},
-		"pair spanning two domains, packed": {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 1}, want: 36},
+		"pair spanning two domains":         {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 0}, want: 2},
+		"pair spanning two domains, packed": {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 1}, want: 32},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
