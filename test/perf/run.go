@@ -125,14 +125,14 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 	tb := framework.NewProcessTB("perf", logger)
 	defer tb.Close()
 	defer func() {
+		// The control plane's test servers report fatal errors by
+		// panicking with framework.FatalError (see ProcessTB).
 		if r := recover(); r != nil {
-			var fe framework.FatalError
-			if e, ok := r.(framework.FatalError); ok {
-				fe = e
-				err = fmt.Errorf("control plane: %s", fe.Msg)
-				return
+			fe, ok := r.(framework.FatalError)
+			if !ok {
+				panic(r)
 			}
-			panic(r)
+			err = fmt.Errorf("control plane: %s", fe.Msg)
 		}
 	}()
 	ctx = klog.NewContext(ctx, logger)

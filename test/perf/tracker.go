@@ -20,23 +20,23 @@ import (
 // topology domain when such a placement existed.
 //
 // Alignment is judged in the order the claim informer delivers
-// allocations, against the devices in use just before, which is the order
-// and the state the scheduler decided in up to the bindings that were in
-// flight at the same time (a few at most; they can only make a judgement
-// stricter, never count a claim that had no aligned option as misaligned
-// when the tracker also saw none).
+// allocations, against the devices in use just before. The scheduler
+// decides one pod at a time and writes allocations in PreBind, in parallel
+// for pods whose binding overlaps, so this is the order and the state it
+// decided in except where two writes overtook each other; such a swap can
+// only make the judgement of the two claims involved stricter or looser by
+// the devices of the other one.
 type tracker struct {
 	namespace string
 	shape     []deviceSpec
 	index     map[string]int // driver/device -> index into shape
 	onBind    func(*v1.Pod)  // called for each newly bound measured pod
 
-	mu        sync.Mutex
+	mu        sync.Mutex // guards the fields below, up to stop
 	binds     []time.Time
 	bound     map[string]bool        // measured pods seen bound, by UID
 	claims    map[string][]devicePos // allocated claims by namespace/name
 	used      map[string][]bool      // node -> device index -> in use
-	measured  int                    // allocated measured claims
 	aligned   int                    // measured multi-device claims in one domain
 	eligible  int                    // ... that had an aligned option, or were aligned
 	misplaced []string               // examples of eligible claims not aligned
@@ -160,7 +160,6 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		pos = append(pos, devicePos{node: r.Pool, index: i})
 	}
 	if claim.Namespace == t.namespace {
-		t.measured++
 		t.judge(key, pos)
 	}
 	for _, p := range pos {
@@ -265,7 +264,7 @@ func (t *tracker) alignedOption(level func(deviceSpec) int, gpus, nics int) stri
 	return ""
 }
 
-// counts returns how many measured pods got bound and when.
+// bindTimes returns when each measured pod was seen bound.
 func (t *tracker) bindTimes() []time.Time {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -278,8 +277,8 @@ func (t *tracker) boundCount() int {
 	return len(t.binds)
 }
 
-// claimsIn returns the number of claims the tracker knows in namespace
-// (allocated or not is not tracked for those: only allocated ones).
+// alignment returns the aligned and eligible measured claims and a few
+// examples of eligible claims that were not aligned.
 func (t *tracker) alignment() (aligned, eligible int, examples []string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
