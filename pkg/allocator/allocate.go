@@ -33,6 +33,9 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 		return nil, errors.New("allocate: node is nil")
 	}
 	if a.simplePod(claims) {
+		if res, ok, err := a.allocateCounted(ctx, node, claims); ok || err != nil {
+			return res, err
+		}
 		return a.allocateOrdered(ctx, node, claims)
 	}
 	ns, err := a.gatherNode(node)

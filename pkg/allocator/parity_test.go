@@ -469,6 +469,9 @@ func TestParityWithUpstream(t *testing.T) {
 			continue
 		}
 		if errors.Is(upErr, structured.ErrFailedAllocationOnNode) {
+			if os.Getenv("PARITY_DEBUG") != "" {
+				t.Logf("case %d: upstream: %v", i, upErr)
+			}
 			upResult, upErr = nil, nil
 		}
 

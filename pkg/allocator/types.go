@@ -124,6 +124,12 @@ type Result struct {
 	Allocations []resourceapi.AllocationResult
 	// Quality describes the chosen allocation; zero when infeasible.
 	Quality Quality
+	// Unverified is set when Allocations were decided by counting free
+	// matching devices, without the upstream allocator: they name the
+	// chosen devices, and Verify must turn them into upstream's
+	// allocation before they are used (the scheduler plugin does so in
+	// Reserve, for the chosen node only).
+	Unverified bool
 	// Explanation is set when infeasible, and when alignment=prefer could
 	// not be met.
 	Explanation *Explanation

@@ -33,6 +33,23 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		// Filter accepted the node, so this is a bug.
 		return internalError(logger, errors.New("no allocation recorded for the chosen node"), "node", nodeName)
 	}
+	if res.Unverified {
+		// Filter decided this node by counting; upstream allocates the
+		// chosen devices now, on this node only.
+		nodeInfo, err := pl.handle.SnapshotSharedLister().NodeInfos().Get(nodeName)
+		if err != nil {
+			return internalError(logger, fmt.Errorf("node %s: %w", nodeName, err))
+		}
+		verified, err := s.allocator.Verify(ctx, nodeInfo.Node(), s.allocClaims, res)
+		if err != nil {
+			return unresolvable(err.Error())
+		}
+		if verified.Allocations == nil || len(verified.Allocations) != len(s.toAllocate) {
+			// Devices went away since Filter; a retry sees the new state.
+			return unschedulable(fmt.Sprintf("devices chosen on node %s are no longer available", nodeName))
+		}
+		res = verified
+	}
 	s.nodeName, s.result = nodeName, res
 	for j, index := range s.toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
