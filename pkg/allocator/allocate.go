@@ -56,7 +56,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 	if !passthrough {
 		if expl := a.countCheck(infos); expl != nil {
 			logger.V(5).Info("Claims do not fit by counting", "node", klog.KObj(node), "reason", expl.String())
-			return &Result{Explanation: expl}, nil
+			return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 		}
 	}
 
@@ -75,7 +75,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 					avail[i] = true
 				}
 				if len(p.fittingDomains(g, avail, false)) == 0 {
-					return &Result{Explanation: a.explain(infos, ns, g, true)}, nil
+					return &Result{Explanation: a.explain(infos, ns, g, true), DevicesConsidered: len(ns.devices)}, nil
 				}
 			}
 		}
@@ -156,7 +156,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 			continue
 		}
 		q := a.quality(ns, infos, allUnits, results)
-		res := &Result{Allocations: results, Quality: q}
+		res := &Result{Allocations: results, Quality: q, DevicesConsidered: len(ns.devices)}
 		if !q.Aligned {
 			res.Explanation = a.explainSpan(ns, groups, results)
 		}
@@ -177,7 +177,7 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 	if expl == nil {
 		expl = a.explain(infos, ns, nil, false)
 	}
-	return &Result{Explanation: expl}, nil
+	return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 }
 
 // nodeFailure explains an upstream failure that only concerns this node

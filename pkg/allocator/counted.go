@@ -71,7 +71,7 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 		}
 	}
 	if expl := a.countCheck(infos); expl != nil {
-		return &Result{Explanation: expl}, true, nil
+		return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, true, nil
 	}
 
 	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, allUnits: allUnits}
@@ -108,7 +108,7 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
 		logger.V(4).Info("Allocated by counting", "node", klog.KObj(node), "devices", q.Devices, "level", q.LevelName, "score", q.Score)
 	}
-	return &Result{Allocations: results, Quality: q, Unverified: true}, true, nil
+	return &Result{Allocations: results, Quality: q, Unverified: true, DevicesConsidered: len(ns.devices)}, true, nil
 }
 
 // Verify turns an Unverified result of Allocate into upstream's allocation

@@ -124,6 +124,10 @@ type Result struct {
 	Allocations []resourceapi.AllocationResult
 	// Quality describes the chosen allocation; zero when infeasible.
 	Quality Quality
+	// DevicesConsidered is the number of the node's devices (all drivers,
+	// including non-node-local slices) the allocator looked at; 0 where
+	// upstream alone decided.
+	DevicesConsidered int
 	// Unverified is set when Allocations were decided by counting free
 	// matching devices, without the upstream allocator: they name the
 	// chosen devices, and Verify must turn them into upstream's

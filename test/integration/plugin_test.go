@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
 	"github.com/topodra/topodra/pkg/topology"
@@ -47,6 +48,23 @@ func TestAlignedPlacement(t *testing.T) {
 		}
 		t.Logf("pod %s: node %s devices %v", name, pod.Spec.NodeName, devices)
 	}
+	// The plugin's metrics saw the placements.
+	families, err := legacyregistry.DefaultGatherer.Gather()
+	tCtx.ExpectNoError(err)
+	seen := map[string]bool{}
+	for _, mf := range families {
+		for _, m := range mf.GetMetric() {
+			if (m.GetCounter() != nil && m.GetCounter().GetValue() > 0) || (m.GetHistogram() != nil && m.GetHistogram().GetSampleCount() > 0) {
+				seen[mf.GetName()] = true
+			}
+		}
+	}
+	for _, name := range []string{"topodra_placements_total", "topodra_allocation_duration_seconds", "topodra_devices_considered", "topodra_devices_per_placement"} {
+		if !seen[name] {
+			t.Errorf("metric %s has no samples", name)
+		}
+	}
+
 	// The scheduled pod has an event naming its devices.
 	events, err := cp.Client.EventsV1().Events(e.ns).List(tCtx, metav1.ListOptions{FieldSelector: "regarding.name=two-0"})
 	tCtx.ExpectNoError(err)

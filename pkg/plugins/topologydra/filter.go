@@ -49,6 +49,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		})
 		return unresolvable(err.Error())
 	}
+	if res.DevicesConsidered > 0 {
+		devicesConsidered.Observe(float64(res.DevicesConsidered))
+	}
 	if res.Allocations == nil {
 		msg := "cannot allocate all claims"
 		if res.Explanation != nil {

@@ -33,12 +33,19 @@ var (
 		Buckets:        []float64{1, 2, 4, 8, 16, 32},
 		StabilityLevel: metrics.ALPHA,
 	})
+	devicesConsidered = metrics.NewHistogram(&metrics.HistogramOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "devices_considered",
+		Help:           "Devices of a node that topodra's allocator looked at in one Filter call (upstream-only paths not counted).",
+		Buckets:        metrics.ExponentialBuckets(1, 2, 12),
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered)
 	})
 }
 
