@@ -28,16 +28,24 @@ import (
 // is nil when the claims do not fit on this node, and Result.Explanation
 // then says why.
 func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim) (*Result, error) {
-	logger := klog.FromContext(ctx)
 	if node == nil {
 		return nil, errors.New("allocate: node is nil")
 	}
-	if a.simplePod(claims) {
+	if a.countablePod(claims) {
 		if res, ok, err := a.allocateCounted(ctx, node, claims); ok || err != nil {
 			return res, err
 		}
+	}
+	if a.simplePod(claims) {
 		return a.allocateOrdered(ctx, node, claims)
 	}
+	return a.allocateViews(ctx, node, claims)
+}
+
+// allocateViews allocates on the preferred views of the node: one upstream
+// call per view until one works, the whole node last.
+func (a *Allocator) allocateViews(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim) (*Result, error) {
+	logger := klog.FromContext(ctx)
 	ns, err := a.gatherNode(node)
 	if err != nil {
 		return nil, err
