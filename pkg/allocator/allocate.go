@@ -266,25 +266,33 @@ func (ns *nodeState) lookup(r *resourceapi.DeviceRequestAllocationResult) int {
 	return -1
 }
 
-// sharedLevel returns the tightest level at which all devs share one value,
+// sharedLevel returns the first level at which all devs share one value,
 // and that value; len(Attributes) if none.
 func (a *Allocator) sharedLevel(ns *nodeState, devs []int) (int, string) {
 	for l := range a.policy.Attributes {
-		v := ""
-		shared := len(devs) > 0
-		for _, i := range devs {
-			c := ns.devices[i].coords[l]
-			if c == "" || (v != "" && c != v) {
-				shared = false
-				break
-			}
-			v = c
-		}
-		if shared {
+		if v, ok := sharedValue(ns, l, devs); ok {
 			return l, v
 		}
 	}
 	return len(a.policy.Attributes), ""
+}
+
+// sharedValue returns the value of attribute level that all devs have, if
+// there is one.
+func sharedValue(ns *nodeState, level int, devs []int) (string, bool) {
+	if len(devs) == 0 {
+		return "", false
+	}
+	v := ns.devices[devs[0]].coords[level]
+	if v == "" {
+		return "", false
+	}
+	for _, i := range devs[1:] {
+		if ns.devices[i].coords[level] != v {
+			return "", false
+		}
+	}
+	return v, true
 }
 
 // quality describes a result.
@@ -309,16 +317,68 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 		}
 	}
 
+	// The devices the pod's requests match: packing and domain sizes count
+	// only those.
+	matching := make([]bool, len(ns.devices))
+	total, used := 0, 0
+	for _, u := range allUnits {
+		for i, m := range u.matching {
+			if m && !matching[i] {
+				matching[i] = true
+				total++
+				if ns.inUse[i] || seen[i] {
+					used++
+				}
+			}
+		}
+	}
+	nodeUtil := 1.0
+	if total > 0 {
+		nodeUtil = float64(used) / float64(total)
+	}
+
+	// The domains all devices share, with their size and busy devices
+	// (after this allocation), in one pass per shared level.
+	type shared struct {
+		value      string
+		size, busy int
+	}
+	domains := make([]*shared, L)
+	for l := range L {
+		v, ok := sharedValue(ns, l, devs)
+		if !ok {
+			continue
+		}
+		d := &shared{value: v}
+		for i := range ns.devices {
+			if matching[i] && ns.devices[i].coords[l] == v {
+				d.size++
+				if ns.inUse[i] || seen[i] {
+					d.busy++
+				}
+			}
+		}
+		domains[l] = d
+	}
+
 	coords := make([]topology.Coordinates, len(devs))
 	for k, i := range devs {
 		coords[k] = ns.devices[i].coords
 	}
 	q.Level, q.LevelName, q.Domain, q.DomainsSpanned = a.levelOf(coords)
 	if len(devs) > 1 && q.Level < L {
-		// Of the domains the devices share, report the smallest.
-		level, value := a.tightestShared(ns, devs, allUnits)
-		q.Level, q.LevelName = level, string(a.policy.Attributes[level])
-		q.Domain = topology.FormatDomain(a.policy.Attributes[level], value)
+		// Of the domains the devices share, report the smallest (ties:
+		// the attribute listed first). On a DGX the NVSwitch clique holds
+		// all eight GPUs, so four GPUs in one NUMA node are better aligned
+		// than four GPUs that only share the clique.
+		best := q.Level
+		for l, d := range domains {
+			if d != nil && d.size < domains[best].size {
+				best = l
+			}
+		}
+		q.Level, q.LevelName = best, string(a.policy.Attributes[best])
+		q.Domain = topology.FormatDomain(a.policy.Attributes[best], domains[best].value)
 	}
 
 	// Aligned: every multi-device claim and the align-with=pod group share a domain.
@@ -340,128 +400,31 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 		}
 	}
 
-	// Packing.
-	matching := make([]bool, len(ns.devices))
-	total, used := 0, 0
-	for _, u := range allUnits {
-		for i, m := range u.matching {
-			if m && !matching[i] {
-				matching[i] = true
-				total++
-				if ns.inUse[i] || seen[i] {
-					used++
-				}
-			}
-		}
-	}
-	nodeUtil := 1.0
-	if total > 0 {
-		nodeUtil = float64(used) / float64(total)
-	}
+	// Packing: node usage and the fullness of the shared domain.
 	fullness := nodeUtil
-	if len(devs) > 0 && L > 0 {
-		level := min(q.Level, L-1)
-		if q.Level >= L {
-			level = -1
-		}
-		if level >= 0 {
-			v := ns.devices[devs[0]].coords[level]
-			if v != "" {
-				size, busy := 0, 0
-				for i := range ns.devices {
-					if matching[i] && ns.devices[i].coords[level] == v {
-						size++
-						if ns.inUse[i] || seen[i] {
-							busy++
-						}
-					}
-				}
-				if size > 0 {
-					fullness = float64(busy) / float64(size)
-				}
-			}
+	if q.Level < L {
+		if d := domains[q.Level]; d != nil && d.size > 0 {
+			fullness = float64(d.busy) / float64(d.size)
 		}
 	}
 	q.Packing = (nodeUtil + fullness) / 2
 
+	// Tightness: every domain the devices share counts, by how little of
+	// it is left over: a DGX pair under one PCIe root (which also shares a
+	// NUMA node and the NVSwitch clique) beats an NVLink-bridged pair of a
+	// PCIe box, which beats two GPUs behind one PCIe switch.
 	q.Tightness = 1
 	if len(devs) > 1 && L > 0 {
-		// Every domain the devices share counts, by how little of it is
-		// left over: a DGX pair under one PCIe root (which also shares a
-		// NUMA node and the NVSwitch clique) beats an NVLink-bridged pair
-		// of a PCIe box, which beats two GPUs behind one PCIe switch.
 		sum := 0.0
-		for l := range L {
-			v := ns.devices[devs[0]].coords[l]
-			if v == "" {
-				continue
-			}
-			shared := true
-			for _, i := range devs[1:] {
-				if ns.devices[i].coords[l] != v {
-					shared = false
-					break
-				}
-			}
-			if !shared {
-				continue
-			}
-			size := 0
-			for i := range ns.devices {
-				if matching[i] && ns.devices[i].coords[l] == v {
-					size++
-				}
-			}
-			if size > 0 {
-				sum += min(1, float64(len(devs))/float64(size))
+		for _, d := range domains {
+			if d != nil && d.size > 0 {
+				sum += min(1, float64(len(devs))/float64(d.size))
 			}
 		}
 		q.Tightness = sum / float64(L)
 	}
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q
-}
-
-// tightestShared returns the level whose domain shared by all devs is the
-// smallest (fewest devices that match the pod's requests; ties go to the
-// attribute listed first), and that domain's value; len(Attributes) if
-// the devices share no domain. Smaller domains are tighter: on a DGX the
-// NVSwitch clique holds all eight GPUs, so four GPUs in one NUMA node are
-// better aligned than four GPUs that only share the clique.
-func (a *Allocator) tightestShared(ns *nodeState, devs []int, allUnits []*unit) (int, string) {
-	L := len(a.policy.Attributes)
-	best, bestValue, bestSize := L, "", math.MaxInt
-	for l := range L {
-		v := ""
-		shared := len(devs) > 0
-		for _, i := range devs {
-			c := ns.devices[i].coords[l]
-			if c == "" || (v != "" && c != v) {
-				shared = false
-				break
-			}
-			v = c
-		}
-		if !shared {
-			continue
-		}
-		size := 0
-		for i := range ns.devices {
-			if ns.devices[i].coords[l] != v {
-				continue
-			}
-			for _, u := range allUnits {
-				if u.matching != nil && u.matching[i] {
-					size++
-					break
-				}
-			}
-		}
-		if size < bestSize {
-			best, bestValue, bestSize = l, v, size
-		}
-	}
-	return best, bestValue
 }
 
 // levelOf computes Quality.Level, LevelName, Domain and DomainsSpanned for

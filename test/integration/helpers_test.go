@@ -11,7 +11,6 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/kubernetes/test/utils/ktesting"
-	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/topology"
@@ -166,4 +165,3 @@ func (e *env) preallocate(name, node, device string) {
 	e.tCtx.ExpectNoError(err)
 }
 
-var _ = ptr.To[int]
