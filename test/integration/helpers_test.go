@@ -164,4 +164,3 @@ func (e *env) preallocate(name, node, device string) {
 	_, err = cp.Client.ResourceV1().ResourceClaims(e.ns).UpdateStatus(e.tCtx, created, metav1.UpdateOptions{})
 	e.tCtx.ExpectNoError(err)
 }
-
