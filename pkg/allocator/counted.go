@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"context"
+	"slices"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -38,11 +39,17 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 	var allUnits []*unit
 	// Pods whose claims each take one device (simplePod) are served
 	// device by device; others (several devices, several requests in a
-	// claim, align-with=pod groups) by the planner.
+	// claim, align-with=pod groups, matchAttribute constraints) by the
+	// planner.
 	multi := !a.simplePod(claims)
+	var constrained []int
 	for ci, info := range infos {
-		if info.hasAll || len(claims[ci].Spec.Devices.Constraints) > 0 {
+		if info.hasAll {
 			return nil, false, nil
+		}
+		if len(claims[ci].Spec.Devices.Constraints) > 0 {
+			constrained = append(constrained, ci)
+			multi = true
 		}
 		for _, req := range claims[ci].Spec.Devices.Requests {
 			// Capacity requests and derived attributes are decided by
@@ -80,51 +87,84 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 		return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, true, nil
 	}
 
-	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, allUnits: allUnits}
-	results := make([]resourceapi.AllocationResult, len(claims))
-	add := func(ci int, request string, i int) {
-		d := &ns.devices[i]
-		results[ci].Devices.Results = append(results[ci].Devices.Results, resourceapi.DeviceRequestAllocationResult{
-			Request: request,
-			Driver:  d.driver,
-			Pool:    d.slice.Spec.Pool.Name,
-			Device:  d.device.Name,
-		})
+	// A claim with matchAttribute constraints takes its devices from one
+	// class of equal values: the classes that can serve it alone are its
+	// options. If it has none, the pod does not fit (other claims only
+	// take devices away).
+	type matchChoice struct {
+		ci      int
+		options []*claimInfo // the claim restricted to each feasible class
 	}
+	var choices []matchChoice
+	var matchExpl *Explanation
+	combinations := 1
+	for _, ci := range constrained {
+		classOf, names, ok := matchClasses(ns, infos[ci])
+		if !ok {
+			return nil, false, nil
+		}
+		ch := matchChoice{ci: ci}
+		for c := range names {
+			if r := restrictTo(infos[ci], classOf, c); canServe(r) {
+				ch.options = append(ch.options, r)
+			}
+		}
+		if len(ch.options) == 0 {
+			if matchExpl == nil {
+				matchExpl = &Explanation{}
+			}
+			matchExpl.Requests = append(matchExpl.Requests, a.matchExplanation(ns, infos[ci], classOf, names))
+			continue
+		}
+		combinations *= len(ch.options)
+		if combinations > maxMatchCombinations {
+			return nil, false, nil
+		}
+		choices = append(choices, ch)
+	}
+	if matchExpl != nil {
+		return &Result{Explanation: matchExpl, DevicesConsidered: len(ns.devices)}, true, nil
+	}
+
+	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, allUnits: allUnits}
+	var results []resourceapi.AllocationResult
+	var q Quality
 	if multi {
 		// The planner chooses each claim's (or align-with=pod group's)
-		// domain and devices, exactly as for the views.
-		p.groups = buildGroups(infos)
-		picksFor := map[*unit][]int{}
-		plans := p.plans(1)
-		if len(plans) == 0 {
-			return nil, false, nil
-		}
-		inGroup := 0
-		for gi, g := range p.groups {
-			if g.mode == AlignmentRequire && g.need > 1 && plans[0].domains[gi] == nil {
-				return nil, false, nil // the views path explains require
+		// domain and devices, exactly as for the views; with several
+		// classes for constrained claims, the combination whose plan
+		// scores best.
+		var bestGroups []*group
+		pick := make([]int, len(choices))
+		current := slices.Clone(infos)
+		for {
+			for k, ch := range choices {
+				current[ch.ci] = ch.options[pick[k]]
 			}
-			picks := plans[0].picks[gi]
-			if len(picks) != g.need {
-				return nil, false, nil
-			}
-			for _, u := range g.units {
-				picksFor[u], picks = picks[:u.count], picks[u.count:]
-				inGroup++
-			}
-		}
-		if inGroup != len(units) {
-			return nil, false, nil
-		}
-		for ci, info := range infos {
-			for _, r := range info.requests {
-				for _, i := range picksFor[r.alts[0]] {
-					add(ci, r.name, i)
+			if res, groups, ok := a.countedPlan(p, current, len(units)); ok {
+				if cq := a.quality(ns, infos, allUnits, res); results == nil || cq.Score > q.Score {
+					results, q, bestGroups = res, cq, groups
 				}
 			}
+			// Next combination (mixed radix).
+			k := 0
+			for ; k < len(choices); k++ {
+				pick[k]++
+				if pick[k] < len(choices[k].options) {
+					break
+				}
+				pick[k] = 0
+			}
+			if k == len(choices) {
+				break
+			}
 		}
+		if results == nil {
+			return nil, false, nil
+		}
+		p.groups = bestGroups
 	} else {
+		results = make([]resourceapi.AllocationResult, len(claims))
 		levels := p.coarseToFine(-1)
 		taken := make(map[int]bool, len(units))
 		for ci, info := range infos {
@@ -143,11 +183,11 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 					return nil, false, nil
 				}
 				taken[picked[0]] = true
-				add(ci, r.name, picked[0])
+				ns.addResult(&results[ci], r.name, picked[0])
 			}
 		}
+		q = a.quality(ns, infos, allUnits, results)
 	}
-	q := a.quality(ns, infos, allUnits, results)
 	var expl *Explanation
 	if multi && !q.Aligned {
 		expl = a.explainSpan(ns, p.groups, results)
@@ -156,6 +196,56 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 		logger.V(4).Info("Allocated by counting", "node", klog.KObj(node), "devices", q.Devices, "level", q.LevelName, "score", q.Score)
 	}
 	return &Result{Allocations: results, Quality: q, Explanation: expl, Unverified: true, DevicesConsidered: len(ns.devices)}, true, nil
+}
+
+// countedPlan runs the planner for infos (whose requests have one
+// alternative each) and returns the picks as allocation results, with the
+// groups it planned. ok is false where the planner cannot place every
+// request; upstream then decides.
+func (a *Allocator) countedPlan(p *planner, infos []*claimInfo, nUnits int) ([]resourceapi.AllocationResult, []*group, bool) {
+	p.groups = buildGroups(infos)
+	picksFor := map[*unit][]int{}
+	plans := p.plans(1)
+	if len(plans) == 0 {
+		return nil, nil, false
+	}
+	inGroup := 0
+	for gi, g := range p.groups {
+		if g.mode == AlignmentRequire && g.need > 1 && plans[0].domains[gi] == nil {
+			return nil, nil, false // the views path explains require
+		}
+		picks := plans[0].picks[gi]
+		if len(picks) != g.need {
+			return nil, nil, false
+		}
+		for _, u := range g.units {
+			picksFor[u], picks = picks[:u.count], picks[u.count:]
+			inGroup++
+		}
+	}
+	if inGroup != nUnits {
+		return nil, nil, false
+	}
+	results := make([]resourceapi.AllocationResult, len(infos))
+	for ci, info := range infos {
+		for _, r := range info.requests {
+			for _, i := range picksFor[r.alts[0]] {
+				p.ns.addResult(&results[ci], r.name, i)
+			}
+		}
+	}
+	return results, p.groups, true
+}
+
+// addResult appends device i to an allocation result for request.
+func (ns *nodeState) addResult(res *resourceapi.AllocationResult, request string, i int) {
+	d := &ns.devices[i]
+	res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+		Request: request,
+		Driver:  d.driver,
+		Pool:    d.slice.Spec.Pool.Name,
+		Device:  d.device.Name,
+	})
 }
 
 // Verify turns an Unverified result of Allocate into upstream's allocation
@@ -216,7 +306,7 @@ func (a *Allocator) countablePod(claims []*resourceapi.ResourceClaim) bool {
 		return false
 	}
 	for _, claim := range claims {
-		if len(claim.Spec.Devices.Constraints) > 0 {
+		if !matchCountable(claim) {
 			return false
 		}
 		for _, req := range claim.Spec.Devices.Requests {

@@ -449,7 +449,7 @@ func quietContext(t *testing.T) context.Context {
 func TestParityWithUpstream(t *testing.T) {
 	ctx := quietContext(t)
 	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
-	var feasible, infeasible, improved, errs, skipped, sharedCases int
+	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch int
 	var slowest time.Duration
 	slowestCase := -1
 	for i := range *parityCases {
@@ -508,6 +508,9 @@ func TestParityWithUpstream(t *testing.T) {
 			continue
 		}
 		feasible++
+		if res.Unverified && slices.ContainsFunc(pc.claims, func(c *resourceapi.ResourceClaim) bool { return len(c.Spec.Devices.Constraints) > 0 }) {
+			countedMatch++
+		}
 		if err := checkValid(ctx, pc, res.Allocations); err != nil {
 			t.Fatalf("case %d: invalid topodra allocation %v: %v\n%s", i, deviceNames(res.Allocations), err, pc.describe())
 		}
@@ -523,9 +526,9 @@ func TestParityWithUpstream(t *testing.T) {
 		}
 	}
 	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated", slowestCase, slowest, sharedCases)
-	t.Logf("%d cases: %d feasible (%d with other devices than upstream), %d infeasible, %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, infeasible, errs, skipped)
-	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 {
-		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different", feasible, infeasible, improved)
+	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible, %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, errs, skipped)
+	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 {
+		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d matchAttribute by counting", feasible, infeasible, improved, countedMatch)
 	}
 }
 

@@ -1,0 +1,255 @@
+package allocator
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+)
+
+// Counting claims with matchAttribute constraints.
+//
+// A matchAttribute constraint that covers all requests of a claim splits
+// the node's devices into classes: devices with the same (typed) value of
+// every constrained attribute. Upstream allocates such a claim exactly when
+// the free matching devices of one class can serve all its requests at
+// once, and devices without the attribute can serve none. So the claim is
+// decided by counting per class, and the planner chooses the devices inside
+// the best class. Values that are lists (ListTypeAttributes: upstream
+// intersects them) or of an unknown type are left to upstream.
+
+// maxMatchCombinations bounds how many combinations of classes (one per
+// constrained claim) counting plans before leaving the pod to upstream.
+const maxMatchCombinations = 32
+
+// matchCountable reports whether the claim's constraints can be decided by
+// counting: matchAttribute only, each covering every request of the claim.
+func matchCountable(claim *resourceapi.ResourceClaim) bool {
+	for _, c := range claim.Spec.Devices.Constraints {
+		if c.MatchAttribute == nil || c.DistinctAttribute != nil {
+			return false
+		}
+		if len(c.Requests) == 0 {
+			continue
+		}
+		for _, req := range claim.Spec.Devices.Requests {
+			found := false
+			for _, name := range c.Requests {
+				if name == req.Name {
+					found = true
+					break
+				}
+			}
+			if !found {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// lookupAttribute finds a device's attribute as upstream's constraints do:
+// by its fully qualified name, or by its short name when the domain is the
+// device's driver.
+func lookupAttribute(driver string, device *resourceapi.Device, name resourceapi.FullyQualifiedName) (resourceapi.DeviceAttribute, bool) {
+	if attr, ok := device.Attributes[resourceapi.QualifiedName(name)]; ok {
+		return attr, true
+	}
+	domain, id, ok := strings.Cut(string(name), "/")
+	if !ok || domain != driver {
+		return resourceapi.DeviceAttribute{}, false
+	}
+	attr, ok := device.Attributes[resourceapi.QualifiedName(id)]
+	return attr, ok
+}
+
+// typedValue renders a scalar attribute so that values of different types
+// never compare equal; ok is false for lists and unknown types.
+func typedValue(attr resourceapi.DeviceAttribute) (string, bool) {
+	switch {
+	case attr.StringValue != nil:
+		return "s:" + *attr.StringValue, true
+	case attr.IntValue != nil:
+		return "i:" + strconv.FormatInt(*attr.IntValue, 10), true
+	case attr.BoolValue != nil:
+		return "b:" + strconv.FormatBool(*attr.BoolValue), true
+	case attr.VersionValue != nil:
+		return "v:" + *attr.VersionValue, true
+	}
+	return "", false
+}
+
+// matchClasses groups the devices of info's units by the values of the
+// claim's constrained attributes. classOf[i] is the class of device i, -1
+// for devices that lack an attribute (or are not used by the claim).
+// ok is false if a device has a list or unknown value.
+func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string, ok bool) {
+	constraints := info.claim.Spec.Devices.Constraints
+	classOf = make([]int, len(ns.devices))
+	for i := range classOf {
+		classOf[i] = -2 // not evaluated
+	}
+	index := map[string]int{}
+	var key strings.Builder
+	for _, r := range info.requests {
+		for _, i := range r.alts[0].free {
+			if classOf[i] != -2 {
+				continue
+			}
+			d := &ns.devices[i]
+			key.Reset()
+			missing := false
+			for k, c := range constraints {
+				attr, found := lookupAttribute(d.driver, d.device, *c.MatchAttribute)
+				if !found {
+					missing = true
+					break
+				}
+				v, scalar := typedValue(attr)
+				if !scalar {
+					return nil, nil, false
+				}
+				if k > 0 {
+					key.WriteByte(0)
+				}
+				key.WriteString(v)
+			}
+			if missing {
+				classOf[i] = -1
+				continue
+			}
+			id, seen := index[key.String()]
+			if !seen {
+				id = len(names)
+				index[key.String()] = id
+				names = append(names, key.String())
+			}
+			classOf[i] = id
+		}
+	}
+	return classOf, names, true
+}
+
+// restrictTo returns a copy of info whose (single-alternative) requests
+// only have the free devices of class c.
+func restrictTo(info *claimInfo, classOf []int, c int) *claimInfo {
+	out := *info
+	out.requests = make([]*request, len(info.requests))
+	for k, r := range info.requests {
+		u := *r.alts[0]
+		u.free = nil
+		for _, i := range r.alts[0].free {
+			if classOf[i] == c {
+				u.free = append(u.free, i)
+			}
+		}
+		nr := *r
+		nr.alts = []*unit{&u}
+		nr.target = 0
+		out.requests[k] = &nr
+	}
+	return &out
+}
+
+// canServe reports whether distinct free devices can serve all requests of
+// info at once (a bipartite matching of request slots to devices).
+func canServe(info *claimInfo) bool {
+	var slots []*unit
+	for _, r := range info.requests {
+		u := r.alts[0]
+		if len(u.free) < u.count {
+			return false
+		}
+		for range u.count {
+			slots = append(slots, u)
+		}
+	}
+	owner := map[int]int{} // device -> slot
+	for s := range slots {
+		seen := map[int]bool{}
+		var augment func(s int) bool
+		augment = func(s int) bool {
+			for _, i := range slots[s].free {
+				if seen[i] {
+					continue
+				}
+				seen[i] = true
+				o, taken := owner[i]
+				if !taken || augment(o) {
+					owner[i] = s
+					return true
+				}
+			}
+			return false
+		}
+		if !augment(s) {
+			return false
+		}
+	}
+	return true
+}
+
+// matchExplanation says why no class can serve a constrained claim.
+func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []int, names []string) RequestExplanation {
+	var reqNames []string
+	need, matching := 0, 0
+	freeAll := map[int]bool{}
+	for _, r := range info.requests {
+		u := r.alts[0]
+		reqNames = append(reqNames, u.displayName())
+		need += u.count
+		matching = max(matching, u.nMatch)
+		for _, i := range u.free {
+			freeAll[i] = true
+		}
+	}
+	perClass := make([]int, len(names))
+	without := 0
+	for i := range freeAll {
+		if classOf[i] >= 0 {
+			perClass[classOf[i]]++
+		} else {
+			without++
+		}
+	}
+	best, bestN := "", 0
+	for c, n := range perClass {
+		if n > bestN || (n == bestN && n > 0 && names[c] < best) {
+			best, bestN = names[c], n
+		}
+	}
+	var attrs []string
+	for _, c := range info.claim.Spec.Devices.Constraints {
+		attrs = append(attrs, string(*c.MatchAttribute))
+	}
+	reason := fmt.Sprintf("no single value of %s has enough free matching devices for all requests (needs %d", strings.Join(attrs, ", "), need)
+	if bestN > 0 {
+		reason += fmt.Sprintf(", at most %d share one", bestN)
+	}
+	reason += ")"
+	if without > 0 {
+		reason += fmt.Sprintf("; %s lack the attribute", plural(without, "free device"))
+	}
+	return RequestExplanation{
+		Claim:          info.claim.Name,
+		Request:        strings.Join(reqNames, ","),
+		Matching:       matching,
+		Free:           len(freeAll),
+		Needed:         need,
+		BestDomain:     displayValue(best),
+		BestDomainFree: bestN,
+		Reason:         reason,
+	}
+}
+
+// displayValue drops the type tags of a class name.
+func displayValue(key string) string {
+	parts := strings.Split(key, "\x00")
+	for k, p := range parts {
+		if len(p) >= 2 && p[1] == ':' {
+			parts[k] = p[2:]
+		}
+	}
+	return strings.Join(parts, ",")
+}

@@ -1,0 +1,210 @@
+package allocator
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// matchClaim is a claim of n one-GPU requests with matchAttribute on attr.
+func matchClaim(name string, n int, attr resourceapi.FullyQualifiedName) *resourceapi.ResourceClaim {
+	b := claim(name)
+	for i := range n {
+		b.request(fmt.Sprintf("gpu-%d", i), "gpu", 1)
+	}
+	b.c.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(attr)}}
+	return b.obj()
+}
+
+// TestMatchAttributeByCounting checks claims with matchAttribute
+// constraints that Allocate decides by counting per attribute value: the
+// devices chosen, that the result is counted (Unverified) where it should
+// be, that Verify confirms it with upstream, and that infeasible claims
+// are explained, always agreeing with upstream on feasibility.
+func TestMatchAttributeByCounting(t *testing.T) {
+	const nodeName = "worker"
+	pcieRoot := resourceapi.FullyQualifiedName(topology.AttrPCIeRoot)
+	odd := func() []*resourceapi.ResourceSlice {
+		// gpu-0 and gpu-1: pcieRoot "1" as a string and as an int;
+		// gpu-2 lacks it; gpu-3 publishes the driver-domain "rail"
+		// attribute by its short name.
+		one := int64(1)
+		s := "1"
+		return []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver,
+			device("gpu-0", attrs{topology.AttrPCIeRoot: {StringValue: &s}, "rail": str("r0")}),
+			device("gpu-1", attrs{topology.AttrPCIeRoot: {IntValue: &one}, "rail": str("r0")}),
+			device("gpu-2", attrs{"rail": str("r1")}),
+			device("gpu-3", attrs{topology.AttrPCIeRoot: str("1"), gpuDriver + "/rail": str("r1")}),
+		)}
+	}
+	testcases := map[string]struct {
+		slices    []*resourceapi.ResourceSlice
+		allocated *structured.AllocatedState
+		claims    []*resourceapi.ResourceClaim
+		want      []string // sorted; nil = infeasible
+		counted   bool     // decided without upstream in Allocate
+		explain   string
+	}{
+		"empty-box-one-root": {
+			slices:  pcieBox(nodeName),
+			claims:  []*resourceapi.ResourceClaim{matchClaim("c", 4, pcieRoot)},
+			want:    []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3"},
+			counted: true,
+		},
+		"best-fit-root": {
+			// Root 1 has gpu-4 in use: three GPUs fill it (upstream
+			// takes gpu-0..2 and breaks up the free root).
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-4"),
+			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 3, pcieRoot)},
+			want:      []string{"gpu-5", "gpu-6", "gpu-7"},
+			counted:   true,
+		},
+		"pair-inside-root": {
+			// Two GPUs within one root: the NVLink-bridged pair of the
+			// fuller root.
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
+			want:      []string{"gpu-2", "gpu-3"},
+			counted:   true,
+		},
+		"no-root-has-enough": {
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-0", "gpu-4"),
+			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 4, pcieRoot)},
+			want:      nil,
+			counted:   true,
+			explain:   "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices for all requests (needs 4, at most 3 share one)",
+		},
+		"two-claims-two-roots": {
+			slices: pcieBox(nodeName),
+			claims: []*resourceapi.ResourceClaim{matchClaim("a", 4, pcieRoot), matchClaim("b", 4, pcieRoot)},
+			want: []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3",
+				"gpu-4", "gpu-5", "gpu-6", "gpu-7"},
+			counted: true,
+		},
+		"types-differ-and-missing-attribute": {
+			// Only gpu-0 and gpu-3 share the string "1".
+			slices:  odd(),
+			claims:  []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
+			want:    []string{"gpu-0", "gpu-3"},
+			counted: true,
+		},
+		"types-differ-infeasible": {
+			slices:    odd(),
+			allocated: allocated(gpuDriver, nodeName, "gpu-3"),
+			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
+			want:      nil,
+			counted:   true,
+			explain:   "1 free device lack the attribute",
+		},
+		"short-name-of-the-driver-domain": {
+			slices:  odd(),
+			claims:  []*resourceapi.ResourceClaim{matchClaim("c", 2, resourceapi.FullyQualifiedName(gpuDriver+"/rail"))},
+			want:    []string{"gpu-0", "gpu-1"},
+			counted: true,
+		},
+		"list-values-left-to-upstream": {
+			slices: []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver,
+				device("gpu-0", attrs{topology.AttrNUMANode: nums(0, 1)}),
+				device("gpu-1", attrs{topology.AttrNUMANode: nums(1)}),
+			)},
+			claims:  []*resourceapi.ResourceClaim{matchClaim("c", 2, resourceapi.FullyQualifiedName(topology.AttrNUMANode))},
+			want:    []string{"gpu-0", "gpu-1"},
+			counted: false,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			state := tc.allocated
+			if state == nil {
+				state = allocated(gpuDriver, nodeName)
+			}
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
+				Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node(nodeName), tc.claims)
+			if err != nil {
+				t.Fatalf("Allocate: %v", err)
+			}
+			if got := deviceNames(res.Allocations); !slices.Equal(got, tc.want) {
+				t.Fatalf("devices: got %v, want %v (explanation: %s)", got, tc.want, res.Explanation)
+			}
+			if tc.want != nil && res.Unverified != tc.counted {
+				t.Errorf("decided by counting: %v, want %v", res.Unverified, tc.counted)
+			}
+			if tc.explain != "" && !strings.Contains(res.Explanation.String(), tc.explain) {
+				t.Errorf("explanation %q does not contain %q", res.Explanation, tc.explain)
+			}
+
+			// Upstream agrees on feasibility, and accepts the devices.
+			up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
+			if err != nil {
+				t.Fatal(err)
+			}
+			upResult, err := up.Allocate(ctx, node(nodeName), tc.claims)
+			if err != nil {
+				t.Fatalf("upstream: %v", err)
+			}
+			if (upResult == nil) != (tc.want == nil) {
+				t.Fatalf("upstream allocates %v, topodra %v", deviceNames(upResult), tc.want)
+			}
+			if tc.want == nil {
+				return
+			}
+			verified, err := a.Verify(ctx, node(nodeName), tc.claims, res)
+			if err != nil {
+				t.Fatalf("Verify: %v", err)
+			}
+			if verified.Unverified || !slices.Equal(deviceNames(verified.Allocations), tc.want) {
+				t.Errorf("Verify: got %v (unverified %v), want %v", deviceNames(verified.Allocations), verified.Unverified, tc.want)
+			}
+			for ci, alloc := range verified.Allocations {
+				if !tc.counted {
+					break // list values: upstream intersects them
+				}
+				if !sharesDomainOf(tc.slices, alloc, tc.claims[ci]) {
+					t.Errorf("claim %s: devices %v do not share the constrained attribute", tc.claims[ci].Name, deviceNames(verified.Allocations[ci:ci+1]))
+				}
+			}
+		})
+	}
+}
+
+// sharesDomainOf checks the first matchAttribute constraint of claim on
+// the allocated devices with the upstream-exact lookup.
+func sharesDomainOf(slices []*resourceapi.ResourceSlice, alloc resourceapi.AllocationResult, claim *resourceapi.ResourceClaim) bool {
+	attr := *claim.Spec.Devices.Constraints[0].MatchAttribute
+	var first string
+	for k, r := range alloc.Devices.Results {
+		var value string
+		var ok bool
+		for _, s := range slices {
+			for i := range s.Spec.Devices {
+				d := &s.Spec.Devices[i]
+				if s.Spec.Driver == r.Driver && s.Spec.Pool.Name == r.Pool && d.Name == r.Device {
+					if a, found := lookupAttribute(s.Spec.Driver, d, attr); found {
+						value, ok = typedValue(a)
+					}
+				}
+			}
+		}
+		if !ok || (k > 0 && value != first) {
+			return false
+		}
+		first = value
+	}
+	return true
+}
