@@ -11,7 +11,8 @@ import (
 )
 
 // Counting decides pods whose claims ask for ExactCount devices of one class
-// per request, without constraints, admin access, shared or
+// per request, without constraints other than matchAttribute over all of a
+// claim's requests (see match.go), admin access, shared or
 // counter-consuming devices:
 // for them the free devices that match (memoised CEL results, taints,
 // devices in use) are exactly what upstream could allocate. Filter then
@@ -135,6 +136,7 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 		// classes for constrained claims, the combination whose plan
 		// scores best.
 		var bestGroups []*group
+		bestLeft := 0
 		pick := make([]int, len(choices))
 		current := slices.Clone(infos)
 		for {
@@ -142,8 +144,16 @@ func (a *Allocator) allocateCounted(ctx context.Context, node *v1.Node, claims [
 				current[ch.ci] = ch.options[pick[k]]
 			}
 			if res, groups, ok := a.countedPlan(p, current, len(units)); ok {
-				if cq := a.quality(ns, infos, allUnits, res); results == nil || cq.Score > q.Score {
-					results, q, bestGroups = res, cq, groups
+				cq := a.quality(ns, infos, allUnits, res)
+				var left int
+				if len(choices) > 0 {
+					left = leftover(ns, allUnits, res)
+				}
+				// Equal scores: best fit (or spread) of the enclosing
+				// domains decides, as the planner does within one class.
+				if results == nil || cq.Score > q.Score ||
+					(cq.Score == q.Score && ((a.policy.Packing && left < bestLeft) || (!a.policy.Packing && left > bestLeft))) {
+					results, q, bestGroups, bestLeft = res, cq, groups, left
 				}
 			}
 			// Next combination (mixed radix).
@@ -299,7 +309,8 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 }
 
 // countablePod is the static part of allocateCounted's test: every claim
-// has only ExactCount requests of one class, without constraints, capacity
+// has only ExactCount requests of one class, no constraints but
+// matchAttribute over all its requests, no capacity
 // requests, derived attributes or admin access, and is not alignment=none.
 func (a *Allocator) countablePod(claims []*resourceapi.ResourceClaim) bool {
 	if len(a.policy.Attributes) == 0 {

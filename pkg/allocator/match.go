@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -252,4 +253,41 @@ func displayValue(key string) string {
 		}
 	}
 	return strings.Join(parts, ",")
+}
+
+// leftover sums, over the topology levels, the free matching devices that
+// the domains of the chosen devices keep after the allocation: lower is a
+// tighter fit.
+func leftover(ns *nodeState, allUnits []*unit, results []resourceapi.AllocationResult) int {
+	chosen := make([]bool, len(ns.devices))
+	var devs []int
+	for ci := range results {
+		for k := range results[ci].Devices.Results {
+			if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 && !chosen[i] {
+				chosen[i] = true
+				devs = append(devs, i)
+			}
+		}
+	}
+	matching := make([]bool, len(ns.devices))
+	for _, u := range allUnits {
+		for i, m := range u.matching {
+			matching[i] = matching[i] || m
+		}
+	}
+	sum := 0
+	for l := range ns.dom {
+		var values []int32
+		for _, i := range devs {
+			if v := ns.dom[l][i]; v >= 0 && !slices.Contains(values, v) {
+				values = append(values, v)
+			}
+		}
+		for i := range ns.devices {
+			if matching[i] && !chosen[i] && !ns.inUse[i] && slices.Contains(values, ns.dom[l][i]) {
+				sum++
+			}
+		}
+	}
+	return sum
 }

@@ -77,6 +77,15 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			want:      []string{"gpu-2", "gpu-3"},
 			counted:   true,
 		},
+		"fuller-numa-node-breaks-the-tie": {
+			// Three DGX roots have both GPUs free; the one in NUMA node 1
+			// (gpu-4 in use) keeps NUMA node 0 whole.
+			slices:    dgx(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-4"),
+			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
+			want:      []string{"gpu-6", "gpu-7"},
+			counted:   true,
+		},
 		"no-root-has-enough": {
 			slices:    pcieBox(nodeName),
 			allocated: allocated(gpuDriver, nodeName, "gpu-0", "gpu-4"),

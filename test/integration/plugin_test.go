@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -228,5 +229,56 @@ func TestInvalidCELIsReported(t *testing.T) {
 			t.Fatalf("no InvalidClaim event on claim %s", brokenClaim)
 		}
 		time.Sleep(framework.PollInterval)
+	}
+}
+
+// TestMatchAttributeConstraint: claims with matchAttribute on the PCIe
+// root are decided by counting per root in Filter and verified by upstream
+// in Reserve. topodra fills the fuller NUMA node where stock takes the
+// first root; a claim no root can hold is reported on the pod.
+func TestMatchAttributeConstraint(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "match")
+	topoNode := e.dgxNodes("topodra", 1, "256")[0]
+	stockNode := e.dgxNodes("stock", 1, "256")[0]
+	e.preallocate("taken-topodra", topoNode, "gpu-4")
+	e.preallocate("taken-stock", stockNode, "gpu-4")
+	sameRoot := func(name string, n int) string {
+		tmpl := framework.ClaimTemplate(e.ns, name, e.class, 1)
+		req := tmpl.Spec.Spec.Devices.Requests[0]
+		tmpl.Spec.Spec.Devices.Requests = nil
+		for i := range n {
+			r := *req.DeepCopy()
+			r.Name = fmt.Sprintf("gpu-%d", i)
+			tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, r)
+		}
+		tmpl.Spec.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
+		_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, tmpl, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		return name
+	}
+	two := sameRoot("same-root-2", 2)
+	three := sameRoot("same-root-3", 3)
+	startTopodra(tCtx)
+	startStock(tCtx)
+
+	e.pod("topodra", topodraName, "topodra", two)
+	e.pod("stock", stockName, "stock", two)
+	got := e.devicesOf(e.waitScheduled("topodra"))
+	stock := e.devicesOf(e.waitScheduled("stock"))
+	t.Logf("topodra chose %v, stock chose %v", got, stock)
+	if strings.Join(got, ",") != "gpu-6,gpu-7" {
+		t.Errorf("topodra allocated %v, want gpu-6,gpu-7 (the free root of the fuller NUMA node)", got)
+	}
+	if !sharedDomain(stock, 2) {
+		t.Errorf("stock allocated %v, which violates the constraint", stock)
+	}
+
+	e.pod("too-big", topodraName, "topodra", three)
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "too-big", waitTimeout)
+	tCtx.ExpectNoError(err)
+	msg := framework.PodScheduledCondition(pod).Message
+	if !strings.Contains(msg, "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices") {
+		t.Errorf("pod condition %q does not explain the constraint", msg)
 	}
 }
