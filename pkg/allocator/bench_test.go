@@ -81,6 +81,19 @@ var benchShapes = []benchShape{
 	}},
 	{name: "10dev-2roots", slices: perfDevices, inUse: []string{"basic-device-0", "basic-device-3"}, claims: []*resourceapi.ResourceClaim{claim("c").request("req-0", "test-class", 1).obj()},
 		classes: classes(class("test-class", `device.driver == "`+gpuDriver+`"`))},
+	{name: "match-5of10", slices: perfDevices, inUse: []string{"basic-device-0"}, claims: []*resourceapi.ResourceClaim{fiveInOneRoot()},
+		classes: classes(class("test-class", `device.driver == "`+gpuDriver+`"`))},
+}
+
+// fiveInOneRoot is upstream's match workload claim: five one-device
+// requests that must share the PCIe root.
+func fiveInOneRoot() *resourceapi.ResourceClaim {
+	b := claim("c")
+	for i := range 5 {
+		b.request(fmt.Sprintf("req-%d", i), "test-class", 1)
+	}
+	b.c.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptrTo(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
+	return b.obj()
 }
 
 func benchState(nodeName string, s benchShape) *structured.AllocatedState {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"time"
 
@@ -46,6 +47,10 @@ type Options struct {
 	// CPUProfileDir, if set, receives the CPU profile of each measured
 	// interval as <workload>-<scheduler>.pprof.
 	CPUProfileDir string
+	// SteadyRounds runs each steady-state workload this many times per
+	// scheduler, alternating the order (topodra, stock, stock, topodra,
+	// ...), and reports the rounds together; at least 1.
+	SteadyRounds int
 }
 
 // Result is one workload run by one scheduler. The JSON keys workload,
@@ -77,10 +82,12 @@ type Result struct {
 	// workload does not measure it.
 	AlignedPercent *float64 `json:"alignedPercent"`
 
-	Mode        string `json:"mode"`
-	Unscheduled int    `json:"unscheduled"`
-	Attempts    int    `json:"attempts"`
-	AlignedOf   int    `json:"alignedEligible,omitempty"`
+	Mode string `json:"mode"`
+	// Rounds is how many runs this result sums up (see Options.SteadyRounds).
+	Rounds      int `json:"rounds"`
+	Unscheduled int `json:"unscheduled"`
+	Attempts    int `json:"attempts"`
+	AlignedOf   int `json:"alignedEligible,omitempty"`
 	// Throughput percentiles over 1 s windows (upstream's
 	// SchedulingThroughput Perc50/90/99: higher percentile = faster window).
 	ThroughputP50 float64 `json:"throughputP50"`
@@ -148,16 +155,98 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 		return nil, err
 	}
 	opts.progressf("%s: control plane and %d nodes, %d pre-allocated claims ready in %.1fs", w.Name, w.Nodes, w.InitClaims, time.Since(start).Seconds())
-	for _, sched := range opts.Schedulers {
-		res, err := runScheduler(ctx, opts, cp, &w, sched)
-		if err != nil {
-			return results, fmt.Errorf("%s with %s: %w", w.Name, sched, err)
+	// Whoever runs first meets an apiserver still busy with the set-up;
+	// steady-state runs are short, so they alternate the order over
+	// several rounds.
+	rounds := 1
+	if w.Mode == Steady && opts.SteadyRounds > 1 {
+		rounds = opts.SteadyRounds
+	}
+	perScheduler := map[string][]Result{}
+	for round := range rounds {
+		order := slices.Clone(opts.Schedulers)
+		if round%2 == 1 {
+			slices.Reverse(order)
 		}
-		opts.progressf("%s: %s: %d pods in %.1fs = %.1f pods/s, attempt p50 %.1fms p99 %.1fms, algorithm p50 %.2fms p99 %.2fms, scheduler CPU %.2fs (%.1f ms/pod) of %.1fs%s, heap %.0f MiB",
-			w.Name, sched, res.Pods, res.Seconds, res.PodsPerSecond, res.P50Ms, res.P99Ms, res.AlgorithmP50Ms, res.AlgorithmP99Ms, res.SchedulerCPUSeconds, res.SchedulerCPUMsPerPod, res.ProcessCPUSeconds, alignedText(res), res.SchedulerHeapMB)
-		results = append(results, *res)
+		for _, sched := range order {
+			res, err := runScheduler(ctx, opts, cp, &w, sched, round)
+			if err != nil {
+				return results, fmt.Errorf("%s with %s: %w", w.Name, sched, err)
+			}
+			label := sched
+			if rounds > 1 {
+				label = fmt.Sprintf("%s (round %d of %d)", sched, round+1, rounds)
+			}
+			opts.progressf("%s: %s: %d pods in %.1fs = %.1f pods/s, attempt p50 %.1fms p99 %.1fms, algorithm p50 %.2fms p99 %.2fms, scheduler CPU %.2fs (%.1f ms/pod) of %.1fs%s, heap %.0f MiB",
+				w.Name, label, res.Pods, res.Seconds, res.PodsPerSecond, res.P50Ms, res.P99Ms, res.AlgorithmP50Ms, res.AlgorithmP99Ms, res.SchedulerCPUSeconds, res.SchedulerCPUMsPerPod, res.ProcessCPUSeconds, alignedText(res), res.SchedulerHeapMB)
+			perScheduler[sched] = append(perScheduler[sched], *res)
+		}
+	}
+	for _, sched := range opts.Schedulers {
+		results = append(results, mergeRounds(perScheduler[sched]))
 	}
 	return results, nil
+}
+
+// mergeRounds reports several rounds of one scheduler as one result: pods,
+// seconds and CPU add up (so pods/s and CPU per pod are over all rounds),
+// latency and throughput percentiles are the rounds' mean, memory the
+// largest.
+func mergeRounds(rounds []Result) Result {
+	m := rounds[0]
+	m.Rounds = len(rounds)
+	if len(rounds) == 1 {
+		return m
+	}
+	n := float64(len(rounds))
+	means := func(get func(*Result) *float64) {
+		sum := 0.0
+		for i := range rounds {
+			sum += *get(&rounds[i])
+		}
+		*get(&m) = sum / n
+	}
+	for _, get := range []func(*Result) *float64{
+		func(r *Result) *float64 { return &r.P50Ms },
+		func(r *Result) *float64 { return &r.P99Ms },
+		func(r *Result) *float64 { return &r.AlgorithmP50Ms },
+		func(r *Result) *float64 { return &r.AlgorithmP99Ms },
+		func(r *Result) *float64 { return &r.ThroughputP50 },
+		func(r *Result) *float64 { return &r.ThroughputP90 },
+		func(r *Result) *float64 { return &r.ThroughputP99 },
+	} {
+		means(get)
+	}
+	aligned, eligible := 0.0, 0
+	for i, r := range rounds {
+		if r.AlignedPercent != nil {
+			aligned += *r.AlignedPercent * float64(r.AlignedOf) / 100
+			eligible += r.AlignedOf
+		}
+		if i == 0 {
+			continue
+		}
+		m.Pods += r.Pods
+		m.Seconds += r.Seconds
+		m.Unscheduled += r.Unscheduled
+		m.Attempts += r.Attempts
+		m.SchedulerCPUSeconds += r.SchedulerCPUSeconds
+		m.ProcessCPUSeconds += r.ProcessCPUSeconds
+		m.SchedulerHeapMB = max(m.SchedulerHeapMB, r.SchedulerHeapMB)
+		m.ProcessRSSMB = max(m.ProcessRSSMB, r.ProcessRSSMB)
+		m.Misplaced = append(m.Misplaced, r.Misplaced...)
+	}
+	if m.AlignedPercent != nil && eligible > 0 {
+		m.AlignedPercent = ptr.To(100 * aligned / float64(eligible))
+		m.AlignedOf = eligible
+	}
+	if m.Seconds > 0 {
+		m.PodsPerSecond = float64(m.Pods) / m.Seconds
+	}
+	if m.Pods > 0 && m.SchedulerCPUSeconds >= 0 {
+		m.SchedulerCPUMsPerPod = 1000 * m.SchedulerCPUSeconds / float64(m.Pods)
+	}
+	return m
 }
 
 func alignedText(r *Result) string {
@@ -171,13 +260,16 @@ func alignedText(r *Result) string {
 	return s
 }
 
-func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane, w *Workload, sched string) (*Result, error) {
+func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane, w *Workload, sched string, round int) (*Result, error) {
 	profile, ok := profileOf[sched]
 	if !ok {
 		return nil, fmt.Errorf("unknown scheduler %q", sched)
 	}
 	client := cp.Client
 	ns := "test-" + sched
+	if round > 0 {
+		ns = fmt.Sprintf("%s-%d", ns, round+1)
+	}
 	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return nil, fmt.Errorf("create namespace: %w", err)
 	}
@@ -256,7 +348,11 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 	}
 	res.SchedulerCPUSeconds, res.ProcessCPUSeconds = cpu, processCPU
 	if opts.CPUProfileDir != "" && raw != nil {
-		name := strings.NewReplacer("/", "_", " ", "_").Replace(w.Name) + "-" + sched + ".pprof"
+		name := strings.NewReplacer("/", "_", " ", "_").Replace(w.Name) + "-" + sched
+		if round > 0 {
+			name += fmt.Sprintf("-round%d", round+1)
+		}
+		name += ".pprof"
 		if err := os.WriteFile(filepath.Join(opts.CPUProfileDir, name), raw, 0o644); err != nil {
 			return nil, fmt.Errorf("write profile: %w", err)
 		}

@@ -35,6 +35,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	short := fs.Bool("short", false, "scaled-down set: 50 nodes, 5 s steady state")
 	nodes := fs.Int("nodes", 0, "nodes per workload (default 500, or 50 with --short)")
 	steady := fs.Duration("steady-duration", 0, "steady-state duration (default 10s, or 5s with --short)")
+	steadyRounds := fs.Int("steady-rounds", 0, "runs per scheduler of each steady-state workload, alternating which scheduler goes first; reported together (default 2, or 1 with --short)")
 	out := fs.String("out", "", "write the results as a JSON array to this file")
 	runRE := fs.String("run", "", "only workloads whose name matches this regular expression")
 	schedulers := fs.String("schedulers", "topodra,stock", "schedulers to run, in order")
@@ -55,6 +56,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		*steady = 10 * time.Second
 		if *short {
 			*steady = 5 * time.Second
+		}
+	}
+	if *steadyRounds <= 0 {
+		*steadyRounds = 2
+		if *short {
+			*steadyRounds = 1
 		}
 	}
 	var re *regexp.Regexp
@@ -94,6 +101,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		Logger:     klog.Background(),
 
 		CPUProfileDir: *cpuProfileDir,
+		SteadyRounds:  *steadyRounds,
 		TopodraConfig: topodraCfg,
 	}
 	start := time.Now()
