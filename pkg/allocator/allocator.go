@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -306,7 +307,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 		return nil, err
 	}
 	if cacheable {
-		nodeCache.Store(node.Name, &nodeStatic{stamp: stamp, attrsKey: a.attrsKey, features: a.features,
+		storeNodeStatic(node.Name, &nodeStatic{stamp: stamp, attrsKey: a.attrsKey, features: a.features,
 			devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
 	}
 	ns.fillInUse(a)
@@ -332,7 +333,25 @@ type sliceStamp struct {
 	relevant   bool
 }
 
-var nodeCache sync.Map // node name -> *nodeStatic
+var (
+	nodeCache     sync.Map // node name -> *nodeStatic
+	nodeCacheSize atomic.Int64
+)
+
+// maxCachedNodes bounds nodeCache: node names come and go (autoscaling), and
+// entries of deleted nodes are never looked up again. Past the bound the
+// cache starts over, which costs one rebuild per node.
+const maxCachedNodes = 50000
+
+func storeNodeStatic(name string, st *nodeStatic) {
+	if _, loaded := nodeCache.Swap(name, st); loaded {
+		return
+	}
+	if nodeCacheSize.Add(1) > maxCachedNodes {
+		nodeCache.Clear()
+		nodeCacheSize.Store(0)
+	}
+}
 
 // stamp identifies the node's view; it is not cacheable when a slice has no
 // UID or selects nodes per device (that depends on the node's labels).
