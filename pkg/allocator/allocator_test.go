@@ -237,28 +237,11 @@ func TestAllocateShapes(t *testing.T) {
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
-			state := tc.allocated
-			if state == nil {
-				state = allocated(gpuDriver, nodeName)
-			}
 			policy := DefaultPolicy()
 			if tc.policy != nil {
 				policy = *tc.policy
 			}
-			a, err := New(ctx, Options{
-				Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
-				Slices: tc.slices, CELCache: newCELCache(), Policy: policy,
-			})
-			if err != nil {
-				t.Fatalf("New: %v", err)
-			}
-			res, err := a.Allocate(ctx, node(nodeName), tc.claims)
-			if err != nil {
-				t.Fatalf("Allocate: %v", err)
-			}
-			if res == nil {
-				t.Fatal("Allocate returned a nil result")
-			}
+			_, res, upResult := allocateBoth(ctx, t, nodeName, tc.slices, tc.allocated, policy, tc.claims)
 			if got := deviceNames(res.Allocations); !slices.Equal(got, tc.want) {
 				t.Errorf("devices: got %v, want %v (explanation: %s)", got, tc.want, res.Explanation.String())
 			}
@@ -269,14 +252,6 @@ func TestAllocateShapes(t *testing.T) {
 				t.Errorf("got %d allocations for %d claims", len(res.Allocations), len(tc.claims))
 			}
 
-			up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
-			if err != nil {
-				t.Fatal(err)
-			}
-			upResult, err := up.Allocate(ctx, node(nodeName), tc.claims)
-			if err != nil {
-				t.Fatalf("upstream: %v", err)
-			}
 			if got := deviceNames(upResult); !slices.Equal(got, tc.upstreamWant) {
 				t.Errorf("upstream devices: got %v, want %v", got, tc.upstreamWant)
 			}

@@ -1,11 +1,13 @@
 package allocator
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"sort"
 	"strings"
 	"sync/atomic"
+	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -241,4 +243,34 @@ func numaNICs(nodeName string) []*resourceapi.ResourceSlice {
 		device("nic-1", attrs{topology.AttrNUMANode: nums(0, 1)}),
 	}
 	return []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver, gpus...), slice(nodeName, nicDriver, nics...)}
+}
+
+// allocateBoth runs topodra's Allocate and upstream's allocator on the same
+// node, slices and state (nil: nothing in use); it fails the test on errors.
+func allocateBoth(ctx context.Context, t *testing.T, nodeName string, slices []*resourceapi.ResourceSlice, state *structured.AllocatedState, policy Policy, claims []*resourceapi.ResourceClaim) (*Allocator, *Result, []resourceapi.AllocationResult) {
+	t.Helper()
+	if state == nil {
+		state = allocated(gpuDriver, nodeName)
+	}
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
+		Slices: slices, CELCache: newCELCache(), Policy: policy})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	res, err := a.Allocate(ctx, node(nodeName), claims)
+	if err != nil {
+		t.Fatalf("Allocate: %v", err)
+	}
+	if res == nil {
+		t.Fatal("Allocate returned a nil result")
+	}
+	up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, slices, newCELCache())
+	if err != nil {
+		t.Fatal(err)
+	}
+	upResult, err := up.Allocate(ctx, node(nodeName), claims)
+	if err != nil {
+		t.Fatalf("upstream: %v", err)
+	}
+	return a, res, upResult
 }

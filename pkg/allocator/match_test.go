@@ -135,19 +135,7 @@ func TestMatchAttributeByCounting(t *testing.T) {
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
-			state := tc.allocated
-			if state == nil {
-				state = allocated(gpuDriver, nodeName)
-			}
-			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
-				Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			res, err := a.Allocate(ctx, node(nodeName), tc.claims)
-			if err != nil {
-				t.Fatalf("Allocate: %v", err)
-			}
+			a, res, upResult := allocateBoth(ctx, t, nodeName, tc.slices, tc.allocated, DefaultPolicy(), tc.claims)
 			if got := deviceNames(res.Allocations); !slices.Equal(got, tc.want) {
 				t.Fatalf("devices: got %v, want %v (explanation: %s)", got, tc.want, res.Explanation)
 			}
@@ -159,14 +147,6 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			}
 
 			// Upstream agrees on feasibility, and accepts the devices.
-			up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
-			if err != nil {
-				t.Fatal(err)
-			}
-			upResult, err := up.Allocate(ctx, node(nodeName), tc.claims)
-			if err != nil {
-				t.Fatalf("upstream: %v", err)
-			}
 			if (upResult == nil) != (tc.want == nil) {
 				t.Fatalf("upstream allocates %v, topodra %v", deviceNames(upResult), tc.want)
 			}

@@ -81,6 +81,18 @@ func (e *env) pod(name, scheduler, group string, templates ...string) *v1.Pod {
 	return created
 }
 
+// sideBySide creates pod "topodra" in node group topodra and pod "stock"
+// in group stock, both with a claim from template, and returns the devices
+// each scheduler allocated.
+func (e *env) sideBySide(template string) (topodra, stock []string) {
+	e.pod("topodra", topodraName, "topodra", template)
+	e.pod("stock", stockName, "stock", template)
+	topodra = e.devicesOf(e.waitScheduled("topodra"))
+	stock = e.devicesOf(e.waitScheduled("stock"))
+	e.tCtx.Logf("topodra chose %v, stock chose %v", topodra, stock)
+	return topodra, stock
+}
+
 func (e *env) waitScheduled(name string) *v1.Pod {
 	pod, err := framework.WaitForPodScheduled(e.tCtx, cp.Client, e.ns, name, waitTimeout)
 	e.tCtx.ExpectNoError(err)

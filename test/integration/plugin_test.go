@@ -94,11 +94,7 @@ func TestFirstFitTrap(t *testing.T) {
 	startTopodra(tCtx)
 	startStock(tCtx)
 
-	e.pod("topodra", topodraName, "topodra", two)
-	e.pod("stock", stockName, "stock", two)
-	got := e.devicesOf(e.waitScheduled("topodra"))
-	stock := e.devicesOf(e.waitScheduled("stock"))
-	t.Logf("topodra chose %v, stock chose %v", got, stock)
+	got, stock := e.sideBySide(two)
 	if strings.Join(got, ",") != "gpu-2,gpu-3" {
 		t.Errorf("topodra allocated %v, want gpu-2,gpu-3", got)
 	}
@@ -262,11 +258,7 @@ func TestMatchAttributeConstraint(t *testing.T) {
 	startTopodra(tCtx)
 	startStock(tCtx)
 
-	e.pod("topodra", topodraName, "topodra", two)
-	e.pod("stock", stockName, "stock", two)
-	got := e.devicesOf(e.waitScheduled("topodra"))
-	stock := e.devicesOf(e.waitScheduled("stock"))
-	t.Logf("topodra chose %v, stock chose %v", got, stock)
+	got, stock := e.sideBySide(two)
 	if strings.Join(got, ",") != "gpu-6,gpu-7" {
 		t.Errorf("topodra allocated %v, want gpu-6,gpu-7 (the free root of the fuller NUMA node)", got)
 	}
