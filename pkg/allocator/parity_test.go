@@ -133,8 +133,12 @@ func genCase(rnd *rand.Rand) *parityCase {
 	}
 	randDevice := func(driver, name string) resourceapi.Device {
 		a := attrs{}
-		if rnd.IntN(5) > 0 {
-			a[topology.AttrPCIeRoot] = str(fmt.Sprintf("pci%d", rnd.IntN(3)))
+		switch k := rnd.IntN(3); {
+		case rnd.IntN(12) == 0:
+			// The same value, typed differently: never equal upstream.
+			a[topology.AttrPCIeRoot] = num(int64(k))
+		case rnd.IntN(5) > 0:
+			a[topology.AttrPCIeRoot] = str(fmt.Sprintf("pci%d", k))
 		}
 		switch rnd.IntN(4) {
 		case 0:
@@ -319,6 +323,24 @@ func genCase(rnd *rand.Rand) *parityCase {
 			}
 		}
 		if len(b.c.Spec.Devices.Requests) > 1 || rnd.IntN(3) == 0 {
+			var names []string
+			for _, r := range b.c.Spec.Devices.Requests {
+				names = append(names, r.Name)
+			}
+			switch rnd.IntN(8) {
+			case 3:
+				// Naming all requests is the same as naming none.
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{Requests: names, MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))})
+			case 4:
+				// Only the first request is constrained.
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{Requests: names[:1], MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))})
+			case 5:
+				// Two attributes; nvlinkClique is published by its
+				// short name in the GPU driver's slices.
+				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints,
+					resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))},
+					resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(gpuDriver + "/nvlinkClique"))})
+			}
 			switch rnd.IntN(5) {
 			case 0:
 				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))})
@@ -449,7 +471,7 @@ func quietContext(t *testing.T) context.Context {
 func TestParityWithUpstream(t *testing.T) {
 	ctx := quietContext(t)
 	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
-	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch int
+	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch, matchInfeasible int
 	var slowest time.Duration
 	slowestCase := -1
 	for i := range *parityCases {
@@ -505,6 +527,9 @@ func TestParityWithUpstream(t *testing.T) {
 			if res.Explanation == nil || res.Explanation.String() == "" {
 				t.Fatalf("case %d: infeasible without explanation", i)
 			}
+			if strings.Contains(res.Explanation.String(), "no single value of") {
+				matchInfeasible++
+			}
 			continue
 		}
 		feasible++
@@ -526,9 +551,9 @@ func TestParityWithUpstream(t *testing.T) {
 		}
 	}
 	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated", slowestCase, slowest, sharedCases)
-	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible, %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, errs, skipped)
-	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 {
-		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d matchAttribute by counting", feasible, infeasible, improved, countedMatch)
+	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, matchInfeasible, errs, skipped)
+	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 || matchInfeasible == 0 {
+		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d feasible and %d infeasible matchAttribute by counting", feasible, infeasible, improved, countedMatch, matchInfeasible)
 	}
 }
 
