@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/kubernetes/test/utils/ktesting"
@@ -272,5 +273,54 @@ func TestMatchAttributeConstraint(t *testing.T) {
 	msg := framework.PodScheduledCondition(pod).Message
 	if !strings.Contains(msg, "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices") {
 		t.Errorf("pod condition %q does not explain the constraint", msg)
+	}
+}
+
+// TestDRAExtendedResourceIsReported: a pod that asks for an extended
+// resource backed by a DeviceClass (DRAExtendedResource) must not be bound
+// to a node where only DRA could provide it, because TopologyDRA does not
+// allocate devices for extended resources; the pod says why. A node that
+// offers the resource through a device plugin still takes the pod.
+func TestDRAExtendedResourceIsReported(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "extres")
+	resourceName := v1.ResourceName("example.com/" + e.ns)
+	class := framework.DeviceClass(e.ns+"-extended", topology.DriverName)
+	class.Spec.ExtendedResourceName = ptr.To(string(resourceName))
+	_, err := cp.Client.ResourceV1().DeviceClasses().Create(tCtx, class, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	e.dgxNodes("dra", 1, "256")
+	startTopodra(tCtx)
+
+	withResource := func(name, group string, resourceName v1.ResourceName) {
+		pod := framework.PodWithClaims(e.ns, name, topodraName)
+		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+		pod.Spec.Containers[0].Resources.Limits = v1.ResourceList{resourceName: resource.MustParse("1")}
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	// The class's extendedResourceName, and the implicit name every class has.
+	implicit := v1.ResourceName(resourceapi.ResourceDeviceClassPrefix + class.Name)
+	for pod, name := range map[string]v1.ResourceName{"dra-only": resourceName, "implicit-name": implicit} {
+		withResource(pod, "dra", name)
+		p, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, pod, waitTimeout)
+		tCtx.ExpectNoError(err)
+		msg := framework.PodScheduledCondition(p).Message
+		if !strings.Contains(msg, "extended resource "+string(name)+" is provided through DRA (device class "+class.Name+")") {
+			t.Errorf("pod %s: condition %q does not explain the DRA-backed extended resource", pod, msg)
+		}
+	}
+
+	// A device-plugin node: the resource is in its allocatable.
+	name := e.ns + "-device-plugin"
+	node, err := framework.CreateReadyNode(tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": "device-plugin"})
+	tCtx.ExpectNoError(err)
+	node.Status.Capacity[resourceName] = resource.MustParse("1")
+	node.Status.Allocatable[resourceName] = resource.MustParse("1")
+	_, err = cp.Client.CoreV1().Nodes().UpdateStatus(tCtx, node, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	withResource("device-plugin", "device-plugin", resourceName)
+	if got := e.waitScheduled("device-plugin").Spec.NodeName; got != name {
+		t.Errorf("pod scheduled on %s, want %s", got, name)
 	}
 }

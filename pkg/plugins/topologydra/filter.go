@@ -19,6 +19,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if err != nil {
 		return internalError(klog.FromContext(ctx), err)
 	}
+	if st := checkExtended(s.extended, nodeInfo); st != nil {
+		return st
+	}
 	node := nodeInfo.Node()
 	for i, sel := range s.availableOnNodes {
 		if sel != nil && !sel.Match(node) {

@@ -65,8 +65,20 @@ func (pl *TopologyDRA) podClaims(pod *v1.Pod) ([]*resourceapi.ResourceClaim, err
 // per-cycle allocator. Pods without claims are skipped.
 func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
+	extended, err := pl.draExtendedResources(pod)
+	if err != nil {
+		return nil, internalError(logger, err)
+	}
+	noClaims := func() (*fwk.PreFilterResult, *fwk.Status) {
+		if len(extended) == 0 {
+			return nil, fwk.NewStatus(fwk.Skip)
+		}
+		// Filter still has to check the extended resources.
+		cs.Write(stateKey, &stateData{extended: extended, results: map[string]*allocator.Result{}, unavailableClaims: sets.New[int]()})
+		return nil, nil
+	}
 	if len(pod.Spec.ResourceClaims) == 0 {
-		return nil, fwk.NewStatus(fwk.Skip)
+		return noClaims()
 	}
 	claims, err := pl.podClaims(pod)
 	if err != nil {
@@ -74,9 +86,10 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, unschedulable(err.Error())
 	}
 	if len(claims) == 0 {
-		return nil, fwk.NewStatus(fwk.Skip)
+		return noClaims()
 	}
 	s := &stateData{
+		extended:          extended,
 		claims:            claims,
 		availableOnNodes:  make([]*nodeaffinity.NodeSelector, len(claims)),
 		results:           map[string]*allocator.Result{},

@@ -17,6 +17,10 @@ const stateKey fwk.StateKey = Name
 
 // stateData is the plugin's per-pod scheduling cycle state.
 type stateData struct {
+	// extended are the pod's extended resources that DeviceClasses back
+	// (see extended.go). Written by PreFilter, read-only after.
+	extended []draExtended
+
 	// claims are the pod's ResourceClaims in pod.spec.resourceClaims order.
 	// Written by PreFilter; PreBind replaces entries with the updated
 	// objects it got back from the API (Unreserve needs them). Read by all.
