@@ -3,6 +3,7 @@ package sim
 import (
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"text/tabwriter"
 )
@@ -43,6 +44,34 @@ type Snapshot struct {
 	Label string            `json:"label"`
 	Tick  int               `json:"tick"`
 	Used  map[string]string `json:"used"`
+}
+
+// Wait is how long pods of one size waited, in ticks.
+type Wait struct {
+	Pods  int `json:"pods"`
+	Ticks int `json:"ticks"`
+}
+
+// Mean is the mean wait per pod.
+func (w *Wait) Mean() float64 {
+	if w == nil || w.Pods == 0 {
+		return 0
+	}
+	return float64(w.Ticks) / float64(w.Pods)
+}
+
+// waitText renders the mean wait per pod size, e.g. "1:0.1 2:0.3 8:5.2".
+func waitText(res Result) string {
+	sizes := make([]int, 0, len(res.WaitByGPUs))
+	for g := range res.WaitByGPUs {
+		sizes = append(sizes, g)
+	}
+	slices.Sort(sizes)
+	parts := make([]string, 0, len(sizes))
+	for _, g := range sizes {
+		parts = append(parts, fmt.Sprintf("%d:%.1f", g, res.WaitByGPUs[g].Mean()))
+	}
+	return strings.Join(parts, " ")
 }
 
 // Ratio counts aligned allocations among those where alignment was
@@ -128,6 +157,17 @@ type Result struct {
 	Fit8            int       `json:"fit8GPU"`
 	Fit4            int       `json:"fit4GPUNUMAAligned"`
 	FreeGPUs        int       `json:"freeGPUs"`
+	// PendingPodTicks sums, over all pods, the ticks from arrival to
+	// binding (to the end of the run for pods never bound).
+	PendingPodTicks int `json:"pendingPodTicks"`
+	// WaitByGPUs splits that by the GPUs a pod asks for (0: not a plain
+	// GPU count).
+	WaitByGPUs map[int]*Wait `json:"waitByGPUs,omitempty"`
+	// FreeInWholeNUMA is the mean over the ticks of the share of free GPUs
+	// that sit in whole free NUMA nodes (4 GPUs), where a 4-GPU job can
+	// start aligned: the fragmentation measure that does not depend on
+	// which jobs happen to run at the end.
+	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
 	// Throughput is pods bound in their arrival tick per second of time
 	// spent waiting for them.
 	Throughput float64 `json:"throughputPodsPerSecond"`
@@ -211,6 +251,9 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("GPU+NIC allocations", func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) })
 	row("  sharing a PCIe root", func(res Result) string { return res.Alignment.NICRoot.String() })
 	row("aligned overall", func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
+	row("waiting: pod-ticks in all", func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
+	row("  mean ticks by GPUs per pod", waitText)
+	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
 	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })
@@ -269,7 +312,8 @@ func (r *Report) Summary() string {
 	var parts []string
 	parts = append(parts, fmt.Sprintf("aligned %.1f%% (%s) vs %.1f%% (%s)", 100*a.AlignedFraction, a.Scheduler, 100*b.AlignedFraction, b.Scheduler))
 	parts = append(parts, fmt.Sprintf("placed %d vs %d", a.Placed, b.Placed))
-	parts = append(parts, fmt.Sprintf("room for 8-GPU jobs %d vs %d, 4-GPU %d vs %d", a.Fit8, b.Fit8, a.Fit4, b.Fit4))
+	parts = append(parts, fmt.Sprintf("pod-ticks waiting %d vs %d", a.PendingPodTicks, b.PendingPodTicks))
+	parts = append(parts, fmt.Sprintf("free GPUs in whole NUMA nodes %.0f%% vs %.0f%%", 100*a.FreeInWholeNUMA, 100*b.FreeInWholeNUMA))
 	return strings.Join(parts, "; ")
 }
 

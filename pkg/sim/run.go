@@ -217,7 +217,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
 
-	res, err = drive(ctx, opts, workload, tr, client, sched, schedulerName)
+	res, err = drive(ctx, opts, workload, tr, client, topo, sched, schedulerName)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -256,7 +256,7 @@ func (t *tracker) topology(nodes []NodeSpec) []NodeTopology {
 }
 
 // drive runs the ticks of a workload against a ready cluster.
-func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, client kubernetes.Interface, sched, schedulerName string) (*Result, error) {
+func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, client kubernetes.Interface, topo []NodeTopology, sched, schedulerName string) (*Result, error) {
 	res := &Result{Scheduler: sched, SchedulerName: schedulerName, Pods: len(workload.Jobs)}
 	ticks := workload.Ticks()
 	checkpoints := map[int]bool{}
@@ -277,6 +277,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 	stuck := map[string]bool{}
 	var busy time.Duration
 	boundOnArrival := 0
+	blockShare, blockTicks := 0.0, 0
 	progressEvery := max(1, ticks/10)
 	lastProgress := time.Now()
 
@@ -349,8 +350,21 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			busy += time.Since(t0)
 			boundOnArrival += tr.boundAt(names, tick)
 		}
+		snap := tr.snapshot(fmt.Sprintf("tick %d", tick))
 		if checkpoints[tick] {
-			res.Snapshots = append(res.Snapshots, tr.snapshot(fmt.Sprintf("tick %d", tick)))
+			res.Snapshots = append(res.Snapshots, snap)
+		}
+		// Over the whole run (the end state depends on which jobs happen
+		// to be running): how much of the free capacity sits in whole free
+		// NUMA nodes.
+		free, inBlocks := 0, 0
+		for _, e := range nodeEnds(topo, snap) {
+			free += e.FreeGPUs
+			inBlocks += 4 * e.Fit4
+		}
+		if free > 0 {
+			blockShare += float64(inBlocks) / float64(free)
+			blockTicks++
 		}
 		if tick%progressEvery == progressEvery-1 || time.Since(lastProgress) > 5*time.Second {
 			placed, running, pending := tr.counts()
@@ -359,6 +373,9 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		}
 	}
 	res.Snapshots = append(res.Snapshots, tr.snapshot("end"))
+	if blockTicks > 0 {
+		res.FreeInWholeNUMA = blockShare / float64(blockTicks)
+	}
 	tr.fill(res)
 	if busy > 0 {
 		res.Throughput = float64(boundOnArrival) / busy.Seconds()
@@ -401,6 +418,27 @@ func (t *tracker) fill(res *Result) {
 			res.Pending++
 			res.PendingPods[ps.Name] = ps.Message
 		}
+		// Waiting: ticks from arrival to binding (to the end of the run
+		// for pods never bound), by GPUs per pod.
+		wait := t.tick + 1 - ps.CreatedTick
+		if ps.Bound {
+			wait = ps.BoundTick - ps.CreatedTick
+		}
+		gpus := 0
+		if ps.Demand != nil {
+			gpus = ps.Demand.GPUs
+		}
+		if res.WaitByGPUs == nil {
+			res.WaitByGPUs = map[int]*Wait{}
+		}
+		w := res.WaitByGPUs[gpus]
+		if w == nil {
+			w = &Wait{}
+			res.WaitByGPUs[gpus] = w
+		}
+		w.Pods++
+		w.Ticks += wait
+		res.PendingPodTicks += wait
 	}
 	slices.Sort(latencies)
 	res.LatencySamples = len(latencies)

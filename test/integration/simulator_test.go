@@ -149,6 +149,18 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if fit8 != res.Fit8 || fit4 != res.Fit4 {
 		t.Errorf("%s: totals 8-GPU %d / 4-GPU %d, per node %d / %d", name, res.Fit8, res.Fit4, fit8, fit4)
 	}
+	// Waiting: every pod counted once, the sizes add up to the total.
+	waitPods, waitTicks := 0, 0
+	for _, w := range res.WaitByGPUs {
+		waitPods += w.Pods
+		waitTicks += w.Ticks
+	}
+	if waitPods != res.Pods || waitTicks != res.PendingPodTicks || waitTicks < 0 {
+		t.Errorf("%s: waiting by size counts %d pods and %d ticks, want %d pods and %d ticks", name, waitPods, waitTicks, res.Pods, res.PendingPodTicks)
+	}
+	if res.FreeInWholeNUMA < 0 || res.FreeInWholeNUMA > 1 {
+		t.Errorf("%s: share of free GPUs in whole NUMA nodes %f is not in [0,1]", name, res.FreeInWholeNUMA)
+	}
 }
 
 // checkAgainstAPI runs before a cluster is torn down: every pod the report
