@@ -34,9 +34,14 @@ type Placement struct {
 	GPUNIC bool `json:"gpuNIC,omitempty"`
 	// PodLevel: the GPU+NIC fields cover all claims of the pod (this is
 	// its last claim to be allocated), not only this claim.
-	PodLevel    bool `json:"podLevel,omitempty"`
-	NICSameRoot bool `json:"nicSameRoot,omitempty"`
-	NICPossible bool `json:"nicPossible,omitempty"`
+	PodLevel bool `json:"podLevel,omitempty"`
+	// OpenedNode: a GPU-only claim went to a node no other pod used;
+	// BusyNodeHadRoom: a node in use had room for it in the same kind of
+	// domain (as aligned), so a whole node was broken up needlessly.
+	OpenedNode      bool `json:"openedNode,omitempty"`
+	BusyNodeHadRoom bool `json:"busyNodeHadRoom,omitempty"`
+	NICSameRoot     bool `json:"nicSameRoot,omitempty"`
+	NICPossible     bool `json:"nicPossible,omitempty"`
 }
 
 // Snapshot is the device assignment at one tick: device key -> pod.
@@ -72,6 +77,21 @@ func waitText(res Result) string {
 		parts = append(parts, fmt.Sprintf("%d:%.1f", g, res.WaitByGPUs[g].Mean()))
 	}
 	return strings.Join(parts, " ")
+}
+
+// openedText counts claims that went to an empty node, and those of them
+// for which a node in use had room in the same kind of domain.
+func openedText(res Result) string {
+	opened, needless := 0, 0
+	for _, p := range res.Placements {
+		if p.OpenedNode {
+			opened++
+		}
+		if p.BusyNodeHadRoom {
+			needless++
+		}
+	}
+	return fmt.Sprintf("%d / %d", opened, needless)
 }
 
 // Ratio counts aligned allocations among those where alignment was
@@ -253,6 +273,7 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("aligned overall", func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
 	row("waiting: pod-ticks in all", func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
 	row("  mean ticks by GPUs per pod", waitText)
+	row("empty nodes opened / needlessly", openedText)
 	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
 	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })

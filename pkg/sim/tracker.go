@@ -372,6 +372,37 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 		p.InRoot, p.RootPossible = same(gpus, root), anyFits(freeByDomain(root, true), len(gpus))
 		p.InNUMA, p.NUMAPossible = same(gpus, numa), anyFits(freeByDomain(numa, true), len(gpus))
 	}
+	// Did the claim break into a node that no other pod used, although a
+	// node in use offered a placement as tight (the same kind of domain)?
+	if len(gpus) > 0 && len(nics) == 0 {
+		busy := func(node string) bool {
+			for _, d := range t.nodeDevices[node] {
+				if user, used := t.usedBy[d.Key]; used && user != pod && d.GPU {
+					return true
+				}
+			}
+			return false
+		}
+		if !busy(p.Node) {
+			p.OpenedNode = true
+			level := func(*device) string { return "node" }
+			switch {
+			case p.InRoot:
+				level = root
+			case p.InNUMA:
+				level = numa
+			case p.InClique:
+				level = clique
+			}
+			for dom, free := range freeByDomain(level, true) {
+				node, _, _ := strings.Cut(dom, "/")
+				if free >= len(gpus) && node != p.Node && busy(node) {
+					p.BusyNodeHadRoom = true
+					break
+				}
+			}
+		}
+	}
 	// GPU+NIC pairs: within this claim, or, for a pod with several claims
 	// (say one GPU claim and one NIC claim with topodra.io/align-with:
 	// pod), over all its claims once the last one is allocated.
