@@ -289,6 +289,13 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 			st := cached.(*nodeStatic)
 			if st.attrsKey == a.attrsKey && st.features == a.features && slices.Equal(st.stamp, stamp) {
 				ns.dupPools, ns.dom, ns.domVals = st.dupPools, st.dom, st.domVals
+				if slices.Equal(st.slices, ns.slices) {
+					// The very same objects: the cached devices point
+					// at them already (read-only, shared).
+					ns.devices = st.devices
+					ns.fillInUse(a)
+					return ns, nil
+				}
 				// Point at the current objects: equal UID and generation
 				// mean an equal spec, except for taints that the DRA
 				// manager patches in from DeviceTaintRules.
@@ -298,6 +305,9 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 					d.slice = ns.slices[d.sliceIndex]
 					d.device = &d.slice.Spec.Devices[d.deviceIndex]
 				}
+				// Later cycles with these objects take the path above.
+				storeNodeStatic(node.Name, &nodeStatic{stamp: st.stamp, attrsKey: st.attrsKey, features: st.features,
+					slices: slices.Clone(ns.slices), devices: ns.devices, dupPools: st.dupPools, dom: st.dom, domVals: st.domVals})
 				ns.fillInUse(a)
 				return ns, nil
 			}
@@ -308,7 +318,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	}
 	if cacheable {
 		storeNodeStatic(node.Name, &nodeStatic{stamp: stamp, attrsKey: a.attrsKey, features: a.features,
-			devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
+			slices: slices.Clone(ns.slices), devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
 	}
 	ns.fillInUse(a)
 	return ns, nil
@@ -320,6 +330,8 @@ type nodeStatic struct {
 	stamp    []sliceStamp
 	attrsKey string
 	features structured.Features
+	// slices are the objects devices point into.
+	slices   []*resourceapi.ResourceSlice
 	devices  []nodeDevice
 	dupPools map[string]bool
 	dom      [][]int32
