@@ -400,12 +400,21 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 		}
 	}
 
-	// Packing: node usage and the fullness of the shared domain.
-	fullness := nodeUtil
-	if q.Level < L {
-		if d := domains[q.Level]; d != nil && d.size > 0 {
-			fullness = float64(d.busy) / float64(d.size)
+	// Packing: node usage and the fullness of the domains the devices
+	// share, all levels (a single device shares each of its domains): a
+	// GPU goes into a half-used NUMA node before it breaks up a whole one,
+	// even where both sit in one NVLink clique.
+	fullness, nShared := 0.0, 0
+	for _, d := range domains {
+		if d != nil && d.size > 0 {
+			fullness += float64(d.busy) / float64(d.size)
+			nShared++
 		}
+	}
+	if nShared > 0 {
+		fullness /= float64(nShared)
+	} else {
+		fullness = nodeUtil
 	}
 	q.Packing = (nodeUtil + fullness) / 2
 

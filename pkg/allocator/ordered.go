@@ -326,21 +326,37 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 	if total > 0 {
 		nodeUtil = min(1, float64(used)/float64(total))
 	}
-	fullness := nodeUtil
-	if len(devs) > 0 && q.Level < levels {
+	// Fullness of the domains shared by all devices, over all levels (as
+	// in quality).
+	fullness, shared := 0.0, 0
+	if len(devs) > 0 {
 		first := devs[0]
-		if id := first.ids[q.Level]; id >= 0 {
-			size := first.stats.size(q.Level, id)
-			busy := size - first.stats.free(q.Level, id)
+		for l := range levels {
+			id := first.ids[l]
+			if id < 0 {
+				continue
+			}
+			busy, all := 0, true
 			for _, d := range devs {
-				if d.stats == first.stats && d.ids[q.Level] == id {
-					busy++
+				if d.stats != first.stats || d.ids[l] != id {
+					all = false
+					break
 				}
+				busy++
 			}
-			if size > 0 {
-				fullness = min(1, float64(busy)/float64(size))
+			size := first.stats.size(l, id)
+			if !all || size == 0 {
+				continue
 			}
+			busy += size - first.stats.free(l, id)
+			fullness += min(1, float64(busy)/float64(size))
+			shared++
 		}
+	}
+	if shared > 0 {
+		fullness /= float64(shared)
+	} else {
+		fullness = nodeUtil
 	}
 	q.Packing = (nodeUtil + fullness) / 2
 	q.Tightness = 1 // one device per claim
