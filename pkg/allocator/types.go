@@ -154,9 +154,11 @@ type Quality struct {
 	// attribute counts as a domain of its own).
 	DomainsSpanned int
 	// Packing in [0,1]: the mean of how much of the node's matching devices
-	// are in use after this allocation and how full the shared domain (at
-	// Level) is afterwards, so best-fit choices score higher. For pods that
-	// take the ordered path (one device per claim) the devices of the
+	// are in use after this allocation and how full, on average, the
+	// domains all devices share (every level; a single device shares each
+	// of its domains) are afterwards, so best-fit choices score higher: a
+	// GPU goes into a half-used NUMA node before a whole free one. For pods
+	// that take the ordered path (one device per claim) the devices of the
 	// chosen devices' pools stand in for the matching ones.
 	Packing float64
 	// Tightness in [0,1]: over the configured attributes, the mean of
