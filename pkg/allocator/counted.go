@@ -11,8 +11,8 @@ import (
 )
 
 // Counting decides pods whose claims ask for ExactCount devices of one class
-// per request, without constraints other than matchAttribute over all of a
-// claim's requests (see match.go), admin access, shared or
+// per request, without constraints other than matchAttribute (see
+// match.go), admin access, shared or
 // counter-consuming devices:
 // for them the free devices that match (memoised CEL results, taints,
 // devices in use) are exactly what upstream could allocate. Filter then
@@ -310,7 +310,7 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 
 // countablePod is the static part of allocateCounted's test: every claim
 // has only ExactCount requests of one class, no constraints but
-// matchAttribute over all its requests, no capacity
+// matchAttribute ones over the same requests, no capacity
 // requests, derived attributes or admin access, and is not alignment=none.
 func (a *Allocator) countablePod(claims []*resourceapi.ResourceClaim) bool {
 	if len(a.policy.Attributes) == 0 {

@@ -11,11 +11,13 @@ import (
 
 // Counting claims with matchAttribute constraints.
 //
-// A matchAttribute constraint that covers all requests of a claim splits
-// the node's devices into classes: devices with the same (typed) value of
-// every constrained attribute. Upstream allocates such a claim exactly when
-// the free matching devices of one class can serve all its requests at
-// once, and devices without the attribute can serve none. So the claim is
+// matchAttribute constraints (all of a claim's over the same requests: all
+// of them, or the same named ones) split the node's devices into classes:
+// devices with the same (typed) value of every constrained attribute.
+// Upstream allocates such a claim exactly when, for one class, the class's
+// free matching devices serve the constrained requests and any free
+// matching devices the others, all at once; devices without the attribute
+// serve no constrained request. So the claim is
 // decided by counting per class, and the planner chooses the devices inside
 // the best class. Values that are lists (ListTypeAttributes: upstream
 // intersects them) or of an unknown type are left to upstream.
@@ -25,29 +27,51 @@ import (
 const maxMatchCombinations = 32
 
 // matchCountable reports whether the claim's constraints can be decided by
-// counting: matchAttribute only, each covering every request of the claim.
+// counting: matchAttribute only, all constraints over the same requests
+// (all of them, or the same named ones).
 func matchCountable(claim *resourceapi.ResourceClaim) bool {
-	for _, c := range claim.Spec.Devices.Constraints {
+	var first []string
+	for k, c := range claim.Spec.Devices.Constraints {
 		if c.MatchAttribute == nil || c.DistinctAttribute != nil {
 			return false
 		}
-		if len(c.Requests) == 0 {
-			continue
+		names := constrainedRequests(claim, c)
+		if names == nil {
+			return false
 		}
-		for _, req := range claim.Spec.Devices.Requests {
-			found := false
-			for _, name := range c.Requests {
-				if name == req.Name {
-					found = true
-					break
-				}
-			}
-			if !found {
-				return false
-			}
+		if k == 0 {
+			first = names
+		} else if !slices.Equal(first, names) {
+			return false
 		}
 	}
 	return true
+}
+
+// constrainedRequests lists, in claim order, the requests a constraint
+// applies to; nil if it names something that is not a request of the
+// claim (a subrequest, say: left to upstream).
+func constrainedRequests(claim *resourceapi.ResourceClaim, c resourceapi.DeviceConstraint) []string {
+	names := make([]string, 0, len(claim.Spec.Devices.Requests))
+	for _, req := range claim.Spec.Devices.Requests {
+		if len(c.Requests) == 0 || slices.Contains(c.Requests, req.Name) {
+			names = append(names, req.Name)
+		}
+	}
+	for _, name := range c.Requests {
+		if !slices.Contains(names, name) {
+			return nil
+		}
+	}
+	return names
+}
+
+// constrained reports whether request name of info's claim is under its
+// matchAttribute constraints (matchCountable holds: they all cover the
+// same requests).
+func constrained(info *claimInfo, name string) bool {
+	cs := info.claim.Spec.Devices.Constraints
+	return len(cs) > 0 && (len(cs[0].Requests) == 0 || slices.Contains(cs[0].Requests, name))
 }
 
 // lookupAttribute finds a device's attribute as upstream's constraints do:
@@ -94,6 +118,9 @@ func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string
 	index := map[string]int{}
 	var key strings.Builder
 	for _, r := range info.requests {
+		if !constrained(info, r.name) {
+			continue
+		}
 		for _, i := range r.alts[0].free {
 			if classOf[i] != -2 {
 				continue
@@ -132,12 +159,16 @@ func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string
 	return classOf, names, true
 }
 
-// restrictTo returns a copy of info whose (single-alternative) requests
-// only have the free devices of class c.
+// restrictTo returns a copy of info whose constrained (single-alternative)
+// requests only have the free devices of class c.
 func restrictTo(info *claimInfo, classOf []int, c int) *claimInfo {
 	out := *info
 	out.requests = make([]*request, len(info.requests))
 	for k, r := range info.requests {
+		if !constrained(info, r.name) {
+			out.requests[k] = r
+			continue
+		}
 		u := *r.alts[0]
 		u.free = nil
 		for _, i := range r.alts[0].free {
@@ -197,6 +228,9 @@ func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []i
 	need, matching := 0, 0
 	freeAll := map[int]bool{}
 	for _, r := range info.requests {
+		if !constrained(info, r.name) {
+			continue
+		}
 		u := r.alts[0]
 		reqNames = append(reqNames, u.displayName())
 		need += u.count
@@ -224,7 +258,11 @@ func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []i
 	for _, c := range info.claim.Spec.Devices.Constraints {
 		attrs = append(attrs, string(*c.MatchAttribute))
 	}
-	reason := fmt.Sprintf("no single value of %s has enough free matching devices for all requests (needs %d", strings.Join(attrs, ", "), need)
+	which := "all requests"
+	if len(reqNames) < len(info.requests) {
+		which = "requests " + strings.Join(reqNames, ", ")
+	}
+	reason := fmt.Sprintf("no single value of %s has enough free matching devices for %s (needs %d", strings.Join(attrs, ", "), which, need)
 	if bestN > 0 {
 		reason += fmt.Sprintf(", at most %d share one", bestN)
 	}

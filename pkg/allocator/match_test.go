@@ -24,6 +24,16 @@ func matchClaim(name string, n int, attr resourceapi.FullyQualifiedName) *resour
 	return b.obj()
 }
 
+// partialMatchClaim is matchClaim with the constraint naming only the first
+// constrained of the n requests.
+func partialMatchClaim(name string, n, constrained int, attr resourceapi.FullyQualifiedName) *resourceapi.ResourceClaim {
+	c := matchClaim(name, n, attr)
+	for i := range constrained {
+		c.Spec.Devices.Constraints[0].Requests = append(c.Spec.Devices.Constraints[0].Requests, fmt.Sprintf("gpu-%d", i))
+	}
+	return c
+}
+
 // TestMatchAttributeByCounting checks claims with matchAttribute
 // constraints that Allocate decides by counting per attribute value: the
 // devices chosen, that the result is counted (Unverified) where it should
@@ -85,6 +95,23 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
 			want:      []string{"gpu-6", "gpu-7"},
 			counted:   true,
+		},
+		"two-of-three-requests-constrained": {
+			// gpu-0 and gpu-1 must share a root, gpu-2 may go anywhere:
+			// root 0 has one free GPU, root 1 two.
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-0", "gpu-1", "gpu-2", "gpu-6", "gpu-7"),
+			claims:    []*resourceapi.ResourceClaim{partialMatchClaim("c", 3, 2, pcieRoot)},
+			want:      []string{"gpu-3", "gpu-4", "gpu-5"},
+			counted:   true,
+		},
+		"two-of-three-requests-constrained-infeasible": {
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-0", "gpu-1", "gpu-2", "gpu-5", "gpu-6", "gpu-7"),
+			claims:    []*resourceapi.ResourceClaim{partialMatchClaim("c", 3, 2, pcieRoot)},
+			want:      nil,
+			counted:   true,
+			explain:   "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices for requests gpu-0, gpu-1 (needs 2, at most 1 share one)",
 		},
 		"no-root-has-enough": {
 			slices:    pcieBox(nodeName),
@@ -174,13 +201,19 @@ func TestMatchAttributeByCounting(t *testing.T) {
 
 // sharesDomainOf checks the first matchAttribute constraint of claim on
 // the allocated devices with the upstream-exact lookup.
-func sharesDomainOf(slices []*resourceapi.ResourceSlice, alloc resourceapi.AllocationResult, claim *resourceapi.ResourceClaim) bool {
-	attr := *claim.Spec.Devices.Constraints[0].MatchAttribute
+func sharesDomainOf(pool []*resourceapi.ResourceSlice, alloc resourceapi.AllocationResult, claim *resourceapi.ResourceClaim) bool {
+	constraint := claim.Spec.Devices.Constraints[0]
+	attr := *constraint.MatchAttribute
 	var first string
-	for k, r := range alloc.Devices.Results {
+	k := -1
+	for _, r := range alloc.Devices.Results {
+		if len(constraint.Requests) > 0 && !slices.Contains(constraint.Requests, r.Request) {
+			continue
+		}
+		k++
 		var value string
 		var ok bool
-		for _, s := range slices {
+		for _, s := range pool {
 			for i := range s.Spec.Devices {
 				d := &s.Spec.Devices[i]
 				if s.Spec.Driver == r.Driver && s.Spec.Pool.Name == r.Pool && d.Name == r.Device {
