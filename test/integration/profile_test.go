@@ -3,6 +3,7 @@ package integration
 import (
 	"fmt"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
+	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -81,5 +83,42 @@ func TestSchedulerProfileBindsPods(t *testing.T) {
 	}
 	if c := framework.PodScheduledCondition(pending); c != nil {
 		t.Errorf("pod for schedulerName someone-else has a PodScheduled condition from us: %+v", c)
+	}
+}
+
+// TestSchedulersStartTogether starts topodra and stock at the same moment,
+// several times: in-process schedulers share the configz registry, and a
+// start that raced another one used to fail ("register config
+// componentconfig twice", seen once in a full run of this package). The
+// window is narrow, so this is a stress test: it fails only when a start
+// races and app.Run does not serialise starts. Each round, both schedulers
+// must schedule a pod.
+func TestSchedulersStartTogether(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	ns, err := framework.CreateNamespace(tCtx, cp.Client, "together")
+	tCtx.ExpectNoError(err)
+	_, err = framework.CreateReadyNode(tCtx, cp.Client, ns+"-node", map[string]string{"test": ns})
+	tCtx.ExpectNoError(err)
+	for round := range 5 {
+		var stops [2]func()
+		var errs [2]error
+		var wg sync.WaitGroup
+		for i, opts := range []framework.SchedulerOptions{{Name: "topodra", Config: config.SchedulerConfig}, {Name: "stock", Stock: true}} {
+			wg.Go(func() { stops[i], errs[i] = cp.StartScheduler(tCtx, opts) })
+		}
+		wg.Wait()
+		tCtx.ExpectNoError(errs[0])
+		tCtx.ExpectNoError(errs[1])
+		for _, sched := range []string{topodraName, stockName} {
+			name := fmt.Sprintf("%s-%d", sched, round)
+			pod := framework.PodWithClaims(ns, name, sched)
+			pod.Spec.NodeSelector = map[string]string{"test": ns}
+			_, err := cp.Client.CoreV1().Pods(ns).Create(tCtx, pod, metav1.CreateOptions{})
+			tCtx.ExpectNoError(err)
+			_, err = framework.WaitForPodScheduled(tCtx, cp.Client, ns, name, waitTimeout)
+			tCtx.ExpectNoError(err, "round %d", round)
+		}
+		stops[0]()
+		stops[1]()
 	}
 }

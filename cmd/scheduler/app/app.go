@@ -6,8 +6,13 @@ package app
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
+	"sync"
+	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -80,9 +85,51 @@ func Run(ctx context.Context, args []string, stock bool) error {
 	if err != nil {
 		return fmt.Errorf("set up scheduler: %w", err)
 	}
-	// configz refuses a second registration of the same name; a previous
-	// in-process scheduler may have left it behind.
-	configz.Delete("componentconfig")
+	// configz refuses a second registration of the same name, and Run
+	// registers "componentconfig" as it starts. In-process schedulers start
+	// one at a time: each removes what the one before registered and waits
+	// until its own registration is there (or Run has ended).
+	startMu.Lock()
+	configz.Delete(configzName)
 	klog.FromContext(ctx).V(2).Info("starting in-process scheduler", "stock", stock)
-	return schedapp.Run(ctx, cc, sched)
+	done := make(chan error, 1)
+	go func() { done <- schedapp.Run(ctx, cc, sched) }()
+	err = waitRegistered(ctx, done)
+	startMu.Unlock()
+	if err != nil {
+		return err
+	}
+	return <-done
+}
+
+const configzName = "componentconfig"
+
+// startMu serialises the start of in-process schedulers (see Run).
+var startMu sync.Mutex
+
+// waitRegistered polls the configz handler until configzName is registered.
+// If Run ends first, its result is returned (and put back for the caller).
+func waitRegistered(ctx context.Context, done chan error) error {
+	mux := http.NewServeMux()
+	configz.InstallHandler(mux)
+	ticker := time.NewTicker(5 * time.Millisecond)
+	defer ticker.Stop()
+	for {
+		rec := httptest.NewRecorder()
+		mux.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, configz.DefaultConfigzPath, nil))
+		var registered map[string]json.RawMessage
+		if rec.Code == http.StatusOK && json.Unmarshal(rec.Body.Bytes(), &registered) == nil {
+			if _, ok := registered[configzName]; ok {
+				return nil
+			}
+		}
+		select {
+		case err := <-done:
+			done <- err
+			return nil
+		case <-ctx.Done():
+			return nil
+		case <-ticker.C:
+		}
+	}
 }
