@@ -404,19 +404,13 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	// share, all levels (a single device shares each of its domains): a
 	// GPU goes into a half-used NUMA node before it breaks up a whole one,
 	// even where both sit in one NVLink clique.
-	fullness, nShared := 0.0, 0
+	var full fullness
 	for _, d := range domains {
-		if d != nil && d.size > 0 {
-			fullness += float64(d.busy) / float64(d.size)
-			nShared++
+		if d != nil {
+			full.add(d.busy, d.size)
 		}
 	}
-	if nShared > 0 {
-		fullness /= float64(nShared)
-	} else {
-		fullness = nodeUtil
-	}
-	q.Packing = (nodeUtil + fullness) / 2
+	q.Packing = full.packing(nodeUtil)
 
 	// Tightness: every domain the devices share counts, by how little of
 	// it is left over: a DGX pair under one PCIe root (which also shares a
@@ -434,6 +428,30 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, allUnits []*unit,
 	}
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q
+}
+
+// fullness averages how full the domains shared by an allocation's
+// devices are afterwards.
+type fullness struct {
+	sum float64
+	n   int
+}
+
+func (f *fullness) add(busy, size int) {
+	if size > 0 {
+		f.sum += min(1, float64(busy)/float64(size))
+		f.n++
+	}
+}
+
+// packing is Quality.Packing: the mean of node usage and the shared
+// domains' mean fullness (node usage where the devices share none).
+func (f fullness) packing(nodeUtil float64) float64 {
+	mean := nodeUtil
+	if f.n > 0 {
+		mean = f.sum / float64(f.n)
+	}
+	return (nodeUtil + mean) / 2
 }
 
 // levelOf computes Quality.Level, LevelName, Domain and DomainsSpanned for

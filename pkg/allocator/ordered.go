@@ -328,7 +328,7 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 	}
 	// Fullness of the domains shared by all devices, over all levels (as
 	// in quality).
-	fullness, shared := 0.0, 0
+	var full fullness
 	if len(devs) > 0 {
 		first := devs[0]
 		for l := range levels {
@@ -344,21 +344,13 @@ func (a *Allocator) orderedQuality(results []resourceapi.AllocationResult) (Qual
 				}
 				busy++
 			}
-			size := first.stats.size(l, id)
-			if !all || size == 0 {
-				continue
+			if all {
+				size := first.stats.size(l, id)
+				full.add(busy+size-first.stats.free(l, id), size)
 			}
-			busy += size - first.stats.free(l, id)
-			fullness += min(1, float64(busy)/float64(size))
-			shared++
 		}
 	}
-	if shared > 0 {
-		fullness /= float64(shared)
-	} else {
-		fullness = nodeUtil
-	}
-	q.Packing = (nodeUtil + fullness) / 2
+	q.Packing = full.packing(nodeUtil)
 	q.Tightness = 1 // one device per claim
 	q.Score = a.score(q, len(devs), nodeUtil)
 	return q, true
