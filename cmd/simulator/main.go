@@ -25,6 +25,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/topodra/topodra/pkg/sim"
+	"github.com/topodra/topodra/test/integration/framework"
 )
 
 func main() {
@@ -85,7 +86,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		opts.SchedulerConfig = data
 	}
-	if err := setUpLogging(logFile, verbosity); err != nil {
+	if err := framework.SetUpLogging(logFile, verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}
@@ -183,24 +184,4 @@ func quietStderr(logFile string) (*os.File, error) {
 	// Crashes still reach the terminal.
 	_ = debug.SetCrashOutput(f, debug.CrashOptions{})
 	return f, nil
-}
-
-// setUpLogging sends klog (all components run in this process) to a file,
-// or nowhere: the simulator's own output is the progress and the table.
-func setUpLogging(path string, verbosity int) error {
-	kfs := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(kfs)
-	set := func(name, value string) {
-		_ = kfs.Set(name, value)
-	}
-	set("v", fmt.Sprint(verbosity))
-	set("logtostderr", "false")
-	set("alsologtostderr", "false")
-	set("stderrthreshold", "FATAL")
-	if path == "" {
-		klog.SetOutput(io.Discard)
-		return nil
-	}
-	set("log_file", path)
-	return nil
 }

@@ -93,15 +93,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		cancel()
 		tb.Close()
 	}()
-	defer func() {
-		if r := recover(); r != nil {
-			fe, ok := r.(framework.FatalError)
-			if !ok {
-				panic(r)
-			}
-			err = fmt.Errorf("control plane: %s", fe.Msg)
-		}
-	}()
+	defer framework.RecoverFatal(&err)
 
 	opts.progressf("[%s] starting control plane (etcd, kube-apiserver, claim controller)", sched)
 	cp, err := framework.Start(tb)

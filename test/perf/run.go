@@ -131,17 +131,7 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 	logger := opts.Logger
 	tb := framework.NewProcessTB("perf", logger)
 	defer tb.Close()
-	defer func() {
-		// The control plane's test servers report fatal errors by
-		// panicking with framework.FatalError (see ProcessTB).
-		if r := recover(); r != nil {
-			fe, ok := r.(framework.FatalError)
-			if !ok {
-				panic(r)
-			}
-			err = fmt.Errorf("control plane: %s", fe.Msg)
-		}
-	}()
+	defer framework.RecoverFatal(&err)
 	ctx = klog.NewContext(ctx, logger)
 	start := time.Now()
 	cp, err := framework.Start(tb)

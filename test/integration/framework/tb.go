@@ -48,6 +48,19 @@ type FatalError struct{ Msg string }
 
 func (e FatalError) Error() string { return e.Msg }
 
+// RecoverFatal turns a FatalError panic of the control plane's test servers
+// (see ProcessTB) into *err; other panics go on. Use it as
+// defer framework.RecoverFatal(&err).
+func RecoverFatal(err *error) {
+	if r := recover(); r != nil {
+		fe, ok := r.(FatalError)
+		if !ok {
+			panic(r)
+		}
+		*err = fmt.Errorf("control plane: %s", fe.Msg)
+	}
+}
+
 func (p *ProcessTB) Attr(key, value string)        {}
 func (p *ProcessTB) Chdir(dir string)              { _ = os.Chdir(dir) }
 func (p *ProcessTB) Helper()                       {}

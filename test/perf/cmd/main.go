@@ -22,6 +22,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/topodra/topodra/test/integration/framework"
 	"github.com/topodra/topodra/test/perf"
 )
 
@@ -72,7 +73,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 	}
-	if err := setUpLogging(*logFile, *verbosity); err != nil {
+	if err := framework.SetUpLogging(*logFile, *verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}
@@ -149,21 +150,3 @@ func run(args []string, stdout, stderr io.Writer) int {
 }
 
 func procPeakRSS() (float64, float64) { return perf.ProcessRSSMB() }
-
-// setUpLogging sends klog (every component runs in this process) to a
-// file, or nowhere: the benchmark's own output is progress and the table.
-func setUpLogging(path string, verbosity int) error {
-	kfs := flag.NewFlagSet("klog", flag.ContinueOnError)
-	klog.InitFlags(kfs)
-	set := func(name, value string) { _ = kfs.Set(name, value) }
-	set("v", fmt.Sprint(verbosity))
-	set("logtostderr", "false")
-	set("alsologtostderr", "false")
-	set("stderrthreshold", "FATAL")
-	if path == "" {
-		klog.SetOutput(io.Discard)
-		return nil
-	}
-	set("log_file", path)
-	return nil
-}
