@@ -240,14 +240,7 @@ func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, r
 		if g.mode != AlignmentRequire || g.need < 2 {
 			continue
 		}
-		var devs []int
-		for _, ci := range g.claims {
-			for k := range results[ci].Devices.Results {
-				if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
-					devs = append(devs, i)
-				}
-			}
-		}
+		devs := ns.claimDevices(results, g.claims)
 		if level, _ := a.sharedLevel(ns, devs); level >= len(a.policy.Attributes) {
 			return false, false
 		}
@@ -264,6 +257,19 @@ func (ns *nodeState) lookup(r *resourceapi.DeviceRequestAllocationResult) int {
 		}
 	}
 	return -1
+}
+
+// claimDevices lists the node device indices allocated to the given claims.
+func (ns *nodeState) claimDevices(results []resourceapi.AllocationResult, claims []int) []int {
+	var devs []int
+	for _, ci := range claims {
+		for k := range results[ci].Devices.Results {
+			if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
+				devs = append(devs, i)
+			}
+		}
+	}
+	return devs
 }
 
 // sharedLevel returns the first level at which all devs share one value,
@@ -667,14 +673,7 @@ func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resour
 		if g.need < 2 || g.mode != AlignmentPrefer {
 			continue
 		}
-		var devs []int
-		for _, ci := range g.claims {
-			for k := range results[ci].Devices.Results {
-				if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
-					devs = append(devs, i)
-				}
-			}
-		}
+		devs := ns.claimDevices(results, g.claims)
 		if level, _ := a.sharedLevel(ns, devs); level < len(a.policy.Attributes) {
 			continue
 		}
