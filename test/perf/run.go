@@ -188,25 +188,6 @@ func mergeRounds(rounds []Result) Result {
 	if len(rounds) == 1 {
 		return m
 	}
-	n := float64(len(rounds))
-	means := func(get func(*Result) *float64) {
-		sum := 0.0
-		for i := range rounds {
-			sum += *get(&rounds[i])
-		}
-		*get(&m) = sum / n
-	}
-	for _, get := range []func(*Result) *float64{
-		func(r *Result) *float64 { return &r.P50Ms },
-		func(r *Result) *float64 { return &r.P99Ms },
-		func(r *Result) *float64 { return &r.AlgorithmP50Ms },
-		func(r *Result) *float64 { return &r.AlgorithmP99Ms },
-		func(r *Result) *float64 { return &r.ThroughputP50 },
-		func(r *Result) *float64 { return &r.ThroughputP90 },
-		func(r *Result) *float64 { return &r.ThroughputP99 },
-	} {
-		means(get)
-	}
 	aligned, eligible := 0.0, 0
 	for i, r := range rounds {
 		if r.AlignedPercent != nil {
@@ -216,6 +197,14 @@ func mergeRounds(rounds []Result) Result {
 		if i == 0 {
 			continue
 		}
+		// Sums here, divided into means below.
+		m.P50Ms += r.P50Ms
+		m.P99Ms += r.P99Ms
+		m.AlgorithmP50Ms += r.AlgorithmP50Ms
+		m.AlgorithmP99Ms += r.AlgorithmP99Ms
+		m.ThroughputP50 += r.ThroughputP50
+		m.ThroughputP90 += r.ThroughputP90
+		m.ThroughputP99 += r.ThroughputP99
 		m.Pods += r.Pods
 		m.Seconds += r.Seconds
 		m.Unscheduled += r.Unscheduled
@@ -225,6 +214,10 @@ func mergeRounds(rounds []Result) Result {
 		m.SchedulerHeapMB = max(m.SchedulerHeapMB, r.SchedulerHeapMB)
 		m.ProcessRSSMB = max(m.ProcessRSSMB, r.ProcessRSSMB)
 		m.Misplaced = append(m.Misplaced, r.Misplaced...)
+	}
+	n := float64(len(rounds))
+	for _, f := range []*float64{&m.P50Ms, &m.P99Ms, &m.AlgorithmP50Ms, &m.AlgorithmP99Ms, &m.ThroughputP50, &m.ThroughputP90, &m.ThroughputP99} {
+		*f /= n
 	}
 	if m.AlignedPercent != nil && eligible > 0 {
 		m.AlignedPercent = ptr.To(100 * aligned / float64(eligible))
