@@ -81,6 +81,15 @@ func (e *env) pod(name, scheduler, group string, templates ...string) *v1.Pod {
 	return created
 }
 
+// twinNodes creates one DGX-like node in group topodra and one in group
+// stock, each with the named device already allocated.
+func (e *env) twinNodes(taken string) {
+	for _, group := range []string{"topodra", "stock"} {
+		node := e.dgxNodes(group, 1, "256")[0]
+		e.preallocate("taken-"+group, node, taken)
+	}
+}
+
 // sideBySide creates pod "topodra" in node group topodra and pod "stock"
 // in group stock, both with a claim from template, and returns the devices
 // each scheduler allocated.

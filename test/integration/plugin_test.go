@@ -87,10 +87,7 @@ func TestAlignedPlacement(t *testing.T) {
 func TestFirstFitTrap(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "trap")
-	topoNode := e.dgxNodes("topodra", 1, "256")[0]
-	stockNode := e.dgxNodes("stock", 1, "256")[0]
-	e.preallocate("taken-topodra", topoNode, "gpu-0")
-	e.preallocate("taken-stock", stockNode, "gpu-0")
+	e.twinNodes("gpu-0")
 	two := e.template(2, nil)
 	startTopodra(tCtx)
 	startStock(tCtx)
@@ -236,10 +233,7 @@ func TestInvalidCELIsReported(t *testing.T) {
 func TestMatchAttributeConstraint(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "match")
-	topoNode := e.dgxNodes("topodra", 1, "256")[0]
-	stockNode := e.dgxNodes("stock", 1, "256")[0]
-	e.preallocate("taken-topodra", topoNode, "gpu-4")
-	e.preallocate("taken-stock", stockNode, "gpu-4")
+	e.twinNodes("gpu-4")
 	sameRoot := func(name string, n int) string {
 		tmpl := framework.ClaimTemplate(e.ns, name, e.class, 1)
 		req := tmpl.Spec.Spec.Devices.Requests[0]
