@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 
@@ -104,6 +105,24 @@ func benchState(nodeName string, s benchShape) *structured.AllocatedState {
 	return state
 }
 
+// benchInput is one shape's inputs on node-0.
+type benchInput struct {
+	slices   []*resourceapi.ResourceSlice
+	state    *structured.AllocatedState
+	classes  classLister
+	node     *v1.Node
+	celCache *cel.Cache
+}
+
+func (s benchShape) input() benchInput {
+	const nodeName = "node-0"
+	in := benchInput{slices: s.slices(nodeName), state: benchState(nodeName, s), classes: s.classes, node: node(nodeName), celCache: newCELCache()}
+	if in.classes == nil {
+		in.classes = defaultClasses
+	}
+	return in
+}
+
 func benchContext() context.Context {
 	return klog.NewContext(context.Background(), klog.Background().V(1))
 }
@@ -114,15 +133,8 @@ func benchContext() context.Context {
 func BenchmarkAllocate(b *testing.B) {
 	ctx := benchContext()
 	for _, s := range benchShapes {
-		nodeName := "node-0"
-		slices := s.slices(nodeName)
-		state := benchState(nodeName, s)
-		cl := s.classes
-		if cl == nil {
-			cl = defaultClasses
-		}
-		n := node(nodeName)
-		celCache := newCELCache()
+		in := s.input()
+		slices, state, cl, n, celCache := in.slices, in.state, in.classes, in.node, in.celCache
 		b.Run(s.name+"/topodra", func(b *testing.B) {
 			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: cl, Slices: slices, CELCache: celCache, Policy: DefaultPolicy()})
 			if err != nil {
@@ -202,15 +214,8 @@ func BenchmarkRatio(b *testing.B) {
 	}
 	for _, s := range benchShapes {
 		b.Run(s.name, func(b *testing.B) {
-			nodeName := "node-0"
-			slices := s.slices(nodeName)
-			state := benchState(nodeName, s)
-			cl := s.classes
-			if cl == nil {
-				cl = defaultClasses
-			}
-			n := node(nodeName)
-			celCache := newCELCache()
+			in := s.input()
+			slices, state, cl, n, celCache := in.slices, in.state, in.classes, in.node, in.celCache
 			top, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: cl, Slices: slices, CELCache: celCache, Policy: DefaultPolicy()})
 			if err != nil {
 				b.Fatal(err)
