@@ -101,7 +101,7 @@ the command line wins.`,
 	fs.StringVar(&o.registrarDir, "registrar-dir", kubeletplugin.KubeletRegistryDir, "The kubelet's plugin registration directory.")
 	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
-	fs.BoolVar(&o.ownedTaint, "owned-taint", false, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them; the default scheduler leaves them alone.")
+	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")

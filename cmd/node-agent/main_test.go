@@ -23,12 +23,12 @@ func TestEnvironmentTwins(t *testing.T) {
 			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true},
 		},
 		"command line wins": {
-			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100"},
-			args: []string{"--node-name=flag-node"},
+			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true"},
+			args: []string{"--node-name=flag-node", "--owned-taint=false"},
 			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100"},
 		},
-		"defaults": {
-			want: options{nvml: "real"},
+		"defaults: owned taint on": {
+			want: options{nvml: "real", ownedTaint: true},
 		},
 	}
 	for name, tc := range testcases {

@@ -69,6 +69,11 @@ const (
 	healthCheckTimeout   = 30 * time.Second
 )
 
+// DefaultOwnedTaint is the node agent command's default for
+// [Options.OwnedTaint]: on, because topodra-scheduler and the default
+// scheduler run as separate processes and double-book untainted devices.
+const DefaultOwnedTaint = true
+
 // Options configure [New]. NodeName, KubeClient and Discovery are required.
 type Options struct {
 	// NodeName is the node whose devices are published; it owns the slices.
@@ -105,6 +110,8 @@ type Options struct {
 
 	// OwnedTaint publishes the NoSchedule taint OwnedTaintKey on every
 	// device, so that only topodra (which tolerates it) allocates them.
+	// The command's default is DefaultOwnedTaint. Without it, a default
+	// scheduler running beside topodra hands out the same devices.
 	OwnedTaint bool
 	// OwnedTaintKey defaults to topology.DefaultTaintKey.
 	OwnedTaintKey string

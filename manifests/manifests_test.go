@@ -1,0 +1,185 @@
+package manifests
+
+import (
+	"bufio"
+	"bytes"
+	"io/fs"
+	"strings"
+	"testing"
+
+	admissionv1 "k8s.io/api/admissionregistration/v1"
+	appsv1 "k8s.io/api/apps/v1"
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+	"sigs.k8s.io/yaml"
+
+	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// objects decodes every document of every manifest strictly (unknown or
+// duplicate fields fail).
+func objects(t *testing.T) map[string][]runtime.Object {
+	t.Helper()
+	decoder := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
+	out := map[string][]runtime.Object{}
+	err := fs.WalkDir(FS, ".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		data, err := FS.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+		for {
+			doc, err := reader.Read()
+			if err != nil {
+				break
+			}
+			if len(bytes.TrimSpace(stripComments(doc))) == 0 {
+				continue
+			}
+			obj, _, err := decoder.Decode(doc, nil, nil)
+			if err != nil {
+				t.Errorf("%s: %v", path, err)
+				continue
+			}
+			out[path] = append(out[path], obj)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func stripComments(doc []byte) []byte {
+	var out []byte
+	for _, line := range bytes.Split(doc, []byte("\n")) {
+		if !bytes.HasPrefix(bytes.TrimSpace(line), []byte("#")) {
+			out = append(out, line...)
+			out = append(out, '\n')
+		}
+	}
+	return out
+}
+
+// TestOwnedTaintKeyAgrees checks that every shipped manifest that names the
+// owned taint names the same key as the scheduler's args, and that the
+// shipped agent taints its devices.
+func TestOwnedTaintKeyAgrees(t *testing.T) {
+	want := topology.DefaultTaintKey
+	all := objects(t)
+	var sawConfigMap, sawAgent, sawRule, sawPolicy bool
+	for path, objs := range all {
+		for _, obj := range objs {
+			switch o := obj.(type) {
+			case *v1.ConfigMap:
+				if o.Name == "topodra-ownership" {
+					sawConfigMap = true
+					if got := o.Data["ownedTaintKey"]; got != want {
+						t.Errorf("%s: ConfigMap topodra-ownership ownedTaintKey %q, want %q", path, got, want)
+					}
+				}
+				if cfg, ok := o.Data["scheduler-config.yaml"]; ok {
+					if got := schedulerOwnedKey(t, []byte(cfg)); got != want {
+						t.Errorf("%s: scheduler config ownedTaintKey %q, want %q", path, got, want)
+					}
+				}
+			case *resourceapi.DeviceTaintRule:
+				sawRule = sawRule || path == "ownership.yaml"
+				if o.Spec.Taint.Key != want || o.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoSchedule {
+					t.Errorf("%s: DeviceTaintRule %s taints %s:%s, want %s:NoSchedule", path, o.Name, o.Spec.Taint.Key, o.Spec.Taint.Effect, want)
+				}
+				if o.Spec.DeviceSelector == nil || o.Spec.DeviceSelector.Driver == nil {
+					t.Errorf("%s: DeviceTaintRule %s selects no driver", path, o.Name)
+				}
+			case *appsv1.DaemonSet:
+				if o.Name != "topodra-node-agent" {
+					continue
+				}
+				sawAgent = true
+				env := map[string]v1.EnvVar{}
+				for _, e := range o.Spec.Template.Spec.Containers[0].Env {
+					env[e.Name] = e
+				}
+				if e, ok := env["OWNED_TAINT"]; ok && e.Value != "true" {
+					t.Errorf("%s: the agent ships with OWNED_TAINT=%q; it must taint its devices", path, e.Value)
+				}
+				ref := env["OWNED_TAINT_KEY"].ValueFrom
+				if ref == nil || ref.ConfigMapKeyRef == nil || ref.ConfigMapKeyRef.Name != "topodra-ownership" || ref.ConfigMapKeyRef.Key != "ownedTaintKey" {
+					t.Errorf("%s: OWNED_TAINT_KEY must come from ConfigMap topodra-ownership, key ownedTaintKey", path)
+				}
+			case *admissionv1.ValidatingAdmissionPolicy:
+				sawPolicy = true
+				if o.Spec.ParamKind == nil || o.Spec.ParamKind.Kind != "ConfigMap" {
+					t.Errorf("%s: policy %s takes no ConfigMap parameter", path, o.Name)
+				}
+				for _, v := range o.Spec.Validations {
+					if strings.Contains(v.Expression, want) {
+						t.Errorf("%s: policy %s hard-codes %s instead of reading the parameter", path, o.Name, want)
+					}
+				}
+			case *admissionv1.ValidatingAdmissionPolicyBinding:
+				if o.Spec.ParamRef == nil || o.Spec.ParamRef.Name != "topodra-ownership" || o.Spec.ParamRef.ParameterNotFoundAction == nil ||
+					*o.Spec.ParamRef.ParameterNotFoundAction != admissionv1.DenyAction {
+					t.Errorf("%s: binding %s must read ConfigMap topodra-ownership and deny without it", path, o.Name)
+				}
+			}
+		}
+	}
+	if got := schedulerOwnedKey(t, config.SchedulerConfig); got != want {
+		t.Errorf("config/scheduler-config.yaml: ownedTaintKey %q, want %q", got, want)
+	}
+	for what, saw := range map[string]bool{"ConfigMap topodra-ownership": sawConfigMap, "agent DaemonSet": sawAgent, "DeviceTaintRule in ownership.yaml": sawRule, "admission policy": sawPolicy} {
+		if !saw {
+			t.Errorf("no %s in the manifests", what)
+		}
+	}
+}
+
+// schedulerOwnedKey returns the ownedTaintKey of the TopologyDRA args of
+// every profile of a KubeSchedulerConfiguration (the default where unset);
+// it fails the test if profiles disagree.
+func schedulerOwnedKey(t *testing.T, data []byte) string {
+	t.Helper()
+	var cfg struct {
+		Profiles []struct {
+			PluginConfig []struct {
+				Name string `json:"name"`
+				Args struct {
+					OwnedTaintKey *string `json:"ownedTaintKey"`
+				} `json:"args"`
+			} `json:"pluginConfig"`
+		} `json:"profiles"`
+	}
+	if err := yaml.Unmarshal(data, &cfg); err != nil {
+		t.Fatalf("parse scheduler config: %v", err)
+	}
+	key := ""
+	for _, p := range cfg.Profiles {
+		for _, pc := range p.PluginConfig {
+			if pc.Name != "TopologyDRA" {
+				continue
+			}
+			k := topology.DefaultTaintKey
+			if pc.Args.OwnedTaintKey != nil {
+				k = *pc.Args.OwnedTaintKey
+			}
+			if key != "" && k != key {
+				t.Errorf("profiles disagree on ownedTaintKey: %q and %q", key, k)
+			}
+			key = k
+		}
+	}
+	if key == "" {
+		return topology.DefaultTaintKey
+	}
+	return key
+}

@@ -1,0 +1,103 @@
+package invariant
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+
+	"github.com/spf13/pflag"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+)
+
+// Exit codes of [Run].
+const (
+	ExitClean      = 0
+	ExitViolations = 1
+	ExitError      = 2
+)
+
+// Run is the topodra-check command line: it reads the cluster named by
+// --kubeconfig / --context (default: $KUBECONFIG, ~/.kube/config or the
+// in-cluster configuration), prints every violation on stdout (text, or
+// JSON with -o json) and returns ExitViolations if there is one,
+// ExitClean if there is none and ExitError if the cluster could not be
+// read or the flags are wrong (the reason goes to stderr).
+func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := pflag.NewFlagSet("topodra-check", pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	kubeconfig := fs.String("kubeconfig", "", "Kubeconfig file. Empty: $KUBECONFIG, ~/.kube/config, or the in-cluster configuration.")
+	kubeContext := fs.String("context", "", "Kubeconfig context. Empty: the current context.")
+	output := fs.StringP("output", "o", "text", "Output format: text or json.")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
+
+Checks the DRA allocation invariants of a cluster: no device allocated to two
+claims (unless it allows multiple allocations), no allocation of a device that
+no ResourceSlice publishes, no pod bound while a claim it uses is unallocated
+or not reserved for it. Exit code 0: none found; 1: violations (printed);
+2: the cluster could not be read. Needs list on pods, resourceclaims and
+resourceslices in all namespaces.
+
+Flags:`)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if err == pflag.ErrHelp {
+			return ExitClean
+		}
+		return ExitError
+	}
+	if *output != "text" && *output != "json" {
+		fmt.Fprintf(stderr, "topodra-check: --output must be text or json, not %q\n", *output)
+		return ExitError
+	}
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = *kubeconfig
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *kubeContext}).ClientConfig()
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-check: load kubeconfig: %v\n", err)
+		return ExitError
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
+		return ExitError
+	}
+	violations, err := Check(ctx, client)
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-check: %v\n", err)
+		return ExitError
+	}
+	if err := write(stdout, *output, violations); err != nil {
+		fmt.Fprintf(stderr, "topodra-check: write: %v\n", err)
+		return ExitError
+	}
+	if len(violations) > 0 {
+		return ExitViolations
+	}
+	return ExitClean
+}
+
+func write(w io.Writer, format string, violations []Violation) error {
+	if format == "json" {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		if violations == nil {
+			violations = []Violation{}
+		}
+		return enc.Encode(violations)
+	}
+	if len(violations) == 0 {
+		_, err := fmt.Fprintln(w, "no violations")
+		return err
+	}
+	for _, v := range violations {
+		if _, err := fmt.Fprintln(w, v); err != nil {
+			return err
+		}
+	}
+	_, err := fmt.Fprintf(w, "%d violation(s)\n", len(violations))
+	return err
+}

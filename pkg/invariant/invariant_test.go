@@ -1,0 +1,196 @@
+package invariant
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"slices"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/utils/ptr"
+)
+
+const driver = "gpu.example.com"
+
+func slice(pool string, generation int64, devices ...resourceapi.Device) *resourceapi.ResourceSlice {
+	return &resourceapi.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: pool + "-slice"},
+		Spec: resourceapi.ResourceSliceSpec{
+			Driver:   driver,
+			Pool:     resourceapi.ResourcePool{Name: pool, Generation: generation, ResourceSliceCount: 1},
+			NodeName: ptr.To(pool),
+			Devices:  devices,
+		},
+	}
+}
+
+func devices(names ...string) []resourceapi.Device {
+	var out []resourceapi.Device
+	for _, n := range names {
+		out = append(out, resourceapi.Device{Name: n})
+	}
+	return out
+}
+
+// claim returns an allocated claim with the devices of pool, reserved for
+// the pod with UID podUID (none if empty).
+func claim(name, pool string, podUID types.UID, deviceNames ...string) *resourceapi.ResourceClaim {
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name}}
+	if len(deviceNames) == 0 {
+		return c
+	}
+	alloc := &resourceapi.AllocationResult{}
+	for _, d := range deviceNames {
+		alloc.Devices.Results = append(alloc.Devices.Results, resourceapi.DeviceRequestAllocationResult{Request: "req", Driver: driver, Pool: pool, Device: d})
+	}
+	c.Status.Allocation = alloc
+	if podUID != "" {
+		c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: string(podUID), UID: podUID}}
+	}
+	return c
+}
+
+func adminAccess(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+	for i := range c.Status.Allocation.Devices.Results {
+		c.Status.Allocation.Devices.Results[i].AdminAccess = ptr.To(true)
+	}
+	return c
+}
+
+// pod returns a pod bound to node (unbound if empty) using the named
+// claims directly.
+func pod(name string, uid types.UID, node string, claimNames ...string) *v1.Pod {
+	p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: uid}, Spec: v1.PodSpec{NodeName: node}}
+	for _, c := range claimNames {
+		p.Spec.ResourceClaims = append(p.Spec.ResourceClaims, v1.PodResourceClaim{Name: "c-" + c, ResourceClaimName: ptr.To(c)})
+	}
+	return p
+}
+
+func TestInvariantChecker(t *testing.T) {
+	multi := resourceapi.Device{Name: "shared", AllowMultipleAllocations: ptr.To(true)}
+	nodeA := slice("node-a", 1, append(devices("gpu-0", "gpu-1", "gpu-2"), multi)...)
+	tests := map[string]struct {
+		state State
+		want  []Violation
+	}{
+		"clean": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{
+					claim("a", "node-a", "uid-a", "gpu-0"),
+					claim("b", "node-a", "uid-b", "gpu-1", "shared"),
+					claim("c", "node-a", "", "shared"),                 // multiple allocations allowed
+					adminAccess(claim("admin", "node-a", "", "gpu-0")), // admin access shares
+					claim("pending", "", ""),
+				},
+				Pods: []*v1.Pod{
+					pod("a", "uid-a", "node-a", "a"),
+					pod("b", "uid-b", "node-a", "b"),
+					pod("unbound", "uid-u", "", "pending"),
+					func() *v1.Pod {
+						p := pod("done", "uid-d", "node-a", "pending")
+						p.Status.Phase = v1.PodSucceeded
+						return p
+					}(),
+				},
+			},
+		},
+		"double allocation": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{claim("b", "node-a", "", "gpu-1"), claim("a", "node-a", "", "gpu-0", "gpu-1")},
+			},
+			want: []Violation{{Kind: DoubleAllocation, Device: &Device{driver, "node-a", "gpu-1"}, Claims: []string{"ns/a", "ns/b"}}},
+		},
+		"vanished device": {
+			state: State{
+				// Generation 2 no longer has gpu-2; generation 1 is stale.
+				Slices: []*resourceapi.ResourceSlice{nodeA, slice("node-a", 2, devices("gpu-0", "gpu-1")...)},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2"), claim("gone", "node-gone", "", "gpu-0")},
+			},
+			want: []Violation{
+				{Kind: VanishedDevice, Device: &Device{driver, "node-a", "gpu-2"}, Claims: []string{"ns/a"}},
+				{Kind: VanishedDevice, Device: &Device{driver, "node-gone", "gpu-0"}, Claims: []string{"ns/gone"}},
+			},
+		},
+		"pod bound with unallocated claims": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{claim("pending", "", "")},
+				Pods: []*v1.Pod{
+					pod("p", "uid-p", "node-a", "pending"),
+					pod("q", "uid-q", "node-a", "missing"),
+					func() *v1.Pod {
+						p := pod("t", "uid-t", "node-a")
+						p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
+						return p
+					}(),
+				},
+			},
+			want: []Violation{
+				{Kind: PodClaimUnallocated, Pod: "ns/p", Claims: []string{"ns/pending"}},
+				{Kind: PodClaimUnallocated, Pod: "ns/q", Claims: []string{"ns/missing"}},
+				{Kind: PodClaimUnallocated, Pod: "ns/t"},
+			},
+		},
+		"pod bound with a claim reserved for another pod": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "uid-other", "gpu-0")},
+				Pods:   []*v1.Pod{pod("p", "uid-p", "node-a", "a")},
+			},
+			want: []Violation{{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}}},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			got := Find(tc.state)
+			for _, v := range got {
+				t.Log(v)
+				if v.Message == "" {
+					t.Errorf("violation %s has no message", v.Kind)
+				}
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("got %d violations, want %d: %v", len(got), len(tc.want), got)
+			}
+			for i, w := range tc.want {
+				g := got[i]
+				if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
+					t.Errorf("violation %d: got %s %s pod %q claims %v, want %s %s pod %q claims %v",
+						i, g.Kind, deviceKey(g.Device), g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Pod, w.Claims)
+				}
+			}
+		})
+	}
+}
+
+func TestRunReportsUnreadableCluster(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	code := Run(context.Background(), []string{"--kubeconfig", t.TempDir() + "/missing"}, &stdout, &stderr)
+	if code != ExitError {
+		t.Errorf("exit code %d, want %d (stderr %q)", code, ExitError, stderr.String())
+	}
+	if stderr.Len() == 0 {
+		t.Error("no reason on stderr")
+	}
+	if code := Run(context.Background(), []string{"-o", "yaml"}, &stdout, &stderr); code != ExitError {
+		t.Errorf("bad --output: exit code %d, want %d", code, ExitError)
+	}
+}
+
+func TestWriteJSON(t *testing.T) {
+	var out bytes.Buffer
+	if err := write(&out, "json", nil); err != nil {
+		t.Fatal(err)
+	}
+	var got []Violation
+	if err := json.Unmarshal(out.Bytes(), &got); err != nil || got == nil || len(got) != 0 {
+		t.Errorf("no violations as JSON: %q (%v), want []", out.String(), err)
+	}
+}
