@@ -1,0 +1,179 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/kubernetes/test/utils/ktesting"
+
+	"github.com/topodra/topodra/manifests"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// startOwnedCluster starts a control plane of its own (the policy and the
+// DeviceTaintRules are cluster-wide) and applies the shipped ownership
+// manifests: ConfigMap topodra-ownership, the DeviceTaintRule for the GPUs,
+// the admission policy and its binding.
+func startOwnedCluster(t *testing.T, tCtx ktesting.TContext) *framework.ControlPlane {
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start control plane")
+	_, err = c.Client.CoreV1().Namespaces().Create(tCtx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: metav1.NamespaceSystem}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		tCtx.ExpectNoError(err)
+	}
+	for _, file := range []string{"deviceclasses.yaml", "ownership.yaml", "admission-policy.yaml"} {
+		data, err := manifests.FS.ReadFile(file)
+		tCtx.ExpectNoError(err)
+		tCtx.ExpectNoError(c.Apply(tCtx, data, nil), "apply "+file)
+	}
+	return c
+}
+
+func toleration(key string, op resourceapi.DeviceTolerationOperator) resourceapi.DeviceToleration {
+	t := resourceapi.DeviceToleration{Key: key, Operator: op}
+	if op == resourceapi.DeviceTolerationOpEqual {
+		t.Value = "x"
+	}
+	return t
+}
+
+// claimSpec returns a spec with one request; with firstAvailable the
+// tolerations sit on the second subrequest.
+func claimSpec(firstAvailable bool, tolerations ...resourceapi.DeviceToleration) resourceapi.ResourceClaimSpec {
+	if firstAvailable {
+		return resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "gpu",
+			FirstAvailable: []resourceapi.DeviceSubRequest{
+				{Name: "h100", DeviceClassName: "h100.gpu.topodra.io", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+				{Name: "any", DeviceClassName: topology.DriverName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1, Tolerations: tolerations},
+			},
+		}}}}
+	}
+	return resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+		Name: "gpu",
+		Exactly: &resourceapi.ExactDeviceRequest{
+			DeviceClassName: topology.DriverName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			Tolerations: tolerations,
+		},
+	}}}}
+}
+
+// TestOwnedTaintPolicy applies the shipped admission policy to a real API
+// server and checks what it refuses and admits, in claims and templates,
+// and that it follows the configured key.
+func TestOwnedTaintPolicy(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c := startOwnedCluster(t, tCtx)
+	ns, err := framework.CreateNamespace(tCtx, c.Client, "policy")
+	tCtx.ExpectNoError(err)
+
+	n := 0
+	create := func(template bool, spec resourceapi.ResourceClaimSpec) error {
+		n++
+		meta := metav1.ObjectMeta{Name: fmt.Sprintf("c-%d", n)}
+		if template {
+			_, err := c.Client.ResourceV1().ResourceClaimTemplates(ns).Create(tCtx, &resourceapi.ResourceClaimTemplate{
+				ObjectMeta: meta, Spec: resourceapi.ResourceClaimTemplateSpec{Spec: spec},
+			}, metav1.CreateOptions{})
+			return err
+		}
+		_, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: meta, Spec: spec}, metav1.CreateOptions{})
+		return err
+	}
+	// waitRefused polls until a claim tolerating key is refused: a policy
+	// and a change of its parameter take effect asynchronously.
+	waitRefused := func(key string) {
+		tCtx.Helper()
+		err := wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+			return create(false, claimSpec(false, toleration(key, resourceapi.DeviceTolerationOpExists))) != nil, nil
+		})
+		tCtx.ExpectNoError(err, "the policy never refused a toleration of "+key)
+	}
+	owned := topology.DefaultTaintKey
+	other := "example.com/other-owner"
+	type testCase struct {
+		template, firstAvailable bool
+		tolerations              []resourceapi.DeviceToleration
+		noRequests               bool
+		refused                  bool
+	}
+	cases := func(owned string) map[string]testCase {
+		return map[string]testCase{
+			"owned key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"owned key, Equal":                      {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpEqual)}, refused: true},
+			"empty key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"owned key after another":               {tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"owned key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"empty key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"template, owned key":                   {template: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"template, empty key in firstAvailable": {template: true, firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"no tolerations":                        {},
+			"no requests":                           {noRequests: true},
+			"template, no requests":                 {template: true, noRequests: true},
+			"other taint":                           {tolerations: []resourceapi.DeviceToleration{toleration("gpu.topodra.io/unhealthy", resourceapi.DeviceTolerationOpExists)}},
+			"other taint in firstAvailable":         {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpEqual)}},
+			"template, other taint":                 {template: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists)}},
+		}
+	}
+	run := func(owned string) {
+		tCtx.Helper()
+		for name, tc := range cases(owned) {
+			spec := claimSpec(tc.firstAvailable, tc.tolerations...)
+			if tc.noRequests {
+				spec = resourceapi.ResourceClaimSpec{}
+			}
+			err := create(tc.template, spec)
+			switch {
+			case tc.refused && err == nil:
+				t.Errorf("key %s, %s: admitted, want refused", owned, name)
+			case tc.refused && !(apierrors.IsForbidden(err) || apierrors.IsInvalid(err)):
+				t.Errorf("key %s, %s: refused with an unexpected error: %v", owned, name, err)
+			case tc.refused && !strings.Contains(err.Error(), "topodra-scheduler"):
+				t.Errorf("key %s, %s: the refusal does not tell the user what to do: %v", owned, name, err)
+			case !tc.refused && err != nil:
+				t.Errorf("key %s, %s: refused, want admitted: %v", owned, name, err)
+			}
+		}
+	}
+
+	waitRefused(owned)
+	run(owned)
+
+	// Writes to the status subresource (what schedulers write) are not
+	// checked, whatever the claim holds.
+	claim, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "status-write"}, Spec: claimSpec(false)}, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+		Request: "gpu", Driver: topology.DriverName, Pool: "node", Device: "gpu-0",
+	}}}}
+	_, err = c.Client.ResourceV1().ResourceClaims(ns).UpdateStatus(tCtx, claim, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err, "status write")
+
+	// The key follows the parameter.
+	cm, err := c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Get(tCtx, "topodra-ownership", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	cm.Data["ownedTaintKey"] = other
+	_, err = c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Update(tCtx, cm, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	waitRefused(other)
+	run(other)
+	if err := create(false, claimSpec(false, toleration(owned, resourceapi.DeviceTolerationOpExists))); err != nil {
+		t.Errorf("with the key configured to %s, a toleration of %s is refused: %v", other, owned, err)
+	}
+
+	// Without its parameter the policy fails closed.
+	tCtx.ExpectNoError(c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Delete(tCtx, "topodra-ownership", metav1.DeleteOptions{}))
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return create(false, claimSpec(false)) != nil, nil
+	})
+	tCtx.ExpectNoError(err, "without ConfigMap topodra-ownership, claims are still admitted")
+}
