@@ -172,8 +172,9 @@ func BenchmarkCycle(b *testing.B) {
 		claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1).obj()}
 		celCache := newCELCache()
 		b.Run(fmt.Sprintf("%dnodes/topodra", numNodes), func(b *testing.B) {
+			cache := NewCache()
 			for b.Loop() {
-				a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, CELCache: celCache, Policy: DefaultPolicy()})
+				a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, CELCache: celCache, Cache: cache, Policy: DefaultPolicy()})
 				if err != nil {
 					b.Fatal(err)
 				}
@@ -247,11 +248,12 @@ func BenchmarkRatio(b *testing.B) {
 			all, nodes, state := benchCluster(numNodes)
 			claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1).obj()}
 			celCache := newCELCache()
+			cache := NewCache()
 			var tTop, tUp time.Duration
 			iterations := 0
 			for b.Loop() {
 				start := time.Now()
-				top, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, CELCache: celCache, Policy: DefaultPolicy()})
+				top, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, CELCache: celCache, Cache: cache, Policy: DefaultPolicy()})
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -1,12 +1,13 @@
 package allocator
 
 import (
-	"fmt"
 	"slices"
 	"strconv"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // Counting claims with matchAttribute constraints.
@@ -75,18 +76,13 @@ func constrained(info *claimInfo, name string) bool {
 }
 
 // lookupAttribute finds a device's attribute as upstream's constraints do:
-// by its fully qualified name, or by its short name when the domain is the
-// device's driver.
+// topology.LookupAttribute, except that a name without a domain (invalid in
+// a constraint) names no attribute.
 func lookupAttribute(driver string, device *resourceapi.Device, name resourceapi.FullyQualifiedName) (resourceapi.DeviceAttribute, bool) {
-	if attr, ok := device.Attributes[resourceapi.QualifiedName(name)]; ok {
-		return attr, true
-	}
-	domain, id, ok := strings.Cut(string(name), "/")
-	if !ok || domain != driver {
+	if !strings.Contains(string(name), "/") {
 		return resourceapi.DeviceAttribute{}, false
 	}
-	attr, ok := device.Attributes[resourceapi.QualifiedName(id)]
-	return attr, ok
+	return topology.LookupAttribute(driver, device.Attributes, resourceapi.QualifiedName(name))
 }
 
 // typedValue renders a scalar attribute so that values of different types
@@ -220,112 +216,4 @@ func canServe(info *claimInfo) bool {
 		}
 	}
 	return true
-}
-
-// matchExplanation says why no class can serve a constrained claim.
-func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []int, names []string) RequestExplanation {
-	var reqNames []string
-	need, matching := 0, 0
-	freeAll := map[int]bool{}
-	for _, r := range info.requests {
-		if !constrained(info, r.name) {
-			continue
-		}
-		u := r.alts[0]
-		reqNames = append(reqNames, u.displayName())
-		need += u.count
-		matching = max(matching, u.nMatch)
-		for _, i := range u.free {
-			freeAll[i] = true
-		}
-	}
-	perClass := make([]int, len(names))
-	without := 0
-	for i := range freeAll {
-		if classOf[i] >= 0 {
-			perClass[classOf[i]]++
-		} else {
-			without++
-		}
-	}
-	best, bestN := "", 0
-	for c, n := range perClass {
-		if n > bestN || (n == bestN && n > 0 && names[c] < best) {
-			best, bestN = names[c], n
-		}
-	}
-	var attrs []string
-	for _, c := range info.claim.Spec.Devices.Constraints {
-		attrs = append(attrs, string(*c.MatchAttribute))
-	}
-	which := "all requests"
-	if len(reqNames) < len(info.requests) {
-		which = "requests " + strings.Join(reqNames, ", ")
-	}
-	reason := fmt.Sprintf("no single value of %s has enough free matching devices for %s (needs %d", strings.Join(attrs, ", "), which, need)
-	if bestN > 0 {
-		reason += fmt.Sprintf(", at most %d share one", bestN)
-	}
-	reason += ")"
-	if without > 0 {
-		reason += fmt.Sprintf("; %s lack the attribute", plural(without, "free device"))
-	}
-	return RequestExplanation{
-		Claim:          info.claim.Name,
-		Request:        strings.Join(reqNames, ","),
-		Matching:       matching,
-		Free:           len(freeAll),
-		Needed:         need,
-		BestDomain:     displayValue(best),
-		BestDomainFree: bestN,
-		Reason:         reason,
-	}
-}
-
-// displayValue drops the type tags of a class name.
-func displayValue(key string) string {
-	parts := strings.Split(key, "\x00")
-	for k, p := range parts {
-		if len(p) >= 2 && p[1] == ':' {
-			parts[k] = p[2:]
-		}
-	}
-	return strings.Join(parts, ",")
-}
-
-// leftover sums, over the topology levels, the free matching devices that
-// the domains of the chosen devices keep after the allocation: lower is a
-// tighter fit.
-func leftover(ns *nodeState, allUnits []*unit, results []resourceapi.AllocationResult) int {
-	chosen := make([]bool, len(ns.devices))
-	var devs []int
-	for ci := range results {
-		for k := range results[ci].Devices.Results {
-			if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 && !chosen[i] {
-				chosen[i] = true
-				devs = append(devs, i)
-			}
-		}
-	}
-	matching := make([]bool, len(ns.devices))
-	for _, u := range allUnits {
-		for i, m := range u.matching {
-			matching[i] = matching[i] || m
-		}
-	}
-	sum := 0
-	for l := range ns.dom {
-		var values []int32
-		for _, i := range devs {
-			if v := ns.dom[l][i]; v >= 0 && !slices.Contains(values, v) {
-				values = append(values, v)
-			}
-		}
-		for i := range ns.devices {
-			if matching[i] && !chosen[i] && !ns.inUse[i] && slices.Contains(values, ns.dom[l][i]) {
-				sum++
-			}
-		}
-	}
-	return sum
 }

@@ -2,11 +2,8 @@ package allocator
 
 import (
 	"cmp"
-	"fmt"
 	"math"
 	"slices"
-
-	resourceapi "k8s.io/api/resource/v1"
 )
 
 // group is a set of requests whose devices should share one domain: the
@@ -104,6 +101,52 @@ func buildGroups(infos []*claimInfo) []*group {
 // Unless allLevels is set, it stops after the first level that has any.
 func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candidate {
 	ns := p.ns
+	dc := p.countDomains(g, avail)
+	var result []candidate
+	var enclosing []int // backing array of all candidates' enclosing sizes
+	for _, l := range p.rankLevels(g, dc) {
+		if !allLevels && len(result) > 0 {
+			break
+		}
+		start := len(result)
+		for v, size := range dc.free[l] {
+			if size < g.need || !p.fitsIn(g, avail, l, int32(v)) {
+				continue
+			}
+			c := candidate{domainRef: domainRef{level: l, value: ns.domVals[l][v], id: int32(v)}, slack: size - g.need}
+			first := dc.first[l][v]
+			if enclosing == nil {
+				enclosing = make([]int, 0, len(ns.domVals[l])*(p.levels-1))
+			}
+			from := len(enclosing)
+			for k := range p.levels {
+				if k == l {
+					continue
+				}
+				if ev := ns.dom[k][first]; ev >= 0 {
+					enclosing = append(enclosing, dc.free[k][ev])
+				} else {
+					enclosing = append(enclosing, math.MaxInt32)
+				}
+			}
+			c.enclosing = enclosing[from:len(enclosing):len(enclosing)]
+			result = append(result, c)
+		}
+		p.sortCandidates(result[start:])
+	}
+	return result
+}
+
+// domainCounts counts a group's devices per level and domain id.
+type domainCounts struct {
+	// free[l][v]: available free devices of the group's requests;
+	// first[l][v]: the first of them (node device index);
+	// total[l][v]: devices matching the group's requests, free or not.
+	free, first, total [][]int
+}
+
+func (p *planner) countDomains(g *group, avail []bool) domainCounts {
+	ns := p.ns
 	inUnion := make([]bool, len(ns.devices))
 	var union []int
 	for _, u := range g.units {
@@ -118,34 +161,26 @@ func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candi
 	for l := range p.levels {
 		total += len(ns.domVals[l])
 	}
-	sizes := make([]int, 2*total)
-	sizeAt := make([][]int, p.levels)
-	firstAt := make([][]int, p.levels)
+	counts := make([]int, 2*total)
+	dc := domainCounts{free: make([][]int, p.levels), first: make([][]int, p.levels), total: make([][]int, p.levels)}
 	off := 0
 	for l := range p.levels {
 		n := len(ns.domVals[l])
-		sizeAt[l] = sizes[off : off+n]
-		firstAt[l] = sizes[total+off : total+off+n]
+		dc.free[l] = counts[off : off+n]
+		dc.first[l] = counts[total+off : total+off+n]
+		dc.total[l] = make([]int, n)
 		off += n
-		for v := range firstAt[l] {
-			firstAt[l][v] = math.MaxInt
+		for v := range dc.first[l] {
+			dc.first[l][v] = math.MaxInt
 		}
 	}
 	for _, i := range union {
 		for l := range p.levels {
 			if v := ns.dom[l][i]; v >= 0 {
-				sizeAt[l][v]++
-				firstAt[l][v] = min(firstAt[l][v], i)
+				dc.free[l][v]++
+				dc.first[l][v] = min(dc.first[l][v], i)
 			}
 		}
-	}
-	// Domain sizes: how many devices matching the group's requests (free
-	// or not) each domain has. Levels are tried smallest domain first, so
-	// that the tightest domain wins whatever the attribute: on a DGX four
-	// GPUs go to a NUMA node before the NVSwitch clique of all eight.
-	totalAt := make([][]int, p.levels)
-	for l := range p.levels {
-		totalAt[l] = make([]int, len(ns.domVals[l]))
 	}
 	for i := range ns.devices {
 		m := false
@@ -160,17 +195,26 @@ func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candi
 		}
 		for l := range p.levels {
 			if v := ns.dom[l][i]; v >= 0 {
-				totalAt[l][v]++
+				dc.total[l][v]++
 			}
 		}
 	}
+	return dc
+}
+
+// rankLevels returns the levels that have a domain with enough free
+// devices for g, smallest such domain (by devices matching g's requests,
+// free or not) first, so that the tightest domain wins whatever the
+// attribute: on a DGX four GPUs go to a NUMA node before the NVSwitch
+// clique of all eight. Ties keep priority order.
+func (p *planner) rankLevels(g *group, dc domainCounts) []int {
 	type levelRank struct{ level, minTotal int }
 	var ranked []levelRank
 	for l := range p.levels {
 		best := math.MaxInt
-		for v, size := range sizeAt[l] {
+		for v, size := range dc.free[l] {
 			if size >= g.need {
-				best = min(best, totalAt[l][v])
+				best = min(best, dc.total[l][v])
 			}
 		}
 		if best < math.MaxInt {
@@ -178,74 +222,50 @@ func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candi
 		}
 	}
 	slices.SortStableFunc(ranked, func(x, y levelRank) int { return cmp.Compare(x.minTotal, y.minTotal) })
-
-	var result []candidate
-	var enclosing []int // backing array of all candidates' enclosing sizes
-	for _, rank := range ranked {
-		l := rank.level
-		if !allLevels && len(result) > 0 {
-			break
-		}
-		start := len(result)
-		for v, size := range sizeAt[l] {
-			if size < g.need {
-				continue
-			}
-			fits := true
-			for _, u := range g.units {
-				n := 0
-				for _, i := range u.free {
-					if avail[i] && ns.dom[l][i] == int32(v) {
-						n++
-					}
-				}
-				if n < u.count {
-					fits = false
-					break
-				}
-			}
-			if !fits {
-				continue
-			}
-			c := candidate{domainRef: domainRef{level: l, value: ns.domVals[l][v], id: int32(v)}, slack: size - g.need}
-			first := firstAt[l][v]
-			if enclosing == nil {
-				enclosing = make([]int, 0, len(ns.domVals[l])*(p.levels-1))
-			}
-			from := len(enclosing)
-			for k := range p.levels {
-				if k == l {
-					continue
-				}
-				if ev := ns.dom[k][first]; ev >= 0 {
-					enclosing = append(enclosing, sizeAt[k][ev])
-				} else {
-					enclosing = append(enclosing, math.MaxInt32)
-				}
-			}
-			c.enclosing = enclosing[from:len(enclosing):len(enclosing)]
-			result = append(result, c)
-		}
-		atLevel := result[start:]
-		slices.SortFunc(atLevel, func(x, y candidate) int {
-			if x.slack != y.slack {
-				if p.pack {
-					return cmp.Compare(x.slack, y.slack)
-				}
-				return cmp.Compare(y.slack, x.slack)
-			}
-			for k := range x.enclosing {
-				if x.enclosing[k] != y.enclosing[k] {
-					if p.pack {
-						return cmp.Compare(x.enclosing[k], y.enclosing[k])
-					}
-					return cmp.Compare(y.enclosing[k], x.enclosing[k])
-				}
-			}
-			return cmp.Compare(x.value, y.value)
-		})
+	levels := make([]int, len(ranked))
+	for k, r := range ranked {
+		levels[k] = r.level
 	}
-	return result
+	return levels
+}
+
+// fitsIn reports whether every request of g has enough available free
+// devices in domain v of level l.
+func (p *planner) fitsIn(g *group, avail []bool, l int, v int32) bool {
+	for _, u := range g.units {
+		n := 0
+		for _, i := range u.free {
+			if avail[i] && p.ns.dom[l][i] == v {
+				n++
+			}
+		}
+		if n < u.count {
+			return false
+		}
+	}
+	return true
+}
+
+// sortCandidates sorts the candidates of one level: best fit (least slack;
+// most when spreading), then the enclosing domains, then value.
+func (p *planner) sortCandidates(atLevel []candidate) {
+	slices.SortFunc(atLevel, func(x, y candidate) int {
+		if x.slack != y.slack {
+			if p.pack {
+				return cmp.Compare(x.slack, y.slack)
+			}
+			return cmp.Compare(y.slack, x.slack)
+		}
+		for k := range x.enclosing {
+			if x.enclosing[k] != y.enclosing[k] {
+				if p.pack {
+					return cmp.Compare(x.enclosing[k], y.enclosing[k])
+				}
+				return cmp.Compare(y.enclosing[k], x.enclosing[k])
+			}
+		}
+		return cmp.Compare(x.value, y.value)
+	})
 }
 
 // fill orders up to n of devs (node device indices in upstream order) the
@@ -399,223 +419,4 @@ func (p *planner) plans(maxPlans int) []plan {
 		}
 	}
 	return result
-}
-
-// viewKind selects which devices a view shows.
-type viewKind int
-
-const (
-	// viewAll shows every device, preferred ones first.
-	viewAll viewKind = iota
-	// viewDomains hides the devices that only multi-device aligned groups
-	// could use and that are outside their chosen domains.
-	viewDomains
-	// viewPicks shows only the picked devices and the devices that
-	// requests outside the groups can use.
-	viewPicks
-)
-
-// viewFor builds the slices that upstream gets for a plan: picked devices
-// first (in pick order), then the rest of the chosen domains, then all other
-// devices in upstream's order, minus what kind hides. Devices that consume
-// counters, and pools with duplicate device names, are never hidden, so that
-// no invalid pool turns valid in a view; neither are slices, so that pools
-// stay complete.
-func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice {
-	ns := p.ns
-	const others = 1 << 40
-	rank := make([]int64, len(ns.devices))
-	for i := range rank {
-		rank[i] = others + int64(i)
-	}
-	next := int64(0)
-	for _, picks := range pl.picks {
-		for _, i := range picks {
-			if rank[i] >= others {
-				rank[i] = next
-				next++
-			}
-		}
-	}
-	for gi, d := range pl.domains {
-		if d == nil {
-			continue
-		}
-		for _, u := range p.groups[gi].units {
-			for i, m := range u.matching {
-				if m && rank[i] >= others && ns.dom[d.level][i] == d.id {
-					rank[i] = others/2 + int64(i)
-				}
-			}
-		}
-	}
-	var excluded []bool
-	switch kind {
-	case viewDomains:
-		excluded = p.exclusions(pl)
-	case viewPicks:
-		excluded = p.picksOnly(pl, rank, others)
-	}
-
-	// Devices of one slice are contiguous in ns.devices.
-	view := slices.Clone(ns.slices)
-	type run struct{ si, from, to int }
-	var runs []run
-	for i := range ns.devices {
-		si := ns.devices[i].sliceIndex
-		if len(runs) == 0 || runs[len(runs)-1].si != si {
-			runs = append(runs, run{si: si, from: i})
-		}
-		runs[len(runs)-1].to = i + 1
-	}
-	var changed []poolKey
-	ordered := make([]int, 0, len(ns.devices))
-	for _, r := range runs {
-		slice := ns.slices[r.si]
-		ordered = ordered[:0]
-		for i := r.from; i < r.to; i++ {
-			if excluded == nil || !excluded[i] {
-				ordered = append(ordered, i)
-			}
-		}
-		slices.SortStableFunc(ordered, func(x, y int) int { return cmp.Compare(rank[x], rank[y]) })
-		newDevices := make([]resourceapi.Device, 0, len(ordered))
-		for _, i := range ordered {
-			newDevices = append(newDevices, *ns.devices[i].device)
-		}
-		if r.to-r.from < len(slice.Spec.Devices) {
-			// Devices for other nodes (per-device node selection) stay,
-			// after this node's.
-			onNode := make([]bool, len(slice.Spec.Devices))
-			for i := r.from; i < r.to; i++ {
-				onNode[ns.devices[i].deviceIndex] = true
-			}
-			for j := range slice.Spec.Devices {
-				if !onNode[j] {
-					newDevices = append(newDevices, slice.Spec.Devices[j])
-				}
-			}
-		}
-		c := *slice
-		c.Spec.Devices = newDevices
-		view[r.si] = &c
-		changed = append(changed, poolKey{slice.Spec.Driver, slice.Spec.Pool.Name})
-	}
-	slices.SortFunc(changed, func(x, y poolKey) int {
-		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
-	})
-	var renamePools []poolKey
-	for k := 1; k < len(changed); k++ {
-		if changed[k] == changed[k-1] && !slices.Contains(renamePools, changed[k]) {
-			renamePools = append(renamePools, changed[k])
-		}
-	}
-	for _, key := range renamePools {
-		for si, slice := range view {
-			if slice.Spec.Driver != key.driver || slice.Spec.Pool.Name != key.pool {
-				continue
-			}
-			best := int64(1<<50) + int64(si)
-			for _, r := range runs {
-				if r.si == si {
-					for i := r.from; i < r.to; i++ {
-						best = min(best, rank[i])
-					}
-				}
-			}
-			c := *slice
-			c.Name = fmt.Sprintf("%016x-%s", best, slice.Name)
-			view[si] = &c
-		}
-	}
-	return view
-}
-
-// keeper reports whether device i must stay in every view.
-func (p *planner) keeper(i int) bool {
-	d := &p.ns.devices[i]
-	return len(d.device.ConsumesCounters) > 0 || p.ns.dupPools[d.slice.Spec.Driver+"/"+d.slice.Spec.Pool.Name]
-}
-
-// picksOnly marks all devices except the picked ones, those that requests
-// outside the groups may use, and keepers.
-func (p *planner) picksOnly(pl *plan, rank []int64, others int64) []bool {
-	excluded := make([]bool, len(p.ns.devices))
-	grouped := map[*unit]bool{}
-	for _, g := range p.groups {
-		for _, u := range g.units {
-			grouped[u] = true
-		}
-	}
-	var open []*unit
-	for _, u := range p.allUnits {
-		if !grouped[u] {
-			open = append(open, u)
-		}
-	}
-	for i := range excluded {
-		if rank[i] < others/2 || p.keeper(i) {
-			continue
-		}
-		used := false
-		for _, u := range open {
-			if u.matching[i] {
-				used = true
-				break
-			}
-		}
-		excluded[i] = !used
-	}
-	return excluded
-}
-
-// exclusions marks the devices that a filtered view leaves out.
-func (p *planner) exclusions(pl *plan) []bool {
-	ns := p.ns
-	excluded := make([]bool, len(ns.devices))
-	inGroup := make([]bool, len(ns.devices)) // matched by an aligned multi-device group
-	allowed := make([]bool, len(ns.devices)) // inside the domain of such a group
-	for gi, d := range pl.domains {
-		g := p.groups[gi]
-		if d == nil || g.need < 2 {
-			continue
-		}
-		for _, u := range g.units {
-			for i, m := range u.matching {
-				if !m {
-					continue
-				}
-				inGroup[i] = true
-				if ns.dom[d.level][i] == d.id {
-					allowed[i] = true
-				}
-			}
-		}
-	}
-	// Units outside those groups keep all their devices.
-	aligned := map[*unit]bool{}
-	for gi, d := range pl.domains {
-		if d != nil && p.groups[gi].need >= 2 {
-			for _, u := range p.groups[gi].units {
-				aligned[u] = true
-			}
-		}
-	}
-	for _, u := range p.allUnits {
-		if aligned[u] {
-			continue
-		}
-		for i, m := range u.matching {
-			if m {
-				allowed[i] = true
-			}
-		}
-	}
-	for i := range excluded {
-		if !inGroup[i] || allowed[i] || p.keeper(i) {
-			continue
-		}
-		excluded[i] = true
-	}
-	return excluded
 }

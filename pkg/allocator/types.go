@@ -1,66 +1,8 @@
-// Package allocator finds the best valid device allocation for a pod's
-// ResourceClaims on one node, with the node's topology in mind.
-//
-// # Validity
-//
-// The upstream structured allocator (k8s.io/dynamic-resource-allocation/structured)
-// stays the judge of validity: this package only decides preference and
-// hands the upstream allocator views of the ResourceSlices in which the
-// preferred devices come first, or in which other devices are hidden.
-// Upstream's first-fit answer on such a view is a valid allocation (a view
-// never adds anything), and it is the preferred one. Views never hide slices
-// (pools stay complete), devices that consume counters, or devices of pools
-// with duplicate device names (invalid pools stay invalid), and nothing is
-// hidden when a request asks for All devices.
-//
-// # Two paths
-//
-// Pods whose claims each need a single device (and whose align-with=pod
-// group needs at most one) take the ordered path: once per cycle, every
-// pool's devices are sorted best-fit (devices in the domains with the fewest
-// free devices first, tightest attribute first; emptiest first when
-// spreading) and one upstream allocator is built over all slices, as the
-// stock plugin builds its own. Since only the order differs, topodra
-// allocates exactly when upstream does, at about upstream's cost.
-//
-// All other pods take the planned path. Free devices that match each request
-// (CEL through the cel package, memoised per slice UID and generation) are
-// counted per domain; a request that cannot fit by counting fails without an
-// upstream call. Each claim (or the align-with=pod group) gets the tightest
-// domain that fits, best fit among those, and within it the devices that fill
-// as few sub-domains as possible. Then upstream runs on, in order: only the
-// picked devices; the chosen domains (for multi-device groups); all devices
-// reordered; the node's slices as they are. The last view is upstream's own,
-// so topodra allocates exactly when upstream does, except for
-// alignment=require.
-//
-// # Claim annotations
-//
-//   - topodra.io/alignment: require | prefer | none (default: Policy.Alignment).
-//     prefer: aligned if possible, otherwise spanning as few domains as
-//     possible (Result.Explanation says why). require: only allocations whose
-//     multi-device claims share one value of one of Policy.Attributes;
-//     otherwise the node is infeasible, with an explanation. none: upstream's
-//     first-fit, on the node's slices as they are (when the pod has no other
-//     claims that are aligned).
-//   - topodra.io/align-with: pod: all claims of the pod with this annotation
-//     are aligned together, e.g. a GPU and a NIC behind one PCIe root.
-//
-// Invalid annotation values are fatal input errors (ErrInvalidInput).
-//
-// # Caches
-//
-// CEL results and per-device data (IDs, topology coordinates) are memoised
-// per slice UID and metadata.generation, and the device list of a node per
-// node name, validated by the UIDs and generations of its slices; taints are
-// always read from the current objects, because the DRA manager patches
-// DeviceTaintRules into copies with the same UID and generation. Claims are
-// analysed once per Allocator and claim object, so claims must not be
-// modified while an Allocator is in use.
 package allocator
 
 import (
 	"fmt"
+	"math"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -83,7 +25,9 @@ const (
 	AlignmentNone AlignmentMode = "none"
 )
 
-// Policy is the configurable preference model (architecture decision 4).
+// Policy is the configurable preference model: which attributes define
+// domains, how strictly to align, whether to pack or spread, and how
+// alignment and packing weigh in Quality.Score.
 type Policy struct {
 	// Attributes are the topology attributes that define domains, in
 	// priority order (fully qualified names, e.g. topology.AttrPCIeRoot).
@@ -97,15 +41,47 @@ type Policy struct {
 	// first, keep large aligned blocks free) when true, and spreading
 	// (LeastAllocated: use the emptiest domains first) when false.
 	Packing bool
+	// AlignmentWeight and PackingWeight weigh Quality.Alignment against
+	// packing in Score; only their ratio matters. Both zero means
+	// DefaultPolicy's weights; negative weights are invalid.
+	AlignmentWeight, PackingWeight float64
 }
 
-// DefaultPolicy returns pcieRoot, nvlinkClique, numaNode; prefer; packing.
+// DefaultPolicy returns topology.DefaultAttributes (nvlinkClique, pcieRoot,
+// numaNode), alignment prefer, packing, and weights 70 (alignment) to 30
+// (packing).
 func DefaultPolicy() Policy {
 	return Policy{
-		Attributes: append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
-		Alignment:  AlignmentPrefer,
-		Packing:    true,
+		Attributes:      append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
+		Alignment:       AlignmentPrefer,
+		Packing:         true,
+		AlignmentWeight: 70,
+		PackingWeight:   30,
 	}
+}
+
+// Score is the score of an allocation of quality q, in 0..100, higher is
+// better: the weighted mean
+//
+//	round(100 * (AlignmentWeight*alignment + PackingWeight*packing) / (AlignmentWeight + PackingWeight))
+//
+// where alignment is q.Alignment for the policy's attributes and packing is
+// q.Packing when Packing is set, 1-q.Packing otherwise (spreading). The
+// allocator uses it for Quality.Score and the scheduler plugin for node
+// scores. Zero weights mean DefaultPolicy's.
+func (p Policy) Score(q Quality) int64 {
+	wa, wp := p.AlignmentWeight, p.PackingWeight
+	if wa == 0 && wp == 0 {
+		def := DefaultPolicy()
+		wa, wp = def.AlignmentWeight, def.PackingWeight
+	}
+	pack := q.Packing
+	if !p.Packing {
+		pack = 1 - q.Packing
+	}
+	align := q.Alignment(len(p.Attributes), len(q.Devices))
+	score := int64(math.Round(100 * (wa*align + wp*pack) / (wa + wp)))
+	return max(0, min(100, score))
 }
 
 // ParseAlignmentMode parses the value of the topodra.io/alignment annotation.
@@ -157,9 +133,8 @@ type Quality struct {
 	// are in use after this allocation and how full, on average, the
 	// domains all devices share (every level; a single device shares each
 	// of its domains) are afterwards, so best-fit choices score higher: a
-	// GPU goes into a half-used NUMA node before a whole free one. For pods
-	// that take the ordered path (one device per claim) the devices of the
-	// chosen devices' pools stand in for the matching ones.
+	// GPU goes into a half-used NUMA node before a whole free one.
+	// "Matching" means matching any request of the pod.
 	Packing float64
 	// Tightness in [0,1]: over the configured attributes, the mean of
 	// devices/size of the domain the devices share at that attribute (0
@@ -175,13 +150,9 @@ type Quality struct {
 	// Domain is the shared domain, e.g. "resource.kubernetes.io/pcieRoot=pci0000:00";
 	// empty if the devices span domains.
 	Domain string
-	// Score in 0..100, higher is better:
-	//
-	//	Score = round(100 * (0.7*alignment + 0.3*packing))
-	//
-	// where alignment is Alignment (1 for a single device, Tightness for
-	// devices that share a domain, a small value when spanning); packing is Packing with Policy.Packing, 1 - node usage
-	// without it (spread).
+	// Score is Policy.Score of this Quality under the Allocator's policy:
+	// in 0..100, higher is better. Among allocations on one node the
+	// allocator prefers the higher Score.
 	Score int64
 }
 
@@ -224,7 +195,7 @@ func (e *Explanation) String() string {
 // numDevices devices under a policy with levels attributes: 1 for a single
 // device; Tightness for devices that share a domain; 0.5/(levels*
 // DomainsSpanned)/levels, less than any shared domain gives, for devices
-// that span domains. The scheduler plugin weighs it against packing.
+// that span domains. Policy.Score weighs it against packing.
 func (q Quality) Alignment(levels, numDevices int) float64 {
 	if levels == 0 || numDevices <= 1 {
 		return 1

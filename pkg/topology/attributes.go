@@ -1,6 +1,7 @@
 // Package topology is the shared vocabulary of topodra: the device attribute
-// names that carry topology, the driver name of the topodra node agent, and
-// (in later files) device coordinates and topology domains.
+// names that carry topology, the driver name of the topodra node agent, the
+// claim annotations, and device coordinates (a device's domain value per
+// topology attribute).
 package topology
 
 import resourceapi "k8s.io/api/resource/v1"
@@ -39,5 +40,6 @@ const (
 )
 
 // DefaultTaintKey is the device taint key that the node agent can publish on
-// devices that only topodra should hand out (architecture decision 6).
+// devices that only topodra should hand out: topodra tolerates it, the
+// default scheduler does not.
 const DefaultTaintKey = "gpu.topodra.io/topodra-only"

@@ -1,7 +1,6 @@
 package topology
 
 import (
-	"sort"
 	"strconv"
 	"strings"
 
@@ -85,51 +84,9 @@ func DeviceCoordinates(driver string, device *resourceapi.Device, attributes []r
 	return coords
 }
 
-// Domain is the set of a node's devices that share one value of one topology
-// attribute.
-type Domain struct {
-	// Level is the index of the attribute in the configured priority list.
-	Level int
-	// Attribute is the fully qualified attribute name.
-	Attribute resourceapi.QualifiedName
-	// Value is the shared value.
-	Value string
-	// Members are indices into the device list given to GroupDomains.
-	Members []int
-}
-
-// String returns "attribute=value", e.g. "resource.kubernetes.io/pcieRoot=pci0000:00".
-func (d Domain) String() string {
-	return FormatDomain(d.Attribute, d.Value)
-}
-
 // FormatDomain formats a domain as "attribute=value".
 func FormatDomain(attribute resourceapi.QualifiedName, value string) string {
 	return string(attribute) + "=" + value
-}
-
-// GroupDomains groups devices, given by their coordinates for attributes,
-// into domains: one per attribute and value. Devices that lack an attribute
-// are in no domain of it. The result is ordered by level, then value.
-func GroupDomains(coords []Coordinates, attributes []resourceapi.QualifiedName) []Domain {
-	var domains []Domain
-	for level, name := range attributes {
-		byValue := map[string][]int{}
-		for i, c := range coords {
-			if level < len(c) && c[level] != "" {
-				byValue[c[level]] = append(byValue[c[level]], i)
-			}
-		}
-		values := make([]string, 0, len(byValue))
-		for v := range byValue {
-			values = append(values, v)
-		}
-		sort.Strings(values)
-		for _, v := range values {
-			domains = append(domains, Domain{Level: level, Attribute: name, Value: v, Members: byValue[v]})
-		}
-	}
-	return domains
 }
 
 // ShortName returns the part of a qualified name after the domain, e.g.

@@ -69,7 +69,7 @@ func TestDomainValue(t *testing.T) {
 	}
 }
 
-func TestGroupDomains(t *testing.T) {
+func TestDeviceCoordinates(t *testing.T) {
 	dev := func(root string, numa int64, clique string) *resourceapi.Device {
 		d := &resourceapi.Device{Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 			AttrNUMANode: {IntValue: ptr.To(numa)},
@@ -82,27 +82,23 @@ func TestGroupDomains(t *testing.T) {
 		}
 		return d
 	}
-	devices := []*resourceapi.Device{dev("r0", 0, "c"), dev("r0", 0, "c"), dev("r1", 1, "c"), dev("", 1, "")}
-	var coords []Coordinates
-	for _, d := range devices {
-		coords = append(coords, DeviceCoordinates(DriverName, d, DefaultAttributes))
+	testcases := map[string]struct {
+		device *resourceapi.Device
+		want   Coordinates
+	}{
+		"all attributes":           {device: dev("r0", 0, "c"), want: Coordinates{"c", "r0", "0"}},
+		"without pcieRoot, clique": {device: dev("", 1, ""), want: Coordinates{"", "", "1"}},
+		"clique by its short name": {device: dev("r1", 1, "c1"), want: Coordinates{"c1", "r1", "1"}},
 	}
-	if !slices.Equal(coords[3], Coordinates{"", "", "1"}) {
-		t.Errorf("coordinates of a device without pcieRoot and clique: %q", coords[3])
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			if got := DeviceCoordinates(DriverName, tc.device, DefaultAttributes); !slices.Equal(got, tc.want) {
+				t.Errorf("got %q, want %q", got, tc.want)
+			}
+		})
 	}
-	var got []string
-	for _, d := range GroupDomains(coords, DefaultAttributes) {
-		got = append(got, d.String()+"#"+string(rune('0'+len(d.Members))))
-	}
-	want := []string{
-		"gpu.topodra.io/nvlinkClique=c#3",
-		"resource.kubernetes.io/pcieRoot=r0#2",
-		"resource.kubernetes.io/pcieRoot=r1#1",
-		"resource.kubernetes.io/numaNode=0#2",
-		"resource.kubernetes.io/numaNode=1#2",
-	}
-	if !slices.Equal(got, want) {
-		t.Errorf("got %v, want %v", got, want)
+	if FormatDomain(AttrPCIeRoot, "r0") != "resource.kubernetes.io/pcieRoot=r0" {
+		t.Errorf("FormatDomain: %s", FormatDomain(AttrPCIeRoot, "r0"))
 	}
 	if ShortName(AttrNUMANode) != "numaNode" {
 		t.Errorf("ShortName: %s", ShortName(AttrNUMANode))

@@ -44,9 +44,9 @@ type TopologyDRA struct {
 	client     kubernetes.Interface
 	handle     fwk.Handle
 	celCache   *cel.Cache
-	// score turns an allocation's quality into a node score (0..100). It
-	// is chosen once from the args.
-	score func(q allocator.Quality) int64
+	// cache keeps the allocator's per-slice and per-node data across
+	// scheduling cycles of this profile.
+	cache *allocator.Cache
 	// ownedToleration is added to every request so that devices tainted
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
@@ -84,17 +84,10 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		client:         h.ClientSet(),
 		handle:         h,
 		celCache:       cel.NewCache(1000, cel.Features{EnableConsumableCapacity: true}),
+		cache:          allocator.NewCache(),
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
 	}
-	pl.policy = allocator.Policy{
-		Alignment: allocator.AlignmentMode(args.Alignment),
-		Packing:   args.ScoringStrategy == config.MostAllocated,
-	}
-	pl.policy.Attributes = []resourceapi.QualifiedName{}
-	for _, attr := range args.TopologyAttributes {
-		pl.policy.Attributes = append(pl.policy.Attributes, resourceapi.QualifiedName(attr))
-	}
-	pl.score = newScorer(*args, len(pl.policy.Attributes))
+	pl.policy = policyFromArgs(*args)
 	if args.OwnedTaintKey != "" {
 		pl.ownedToleration = &resourceapi.DeviceToleration{
 			Key:      args.OwnedTaintKey,
@@ -102,6 +95,30 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		}
 	}
 	return pl, nil
+}
+
+// policyFromArgs is the allocator's preference model for the args. Its
+// Score is the node score:
+//
+//   - alignment (allocator.Quality.Alignment): 1 for a single device or
+//     devices that fill the smallest domain they share, less the bigger that
+//     domain is compared to the allocation, small when they span domains;
+//   - packing: the allocator's Packing (node and domain fullness after this
+//     allocation) for MostAllocated, 1-Packing for LeastAllocated;
+//
+// weighed by AlignmentWeight and PackingWeight.
+func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
+	policy := allocator.Policy{
+		Attributes:      []resourceapi.QualifiedName{},
+		Alignment:       allocator.AlignmentMode(args.Alignment),
+		Packing:         args.ScoringStrategy == config.MostAllocated,
+		AlignmentWeight: float64(args.AlignmentWeight),
+		PackingWeight:   float64(args.PackingWeight),
+	}
+	for _, attr := range args.TopologyAttributes {
+		policy.Attributes = append(policy.Attributes, resourceapi.QualifiedName(attr))
+	}
+	return policy
 }
 
 // argsFrom accepts the internal type (what the scheduler's config loader

@@ -143,6 +143,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		ClassLister:    pl.draManager.DeviceClasses(),
 		Slices:         slices,
 		CELCache:       pl.celCache,
+		Cache:          pl.cache,
 		Policy:         pl.policy,
 	})
 	if err != nil {

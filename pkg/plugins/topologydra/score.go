@@ -2,37 +2,11 @@ package topologydra
 
 import (
 	"context"
-	"math"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
-
-	"github.com/topodra/topodra/pkg/allocator"
-	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 )
-
-// newScorer picks the scoring function once, from the args. A node's score
-// (0..100) is the weighted mean of
-//
-//   - alignment (allocator.Quality.Alignment): 1 for a single device or
-//     devices that fill the smallest domain they share, less the bigger that
-//     domain is compared to the allocation, small when they span domains;
-//   - packing: the allocator's Packing (node and domain fullness after this
-//     allocation) for MostAllocated, 1-Packing for LeastAllocated.
-func newScorer(args config.TopologyDRAArgs, levels int) func(q allocator.Quality) int64 {
-	wa := float64(args.AlignmentWeight)
-	wp := float64(args.PackingWeight)
-	sum := wa + wp
-	packing := func(q allocator.Quality) float64 { return q.Packing }
-	if args.ScoringStrategy == config.LeastAllocated {
-		packing = func(q allocator.Quality) float64 { return 1 - q.Packing }
-	}
-	return func(q allocator.Quality) int64 {
-		a := q.Alignment(levels, len(q.Devices))
-		return int64(math.Round(100 * (wa*a + wp*packing(q)) / sum))
-	}
-}
 
 // PreScore skips scoring for pods with nothing to allocate.
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
@@ -47,7 +21,9 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	return nil
 }
 
-// Score returns the quality of the allocation Filter found on the node.
+// Score returns the score of the allocation Filter found on the node:
+// allocator.Policy.Score of its quality, with the weights and scoring
+// strategy of the args (see policyFromArgs).
 func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
 	s, err := getState(cs)
 	if err != nil {
@@ -57,7 +33,7 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	if res == nil {
 		return 0, nil
 	}
-	return pl.score(res.Quality), nil
+	return res.Quality.Score, nil
 }
 
 // ScoreExtensions implements fwk.ScorePlugin.

@@ -9,9 +9,9 @@ import (
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 )
 
-func TestScorer(t *testing.T) {
+func TestPolicyScore(t *testing.T) {
 	args := *DefaultArgs() // 70/30, MostAllocated, 3 levels
-	score := newScorer(args, 3)
+	score := policyFromArgs(args).Score
 	two := []string{"a", "b"}
 	tests := map[string]struct {
 		q    allocator.Quality
@@ -37,7 +37,7 @@ func TestScorer(t *testing.T) {
 		t.Error("a domain the devices fill should beat a bigger one")
 	}
 	args.ScoringStrategy = config.LeastAllocated
-	spread := newScorer(args, 3)
+	spread := policyFromArgs(args).Score
 	if spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.2}) <= spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.8}) {
 		t.Error("LeastAllocated should prefer the emptier node")
 	}

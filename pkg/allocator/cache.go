@@ -1,0 +1,166 @@
+package allocator
+
+import (
+	"sync"
+	"sync/atomic"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/structured"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// Cache keeps what Allocators derive from ResourceSlices across scheduling
+// cycles: CEL selector results per device, per-device data (IDs, topology
+// coordinates, domain numbers), reordered copies of slices and each node's
+// device list. ResourceSlices rarely change while pods come and go, so after
+// the first cycle a node costs map lookups, not CEL runs.
+//
+// Give one Cache to all Allocators of a scheduler profile (Options.Cache),
+// as a cel.Cache is given. A Cache is safe for concurrent use. Every entry
+// is keyed by all that its content depends on — slice UID and
+// metadata.generation, the CEL environment, the policy's topology
+// attributes, the allocator features — so Allocators with different
+// policies may share one Cache without evicting each other's entries.
+// Slices without a UID (objects built in memory) are not cached. Each part
+// is dropped as a whole when it grows past its bound, which bounds memory
+// without bookkeeping in the hot path.
+type Cache struct {
+	slices    sync.Map // sliceKey -> *sliceMemo
+	numSlices atomic.Int64
+	nodes     sync.Map // nodeKey -> *nodeStatic
+	numNodes  atomic.Int64
+}
+
+// NewCache returns an empty Cache.
+func NewCache() *Cache { return &Cache{} }
+
+const (
+	// maxCachedSlices bounds the slice entries.
+	maxCachedSlices = 200000
+	// maxCachedNodes bounds the node entries: node names come and go
+	// (autoscaling), and entries of deleted nodes are never looked up
+	// again. Past the bound the node cache starts over, which costs one
+	// rebuild per node.
+	maxCachedNodes = 50000
+)
+
+type sliceKey struct {
+	uid        types.UID
+	generation int64
+	// listTypes separates results of the two CEL environments.
+	listTypes bool
+}
+
+// nodeKey identifies a node's cached device list: the device list depends
+// on the topology attributes (coordinates, domains) and the features (which
+// devices upstream may allocate).
+type nodeKey struct {
+	name     string
+	attrsKey string
+	features structured.Features
+}
+
+// Per-device selector states.
+const (
+	memoUnknown uint8 = iota
+	memoTrue
+	memoFalse
+	memoError
+)
+
+// sliceMemo is what the cache keeps for one slice (UID and generation).
+type sliceMemo struct {
+	mu     sync.RWMutex
+	byExpr map[string][]uint8
+	// infos maps a policy's attrsKey to the slice's *sliceInfo.
+	infos sync.Map
+	// permuted maps a policy's orderKey (attributes and packing) to the
+	// slice's last reordered copy (*permutedSlice) in the ordered view.
+	permuted sync.Map
+}
+
+// sliceInfo is per-device data of one slice for one list of topology
+// attributes; valid for as long as the slice does not change.
+type sliceInfo struct {
+	ids    []structured.DeviceID
+	names  []string // "driver/pool/device"
+	coords []topology.Coordinates
+	// dup is true if device names repeat within the slice.
+	dup bool
+	// dom[l][j] numbers device j's value of attribute l among domVals[l]
+	// (-1: absent), for counting without string compares.
+	dom     [][]int32
+	domVals [][]string
+}
+
+// permutedSlice is a slice copy with its devices reordered.
+type permutedSlice struct {
+	src   *resourceapi.ResourceSlice
+	perm  []int
+	slice *resourceapi.ResourceSlice
+}
+
+// forSlice returns the memo of one slice, or nil if the slice cannot be
+// cached (no UID).
+func (c *Cache) forSlice(uid types.UID, generation int64, listTypes bool) *sliceMemo {
+	if uid == "" {
+		return nil
+	}
+	key := sliceKey{uid: uid, generation: generation, listTypes: listTypes}
+	if sm, ok := c.slices.Load(key); ok {
+		return sm.(*sliceMemo)
+	}
+	if c.numSlices.Load() > maxCachedSlices {
+		c.slices.Clear()
+		c.numSlices.Store(0)
+	}
+	sm, loaded := c.slices.LoadOrStore(key, &sliceMemo{byExpr: map[string][]uint8{}})
+	if !loaded {
+		c.numSlices.Add(1)
+	}
+	return sm.(*sliceMemo)
+}
+
+func (sm *sliceMemo) get(expr string, deviceIndex int) uint8 {
+	sm.mu.RLock()
+	defer sm.mu.RUnlock()
+	states := sm.byExpr[expr]
+	if deviceIndex < len(states) {
+		return states[deviceIndex]
+	}
+	return memoUnknown
+}
+
+func (sm *sliceMemo) set(expr string, deviceIndex, numDevices int, state uint8) {
+	sm.mu.Lock()
+	defer sm.mu.Unlock()
+	states := sm.byExpr[expr]
+	if states == nil {
+		states = make([]uint8, numDevices)
+		sm.byExpr[expr] = states
+	}
+	if deviceIndex < len(states) {
+		states[deviceIndex] = state
+	}
+}
+
+// node returns the cached device list of a node, or nil.
+func (c *Cache) node(key nodeKey) *nodeStatic {
+	if st, ok := c.nodes.Load(key); ok {
+		return st.(*nodeStatic)
+	}
+	return nil
+}
+
+// storeNode caches a node's device list.
+func (c *Cache) storeNode(key nodeKey, st *nodeStatic) {
+	if _, loaded := c.nodes.Swap(key, st); loaded {
+		return
+	}
+	if c.numNodes.Add(1) > maxCachedNodes {
+		c.nodes.Clear()
+		c.numNodes.Store(0)
+	}
+}

@@ -1,0 +1,91 @@
+package allocator
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// twoProfiles are two policies that define domains by different attributes.
+var twoProfiles = []Policy{
+	{Attributes: []resourceapi.QualifiedName{topology.AttrPCIeRoot}, Alignment: AlignmentPrefer, Packing: true},
+	{Attributes: []resourceapi.QualifiedName{topology.AttrNUMANode}, Alignment: AlignmentPrefer, Packing: true},
+}
+
+// TestProfilesDoNotShareCaches runs cycles of two profiles with different
+// topology attributes on the same node, interleaved: each sees the domains
+// of its own attributes, and neither evicts the other's cached node, with
+// a Cache per profile or one Cache for both.
+func TestProfilesDoNotShareCaches(t *testing.T) {
+	const nodeName = "node-0"
+	ctx := quietContext(t)
+	slices := dgx(nodeName)
+	claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}
+	for name, shared := range map[string]bool{"cache per profile": false, "one cache": true} {
+		t.Run(name, func(t *testing.T) {
+			caches := []*Cache{NewCache(), NewCache()}
+			if shared {
+				caches[1] = caches[0]
+			}
+			cached := make([]*nodeStatic, len(twoProfiles))
+			for round := range 3 {
+				for k, policy := range twoProfiles {
+					a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
+						ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Cache: caches[k], Policy: policy})
+					if err != nil {
+						t.Fatal(err)
+					}
+					res, err := a.Allocate(ctx, node(nodeName), claims)
+					if err != nil || res.Allocations == nil {
+						t.Fatalf("round %d, profile %d: %v %v", round, k, err, res.Explanation)
+					}
+					if want := string(policy.Attributes[0]) + "="; !strings.HasPrefix(res.Quality.Domain, want) {
+						t.Errorf("round %d, profile %d: domain %q, want one of %s", round, k, res.Quality.Domain, want)
+					}
+					st := caches[k].node(nodeKey{name: nodeName, attrsKey: a.attrsKey, features: allFeatures})
+					if st == nil {
+						t.Fatalf("round %d, profile %d: node not cached", round, k)
+					}
+					if round > 0 && st != cached[k] {
+						t.Errorf("round %d, profile %d: node rebuilt after the other profile's cycle", round, k)
+					}
+					cached[k] = st
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkAlternatingPolicies runs scheduling cycles of two profiles with
+// different topology attributes in turn on the same nodes, as a scheduler
+// with two profiles does: build the allocator, allocate a 1-GPU pod on
+// every node; then the other profile.
+func BenchmarkAlternatingPolicies(b *testing.B) {
+	ctx := benchContext()
+	for _, numNodes := range []int{50, 500} {
+		all, nodes, state := benchCluster(numNodes)
+		claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1).obj()}
+		celCache := newCELCache()
+		b.Run(fmt.Sprintf("%dnodes", numNodes), func(b *testing.B) {
+			caches := []*Cache{NewCache(), NewCache()}
+			for b.Loop() {
+				for k, policy := range twoProfiles {
+					a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses,
+						Slices: all, CELCache: celCache, Cache: caches[k], Policy: policy})
+					if err != nil {
+						b.Fatal(err)
+					}
+					for _, n := range nodes {
+						if _, err := a.Allocate(ctx, n, claims); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			}
+		})
+	}
+}

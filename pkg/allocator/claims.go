@@ -1,0 +1,368 @@
+package allocator
+
+import (
+	"context"
+	"fmt"
+	"math"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// unitSpec is one request, or one subrequest of a firstAvailable request,
+// as the claim and its class define it.
+type unitSpec struct {
+	// request is the request name; subName the subrequest name or "".
+	request, subName string
+	subIndex         int
+	all              bool
+	count            int
+	admin            bool
+	class            *resourceapi.DeviceClass
+	selectors        []cel.CompilationResult
+	tolerations      []resourceapi.DeviceToleration
+}
+
+// unit is a unitSpec evaluated on one node.
+type unit struct {
+	*unitSpec
+	claimIndex int
+	claim      *resourceapi.ResourceClaim
+
+	// matching[i] is true if device i matches class and selectors.
+	matching []bool
+	// free lists the matching devices that are usable: not in use (or
+	// shareable / admin access), taints tolerated.
+	free []int
+	// upper counts matching devices that are not in use (or may be shared);
+	// an upper bound for what upstream can allocate.
+	upper   int
+	nMatch  int
+	uncertn bool // some CEL evaluation failed at runtime
+}
+
+func (u *unitSpec) displayName() string {
+	if u.subName != "" {
+		return u.request + "/" + u.subName
+	}
+	return u.request
+}
+
+// request is one request of a claim with its alternatives (one for
+// ExactCount, several for firstAvailable).
+type request struct {
+	claimIndex int
+	name       string
+	alts       []*unit
+	// target is the index in alts that counting expects upstream to choose:
+	// the first alternative that can fit. -1 if none can.
+	target int
+}
+
+func (r *request) chosen() *unit {
+	if r.target < 0 {
+		return nil
+	}
+	return r.alts[r.target]
+}
+
+// claimInfo is what Allocate derives from one claim on one node.
+type claimInfo struct {
+	claim    *resourceapi.ResourceClaim
+	mode     AlignmentMode
+	alignPod bool
+	requests []*request
+	hasAll   bool
+}
+
+// claimStatic is what a claim alone determines; computed once per claim
+// object and cycle.
+type claimStatic struct {
+	// err is a fatal input error (*InputError).
+	err         error
+	mode        AlignmentMode
+	alignPod    bool
+	passthrough bool
+	requests    []requestStatic
+}
+
+type requestStatic struct {
+	name string
+	alts []*unitSpec
+}
+
+// analyze validates claims and evaluates selectors on the node's devices.
+// passthrough is true for inputs this package does not interpret (future
+// fields, disabled features): upstream alone decides and reports them.
+func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resourceapi.ResourceClaim) (infos []*claimInfo, passthrough bool, err error) {
+	infos = make([]*claimInfo, 0, len(claims))
+	for ci, claim := range claims {
+		st := a.claimStatic(claim)
+		if st.err != nil {
+			return nil, false, st.err
+		}
+		passthrough = passthrough || st.passthrough
+		info := &claimInfo{claim: claim, mode: st.mode, alignPod: st.alignPod}
+		for _, rs := range st.requests {
+			r := &request{claimIndex: ci, name: rs.name, target: -1}
+			for _, spec := range rs.alts {
+				u := &unit{unitSpec: spec, claimIndex: ci, claim: claim}
+				a.evaluate(ctx, ns, u)
+				r.alts = append(r.alts, u)
+				if u.all {
+					info.hasAll = true
+				}
+				if r.target < 0 && (u.all || u.upper >= u.count) {
+					r.target = len(r.alts) - 1
+				}
+			}
+			info.requests = append(info.requests, r)
+		}
+		infos = append(infos, info)
+	}
+	return infos, passthrough, nil
+}
+
+// claimStatic returns the cached analysis of a claim.
+func (a *Allocator) claimStatic(claim *resourceapi.ResourceClaim) *claimStatic {
+	if st, ok := a.static.Load(claim); ok {
+		return st.(*claimStatic)
+	}
+	st := a.analyzeClaim(claim)
+	a.static.Store(claim, st)
+	return st
+}
+
+func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic {
+	st := &claimStatic{mode: a.policy.Alignment}
+	if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
+		mode, err := ParseAlignmentMode(value)
+		if err != nil {
+			st.err = &InputError{Claim: klog.KObj(claim).String(), Detail: "annotation " + topology.AnnotationAlignment, Err: err}
+			return st
+		}
+		st.mode = mode
+	}
+	if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
+		if value != "pod" {
+			st.err = &InputError{Claim: klog.KObj(claim).String(), Detail: fmt.Sprintf("annotation %s: invalid value %q (want pod)", topology.AnnotationAlignWith, value)}
+			return st
+		}
+		st.alignPod = true
+	}
+	for _, c := range claim.Spec.Devices.Constraints {
+		if c.MatchAttribute == nil && c.DistinctAttribute == nil {
+			st.passthrough = true
+		}
+	}
+	claimMin := 0
+	for ri := range claim.Spec.Devices.Requests {
+		req := &claim.Spec.Devices.Requests[ri]
+		rs := requestStatic{name: req.Name}
+		switch {
+		case req.Exactly != nil:
+			e := req.Exactly
+			if len(e.DerivedAttributes) > 0 || (e.Capacity != nil && !a.features.ConsumableCapacity) ||
+				(ptr.Deref(e.AdminAccess, false) && !a.features.AdminAccess) {
+				st.passthrough = true
+			}
+			spec, err := a.newUnitSpec(claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
+			if err != nil {
+				st.err = err
+				return st
+			}
+			if spec == nil {
+				st.passthrough = true
+				continue
+			}
+			rs.alts = []*unitSpec{spec}
+		case len(req.FirstAvailable) > 0:
+			if !a.features.PrioritizedList {
+				st.passthrough = true
+			}
+			for si := range req.FirstAvailable {
+				sub := &req.FirstAvailable[si]
+				if len(sub.DerivedAttributes) > 0 || (sub.Capacity != nil && !a.features.ConsumableCapacity) {
+					st.passthrough = true
+				}
+				spec, err := a.newUnitSpec(claim, req.Name, sub.Name, si, sub.DeviceClassName, sub.Selectors, sub.AllocationMode, sub.Count, false, sub.Tolerations)
+				if err != nil {
+					st.err = err
+					return st
+				}
+				if spec == nil {
+					st.passthrough = true
+					continue
+				}
+				rs.alts = append(rs.alts, spec)
+			}
+		default:
+			st.passthrough = true
+			continue
+		}
+		minCount := math.MaxInt
+		for _, u := range rs.alts {
+			minCount = min(minCount, u.count)
+		}
+		if len(rs.alts) > 0 {
+			claimMin += minCount
+		}
+		st.requests = append(st.requests, rs)
+	}
+	if claimMin > resourceapi.AllocationResultsMaxSize {
+		// Upstream rejects such claims with an error.
+		st.passthrough = true
+	}
+	return st
+}
+
+// newUnitSpec resolves the class and compiles selectors. It returns nil (and
+// no error) for requests it does not understand.
+func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
+	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
+	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unitSpec, error) {
+	u := &unitSpec{
+		request:     requestName,
+		subName:     subName,
+		subIndex:    subIndex,
+		admin:       admin,
+		tolerations: tolerations,
+	}
+	display := u.displayName()
+	if className == "" {
+		return nil, nil
+	}
+	switch mode {
+	case resourceapi.DeviceAllocationModeAll:
+		u.all = true
+	case resourceapi.DeviceAllocationModeExactCount, "":
+		if count < 0 || count > resourceapi.AllocationResultsMaxSize {
+			return nil, nil
+		}
+		u.count = int(count)
+		if mode == "" && count == 0 {
+			u.count = 1
+		}
+	default:
+		return nil, nil
+	}
+	class, err := a.classLister.Get(className)
+	if err != nil {
+		return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display, Detail: "device class " + className, Err: err}
+	}
+	u.class = class
+	for i, sel := range class.Spec.Selectors {
+		if sel.CEL == nil {
+			return nil, nil
+		}
+		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
+		if expr.Error != nil {
+			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
+				Detail: fmt.Sprintf("device class %s: selector #%d: CEL expression `%s`", className, i, sel.CEL.Expression), Err: expr.Error}
+		}
+		u.selectors = append(u.selectors, expr)
+	}
+	for i, sel := range selectors {
+		if sel.CEL == nil {
+			return nil, nil
+		}
+		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
+		if expr.Error != nil {
+			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
+				Detail: fmt.Sprintf("selector #%d: CEL expression `%s`", i, sel.CEL.Expression), Err: expr.Error}
+		}
+		u.selectors = append(u.selectors, expr)
+	}
+	return u, nil
+}
+
+// evaluate fills in matching, free and upper for u.
+func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
+	u.matching = make([]bool, len(ns.devices))
+	var memo *sliceMemo
+	var memoSlice *resourceapi.ResourceSlice
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if d.slice != memoSlice {
+			memoSlice = d.slice
+			memo = a.cache.forSlice(d.slice.UID, d.slice.Generation, a.features.ListTypeAttributes)
+		}
+		matches := true
+		for _, expr := range u.selectors {
+			state := memoUnknown
+			if memo != nil {
+				state = memo.get(expr.Expression, d.deviceIndex)
+			}
+			if state == memoUnknown {
+				ok, _, err := expr.DeviceMatches(ctx, cel.Device{
+					Driver:                   d.driver,
+					AllowMultipleAllocations: d.device.AllowMultipleAllocations,
+					Attributes:               d.device.Attributes,
+					Capacity:                 d.device.Capacity,
+				})
+				switch {
+				case err != nil:
+					state = memoError
+				case ok:
+					state = memoTrue
+				default:
+					state = memoFalse
+				}
+				if memo != nil && (err == nil || ctx.Err() == nil) {
+					memo.set(expr.Expression, d.deviceIndex, len(d.slice.Spec.Devices), state)
+				}
+			}
+			if state == memoError {
+				// Upstream reports runtime errors when it gets to
+				// this device; count it as matching so that counting
+				// never rules out what upstream would do.
+				u.uncertn = true
+				continue
+			}
+			if state == memoFalse {
+				matches = false
+				break
+			}
+		}
+		if !matches {
+			continue
+		}
+		u.matching[i] = true
+		u.nMatch++
+		shareable := ptr.Deref(d.device.AllowMultipleAllocations, false)
+		if ns.inUse[i] && !u.admin && !shareable {
+			continue
+		}
+		u.upper++
+		if a.features.DeviceTaints && taintPrevents(d.device, u.tolerations) {
+			continue
+		}
+		u.free = append(u.free, i)
+	}
+}
+
+// taintPrevents reports whether a NoSchedule or NoExecute taint on the
+// device is not tolerated.
+func taintPrevents(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) bool {
+	for _, taint := range device.Taints {
+		if taint.Effect != resourceapi.DeviceTaintEffectNoSchedule && taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
+			continue
+		}
+		tolerated := false
+		for _, t := range tolerations {
+			if resourceclaim.ToleratesTaint(t, taint) {
+				tolerated = true
+				break
+			}
+		}
+		if !tolerated {
+			return true
+		}
+	}
+	return false
+}

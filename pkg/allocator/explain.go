@@ -1,0 +1,347 @@
+package allocator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// This file turns what the strategies found into what users read:
+// Explanations of why claims do not fit on a node, and fatal errors that
+// name the claim, request and expression to fix.
+
+// nodeFailure explains an upstream failure that only concerns this node
+// (structured.ErrFailedAllocationOnNode, e.g. an invalid pool).
+func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
+	name := "*"
+	if len(claims) > 0 {
+		name = claims[0].Name
+	}
+	return &Explanation{Requests: []RequestExplanation{{Claim: name, Request: "*", Reason: strings.TrimSpace(err.Error())}}}
+}
+
+// countCheck returns an explanation if some request cannot fit by counting
+// alone (an upper bound of what upstream can allocate), nil otherwise.
+func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
+	var expl *Explanation
+	for _, info := range infos {
+		for _, r := range info.requests {
+			for _, u := range r.alts {
+				if u.uncertn || u.all {
+					// Upstream may report an error instead (a CEL
+					// runtime error; All mode on an incomplete or
+					// invalid pool): let it decide.
+					return nil
+				}
+			}
+			if r.target >= 0 || len(r.alts) == 0 {
+				continue
+			}
+			if expl == nil {
+				expl = &Explanation{}
+			}
+			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], nil, ""))
+		}
+	}
+	return expl
+}
+
+// requestExplanation describes one unit; ns may be nil (no domain info).
+func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) RequestExplanation {
+	re := RequestExplanation{
+		Claim:    u.claim.Name,
+		Request:  u.displayName(),
+		Matching: u.nMatch,
+		Free:     len(u.free),
+		Needed:   u.count,
+	}
+	if u.all {
+		re.Needed = u.nMatch
+	}
+	if ns != nil {
+		re.BestDomain, re.BestDomainFree = a.bestDomain(ns, u.free)
+	}
+	if reason == "" {
+		switch {
+		case u.nMatch == 0:
+			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
+		case u.upper == 0:
+			reason = fmt.Sprintf("all %s in use (needs %d)", plural(u.nMatch, "matching device")+" are", re.Needed)
+		case u.upper < re.Needed:
+			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
+		case len(u.free) < re.Needed:
+			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
+		case ns != nil && len(ns.incomplete) > 0:
+			reason = fmt.Sprintf("%s, but resource pool %s is incomplete (being updated)", matchPhrase(len(u.free)), strings.Join(ns.incomplete, ", "))
+		default:
+			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
+		}
+	}
+	re.Reason = reason
+	return re
+}
+
+// matchPhrase says "1 free device matches" or "3 free devices match".
+func matchPhrase(n int) string {
+	if n == 1 {
+		return "1 free device matches"
+	}
+	return fmt.Sprintf("%d free devices match", n)
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
+}
+
+// bestDomain returns the domain with the most of devs, tightest first on ties.
+func (a *Allocator) bestDomain(ns *nodeState, devs []int) (string, int) {
+	best, bestN := "", 0
+	for l, attr := range a.policy.Attributes {
+		counts := map[string]int{}
+		for _, i := range devs {
+			if v := ns.devices[i].coords[l]; v != "" {
+				counts[v]++
+			}
+		}
+		for v, n := range counts {
+			name := topology.FormatDomain(attr, v)
+			if n > bestN || (n == bestN && n > 0 && strings.Compare(name, best) < 0 && strings.HasPrefix(best, string(attr)+"=")) {
+				best, bestN = name, n
+			}
+		}
+	}
+	return best, bestN
+}
+
+// explain describes why nothing fit: for a failed alignment=require group
+// (requireGroup != nil), or in general.
+func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *group, require bool) *Explanation {
+	expl := &Explanation{}
+	if require && requireGroup != nil {
+		names := make([]string, 0, len(a.policy.Attributes))
+		for _, attr := range a.policy.Attributes {
+			names = append(names, topology.ShortName(attr))
+		}
+		for _, u := range requireGroup.units {
+			reason := fmt.Sprintf("%s but not within one %s (alignment=require)", plural(len(u.free), "device")+" free", strings.Join(names, " or "))
+			if len(u.free) < u.count {
+				reason = ""
+			}
+			expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, reason))
+		}
+		return expl
+	}
+	// Name the requests that are short of devices; if none is, the
+	// combination failed: name the first request.
+	var first *unit
+	for _, info := range infos {
+		for _, r := range info.requests {
+			u := r.chosen()
+			if u == nil && len(r.alts) > 0 {
+				u = r.alts[0]
+			}
+			if u == nil {
+				continue
+			}
+			if first == nil {
+				first = u
+			}
+			needed := u.count
+			if u.all {
+				needed = u.nMatch
+			}
+			if len(u.free) < needed || u.nMatch == 0 {
+				expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+			}
+		}
+	}
+	if len(expl.Requests) == 0 && first != nil {
+		expl.Requests = append(expl.Requests, a.requestExplanation(first, ns, ""))
+	}
+	if len(expl.Requests) == 0 {
+		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node"})
+	}
+	return expl
+}
+
+// explainSpan explains why alignment=prefer groups had to span domains.
+func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resourceapi.AllocationResult) *Explanation {
+	var expl *Explanation
+	for _, g := range groups {
+		if g.need < 2 || g.mode != AlignmentPrefer {
+			continue
+		}
+		devs := ns.claimDevices(results, g.claims)
+		if level, _ := a.sharedLevel(ns, devs); level < len(a.policy.Attributes) {
+			continue
+		}
+		for _, u := range g.units {
+			if expl == nil {
+				expl = &Explanation{}
+			}
+			re := a.requestExplanation(u, ns, "")
+			re.Reason = fmt.Sprintf("devices span domains: the best domain %s has %d of %d needed free devices (alignment=prefer)", re.BestDomain, re.BestDomainFree, g.need)
+			if re.BestDomain == "" {
+				re.Reason = "devices span domains: the matching devices publish no topology attributes (alignment=prefer)"
+			}
+			expl.Requests = append(expl.Requests, re)
+		}
+	}
+	return expl
+}
+
+// matchExplanation says why no class can serve a constrained claim.
+func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []int, names []string) RequestExplanation {
+	var reqNames []string
+	need, matching := 0, 0
+	freeAll := map[int]bool{}
+	for _, r := range info.requests {
+		if !constrained(info, r.name) {
+			continue
+		}
+		u := r.alts[0]
+		reqNames = append(reqNames, u.displayName())
+		need += u.count
+		matching = max(matching, u.nMatch)
+		for _, i := range u.free {
+			freeAll[i] = true
+		}
+	}
+	perClass := make([]int, len(names))
+	without := 0
+	for i := range freeAll {
+		if classOf[i] >= 0 {
+			perClass[classOf[i]]++
+		} else {
+			without++
+		}
+	}
+	best, bestN := "", 0
+	for c, n := range perClass {
+		if n > bestN || (n == bestN && n > 0 && names[c] < best) {
+			best, bestN = names[c], n
+		}
+	}
+	var attrs []string
+	for _, c := range info.claim.Spec.Devices.Constraints {
+		attrs = append(attrs, string(*c.MatchAttribute))
+	}
+	which := "all requests"
+	if len(reqNames) < len(info.requests) {
+		which = "requests " + strings.Join(reqNames, ", ")
+	}
+	reason := fmt.Sprintf("no single value of %s has enough free matching devices for %s (needs %d", strings.Join(attrs, ", "), which, need)
+	if bestN > 0 {
+		reason += fmt.Sprintf(", at most %d share one", bestN)
+	}
+	reason += ")"
+	if without > 0 {
+		reason += fmt.Sprintf("; %s lack the attribute", plural(without, "free device"))
+	}
+	return RequestExplanation{
+		Claim:          info.claim.Name,
+		Request:        strings.Join(reqNames, ","),
+		Matching:       matching,
+		Free:           len(freeAll),
+		Needed:         need,
+		BestDomain:     displayValue(best),
+		BestDomainFree: bestN,
+		Reason:         reason,
+	}
+}
+
+// displayValue drops the type tags of a class name.
+func displayValue(key string) string {
+	parts := strings.Split(key, "\x00")
+	for k, p := range parts {
+		if len(p) >= 2 && p[1] == ':' {
+			parts[k] = p[2:]
+		}
+	}
+	return strings.Join(parts, ",")
+}
+
+// explainFatal turns a fatal error of the upstream allocator into one that
+// names what the user has to fix. Upstream reports a CEL runtime error with
+// the claim and the index of the selector only; this finds the request, the
+// expression (of the request or of its class) and a device of the node it
+// fails on, and returns an *InputError. It runs only on the error path.
+// Errors it cannot attribute, failures of this node only and cancellation
+// are returned as they are.
+func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) error {
+	if err == nil || ctx.Err() != nil || errors.Is(err, structured.ErrFailedAllocationOnNode) {
+		return err
+	}
+	ns, gerr := p.devices()
+	if gerr != nil {
+		return err
+	}
+	for _, claim := range p.claims {
+		for _, req := range claim.Spec.Devices.Requests {
+			if req.Exactly != nil {
+				if e := a.failingSelector(ctx, ns, claim, req.Name, req.Exactly.DeviceClassName, req.Exactly.Selectors); e != nil {
+					return e
+				}
+			}
+			for _, sub := range req.FirstAvailable {
+				if e := a.failingSelector(ctx, ns, claim, resourceclaim.CreateSubRequestRef(req.Name, sub.Name), sub.DeviceClassName, sub.Selectors); e != nil {
+					return e
+				}
+			}
+		}
+	}
+	return err
+}
+
+// failingSelector returns an *InputError for the first selector of a
+// request (class selectors first) that fails at runtime on a device of the
+// node, nil if none does.
+func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *resourceapi.ResourceClaim, request, className string, selectors []resourceapi.DeviceSelector) error {
+	var exprs, origins []string
+	if class, cerr := a.classLister.Get(className); cerr == nil {
+		for _, sel := range class.Spec.Selectors {
+			if sel.CEL != nil {
+				exprs = append(exprs, sel.CEL.Expression)
+				origins = append(origins, "device class "+className+" selector")
+			}
+		}
+	}
+	for _, sel := range selectors {
+		if sel.CEL != nil {
+			exprs = append(exprs, sel.CEL.Expression)
+			origins = append(origins, "selector")
+		}
+	}
+	for k, expr := range exprs {
+		compiled := a.celCache.GetOrCompile(expr)
+		if compiled.Error != nil {
+			continue // reported by analyzeClaim
+		}
+		for i := range ns.devices {
+			d := &ns.devices[i]
+			_, _, derr := compiled.DeviceMatches(ctx, cel.Device{
+				Driver:                   d.driver,
+				AllowMultipleAllocations: d.device.AllowMultipleAllocations,
+				Attributes:               d.device.Attributes,
+				Capacity:                 d.device.Capacity,
+			})
+			if derr != nil {
+				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
+					Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, d.name), Err: derr}
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,436 @@
+package allocator
+
+import (
+	"cmp"
+	"fmt"
+	"slices"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// nodeDevice is one device that is accessible from the node.
+type nodeDevice struct {
+	id     structured.DeviceID
+	name   string // "driver/pool/device"
+	driver string
+	slice  *resourceapi.ResourceSlice
+	// sliceIndex is the index of slice in nodeState.slices.
+	sliceIndex int
+	// deviceIndex is the index in slice.Spec.Devices.
+	deviceIndex int
+	device      *resourceapi.Device
+	coords      topology.Coordinates
+}
+
+// nodeState is what Allocate knows about one node's devices.
+type nodeState struct {
+	node *v1.Node
+	// slices is the view of the complete node: the relevant slices and all
+	// other slices of their pools, unmodified.
+	slices []*resourceapi.ResourceSlice
+	// devices in upstream's order: driver, pool, slice name, index.
+	// Shared between cycles: read-only.
+	devices []nodeDevice
+	// inUse[i] is true if device i has an allocation (this cycle).
+	inUse []bool
+	// incomplete names the pools ("driver/pool") that lack slices.
+	incomplete []string
+	// dupPools names the pools ("driver/pool") with duplicate device names:
+	// invalid upstream, so views never drop devices there.
+	dupPools map[string]bool
+	// dom[l][i] numbers the value of attribute l of device i among
+	// domVals[l]; -1 if the device does not have it.
+	dom     [][]int32
+	domVals [][]string
+}
+
+// nodeStatic is the part of a nodeState that only depends on the node's
+// slices; cached per node (Cache.node) and validated by stamp.
+type nodeStatic struct {
+	stamp []sliceStamp
+	// slices are the objects devices point into.
+	slices   []*resourceapi.ResourceSlice
+	devices  []nodeDevice
+	dupPools map[string]bool
+	dom      [][]int32
+	domVals  [][]string
+}
+
+// sliceStamp identifies one slice of a node's view.
+type sliceStamp struct {
+	uid        types.UID
+	generation int64
+	relevant   bool
+}
+
+// numberDomains numbers the domain values of n devices for one attribute:
+// ids[i] becomes the index of value(i) in vals, which grows as new values
+// appear, or -1 where value(i) is empty (the device is in no domain of the
+// attribute). vals may already hold values, so that numbers can be shared
+// across slices. It returns the extended vals. Every domain numbering of
+// this package uses it.
+func numberDomains(n int, value func(i int) string, vals []string, ids []int32) []string {
+	for i := range n {
+		v := value(i)
+		if v == "" {
+			ids[i] = -1
+			continue
+		}
+		id := slices.Index(vals, v)
+		if id < 0 {
+			id = len(vals)
+			vals = append(vals, v)
+		}
+		ids[i] = int32(id)
+	}
+	return vals
+}
+
+// numberNodeDomains fills dom and domVals.
+func (ns *nodeState) numberNodeDomains(levels int) {
+	ns.dom = make([][]int32, levels)
+	ns.domVals = make([][]string, levels)
+	ids := make([]int32, levels*len(ns.devices))
+	for l := range levels {
+		ns.dom[l] = ids[l*len(ns.devices) : (l+1)*len(ns.devices)]
+		ns.domVals[l] = numberDomains(len(ns.devices), func(i int) string { return ns.devices[i].coords[l] }, nil, ns.dom[l])
+	}
+}
+
+// gatherNode collects the node's slices and devices.
+func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
+	ns := &nodeState{node: node}
+	relevant, pools, err := a.nodeSlices(node)
+	if err != nil || len(pools) == 0 {
+		return ns, err
+	}
+	// Every slice of a relevant pool travels with the view, so that upstream
+	// sees the same pool (completeness, generations, counters) as it does
+	// with all slices of the cluster. Pools in upstream's order.
+	slices.SortFunc(pools, func(x, y poolKey) int {
+		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
+	})
+	for _, key := range pools {
+		poolSlices := a.byPool[key] // sorted by name in New
+		ns.slices = append(ns.slices, poolSlices...)
+		current := int64(0)
+		var want int64
+		for _, slice := range poolSlices {
+			if slice.Spec.Pool.Generation == a.poolGen[key] {
+				current++
+				want = slice.Spec.Pool.ResourceSliceCount
+			}
+		}
+		if current < want {
+			ns.incomplete = append(ns.incomplete, key.driver+"/"+key.pool)
+		}
+	}
+	stamp, cacheable := stampOf(ns.slices, relevant)
+	key := nodeKey{name: node.Name, attrsKey: a.attrsKey, features: a.features}
+	if cacheable && a.fromCache(ns, key, stamp) {
+		ns.fillInUse(a)
+		return ns, nil
+	}
+	if err := a.buildDevices(ns, relevant, pools); err != nil {
+		return nil, err
+	}
+	if cacheable {
+		a.cache.storeNode(key, &nodeStatic{stamp: stamp, slices: slices.Clone(ns.slices),
+			devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
+	}
+	ns.fillInUse(a)
+	return ns, nil
+}
+
+// nodeSlices returns the slices that publish devices for the node and
+// their pools, in no particular order.
+func (a *Allocator) nodeSlices(node *v1.Node) (relevant []*resourceapi.ResourceSlice, pools []poolKey, err error) {
+	// Few slices per node: small slices beat maps here.
+	add := func(slice *resourceapi.ResourceSlice) {
+		relevant = append(relevant, slice)
+		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
+		if !slices.Contains(pools, key) {
+			pools = append(pools, key)
+		}
+	}
+	for _, slice := range a.byNode[node.Name] {
+		add(slice)
+	}
+	for _, slice := range a.shared {
+		switch {
+		case ptr.Deref(slice.Spec.AllNodes, false) || slice.Spec.NodeSelector != nil:
+			match, err := structured.NodeMatches(a.features, node, "", ptr.Deref(slice.Spec.AllNodes, false), slice.Spec.NodeSelector)
+			if err != nil {
+				return nil, nil, fmt.Errorf("node selection of slice %s: %w", slice.Name, err)
+			}
+			if match {
+				add(slice)
+			}
+		case ptr.Deref(slice.Spec.PerDeviceNodeSelection, false):
+			for i := range slice.Spec.Devices {
+				d := &slice.Spec.Devices[i]
+				match, err := structured.NodeMatches(a.features, node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
+				if err != nil {
+					return nil, nil, fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+				}
+				if match {
+					add(slice)
+					break
+				}
+			}
+		}
+	}
+	return relevant, pools, nil
+}
+
+// fromCache fills ns's devices and domains from the cache when its entry
+// matches stamp.
+func (a *Allocator) fromCache(ns *nodeState, key nodeKey, stamp []sliceStamp) bool {
+	st := a.cache.node(key)
+	if st == nil || !slices.Equal(st.stamp, stamp) {
+		return false
+	}
+	ns.dupPools, ns.dom, ns.domVals = st.dupPools, st.dom, st.domVals
+	if slices.Equal(st.slices, ns.slices) {
+		// The very same objects: the cached devices point at them
+		// already (read-only, shared).
+		ns.devices = st.devices
+		return true
+	}
+	// Point at the current objects: equal UID and generation mean an equal
+	// spec, except for taints that the DRA manager patches in from
+	// DeviceTaintRules.
+	ns.devices = slices.Clone(st.devices)
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		d.slice = ns.slices[d.sliceIndex]
+		d.device = &d.slice.Spec.Devices[d.deviceIndex]
+	}
+	// Later cycles with these objects take the path above.
+	a.cache.storeNode(key, &nodeStatic{stamp: st.stamp, slices: slices.Clone(ns.slices),
+		devices: ns.devices, dupPools: st.dupPools, dom: st.dom, domVals: st.domVals})
+	return true
+}
+
+// stampOf identifies the node's view; it is not cacheable when a slice has
+// no UID or selects nodes per device (that depends on the node's labels).
+func stampOf(view, relevant []*resourceapi.ResourceSlice) ([]sliceStamp, bool) {
+	stamp := make([]sliceStamp, len(view))
+	for i, slice := range view {
+		if slice.UID == "" || ptr.Deref(slice.Spec.PerDeviceNodeSelection, false) {
+			return nil, false
+		}
+		stamp[i] = sliceStamp{uid: slice.UID, generation: slice.Generation, relevant: slices.Contains(relevant, slice)}
+	}
+	return stamp, true
+}
+
+// fillInUse records which devices have an allocation in this cycle.
+func (ns *nodeState) fillInUse(a *Allocator) {
+	ns.inUse = make([]bool, len(ns.devices))
+	for i := range ns.devices {
+		ns.inUse[i] = a.deviceInUse(ns.devices[i].id)
+	}
+}
+
+// deviceInUse reports whether a device has a committed or in-flight allocation.
+func (a *Allocator) deviceInUse(id structured.DeviceID) bool {
+	return a.state.AllocatedDevices.Has(id) || (len(a.inUse) > 0 && a.inUse.Has(id))
+}
+
+// buildDevices collects the devices of the node's view that upstream may
+// allocate on the node.
+func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.ResourceSlice, pools []poolKey) error {
+	n := 0
+	for _, slice := range relevant {
+		n += len(slice.Spec.Devices)
+	}
+	ns.devices = make([]nodeDevice, 0, n)
+	start := 0
+	for _, key := range pools {
+		poolSlices := a.byPool[key]
+		generation := a.poolGen[key]
+		var names map[string]bool // only for pools with several device slices
+		for i, slice := range poolSlices {
+			if !slices.Contains(relevant, slice) || slice.Spec.Pool.Generation != generation {
+				continue
+			}
+			if len(slice.Spec.SharedCounters) > 0 {
+				// Counter sets only (or ignored without partitionable
+				// devices): upstream allocates no devices from here.
+				continue
+			}
+			if !a.features.PartitionableDevices && slice.Spec.PerDeviceNodeSelection != nil {
+				continue
+			}
+			info := a.sliceInfo(slice)
+			if info.dup {
+				ns.markDup(key)
+			}
+			if len(poolSlices) > 1 {
+				if names == nil {
+					names = map[string]bool{}
+				}
+				for j := range slice.Spec.Devices {
+					if names[slice.Spec.Devices[j].Name] {
+						ns.markDup(key)
+					}
+					names[slice.Spec.Devices[j].Name] = true
+				}
+			}
+			if err := a.appendSliceDevices(ns, slice, info, start+i); err != nil {
+				return err
+			}
+		}
+		start += len(poolSlices)
+	}
+	ns.numberNodeDomains(len(a.policy.Attributes))
+	return nil
+}
+
+// appendSliceDevices appends the devices of one slice that upstream may
+// allocate on the node.
+func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.ResourceSlice, info *sliceInfo, sliceIndex int) error {
+	perDevice := ptr.Deref(slice.Spec.PerDeviceNodeSelection, false)
+	for j := range slice.Spec.Devices {
+		d := &slice.Spec.Devices[j]
+		if perDevice {
+			match, err := structured.NodeMatches(a.features, ns.node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
+			if err != nil {
+				return fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+			}
+			if !match {
+				continue
+			}
+		}
+		if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
+			continue
+		}
+		ns.devices = append(ns.devices, nodeDevice{
+			id:          info.ids[j],
+			name:        info.names[j],
+			driver:      slice.Spec.Driver,
+			slice:       slice,
+			sliceIndex:  sliceIndex,
+			deviceIndex: j,
+			device:      d,
+			coords:      info.coords[j],
+		})
+	}
+	return nil
+}
+
+func (ns *nodeState) markDup(key poolKey) {
+	if ns.dupPools == nil {
+		ns.dupPools = map[string]bool{}
+	}
+	ns.dupPools[key.driver+"/"+key.pool] = true
+}
+
+// sliceInfo returns the per-device data of a slice for the policy's
+// attributes, from the cache when the slice can be cached.
+func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
+	memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
+	if memo != nil {
+		if info, ok := memo.infos.Load(a.attrsKey); ok {
+			return info.(*sliceInfo)
+		}
+	}
+	info := &sliceInfo{}
+	n := len(slice.Spec.Devices)
+	info.ids = make([]structured.DeviceID, n)
+	info.names = make([]string, n)
+	info.coords = make([]topology.Coordinates, n)
+	seen := make(map[string]bool, n)
+	for j := range slice.Spec.Devices {
+		d := &slice.Spec.Devices[j]
+		info.ids[j] = structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, d.Name)
+		info.names[j] = slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name
+		info.coords[j] = topology.DeviceCoordinates(slice.Spec.Driver, d, a.policy.Attributes)
+		if seen[d.Name] {
+			info.dup = true
+		}
+		seen[d.Name] = true
+	}
+	levels := len(a.policy.Attributes)
+	info.dom = make([][]int32, levels)
+	info.domVals = make([][]string, levels)
+	for l := range levels {
+		info.dom[l] = make([]int32, n)
+		info.domVals[l] = numberDomains(n, func(j int) string { return info.coords[j][l] }, nil, info.dom[l])
+	}
+	if memo != nil {
+		memo.infos.Store(a.attrsKey, info)
+	}
+	return info
+}
+
+// lookup returns the node device index of a result entry, or -1.
+func (ns *nodeState) lookup(r *resourceapi.DeviceRequestAllocationResult) int {
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if d.device.Name == r.Device && d.slice.Spec.Pool.Name == r.Pool && d.driver == r.Driver {
+			return i
+		}
+	}
+	return -1
+}
+
+// claimDevices lists the node device indices allocated to the given claims.
+func (ns *nodeState) claimDevices(results []resourceapi.AllocationResult, claims []int) []int {
+	var devs []int
+	for _, ci := range claims {
+		for k := range results[ci].Devices.Results {
+			if i := ns.lookup(&results[ci].Devices.Results[k]); i >= 0 {
+				devs = append(devs, i)
+			}
+		}
+	}
+	return devs
+}
+
+// addResult appends device i to an allocation result for request.
+func (ns *nodeState) addResult(res *resourceapi.AllocationResult, request string, i int) {
+	d := &ns.devices[i]
+	res.Devices.Results = append(res.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+		Request: request,
+		Driver:  d.driver,
+		Pool:    d.slice.Spec.Pool.Name,
+		Device:  d.device.Name,
+	})
+}
+
+// sharedLevel returns the first level at which all devs share one value,
+// and that value; len(Attributes) if none.
+func (a *Allocator) sharedLevel(ns *nodeState, devs []int) (int, string) {
+	for l := range a.policy.Attributes {
+		if v, ok := sharedValue(ns, l, devs); ok {
+			return l, v
+		}
+	}
+	return len(a.policy.Attributes), ""
+}
+
+// sharedValue returns the value of attribute level that all devs have, if
+// there is one.
+func sharedValue(ns *nodeState, level int, devs []int) (string, bool) {
+	if len(devs) == 0 {
+		return "", false
+	}
+	v := ns.devices[devs[0]].coords[level]
+	if v == "" {
+		return "", false
+	}
+	for _, i := range devs[1:] {
+		if ns.devices[i].coords[level] != v {
+			return "", false
+		}
+	}
+	return v, true
+}

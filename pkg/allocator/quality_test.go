@@ -1,0 +1,84 @@
+package allocator
+
+import (
+	"reflect"
+	"slices"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// mixedDGX is a DGX whose pool also holds GPUs of another model: GPUs 0, 1,
+// 4 and 5 are A100s, the others H100s.
+func mixedDGX(nodeName string) []*resourceapi.ResourceSlice {
+	s := dgx(nodeName)
+	for _, i := range []int{0, 1, 4, 5} {
+		s[0].Spec.Devices[i].Attributes["model"] = str("A100")
+	}
+	return s
+}
+
+// TestQualityOneFormula checks that the counted and the ordered strategy
+// measure equal allocations alike: one-device pods can take either, and
+// the node score must not depend on which one decided.
+func TestQualityOneFormula(t *testing.T) {
+	h100 := `device.attributes["` + gpuDriver + `"].model == "H100"`
+	testcases := map[string]struct {
+		slices    func(string) []*resourceapi.ResourceSlice
+		inUse     []string
+		selectors []string
+		policy    Policy
+	}{
+		"dgx empty":               {slices: dgx},
+		"dgx half used":           {slices: dgx, inUse: []string{"gpu-0", "gpu-2", "gpu-5", "gpu-7"}},
+		"dgx one free":            {slices: dgx, inUse: []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"}},
+		"pcie box":                {slices: pcieBox, inUse: []string{"gpu-1", "gpu-4"}},
+		"plain GPUs":              {slices: func(n string) []*resourceapi.ResourceSlice { return plainGPUs(n, 4) }, inUse: []string{"gpu-2"}},
+		"mixed pool, one model":   {slices: mixedDGX, inUse: []string{"gpu-2"}, selectors: []string{h100}},
+		"mixed pool, all models":  {slices: mixedDGX, inUse: []string{"gpu-0", "gpu-6"}},
+		"dgx spreading":           {slices: dgx, inUse: []string{"gpu-0", "gpu-3"}, policy: Policy{Packing: false, Alignment: AlignmentPrefer}},
+		"dgx other weights":       {slices: dgx, inUse: []string{"gpu-1"}, policy: Policy{Packing: true, AlignmentWeight: 1, PackingWeight: 3}},
+		"dgx numaNode only":       {slices: dgx, inUse: []string{"gpu-1"}, policy: Policy{Packing: true, Attributes: []resourceapi.QualifiedName{topology.AttrNUMANode}}},
+		"mixed pool, half in use": {slices: mixedDGX, inUse: []string{"gpu-2", "gpu-3", "gpu-6"}, selectors: []string{h100}},
+	}
+	ctx := quietContext(t)
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			const nodeName = "node-0"
+			policy := tc.policy
+			if policy.Alignment == "" {
+				policy = DefaultPolicy()
+			}
+			claims := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1, tc.selectors...).obj()}
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName, tc.inUse...),
+				ClassLister: defaultClasses, Slices: tc.slices(nodeName), CELCache: newCELCache(), Policy: policy})
+			if err != nil {
+				t.Fatal(err)
+			}
+			counted := &podNode{a: a, node: node(nodeName), claims: claims}
+			ordered := &podNode{a: a, node: node(nodeName), claims: claims}
+			if !(countedStrategy{}).applies(counted) || !(orderedStrategy{}).applies(ordered) {
+				t.Fatal("both strategies should apply to a one-device pod")
+			}
+			byCounting, err := countedStrategy{}.allocate(ctx, counted)
+			if err != nil || byCounting == nil || byCounting.Allocations == nil {
+				t.Fatalf("counted: %+v, %v", byCounting, err)
+			}
+			byOrder, err := orderedStrategy{}.allocate(ctx, ordered)
+			if err != nil || byOrder == nil || byOrder.Allocations == nil {
+				t.Fatalf("ordered: %+v, %v", byOrder, err)
+			}
+			if c, o := deviceNames(byCounting.Allocations), deviceNames(byOrder.Allocations); !slices.Equal(c, o) {
+				t.Fatalf("different allocations: counted %v, ordered %v", c, o)
+			}
+			if !reflect.DeepEqual(byCounting.Quality, byOrder.Quality) {
+				t.Errorf("quality differs:\ncounted %+v\nordered %+v", byCounting.Quality, byOrder.Quality)
+			}
+			if want := a.policy.Score(byOrder.Quality); byOrder.Quality.Score != want {
+				t.Errorf("Quality.Score %d, Policy.Score %d", byOrder.Quality.Score, want)
+			}
+		})
+	}
+}

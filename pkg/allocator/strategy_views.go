@@ -1,0 +1,216 @@
+package allocator
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/klog/v2"
+)
+
+// viewsStrategy serves every pod: it plans the preferred devices and asks
+// upstream on views of the node, most preferred first, one upstream call
+// per view until one works; the node's slices as they are come last, so it
+// allocates exactly when upstream does (except for alignment=require). It
+// always decides.
+type viewsStrategy struct{}
+
+func (viewsStrategy) applies(*podNode) bool { return true }
+
+// preferredViewsBudget bounds the time spent on preferred views per node.
+// A view usually takes tens of microseconds.
+const preferredViewsBudget = 20 * time.Millisecond
+
+// viewAttempt builds one view of the node for upstream.
+type viewAttempt func() []*resourceapi.ResourceSlice
+
+func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) {
+	a := p.a
+	ns, err := p.devices()
+	if err != nil {
+		return nil, err
+	}
+	infos, passthrough, err := p.analysis(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if !passthrough {
+		if expl := a.countCheck(infos); expl != nil {
+			klog.FromContext(ctx).V(5).Info("Claims do not fit by counting", "node", klog.KObj(p.node), "reason", expl.String())
+			return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
+		}
+	}
+	var groups []*group
+	var attempts []viewAttempt
+	if !passthrough && len(a.policy.Attributes) > 0 {
+		groups = buildGroups(infos)
+		var res *Result
+		attempts, res = a.preferredViews(ns, infos, groups, p.units)
+		if res != nil {
+			return res, nil
+		}
+	}
+	// The node's slices as they are: upstream's own answer.
+	attempts = append(attempts, func() []*resourceapi.ResourceSlice { return ns.slices })
+	return a.tryViews(ctx, p, groups, attempts)
+}
+
+// preferredViews returns the preferred views for the planned groups, most
+// preferred first, or a Result when an alignment=require group fits in no
+// domain.
+func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*group, units []*unit) ([]viewAttempt, *Result) {
+	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, groups: groups, allUnits: units}
+	maxPlans := 2
+	for _, g := range groups {
+		if g.mode == AlignmentRequire && g.need > 1 {
+			maxPlans = 8
+			avail := make([]bool, len(ns.devices))
+			for i := range avail {
+				avail[i] = true
+			}
+			if len(p.fittingDomains(g, avail, false)) == 0 {
+				return nil, &Result{Explanation: a.explain(infos, ns, g, true), DevicesConsidered: len(ns.devices)}
+			}
+		}
+	}
+	if len(groups) == 0 {
+		return nil, nil
+	}
+	podHasAll := false
+	for _, info := range infos {
+		podHasAll = podHasAll || info.hasAll
+	}
+	var attempts []viewAttempt
+	plans := p.plans(maxPlans)
+	for i := range plans {
+		pl := &plans[i]
+		if podHasAll {
+			// "All" means all devices: never hide any.
+			break
+		}
+		// Only the picked devices (and what other claims may use):
+		// upstream merely confirms the choice, and has few devices to
+		// look at.
+		attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(pl, viewPicks) })
+		for gi, d := range pl.domains {
+			if d != nil && groups[gi].need > 1 {
+				// The chosen domains, picks first.
+				attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(pl, viewDomains) })
+				break
+			}
+		}
+	}
+	if len(plans) > 0 {
+		// Reordered but complete: as feasible as the node.
+		attempts = append(attempts, func() []*resourceapi.ResourceSlice { return p.viewFor(&plans[0], viewAll) })
+	}
+	return attempts, nil
+}
+
+// tryViews asks upstream on each view in turn and returns the first
+// acceptable allocation; the last view is the node as it is.
+func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, attempts []viewAttempt) (*Result, error) {
+	logger := klog.FromContext(ctx)
+	ns, infos := p.ns, p.infos
+	// Preferred views share a time budget: upstream's search can take
+	// exponential time on some inputs, and then only its own answer
+	// (the final view) is worth waiting for.
+	prefCtx := ctx
+	if len(attempts) > 1 {
+		var cancel context.CancelFunc
+		prefCtx, cancel = context.WithTimeout(ctx, preferredViewsBudget)
+		defer cancel()
+	}
+	requireRejected := false
+	for n, view := range attempts {
+		final := n == len(attempts)-1
+		callCtx := ctx
+		if !final {
+			if prefCtx.Err() != nil {
+				continue
+			}
+			callCtx = prefCtx
+		}
+		results, err := a.upstream(callCtx, p.node, p.claims, view())
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil, err
+			}
+			if !final {
+				logger.V(5).Info("Preferred view failed, trying the next", "node", klog.KObj(p.node), "attempt", n, "err", err)
+				continue
+			}
+			return a.upstreamFailure(ctx, p, err)
+		}
+		if results == nil {
+			continue
+		}
+		ok, requireOK := a.accept(ns, infos, groups, results, final)
+		if !requireOK {
+			requireRejected = true
+		}
+		if !ok {
+			continue
+		}
+		q := a.quality(ns, infos, p.units, results)
+		res := &Result{Allocations: results, Quality: q, DevicesConsidered: len(ns.devices)}
+		if !q.Aligned {
+			res.Explanation = a.explainSpan(ns, groups, results)
+		}
+		logger.V(5).Info("View accepted", "node", klog.KObj(p.node), "attempt", n, "of", len(attempts))
+		logAllocated(ctx, p, "views", q)
+		return res, nil
+	}
+	var expl *Explanation
+	if requireRejected {
+		for _, g := range groups {
+			if g.mode == AlignmentRequire && g.need > 1 {
+				expl = a.explain(infos, ns, g, true)
+				break
+			}
+		}
+	}
+	if expl == nil {
+		expl = a.explain(infos, ns, nil, false)
+	}
+	return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
+}
+
+// accept checks a result of a preferred view: firstAvailable requests must
+// not get a worse subrequest than counting expects (upstream would prefer
+// the better one), and claims with alignment=require must be aligned. The
+// final view is upstream's own answer, so only the second check applies.
+func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, results []resourceapi.AllocationResult, final bool) (ok, requireOK bool) {
+	if !final {
+		for ci, info := range infos {
+			for _, r := range info.requests {
+				if len(r.alts) < 2 || r.target < 0 {
+					continue
+				}
+				prefix := r.name + "/"
+				for _, d := range results[ci].Devices.Results {
+					sub, found := strings.CutPrefix(d.Request, prefix)
+					if !found {
+						continue
+					}
+					for i, u := range r.alts {
+						if u.subName == sub && i > r.target {
+							return false, true
+						}
+					}
+				}
+			}
+		}
+	}
+	for _, g := range groups {
+		if g.mode != AlignmentRequire || g.need < 2 {
+			continue
+		}
+		devs := ns.claimDevices(results, g.claims)
+		if level, _ := a.sharedLevel(ns, devs); level >= len(a.policy.Attributes) {
+			return false, false
+		}
+	}
+	return true, true
+}
