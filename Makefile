@@ -16,6 +16,7 @@ all: build
 build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-scheduler ./cmd/scheduler
 	@if ls cmd/node-agent/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-node-agent ./cmd/node-agent; fi
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-check ./cmd/topodra-check
 	@if ls cmd/simulator/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-sim ./cmd/simulator; fi
 
 # What CI runs: unit and integration tests.
