@@ -2,13 +2,15 @@ package topologydra
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
 )
 
 // Filter checks that the pod's allocated claims are usable on the node and
@@ -42,14 +44,17 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// Bad input, e.g. a CEL runtime error on this node's devices. The
 		// message names the claim, request and expression; other pods
 		// keep scheduling. The claim gets a warning event, once per cycle.
-		s.reportOnce.Do(func() {
-			for _, index := range s.toAllocate {
-				claim := s.claims[index]
-				if strings.Contains(err.Error(), claim.Name) {
-					pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
+		var inputErr *allocator.InputError
+		if errors.As(err, &inputErr) {
+			s.reportOnce.Do(func() {
+				for _, index := range s.toAllocate {
+					claim := s.claims[index]
+					if claim.Namespace+"/"+claim.Name == inputErr.Claim {
+						pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
+					}
 				}
-			}
-		})
+			})
+		}
 		return unresolvable(err.Error())
 	}
 	if res.DevicesConsidered > 0 {

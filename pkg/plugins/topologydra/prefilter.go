@@ -229,7 +229,8 @@ func (pl *TopologyDRA) gatherAllocatedState(ctx context.Context) (*structured.Al
 
 // withOwnedToleration returns the claim as the allocator sees it: with a
 // toleration for the owned device taint on every request, so that devices
-// reserved for topodra (architecture decision 6) are available to it.
+// that only topodra may hand out are available to it. The copy is never
+// written to the API.
 func (pl *TopologyDRA) withOwnedToleration(claim *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
 	if pl.ownedToleration == nil {
 		return claim

@@ -1,0 +1,365 @@
+package topologydra
+
+import (
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	cgotesting "k8s.io/client-go/testing"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+)
+
+func code(st *fwk.Status) fwk.Code {
+	if st == nil {
+		return fwk.Success
+	}
+	return st.Code()
+}
+
+// cycle runs PreFilter and Filter on every node of the harness and returns
+// the cycle state.
+func (h *harness) cycle(pod *v1.Pod, nodes ...string) (fwk.CycleState, map[string]*fwk.Status) {
+	h.tCtx.Helper()
+	cs := framework.NewCycleState()
+	_, st := h.pl.PreFilter(h.tCtx, cs, pod, nil)
+	if !st.IsSuccess() {
+		h.tCtx.Fatalf("PreFilter: %v", st)
+	}
+	out := map[string]*fwk.Status{}
+	for _, n := range nodes {
+		out[n] = h.pl.Filter(h.tCtx, cs, pod, h.nodes[n])
+	}
+	return cs, out
+}
+
+func TestPreFilter(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	tests := map[string]struct {
+		objs          []runtime.Object
+		pod           *v1.Pod
+		wantCode      fwk.Code
+		wantMsg       string
+		wantEvent     string
+		wantAllocator bool
+	}{
+		"no claims": {pod: testPod("p"), wantCode: fwk.Skip},
+		"claim not created yet": {
+			pod: testPod("p", "absent"), wantCode: fwk.Unschedulable, wantMsg: "waiting for resource claim ns/absent",
+		},
+		"missing device class": {
+			objs: []runtime.Object{func() *resourceapi.ResourceClaim {
+				c := testClaim("c", 1)
+				c.Spec.Devices.Requests[0].Exactly.DeviceClassName = "nope"
+				return c
+			}()},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "device class nope does not exist", wantEvent: "InvalidClaim",
+		},
+		"invalid CEL": {
+			objs:     []runtime.Object{testDeviceClass(), testClaim("c", 1, `device.attributes["x"].`)},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "invalid CEL selector", wantEvent: "InvalidClaim",
+		},
+		"claim to allocate": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1)},
+			pod:  testPod("p", "c"), wantCode: fwk.Success, wantAllocator: true,
+		},
+		"claim allocated already": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), allocatedOn(testClaim("c", 1), "node-a", "gpu-0")},
+			pod:  testPod("p", "c"), wantCode: fwk.Success,
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t, nodes, tc.objs...)
+			cs := framework.NewCycleState()
+			_, st := h.pl.PreFilter(h.tCtx, cs, tc.pod, nil)
+			if code(st) != tc.wantCode {
+				t.Fatalf("PreFilter: %v, want code %v", st, tc.wantCode)
+			}
+			if tc.wantMsg != "" && !strings.Contains(st.Message(), tc.wantMsg) {
+				t.Errorf("message %q does not contain %q", st.Message(), tc.wantMsg)
+			}
+			if tc.wantEvent != "" {
+				select {
+				case e := <-h.recorder.Events:
+					if !strings.Contains(e, tc.wantEvent) {
+						t.Errorf("event %q, want %s", e, tc.wantEvent)
+					}
+				default:
+					t.Errorf("no %s event on the claim", tc.wantEvent)
+				}
+			}
+			if tc.wantCode != fwk.Success {
+				return
+			}
+			s, err := getState(cs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (s.allocator != nil) != tc.wantAllocator {
+				t.Errorf("allocator built: %v, want %v", s.allocator != nil, tc.wantAllocator)
+			}
+		})
+	}
+}
+
+func TestFilter(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a"), testNode("node-b")}
+	t.Run("best aligned devices where they fit", func(t *testing.T) {
+		// gpu-0 is taken, so the pair goes to the free PCIe root pci-1
+		// (gpu-2, gpu-3), not to gpu-1 + gpu-2.
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 4), allocatedOn(testClaim("taken", 1), "node-a", "gpu-0"), testClaim("c", 2))
+		cs, st := h.cycle(testPod("p", "c"), "node-a", "node-b")
+		if !st["node-a"].IsSuccess() {
+			t.Fatalf("Filter(node-a): %v", st["node-a"])
+		}
+		if code(st["node-b"]) != fwk.Unschedulable {
+			t.Errorf("Filter(node-b) without devices: %v, want Unschedulable", st["node-b"])
+		}
+		s, _ := getState(cs)
+		res := s.getResult("node-a")
+		if res == nil || len(res.Allocations) != 1 {
+			t.Fatalf("no allocation recorded for node-a: %+v", res)
+		}
+		got := devicesOf(res.Allocations[0])
+		if strings.Join(got, ",") != "gpu-2,gpu-3" {
+			t.Errorf("allocated %v, want gpu-2,gpu-3", got)
+		}
+		if s.getResult("node-b") != nil {
+			t.Error("a result was recorded for the infeasible node")
+		}
+	})
+	t.Run("claim allocated for another node", func(t *testing.T) {
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-b", 2), allocatedOn(testClaim("c", 1), "node-b", "gpu-0"))
+		cs, st := h.cycle(testPod("p", "c"), "node-a", "node-b")
+		if code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "cannot use") {
+			t.Errorf("Filter(node-a): %v, want UnschedulableAndUnresolvable naming the claim", st["node-a"])
+		}
+		if !st["node-b"].IsSuccess() {
+			t.Errorf("Filter(node-b): %v, want success", st["node-b"])
+		}
+		s, _ := getState(cs)
+		if !s.unavailableClaims.Has(0) {
+			t.Error("the claim was not marked unavailable for PostFilter")
+		}
+	})
+	t.Run("CEL runtime error", func(t *testing.T) {
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2),
+			testClaim("c", 1, `device.attributes["gpu.topodra.io"].missing == 1`))
+		_, st := h.cycle(testPod("p", "c"), "node-a")
+		if code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "ns/c") {
+			t.Errorf("Filter: %v, want UnschedulableAndUnresolvable naming claim ns/c", st["node-a"])
+		}
+		select {
+		case e := <-h.recorder.Events:
+			if !strings.Contains(e, "InvalidClaim") || !strings.Contains(e, "missing") {
+				t.Errorf("event %q, want InvalidClaim naming the expression", e)
+			}
+		default:
+			t.Error("no InvalidClaim event on the claim")
+		}
+	})
+}
+
+func devicesOf(a resourceapi.AllocationResult) []string {
+	var out []string
+	for _, r := range a.Devices.Results {
+		out = append(out, r.Device)
+	}
+	return out
+}
+
+// TestReserveVerifyFails: Filter decided node-a by counting; by the time
+// Reserve verifies with upstream, the chosen device and every other one is
+// in use, so Reserve must reject the node without marking anything in
+// flight.
+func TestReserveVerifyFails(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), allocatedOn(testClaim("taken", 1), "node-a", "gpu-0"), testClaim("c", 1))
+	pod := testPod("p", "c")
+	first, st := h.cycle(pod, "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatalf("Filter: %v", st["node-a"])
+	}
+	s1, _ := getState(first)
+	res := s1.getResult("node-a")
+	if !res.Unverified {
+		t.Fatal("Filter verified the 1-GPU claim with upstream already; this test needs a counted result")
+	}
+
+	// Another writer takes gpu-1; a cycle state whose allocator sees that
+	// gets the counted result of the first Filter.
+	h.create(allocatedOn(testClaim("late", 1), "node-a", "gpu-1"))
+	h.waitForClaim("late", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
+	second, _ := h.cycle(pod)
+	s2, _ := getState(second)
+	s2.setResult("node-a", res)
+
+	st2 := h.pl.Reserve(h.tCtx, second, pod, "node-a")
+	if code(st2) != fwk.Unschedulable || !strings.Contains(st2.Message(), "no longer available") {
+		t.Errorf("Reserve: %v, want Unschedulable saying the devices are no longer available", st2)
+	}
+	claim, _ := h.pl.draManager.ResourceClaims().Get(testNS, "c")
+	if h.pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
+		t.Error("a rejected Reserve left an in-flight allocation")
+	}
+}
+
+// TestUnreserveRestores: Unreserve drops the in-flight allocation after
+// Reserve, and after PreBind also removes the pod from reservedFor.
+func TestUnreserveRestores(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	for _, afterPreBind := range []bool{false, true} {
+		name := "after Reserve"
+		if afterPreBind {
+			name = "after PreBind"
+		}
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1))
+			pod := testPod("p", "c")
+			cs, st := h.cycle(pod, "node-a")
+			if !st["node-a"].IsSuccess() {
+				t.Fatalf("Filter: %v", st["node-a"])
+			}
+			if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+				t.Fatalf("Reserve: %v", st)
+			}
+			claims := h.pl.draManager.ResourceClaims()
+			uid := h.apiClaim("c").UID
+			if claims.GetPendingAllocation(uid) == nil {
+				t.Fatal("Reserve recorded no in-flight allocation")
+			}
+			if afterPreBind {
+				if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+					t.Fatalf("PreBind: %v", st)
+				}
+				if c := h.apiClaim("c"); c.Status.Allocation == nil || len(c.Status.ReservedFor) != 1 {
+					t.Fatalf("PreBind wrote allocation %v, reservedFor %v", c.Status.Allocation, c.Status.ReservedFor)
+				}
+			}
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			if claims.GetPendingAllocation(uid) != nil {
+				t.Error("Unreserve left the in-flight allocation")
+			}
+			c := h.apiClaim("c")
+			if len(c.Status.ReservedFor) != 0 {
+				t.Errorf("Unreserve left reservedFor %v", c.Status.ReservedFor)
+			}
+			if !afterPreBind {
+				state, err := h.pl.gatherAllocatedState(h.tCtx)
+				h.tCtx.ExpectNoError(err)
+				if n := state.AllocatedDevices.Len(); n != 0 {
+					t.Errorf("after Unreserve %d devices still count as allocated", n)
+				}
+			}
+			// Idempotent.
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+		})
+	}
+}
+
+// conflictOnce makes the first status update of claim name fail with a
+// conflict; before that it runs meanwhile (another writer), if not nil.
+func conflictOnce(h *harness, name string, meanwhile func()) *atomic.Int32 {
+	var hits atomic.Int32
+	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		u := action.(cgotesting.UpdateAction)
+		if u.GetSubresource() != "status" || u.GetObject().(*resourceapi.ResourceClaim).Name != name || hits.Add(1) > 1 {
+			return false, nil, nil
+		}
+		if meanwhile != nil {
+			meanwhile()
+		}
+		return true, nil, apierrors.NewConflict(schema.GroupResource{Group: "resource.k8s.io", Resource: "resourceclaims"}, name, nil)
+	})
+	return &hits
+}
+
+func TestPreBindConflict(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	t.Run("retried on the latest claim", func(t *testing.T) {
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1))
+		pod := testPod("p", "c")
+		cs, _ := h.cycle(pod, "node-a")
+		if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+			t.Fatalf("Reserve: %v", st)
+		}
+		hits := conflictOnce(h, "c", nil)
+		if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+			t.Fatalf("PreBind: %v", st)
+		}
+		if hits.Load() < 2 {
+			t.Errorf("status written %d times, want a conflict and a retry", hits.Load())
+		}
+		c := h.apiClaim("c")
+		if c.Status.Allocation == nil || len(c.Status.ReservedFor) != 1 || c.Status.ReservedFor[0].UID != pod.UID {
+			t.Errorf("after the retry: allocation %v, reservedFor %v", c.Status.Allocation, c.Status.ReservedFor)
+		}
+	})
+	t.Run("allocated by another writer meanwhile", func(t *testing.T) {
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1))
+		pod := testPod("p", "c")
+		cs, _ := h.cycle(pod, "node-a")
+		if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+			t.Fatalf("Reserve: %v", st)
+		}
+		conflictOnce(h, "c", func() {
+			// Reactors run under the fake client's lock: use the tracker.
+			gvr := resourceapi.SchemeGroupVersion.WithResource("resourceclaims")
+			obj, err := h.client.Tracker().Get(gvr, testNS, "c")
+			if err != nil {
+				t.Errorf("other writer: %v", err)
+				return
+			}
+			other := allocatedOn(obj.(*resourceapi.ResourceClaim).DeepCopy(), "node-a", "gpu-1")
+			if err := h.client.Tracker().Update(gvr, other, testNS); err != nil {
+				t.Errorf("other writer: %v", err)
+			}
+		})
+		st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
+		if st.IsSuccess() || !strings.Contains(st.Message(), "allocated by someone else") {
+			t.Errorf("PreBind: %v, want an error saying the claim was allocated by someone else", st)
+		}
+		if c := h.apiClaim("c"); len(c.Status.ReservedFor) != 0 || devicesOf(*c.Status.Allocation)[0] != "gpu-1" {
+			t.Errorf("PreBind overwrote the other writer's allocation: %v, reservedFor %v", c.Status.Allocation, c.Status.ReservedFor)
+		}
+	})
+}
+
+func TestPostFilterDeallocates(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	tests := map[string]struct {
+		reservedFor  []resourceapi.ResourceClaimConsumerReference
+		wantDealloc  bool
+		wantMsgMatch string
+	}{
+		"unused allocation no node can use": {wantDealloc: true, wantMsgMatch: "deallocated resource claim c"},
+		"in use by another pod":             {reservedFor: []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "other", UID: "other"}}},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			claim := allocatedOn(testClaim("c", 1), "node-gone", "gpu-0")
+			claim.Status.ReservedFor = tc.reservedFor
+			h := newHarness(t, nodes, testDeviceClass(), claim)
+			pod := testPod("p", "c")
+			cs, st := h.cycle(pod, "node-a")
+			if code(st["node-a"]) != fwk.UnschedulableAndUnresolvable {
+				t.Fatalf("Filter: %v", st["node-a"])
+			}
+			_, pst := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+			if code(pst) != fwk.Unschedulable || !strings.Contains(pst.Message(), tc.wantMsgMatch) {
+				t.Errorf("PostFilter: %v, want Unschedulable with %q", pst, tc.wantMsgMatch)
+			}
+			if got := h.apiClaim("c").Status.Allocation == nil; got != tc.wantDealloc {
+				t.Errorf("deallocated: %v, want %v", got, tc.wantDealloc)
+			}
+		})
+	}
+}

@@ -1,0 +1,242 @@
+package topologydra
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
+	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/events"
+	resourceslicetracker "k8s.io/dynamic-resource-allocation/resourceslice/tracker"
+	fwk "k8s.io/kube-scheduler/framework"
+	internalcache "k8s.io/kubernetes/pkg/scheduler/backend/cache"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
+	frameworkruntime "k8s.io/kubernetes/pkg/scheduler/framework/runtime"
+	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// harness runs the plugin on the scheduler's own framework runtime and DRA
+// manager (claim assume cache, slice tracker with DeviceTaintRules), fed by
+// informers on a fake clientset.
+type harness struct {
+	tCtx     ktesting.TContext
+	client   *fake.Clientset
+	recorder *events.FakeRecorder
+	pl       *TopologyDRA
+	nodes    map[string]fwk.NodeInfo
+}
+
+const (
+	testNS    = "ns"
+	testClass = "gpu"
+)
+
+// newHarness creates the objects through the fake API (so that the reactor
+// gives them UIDs and resource versions), starts the informers, waits for
+// the DRA manager to see everything and builds the plugin with default args.
+func newHarness(t *testing.T, nodes []*v1.Node, objs ...runtime.Object) *harness {
+	tCtx := ktesting.Init(t)
+	h := &harness{tCtx: tCtx, client: fake.NewClientset(), recorder: events.NewFakeRecorder(100), nodes: map[string]fwk.NodeInfo{}}
+	h.client.PrependReactor("*", "*", versionReactor(h.client.Tracker()))
+	factory := informers.NewSharedInformerFactory(h.client, 0)
+	tracker, err := resourceslicetracker.StartTracker(tCtx, resourceslicetracker.Options{
+		EnableDeviceTaintRules: true,
+		SliceInformer:          factory.Resource().V1().ResourceSlices(),
+		TaintInformer:          factory.Resource().V1().DeviceTaintRules(),
+		KubeClient:             h.client,
+	})
+	tCtx.ExpectNoError(err, "start slice tracker")
+	claims := assumecache.NewAssumeCache(tCtx.Logger(), factory.Resource().V1().ResourceClaims().Informer(), "resource claim", "", nil)
+	claimsSynced := claims.AddEventHandler(cache.ResourceEventHandlerFuncs{})
+	manager := dynamicresources.NewDRAManager(tCtx, claims, tracker, factory)
+	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
+		frameworkruntime.WithClientSet(h.client),
+		frameworkruntime.WithInformerFactory(factory),
+		frameworkruntime.WithEventRecorder(h.recorder),
+		frameworkruntime.WithSharedDRAManager(manager),
+		frameworkruntime.WithSnapshotSharedLister(internalcache.NewSnapshot(nil, nodes)),
+	)
+	tCtx.ExpectNoError(err, "create framework")
+	pl, err := New(tCtx, nil, fh)
+	tCtx.ExpectNoError(err, "create plugin")
+	h.pl = pl.(*TopologyDRA)
+	for _, obj := range objs {
+		h.create(obj)
+	}
+	factory.Start(tCtx.Done())
+	t.Cleanup(func() {
+		tCtx.Cancel("test is done")
+		factory.Shutdown()
+		frameworkruntime.WaitForShutdown(fh)
+	})
+	factory.WaitForCacheSync(tCtx.Done())
+	cache.WaitFor(tCtx, "handlers", tracker.HasSyncedChecker(), claimsSynced.HasSyncedChecker())
+	for _, n := range nodes {
+		info := framework.NewNodeInfo()
+		info.SetNode(n)
+		h.nodes[n.Name] = info
+	}
+	return h
+}
+
+func (h *harness) create(obj runtime.Object) {
+	h.tCtx.Helper()
+	var err error
+	switch o := obj.(type) {
+	case *resourceapi.ResourceClaim:
+		_, err = h.client.ResourceV1().ResourceClaims(o.Namespace).Create(h.tCtx, o, metav1.CreateOptions{})
+	case *resourceapi.ResourceSlice:
+		_, err = h.client.ResourceV1().ResourceSlices().Create(h.tCtx, o, metav1.CreateOptions{})
+	case *resourceapi.DeviceClass:
+		_, err = h.client.ResourceV1().DeviceClasses().Create(h.tCtx, o, metav1.CreateOptions{})
+	default:
+		err = fmt.Errorf("unsupported object %T", obj)
+	}
+	h.tCtx.ExpectNoError(err)
+}
+
+// waitForClaim waits until the plugin's claim cache holds a version of the
+// claim for which cond is true.
+func (h *harness) waitForClaim(name string, cond func(*resourceapi.ResourceClaim) bool) {
+	h.tCtx.Helper()
+	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		c, err := h.pl.draManager.ResourceClaims().Get(testNS, name)
+		return err == nil && cond(c), nil
+	})
+	h.tCtx.ExpectNoError(err, "claim "+name+" in the plugin's cache")
+}
+
+// apiClaim reads a claim from the fake API.
+func (h *harness) apiClaim(name string) *resourceapi.ResourceClaim {
+	h.tCtx.Helper()
+	c, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, name, metav1.GetOptions{})
+	h.tCtx.ExpectNoError(err)
+	return c
+}
+
+// versionReactor gives created objects a UID and every write a new resource
+// version, as the API server does; the fake tracker does neither.
+func versionReactor(tracker cgotesting.ObjectTracker) cgotesting.ReactionFunc {
+	var mu sync.Mutex
+	version := 0
+	return func(action cgotesting.Action) (bool, runtime.Object, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		var obj runtime.Object
+		switch a := action.(type) {
+		case cgotesting.CreateAction:
+			obj = a.GetObject()
+		case cgotesting.UpdateAction:
+			obj = a.GetObject()
+		default:
+			return false, nil, nil
+		}
+		meta, err := metaOf(obj)
+		if err != nil {
+			return false, nil, nil
+		}
+		if action.GetVerb() == "create" && meta.GetUID() == "" {
+			meta.SetUID(types.UID(fmt.Sprintf("uid-%s-%s", meta.GetNamespace(), meta.GetName())))
+		}
+		version++
+		meta.SetResourceVersion(strconv.Itoa(version))
+		return false, nil, nil
+	}
+}
+
+func metaOf(obj runtime.Object) (metav1.Object, error) {
+	m, ok := obj.(metav1.Object)
+	if !ok {
+		return nil, fmt.Errorf("%T has no object meta", obj)
+	}
+	return m, nil
+}
+
+func testNode(name string) *v1.Node {
+	return &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"kubernetes.io/hostname": name}}}
+}
+
+func testDeviceClass() *resourceapi.DeviceClass {
+	return &resourceapi.DeviceClass{
+		ObjectMeta: metav1.ObjectMeta{Name: testClass},
+		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{
+			CEL: &resourceapi.CELDeviceSelector{Expression: fmt.Sprintf("device.driver == %q", topology.DriverName)},
+		}}},
+	}
+}
+
+// testSlice publishes n GPUs on node, two per PCIe root.
+func testSlice(node string, n int) *resourceapi.ResourceSlice {
+	s := &resourceapi.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: node + "-gpus"},
+		Spec: resourceapi.ResourceSliceSpec{
+			Driver:   topology.DriverName,
+			NodeName: ptr.To(node),
+			Pool:     resourceapi.ResourcePool{Name: node, ResourceSliceCount: 1},
+		},
+	}
+	for i := range n {
+		s.Spec.Devices = append(s.Spec.Devices, resourceapi.Device{
+			Name: fmt.Sprintf("gpu-%d", i),
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				topology.AttrPCIeRoot: {StringValue: ptr.To(fmt.Sprintf("pci-%d", i/2))},
+			},
+		})
+	}
+	return s
+}
+
+// testClaim asks for count GPUs of testClass.
+func testClaim(name string, count int64, selectors ...string) *resourceapi.ResourceClaim {
+	req := resourceapi.ExactDeviceRequest{DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count}
+	for _, s := range selectors {
+		req.Selectors = append(req.Selectors, resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: s}})
+	}
+	return &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: name},
+		Spec:       resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &req}}}},
+	}
+}
+
+// allocatedOn returns claim allocated to devices of node (reserved for
+// nobody).
+func allocatedOn(claim *resourceapi.ResourceClaim, node string, devices ...string) *resourceapi.ResourceClaim {
+	claim.Finalizers = []string{resourceapi.Finalizer}
+	claim.Status.Allocation = &resourceapi.AllocationResult{
+		NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+			MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
+		}}},
+	}
+	for _, d := range devices {
+		claim.Status.Allocation.Devices.Results = append(claim.Status.Allocation.Devices.Results, resourceapi.DeviceRequestAllocationResult{
+			Request: "gpu", Driver: topology.DriverName, Pool: node, Device: d,
+		})
+	}
+	return claim
+}
+
+// testPod uses the named claims directly.
+func testPod(name string, claims ...string) *v1.Pod {
+	p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: name, UID: types.UID("pod-" + name)}}
+	for _, c := range claims {
+		p.Spec.ResourceClaims = append(p.Spec.ResourceClaims, v1.PodResourceClaim{Name: c, ResourceClaimName: ptr.To(c)})
+	}
+	return p
+}
