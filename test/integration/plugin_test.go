@@ -196,8 +196,7 @@ func TestInvalidCELIsReported(t *testing.T) {
 
 	e.pod("broken", topodraName, "a", "broken")
 	e.pod("fine", topodraName, "a", one)
-	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "broken", waitTimeout)
-	tCtx.ExpectNoError(err)
+	pod := e.waitFailed("broken")
 	msg := framework.PodScheduledCondition(pod).Message
 	if !strings.Contains(msg, broken) || !strings.Contains(msg, "req-0") {
 		t.Errorf("pod condition %q does not name the request and the expression %q", msg, broken)

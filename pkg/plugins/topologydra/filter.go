@@ -41,21 +41,27 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	res, err := s.allocator.Allocate(ctx, node, s.allocClaims)
 	allocationDuration.Observe(time.Since(start).Seconds())
 	if err != nil {
-		// Bad input, e.g. a CEL runtime error on this node's devices. The
-		// message names the claim, request and expression; other pods
-		// keep scheduling. The claim gets a warning event, once per cycle.
 		var inputErr *allocator.InputError
-		if errors.As(err, &inputErr) {
-			s.reportOnce.Do(func() {
-				for _, index := range s.toAllocate {
-					claim := s.claims[index]
-					if claim.Namespace+"/"+claim.Name == inputErr.Claim {
-						pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
-					}
-				}
-			})
+		if !errors.As(err, &inputErr) {
+			if ctx.Err() != nil {
+				// The framework stopped the cycle (another node failed
+				// it, or it was cancelled); this node is not at fault.
+				return unschedulable(fmt.Sprintf("asked by caller to stop allocating devices: %v", context.Cause(ctx)))
+			}
+			return internalError(klog.FromContext(ctx), err, "pod", klog.KObj(pod), "node", klog.KObj(node))
 		}
-		return unresolvable(err.Error())
+		// Bad input, e.g. a CEL selector that fails at run time on this
+		// node's devices. The message names the claim, request and
+		// expression; the claim gets a warning event, once per cycle.
+		s.reportOnce.Do(func() {
+			for _, index := range s.toAllocate {
+				claim := s.claims[index]
+				if claim.Namespace+"/"+claim.Name == inputErr.Claim {
+					pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
+				}
+			}
+		})
+		return inputError(klog.FromContext(ctx), err, "pod", klog.KObj(pod), "node", klog.KObj(node))
 	}
 	if res.DevicesConsidered > 0 {
 		devicesConsidered.Observe(float64(res.DevicesConsidered))

@@ -77,13 +77,19 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if h.SharedDRAManager() == nil {
 		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", Name)
 	}
+	features := dynamicresources.AllocatorFeatures(feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate))
 	pl := &TopologyDRA{
-		args:           *args,
-		features:       dynamicresources.AllocatorFeatures(feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)),
+		args:     *args,
+		features: features,
+		// The CEL environment follows the feature gates, as the stock
+		// plugin's does (list-type attributes, consumable capacity).
+		celCache: cel.NewCache(1000, cel.Features{
+			EnableConsumableCapacity: features.ConsumableCapacity,
+			EnableListTypeAttributes: features.ListTypeAttributes,
+		}),
 		draManager:     h.SharedDRAManager(),
 		client:         h.ClientSet(),
 		handle:         h,
-		celCache:       cel.NewCache(1000, cel.Features{EnableConsumableCapacity: true}),
 		cache:          allocator.NewCache(),
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
 	}

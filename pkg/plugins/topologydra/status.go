@@ -28,3 +28,13 @@ func internalError(logger klog.Logger, err error, kv ...any) *fwk.Status {
 	logger.Error(err, "TopologyDRA", kv...)
 	return fwk.AsStatus(fmt.Errorf("%s: %w", Name, err))
 }
+
+// inputError: a claim says something no node can serve, found only while
+// allocating on some node (a CEL selector that fails at run time on a
+// device). Like the stock plugin, the whole scheduling cycle fails (Error),
+// so the pod is not placed on another node where the selector happens not
+// to fail; it goes to backoff and is retried until the claim is fixed.
+func inputError(logger klog.Logger, err error, kv ...any) *fwk.Status {
+	logger.V(2).Info("claim cannot be allocated", append([]any{"err", err}, kv...)...)
+	return fwk.AsStatus(err)
+}

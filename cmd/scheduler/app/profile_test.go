@@ -1,0 +1,117 @@
+package app
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	schedapp "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
+	"sigs.k8s.io/yaml"
+
+	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/manifests"
+	"github.com/topodra/topodra/pkg/plugins/topologydra"
+)
+
+// TestPostFilterBeforePreemption builds the scheduler from every shipped
+// configuration (no API server is contacted) and checks that TopologyDRA's
+// PostFilter, which deallocates claims no node can use, runs before
+// DefaultPreemption, as the stock DynamicResources plugin does.
+func TestPostFilterBeforePreemption(t *testing.T) {
+	shipped, err := manifests.FS.ReadFile("scheduler.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	configs := map[string][]byte{
+		"config/scheduler-config.yaml": config.SchedulerConfig,
+		"config/multi-profile.yaml":    config.MultiProfileConfig,
+		"manifests/scheduler.yaml":     embeddedSchedulerConfig(t, shipped),
+	}
+	for name, cfg := range configs {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			kubeconfig := filepath.Join(dir, "kubeconfig")
+			kc := clientcmdapi.NewConfig()
+			kc.Clusters["c"] = &clientcmdapi.Cluster{Server: "https://127.0.0.1:1", InsecureSkipTLSVerify: true}
+			kc.AuthInfos["u"] = &clientcmdapi.AuthInfo{Token: "x"}
+			kc.Contexts["c"] = &clientcmdapi.Context{Cluster: "c", AuthInfo: "u"}
+			kc.CurrentContext = "c"
+			if err := clientcmd.WriteToFile(*kc, kubeconfig); err != nil {
+				t.Fatal(err)
+			}
+			var obj map[string]any
+			if err := yaml.Unmarshal(cfg, &obj); err != nil {
+				t.Fatal(err)
+			}
+			obj["clientConnection"] = map[string]any{"kubeconfig": kubeconfig}
+			obj["leaderElection"] = map[string]any{"leaderElect": false}
+			data, err := yaml.Marshal(obj)
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join(dir, "config.yaml")
+			if err := os.WriteFile(path, data, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			opts := options.NewOptions()
+			for _, fs := range opts.Flags.FlagSets {
+				for flag, value := range map[string]string{"config": path, "secure-port": "0"} {
+					if f := fs.Lookup(flag); f != nil {
+						if err := f.Value.Set(value); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			_, sched, err := schedapp.Setup(ctx, opts, RegistryOptions()...)
+			if err != nil {
+				t.Fatalf("set up scheduler: %v", err)
+			}
+			fw, ok := sched.Profiles["topodra-scheduler"]
+			if !ok {
+				t.Fatal("no topodra-scheduler profile")
+			}
+			var order []string
+			for _, p := range fw.ListPlugins().PostFilter.Enabled {
+				order = append(order, p.Name)
+			}
+			dra, preempt := slices.Index(order, topologydra.Name), slices.Index(order, "DefaultPreemption")
+			if dra < 0 || preempt < 0 || dra > preempt {
+				t.Errorf("PostFilter plugins %v: want %s before DefaultPreemption", order, topologydra.Name)
+			}
+		})
+	}
+}
+
+// embeddedSchedulerConfig returns the scheduler-config.yaml key of the
+// ConfigMap in manifests/scheduler.yaml.
+func embeddedSchedulerConfig(t *testing.T, manifest []byte) []byte {
+	t.Helper()
+	for _, doc := range splitDocs(manifest) {
+		var cm struct {
+			Kind string            `json:"kind"`
+			Data map[string]string `json:"data"`
+		}
+		if err := yaml.Unmarshal(doc, &cm); err == nil && cm.Kind == "ConfigMap" && cm.Data["scheduler-config.yaml"] != "" {
+			return []byte(cm.Data["scheduler-config.yaml"])
+		}
+	}
+	t.Fatal("no scheduler configuration in manifests/scheduler.yaml")
+	return nil
+}
+
+func splitDocs(data []byte) [][]byte {
+	var out [][]byte
+	for _, doc := range bytes.Split(data, []byte("\n---\n")) {
+		out = append(out, doc)
+	}
+	return out
+}
