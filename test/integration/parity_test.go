@@ -1,14 +1,18 @@
 package integration
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -63,5 +67,87 @@ func TestCELRuntimeErrorFailsPod(t *testing.T) {
 		if name == "topodra" && !strings.Contains(c.Message, selector) {
 			t.Errorf("topodra's pod condition %q does not name the expression", c.Message)
 		}
+	}
+}
+
+// TestBindingFailureReallocates: the devices have binding conditions. The
+// "driver" reports a binding failure on the device topodra chose and taints
+// it. The allocation must be released (Filter marks the claim unavailable,
+// PostFilter deallocates it) and the pod must end up on another device,
+// instead of retrying the failed one until the timeout.
+func TestBindingFailureReallocates(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "bindfail")
+	node := fmt.Sprintf("%s-a-0", e.ns)
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, node, map[string]string{"test": e.ns, "group": "a"})
+	tCtx.ExpectNoError(err)
+	slice := framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node))
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
+		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
+		slice.Spec.Devices[i].BindingFailureConditions = []string{"AttachFailed"}
+	}
+	slice, err = cp.Client.ResourceV1().ResourceSlices().Create(tCtx, slice, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+	e.pod("job", topodraName, "a", one)
+
+	// waitAllocated waits until the pod's claim is allocated and reserved
+	// (the scheduler waits in PreBind) on a device other than avoid.
+	waitAllocated := func(avoid string) *resourceapi.ResourceClaim {
+		var claim *resourceapi.ResourceClaim
+		err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+			pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "job", metav1.GetOptions{})
+			if err != nil {
+				return false, nil
+			}
+			claims, err := framework.PodClaims(ctx, cp.Client, pod)
+			if err != nil || len(claims) != 1 {
+				return false, nil
+			}
+			claim = claims[0]
+			return claim.Status.Allocation != nil && len(claim.Status.ReservedFor) == 1 && framework.AllocatedDevices(claim)[0] != avoid, nil
+		})
+		tCtx.ExpectNoError(err, "claim allocated and reserved on a device other than "+avoid)
+		return claim
+	}
+	setCondition := func(claim *resourceapi.ResourceClaim, condition string) {
+		r := claim.Status.Allocation.Devices.Results[0]
+		st := resourceapi.AllocatedDeviceStatus{Driver: r.Driver, Pool: r.Pool, Device: r.Device}
+		apimeta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: condition, Status: metav1.ConditionTrue, Reason: condition, ObservedGeneration: claim.Generation})
+		claim.Status.Devices = []resourceapi.AllocatedDeviceStatus{st}
+		_, err := cp.Client.ResourceV1().ResourceClaims(e.ns).UpdateStatus(tCtx, claim, metav1.UpdateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+
+	claim := waitAllocated("")
+	failed := framework.AllocatedDevices(claim)[0]
+	t.Logf("first allocation: %s; the driver reports AttachFailed and taints it", failed)
+	for i := range slice.Spec.Devices {
+		if slice.Spec.Devices[i].Name == failed {
+			slice.Spec.Devices[i].Taints = []resourceapi.DeviceTaint{{Key: "example.com/attach-failed", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+		}
+	}
+	_, err = cp.Client.ResourceV1().ResourceSlices().Update(tCtx, slice, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	setCondition(claim, "AttachFailed")
+
+	claim = waitAllocated(failed)
+	second := framework.AllocatedDevices(claim)[0]
+	t.Logf("reallocated to %s; the driver confirms it", second)
+	setCondition(claim, "Attached")
+	pod := e.waitScheduled("job")
+	if got := e.devicesOf(pod); len(got) != 1 || got[0] != second {
+		t.Errorf("pod runs with %v, want [%s]", got, second)
+	}
+	events, err := cp.Client.EventsV1().Events(e.ns).List(tCtx, metav1.ListOptions{FieldSelector: "regarding.name=job"})
+	tCtx.ExpectNoError(err)
+	pending := false
+	for _, ev := range events.Items {
+		pending = pending || ev.Reason == "BindingConditionsPending"
+	}
+	if !pending {
+		t.Error("no BindingConditionsPending event on the pod")
 	}
 }

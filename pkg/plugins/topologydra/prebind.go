@@ -4,14 +4,11 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
@@ -58,7 +55,7 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	for _, i := range bound {
 		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(s.claims[i].UID, true)
 	}
-	if st := pl.waitForBindingConditions(ctx, s); st != nil {
+	if st := pl.waitForBindingConditions(ctx, pod, nodeName, s); st != nil {
 		return st
 	}
 	if s.result != nil && len(bound) > 0 {
@@ -129,71 +126,4 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 		return nil, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)
 	}
 	return claim, nil
-}
-
-// waitForBindingConditions waits, when the allocated devices have binding
-// conditions (DRADeviceBindingConditions), until the driver reports all of
-// them true, any failure condition true, or the binding timeout passes.
-func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, s *stateData) *fwk.Status {
-	if !pl.features.DeviceBindingAndStatus {
-		return nil
-	}
-	pending := func(claim *resourceapi.ResourceClaim) (bool, error) {
-		if claim.Status.Allocation == nil {
-			return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
-		}
-		for _, r := range claim.Status.Allocation.Devices.Results {
-			if len(r.BindingConditions) == 0 && len(r.BindingFailureConditions) == 0 {
-				continue
-			}
-			var conds []metav1.Condition
-			for _, d := range claim.Status.Devices {
-				if d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device {
-					conds = d.Conditions
-				}
-			}
-			for _, c := range r.BindingFailureConditions {
-				if apimeta.IsStatusConditionTrue(conds, c) {
-					return false, fmt.Errorf("claim %s device %s: binding failed (%s)", claim.Name, r.Device, c)
-				}
-			}
-			for _, c := range r.BindingConditions {
-				if !apimeta.IsStatusConditionTrue(conds, c) {
-					return true, nil
-				}
-			}
-		}
-		return false, nil
-	}
-	var names []string
-	for _, c := range s.claims {
-		if p, err := pending(c); err != nil || p {
-			names = append(names, c.Name)
-		}
-	}
-	if len(names) == 0 {
-		return nil
-	}
-	err := wait.PollUntilContextTimeout(ctx, time.Second, pl.bindingTimeout, true, func(ctx context.Context) (bool, error) {
-		for _, name := range names {
-			claim, err := pl.client.ResourceV1().ResourceClaims(s.claims[0].Namespace).Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
-				return false, nil
-			}
-			p, err := pending(claim)
-			if err != nil {
-				return false, err
-			}
-			if p {
-				return false, nil
-			}
-		}
-		return true, nil
-	})
-	if err != nil {
-		// Unreserve runs; PostFilter of the next attempt deallocates the
-		// failed claims so that other devices can be tried.
-		return unschedulable(fmt.Sprintf("binding conditions of claims %s: %v", strings.Join(names, ", "), err))
-	}
-	return nil
 }

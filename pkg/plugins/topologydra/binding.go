@@ -1,0 +1,165 @@
+package topologydra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
+)
+
+// Devices with binding conditions (DRADeviceBindingConditions) are bound to
+// a pod only after their driver reports every binding condition true. A
+// true binding failure condition, or no success within bindingTimeout of
+// the allocation's timestamp, makes the allocation unusable: Filter marks
+// the claim unavailable on every node, PostFilter deallocates it, and the
+// next attempt allocates afresh. This is what the stock plugin does.
+
+var (
+	// errBindingFailed: a binding failure condition of an allocated device
+	// is true.
+	errBindingFailed = errors.New("device binding failed")
+	// errBindingTimeout: the binding conditions were not all true within
+	// the binding timeout, counted from the allocation's timestamp.
+	errBindingTimeout = errors.New("device binding timed out")
+)
+
+// bindingState reports whether an allocated claim's devices are ready to
+// bind (all binding conditions true, or none), and errBindingFailed or
+// errBindingTimeout (wrapped, naming the claim and device) when the
+// allocation can no longer become ready. Unallocated claims are not ready.
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time) (bool, error) {
+	alloc := claim.Status.Allocation
+	if alloc == nil {
+		return false, nil
+	}
+	ready := true
+	for _, r := range alloc.Devices.Results {
+		if len(r.BindingConditions) == 0 && len(r.BindingFailureConditions) == 0 {
+			continue
+		}
+		var conds []metav1.Condition
+		for _, d := range claim.Status.Devices {
+			if d.Driver == r.Driver && d.Pool == r.Pool && d.Device == r.Device {
+				conds = d.Conditions
+			}
+		}
+		for _, c := range r.BindingFailureConditions {
+			if cond := apimeta.FindStatusCondition(conds, c); cond != nil && cond.Status == metav1.ConditionTrue {
+				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s: %s (%s: %s)", errBindingFailed, claim.Name, r.Driver, r.Pool, r.Device, c, cond.Reason, cond.Message)
+			}
+		}
+		for _, c := range r.BindingConditions {
+			if !apimeta.IsStatusConditionTrue(conds, c) {
+				ready = false
+			}
+		}
+	}
+	if !ready && alloc.AllocationTimestamp != nil && now.After(alloc.AllocationTimestamp.Add(pl.bindingTimeout)) {
+		return false, fmt.Errorf("%w: claim %s, allocated at %s, binding timeout %s", errBindingTimeout, claim.Name, alloc.AllocationTimestamp.UTC().Format(time.RFC3339), pl.bindingTimeout)
+	}
+	return ready, nil
+}
+
+// bindingFailed reports an allocated claim whose binding failed or timed
+// out; Filter marks it unavailable so that PostFilter deallocates it.
+func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim) error {
+	if !pl.features.DeviceBindingAndStatus {
+		return nil
+	}
+	_, err := pl.bindingState(claim, time.Now())
+	return err
+}
+
+// hasBindingConditions reports whether any allocated device of the claims
+// has binding conditions.
+func hasBindingConditions(claims []*resourceapi.ResourceClaim) bool {
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			continue
+		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			if len(r.BindingConditions) > 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// waitForBindingConditions waits in PreBind until the devices of all the
+// pod's claims are ready to bind, reading the claims from the scheduler's
+// claim cache (informer). It tells the user on the pod that it waits, and
+// records upstream's binding-condition metrics. A failure or timeout fails
+// the attempt with an error (the pod is retried with backoff, and then
+// Filter and PostFilter release the allocation).
+func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) *fwk.Status {
+	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions(s.claims) {
+		return nil
+	}
+	logger := klog.FromContext(ctx)
+	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
+	start := time.Now()
+	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+		for i, claim := range s.claims {
+			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
+			if err != nil {
+				return false, fmt.Errorf("claim %s: %w", claim.Name, err)
+			}
+			if latest.Status.Allocation == nil {
+				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
+			}
+			s.claims[i] = latest
+			ready, err := pl.bindingState(latest, time.Now())
+			if err != nil || !ready {
+				return false, err
+			}
+		}
+		return true, nil
+	})
+	status := schedmetrics.BindingConditionsStatusSuccess
+	switch {
+	case err == nil:
+	case errors.Is(err, errBindingFailed):
+		status = schedmetrics.BindingConditionsStatusFailed
+	case errors.Is(err, errBindingTimeout):
+		status = schedmetrics.BindingConditionsStatusTimeout
+	default:
+		status = schedmetrics.BindingConditionsStatusError
+	}
+	pl.recordBindingConditions(s.claims, status, time.Since(start))
+	if err != nil {
+		var names []string
+		for _, c := range s.claims {
+			names = append(names, c.Name)
+		}
+		return inputError(logger, fmt.Errorf("binding conditions of claims %s: %w", strings.Join(names, ", "), err), "pod", klog.KObj(pod), "node", nodeName)
+	}
+	return nil
+}
+
+func (pl *TopologyDRA) recordBindingConditions(claims []*resourceapi.ResourceClaim, status string, waited time.Duration) {
+	profile := pl.handle.ProfileName()
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			continue
+		}
+		drivers := map[string]bool{}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			if len(r.BindingConditions) > 0 && !drivers[r.Driver] {
+				drivers[r.Driver] = true
+				schedmetrics.DRABindingConditionsPreBindDuration.WithLabelValues(profile, r.Driver, status).Observe(waited.Seconds())
+				schedmetrics.DRABindingConditionsAllocationsTotal.WithLabelValues(profile, r.Driver, status).Inc()
+			}
+		}
+	}
+}
