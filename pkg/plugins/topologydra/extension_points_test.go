@@ -365,3 +365,13 @@ func TestPostFilterDeallocates(t *testing.T) {
 		})
 	}
 }
+
+func TestSignPod(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass())
+	if frags, st := h.pl.SignPod(h.tCtx, testPod("plain")); !st.IsSuccess() || len(frags) != 0 {
+		t.Errorf("pod without claims: fragments %v, status %v; want signed with no fragment", frags, st)
+	}
+	if _, st := h.pl.SignPod(h.tCtx, testPod("p", "c")); code(st) != fwk.Unschedulable {
+		t.Errorf("pod with a claim: %v, want Unschedulable (not signable)", st)
+	}
+}
