@@ -92,7 +92,11 @@ func (a *Allocator) Allocate(ctx context.Context, node *v1.Node, claims []*resou
 	if node == nil {
 		return nil, errors.New("allocate: node is nil")
 	}
-	return a.run(ctx, &podNode{a: a, node: node, claims: claims}, allStrategies)
+	strategies := allStrategies
+	if a.skipCounting != nil && a.skipCounting(node.Name) {
+		strategies = exactStrategies
+	}
+	return a.run(ctx, &podNode{a: a, node: node, claims: claims}, strategies)
 }
 
 // run hands p to the first of strategies that applies and decides.
@@ -112,8 +116,10 @@ func (a *Allocator) run(ctx context.Context, p *podNode, strategies []strategy) 
 // Verify turns an Unverified result of Allocate into upstream's allocation
 // of the same devices: upstream allocates the claims on a view of the node
 // in which only the chosen devices are visible (slices and pools stay
-// complete). If that fails — the state changed, or counting was wrong —
-// the node is allocated again by a strategy whose results upstream made.
+// complete). Allocate and Verify of one Allocator see the same snapshot, so
+// if that fails, counting and upstream disagree: the node is allocated
+// again by a strategy whose results upstream made, and the Result says
+// CountingRefused.
 // A verified result is returned as is. Like Allocate, it returns an error
 // only for fatal input problems and cancellation; Result.Allocations is nil
 // if nothing fits any more.
@@ -134,7 +140,11 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 		return nil, ctx.Err()
 	}
 	klog.FromContext(ctx).V(4).Info("Counted allocation not confirmed by upstream, allocating again", "node", klog.KObj(node), "err", err)
-	return a.run(ctx, p, exactStrategies)
+	again, err := a.run(ctx, p, exactStrategies)
+	if again != nil {
+		again.CountingRefused = true
+	}
+	return again, err
 }
 
 // upstream runs the upstream allocator on a view of the node.

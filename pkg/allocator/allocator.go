@@ -43,6 +43,10 @@ type Options struct {
 	// Attributes mean the default attributes, zero weights the default
 	// weights.
 	Policy Policy
+	// SkipCounting, if set, names nodes on which Allocate must not decide
+	// by counting but ask upstream directly (for example nodes where
+	// Verify found counting refused). It is called concurrently.
+	SkipCounting func(nodeName string) bool
 }
 
 // Allocator finds the best valid allocation of a pod's claims on one node at
@@ -55,6 +59,8 @@ type Allocator struct {
 	celCache    *cel.Cache
 	cache       *Cache
 	policy      Policy
+	// skipCounting: see Options.SkipCounting; nil means never.
+	skipCounting func(nodeName string) bool
 
 	// inUse holds every device that has any committed allocation: fully
 	// allocated, or shared with consumed capacity.
@@ -152,13 +158,14 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		cache = NewCache()
 	}
 	a := &Allocator{
-		features:    opts.Features,
-		classLister: opts.ClassLister,
-		celCache:    celCache,
-		cache:       cache,
-		policy:      policy,
-		byNode:      map[string][]*resourceapi.ResourceSlice{},
-		byPool:      map[poolKey][]*resourceapi.ResourceSlice{},
+		features:     opts.Features,
+		classLister:  opts.ClassLister,
+		celCache:     celCache,
+		cache:        cache,
+		policy:       policy,
+		skipCounting: opts.SkipCounting,
+		byNode:       map[string][]*resourceapi.ResourceSlice{},
+		byPool:       map[poolKey][]*resourceapi.ResourceSlice{},
 	}
 	if opts.AllocatedState != nil {
 		a.state = *opts.AllocatedState

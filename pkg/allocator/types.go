@@ -110,6 +110,11 @@ type Result struct {
 	// allocation before they are used (the scheduler plugin does so in
 	// Reserve, for the chosen node only).
 	Unverified bool
+	// CountingRefused is set by Verify when upstream did not confirm the
+	// devices that counting chose: counting and upstream disagree on this
+	// node. The result then comes from a strategy whose results upstream
+	// made (or is infeasible).
+	CountingRefused bool
 	// Explanation is set when infeasible, and when alignment=prefer could
 	// not be met.
 	Explanation *Explanation

@@ -1,15 +1,19 @@
 package topologydra
 
 import (
+	"context"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -205,12 +209,31 @@ func TestReserveVerifyFails(t *testing.T) {
 	s2.setResult("node-a", res)
 
 	st2 := h.pl.Reserve(h.tCtx, second, pod, "node-a")
-	if code(st2) != fwk.Unschedulable || !strings.Contains(st2.Message(), "no longer available") {
-		t.Errorf("Reserve: %v, want Unschedulable saying the devices are no longer available", st2)
+	if code(st2) != fwk.Unschedulable || !strings.Contains(st2.Message(), "not confirmed by the upstream allocator") {
+		t.Errorf("Reserve: %v, want Unschedulable saying upstream did not confirm the counted allocation", st2)
 	}
 	claim, _ := h.pl.draManager.ResourceClaims().Get(testNS, "c")
 	if h.pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
 		t.Error("a rejected Reserve left an in-flight allocation")
+	}
+	// The next attempt on node-a asks upstream directly.
+	if !h.pl.countingSkipped("node-a") {
+		t.Fatal("node-a is still decided by counting")
+	}
+	// Once gpu-1 is free again, node-a is decided by upstream (a verified
+	// result), not by counting.
+	h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, "late", metav1.DeleteOptions{}))
+	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		_, err := h.pl.draManager.ResourceClaims().Get(testNS, "late")
+		return err != nil, nil
+	})
+	h.tCtx.ExpectNoError(err, "claim late still cached")
+	third, st3 := h.cycle(pod, "node-a")
+	if !st3["node-a"].IsSuccess() {
+		t.Fatalf("Filter after the mismatch: %v", st3["node-a"])
+	}
+	if s3, _ := getState(third); s3.getResult("node-a").Unverified {
+		t.Error("Filter still decided node-a by counting after upstream refused a counted allocation there")
 	}
 }
 

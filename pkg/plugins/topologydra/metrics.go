@@ -40,12 +40,18 @@ var (
 		Buckets:        metrics.ExponentialBuckets(1, 2, 12),
 		StabilityLevel: metrics.ALPHA,
 	})
+	verifyMismatches = metrics.NewCounter(&metrics.CounterOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "verify_mismatch_total",
+		Help:           "Allocations that Filter decided by counting and that the upstream allocator refused in Reserve (counting and upstream disagree; the node is then allocated by upstream directly for a while).",
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches)
 	})
 }
 

@@ -13,6 +13,7 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -51,6 +52,33 @@ type TopologyDRA struct {
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
 	bindingTimeout  time.Duration
+	// skipCounting holds, per node name, until when Filter allocates that
+	// node with the upstream allocator directly (see skipCountingOn).
+	skipCounting sync.Map
+}
+
+// skipCountingFor is how long a node where Verify refused a counted
+// allocation is allocated by upstream directly.
+const skipCountingFor = 5 * time.Minute
+
+// skipCountingOn makes Filter allocate the node with the upstream allocator
+// directly for skipCountingFor.
+func (pl *TopologyDRA) skipCountingOn(node string) {
+	pl.skipCounting.Store(node, time.Now().Add(skipCountingFor))
+}
+
+// countingSkipped reports whether Filter must not count on the node. Safe
+// for concurrent use.
+func (pl *TopologyDRA) countingSkipped(node string) bool {
+	until, ok := pl.skipCounting.Load(node)
+	if !ok {
+		return false
+	}
+	if time.Now().After(until.(time.Time)) {
+		pl.skipCounting.Delete(node)
+		return false
+	}
+	return true
 }
 
 var (

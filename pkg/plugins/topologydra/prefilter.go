@@ -145,6 +145,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		CELCache:       pl.celCache,
 		Cache:          pl.cache,
 		Policy:         pl.policy,
+		SkipCounting:   pl.countingSkipped,
 	})
 	if err != nil {
 		return nil, unresolvable(err.Error())

@@ -44,9 +44,18 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		if err != nil {
 			return unresolvable(err.Error())
 		}
+		if verified.CountingRefused {
+			// Filter and Verify saw the same snapshot, so counting and
+			// upstream disagree: a bug to report, and a node to allocate
+			// with upstream directly for a while.
+			verifyMismatches.Inc()
+			pl.skipCountingOn(nodeName)
+			logger.Error(nil, "Counted allocation not confirmed by the upstream allocator", "pod", klog.KObj(pod), "node", nodeName,
+				"claims", klog.KObjSlice(s.allocClaims), "counted", klog.Format(res.Allocations), "upstreamFeasible", verified.Allocations != nil)
+		}
 		if verified.Allocations == nil || len(verified.Allocations) != len(s.toAllocate) {
-			// Devices went away since Filter; a retry sees the new state.
-			return unschedulable(fmt.Sprintf("devices chosen on node %s are no longer available", nodeName))
+			// The next attempt allocates this node with upstream directly.
+			return unschedulable(fmt.Sprintf("the allocation counted for node %s was not confirmed by the upstream allocator; retrying with it", nodeName))
 		}
 		res = verified
 	}
