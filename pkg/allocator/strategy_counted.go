@@ -48,6 +48,11 @@ func (countedStrategy) applies(p *podNode) bool {
 }
 
 func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) {
+	// Counting does not look at ctx while it works; a cancelled or expired
+	// context is an error here, as for every other strategy.
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	a := p.a
 	ns, err := p.devices()
 	if err != nil {

@@ -154,6 +154,17 @@ func TestFilter(t *testing.T) {
 			t.Error("the claim was not marked unavailable for PostFilter")
 		}
 	})
+	t.Run("allocation past the filter timeout", func(t *testing.T) {
+		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 4), testClaim("c", 2))
+		if h.pl.filterTimeout <= 0 {
+			t.Fatal("DRASchedulerFilterTimeout is on by default, but the plugin has no filter timeout")
+		}
+		h.pl.filterTimeout = time.Nanosecond
+		_, st := h.cycle(testPod("p", "c"), "node-a")
+		if code(st["node-a"]) != fwk.Error || !strings.Contains(st["node-a"].Message(), "timed out trying to allocate devices") {
+			t.Errorf("Filter: %v, want Error saying the allocation timed out", st["node-a"])
+		}
+	})
 	t.Run("CEL runtime error", func(t *testing.T) {
 		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2),
 			testClaim("c", 1, `device.attributes["gpu.topodra.io"].missing == 1`))

@@ -43,12 +43,19 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		return nil
 	}
 
+	allocCtx, cancel := pl.withFilterTimeout(ctx)
+	defer cancel()
 	start := time.Now()
-	res, err := s.allocator.Allocate(ctx, node, s.allocClaims)
+	res, err := s.allocator.Allocate(allocCtx, node, s.allocClaims)
 	allocationDuration.Observe(time.Since(start).Seconds())
 	if err != nil {
 		var inputErr *allocator.InputError
 		if !errors.As(err, &inputErr) {
+			if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+				// Possibly transient (the node's slices): an error, so
+				// the pod retries with backoff, as with the stock plugin.
+				return fwk.AsStatus(fmt.Errorf("node %s: timed out trying to allocate devices", node.Name))
+			}
 			if ctx.Err() != nil {
 				// The framework stopped the cycle (another node failed
 				// it, or it was cancelled); this node is not at fault.
@@ -84,4 +91,12 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	}
 	s.setResult(node.Name, res)
 	return nil
+}
+
+// withFilterTimeout bounds one allocation by filterTimeout, if set.
+func (pl *TopologyDRA) withFilterTimeout(ctx context.Context) (context.Context, context.CancelFunc) {
+	if pl.filterTimeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, pl.filterTimeout)
 }

@@ -23,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	schedconfigv1 "k8s.io/kube-scheduler/config/v1"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
@@ -52,6 +53,10 @@ type TopologyDRA struct {
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
 	bindingTimeout  time.Duration
+	// filterTimeout limits one node's allocation in Filter and the
+	// verification in Reserve, like the stock plugin's filterTimeout
+	// (DRASchedulerFilterTimeout gate, upstream's default); 0: no limit.
+	filterTimeout time.Duration
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
 	skipCounting sync.Map
@@ -120,6 +125,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		handle:         h,
 		cache:          allocator.NewCache(),
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
+	}
+	if feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate).EnableDRASchedulerFilterTimeout {
+		pl.filterTimeout = schedconfigv1.DynamicResourcesFilterTimeoutDefault
 	}
 	pl.policy = policyFromArgs(*args)
 	if args.OwnedTaintKey != "" {

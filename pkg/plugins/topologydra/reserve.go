@@ -40,7 +40,14 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		if err != nil {
 			return internalError(logger, fmt.Errorf("node %s: %w", nodeName, err))
 		}
-		verified, err := s.allocator.Verify(ctx, nodeInfo.Node(), s.allocClaims, res)
+		verifyCtx, cancel := pl.withFilterTimeout(ctx)
+		verified, err := s.allocator.Verify(verifyCtx, nodeInfo.Node(), s.allocClaims, res)
+		cancel()
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			// Reserve runs serially: a slow verification must not stall
+			// every other pod. The pod retries with backoff.
+			return fwk.AsStatus(fmt.Errorf("node %s: timed out verifying the allocation of devices", nodeName))
+		}
 		if err != nil {
 			return unresolvable(err.Error())
 		}
