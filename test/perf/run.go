@@ -21,6 +21,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/test/integration/framework"
 )
 
@@ -129,15 +130,13 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 		opts.Schedulers = []string{Topodra, Stock}
 	}
 	logger := opts.Logger
-	tb := framework.NewProcessTB("perf", logger)
-	defer tb.Close()
-	defer framework.RecoverFatal(&err)
 	ctx = klog.NewContext(ctx, logger)
 	start := time.Now()
-	cp, err := framework.Start(tb)
+	cp, err := cluster.Start(ctx, cluster.Options{})
 	if err != nil {
 		return nil, err
 	}
+	defer cp.Stop()
 	if _, err := cp.StartClaimController(ctx); err != nil {
 		return nil, err
 	}
@@ -243,7 +242,7 @@ func alignedText(r *Result) string {
 	return s
 }
 
-func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane, w *Workload, sched string, round int) (*Result, error) {
+func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Workload, sched string, round int) (*Result, error) {
 	profile, ok := profileOf[sched]
 	if !ok {
 		return nil, fmt.Errorf("unknown scheduler %q", sched)
@@ -282,7 +281,7 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 	var stop func()
 	var err error
 	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
-		so := framework.SchedulerOptions{Name: sched, Stock: sched == Stock}
+		so := cluster.SchedulerOptions{Name: sched, Stock: sched == Stock}
 		if sched == Topodra {
 			so.Config = config.SchedulerConfig
 			if len(opts.TopodraConfig) > 0 {
