@@ -22,6 +22,7 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -215,7 +216,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	att := readAttempts(schedulerName).since(before)
 	res.AttemptP50Ms = 1000 * att.quantile(0.50)
 	res.AttemptP99Ms = 1000 * att.quantile(0.99)
-	res.Attempts = att.byResult
+	res.Attempts = att.byResult()
 	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
 	for _, e := range res.Nodes {
 		res.Fit8 += e.Fit8
@@ -431,10 +432,9 @@ func (t *tracker) fill(res *Result) {
 		w.Ticks += wait
 		res.PendingPodTicks += wait
 	}
-	slices.Sort(latencies)
 	res.LatencySamples = len(latencies)
-	res.LatencyP50Ms = percentile(latencies, 0.50)
-	res.LatencyP99Ms = percentile(latencies, 0.99)
+	res.LatencyP50Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.50))
+	res.LatencyP99Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.99))
 	res.Placements = slices.Clone(t.placements)
 	for _, p := range t.placements {
 		if p.MultiGPU {
