@@ -68,7 +68,7 @@ func TestStartStop(t *testing.T) {
 }
 
 // A flag the apiserver does not know fails Start with an error (no panic,
-// no exit) and leaves no directory behind.
+// no exit), after etcd has started and been stopped again.
 func TestStartBadFlag(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	dir := t.TempDir()
