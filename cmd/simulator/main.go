@@ -24,8 +24,8 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/pkg/sim"
-	"github.com/topodra/topodra/test/integration/framework"
 )
 
 func main() {
@@ -86,7 +86,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		opts.SchedulerConfig = data
 	}
-	if err := framework.SetUpLogging(logFile, verbosity); err != nil {
+	if err := cluster.SetUpLogging(logFile, verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}

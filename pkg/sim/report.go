@@ -368,13 +368,3 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 	}
 	return out
 }
-
-// percentile of sorted values (nearest rank).
-func percentile(sorted []float64, p float64) float64 {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(p*float64(len(sorted))+0.999999) - 1
-	i = min(max(i, 0), len(sorted)-1)
-	return sorted[i]
-}

@@ -21,8 +21,9 @@ import (
 	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
-	"github.com/topodra/topodra/test/integration/framework"
 )
 
 // Namespace is where a run creates its templates, pods and claims.
@@ -88,26 +89,25 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	start := time.Now()
 	logger := klog.FromContext(ctx).WithName(sched)
 	ctx, cancel := context.WithCancel(klog.NewContext(ctx, logger))
-	tb := framework.NewProcessTB("topodra-sim-"+sched, logger)
-	defer func() {
-		cancel()
-		tb.Close()
-	}()
-	defer framework.RecoverFatal(&err)
+	defer cancel()
 
 	opts.progressf("[%s] starting control plane (etcd, kube-apiserver, claim controller)", sched)
-	cp, err := framework.Start(tb)
+	cp, err := cluster.Start(ctx, cluster.Options{})
 	if err != nil {
 		return nil, nil, err
 	}
+	defer cp.Stop()
+	// Stop cancels ctx, and with it the tracker's informers, before it
+	// stops the apiserver.
+	cp.AddStop(cancel)
 	client := cp.Client
 	opts.progressf("[%s] apiserver up in %.1fs", sched, time.Since(start).Seconds())
 	if _, err := cp.StartClaimController(ctx); err != nil {
 		return nil, nil, err
 	}
 	for _, class := range []*resourceapi.DeviceClass{
-		framework.DeviceClass(GPUClassName, topology.DriverName),
-		framework.DeviceClass(NICClassName, mockgpu.NICDriverName),
+		cluster.DeviceClass(GPUClassName, topology.DriverName),
+		cluster.DeviceClass(NICClassName, mockgpu.NICDriverName),
 	} {
 		if _, err := client.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil {
 			return nil, nil, fmt.Errorf("create device class: %w", err)
@@ -118,7 +118,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	// machine and runs discovery, which takes a while).
 	var nodeObjs []*v1.Node
 	for _, n := range nodes {
-		node, err := framework.CreateReadyNode(ctx, client, n.Name, map[string]string{LabelProfile: n.Profile})
+		node, err := cluster.CreateReadyNode(ctx, client, n.Name, map[string]string{LabelProfile: n.Profile})
 		if err != nil {
 			return nil, nil, err
 		}
@@ -183,7 +183,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 
-	schedOpts := framework.SchedulerOptions{Name: sched}
+	schedOpts := cluster.SchedulerOptions{Name: sched}
 	schedulerName := "topodra-scheduler"
 	switch sched {
 	case SchedulerTopodra:
@@ -193,7 +193,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		}
 	case SchedulerStock:
 		schedOpts.Stock = true
-		schedOpts.Config = []byte(framework.DefaultStockConfig)
+		schedOpts.Config = []byte(cluster.DefaultStockConfig)
 		schedulerName = "default-scheduler"
 	}
 	if schedOpts.Config, err = withShortBackoff(schedOpts.Config); err != nil {
@@ -216,7 +216,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	att := readAttempts(schedulerName).since(before)
 	res.AttemptP50Ms = 1000 * att.quantile(0.50)
 	res.AttemptP99Ms = 1000 * att.quantile(0.99)
-	res.Attempts = att.byResult
+	res.Attempts = att.byResult()
 	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
 	for _, e := range res.Nodes {
 		res.Fit8 += e.Fit8
@@ -432,10 +432,9 @@ func (t *tracker) fill(res *Result) {
 		w.Ticks += wait
 		res.PendingPodTicks += wait
 	}
-	slices.Sort(latencies)
 	res.LatencySamples = len(latencies)
-	res.LatencyP50Ms = percentile(latencies, 0.50)
-	res.LatencyP99Ms = percentile(latencies, 0.99)
+	res.LatencyP50Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.50))
+	res.LatencyP99Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.99))
 	res.Placements = slices.Clone(t.placements)
 	for _, p := range t.placements {
 		if p.MultiGPU {
@@ -465,11 +464,11 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("create namespace: %w", err)
 	}
-	pod := framework.PodWithClaims(ns, "probe", schedulerName)
+	pod := cluster.PodWithClaims(ns, "probe", schedulerName)
 	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("create probe pod: %w", err)
 	}
-	if _, err := framework.WaitForPodScheduled(ctx, client, ns, pod.Name, timeout); err != nil {
+	if _, err := cluster.WaitForPodScheduled(ctx, client, ns, pod.Name, timeout); err != nil {
 		return fmt.Errorf("scheduler %s did not bind a probe pod (did it start? rerun with --log-file to see its log): %w", schedulerName, err)
 	}
 	if err := client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {

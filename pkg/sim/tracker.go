@@ -3,6 +3,7 @@ package sim
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -79,9 +81,12 @@ type tracker struct {
 	nodeLabels  map[string]labels.Set
 	pods        map[string]*podState
 	claims      map[types.UID]*claimState
-	usedBy      map[string]string // device key -> pod
 	placements  []Placement
 	errs        []string
+
+	// inv holds the same devices and who uses them (owner: pod name);
+	// placements are judged on it.
+	inv *measure.Inventory
 }
 
 func newTracker(namespace string) *tracker {
@@ -92,7 +97,7 @@ func newTracker(namespace string) *tracker {
 		nodeLabels:  map[string]labels.Set{},
 		pods:        map[string]*podState{},
 		claims:      map[types.UID]*claimState{},
-		usedBy:      map[string]string{},
+		inv:         measure.NewInventory(),
 	}
 }
 
@@ -144,6 +149,9 @@ func (t *tracker) loadDevices(slices_ []resourceapi.ResourceSlice, nodes []*v1.N
 			}
 			return strings.Compare(a.Name, b.Name)
 		})
+		for _, d := range devs {
+			t.inv.Add(measure.Device{Key: d.Key, Name: d.Name, Node: d.Node, NIC: !d.GPU, NVLink: d.Clique, PCIeRoot: d.Root, NUMA: d.NUMA})
+		}
 	}
 }
 
@@ -271,7 +279,7 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 	if deleted || claim.Status.Allocation == nil {
 		if cs != nil {
 			for _, key := range cs.Devices {
-				delete(t.usedBy, key)
+				t.inv.Release(key)
 			}
 			delete(t.claims, claim.UID)
 		}
@@ -288,14 +296,14 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: allocated device %s does not exist", claim.Name, pod, key))
 			continue
 		}
-		if other, used := t.usedBy[key]; used {
+		if other, used := t.inv.Owner(key); used {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
 		}
 		keys = append(keys, key)
 	}
 	t.placements = append(t.placements, t.judge(claim.Name, pod, keys))
 	for _, key := range keys {
-		t.usedBy[key] = pod
+		t.inv.Use(key, pod)
 	}
 	t.claims[claim.UID] = &claimState{Pod: pod, Devices: keys}
 }
@@ -304,80 +312,41 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 // mu.
 func (t *tracker) judge(claim, pod string, keys []string) Placement {
 	p := Placement{Pod: pod, Claim: claim, Tick: t.tick}
-	var gpus, nics []*device
+	var gpus, nics []string
 	for _, key := range keys {
 		d := t.devices[key]
 		if d.GPU {
-			gpus = append(gpus, d)
+			gpus = append(gpus, key)
 			p.GPUs = append(p.GPUs, d.Name)
 		} else {
-			nics = append(nics, d)
+			nics = append(nics, key)
 			p.NICs = append(p.NICs, d.Name)
 		}
 		p.Node = d.Node
 	}
 	// Where could the pod have gone? Nodes matching its nodeSelector.
-	var selector labels.Selector = labels.Everything()
+	// Devices of the pod's own earlier claims count as free: a pair is
+	// judged as of the pod's first claim.
+	scope := measure.Scope{Owner: pod}
 	if ps := t.pods[pod]; ps != nil && len(ps.NodeSelector) > 0 {
-		selector = labels.SelectorFromSet(ps.NodeSelector)
+		selector := labels.SelectorFromSet(ps.NodeSelector)
+		scope.Node = func(node string) bool { return selector.Matches(t.nodeLabels[node]) }
 	}
-	// Without a tracked pod (not ours), nothing counts as its own.
-	freeByDomain := func(field func(*device) string, gpu bool) map[string]int {
-		out := map[string]int{}
-		for node, devs := range t.nodeDevices {
-			if !selector.Matches(t.nodeLabels[node]) {
-				continue
-			}
-			for _, d := range devs {
-				if d.GPU != gpu {
-					continue
-				}
-				// Devices of the pod's own earlier claims count as
-				// free: the pair is judged as of the pod's first claim.
-				if user, used := t.usedBy[d.Key]; used && user != pod {
-					continue
-				}
-				if v := field(d); v != "" {
-					out[node+"/"+v]++
-				}
-			}
-		}
-		return out
-	}
-	same := func(devs []*device, field func(*device) string) bool {
-		if len(devs) == 0 || field(devs[0]) == "" {
-			return false
-		}
-		for _, d := range devs[1:] {
-			if field(d) != field(devs[0]) || d.Node != devs[0].Node {
-				return false
-			}
-		}
-		return true
-	}
-	anyFits := func(free map[string]int, n int) bool {
-		for _, c := range free {
-			if c >= n {
-				return true
-			}
-		}
-		return false
-	}
-	clique := func(d *device) string { return d.Clique }
-	root := func(d *device) string { return d.Root }
-	numa := func(d *device) string { return d.NUMA }
 	if len(gpus) >= 2 {
 		p.MultiGPU = true
-		p.InClique, p.CliquePossible = same(gpus, clique), anyFits(freeByDomain(clique, true), len(gpus))
-		p.InRoot, p.RootPossible = same(gpus, root), anyFits(freeByDomain(root, true), len(gpus))
-		p.InNUMA, p.NUMAPossible = same(gpus, numa), anyFits(freeByDomain(numa, true), len(gpus))
+		clique := t.inv.Judge(gpus, measure.LevelNVLink, scope)
+		root := t.inv.Judge(gpus, measure.LevelPCIeRoot, scope)
+		numa := t.inv.Judge(gpus, measure.LevelNUMA, scope)
+		p.InClique, p.CliquePossible = clique.Aligned, clique.Possible
+		p.InRoot, p.RootPossible = root.Aligned, root.Possible
+		p.InNUMA, p.NUMAPossible = numa.Aligned, numa.Possible
 	}
 	// Did the claim break into a node that no other pod used, although a
 	// node in use offered a placement as tight (the same kind of domain)?
 	if len(gpus) > 0 && len(nics) == 0 {
 		busy := func(node string) bool {
 			for _, d := range t.nodeDevices[node] {
-				if user, used := t.usedBy[d.Key]; used && user != pod && d.GPU {
+				if user, used := t.inv.Owner(d.Key); used && user != pod && d.GPU {
 					return true
 				}
 			}
@@ -385,18 +354,17 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 		}
 		if !busy(p.Node) {
 			p.OpenedNode = true
-			level := func(*device) string { return "node" }
+			level := measure.LevelNode
 			switch {
 			case p.InRoot:
-				level = root
+				level = measure.LevelPCIeRoot
 			case p.InNUMA:
-				level = numa
+				level = measure.LevelNUMA
 			case p.InClique:
-				level = clique
+				level = measure.LevelNVLink
 			}
-			for dom, free := range freeByDomain(level, true) {
-				node, _, _ := strings.Cut(dom, "/")
-				if free >= len(gpus) && node != p.Node && busy(node) {
+			for dom, free := range t.inv.Free(level, scope) {
+				if free.GPUs >= len(gpus) && dom.Node != p.Node && busy(dom.Node) {
 					p.BusyNodeHadRoom = true
 					break
 				}
@@ -414,23 +382,18 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 			}
 		}
 		for _, key := range keys {
-			if d := t.devices[key]; d.GPU {
-				gpus = append(gpus, d)
+			if t.devices[key].GPU {
+				gpus = append(gpus, key)
 			} else {
-				nics = append(nics, d)
+				nics = append(nics, key)
 			}
 		}
 		p.PodLevel = true
 	}
 	if len(gpus) > 0 && len(nics) > 0 {
 		p.GPUNIC = true
-		p.NICSameRoot = same(append(slices.Clone(gpus), nics...), root)
-		freeGPU, freeNIC := freeByDomain(root, true), freeByDomain(root, false)
-		for dom, g := range freeGPU {
-			if g >= len(gpus) && freeNIC[dom] >= len(nics) {
-				p.NICPossible = true
-			}
-		}
+		v := t.inv.Judge(slices.Concat(gpus, nics), measure.LevelPCIeRoot, scope)
+		p.NICSameRoot, p.NICPossible = v.Aligned, v.Possible
 	}
 	return p
 }
@@ -519,9 +482,7 @@ func (t *tracker) snapshot(label string) Snapshot {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	snap := Snapshot{Label: label, Tick: t.tick, Used: map[string]string{}}
-	for key, pod := range t.usedBy {
-		snap.Used[key] = pod
-	}
+	maps.Copy(snap.Used, t.inv.Owners())
 	return snap
 }
 
@@ -579,7 +540,7 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 	for node, devs := range t.nodeDevices {
 		f := &free{}
 		for _, d := range devs {
-			if _, used := t.usedBy[d.Key]; used {
+			if _, used := t.inv.Owner(d.Key); used {
 				continue
 			}
 			if d.GPU {

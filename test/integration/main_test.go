@@ -19,23 +19,16 @@ func TestMain(m *testing.M) {
 	os.Exit(run(m))
 }
 
-func run(m *testing.M) (code int) {
-	logger := klog.Background()
-	tb := framework.NewProcessTB("integration", logger)
-	defer tb.Close()
-	defer func() {
-		if r := recover(); r != nil {
-			fmt.Fprintf(os.Stderr, "control plane: %v\n", r)
-			code = 1
-		}
-	}()
+func run(m *testing.M) int {
+	ctx := klog.NewContext(context.Background(), klog.Background())
 	var err error
-	cp, err = framework.Start(tb)
+	cp, err = framework.StartProcess(ctx)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "start control plane: %v\n", err)
 		return 1
 	}
-	if _, err := cp.StartClaimController(klog.NewContext(context.Background(), logger)); err != nil {
+	defer cp.Stop()
+	if _, err := cp.StartClaimController(ctx); err != nil {
 		fmt.Fprintf(os.Stderr, "start claim controller: %v\n", err)
 		return 1
 	}

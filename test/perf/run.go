@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"path/filepath"
 	"runtime/pprof"
@@ -17,10 +16,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/test/integration/framework"
 )
 
@@ -129,15 +131,13 @@ func RunWorkload(ctx context.Context, opts Options, w Workload) (results []Resul
 		opts.Schedulers = []string{Topodra, Stock}
 	}
 	logger := opts.Logger
-	tb := framework.NewProcessTB("perf", logger)
-	defer tb.Close()
-	defer framework.RecoverFatal(&err)
 	ctx = klog.NewContext(ctx, logger)
 	start := time.Now()
-	cp, err := framework.Start(tb)
+	cp, err := cluster.Start(ctx, cluster.Options{})
 	if err != nil {
 		return nil, err
 	}
+	defer cp.Stop()
 	if _, err := cp.StartClaimController(ctx); err != nil {
 		return nil, err
 	}
@@ -243,7 +243,7 @@ func alignedText(r *Result) string {
 	return s
 }
 
-func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane, w *Workload, sched string, round int) (*Result, error) {
+func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Workload, sched string, round int) (*Result, error) {
 	profile, ok := profileOf[sched]
 	if !ok {
 		return nil, fmt.Errorf("unknown scheduler %q", sched)
@@ -282,7 +282,7 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 	var stop func()
 	var err error
 	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
-		so := framework.SchedulerOptions{Name: sched, Stock: sched == Stock}
+		so := cluster.SchedulerOptions{Name: sched, Stock: sched == Stock}
 		if sched == Topodra {
 			so.Config = config.SchedulerConfig
 			if len(opts.TopodraConfig) > 0 {
@@ -304,11 +304,11 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 		return nil, err
 	}
 
-	before, err := gatherHistogram(attemptMetric, profile)
+	before, err := measure.Gather(legacyregistry.DefaultGatherer, attemptMetric, map[string]string{"profile": profile})
 	if err != nil {
 		return nil, err
 	}
-	algoBefore, err := gatherHistogram(algorithmMetric, "")
+	algoBefore, err := measure.Gather(legacyregistry.DefaultGatherer, algorithmMetric, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -340,11 +340,11 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 			return nil, fmt.Errorf("write profile: %w", err)
 		}
 	}
-	after, err := gatherHistogram(attemptMetric, profile)
+	after, err := measure.Gather(legacyregistry.DefaultGatherer, attemptMetric, map[string]string{"profile": profile})
 	if err != nil {
 		return nil, err
 	}
-	algoAfter, err := gatherHistogram(algorithmMetric, "")
+	algoAfter, err := measure.Gather(legacyregistry.DefaultGatherer, algorithmMetric, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -362,12 +362,12 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 		res.PodsPerSecond = float64(res.Pods) / res.Seconds
 	}
 	rates := windowRates(binds, t0, end, time.Second)
-	res.ThroughputP50, res.ThroughputP90, res.ThroughputP99 = percentile(rates, 50), percentile(rates, 90), percentile(rates, 99)
-	h := after.sub(before)
-	res.Attempts = int(h.total())
-	res.P50Ms, res.P99Ms = h.quantile(0.50)*1000, h.quantile(0.99)*1000
-	algo := algoAfter.sub(algoBefore)
-	res.AlgorithmP50Ms, res.AlgorithmP99Ms = algo.quantile(0.50)*1000, algo.quantile(0.99)*1000
+	res.ThroughputP50, res.ThroughputP90, res.ThroughputP99 = measure.Quantile(rates, 0.50), measure.Quantile(rates, 0.90), measure.Quantile(rates, 0.99)
+	h := after.Sub(before)
+	res.Attempts = int(h.Count())
+	res.P50Ms, res.P99Ms = h.Quantile(0.50)*1000, h.Quantile(0.99)*1000
+	algo := algoAfter.Sub(algoBefore)
+	res.AlgorithmP50Ms, res.AlgorithmP99Ms = algo.Quantile(0.50)*1000, algo.Quantile(0.99)*1000
 	if w.Aligned {
 		aligned, eligible, examples := tr.alignment()
 		if eligible > 0 {
@@ -396,9 +396,7 @@ func runScheduler(ctx context.Context, opts Options, cp *framework.ControlPlane,
 // sanitize turns NaN (no samples) into 0 so the JSON stays valid.
 func sanitize(r *Result) {
 	for _, f := range []*float64{&r.P50Ms, &r.P99Ms, &r.AlgorithmP50Ms, &r.AlgorithmP99Ms, &r.ThroughputP50, &r.ThroughputP90, &r.ThroughputP99} {
-		if math.IsNaN(*f) {
-			*f = 0
-		}
+		*f = measure.ZeroIfNaN(*f)
 	}
 }
 

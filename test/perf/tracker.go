@@ -3,6 +3,7 @@ package perf
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -12,6 +13,8 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/topodra/topodra/pkg/measure"
 )
 
 // tracker follows one run through informers: when each measured pod got
@@ -28,44 +31,48 @@ import (
 // the devices of the other one.
 type tracker struct {
 	namespace string
-	shape     []deviceSpec
-	index     map[string]int // driver/device -> index into shape
-	onBind    func(*v1.Pod)  // called for each newly bound measured pod
+	onBind    func(*v1.Pod) // called for each newly bound measured pod
 
 	mu        sync.Mutex // guards the fields below, up to stop
 	binds     []time.Time
-	bound     map[string]bool        // measured pods seen bound, by UID
-	claims    map[string][]devicePos // allocated claims by namespace/name
-	used      map[string][]bool      // node -> device index -> in use
-	aligned   int                    // measured multi-device claims in one domain
-	eligible  int                    // ... that had an aligned option, or were aligned
-	misplaced []string               // examples of eligible claims not aligned
+	bound     map[string]bool     // measured pods seen bound, by UID
+	claims    map[string][]string // device keys of allocated claims by namespace/name
+	devices   *measure.Inventory  // the nodes' devices; owner: claim namespace/name
+	aligned   int                 // measured multi-device claims in one domain
+	eligible  int                 // ... that had an aligned option, or were aligned
+	misplaced []string            // examples of eligible claims not aligned
 	stop      context.CancelFunc
 	factory   informers.SharedInformerFactory
-}
-
-type devicePos struct {
-	node  string
-	index int
 }
 
 func newTracker(namespace string, shape Shape, nodes int, onBind func(*v1.Pod)) *tracker {
 	t := &tracker{
 		namespace: namespace,
-		shape:     shapeDevices(shape),
-		index:     map[string]int{},
 		onBind:    onBind,
 		bound:     map[string]bool{},
-		claims:    map[string][]devicePos{},
-		used:      map[string][]bool{},
-	}
-	for i, d := range t.shape {
-		t.index[d.driver+"/"+d.name] = i
+		claims:    map[string][]string{},
+		devices:   measure.NewInventory(),
 	}
 	for i := range nodes {
-		t.used[nodeName(i)] = make([]bool, len(t.shape))
+		node := nodeName(i)
+		for _, d := range shapeDevices(shape) {
+			t.devices.Add(measure.Device{
+				Key:      deviceKey(node, d.driver, d.name),
+				Name:     d.name,
+				Node:     node,
+				NIC:      d.nic,
+				PCIeRoot: strconv.Itoa(d.root),
+				NUMA:     strconv.Itoa(d.numa),
+			})
+		}
 	}
 	return t
+}
+
+// deviceKey identifies a device of the benchmark's nodes (one pool per
+// node, named after it).
+func deviceKey(pool, driver, device string) string {
+	return pool + "/" + driver + "/" + device
 }
 
 // start starts the informers and waits for them to sync.
@@ -142,8 +149,8 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if deleted || claim.Status.Allocation == nil {
-		for _, p := range t.claims[key] {
-			t.used[p.node][p.index] = false
+		for _, dev := range t.claims[key] {
+			t.devices.Release(dev)
 		}
 		delete(t.claims, key)
 		return
@@ -151,117 +158,61 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 	if _, seen := t.claims[key]; seen {
 		return
 	}
-	var pos []devicePos
+	var devs []string
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		i, ok := t.index[r.Driver+"/"+r.Device]
-		if !ok || t.used[r.Pool] == nil {
+		dev := deviceKey(r.Pool, r.Driver, r.Device)
+		if _, ok := t.devices.Device(dev); !ok {
 			continue // not a device of the benchmark's nodes
 		}
-		pos = append(pos, devicePos{node: r.Pool, index: i})
+		devs = append(devs, dev)
 	}
 	if claim.Namespace == t.namespace {
-		t.judge(key, pos)
+		t.judge(key, devs)
 	}
-	for _, p := range pos {
-		t.used[p.node][p.index] = true
+	for _, dev := range devs {
+		t.devices.Use(dev, key)
 	}
-	t.claims[key] = pos
+	t.claims[key] = devs
 }
+
+// judgeLevels are the domains a measured claim is judged by, tightest
+// first.
+var judgeLevels = []measure.Level{measure.LevelPCIeRoot, measure.LevelNUMA}
 
 // judge records whether a measured claim's devices share the tightest
 // domain that can hold them (PCIe root, else NUMA node), and whether any
 // node had such a domain free before this claim was allocated. Claims of
 // one device, or too big for any domain (8 GPUs), are not counted.
-func (t *tracker) judge(key string, pos []devicePos) {
-	if len(pos) < 2 {
+func (t *tracker) judge(key string, devs []string) {
+	if len(devs) < 2 {
 		return
 	}
-	var gpus, nics int
-	for _, p := range pos {
-		if t.shape[p.index].nic {
-			nics++
-		} else {
-			gpus++
-		}
-	}
-	levels := []func(d deviceSpec) int{
-		func(d deviceSpec) int { return d.root },
-		func(d deviceSpec) int { return d.numa },
-	}
-	for _, level := range levels {
-		// Capacity of the largest domain of this level.
-		capG, capN := map[int]int{}, map[int]int{}
-		for _, d := range t.shape {
-			if d.nic {
-				capN[level(d)]++
-			} else {
-				capG[level(d)]++
-			}
-		}
-		fits := false
-		for v := range capG {
-			if capG[v] >= gpus && capN[v] >= nics {
-				fits = true
-			}
-		}
-		if !fits {
+	want := t.devices.Count(devs)
+	for _, level := range judgeLevels {
+		if !t.devices.Fits(level, want) {
 			continue
 		}
-		aligned := true
-		for _, p := range pos {
-			if level(t.shape[p.index]) != level(t.shape[pos[0].index]) {
-				aligned = false
-			}
-		}
-		if aligned {
+		v := t.devices.Judge(devs, level, measure.Scope{})
+		switch {
+		case v.Aligned:
 			t.aligned++
 			t.eligible++
-			return
-		}
-		if option := t.alignedOption(level, gpus, nics); option != "" {
+		case v.Possible:
 			t.eligible++
 			if len(t.misplaced) < 5 {
 				var names []string
-				for _, p := range pos {
-					names = append(names, t.shape[p.index].name)
+				node := ""
+				for _, dev := range devs {
+					d, _ := t.devices.Device(dev)
+					names = append(names, d.Name)
+					node = d.Node
 				}
-				t.misplaced = append(t.misplaced, fmt.Sprintf("%s got %s on %s while %s was free", key, strings.Join(names, ","), pos[0].node, option))
+				free := t.devices.FreeNames(level, v.Option, measure.Scope{})
+				t.misplaced = append(t.misplaced, fmt.Sprintf("%s got %s on %s while %s %s was free", key, strings.Join(names, ","), node, v.Option.Node, strings.Join(free, ",")))
 			}
 		}
 		return
 	}
-}
-
-// alignedOption names a free domain of the level with room for gpus
-// and nics, or returns "".
-func (t *tracker) alignedOption(level func(deviceSpec) int, gpus, nics int) string {
-	freeG, freeN := map[int]int{}, map[int]int{}
-	for node, used := range t.used {
-		clear(freeG)
-		clear(freeN)
-		for i, d := range t.shape {
-			if used[i] {
-				continue
-			}
-			if d.nic {
-				freeN[level(d)]++
-			} else {
-				freeG[level(d)]++
-			}
-		}
-		for v, g := range freeG {
-			if g >= gpus && freeN[v] >= nics {
-				var names []string
-				for i, d := range t.shape {
-					if !used[i] && level(d) == v {
-						names = append(names, d.name)
-					}
-				}
-				return node + " " + strings.Join(names, ",")
-			}
-		}
-	}
-	return ""
 }
 
 // bindTimes returns when each measured pod was seen bound.

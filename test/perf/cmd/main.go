@@ -22,7 +22,7 @@ import (
 
 	"k8s.io/klog/v2"
 
-	"github.com/topodra/topodra/test/integration/framework"
+	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/test/perf"
 )
 
@@ -73,7 +73,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 	}
-	if err := framework.SetUpLogging(*logFile, *verbosity); err != nil {
+	if err := cluster.SetUpLogging(*logFile, *verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}

@@ -1,4 +1,4 @@
-package framework
+package cluster
 
 import (
 	"bufio"
@@ -21,12 +21,12 @@ import (
 // Apply creates every object of a multi-document YAML manifest, or updates
 // it where it exists, as `kubectl apply` would for a first apply. edit, if
 // not nil, may change each object first; returning false skips it.
-func (cp *ControlPlane) Apply(ctx context.Context, manifest []byte, edit func(*unstructured.Unstructured) bool) error {
-	dyn, err := dynamic.NewForConfig(cp.Config)
+func (c *Cluster) Apply(ctx context.Context, manifest []byte, edit func(*unstructured.Unstructured) bool) error {
+	dyn, err := dynamic.NewForConfig(c.Config)
 	if err != nil {
 		return err
 	}
-	disc, err := discovery.NewDiscoveryClientForConfig(cp.Config)
+	disc, err := discovery.NewDiscoveryClientForConfig(c.Config)
 	if err != nil {
 		return err
 	}

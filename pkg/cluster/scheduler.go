@@ -1,4 +1,4 @@
-package framework
+package cluster
 
 import (
 	"context"
@@ -40,8 +40,8 @@ profiles:
 // StartScheduler runs a scheduler in process against the control plane, from
 // the same options and setup code as the binary, with --secure-port=0 and
 // leader election off. The returned function stops it and waits until it has
-// stopped; it is also stopped at teardown.
-func (cp *ControlPlane) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
+// stopped; Stop calls it too.
+func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
 	config := opts.Config
 	if len(config) == 0 && opts.ConfigFile != "" {
 		data, err := os.ReadFile(opts.ConfigFile)
@@ -57,7 +57,7 @@ func (cp *ControlPlane) StartScheduler(ctx context.Context, opts SchedulerOption
 	if name == "" {
 		name = "scheduler"
 	}
-	path, err := cp.writeSchedulerConfig(name, config)
+	path, err := c.writeSchedulerConfig(name, config)
 	if err != nil {
 		return nil, err
 	}
@@ -84,13 +84,13 @@ func (cp *ControlPlane) StartScheduler(ctx context.Context, opts SchedulerOption
 			<-done
 		})
 	}
-	cp.AddStop(stop)
+	c.AddStop(stop)
 	return stop, nil
 }
 
 // writeSchedulerConfig fills in the client connection and leader election
 // of a KubeSchedulerConfiguration and writes it to a file.
-func (cp *ControlPlane) writeSchedulerConfig(name string, config []byte) (string, error) {
+func (c *Cluster) writeSchedulerConfig(name string, config []byte) (string, error) {
 	var obj map[string]any
 	if err := yaml.Unmarshal(config, &obj); err != nil {
 		return "", fmt.Errorf("parse scheduler config: %w", err)
@@ -99,7 +99,7 @@ func (cp *ControlPlane) writeSchedulerConfig(name string, config []byte) (string
 	if conn == nil {
 		conn = map[string]any{}
 	}
-	conn["kubeconfig"] = cp.Kubeconfig
+	conn["kubeconfig"] = c.Kubeconfig
 	conn["qps"] = 5000
 	conn["burst"] = 10000
 	obj["clientConnection"] = conn
@@ -113,7 +113,7 @@ func (cp *ControlPlane) writeSchedulerConfig(name string, config []byte) (string
 	if err != nil {
 		return "", err
 	}
-	path := filepath.Join(cp.Dir, name+"-config.yaml")
+	path := filepath.Join(c.Dir, name+"-config.yaml")
 	if err := os.WriteFile(path, out, 0o644); err != nil {
 		return "", fmt.Errorf("write scheduler config: %w", err)
 	}

@@ -1,0 +1,39 @@
+package cluster
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// WriteKubeconfig writes a kubeconfig file for cfg: cluster and context
+// "topodra", user "admin". The apiserver's loopback certificate is
+// issued for cfg.ServerName, not for 127.0.0.1, so the file carries
+// tls-server-name.
+func WriteKubeconfig(cfg *rest.Config, path string) error {
+	kc := clientcmdapi.NewConfig()
+	kc.Clusters["topodra"] = &clientcmdapi.Cluster{
+		Server:                   cfg.Host,
+		CertificateAuthorityData: cfg.TLSClientConfig.CAData,
+		TLSServerName:            cfg.TLSClientConfig.ServerName,
+		InsecureSkipTLSVerify:    cfg.TLSClientConfig.Insecure,
+	}
+	kc.AuthInfos["admin"] = &clientcmdapi.AuthInfo{
+		Token:                 cfg.BearerToken,
+		ClientCertificateData: cfg.TLSClientConfig.CertData,
+		ClientKeyData:         cfg.TLSClientConfig.KeyData,
+	}
+	kc.Contexts["topodra"] = &clientcmdapi.Context{Cluster: "topodra", AuthInfo: "admin"}
+	kc.CurrentContext = "topodra"
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return fmt.Errorf("write kubeconfig: %w", err)
+	}
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		return fmt.Errorf("write kubeconfig %s: %w", path, err)
+	}
+	return nil
+}
