@@ -52,6 +52,7 @@ type options struct {
 	cdiHookPath         string
 	healthAddress       string
 	sysfsRoot           string
+	kubeletDir          string
 	pluginDataDir       string
 	registrarDir        string
 	stateDir            string
@@ -109,8 +110,9 @@ the command line wins.`,
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
 	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness: running and registered with the kubelet) and /readyz (readiness: GPUs found). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
-	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, topology.DriverName), "Directory of the DRA plugin socket.")
-	fs.StringVar(&o.registrarDir, "registrar-dir", kubeletplugin.KubeletRegistryDir, "The kubelet's plugin registration directory.")
+	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
+	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", "", "Directory of the DRA plugin socket. Empty: <kubelet-dir>/plugins/"+topology.DriverName+".")
+	fs.StringVar(&o.registrarDir, "registrar-dir", "", "The kubelet's plugin registration directory. Empty: <kubelet-dir>/plugins_registry.")
 	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
@@ -154,6 +156,26 @@ func applyEnv(fs *pflag.FlagSet, names []string) error {
 		}
 	}
 	return nil
+}
+
+// defaultKubeletDir is the kubelet's usual root directory, the one the
+// kubeletplugin helper's defaults live in.
+var defaultKubeletDir = filepath.Dir(kubeletplugin.KubeletPluginsDir)
+
+// pluginDir is --plugin-data-dir, defaulted from --kubelet-dir.
+func (o *options) pluginDir() string {
+	if o.pluginDataDir != "" {
+		return o.pluginDataDir
+	}
+	return filepath.Join(o.kubeletDir, "plugins", topology.DriverName)
+}
+
+// registryDir is --registrar-dir, defaulted from --kubelet-dir.
+func (o *options) registryDir() string {
+	if o.registrarDir != "" {
+		return o.registrarDir
+	}
+	return filepath.Join(o.kubeletDir, "plugins_registry")
 }
 
 // source is where devices and their CDI edits come from.
@@ -262,8 +284,8 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		CDIGenerator:    src.cdi,
 		Recorder:        broadcaster.NewRecorder("topodra-node-agent"),
 		PublishOnly:     o.publishOnly,
-		PluginDataDir:   o.pluginDataDir,
-		RegistrarDir:    o.registrarDir,
+		PluginDataDir:   o.pluginDir(),
+		RegistrarDir:    o.registryDir(),
 		StateDir:        o.stateDir,
 		CDIDir:          o.cdiDir,
 		OwnedTaint:      o.ownedTaint,
