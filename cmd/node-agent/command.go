@@ -63,6 +63,7 @@ type options struct {
 	rescanInterval      time.Duration
 	publishOnly         bool
 	dryRun              bool
+	showCDI             bool
 }
 
 func newCommand() *cobra.Command {
@@ -121,6 +122,7 @@ the command line wins.`,
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
+	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also print the CDI spec that a claim for all published GPUs would get, i.e. what a container would see (device nodes, driver libraries and binaries, hooks, environment). Nothing is written.")
 	agentFlags = nil
 	fs.VisitAll(func(f *pflag.Flag) { agentFlags = append(agentFlags, f.Name) })
 	for _, name := range agentFlags {
@@ -254,7 +256,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	}
 	if o.dryRun {
 		if err == nil {
-			err = dryRun(ctx, src.discovery, o, nodeName, stdout)
+			err = dryRun(ctx, src, o, nodeName, stdout)
 		}
 		if errors.Is(err, discovery.ErrNoGPU) {
 			_, _ = fmt.Fprintf(stderr, "%s: %v\n", noGPUMessage, err)
@@ -378,8 +380,8 @@ func kubeConfig(path string) (*rest.Config, error) {
 
 // dryRun prints the slice the agent would publish, with GPUs that it would
 // not publish as comments.
-func dryRun(ctx context.Context, disc discovery.Interface, o *options, nodeName string, out io.Writer) error {
-	inv, err := disc.Discover(ctx)
+func dryRun(ctx context.Context, src *source, o *options, nodeName string, out io.Writer) error {
+	inv, err := src.discovery.Discover(ctx)
 	if err != nil {
 		return err
 	}
@@ -398,5 +400,24 @@ func dryRun(ctx context.Context, disc discovery.Interface, o *options, nodeName 
 			return err
 		}
 	}
-	return nil
+	if !o.showCDI {
+		return nil
+	}
+	devices := make([]cdi.Device, 0, len(inv.GPUs))
+	for _, g := range inv.GPUs {
+		devices = append(devices, cdi.Device{Name: g.Name, UUID: g.UUID, Minor: g.Minor})
+	}
+	spec, err := cdi.Spec(src.cdi, dryRunClaimUID, devices)
+	if err != nil {
+		return err
+	}
+	data, err := yaml.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(out, "---\n# CDI spec for a claim with all GPUs (claim UID %q): what its containers get\n%s", dryRunClaimUID, data)
+	return err
 }
+
+// dryRunClaimUID stands in for a claim UID in --show-cdi output.
+const dryRunClaimUID = "dry-run"
