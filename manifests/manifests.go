@@ -1,17 +1,12 @@
 // Package manifests embeds the deployment manifests of this directory so
-// that tests apply exactly the files an admin applies, and renders the
-// kustomize overlays the way `kubectl apply -k` does.
+// that tests apply exactly the files an admin applies. The package's tests
+// render the kustomize overlays the way `kubectl apply -k` does; rendering
+// lives there, not here, because kustomize links Go's plugin package, which
+// makes a binary bind all symbols at load time, and go-nvml's cgo bindings,
+// linked into the same test binaries, rely on lazy binding.
 package manifests
 
-import (
-	"embed"
-	"fmt"
-	"io/fs"
-	"path"
-
-	"sigs.k8s.io/kustomize/api/krusty"
-	"sigs.k8s.io/kustomize/kyaml/filesys"
-)
+import "embed"
 
 // FS holds base/*.yaml, overlays/*/*.yaml and examples/*.yaml.
 //
@@ -20,35 +15,3 @@ var FS embed.FS
 
 // Overlays are the install variants, each a directory overlays/<name>.
 var Overlays = []string{"host", "gpu-operator", "mock"}
-
-// Render builds the kustomization in dir ("base" or "overlays/<name>") with
-// kustomize's default options, as `kubectl kustomize` does, and returns the
-// multi-document YAML.
-func Render(dir string) ([]byte, error) {
-	memFS := filesys.MakeFsInMemory()
-	err := fs.WalkDir(FS, ".", func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
-			return err
-		}
-		data, err := FS.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		if err := memFS.MkdirAll(path.Dir("/" + p)); err != nil {
-			return err
-		}
-		return memFS.WriteFile("/"+p, data)
-	})
-	if err != nil {
-		return nil, fmt.Errorf("copy manifests: %w", err)
-	}
-	resources, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(memFS, "/"+dir)
-	if err != nil {
-		return nil, fmt.Errorf("kustomize %s: %w", dir, err)
-	}
-	out, err := resources.AsYaml()
-	if err != nil {
-		return nil, fmt.Errorf("kustomize %s: %w", dir, err)
-	}
-	return out, nil
-}
