@@ -3,6 +3,7 @@ package manifests_test
 import (
 	"context"
 	"io/fs"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -12,9 +13,12 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/manifests"
@@ -174,3 +178,121 @@ func TestAgentOwnNodeOnly(t *testing.T) {
 }
 
 func ptrTo[T any](v T) *T { return &v }
+
+// saKubeconfig writes a kubeconfig that acts as the given ServiceAccount
+// (impersonated by the admin credentials of the control plane).
+func saKubeconfig(t *testing.T, cp *framework.ControlPlane, namespace, name string) string {
+	t.Helper()
+	kc, err := clientcmd.LoadFromFile(cp.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, auth := range kc.AuthInfos {
+		auth.Impersonate = "system:serviceaccount:" + namespace + ":" + name
+		auth.ImpersonateGroups = []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"}
+	}
+	path := filepath.Join(t.TempDir(), name+".kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestSchedulerRBAC runs topodra-scheduler as the manifest's ServiceAccount
+// with the configuration of the manifest's ConfigMap, on a real API server
+// that enforces RBAC and the shipped policies: it schedules a pod with a
+// DRA claim for an owned GPU. The same identity may neither write
+// ResourceSlices nor read Secrets.
+func TestSchedulerRBAC(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp := startCluster(t, ctx)
+	data, err := manifests.Render("overlays/host")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, data, nil); err != nil {
+		t.Fatal(err)
+	}
+	var schedulerConfig string
+	for _, obj := range decodeAllObjects(t, data) {
+		if cm, ok := obj.(*v1.ConfigMap); ok && cm.Name == "topodra-scheduler-config" {
+			schedulerConfig = cm.Data["scheduler-config.yaml"]
+		}
+	}
+	if schedulerConfig == "" {
+		t.Fatal("no scheduler configuration in the manifests")
+	}
+
+	// One node with two GPUs, published as the agent would (the owned
+	// DeviceTaintRule of the manifests taints them).
+	if _, err := framework.CreateReadyNode(ctx, cp.Client, "gpu-node", nil); err != nil {
+		t.Fatal(err)
+	}
+	slice := framework.SliceForNode("gpu-node", topology.DriverName, []framework.Device{{Name: "gpu-0"}, {Name: "gpu-1"}})
+	if _, err := cp.Client.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cp.StartClaimController(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The scheduler as its ServiceAccount: a control plane view whose
+	// kubeconfig impersonates it.
+	saCP := &framework.ControlPlane{Config: cp.Config, Client: cp.Client, Kubeconfig: saKubeconfig(t, cp, metav1.NamespaceSystem, "topodra-scheduler"), Dir: t.TempDir()}
+	stop, err := saCP.StartScheduler(ctx, framework.SchedulerOptions{Name: "topodra-rbac", Config: []byte(schedulerConfig)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+
+	ns := metav1.NamespaceDefault
+	if _, err := cp.Client.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, framework.ClaimTemplate(ns, "one-gpu", topology.DriverName, 1), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod, err := cp.Client.CoreV1().Pods(ns).Create(ctx, framework.PodWithClaims(ns, "trainer", "topodra-scheduler", "one-gpu"), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		pod, err = cp.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		return err == nil && pod.Spec.NodeName != "", nil
+	}); err != nil {
+		t.Fatalf("pod not scheduled by topodra-scheduler running as its ServiceAccount: %+v", pod.Status.Conditions)
+	}
+
+	sa, err := kubernetes.NewForConfig(impersonate(cp.Config, metav1.NamespaceSystem, "topodra-scheduler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = sa.ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("other", topology.DriverName, nil), metav1.CreateOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("scheduler identity creates a ResourceSlice: %v, want Forbidden", err)
+	}
+	_, err = sa.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("scheduler identity lists Secrets: %v, want Forbidden", err)
+	}
+}
+
+func impersonate(cfg *rest.Config, namespace, name string) *rest.Config {
+	cfg = rest.CopyConfig(cfg)
+	cfg.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + namespace + ":" + name,
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
+	}
+	return cfg
+}
+
+// decodeAllObjects decodes a multi-document manifest with the client-go
+// scheme.
+func decodeAllObjects(t *testing.T, data []byte) []runtime.Object {
+	t.Helper()
+	var out []runtime.Object
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err == nil {
+			out = append(out, obj)
+		}
+	}
+	return out
+}
