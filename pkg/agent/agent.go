@@ -201,8 +201,11 @@ var _ kubeletplugin.DRAPlugin = &Agent{}
 // PublishOnly, only its publishing part), publishes the node's pool and
 // starts rescanning and health watching in the background. Everything stops
 // when ctx is canceled or Stop is called. A node without GPUs (discovery
-// returns discovery.ErrNoGPU) publishes an empty pool; other discovery
-// errors fail New.
+// returns discovery.ErrNoGPU: no library, no kernel driver, no device yet)
+// publishes an empty pool, is not Ready, reports it on the Node and retries
+// with backoff (NoGPURetry doubling up to RescanInterval); other discovery
+// errors fail New. With a checkpoint, claims prepared during another boot
+// are dropped before anything else happens.
 func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NodeName == "" {
 		return nil, errors.New("node name must be set")
