@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # gpu-check.sh: build topodra-node-agent and show the ResourceSlice it would
 # publish for this machine's NVIDIA GPUs, discovered through the real NVML
-# library and /sys. Needs no cluster. Extra arguments go to the agent, e.g.
+# library (loaded from the driver root) and /sys, followed by the CDI spec a
+# claim for all of them would get: what a container sees (device nodes,
+# driver libraries, nvidia-smi, hooks, environment). Needs no cluster and
+# writes nothing. Extra arguments go to the agent, e.g.
 #   hack/gpu-check.sh --owned-taint --numa-list
+#   DRIVER_ROOT=/run/nvidia/driver hack/gpu-check.sh   # GPU Operator node
 #
 # Exits 0 with "no NVIDIA GPU here: <reason>" where there is no GPU (no
 # libnvidia-ml.so, no kernel driver, or zero devices); any other failure is
@@ -26,4 +30,6 @@ fi
 
 node=${NODE_NAME:-$(hostname)}
 echo "discovering GPUs of node ${node} through real NVML" >&2
-exec "${bin}" --dry-run --nvml=real --node-name="${node}" "$@"
+driver_root=${DRIVER_ROOT:-/}
+echo "driver root ${driver_root}" >&2
+exec "${bin}" --dry-run --show-cdi --nvml=real --driver-root="${driver_root}" --node-name="${node}" "$@"

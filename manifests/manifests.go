@@ -1,10 +1,17 @@
 // Package manifests embeds the deployment manifests of this directory so
-// that tests apply exactly the files an admin applies.
+// that tests apply exactly the files an admin applies. The package's tests
+// render the kustomize overlays the way `kubectl apply -k` does; rendering
+// lives there, not here, because kustomize links Go's plugin package, which
+// makes a binary bind all symbols at load time, and go-nvml's cgo bindings,
+// linked into the same test binaries, rely on lazy binding.
 package manifests
 
 import "embed"
 
-// FS holds *.yaml and examples/*.yaml.
+// FS holds base/*.yaml, overlays/*/*.yaml and examples/*.yaml.
 //
-//go:embed *.yaml examples/*.yaml
+//go:embed base/*.yaml overlays/*/*.yaml examples/*.yaml
 var FS embed.FS
+
+// Overlays are the install variants, each a directory overlays/<name>.
+var Overlays = []string{"host", "gpu-operator", "mock"}

@@ -21,40 +21,61 @@ import (
 	"github.com/topodra/topodra/pkg/topology"
 )
 
-// objects decodes every document of every manifest strictly (unknown or
-// duplicate fields fail).
-func objects(t *testing.T) map[string][]runtime.Object {
+// sets are what an admin applies: the base and every overlay, rendered by
+// kustomize, and the examples one file each. Keys name the set.
+func sets(t *testing.T) map[string][]runtime.Object {
 	t.Helper()
-	decoder := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
 	out := map[string][]runtime.Object{}
-	err := fs.WalkDir(FS, ".", func(path string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
-			return err
-		}
-		data, err := FS.ReadFile(path)
+	for _, dir := range append([]string{"base"}, overlayDirs()...) {
+		data, err := Render(dir)
 		if err != nil {
-			return err
+			t.Fatalf("render %s: %v", dir, err)
 		}
-		reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
-		for {
-			doc, err := reader.Read()
-			if err != nil {
-				break
-			}
-			if len(bytes.TrimSpace(stripComments(doc))) == 0 {
-				continue
-			}
-			obj, _, err := decoder.Decode(doc, nil, nil)
-			if err != nil {
-				t.Errorf("%s: %v", path, err)
-				continue
-			}
-			out[path] = append(out[path], obj)
-		}
-		return nil
-	})
+		out[dir] = decodeAll(t, dir, data)
+	}
+	examples, err := fs.Glob(FS, "examples/*.yaml")
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, path := range examples {
+		data, err := FS.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[path] = decodeAll(t, path, data)
+	}
+	return out
+}
+
+func overlayDirs() []string {
+	var dirs []string
+	for _, o := range Overlays {
+		dirs = append(dirs, "overlays/"+o)
+	}
+	return dirs
+}
+
+// decodeAll decodes every document strictly (unknown or duplicate fields
+// fail).
+func decodeAll(t *testing.T, name string, data []byte) []runtime.Object {
+	t.Helper()
+	decoder := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
+	var out []runtime.Object
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for {
+		doc, err := reader.Read()
+		if err != nil {
+			break
+		}
+		if len(bytes.TrimSpace(stripComments(doc))) == 0 {
+			continue
+		}
+		obj, _, err := decoder.Decode(doc, nil, nil)
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		out = append(out, obj)
 	}
 	return out
 }
@@ -70,14 +91,26 @@ func stripComments(doc []byte) []byte {
 	return out
 }
 
-// TestOwnedTaintKeyAgrees checks that every shipped manifest that names the
-// owned taint names the same key as the scheduler's args, and that the
-// shipped agent taints its devices.
+// TestOwnedTaintKeyAgrees checks, for the base, every overlay and every
+// example, that whatever names the owned taint names the same key as the
+// scheduler's args, and that every install variant ships the ownership
+// ConfigMap, the DeviceTaintRule for gpu.topodra.io, the admission policy
+// and an agent that taints its devices.
 func TestOwnedTaintKeyAgrees(t *testing.T) {
 	want := topology.DefaultTaintKey
-	all := objects(t)
+	for path, objs := range sets(t) {
+		t.Run(path, func(t *testing.T) {
+			checkOwnership(t, path, objs, want, !strings.HasPrefix(path, "examples/"))
+		})
+	}
+	if got := schedulerOwnedKey(t, config.SchedulerConfig); got != want {
+		t.Errorf("config/scheduler-config.yaml: ownedTaintKey %q, want %q", got, want)
+	}
+}
+
+func checkOwnership(t *testing.T, path string, objs []runtime.Object, want string, install bool) {
 	var sawConfigMap, sawAgent, sawRule, sawPolicy bool
-	for path, objs := range all {
+	{
 		for _, obj := range objs {
 			switch o := obj.(type) {
 			case *v1.ConfigMap:
@@ -93,7 +126,7 @@ func TestOwnedTaintKeyAgrees(t *testing.T) {
 					}
 				}
 			case *resourceapi.DeviceTaintRule:
-				sawRule = sawRule || path == "ownership.yaml"
+				sawRule = sawRule || (o.Spec.DeviceSelector != nil && o.Spec.DeviceSelector.Driver != nil && *o.Spec.DeviceSelector.Driver == topology.DriverName)
 				if o.Spec.Taint.Key != want || o.Spec.Taint.Effect != resourceapi.DeviceTaintEffectNoSchedule {
 					t.Errorf("%s: DeviceTaintRule %s taints %s:%s, want %s:NoSchedule", path, o.Name, o.Spec.Taint.Key, o.Spec.Taint.Effect, want)
 				}
@@ -117,6 +150,9 @@ func TestOwnedTaintKeyAgrees(t *testing.T) {
 					t.Errorf("%s: OWNED_TAINT_KEY must come from ConfigMap topodra-ownership, key ownedTaintKey", path)
 				}
 			case *admissionv1.ValidatingAdmissionPolicy:
+				if o.Name != "topodra-owned-taint" {
+					continue
+				}
 				sawPolicy = true
 				if o.Spec.ParamKind == nil || o.Spec.ParamKind.Kind != "ConfigMap" {
 					t.Errorf("%s: policy %s takes no ConfigMap parameter", path, o.Name)
@@ -127,6 +163,9 @@ func TestOwnedTaintKeyAgrees(t *testing.T) {
 					}
 				}
 			case *admissionv1.ValidatingAdmissionPolicyBinding:
+				if o.Spec.PolicyName != "topodra-owned-taint" {
+					continue
+				}
 				if o.Spec.ParamRef == nil || o.Spec.ParamRef.Name != "topodra-ownership" || o.Spec.ParamRef.ParameterNotFoundAction == nil ||
 					*o.Spec.ParamRef.ParameterNotFoundAction != admissionv1.DenyAction {
 					t.Errorf("%s: binding %s must read ConfigMap topodra-ownership and deny without it", path, o.Name)
@@ -134,12 +173,12 @@ func TestOwnedTaintKeyAgrees(t *testing.T) {
 			}
 		}
 	}
-	if got := schedulerOwnedKey(t, config.SchedulerConfig); got != want {
-		t.Errorf("config/scheduler-config.yaml: ownedTaintKey %q, want %q", got, want)
+	if !install {
+		return
 	}
-	for what, saw := range map[string]bool{"ConfigMap topodra-ownership": sawConfigMap, "agent DaemonSet": sawAgent, "DeviceTaintRule in ownership.yaml": sawRule, "admission policy": sawPolicy} {
+	for what, saw := range map[string]bool{"ConfigMap topodra-ownership": sawConfigMap, "agent DaemonSet": sawAgent, "DeviceTaintRule for driver " + topology.DriverName: sawRule, "admission policy topodra-owned-taint": sawPolicy} {
 		if !saw {
-			t.Errorf("no %s in the manifests", what)
+			t.Errorf("%s: no %s", path, what)
 		}
 	}
 }

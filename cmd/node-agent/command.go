@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -21,6 +23,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/component-base/featuregate"
 	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -30,6 +33,7 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/driverroot"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/pkg/version"
@@ -40,20 +44,26 @@ import (
 const noGPUMessage = "no NVIDIA GPU here"
 
 type options struct {
-	nodeName       string
-	kubeconfig     string
-	nvml           string
-	sysfsRoot      string
-	pluginDataDir  string
-	registrarDir   string
-	stateDir       string
-	cdiDir         string
-	ownedTaint     bool
-	ownedTaintKey  string
-	numaList       bool
-	rescanInterval time.Duration
-	publishOnly    bool
-	dryRun         bool
+	nodeName            string
+	kubeconfig          string
+	nvml                string
+	driverRoot          string
+	containerDriverRoot string
+	cdiHookPath         string
+	healthAddress       string
+	sysfsRoot           string
+	kubeletDir          string
+	pluginDataDir       string
+	registrarDir        string
+	stateDir            string
+	cdiDir              string
+	ownedTaint          bool
+	ownedTaintKey       string
+	numaList            bool
+	rescanInterval      time.Duration
+	publishOnly         bool
+	dryRun              bool
+	showCDI             bool
 }
 
 func newCommand() *cobra.Command {
@@ -96,9 +106,14 @@ the command line wins.`,
 	fs.StringVar(&o.nodeName, "node-name", "", "Name of this node; the slices are owned by its Node object. Required except with --dry-run (default there: the host name).")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Kubeconfig file, for running outside the cluster. Empty: in-cluster configuration.")
 	fs.StringVar(&o.nvml, "nvml", "real", "Where GPUs come from: 'real' (libnvidia-ml) or 'mock:<profile>' with profile one of "+strings.Join(mockgpu.Profiles(), ", ")+".")
+	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container. CDI specs name driver files below it.")
+	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. Empty: --driver-root itself (running on the host).")
+	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
+	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness: running and registered with the kubelet) and /readyz (readiness: GPUs found). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
-	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", filepath.Join(kubeletplugin.KubeletPluginsDir, topology.DriverName), "Directory of the DRA plugin socket.")
-	fs.StringVar(&o.registrarDir, "registrar-dir", kubeletplugin.KubeletRegistryDir, "The kubelet's plugin registration directory.")
+	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
+	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", "", "Directory of the DRA plugin socket. Empty: <kubelet-dir>/plugins/"+topology.DriverName+".")
+	fs.StringVar(&o.registrarDir, "registrar-dir", "", "The kubelet's plugin registration directory. Empty: <kubelet-dir>/plugins_registry.")
 	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
@@ -107,6 +122,7 @@ the command line wins.`,
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
+	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also print the CDI spec that a claim for all published GPUs would get, i.e. what a container would see (device nodes, driver libraries and binaries, hooks, environment). Nothing is written.")
 	agentFlags = nil
 	fs.VisitAll(func(f *pflag.Flag) { agentFlags = append(agentFlags, f.Name) })
 	for _, name := range agentFlags {
@@ -144,27 +160,83 @@ func applyEnv(fs *pflag.FlagSet, names []string) error {
 	return nil
 }
 
-// newDiscovery builds discovery for --nvml.
-func newDiscovery(o *options, nodeName string) (*discovery.NVML, error) {
+// defaultKubeletDir is the kubelet's usual root directory, the one the
+// kubeletplugin helper's defaults live in.
+var defaultKubeletDir = filepath.Dir(kubeletplugin.KubeletPluginsDir)
+
+// pluginDir is --plugin-data-dir, defaulted from --kubelet-dir.
+func (o *options) pluginDir() string {
+	if o.pluginDataDir != "" {
+		return o.pluginDataDir
+	}
+	return filepath.Join(o.kubeletDir, "plugins", topology.DriverName)
+}
+
+// registryDir is --registrar-dir, defaulted from --kubelet-dir.
+func (o *options) registryDir() string {
+	if o.registrarDir != "" {
+		return o.registrarDir
+	}
+	return filepath.Join(o.kubeletDir, "plugins_registry")
+}
+
+// source is where devices and their CDI edits come from.
+type source struct {
+	discovery discovery.Interface
+	cdi       cdi.Generator
+	close     func() error
+}
+
+// newSource builds discovery and CDI generation for --nvml. Real NVML is
+// loaded from the driver root, on first discovery and again on every retry
+// until it works, so that a driver installed after the agent started is
+// found without a restart.
+func newSource(o *options, nodeName string) (*source, error) {
 	form := discovery.NUMAScalar
 	if o.numaList {
 		form = discovery.NUMAList
 	}
 	switch {
 	case o.nvml == "real":
+		root, err := driverroot.New(o.driverRoot, o.containerDriverRoot)
+		if err != nil {
+			return nil, err
+		}
 		var sysfs fs.ReadLinkFS
 		if o.sysfsRoot != "/sys" {
 			sysfs = os.DirFS(o.sysfsRoot).(fs.ReadLinkFS)
 		}
-		return discovery.NewNVML(discovery.NVMLOptions{Lib: nvml.New(), Sysfs: sysfs, NUMAForm: form})
+		disc := discovery.NewLazy(nvmlFromRoot(root), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
+		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: disc.Lib, HookPath: o.cdiHookPath})
+		if err != nil {
+			return nil, err
+		}
+		return &source{discovery: disc, cdi: gen, close: disc.Close}, nil
 	case strings.HasPrefix(o.nvml, "mock:"):
 		m, err := mockgpu.New(strings.TrimPrefix(o.nvml, "mock:"), mockgpu.Options{NodeName: nodeName})
 		if err != nil {
 			return nil, fmt.Errorf("--nvml: %w", err)
 		}
-		return discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs(), NUMAForm: form})
+		disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs(), NUMAForm: form})
+		if err != nil {
+			return nil, err
+		}
+		// Mock GPUs have no device nodes: containers get only the
+		// environment (NVIDIA_VISIBLE_DEVICES, TOPODRA_GPU_<n>).
+		return &source{discovery: disc, cdi: cdi.Static{EnvOnly: true}, close: disc.Close}, nil
 	default:
 		return nil, fmt.Errorf("--nvml must be 'real' or 'mock:<profile>', got %q", o.nvml)
+	}
+}
+
+// nvmlFromRoot opens libnvidia-ml.so.1 of the driver root.
+func nvmlFromRoot(root driverroot.Root) discovery.OpenFunc {
+	return func() (nvml.Interface, error) {
+		path, err := root.NVMLLibraryPath()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", discovery.ErrNoGPU, err)
+		}
+		return nvml.New(nvml.WithLibraryPath(path)), nil
 	}
 }
 
@@ -178,11 +250,13 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return errors.New("--node-name (or NODE_NAME) is required")
 	}
 
-	disc, err := newDiscovery(o, nodeName)
+	src, err := newSource(o, nodeName)
+	if err == nil {
+		defer func() { _ = src.close() }()
+	}
 	if o.dryRun {
 		if err == nil {
-			defer func() { _ = disc.Close() }()
-			err = dryRun(ctx, disc, o, nodeName, stdout)
+			err = dryRun(ctx, src, o, nodeName, stdout)
 		}
 		if errors.Is(err, discovery.ErrNoGPU) {
 			_, _ = fmt.Fprintf(stderr, "%s: %v\n", noGPUMessage, err)
@@ -190,16 +264,8 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 		return err
 	}
-	var agentDiscovery discovery.Interface = disc
-	switch {
-	case errors.Is(err, discovery.ErrNoGPU):
-		// Keep running with an empty pool: "driver up, no devices".
-		logger.Info(noGPUMessage+", publishing an empty pool", "reason", err.Error())
-		agentDiscovery = noGPU{err: err}
-	case err != nil:
+	if err != nil {
 		return err
-	default:
-		defer func() { _ = disc.Close() }()
 	}
 
 	config, err := kubeConfig(o.kubeconfig)
@@ -210,23 +276,37 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("create kube client: %w", err)
 	}
+	broadcaster := events.NewEventBroadcasterAdapter(client)
+	broadcaster.StartRecordingToSink(ctx.Done())
+	defer broadcaster.Shutdown()
 	a, err := agent.New(ctx, agent.Options{
-		NodeName:       nodeName,
-		KubeClient:     client,
-		Discovery:      agentDiscovery,
-		PublishOnly:    o.publishOnly,
-		PluginDataDir:  o.pluginDataDir,
-		RegistrarDir:   o.registrarDir,
-		StateDir:       o.stateDir,
-		CDIDir:         o.cdiDir,
-		OwnedTaint:     o.ownedTaint,
-		OwnedTaintKey:  o.ownedTaintKey,
-		RescanInterval: rescan(o.rescanInterval),
+		NodeName:        nodeName,
+		KubeClient:      client,
+		Discovery:       src.discovery,
+		CDIGenerator:    src.cdi,
+		Recorder:        broadcaster.NewRecorder("topodra-node-agent"),
+		PublishOnly:     o.publishOnly,
+		PluginDataDir:   o.pluginDir(),
+		RegistrarDir:    o.registryDir(),
+		StateDir:        o.stateDir,
+		CDIDir:          o.cdiDir,
+		OwnedTaint:      o.ownedTaint,
+		OwnedTaintKey:   o.ownedTaintKey,
+		RescanInterval:  rescan(o.rescanInterval),
+		StaleClaimCheck: agent.DefaultRescanInterval,
 	})
 	if err != nil {
 		return err
 	}
-	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
+	if o.healthAddress != "" {
+		stopHealth, err := serveHealth(ctx, o.healthAddress, a)
+		if err != nil {
+			a.Stop()
+			return err
+		}
+		defer stopHealth()
+	}
+	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
 	<-a.Done()
 	cause := a.Err()
 	a.Stop()
@@ -244,10 +324,44 @@ func rescan(d time.Duration) time.Duration {
 	return d
 }
 
-// noGPU is the discovery of a node without GPUs.
-type noGPU struct{ err error }
+// prober is what the health endpoints ask.
+type prober interface {
+	Live() error
+	Ready() error
+}
 
-func (n noGPU) Discover(context.Context) (*discovery.Inventory, error) { return nil, n.err }
+// healthHandler serves /healthz from Live and /readyz from Ready: 200 "ok",
+// or 503 with the reason.
+func healthHandler(p prober) http.Handler {
+	mux := http.NewServeMux()
+	probe := func(check func() error) http.HandlerFunc {
+		return func(w http.ResponseWriter, _ *http.Request) {
+			if err := check(); err != nil {
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+			_, _ = io.WriteString(w, "ok\n")
+		}
+	}
+	mux.Handle("/healthz", probe(p.Live))
+	mux.Handle("/readyz", probe(p.Ready))
+	return mux
+}
+
+// serveHealth listens on address until the returned function is called.
+func serveHealth(ctx context.Context, address string, p prober) (func(), error) {
+	listener, err := net.Listen("tcp", address)
+	if err != nil {
+		return nil, fmt.Errorf("--health-address: %w", err)
+	}
+	server := &http.Server{Handler: healthHandler(p), ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := server.Serve(listener); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			klog.FromContext(ctx).Error(err, "health endpoint failed")
+		}
+	}()
+	return func() { _ = server.Close() }, nil
+}
 
 func kubeConfig(path string) (*rest.Config, error) {
 	if path == "" {
@@ -266,8 +380,8 @@ func kubeConfig(path string) (*rest.Config, error) {
 
 // dryRun prints the slice the agent would publish, with GPUs that it would
 // not publish as comments.
-func dryRun(ctx context.Context, disc discovery.Interface, o *options, nodeName string, out io.Writer) error {
-	inv, err := disc.Discover(ctx)
+func dryRun(ctx context.Context, src *source, o *options, nodeName string, out io.Writer) error {
+	inv, err := src.discovery.Discover(ctx)
 	if err != nil {
 		return err
 	}
@@ -286,5 +400,24 @@ func dryRun(ctx context.Context, disc discovery.Interface, o *options, nodeName 
 			return err
 		}
 	}
-	return nil
+	if !o.showCDI {
+		return nil
+	}
+	devices := make([]cdi.Device, 0, len(inv.GPUs))
+	for _, g := range inv.GPUs {
+		devices = append(devices, cdi.Device{Name: g.Name, UUID: g.UUID, Minor: g.Minor})
+	}
+	spec, err := cdi.Spec(src.cdi, dryRunClaimUID, devices)
+	if err != nil {
+		return err
+	}
+	data, err := yaml.Marshal(spec)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(out, "---\n# CDI spec for a claim with all GPUs (claim UID %q): what its containers get\n%s", dryRunClaimUID, data)
+	return err
 }
+
+// dryRunClaimUID stands in for a claim UID in --show-cdi output.
+const dryRunClaimUID = "dry-run"

@@ -2,6 +2,10 @@ package main
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -9,6 +13,7 @@ import (
 	"k8s.io/klog/v2/ktesting"
 	"sigs.k8s.io/yaml"
 
+	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -130,5 +135,54 @@ func TestDryRunRealNVML(t *testing.T) {
 	}
 	if !strings.HasPrefix(stderr.String(), noGPUMessage) {
 		t.Errorf("want %q on stderr, got %q", noGPUMessage, stderr.String())
+	}
+}
+
+type fakeProber struct{ live, ready error }
+
+func (p fakeProber) Live() error  { return p.live }
+func (p fakeProber) Ready() error { return p.ready }
+
+func TestHealthEndpoints(t *testing.T) {
+	testcases := map[string]struct {
+		prober     fakeProber
+		path       string
+		wantStatus int
+		wantBody   string
+	}{
+		"live":                  {path: "/healthz", wantStatus: http.StatusOK, wantBody: "ok"},
+		"not live":              {prober: fakeProber{live: errors.New("kubelet refused plugin registration: bad")}, path: "/healthz", wantStatus: http.StatusServiceUnavailable, wantBody: "refused"},
+		"ready":                 {path: "/readyz", wantStatus: http.StatusOK, wantBody: "ok"},
+		"not ready: no GPU yet": {prober: fakeProber{ready: fmt.Errorf("%w: libnvidia-ml.so.1 not found", discovery.ErrNoGPU)}, path: "/readyz", wantStatus: http.StatusServiceUnavailable, wantBody: "libnvidia-ml.so.1"},
+		"live without GPU":      {prober: fakeProber{ready: discovery.ErrNoGPU}, path: "/healthz", wantStatus: http.StatusOK},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			rec := httptest.NewRecorder()
+			healthHandler(tc.prober).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, tc.path, nil))
+			if rec.Code != tc.wantStatus || !strings.Contains(rec.Body.String(), tc.wantBody) {
+				t.Errorf("status %d body %q, want %d containing %q", rec.Code, rec.Body.String(), tc.wantStatus, tc.wantBody)
+			}
+		})
+	}
+}
+
+// TestDryRunShowCDI prints, after the slice, the CDI spec a claim for all
+// mock GPUs would get: environment only, no device nodes.
+func TestDryRunShowCDI(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	var stdout, stderr bytes.Buffer
+	if err := run(ctx, &options{nvml: "mock:workstation-2gpu", dryRun: true, showCDI: true, nodeName: "node-1"}, &stdout, &stderr); err != nil {
+		t.Fatal(err)
+	}
+	docs := strings.Split(stdout.String(), "---\n")
+	last := docs[len(docs)-1]
+	for _, want := range []string{"kind: gpu.topodra.io/gpu", "NVIDIA_VISIBLE_DEVICES=GPU-", "TOPODRA_GPU_0=GPU-", "TOPODRA_GPU_1=GPU-", "name: dry-run-gpu-1"} {
+		if !strings.Contains(last, want) {
+			t.Errorf("CDI spec lacks %q:\n%s", want, last)
+		}
+	}
+	if strings.Contains(last, "deviceNodes") {
+		t.Errorf("mock GPUs must not get device nodes:\n%s", last)
 	}
 }

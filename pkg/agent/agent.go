@@ -26,8 +26,8 @@
 // # Taints
 //
 // With [Options.OwnedTaint] every device carries the NoSchedule device taint
-// topology.DefaultTaintKey (architecture decision 6): the default scheduler
-// does not allocate these devices, topodra tolerates its own taint. A device
+// [Options.OwnedTaintKey]: the default scheduler does not allocate these
+// devices, topodra tolerates its own taint. A device
 // that NVML reports as faulty (critical XID, lost GPU) carries the
 // NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
 // until the agent restarts.
@@ -41,11 +41,14 @@ import (
 	"sync"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
@@ -107,6 +110,19 @@ type Options struct {
 	// CDIDir receives the per-claim CDI specs; it defaults to /var/run/cdi.
 	// With PublishOnly and no CDIDir, Prepare fails.
 	CDIDir string
+	// CDIGenerator produces the content of the CDI specs; nil means
+	// cdi.Static{} (device nodes that exist, no driver files).
+	CDIGenerator cdi.Generator
+	// BootIDPath is read for the node's boot id; prepared claims recorded
+	// under another boot id are dropped at start. Default
+	// DefaultBootIDPath; a file that cannot be read disables the check.
+	BootIDPath string
+	// StaleClaimCheck is how often prepared claims are checked against the
+	// API server; a claim that no longer exists (or was recreated with
+	// another UID) is unprepared. Zero or negative disables the check (the
+	// command's default is DefaultRescanInterval); when enabled it also
+	// runs once at start.
+	StaleClaimCheck time.Duration
 
 	// OwnedTaint publishes the NoSchedule taint OwnedTaintKey on every
 	// device, so that only topodra (which tolerates it) allocates them.
@@ -119,7 +135,28 @@ type Options struct {
 	// RescanInterval is how often devices are rediscovered (default
 	// DefaultRescanInterval); negative disables rescanning.
 	RescanInterval time.Duration
+	// NoGPURetry is the first delay before discovery is retried while it
+	// finds no GPU (default DefaultNoGPURetry); the delay doubles up to
+	// RescanInterval. Retrying happens even when rescanning is disabled.
+	NoGPURetry time.Duration
+
+	// Recorder, if set, receives events about the Node: a Warning
+	// (reason ReasonNoGPU) when discovery finds no GPU, a Normal one
+	// (ReasonGPUsFound) when it finds GPUs after that.
+	Recorder events.EventRecorder
 }
+
+// DefaultBootIDPath is where Linux publishes the boot id.
+const DefaultBootIDPath = "/proc/sys/kernel/random/boot_id"
+
+// DefaultNoGPURetry is the default first retry delay while no GPU is found.
+const DefaultNoGPURetry = 5 * time.Second
+
+// Event reasons on the Node.
+const (
+	ReasonNoGPU     = "TopodraNoGPU"
+	ReasonGPUsFound = "TopodraGPUsFound"
+)
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
 type Agent struct {
@@ -146,8 +183,11 @@ type Agent struct {
 	publishMutex sync.Mutex
 
 	// mutex guards the fields below.
-	mutex         sync.Mutex
-	inventory     *discovery.Inventory
+	mutex     sync.Mutex
+	inventory *discovery.Inventory
+	// noGPU is why the last discovery found no GPU, nil once it found some.
+	noGPU         error
+	discovered    bool
 	unhealthy     map[string]discovery.HealthEvent
 	published     *resourceslice.DriverResources
 	healthChanged chan struct{}
@@ -161,8 +201,11 @@ var _ kubeletplugin.DRAPlugin = &Agent{}
 // PublishOnly, only its publishing part), publishes the node's pool and
 // starts rescanning and health watching in the background. Everything stops
 // when ctx is canceled or Stop is called. A node without GPUs (discovery
-// returns discovery.ErrNoGPU) publishes an empty pool; other discovery
-// errors fail New.
+// returns discovery.ErrNoGPU: no library, no kernel driver, no device yet)
+// publishes an empty pool, is not Ready, reports it on the Node and retries
+// with backoff (NoGPURetry doubling up to RescanInterval); other discovery
+// errors fail New. With a checkpoint, claims prepared during another boot
+// are dropped before anything else happens.
 func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NodeName == "" {
 		return nil, errors.New("node name must be set")
@@ -184,6 +227,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	if opts.RescanInterval == 0 {
 		opts.RescanInterval = DefaultRescanInterval
+	}
+	if opts.NoGPURetry <= 0 {
+		opts.NoGPURetry = DefaultNoGPURetry
 	}
 	if !opts.PublishOnly {
 		if opts.PluginDataDir == "" {
@@ -219,27 +265,31 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		if err != nil {
 			return nil, err
 		}
-		// Fail early on an unreadable checkpoint instead of on the first
-		// Prepare: the agent must not forget prepared devices.
-		if _, err := store.Load(); err != nil {
-			return nil, err
+		var cdiOpts []cdi.Option
+		if opts.CDIGenerator != nil {
+			cdiOpts = append(cdiOpts, cdi.WithGenerator(opts.CDIGenerator))
 		}
-		writer, err := cdi.New(opts.CDIDir)
+		writer, err := cdi.New(opts.CDIDir, cdiOpts...)
 		if err != nil {
 			return nil, err
 		}
 		a.store, a.cdi = store, writer
+		// Fail early on an unreadable checkpoint instead of on the first
+		// Prepare: the agent must not forget prepared devices.
+		if err := a.checkBootID(ctx); err != nil {
+			return nil, err
+		}
 	}
 
 	inv, err := opts.Discovery.Discover(ctx)
 	switch {
 	case errors.Is(err, discovery.ErrNoGPU):
-		logger.Info("no GPUs found, publishing an empty pool", "reason", err.Error())
 		inv = &discovery.Inventory{}
 	case err != nil:
 		return nil, fmt.Errorf("discover devices: %w", err)
 	}
 	a.inventory = inv
+	a.recordDiscovery(ctx, inv, err)
 	logDiscovery(logger, inv)
 
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
@@ -265,8 +315,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if a.health != nil {
 		a.startHealth(inv)
 	}
-	if opts.RescanInterval > 0 {
-		a.wg.Go(func() { a.rescanLoop(a.ctx) })
+	a.wg.Go(func() { a.rescanLoop(a.ctx) })
+	if a.store != nil && opts.StaleClaimCheck > 0 {
+		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
 	}
 	return a, nil
 }
@@ -425,6 +476,7 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	case err != nil:
 		return fmt.Errorf("discover devices: %w", err)
 	}
+	a.recordDiscovery(ctx, inv, err)
 	a.mutex.Lock()
 	old := a.inventory
 	changed := !apiequality.Semantic.DeepEqual(old, inv)
@@ -461,19 +513,99 @@ func sameUUIDs(a, b *discovery.Inventory) bool {
 	return true
 }
 
+// rescanLoop rediscovers every RescanInterval; while no GPU is found it
+// retries sooner, after NoGPURetry, doubling up to RescanInterval, so that
+// a driver that appears after the agent started is picked up quickly.
 func (a *Agent) rescanLoop(ctx context.Context) {
-	ticker := time.NewTicker(a.opts.RescanInterval)
-	defer ticker.Stop()
+	retry := a.opts.NoGPURetry
 	for {
+		delay := a.opts.RescanInterval
+		if a.NoGPU() != nil {
+			delay = retry
+			retry = min(2*retry, max(a.opts.RescanInterval, a.opts.NoGPURetry))
+		} else {
+			retry = a.opts.NoGPURetry
+			if delay < 0 {
+				// Rescanning disabled: nothing to do until GPUs are
+				// lost, which only a rescan would notice.
+				<-ctx.Done()
+				return
+			}
+		}
+		timer := time.NewTimer(delay)
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return
-		case <-ticker.C:
+		case <-timer.C:
 			if err := a.Rescan(ctx); err != nil {
 				utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
 			}
 		}
 	}
+}
+
+// recordDiscovery remembers whether discovery found GPUs (err wraps
+// discovery.ErrNoGPU when it did not) and reports a change in the log and
+// as an event on the Node.
+func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, err error) {
+	logger := klog.FromContext(ctx)
+	var noGPU error
+	if errors.Is(err, discovery.ErrNoGPU) {
+		noGPU = err
+	}
+	a.mutex.Lock()
+	first := !a.discovered
+	prev := a.noGPU
+	a.noGPU, a.discovered = noGPU, true
+	a.mutex.Unlock()
+
+	node := &v1.ObjectReference{Kind: "Node", Name: a.opts.NodeName, UID: types.UID(a.opts.NodeName)}
+	switch {
+	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
+		logger.Info("no GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
+		if a.opts.Recorder != nil {
+			a.opts.Recorder.Eventf(node, nil, v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
+		}
+	case noGPU == nil && prev != nil:
+		logger.Info("GPUs found", "devices", len(inv.GPUs))
+		if a.opts.Recorder != nil {
+			a.opts.Recorder.Eventf(node, nil, v1.EventTypeNormal, ReasonGPUsFound, "Discover", "%s found %d GPUs", a.opts.DriverName, len(inv.GPUs))
+		}
+	}
+}
+
+// NoGPU returns why the last discovery found no GPU (an error wrapping
+// discovery.ErrNoGPU), nil if it found GPUs.
+func (a *Agent) NoGPU() error {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	return a.noGPU
+}
+
+// Ready returns nil when the agent runs and has found GPUs; otherwise an
+// error that says why not. It is the agent's readiness.
+func (a *Agent) Ready() error {
+	if err := a.Err(); err != nil {
+		return err
+	}
+	return a.NoGPU()
+}
+
+// Live returns nil while the agent runs and, unless it is publish-only,
+// the kubelet has not reported a failed registration. It is the agent's
+// liveness.
+func (a *Agent) Live() error {
+	if err := a.Err(); err != nil {
+		return err
+	}
+	if a.helper == nil {
+		return nil
+	}
+	if status := a.helper.RegistrationStatus(); status != nil && !status.PluginRegistered {
+		return fmt.Errorf("kubelet refused plugin registration: %s", status.Error)
+	}
+	return nil
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: recoverable errors are

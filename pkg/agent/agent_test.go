@@ -1,9 +1,13 @@
 package agent_test
 
 import (
+	"path/filepath"
+
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"golang.org/x/sys/unix"
 	"os"
 	"testing"
 	"time"
@@ -35,6 +39,33 @@ type env struct {
 	stateDir string
 	cdiDir   string
 	client   *fake.Clientset
+	// devRoot holds /dev/nvidia0..7 and /dev/nvidiactl as character
+	// devices (no nvidia-uvm) when devNodes is true.
+	devRoot  string
+	devNodes bool
+	// bootIDFile stands for /proc/sys/kernel/random/boot_id.
+	bootIDFile string
+}
+
+// fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
+// nvidia-uvm module is not loaded. Creating device nodes needs CAP_MKNOD;
+// without it the tree stays empty and ok is false.
+func fakeDevRoot(t *testing.T) (string, bool) {
+	root := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(root, "dev"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	nodes := map[string]int{"nvidiactl": 255}
+	for i := range 8 {
+		nodes[fmt.Sprintf("nvidia%d", i)] = i
+	}
+	for name, minor := range nodes {
+		if err := unix.Mknod(filepath.Join(root, "dev", name), unix.S_IFCHR|0o666, int(unix.Mkdev(195, uint32(minor)))); err != nil {
+			t.Logf("cannot create device nodes (%v): testing CDI specs without them", err)
+			return root, false
+		}
+	}
+	return root, true
 }
 
 func newEnv(t *testing.T) *env {
@@ -42,11 +73,19 @@ func newEnv(t *testing.T) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
+	devRoot, devNodes := fakeDevRoot(t)
+	bootID := filepath.Join(t.TempDir(), "boot_id")
+	if err := os.WriteFile(bootID, []byte("boot-1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	return &env{
-		machine:  m,
-		stateDir: t.TempDir(),
-		cdiDir:   t.TempDir(),
-		client:   fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid"}}),
+		machine:    m,
+		stateDir:   t.TempDir(),
+		cdiDir:     t.TempDir(),
+		client:     fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid"}}),
+		devRoot:    devRoot,
+		devNodes:   devNodes,
+		bootIDFile: bootID,
 	}
 }
 
@@ -64,6 +103,8 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		PublishOnly:    true,
 		StateDir:       e.stateDir,
 		CDIDir:         e.cdiDir,
+		CDIGenerator:   cdi.Static{DevRoot: e.devRoot},
+		BootIDPath:     e.bootIDFile,
 		RescanInterval: -1,
 	})
 	if err != nil {
@@ -151,18 +192,28 @@ func TestPrepareWritesCDISpec(t *testing.T) {
 		t.Errorf("result (-want +got):\n%s", diff)
 	}
 
+	// Device nodes that exist are listed, nvidia-uvm (module not loaded)
+	// is not.
+	nodes := func(paths ...string) []*cdispec.DeviceNode {
+		if !e.devNodes {
+			return nil
+		}
+		var out []*cdispec.DeviceNode
+		for _, p := range paths {
+			out = append(out, &cdispec.DeviceNode{Path: p})
+		}
+		return out
+	}
 	wantSpec := &cdispec.Spec{
 		Version: readSpec(t, e, c.UID).Version,
 		Kind:    "gpu.topodra.io/gpu",
 		Devices: []cdispec.Device{
-			{Name: "uid-train-gpu-0", ContainerEdits: cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: "/dev/nvidia0"}}}},
-			{Name: "uid-train-gpu-3", ContainerEdits: cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: "/dev/nvidia3"}}}},
+			{Name: "uid-train-gpu-0", ContainerEdits: cdispec.ContainerEdits{Env: []string{"TOPODRA_GPU_0=" + e.machine.UUID(0)}, DeviceNodes: nodes("/dev/nvidia0")}},
+			{Name: "uid-train-gpu-3", ContainerEdits: cdispec.ContainerEdits{Env: []string{"TOPODRA_GPU_3=" + e.machine.UUID(3)}, DeviceNodes: nodes("/dev/nvidia3")}},
 		},
 		ContainerEdits: cdispec.ContainerEdits{
-			Env: []string{"NVIDIA_VISIBLE_DEVICES=" + e.machine.UUID(0) + "," + e.machine.UUID(3)},
-			DeviceNodes: []*cdispec.DeviceNode{
-				{Path: "/dev/nvidiactl"}, {Path: "/dev/nvidia-uvm"}, {Path: "/dev/nvidia-uvm-tools"},
-			},
+			Env:         []string{"NVIDIA_VISIBLE_DEVICES=" + e.machine.UUID(0) + "," + e.machine.UUID(3)},
+			DeviceNodes: nodes("/dev/nvidiactl"),
 		},
 	}
 	if wantSpec.Version == "" {

@@ -79,17 +79,6 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	}
 }
 
-// Unhealthy returns the faults recorded so far, by device name.
-func (a *Agent) Unhealthy() map[string]discovery.HealthEvent {
-	a.mutex.Lock()
-	defer a.mutex.Unlock()
-	out := make(map[string]discovery.HealthEvent, len(a.unhealthy))
-	for k, v := range a.unhealthy {
-		out[k] = v
-	}
-	return out
-}
-
 // WatchHealthStatus implements kubeletplugin.DRAPlugin. Without a working
 // health source it returns kubeletplugin.ErrHealthNotSupported at once.
 // Otherwise it sends the health of every device now, on every change, and

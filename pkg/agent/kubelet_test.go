@@ -3,6 +3,7 @@ package agent_test
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -86,8 +87,8 @@ func TestKubeletPluginServesPrepare(t *testing.T) {
 			t.Errorf("unexpected device: %v", d)
 		}
 	}
-	if spec := readSpec(t, e, c.UID); spec.Devices[0].ContainerEdits.DeviceNodes[0].Path != "/dev/nvidia6" {
-		t.Errorf("CDI spec device node %s, want /dev/nvidia6", spec.Devices[0].ContainerEdits.DeviceNodes[0].Path)
+	if spec := readSpec(t, e, c.UID); !slices.Contains(spec.Devices[0].ContainerEdits.Env, "TOPODRA_GPU_6="+e.machine.UUID(6)) {
+		t.Errorf("CDI spec of gpu-6 has env %v, want TOPODRA_GPU_6=%s", spec.Devices[0].ContainerEdits.Env, e.machine.UUID(6))
 	}
 
 	resp, err := client.NodeUnprepareResources(ctx, &drapb.NodeUnprepareResourcesRequest{Claims: []*drapb.Claim{pbClaim}})

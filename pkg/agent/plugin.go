@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -24,6 +25,11 @@ var ErrNoState = errors.New("agent has no state or CDI directory: it cannot prep
 // ErrDeviceInUse is the per-claim error when an allocated device is already
 // prepared for another claim.
 var ErrDeviceInUse = errors.New("device already prepared for another claim")
+
+// ErrConfigNotSupported is the per-claim error for a claim that carries
+// opaque device configuration for this driver: the driver defines none, and
+// ignoring it would run the pod with a configuration it did not ask for.
+var ErrConfigNotSupported = errors.New("opaque device configuration is not supported")
 
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin. For each claim
 // it writes a CDI spec with the claim's GPUs and records the claim in the
@@ -92,7 +98,7 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 		// if it was lost (e.g. /var/run is a tmpfs and the node rebooted).
 		if _, err := os.Stat(a.cdi.SpecPath(claim.UID)); err != nil {
 			klog.FromContext(ctx).V(2).Info("restoring missing CDI spec", "claim", klog.KObj(claim))
-			if _, err := a.cdi.WriteClaimSpec(claim.UID, cdiDevices(prepared)); err != nil {
+			if _, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared)); err != nil {
 				return checkpoint.PreparedClaim{}, false, err
 			}
 		}
@@ -102,6 +108,9 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s is not allocated", klog.KObj(claim))
 	}
 
+	if err := a.checkConfig(claim); err != nil {
+		return checkpoint.PreparedClaim{}, false, err
+	}
 	inv := a.Inventory()
 	prepared := checkpoint.PreparedClaim{Namespace: claim.Namespace, Name: claim.Name}
 	byDevice := map[string]int{}
@@ -117,7 +126,7 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: device %s does not exist on node %s", klog.KObj(claim), r.Device, a.opts.NodeName)
 		}
 		admin := ptr.Deref(r.AdminAccess, false)
-		if owner, uid, ok := preparedElsewhere(cp, claim.UID, r.Device, admin); ok {
+		if owner, uid, ok := preparedElsewhere(cp, claim.UID, gpu.UUID, admin); ok {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for claim %s/%s (%s)", klog.KObj(claim), ErrDeviceInUse, r.Device, owner.Namespace, owner.Name, uid)
 		}
 		if i, ok := byDevice[r.Device]; ok {
@@ -134,7 +143,7 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			AdminAccess: admin,
 		})
 	}
-	ids, err := a.cdi.WriteClaimSpec(claim.UID, cdiDevices(prepared))
+	ids, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared))
 	if err != nil {
 		return checkpoint.PreparedClaim{}, false, err
 	}
@@ -144,15 +153,50 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 	return prepared, true, nil
 }
 
-// preparedElsewhere finds another claim that holds device. Two claims may
-// share a device only if both use admin access (monitoring).
-func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, device string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
+// checkConfig refuses opaque configuration for this driver that applies to
+// any of the claim's requests that this driver serves.
+func (a *Agent) checkConfig(claim *resourceapi.ResourceClaim) error {
+	ours := map[string]bool{}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if r.Driver == a.opts.DriverName {
+			ours[r.Request] = true
+			// A config for "req" applies to the subrequests "req/sub" too.
+			if parent, _, ok := strings.Cut(r.Request, "/"); ok {
+				ours[parent] = true
+			}
+		}
+	}
+	for _, c := range claim.Status.Allocation.Devices.Config {
+		if c.Opaque == nil || c.Opaque.Driver != a.opts.DriverName {
+			continue
+		}
+		applies := len(c.Requests) == 0
+		for _, r := range c.Requests {
+			applies = applies || ours[r]
+		}
+		if !applies {
+			continue
+		}
+		where := "the claim"
+		if c.Source == resourceapi.AllocationConfigSourceClass {
+			where = "its DeviceClass"
+		}
+		return fmt.Errorf("claim %s: %w: %s defines no configuration parameters; remove the opaque config for driver %s from %s", klog.KObj(claim), ErrConfigNotSupported, a.opts.DriverName, a.opts.DriverName, where)
+	}
+	return nil
+}
+
+// preparedElsewhere finds another claim that holds the GPU with this UUID.
+// Comparing UUIDs, not names, keeps the check right even if a GPU's name
+// changed between the two prepares. Two claims may share a GPU only if both
+// use admin access (monitoring).
+func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, uuid string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
 	for uid, other := range cp.Claims {
 		if uid == self {
 			continue
 		}
 		for _, d := range other.Devices {
-			if d.Device == device && !(admin && d.AdminAccess) {
+			if d.UUID == uuid && !(admin && d.AdminAccess) {
 				return other, uid, true
 			}
 		}
@@ -160,10 +204,20 @@ func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, device string,
 	return checkpoint.PreparedClaim{}, "", false
 }
 
-func cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
+// cdiDevices lists the GPUs of a prepared claim for its CDI spec. The
+// minor number comes from the current inventory (found by UUID) where the
+// GPU is still there: the recorded one is only a fallback.
+func (a *Agent) cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
+	inv := a.Inventory()
 	devices := make([]cdi.Device, 0, len(prepared.Devices))
 	for _, d := range prepared.Devices {
-		devices = append(devices, cdi.Device{Name: d.Device, UUID: d.UUID, Minor: d.Minor})
+		minor := d.Minor
+		for _, g := range inv.GPUs {
+			if g.UUID == d.UUID {
+				minor = g.Minor
+			}
+		}
+		devices = append(devices, cdi.Device{Name: d.Device, UUID: d.UUID, Minor: minor})
 	}
 	return devices
 }

@@ -81,7 +81,7 @@ func TestBesideDefaultScheduler(t *testing.T) {
 // shippedAgentOwnedTaint returns whether the shipped DaemonSet runs the
 // agent with the owned taint: OWNED_TAINT if set, else the flag default.
 func shippedAgentOwnedTaint(t *testing.T) bool {
-	data, err := manifests.FS.ReadFile("node-agent.yaml")
+	data, err := manifests.FS.ReadFile("base/node-agent.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +129,7 @@ func runBesideDefault(t *testing.T, owned bool) besideResult {
 		var err error
 		c, err = framework.Start(t)
 		tCtx.ExpectNoError(err)
-		data, err := manifests.FS.ReadFile("deviceclasses.yaml")
+		data, err := manifests.FS.ReadFile("base/deviceclasses.yaml")
 		tCtx.ExpectNoError(err)
 		tCtx.ExpectNoError(c.Apply(tCtx, data, nil))
 	}

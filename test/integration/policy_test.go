@@ -30,7 +30,7 @@ func startOwnedCluster(t *testing.T, tCtx ktesting.TContext) *framework.ControlP
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		tCtx.ExpectNoError(err)
 	}
-	for _, file := range []string{"deviceclasses.yaml", "ownership.yaml", "admission-policy.yaml"} {
+	for _, file := range []string{"base/deviceclasses.yaml", "base/ownership.yaml", "base/admission-policy.yaml"} {
 		data, err := manifests.FS.ReadFile(file)
 		tCtx.ExpectNoError(err)
 		tCtx.ExpectNoError(c.Apply(tCtx, data, nil), "apply "+file)

@@ -24,14 +24,14 @@ import (
 // PostFilter, which deallocates claims no node can use, runs before
 // DefaultPreemption, as the stock DynamicResources plugin does.
 func TestPostFilterBeforePreemption(t *testing.T) {
-	shipped, err := manifests.FS.ReadFile("scheduler.yaml")
+	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	configs := map[string][]byte{
-		"config/scheduler-config.yaml": config.SchedulerConfig,
-		"config/multi-profile.yaml":    config.MultiProfileConfig,
-		"manifests/scheduler.yaml":     embeddedSchedulerConfig(t, shipped),
+		"config/scheduler-config.yaml":  config.SchedulerConfig,
+		"config/multi-profile.yaml":     config.MultiProfileConfig,
+		"manifests/base/scheduler.yaml": embeddedSchedulerConfig(t, shipped),
 	}
 	for name, cfg := range configs {
 		t.Run(name, func(t *testing.T) {
@@ -92,7 +92,7 @@ func TestPostFilterBeforePreemption(t *testing.T) {
 }
 
 // embeddedSchedulerConfig returns the scheduler-config.yaml key of the
-// ConfigMap in manifests/scheduler.yaml.
+// ConfigMap in manifests/base/scheduler.yaml.
 func embeddedSchedulerConfig(t *testing.T, manifest []byte) []byte {
 	t.Helper()
 	for _, doc := range splitDocs(manifest) {
@@ -104,7 +104,7 @@ func embeddedSchedulerConfig(t *testing.T, manifest []byte) []byte {
 			return []byte(cm.Data["scheduler-config.yaml"])
 		}
 	}
-	t.Fatal("no scheduler configuration in manifests/scheduler.yaml")
+	t.Fatal("no scheduler configuration in manifests/base/scheduler.yaml")
 	return nil
 }
 

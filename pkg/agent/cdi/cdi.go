@@ -3,15 +3,24 @@
 //
 // There is one spec file per ResourceClaim, named after the claim UID, so
 // that a spec is never reused for another claim (the runtime may cache
-// specs). The spec has one CDI device per allocated GPU with its device node
-// /dev/nvidia<minor>, plus spec-wide edits that every container using any of
-// the claim's GPUs needs: /dev/nvidiactl, /dev/nvidia-uvm,
-// /dev/nvidia-uvm-tools and NVIDIA_VISIBLE_DEVICES with the UUIDs of all the
-// claim's GPUs.
+// specs). The spec has one CDI device per allocated GPU and spec-wide edits
+// that every container using any of the claim's GPUs needs, always
+// including NVIDIA_VISIBLE_DEVICES with the UUIDs of all the claim's GPUs.
+//
+// What goes into the edits comes from a [Generator]:
+//   - [NVCDI] (real GPUs) asks NVIDIA's nvcdi library, on the driver root:
+//     the GPU's device nodes, the control device nodes that exist, the
+//     driver libraries, nvidia-smi and the other driver binaries, firmware
+//     and the nvidia-cdi-hook hooks (ldcache, symlinks), with paths as the
+//     container runtime on the node sees them.
+//   - [Static] (mock machines, simulators) lists device nodes by minor
+//     number, only those that exist, or none at all with EnvOnly.
 package cdi
 
 import (
+	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -33,8 +42,10 @@ const (
 // DefaultDir is where container runtimes look for dynamic CDI specs.
 const DefaultDir = "/var/run/cdi"
 
-// ControlDeviceNodes are the device nodes every CUDA container needs in
-// addition to its GPUs' /dev/nvidia<minor>.
+// ControlDeviceNodes are the device nodes a CUDA container needs besides
+// its GPUs' /dev/nvidia<minor>, where they exist: nvidia-uvm is created
+// only once the nvidia-uvm module is loaded, and a spec that names a
+// missing node makes the container fail to start.
 var ControlDeviceNodes = []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
 
 // Device is one GPU to expose.
@@ -45,19 +56,83 @@ type Device struct {
 	Minor int
 }
 
+// Generator produces the container edits of a claim's spec. Implementations
+// must be safe for concurrent use.
+type Generator interface {
+	// CommonEdits are the edits that every container using any GPU
+	// needs (driver libraries, control device nodes, hooks).
+	CommonEdits() (cdispec.ContainerEdits, error)
+	// DeviceEdits are the edits for one whole GPU.
+	DeviceEdits(d Device) (cdispec.ContainerEdits, error)
+}
+
+// Static is a [Generator] that knows device nodes only: /dev/nvidia<minor>
+// per GPU and the [ControlDeviceNodes], each only if it exists below DevRoot
+// (default "/"). With EnvOnly it lists no device nodes at all: for mock
+// GPUs that the containers of a cluster without GPUs can still start with.
+type Static struct {
+	DevRoot string
+	EnvOnly bool
+}
+
+var _ Generator = Static{}
+
+func (s Static) nodes(paths ...string) []*cdispec.DeviceNode {
+	if s.EnvOnly {
+		return nil
+	}
+	root := s.DevRoot
+	if root == "" {
+		root = "/"
+	}
+	var nodes []*cdispec.DeviceNode
+	for _, p := range paths {
+		if info, err := os.Stat(filepath.Join(root, p)); err == nil && info.Mode()&os.ModeCharDevice != 0 {
+			nodes = append(nodes, &cdispec.DeviceNode{Path: p})
+		}
+	}
+	return nodes
+}
+
+// CommonEdits implements [Generator].
+func (s Static) CommonEdits() (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{DeviceNodes: s.nodes(ControlDeviceNodes...)}, nil
+}
+
+// DeviceEdits implements [Generator].
+func (s Static) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{DeviceNodes: s.nodes(fmt.Sprintf("/dev/nvidia%d", d.Minor))}, nil
+}
+
 // Writer writes and removes claim specs in one directory.
 type Writer struct {
-	dir   string
-	cache *cdiapi.Cache
+	dir       string
+	cache     *cdiapi.Cache
+	generator Generator
+}
+
+// Option configures [New].
+type Option func(*Writer)
+
+// WithGenerator sets the generator; the default is Static{}.
+func WithGenerator(g Generator) Option {
+	return func(w *Writer) { w.generator = g }
 }
 
 // New returns a writer for dir (created on first write).
-func New(dir string) (*Writer, error) {
+func New(dir string, opts ...Option) (*Writer, error) {
 	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
 	if err != nil {
 		return nil, fmt.Errorf("create CDI cache for %s: %w", dir, err)
 	}
-	return &Writer{dir: dir, cache: cache}, nil
+	w := &Writer{dir: dir, cache: cache, generator: Static{}}
+	for _, opt := range opts {
+		opt(w)
+	}
+	if w.generator == nil {
+		return nil, errors.New("CDI generator must not be nil")
+	}
+	return w, nil
 }
 
 // DeviceID is the fully qualified CDI device id of one GPU of one claim.
@@ -78,38 +153,55 @@ func (w *Writer) SpecPath(claimUID types.UID) string {
 	return filepath.Join(w.dir, specName(claimUID))
 }
 
-// Spec builds the spec of a claim without writing it.
-func Spec(claimUID types.UID, devices []Device) *cdispec.Spec {
-	spec := &cdispec.Spec{
-		Kind: Kind,
+// DeviceEnv is the environment variable that a container gets for each of
+// its GPUs, set to the GPU's UUID: TOPODRA_GPU_3 for device gpu-3.
+func DeviceEnv(device string) string {
+	return "TOPODRA_" + strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(device))
+}
+
+// Spec builds the spec of a claim with g without writing it.
+func Spec(g Generator, claimUID types.UID, devices []Device) (*cdispec.Spec, error) {
+	common, err := g.CommonEdits()
+	if err != nil {
+		return nil, fmt.Errorf("generate common CDI edits: %w", err)
 	}
+	spec := &cdispec.Spec{Kind: Kind, ContainerEdits: common}
 	uuids := make([]string, 0, len(devices))
 	for _, d := range devices {
 		uuids = append(uuids, d.UUID)
+		edits, err := g.DeviceEdits(d)
+		if err != nil {
+			return nil, fmt.Errorf("generate CDI edits for %s (%s): %w", d.Name, d.UUID, err)
+		}
+		// Every device sets its own variable, so that its edits are never
+		// empty (CDI refuses such devices) and a container can tell
+		// which GPUs it got even without device nodes (mock GPUs).
+		edits.Env = append(edits.Env, DeviceEnv(d.Name)+"="+d.UUID)
 		spec.Devices = append(spec.Devices, cdispec.Device{
-			Name: deviceName(claimUID, d.Name),
-			ContainerEdits: cdispec.ContainerEdits{
-				DeviceNodes: []*cdispec.DeviceNode{{Path: fmt.Sprintf("/dev/nvidia%d", d.Minor)}},
-			},
+			Name:           deviceName(claimUID, d.Name),
+			ContainerEdits: edits,
 		})
 	}
 	slices.SortFunc(spec.Devices, func(a, b cdispec.Device) int { return strings.Compare(a.Name, b.Name) })
-	for _, path := range ControlDeviceNodes {
-		spec.ContainerEdits.DeviceNodes = append(spec.ContainerEdits.DeviceNodes, &cdispec.DeviceNode{Path: path})
-	}
-	spec.ContainerEdits.Env = []string{"NVIDIA_VISIBLE_DEVICES=" + strings.Join(uuids, ",")}
+	spec.ContainerEdits.Env = slices.DeleteFunc(spec.ContainerEdits.Env, func(e string) bool {
+		return strings.HasPrefix(e, "NVIDIA_VISIBLE_DEVICES=")
+	})
+	spec.ContainerEdits.Env = append(spec.ContainerEdits.Env, "NVIDIA_VISIBLE_DEVICES="+strings.Join(uuids, ","))
 	if v, err := cdiapi.MinimumRequiredVersion(spec); err == nil {
 		spec.Version = v
 	} else {
 		spec.Version = cdispec.CurrentVersion
 	}
-	return spec
+	return spec, nil
 }
 
 // WriteClaimSpec writes (or atomically replaces) the spec of a claim and
 // returns the CDI device id of each GPU, by DRA device name.
 func (w *Writer) WriteClaimSpec(claimUID types.UID, devices []Device) (map[string]string, error) {
-	spec := Spec(claimUID, devices)
+	spec, err := Spec(w.generator, claimUID, devices)
+	if err != nil {
+		return nil, fmt.Errorf("CDI spec for claim %s: %w", claimUID, err)
+	}
 	if err := w.cache.WriteSpec(spec, specName(claimUID)); err != nil {
 		return nil, fmt.Errorf("write CDI spec for claim %s: %w", claimUID, err)
 	}

@@ -27,7 +27,10 @@ import (
 )
 
 // Version identifies the checkpoint format written by this package.
-const Version = "checkpoint.gpu.topodra.io/v1"
+const Version = "checkpoint.gpu.topodra.io/v2"
+
+// versionV1 is the format without BootID; it is read, never written.
+const versionV1 = "checkpoint.gpu.topodra.io/v1"
 
 // FileName is the checkpoint's name inside its directory.
 const FileName = "checkpoint.json"
@@ -43,6 +46,12 @@ var (
 
 // Checkpoint is the persisted state: prepared claims by UID.
 type Checkpoint struct {
+	// BootID is the node's boot id (/proc/sys/kernel/random/boot_id) when
+	// the claims were prepared. Prepared state does not survive a reboot
+	// (device nodes, minor numbers and CDI specs may all differ), so an
+	// agent that finds another boot id drops the claims. Empty in files
+	// written before boot ids were recorded.
+	BootID string                      `json:"bootID,omitempty"`
 	Claims map[types.UID]PreparedClaim `json:"claims"`
 }
 
@@ -118,7 +127,7 @@ func (s *Store) Load() (*Checkpoint, error) {
 	if err := json.Unmarshal(data, &f); err != nil {
 		return nil, fmt.Errorf("decode checkpoint %s: %w", s.Path(), err)
 	}
-	if f.Version != Version {
+	if f.Version != Version && f.Version != versionV1 {
 		return nil, fmt.Errorf("read checkpoint %s: %w %q (want %q)", s.Path(), ErrUnknownVersion, f.Version, Version)
 	}
 	if crc32.ChecksumIEEE(f.Data) != f.Checksum {

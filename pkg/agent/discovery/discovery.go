@@ -66,7 +66,7 @@ type HealthEvent struct {
 
 // GPU is one whole GPU that discovery found and that the agent publishes.
 type GPU struct {
-	// Name is the device name in the ResourceSlice: "gpu-<index>".
+	// Name is the device name in the ResourceSlice: "gpu-<minor>".
 	Name string
 	// UUID is NVML's GPU UUID ("GPU-…"); it also goes into
 	// NVIDIA_VISIBLE_DEVICES when the GPU is prepared for a container.
@@ -137,7 +137,10 @@ func (inv *Inventory) DriverResources(poolName string) resourceslice.DriverResou
 	}
 }
 
-// DeviceName is the published name of the GPU with the given NVML index.
-func DeviceName(index int) string {
-	return fmt.Sprintf("gpu-%d", index)
+// DeviceName is the published name of the GPU whose device node is
+// /dev/nvidia<minor>. The minor number, unlike NVML's index, does not depend
+// on CUDA_VISIBLE_DEVICES-like enumeration order or on which other GPUs the
+// driver found, so a GPU keeps its name across agent restarts.
+func DeviceName(minor int) string {
+	return fmt.Sprintf("gpu-%d", minor)
 }

@@ -271,7 +271,7 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 		logger.V(2).Info("device attributes unavailable", "index", index, "err", ret)
 	}
 
-	name := DeviceName(index)
+	name := DeviceName(minor)
 	info := &gpuInfo{
 		GPU: GPU{
 			Name:     name,

@@ -132,6 +132,8 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 	dev.UUID = "GPU-" + uuid.NewSHA1(uuid.NameSpaceOID, []byte(fmt.Sprintf("topodra/%s/gpu/%d", m.nodeName, i))).String()
 	dev.PciBusID = nvmlBusID(g.PCIBusID)
 	deviceID := dev.Config.PciDeviceId
+	// Whole GPUs are never MIG device handles (nvcdi asks).
+	dev.IsMigDeviceHandleFunc = func() (bool, nvml.Return) { return false, nvml.SUCCESS }
 	dev.GetPciInfoFunc = func() (nvml.PciInfo, nvml.Return) {
 		info := pciInfo(g.PCIBusID)
 		info.PciDeviceId = deviceID

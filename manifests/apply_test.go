@@ -1,0 +1,300 @@
+package manifests_test
+
+import (
+	"context"
+	"io/fs"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/topodra/topodra/manifests"
+	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// startCluster starts a real kube-apiserver configured as clusters are
+// (the test server's defaults differ): RBAC authorization, privileged
+// containers allowed.
+func startCluster(t *testing.T, ctx context.Context) *framework.ControlPlane {
+	t.Helper()
+	cp, err := framework.Start(t, "--authorization-mode=Node,RBAC", "--allow-privileged=true")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cp.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: metav1.NamespaceSystem}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	return cp
+}
+
+// TestManifestsApply: every rendered overlay, and then every example, is
+// accepted by a real API server (schema, CEL of the admission policies,
+// references between objects resolved by the server).
+func TestManifestsApply(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp := startCluster(t, ctx)
+	for _, o := range manifests.Overlays {
+		data, err := manifests.Render("overlays/" + o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cp.Apply(ctx, data, nil); err != nil {
+			t.Errorf("apply overlay %s: %v", o, err)
+		}
+	}
+	examples, err := fs.Glob(manifests.FS, "examples/*.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range examples {
+		data, err := manifests.FS.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// As `kubectl apply -f` does: namespaced objects without a
+		// namespace go to the current one.
+		if err := cp.Apply(ctx, data, func(obj *unstructured.Unstructured) bool {
+			if obj.GetNamespace() == "" && namespaced[obj.GetKind()] {
+				obj.SetNamespace(metav1.NamespaceDefault)
+			}
+			return true
+		}); err != nil {
+			t.Errorf("apply %s: %v", path, err)
+		}
+	}
+}
+
+// namespaced are the namespaced kinds the examples use.
+var namespaced = map[string]bool{"Pod": true, "ResourceClaim": true, "ResourceClaimTemplate": true, "ConfigMap": true}
+
+// agentClient is the node agent's identity as the API server sees a pod's
+// service-account token on the given node ("" for a token without node).
+func agentClient(t *testing.T, cp *framework.ControlPlane, node string) kubernetes.Interface {
+	t.Helper()
+	cfg := rest.CopyConfig(cp.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:kube-system:topodra-node-agent",
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"},
+	}
+	if node != "" {
+		cfg.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return client
+}
+
+// TestAgentOwnNodeOnly: with the shipped RBAC and policy, node A's agent
+// writes node A's ResourceSlice and is refused node B's, cluster-wide
+// slices, and everything when its token names no node; it cannot read
+// Secrets. Other identities are not affected by the policy.
+func TestAgentOwnNodeOnly(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp := startCluster(t, ctx)
+	data, err := manifests.Render("overlays/host")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, data, nil); err != nil {
+		t.Fatal(err)
+	}
+	agentA := agentClient(t, cp, "node-a")
+	sliceA := framework.SliceForNode("node-a", topology.DriverName, nil)
+
+	// Policies take effect asynchronously after creation: retry the
+	// allowed write until RBAC and the policy are both in place, then
+	// expect refusals to be stable.
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := agentA.ResourceV1().ResourceSlices().Create(ctx, sliceA, metav1.CreateOptions{})
+		return err == nil, nil
+	}); err != nil {
+		t.Fatalf("node A's agent cannot create its own slice: %v", err)
+	}
+	sliceB, err := cp.Client.ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("node-b", topology.DriverName, nil), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("admin creates node B's slice: %v", err)
+	}
+	refused := func(what string, err error, want string) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: got %v, want a refusal containing %q", what, err, want)
+		}
+	}
+	// The policy is loaded asynchronously: wait until it refuses.
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		created, err := agentA.ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("node-c", topology.DriverName, nil), metav1.CreateOptions{})
+		if err == nil {
+			_ = cp.Client.ResourceV1().ResourceSlices().Delete(ctx, created.Name, metav1.DeleteOptions{})
+		}
+		return err != nil, nil
+	}); err != nil {
+		t.Fatal("the own-slices policy never refused node A's agent writing node C's slice")
+	}
+
+	_, err = agentA.ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("node-d", topology.DriverName, nil), metav1.CreateOptions{})
+	refused("create another node's slice", err, "may only write its own ResourceSlices")
+	err = agentA.ResourceV1().ResourceSlices().Delete(ctx, sliceB.Name, metav1.DeleteOptions{})
+	refused("delete another node's slice", err, "those of node node-b")
+	changed := sliceB.DeepCopy()
+	changed.Spec.Devices = []resourceapi.Device{{Name: "gpu-0"}}
+	_, err = agentA.ResourceV1().ResourceSlices().Update(ctx, changed, metav1.UpdateOptions{})
+	refused("update another node's slice", err, "those of node node-b")
+	clusterWide := framework.SliceForNode("x", topology.DriverName, nil)
+	clusterWide.Name = "cluster-wide"
+	clusterWide.Spec.NodeName = nil
+	clusterWide.Spec.AllNodes = ptrTo(true)
+	_, err = agentA.ResourceV1().ResourceSlices().Create(ctx, clusterWide, metav1.CreateOptions{})
+	refused("create a cluster-wide slice", err, "slices without a node")
+	_, err = agentClient(t, cp, "").ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("node-e", topology.DriverName, nil), metav1.CreateOptions{})
+	refused("write without a node in the token", err, "has no node")
+	if err := agentA.ResourceV1().ResourceSlices().Delete(ctx, sliceA.Name, metav1.DeleteOptions{}); err != nil {
+		t.Errorf("node A's agent deletes its own slice: %v", err)
+	}
+
+	_, err = agentA.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("agent lists Secrets: %v, want Forbidden", err)
+	}
+	// The policy matches only the agent: an admin still manages any slice.
+	if err := cp.Client.ResourceV1().ResourceSlices().Delete(ctx, sliceB.Name, metav1.DeleteOptions{}); err != nil {
+		t.Errorf("admin deletes node B's slice: %v", err)
+	}
+}
+
+func ptrTo[T any](v T) *T { return &v }
+
+// saKubeconfig writes a kubeconfig that acts as the given ServiceAccount
+// (impersonated by the admin credentials of the control plane).
+func saKubeconfig(t *testing.T, cp *framework.ControlPlane, namespace, name string) string {
+	t.Helper()
+	kc, err := clientcmd.LoadFromFile(cp.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, auth := range kc.AuthInfos {
+		auth.Impersonate = "system:serviceaccount:" + namespace + ":" + name
+		auth.ImpersonateGroups = []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"}
+	}
+	path := filepath.Join(t.TempDir(), name+".kubeconfig")
+	if err := clientcmd.WriteToFile(*kc, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestSchedulerRBAC runs topodra-scheduler as the manifest's ServiceAccount
+// with the configuration of the manifest's ConfigMap, on a real API server
+// that enforces RBAC and the shipped policies: it schedules a pod with a
+// DRA claim for an owned GPU. The same identity may neither write
+// ResourceSlices nor read Secrets.
+func TestSchedulerRBAC(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp := startCluster(t, ctx)
+	data, err := manifests.Render("overlays/host")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, data, nil); err != nil {
+		t.Fatal(err)
+	}
+	var schedulerConfig string
+	for _, obj := range decodeAllObjects(t, data) {
+		if cm, ok := obj.(*v1.ConfigMap); ok && cm.Name == "topodra-scheduler-config" {
+			schedulerConfig = cm.Data["scheduler-config.yaml"]
+		}
+	}
+	if schedulerConfig == "" {
+		t.Fatal("no scheduler configuration in the manifests")
+	}
+
+	// One node with two GPUs, published as the agent would (the owned
+	// DeviceTaintRule of the manifests taints them).
+	if _, err := framework.CreateReadyNode(ctx, cp.Client, "gpu-node", nil); err != nil {
+		t.Fatal(err)
+	}
+	slice := framework.SliceForNode("gpu-node", topology.DriverName, []framework.Device{{Name: "gpu-0"}, {Name: "gpu-1"}})
+	if _, err := cp.Client.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cp.StartClaimController(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The scheduler as its ServiceAccount: a control plane view whose
+	// kubeconfig impersonates it.
+	saCP := &framework.ControlPlane{Cluster: &cluster.Cluster{Config: cp.Config, Client: cp.Client, Kubeconfig: saKubeconfig(t, cp, metav1.NamespaceSystem, "topodra-scheduler"), Dir: t.TempDir()}}
+	defer saCP.Stop()
+	stop, err := saCP.StartScheduler(ctx, framework.SchedulerOptions{Name: "topodra-rbac", Config: []byte(schedulerConfig)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+
+	ns := metav1.NamespaceDefault
+	if _, err := cp.Client.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, framework.ClaimTemplate(ns, "one-gpu", topology.DriverName, 1), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod, err := cp.Client.CoreV1().Pods(ns).Create(ctx, framework.PodWithClaims(ns, "trainer", "topodra-scheduler", "one-gpu"), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+		pod, err = cp.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		return err == nil && pod.Spec.NodeName != "", nil
+	}); err != nil {
+		t.Fatalf("pod not scheduled by topodra-scheduler running as its ServiceAccount: %+v", pod.Status.Conditions)
+	}
+
+	sa, err := kubernetes.NewForConfig(impersonate(cp.Config, metav1.NamespaceSystem, "topodra-scheduler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = sa.ResourceV1().ResourceSlices().Create(ctx, framework.SliceForNode("other", topology.DriverName, nil), metav1.CreateOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("scheduler identity creates a ResourceSlice: %v, want Forbidden", err)
+	}
+	_, err = sa.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("scheduler identity lists Secrets: %v, want Forbidden", err)
+	}
+}
+
+func impersonate(cfg *rest.Config, namespace, name string) *rest.Config {
+	cfg = rest.CopyConfig(cfg)
+	cfg.Impersonate = rest.ImpersonationConfig{
+		UserName: "system:serviceaccount:" + namespace + ":" + name,
+		Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:" + namespace, "system:authenticated"},
+	}
+	return cfg
+}
+
+// decodeAllObjects decodes a multi-document manifest with the client-go
+// scheme.
+func decodeAllObjects(t *testing.T, data []byte) []runtime.Object {
+	t.Helper()
+	var out []runtime.Object
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err == nil {
+			out = append(out, obj)
+		}
+	}
+	return out
+}

@@ -1,0 +1,163 @@
+package manifests
+
+import (
+	"slices"
+	"strings"
+	"testing"
+
+	admissionv1 "k8s.io/api/admissionregistration/v1"
+	appsv1 "k8s.io/api/apps/v1"
+	v1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+)
+
+func find[T runtime.Object](objs []runtime.Object, match func(T) bool) (T, bool) {
+	for _, obj := range objs {
+		if o, ok := obj.(T); ok && match(o) {
+			return o, true
+		}
+	}
+	var zero T
+	return zero, false
+}
+
+func agentOf(t *testing.T, objs []runtime.Object) (*appsv1.DaemonSet, *v1.Container, map[string]string) {
+	t.Helper()
+	ds, ok := find(objs, func(d *appsv1.DaemonSet) bool { return d.Name == "topodra-node-agent" })
+	if !ok {
+		t.Fatal("no agent DaemonSet")
+	}
+	c := &ds.Spec.Template.Spec.Containers[0]
+	env := map[string]string{}
+	for _, e := range c.Env {
+		env[e.Name] = e.Value
+	}
+	return ds, c, env
+}
+
+func volume(ds *appsv1.DaemonSet, name string) *v1.Volume {
+	for i, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Name == name {
+			return &ds.Spec.Template.Spec.Volumes[i]
+		}
+	}
+	return nil
+}
+
+func mount(c *v1.Container, name string) *v1.VolumeMount {
+	for i, m := range c.VolumeMounts {
+		if m.Name == name {
+			return &c.VolumeMounts[i]
+		}
+	}
+	return nil
+}
+
+// TestOverlays checks what each install variant must get right: where the
+// driver root comes from, how privileged the agent is, and what every
+// variant shares (probes, tolerations, requests, images, least privilege).
+func TestOverlays(t *testing.T) {
+	testcases := map[string]struct {
+		driverRoot string // "" means: no driver root at all (mock)
+		nvml       string
+		hook       string
+		privileged bool
+	}{
+		"overlays/host":         {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", privileged: true},
+		"overlays/gpu-operator": {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", privileged: true},
+		"overlays/mock":         {nvml: "mock:dgx-h100"},
+	}
+	for _, o := range Overlays {
+		if _, ok := testcases["overlays/"+o]; !ok {
+			t.Errorf("overlay %s has no test case", o)
+		}
+	}
+	for dir, tc := range testcases {
+		t.Run(dir, func(t *testing.T) {
+			data, err := Render(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			objs := decodeAll(t, dir, data)
+			ds, c, env := agentOf(t, objs)
+
+			if env["NVML"] != tc.nvml {
+				t.Errorf("NVML=%q, want %q", env["NVML"], tc.nvml)
+			}
+			privileged := c.SecurityContext != nil && c.SecurityContext.Privileged != nil && *c.SecurityContext.Privileged
+			if privileged != tc.privileged {
+				t.Errorf("privileged %v, want %v", privileged, tc.privileged)
+			}
+			rootVolume, rootMount := volume(ds, "driver-root"), mount(c, "driver-root")
+			if tc.driverRoot == "" {
+				if rootVolume != nil || rootMount != nil || volume(ds, "sys") != nil {
+					t.Error("mock agent mounts a driver root or /sys")
+				}
+			} else {
+				if rootVolume == nil || rootVolume.HostPath == nil || rootMount == nil {
+					t.Fatal("no driver-root hostPath volume and mount")
+				}
+				if env["DRIVER_ROOT"] != tc.driverRoot || rootVolume.HostPath.Path != tc.driverRoot {
+					t.Errorf("DRIVER_ROOT=%q, volume %q, want both %q", env["DRIVER_ROOT"], rootVolume.HostPath.Path, tc.driverRoot)
+				}
+				if env["CONTAINER_DRIVER_ROOT"] != rootMount.MountPath || !rootMount.ReadOnly {
+					t.Errorf("CONTAINER_DRIVER_ROOT=%q, mounted read-only %v at %q", env["CONTAINER_DRIVER_ROOT"], rootMount.ReadOnly, rootMount.MountPath)
+				}
+				if rootMount.MountPropagation == nil || *rootMount.MountPropagation != v1.MountPropagationHostToContainer {
+					t.Error("driver root mounted without HostToContainer propagation: a driver container started later stays invisible")
+				}
+				if env["NVIDIA_CDI_HOOK_PATH"] != tc.hook {
+					t.Errorf("NVIDIA_CDI_HOOK_PATH=%q, want %q", env["NVIDIA_CDI_HOOK_PATH"], tc.hook)
+				}
+			}
+
+			// Shared by every variant.
+			kubeletDir := env["KUBELET_DIR"]
+			for _, name := range []string{"plugins", "plugins-registry"} {
+				m, v := mount(c, name), volume(ds, name)
+				if m == nil || v == nil || v.HostPath == nil || m.MountPath != v.HostPath.Path || !strings.HasPrefix(m.MountPath, kubeletDir+"/") {
+					t.Errorf("%s must be mounted at its host path below KUBELET_DIR %q", name, kubeletDir)
+				}
+			}
+			if !slices.ContainsFunc(ds.Spec.Template.Spec.Tolerations, func(tol v1.Toleration) bool {
+				return tol.Key == "nvidia.com/gpu" && tol.Operator == v1.TolerationOpExists
+			}) {
+				t.Error("no toleration for nvidia.com/gpu")
+			}
+			if c.Resources.Requests.Cpu().IsZero() || c.Resources.Requests.Memory().IsZero() {
+				t.Error("no resource requests")
+			}
+			for what, p := range map[string]*v1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
+				if p == nil || p.HTTPGet == nil {
+					t.Errorf("no HTTP %s probe", what)
+					continue
+				}
+				if p.HTTPGet.Port.String() != "health" || !strings.HasSuffix(env["HEALTH_ADDRESS"], ":8081") ||
+					!slices.ContainsFunc(c.Ports, func(p v1.ContainerPort) bool { return p.Name == "health" && p.ContainerPort == 8081 }) {
+					t.Errorf("%s probe does not reach HEALTH_ADDRESS %q", what, env["HEALTH_ADDRESS"])
+				}
+			}
+			if !strings.HasPrefix(c.Image, "ghcr.io/topodra/topodra-node-agent:") {
+				t.Errorf("agent image %s", c.Image)
+			}
+			if _, ok := find(objs, func(p *admissionv1.ValidatingAdmissionPolicy) bool { return p.Name == "topodra-node-agent-own-slices" }); !ok {
+				t.Error("no policy limiting agents to their own node's slices")
+			}
+			if _, ok := find(objs, func(b *admissionv1.ValidatingAdmissionPolicyBinding) bool {
+				return b.Spec.PolicyName == "topodra-node-agent-own-slices" && slices.Contains(b.Spec.ValidationActions, admissionv1.Deny)
+			}); !ok {
+				t.Error("own-slices policy not bound with Deny")
+			}
+			role, ok := find(objs, func(r *rbacv1.Role) bool { return r.Name == "topodra-scheduler-leases" })
+			if !ok {
+				t.Fatal("no lease Role")
+			}
+			for _, rule := range role.Rules {
+				if !slices.Equal(rule.Verbs, []string{"create"}) && !slices.Equal(rule.ResourceNames, []string{"topodra-scheduler"}) {
+					t.Errorf("lease rule %v is not limited to the topodra-scheduler lease", rule)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,42 @@
+package manifests
+
+import (
+	"fmt"
+	"io/fs"
+	"path"
+
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
+)
+
+// Render builds the kustomization in dir ("base" or "overlays/<name>") with
+// kustomize's default options, as `kubectl kustomize` does, and returns the
+// multi-document YAML.
+func Render(dir string) ([]byte, error) {
+	memFS := filesys.MakeFsInMemory()
+	err := fs.WalkDir(FS, ".", func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		data, err := FS.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		if err := memFS.MkdirAll(path.Dir("/" + p)); err != nil {
+			return err
+		}
+		return memFS.WriteFile("/"+p, data)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("copy manifests: %w", err)
+	}
+	resources, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(memFS, "/"+dir)
+	if err != nil {
+		return nil, fmt.Errorf("kustomize %s: %w", dir, err)
+	}
+	out, err := resources.AsYaml()
+	if err != nil {
+		return nil, fmt.Errorf("kustomize %s: %w", dir, err)
+	}
+	return out, nil
+}

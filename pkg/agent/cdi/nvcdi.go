@@ -1,0 +1,166 @@
+package cdi
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	nvdevice "github.com/NVIDIA/go-nvlib/pkg/nvlib/device"
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi"
+	transformroot "github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi/transform/root"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
+
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/agent/driverroot"
+)
+
+// DefaultHookPath is where the NVIDIA Container Toolkit installs
+// nvidia-cdi-hook on a node; the GPU Operator puts it at
+// /usr/local/nvidia/toolkit/nvidia-cdi-hook.
+const DefaultHookPath = "/usr/bin/nvidia-cdi-hook"
+
+// NVCDIOptions configure [NewNVCDI].
+type NVCDIOptions struct {
+	// Root is the driver root. Required.
+	Root driverroot.Root
+	// NVML returns the NVML library (initialized or not); nvcdi queries it
+	// for the driver version and the GPUs. Required. It is called on
+	// every generation, so a library loaded after start is picked up.
+	NVML func() nvml.Interface
+	// HookPath is nvidia-cdi-hook as the node sees it (DefaultHookPath).
+	HookPath string
+	// Logger receives nvcdi's messages; default: klog's background logger.
+	Logger klog.Logger
+}
+
+// NVCDI is the [Generator] for real GPUs, built on NVIDIA's nvcdi library in
+// "nvml" mode: the same spec content as NVIDIA's own DRA driver and the
+// NVIDIA Container Toolkit produce for a whole GPU. Paths in the edits are
+// rewritten from the agent's mount of the driver root to the node's.
+type NVCDI struct {
+	opts NVCDIOptions
+
+	mutex sync.Mutex
+	lib   nvml.Interface
+	nvcdi nvcdi.Interface
+}
+
+var _ Generator = &NVCDI{}
+
+// NewNVCDI checks the options; nvcdi itself is set up on first use, when
+// NVML is available.
+func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
+	if opts.NVML == nil {
+		return nil, errors.New("NVML must be set")
+	}
+	if opts.Root.Path == "" || opts.Root.HostPath == "" {
+		return nil, errors.New("driver root must be set")
+	}
+	if opts.HookPath == "" {
+		opts.HookPath = DefaultHookPath
+	}
+	if opts.Logger.GetSink() == nil {
+		opts.Logger = klog.Background()
+	}
+	return &NVCDI{opts: opts}, nil
+}
+
+func (g *NVCDI) get() (nvcdi.Interface, error) {
+	lib := g.opts.NVML()
+	if lib == nil {
+		return nil, errors.New("NVML is not loaded")
+	}
+	g.mutex.Lock()
+	defer g.mutex.Unlock()
+	if g.nvcdi != nil && g.lib == lib {
+		return g.nvcdi, nil
+	}
+	root := g.opts.Root
+	l, err := nvcdi.New(
+		nvcdi.WithMode(nvcdi.ModeNvml),
+		nvcdi.WithNvmlLib(lib),
+		nvcdi.WithDeviceLib(nvdevice.New(lib)),
+		nvcdi.WithDriverRoot(root.Path),
+		nvcdi.WithDevRoot(root.DevPath()),
+		nvcdi.WithVendor(Vendor),
+		nvcdi.WithClass(Class),
+		nvcdi.WithNVIDIACDIHookPath(g.opts.HookPath),
+		nvcdi.WithFeatureFlags(nvcdi.FeatureDisableNvsandboxUtils),
+		nvcdi.WithLogger(nvcdiLogger{g.opts.Logger}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("set up nvcdi: %w", err)
+	}
+	g.lib, g.nvcdi = lib, l
+	return l, nil
+}
+
+// toHost rewrites the agent-side paths of edits to the node's.
+func (g *NVCDI) toHost(edits cdispec.ContainerEdits) (cdispec.ContainerEdits, error) {
+	root := g.opts.Root
+	spec := &cdispec.Spec{ContainerEdits: edits}
+	t := transformroot.NewDriverTransformer(
+		transformroot.WithDriverRoot(root.Path),
+		transformroot.WithTargetDriverRoot(root.HostPath),
+		transformroot.WithDevRoot(root.DevPath()),
+		transformroot.WithTargetDevRoot(root.DevHostPath()),
+	)
+	if err := t.Transform(spec); err != nil {
+		return cdispec.ContainerEdits{}, fmt.Errorf("rewrite driver root %s to %s: %w", root.Path, root.HostPath, err)
+	}
+	return spec.ContainerEdits, nil
+}
+
+// CommonEdits implements [Generator].
+func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
+	l, err := g.get()
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	edits, err := l.GetCommonEdits()
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if edits == nil || edits.ContainerEdits == nil {
+		return cdispec.ContainerEdits{}, nil
+	}
+	return g.toHost(*edits.ContainerEdits)
+}
+
+// DeviceEdits implements [Generator].
+func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
+	l, err := g.get()
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	specs, err := l.GetDeviceSpecsByID(d.UUID)
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if len(specs) == 0 {
+		return cdispec.ContainerEdits{}, fmt.Errorf("nvcdi returned no device for %s", d.UUID)
+	}
+	return g.toHost(specs[0].ContainerEdits)
+}
+
+// nvcdiLogger adapts a klog.Logger to nvcdi's printf-style logger:
+// warnings and errors at V(2), the rest at V(5) and up.
+type nvcdiLogger struct{ logger klog.Logger }
+
+func (l nvcdiLogger) Errorf(format string, args ...any) {
+	l.logger.V(2).Info(fmt.Sprintf(format, args...), "source", "nvcdi", "level", "error")
+}
+func (l nvcdiLogger) Warningf(format string, args ...any) {
+	l.logger.V(2).Info(fmt.Sprintf(format, args...), "source", "nvcdi", "level", "warning")
+}
+func (l nvcdiLogger) Infof(format string, args ...any) {
+	l.logger.V(5).Info(fmt.Sprintf(format, args...), "source", "nvcdi")
+}
+func (l nvcdiLogger) Debugf(format string, args ...any) {
+	l.logger.V(6).Info(fmt.Sprintf(format, args...), "source", "nvcdi")
+}
+func (l nvcdiLogger) Tracef(format string, args ...any) {
+	l.logger.V(7).Info(fmt.Sprintf(format, args...), "source", "nvcdi")
+}

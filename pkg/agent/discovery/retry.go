@@ -1,0 +1,103 @@
+package discovery
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+)
+
+// OpenFunc returns a fresh, uninitialized NVML library, or an error
+// wrapping [ErrNoGPU] when there is nothing to load yet (for example
+// libnvidia-ml.so.1 is not in the driver root).
+type OpenFunc func() (nvml.Interface, error)
+
+// Lazy is NVML discovery for a node whose driver may appear after the agent
+// starts (a driver container still installing, a driver installed later).
+// Each Discover call first tries to open and initialize NVML if that has
+// not succeeded yet; until it does, Discover returns an error wrapping
+// [ErrNoGPU] and the agent retries. Once open, NVML stays open until Close.
+// Lazy implements [Interface] and [HealthWatcher] and is safe for
+// concurrent use.
+type Lazy struct {
+	open OpenFunc
+	opts NVMLOptions
+
+	mutex   sync.Mutex
+	current *NVML
+}
+
+var _ Interface = &Lazy{}
+var _ HealthWatcher = &Lazy{}
+
+// NewLazy returns a discovery that opens NVML through open on first use;
+// opts.Lib is ignored.
+func NewLazy(open OpenFunc, opts NVMLOptions) *Lazy {
+	return &Lazy{open: open, opts: opts}
+}
+
+// get returns the open NVML discovery, opening it if needed.
+func (l *Lazy) get() (*NVML, error) {
+	l.mutex.Lock()
+	defer l.mutex.Unlock()
+	if l.current != nil {
+		return l.current, nil
+	}
+	lib, err := l.open()
+	if err != nil {
+		return nil, err
+	}
+	opts := l.opts
+	opts.Lib = lib
+	d, err := NewNVML(opts)
+	if err != nil {
+		return nil, err
+	}
+	l.current = d
+	return d, nil
+}
+
+// Lib returns the initialized NVML library, nil while NVML is not open.
+func (l *Lazy) Lib() nvml.Interface {
+	l.mutex.Lock()
+	defer l.mutex.Unlock()
+	if l.current == nil {
+		return nil
+	}
+	return l.current.lib
+}
+
+// Discover implements [Interface].
+func (l *Lazy) Discover(ctx context.Context) (*Inventory, error) {
+	d, err := l.get()
+	if err != nil {
+		return nil, err
+	}
+	return d.Discover(ctx)
+}
+
+// WatchHealth implements [HealthWatcher]. While NVML is not open it
+// returns an error wrapping [ErrHealthUnsupported]; the agent restarts
+// health watching when the devices change.
+func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
+	l.mutex.Lock()
+	d := l.current
+	l.mutex.Unlock()
+	if d == nil {
+		return fmt.Errorf("%w: NVML is not loaded", ErrHealthUnsupported)
+	}
+	return d.WatchHealth(ctx, inv, events)
+}
+
+// Close shuts NVML down if it was opened.
+func (l *Lazy) Close() error {
+	l.mutex.Lock()
+	defer l.mutex.Unlock()
+	if l.current == nil {
+		return nil
+	}
+	err := l.current.Close()
+	l.current = nil
+	return err
+}

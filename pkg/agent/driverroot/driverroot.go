@@ -1,0 +1,204 @@
+// Package driverroot locates the NVIDIA driver's files (libnvidia-ml,
+// nvidia-smi, device nodes) in a driver root: the file system tree in which
+// the driver is installed, as the node agent sees it from its container.
+//
+// A driver root has two names. HostPath is where the driver lives on the
+// node: "/" for a driver installed on the host, "/run/nvidia/driver" for the
+// NVIDIA GPU Operator's driver container. Path is where the agent's
+// container mounts it (for example /driver-root); running directly on the
+// host, Path equals HostPath. Files are looked up below Path; CDI specs,
+// which the container runtime reads on the host, name them below HostPath.
+//
+// Symbolic links inside the tree are resolved relative to the tree, so an
+// absolute link like /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 ->
+// /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15 stays inside Path.
+package driverroot
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// DefaultHostPath is the driver root of a driver installed on the host.
+const DefaultHostPath = "/"
+
+// GPUOperatorHostPath is the driver root of the NVIDIA GPU Operator's driver
+// container.
+const GPUOperatorHostPath = "/run/nvidia/driver"
+
+// NVMLLibrary is the file name of the NVML library that the agent loads.
+const NVMLLibrary = "libnvidia-ml.so.1"
+
+// ErrNotFound is returned (wrapped) when a driver file is not in the root.
+var ErrNotFound = errors.New("not found in driver root")
+
+// LibrarySearchPaths are the directories, relative to the root, searched
+// for driver libraries, in order.
+var LibrarySearchPaths = []string{
+	"/usr/lib64",
+	"/usr/lib/x86_64-linux-gnu",
+	"/usr/lib/aarch64-linux-gnu",
+	"/usr/lib/x86_64-linux-gnu/nvidia/current",
+	"/usr/lib/aarch64-linux-gnu/nvidia/current",
+	"/lib64",
+	"/lib/x86_64-linux-gnu",
+	"/lib/aarch64-linux-gnu",
+	"/usr/lib",
+	"/lib",
+}
+
+// BinarySearchPaths are the directories, relative to the root, searched for
+// driver executables, in order.
+var BinarySearchPaths = []string{"/usr/bin", "/usr/sbin", "/bin", "/sbin", "/opt/bin", "/usr/local/bin"}
+
+// maxLinks bounds symbolic link resolution (loops).
+const maxLinks = 40
+
+// Root is one driver root. The zero value is not valid; use [New].
+type Root struct {
+	// Path is the root as the agent sees it (its mount point).
+	Path string
+	// HostPath is the same root as the container runtime on the node sees it.
+	HostPath string
+}
+
+// New returns the root mounted at path that is hostPath on the node. An
+// empty path means hostPath (the agent runs on the host, or mounts the root
+// at the same place). Both must be absolute.
+func New(hostPath, path string) (Root, error) {
+	if hostPath == "" {
+		hostPath = DefaultHostPath
+	}
+	if path == "" {
+		path = hostPath
+	}
+	if !filepath.IsAbs(hostPath) || !filepath.IsAbs(path) {
+		return Root{}, fmt.Errorf("driver root must be absolute, got host path %q and container path %q", hostPath, path)
+	}
+	return Root{Path: filepath.Clean(path), HostPath: filepath.Clean(hostPath)}, nil
+}
+
+// FindLibrary returns the agent-side path of a driver library (symbolic
+// links resolved within the root). The error wraps [ErrNotFound].
+func (r Root) FindLibrary(name string) (string, error) {
+	return r.find(name, LibrarySearchPaths)
+}
+
+// FindBinary returns the agent-side path of a driver executable.
+func (r Root) FindBinary(name string) (string, error) {
+	return r.find(name, BinarySearchPaths)
+}
+
+// NVMLLibraryPath is the agent-side path of libnvidia-ml.so.1.
+func (r Root) NVMLLibraryPath() (string, error) {
+	return r.FindLibrary(NVMLLibrary)
+}
+
+// DevPath is the agent-side root below which device nodes (/dev/nvidia0)
+// are found: the driver root if it has a /dev directory, otherwise "/"
+// (the agent's own /dev, which must then be the host's).
+func (r Root) DevPath() string {
+	if info, err := os.Stat(filepath.Join(r.Path, "dev")); err == nil && info.IsDir() {
+		return r.Path
+	}
+	return "/"
+}
+
+// DevHostPath is DevPath as the node sees it.
+func (r Root) DevHostPath() string {
+	if r.DevPath() == r.Path {
+		return r.HostPath
+	}
+	return "/"
+}
+
+// ToHost turns an agent-side path below Path into the node's path below
+// HostPath. Paths outside the root are returned unchanged.
+func (r Root) ToHost(path string) string {
+	rel, ok := r.relative(path)
+	if !ok {
+		return path
+	}
+	return filepath.Join(r.HostPath, rel)
+}
+
+func (r Root) relative(path string) (string, bool) {
+	rel, err := filepath.Rel(r.Path, path)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, "../") {
+		return "", false
+	}
+	return "/" + rel, true
+}
+
+func (r Root) find(name string, dirs []string) (string, error) {
+	var errs []error
+	for _, dir := range dirs {
+		resolved, err := r.resolve(filepath.Join(dir, name))
+		if err == nil {
+			return resolved, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return "", fmt.Errorf("%s %w %s: %w", name, ErrNotFound, r.Path, errors.Join(errs...))
+	}
+	return "", fmt.Errorf("%s %w %s (searched %s)", name, ErrNotFound, r.Path, strings.Join(dirs, ", "))
+}
+
+// resolve follows symbolic links of rel (a path relative to the root, with
+// a leading slash) inside the root and returns the agent-side path of a
+// regular file.
+func (r Root) resolve(rel string) (string, error) {
+	links := 0
+	parts := strings.Split(strings.TrimPrefix(filepath.Clean(rel), "/"), "/")
+	done := "/"
+	for len(parts) > 0 {
+		part := parts[0]
+		parts = parts[1:]
+		if part == "" || part == "." {
+			continue
+		}
+		if part == ".." {
+			done = filepath.Dir(done)
+			continue
+		}
+		next := filepath.Join(done, part)
+		full := filepath.Join(r.Path, next)
+		info, err := os.Lstat(full)
+		if err != nil {
+			return "", err
+		}
+		if info.Mode()&fs.ModeSymlink == 0 {
+			done = next
+			continue
+		}
+		links++
+		if links > maxLinks {
+			return "", fmt.Errorf("resolve %s in %s: too many symbolic links", rel, r.Path)
+		}
+		target, err := os.Readlink(full)
+		if err != nil {
+			return "", err
+		}
+		if !filepath.IsAbs(target) {
+			target = filepath.Join(done, target)
+		}
+		parts = append(strings.Split(strings.TrimPrefix(filepath.Clean(target), "/"), "/"), parts...)
+		done = "/"
+	}
+	full := filepath.Join(r.Path, done)
+	info, err := os.Stat(full)
+	if err != nil {
+		return "", err
+	}
+	if !info.Mode().IsRegular() {
+		return "", fmt.Errorf("%s is not a regular file", full)
+	}
+	return full, nil
+}

@@ -1,0 +1,116 @@
+package driverroot
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestFindLibrary(t *testing.T) {
+	testcases := map[string]struct {
+		// files are created below the root, links map a path to its
+		// target (absolute targets are relative to the root).
+		files   []string
+		links   map[string]string
+		want    string
+		wantErr error
+	}{
+		"absolute link stays in the root": {
+			files: []string{"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.133.07"},
+			links: map[string]string{"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.133.07"},
+			want:  "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.570.133.07",
+		},
+		"relative link": {
+			files: []string{"/usr/lib64/libnvidia-ml.so.550.54.15"},
+			links: map[string]string{"/usr/lib64/libnvidia-ml.so.1": "libnvidia-ml.so.550.54.15"},
+			want:  "/usr/lib64/libnvidia-ml.so.550.54.15",
+		},
+		"link through a linked directory (usrmerge)": {
+			files: []string{"/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1"},
+			links: map[string]string{"/lib": "/usr/lib"},
+			want:  "/usr/lib/aarch64-linux-gnu/libnvidia-ml.so.1",
+		},
+		"missing": {
+			files:   []string{"/usr/lib/x86_64-linux-gnu/libcuda.so.1"},
+			wantErr: ErrNotFound,
+		},
+		"dangling link": {
+			links:   map[string]string{"/usr/lib64/libnvidia-ml.so.1": "/nowhere/libnvidia-ml.so.1"},
+			wantErr: ErrNotFound,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			for _, f := range tc.files {
+				p := filepath.Join(dir, f)
+				if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(p, nil, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for link, target := range tc.links {
+				p := filepath.Join(dir, link)
+				if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Symlink(target, p); err != nil {
+					t.Fatal(err)
+				}
+			}
+			r, err := New("/run/nvidia/driver", dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := r.NVMLLibraryPath()
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("want error %v, got %q, %v", tc.wantErr, got, err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := filepath.Join(dir, tc.want); got != want {
+				t.Errorf("got %s, want %s", got, want)
+			}
+			if host, want := r.ToHost(got), filepath.Join("/run/nvidia/driver", tc.want); host != want {
+				t.Errorf("host path %s, want %s", host, want)
+			}
+		})
+	}
+}
+
+func TestRootPaths(t *testing.T) {
+	dir := t.TempDir()
+	r, err := New("", dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.HostPath != "/" {
+		t.Errorf("default host path %q, want /", r.HostPath)
+	}
+	if r.DevPath() != "/" || r.DevHostPath() != "/" {
+		t.Errorf("root without /dev: dev paths %s %s, want / /", r.DevPath(), r.DevHostPath())
+	}
+	if err := os.Mkdir(filepath.Join(dir, "dev"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if r.DevPath() != dir || r.DevHostPath() != "/" {
+		t.Errorf("root with /dev: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), dir)
+	}
+	if got := r.ToHost("/etc/passwd"); got != "/etc/passwd" {
+		t.Errorf("path outside the root rewritten to %s", got)
+	}
+	if _, err := New("relative", ""); err == nil {
+		t.Error("relative driver root accepted")
+	}
+	same, _ := New("/run/nvidia/driver", "")
+	if same.Path != "/run/nvidia/driver" {
+		t.Errorf("empty container path: %s, want the host path", same.Path)
+	}
+}

@@ -1,0 +1,249 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+)
+
+// TestAgentWaitsForDriver starts an agent on a node whose NVML library is
+// not there yet (a driver container still installing): the agent is not
+// ready and says why on the Node; once the library appears it publishes the
+// GPUs without a restart and becomes ready.
+func TestAgentWaitsForDriver(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	var installed atomic.Bool
+	var opens atomic.Int32
+	// Like the command's loader: "not in the driver root" wraps ErrNoGPU,
+	// which the agent treats as "not yet".
+	lazy := discovery.NewLazy(func() (nvml.Interface, error) {
+		opens.Add(1)
+		if !installed.Load() {
+			return nil, fmt.Errorf("%w: libnvidia-ml.so.1 not found in driver root /driver-root", discovery.ErrNoGPU)
+		}
+		return e.machine.NVML(), nil
+	}, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+	recorder := events.NewFakeRecorder(10)
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     e.client,
+		Discovery:      lazy,
+		PublishOnly:    true,
+		Recorder:       recorder,
+		RescanInterval: time.Hour,
+		NoGPURetry:     10 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+
+	if err := a.Ready(); !errors.Is(err, discovery.ErrNoGPU) {
+		t.Errorf("ready without a driver: %v, want an error wrapping ErrNoGPU", err)
+	}
+	if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNoGPU) || !strings.Contains(got, "libnvidia-ml.so.1") {
+		t.Errorf("event %q, want a %s warning naming the library", got, agent.ReasonNoGPU)
+	}
+	// It retries (with backoff well below the hour-long rescan interval).
+	if err := wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return opens.Load() >= 3, nil
+	}); err != nil {
+		t.Fatalf("NVML load retried %d times: %v", opens.Load(), err)
+	}
+
+	installed.Store(true)
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil || len(slices.Items) != 1 {
+			return false, nil
+		}
+		return len(slices.Items[0].Spec.Devices) == 8, nil
+	}); err != nil {
+		t.Fatalf("GPUs not published after the driver appeared: %v", err)
+	}
+	if err := a.Ready(); err != nil {
+		t.Errorf("not ready with GPUs: %v", err)
+	}
+	if got := expectEvent(t, recorder); !strings.Contains(got, "Normal "+agent.ReasonGPUsFound) {
+		t.Errorf("event %q, want %s", got, agent.ReasonGPUsFound)
+	}
+}
+
+func expectEvent(t *testing.T, r *events.FakeRecorder) string {
+	t.Helper()
+	select {
+	case ev := <-r.Events:
+		return ev
+	case <-time.After(10 * time.Second):
+		t.Fatal("no event")
+		return ""
+	}
+}
+
+// TestCheckpointAfterReboot prepares a claim, "reboots" the node (new boot
+// id) and restarts the agent: the claim and its CDI spec are gone, and the
+// GPU can be prepared for another claim. A restart without reboot keeps it.
+func TestCheckpointAfterReboot(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	c := claim("before", gpus("gpus", "gpu-2")...)
+	a := e.start(ctx, t)
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
+		t.Fatalf("prepare: %v %v", err, res)
+	}
+	specPath := readSpecPath(t, e, c.UID)
+	a.Stop()
+
+	// Restart, same boot: still prepared, another claim is refused.
+	a = e.start(ctx, t)
+	other := claim("after", gpus("gpus", "gpu-2")...)
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{other})
+	if err != nil || !errors.Is(res[other.UID].Err, agent.ErrDeviceInUse) {
+		t.Fatalf("same boot: want ErrDeviceInUse, got %v %v", err, res[other.UID].Err)
+	}
+	a.Stop()
+
+	if err := os.WriteFile(e.bootIDFile, []byte("boot-2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a = e.start(ctx, t)
+	if _, err := os.Stat(specPath); !os.IsNotExist(err) {
+		t.Errorf("CDI spec of the claim from the previous boot still there: %v", err)
+	}
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{other})
+	if err != nil || res[other.UID].Err != nil {
+		t.Errorf("after reboot gpu-2 is free, got %v %v", err, res[other.UID].Err)
+	}
+}
+
+func readSpecPath(t *testing.T, e *env, uid types.UID) string {
+	t.Helper()
+	entries, err := os.ReadDir(e.cdiDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, entry := range entries {
+		if strings.Contains(entry.Name(), string(uid)) {
+			return e.cdiDir + "/" + entry.Name()
+		}
+	}
+	t.Fatalf("no CDI spec for %s", uid)
+	return ""
+}
+
+func TestPrepareRefusesOpaqueConfig(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	config := func(driver string, source resourceapi.AllocationConfigSource, requests ...string) resourceapi.DeviceAllocationConfiguration {
+		return resourceapi.DeviceAllocationConfiguration{
+			Source:   source,
+			Requests: requests,
+			DeviceConfiguration: resourceapi.DeviceConfiguration{Opaque: &resourceapi.OpaqueDeviceConfiguration{
+				Driver: driver, Parameters: runtime.RawExtension{Raw: []byte(`{"sharing":"timeSlicing"}`)},
+			}},
+		}
+	}
+	testcases := map[string]struct {
+		config  resourceapi.DeviceAllocationConfiguration
+		wantErr string
+	}{
+		"ours, whole claim":    {config: config("gpu.topodra.io", resourceapi.AllocationConfigSourceClaim), wantErr: "from the claim"},
+		"ours, from the class": {config: config("gpu.topodra.io", resourceapi.AllocationConfigSourceClass, "gpus"), wantErr: "from its DeviceClass"},
+		"ours, other request":  {config: config("gpu.topodra.io", resourceapi.AllocationConfigSourceClaim, "nic")},
+		"other driver":         {config: config("gpu.nvidia.com", resourceapi.AllocationConfigSourceClaim)},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			c := claim("cfg-"+strings.ReplaceAll(strings.ReplaceAll(name, " ", ""), ",", ""), gpus("gpus", "gpu-5")...)
+			c.Status.Allocation.Devices.Config = []resourceapi.DeviceAllocationConfiguration{tc.config}
+			res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := res[c.UID].Err
+			if tc.wantErr == "" {
+				if got != nil {
+					t.Errorf("unexpected error: %v", got)
+				}
+				if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(c)}); err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if !errors.Is(got, agent.ErrConfigNotSupported) || !strings.Contains(got.Error(), tc.wantErr) {
+				t.Errorf("error %v, want ErrConfigNotSupported mentioning %q", got, tc.wantErr)
+			}
+		})
+	}
+}
+
+// TestCleanupStaleClaims: a prepared claim that was deleted from the API
+// (or recreated under the same name) is unprepared; one that exists stays.
+func TestCleanupStaleClaims(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	live := claim("live", gpus("gpus", "gpu-0")...)
+	gone := claim("gone", gpus("gpus", "gpu-1")...)
+	recreated := claim("recreated", gpus("gpus", "gpu-2")...)
+	for _, c := range []*resourceapi.ResourceClaim{live, recreated} {
+		obj := c.DeepCopy()
+		if c == recreated {
+			obj.UID = "uid-recreated-2"
+		}
+		if _, err := e.client.ResourceV1().ResourceClaims(c.Namespace).Create(ctx, obj, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{live, gone, recreated})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for uid, r := range res {
+		if r.Err != nil {
+			t.Fatalf("prepare %s: %v", uid, r.Err)
+		}
+	}
+	removed, err := a.CleanupStaleClaims(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[types.UID]bool{}
+	for _, uid := range removed {
+		got[uid] = true
+	}
+	if len(removed) != 2 || !got[gone.UID] || !got[recreated.UID] {
+		t.Errorf("removed %v, want %s and %s", removed, gone.UID, recreated.UID)
+	}
+	// gpu-1 is free again, gpu-0 is not.
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("next", gpus("gpus", "gpu-1")...), claim("clash", gpus("gpus", "gpu-0")...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res["uid-next"]; r.Err != nil {
+		t.Errorf("gpu-1 after cleanup: %v", r.Err)
+	}
+	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
+	}
+}
