@@ -9,7 +9,7 @@ LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s
 export CGO_CFLAGS ?= -Wno-deprecated-declarations
 TEST_FLAGS ?= -count=1 -timeout=40m -p=2
 
-.PHONY: all build test unit integration verify demo bench bench-short clean
+.PHONY: all build test unit integration verify demo bench bench-short fuzz images clean
 
 all: build
 
@@ -28,6 +28,18 @@ unit:
 
 integration:
 	$(GO) test $(TEST_FLAGS) ./test/integration/...
+
+# Each fuzz target for FUZZTIME (their seed corpora also run in `make test`).
+# The first run instruments and compiles the scheduler's packages: minutes.
+FUZZTIME ?= 10s
+fuzz:
+	$(GO) test -run XXX -fuzz FuzzTopologyAttributes -fuzztime $(FUZZTIME) ./pkg/topology
+	$(GO) test -run XXX -fuzz FuzzWorkloadYAML -fuzztime $(FUZZTIME) ./pkg/sim
+	$(GO) test -run XXX -fuzz FuzzArgsDecode -fuzztime $(FUZZTIME) ./pkg/plugins/topologydra
+
+# Container images of the scheduler and the node agent (docker).
+images:
+	hack/build-images.sh
 
 verify:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
