@@ -217,11 +217,11 @@ func (p Policy) withDefaults() (Policy, error) {
 	if _, err := ParseAlignmentMode(string(p.Alignment)); err != nil {
 		return p, err
 	}
-	if p.AlignmentWeight < 0 || p.PackingWeight < 0 {
-		return p, fmt.Errorf("negative weight (alignment %v, packing %v)", p.AlignmentWeight, p.PackingWeight)
+	if p.AlignmentWeight < 0 || p.RoomWeight < 0 || p.PackingWeight < 0 {
+		return p, fmt.Errorf("negative weight (alignment %v, room %v, packing %v)", p.AlignmentWeight, p.RoomWeight, p.PackingWeight)
 	}
-	if p.AlignmentWeight == 0 && p.PackingWeight == 0 {
-		p.AlignmentWeight, p.PackingWeight = def.AlignmentWeight, def.PackingWeight
+	if p.AlignmentWeight == 0 && p.RoomWeight == 0 && p.PackingWeight == 0 {
+		p.AlignmentWeight, p.RoomWeight, p.PackingWeight = def.AlignmentWeight, def.RoomWeight, def.PackingWeight
 	}
 	return p, nil
 }

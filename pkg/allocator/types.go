@@ -27,7 +27,7 @@ const (
 
 // Policy is the configurable preference model: which attributes define
 // domains, how strictly to align, whether to pack or spread, and how
-// alignment and packing weigh in Quality.Score.
+// alignment, room and packing weigh in Quality.Score.
 type Policy struct {
 	// Attributes are the topology attributes that define domains, in
 	// priority order (fully qualified names, e.g. topology.AttrPCIeRoot).
@@ -37,51 +37,91 @@ type Policy struct {
 	// Alignment is the default for claims without the topodra.io/alignment
 	// annotation. Empty means prefer.
 	Alignment AlignmentMode
-	// Packing selects best-fit (MostAllocated-like: fill partly used domains
-	// first, keep large aligned blocks free) when true, and spreading
-	// (LeastAllocated: use the emptiest domains first) when false.
+	// Packing selects best-fit (MostAllocated-like: fill partly used nodes
+	// and domains first, keep large aligned blocks free) when true, and
+	// spreading (LeastAllocated: use the emptiest domains first) when
+	// false. Quality.Room only counts when packing.
 	Packing bool
-	// AlignmentWeight and PackingWeight weigh Quality.Alignment against
-	// packing in Score; only their ratio matters. Both zero means
-	// DefaultPolicy's weights; negative weights are invalid.
-	AlignmentWeight, PackingWeight float64
+	// AlignmentWeight, RoomWeight and PackingWeight weigh Quality's
+	// Alignment, Room and Packing in Score; only their ratios matter. All
+	// zero means DefaultPolicy's weights; negative weights are invalid.
+	//
+	// They are the rule that trades alignment against fragmentation: a
+	// placement in a looser domain wins when what it saves in Room times
+	// RoomWeight exceeds what it loses in Alignment times AlignmentWeight.
+	AlignmentWeight, RoomWeight, PackingWeight float64
 }
 
 // DefaultPolicy returns topology.DefaultAttributes (nvlinkClique, pcieRoot,
-// numaNode), alignment prefer, packing, and weights 70 (alignment) to 30
-// (packing).
+// numaNode), alignment prefer, packing, and weights 40 (alignment), 40
+// (room) and 20 (packing).
+//
+// With these weights a pod never gives up its tightest domain to spare a
+// pair (a 2-device block costs 0.05 Room, 2 points), and gives it up to
+// spare a 4-device block (0.3 Room, 12 points) only where the looser
+// placement loses less than 12 points of alignment: on a DGX, four GPUs
+// in one NUMA node (alignment 0.5) beat four that span the NUMA nodes
+// inside the NVSwitch clique (0.17) unless the NUMA-aligned choice breaks
+// a whole free NUMA node that the spanning one keeps (then the two are
+// within a point and packing decides). Breaking a whole free node (Room
+// 1, 40 points) loses to any aligned placement on a node in use.
 func DefaultPolicy() Policy {
 	return Policy{
 		Attributes:      append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
 		Alignment:       AlignmentPrefer,
 		Packing:         true,
-		AlignmentWeight: 70,
-		PackingWeight:   30,
+		AlignmentWeight: 40,
+		RoomWeight:      40,
+		PackingWeight:   20,
 	}
 }
 
 // Score is the score of an allocation of quality q, in 0..100, higher is
 // better: the weighted mean
 //
-//	round(100 * (AlignmentWeight*alignment + PackingWeight*packing) / (AlignmentWeight + PackingWeight))
+//	round(100 * (AlignmentWeight*alignment + RoomWeight*room + PackingWeight*packing) / (sum of the weights))
 //
-// where alignment is q.Alignment for the policy's attributes and packing is
-// q.Packing when Packing is set, 1-q.Packing otherwise (spreading). The
-// allocator uses it for Quality.Score and the scheduler plugin for node
-// scores. Zero weights mean DefaultPolicy's.
+// where alignment is q.Alignment for the policy's attributes, room is
+// q.Room when Packing is set (RoomWeight is left out of the sum when
+// spreading), and packing is q.Packing when Packing is set, 1-q.Packing
+// otherwise. The score is proportional: it is not stretched between
+// nodes, so other score plugins (users' preferred affinities, topology
+// spread) keep their say. The allocator uses it for Quality.Score and the
+// scheduler plugin for node scores. All weights zero means DefaultPolicy's.
 func (p Policy) Score(q Quality) int64 {
-	wa, wp := p.AlignmentWeight, p.PackingWeight
-	if wa == 0 && wp == 0 {
+	wa, wr, wp := p.AlignmentWeight, p.RoomWeight, p.PackingWeight
+	if wa == 0 && wr == 0 && wp == 0 {
 		def := DefaultPolicy()
-		wa, wp = def.AlignmentWeight, def.PackingWeight
+		wa, wr, wp = def.AlignmentWeight, def.RoomWeight, def.PackingWeight
 	}
 	pack := q.Packing
 	if !p.Packing {
 		pack = 1 - q.Packing
+		wr = 0
+	}
+	if wa+wr+wp == 0 {
+		return 0
 	}
 	align := q.Alignment(len(p.Attributes), len(q.Devices))
-	score := int64(math.Round(100 * (wa*align + wp*pack) / (wa + wp)))
+	score := int64(math.Round(100 * (wa*align + wr*q.Room + wp*pack) / (wa + wr + wp)))
 	return max(0, min(100, score))
+}
+
+// BlockCost is what breaking up a free aligned block of size devices costs
+// Quality.Room: 1 for eight or more (a whole node for the largest jobs),
+// 0.3 for four or more (a NUMA node), 0.05 for two or more, nothing for a
+// single device. Larger blocks cost far more, so a pod goes where it
+// breaks the smallest blocks.
+func BlockCost(size int) float64 {
+	switch {
+	case size >= 8:
+		return 1
+	case size >= 4:
+		return 0.3
+	case size >= 2:
+		return 0.05
+	}
+	return 0
 }
 
 // ParseAlignmentMode parses the value of the topodra.io/alignment annotation.
@@ -136,6 +176,13 @@ type Quality struct {
 	// GPU goes into a half-used NUMA node before a whole free one.
 	// "Matching" means matching any request of the pod.
 	Packing float64
+	// Room in [0,1]: 1 minus the cost of the free aligned blocks this
+	// allocation breaks up (see BlockCost), at least 0. A block is the
+	// whole node or one domain of a configured attribute, counted over the
+	// devices that match the pod's requests; it is free when none of them
+	// is in use, and broken when the allocation takes any of them. Blocks
+	// with the same devices count once. 1 when nothing free is broken.
+	Room float64
 	// Tightness in [0,1]: over the configured attributes, the mean of
 	// devices/size of the domain the devices share at that attribute (0
 	// where they share none; size counts devices that match the pod's

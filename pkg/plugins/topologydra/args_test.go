@@ -51,8 +51,9 @@ func TestConfigFilesDecode(t *testing.T) {
 			want: config.TopologyDRAArgs{
 				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
 				ScoringStrategy:       config.MostAllocated,
-				AlignmentWeight:       70,
-				PackingWeight:         30,
+				AlignmentWeight:       40,
+				RoomWeight:            40,
+				PackingWeight:         20,
 				Alignment:             config.AlignmentPrefer,
 				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds: 600,
@@ -129,7 +130,7 @@ func TestValidateArgs(t *testing.T) {
 		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
 		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
 		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.AlignmentWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.AlignmentWeight, a.RoomWeight, a.PackingWeight = 0, 0, 0 }, wantErr: "all be zero"},
 		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
 		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
 	}

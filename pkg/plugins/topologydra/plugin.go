@@ -106,13 +106,14 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// weighed by AlignmentWeight and PackingWeight.
+// weighed by AlignmentWeight, RoomWeight and PackingWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 	policy := allocator.Policy{
 		Attributes:      []resourceapi.QualifiedName{},
 		Alignment:       allocator.AlignmentMode(args.Alignment),
 		Packing:         args.ScoringStrategy == config.MostAllocated,
 		AlignmentWeight: float64(args.AlignmentWeight),
+		RoomWeight:      float64(args.RoomWeight),
 		PackingWeight:   float64(args.PackingWeight),
 	}
 	for _, attr := range args.TopologyAttributes {

@@ -22,8 +22,8 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 }
 
 // Score returns the score of the allocation Filter found on the node:
-// allocator.Policy.Score of its quality, with the weights and scoring
-// strategy of the args (see policyFromArgs).
+// allocator.Policy.Score of its quality (alignment, room, packing), with
+// the weights and scoring strategy of the args (see policyFromArgs).
 func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
 	s, err := getState(cs)
 	if err != nil {
@@ -36,27 +36,10 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	return res.Quality.Score, nil
 }
 
-// ScoreExtensions implements fwk.ScorePlugin.
-func (pl *TopologyDRA) ScoreExtensions() fwk.ScoreExtensions { return pl }
-
-// NormalizeScore stretches the scores of the feasible nodes to the full
-// 0..100 range (min-max), so that the difference between a well and a
-// poorly aligned or packed node outweighs the generic spreading plugins of
-// the profile. Equal scores stay as they are.
-func (pl *TopologyDRA) NormalizeScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, scores fwk.NodeScoreList) *fwk.Status {
-	if len(scores) == 0 {
-		return nil
-	}
-	lo, hi := scores[0].Score, scores[0].Score
-	for _, s := range scores {
-		lo = min(lo, s.Score)
-		hi = max(hi, s.Score)
-	}
-	if hi == lo {
-		return nil
-	}
-	for i := range scores {
-		scores[i].Score = (scores[i].Score - lo) * fwk.MaxNodeScore / (hi - lo)
-	}
-	return nil
-}
+// ScoreExtensions implements fwk.ScorePlugin. There is no normalisation:
+// Policy.Score is proportional (0..100 on the same scale for every node),
+// so the profile's plugin weight alone sets how much placement counts
+// against the profile's other scores, users' preferred affinities among
+// them. Stretching the feasible nodes' scores to 0..100 would turn a
+// 1-point difference into the full range and override them.
+func (pl *TopologyDRA) ScoreExtensions() fwk.ScoreExtensions { return nil }

@@ -49,9 +49,14 @@ type TopologyDRAArgs struct {
 	TopologyAttributes []string
 	// ScoringStrategy: MostAllocated (default) or LeastAllocated.
 	ScoringStrategy ScoringStrategy
-	// AlignmentWeight and PackingWeight weigh the two parts of a node's
-	// score; they are normalised to sum 100.
+	// AlignmentWeight, RoomWeight and PackingWeight weigh the three parts
+	// of a node's score (allocator.Policy.Score): how tight the devices
+	// are, how few free aligned blocks (whole nodes, NUMA nodes, pairs)
+	// the placement breaks up, and how full the node and domains become.
+	// Only their ratios matter; they are the documented rule that trades
+	// alignment against fragmentation (docs/placement.md).
 	AlignmentWeight int32
+	RoomWeight      int32
 	PackingWeight   int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy

@@ -31,6 +31,7 @@ type TopologyDRAArgs struct {
 	TopologyAttributes    []string `json:"topologyAttributes,omitempty"`
 	ScoringStrategy       *string  `json:"scoringStrategy,omitempty"`
 	AlignmentWeight       *int32   `json:"alignmentWeight,omitempty"`
+	RoomWeight            *int32   `json:"roomWeight,omitempty"`
 	PackingWeight         *int32   `json:"packingWeight,omitempty"`
 	Alignment             *string  `json:"alignment,omitempty"`
 	OwnedTaintKey         *string  `json:"ownedTaintKey,omitempty"`
@@ -46,6 +47,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
 	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
 	out.AlignmentWeight = copyPtr(a.AlignmentWeight)
+	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
@@ -71,10 +73,13 @@ func SetDefaults(a *TopologyDRAArgs) {
 		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
 	}
 	if a.AlignmentWeight == nil {
-		a.AlignmentWeight = ptr.To[int32](70)
+		a.AlignmentWeight = ptr.To[int32](40)
+	}
+	if a.RoomWeight == nil {
+		a.RoomWeight = ptr.To[int32](40)
 	}
 	if a.PackingWeight == nil {
-		a.PackingWeight = ptr.To[int32](30)
+		a.PackingWeight = ptr.To[int32](20)
 	}
 	if a.Alignment == nil {
 		a.Alignment = ptr.To(string(config.AlignmentPrefer))
@@ -92,6 +97,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
 	out.AlignmentWeight = ptr.Deref(in.AlignmentWeight, 0)
+	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
 	out.OwnedTaintKey = ptr.Deref(in.OwnedTaintKey, "")
@@ -103,6 +109,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
 	out.AlignmentWeight = ptr.To(in.AlignmentWeight)
+	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
 	out.OwnedTaintKey = ptr.To(in.OwnedTaintKey)
