@@ -53,26 +53,25 @@ type Policy struct {
 }
 
 // DefaultPolicy returns topology.DefaultAttributes (nvlinkClique, pcieRoot,
-// numaNode), alignment prefer, packing, and weights 40 (alignment), 40
-// (room) and 20 (packing).
+// numaNode), alignment prefer, packing, and weights 50 (alignment), 35
+// (room) and 15 (packing).
 //
-// With these weights a pod never gives up its tightest domain to spare a
-// pair (a 2-device block costs 0.05 Room, 2 points), and gives it up to
-// spare a 4-device block (0.3 Room, 12 points) only where the looser
-// placement loses less than 12 points of alignment: on a DGX, four GPUs
-// in one NUMA node (alignment 0.5) beat four that span the NUMA nodes
-// inside the NVSwitch clique (0.17) unless the NUMA-aligned choice breaks
-// a whole free NUMA node that the spanning one keeps (then the two are
-// within a point and packing decides). Breaking a whole free node (Room
-// 1, 40 points) loses to any aligned placement on a node in use.
+// With these weights, among nodes in use a pod keeps its tightest domain
+// even where that breaks a whole free NUMA node (a 4-device block costs
+// 0.3 Room, 10.5 points; on a DGX a pair under one PCIe root has
+// alignment 0.58 against 0.25 for a pair that only shares the NUMA node,
+// 16.5 points). Breaking a whole free node (Room 0, 35 points lost) costs
+// more than any loss of alignment short of leaving every shared domain:
+// a pod goes, in a looser domain, to a node in use before it opens an
+// empty node, and opens one only where no node in use can take it.
 func DefaultPolicy() Policy {
 	return Policy{
 		Attributes:      append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
 		Alignment:       AlignmentPrefer,
 		Packing:         true,
-		AlignmentWeight: 40,
-		RoomWeight:      40,
-		PackingWeight:   20,
+		AlignmentWeight: 50,
+		RoomWeight:      35,
+		PackingWeight:   15,
 	}
 }
 

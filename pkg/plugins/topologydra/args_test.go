@@ -51,9 +51,9 @@ func TestConfigFilesDecode(t *testing.T) {
 			want: config.TopologyDRAArgs{
 				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
 				ScoringStrategy:       config.MostAllocated,
-				AlignmentWeight:       40,
-				RoomWeight:            40,
-				PackingWeight:         20,
+				AlignmentWeight:       50,
+				RoomWeight:            35,
+				PackingWeight:         15,
 				Alignment:             config.AlignmentPrefer,
 				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds: 600,

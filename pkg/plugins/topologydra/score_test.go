@@ -8,21 +8,21 @@ import (
 )
 
 func TestPolicyScore(t *testing.T) {
-	args := *DefaultArgs() // 40/40/20, MostAllocated, 3 levels
+	args := *DefaultArgs() // 50/35/15, MostAllocated, 3 levels
 	score := policyFromArgs(args).Score
 	two := []string{"a", "b"}
 	tests := map[string]struct {
 		q    allocator.Quality
 		want int64
 	}{
-		"single device, empty node":           {q: allocator.Quality{Devices: []string{"a"}, Room: 0, Packing: 0}, want: 40},
-		"single device, busy node, no break":  {q: allocator.Quality{Devices: []string{"a"}, Room: 1, Packing: 0.5}, want: 90},
+		"single device, empty node":           {q: allocator.Quality{Devices: []string{"a"}, Room: 0, Packing: 0}, want: 50},
+		"single device, busy node, no break":  {q: allocator.Quality{Devices: []string{"a"}, Room: 1, Packing: 0.5}, want: 93},
 		"single device, full node":            {q: allocator.Quality{Devices: []string{"a"}, Room: 1, Packing: 1}, want: 100},
-		"pair sharing every domain fully":     {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Room: 1, Packing: 0}, want: 80},
-		"pair in a domain of eight":           {q: allocator.Quality{Devices: two, Level: 0, Tightness: 0.25, Room: 1, Packing: 0}, want: 50},
-		"pair spanning two domains":           {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Room: 1, Packing: 0}, want: 41},
-		"pair spanning two domains, packed":   {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Room: 1, Packing: 1}, want: 61},
-		"pair breaking a whole node, aligned": {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Room: 0, Packing: 0}, want: 40},
+		"pair sharing every domain fully":     {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Room: 1, Packing: 0}, want: 85},
+		"pair in a domain of eight":           {q: allocator.Quality{Devices: two, Level: 0, Tightness: 0.25, Room: 1, Packing: 0}, want: 48},
+		"pair spanning two domains":           {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Room: 1, Packing: 0}, want: 36},
+		"pair spanning two domains, packed":   {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Room: 1, Packing: 1}, want: 51},
+		"pair breaking a whole node, aligned": {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Room: 0, Packing: 0}, want: 50},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

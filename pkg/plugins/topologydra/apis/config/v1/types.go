@@ -73,13 +73,13 @@ func SetDefaults(a *TopologyDRAArgs) {
 		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
 	}
 	if a.AlignmentWeight == nil {
-		a.AlignmentWeight = ptr.To[int32](40)
+		a.AlignmentWeight = ptr.To[int32](50)
 	}
 	if a.RoomWeight == nil {
-		a.RoomWeight = ptr.To[int32](40)
+		a.RoomWeight = ptr.To[int32](35)
 	}
 	if a.PackingWeight == nil {
-		a.PackingWeight = ptr.To[int32](20)
+		a.PackingWeight = ptr.To[int32](15)
 	}
 	if a.Alignment == nil {
 		a.Alignment = ptr.To(string(config.AlignmentPrefer))
