@@ -68,7 +68,16 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 		}
 	}
 	q.Packing = full.packing(nodeUtil)
-	q.Room = room(ns, matching, devs)
+	q.Room, q.BreaksNode = room(ns, matching, devs)
+	q.Shared = L
+	if len(devs) > 1 {
+		q.Shared = 0
+		for _, d := range domains {
+			if d != nil {
+				q.Shared++
+			}
+		}
+	}
 
 	// Tightness: every domain the devices share counts, by how little of
 	// it is left over: a DGX pair under one PCIe root (which also shares a
@@ -88,13 +97,14 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 	return q
 }
 
-// room computes Quality.Room for the chosen devices devs: the whole node
-// and each domain that holds one of them count as a block of the devices
-// that match the pod's requests.
-func room(ns *nodeState, matching []bool, devs []int) float64 {
+// room computes Quality.Room and Quality.BreaksNode for the chosen devices
+// devs: the whole node and each domain that holds one of them count as a
+// block of the devices that match the pod's requests.
+func room(ns *nodeState, matching []bool, devs []int) (float64, bool) {
 	if len(devs) == 0 {
-		return 1
+		return 1, false
 	}
+	breaksNode := false
 	type block struct{ size, first int }
 	var broken []block
 	cost := 0.0
@@ -118,6 +128,7 @@ func room(ns *nodeState, matching []bool, devs []int) float64 {
 	if b, ok := free(func(int) bool { return true }); ok {
 		broken = append(broken, b)
 		cost += BlockCost(b.size)
+		breaksNode = b.size >= WholeNodeBlock
 	}
 	for l := range ns.dom {
 		var seen []int32
@@ -133,10 +144,11 @@ func room(ns *nodeState, matching []bool, devs []int) float64 {
 			if ok && !slices.Contains(broken, b) {
 				broken = append(broken, b)
 				cost += BlockCost(b.size)
+				breaksNode = breaksNode || b.size >= WholeNodeBlock
 			}
 		}
 	}
-	return max(0, 1-cost)
+	return max(0, 1-cost), breaksNode
 }
 
 // usage returns which devices match some unit, and the share of them that

@@ -51,9 +51,9 @@ func TestConfigFilesDecode(t *testing.T) {
 			want: config.TopologyDRAArgs{
 				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
 				ScoringStrategy:       config.MostAllocated,
-				AlignmentWeight:       50,
-				RoomWeight:            35,
-				PackingWeight:         15,
+				WholeNodeTrade:        1,
+				RoomWeight:            70,
+				PackingWeight:         30,
 				Alignment:             config.AlignmentPrefer,
 				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds: 600,
@@ -130,8 +130,10 @@ func TestValidateArgs(t *testing.T) {
 		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
 		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
 		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.AlignmentWeight, a.RoomWeight, a.PackingWeight = 0, 0, 0 }, wantErr: "all be zero"},
+		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
 		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":      {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"no trade is valid":   {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
 		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
 	}
 	for name, tc := range tests {

@@ -106,15 +106,16 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// weighed by AlignmentWeight, RoomWeight and PackingWeight.
+// ranked by alignment (WholeNodeTrade) first, then room and packing mixed
+// by RoomWeight and PackingWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 	policy := allocator.Policy{
-		Attributes:      []resourceapi.QualifiedName{},
-		Alignment:       allocator.AlignmentMode(args.Alignment),
-		Packing:         args.ScoringStrategy == config.MostAllocated,
-		AlignmentWeight: float64(args.AlignmentWeight),
-		RoomWeight:      float64(args.RoomWeight),
-		PackingWeight:   float64(args.PackingWeight),
+		Attributes:     []resourceapi.QualifiedName{},
+		Alignment:      allocator.AlignmentMode(args.Alignment),
+		Packing:        args.ScoringStrategy == config.MostAllocated,
+		WholeNodeTrade: int(args.WholeNodeTrade),
+		RoomWeight:     float64(args.RoomWeight),
+		PackingWeight:  float64(args.PackingWeight),
 	}
 	for _, attr := range args.TopologyAttributes {
 		policy.Attributes = append(policy.Attributes, resourceapi.QualifiedName(attr))

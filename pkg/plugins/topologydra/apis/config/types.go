@@ -49,15 +49,19 @@ type TopologyDRAArgs struct {
 	TopologyAttributes []string
 	// ScoringStrategy: MostAllocated (default) or LeastAllocated.
 	ScoringStrategy ScoringStrategy
-	// AlignmentWeight, RoomWeight and PackingWeight weigh the three parts
-	// of a node's score (allocator.Policy.Score): how tight the devices
-	// are, how few free aligned blocks (whole nodes, NUMA nodes, pairs)
-	// the placement breaks up, and how full the node and domains become.
-	// Only their ratios matter; they are the documented rule that trades
-	// alignment against fragmentation (docs/placement.md).
-	AlignmentWeight int32
-	RoomWeight      int32
-	PackingWeight   int32
+	// WholeNodeTrade, RoomWeight and PackingWeight are the rule by which a
+	// node's score (allocator.Policy.Score) ranks placements
+	// (docs/placement.md): alignment first (how many topology attributes
+	// the devices share), then room (how few free aligned blocks — whole
+	// nodes, NUMA nodes, pairs — the placement breaks up) and packing (how
+	// full the node and domains become), mixed by RoomWeight and
+	// PackingWeight (only their ratio matters). WholeNodeTrade is how many
+	// alignment ranks a placement that breaks up a whole free node gives
+	// up (never below the loosest aligned rank); 0 keeps alignment
+	// strictly first.
+	WholeNodeTrade int32
+	RoomWeight     int32
+	PackingWeight  int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

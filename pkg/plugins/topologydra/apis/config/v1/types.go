@@ -30,7 +30,7 @@ type TopologyDRAArgs struct {
 
 	TopologyAttributes    []string `json:"topologyAttributes,omitempty"`
 	ScoringStrategy       *string  `json:"scoringStrategy,omitempty"`
-	AlignmentWeight       *int32   `json:"alignmentWeight,omitempty"`
+	WholeNodeTrade        *int32   `json:"wholeNodeTrade,omitempty"`
 	RoomWeight            *int32   `json:"roomWeight,omitempty"`
 	PackingWeight         *int32   `json:"packingWeight,omitempty"`
 	Alignment             *string  `json:"alignment,omitempty"`
@@ -46,7 +46,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out := &TopologyDRAArgs{TypeMeta: a.TypeMeta}
 	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
 	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
-	out.AlignmentWeight = copyPtr(a.AlignmentWeight)
+	out.WholeNodeTrade = copyPtr(a.WholeNodeTrade)
 	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.Alignment = copyPtr(a.Alignment)
@@ -72,14 +72,14 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.ScoringStrategy == nil {
 		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
 	}
-	if a.AlignmentWeight == nil {
-		a.AlignmentWeight = ptr.To[int32](50)
+	if a.WholeNodeTrade == nil {
+		a.WholeNodeTrade = ptr.To[int32](1)
 	}
 	if a.RoomWeight == nil {
-		a.RoomWeight = ptr.To[int32](35)
+		a.RoomWeight = ptr.To[int32](70)
 	}
 	if a.PackingWeight == nil {
-		a.PackingWeight = ptr.To[int32](15)
+		a.PackingWeight = ptr.To[int32](30)
 	}
 	if a.Alignment == nil {
 		a.Alignment = ptr.To(string(config.AlignmentPrefer))
@@ -96,7 +96,7 @@ func SetDefaults(a *TopologyDRAArgs) {
 func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
-	out.AlignmentWeight = ptr.Deref(in.AlignmentWeight, 0)
+	out.WholeNodeTrade = ptr.Deref(in.WholeNodeTrade, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -108,7 +108,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
-	out.AlignmentWeight = ptr.To(in.AlignmentWeight)
+	out.WholeNodeTrade = ptr.To(in.WholeNodeTrade)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
