@@ -59,10 +59,11 @@ type Policy struct {
 }
 
 // DefaultPolicy returns topology.DefaultAttributes (nvlinkClique, pcieRoot,
-// numaNode), alignment prefer, packing, WholeNodeTrade 1, and room and
-// packing weights 70 and 30.
+// numaNode), alignment prefer, packing, WholeNodeTrade 0 (alignment
+// strictly first), and room and packing weights 70 and 30.
 //
-// With WholeNodeTrade 1, a pod takes the tightest kind of domain it can
+// With WholeNodeTrade 1 (the scheduler plugin raises it while a pod that
+// needs a whole node is pending), a pod takes the tightest kind of domain it can
 // get on any node, except that a placement which breaks up a whole free
 // node ranks level with placements one kind looser: then a node in use
 // that offers the looser placement wins on room, and the free node stays
@@ -75,7 +76,7 @@ func DefaultPolicy() Policy {
 		Attributes:     append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
 		Alignment:      AlignmentPrefer,
 		Packing:        true,
-		WholeNodeTrade: 1,
+		WholeNodeTrade: 0,
 		RoomWeight:     70,
 		PackingWeight:  30,
 	}

@@ -1,13 +1,18 @@
 package integration
 
 import (
+	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -144,5 +149,39 @@ func TestUserPreferenceStillCounts(t *testing.T) {
 	}
 	if len(devices) != 1 || devices[0] != "gpu-1" {
 		t.Errorf("pod got %v, want gpu-1 (the pair partner of the taken gpu-0)", devices)
+	}
+}
+
+// TestWaitingWholeNodePodProtectsNodes: a used DGX has one GPU taken under
+// every PCIe root, so a 2-GPU pod finds a root pair only on the empty DGX.
+// While an 8-GPU pod is pending, the pair goes into one NUMA node of the
+// used DGX and the empty one stays whole (wholeNodeTradeWhileWaiting);
+// with nothing waiting, alignment comes first and the pair takes a PCIe
+// root of the empty DGX (wholeNodeTrade 0).
+func TestWaitingWholeNodePodProtectsNodes(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "demand")
+	empty := e.node("a", "empty", framework.DGXLikeGPUs)
+	used := e.node("a", "used", framework.DGXLikeGPUs, "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+	two, eight := e.template(2, nil), e.template(8, nil)
+	startTopodra(tCtx)
+
+	// No node of group "nowhere" exists: the 8-GPU pod stays pending.
+	e.pod("waiting", topodraName, "nowhere", eight)
+	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
+	tCtx.ExpectNoError(err)
+	node, devices := e.schedule("while-waiting", "a", two)
+	if node != used || !sharedDomain(devices, 4) {
+		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of the used %s (not the empty %s)", devices, node, used, empty)
+	}
+
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "waiting", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	tCtx.ExpectNoError(wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		_, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "waiting", metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}))
+	node, devices = e.schedule("nothing-waiting", "a", two)
+	if node != empty || !sharedDomain(devices, 2) {
+		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of the empty %s", devices, node, empty)
 	}
 }

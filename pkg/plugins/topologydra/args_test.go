@@ -49,14 +49,15 @@ func TestConfigFilesDecode(t *testing.T) {
 		"scheduler-config.yaml": {
 			file: "scheduler-config.yaml",
 			want: config.TopologyDRAArgs{
-				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
-				ScoringStrategy:       config.MostAllocated,
-				WholeNodeTrade:        1,
-				RoomWeight:            70,
-				PackingWeight:         30,
-				Alignment:             config.AlignmentPrefer,
-				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
-				BindingTimeoutSeconds: 600,
+				TopologyAttributes:         []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
+				ScoringStrategy:            config.MostAllocated,
+				WholeNodeTrade:             0,
+				WholeNodeTradeWhileWaiting: 2,
+				RoomWeight:                 70,
+				PackingWeight:              30,
+				Alignment:                  config.AlignmentPrefer,
+				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
+				BindingTimeoutSeconds:      600,
 			},
 		},
 		"multi-profile.yaml (defaults filled in)": {

@@ -15,11 +15,13 @@ import (
 	"fmt"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -37,8 +39,15 @@ const Name = "TopologyDRA"
 
 // TopologyDRA is the plugin. All fields are set in New and read-only after.
 type TopologyDRA struct {
-	args       config.TopologyDRAArgs
-	policy     allocator.Policy
+	args   config.TopologyDRAArgs
+	policy allocator.Policy
+	// scorePolicy returns the policy whose Score ranks the nodes for pod:
+	// policy, or policy with WholeNodeTradeWhileWaiting while a pod that
+	// needs a whole node is pending (see wholeNodePodWaiting).
+	scorePolicy func(pod *corev1.Pod) allocator.Policy
+	// pods lists the cluster's pods; nil where scorePolicy does not look
+	// at pending pods.
+	pods       corelisters.PodLister
 	features   structured.Features
 	draManager fwk.SharedDRAManager
 	client     kubernetes.Interface
@@ -88,6 +97,18 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
 	}
 	pl.policy = policyFromArgs(*args)
+	pl.scorePolicy = func(*corev1.Pod) allocator.Policy { return pl.policy }
+	if args.WholeNodeTradeWhileWaiting > args.WholeNodeTrade && pl.policy.Packing {
+		waiting := pl.policy
+		waiting.WholeNodeTrade = int(args.WholeNodeTradeWhileWaiting)
+		pl.pods = h.SharedInformerFactory().Core().V1().Pods().Lister()
+		pl.scorePolicy = func(pod *corev1.Pod) allocator.Policy {
+			if pl.wholeNodePodWaiting(pod) {
+				return waiting
+			}
+			return pl.policy
+		}
+	}
 	if args.OwnedTaintKey != "" {
 		pl.ownedToleration = &resourceapi.DeviceToleration{
 			Key:      args.OwnedTaintKey,

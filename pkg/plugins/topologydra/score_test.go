@@ -8,7 +8,8 @@ import (
 )
 
 func TestPolicyScore(t *testing.T) {
-	args := *DefaultArgs() // trade 1, room 70 / packing 30, MostAllocated, 3 levels: bands of 25
+	args := *DefaultArgs() // room 70 / packing 30, MostAllocated, 3 levels: bands of 25
+	args.WholeNodeTrade = 1
 	score := policyFromArgs(args).Score
 	one, two := []string{"a"}, []string{"a", "b"}
 	tests := map[string]struct {

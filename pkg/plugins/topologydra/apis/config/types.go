@@ -58,10 +58,13 @@ type TopologyDRAArgs struct {
 	// PackingWeight (only their ratio matters). WholeNodeTrade is how many
 	// alignment ranks a placement that breaks up a whole free node gives
 	// up (never below the loosest aligned rank); 0 keeps alignment
-	// strictly first.
-	WholeNodeTrade int32
-	RoomWeight     int32
-	PackingWeight  int32
+	// strictly first. WholeNodeTradeWhileWaiting replaces it while a pod
+	// of this scheduler that needs a whole node (allocator.WholeNodeBlock
+	// devices or more) is pending; it is never less than WholeNodeTrade.
+	WholeNodeTrade             int32
+	WholeNodeTradeWhileWaiting int32
+	RoomWeight                 int32
+	PackingWeight              int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

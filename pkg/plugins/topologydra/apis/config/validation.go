@@ -36,6 +36,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.WholeNodeTrade < 0 {
 		errs = append(errs, field.Invalid(path.Child("wholeNodeTrade"), args.WholeNodeTrade, "must not be negative"))
 	}
+	if args.WholeNodeTradeWhileWaiting < args.WholeNodeTrade {
+		errs = append(errs, field.Invalid(path.Child("wholeNodeTradeWhileWaiting"), args.WholeNodeTradeWhileWaiting, "must not be less than wholeNodeTrade"))
+	}
 	if args.RoomWeight < 0 {
 		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "must not be negative"))
 	}

@@ -28,14 +28,15 @@ var SchemeGroupVersion = schema.GroupVersion{Group: config.GroupName, Version: "
 type TopologyDRAArgs struct {
 	metav1.TypeMeta `json:",inline"`
 
-	TopologyAttributes    []string `json:"topologyAttributes,omitempty"`
-	ScoringStrategy       *string  `json:"scoringStrategy,omitempty"`
-	WholeNodeTrade        *int32   `json:"wholeNodeTrade,omitempty"`
-	RoomWeight            *int32   `json:"roomWeight,omitempty"`
-	PackingWeight         *int32   `json:"packingWeight,omitempty"`
-	Alignment             *string  `json:"alignment,omitempty"`
-	OwnedTaintKey         *string  `json:"ownedTaintKey,omitempty"`
-	BindingTimeoutSeconds *int64   `json:"bindingTimeoutSeconds,omitempty"`
+	TopologyAttributes         []string `json:"topologyAttributes,omitempty"`
+	ScoringStrategy            *string  `json:"scoringStrategy,omitempty"`
+	WholeNodeTrade             *int32   `json:"wholeNodeTrade,omitempty"`
+	WholeNodeTradeWhileWaiting *int32   `json:"wholeNodeTradeWhileWaiting,omitempty"`
+	RoomWeight                 *int32   `json:"roomWeight,omitempty"`
+	PackingWeight              *int32   `json:"packingWeight,omitempty"`
+	Alignment                  *string  `json:"alignment,omitempty"`
+	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
+	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
 }
 
 // DeepCopyObject implements runtime.Object.
@@ -47,6 +48,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
 	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
 	out.WholeNodeTrade = copyPtr(a.WholeNodeTrade)
+	out.WholeNodeTradeWhileWaiting = copyPtr(a.WholeNodeTradeWhileWaiting)
 	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.Alignment = copyPtr(a.Alignment)
@@ -73,7 +75,10 @@ func SetDefaults(a *TopologyDRAArgs) {
 		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
 	}
 	if a.WholeNodeTrade == nil {
-		a.WholeNodeTrade = ptr.To[int32](1)
+		a.WholeNodeTrade = ptr.To[int32](0)
+	}
+	if a.WholeNodeTradeWhileWaiting == nil {
+		a.WholeNodeTradeWhileWaiting = ptr.To[int32](2)
 	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
@@ -97,6 +102,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
 	out.WholeNodeTrade = ptr.Deref(in.WholeNodeTrade, 0)
+	out.WholeNodeTradeWhileWaiting = ptr.Deref(in.WholeNodeTradeWhileWaiting, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -109,6 +115,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
 	out.WholeNodeTrade = ptr.To(in.WholeNodeTrade)
+	out.WholeNodeTradeWhileWaiting = ptr.To(in.WholeNodeTradeWhileWaiting)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
