@@ -62,12 +62,13 @@ type Policy struct {
 // numaNode), alignment prefer, packing, WholeNodeTrade 0 (alignment
 // strictly first), and room and packing weights 70 and 30.
 //
-// With WholeNodeTrade 1 (the scheduler plugin raises it while a pod that
-// needs a whole node is pending), a pod takes the tightest kind of domain it can
-// get on any node, except that a placement which breaks up a whole free
-// node ranks level with placements one kind looser: then a node in use
-// that offers the looser placement wins on room, and the free node stays
-// whole for a whole-node pod. On a DGX, four GPUs that span the NUMA nodes
+// A pod then takes the tightest kind of domain it can get on any node,
+// and among those the placement that breaks the fewest free blocks and
+// packs best. With WholeNodeTrade 1 or more (the scheduler plugin raises
+// it while a pod that needs a whole node is pending), a placement which
+// breaks up a whole free node ranks level with (or below) placements one
+// kind looser: then a node in use that offers the looser placement wins
+// on room, and the free node stays whole for a whole-node pod. On a DGX, four GPUs that span the NUMA nodes
 // of a busy node (inside its NVSwitch clique) beat four GPUs in one NUMA
 // node of an empty node; two GPUs in one NUMA node of a busy node beat a
 // PCIe-root pair of an empty node.
