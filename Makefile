@@ -9,7 +9,7 @@ LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s
 export CGO_CFLAGS ?= -Wno-deprecated-declarations
 TEST_FLAGS ?= -count=1 -timeout=40m -p=2
 
-.PHONY: all build test unit integration verify demo bench bench-short fuzz images clean
+.PHONY: all build test unit integration verify demo bench bench-short placement fuzz images clean
 
 all: build
 
@@ -56,3 +56,10 @@ bench-short:
 
 clean:
 	rm -rf $(BIN) _out
+
+# Placement verdict: every scenario with seeds 1-8 through topodra and stock;
+# one row per run, then medians against the placement targets (docs/placement.md).
+PLACEMENT_SEEDS ?= 1-8
+placement:
+	@mkdir -p _out
+	$(GO) run ./cmd/simulator --seeds $(PLACEMENT_SEEDS) --json $(or $(PLACEMENT_OUT),_out/placement.json) $(PLACEMENT_ARGS)

@@ -6,7 +6,17 @@
 //
 //	go run ./cmd/simulator [--nodes 8] [--profile dgx-h100=6,pcie-nvlink-pairs=2]
 //	    [--pods 160] [--seed 1] [--schedulers topodra,stock]
+//	    [--trace builtin|poisson|nic-match]
 //	    [--workload FILE] [--report out.html] [--json out.json]
+//
+// With --seeds (e.g. 1-8) it runs a sweep instead: every scenario (the
+// built-in workload on the default 8-node mix and on a 16-node mix, the
+// poisson and nic-match traces on the default mix; --scenarios picks some)
+// with every seed through both schedulers, prints one row per run and
+// scheduler, then the medians and the placement targets; --json writes
+// all of it.
+//
+//	go run ./cmd/simulator --seeds 1-8 [--scenarios builtin-8,poisson-8] [--json sweep.json]
 package main
 
 import (
@@ -18,6 +28,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"slices"
 	"syscall"
 	"time"
 
@@ -44,6 +55,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		logFile    string
 		verbosity  int
 		schedCfg   string
+		seeds      string
+		scenarios  string
 	)
 	fs.IntVar(&opts.Nodes, "nodes", 0, "number of simulated nodes (default: the sum of the --profile mix, or 8)")
 	fs.StringVar(&opts.Profile, "profile", sim.DefaultProfile, "machine profile, or a mix like dgx-h100=6,pcie-nvlink-pairs=2 (profiles: dgx-h100, pcie-nvlink-pairs, workstation-2gpu); a mix is scaled to --nodes")
@@ -51,6 +64,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.Int64Var(&opts.Seed, "seed", 1, "seed of the built-in workload")
 	fs.StringVar(&schedulers, "schedulers", "topodra,stock", "schedulers to compare, in order: topodra, stock")
 	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of the built-in workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks)")
+	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
+	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets")
+	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
 	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
@@ -104,6 +120,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
 	start := time.Now()
+	if seeds != "" {
+		podsSet := false
+		fs.Visit(func(f *flag.Flag) { podsSet = podsSet || f.Name == "pods" })
+		return sweep(ctx, opts, seeds, scenarios, podsSet, jsonPath, stdout, stderr)
+	}
 	report, err := sim.Run(ctx, opts)
 	if err != nil {
 		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
@@ -141,6 +162,69 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 		fmt.Fprintf(stdout, "json: %s\n", jsonPath)
+	}
+	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
+	return code
+}
+
+// sweep runs the multi-seed sweep; opts.Pods replaces each scenario's pod
+// count when podsSet.
+func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, podsSet bool, jsonPath string, stdout, stderr io.Writer) int {
+	start := time.Now()
+	seedList, err := sim.ParseSeeds(seeds)
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 2
+	}
+	all := sim.DefaultScenarios()
+	chosen := all
+	if scenarios != "" {
+		chosen = nil
+		for _, name := range sim.ParseSchedulers(scenarios) {
+			i := slices.IndexFunc(all, func(sc sim.Scenario) bool { return sc.Name == name })
+			if i < 0 {
+				fmt.Fprintf(stderr, "unknown scenario %q\n", name)
+				return 2
+			}
+			chosen = append(chosen, all[i])
+		}
+	}
+	if podsSet {
+		for i := range chosen {
+			chosen[i].Pods = opts.Pods
+		}
+	}
+	if opts.Workload != nil || opts.Pin {
+		fmt.Fprintln(stderr, "--seeds generates its workloads: --workload and --pin do not apply")
+		return 2
+	}
+	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Base: opts, Rows: stdout})
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
+		return 1
+	}
+	fmt.Fprintln(stdout)
+	if err := rep.WriteSummary(stdout); err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	if jsonPath != "" {
+		if err := writeFile(jsonPath, func(w io.Writer) error {
+			enc := json.NewEncoder(w)
+			enc.SetIndent("", "  ")
+			return enc.Encode(rep)
+		}); err != nil {
+			fmt.Fprintln(stderr, err)
+			return 1
+		}
+		fmt.Fprintf(stdout, "json: %s\n", jsonPath)
+	}
+	code := 0
+	for _, s := range rep.Summaries {
+		if s.Errors > 0 {
+			fmt.Fprintf(stderr, "[%s] %d inconsistencies; rerun one seed with --json to see them\n", s.Scheduler, s.Errors)
+			code = 1
+		}
 	}
 	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
 	return code

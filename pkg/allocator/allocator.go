@@ -224,11 +224,11 @@ func (p Policy) withDefaults() (Policy, error) {
 	if _, err := ParseAlignmentMode(string(p.Alignment)); err != nil {
 		return p, err
 	}
-	if p.AlignmentWeight < 0 || p.PackingWeight < 0 {
-		return p, fmt.Errorf("negative weight (alignment %v, packing %v)", p.AlignmentWeight, p.PackingWeight)
+	if p.WholeNodeTrade < 0 || p.RoomWeight < 0 || p.PackingWeight < 0 {
+		return p, fmt.Errorf("negative whole-node trade or weight (trade %v, room %v, packing %v)", p.WholeNodeTrade, p.RoomWeight, p.PackingWeight)
 	}
-	if p.AlignmentWeight == 0 && p.PackingWeight == 0 {
-		p.AlignmentWeight, p.PackingWeight = def.AlignmentWeight, def.PackingWeight
+	if p.RoomWeight == 0 && p.PackingWeight == 0 {
+		p.RoomWeight, p.PackingWeight = def.RoomWeight, def.PackingWeight
 	}
 	return p, nil
 }

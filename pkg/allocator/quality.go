@@ -68,6 +68,16 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 		}
 	}
 	q.Packing = full.packing(nodeUtil)
+	q.Room, q.BreaksNode = room(ns, matching, devs)
+	q.Shared = L
+	if len(devs) > 1 {
+		q.Shared = 0
+		for _, d := range domains {
+			if d != nil {
+				q.Shared++
+			}
+		}
+	}
 
 	// Tightness: every domain the devices share counts, by how little of
 	// it is left over: a DGX pair under one PCIe root (which also shares a
@@ -85,6 +95,60 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 	}
 	q.Score = a.policy.Score(q)
 	return q
+}
+
+// room computes Quality.Room and Quality.BreaksNode for the chosen devices
+// devs: the whole node and each domain that holds one of them count as a
+// block of the devices that match the pod's requests.
+func room(ns *nodeState, matching []bool, devs []int) (float64, bool) {
+	if len(devs) == 0 {
+		return 1, false
+	}
+	breaksNode := false
+	type block struct{ size, first int }
+	var broken []block
+	cost := 0.0
+	// free reports the size and first device of the block of matching
+	// devices for which in(i) holds, and whether none of them is in use.
+	free := func(in func(i int) bool) (block, bool) {
+		b := block{first: -1}
+		ok := true
+		for i := range ns.devices {
+			if !matching[i] || !in(i) {
+				continue
+			}
+			if b.first < 0 {
+				b.first = i
+			}
+			b.size++
+			ok = ok && !ns.inUse[i]
+		}
+		return b, ok && b.size > 0
+	}
+	if b, ok := free(func(int) bool { return true }); ok {
+		broken = append(broken, b)
+		cost += BlockCost(b.size)
+		breaksNode = b.size >= WholeNodeBlock
+	}
+	for l := range ns.dom {
+		var seen []int32
+		for _, d := range devs {
+			v := ns.dom[l][d]
+			if v < 0 || slices.Contains(seen, v) {
+				continue
+			}
+			seen = append(seen, v)
+			b, ok := free(func(i int) bool { return ns.dom[l][i] == v })
+			// Nested blocks of one size are the same devices (a DGX's
+			// NVSwitch clique is the whole node): count them once.
+			if ok && !slices.Contains(broken, b) {
+				broken = append(broken, b)
+				cost += BlockCost(b.size)
+				breaksNode = breaksNode || b.size >= WholeNodeBlock
+			}
+		}
+	}
+	return max(0, 1-cost), breaksNode
 }
 
 // usage returns which devices match some unit, and the share of them that

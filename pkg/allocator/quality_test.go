@@ -39,7 +39,7 @@ func TestQualityOneFormula(t *testing.T) {
 		"mixed pool, one model":   {slices: mixedDGX, inUse: []string{"gpu-2"}, selectors: []string{h100}},
 		"mixed pool, all models":  {slices: mixedDGX, inUse: []string{"gpu-0", "gpu-6"}},
 		"dgx spreading":           {slices: dgx, inUse: []string{"gpu-0", "gpu-3"}, policy: Policy{Packing: false, Alignment: AlignmentPrefer}},
-		"dgx other weights":       {slices: dgx, inUse: []string{"gpu-1"}, policy: Policy{Packing: true, AlignmentWeight: 1, PackingWeight: 3}},
+		"dgx other weights":       {slices: dgx, inUse: []string{"gpu-1"}, policy: Policy{Packing: true, RoomWeight: 1, PackingWeight: 3}},
 		"dgx numaNode only":       {slices: dgx, inUse: []string{"gpu-1"}, policy: Policy{Packing: true, Attributes: []resourceapi.QualifiedName{topology.AttrNUMANode}}},
 		"mixed pool, half in use": {slices: mixedDGX, inUse: []string{"gpu-2", "gpu-3", "gpu-6"}, selectors: []string{h100}},
 	}

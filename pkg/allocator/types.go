@@ -26,62 +26,128 @@ const (
 )
 
 // Policy is the configurable preference model: which attributes define
-// domains, how strictly to align, whether to pack or spread, and how
-// alignment and packing weigh in Quality.Score.
+// domains, how strictly to align, whether to pack or spread, and the rule
+// by which Quality.Score ranks placements (alignment first, then room and
+// packing; see Score).
 type Policy struct {
 	// Attributes are the topology attributes that define domains, in
 	// priority order (fully qualified names, e.g. topology.AttrPCIeRoot).
-	// The first attribute that has a domain fitting a request wins. Nil means
-	// DefaultPolicy().Attributes; an empty non-nil list disables topology.
+	// nil means topology.DefaultAttributes; an empty non-nil slice means
+	// none (alignment does not matter, only packing or spreading).
 	Attributes []resourceapi.QualifiedName
 	// Alignment is the default for claims without the topodra.io/alignment
 	// annotation. Empty means prefer.
 	Alignment AlignmentMode
-	// Packing selects best-fit (MostAllocated-like: fill partly used domains
-	// first, keep large aligned blocks free) when true, and spreading
-	// (LeastAllocated: use the emptiest domains first) when false.
+	// Packing selects best-fit (MostAllocated-like: fill partly used nodes
+	// and domains first, keep large aligned blocks free) when true, and
+	// spreading (LeastAllocated: use the emptiest domains first) when
+	// false. Quality.Room and WholeNodeTrade only count when packing.
 	Packing bool
-	// AlignmentWeight and PackingWeight weigh Quality.Alignment against
-	// packing in Score; only their ratio matters. Both zero means
-	// DefaultPolicy's weights; negative weights are invalid.
-	AlignmentWeight, PackingWeight float64
+	// WholeNodeTrade is how many alignment ranks (Quality.Shared) a
+	// placement that breaks up a whole free node (a free block of
+	// WholeNodeBlock or more devices) loses in Score, so that a looser
+	// placement that keeps the node whole can win. A placement is never
+	// lowered below rank 1: trading never makes an aligned placement lose
+	// to one that shares no domain. 0 keeps alignment strictly first;
+	// negative is invalid.
+	WholeNodeTrade int
+	// RoomWeight and PackingWeight mix Quality's Room and Packing into the
+	// part of Score that ranks placements of equal alignment rank; only
+	// their ratio matters. Both zero means DefaultPolicy's; negative
+	// weights are invalid.
+	RoomWeight, PackingWeight float64
 }
 
 // DefaultPolicy returns topology.DefaultAttributes (nvlinkClique, pcieRoot,
-// numaNode), alignment prefer, packing, and weights 70 (alignment) to 30
-// (packing).
+// numaNode), alignment prefer, packing, WholeNodeTrade 0 (alignment
+// strictly first), and room and packing weights 70 and 30.
+//
+// A pod then takes the tightest kind of domain it can get on any node,
+// and among those the placement that breaks the fewest free blocks and
+// packs best. With WholeNodeTrade 1 or more (the scheduler plugin raises
+// it while a pod that needs a whole node is pending), a placement which
+// breaks up a whole free node ranks level with (or below) placements one
+// kind looser: then a node in use that offers the looser placement wins
+// on room, and the free node stays whole for a whole-node pod. On a DGX, four GPUs that span the NUMA nodes
+// of a busy node (inside its NVSwitch clique) beat four GPUs in one NUMA
+// node of an empty node; two GPUs in one NUMA node of a busy node beat a
+// PCIe-root pair of an empty node.
 func DefaultPolicy() Policy {
 	return Policy{
-		Attributes:      append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
-		Alignment:       AlignmentPrefer,
-		Packing:         true,
-		AlignmentWeight: 70,
-		PackingWeight:   30,
+		Attributes:     append([]resourceapi.QualifiedName(nil), topology.DefaultAttributes...),
+		Alignment:      AlignmentPrefer,
+		Packing:        true,
+		WholeNodeTrade: 0,
+		RoomWeight:     70,
+		PackingWeight:  30,
 	}
 }
 
+// Rank is the alignment rank of an allocation of quality q under the
+// policy: q.Shared, lowered by WholeNodeTrade (not below 1) where the
+// allocation breaks up a whole free node and the policy packs.
+func (p Policy) Rank(q Quality) int {
+	r := q.Shared
+	if p.Packing && q.BreaksNode && r > 1 {
+		r = max(1, r-p.WholeNodeTrade)
+	}
+	return r
+}
+
 // Score is the score of an allocation of quality q, in 0..100, higher is
-// better: the weighted mean
+// better. It ranks lexicographically, first by alignment, then by room and
+// packing:
 //
-//	round(100 * (AlignmentWeight*alignment + PackingWeight*packing) / (AlignmentWeight + PackingWeight))
+//	band  = 100 / (len(Attributes) + 1)
+//	score = round(band * (Rank(q) + 0.96 * (RoomWeight*room + PackingWeight*packing) / (RoomWeight + PackingWeight)))
 //
-// where alignment is q.Alignment for the policy's attributes and packing is
-// q.Packing when Packing is set, 1-q.Packing otherwise (spreading). The
-// allocator uses it for Quality.Score and the scheduler plugin for node
-// scores. Zero weights mean DefaultPolicy's.
+// so a higher Rank always scores higher (the second term stays below one
+// band). room is q.Room when Packing is set (and RoomWeight is left out
+// when spreading); packing is q.Packing when Packing is set, 1-q.Packing
+// otherwise. The score is proportional: it is not stretched between
+// nodes, so other score plugins (users' preferred affinities, topology
+// spread) keep their say. The allocator uses it for Quality.Score and the
+// scheduler plugin for node scores. RoomWeight and PackingWeight both
+// zero mean DefaultPolicy's.
 func (p Policy) Score(q Quality) int64 {
-	wa, wp := p.AlignmentWeight, p.PackingWeight
-	if wa == 0 && wp == 0 {
+	wr, wp := p.RoomWeight, p.PackingWeight
+	if wr == 0 && wp == 0 {
 		def := DefaultPolicy()
-		wa, wp = def.AlignmentWeight, def.PackingWeight
+		wr, wp = def.RoomWeight, def.PackingWeight
 	}
 	pack := q.Packing
 	if !p.Packing {
 		pack = 1 - q.Packing
+		wr = 0
 	}
-	align := q.Alignment(len(p.Attributes), len(q.Devices))
-	score := int64(math.Round(100 * (wa*align + wp*pack) / (wa + wp)))
+	tie := 0.0
+	if wr+wp > 0 {
+		tie = (wr*q.Room + wp*pack) / (wr + wp)
+	}
+	band := 100 / float64(len(p.Attributes)+1)
+	score := int64(math.Round(band * (float64(p.Rank(q)) + 0.96*tie)))
 	return max(0, min(100, score))
+}
+
+// WholeNodeBlock is the size from which a free block counts as a whole
+// free node: one that a whole-node (8-GPU) job needs.
+const WholeNodeBlock = 8
+
+// BlockCost is what breaking up a free aligned block of size devices costs
+// Quality.Room: 1 from WholeNodeBlock devices (a whole node for the
+// largest jobs), 0.3 for four or more (a NUMA node), 0.05 for two or more,
+// nothing for a single device. Larger blocks cost far more, so among
+// placements of one rank a pod goes where it breaks the smallest blocks.
+func BlockCost(size int) float64 {
+	switch {
+	case size >= WholeNodeBlock:
+		return 1
+	case size >= 4:
+		return 0.3
+	case size >= 2:
+		return 0.05
+	}
+	return 0
 }
 
 // ParseAlignmentMode parses the value of the topodra.io/alignment annotation.
@@ -141,6 +207,22 @@ type Quality struct {
 	// GPU goes into a half-used NUMA node before a whole free one.
 	// "Matching" means matching any request of the pod.
 	Packing float64
+	// Room in [0,1]: 1 minus the cost of the free aligned blocks this
+	// allocation breaks up (see BlockCost), at least 0. A block is the
+	// whole node or one domain of a configured attribute, counted over the
+	// devices that match the pod's requests; it is free when none of them
+	// is in use, and broken when the allocation takes any of them. Blocks
+	// with the same devices count once. 1 when nothing free is broken.
+	Room float64
+	// Shared is the alignment rank: how many of the configured attributes
+	// have one value for all devices (devices without the attribute share
+	// none). A single device, or none, shares every attribute. 0 means the
+	// devices share no domain.
+	Shared int
+	// BreaksNode is true when the allocation takes devices from a free
+	// block of WholeNodeBlock or more devices (see Room): it uses up a
+	// whole free node that a whole-node job could have had.
+	BreaksNode bool
 	// Tightness in [0,1]: over the configured attributes, the mean of
 	// devices/size of the domain the devices share at that attribute (0
 	// where they share none; size counts devices that match the pod's
@@ -196,11 +278,12 @@ func (e *Explanation) String() string {
 	return strings.Join(parts, "; ")
 }
 
-// Alignment is the alignment part of Score in [0,1] for an allocation of
-// numDevices devices under a policy with levels attributes: 1 for a single
+// Alignment measures in [0,1] how tight an allocation of numDevices
+// devices is under a policy with levels attributes: 1 for a single
 // device; Tightness for devices that share a domain; 0.5/(levels*
 // DomainsSpanned)/levels, less than any shared domain gives, for devices
-// that span domains. Policy.Score weighs it against packing.
+// that span domains. It reports how tight an allocation is; Policy.Score
+// ranks by Shared instead.
 func (q Quality) Alignment(levels, numDevices int) float64 {
 	if levels == 0 || numDevices <= 1 {
 		return 1

@@ -60,7 +60,10 @@ type Options struct {
 	// SchedulerConfig replaces the embedded topodra profile
 	// (config.SchedulerConfig) for the topodra run.
 	SchedulerConfig []byte
-	// Workload, if set, replaces the built-in workload; WorkloadName
+	// Trace names the generated workload (see Traces; default
+	// TraceBuiltin). Ignored when Workload is set.
+	Trace string
+	// Workload, if set, replaces the generated workload; WorkloadName
 	// says where it came from (for the report).
 	Workload     *Workload
 	WorkloadName string
@@ -123,6 +126,12 @@ func (o *Options) validate() error {
 	}
 	if o.Pods < 0 {
 		errs = append(errs, fmt.Errorf("pods must not be negative, got %d", o.Pods))
+	}
+	if o.Trace != "" && !slices.Contains(Traces(), o.Trace) {
+		errs = append(errs, fmt.Errorf("unknown trace %q (known: %s)", o.Trace, strings.Join(Traces(), ", ")))
+	}
+	if o.Pin && o.Trace != "" && o.Trace != TraceBuiltin {
+		errs = append(errs, fmt.Errorf("pin applies to the %s workload only", TraceBuiltin))
 	}
 	seen := map[string]bool{}
 	for _, s := range o.Schedulers {

@@ -52,15 +52,22 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	}
 	workload := opts.Workload
 	if workload == nil {
-		workload, err = Generate(opts.Seed, opts.Pods, nodes, opts.Pin)
+		if opts.Pin {
+			workload, err = Generate(opts.Seed, opts.Pods, nodes, true)
+		} else {
+			workload, err = GenerateTrace(opts.Trace, opts.Seed, opts.Pods, nodes)
+		}
 		if err != nil {
 			return nil, err
 		}
 	}
 	start := time.Now()
 	report := &Report{Seed: opts.Seed, Workload: "built-in", Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
-	if opts.Workload != nil {
+	switch {
+	case opts.Workload != nil:
 		report.Workload = opts.WorkloadName
+	case opts.Trace != "" && opts.Trace != TraceBuiltin:
+		report.Workload = opts.Trace
 	}
 	for _, sched := range opts.Schedulers {
 		res, topo, err := runOne(ctx, opts, nodes, workload, sched)

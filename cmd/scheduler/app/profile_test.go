@@ -19,11 +19,12 @@ import (
 	"github.com/topodra/topodra/pkg/plugins/topologydra"
 )
 
-// TestPostFilterBeforePreemption builds the scheduler from every shipped
+// TestShippedSchedulerConfigs builds the scheduler from every shipped
 // configuration (no API server is contacted) and checks that TopologyDRA's
 // PostFilter, which deallocates claims no node can use, runs before
-// DefaultPreemption, as the stock DynamicResources plugin does.
-func TestPostFilterBeforePreemption(t *testing.T) {
+// DefaultPreemption, as the stock DynamicResources plugin does, and that
+// every configuration gives TopologyDRA's score the same weight.
+func TestShippedSchedulerConfigs(t *testing.T) {
 	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
 	if err != nil {
 		t.Fatal(err)
@@ -33,6 +34,7 @@ func TestPostFilterBeforePreemption(t *testing.T) {
 		"config/multi-profile.yaml":     config.MultiProfileConfig,
 		"manifests/base/scheduler.yaml": embeddedSchedulerConfig(t, shipped),
 	}
+	weights := map[string]int32{}
 	for name, cfg := range configs {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
@@ -83,11 +85,22 @@ func TestPostFilterBeforePreemption(t *testing.T) {
 			for _, p := range fw.ListPlugins().PostFilter.Enabled {
 				order = append(order, p.Name)
 			}
+			for _, p := range fw.ListPlugins().Score.Enabled {
+				if p.Name == topologydra.Name {
+					weights[name] = p.Weight
+				}
+			}
 			dra, preempt := slices.Index(order, topologydra.Name), slices.Index(order, "DefaultPreemption")
 			if dra < 0 || preempt < 0 || dra > preempt {
 				t.Errorf("PostFilter plugins %v: want %s before DefaultPreemption", order, topologydra.Name)
 			}
 		})
+	}
+	// The deployed ConfigMap and the config files score alike.
+	for name, w := range weights {
+		if w != weights["config/scheduler-config.yaml"] {
+			t.Errorf("%s: TopologyDRA score weight %d, config/scheduler-config.yaml has %d", name, w, weights["config/scheduler-config.yaml"])
+		}
 	}
 }
 

@@ -49,13 +49,15 @@ func TestConfigFilesDecode(t *testing.T) {
 		"scheduler-config.yaml": {
 			file: "scheduler-config.yaml",
 			want: config.TopologyDRAArgs{
-				TopologyAttributes:    []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
-				ScoringStrategy:       config.MostAllocated,
-				AlignmentWeight:       70,
-				PackingWeight:         30,
-				Alignment:             config.AlignmentPrefer,
-				OwnedTaintKey:         "gpu.topodra.io/topodra-only",
-				BindingTimeoutSeconds: 600,
+				TopologyAttributes:         []string{"gpu.topodra.io/nvlinkClique", "resource.kubernetes.io/pcieRoot", "resource.kubernetes.io/numaNode"},
+				ScoringStrategy:            config.MostAllocated,
+				WholeNodeTrade:             0,
+				WholeNodeTradeWhileWaiting: 2,
+				RoomWeight:                 70,
+				PackingWeight:              30,
+				Alignment:                  config.AlignmentPrefer,
+				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
+				BindingTimeoutSeconds:      600,
 			},
 		},
 		"multi-profile.yaml (defaults filled in)": {
@@ -129,8 +131,10 @@ func TestValidateArgs(t *testing.T) {
 		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
 		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
 		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.AlignmentWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
 		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":      {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"no trade is valid":   {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
 		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
 	}
 	for name, tc := range tests {

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 	schedscheme "k8s.io/kubernetes/pkg/scheduler/apis/config/scheme"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/topodra/topodra/config"
 	pluginconfig "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+	v1 "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config/v1"
 )
 
 // FuzzArgsDecode feeds TopologyDRA args through the scheduler's strict
@@ -47,13 +49,16 @@ func FuzzArgsDecode(f *testing.F) {
 		if errs := pluginconfig.ValidateTopologyDRAArgs(field.NewPath("args"), decoded); len(errs) > 0 {
 			return
 		}
-		encoded, err := yaml.Marshal(decoded)
+		versioned := &v1.TopologyDRAArgs{}
+		v1.ConvertBack(decoded, versioned)
+		versioned.TypeMeta = metav1.TypeMeta{}
+		encoded, err := yaml.Marshal(versioned)
 		if err != nil {
 			t.Fatalf("encode valid args %+v: %v", decoded, err)
 		}
 		again := decodeArgs(t, wrapArgs(string(encoded)))
 		if again == nil || !reflect.DeepEqual(decoded, again) {
-			t.Errorf("args changed on a round trip:\n%+v\n%+v", decoded, again)
+			t.Errorf("args changed on a round trip:\n%#v\n%#v", decoded, again)
 		}
 	})
 }

@@ -16,11 +16,13 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	schedconfigv1 "k8s.io/kube-scheduler/config/v1"
@@ -39,8 +41,15 @@ const Name = "TopologyDRA"
 
 // TopologyDRA is the plugin. All fields are set in New and read-only after.
 type TopologyDRA struct {
-	args       config.TopologyDRAArgs
-	policy     allocator.Policy
+	args   config.TopologyDRAArgs
+	policy allocator.Policy
+	// scorePolicy returns the policy whose Score ranks the nodes for pod:
+	// policy, or policy with WholeNodeTradeWhileWaiting while a pod that
+	// needs a whole node is pending (see wholeNodePodWaiting).
+	scorePolicy func(pod *corev1.Pod) allocator.Policy
+	// pods lists the cluster's pods; nil where scorePolicy does not look
+	// at pending pods.
+	pods       corelisters.PodLister
 	features   structured.Features
 	draManager fwk.SharedDRAManager
 	client     kubernetes.Interface
@@ -130,6 +139,18 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		pl.filterTimeout = schedconfigv1.DynamicResourcesFilterTimeoutDefault
 	}
 	pl.policy = policyFromArgs(*args)
+	pl.scorePolicy = func(*corev1.Pod) allocator.Policy { return pl.policy }
+	if args.WholeNodeTradeWhileWaiting > args.WholeNodeTrade && pl.policy.Packing {
+		waiting := pl.policy
+		waiting.WholeNodeTrade = int(args.WholeNodeTradeWhileWaiting)
+		pl.pods = h.SharedInformerFactory().Core().V1().Pods().Lister()
+		pl.scorePolicy = func(pod *corev1.Pod) allocator.Policy {
+			if pl.wholeNodePodWaiting(pod) {
+				return waiting
+			}
+			return pl.policy
+		}
+	}
 	if args.OwnedTaintKey != "" {
 		pl.ownedToleration = &resourceapi.DeviceToleration{
 			Key:      args.OwnedTaintKey,
@@ -148,14 +169,16 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// weighed by AlignmentWeight and PackingWeight.
+// ranked by alignment (WholeNodeTrade) first, then room and packing mixed
+// by RoomWeight and PackingWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 	policy := allocator.Policy{
-		Attributes:      []resourceapi.QualifiedName{},
-		Alignment:       allocator.AlignmentMode(args.Alignment),
-		Packing:         args.ScoringStrategy == config.MostAllocated,
-		AlignmentWeight: float64(args.AlignmentWeight),
-		PackingWeight:   float64(args.PackingWeight),
+		Attributes:     []resourceapi.QualifiedName{},
+		Alignment:      allocator.AlignmentMode(args.Alignment),
+		Packing:        args.ScoringStrategy == config.MostAllocated,
+		WholeNodeTrade: int(args.WholeNodeTrade),
+		RoomWeight:     float64(args.RoomWeight),
+		PackingWeight:  float64(args.PackingWeight),
 	}
 	for _, attr := range args.TopologyAttributes {
 		policy.Attributes = append(policy.Attributes, resourceapi.QualifiedName(attr))

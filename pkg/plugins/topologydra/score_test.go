@@ -3,26 +3,28 @@ package topologydra
 import (
 	"testing"
 
-	fwk "k8s.io/kube-scheduler/framework"
-
 	"github.com/topodra/topodra/pkg/allocator"
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 )
 
 func TestPolicyScore(t *testing.T) {
-	args := *DefaultArgs() // 70/30, MostAllocated, 3 levels
+	args := *DefaultArgs() // room 70 / packing 30, MostAllocated, 3 levels: bands of 25
+	args.WholeNodeTrade = 1
 	score := policyFromArgs(args).Score
-	two := []string{"a", "b"}
+	one, two := []string{"a"}, []string{"a", "b"}
 	tests := map[string]struct {
 		q    allocator.Quality
 		want int64
 	}{
-		"single device, empty node":         {q: allocator.Quality{Devices: []string{"a"}, Packing: 0}, want: 70},
-		"single device, full node":          {q: allocator.Quality{Devices: []string{"a"}, Packing: 1}, want: 100},
-		"pair sharing every domain fully":   {q: allocator.Quality{Devices: two, Level: 1, Tightness: 1, Packing: 0}, want: 70},
-		"pair in a domain of eight":         {q: allocator.Quality{Devices: two, Level: 0, Tightness: 0.25, Packing: 0}, want: 18},
-		"pair spanning two domains":         {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 0}, want: 2},
-		"pair spanning two domains, packed": {q: allocator.Quality{Devices: two, Level: 3, DomainsSpanned: 2, Packing: 1}, want: 32},
+		"single device, empty node":              {q: allocator.Quality{Devices: one, Shared: 3, BreaksNode: true, Room: 0, Packing: 0.06}, want: 50},
+		"single device, busy node, no break":     {q: allocator.Quality{Devices: one, Shared: 3, Room: 1, Packing: 0.5}, want: 95},
+		"single device, fills the node":          {q: allocator.Quality{Devices: one, Shared: 3, Room: 1, Packing: 1}, want: 99},
+		"root pair breaking a whole node":        {q: allocator.Quality{Devices: two, Shared: 3, BreaksNode: true, Room: 0, Packing: 0.2}, want: 51},
+		"pair in one NUMA node of a busy node":   {q: allocator.Quality{Devices: two, Shared: 2, Room: 1, Packing: 0.5}, want: 70},
+		"four in a free NUMA node of a busy one": {q: allocator.Quality{Devices: two, Shared: 2, Room: 0.6, Packing: 0.75}, want: 65},
+		"four spanning NUMA nodes in a clique":   {q: allocator.Quality{Devices: two, Shared: 1, Room: 1, Packing: 1}, want: 49},
+		"sharing no domain, packed":              {q: allocator.Quality{Devices: two, Shared: 0, Room: 1, Packing: 1}, want: 24},
+		"clique only, breaking a whole node":     {q: allocator.Quality{Devices: two, Shared: 1, BreaksNode: true, Room: 0, Packing: 0}, want: 25},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -31,41 +33,35 @@ func TestPolicyScore(t *testing.T) {
 			}
 		})
 	}
-	// Tighter always beats looser at equal packing, and more packed beats
-	// less packed at equal alignment.
-	if score(allocator.Quality{Devices: two, Level: 2, Tightness: 1, Packing: 0.5}) <= score(allocator.Quality{Devices: two, Level: 0, Tightness: 0.5, Packing: 0.5}) {
-		t.Error("a domain the devices fill should beat a bigger one")
+	// Alignment is lexicographically first: the best room and packing of a
+	// looser placement lose to the worst of a tighter one.
+	for shared := 1; shared <= 3; shared++ {
+		worst := allocator.Quality{Devices: two, Shared: shared, Room: 0, Packing: 0}
+		best := allocator.Quality{Devices: two, Shared: shared - 1, Room: 1, Packing: 1}
+		if score(worst) <= score(best) {
+			t.Errorf("rank %d at worst (%d) should beat rank %d at best (%d)", shared, score(worst), shared-1, score(best))
+		}
+	}
+	// Breaking a whole free node costs one rank: a looser placement on a
+	// busy node wins; with no trade, the tighter one keeps winning.
+	tight := allocator.Quality{Devices: two, Shared: 2, BreaksNode: true, Room: 0, Packing: 0.25}
+	loose := allocator.Quality{Devices: two, Shared: 1, Room: 0.6, Packing: 0.5}
+	if score(tight) >= score(loose) {
+		t.Errorf("trade 1: breaking a whole node (%d) should lose to one rank looser on a busy node (%d)", score(tight), score(loose))
+	}
+	args.WholeNodeTrade = 0
+	if strict := policyFromArgs(args).Score; strict(tight) <= strict(loose) {
+		t.Errorf("trade 0: the tighter placement (%d) should win (%d)", strict(tight), strict(loose))
 	}
 	args.ScoringStrategy = config.LeastAllocated
 	spread := policyFromArgs(args).Score
-	if spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.2}) <= spread(allocator.Quality{Devices: two, Tightness: 1, Packing: 0.8}) {
+	if spread(allocator.Quality{Devices: two, Shared: 3, Packing: 0.2}) <= spread(allocator.Quality{Devices: two, Shared: 3, Packing: 0.8}) {
 		t.Error("LeastAllocated should prefer the emptier node")
 	}
 }
 
-func TestNormalizeScore(t *testing.T) {
-	pl := &TopologyDRA{}
-	tests := map[string]struct {
-		in, want []int64
-	}{
-		"stretch":   {in: []int64{70, 71, 100}, want: []int64{0, 3, 100}},
-		"all equal": {in: []int64{42, 42}, want: []int64{42, 42}},
-		"empty":     {in: nil, want: nil},
-	}
-	for name, tc := range tests {
-		t.Run(name, func(t *testing.T) {
-			var scores fwk.NodeScoreList
-			for i, s := range tc.in {
-				scores = append(scores, fwk.NodeScore{Name: string(rune('a' + i)), Score: s})
-			}
-			if st := pl.NormalizeScore(t.Context(), nil, nil, scores); st != nil {
-				t.Fatal(st)
-			}
-			for i := range scores {
-				if scores[i].Score != tc.want[i] {
-					t.Errorf("node %d: %d, want %d", i, scores[i].Score, tc.want[i])
-				}
-			}
-		})
+func TestScoreIsProportional(t *testing.T) {
+	if ext := (&TopologyDRA{}).ScoreExtensions(); ext != nil {
+		t.Error("scores must not be normalised: a stretched 1-point difference would override users' preferred affinities")
 	}
 }

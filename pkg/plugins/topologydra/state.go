@@ -64,6 +64,10 @@ type stateData struct {
 	// the node (nil for claims allocated earlier). Written by Reserve, read
 	// by PreBind and Unreserve.
 	allocations []*resourceapi.AllocationResult
+	// scorePolicy is the policy whose Score ranks the nodes this cycle
+	// (TopologyDRA.scorePolicy). Written by PreScore, read by Score.
+	scorePolicy allocator.Policy
+
 	// nodeName and result are the node Reserve picked and its result.
 	nodeName string
 	result   *allocator.Result

@@ -49,10 +49,22 @@ type TopologyDRAArgs struct {
 	TopologyAttributes []string
 	// ScoringStrategy: MostAllocated (default) or LeastAllocated.
 	ScoringStrategy ScoringStrategy
-	// AlignmentWeight and PackingWeight weigh the two parts of a node's
-	// score; they are normalised to sum 100.
-	AlignmentWeight int32
-	PackingWeight   int32
+	// WholeNodeTrade, RoomWeight and PackingWeight are the rule by which a
+	// node's score (allocator.Policy.Score) ranks placements
+	// (docs/placement.md): alignment first (how many topology attributes
+	// the devices share), then room (how few free aligned blocks — whole
+	// nodes, NUMA nodes, pairs — the placement breaks up) and packing (how
+	// full the node and domains become), mixed by RoomWeight and
+	// PackingWeight (only their ratio matters). WholeNodeTrade is how many
+	// alignment ranks a placement that breaks up a whole free node gives
+	// up (never below the loosest aligned rank); 0 keeps alignment
+	// strictly first. WholeNodeTradeWhileWaiting replaces it while a pod
+	// of this scheduler that needs a whole node (allocator.WholeNodeBlock
+	// devices or more) is pending; it is never less than WholeNodeTrade.
+	WholeNodeTrade             int32
+	WholeNodeTradeWhileWaiting int32
+	RoomWeight                 int32
+	PackingWeight              int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

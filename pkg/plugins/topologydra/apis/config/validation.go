@@ -33,14 +33,20 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	default:
 		errs = append(errs, field.NotSupported(path.Child("alignment"), args.Alignment, []AlignmentPolicy{AlignmentPrefer, AlignmentRequire, AlignmentNone}))
 	}
-	if args.AlignmentWeight < 0 {
-		errs = append(errs, field.Invalid(path.Child("alignmentWeight"), args.AlignmentWeight, "must not be negative"))
+	if args.WholeNodeTrade < 0 {
+		errs = append(errs, field.Invalid(path.Child("wholeNodeTrade"), args.WholeNodeTrade, "must not be negative"))
+	}
+	if args.WholeNodeTradeWhileWaiting < args.WholeNodeTrade {
+		errs = append(errs, field.Invalid(path.Child("wholeNodeTradeWhileWaiting"), args.WholeNodeTradeWhileWaiting, "must not be less than wholeNodeTrade"))
+	}
+	if args.RoomWeight < 0 {
+		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "must not be negative"))
 	}
 	if args.PackingWeight < 0 {
 		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must not be negative"))
 	}
-	if args.AlignmentWeight+args.PackingWeight == 0 {
-		errs = append(errs, field.Invalid(path.Child("alignmentWeight"), args.AlignmentWeight, "alignmentWeight and packingWeight must not both be zero"))
+	if args.RoomWeight+args.PackingWeight == 0 {
+		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "roomWeight and packingWeight must not both be zero"))
 	}
 	if args.BindingTimeoutSeconds <= 0 {
 		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, "must be positive"))

@@ -28,13 +28,17 @@ var SchemeGroupVersion = schema.GroupVersion{Group: config.GroupName, Version: "
 type TopologyDRAArgs struct {
 	metav1.TypeMeta `json:",inline"`
 
-	TopologyAttributes    []string `json:"topologyAttributes,omitempty"`
-	ScoringStrategy       *string  `json:"scoringStrategy,omitempty"`
-	AlignmentWeight       *int32   `json:"alignmentWeight,omitempty"`
-	PackingWeight         *int32   `json:"packingWeight,omitempty"`
-	Alignment             *string  `json:"alignment,omitempty"`
-	OwnedTaintKey         *string  `json:"ownedTaintKey,omitempty"`
-	BindingTimeoutSeconds *int64   `json:"bindingTimeoutSeconds,omitempty"`
+	// TopologyAttributes: nil means the defaults, an empty list no
+	// topology at all, so an empty list is encoded too.
+	TopologyAttributes         []string `json:"topologyAttributes"`
+	ScoringStrategy            *string  `json:"scoringStrategy,omitempty"`
+	WholeNodeTrade             *int32   `json:"wholeNodeTrade,omitempty"`
+	WholeNodeTradeWhileWaiting *int32   `json:"wholeNodeTradeWhileWaiting,omitempty"`
+	RoomWeight                 *int32   `json:"roomWeight,omitempty"`
+	PackingWeight              *int32   `json:"packingWeight,omitempty"`
+	Alignment                  *string  `json:"alignment,omitempty"`
+	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
+	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
 }
 
 // DeepCopyObject implements runtime.Object.
@@ -45,7 +49,9 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out := &TopologyDRAArgs{TypeMeta: a.TypeMeta}
 	out.TopologyAttributes = append([]string(nil), a.TopologyAttributes...)
 	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
-	out.AlignmentWeight = copyPtr(a.AlignmentWeight)
+	out.WholeNodeTrade = copyPtr(a.WholeNodeTrade)
+	out.WholeNodeTradeWhileWaiting = copyPtr(a.WholeNodeTradeWhileWaiting)
+	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
@@ -70,8 +76,14 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.ScoringStrategy == nil {
 		a.ScoringStrategy = ptr.To(string(config.MostAllocated))
 	}
-	if a.AlignmentWeight == nil {
-		a.AlignmentWeight = ptr.To[int32](70)
+	if a.WholeNodeTrade == nil {
+		a.WholeNodeTrade = ptr.To[int32](0)
+	}
+	if a.WholeNodeTradeWhileWaiting == nil {
+		a.WholeNodeTradeWhileWaiting = ptr.To[int32](2)
+	}
+	if a.RoomWeight == nil {
+		a.RoomWeight = ptr.To[int32](70)
 	}
 	if a.PackingWeight == nil {
 		a.PackingWeight = ptr.To[int32](30)
@@ -91,7 +103,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
 	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
-	out.AlignmentWeight = ptr.Deref(in.AlignmentWeight, 0)
+	out.WholeNodeTrade = ptr.Deref(in.WholeNodeTrade, 0)
+	out.WholeNodeTradeWhileWaiting = ptr.Deref(in.WholeNodeTradeWhileWaiting, 0)
+	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
 	out.OwnedTaintKey = ptr.Deref(in.OwnedTaintKey, "")
@@ -100,9 +114,14 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 
 // ConvertBack copies the internal type into a versioned object.
 func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
-	out.TopologyAttributes = append([]string(nil), in.TopologyAttributes...)
+	// The internal args are defaulted: no attributes means none at all,
+	// which the versioned type spells as an empty list (nil would mean
+	// the defaults).
+	out.TopologyAttributes = append([]string{}, in.TopologyAttributes...)
 	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
-	out.AlignmentWeight = ptr.To(in.AlignmentWeight)
+	out.WholeNodeTrade = ptr.To(in.WholeNodeTrade)
+	out.WholeNodeTradeWhileWaiting = ptr.To(in.WholeNodeTradeWhileWaiting)
+	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
 	out.OwnedTaintKey = ptr.To(in.OwnedTaintKey)

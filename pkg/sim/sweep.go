@@ -1,0 +1,363 @@
+package sim
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Scenario is one cell of a sweep: machines and a generated workload.
+type Scenario struct {
+	Name    string `json:"name"`
+	Profile string `json:"profile"`
+	Nodes   int    `json:"nodes"`
+	Pods    int    `json:"pods"`
+	Trace   string `json:"trace"`
+}
+
+// DefaultScenarios are the sweep's default cells: the built-in workload on
+// the default 8-node mix and on a 16-node mix of the same profiles, and the
+// poisson and nic-match traces on the default mix. Pod counts keep a full
+// sweep of 8 seeds within a few minutes on two cores.
+func DefaultScenarios() []Scenario {
+	return []Scenario{
+		{Name: "builtin-8", Profile: DefaultProfile, Nodes: 8, Pods: 100, Trace: TraceBuiltin},
+		{Name: "builtin-16", Profile: "dgx-h100=12,pcie-nvlink-pairs=4", Nodes: 16, Pods: 160, Trace: TraceBuiltin},
+		{Name: "poisson-8", Profile: DefaultProfile, Nodes: 8, Pods: 100, Trace: TracePoisson},
+		{Name: "nic-match-8", Profile: DefaultProfile, Nodes: 8, Pods: 100, Trace: TraceNICMatch},
+	}
+}
+
+// ParseSeeds parses "1-8", "3" or "1,4,7-9".
+func ParseSeeds(s string) ([]int64, error) {
+	var out []int64
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		lo, hi, isRange := strings.Cut(part, "-")
+		a, err := strconv.ParseInt(strings.TrimSpace(lo), 10, 64)
+		if err != nil || a < 1 {
+			return nil, fmt.Errorf("seeds %q: %q is not a positive integer", s, lo)
+		}
+		b := a
+		if isRange {
+			if b, err = strconv.ParseInt(strings.TrimSpace(hi), 10, 64); err != nil || b < a {
+				return nil, fmt.Errorf("seeds %q: bad range %q", s, part)
+			}
+		}
+		for v := a; v <= b; v++ {
+			out = append(out, v)
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("seeds %q: none given", s)
+	}
+	return out, nil
+}
+
+// SweepRow is one scheduler's run of one scenario and seed.
+type SweepRow struct {
+	Scenario  string `json:"scenario"`
+	Seed      int64  `json:"seed"`
+	Scheduler string `json:"scheduler"`
+	PodTicks  int    `json:"pendingPodTicks"`
+	// MeanWait is the mean wait in ticks by GPUs per pod (1, 2, 4, 8);
+	// absent where the run had no such pod.
+	MeanWait    map[int]float64 `json:"meanWaitByGPUs"`
+	NeverPlaced int             `json:"neverPlaced"`
+	Fit8        int             `json:"fit8GPU"`
+	Fit4        int             `json:"fit4GPUNUMAAligned"`
+	// FreeInWholeNUMA is Result.FreeInWholeNUMA.
+	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
+	Aligned         float64 `json:"alignedFraction"`
+	Throughput      float64 `json:"throughputPodsPerSecond"`
+	AttemptP50Ms    float64 `json:"attemptP50Ms"`
+	Errors          int     `json:"errors"`
+}
+
+// SweepSizes are the pod sizes whose waits a sweep reports.
+var SweepSizes = []int{1, 2, 4, 8}
+
+func rowOf(scenario string, seed int64, res *Result) SweepRow {
+	row := SweepRow{Scenario: scenario, Seed: seed, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
+		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
+		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Throughput: res.Throughput,
+		AttemptP50Ms: res.AttemptP50Ms, Errors: len(res.Errors)}
+	for _, g := range SweepSizes {
+		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
+			row.MeanWait[g] = w.Mean()
+		}
+	}
+	return row
+}
+
+// Stat is the median and spread (quartiles, range) of one measure.
+type Stat struct {
+	Median float64 `json:"median"`
+	P25    float64 `json:"p25"`
+	P75    float64 `json:"p75"`
+	Min    float64 `json:"min"`
+	Max    float64 `json:"max"`
+	N      int     `json:"n"`
+}
+
+func statOf(values []float64) Stat {
+	if len(values) == 0 {
+		return Stat{}
+	}
+	v := slices.Clone(values)
+	slices.Sort(v)
+	q := func(p float64) float64 {
+		// Linear interpolation between closest ranks.
+		x := p * float64(len(v)-1)
+		i := int(x)
+		if i+1 >= len(v) {
+			return v[len(v)-1]
+		}
+		return v[i] + (x-float64(i))*(v[i+1]-v[i])
+	}
+	return Stat{Median: q(0.5), P25: q(0.25), P75: q(0.75), Min: v[0], Max: v[len(v)-1], N: len(v)}
+}
+
+func (s Stat) String() string {
+	return fmt.Sprintf("%.2f [%.2f-%.2f]", s.Median, s.P25, s.P75)
+}
+
+// SweepSummary aggregates one scheduler over all rows of a sweep.
+type SweepSummary struct {
+	Scheduler  string       `json:"scheduler"`
+	Runs       int          `json:"runs"`
+	PodTicks   Stat         `json:"pendingPodTicks"`
+	MeanWait   map[int]Stat `json:"meanWaitByGPUs"`
+	Aligned    Stat         `json:"alignedFraction"`
+	Throughput Stat         `json:"throughputPodsPerSecond"`
+	AttemptP50 Stat         `json:"attemptP50Ms"`
+	// Sums over runs.
+	NeverPlaced int `json:"neverPlaced"`
+	Fit8        int `json:"fit8GPU"`
+	Fit4        int `json:"fit4GPUNUMAAligned"`
+	Errors      int `json:"errors"`
+}
+
+func summarize(scheduler string, rows []SweepRow) SweepSummary {
+	s := SweepSummary{Scheduler: scheduler, MeanWait: map[int]Stat{}}
+	var ticks, aligned, tput, p50 []float64
+	waits := map[int][]float64{}
+	for _, r := range rows {
+		if r.Scheduler != scheduler {
+			continue
+		}
+		s.Runs++
+		ticks = append(ticks, float64(r.PodTicks))
+		aligned = append(aligned, r.Aligned)
+		tput = append(tput, r.Throughput)
+		p50 = append(p50, r.AttemptP50Ms)
+		for g, w := range r.MeanWait {
+			waits[g] = append(waits[g], w)
+		}
+		s.NeverPlaced += r.NeverPlaced
+		s.Fit8 += r.Fit8
+		s.Fit4 += r.Fit4
+		s.Errors += r.Errors
+	}
+	s.PodTicks, s.Aligned, s.Throughput, s.AttemptP50 = statOf(ticks), statOf(aligned), statOf(tput), statOf(p50)
+	for g, w := range waits {
+		s.MeanWait[g] = statOf(w)
+	}
+	return s
+}
+
+// Target is one of the placement targets, checked for topodra against stock.
+type Target struct {
+	Measure string `json:"measure"`
+	Want    string `json:"want"`
+	Topodra string `json:"topodra"`
+	Stock   string `json:"stock"`
+	Met     bool   `json:"met"`
+}
+
+// targets checks topodra's summary against stock's.
+func targets(t, s SweepSummary) []Target {
+	var out []Target
+	for _, g := range SweepSizes {
+		tw, sw := t.MeanWait[g], s.MeanWait[g]
+		out = append(out, Target{Measure: fmt.Sprintf("median mean wait, %d GPU", g), Want: "<= stock",
+			Topodra: fmt.Sprintf("%.2f", tw.Median), Stock: fmt.Sprintf("%.2f", sw.Median), Met: tw.Median <= sw.Median})
+	}
+	tw, sw := t.MeanWait[8], s.MeanWait[8]
+	out = append(out,
+		Target{Measure: "median mean wait, 8 GPU", Want: "<= 0.5 x stock",
+			Topodra: fmt.Sprintf("%.2f", tw.Median), Stock: fmt.Sprintf("%.2f", sw.Median), Met: tw.Median <= 0.5*sw.Median},
+		Target{Measure: "pods never placed (sum)", Want: "<= stock",
+			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
+		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
+			Topodra: fmt.Sprint(t.Fit8), Stock: fmt.Sprint(s.Fit8), Met: t.Fit8 >= s.Fit8},
+		Target{Measure: "median alignment", Want: ">= 95%",
+			Topodra: fmt.Sprintf("%.1f%%", 100*t.Aligned.Median), Stock: fmt.Sprintf("%.1f%%", 100*s.Aligned.Median), Met: t.Aligned.Median >= 0.95},
+		Target{Measure: "median throughput", Want: ">= 0.95 x stock",
+			Topodra: fmt.Sprintf("%.1f", t.Throughput.Median), Stock: fmt.Sprintf("%.1f", s.Throughput.Median), Met: t.Throughput.Median >= 0.95*s.Throughput.Median},
+	)
+	return out
+}
+
+// SweepOptions configure [Sweep].
+type SweepOptions struct {
+	// Seeds to run each scenario with.
+	Seeds []int64
+	// Scenarios to run (default DefaultScenarios).
+	Scenarios []Scenario
+	// Base supplies everything else of each run (schedulers, scheduler
+	// config, timeouts, progress). Its Profile, Nodes, Pods, Seed and
+	// Trace are set per run; its Workload must be nil.
+	Base Options
+	// Rows, if set, receives one line per run and scheduler as runs end.
+	Rows io.Writer
+}
+
+// SweepReport is the outcome of Sweep.
+type SweepReport struct {
+	Scenarios []Scenario     `json:"scenarios"`
+	Seeds     []int64        `json:"seeds"`
+	Rows      []SweepRow     `json:"rows"`
+	Summaries []SweepSummary `json:"summaries"`
+	// PerScenario are the summaries of each scenario, in scenario order.
+	PerScenario map[string][]SweepSummary `json:"perScenario"`
+	// Targets compare topodra with stock over all rows; empty unless both ran.
+	Targets     []Target `json:"targets,omitempty"`
+	WallSeconds float64  `json:"wallSeconds"`
+}
+
+// Sweep runs every scenario with every seed through the schedulers (one
+// fresh cluster per run and scheduler, one run at a time) and summarizes
+// the runs: medians with quartiles, sums, and the targets of topodra
+// against stock. A failed run fails the sweep.
+func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
+	start := time.Now()
+	if len(opts.Scenarios) == 0 {
+		opts.Scenarios = DefaultScenarios()
+	}
+	if opts.Base.Workload != nil {
+		return nil, fmt.Errorf("a sweep generates its workloads; Workload must be nil")
+	}
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}}
+	var rw *tabwriter.Writer
+	if opts.Rows != nil {
+		rw = tabwriter.NewWriter(opts.Rows, 0, 0, 1, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(rw, sweepHeader)
+		_ = rw.Flush()
+	}
+	for _, sc := range opts.Scenarios {
+		for _, seed := range opts.Seeds {
+			o := opts.Base
+			o.Profile, o.Nodes, o.Pods, o.Seed, o.Trace = sc.Profile, sc.Nodes, sc.Pods, seed, sc.Trace
+			o.Checkpoints = -1
+			r, err := Run(ctx, o)
+			if err != nil {
+				return nil, fmt.Errorf("scenario %s seed %d: %w", sc.Name, seed, err)
+			}
+			for i := range r.Results {
+				row := rowOf(sc.Name, seed, &r.Results[i])
+				rep.Rows = append(rep.Rows, row)
+				if rw != nil {
+					writeRow(rw, row)
+					_ = rw.Flush()
+				}
+			}
+		}
+	}
+	schedulers := opts.Base.Schedulers
+	if len(schedulers) == 0 {
+		schedulers = []string{SchedulerTopodra, SchedulerStock}
+	}
+	for _, s := range schedulers {
+		rep.Summaries = append(rep.Summaries, summarize(s, rep.Rows))
+		for _, sc := range opts.Scenarios {
+			var rows []SweepRow
+			for _, r := range rep.Rows {
+				if r.Scenario == sc.Name {
+					rows = append(rows, r)
+				}
+			}
+			rep.PerScenario[sc.Name] = append(rep.PerScenario[sc.Name], summarize(s, rows))
+		}
+	}
+	var t, s *SweepSummary
+	for i := range rep.Summaries {
+		switch rep.Summaries[i].Scheduler {
+		case SchedulerTopodra:
+			t = &rep.Summaries[i]
+		case SchedulerStock:
+			s = &rep.Summaries[i]
+		}
+	}
+	if t != nil && s != nil {
+		rep.Targets = targets(*t, *s)
+	}
+	rep.WallSeconds = time.Since(start).Seconds()
+	return rep, nil
+}
+
+const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\t"
+
+func writeRow(w io.Writer, r SweepRow) {
+	wait := func(g int) string {
+		if v, ok := r.MeanWait[g]; ok {
+			return fmt.Sprintf("%.2f", v)
+		}
+		return "-"
+	}
+	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t\n",
+		r.Scenario, r.Seed, r.Scheduler, r.PodTicks, wait(1), wait(2), wait(4), wait(8),
+		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms)
+}
+
+// WriteSummary prints the medians (with quartiles) per scenario and over
+// all runs, then the targets.
+func (r *SweepReport) WriteSummary(out io.Writer) error {
+	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "medians [p25-p75] over seeds; never placed, fit 8 and fit 4 summed")
+	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\t")
+	line := func(name string, s SweepSummary) {
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t\n", name, s.Scheduler, s.Runs,
+			s.PodTicks, s.MeanWait[1], s.MeanWait[2], s.MeanWait[4], s.MeanWait[8], s.NeverPlaced, s.Fit8, s.Fit4,
+			100*s.Aligned.Median, s.Throughput.Median, s.AttemptP50.Median)
+	}
+	for _, sc := range r.Scenarios {
+		for _, s := range r.PerScenario[sc.Name] {
+			line(sc.Name, s)
+		}
+	}
+	for _, s := range r.Summaries {
+		line("all", s)
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	if len(r.Targets) == 0 {
+		return nil
+	}
+	fmt.Fprintln(out)
+	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\t")
+	met := 0
+	for _, t := range r.Targets {
+		verdict := "no"
+		if t.Met {
+			verdict = "yes"
+			met++
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict)
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	return nil
+}

@@ -1,0 +1,96 @@
+package sim
+
+import (
+	"slices"
+	"testing"
+)
+
+func TestParseSeeds(t *testing.T) {
+	tests := map[string]struct {
+		in      string
+		want    []int64
+		wantErr bool
+	}{
+		"range":  {in: "1-4", want: []int64{1, 2, 3, 4}},
+		"single": {in: "3", want: []int64{3}},
+		"mixed":  {in: "1,4,7-8", want: []int64{1, 4, 7, 8}},
+		"empty":  {in: "", wantErr: true},
+		"zero":   {in: "0-2", wantErr: true},
+		"down":   {in: "5-2", wantErr: true},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			got, err := ParseSeeds(tc.in)
+			if (err != nil) != tc.wantErr {
+				t.Fatalf("err = %v, wantErr %v", err, tc.wantErr)
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestStatOf(t *testing.T) {
+	s := statOf([]float64{4, 1, 3, 2})
+	if s.Median != 2.5 || s.Min != 1 || s.Max != 4 || s.P25 != 1.75 || s.P75 != 3.25 || s.N != 4 {
+		t.Errorf("statOf = %+v", s)
+	}
+}
+
+func TestTargets(t *testing.T) {
+	stat := func(v float64) Stat { return Stat{Median: v} }
+	topodra := SweepSummary{Scheduler: SchedulerTopodra, MeanWait: map[int]Stat{1: stat(0), 2: stat(0.1), 4: stat(0.5), 8: stat(1)},
+		Aligned: stat(0.97), Throughput: stat(50), Fit8: 10}
+	stock := SweepSummary{Scheduler: SchedulerStock, MeanWait: map[int]Stat{1: stat(0.1), 2: stat(0.1), 4: stat(1), 8: stat(3)},
+		Aligned: stat(0.7), Throughput: stat(51), Fit8: 5, NeverPlaced: 1}
+	for _, tg := range targets(topodra, stock) {
+		if !tg.Met {
+			t.Errorf("target %q not met: %+v", tg.Measure, tg)
+		}
+	}
+	topodra.MeanWait[8] = stat(2)
+	met := 0
+	for _, tg := range targets(topodra, stock) {
+		if tg.Met {
+			met++
+		}
+	}
+	if want := len(targets(topodra, stock)) - 1; met != want {
+		t.Errorf("8-GPU wait 2 vs stock 3: %d targets met, want %d (only the 0.5x target fails)", met, want)
+	}
+}
+
+func TestGenerateTraceIsSeeded(t *testing.T) {
+	nodes, err := PlanNodes(DefaultProfile, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, trace := range []string{TracePoisson, TraceNICMatch} {
+		a, err := GenerateTrace(trace, 2, 80, nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := GenerateTrace(trace, 2, 80, nodes)
+		if len(a.Jobs) != 80 || len(b.Jobs) != 80 {
+			t.Fatalf("%s: %d and %d jobs, want 80", trace, len(a.Jobs), len(b.Jobs))
+		}
+		constrained := 0
+		for i := range a.Jobs {
+			if a.Jobs[i].Pod.Name != b.Jobs[i].Pod.Name || a.Jobs[i].Arrival != b.Jobs[i].Arrival || a.Jobs[i].Lifetime != b.Jobs[i].Lifetime {
+				t.Fatalf("%s: job %d differs between equal seeds", trace, i)
+			}
+			if i > 0 && a.Jobs[i].Arrival < a.Jobs[i-1].Arrival {
+				t.Fatalf("%s: arrivals not in order at job %d", trace, i)
+			}
+		}
+		for _, tmpl := range a.Templates {
+			if len(tmpl.Spec.Spec.Devices.Constraints) > 0 {
+				constrained++
+			}
+		}
+		if trace == TraceNICMatch && constrained == 0 {
+			t.Errorf("%s: no template with a matchAttribute constraint", trace)
+		}
+	}
+}

@@ -1,0 +1,172 @@
+package sim
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// Names of the generated workloads (Options.Trace).
+const (
+	// TraceBuiltin is the built-in workload of Generate.
+	TraceBuiltin = "builtin"
+	// TracePoisson: Poisson arrivals asking for a quarter more than the cluster holds,
+	// lifetimes that grow with the pod's size (1 GPU: 2-6 ticks, 8 GPUs:
+	// 8-18), one GPU+NIC pod in ten (soft alignment), and one 1-GPU
+	// service in ten that runs to the end.
+	TracePoisson = "poisson"
+	// TraceNICMatch: like TracePoisson, but a third of the pods ask for one
+	// or two GPUs and a NIC with a hard matchAttribute on
+	// resource.kubernetes.io/pcieRoot (GPUDirect RDMA), which only the
+	// PCIe roots of machines with NICs can satisfy.
+	TraceNICMatch = "nic-match"
+)
+
+// Traces lists the workload names Options.Trace accepts.
+func Traces() []string { return []string{TraceBuiltin, TracePoisson, TraceNICMatch} }
+
+// traceKind is one shape of a generated trace.
+type traceKind struct {
+	jobKind
+	// match: the claim requires all its devices on one PCIe root.
+	match bool
+	// minLife, maxLife bound the lifetime in ticks.
+	minLife, maxLife int
+}
+
+func traceKinds(trace string) []traceKind {
+	life := map[int][2]int{1: {2, 6}, 2: {3, 8}, 4: {5, 12}, 8: {8, 18}}
+	k := func(prefix, template string, gpus, nics, weight int, match bool) traceKind {
+		return traceKind{jobKind: jobKind{prefix: prefix, template: template, gpus: gpus, nics: nics, weight: weight},
+			match: match, minLife: life[gpus][0], maxLife: life[gpus][1]}
+	}
+	switch trace {
+	case TracePoisson:
+		return []traceKind{
+			k("job-1g", "gpu-1", 1, 0, 32, false),
+			k("job-2g", "gpu-2", 2, 0, 25, false),
+			k("job-4g", "gpu-4", 4, 0, 20, false),
+			k("job-8g", "gpu-8", 8, 0, 13, false),
+			k("rdma-1g", "gpu-1-nic-1", 1, 1, 10, false),
+		}
+	case TraceNICMatch:
+		return []traceKind{
+			k("job-1g", "gpu-1", 1, 0, 20, false),
+			k("job-2g", "gpu-2", 2, 0, 15, false),
+			k("job-4g", "gpu-4", 4, 0, 18, false),
+			k("job-8g", "gpu-8", 8, 0, 12, false),
+			k("rdma-1g", "gpu-1-nic-1-match", 1, 1, 20, true),
+			k("rdma-2g", "gpu-2-nic-1-match", 2, 1, 15, true),
+		}
+	}
+	return nil
+}
+
+// GenerateTrace builds one of the generated workloads (see Traces); the
+// same trace, seed, pod count and nodes give the same workload.
+func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workload, error) {
+	if trace == "" || trace == TraceBuiltin {
+		return Generate(seed, pods, nodes, false)
+	}
+	all := traceKinds(trace)
+	if all == nil {
+		return nil, fmt.Errorf("unknown trace %q (known: %v)", trace, Traces())
+	}
+	caps, err := capacities(nodes)
+	if err != nil {
+		return nil, err
+	}
+	totalGPUs, totalNICs, maxGPUs := 0, 0, 0
+	for _, c := range caps {
+		totalGPUs += c.gpus
+		totalNICs += c.nics
+		maxGPUs = max(maxGPUs, c.gpus)
+	}
+	var kinds []traceKind
+	weightSum := 0
+	for _, k := range all {
+		if k.gpus > maxGPUs || (k.nics > 0 && totalNICs == 0) {
+			continue
+		}
+		kinds = append(kinds, k)
+		weightSum += k.weight
+	}
+	if len(kinds) == 0 {
+		return nil, fmt.Errorf("trace %s: no pod shape fits these nodes", trace)
+	}
+	// GPU-ticks demanded per pod on average; arrivals at the rate that
+	// asks for the whole cluster.
+	const (
+		load           = 1.25
+		servicePercent = 10 // 1-GPU pods that run to the end
+		drainTicks     = 6
+	)
+	gpuTicks := 0.0
+	for _, k := range kinds {
+		gpuTicks += float64(k.weight*k.gpus) * float64(k.minLife+k.maxLife) / 2 / float64(weightSum)
+	}
+	rate := load * float64(totalGPUs) / gpuTicks
+	rng := rand.New(rand.NewPCG(uint64(seed), 0x7ace))
+	w := &Workload{Templates: traceTemplates(kinds), Drain: drainTicks}
+	counts := map[string]int{}
+	at := 0.0
+	for range pods {
+		at += rng.ExpFloat64() / rate
+		pick := rng.IntN(weightSum)
+		kind := kinds[0]
+		for _, k := range kinds {
+			if pick < k.weight {
+				kind = k
+				break
+			}
+			pick -= k.weight
+		}
+		life := kind.minLife + rng.IntN(kind.maxLife-kind.minLife+1)
+		if kind.gpus == 1 && kind.nics == 0 && rng.IntN(100) < servicePercent {
+			life = 0
+		}
+		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
+		counts[kind.prefix]++
+		w.Jobs = append(w.Jobs, Job{Pod: builtinPod(name, kind.jobKind), Arrival: int(math.Floor(at)), Lifetime: life})
+	}
+	return w, nil
+}
+
+// traceTemplates are the claim templates of kinds, one per template name.
+func traceTemplates(kinds []traceKind) []*resourceapi.ResourceClaimTemplate {
+	var out []*resourceapi.ResourceClaimTemplate
+	var seen []string
+	for _, k := range kinds {
+		if slices.Contains(seen, k.template) {
+			continue
+		}
+		seen = append(seen, k.template)
+		tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: k.template}}
+		add := func(name, class string, n int) {
+			tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
+				Name: name,
+				Exactly: &resourceapi.ExactDeviceRequest{
+					DeviceClassName: class,
+					AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
+					Count:           int64(n),
+				},
+			})
+		}
+		add("gpu", GPUClassName, k.gpus)
+		if k.nics > 0 {
+			add("nic", NICClassName, k.nics)
+		}
+		if k.match {
+			attr := resourceapi.FullyQualifiedName(topology.AttrPCIeRoot)
+			tmpl.Spec.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: &attr}}
+		}
+		out = append(out, tmpl)
+	}
+	return out
+}

@@ -1,0 +1,187 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// pcieNVLinkPairsGPUs is a PCIe box: eight GPUs, each on its own PCIe
+// root, NVLink bridges joining pairs (0+1, 2+3, ...), NUMA nodes 0-3 and
+// 4-7.
+func pcieNVLinkPairsGPUs(node string) []framework.Device {
+	var devices []framework.Device
+	for i := range 8 {
+		devices = append(devices, framework.Device{
+			Name: fmt.Sprintf("gpu-%d", i),
+			Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", i)),
+				topology.AttrNUMANode: framework.IntAttr(int64(i / 4)),
+				"nvlinkClique":        framework.StringAttr(fmt.Sprintf("%s-pair-%d", node, i/2)),
+				"index":               framework.IntAttr(int64(i)),
+			},
+		})
+	}
+	return devices
+}
+
+// node creates one node in group with the given devices and the named
+// devices already allocated, and returns its name.
+func (e *env) node(group, suffix string, devices func(string) []framework.Device, taken ...string) string {
+	name := fmt.Sprintf("%s-%s-%s", e.ns, group, suffix)
+	_, err := framework.CreateReadyNodeWithCPU(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group}, "256")
+	e.tCtx.ExpectNoError(err)
+	_, err = cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, framework.SliceForNode(name, topology.DriverName, devices(name)), metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	for _, d := range taken {
+		e.preallocate("taken-"+group+"-"+suffix+"-"+d, name, d)
+	}
+	return name
+}
+
+// schedule creates a topodra pod in group and waits until it is bound.
+func (e *env) schedule(name, group string, templates ...string) (node string, devices []string) {
+	e.pod(name, topodraName, group, templates...)
+	pod := e.waitScheduled(name)
+	return pod.Spec.NodeName, e.devicesOf(pod)
+}
+
+// TestLargeJobKeepsRoom: a 4-GPU pod goes to the used DGX that has a whole
+// free NUMA node, not to the empty DGX, so that an 8-GPU pod still fits.
+func TestLargeJobKeepsRoom(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "room")
+	empty := e.node("a", "empty", framework.DGXLikeGPUs)
+	used := e.node("a", "used", framework.DGXLikeGPUs, "gpu-0", "gpu-1")
+	four, eight := e.template(4, nil), e.template(8, nil)
+	startTopodra(tCtx)
+
+	node, devices := e.schedule("four", "a", four)
+	if node != used || len(devices) != 4 || !sharedDomain(devices, 4) {
+		t.Fatalf("4-GPU pod got %v on %s, want the free NUMA node of %s (not the empty %s)", devices, node, used, empty)
+	}
+	node, devices = e.schedule("eight", "a", eight)
+	if node != empty || len(devices) != 8 {
+		t.Fatalf("8-GPU pod got %v on %s, want all of %s", devices, node, empty)
+	}
+}
+
+// TestSmallPodsConsolidate: 1-GPU pods fill a used node, of either
+// profile, before they open an empty one.
+func TestSmallPodsConsolidate(t *testing.T) {
+	profiles := map[string]func(string) []framework.Device{
+		"dgx":               framework.DGXLikeGPUs,
+		"pcie-nvlink-pairs": pcieNVLinkPairsGPUs,
+	}
+	for name, usedProfile := range profiles {
+		t.Run(name, func(t *testing.T) {
+			tCtx := ktesting.Init(t)
+			e := newEnv(tCtx, "consolidate")
+			e.node("a", "empty-dgx", framework.DGXLikeGPUs)
+			e.node("a", "empty-pcie", pcieNVLinkPairsGPUs)
+			used := e.node("a", "used", usedProfile, "gpu-5")
+			one := e.template(1, nil)
+			startTopodra(tCtx)
+
+			// Seven pods fill the used node's seven free GPUs.
+			for i := range 7 {
+				podName := fmt.Sprintf("one-%d", i)
+				node, devices := e.schedule(podName, "a", one)
+				if node != used {
+					t.Fatalf("pod %s went to %s (%v) while the used node %s had %d free GPUs", podName, node, devices, used, 7-i)
+				}
+			}
+		})
+	}
+}
+
+// TestUserPreferenceStillCounts: two nodes where the pod's device
+// placement is equally good (one GPU whose pair partner is taken, nothing
+// free is broken) and which differ only in how full they are. Without a
+// preference topodra packs onto the fuller node; a preferred node affinity
+// for the other node wins, because node scores are proportional and not
+// stretched to the full range.
+func TestUserPreferenceStillCounts(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "preference")
+	one := e.template(1, nil)
+	nodes := map[string][2]string{}
+	for _, group := range []string{"control", "preferred"} {
+		emptier := e.node(group, "emptier", framework.DGXLikeGPUs, "gpu-0")
+		fuller := e.node(group, "fuller", framework.DGXLikeGPUs, "gpu-0", "gpu-2")
+		nodes[group] = [2]string{emptier, fuller}
+	}
+	startTopodra(tCtx)
+
+	node, devices := e.schedule("control", "control", one)
+	if node != nodes["control"][1] {
+		t.Fatalf("without a preference the pod went to %s (%v), want the fuller node %s", node, devices, nodes["control"][1])
+	}
+
+	pod := framework.PodWithClaims(e.ns, "preferred", topodraName, one)
+	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "preferred"}
+	pod.Spec.Affinity = &v1.Affinity{NodeAffinity: &v1.NodeAffinity{
+		PreferredDuringSchedulingIgnoredDuringExecution: []v1.PreferredSchedulingTerm{{
+			Weight: 100,
+			Preference: v1.NodeSelectorTerm{MatchExpressions: []v1.NodeSelectorRequirement{{
+				Key: v1.LabelHostname, Operator: v1.NodeSelectorOpIn, Values: []string{nodes["preferred"][0]},
+			}}},
+		}},
+	}}
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	scheduled := e.waitScheduled("preferred")
+	devices = e.devicesOf(scheduled)
+	if scheduled.Spec.NodeName != nodes["preferred"][0] {
+		t.Fatalf("with a preferred node affinity for %s the pod went to %s (%v)", nodes["preferred"][0], scheduled.Spec.NodeName, devices)
+	}
+	if len(devices) != 1 || devices[0] != "gpu-1" {
+		t.Errorf("pod got %v, want gpu-1 (the pair partner of the taken gpu-0)", devices)
+	}
+}
+
+// TestWaitingWholeNodePodProtectsNodes: a used DGX has one GPU taken under
+// every PCIe root, so a 2-GPU pod finds a root pair only on the empty DGX.
+// While an 8-GPU pod is pending, the pair goes into one NUMA node of the
+// used DGX and the empty one stays whole (wholeNodeTradeWhileWaiting);
+// with nothing waiting, alignment comes first and the pair takes a PCIe
+// root of the empty DGX (wholeNodeTrade 0).
+func TestWaitingWholeNodePodProtectsNodes(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "demand")
+	empty := e.node("a", "empty", framework.DGXLikeGPUs)
+	used := e.node("a", "used", framework.DGXLikeGPUs, "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+	two, eight := e.template(2, nil), e.template(8, nil)
+	startTopodra(tCtx)
+
+	// No node of group "nowhere" exists: the 8-GPU pod stays pending.
+	e.pod("waiting", topodraName, "nowhere", eight)
+	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
+	tCtx.ExpectNoError(err)
+	node, devices := e.schedule("while-waiting", "a", two)
+	if node != used || !sharedDomain(devices, 4) {
+		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of the used %s (not the empty %s)", devices, node, used, empty)
+	}
+
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "waiting", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	tCtx.ExpectNoError(wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		_, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "waiting", metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}))
+	node, devices = e.schedule("nothing-waiting", "a", two)
+	if node != empty || !sharedDomain(devices, 2) {
+		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of the empty %s", devices, node, empty)
+	}
+}
