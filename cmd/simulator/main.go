@@ -22,6 +22,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -75,6 +76,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&logFile, "log-file", "", "write component logs (apiserver, schedulers, agents) to this file; by default they are discarded")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity for --log-file")
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0 // --help printed the usage, as asked
+		}
 		return 2
 	}
 	if fs.NArg() > 0 {

@@ -43,3 +43,13 @@ func TestBadFlags(t *testing.T) {
 		})
 	}
 }
+
+func TestHelpExitsZero(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	if code := run([]string{"--help"}, &stdout, &stderr); code != 0 {
+		t.Errorf("--help: exit code %d, want 0", code)
+	}
+	if !strings.Contains(stderr.String(), "-seed") {
+		t.Errorf("--help printed no usage: %q", stderr.String())
+	}
+}
