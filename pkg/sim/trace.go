@@ -7,7 +7,6 @@ import (
 	"slices"
 
 	resourceapi "k8s.io/api/resource/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -147,21 +146,7 @@ func traceTemplates(kinds []traceKind) []*resourceapi.ResourceClaimTemplate {
 			continue
 		}
 		seen = append(seen, k.template)
-		tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: k.template}}
-		add := func(name, class string, n int) {
-			tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
-				Name: name,
-				Exactly: &resourceapi.ExactDeviceRequest{
-					DeviceClassName: class,
-					AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
-					Count:           int64(n),
-				},
-			})
-		}
-		add("gpu", GPUClassName, k.gpus)
-		if k.nics > 0 {
-			add("nic", NICClassName, k.nics)
-		}
+		tmpl := k.claimTemplate()
 		if k.match {
 			attr := resourceapi.FullyQualifiedName(topology.AttrPCIeRoot)
 			tmpl.Spec.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: &attr}}

@@ -92,24 +92,30 @@ var builtinKinds = []jobKind{
 func builtinTemplates() []*resourceapi.ResourceClaimTemplate {
 	var out []*resourceapi.ResourceClaimTemplate
 	for _, k := range builtinKinds {
-		tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: k.template}}
-		add := func(name, class string, n int) {
-			tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
-				Name: name,
-				Exactly: &resourceapi.ExactDeviceRequest{
-					DeviceClassName: class,
-					AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
-					Count:           int64(n),
-				},
-			})
-		}
-		add("gpu", GPUClassName, k.gpus)
-		if k.nics > 0 {
-			add("nic", NICClassName, k.nics)
-		}
-		out = append(out, tmpl)
+		out = append(out, k.claimTemplate())
 	}
 	return out
+}
+
+// claimTemplate is the kind's template: one request for its GPUs and, if it
+// has NICs, one for them.
+func (k jobKind) claimTemplate() *resourceapi.ResourceClaimTemplate {
+	tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: k.template}}
+	add := func(name, class string, n int) {
+		tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
+			Name: name,
+			Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: class,
+				AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
+				Count:           int64(n),
+			},
+		})
+	}
+	add("gpu", GPUClassName, k.gpus)
+	if k.nics > 0 {
+		add("nic", NICClassName, k.nics)
+	}
+	return tmpl
 }
 
 // nodeCapacity is what the generator knows about a node.

@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"strconv"
@@ -10,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
 	"github.com/topodra/topodra/config"
@@ -184,4 +186,25 @@ func (e *env) preallocate(name, node, device string) {
 	}
 	_, err = cp.Client.ResourceV1().ResourceClaims(e.ns).UpdateStatus(e.tCtx, created, metav1.UpdateOptions{})
 	e.tCtx.ExpectNoError(err)
+}
+
+// waitReserved waits until the one claim of the pod is allocated and
+// reserved for it (PreBind has written it) and cond, if set, holds for it.
+func (e *env) waitReserved(podName string, cond func(*resourceapi.ResourceClaim) bool) *resourceapi.ResourceClaim {
+	e.tCtx.Helper()
+	var claim *resourceapi.ResourceClaim
+	err := wait.PollUntilContextTimeout(e.tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, podName, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		claims, err := framework.PodClaims(ctx, cp.Client, pod)
+		if err != nil || len(claims) != 1 {
+			return false, nil
+		}
+		claim = claims[0]
+		return claim.Status.Allocation != nil && len(claim.Status.ReservedFor) == 1 && (cond == nil || cond(claim)), nil
+	})
+	e.tCtx.ExpectNoError(err, "claim of pod "+podName+" allocated and reserved")
+	return claim
 }

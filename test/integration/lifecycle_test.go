@@ -130,20 +130,7 @@ func TestRestartBetweenReserveAndBind(t *testing.T) {
 	e.pod("job", topodraName, "a", two)
 
 	// Wait for PreBind to have written allocation + reservation.
-	var claim *resourceapi.ResourceClaim
-	err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
-		pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "job", metav1.GetOptions{})
-		if err != nil {
-			return false, nil
-		}
-		claims, err := framework.PodClaims(ctx, cp.Client, pod)
-		if err != nil || len(claims) != 1 {
-			return false, nil
-		}
-		claim = claims[0]
-		return claim.Status.Allocation != nil && len(claim.Status.ReservedFor) == 1, nil
-	})
-	tCtx.ExpectNoError(err, "claim was not allocated and reserved")
+	claim := e.waitReserved("job", nil)
 	stop1()
 	pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "job", metav1.GetOptions{})
 	tCtx.ExpectNoError(err)

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -10,7 +9,6 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
@@ -96,21 +94,7 @@ func TestBindingFailureReallocates(t *testing.T) {
 	// waitAllocated waits until the pod's claim is allocated and reserved
 	// (the scheduler waits in PreBind) on a device other than avoid.
 	waitAllocated := func(avoid string) *resourceapi.ResourceClaim {
-		var claim *resourceapi.ResourceClaim
-		err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
-			pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "job", metav1.GetOptions{})
-			if err != nil {
-				return false, nil
-			}
-			claims, err := framework.PodClaims(ctx, cp.Client, pod)
-			if err != nil || len(claims) != 1 {
-				return false, nil
-			}
-			claim = claims[0]
-			return claim.Status.Allocation != nil && len(claim.Status.ReservedFor) == 1 && framework.AllocatedDevices(claim)[0] != avoid, nil
-		})
-		tCtx.ExpectNoError(err, "claim allocated and reserved on a device other than "+avoid)
-		return claim
+		return e.waitReserved("job", func(c *resourceapi.ResourceClaim) bool { return framework.AllocatedDevices(c)[0] != avoid })
 	}
 	setCondition := func(claim *resourceapi.ResourceClaim, condition string) {
 		r := claim.Status.Allocation.Devices.Results[0]
