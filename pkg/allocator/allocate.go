@@ -134,7 +134,15 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 	}
 	results, err := a.upstream(ctx, node, claims, chosenOnly(ns.slices, res.Allocations))
 	if err == nil && results != nil {
-		return &Result{Allocations: results, Quality: res.Quality, Explanation: res.Explanation, DevicesConsidered: res.DevicesConsidered}, nil
+		if samePerClaim(results, res.Allocations) {
+			return &Result{Allocations: results, Quality: res.Quality, Explanation: res.Explanation, DevicesConsidered: res.DevicesConsidered}, nil
+		}
+		// Upstream handed the chosen devices to other claims than planned
+		// (possible where a claim's devices span slices), which can break
+		// a claim's required alignment: allocate with upstream's own
+		// results instead.
+		klog.FromContext(ctx).V(4).Info("Counted allocation assigned to other claims by upstream, allocating again", "node", klog.KObj(node))
+		return a.run(ctx, p, exactStrategies)
 	}
 	if ctx.Err() != nil {
 		return nil, ctx.Err()
@@ -172,4 +180,29 @@ func logAllocated(ctx context.Context, p *podNode, how string, q Quality) {
 	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
 		logger.V(4).Info("Allocated", "node", klog.KObj(p.node), "strategy", how, "devices", q.Devices, "level", q.LevelName, "score", q.Score)
 	}
+}
+
+// samePerClaim reports whether every claim got the same devices in both
+// allocations (in any order).
+func samePerClaim(a, b []resourceapi.AllocationResult) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if len(a[i].Devices.Results) != len(b[i].Devices.Results) {
+			return false
+		}
+		want := map[[3]string]int{}
+		for _, r := range b[i].Devices.Results {
+			want[[3]string{r.Driver, r.Pool, r.Device}]++
+		}
+		for _, r := range a[i].Devices.Results {
+			k := [3]string{r.Driver, r.Pool, r.Device}
+			if want[k] == 0 {
+				return false
+			}
+			want[k]--
+		}
+	}
+	return true
 }

@@ -471,7 +471,7 @@ func quietContext(t *testing.T) context.Context {
 func TestParityWithUpstream(t *testing.T) {
 	ctx := quietContext(t)
 	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
-	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch, matchInfeasible int
+	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch, matchInfeasible, verifiedCases int
 	var slowest time.Duration
 	slowestCase := -1
 	for i := range *parityCases {
@@ -539,6 +539,21 @@ func TestParityWithUpstream(t *testing.T) {
 		if err := checkValid(ctx, pc, res.Allocations); err != nil {
 			t.Fatalf("case %d: invalid topodra allocation %v: %v\n%s", i, deviceNames(res.Allocations), err, pc.describe())
 		}
+		if res.Unverified {
+			// What the plugin does in Reserve: the counted allocation
+			// must be confirmed by upstream as it is.
+			verified, err := a.Verify(ctx, pc.node, pc.claims, res)
+			switch {
+			case err != nil:
+				t.Fatalf("case %d: Verify: %v\n%s", i, err, pc.describe())
+			case verified.CountingRefused || verified.Allocations == nil:
+				t.Fatalf("case %d: upstream refused the counted allocation %v\n%s", i, deviceNames(res.Allocations), pc.describe())
+			}
+			if err := checkValid(ctx, pc, verified.Allocations); err != nil {
+				t.Fatalf("case %d: invalid verified allocation %v: %v\n%s", i, deviceNames(verified.Allocations), err, pc.describe())
+			}
+			verifiedCases++
+		}
 		if !slices.Equal(deviceNames(res.Allocations), deviceNames(upResult)) {
 			improved++
 		}
@@ -550,9 +565,9 @@ func TestParityWithUpstream(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated", slowestCase, slowest, sharedCases)
+	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated; %d counted allocations confirmed by Verify", slowestCase, slowest, sharedCases, verifiedCases)
 	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, matchInfeasible, errs, skipped)
-	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 || matchInfeasible == 0 {
+	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 || matchInfeasible == 0 || verifiedCases == 0 {
 		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d feasible and %d infeasible matchAttribute by counting", feasible, infeasible, improved, countedMatch, matchInfeasible)
 	}
 }

@@ -374,13 +374,27 @@ func (p *planner) pickIn(g *group, d *domainRef, avail []bool) []int {
 }
 
 // plans returns up to maxPlans plans. Plan 0 gives every group its best
-// domain, in claim order, each group using what earlier groups left. Later
-// plans try the next domains of the first multi-device group.
+// domain, groups with alignment require first and otherwise in claim
+// order, each group using what earlier groups left: a required group is
+// never crowded out of its domain by a group that only prefers alignment.
+// Later plans try the next domains of the first multi-device group in that
+// order.
 func (p *planner) plans(maxPlans int) []plan {
 	var result []plan
-	first := -1
+	order := make([]int, 0, len(p.groups))
 	for gi, g := range p.groups {
-		if g.need > 1 {
+		if g.mode == AlignmentRequire {
+			order = append(order, gi)
+		}
+	}
+	for gi, g := range p.groups {
+		if g.mode != AlignmentRequire {
+			order = append(order, gi)
+		}
+	}
+	first := -1
+	for _, gi := range order {
+		if p.groups[gi].need > 1 {
 			first = gi
 			break
 		}
@@ -392,7 +406,8 @@ func (p *planner) plans(maxPlans int) []plan {
 			avail[i] = true
 		}
 		pl := plan{domains: make([]*domainRef, len(p.groups)), picks: make([][]int, len(p.groups))}
-		for gi, g := range p.groups {
+		for _, gi := range order {
+			g := p.groups[gi]
 			domains := p.fittingDomains(g, avail, gi == first && maxPlans > 2)
 			if gi == first && attempt == 0 {
 				firstDomains = domains

@@ -241,10 +241,14 @@ func (p *planner) exclusions(pl *plan) []bool {
 // chosenOnly returns the node's view (slices) with only the devices of
 // allocations visible; slices and pools stay complete.
 func chosenOnly(view []*resourceapi.ResourceSlice, allocations []resourceapi.AllocationResult) []*resourceapi.ResourceSlice {
-	chosen := map[[3]string]bool{}
+	// rank is the position of a device in the allocations, claim by claim:
+	// upstream assigns the visible devices first-fit in claim order, so
+	// listing each claim's devices before the next claim's hands every
+	// claim the devices planned for it.
+	rank := map[[3]string]int{}
 	for _, alloc := range allocations {
 		for _, r := range alloc.Devices.Results {
-			chosen[[3]string{r.Driver, r.Pool, r.Device}] = true
+			rank[[3]string{r.Driver, r.Pool, r.Device}] = len(rank)
 		}
 	}
 	out := make([]*resourceapi.ResourceSlice, 0, len(view))
@@ -252,15 +256,27 @@ func chosenOnly(view []*resourceapi.ResourceSlice, allocations []resourceapi.All
 		keep := slice
 		filtered := make([]resourceapi.Device, 0, 1)
 		for _, d := range slice.Spec.Devices {
-			if chosen[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, d.Name}] {
+			if _, ok := rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, d.Name}]; ok {
 				filtered = append(filtered, d)
 			}
 		}
-		if len(filtered) != len(slice.Spec.Devices) {
+		slices.SortStableFunc(filtered, func(a, b resourceapi.Device) int {
+			return rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, a.Name}] - rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, b.Name}]
+		})
+		if len(filtered) != len(slice.Spec.Devices) || !sameOrder(filtered, slice.Spec.Devices) {
 			keep = slice.DeepCopy()
 			keep.Spec.Devices = filtered
 		}
 		out = append(out, keep)
 	}
 	return out
+}
+
+func sameOrder(a, b []resourceapi.Device) bool {
+	for i := range a {
+		if a[i].Name != b[i].Name {
+			return false
+		}
+	}
+	return true
 }

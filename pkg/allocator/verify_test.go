@@ -1,0 +1,81 @@
+package allocator
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/structured"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// TestVerifyKeepsRequiredAlignment: six GPUs, two per PCIe root and NUMA
+// node; gpu-1 and gpu-4 are in use. Claim A asks for two GPUs with
+// alignment require, claim B for two GPUs. Whatever the claim order,
+// Allocate must find the assignment that keeps A on one root (gpu-2,
+// gpu-3), and Verify must hand each claim exactly its planned devices
+// (upstream assigns a union of devices first-fit in claim order).
+func TestVerifyKeepsRequiredAlignment(t *testing.T) {
+	const nodeName = "worker"
+	var devs []resourceapi.Device
+	for i := range 6 {
+		devs = append(devs, device("gpu-"+string(rune('0'+i)), attrs{
+			topology.AttrPCIeRoot: str("r" + string(rune('0'+i/2))),
+			topology.AttrNUMANode: num(int64(i / 2)),
+		}))
+	}
+	nodeSlices := []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver, devs...)}
+	required := func() *resourceapi.ResourceClaim {
+		return claim("a").request("gpus", "gpu", 2).annotate(topology.AnnotationAlignment, "require").obj()
+	}
+	plain := func() *resourceapi.ResourceClaim { return claim("b").request("gpus", "gpu", 2).obj() }
+	for name, order := range map[string][]*resourceapi.ResourceClaim{
+		"required first": {required(), plain()},
+		"required last":  {plain(), required()},
+	} {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			state := allocated(gpuDriver, nodeName, "gpu-1", "gpu-4")
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: nodeSlices, CELCache: newCELCache()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node(nodeName), order)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Allocations == nil {
+				t.Fatalf("infeasible, but b = gpu-0, gpu-5 with a = gpu-2, gpu-3 is valid: %v", res.Explanation)
+			}
+			verified, err := a.Verify(ctx, node(nodeName), order, res)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if verified.Allocations == nil {
+				t.Fatal("Verify found nothing")
+			}
+			for i, c := range order {
+				got := deviceNames(verified.Allocations[i : i+1])
+				if c.Name == "a" && !slices.Equal(got, []string{"gpu-2", "gpu-3"}) {
+					t.Errorf("required claim a got %v, want gpu-2, gpu-3 (one PCIe root)", got)
+				}
+				if res.Unverified {
+					planned := deviceNames(res.Allocations[i : i+1])
+					if !slices.Equal(got, planned) {
+						t.Errorf("claim %s: planned %v, verified %v", c.Name, planned, got)
+					}
+				}
+			}
+			// Upstream agrees the verified allocation is valid.
+			check, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, chosenOnly(nodeSlices, verified.Allocations), newCELCache())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if up, err := check.Allocate(ctx, node(nodeName), order); err != nil || up == nil {
+				t.Errorf("upstream refuses the verified devices: %v", err)
+			}
+		})
+	}
+}
