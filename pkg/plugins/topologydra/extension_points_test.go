@@ -409,3 +409,45 @@ func TestSignPod(t *testing.T) {
 		t.Errorf("pod with a claim: %v, want Unschedulable (not signable)", st)
 	}
 }
+
+// TestScorePrefersFirstChoice: with a prioritized list, the node where the
+// pod gets its first choice scores higher than one that only offers the
+// second, whatever the topology, as the stock plugin scores.
+func TestScorePrefersFirstChoice(t *testing.T) {
+	model := func(node, value string) *resourceapi.ResourceSlice {
+		s := testSlice(node, 2)
+		for i := range s.Spec.Devices {
+			s.Spec.Devices[i].Attributes["model"] = resourceapi.DeviceAttribute{StringValue: &value}
+		}
+		return s
+	}
+	claim := testClaim("c", 1)
+	claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{
+		Name: "gpu",
+		FirstAvailable: []resourceapi.DeviceSubRequest{
+			{Name: "h100", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+				Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: `device.attributes["gpu.topodra.io"].model == "h100"`}}}},
+			{Name: "any", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+		},
+	}}
+	nodes := []*v1.Node{testNode("node-a"), testNode("node-b")}
+	h := newHarness(t, nodes, testDeviceClass(), model("node-a", "a100"), model("node-b", "h100"), claim)
+	pod := testPod("p", "c")
+	cs, st := h.cycle(pod, "node-a", "node-b")
+	for n, s := range st {
+		if !s.IsSuccess() {
+			t.Fatalf("Filter(%s): %v", n, s)
+		}
+	}
+	if st := h.pl.PreScore(h.tCtx, cs, pod, []fwk.NodeInfo{h.nodes["node-a"], h.nodes["node-b"]}); !st.IsSuccess() {
+		t.Fatalf("PreScore: %v", st)
+	}
+	scoreA, _ := h.pl.Score(h.tCtx, cs, pod, h.nodes["node-a"])
+	scoreB, _ := h.pl.Score(h.tCtx, cs, pod, h.nodes["node-b"])
+	if scoreB <= scoreA {
+		t.Errorf("first choice on node-b scores %d, second choice on node-a %d: want node-b higher", scoreB, scoreA)
+	}
+	if scoreA < 0 || scoreB > fwk.MaxNodeScore {
+		t.Errorf("scores %d, %d outside 0..%d", scoreA, scoreB, fwk.MaxNodeScore)
+	}
+}

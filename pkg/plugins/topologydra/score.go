@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"context"
+	"math"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -26,6 +27,16 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		return fwk.NewStatus(fwk.Skip)
 	}
 	s.scorePolicy = pl.scorePolicy(pod)
+	s.choiceLevels = 0
+	if pl.features.PrioritizedList {
+		for _, c := range s.allocClaims {
+			for _, r := range c.Spec.Devices.Requests {
+				if len(r.FirstAvailable) > 1 {
+					s.choiceLevels += len(r.FirstAvailable) - 1
+				}
+			}
+		}
+	}
 	if logger := klog.FromContext(ctx); logger.V(5).Enabled() {
 		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade)
 	}
@@ -93,7 +104,41 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	if res == nil {
 		return 0, nil
 	}
-	return s.scorePolicy.Score(res.Quality), nil
+	score := s.scorePolicy.Score(res.Quality)
+	if s.choiceLevels > 0 {
+		// Like the stock plugin, a node where the pod gets earlier
+		// (preferred) subrequests of its prioritized lists wins; topology
+		// ranks nodes that give the same choices. Each choice level gets
+		// an equal band of 0..100, Policy.Score places a node within it.
+		band := float64(fwk.MaxNodeScore) / float64(s.choiceLevels+1)
+		level := s.choiceLevels - choicePenalty(s.allocClaims, res.Allocations)
+		score = int64(math.Round(float64(level)*band + float64(score)*band/float64(fwk.MaxNodeScore)))
+	}
+	return score, nil
+}
+
+// choicePenalty sums, over the prioritized-list requests of claims, the
+// index of the subrequest that allocations chose (0: every first choice).
+func choicePenalty(claims []*resourceapi.ResourceClaim, allocations []resourceapi.AllocationResult) int {
+	penalty := 0
+	for i, c := range claims {
+		if i >= len(allocations) {
+			break
+		}
+		chosen := map[string]bool{}
+		for _, r := range allocations[i].Devices.Results {
+			chosen[r.Request] = true
+		}
+		for _, req := range c.Spec.Devices.Requests {
+			for j, sub := range req.FirstAvailable {
+				if chosen[resourceclaim.CreateSubRequestRef(req.Name, sub.Name)] {
+					penalty += j
+					break
+				}
+			}
+		}
+	}
+	return penalty
 }
 
 // ScoreExtensions implements fwk.ScorePlugin. There is no normalisation:

@@ -67,6 +67,10 @@ type stateData struct {
 	// scorePolicy is the policy whose Score ranks the nodes this cycle
 	// (TopologyDRA.scorePolicy). Written by PreScore, read by Score.
 	scorePolicy allocator.Policy
+	// choiceLevels is the largest sum of subrequest indexes the claims to
+	// allocate can reach (0: no prioritized list to rank by). Written by
+	// PreScore, read by Score.
+	choiceLevels int
 
 	// nodeName and result are the node Reserve picked and its result.
 	nodeName string
