@@ -26,6 +26,9 @@ type domainRef struct {
 // candidate is a domain that can hold a group, with its ranking data.
 type candidate struct {
 	domainRef
+	// binding is set when the domain can hold the group only with devices
+	// that have binding conditions.
+	binding bool
 	// slack is how many free devices of the group's requests the domain
 	// has beyond what the group needs.
 	slack int
@@ -102,6 +105,7 @@ func buildGroups(infos []*claimInfo) []*group {
 func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candidate {
 	ns := p.ns
 	dc := p.countDomains(g, avail)
+	bindingDevs := p.bindingDevices(g)
 	var result []candidate
 	var enclosing []int // backing array of all candidates' enclosing sizes
 	for _, l := range p.rankLevels(g, dc) {
@@ -114,6 +118,9 @@ func (p *planner) fittingDomains(g *group, avail []bool, allLevels bool) []candi
 				continue
 			}
 			c := candidate{domainRef: domainRef{level: l, value: ns.domVals[l][v], id: int32(v)}, slack: size - g.need}
+			if bindingDevs != nil {
+				c.binding = p.plainFree(g, avail, bindingDevs, l, int32(v)) < g.need
+			}
 			first := dc.first[l][v]
 			if enclosing == nil {
 				enclosing = make([]int, 0, len(ns.domVals[l])*(p.levels-1))
@@ -246,10 +253,51 @@ func (p *planner) fitsIn(g *group, avail []bool, l int, v int32) bool {
 	return true
 }
 
-// sortCandidates sorts the candidates of one level: best fit (least slack;
-// most when spreading), then the enclosing domains, then value.
+// bindingDevices marks the group's free devices that have binding
+// conditions; nil if none has.
+func (p *planner) bindingDevices(g *group) []bool {
+	var marks []bool
+	for _, u := range g.units {
+		for _, i := range u.free {
+			if len(p.ns.devices[i].device.BindingConditions) == 0 {
+				continue
+			}
+			if marks == nil {
+				marks = make([]bool, len(p.ns.devices))
+			}
+			marks[i] = true
+		}
+	}
+	return marks
+}
+
+// plainFree counts the available devices of the group's requests in domain
+// (l, v) that have no binding conditions.
+func (p *planner) plainFree(g *group, avail, binding []bool, l int, v int32) int {
+	seen := make(map[int]bool)
+	for _, u := range g.units {
+		for _, i := range u.free {
+			if avail[i] && !binding[i] && p.ns.dom[l][i] == v {
+				seen[i] = true
+			}
+		}
+	}
+	return len(seen)
+}
+
+// sortCandidates sorts the candidates of one level: domains that hold the
+// group without devices that have binding conditions first (the stock
+// allocator tries those last: they delay binding and can fail), then best
+// fit (least slack; most when spreading), then the enclosing domains, then
+// value.
 func (p *planner) sortCandidates(atLevel []candidate) {
 	slices.SortFunc(atLevel, func(x, y candidate) int {
+		if x.binding != y.binding {
+			if x.binding {
+				return 1
+			}
+			return -1
+		}
 		if x.slack != y.slack {
 			if p.pack {
 				return cmp.Compare(x.slack, y.slack)

@@ -243,7 +243,17 @@ func (a *Allocator) sortedSlice(slice *resourceapi.ResourceSlice, info *sliceInf
 		sc.perm[j] = j
 	}
 	keys := sc.keys
+	devices := slice.Spec.Devices
 	slices.SortStableFunc(sc.perm, func(x, y int) int {
+		// Devices with binding conditions go after all others, as the
+		// stock allocator tries them last (they delay binding and can
+		// fail); then the topology order.
+		if bx, by := len(devices[x].BindingConditions) > 0, len(devices[y].BindingConditions) > 0; bx != by {
+			if bx {
+				return 1
+			}
+			return -1
+		}
 		return slices.Compare(keys[x*levels:(x+1)*levels], keys[y*levels:(y+1)*levels])
 	})
 	for j, p := range sc.perm {

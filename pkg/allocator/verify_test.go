@@ -79,3 +79,37 @@ func TestVerifyKeepsRequiredAlignment(t *testing.T) {
 		})
 	}
 }
+
+// TestBindingConditionDevicesLast: two equally good PCIe roots, one whose
+// GPUs have binding conditions. Like the stock allocator, topodra takes
+// the plain devices while they fit as well.
+func TestBindingConditionDevicesLast(t *testing.T) {
+	const nodeName = "worker"
+	var devs []resourceapi.Device
+	for i := range 4 {
+		d := device("gpu-"+string(rune('0'+i)), attrs{topology.AttrPCIeRoot: str("r" + string(rune('0'+i/2)))})
+		if i < 2 {
+			d.BindsToNode = ptrTo(true)
+			d.BindingConditions = []string{"attached"}
+			d.BindingFailureConditions = []string{"failed"}
+		}
+		devs = append(devs, d)
+	}
+	ctx := context.Background()
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName), ClassLister: defaultClasses,
+		Slices: []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver, devs...)}, CELCache: newCELCache()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}
+	res, err := a.Allocate(ctx, node(nodeName), claims)
+	if err != nil || res.Allocations == nil {
+		t.Fatalf("Allocate: %v, %v", res, err)
+	}
+	if res, err = a.Verify(ctx, node(nodeName), claims, res); err != nil {
+		t.Fatal(err)
+	}
+	if got := deviceNames(res.Allocations); !slices.Equal(got, []string{"gpu-2", "gpu-3"}) {
+		t.Errorf("allocated %v, want the plain gpu-2, gpu-3", got)
+	}
+}
