@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
@@ -133,5 +134,66 @@ func TestBindingFailureReallocates(t *testing.T) {
 	}
 	if !pending {
 		t.Error("no BindingConditionsPending event on the pod")
+	}
+}
+
+// TestPrioritizedListPrefersFirstChoice: a claim prefers an H100 and takes
+// any GPU otherwise. The node with H100s is small and the other large, so
+// the resource scores lean to the large one. topodra, which scores the
+// choice before topology, places the pod where it gets its first choice.
+// The stock plugin scores the choice too, but with its default weight the
+// resource scores can outweigh it; the test logs what stock chose.
+func TestPrioritizedListPrefersFirstChoice(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "firstchoice")
+	gpusOf := func(model string) []framework.Device {
+		var out []framework.Device
+		for i := range 2 {
+			out = append(out, framework.Device{Name: fmt.Sprintf("gpu-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				"model":               framework.StringAttr(model),
+				topology.AttrPCIeRoot: framework.StringAttr("pci0"),
+			}})
+		}
+		return out
+	}
+	for _, group := range []string{"topodra", "stock"} {
+		for model, cpu := range map[string]string{"h100": "4", "a100": "256"} {
+			name := fmt.Sprintf("%s-%s-%s", e.ns, group, model)
+			_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group}, cpu)
+			tCtx.ExpectNoError(err)
+			_, err = cp.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(name, topology.DriverName, gpusOf(model)), metav1.CreateOptions{})
+			tCtx.ExpectNoError(err)
+		}
+	}
+	tmpl := framework.ClaimTemplate(e.ns, "prefer-h100", e.class)
+	tmpl.Spec.Spec.Devices.Requests = []resourceapi.DeviceRequest{{
+		Name: "gpu",
+		FirstAvailable: []resourceapi.DeviceSubRequest{
+			{Name: "h100", DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+				Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: `device.attributes["gpu.topodra.io"].model == "h100"`}}}},
+			{Name: "any", DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+		},
+	}}
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, tmpl, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	startTopodra(tCtx)
+	startStock(tCtx)
+
+	for _, group := range []string{"topodra", "stock"} {
+		pod := framework.PodWithClaims(e.ns, group, map[string]string{"topodra": topodraName, "stock": stockName}[group], "prefer-h100")
+		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+		pod.Spec.Containers[0].Resources.Requests = v1.ResourceList{v1.ResourceCPU: apiresource.MustParse("2")}
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	for _, group := range []string{"stock", "topodra"} {
+		pod := e.waitScheduled(group)
+		claims, err := framework.PodClaims(tCtx, cp.Client, pod)
+		tCtx.ExpectNoError(err)
+		request := claims[0].Status.Allocation.Devices.Results[0].Request
+		t.Logf("%s: node %s, request %s", group, pod.Spec.NodeName, request)
+		if want := fmt.Sprintf("%s-%s-h100", e.ns, group); group == "topodra" && (pod.Spec.NodeName != want || request != "gpu/h100") {
+			t.Errorf("%s placed the pod on %s with %s, want %s with gpu/h100 (its first choice)", group, pod.Spec.NodeName, request, want)
+		}
 	}
 }
