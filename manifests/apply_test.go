@@ -42,6 +42,22 @@ func startCluster(t *testing.T, ctx context.Context) *framework.ControlPlane {
 	return cp
 }
 
+// startInstalled starts a control plane and applies the host overlay, as
+// `kubectl apply -k manifests/overlays/host` would; it returns the rendered
+// manifests too.
+func startInstalled(t *testing.T, ctx context.Context) (*framework.ControlPlane, []byte) {
+	t.Helper()
+	cp := startCluster(t, ctx)
+	data, err := manifests.Render("overlays/host")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cp.Apply(ctx, data, nil); err != nil {
+		t.Fatal(err)
+	}
+	return cp, data
+}
+
 // TestManifestsApply: every rendered overlay, and then every example, is
 // accepted by a real API server (schema, CEL of the admission policies,
 // references between objects resolved by the server).
@@ -107,14 +123,7 @@ func agentClient(t *testing.T, cp *framework.ControlPlane, node string) kubernet
 // Secrets. Other identities are not affected by the policy.
 func TestAgentOwnNodeOnly(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	cp := startCluster(t, ctx)
-	data, err := manifests.Render("overlays/host")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cp.Apply(ctx, data, nil); err != nil {
-		t.Fatal(err)
-	}
+	cp, _ := startInstalled(t, ctx)
 	agentA := agentClient(t, cp, "node-a")
 	sliceA := framework.SliceForNode("node-a", topology.DriverName, nil)
 
@@ -206,14 +215,7 @@ func saKubeconfig(t *testing.T, cp *framework.ControlPlane, namespace, name stri
 // ResourceSlices nor read Secrets.
 func TestSchedulerRBAC(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	cp := startCluster(t, ctx)
-	data, err := manifests.Render("overlays/host")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cp.Apply(ctx, data, nil); err != nil {
-		t.Fatal(err)
-	}
+	cp, data := startInstalled(t, ctx)
 	var schedulerConfig string
 	for _, obj := range decodeAllObjects(t, data) {
 		if cm, ok := obj.(*v1.ConfigMap); ok && cm.Name == "topodra-scheduler-config" {

@@ -81,16 +81,11 @@ func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workl
 	if err != nil {
 		return nil, err
 	}
-	totalGPUs, totalNICs, maxGPUs := 0, 0, 0
-	for _, c := range caps {
-		totalGPUs += c.gpus
-		totalNICs += c.nics
-		maxGPUs = max(maxGPUs, c.gpus)
-	}
+	total := totalsOf(caps)
 	var kinds []traceKind
 	weightSum := 0
 	for _, k := range all {
-		if k.gpus > maxGPUs || (k.nics > 0 && totalNICs == 0) {
+		if !total.fits(k.jobKind) {
 			continue
 		}
 		kinds = append(kinds, k)
@@ -110,7 +105,7 @@ func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workl
 	for _, k := range kinds {
 		gpuTicks += float64(k.weight*k.gpus) * float64(k.minLife+k.maxLife) / 2 / float64(weightSum)
 	}
-	rate := load * float64(totalGPUs) / gpuTicks
+	rate := load * float64(total.gpus) / gpuTicks
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x7ace))
 	w := &Workload{Templates: traceTemplates(kinds), Drain: drainTicks}
 	counts := map[string]int{}

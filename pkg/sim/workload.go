@@ -125,6 +125,24 @@ type nodeCapacity struct {
 	nics int
 }
 
+// clusterTotals sums the capacities of a workload's nodes.
+type clusterTotals struct{ gpus, nics, maxGPUs int }
+
+func totalsOf(caps []nodeCapacity) clusterTotals {
+	var t clusterTotals
+	for _, c := range caps {
+		t.gpus += c.gpus
+		t.nics += c.nics
+		t.maxGPUs = max(t.maxGPUs, c.gpus)
+	}
+	return t
+}
+
+// fits reports whether some node can take a pod of kind k.
+func (t clusterTotals) fits(k jobKind) bool {
+	return k.gpus <= t.maxGPUs && (k.nics == 0 || t.nics > 0)
+}
+
 func capacities(nodes []NodeSpec) ([]nodeCapacity, error) {
 	var out []nodeCapacity
 	for _, n := range nodes {
@@ -153,19 +171,14 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 		return nil, err
 	}
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x70_70_d7a))
-	totalGPUs, totalNICs, maxGPUs := 0, 0, 0
-	for _, c := range caps {
-		totalGPUs += c.gpus
-		totalNICs += c.nics
-		maxGPUs = max(maxGPUs, c.gpus)
-	}
-	if totalGPUs == 0 {
+	total := totalsOf(caps)
+	if total.gpus == 0 {
 		return nil, errors.New("the nodes have no GPUs")
 	}
 	var kinds []jobKind
 	weightSum := 0
 	for _, k := range builtinKinds {
-		if k.gpus > maxGPUs || (k.nics > 0 && totalNICs == 0) {
+		if !total.fits(k) {
 			continue
 		}
 		kinds = append(kinds, k)
@@ -189,7 +202,7 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 		drainTicks = 6
 	)
 	meanLife := float64(minLife+maxLife) / 2
-	rate := targetLoad * float64(totalGPUs) / (meanGPUs * meanLife) // pods per tick
+	rate := targetLoad * float64(total.gpus) / (meanGPUs * meanLife) // pods per tick
 	rate = math.Max(rate, 0.5)
 
 	w := &Workload{Templates: builtinTemplates(), Drain: drainTicks}

@@ -71,7 +71,8 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 }
 
 // bindingFailed reports an allocated claim whose binding failed or timed
-// out; Filter marks it unavailable so that PostFilter deallocates it.
+// out (PreFilter records it; Filter marks the claim unavailable so that
+// PostFilter deallocates it).
 func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim) error {
 	if !pl.features.DeviceBindingAndStatus {
 		return nil

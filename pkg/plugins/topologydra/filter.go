@@ -32,7 +32,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			// changes this.
 			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that this node cannot use", s.claims[i].Name))
 		}
-		if err := pl.bindingFailed(s.claims[i]); err != nil {
+		if err := s.unusable[i]; err != nil {
 			s.markUnavailable(i)
 			// PostFilter deallocates the claim; the next attempt
 			// allocates afresh.

@@ -92,6 +92,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		extended:          extended,
 		claims:            claims,
 		availableOnNodes:  make([]*nodeaffinity.NodeSelector, len(claims)),
+		unusable:          make([]error, len(claims)),
 		results:           map[string]*allocator.Result{},
 		unavailableClaims: sets.New[int](),
 		allocations:       make([]*resourceapi.AllocationResult, len(claims)),
@@ -112,6 +113,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				}
 				s.availableOnNodes[i] = ns
 			}
+			s.unusable[i] = pl.bindingFailed(claim)
 			continue
 		}
 		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {

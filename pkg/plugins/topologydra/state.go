@@ -41,6 +41,12 @@ type stateData struct {
 	// nodes). Written by PreFilter, read-only after.
 	availableOnNodes []*nodeaffinity.NodeSelector
 
+	// unusable holds, per claim index, why an existing allocation cannot
+	// be used on any node (its device binding failed or timed out); nil
+	// when usable. Written by PreFilter, read-only after: Filter rejects
+	// every node and marks the claim for PostFilter.
+	unusable []error
+
 	// allocator is built in PreFilter when toAllocate is not empty and used
 	// concurrently by Filter (it is thread-safe).
 	allocator *allocator.Allocator
