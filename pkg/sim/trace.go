@@ -112,15 +112,7 @@ func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workl
 	at := 0.0
 	for range pods {
 		at += rng.ExpFloat64() / rate
-		pick := rng.IntN(weightSum)
-		kind := kinds[0]
-		for _, k := range kinds {
-			if pick < k.weight {
-				kind = k
-				break
-			}
-			pick -= k.weight
-		}
+		kind := kinds[weightedPick(rng, weightSum, func(i int) int { return kinds[i].weight })]
 		life := kind.minLife + rng.IntN(kind.maxLife-kind.minLife+1)
 		if kind.gpus == 1 && kind.nics == 0 && rng.IntN(100) < servicePercent {
 			life = 0

@@ -224,15 +224,7 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 	counts := map[string]int{}
 	tick := 0
 	for i := range pods {
-		pick := rng.IntN(weightSum)
-		kind := kinds[0]
-		for _, k := range kinds {
-			if pick < k.weight {
-				kind = k
-				break
-			}
-			pick -= k.weight
-		}
+		kind := kinds[weightedPick(rng, weightSum, func(i int) int { return kinds[i].weight })]
 		life := minLife + rng.IntN(maxLife-minLife+1)
 		if kind.gpus <= 2 && rng.IntN(100) < foreverPercent && !pin {
 			// Pinned workloads have no long runners: every pinned pod
@@ -433,4 +425,16 @@ func isComment(doc []byte) bool {
 		}
 	}
 	return true
+}
+
+// weightedPick draws an index i with probability weight(i)/sum (sum is the
+// sum of all weights).
+func weightedPick(rng *rand.Rand, sum int, weight func(i int) int) int {
+	pick := rng.IntN(sum)
+	for i := 0; ; i++ {
+		if pick < weight(i) {
+			return i
+		}
+		pick -= weight(i)
+	}
 }
