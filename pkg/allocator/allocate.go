@@ -132,7 +132,7 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 	if err != nil {
 		return nil, err
 	}
-	results, err := a.upstream(ctx, node, claims, chosenOnly(ns.slices, res.Allocations))
+	results, err := a.upstream(ctx, node, claims, chosenOnly(ns, res.Allocations))
 	if err == nil && results != nil {
 		if samePerClaim(results, res.Allocations) {
 			return &Result{Allocations: results, Quality: res.Quality, Explanation: res.Explanation, DevicesConsidered: res.DevicesConsidered}, nil

@@ -73,6 +73,9 @@ type Allocator struct {
 	byPool map[poolKey][]*resourceapi.ResourceSlice
 	// poolGen is the newest generation of each pool.
 	poolGen map[poolKey]int64
+	// stableVariant is true when upstream's "stable" allocator serves
+	// the features (see gatherPool).
+	stableVariant bool
 	// attrsKey identifies Policy.Attributes in the cache; orderKey
 	// identifies the device order of the ordered view (attributes and
 	// packing).
@@ -167,6 +170,7 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		byNode:       map[string][]*resourceapi.ResourceSlice{},
 		byPool:       map[poolKey][]*resourceapi.ResourceSlice{},
 	}
+	a.stableVariant = stableFeatures.IsSuperset(opts.Features.Set())
 	if opts.AllocatedState != nil {
 		a.state = *opts.AllocatedState
 	}

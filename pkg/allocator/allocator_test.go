@@ -10,6 +10,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
 
@@ -441,17 +442,38 @@ func TestPoolsLikeUpstream(t *testing.T) {
 	for i := range duplicate[0].Spec.Devices {
 		duplicate[0].Spec.Devices[i].Name = fmt.Sprintf("gpu-%d", i/2)
 	}
+	// A DGX whose pool also has a counter set and one partition: the pod
+	// selects whole GPUs, so counting decides, and the partition alone
+	// decides whether upstream uses the pool at all.
+	partitioned := func(consumption resourceapi.DeviceCounterConsumption) []*resourceapi.ResourceSlice {
+		slices := dgx("n")
+		slices[0].Spec.Pool.ResourceSliceCount = 2
+		part := device("part-0", attrs{"partition": str("1g")})
+		part.ConsumesCounters = []resourceapi.DeviceCounterConsumption{consumption}
+		slices[0].Spec.Devices = append(slices[0].Spec.Devices, part)
+		counters := slice("n", gpuDriver)
+		counters.Name = "n-counters"
+		counters.Spec.Pool.ResourceSliceCount = 2
+		counters.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "mem", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}}}
+		return append(slices, counters)
+	}
+	gb := map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("10")}}
 	for name, tc := range map[string]struct {
 		slices      []*resourceapi.ResourceSlice
 		wantExplain string
 	}{
 		"incomplete-pool":        {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
 		"duplicate-device-names": {slices: duplicate, wantExplain: "invalid resource pools"},
+		"missing-counter-set":    {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "gone", Counters: gb}), wantExplain: "invalid resource pools"},
+		"missing-counter":        {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: map[string]resourceapi.Counter{"bw": {Value: resource.MustParse("1")}}}), wantExplain: "invalid resource pools"},
+		// While DRADeviceCompatibilityGroups is off, upstream ignores the
+		// slice, which leaves the pool incomplete.
+		"compatibility-groups-feature-off": {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: gb, CompatibilityGroups: []string{"a"}}), wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
 	} {
 		for _, count := range []int64{1, 2} {
 			t.Run(fmt.Sprintf("%s/%d", name, count), func(t *testing.T) {
 				_, ctx := ktesting.NewTestContext(t)
-				claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", count).obj()}
+				claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", count, `!("partition" in device.attributes["`+gpuDriver+`"])`).obj()}
 				state := allocated(gpuDriver, "n")
 				up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
 				if err != nil {
@@ -477,6 +499,106 @@ func TestPoolsLikeUpstream(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestNodeGenerationLikeUpstream: a driver that publishes one slice per
+// node and moves nodes to a new pool generation one by one leaves a node
+// on the older generation; upstream allocates from it as long as the
+// node's slices of that generation are the whole pool, and so does
+// topodra (by counting, with Verify confirming).
+func TestNodeGenerationLikeUpstream(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		count       int64 // ResourceSliceCount of both generations
+		wantAllowed bool
+	}{
+		{name: "older-generation-complete-on-node", count: 1, wantAllowed: true},
+		{name: "older-generation-being-replaced", count: 2, wantAllowed: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			mine := dgx("n")[0]
+			mine.Spec.Pool = resourceapi.ResourcePool{Name: "shared", Generation: 1, ResourceSliceCount: tc.count}
+			theirs := dgx("m")[0]
+			theirs.Spec.Pool = resourceapi.ResourcePool{Name: "shared", Generation: 2, ResourceSliceCount: tc.count}
+			for i := range theirs.Spec.Devices {
+				theirs.Spec.Devices[i].Name = fmt.Sprintf("m-gpu-%d", i)
+			}
+			all := []*resourceapi.ResourceSlice{mine, theirs}
+			claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}
+			state := allocated(gpuDriver, "shared")
+			up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, all, newCELCache())
+			if err != nil {
+				t.Fatal(err)
+			}
+			upResult, err := up.Allocate(ctx, node("n"), claims)
+			if err != nil && !errors.Is(err, structured.ErrFailedAllocationOnNode) {
+				t.Fatal(err)
+			}
+			if (upResult != nil) != tc.wantAllowed {
+				t.Fatalf("upstream allocates %v, the test expects %v: the test's premise is wrong", deviceNames(upResult), tc.wantAllowed)
+			}
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: all, Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), claims)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (res.Allocations != nil) != tc.wantAllowed {
+				t.Fatalf("topodra allocates %v (%s), upstream %v", deviceNames(res.Allocations), res.Explanation, deviceNames(upResult))
+			}
+			if res.Allocations == nil {
+				return
+			}
+			verified, err := a.Verify(ctx, node("n"), claims, res)
+			if err != nil || verified.CountingRefused || verified.Allocations == nil {
+				t.Fatalf("Verify: %v, refused %v", err, verified != nil && verified.CountingRefused)
+			}
+			for _, d := range deviceNames(verified.Allocations) {
+				if strings.HasPrefix(d, "m-") {
+					t.Errorf("allocated %s of node m", d)
+				}
+			}
+		})
+	}
+}
+
+// TestVerifyKeepsInvalidPoolsInvalid: Verify shows upstream only the
+// chosen devices, but never in a way that turns an invalid pool valid: a
+// counted result that names devices of such a pool is refused.
+func TestVerifyKeepsInvalidPoolsInvalid(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	slices := dgx("n")
+	slices[0].Spec.Pool.ResourceSliceCount = 2
+	part := device("part-0", attrs{"partition": str("1g")})
+	part.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: "gone", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("1")}}}}
+	slices[0].Spec.Devices = append(slices[0].Spec.Devices, part)
+	counters := slice("n", gpuDriver)
+	counters.Name = "n-counters"
+	counters.Spec.Pool.ResourceSliceCount = 2
+	counters.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "mem", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}}}
+	slices = append(slices, counters)
+	claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1, `!("partition" in device.attributes["`+gpuDriver+`"])`).obj()}
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"), ClassLister: defaultClasses, Slices: slices, Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What counting would have returned had it not known the pool rules.
+	stale := &Result{Unverified: true, Allocations: []resourceapi.AllocationResult{{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+		{Request: "gpus", Driver: gpuDriver, Pool: "n", Device: "gpu-0"},
+	}}}}}
+	verified, err := a.Verify(ctx, node("n"), claims, stale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if verified.Allocations != nil {
+		t.Fatalf("Verify confirms %v from an invalid pool", deviceNames(verified.Allocations))
+	}
+	if !verified.CountingRefused {
+		t.Error("Verify does not report that upstream refused the counted allocation")
 	}
 }
 

@@ -87,8 +87,6 @@ type sliceInfo struct {
 	ids    []structured.DeviceID
 	names  []string // "driver/pool/device"
 	coords []topology.Coordinates
-	// dup is true if device names repeat within the slice.
-	dup bool
 	// dom[l][j] numbers device j's value of attribute l among domVals[l]
 	// (-1: absent), for counting without string compares.
 	dom     [][]int32

@@ -8,10 +8,17 @@
 // hands the upstream allocator views of the ResourceSlices in which the
 // preferred devices come first, or in which other devices are hidden.
 // Upstream's first-fit answer on such a view is a valid allocation (a view
-// never adds anything), and it is the preferred one. Views never hide slices
-// (pools stay complete), devices that consume counters, or devices of pools
-// with duplicate device names (invalid pools stay invalid), and nothing is
-// hidden when a request asks for All devices.
+// never adds anything), and it is the preferred one.
+//
+// The node's devices are gathered by upstream's pool rules (pools.go): the
+// generation a pool has among the node's own slices counts while those
+// slices are the whole pool; incomplete pools, invalid pools (duplicate
+// device names, duplicate counter sets, consumed counters that do not
+// exist) and slices upstream ignores (compatibility groups or counter sets
+// while their features are off) give no devices. Views and Verify only
+// hide devices that upstream may allocate and that consume no counters,
+// never slices, so that no pool turns complete or valid in a view, and
+// nothing is hidden when a request asks for All devices.
 //
 // # Three strategies
 //

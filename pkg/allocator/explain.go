@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -31,7 +33,7 @@ func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
 
 // countCheck returns an explanation if some request cannot fit by counting
 // alone (an upper bound of what upstream can allocate), nil otherwise.
-func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
+func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
 	var expl *Explanation
 	for _, info := range infos {
 		for _, r := range info.requests {
@@ -49,7 +51,7 @@ func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
 			if expl == nil {
 				expl = &Explanation{}
 			}
-			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], nil, ""))
+			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], ns, ""))
 		}
 	}
 	return expl
@@ -80,14 +82,37 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
 			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
-		case ns != nil && len(ns.incomplete) > 0:
-			reason = fmt.Sprintf("%s, but resource pool %s is incomplete (being updated)", matchPhrase(len(u.free)), strings.Join(ns.incomplete, ", "))
+		case ns != nil && (len(ns.incomplete) > 0 || len(ns.invalid) > 0):
+			reason = matchPhrase(len(u.free))
 		default:
 			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
 		}
+		reason += unusablePools(ns)
 	}
 	re.Reason = reason
 	return re
+}
+
+// unusablePools names the node's pools that upstream allocates nothing
+// from, as a suffix for a reason; "" if there are none.
+func unusablePools(ns *nodeState) string {
+	if ns == nil {
+		return ""
+	}
+	var b strings.Builder
+	if len(ns.incomplete) > 0 {
+		fmt.Fprintf(&b, "; resource pool %s is incomplete (being updated)", strings.Join(ns.incomplete, ", "))
+	}
+	if len(ns.invalid) > 0 {
+		b.WriteString("; invalid resource pools were encountered:")
+		for i, pool := range slices.Sorted(maps.Keys(ns.invalid)) {
+			if i > 0 {
+				b.WriteString(",")
+			}
+			fmt.Fprintf(&b, " %s (%s)", pool, ns.invalid[pool])
+		}
+	}
+	return b.String()
 }
 
 // matchPhrase says "1 free device matches" or "3 free devices match".

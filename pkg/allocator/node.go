@@ -41,9 +41,10 @@ type nodeState struct {
 	inUse []bool
 	// incomplete names the pools ("driver/pool") that lack slices.
 	incomplete []string
-	// dupPools names the pools ("driver/pool") with duplicate device names:
-	// invalid upstream, so views never drop devices there.
-	dupPools map[string]bool
+	// invalid maps the invalid pools ("driver/pool") to the reason.
+	// Devices of incomplete and invalid pools are not in devices: upstream
+	// allocates none of them, and views leave their slices as they are.
+	invalid map[string]string
 	// dom[l][i] numbers the value of attribute l of device i among
 	// domVals[l]; -1 if the device does not have it.
 	dom     [][]int32
@@ -55,11 +56,12 @@ type nodeState struct {
 type nodeStatic struct {
 	stamp []sliceStamp
 	// slices are the objects devices point into.
-	slices   []*resourceapi.ResourceSlice
-	devices  []nodeDevice
-	dupPools map[string]bool
-	dom      [][]int32
-	domVals  [][]string
+	slices     []*resourceapi.ResourceSlice
+	devices    []nodeDevice
+	incomplete []string
+	invalid    map[string]string
+	dom        [][]int32
+	domVals    [][]string
 }
 
 // sliceStamp identifies one slice of a node's view.
@@ -117,19 +119,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 		return cmp.Or(cmp.Compare(x.driver, y.driver), cmp.Compare(x.pool, y.pool))
 	})
 	for _, key := range pools {
-		poolSlices := a.byPool[key] // sorted by name in New
-		ns.slices = append(ns.slices, poolSlices...)
-		current := int64(0)
-		var want int64
-		for _, slice := range poolSlices {
-			if slice.Spec.Pool.Generation == a.poolGen[key] {
-				current++
-				want = slice.Spec.Pool.ResourceSliceCount
-			}
-		}
-		if current < want {
-			ns.incomplete = append(ns.incomplete, key.driver+"/"+key.pool)
-		}
+		ns.slices = append(ns.slices, a.byPool[key]...) // sorted by name in New
 	}
 	stamp, cacheable := stampOf(ns.slices, relevant)
 	key := nodeKey{name: node.Name, attrsKey: a.attrsKey, features: a.features}
@@ -142,7 +132,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 	}
 	if cacheable {
 		a.cache.storeNode(key, &nodeStatic{stamp: stamp, slices: slices.Clone(ns.slices),
-			devices: ns.devices, dupPools: ns.dupPools, dom: ns.dom, domVals: ns.domVals})
+			devices: ns.devices, incomplete: ns.incomplete, invalid: ns.invalid, dom: ns.dom, domVals: ns.domVals})
 	}
 	ns.fillInUse(a)
 	return ns, nil
@@ -196,7 +186,7 @@ func (a *Allocator) fromCache(ns *nodeState, key nodeKey, stamp []sliceStamp) bo
 	if st == nil || !slices.Equal(st.stamp, stamp) {
 		return false
 	}
-	ns.dupPools, ns.dom, ns.domVals = st.dupPools, st.dom, st.domVals
+	ns.incomplete, ns.invalid, ns.dom, ns.domVals = st.incomplete, st.invalid, st.dom, st.domVals
 	if slices.Equal(st.slices, ns.slices) {
 		// The very same objects: the cached devices point at them
 		// already (read-only, shared).
@@ -214,7 +204,7 @@ func (a *Allocator) fromCache(ns *nodeState, key nodeKey, stamp []sliceStamp) bo
 	}
 	// Later cycles with these objects take the path above.
 	a.cache.storeNode(key, &nodeStatic{stamp: st.stamp, slices: slices.Clone(ns.slices),
-		devices: ns.devices, dupPools: st.dupPools, dom: st.dom, domVals: st.domVals})
+		devices: ns.devices, incomplete: st.incomplete, invalid: st.invalid, dom: st.dom, domVals: st.domVals})
 	return true
 }
 
@@ -255,37 +245,26 @@ func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.Resource
 	start := 0
 	for _, key := range pools {
 		poolSlices := a.byPool[key]
-		generation := a.poolGen[key]
-		var names map[string]bool // only for pools with several device slices
-		for i, slice := range poolSlices {
-			if !slices.Contains(relevant, slice) || slice.Spec.Pool.Generation != generation {
-				continue
+		status := a.gatherPool(key, relevant)
+		switch status.state {
+		case poolIncomplete:
+			ns.incomplete = append(ns.incomplete, key.driver+"/"+key.pool)
+		case poolInvalid:
+			if ns.invalid == nil {
+				ns.invalid = map[string]string{}
 			}
-			if len(slice.Spec.SharedCounters) > 0 {
-				// Counter sets only (or ignored without partitionable
-				// devices): upstream allocates no devices from here.
-				continue
-			}
-			if !a.features.PartitionableDevices && slice.Spec.PerDeviceNodeSelection != nil {
-				continue
-			}
-			info := a.sliceInfo(slice)
-			if info.dup {
-				ns.markDup(key)
-			}
-			if len(poolSlices) > 1 {
-				if names == nil {
-					names = map[string]bool{}
+			ns.invalid[key.driver+"/"+key.pool] = status.reason
+		case poolValid:
+			for i, slice := range poolSlices {
+				if !slices.Contains(relevant, slice) || slice.Spec.Pool.Generation != status.generation ||
+					a.ignoredSlice(slice) || len(slice.Spec.SharedCounters) > 0 {
+					// Counter sets only (or ignored without partitionable
+					// devices): upstream allocates no devices from here.
+					continue
 				}
-				for j := range slice.Spec.Devices {
-					if names[slice.Spec.Devices[j].Name] {
-						ns.markDup(key)
-					}
-					names[slice.Spec.Devices[j].Name] = true
+				if err := a.appendSliceDevices(ns, slice, a.sliceInfo(slice), start+i); err != nil {
+					return err
 				}
-			}
-			if err := a.appendSliceDevices(ns, slice, info, start+i); err != nil {
-				return err
 			}
 		}
 		start += len(poolSlices)
@@ -326,13 +305,6 @@ func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.Resourc
 	return nil
 }
 
-func (ns *nodeState) markDup(key poolKey) {
-	if ns.dupPools == nil {
-		ns.dupPools = map[string]bool{}
-	}
-	ns.dupPools[key.driver+"/"+key.pool] = true
-}
-
 // sliceInfo returns the per-device data of a slice for the policy's
 // attributes, from the cache when the slice can be cached.
 func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
@@ -347,16 +319,11 @@ func (a *Allocator) sliceInfo(slice *resourceapi.ResourceSlice) *sliceInfo {
 	info.ids = make([]structured.DeviceID, n)
 	info.names = make([]string, n)
 	info.coords = make([]topology.Coordinates, n)
-	seen := make(map[string]bool, n)
 	for j := range slice.Spec.Devices {
 		d := &slice.Spec.Devices[j]
 		info.ids[j] = structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, d.Name)
 		info.names[j] = slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name
 		info.coords[j] = topology.DeviceCoordinates(slice.Spec.Driver, d, a.policy.Attributes)
-		if seen[d.Name] {
-			info.dup = true
-		}
-		seen[d.Name] = true
 	}
 	levels := len(a.policy.Attributes)
 	info.dom = make([][]int32, levels)

@@ -41,14 +41,20 @@ type parityCase struct {
 	state    *structured.AllocatedState
 	features structured.Features
 	policy   Policy
+	// kinds names what the case exercises, for the coverage summary.
+	kinds []string
 }
 
 // describe renders a case for failure messages.
 func (pc *parityCase) describe() string {
 	var b strings.Builder
+	fmt.Fprintf(&b, "features %v\n", sets.List(pc.features.Set()))
 	for _, s := range pc.slices {
 		fmt.Fprintf(&b, "slice %s driver=%s pool=%s gen=%d count=%d node=%v all=%v sel=%v counters=%d:", s.Name, s.Spec.Driver, s.Spec.Pool.Name,
 			s.Spec.Pool.Generation, s.Spec.Pool.ResourceSliceCount, ptr.Deref(s.Spec.NodeName, ""), ptr.Deref(s.Spec.AllNodes, false), s.Spec.NodeSelector != nil, len(s.Spec.SharedCounters))
+		for _, cs := range s.Spec.SharedCounters {
+			fmt.Fprintf(&b, " set %s", cs.Name)
+		}
 		for _, d := range s.Spec.Devices {
 			fmt.Fprintf(&b, " %s{", d.Name)
 			keys := make([]string, 0, len(d.Attributes))
@@ -63,8 +69,8 @@ func (pc *parityCase) describe() string {
 			if len(d.Taints) > 0 {
 				fmt.Fprintf(&b, "tainted ")
 			}
-			if len(d.ConsumesCounters) > 0 {
-				fmt.Fprintf(&b, "counters ")
+			for _, c := range d.ConsumesCounters {
+				fmt.Fprintf(&b, "counters=%s%v ", c.CounterSet, c.CompatibilityGroups)
 			}
 			b.WriteString("}")
 		}
@@ -91,8 +97,9 @@ func (pc *parityCase) describe() string {
 // genCase builds a random case. Everything comes from rnd.
 func genCase(rnd *rand.Rand) *parityCase {
 	pc := &parityCase{
-		node:     node("node-a"),
-		classes:  classes(class("gpu", `device.driver == "`+gpuDriver+`"`), class("nic", `device.driver == "`+nicDriver+`"`), class("any"), class("fast", `"mem" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].mem >= 40`)),
+		node: node("node-a"),
+		classes: classes(class("gpu", `device.driver == "`+gpuDriver+`"`), class("nic", `device.driver == "`+nicDriver+`"`), class("any"), class("fast", `"mem" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].mem >= 40`),
+			class("multi", `"model" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].model == "m"`)),
 		features: allFeatures,
 		policy:   DefaultPolicy(),
 		state:    allocated(gpuDriver, "none"),
@@ -110,12 +117,23 @@ func genCase(rnd *rand.Rand) *parityCase {
 	if rnd.IntN(6) == 0 {
 		pc.features.DeviceBindingAndStatus = false
 	}
+	if rnd.IntN(2) == 0 {
+		pc.features.CompatibilityGroups = true
+	}
+	stable := rnd.IntN(10) == 0
+	if stable {
+		pc.kinds = append(pc.kinds, "stable allocator")
+		// Only what upstream's "stable" allocator implements: it is the
+		// one that runs then, and it gathers counter sets differently.
+		pc.features = structured.Features{AdminAccess: true, PrioritizedList: true, PartitionableDevices: rnd.IntN(4) > 0, DeviceTaints: true}
+	}
 	if rnd.IntN(4) == 0 {
 		pc.policy.Packing = false
 	}
 	if rnd.IntN(5) == 0 {
 		pc.policy.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode, topology.AttrPCIeRoot}
 	}
+	listAttrs := false
 	uid := 0
 	newSlice := func(name, driver, pool string, nodeName string, gen, count int64) *resourceapi.ResourceSlice {
 		uid++
@@ -144,6 +162,7 @@ func genCase(rnd *rand.Rand) *parityCase {
 		case 0:
 		case 1:
 			a[topology.AttrNUMANode] = nums(int64(rnd.IntN(2)), int64(rnd.IntN(2)))
+			listAttrs = true
 		default:
 			a[topology.AttrNUMANode] = num(int64(rnd.IntN(2)))
 		}
@@ -158,7 +177,7 @@ func genCase(rnd *rand.Rand) *parityCase {
 		if rnd.IntN(8) == 0 {
 			d.Taints = []resourceapi.DeviceTaint{{Key: "health", Value: "bad", Effect: []resourceapi.DeviceTaintEffect{resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute, resourceapi.DeviceTaintEffectNone}[rnd.IntN(3)]}}
 		}
-		if driver == nicDriver && rnd.IntN(3) == 0 {
+		if driver == nicDriver && rnd.IntN(3) == 0 && pc.features.ConsumableCapacity {
 			// Consumable capacity: a shareable NIC.
 			d.AllowMultipleAllocations = ptr.To(true)
 			d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"bandwidth": {Value: resource.MustParse("100")}}
@@ -191,21 +210,71 @@ func genCase(rnd *rand.Rand) *parityCase {
 		count++ // incomplete
 	}
 	withCounters := rnd.IntN(4) == 0
+	// invalidKind makes the counters of the pool invalid upstream, or
+	// (compatibility groups) incomplete while that feature is off.
+	invalidKind := 0
 	if withCounters {
+		invalidKind = rnd.IntN(10)
 		count++
 		cs := newSlice("a-gpu-counters", gpuDriver, "node-a", "node-a", 2, count)
 		cs.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse(fmt.Sprintf("%d", 80+rnd.IntN(80)))}}}}
 		pc.slices = append(pc.slices, cs)
+		if invalidKind == 1 {
+			// A second counter set of the same name.
+			count++
+			dup := newSlice("a-gpu-counters-2", gpuDriver, "node-a", "", 2, count)
+			dup.Spec.AllNodes = ptr.To(true)
+			dup.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("80")}}}}
+			pc.slices = append(pc.slices, dup)
+		}
 	}
+	var gpuSlices []*resourceapi.ResourceSlice
 	for i := range nSlices {
 		s := newSlice(fmt.Sprintf("a-gpu-%d", i), gpuDriver, "node-a", "node-a", 2, count)
 		addDevices(s, 2+rnd.IntN(7), fmt.Sprintf("gpu-%d-", i))
 		if withCounters {
+			// Partitions (model "p", 24 GB) consume counters; whole
+			// GPUs do not, so that counting decides for pods that
+			// select whole GPUs.
 			for j := range s.Spec.Devices {
-				s.Spec.Devices[j].ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("40")}}}}
+				if j == 0 || rnd.IntN(2) == 0 {
+					s.Spec.Devices[j].Attributes["model"] = str("p")
+					s.Spec.Devices[j].Attributes["mem"] = num(24)
+					s.Spec.Devices[j].ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("40")}}}}
+				}
 			}
 		}
 		pc.slices = append(pc.slices, s)
+		gpuSlices = append(gpuSlices, s)
+	}
+	if withCounters {
+		// One partition, which may or may not match the pod's requests.
+		s := gpuSlices[rnd.IntN(len(gpuSlices))]
+		d := &s.Spec.Devices[0]
+		pc.kinds = append(pc.kinds, []string{"counters", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups", "compatibility groups", "counters", "counters", "counters", "counters"}[invalidKind])
+		switch invalidKind {
+		case 2:
+			d.ConsumesCounters[0].CounterSet = "gone"
+		case 3:
+			d.ConsumesCounters[0].Counters = map[string]resourceapi.Counter{"bandwidth": {Value: resource.MustParse("1")}}
+		case 4, 5:
+			d.ConsumesCounters[0].CompatibilityGroups = []string{"g1"}
+		}
+	}
+	if rnd.IntN(5) == 0 {
+		// A pool across two nodes whose driver publishes a generation
+		// per node: node-a's may be older, newer, complete on its own or
+		// not.
+		want := int64(1 + rnd.IntN(2))
+		pc.kinds = append(pc.kinds, "generation per node")
+		for _, n := range []string{"node-a", "node-b"} {
+			s := newSlice("multi-"+n, gpuDriver, "multi", n, int64(1+rnd.IntN(2)), want)
+			addDevices(s, 1+rnd.IntN(3), "m-"+n+"-")
+			for j := range s.Spec.Devices {
+				s.Spec.Devices[j].Attributes["model"] = str("m")
+			}
+			pc.slices = append(pc.slices, s)
+		}
 	}
 	if rnd.IntN(6) == 0 {
 		old := newSlice("a-gpu-old", gpuDriver, "node-a", "node-a", 1, 1)
@@ -260,6 +329,15 @@ func genCase(rnd *rand.Rand) *parityCase {
 		pc.slices = append(pc.slices, s)
 	}
 	rnd.Shuffle(len(pc.slices), func(i, j int) { pc.slices[i], pc.slices[j] = pc.slices[j], pc.slices[i] })
+	if listAttrs && pc.features.ListTypeAttributes {
+		pc.kinds = append(pc.kinds, "list-type attributes")
+	}
+	if slices.Contains(pc.kinds, "compatibility groups") && !pc.features.CompatibilityGroups {
+		pc.kinds = append(pc.kinds, "compatibility groups, feature off")
+	}
+	if slices.ContainsFunc(pc.slices, func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.SharedCounters) > 0 }) && !pc.features.PartitionableDevices {
+		pc.kinds = append(pc.kinds, "counter sets, feature off")
+	}
 
 	// Prior allocations.
 	for _, id := range allDevices {
@@ -288,12 +366,13 @@ func genCase(rnd *rand.Rand) *parityCase {
 		nReq := []int{1, 1, 1, 2}[rnd.IntN(4)]
 		for ri := range nReq {
 			name := fmt.Sprintf("req-%d", ri)
-			cls := []string{"gpu", "gpu", "gpu", "gpu", "nic", "any", "fast"}[rnd.IntN(7)]
+			cls := []string{"gpu", "gpu", "gpu", "gpu", "nic", "any", "fast", "fast", "multi"}[rnd.IntN(9)]
 			var sels []string
 			if rnd.IntN(4) == 0 {
 				sels = append(sels, `"model" in device.attributes["`+gpuDriver+`"] && device.attributes["`+gpuDriver+`"].model == "a"`)
 			}
 			if rnd.IntN(5) == 0 && pc.features.PrioritizedList {
+				pc.kinds = append(pc.kinds, "firstAvailable")
 				r := resourceapi.DeviceRequest{Name: name}
 				for si := range 2 {
 					r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
@@ -306,7 +385,10 @@ func genCase(rnd *rand.Rand) *parityCase {
 			}
 			b.request(name, cls, []int64{1, 1, 2, 2, 3, 4}[rnd.IntN(6)], sels...)
 			r := b.c.Spec.Devices.Requests[len(b.c.Spec.Devices.Requests)-1].Exactly
-			if rnd.IntN(12) == 0 {
+			// The stable allocator orders pools by map iteration, and an
+			// All request that breaks a constraint is a fatal error there,
+			// so whether it errors depends on that order.
+			if rnd.IntN(12) == 0 && !stable {
 				r.AllocationMode = resourceapi.DeviceAllocationModeAll
 				r.Count = 0
 			}
@@ -316,7 +398,7 @@ func genCase(rnd *rand.Rand) *parityCase {
 			if rnd.IntN(25) == 0 {
 				r.AdminAccess = ptr.To(true)
 			}
-			if cls == "nic" && rnd.IntN(2) == 0 {
+			if cls == "nic" && rnd.IntN(2) == 0 && pc.features.ConsumableCapacity {
 				r.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{
 					"bandwidth": resource.MustParse(fmt.Sprintf("%d", 10+rnd.IntN(60))),
 				}}
@@ -347,6 +429,10 @@ func genCase(rnd *rand.Rand) *parityCase {
 			case 1:
 				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrNUMANode))})
 			case 2:
+				if !pc.features.ConsumableCapacity {
+					// The API server drops the field while the feature is off.
+					break
+				}
 				b.c.Spec.Devices.Constraints = append(b.c.Spec.Devices.Constraints, resourceapi.DeviceConstraint{DistinctAttribute: ptr.To(resourceapi.FullyQualifiedName(gpuDriver + "/model"))})
 			}
 		}
@@ -474,8 +560,12 @@ func TestParityWithUpstream(t *testing.T) {
 	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch, matchInfeasible, verifiedCases int
 	var slowest time.Duration
 	slowestCase := -1
+	kinds := map[string]int{}
 	for i := range *parityCases {
 		pc := genCase(rnd)
+		for _, k := range sets.List(sets.New(pc.kinds...)) {
+			kinds[k]++
+		}
 		up, err := structured.NewAllocator(ctx, pc.features, *pc.state, pc.classes, pc.slices, newCELCache())
 		if err != nil {
 			t.Fatal(err)
@@ -509,7 +599,11 @@ func TestParityWithUpstream(t *testing.T) {
 		switch {
 		case upErr != nil || err != nil:
 			if (upErr == nil) != (err == nil) {
-				t.Fatalf("case %d: upstream error %v, topodra error %v\n%s", i, upErr, err, pc.describe())
+				var got []string
+				if res != nil {
+					got = deviceNames(res.Allocations)
+				}
+				t.Fatalf("case %d: upstream error %v, topodra error %v (topodra allocates %v)\n%s", i, upErr, err, got, pc.describe())
 			}
 			errs++
 			continue
@@ -567,6 +661,12 @@ func TestParityWithUpstream(t *testing.T) {
 	}
 	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated; %d counted allocations confirmed by Verify", slowestCase, slowest, sharedCases, verifiedCases)
 	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, matchInfeasible, errs, skipped)
+	t.Logf("cases by kind: %v", kinds)
+	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes"} {
+		if kinds[k] == 0 {
+			t.Errorf("the generator made no case of kind %q", k)
+		}
+	}
 	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 || matchInfeasible == 0 || verifiedCases == 0 {
 		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d feasible and %d infeasible matchAttribute by counting", feasible, infeasible, improved, countedMatch, matchInfeasible)
 	}

@@ -69,7 +69,7 @@ func TestVerifyKeepsRequiredAlignment(t *testing.T) {
 				}
 			}
 			// Upstream agrees the verified allocation is valid.
-			check, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, chosenOnly(nodeSlices, verified.Allocations), newCELCache())
+			check, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, onlyAllocated(nodeSlices, verified.Allocations), newCELCache())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -112,4 +112,23 @@ func TestBindingConditionDevicesLast(t *testing.T) {
 	if got := deviceNames(res.Allocations); !slices.Equal(got, []string{"gpu-2", "gpu-3"}) {
 		t.Errorf("allocated %v, want the plain gpu-2, gpu-3", got)
 	}
+}
+
+// onlyAllocated returns copies of slices with only the allocated devices.
+func onlyAllocated(in []*resourceapi.ResourceSlice, allocations []resourceapi.AllocationResult) []*resourceapi.ResourceSlice {
+	keep := map[[3]string]bool{}
+	for _, alloc := range allocations {
+		for _, r := range alloc.Devices.Results {
+			keep[[3]string{r.Driver, r.Pool, r.Device}] = true
+		}
+	}
+	out := make([]*resourceapi.ResourceSlice, 0, len(in))
+	for _, slice := range in {
+		c := slice.DeepCopy()
+		c.Spec.Devices = slices.DeleteFunc(c.Spec.Devices, func(d resourceapi.Device) bool {
+			return !keep[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, d.Name}]
+		})
+		out = append(out, c)
+	}
+	return out
 }

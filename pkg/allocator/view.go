@@ -25,9 +25,9 @@ const (
 // viewFor builds the slices that upstream gets for a plan: picked devices
 // first (in pick order), then the rest of the chosen domains, then all other
 // devices in upstream's order, minus what kind hides. Devices that consume
-// counters, and pools with duplicate device names, are never hidden, so that
-// no invalid pool turns valid in a view; neither are slices, so that pools
-// stay complete.
+// counters are never hidden, nor are slices, so that no pool turns valid or
+// complete in a view (devices of incomplete and invalid pools are not node
+// devices: their slices stay as they are).
 func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice {
 	ns := p.ns
 	const others = 1 << 40
@@ -152,7 +152,7 @@ func renameReordered(view []*resourceapi.ResourceSlice, changed []poolKey, runs 
 // keeper reports whether device i must stay in every view.
 func (p *planner) keeper(i int) bool {
 	d := &p.ns.devices[i]
-	return len(d.device.ConsumesCounters) > 0 || p.ns.dupPools[d.slice.Spec.Driver+"/"+d.slice.Spec.Pool.Name]
+	return len(d.device.ConsumesCounters) > 0
 }
 
 // picksOnly marks all devices except the picked ones, those that requests
@@ -238,38 +238,58 @@ func (p *planner) exclusions(pl *plan) []bool {
 	return excluded
 }
 
-// chosenOnly returns the node's view (slices) with only the devices of
-// allocations visible; slices and pools stay complete.
-func chosenOnly(view []*resourceapi.ResourceSlice, allocations []resourceapi.AllocationResult) []*resourceapi.ResourceSlice {
-	// rank is the position of a device in the allocations, claim by claim:
-	// upstream assigns the visible devices first-fit in claim order, so
-	// listing each claim's devices before the next claim's hands every
-	// claim the devices planned for it.
+// chosenOnly returns the node's view with only the devices of allocations
+// visible among the devices upstream may allocate on the node: each
+// claim's devices in claim order, since upstream assigns visible devices
+// first-fit in claim order. Everything else stays as it is (slices, so
+// that pools stay complete; devices that consume counters; devices of
+// incomplete or invalid pools, of other generations and of other nodes,
+// which upstream does not allocate), so that no pool turns valid or
+// complete in the view.
+func chosenOnly(ns *nodeState, allocations []resourceapi.AllocationResult) []*resourceapi.ResourceSlice {
 	rank := map[[3]string]int{}
 	for _, alloc := range allocations {
 		for _, r := range alloc.Devices.Results {
 			rank[[3]string{r.Driver, r.Pool, r.Device}] = len(rank)
 		}
 	}
-	out := make([]*resourceapi.ResourceSlice, 0, len(view))
-	for _, slice := range view {
-		keep := slice
-		filtered := make([]resourceapi.Device, 0, 1)
-		for _, d := range slice.Spec.Devices {
-			if _, ok := rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, d.Name}]; ok {
-				filtered = append(filtered, d)
+	const others = 1 << 30
+	view := slices.Clone(ns.slices)
+	hidden := make([]bool, 0)
+	for from := 0; from < len(ns.devices); {
+		si := ns.devices[from].sliceIndex
+		to := from
+		for to < len(ns.devices) && ns.devices[to].sliceIndex == si {
+			to++
+		}
+		slice := ns.slices[si]
+		hidden = append(hidden[:0], make([]bool, len(slice.Spec.Devices))...)
+		for i := from; i < to; i++ {
+			d := &ns.devices[i]
+			_, chosen := rank[[3]string{d.driver, slice.Spec.Pool.Name, d.device.Name}]
+			hidden[d.deviceIndex] = !chosen && len(d.device.ConsumesCounters) == 0
+		}
+		devices := make([]resourceapi.Device, 0, len(slice.Spec.Devices))
+		for j := range slice.Spec.Devices {
+			if !hidden[j] {
+				devices = append(devices, slice.Spec.Devices[j])
 			}
 		}
-		slices.SortStableFunc(filtered, func(a, b resourceapi.Device) int {
-			return rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, a.Name}] - rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, b.Name}]
-		})
-		if len(filtered) != len(slice.Spec.Devices) || !sameOrder(filtered, slice.Spec.Devices) {
-			keep = slice.DeepCopy()
-			keep.Spec.Devices = filtered
+		pos := func(d resourceapi.Device) int {
+			if r, ok := rank[[3]string{slice.Spec.Driver, slice.Spec.Pool.Name, d.Name}]; ok {
+				return r
+			}
+			return others
 		}
-		out = append(out, keep)
+		slices.SortStableFunc(devices, func(a, b resourceapi.Device) int { return cmp.Compare(pos(a), pos(b)) })
+		if len(devices) != len(slice.Spec.Devices) || !sameOrder(devices, slice.Spec.Devices) {
+			c := *slice
+			c.Spec.Devices = devices
+			view[si] = &c
+		}
+		from = to
 	}
-	return out
+	return view
 }
 
 func sameOrder(a, b []resourceapi.Device) bool {
