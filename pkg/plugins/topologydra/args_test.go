@@ -1,6 +1,8 @@
 package topologydra
 
 import (
+	"time"
+
 	"os"
 	"path/filepath"
 	"reflect"
@@ -58,6 +60,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				Alignment:                  config.AlignmentPrefer,
 				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds:      600,
+				FilterTimeout:              config.DefaultFilterTimeout,
 			},
 		},
 		"multi-profile.yaml (defaults filled in)": {
@@ -126,16 +129,18 @@ func TestValidateArgs(t *testing.T) {
 		mutate  func(*config.TopologyDRAArgs)
 		wantErr string
 	}{
-		"defaults are valid":  {mutate: func(*config.TopologyDRAArgs) {}},
-		"unqualified attr":    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
-		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
-		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
-		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
-		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
-		"negative trade":      {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
-		"no trade is valid":   {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
-		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"defaults are valid":      {mutate: func(*config.TopologyDRAArgs) {}},
+		"unqualified attr":        {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
+		"duplicate attr":          {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"bad strategy":            {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":           {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"zero weights":            {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"negative weight":         {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":          {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"no trade is valid":       {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
+		"zero binding timout":     {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"no filter timeout":       {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = 0 }},
+		"negative filter timeout": {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = -time.Second }, wantErr: "filterTimeout"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

@@ -25,7 +25,6 @@ import (
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
-	schedconfigv1 "k8s.io/kube-scheduler/config/v1"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
@@ -63,8 +62,8 @@ type TopologyDRA struct {
 	ownedToleration *resourceapi.DeviceToleration
 	bindingTimeout  time.Duration
 	// filterTimeout limits one node's allocation in Filter and the
-	// verification in Reserve, like the stock plugin's filterTimeout
-	// (DRASchedulerFilterTimeout gate, upstream's default); 0: no limit.
+	// verification in Reserve (args.FilterTimeout while the
+	// DRASchedulerFilterTimeout gate is on); 0: no limit.
 	filterTimeout time.Duration
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
@@ -136,7 +135,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
 	}
 	if feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate).EnableDRASchedulerFilterTimeout {
-		pl.filterTimeout = schedconfigv1.DynamicResourcesFilterTimeoutDefault
+		pl.filterTimeout = args.FilterTimeout
 	}
 	pl.policy = policyFromArgs(*args)
 	pl.scorePolicy = func(*corev1.Pod) allocator.Policy { return pl.policy }

@@ -7,6 +7,8 @@
 package config
 
 import (
+	"time"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -73,7 +75,17 @@ type TopologyDRAArgs struct {
 	// BindingTimeoutSeconds bounds how long PreBind waits for device
 	// binding conditions.
 	BindingTimeoutSeconds int64
+	// FilterTimeout bounds one node's allocation in Filter and the
+	// verification of the chosen devices in Reserve, as the stock
+	// plugin's filterTimeout does; a node that runs out of time fails the
+	// scheduling attempt with an error, and the pod retries with backoff.
+	// It applies while the DRASchedulerFilterTimeout feature gate is on
+	// (the default); 0 means no limit.
+	FilterTimeout time.Duration
 }
+
+// DefaultFilterTimeout is the stock plugin's default filterTimeout.
+const DefaultFilterTimeout = 10 * time.Second
 
 // DeepCopyObject implements runtime.Object.
 func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {

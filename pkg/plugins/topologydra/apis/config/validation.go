@@ -51,5 +51,8 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.BindingTimeoutSeconds <= 0 {
 		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, "must be positive"))
 	}
+	if args.FilterTimeout < 0 {
+		errs = append(errs, field.Invalid(path.Child("filterTimeout"), args.FilterTimeout.String(), "must not be negative (0 means no limit)"))
+	}
 	return errs
 }

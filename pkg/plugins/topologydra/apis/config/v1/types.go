@@ -39,6 +39,9 @@ type TopologyDRAArgs struct {
 	Alignment                  *string  `json:"alignment,omitempty"`
 	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
 	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
+	// FilterTimeout has the name and form of the stock plugin's
+	// (DynamicResourcesArgs.filterTimeout), e.g. "10s".
+	FilterTimeout *metav1.Duration `json:"filterTimeout,omitempty"`
 }
 
 // DeepCopyObject implements runtime.Object.
@@ -56,6 +59,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
 	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
+	out.FilterTimeout = copyPtr(a.FilterTimeout)
 	return out
 }
 
@@ -97,6 +101,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.BindingTimeoutSeconds == nil {
 		a.BindingTimeoutSeconds = ptr.To[int64](600)
 	}
+	if a.FilterTimeout == nil {
+		a.FilterTimeout = &metav1.Duration{Duration: config.DefaultFilterTimeout}
+	}
 }
 
 // Convert copies a defaulted versioned object into the internal type.
@@ -110,6 +117,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
 	out.OwnedTaintKey = ptr.Deref(in.OwnedTaintKey, "")
 	out.BindingTimeoutSeconds = ptr.Deref(in.BindingTimeoutSeconds, 0)
+	out.FilterTimeout = ptr.Deref(in.FilterTimeout, metav1.Duration{}).Duration
 }
 
 // ConvertBack copies the internal type into a versioned object.
@@ -126,6 +134,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.Alignment = ptr.To(string(in.Alignment))
 	out.OwnedTaintKey = ptr.To(in.OwnedTaintKey)
 	out.BindingTimeoutSeconds = ptr.To(in.BindingTimeoutSeconds)
+	out.FilterTimeout = &metav1.Duration{Duration: in.FilterTimeout}
 }
 
 // AddToScheme registers the versioned type, its defaults and conversions.
