@@ -186,13 +186,17 @@ type Agent struct {
 	mutex     sync.Mutex
 	inventory *discovery.Inventory
 	// noGPU is why the last discovery found no GPU, nil once it found some.
-	noGPU         error
-	discovered    bool
-	unhealthy     map[string]discovery.HealthEvent
-	published     *resourceslice.DriverResources
+	noGPU      error
+	discovered bool
+	unhealthy  map[string]discovery.HealthEvent
+	published  *resourceslice.DriverResources
+	// healthChanged is closed (and replaced) when a device becomes
+	// unhealthy or healthActive changes: it wakes up the kubelet's health
+	// streams.
 	healthChanged chan struct{}
-	healthActive  bool
-	stopHealth    context.CancelFunc
+	// healthActive says whether the health source is watching now.
+	healthActive bool
+	stopHealth   context.CancelFunc
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
