@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -56,7 +57,9 @@ func fakeDriverInstall(tCtx ktesting.TContext, root, version string) {
 // then prepares the bound pod as it comes from the API: the CDI ids it
 // hands to the runtime must name the allocated GPU and resolve in a CDI
 // cache to a spec with that GPU's UUID and the driver's libraries and
-// nvidia-smi. Unpreparing removes the spec again.
+// nvidia-smi. The GPU's health reaches the kubelet over the agent's health
+// stream: Healthy, then Unhealthy after a critical XID. Unpreparing removes
+// the spec again.
 func TestKubeletDRAManagerPrepares(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "kubelet")
@@ -192,9 +195,37 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	}
 	specPath := resolved.GetSpec().GetPath()
 
-	// 6. Unprepare removes the spec.
+	// 6. Device health reaches the kubelet through the agent's health
+	// stream: the GPU is Healthy in the container's status, and Unhealthy
+	// after NVML reports a critical XID on it.
+	waitHealth(tCtx, manager, pod, wantID, v1.ResourceHealthStatusHealthy)
+	tCtx.ExpectNoError(machine.InjectXID(dgxIndex(device), 79))
+	waitHealth(tCtx, manager, pod, wantID, v1.ResourceHealthStatusUnhealthy)
+
+	// 7. Unprepare removes the spec.
 	tCtx.ExpectNoError(manager.UnprepareResources(tCtx, pod), "unprepare")
 	if _, err := os.Stat(specPath); !os.IsNotExist(err) {
 		tCtx.Errorf("CDI spec %s still there after unprepare: %v", specPath, err)
 	}
+}
+
+// waitHealth polls the health the kubelet would put into the status of the
+// pod's first container until the device with CDI id resourceID has want.
+func waitHealth(tCtx ktesting.TContext, manager *kubeletdra.Manager, pod *v1.Pod, resourceID string, want v1.ResourceHealthStatus) {
+	tCtx.Helper()
+	var last []v1.ResourceStatus
+	err := wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		status := &v1.PodStatus{ContainerStatuses: []v1.ContainerStatus{{Name: pod.Spec.Containers[0].Name}}}
+		manager.UpdateAllocatedResourcesStatus(tCtx.Logger(), pod, status)
+		last = status.ContainerStatuses[0].AllocatedResourcesStatus
+		for _, rs := range last {
+			for _, r := range rs.Resources {
+				if string(r.ResourceID) == resourceID && r.Health == want {
+					return true, nil
+				}
+			}
+		}
+		return false, nil
+	})
+	tCtx.ExpectNoError(err, fmt.Sprintf("kubelet's health of %s is not %s; last: %+v", resourceID, want, last))
 }
