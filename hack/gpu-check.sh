@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # gpu-check.sh: build topodra-node-agent and show the ResourceSlice it would
 # publish for this machine's NVIDIA GPUs, discovered through the real NVML
-# library (loaded from the driver root) and /sys, followed by the CDI spec a
-# claim for all of them would get: what a container sees (device nodes,
-# driver libraries, nvidia-smi, hooks, environment). Needs no cluster and
-# writes nothing. Extra arguments go to the agent, e.g.
+# library (loaded from the driver root) and /sys. Then the agent prepares a
+# claim for all of them with its own Prepare (CDI edits from nvcdi over the
+# driver root) in a temporary checkpoint and CDI directory, prints the CDI
+# spec it wrote and what a container of the claim sees once the CDI library
+# applies the claim's devices as a runtime does (environment, driver
+# libraries and nvidia-smi mounts, device nodes, hooks), and unprepares it.
+# Needs no cluster and writes nothing outside a temporary directory. Extra
+# arguments go to the agent, e.g.
 #   hack/gpu-check.sh --owned-taint --numa-list
 #   DRIVER_ROOT=/run/nvidia/driver hack/gpu-check.sh   # GPU Operator node
 #

@@ -122,7 +122,7 @@ the command line wins.`,
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
-	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also print the CDI spec that a claim for all published GPUs would get, i.e. what a container would see (device nodes, driver libraries and binaries, hooks, environment). Nothing is written.")
+	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
 	agentFlags = nil
 	fs.VisitAll(func(f *pflag.Flag) { agentFlags = append(agentFlags, f.Name) })
 	for _, name := range agentFlags {
@@ -379,7 +379,8 @@ func kubeConfig(path string) (*rest.Config, error) {
 }
 
 // dryRun prints the slice the agent would publish, with GPUs that it would
-// not publish as comments.
+// not publish as comments; with --show-cdi it then prepares a claim for
+// all GPUs (see showPrepared).
 func dryRun(ctx context.Context, src *source, o *options, nodeName string, out io.Writer) error {
 	inv, err := src.discovery.Discover(ctx)
 	if err != nil {
@@ -403,21 +404,5 @@ func dryRun(ctx context.Context, src *source, o *options, nodeName string, out i
 	if !o.showCDI {
 		return nil
 	}
-	devices := make([]cdi.Device, 0, len(inv.GPUs))
-	for _, g := range inv.GPUs {
-		devices = append(devices, cdi.Device{Name: g.Name, UUID: g.UUID, Minor: g.Minor})
-	}
-	spec, err := cdi.Spec(src.cdi, dryRunClaimUID, devices)
-	if err != nil {
-		return err
-	}
-	data, err := yaml.Marshal(spec)
-	if err != nil {
-		return err
-	}
-	_, err = fmt.Fprintf(out, "---\n# CDI spec for a claim with all GPUs (claim UID %q): what its containers get\n%s", dryRunClaimUID, data)
-	return err
+	return showPrepared(ctx, src, nodeName, inv, out)
 }
-
-// dryRunClaimUID stands in for a claim UID in --show-cdi output.
-const dryRunClaimUID = "dry-run"

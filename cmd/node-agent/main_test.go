@@ -166,23 +166,3 @@ func TestHealthEndpoints(t *testing.T) {
 		})
 	}
 }
-
-// TestDryRunShowCDI prints, after the slice, the CDI spec a claim for all
-// mock GPUs would get: environment only, no device nodes.
-func TestDryRunShowCDI(t *testing.T) {
-	_, ctx := ktesting.NewTestContext(t)
-	var stdout, stderr bytes.Buffer
-	if err := run(ctx, &options{nvml: "mock:workstation-2gpu", dryRun: true, showCDI: true, nodeName: "node-1"}, &stdout, &stderr); err != nil {
-		t.Fatal(err)
-	}
-	docs := strings.Split(stdout.String(), "---\n")
-	last := docs[len(docs)-1]
-	for _, want := range []string{"kind: gpu.topodra.io/gpu", "NVIDIA_VISIBLE_DEVICES=GPU-", "TOPODRA_GPU_0=GPU-", "TOPODRA_GPU_1=GPU-", "name: dry-run-gpu-1"} {
-		if !strings.Contains(last, want) {
-			t.Errorf("CDI spec lacks %q:\n%s", want, last)
-		}
-	}
-	if strings.Contains(last, "deviceNodes") {
-		t.Errorf("mock GPUs must not get device nodes:\n%s", last)
-	}
-}

@@ -186,13 +186,17 @@ type Agent struct {
 	mutex     sync.Mutex
 	inventory *discovery.Inventory
 	// noGPU is why the last discovery found no GPU, nil once it found some.
-	noGPU         error
-	discovered    bool
-	unhealthy     map[string]discovery.HealthEvent
-	published     *resourceslice.DriverResources
+	noGPU      error
+	discovered bool
+	unhealthy  map[string]discovery.HealthEvent
+	published  *resourceslice.DriverResources
+	// healthChanged is closed (and replaced) when a device becomes
+	// unhealthy or healthActive changes: it wakes up the kubelet's health
+	// streams.
 	healthChanged chan struct{}
-	healthActive  bool
-	stopHealth    context.CancelFunc
+	// healthActive says whether the health source is watching now.
+	healthActive bool
+	stopHealth   context.CancelFunc
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
@@ -216,12 +220,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.Discovery == nil {
 		return nil, errors.New("discovery must be set")
 	}
-	if opts.DriverName == "" {
-		opts.DriverName = topology.DriverName
-	}
-	if opts.PoolName == "" {
-		opts.PoolName = opts.NodeName
-	}
+	opts.setNames()
 	if opts.OwnedTaintKey == "" {
 		opts.OwnedTaintKey = topology.DefaultTaintKey
 	}
@@ -261,22 +260,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		}
 	}
 	if opts.StateDir != "" && opts.CDIDir != "" {
-		store, err := checkpoint.New(opts.StateDir)
-		if err != nil {
-			return nil, err
-		}
-		var cdiOpts []cdi.Option
-		if opts.CDIGenerator != nil {
-			cdiOpts = append(cdiOpts, cdi.WithGenerator(opts.CDIGenerator))
-		}
-		writer, err := cdi.New(opts.CDIDir, cdiOpts...)
-		if err != nil {
-			return nil, err
-		}
-		a.store, a.cdi = store, writer
-		// Fail early on an unreadable checkpoint instead of on the first
-		// Prepare: the agent must not forget prepared devices.
-		if err := a.checkBootID(ctx); err != nil {
+		if err := a.openState(ctx); err != nil {
 			return nil, err
 		}
 	}
@@ -320,6 +304,37 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
 	}
 	return a, nil
+}
+
+// setNames fills in the default driver and pool names.
+func (o *Options) setNames() {
+	if o.DriverName == "" {
+		o.DriverName = topology.DriverName
+	}
+	if o.PoolName == "" {
+		o.PoolName = o.NodeName
+	}
+}
+
+// openState opens the checkpoint in StateDir and the CDI spec writer on
+// CDIDir, and drops claims prepared during another boot. It fails on an
+// unreadable checkpoint at once rather than on the first Prepare: the
+// agent must not forget prepared devices.
+func (a *Agent) openState(ctx context.Context) error {
+	store, err := checkpoint.New(a.opts.StateDir)
+	if err != nil {
+		return err
+	}
+	var cdiOpts []cdi.Option
+	if a.opts.CDIGenerator != nil {
+		cdiOpts = append(cdiOpts, cdi.WithGenerator(a.opts.CDIGenerator))
+	}
+	writer, err := cdi.New(a.opts.CDIDir, cdiOpts...)
+	if err != nil {
+		return err
+	}
+	a.store, a.cdi = store, writer
+	return a.checkBootID(ctx)
 }
 
 func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {

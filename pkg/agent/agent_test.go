@@ -561,6 +561,58 @@ func TestWatchHealthStatusNotSupported(t *testing.T) {
 	}
 }
 
+// unsupportedHealth is a health source that cannot watch (as the lazy NVML
+// discovery before the driver is there).
+type unsupportedHealth struct{}
+
+func (unsupportedHealth) WatchHealth(context.Context, *discovery.Inventory, chan<- discovery.HealthEvent) error {
+	return discovery.ErrHealthUnsupported
+}
+
+// TestWatchHealthStatusNotWatching: with a health source that is not
+// watching, the kubelet's stream stays open and reports every device as
+// Unknown; it does not end with ErrHealthNotSupported, after which the
+// kubelet would not ask again while the agent stays registered.
+func TestWatchHealthStatusNotWatching(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(ctx, agent.Options{
+		NodeName: nodeName, KubeClient: e.client, Discovery: disc, Health: unsupportedHealth{}, PublishOnly: true, RescanInterval: -1,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Stop()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	reports := make(chan kubeletplugin.DeviceHealthReport)
+	done := make(chan error, 1)
+	go func() { done <- a.WatchHealthStatus(ctx, reports) }()
+	// The first report may come before the source has given up.
+	deadline := time.After(30 * time.Second)
+	for unknown := false; !unknown; {
+		select {
+		case r := <-reports:
+			unknown = len(r.Devices) == 8
+			for _, d := range r.Devices {
+				unknown = unknown && d.Health == kubeletplugin.HealthStatusUnknown
+			}
+		case err := <-done:
+			t.Fatalf("health stream ended: %v", err)
+		case <-deadline:
+			t.Fatal("devices never reported Unknown")
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("WatchHealthStatus: %v", err)
+	}
+}
+
 func TestOptionsRequired(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)

@@ -20,7 +20,7 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 	}
 	ctx, cancel := context.WithCancel(a.ctx)
 	a.stopHealth = cancel
-	a.healthActive = true
+	a.setHealthActiveLocked(true)
 	a.mutex.Unlock()
 
 	events := make(chan discovery.HealthEvent)
@@ -34,7 +34,7 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 				logger.Error(err, "watching device health failed, device health is no longer reported")
 			}
 			a.mutex.Lock()
-			a.healthActive = false
+			a.setHealthActiveLocked(false)
 			a.mutex.Unlock()
 		}
 		close(events)
@@ -66,8 +66,7 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 		affected = append(affected, g.Name)
 	}
 	if len(affected) > 0 {
-		close(a.healthChanged)
-		a.healthChanged = make(chan struct{})
+		a.healthChangedLocked()
 	}
 	a.mutex.Unlock()
 	if len(affected) == 0 {
@@ -79,20 +78,24 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	}
 }
 
-// WatchHealthStatus implements kubeletplugin.DRAPlugin. Without a working
-// health source it returns kubeletplugin.ErrHealthNotSupported at once.
-// Otherwise it sends the health of every device now, on every change, and
-// at least every 10 seconds so that the kubelet's data does not go stale.
+// WatchHealthStatus implements kubeletplugin.DRAPlugin. An agent without a
+// health source (no Options.Health, and a discovery that cannot watch
+// health) returns kubeletplugin.ErrHealthNotSupported at once. Otherwise it
+// sends the health of every device now, on every change, and at least
+// every 10 seconds so that the kubelet's data does not go stale. While the
+// source is not watching (not started yet, NVML not loaded, no device
+// reports events, or the watch failed), devices not known to be faulty are
+// Unknown rather than the stream ending: the kubelet does not ask again
+// for as long as the agent stays registered.
 func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
+	if a.health == nil {
+		return kubeletplugin.ErrHealthNotSupported
+	}
 	for {
 		a.mutex.Lock()
-		active := a.healthActive
 		changed := a.healthChanged
 		report := a.healthReportLocked()
 		a.mutex.Unlock()
-		if !active {
-			return kubeletplugin.ErrHealthNotSupported
-		}
 		select {
 		case <-ctx.Done():
 			return nil
@@ -110,11 +113,16 @@ func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplu
 func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 	now := time.Now()
 	var report kubeletplugin.DeviceHealthReport
+	// Healthy means: watched, and no fault seen.
+	known := kubeletplugin.HealthStatusUnknown
+	if a.healthActive {
+		known = kubeletplugin.HealthStatusHealthy
+	}
 	for _, g := range a.inventory.GPUs {
 		h := kubeletplugin.DeviceHealth{
 			PoolName:           a.opts.PoolName,
 			DeviceName:         g.Name,
-			Health:             kubeletplugin.HealthStatusHealthy,
+			Health:             known,
 			LastUpdated:        now,
 			HealthCheckTimeout: healthCheckTimeout,
 		}
@@ -126,4 +134,19 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 		report.Devices = append(report.Devices, h)
 	}
 	return report
+}
+
+// setHealthActiveLocked records whether the health source is watching and
+// wakes up the kubelet health streams if that changed.
+func (a *Agent) setHealthActiveLocked(active bool) {
+	if a.healthActive != active {
+		a.healthActive = active
+		a.healthChangedLocked()
+	}
+}
+
+// healthChangedLocked wakes up the kubelet health streams.
+func (a *Agent) healthChangedLocked() {
+	close(a.healthChanged)
+	a.healthChanged = make(chan struct{})
 }

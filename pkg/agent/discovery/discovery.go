@@ -42,8 +42,9 @@ type HealthWatcher interface {
 	// WatchHealth sends an event for every device fault until ctx is
 	// canceled, then returns nil. It must not block on a send after ctx
 	// is canceled. It returns an error when health cannot be watched at
-	// all (for example no device supports events); the agent then runs
-	// without health reporting.
+	// all (for example no device supports events); the agent then reports
+	// the devices' health as unknown until it watches again (after the
+	// devices change).
 	WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error
 }
 
