@@ -1,12 +1,13 @@
 package allocator
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"slices"
 	"sort"
 	"strings"
@@ -483,13 +484,17 @@ func checkValid(ctx context.Context, pc *parityCase, results []resourceapi.Alloc
 			chosen.Insert(id)
 		}
 	}
-	// Upstream, with only the chosen devices visible.
+	// Upstream, with only the chosen devices visible. Devices with
+	// compatibility groups stay while that feature is off: upstream then
+	// ignores their slices, and hiding them would change which slices and
+	// generations it reads (it never allocates them).
 	var restricted []*resourceapi.ResourceSlice
 	for _, s := range pc.slices {
 		c := *s
 		c.Spec.Devices = nil
 		for _, d := range s.Spec.Devices {
-			if chosen.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) {
+			compat := slices.ContainsFunc(d.ConsumesCounters, func(c resourceapi.DeviceCounterConsumption) bool { return len(c.CompatibilityGroups) > 0 })
+			if chosen.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) || (compat && !pc.features.CompatibilityGroups) {
 				c.Spec.Devices = append(c.Spec.Devices, d)
 			}
 		}
@@ -554,10 +559,108 @@ func quietContext(t *testing.T) context.Context {
 	return klog.NewContext(context.Background(), ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(1))))
 }
 
+// parityOutcome is what one case showed.
+type parityOutcome struct {
+	skipped, bothErr, infeasible, matchInfeasible, feasible, improved, countedMatch, verified, shared int
+	took                                                                                              time.Duration
+}
+
+// runParityCase runs upstream and topodra on one case and returns an
+// error if they disagree on feasibility or errors, if topodra's allocation
+// is not valid, or if Verify does not confirm a counted allocation as it is.
+func runParityCase(ctx context.Context, pc *parityCase) (parityOutcome, error) {
+	var out parityOutcome
+	up, err := structured.NewAllocator(ctx, pc.features, *pc.state, pc.classes, pc.slices, newCELCache())
+	if err != nil {
+		return out, err
+	}
+	// Upstream's search is exponential on some random inputs (the stock
+	// plugin bounds it with a filter timeout); skip those.
+	upCtx, cancel := context.WithTimeout(ctx, time.Second)
+	upResult, upErr := up.Allocate(upCtx, pc.node, pc.claims)
+	timedOut := upCtx.Err() != nil
+	cancel()
+	if timedOut {
+		out.skipped++
+		return out, nil
+	}
+	if errors.Is(upErr, structured.ErrFailedAllocationOnNode) {
+		upResult, upErr = nil, nil
+	}
+
+	a, err := New(ctx, Options{Features: pc.features, AllocatedState: pc.state, ClassLister: pc.classes, Slices: pc.slices, CELCache: newCELCache(), Policy: pc.policy})
+	if err != nil {
+		return out, err
+	}
+	start := time.Now()
+	res, err := a.Allocate(ctx, pc.node, pc.claims)
+	out.took = time.Since(start)
+	switch {
+	case upErr != nil || err != nil:
+		if (upErr == nil) != (err == nil) {
+			var got []string
+			if res != nil {
+				got = deviceNames(res.Allocations)
+			}
+			return out, fmt.Errorf("upstream error %v, topodra error %v (topodra allocates %v)", upErr, err, got)
+		}
+		out.bothErr++
+		return out, nil
+	case res == nil:
+		return out, errors.New("nil result without error")
+	}
+	if (upResult == nil) != (res.Allocations == nil) {
+		return out, fmt.Errorf("upstream allocates %v, topodra %v (explanation: %s)\nupstream: %v", upResult != nil, res.Allocations != nil, res.Explanation, deviceNames(upResult))
+	}
+	if res.Allocations == nil {
+		out.infeasible++
+		if res.Explanation == nil || res.Explanation.String() == "" {
+			return out, errors.New("infeasible without explanation")
+		}
+		if strings.Contains(res.Explanation.String(), "no single value of") {
+			out.matchInfeasible++
+		}
+		return out, nil
+	}
+	out.feasible++
+	if res.Unverified && slices.ContainsFunc(pc.claims, func(c *resourceapi.ResourceClaim) bool { return len(c.Spec.Devices.Constraints) > 0 }) {
+		out.countedMatch++
+	}
+	if err := checkValid(ctx, pc, res.Allocations); err != nil {
+		return out, fmt.Errorf("invalid topodra allocation %v: %w", deviceNames(res.Allocations), err)
+	}
+	if res.Unverified {
+		// What the plugin does in Reserve: the counted allocation must be
+		// confirmed by upstream as it is.
+		verified, err := a.Verify(ctx, pc.node, pc.claims, res)
+		switch {
+		case err != nil:
+			return out, fmt.Errorf("verify: %w", err)
+		case verified.CountingRefused || verified.Allocations == nil:
+			return out, fmt.Errorf("upstream refused the counted allocation %v", deviceNames(res.Allocations))
+		}
+		if err := checkValid(ctx, pc, verified.Allocations); err != nil {
+			return out, fmt.Errorf("invalid verified allocation %v: %w", deviceNames(verified.Allocations), err)
+		}
+		out.verified++
+	}
+	if !slices.Equal(deviceNames(res.Allocations), deviceNames(upResult)) {
+		out.improved++
+	}
+	for _, r := range res.Allocations {
+		for _, d := range r.Devices.Results {
+			if d.ShareID != nil {
+				out.shared++
+			}
+		}
+	}
+	return out, nil
+}
+
 func TestParityWithUpstream(t *testing.T) {
 	ctx := quietContext(t)
 	rnd := rand.New(rand.NewPCG(*paritySeed, 42))
-	var feasible, infeasible, improved, errs, skipped, sharedCases, countedMatch, matchInfeasible, verifiedCases int
+	var total parityOutcome
 	var slowest time.Duration
 	slowestCase := -1
 	kinds := map[string]int{}
@@ -566,176 +669,77 @@ func TestParityWithUpstream(t *testing.T) {
 		for _, k := range sets.List(sets.New(pc.kinds...)) {
 			kinds[k]++
 		}
-		up, err := structured.NewAllocator(ctx, pc.features, *pc.state, pc.classes, pc.slices, newCELCache())
+		out, err := runParityCase(ctx, pc)
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("case %d: %v\n%s", i, err, pc.describe())
 		}
-		// Upstream's search is exponential on some random inputs (the
-		// stock plugin bounds it with a filter timeout); skip those.
-		upCtx, cancel := context.WithTimeout(ctx, time.Second)
-		upResult, upErr := up.Allocate(upCtx, pc.node, pc.claims)
-		timedOut := upCtx.Err() != nil
-		cancel()
-		if timedOut {
-			skipped++
-			continue
+		if out.took > slowest {
+			slowest, slowestCase = out.took, i
 		}
-		if errors.Is(upErr, structured.ErrFailedAllocationOnNode) {
-			if os.Getenv("PARITY_DEBUG") != "" {
-				t.Logf("case %d: upstream: %v", i, upErr)
-			}
-			upResult, upErr = nil, nil
-		}
-
-		a, err := New(ctx, Options{Features: pc.features, AllocatedState: pc.state, ClassLister: pc.classes, Slices: pc.slices, CELCache: newCELCache(), Policy: pc.policy})
-		if err != nil {
-			t.Fatal(err)
-		}
-		start := time.Now()
-		res, err := a.Allocate(ctx, pc.node, pc.claims)
-		if d := time.Since(start); d > slowest {
-			slowest, slowestCase = d, i
-		}
-		switch {
-		case upErr != nil || err != nil:
-			if (upErr == nil) != (err == nil) {
-				var got []string
-				if res != nil {
-					got = deviceNames(res.Allocations)
-				}
-				t.Fatalf("case %d: upstream error %v, topodra error %v (topodra allocates %v)\n%s", i, upErr, err, got, pc.describe())
-			}
-			errs++
-			continue
-		case res == nil:
-			t.Fatalf("case %d: nil result without error", i)
-		}
-		if (upResult == nil) != (res.Allocations == nil) {
-			t.Fatalf("case %d: upstream allocates %v, topodra %v (explanation: %s)\nupstream: %v\n%s", i, upResult != nil, res.Allocations != nil, res.Explanation, deviceNames(upResult), pc.describe())
-		}
-		if res.Allocations == nil {
-			infeasible++
-			if os.Getenv("PARITY_DEBUG") != "" && infeasible < 40 {
-				t.Logf("infeasible: %s", res.Explanation)
-			}
-			if res.Explanation == nil || res.Explanation.String() == "" {
-				t.Fatalf("case %d: infeasible without explanation", i)
-			}
-			if strings.Contains(res.Explanation.String(), "no single value of") {
-				matchInfeasible++
-			}
-			continue
-		}
-		feasible++
-		if res.Unverified && slices.ContainsFunc(pc.claims, func(c *resourceapi.ResourceClaim) bool { return len(c.Spec.Devices.Constraints) > 0 }) {
-			countedMatch++
-		}
-		if err := checkValid(ctx, pc, res.Allocations); err != nil {
-			t.Fatalf("case %d: invalid topodra allocation %v: %v\n%s", i, deviceNames(res.Allocations), err, pc.describe())
-		}
-		if res.Unverified {
-			// What the plugin does in Reserve: the counted allocation
-			// must be confirmed by upstream as it is.
-			verified, err := a.Verify(ctx, pc.node, pc.claims, res)
-			switch {
-			case err != nil:
-				t.Fatalf("case %d: Verify: %v\n%s", i, err, pc.describe())
-			case verified.CountingRefused || verified.Allocations == nil:
-				t.Fatalf("case %d: upstream refused the counted allocation %v\n%s", i, deviceNames(res.Allocations), pc.describe())
-			}
-			if err := checkValid(ctx, pc, verified.Allocations); err != nil {
-				t.Fatalf("case %d: invalid verified allocation %v: %v\n%s", i, deviceNames(verified.Allocations), err, pc.describe())
-			}
-			verifiedCases++
-		}
-		if !slices.Equal(deviceNames(res.Allocations), deviceNames(upResult)) {
-			improved++
-		}
-		for _, r := range res.Allocations {
-			for _, d := range r.Devices.Results {
-				if d.ShareID != nil {
-					sharedCases++
-				}
-			}
-		}
+		total.skipped += out.skipped
+		total.bothErr += out.bothErr
+		total.infeasible += out.infeasible
+		total.matchInfeasible += out.matchInfeasible
+		total.feasible += out.feasible
+		total.improved += out.improved
+		total.countedMatch += out.countedMatch
+		total.verified += out.verified
+		total.shared += out.shared
 	}
-	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated; %d counted allocations confirmed by Verify", slowestCase, slowest, sharedCases, verifiedCases)
-	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, feasible, improved, countedMatch, infeasible, matchInfeasible, errs, skipped)
+	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated; %d counted allocations confirmed by Verify", slowestCase, slowest, total.shared, total.verified)
+	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, total.feasible, total.improved, total.countedMatch, total.infeasible, total.matchInfeasible, total.bothErr, total.skipped)
 	t.Logf("cases by kind: %v", kinds)
 	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes"} {
 		if kinds[k] == 0 {
 			t.Errorf("the generator made no case of kind %q", k)
 		}
 	}
-	if feasible < *parityCases/5 || infeasible == 0 || improved == 0 || countedMatch == 0 || matchInfeasible == 0 || verifiedCases == 0 {
-		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d feasible and %d infeasible matchAttribute by counting", feasible, infeasible, improved, countedMatch, matchInfeasible)
+	if total.feasible < *parityCases/5 || total.infeasible == 0 || total.improved == 0 || total.countedMatch == 0 || total.matchInfeasible == 0 || total.verified == 0 {
+		t.Errorf("the generator does not cover enough: %d feasible, %d infeasible, %d different, %d feasible and %d infeasible matchAttribute by counting, %d verified", total.feasible, total.infeasible, total.improved, total.countedMatch, total.matchInfeasible, total.verified)
 	}
 }
 
-// TestRequireIsAlignedAndValid runs random cases with alignment=require:
-// topodra may refuse where upstream allocates, but whatever it returns is
-// valid, and aligned.
-func TestRequireIsAlignedAndValid(t *testing.T) {
-	ctx := quietContext(t)
-	rnd := rand.New(rand.NewPCG(*paritySeed, 7))
-	var allocatedN, refused int
-	for i := range max(*parityCases/4, 100) {
-		pc := genCase(rnd)
-		pc.policy.Alignment = AlignmentRequire
-		a, err := New(ctx, Options{Features: pc.features, AllocatedState: pc.state, ClassLister: pc.classes, Slices: pc.slices, CELCache: newCELCache(), Policy: pc.policy})
-		if err != nil {
-			t.Fatal(err)
-		}
-		caseCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		res, err := a.Allocate(caseCtx, pc.node, pc.claims)
-		cancel()
-		if err != nil || res.Allocations == nil {
-			refused++
-			continue
-		}
-		allocatedN++
-		if err := checkValid(ctx, pc, res.Allocations); err != nil {
-			t.Fatalf("case %d: invalid allocation: %v\n%s", i, err, pc.describe())
-		}
-		for ci, c := range pc.claims {
-			if c.Annotations[topology.AnnotationAlignment] == "none" || c.Annotations[topology.AnnotationAlignWith] == "pod" {
-				continue
-			}
-			all := false
-			for _, r := range c.Spec.Devices.Requests {
-				all = all || (r.Exactly != nil && r.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll)
-			}
-			if all || len(res.Allocations[ci].Devices.Results) < 2 {
-				continue
-			}
-			if !sharesDomain(pc, res.Allocations[ci]) {
-				t.Fatalf("case %d: claim %s not aligned: %v\n%s", i, c.Name, deviceNames(res.Allocations[ci:ci+1]), pc.describe())
-			}
-		}
+// FuzzAllocatorInput drives the case generator of TestParityWithUpstream
+// with the fuzzer's bytes instead of a seeded stream, so that mutations
+// change one decision of the generator at a time: random slices, pools
+// and claims through Allocate and Verify. topodra must not panic, must
+// agree with upstream on feasibility and errors, and what it allocates
+// must be valid.
+func FuzzAllocatorInput(f *testing.F) {
+	for _, seed := range [][]byte{
+		nil,
+		[]byte("topodra"),
+		bytes.Repeat([]byte{0xff}, 64),
+		bytes.Repeat([]byte{0x00, 0x01, 0x7f, 0x80}, 40),
+		[]byte("a DGX with partitions, counters and two pools of generations"),
+	} {
+		f.Add(seed)
 	}
-	t.Logf("require: %d allocated, %d refused", allocatedN, refused)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		pc := genCase(rand.New(&byteSource{data: data}))
+		if _, err := runParityCase(quietContext(t), pc); err != nil {
+			t.Fatalf("%v\n%s", err, pc.describe())
+		}
+	})
 }
 
-func sharesDomain(pc *parityCase, r resourceapi.AllocationResult) bool {
-	coordsOf := map[string]topology.Coordinates{}
-	for _, s := range pc.slices {
-		for i := range s.Spec.Devices {
-			coordsOf[s.Spec.Driver+"/"+s.Spec.Pool.Name+"/"+s.Spec.Devices[i].Name] = topology.DeviceCoordinates(s.Spec.Driver, &s.Spec.Devices[i], pc.policy.Attributes)
+// byteSource is a rand.Source that reads its numbers from bytes, eight per
+// number; once they run out, a PCG stream seeded by their count takes over
+// (a constant source would make rand's rejection sampling loop forever).
+type byteSource struct {
+	data []byte
+	rest *rand.PCG
+}
+
+func (s *byteSource) Uint64() uint64 {
+	if len(s.data) == 0 {
+		if s.rest == nil {
+			s.rest = rand.NewPCG(0x746f706f647261, 0)
 		}
+		return s.rest.Uint64()
 	}
-	for l := range pc.policy.Attributes {
-		v, ok := "", true
-		for _, d := range r.Devices.Results {
-			c := coordsOf[d.Driver+"/"+d.Pool+"/"+d.Device][l]
-			if c == "" || (v != "" && c != v) {
-				ok = false
-				break
-			}
-			v = c
-		}
-		if ok {
-			return true
-		}
-	}
-	return false
+	var buf [8]byte
+	n := copy(buf[:], s.data)
+	s.data = s.data[n:]
+	return binary.LittleEndian.Uint64(buf[:])
 }
