@@ -100,8 +100,9 @@ func hasBindingConditions(claims []*resourceapi.ResourceClaim) bool {
 // waitForBindingConditions waits in PreBind until the devices of all the
 // pod's claims are ready to bind, reading the claims from the scheduler's
 // claim cache (informer). It tells the user on the pod that it waits, and
-// records upstream's binding-condition metrics. A failure or timeout fails
-// the attempt with an error (the pod is retried with backoff, and then
+// records upstream's binding-condition metrics. A failure or timeout, or a
+// claim that is deallocated or being deleted meanwhile, fails the attempt
+// with an error (the pod is retried with backoff, and then
 // Filter and PostFilter release the allocation).
 func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) *fwk.Status {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions(s.claims) {
@@ -115,6 +116,12 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
 			if err != nil {
 				return false, fmt.Errorf("claim %s: %w", claim.Name, err)
+			}
+			if latest.DeletionTimestamp != nil {
+				// A pod that is not bound yet must not start with a claim
+				// that is going away (PreFilter and bindClaim refuse such
+				// claims too); Unreserve lets the claim go.
+				return false, fmt.Errorf("claim %s is being deleted", claim.Name)
 			}
 			if latest.Status.Allocation == nil {
 				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)

@@ -2,11 +2,16 @@ package topologydra
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
+	"k8s.io/utils/ptr"
 )
 
 func TestBindingState(t *testing.T) {
@@ -51,5 +56,45 @@ func TestBindingState(t *testing.T) {
 				t.Errorf("got ready %v, err %v; want ready %v, err %v", ready, err, tc.wantReady, tc.wantErr)
 			}
 		})
+	}
+}
+
+// TestPreBindStopsWaitingForDeletedClaim: the pod waits in PreBind for the
+// binding conditions of its devices; its claim is deleted meanwhile. PreBind
+// must give up with an error that names the claim, instead of binding the
+// pod once the driver confirms, or waiting out the binding timeout.
+func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
+	schedmetrics.Register() // PreBind records the binding-condition metrics.
+	slice := testSlice("node-a", 2)
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
+		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
+		slice.Spec.Devices[i].BindingFailureConditions = []string{"AttachFailed"}
+	}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), slice, testClaim("c", 1))
+	if !h.pl.features.DeviceBindingAndStatus {
+		t.Fatal("binding conditions are disabled by the feature gates; this test needs them")
+	}
+	pod := testPod("p", "c")
+	cs, _ := h.cycle(pod, "node-a")
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	done := make(chan *fwk.Status, 1)
+	go func() { done <- h.pl.PreBind(h.tCtx, cs, pod, "node-a") }()
+
+	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
+	claim := h.apiClaim("c")
+	claim.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).Update(h.tCtx, claim, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+
+	select {
+	case st := <-done:
+		if st.IsSuccess() || !strings.Contains(st.Message(), "claim c is being deleted") {
+			t.Errorf("PreBind: %v, want an error saying that claim c is being deleted", st)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("PreBind still waits for the binding conditions of a claim that is being deleted")
 	}
 }
