@@ -1,0 +1,381 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apimeta "k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/invariant"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// The tests of this file inject one fault each and check three things: the
+// scheduler keeps placing other pods, the invariant checker finds nothing
+// in the test's namespace, and the user reads what went wrong on the pod
+// or the claim.
+
+// newFaultEnv is newEnv for a fault test: the test's pods are deleted when
+// it ends, so that pods left failing on purpose do not keep later tests'
+// schedulers busy.
+func newFaultEnv(tCtx ktesting.TContext, prefix string) *env {
+	e := newEnv(tCtx, prefix)
+	tCtx.Cleanup(func() {
+		ctx := context.WithoutCancel(tCtx)
+		if err := cp.Client.CoreV1().Pods(e.ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}, metav1.ListOptions{}); err != nil {
+			tCtx.Logf("delete the test's pods: %v", err)
+		}
+	})
+	return e
+}
+
+// expectClean fails the test for every invariant violation that involves
+// the test's namespace (other tests share the cluster).
+func (e *env) expectClean() {
+	e.tCtx.Helper()
+	violations, err := invariant.Check(e.tCtx, cp.Client)
+	e.tCtx.ExpectNoError(err, "invariant check")
+	for _, v := range violations {
+		mine := strings.HasPrefix(v.Pod, e.ns+"/")
+		for _, c := range v.Claims {
+			mine = mine || strings.HasPrefix(c, e.ns+"/")
+		}
+		if mine {
+			e.tCtx.Errorf("invariant violated: %s", v)
+		}
+	}
+}
+
+// waitEvent waits for an event with reason on the named object of the
+// test's namespace whose note contains all of parts, and returns the note.
+func (e *env) waitEvent(object, reason string, parts ...string) string {
+	e.tCtx.Helper()
+	var note, seen string
+	err := wait.PollUntilContextTimeout(e.tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		events, err := cp.Client.EventsV1().Events(e.ns).List(ctx, metav1.ListOptions{FieldSelector: "regarding.name=" + object})
+		if err != nil {
+			return false, nil
+		}
+		for _, ev := range events.Items {
+			if ev.Reason != reason {
+				continue
+			}
+			seen = ev.Note
+			ok := true
+			for _, p := range parts {
+				ok = ok && strings.Contains(ev.Note, p)
+			}
+			if ok {
+				note = ev.Note
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	e.tCtx.ExpectNoError(err, fmt.Sprintf("%s event on %s containing %q (last %s event: %q)", reason, object, parts, reason, seen))
+	return note
+}
+
+// claimOf returns the name of the one claim of a pod (generated claims are
+// named in the pod status once the claim controller created them).
+func (e *env) claimOf(podName string) string {
+	e.tCtx.Helper()
+	var name string
+	_, err := framework.WaitForPod(e.tCtx, cp.Client, e.ns, podName, waitTimeout, "claim created", func(p *v1.Pod) (bool, error) {
+		claims, err := framework.PodClaims(e.tCtx, cp.Client, p)
+		if err != nil || len(claims) != 1 {
+			return false, nil
+		}
+		name = claims[0].Name
+		return true, nil
+	})
+	e.tCtx.ExpectNoError(err)
+	return name
+}
+
+// selectorTemplate creates a template with one request for one GPU with
+// the CEL selector and returns the error of the create.
+func (e *env) selectorTemplate(name, class, expression string) error {
+	tmpl := framework.ClaimTemplate(e.ns, name, class, 1)
+	tmpl.Spec.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: expression}}}
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
+	return err
+}
+
+// expectScheduledAll waits until each named pod is bound and its claims are
+// allocated on its node and reserved for it.
+func (e *env) expectScheduledAll(names ...string) {
+	e.tCtx.Helper()
+	for _, name := range names {
+		e.devicesOf(e.waitScheduled(name))
+	}
+}
+
+// TestBadCELDoesNotBlockOthers: CEL selectors that are broken in four ways,
+// each in a claim of its own pod, while good pods keep arriving.
+//
+// A syntax error and an expression over the cost limit never reach a
+// scheduler: the apiserver refuses them, naming the field (that is where
+// the user sees them). A runtime type error and a selector on an attribute
+// that no device has fail at run time on every device: such pods fail
+// their cycle with the request and the expression named on the pod and a
+// warning event on the claim, and are retried with backoff. The same
+// missing attribute guarded with has() is no error: the pod is just
+// unschedulable, saying that no device matches. Good pods created before
+// and after the bad ones are all placed.
+func TestBadCELDoesNotBlockOthers(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "badcel4")
+	e.dgxNodes("a", 2, "256")
+	one := e.template(1, nil)
+
+	refused := map[string]struct{ expression, want string }{
+		"syntax": {`device.attributes["gpu.topodra.io"].index >`, "compilation failed"},
+		"cost": {`[1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(x, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(y, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(z, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(z2, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(z3, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(z4, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10].all(z5, int('1'.find('[0-9]*')) < 100)))))))`,
+			"too complex, exceeds cost limit"},
+	}
+	for name, c := range refused {
+		err := e.selectorTemplate(name, e.class, c.expression)
+		switch {
+		case err == nil:
+			t.Errorf("%s: the apiserver accepted the selector %q", name, c.expression)
+		case !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "spec.spec.devices.requests[0].exactly.selectors[0].cel.expression") || !strings.Contains(err.Error(), c.want):
+			t.Errorf("%s: the apiserver refused the template with %q, want an Invalid error naming the field and %q", name, err, c.want)
+		default:
+			t.Logf("%s: refused by the apiserver: %v", name, err)
+		}
+	}
+
+	failing := map[string]struct{ expression, want string }{
+		"type-error":        {`device.attributes["gpu.topodra.io"].productName > 3`, "no such overload"},
+		"missing-attribute": {`device.attributes["gpu.topodra.io"].vendorSKU == "sxm5"`, "no such key"},
+	}
+	for name, c := range failing {
+		tCtx.ExpectNoError(e.selectorTemplate(name, e.class, c.expression), "template "+name)
+	}
+	const guarded = `has(device.attributes["gpu.topodra.io"].vendorSKU) && device.attributes["gpu.topodra.io"].vendorSKU == "sxm5"`
+	tCtx.ExpectNoError(e.selectorTemplate("guarded", e.class, guarded))
+	startTopodra(tCtx)
+
+	e.pod("good-0", topodraName, "a", one)
+	e.pod("good-1", topodraName, "a", one)
+	for name := range failing {
+		e.pod(name, topodraName, "a", name)
+	}
+	e.pod("guarded", topodraName, "a", "guarded")
+	for i := 2; i < 8; i++ {
+		e.pod(fmt.Sprintf("good-%d", i), topodraName, "a", one)
+	}
+
+	var good []string
+	for i := range 8 {
+		good = append(good, fmt.Sprintf("good-%d", i))
+	}
+	e.expectScheduledAll(good...)
+
+	for name, c := range failing {
+		pod := e.waitFailed(name)
+		cond := framework.PodScheduledCondition(pod)
+		t.Logf("%s: pod condition %s: %s", name, cond.Reason, cond.Message)
+		for _, part := range []string{c.expression, "req-0", c.want} {
+			if !strings.Contains(cond.Message, part) {
+				t.Errorf("%s: pod condition %q does not contain %q", name, cond.Message, part)
+			}
+		}
+		claim := e.claimOf(name)
+		note := e.waitEvent(claim, "InvalidClaim", c.expression)
+		t.Logf("%s: claim event: %s", name, note)
+	}
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "guarded", waitTimeout)
+	tCtx.ExpectNoError(err)
+	if msg := framework.PodScheduledCondition(pod).Message; strings.Contains(msg, "no such key") {
+		t.Errorf("the has()-guarded selector failed like an unguarded one: %q", msg)
+	} else {
+		t.Logf("guarded: %s", msg)
+	}
+
+	// Still serving after the bad pods went through several attempts.
+	e.pod("good-late", topodraName, "a", one)
+	e.expectScheduledAll("good-late")
+	e.expectClean()
+}
+
+// TestMissingClassThenCreated: a claim names a DeviceClass that does not
+// exist yet. The pod stays pending and says which class is missing, the
+// claim gets a warning event, other pods are placed. Creating the class
+// requeues the pod (DeviceClass add event), and the same pod — not a new
+// one — is scheduled.
+func TestMissingClassThenCreated(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "lateclass")
+	e.dgxNodes("a", 1, "256")
+	late := e.ns + "-late"
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, framework.ClaimTemplate(e.ns, "late", late, 2), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+
+	waiting := e.pod("waiting", topodraName, "a", "late")
+	e.pod("other", topodraName, "a", one)
+	pod := e.waitFailed("waiting")
+	msg := framework.PodScheduledCondition(pod).Message
+	want := "device class " + late + " does not exist"
+	if !strings.Contains(msg, want) || !strings.Contains(msg, "req-0") {
+		t.Errorf("pod condition %q does not say %q for request req-0", msg, want)
+	}
+	e.waitEvent(e.claimOf("waiting"), "InvalidClaim", want)
+	e.expectScheduledAll("other")
+
+	_, err = cp.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass(late, topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	pod = e.waitScheduled("waiting")
+	if pod.UID != waiting.UID {
+		t.Errorf("pod was recreated (uid %s, was %s)", pod.UID, waiting.UID)
+	}
+	if devices := e.devicesOf(pod); len(devices) != 2 {
+		t.Errorf("pod got %v, want 2 GPUs", devices)
+	}
+	e.expectClean()
+}
+
+// bindingConditionNode creates a node in group whose eight GPUs have the
+// binding condition "Attached" (and failure condition "AttachFailed"): a
+// pod placed there waits in PreBind, its claim allocated and reserved,
+// until the test confirms the devices. Returns the node and its slice.
+func (e *env) bindingConditionNode(group string) (string, *resourceapi.ResourceSlice) {
+	e.tCtx.Helper()
+	node := fmt.Sprintf("%s-%s-0", e.ns, group)
+	_, err := framework.CreateReadyNode(e.tCtx, cp.Client, node, map[string]string{"test": e.ns, "group": group})
+	e.tCtx.ExpectNoError(err)
+	slice := framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node))
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
+		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
+		slice.Spec.Devices[i].BindingFailureConditions = []string{"AttachFailed"}
+	}
+	slice, err = cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, slice, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return node, slice
+}
+
+// attach sets the binding condition of every allocated device of the claim,
+// as the driver does once the devices are attached.
+func (e *env) attach(claimName string) {
+	e.tCtx.Helper()
+	claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(e.tCtx, claimName, metav1.GetOptions{})
+	e.tCtx.ExpectNoError(err)
+	claim.Status.Devices = nil
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		st := resourceapi.AllocatedDeviceStatus{Driver: r.Driver, Pool: r.Pool, Device: r.Device}
+		apimeta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: "Attached", Status: metav1.ConditionTrue, Reason: "Attached", ObservedGeneration: claim.Generation})
+		claim.Status.Devices = append(claim.Status.Devices, st)
+	}
+	_, err = cp.Client.ResourceV1().ResourceClaims(e.ns).UpdateStatus(e.tCtx, claim, metav1.UpdateOptions{})
+	e.tCtx.ExpectNoError(err)
+}
+
+// standaloneClaim creates a claim named name for count GPUs of the test's
+// class.
+func (e *env) standaloneClaim(name string, count int64) *resourceapi.ResourceClaim {
+	e.tCtx.Helper()
+	tmpl := framework.ClaimTemplate(e.ns, name, e.class, count)
+	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}, Spec: tmpl.Spec.Spec}
+	created, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Create(e.tCtx, claim, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return created
+}
+
+// podWithClaim creates a pod in group that uses the named claim.
+func (e *env) podWithClaim(name, group, claim string) *v1.Pod {
+	e.tCtx.Helper()
+	pod := framework.PodWithClaims(e.ns, name, topodraName)
+	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+	pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpus", ResourceClaimName: ptr.To(claim)}}
+	pod.Spec.Containers[0].Resources.Claims = []v1.ResourceClaim{{Name: "gpus"}}
+	created, err := cp.Client.CoreV1().Pods(e.ns).Create(e.tCtx, pod, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return created
+}
+
+// waitClaimGone waits until the claim no longer exists.
+func (e *env) waitClaimGone(name string) {
+	e.tCtx.Helper()
+	var last *resourceapi.ResourceClaim
+	err := wait.PollUntilContextTimeout(e.tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		if err == nil {
+			last = claim
+		}
+		return false, nil
+	})
+	if err != nil {
+		e.tCtx.Fatalf("claim %s not gone: %v; last: finalizers %v, reservedFor %v, allocated %v", name, err, last.Finalizers, last.Status.ReservedFor, last.Status.Allocation != nil)
+	}
+}
+
+// TestClaimDeletedMidCycle: the claim of a pod is deleted while the pod
+// waits in PreBind (allocation and reservation written, binding conditions
+// pending). The pod must not be bound with a claim that is going away:
+// PreBind fails saying so, Unreserve takes the pod out of reservedFor, and
+// the claim controller can then deallocate the claim and let it go. Other
+// pods keep being placed, on the same devices too. A new claim of the same
+// name is then allocated for the waiting pod, which binds.
+func TestClaimDeletedMidCycle(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "claimgone")
+	e.bindingConditionNode("a")
+	e.dgxNodes("b", 1, "256")
+	one := e.template(1, nil)
+	e.standaloneClaim("mine", 8)
+	startTopodra(tCtx)
+
+	e.podWithClaim("victim", "a", "mine")
+	claim := e.waitReserved("victim", nil)
+	t.Logf("claim %s allocated %v; pod waits in PreBind; deleting the claim", claim.Name, framework.AllocatedDevices(claim))
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "mine", metav1.DeleteOptions{}))
+
+	e.waitClaimGone("mine")
+	pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "victim", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if pod.Spec.NodeName != "" {
+		t.Fatalf("pod bound to %s with a deleted claim", pod.Spec.NodeName)
+	}
+	pod = e.waitFailed("victim")
+	cond := framework.PodScheduledCondition(pod)
+	t.Logf("pod condition %s: %s", cond.Reason, cond.Message)
+	if !strings.Contains(cond.Message, "mine") || !strings.Contains(cond.Message, "deleted") {
+		t.Errorf("pod condition %q does not say that claim mine is being deleted", cond.Message)
+	}
+
+	// The devices are free again: another pod takes all eight.
+	e.standaloneClaim("next", 8)
+	e.podWithClaim("next", "a", "next")
+	next := e.waitReserved("next", nil)
+	e.attach(next.Name)
+	e.expectScheduledAll("next")
+	// Elsewhere, scheduling went on.
+	e.pod("other", topodraName, "b", one)
+	e.expectScheduledAll("other")
+
+	// The victim waits for its claim and takes a new one of the same name;
+	// "next" holds node a's devices, so it goes elsewhere or waits.
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "next", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	e.standaloneClaim("mine", 8)
+	claim = e.waitReserved("victim", nil)
+	e.attach(claim.Name)
+	e.expectScheduledAll("victim")
+	e.expectClean()
+}
