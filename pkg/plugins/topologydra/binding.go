@@ -11,6 +11,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -22,7 +23,9 @@ import (
 // true binding failure condition, or no success within bindingTimeout of
 // the allocation's timestamp, makes the allocation unusable: Filter marks
 // the claim unavailable on every node, PostFilter deallocates it, and the
-// next attempt allocates afresh. This is what the stock plugin does.
+// next attempt allocates afresh. This is what the stock plugin does. A
+// device that is still waiting for its conditions but no longer published
+// by its driver cannot become ready either, and is treated the same way.
 
 var (
 	// errBindingFailed: a binding failure condition of an allocated device
@@ -31,13 +34,48 @@ var (
 	// errBindingTimeout: the binding conditions were not all true within
 	// the binding timeout, counted from the allocation's timestamp.
 	errBindingTimeout = errors.New("device binding timed out")
+	// errDeviceVanished: an allocated device whose binding conditions are
+	// not all true is no longer published in a ResourceSlice.
+	errDeviceVanished = errors.New("allocated device no longer exists")
 )
 
+// deviceKey identifies a device as an allocation result names it.
+type deviceKey struct{ driver, pool, device string }
+
+// publishedDevices returns the devices that the newest generation of each
+// pool publishes, from the scheduler's slice cache.
+func (pl *TopologyDRA) publishedDevices() (sets.Set[deviceKey], error) {
+	resourceSlices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	if err != nil {
+		return nil, fmt.Errorf("list resource slices: %w", err)
+	}
+	type poolKey struct{ driver, pool string }
+	newest := map[poolKey]int64{}
+	for _, s := range resourceSlices {
+		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
+		if g, ok := newest[k]; !ok || s.Spec.Pool.Generation > g {
+			newest[k] = s.Spec.Pool.Generation
+		}
+	}
+	out := sets.New[deviceKey]()
+	for _, s := range resourceSlices {
+		if s.Spec.Pool.Generation != newest[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
+			continue
+		}
+		for _, d := range s.Spec.Devices {
+			out.Insert(deviceKey{s.Spec.Driver, s.Spec.Pool.Name, d.Name})
+		}
+	}
+	return out, nil
+}
+
 // bindingState reports whether an allocated claim's devices are ready to
-// bind (all binding conditions true, or none), and errBindingFailed or
-// errBindingTimeout (wrapped, naming the claim and device) when the
-// allocation can no longer become ready. Unallocated claims are not ready.
-func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time) (bool, error) {
+// bind (all binding conditions true, or none), and errBindingFailed,
+// errBindingTimeout or errDeviceVanished (wrapped, naming the claim and
+// device) when the allocation can no longer become ready. published are the
+// devices that exist (see publishedDevices); nil skips that check.
+// Unallocated claims are not ready.
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published sets.Set[deviceKey]) (bool, error) {
 	alloc := claim.Status.Allocation
 	if alloc == nil {
 		return false, nil
@@ -58,11 +96,16 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s: %s (%s: %s)", errBindingFailed, claim.Name, r.Driver, r.Pool, r.Device, c, cond.Reason, cond.Message)
 			}
 		}
+		deviceReady := true
 		for _, c := range r.BindingConditions {
 			if !apimeta.IsStatusConditionTrue(conds, c) {
-				ready = false
+				deviceReady = false
 			}
 		}
+		if !deviceReady && published != nil && !published.Has(deviceKey{r.Driver, r.Pool, r.Device}) {
+			return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
+		}
+		ready = ready && deviceReady
 	}
 	if !ready && alloc.AllocationTimestamp != nil && now.After(alloc.AllocationTimestamp.Add(pl.bindingTimeout)) {
 		return false, fmt.Errorf("%w: claim %s, allocated at %s, binding timeout %s", errBindingTimeout, claim.Name, alloc.AllocationTimestamp.UTC().Format(time.RFC3339), pl.bindingTimeout)
@@ -70,14 +113,18 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 	return ready, nil
 }
 
-// bindingFailed reports an allocated claim whose binding failed or timed
-// out (PreFilter records it; Filter marks the claim unavailable so that
-// PostFilter deallocates it).
+// bindingFailed reports an allocated claim whose binding failed, timed out
+// or waits for a device that vanished (PreFilter records it; Filter marks
+// the claim unavailable so that PostFilter deallocates it).
 func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim) error {
-	if !pl.features.DeviceBindingAndStatus {
+	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions([]*resourceapi.ResourceClaim{claim}) {
 		return nil
 	}
-	_, err := pl.bindingState(claim, time.Now())
+	published, err := pl.publishedDevices()
+	if err != nil {
+		return err
+	}
+	_, err = pl.bindingState(claim, time.Now(), published)
 	return err
 }
 
@@ -112,6 +159,10 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
 	start := time.Now()
 	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+		published, err := pl.publishedDevices()
+		if err != nil {
+			return false, err
+		}
 		for i, claim := range s.claims {
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
 			if err != nil {
@@ -127,7 +178,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
 			}
 			s.claims[i] = latest
-			ready, err := pl.bindingState(latest, time.Now())
+			ready, err := pl.bindingState(latest, time.Now(), published)
 			if err != nil || !ready {
 				return false, err
 			}
@@ -137,7 +188,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	status := schedmetrics.BindingConditionsStatusSuccess
 	switch {
 	case err == nil:
-	case errors.Is(err, errBindingFailed):
+	case errors.Is(err, errBindingFailed), errors.Is(err, errDeviceVanished):
 		status = schedmetrics.BindingConditionsStatusFailed
 	case errors.Is(err, errBindingTimeout):
 		status = schedmetrics.BindingConditionsStatusTimeout

@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
@@ -36,6 +37,8 @@ func TestBindingState(t *testing.T) {
 		now       time.Time
 		wantReady bool
 		wantErr   error
+		// published, if set, are the devices that exist.
+		published sets.Set[deviceKey]
 	}{
 		"pending, within the timeout": {claim: claim(), now: allocatedAt.Add(time.Minute)},
 		"pending, past the timeout":   {claim: claim(), now: allocatedAt.Add(11 * time.Minute), wantErr: errBindingTimeout},
@@ -43,6 +46,12 @@ func TestBindingState(t *testing.T) {
 		"failed":                      {claim: claim("AttachFailed"), now: allocatedAt.Add(time.Minute), wantErr: errBindingFailed},
 		"failure wins over success":   {claim: claim("Attached", "AttachFailed"), now: allocatedAt, wantErr: errBindingFailed},
 		"unallocated":                 {claim: &resourceapi.ResourceClaim{}, now: allocatedAt},
+		"pending, device published": {claim: claim(), now: allocatedAt,
+			published: sets.New(deviceKey{"d", "p", "plain"}, deviceKey{"d", "p", "bound"})},
+		"pending, device vanished": {claim: claim(), now: allocatedAt,
+			published: sets.New(deviceKey{"d", "p", "plain"}), wantErr: errDeviceVanished},
+		"ready, device vanished since": {claim: claim("Attached"), now: allocatedAt, wantReady: true,
+			published: sets.New[deviceKey]()},
 		"no timestamp: no timeout counted": {claim: func() *resourceapi.ResourceClaim {
 			c := claim()
 			c.Status.Allocation.AllocationTimestamp = nil
@@ -51,7 +60,7 @@ func TestBindingState(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
-			ready, err := pl.bindingState(tc.claim, tc.now)
+			ready, err := pl.bindingState(tc.claim, tc.now, tc.published)
 			if ready != tc.wantReady || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
 				t.Errorf("got ready %v, err %v; want ready %v, err %v", ready, err, tc.wantReady, tc.wantErr)
 			}
