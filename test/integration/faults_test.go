@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -377,5 +378,69 @@ func TestClaimDeletedMidCycle(t *testing.T) {
 	claim = e.waitReserved("victim", nil)
 	e.attach(claim.Name)
 	e.expectScheduledAll("victim")
+	e.expectClean()
+}
+
+// claimOfPod returns the one claim of the pod as the API has it now.
+func (e *env) claimOfPod(podName string) *resourceapi.ResourceClaim {
+	e.tCtx.Helper()
+	claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(e.tCtx, e.claimOf(podName), metav1.GetOptions{})
+	e.tCtx.ExpectNoError(err)
+	return claim
+}
+
+// TestDeviceVanishesBeforeBind: the driver stops publishing the device that
+// a waiting pod's claim was allocated (binding conditions pending, so the
+// pod waits in PreBind). The pod must not be bound with it: PreBind gives
+// up, the next attempt deallocates the claim (as for a failed binding) and
+// allocates a device that exists. When the whole slice goes away, the
+// claim is deallocated and the pod waits, saying why. Meanwhile pods on
+// other nodes are placed, and in the end no allocation names a vanished
+// device.
+func TestDeviceVanishesBeforeBind(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "vanish")
+	_, slice := e.bindingConditionNode("a")
+	_, sliceC := e.bindingConditionNode("c")
+	e.dgxNodes("b", 1, "256")
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+
+	// The chosen device vanishes in a new generation of the pool.
+	e.pod("job", topodraName, "a", one)
+	claim := e.waitReserved("job", nil)
+	gone := framework.AllocatedDevices(claim)[0]
+	t.Logf("claim %s allocated %s; the driver publishes generation 2 without it", claim.Name, gone)
+	slice.Spec.Pool.Generation++
+	slice.Spec.Devices = slices.DeleteFunc(slice.Spec.Devices, func(d resourceapi.Device) bool { return d.Name == gone })
+	_, err := cp.Client.ResourceV1().ResourceSlices().Update(tCtx, slice, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	note := e.waitEvent("job", "FailedScheduling", gone, "no longer exists")
+	t.Logf("pod event: %s", note)
+	claim = e.waitReserved("job", func(c *resourceapi.ResourceClaim) bool { return framework.AllocatedDevices(c)[0] != gone })
+	t.Logf("reallocated to %v", framework.AllocatedDevices(claim))
+	e.attach(claim.Name)
+	if devices := e.devicesOf(e.waitScheduled("job")); len(devices) != 1 || devices[0] == gone {
+		t.Errorf("pod bound with %v, want one device other than %s", devices, gone)
+	}
+
+	// The whole slice of another node goes away while a second pod waits
+	// there.
+	e.pod("job2", topodraName, "c", one)
+	claim = e.waitReserved("job2", nil)
+	t.Logf("claim %s allocated %v; the driver deletes its slice", claim.Name, framework.AllocatedDevices(claim))
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceSlices().Delete(tCtx, sliceC.Name, metav1.DeleteOptions{}))
+	e.waitEvent("job2", "FailedScheduling", "no longer exists")
+	err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		c, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(ctx, claim.Name, metav1.GetOptions{})
+		return err == nil && c.Status.Allocation == nil, nil
+	})
+	tCtx.ExpectNoError(err, "claim of job2 deallocated")
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "job2", waitTimeout)
+	tCtx.ExpectNoError(err)
+	t.Logf("job2: %s", framework.PodScheduledCondition(pod).Message)
+
+	e.pod("other", topodraName, "b", one)
+	e.expectScheduledAll("other")
 	e.expectClean()
 }
