@@ -2,16 +2,24 @@ package integration
 
 import (
 	"context"
+	"encoding/json"
+	"encoding/pem"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
+	admissionv1 "k8s.io/api/admission/v1"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
@@ -440,6 +448,184 @@ func TestDeviceVanishesBeforeBind(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	t.Logf("job2: %s", framework.PodScheduledCondition(pod).Message)
 
+	e.pod("other", topodraName, "b", one)
+	e.expectScheduledAll("other")
+	e.expectClean()
+}
+
+// concurrentWriter is a validating admission webhook on ResourceClaim
+// status updates in one namespace. The first time a target claim's status update
+// adds a reservation (the scheduler's PreBind), it runs write for that
+// claim before it answers: the scheduler's update was read before that
+// write, so the apiserver refuses it with a resourceVersion conflict. This
+// makes the conflict deterministic.
+type concurrentWriter struct {
+	e *env
+	// write changes the claim, one of targets.
+	write   func(ctx context.Context, claim *resourceapi.ResourceClaim) error
+	targets []string
+
+	mu sync.Mutex
+	// interfered are the claims written to so far.
+	interfered map[string]bool
+	// reservations counts the status updates that add a reservation, per
+	// claim, as the webhook saw them (a conflicted one included).
+	reservations map[string]int
+	probed       bool
+}
+
+func (w *concurrentWriter) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
+	review := &admissionv1.AdmissionReview{}
+	if err := json.NewDecoder(r.Body).Decode(review); err != nil {
+		http.Error(rw, err.Error(), http.StatusBadRequest)
+		return
+	}
+	var oldClaim, newClaim resourceapi.ResourceClaim
+	if err := json.Unmarshal(review.Request.Object.Raw, &newClaim); err != nil {
+		http.Error(rw, err.Error(), http.StatusBadRequest)
+		return
+	}
+	_ = json.Unmarshal(review.Request.OldObject.Raw, &oldClaim)
+	interfere := false
+	w.mu.Lock()
+	if newClaim.Name == "probe" {
+		w.probed = true
+	}
+	if len(newClaim.Status.ReservedFor) > len(oldClaim.Status.ReservedFor) {
+		w.reservations[newClaim.Name]++
+		if slices.Contains(w.targets, newClaim.Name) && !w.interfered[newClaim.Name] {
+			w.interfered[newClaim.Name] = true
+			interfere = true
+		}
+	}
+	w.mu.Unlock()
+	response := &admissionv1.AdmissionResponse{UID: review.Request.UID, Allowed: true}
+	if interfere {
+		if err := w.write(r.Context(), &oldClaim); err != nil {
+			w.e.tCtx.Errorf("concurrent writer on claim %s: %v", oldClaim.Name, err)
+		}
+	}
+	review.Response = response
+	review.Request = nil
+	_ = json.NewEncoder(rw).Encode(review)
+}
+
+// start serves the webhook, registers it for the test's namespace and
+// waits until the apiserver calls it.
+func (w *concurrentWriter) start() {
+	tCtx := w.e.tCtx
+	w.interfered, w.reservations = map[string]bool{}, map[string]int{}
+	srv := httptest.NewUnstartedServer(w)
+	srv.StartTLS()
+	tCtx.Cleanup(srv.Close)
+	caBundle := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	name := w.e.ns + "-concurrent-writer"
+	config := &admissionregistrationv1.ValidatingWebhookConfiguration{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Webhooks: []admissionregistrationv1.ValidatingWebhook{{
+			Name:         "concurrent-writer.topodra.io",
+			ClientConfig: admissionregistrationv1.WebhookClientConfig{URL: ptr.To(srv.URL + "/"), CABundle: caBundle},
+			Rules: []admissionregistrationv1.RuleWithOperations{{
+				Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Update},
+				Rule:       admissionregistrationv1.Rule{APIGroups: []string{resourceapi.GroupName}, APIVersions: []string{"v1"}, Resources: []string{"resourceclaims/status"}},
+			}},
+			NamespaceSelector:       &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": w.e.ns}},
+			SideEffects:             ptr.To(admissionregistrationv1.SideEffectClassNone),
+			AdmissionReviewVersions: []string{"v1"},
+			FailurePolicy:           ptr.To(admissionregistrationv1.Fail),
+		}},
+	}
+	_, err := cp.Client.AdmissionregistrationV1().ValidatingWebhookConfigurations().Create(tCtx, config, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(func() {
+		_ = cp.Client.AdmissionregistrationV1().ValidatingWebhookConfigurations().Delete(context.WithoutCancel(tCtx), name, metav1.DeleteOptions{})
+	})
+	// The apiserver picks the configuration up asynchronously: update a
+	// probe claim's status until the webhook sees it.
+	w.e.standaloneClaim("probe", 1)
+	err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		probe, err := cp.Client.ResourceV1().ResourceClaims(w.e.ns).Get(ctx, "probe", metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		probe.Status.Devices = nil
+		if _, err := cp.Client.ResourceV1().ResourceClaims(w.e.ns).UpdateStatus(ctx, probe, metav1.UpdateOptions{}); err != nil {
+			return false, nil
+		}
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		return w.probed, nil
+	})
+	tCtx.ExpectNoError(err, "webhook active")
+}
+
+// TestConflictingClaimWrite: another writer changes a claim between
+// topodra's read and its status write in PreBind, so the write fails with a
+// resourceVersion conflict (deterministically, see concurrentWriter).
+//
+//   - The other writer only labels the claim: topodra writes again on the
+//     latest claim; the pod is bound, the label is kept.
+//   - The other writer allocates the claim itself (another scheduler, say)
+//     on a free device: topodra must not overwrite that allocation; the
+//     pod ends up using the other writer's device, and no device is
+//     allocated twice.
+func TestConflictingClaimWrite(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "conflict")
+	nodes := e.dgxNodes("a", 1, "256")
+	e.dgxNodes("b", 1, "256")
+	one := e.template(1, nil)
+	w := &concurrentWriter{e: e, targets: []string{"labelled", "stolen"}}
+	w.write = func(ctx context.Context, claim *resourceapi.ResourceClaim) error {
+		claims := cp.Client.ResourceV1().ResourceClaims(claim.Namespace)
+		if claim.Name == "labelled" {
+			_, err := claims.Patch(ctx, claim.Name, types.MergePatchType, []byte(`{"metadata":{"labels":{"fault":"concurrent-writer"}}}`), metav1.PatchOptions{})
+			return err
+		}
+		// Allocate gpu-7 of node a, as another scheduler would have.
+		latest, err := claims.Get(ctx, claim.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		latest.Status.Allocation = &resourceapi.AllocationResult{
+			Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+				Request: "req-0", Driver: topology.DriverName, Pool: nodes[0], Device: "gpu-7",
+			}}},
+			NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+				MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{nodes[0]}}},
+			}}},
+		}
+		_, err = claims.UpdateStatus(ctx, latest, metav1.UpdateOptions{})
+		return err
+	}
+	w.start()
+	e.standaloneClaim("labelled", 1)
+	e.standaloneClaim("stolen", 1)
+	startTopodra(tCtx)
+
+	e.podWithClaim("labelled", "a", "labelled")
+	pod := e.waitScheduled("labelled")
+	e.devicesOf(pod)
+	claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, "labelled", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if claim.Labels["fault"] != "concurrent-writer" {
+		t.Errorf("the other writer's label is gone: %v", claim.Labels)
+	}
+
+	e.podWithClaim("stolen", "a", "stolen")
+	pod = e.waitScheduled("stolen")
+	if devices := e.devicesOf(pod); len(devices) != 1 || devices[0] != "gpu-7" {
+		t.Errorf("pod uses %v, want the other writer's gpu-7", devices)
+	}
+	t.Logf("pod event: %s", e.waitEvent("stolen", "FailedScheduling", "claim stolen was allocated by someone else"))
+
+	w.mu.Lock()
+	for _, name := range []string{"labelled", "stolen"} {
+		if !w.interfered[name] || w.reservations[name] < 2 {
+			t.Errorf("claim %s: interfered %v, %d reservation writes seen; want the conflicted write and another one", name, w.interfered[name], w.reservations[name])
+		}
+	}
+	w.mu.Unlock()
 	e.pod("other", topodraName, "b", one)
 	e.expectScheduledAll("other")
 	e.expectClean()
