@@ -35,10 +35,14 @@ import (
 // controller, no default ServiceAccount) and TaintNodesByCondition (no node
 // lifecycle controller to lift the not-ready taint from created nodes).
 // Priority and fairness is off so that benchmarks measure the scheduler,
-// not request queueing.
+// not request queueing. On shutdown the server answers new requests with
+// 429 and Retry-After until the requests in flight are done, then closes
+// its connections within seconds, instead of waiting for open watches for
+// the whole request timeout (StopAPIServer while components run).
 var DefaultAPIServerFlags = []string{
 	"--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
 	"--enable-priority-and-fairness=false",
+	"--shutdown-send-retry-after=true",
 }
 
 // Options configure Start. The zero value is a valid configuration.
