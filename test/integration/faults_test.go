@@ -24,6 +24,7 @@ import (
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
+	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/invariant"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -629,4 +630,86 @@ func TestConflictingClaimWrite(t *testing.T) {
 	e.pod("other", topodraName, "b", one)
 	e.expectScheduledAll("other")
 	e.expectClean()
+}
+
+// TestAPIServerRestart stops the kube-apiserver while topodra is placing a
+// wave of pods and starts it again on the same etcd; a second wave follows.
+// topodra (its clients unchanged) must bind every pod, each with its
+// claims allocated on its node and reserved for it, no allocated claim may
+// be left without its pod, and the invariant checker must find nothing.
+func TestAPIServerRestart(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start a control plane of its own")
+	_, err = c.StartClaimController(tCtx)
+	tCtx.ExpectNoError(err)
+	ns, err := framework.CreateNamespace(tCtx, c.Client, "apirestart")
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	for i := range 4 {
+		name := fmt.Sprintf("node-%d", i)
+		_, err := framework.CreateReadyNode(tCtx, c.Client, name, nil)
+		tCtx.ExpectNoError(err)
+		_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(name, topology.DriverName, framework.DGXLikeGPUs(name)), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	for _, count := range []int64{1, 2} {
+		_, err := c.Client.ResourceV1().ResourceClaimTemplates(ns).Create(tCtx, framework.ClaimTemplate(ns, fmt.Sprintf("gpus-%d", count), "gpu", count), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	stop, err := c.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: config.SchedulerConfig})
+	tCtx.ExpectNoError(err)
+	t.Cleanup(stop)
+
+	// 20 pods of 1 and 2 GPUs: 30 of the 32 GPUs, so all fit.
+	var names []string
+	wave := func(w int) {
+		for i := range 10 {
+			name := fmt.Sprintf("w%d-%d", w, i)
+			_, err := c.Client.CoreV1().Pods(ns).Create(tCtx, framework.PodWithClaims(ns, name, topodraName, fmt.Sprintf("gpus-%d", 1+i%2)), metav1.CreateOptions{})
+			tCtx.ExpectNoError(err, "create pod "+name)
+			names = append(names, name)
+		}
+	}
+	wave(0)
+	c.StopAPIServer()
+	t.Log("kube-apiserver stopped while the first wave was being placed")
+	tCtx.ExpectNoError(c.StartAPIServer(tCtx), "start the kube-apiserver again")
+	t.Log("kube-apiserver started again on the same etcd")
+	wave(1)
+
+	bound := map[types.UID]*v1.Pod{}
+	for _, name := range names {
+		pod, err := framework.WaitForPodScheduled(tCtx, c.Client, ns, name, waitTimeout)
+		tCtx.ExpectNoError(err)
+		bound[pod.UID] = pod
+	}
+	claims, err := c.Client.ResourceV1().ResourceClaims(ns).List(tCtx, metav1.ListOptions{})
+	tCtx.ExpectNoError(err)
+	allocated := 0
+	for _, claim := range claims.Items {
+		if claim.Status.Allocation == nil {
+			continue
+		}
+		allocated++
+		if len(claim.Status.ReservedFor) != 1 || bound[claim.Status.ReservedFor[0].UID] == nil {
+			t.Errorf("claim %s is allocated but not reserved for one bound pod: %v", claim.Name, claim.Status.ReservedFor)
+			continue
+		}
+		pod := bound[claim.Status.ReservedFor[0].UID]
+		for _, r := range claim.Status.Allocation.Devices.Results {
+			if r.Pool != pod.Spec.NodeName {
+				t.Errorf("claim %s has device %s/%s, but pod %s runs on %s", claim.Name, r.Pool, r.Device, pod.Name, pod.Spec.NodeName)
+			}
+		}
+	}
+	if allocated != len(names) {
+		t.Errorf("%d claims allocated, want one per pod (%d)", allocated, len(names))
+	}
+	violations, err := invariant.Check(tCtx, c.Client)
+	tCtx.ExpectNoError(err)
+	for _, v := range violations {
+		t.Errorf("invariant violated: %s", v)
+	}
 }
