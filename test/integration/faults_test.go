@@ -455,15 +455,17 @@ func TestDeviceVanishesBeforeBind(t *testing.T) {
 }
 
 // concurrentWriter is a validating admission webhook on ResourceClaim
-// status updates in one namespace. The first time a target claim's status update
-// adds a reservation (the scheduler's PreBind), it runs write for that
-// claim before it answers: the scheduler's update was read before that
-// write, so the apiserver refuses it with a resourceVersion conflict. This
-// makes the conflict deterministic.
+// status updates in one namespace. The first time a target claim's status
+// update adds a reservation (the scheduler's PreBind), it runs write for
+// that claim before it answers, and lets the update through if write says
+// so. When write changes the claim, the scheduler's update was read before
+// that change, so the apiserver refuses it with a resourceVersion
+// conflict: the conflict is deterministic.
 type concurrentWriter struct {
 	e *env
-	// write changes the claim, one of targets.
-	write   func(ctx context.Context, claim *resourceapi.ResourceClaim) error
+	// write acts on the claim (one of targets) as it was before the
+	// update, and returns whether to allow the update.
+	write   func(ctx context.Context, claim *resourceapi.ResourceClaim) (allow bool)
 	targets []string
 
 	mu sync.Mutex
@@ -501,10 +503,9 @@ func (w *concurrentWriter) ServeHTTP(rw http.ResponseWriter, r *http.Request) {
 	}
 	w.mu.Unlock()
 	response := &admissionv1.AdmissionResponse{UID: review.Request.UID, Allowed: true}
-	if interfere {
-		if err := w.write(r.Context(), &oldClaim); err != nil {
-			w.e.tCtx.Errorf("concurrent writer on claim %s: %v", oldClaim.Name, err)
-		}
+	if interfere && !w.write(r.Context(), &oldClaim) {
+		response.Allowed = false
+		response.Result = &metav1.Status{Message: "refused by the test's webhook"}
 	}
 	review.Response = response
 	review.Request = nil
@@ -577,7 +578,8 @@ func TestConflictingClaimWrite(t *testing.T) {
 	e.dgxNodes("b", 1, "256")
 	one := e.template(1, nil)
 	w := &concurrentWriter{e: e, targets: []string{"labelled", "stolen"}}
-	w.write = func(ctx context.Context, claim *resourceapi.ResourceClaim) error {
+	// steal labels claim "labelled" and allocates claim "stolen".
+	steal := func(ctx context.Context, claim *resourceapi.ResourceClaim) error {
 		claims := cp.Client.ResourceV1().ResourceClaims(claim.Namespace)
 		if claim.Name == "labelled" {
 			_, err := claims.Patch(ctx, claim.Name, types.MergePatchType, []byte(`{"metadata":{"labels":{"fault":"concurrent-writer"}}}`), metav1.PatchOptions{})
@@ -598,6 +600,12 @@ func TestConflictingClaimWrite(t *testing.T) {
 		}
 		_, err = claims.UpdateStatus(ctx, latest, metav1.UpdateOptions{})
 		return err
+	}
+	w.write = func(ctx context.Context, claim *resourceapi.ResourceClaim) bool {
+		if err := steal(ctx, claim); err != nil {
+			t.Errorf("concurrent writer on claim %s: %v", claim.Name, err)
+		}
+		return true
 	}
 	w.start()
 	e.standaloneClaim("labelled", 1)
