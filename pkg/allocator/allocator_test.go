@@ -433,7 +433,9 @@ func TestTaintPatchedCopies(t *testing.T) {
 
 // TestPoolsLikeUpstream: incomplete pools and duplicate device names make a
 // node infeasible for topodra exactly as for upstream, for single-device
-// (ordered path) and multi-device (planned path) claims.
+// (ordered path) and multi-device (planned path) claims. The explanation
+// names an incomplete pool also when the devices already published are all
+// in use.
 func TestPoolsLikeUpstream(t *testing.T) {
 	incomplete := dgx("n")
 	incomplete[0].Spec.Pool.ResourceSliceCount = 2
@@ -441,18 +443,24 @@ func TestPoolsLikeUpstream(t *testing.T) {
 	for i := range duplicate[0].Spec.Devices {
 		duplicate[0].Spec.Devices[i].Name = fmt.Sprintf("gpu-%d", i/2)
 	}
+	var all []string
+	for _, d := range incomplete[0].Spec.Devices {
+		all = append(all, d.Name)
+	}
 	for name, tc := range map[string]struct {
 		slices      []*resourceapi.ResourceSlice
+		inUse       []string
 		wantExplain string
 	}{
-		"incomplete-pool":        {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
-		"duplicate-device-names": {slices: duplicate, wantExplain: "invalid resource pools"},
+		"incomplete-pool":            {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"incomplete-pool-all-in-use": {slices: incomplete, inUse: all, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"duplicate-device-names":     {slices: duplicate, wantExplain: "invalid resource pools"},
 	} {
 		for _, count := range []int64{1, 2} {
 			t.Run(fmt.Sprintf("%s/%d", name, count), func(t *testing.T) {
 				_, ctx := ktesting.NewTestContext(t)
 				claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", count).obj()}
-				state := allocated(gpuDriver, "n")
+				state := allocated(gpuDriver, "n", tc.inUse...)
 				up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
 				if err != nil {
 					t.Fatal(err)

@@ -30,8 +30,9 @@ func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
 }
 
 // countCheck returns an explanation if some request cannot fit by counting
-// alone (an upper bound of what upstream can allocate), nil otherwise.
-func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
+// alone (an upper bound of what upstream can allocate) on the node ns, nil
+// otherwise.
+func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
 	var expl *Explanation
 	for _, info := range infos {
 		for _, r := range info.requests {
@@ -49,7 +50,7 @@ func (a *Allocator) countCheck(infos []*claimInfo) *Explanation {
 			if expl == nil {
 				expl = &Explanation{}
 			}
-			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], nil, ""))
+			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], ns, ""))
 		}
 	}
 	return expl
@@ -71,6 +72,13 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 		re.BestDomain, re.BestDomainFree = a.bestDomain(ns, u.free)
 	}
 	if reason == "" {
+		// An incomplete pool allocates nothing until its driver has
+		// published all of it; whatever else is short, the user needs to
+		// know that too.
+		incomplete := ""
+		if ns != nil && len(ns.incomplete) > 0 {
+			incomplete = fmt.Sprintf("resource pool %s is incomplete (being updated)", strings.Join(ns.incomplete, ", "))
+		}
 		switch {
 		case u.nMatch == 0:
 			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
@@ -80,10 +88,13 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
 			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
-		case ns != nil && len(ns.incomplete) > 0:
-			reason = fmt.Sprintf("%s, but resource pool %s is incomplete (being updated)", matchPhrase(len(u.free)), strings.Join(ns.incomplete, ", "))
+		case incomplete != "":
+			reason, incomplete = fmt.Sprintf("%s, but %s", matchPhrase(len(u.free)), incomplete), ""
 		default:
 			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
+		}
+		if incomplete != "" {
+			reason += "; " + incomplete
 		}
 	}
 	re.Reason = reason

@@ -69,7 +69,7 @@ func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 	if !ok {
 		return nil, nil
 	}
-	if expl := a.countCheck(infos); expl != nil {
+	if expl := a.countCheck(ns, infos); expl != nil {
 		return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 	}
 	// Pods whose claims each take one device are served device by device;

@@ -36,7 +36,7 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 		return nil, err
 	}
 	if !passthrough {
-		if expl := a.countCheck(infos); expl != nil {
+		if expl := a.countCheck(ns, infos); expl != nil {
 			klog.FromContext(ctx).V(5).Info("Claims do not fit by counting", "node", klog.KObj(p.node), "reason", expl.String())
 			return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 		}
