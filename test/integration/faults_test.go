@@ -721,3 +721,62 @@ func TestAPIServerRestart(t *testing.T) {
 		t.Errorf("invariant violated: %s", v)
 	}
 }
+
+// TestGenerationChangeMidRun: the driver republishes a node's two-slice
+// pool under a new generation, one slice at a time, while pods arrive.
+// While only one slice has the new generation the pool is incomplete: no
+// new allocation comes from it (as upstream), the waiting pod says so, and
+// pods on other nodes are placed. Once the second slice follows, every
+// pod is placed, and no allocation names a device that the pool's newest
+// generation lacks.
+func TestGenerationChangeMidRun(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "generation")
+	node := e.ns + "-a-0"
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, node, map[string]string{"test": e.ns, "group": "a"})
+	tCtx.ExpectNoError(err)
+	gpus := framework.DGXLikeGPUs(node)
+	var parts []*resourceapi.ResourceSlice
+	for i := range 2 {
+		slice := framework.SliceForNode(node, topology.DriverName, gpus[4*i:4*(i+1)])
+		slice.Name = fmt.Sprintf("%s-%d", slice.Name, i)
+		slice.Spec.Pool.ResourceSliceCount = 2
+		slice, err := cp.Client.ResourceV1().ResourceSlices().Create(tCtx, slice, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		parts = append(parts, slice)
+	}
+	republish := func(i int) {
+		parts[i].Spec.Pool.Generation = 2
+		var err error
+		parts[i], err = cp.Client.ResourceV1().ResourceSlices().Update(tCtx, parts[i], metav1.UpdateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	e.dgxNodes("b", 1, "256")
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+
+	var onA []string
+	for i := range 6 {
+		name := fmt.Sprintf("p-%d", i)
+		e.pod(name, topodraName, "a", one)
+		onA = append(onA, name)
+	}
+	republish(0)
+	t.Log("slice 0 republished under generation 2; slice 1 still has generation 1")
+	e.pod("during", topodraName, "a", one)
+	onA = append(onA, "during")
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "during", waitTimeout)
+	tCtx.ExpectNoError(err)
+	msg := framework.PodScheduledCondition(pod).Message
+	if !strings.Contains(msg, "incomplete") {
+		t.Errorf("pod condition %q does not say that the pool is being updated", msg)
+	}
+	t.Logf("during: %s", msg)
+	e.pod("elsewhere", topodraName, "b", one)
+	e.expectScheduledAll("elsewhere")
+
+	republish(1)
+	t.Log("slice 1 republished under generation 2")
+	e.expectScheduledAll(onA...)
+	e.expectClean()
+}
