@@ -11,11 +11,12 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
+
+	"github.com/topodra/topodra/pkg/invariant"
 )
 
 // Devices with binding conditions (DRADeviceBindingConditions) are bound to
@@ -39,34 +40,15 @@ var (
 	errDeviceVanished = errors.New("allocated device no longer exists")
 )
 
-// deviceKey identifies a device as an allocation result names it.
-type deviceKey struct{ driver, pool, device string }
-
-// publishedDevices returns the devices that the newest generation of each
-// pool publishes, from the scheduler's slice cache.
-func (pl *TopologyDRA) publishedDevices() (sets.Set[deviceKey], error) {
+// publishedDevices returns the devices that exist: those of the newest
+// generation of each pool in the scheduler's slice cache, as the invariant
+// checker counts them (no VanishedDevice for them).
+func (pl *TopologyDRA) publishedDevices() (map[invariant.Device]bool, error) {
 	resourceSlices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
 		return nil, fmt.Errorf("list resource slices: %w", err)
 	}
-	type poolKey struct{ driver, pool string }
-	newest := map[poolKey]int64{}
-	for _, s := range resourceSlices {
-		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
-		if g, ok := newest[k]; !ok || s.Spec.Pool.Generation > g {
-			newest[k] = s.Spec.Pool.Generation
-		}
-	}
-	out := sets.New[deviceKey]()
-	for _, s := range resourceSlices {
-		if s.Spec.Pool.Generation != newest[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
-			continue
-		}
-		for _, d := range s.Spec.Devices {
-			out.Insert(deviceKey{s.Spec.Driver, s.Spec.Pool.Name, d.Name})
-		}
-	}
-	return out, nil
+	return invariant.PublishedDevices(resourceSlices), nil
 }
 
 // bindingState reports whether an allocated claim's devices are ready to
@@ -75,7 +57,7 @@ func (pl *TopologyDRA) publishedDevices() (sets.Set[deviceKey], error) {
 // device) when the allocation can no longer become ready. published are the
 // devices that exist (see publishedDevices); nil skips that check.
 // Unallocated claims are not ready.
-func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published sets.Set[deviceKey]) (bool, error) {
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published map[invariant.Device]bool) (bool, error) {
 	alloc := claim.Status.Allocation
 	if alloc == nil {
 		return false, nil
@@ -102,8 +84,10 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 				deviceReady = false
 			}
 		}
-		if !deviceReady && published != nil && !published.Has(deviceKey{r.Driver, r.Pool, r.Device}) {
-			return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
+		if !deviceReady && published != nil {
+			if _, exists := published[invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device}]; !exists {
+				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
+			}
 		}
 		ready = ready && deviceReady
 	}

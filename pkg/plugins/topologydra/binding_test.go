@@ -9,10 +9,11 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/sets"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/invariant"
 )
 
 func TestBindingState(t *testing.T) {
@@ -38,7 +39,7 @@ func TestBindingState(t *testing.T) {
 		wantReady bool
 		wantErr   error
 		// published, if set, are the devices that exist.
-		published sets.Set[deviceKey]
+		published map[invariant.Device]bool
 	}{
 		"pending, within the timeout": {claim: claim(), now: allocatedAt.Add(time.Minute)},
 		"pending, past the timeout":   {claim: claim(), now: allocatedAt.Add(11 * time.Minute), wantErr: errBindingTimeout},
@@ -47,11 +48,11 @@ func TestBindingState(t *testing.T) {
 		"failure wins over success":   {claim: claim("Attached", "AttachFailed"), now: allocatedAt, wantErr: errBindingFailed},
 		"unallocated":                 {claim: &resourceapi.ResourceClaim{}, now: allocatedAt},
 		"pending, device published": {claim: claim(), now: allocatedAt,
-			published: sets.New(deviceKey{"d", "p", "plain"}, deviceKey{"d", "p", "bound"})},
+			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false, {Driver: "d", Pool: "p", Name: "bound"}: false}},
 		"pending, device vanished": {claim: claim(), now: allocatedAt,
-			published: sets.New(deviceKey{"d", "p", "plain"}), wantErr: errDeviceVanished},
+			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false}, wantErr: errDeviceVanished},
 		"ready, device vanished since": {claim: claim("Attached"), now: allocatedAt, wantReady: true,
-			published: sets.New[deviceKey]()},
+			published: map[invariant.Device]bool{}},
 		"no timestamp: no timeout counted": {claim: func() *resourceapi.ResourceClaim {
 			c := claim()
 			c.Status.Allocation.AllocationTimestamp = nil
