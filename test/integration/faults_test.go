@@ -390,14 +390,6 @@ func TestClaimDeletedMidCycle(t *testing.T) {
 	e.expectClean()
 }
 
-// claimOfPod returns the one claim of the pod as the API has it now.
-func (e *env) claimOfPod(podName string) *resourceapi.ResourceClaim {
-	e.tCtx.Helper()
-	claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(e.tCtx, e.claimOf(podName), metav1.GetOptions{})
-	e.tCtx.ExpectNoError(err)
-	return claim
-}
-
 // TestDeviceVanishesBeforeBind: the driver stops publishing the device that
 // a waiting pod's claim was allocated (binding conditions pending, so the
 // pod waits in PreBind). The pod must not be bound with it: PreBind gives
