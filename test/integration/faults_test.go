@@ -380,8 +380,9 @@ func TestClaimDeletedMidCycle(t *testing.T) {
 	e.pod("other", topodraName, "b", one)
 	e.expectScheduledAll("other")
 
-	// The victim waits for its claim and takes a new one of the same name;
-	// "next" holds node a's devices, so it goes elsewhere or waits.
+	// The victim waits for a claim of its claim's name. Once "next" is done
+	// (the claim controller deallocates its claim), a new "mine" is
+	// allocated the eight devices and the victim binds with it.
 	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "next", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 	e.standaloneClaim("mine", 8)
 	claim = e.waitReserved("victim", nil)
