@@ -434,7 +434,9 @@ func TestTaintPatchedCopies(t *testing.T) {
 
 // TestPoolsLikeUpstream: incomplete pools and duplicate device names make a
 // node infeasible for topodra exactly as for upstream, for single-device
-// (ordered path) and multi-device (planned path) claims.
+// (ordered path) and multi-device (planned path) claims. The explanation
+// names an incomplete pool also when the devices already published are all
+// in use.
 func TestPoolsLikeUpstream(t *testing.T) {
 	incomplete := dgx("n")
 	incomplete[0].Spec.Pool.ResourceSliceCount = 2
@@ -458,14 +460,20 @@ func TestPoolsLikeUpstream(t *testing.T) {
 		return append(slices, counters)
 	}
 	gb := map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("10")}}
+	var all []string
+	for _, d := range incomplete[0].Spec.Devices {
+		all = append(all, d.Name)
+	}
 	for name, tc := range map[string]struct {
 		slices      []*resourceapi.ResourceSlice
+		inUse       []string
 		wantExplain string
 	}{
-		"incomplete-pool":        {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
-		"duplicate-device-names": {slices: duplicate, wantExplain: "invalid resource pools"},
-		"missing-counter-set":    {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "gone", Counters: gb}), wantExplain: "invalid resource pools"},
-		"missing-counter":        {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: map[string]resourceapi.Counter{"bw": {Value: resource.MustParse("1")}}}), wantExplain: "invalid resource pools"},
+		"incomplete-pool":            {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"incomplete-pool-all-in-use": {slices: incomplete, inUse: all, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"duplicate-device-names":     {slices: duplicate, wantExplain: "invalid resource pools"},
+		"missing-counter-set":        {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "gone", Counters: gb}), wantExplain: "invalid resource pools"},
+		"missing-counter":            {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: map[string]resourceapi.Counter{"bw": {Value: resource.MustParse("1")}}}), wantExplain: "invalid resource pools"},
 		// While DRADeviceCompatibilityGroups is off, upstream ignores the
 		// slice, which leaves the pool incomplete.
 		"compatibility-groups-feature-off": {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: gb, CompatibilityGroups: []string{"a"}}), wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
@@ -474,7 +482,7 @@ func TestPoolsLikeUpstream(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/%d", name, count), func(t *testing.T) {
 				_, ctx := ktesting.NewTestContext(t)
 				claims := []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", count, `!("partition" in device.attributes["`+gpuDriver+`"])`).obj()}
-				state := allocated(gpuDriver, "n")
+				state := allocated(gpuDriver, "n", tc.inUse...)
 				up, err := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
 				if err != nil {
 					t.Fatal(err)

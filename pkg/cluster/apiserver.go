@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -39,11 +40,15 @@ const serviceClusterIPRange = "10.0.0.0/16"
 
 // apiServerConfig is what startAPIServer needs.
 type apiServerConfig struct {
-	dir     string // certificates and keys
+	dir     string // certificates, keys, token file
 	etcdURL string
 	flags   []string
 	timeout time.Duration
 	logger  klog.Logger
+	// port to serve on, on 127.0.0.1; 0 means a free one.
+	port int
+	// adminToken authenticates the admin client (group system:masters).
+	adminToken string
 	// loopback adjusts the admin client config before it is returned.
 	loopback func(*rest.Config)
 }
@@ -51,7 +56,12 @@ type apiServerConfig struct {
 // apiServer is a running kube-apiserver (with its aggregator and
 // apiextensions servers, as the binary runs them).
 type apiServer struct {
+	// config is the admin client config: the static admin token and the
+	// serving certificate's CA, both kept in the server's directory, so
+	// that it stays valid for a server started again on the same port.
 	config *rest.Config
+	// port is the port it serves on.
+	port   int
 	logger klog.Logger
 	cancel context.CancelFunc
 	done   chan error // receives Run's result, then is closed
@@ -112,7 +122,15 @@ func startAPIServer(ctx context.Context, cfg apiServerConfig) (_ *apiServer, err
 	if err != nil {
 		return nil, fmt.Errorf("prepare kube-apiserver: %w", err)
 	}
+	ca, err := os.ReadFile(completedOptions.SecureServing.ServerCert.CertKey.CertFile)
+	if err != nil {
+		return nil, fmt.Errorf("kube-apiserver serving certificate: %w", err)
+	}
+	srv.port = s.SecureServing.BindPort
 	srv.config = rest.CopyConfig(chain.GenericAPIServer.LoopbackClientConfig)
+	srv.config.Host = "https://" + net.JoinHostPort("127.0.0.1", strconv.Itoa(srv.port))
+	srv.config.BearerToken = cfg.adminToken
+	srv.config.TLSClientConfig = rest.TLSClientConfig{CAData: ca}
 	if cfg.loopback != nil {
 		cfg.loopback(srv.config)
 	}
@@ -131,9 +149,10 @@ func startAPIServer(ctx context.Context, cfg apiServerConfig) (_ *apiServer, err
 }
 
 // apiServerOptions builds the server's options: the defaults of
-// kube-apiserver, the given flags, storage in etcd, serving on a free
-// loopback port with self-signed certificates in cfg.dir, and a fresh
-// service account signing key.
+// kube-apiserver, the given flags, storage in etcd, serving on cfg.port (or
+// a free port) of 127.0.0.1 with self-signed certificates in cfg.dir (made
+// once, reused by a server started again), the admin token in a token
+// file, and a fresh service account signing key.
 func apiServerOptions(cfg apiServerConfig) (*options.ServerRunOptions, error) {
 	// Each server gets its own registry of feature gates and versions, so
 	// that several servers can run one after another in one process.
@@ -153,7 +172,7 @@ func apiServerOptions(cfg apiServerConfig) (*options.ServerRunOptions, error) {
 		fs.AddFlagSet(set)
 	}
 
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	listener, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(cfg.port)))
 	if err != nil {
 		return nil, fmt.Errorf("listen: %w", err)
 	}
@@ -165,6 +184,13 @@ func apiServerOptions(cfg apiServerConfig) (*options.ServerRunOptions, error) {
 	s.SecureServing.ServerCert.CertDirectory = cfg.dir
 	s.ServiceClusterIPRanges = serviceClusterIPRange
 	s.Etcd.StorageConfig.Transport.ServerList = []string{cfg.etcdURL}
+
+	tokenFile := filepath.Join(cfg.dir, "tokens.csv")
+	if err := os.WriteFile(tokenFile, []byte(cfg.adminToken+",admin,admin,system:masters\n"), 0o600); err != nil {
+		_ = listener.Close()
+		return nil, fmt.Errorf("write token file: %w", err)
+	}
+	s.Authentication.TokenFile.TokenFile = tokenFile
 
 	keyFile := filepath.Join(cfg.dir, "service-account.key")
 	if err := writeSigningKey(keyFile); err != nil {

@@ -15,6 +15,8 @@ package cluster
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -33,10 +35,14 @@ import (
 // controller, no default ServiceAccount) and TaintNodesByCondition (no node
 // lifecycle controller to lift the not-ready taint from created nodes).
 // Priority and fairness is off so that benchmarks measure the scheduler,
-// not request queueing.
+// not request queueing. On shutdown the server answers new requests with
+// 429 and Retry-After until the requests in flight are done, then closes
+// its connections within seconds, instead of waiting for open watches for
+// the whole request timeout (StopAPIServer while components run).
 var DefaultAPIServerFlags = []string{
 	"--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
 	"--enable-priority-and-fairness=false",
+	"--shutdown-send-retry-after=true",
 }
 
 // Options configure Start. The zero value is a valid configuration.
@@ -75,8 +81,9 @@ func (o *Options) setDefaults() {
 // Cluster is a running etcd + kube-apiserver pair. Its fields are set by
 // Start and not changed afterwards; its methods are safe for concurrent use.
 type Cluster struct {
-	// Config is an admin client config for the apiserver (a privileged
-	// loopback token over TLS). Callers may copy it, not change it.
+	// Config is an admin client config for the apiserver (a static token
+	// of group system:masters over TLS). It stays valid across
+	// StopAPIServer and StartAPIServer. Callers may copy it, not change it.
 	Config *rest.Config
 	// Client is an admin clientset for Config.
 	Client kubernetes.Interface
@@ -88,11 +95,14 @@ type Cluster struct {
 
 	removeDir bool
 	etcd      *etcdServer
-	apiserver *apiServer
 
-	mu       sync.Mutex
-	stops    []func()
-	stopOnce sync.Once
+	mu sync.Mutex
+	// apiserver is the running apiserver, nil while stopped; guarded by mu.
+	apiserver *apiServer
+	// apiserverConfig starts it again, on the same port; guarded by mu.
+	apiserverConfig apiServerConfig
+	stops           []func()
+	stopOnce        sync.Once
 }
 
 // Start starts etcd and a kube-apiserver and returns once the apiserver
@@ -127,18 +137,25 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	}
 	logger.V(2).Info("etcd ready", "url", c.etcd.clientURL, "elapsed", time.Since(start))
 
+	token := make([]byte, 16)
+	if _, err := rand.Read(token); err != nil {
+		return nil, fmt.Errorf("admin token: %w", err)
+	}
 	flags := append(append([]string(nil), DefaultAPIServerFlags...), opts.APIServerFlags...)
-	c.apiserver, err = startAPIServer(ctx, apiServerConfig{
-		dir:      filepath.Join(c.Dir, "apiserver"),
-		etcdURL:  c.etcd.clientURL,
-		flags:    flags,
-		timeout:  opts.StartTimeout,
-		logger:   logger,
-		loopback: func(cfg *rest.Config) { cfg.QPS, cfg.Burst = opts.QPS, opts.Burst },
-	})
+	c.apiserverConfig = apiServerConfig{
+		dir:        filepath.Join(c.Dir, "apiserver"),
+		etcdURL:    c.etcd.clientURL,
+		flags:      flags,
+		timeout:    opts.StartTimeout,
+		logger:     logger,
+		adminToken: hex.EncodeToString(token),
+		loopback:   func(cfg *rest.Config) { cfg.QPS, cfg.Burst = opts.QPS, opts.Burst },
+	}
+	c.apiserver, err = startAPIServer(ctx, c.apiserverConfig)
 	if err != nil {
 		return nil, err
 	}
+	c.apiserverConfig.port = c.apiserver.port
 	logger.V(2).Info("kube-apiserver ready", "host", c.apiserver.config.Host, "elapsed", time.Since(start))
 
 	c.Config = c.apiserver.config
@@ -151,6 +168,38 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// StopAPIServer stops the kube-apiserver and waits until it has shut
+// down; etcd keeps running. Clients then get connection errors until
+// StartAPIServer. It does nothing if the apiserver is not running.
+func (c *Cluster) StopAPIServer() {
+	c.mu.Lock()
+	srv := c.apiserver
+	c.apiserver = nil
+	c.mu.Unlock()
+	if srv != nil {
+		srv.stop()
+	}
+}
+
+// StartAPIServer starts a kube-apiserver again after StopAPIServer: on the
+// same etcd (so with all objects), port, certificates and admin token, so
+// that Config, Client, Kubeconfig and the clients of running components
+// work again. It waits until the apiserver is ready, like Start. It does
+// nothing if the apiserver is running.
+func (c *Cluster) StartAPIServer(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.apiserver != nil {
+		return nil
+	}
+	srv, err := startAPIServer(klog.NewContext(ctx, c.apiserverConfig.logger), c.apiserverConfig)
+	if err != nil {
+		return err
+	}
+	c.apiserver = srv
+	return nil
 }
 
 // AddStop registers a function that stops a component running against the
@@ -175,9 +224,7 @@ func (c *Cluster) Stop() {
 		for i := len(stops) - 1; i >= 0; i-- {
 			stops[i]()
 		}
-		if c.apiserver != nil {
-			c.apiserver.stop()
-		}
+		c.StopAPIServer()
 		if c.etcd != nil {
 			c.etcd.stop()
 		}

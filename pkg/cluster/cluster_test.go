@@ -78,3 +78,39 @@ func TestStartBadFlag(t *testing.T) {
 	}
 	t.Logf("error: %v", err)
 }
+
+// TestRestartAPIServer stops the apiserver and starts it again on the same
+// etcd: the objects are still there, and the cluster's client and its
+// kubeconfig work again without being rebuilt.
+func TestRestartAPIServer(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c, err := Start(tCtx, Options{})
+	if err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	defer c.Stop()
+	if _, err := CreateReadyNode(tCtx, c.Client, "node-0", nil); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		t.Fatalf("load kubeconfig: %v", err)
+	}
+	fromFile, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	c.StopAPIServer()
+	if _, err := c.Client.CoreV1().Nodes().Get(tCtx, "node-0", metav1.GetOptions{}); err == nil {
+		t.Fatal("apiserver still answers after StopAPIServer")
+	}
+	if err := c.StartAPIServer(tCtx); err != nil {
+		t.Fatalf("start the apiserver again: %v", err)
+	}
+	for name, client := range map[string]kubernetes.Interface{"cluster client": c.Client, "kubeconfig": fromFile} {
+		if _, err := client.CoreV1().Nodes().Get(tCtx, "node-0", metav1.GetOptions{}); err != nil {
+			t.Errorf("%s: get node after the restart: %v", name, err)
+		}
+	}
+}

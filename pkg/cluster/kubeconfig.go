@@ -11,9 +11,8 @@ import (
 )
 
 // WriteKubeconfig writes a kubeconfig file for cfg: cluster and context
-// "topodra", user "admin". The apiserver's loopback certificate is
-// issued for cfg.ServerName, not for 127.0.0.1, so the file carries
-// tls-server-name.
+// "topodra", user "admin", with cfg's CA, TLS server name, token and client
+// certificate, where set.
 func WriteKubeconfig(cfg *rest.Config, path string) error {
 	kc := clientcmdapi.NewConfig()
 	kc.Clusters["topodra"] = &clientcmdapi.Cluster{

@@ -70,7 +70,7 @@ type State struct {
 // Find returns the violations in s, sorted by kind, then device, then pod.
 // It reads s without modifying it.
 func Find(s State) []Violation {
-	published := publishedDevices(s.Slices)
+	published := PublishedDevices(s.Slices)
 	var out []Violation
 	out = append(out, deviceViolations(s.Claims, published)...)
 	out = append(out, podViolations(s.Pods, s.Claims)...)
@@ -87,9 +87,9 @@ func deviceKey(d *Device) string {
 	return d.String()
 }
 
-// publishedDevices maps every device of the newest generation of each pool
+// PublishedDevices maps every device of the newest generation of each pool
 // to whether it allows multiple allocations.
-func publishedDevices(resourceSlices []*resourceapi.ResourceSlice) map[Device]bool {
+func PublishedDevices(resourceSlices []*resourceapi.ResourceSlice) map[Device]bool {
 	type poolID struct{ driver, pool string }
 	newest := map[poolID]int64{}
 	for _, s := range resourceSlices {

@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -163,4 +164,87 @@ func TestRestartBetweenReserveAndBind(t *testing.T) {
 	if fmt.Sprint(final) != fmt.Sprint(first) {
 		t.Errorf("allocation changed across the restart: %v, then %v", first, final)
 	}
+}
+
+// TestSchedulerRestartAtEachPoint stops topodra-scheduler at the points of
+// a pod's binding cycle where it has written part of its decision, starts a
+// new instance, and checks that the pod is finished or its allocation
+// undone, that no allocation is left without its pod, and that the
+// invariant checker finds nothing. (Stopped while the pod waits in PreBind
+// with its allocation written: TestRestartBetweenReserveAndBind.)
+func TestSchedulerRestartAtEachPoint(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newFaultEnv(tCtx, "restartpoints")
+	e.dgxNodes("a", 1, "256")
+	e.bindingConditionNode("b")
+
+	// The first scheduler's status write (allocation and reservation) is
+	// held by the webhook until that scheduler is stopped, then refused:
+	// Reserve has run, the claim may carry the finalizer, nothing else is
+	// written.
+	var held atomic.Bool
+	release := make(chan struct{})
+	w := &concurrentWriter{e: e, targets: []string{"held"}}
+	w.write = func(ctx context.Context, _ *resourceapi.ResourceClaim) bool {
+		held.Store(true)
+		select {
+		case <-release:
+		case <-ctx.Done():
+		}
+		return false
+	}
+	w.start()
+
+	t.Run("status write in flight", func(t *testing.T) {
+		tCtx := ktesting.Init(t)
+		e.standaloneClaim("held", 2)
+		stop1, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-1", Config: config.SchedulerConfig})
+		tCtx.ExpectNoError(err)
+		e.podWithClaim("held", "a", "held")
+		err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(context.Context) (bool, error) { return held.Load(), nil })
+		tCtx.ExpectNoError(err, "scheduler's status write reaches the webhook")
+		stop1()
+		close(release)
+		claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, "held", metav1.GetOptions{})
+		tCtx.ExpectNoError(err)
+		if claim.Status.Allocation != nil || len(claim.Status.ReservedFor) != 0 {
+			t.Fatalf("the refused write landed: allocation %v, reservedFor %v", claim.Status.Allocation, claim.Status.ReservedFor)
+		}
+		t.Logf("scheduler stopped with the write in flight; claim finalizers %v", claim.Finalizers)
+
+		stop2, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-2", Config: config.SchedulerConfig})
+		tCtx.ExpectNoError(err)
+		tCtx.Cleanup(stop2)
+		if devices := e.devicesOf(e.waitScheduled("held")); len(devices) != 2 {
+			t.Errorf("pod got %v, want 2 GPUs", devices)
+		}
+		e.expectClean()
+	})
+
+	t.Run("allocation written, pod deleted while no scheduler runs", func(t *testing.T) {
+		tCtx := ktesting.Init(t)
+		e.standaloneClaim("orphan", 8)
+		stop1, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-3", Config: config.SchedulerConfig})
+		tCtx.ExpectNoError(err)
+		e.podWithClaim("gone", "b", "orphan")
+		claim := e.waitReserved("gone", nil)
+		stop1()
+		t.Logf("scheduler stopped in PreBind; claim %s holds %v; deleting the pod", claim.Name, framework.AllocatedDevices(claim))
+		tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "gone", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+		err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+			c, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(ctx, "orphan", metav1.GetOptions{})
+			return err == nil && c.Status.Allocation == nil && len(c.Status.ReservedFor) == 0, nil
+		})
+		tCtx.ExpectNoError(err, "claim of the deleted pod deallocated")
+
+		stop2, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-4", Config: config.SchedulerConfig})
+		tCtx.ExpectNoError(err)
+		tCtx.Cleanup(stop2)
+		// All eight devices are free again.
+		e.standaloneClaim("after", 8)
+		e.podWithClaim("after", "b", "after")
+		e.attach(e.waitReserved("after", nil).Name)
+		e.expectScheduledAll("after")
+		e.expectClean()
+	})
 }

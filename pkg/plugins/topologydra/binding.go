@@ -15,6 +15,8 @@ import (
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
+
+	"github.com/topodra/topodra/pkg/invariant"
 )
 
 // Devices with binding conditions (DRADeviceBindingConditions) are bound to
@@ -22,7 +24,9 @@ import (
 // true binding failure condition, or no success within bindingTimeout of
 // the allocation's timestamp, makes the allocation unusable: Filter marks
 // the claim unavailable on every node, PostFilter deallocates it, and the
-// next attempt allocates afresh. This is what the stock plugin does.
+// next attempt allocates afresh. This is what the stock plugin does. A
+// device that is still waiting for its conditions but no longer published
+// by its driver cannot become ready either, and is treated the same way.
 
 var (
 	// errBindingFailed: a binding failure condition of an allocated device
@@ -31,13 +35,29 @@ var (
 	// errBindingTimeout: the binding conditions were not all true within
 	// the binding timeout, counted from the allocation's timestamp.
 	errBindingTimeout = errors.New("device binding timed out")
+	// errDeviceVanished: an allocated device whose binding conditions are
+	// not all true is no longer published in a ResourceSlice.
+	errDeviceVanished = errors.New("allocated device no longer exists")
 )
 
+// publishedDevices returns the devices that exist: those of the newest
+// generation of each pool in the scheduler's slice cache, as the invariant
+// checker counts them (no VanishedDevice for them).
+func (pl *TopologyDRA) publishedDevices() (map[invariant.Device]bool, error) {
+	resourceSlices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	if err != nil {
+		return nil, fmt.Errorf("list resource slices: %w", err)
+	}
+	return invariant.PublishedDevices(resourceSlices), nil
+}
+
 // bindingState reports whether an allocated claim's devices are ready to
-// bind (all binding conditions true, or none), and errBindingFailed or
-// errBindingTimeout (wrapped, naming the claim and device) when the
-// allocation can no longer become ready. Unallocated claims are not ready.
-func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time) (bool, error) {
+// bind (all binding conditions true, or none), and errBindingFailed,
+// errBindingTimeout or errDeviceVanished (wrapped, naming the claim and
+// device) when the allocation can no longer become ready. published are the
+// devices that exist (see publishedDevices); nil skips that check.
+// Unallocated claims are not ready.
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published map[invariant.Device]bool) (bool, error) {
 	alloc := claim.Status.Allocation
 	if alloc == nil {
 		return false, nil
@@ -58,11 +78,18 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s: %s (%s: %s)", errBindingFailed, claim.Name, r.Driver, r.Pool, r.Device, c, cond.Reason, cond.Message)
 			}
 		}
+		deviceReady := true
 		for _, c := range r.BindingConditions {
 			if !apimeta.IsStatusConditionTrue(conds, c) {
-				ready = false
+				deviceReady = false
 			}
 		}
+		if !deviceReady && published != nil {
+			if _, exists := published[invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device}]; !exists {
+				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
+			}
+		}
+		ready = ready && deviceReady
 	}
 	if !ready && alloc.AllocationTimestamp != nil && now.After(alloc.AllocationTimestamp.Add(pl.bindingTimeout)) {
 		return false, fmt.Errorf("%w: claim %s, allocated at %s, binding timeout %s", errBindingTimeout, claim.Name, alloc.AllocationTimestamp.UTC().Format(time.RFC3339), pl.bindingTimeout)
@@ -70,14 +97,18 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 	return ready, nil
 }
 
-// bindingFailed reports an allocated claim whose binding failed or timed
-// out (PreFilter records it; Filter marks the claim unavailable so that
-// PostFilter deallocates it).
+// bindingFailed reports an allocated claim whose binding failed, timed out
+// or waits for a device that vanished (PreFilter records it; Filter marks
+// the claim unavailable so that PostFilter deallocates it).
 func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim) error {
-	if !pl.features.DeviceBindingAndStatus {
+	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions([]*resourceapi.ResourceClaim{claim}) {
 		return nil
 	}
-	_, err := pl.bindingState(claim, time.Now())
+	published, err := pl.publishedDevices()
+	if err != nil {
+		return err
+	}
+	_, err = pl.bindingState(claim, time.Now(), published)
 	return err
 }
 
@@ -100,8 +131,9 @@ func hasBindingConditions(claims []*resourceapi.ResourceClaim) bool {
 // waitForBindingConditions waits in PreBind until the devices of all the
 // pod's claims are ready to bind, reading the claims from the scheduler's
 // claim cache (informer). It tells the user on the pod that it waits, and
-// records upstream's binding-condition metrics. A failure or timeout fails
-// the attempt with an error (the pod is retried with backoff, and then
+// records upstream's binding-condition metrics. A failure or timeout, or a
+// claim that is deallocated or being deleted meanwhile, fails the attempt
+// with an error (the pod is retried with backoff, and then
 // Filter and PostFilter release the allocation).
 func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) *fwk.Status {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions(s.claims) {
@@ -111,16 +143,26 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
 	start := time.Now()
 	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+		published, err := pl.publishedDevices()
+		if err != nil {
+			return false, err
+		}
 		for i, claim := range s.claims {
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
 			if err != nil {
 				return false, fmt.Errorf("claim %s: %w", claim.Name, err)
 			}
+			if latest.DeletionTimestamp != nil {
+				// A pod that is not bound yet must not start with a claim
+				// that is going away (PreFilter and bindClaim refuse such
+				// claims too); Unreserve lets the claim go.
+				return false, fmt.Errorf("claim %s is being deleted", claim.Name)
+			}
 			if latest.Status.Allocation == nil {
 				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
 			}
 			s.claims[i] = latest
-			ready, err := pl.bindingState(latest, time.Now())
+			ready, err := pl.bindingState(latest, time.Now(), published)
 			if err != nil || !ready {
 				return false, err
 			}
@@ -130,7 +172,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	status := schedmetrics.BindingConditionsStatusSuccess
 	switch {
 	case err == nil:
-	case errors.Is(err, errBindingFailed):
+	case errors.Is(err, errBindingFailed), errors.Is(err, errDeviceVanished):
 		status = schedmetrics.BindingConditionsStatusFailed
 	case errors.Is(err, errBindingTimeout):
 		status = schedmetrics.BindingConditionsStatusTimeout

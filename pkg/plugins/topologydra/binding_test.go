@@ -2,11 +2,18 @@ package topologydra
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/invariant"
 )
 
 func TestBindingState(t *testing.T) {
@@ -31,6 +38,8 @@ func TestBindingState(t *testing.T) {
 		now       time.Time
 		wantReady bool
 		wantErr   error
+		// published, if set, are the devices that exist.
+		published map[invariant.Device]bool
 	}{
 		"pending, within the timeout": {claim: claim(), now: allocatedAt.Add(time.Minute)},
 		"pending, past the timeout":   {claim: claim(), now: allocatedAt.Add(11 * time.Minute), wantErr: errBindingTimeout},
@@ -38,6 +47,12 @@ func TestBindingState(t *testing.T) {
 		"failed":                      {claim: claim("AttachFailed"), now: allocatedAt.Add(time.Minute), wantErr: errBindingFailed},
 		"failure wins over success":   {claim: claim("Attached", "AttachFailed"), now: allocatedAt, wantErr: errBindingFailed},
 		"unallocated":                 {claim: &resourceapi.ResourceClaim{}, now: allocatedAt},
+		"pending, device published": {claim: claim(), now: allocatedAt,
+			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false, {Driver: "d", Pool: "p", Name: "bound"}: false}},
+		"pending, device vanished": {claim: claim(), now: allocatedAt,
+			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false}, wantErr: errDeviceVanished},
+		"ready, device vanished since": {claim: claim("Attached"), now: allocatedAt, wantReady: true,
+			published: map[invariant.Device]bool{}},
 		"no timestamp: no timeout counted": {claim: func() *resourceapi.ResourceClaim {
 			c := claim()
 			c.Status.Allocation.AllocationTimestamp = nil
@@ -46,10 +61,50 @@ func TestBindingState(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
-			ready, err := pl.bindingState(tc.claim, tc.now)
+			ready, err := pl.bindingState(tc.claim, tc.now, tc.published)
 			if ready != tc.wantReady || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
 				t.Errorf("got ready %v, err %v; want ready %v, err %v", ready, err, tc.wantReady, tc.wantErr)
 			}
 		})
+	}
+}
+
+// TestPreBindStopsWaitingForDeletedClaim: the pod waits in PreBind for the
+// binding conditions of its devices; its claim is deleted meanwhile. PreBind
+// must give up with an error that names the claim, instead of binding the
+// pod once the driver confirms, or waiting out the binding timeout.
+func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
+	schedmetrics.Register() // PreBind records the binding-condition metrics.
+	slice := testSlice("node-a", 2)
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
+		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
+		slice.Spec.Devices[i].BindingFailureConditions = []string{"AttachFailed"}
+	}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), slice, testClaim("c", 1))
+	if !h.pl.features.DeviceBindingAndStatus {
+		t.Fatal("binding conditions are disabled by the feature gates; this test needs them")
+	}
+	pod := testPod("p", "c")
+	cs, _ := h.cycle(pod, "node-a")
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	done := make(chan *fwk.Status, 1)
+	go func() { done <- h.pl.PreBind(h.tCtx, cs, pod, "node-a") }()
+
+	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
+	claim := h.apiClaim("c")
+	claim.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).Update(h.tCtx, claim, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+
+	select {
+	case st := <-done:
+		if st.IsSuccess() || !strings.Contains(st.Message(), "claim c is being deleted") {
+			t.Errorf("PreBind: %v, want an error saying that claim c is being deleted", st)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("PreBind still waits for the binding conditions of a claim that is being deleted")
 	}
 }
