@@ -34,8 +34,9 @@ integration:
 FUZZTIME ?= 10s
 fuzz:
 	$(GO) test -run XXX -fuzz FuzzTopologyAttributes -fuzztime $(FUZZTIME) ./pkg/topology
-	$(GO) test -run XXX -fuzz FuzzWorkloadYAML -fuzztime $(FUZZTIME) ./pkg/sim
+	$(GO) test -run XXX -fuzz FuzzWorkloadYAML -fuzztime $(FUZZTIME) ./pkg/sim/workload
 	$(GO) test -run XXX -fuzz FuzzArgsDecode -fuzztime $(FUZZTIME) ./pkg/plugins/topologydra
+	$(GO) test -run XXX -fuzz FuzzAllocatorInput -fuzztime $(FUZZTIME) ./pkg/allocator
 
 # Container images of the scheduler and the node agent (docker).
 images:

@@ -1,4 +1,4 @@
-package sim
+package workload
 
 import (
 	"os"
@@ -11,7 +11,7 @@ import (
 // workload it returns must be usable (every job has a pod, arrival and
 // lifetime are not negative, the run has ticks).
 func FuzzWorkloadYAML(f *testing.F) {
-	example, err := os.ReadFile(filepath.Join("..", "..", "cmd", "simulator", "testdata", "workload.yaml"))
+	example, err := os.ReadFile(filepath.Join("..", "..", "..", "cmd", "simulator", "testdata", "workload.yaml"))
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -29,7 +29,7 @@ func FuzzWorkloadYAML(f *testing.F) {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, doc string) {
-		w, err := ParseWorkload([]byte(doc))
+		w, err := Parse([]byte(doc))
 		if err != nil {
 			if w != nil {
 				t.Errorf("a workload and an error: %v", err)
