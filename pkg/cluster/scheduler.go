@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/yaml"
@@ -28,6 +29,21 @@ type SchedulerOptions struct {
 	ConfigFile string
 	// Args are extra command-line flags.
 	Args []string
+	// LeaderElection, when set, runs the scheduler as one replica of a
+	// group that elects a leader through a Lease. Nil means leader
+	// election off.
+	LeaderElection *LeaderElection
+}
+
+// LeaderElection is the leaderElection section StartScheduler writes into a
+// replica's KubeSchedulerConfiguration. Each replica gets its own identity
+// (kube-scheduler's hostname_uuid), which the Lease's holderIdentity shows.
+type LeaderElection struct {
+	// Namespace and Name of the Lease. Both are required.
+	Namespace, Name string
+	// LeaseDuration, RenewDeadline and RetryPeriod as in
+	// KubeSchedulerConfiguration; zero keeps kube-scheduler's default.
+	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
 }
 
 // DefaultStockConfig is a config with one stock profile, default-scheduler.
@@ -39,8 +55,9 @@ profiles:
 
 // StartScheduler runs a scheduler in process against the control plane, from
 // the same options and setup code as the binary, with --secure-port=0 and
-// leader election off. The returned function stops it and waits until it has
-// stopped; Stop calls it too.
+// leader election as opts.LeaderElection says (off by default). The
+// returned function stops it and waits until it has stopped (a leader
+// releases its lease); Stop calls it too.
 func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
 	config := opts.Config
 	if len(config) == 0 && opts.ConfigFile != "" {
@@ -57,7 +74,7 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 	if name == "" {
 		name = "scheduler"
 	}
-	path, err := c.writeSchedulerConfig(name, config)
+	path, err := c.writeSchedulerConfig(name, config, opts.LeaderElection)
 	if err != nil {
 		return nil, err
 	}
@@ -89,8 +106,9 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 }
 
 // writeSchedulerConfig fills in the client connection and leader election
-// of a KubeSchedulerConfiguration and writes it to a file.
-func (c *Cluster) writeSchedulerConfig(name string, config []byte) (string, error) {
+// (off when election is nil) of a KubeSchedulerConfiguration and writes it
+// to a file.
+func (c *Cluster) writeSchedulerConfig(name string, config []byte, election *LeaderElection) (string, error) {
 	var obj map[string]any
 	if err := yaml.Unmarshal(config, &obj); err != nil {
 		return "", fmt.Errorf("parse scheduler config: %w", err)
@@ -107,7 +125,24 @@ func (c *Cluster) writeSchedulerConfig(name string, config []byte) (string, erro
 	if le == nil {
 		le = map[string]any{}
 	}
-	le["leaderElect"] = false
+	le["leaderElect"] = election != nil
+	if election != nil {
+		if election.Namespace == "" || election.Name == "" {
+			return "", fmt.Errorf("leader election of scheduler %s: lease namespace and name are required", name)
+		}
+		le["resourceLock"] = "leases"
+		le["resourceNamespace"] = election.Namespace
+		le["resourceName"] = election.Name
+		for key, d := range map[string]time.Duration{
+			"leaseDuration": election.LeaseDuration,
+			"renewDeadline": election.RenewDeadline,
+			"retryPeriod":   election.RetryPeriod,
+		} {
+			if d != 0 {
+				le[key] = d.String()
+			}
+		}
+	}
 	obj["leaderElection"] = le
 	out, err := yaml.Marshal(obj)
 	if err != nil {
