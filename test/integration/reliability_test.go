@@ -1,22 +1,42 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/record"
+	pluginregistrationv1 "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
+	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/config"
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/pkg/invariant"
+	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
 
@@ -159,4 +179,269 @@ func (e *env) involves(v invariant.Violation) bool {
 		}
 	}
 	return false
+}
+
+// TestAgentRestartNoChurn restarts the node agent (registered with a real
+// kubelet DRA manager, as on a node) with the same plugin, state and CDI
+// directories, as a DaemonSet rollout or a crash does. The new agent must
+// take over the published pool as it is: no ResourceSlice deleted or
+// created, none rewritten (the first write of the new agent is the health
+// taint it is asked to publish, made in place on the same slice with the
+// same pool generation). A claim prepared before the restart stays prepared
+// through the checkpoint: the new agent's Prepare returns the same CDI ids
+// without rewriting the checkpoint or the CDI spec, and the kubelet prepares
+// a new pod's claim through the new agent.
+func TestAgentRestartNoChurn(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "restart")
+	nodeName := e.ns + "-node"
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "restart"})
+	tCtx.ExpectNoError(err)
+
+	// Unix socket paths are limited to ~108 bytes; t.TempDir can be longer.
+	base, err := os.MkdirTemp("", "tr")
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(func() { _ = os.RemoveAll(base) })
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir := filepath.Join(base, "p"), filepath.Join(base, "r"), filepath.Join(base, "k"), filepath.Join(base, "s"), filepath.Join(base, "c")
+	for _, dir := range []string{pluginDir, registryDir, kubeletState, stateDir, cdiDir} {
+		tCtx.ExpectNoError(os.MkdirAll(dir, 0o750))
+	}
+	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+
+	// Each agent runs on its own mock machine, as a new process opens NVML
+	// anew; machines of one node name have the same GPUs (UUIDs are seeded
+	// by the node name).
+	startAgent := func() (*agent.Agent, *mockgpu.Machine) {
+		machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+		tCtx.ExpectNoError(err)
+		disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+		tCtx.ExpectNoError(err)
+		a, err := agent.New(tCtx, agent.Options{
+			NodeName:       nodeName,
+			KubeClient:     cp.Client,
+			Discovery:      disc,
+			PluginDataDir:  pluginDir,
+			RegistrarDir:   registryDir,
+			StateDir:       stateDir,
+			CDIDir:         cdiDir,
+			OwnedTaint:     agent.DefaultOwnedTaint,
+			RescanInterval: -1,
+		})
+		tCtx.ExpectNoError(err, "start agent")
+		return a, machine
+	}
+
+	// 1. The first agent publishes; topodra allocates a pod's GPU from it
+	// and the kubelet prepares the pod through the agent.
+	first, _ := startAgent()
+	defer func() { first.Stop() }()
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool {
+		return len(s.Spec.Devices) == 8
+	})
+	startTopodra(tCtx)
+	template := e.template(1, nil)
+	e.pod("before", topodraName, "restart", template)
+	before := e.waitScheduled("before")
+	claim := e.onlyClaim(before)
+	kubeletIDs := kubeletPrepare(tCtx, manager, before)
+	prepared := prepareDirect(tCtx, first, claim)
+	if diff := cmp.Diff(kubeletIDs, prepared); diff != "" {
+		t.Fatalf("the agent's Prepare answers differently from what the kubelet got (-kubelet +agent):\n%s", diff)
+	}
+	checkpointPath := filepath.Join(stateDir, checkpoint.FileName)
+	cdiWriter, err := cdi.New(cdiDir)
+	tCtx.ExpectNoError(err)
+	specPath := cdiWriter.SpecPath(claim.UID)
+	checkpointBefore, specBefore := readStat(tCtx, checkpointPath), readStat(tCtx, specPath)
+
+	// 2. Watch the node's slices from here on.
+	list, err := cp.Client.ResourceV1().ResourceSlices().List(tCtx, metav1.ListOptions{FieldSelector: nodeSliceSelector(nodeName)})
+	tCtx.ExpectNoError(err)
+	watcher, err := cp.Client.ResourceV1().ResourceSlices().Watch(tCtx, metav1.ListOptions{FieldSelector: nodeSliceSelector(nodeName), ResourceVersion: list.ResourceVersion})
+	tCtx.ExpectNoError(err)
+	defer watcher.Stop()
+
+	// 3. Restart. The kubelet sees the socket go and come back; it wipes a
+	// driver's slices only if the driver stays away (30 s).
+	first.Stop()
+	restarted := time.Now()
+	second, machine := startAgent()
+	defer second.Stop()
+
+	// 4. The prepared claim survives through the checkpoint.
+	claim, err = cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, claim.Name, metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if diff := cmp.Diff(prepared, prepareDirect(tCtx, second, claim)); diff != "" {
+		t.Errorf("Prepare after the restart answers differently (-before +after):\n%s", diff)
+	}
+	if got := readStat(tCtx, checkpointPath); !got.equal(checkpointBefore) {
+		t.Errorf("the restarted agent rewrote the checkpoint for a claim it had prepared: before %s, after %s", checkpointBefore, got)
+	}
+	if got := readStat(tCtx, specPath); !got.equal(specBefore) {
+		t.Errorf("the restarted agent rewrote the CDI spec of a claim it had prepared: before %s, after %s", specBefore, got)
+	}
+
+	// 5. The kubelet reaches the new agent: a new pod's claim is prepared.
+	e.pod("after", topodraName, "restart", template)
+	after := e.waitScheduled("after")
+	kubeletPrepare(tCtx, manager, after)
+	t.Logf("the kubelet prepared a claim through the new agent %s after the restart", time.Since(restarted).Round(time.Millisecond))
+
+	// 6. A GPU that no claim holds fails; the new agent taints it. The
+	// watch must show that write and nothing else since step 2.
+	used := map[string]bool{}
+	for _, p := range []*v1.Pod{before, after} {
+		for _, d := range e.devicesOf(p) {
+			used[d] = true
+		}
+	}
+	faulty := -1
+	for i := range 8 {
+		if !used[fmt.Sprintf("gpu-%d", i)] {
+			faulty = i
+			break
+		}
+	}
+	tCtx.ExpectNoError(machine.InjectXID(faulty, 79))
+	faultyName := fmt.Sprintf("gpu-%d", faulty)
+	var events []string
+	var tainted *resourceapi.ResourceSlice
+	timeout := time.After(waitTimeout)
+	for tainted == nil {
+		select {
+		case ev, ok := <-watcher.ResultChan():
+			if !ok {
+				t.Fatalf("slice watch ended; events so far: %v", events)
+			}
+			s, isSlice := ev.Object.(*resourceapi.ResourceSlice)
+			if !isSlice {
+				t.Fatalf("slice watch: %s %T %v; events so far: %v", ev.Type, ev.Object, ev.Object, events)
+			}
+			events = append(events, fmt.Sprintf("%s %s@%s generation %d", ev.Type, s.Name, s.ResourceVersion, s.Spec.Pool.Generation))
+			if ev.Type == watch.Modified && hasTaint(s, faultyName, agent.HealthTaintKey) {
+				tainted = s
+			}
+		case <-timeout:
+			t.Fatalf("the new agent did not publish the health taint of %s; slice events since the restart: %v", faultyName, events)
+		}
+	}
+	t.Logf("slice events since before the restart: %v", events)
+	if len(events) != 1 {
+		t.Errorf("the restart churned the slices: %d events where one (the health taint) was expected: %v", len(events), events)
+	}
+	if tainted.Name != slice.Name || tainted.Spec.Pool.Generation != slice.Spec.Pool.Generation || tainted.UID != slice.UID {
+		t.Errorf("the health taint came as slice %s (uid %s) generation %d, want the original %s (uid %s) generation %d", tainted.Name, tainted.UID, tainted.Spec.Pool.Generation, slice.Name, slice.UID, slice.Spec.Pool.Generation)
+	}
+	e.expectNoViolations()
+}
+
+// startKubeletDRA starts the kubelet's DRA manager and plugin manager for a
+// node, watching registryDir for plugins; the test's cleanup stops them.
+func startKubeletDRA(tCtx ktesting.TContext, nodeName, registryDir, stateDir string) *kubeletdra.Manager {
+	ctx, stop := context.WithCancel(tCtx)
+	manager, err := kubeletdra.NewManager(tCtx.Logger(), cp.Client, stateDir)
+	tCtx.ExpectNoError(err)
+	getNode := func(ctx context.Context) (*v1.Node, error) {
+		return cp.Client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	}
+	sourcesReady := kubeletconfig.NewSourcesReady(func(sets.Set[string]) bool { return true })
+	tCtx.ExpectNoError(manager.Start(ctx, func() []*v1.Pod { return nil }, getNode, sourcesReady))
+	plugins := pluginmanager.NewPluginManager(registryDir, record.NewFakeRecorder(10))
+	plugins.AddHandler(pluginregistrationv1.DRAPlugin, manager.GetWatcherHandler())
+	go plugins.Run(ctx, sourcesReady, ctx.Done())
+	tCtx.Cleanup(func() {
+		stop()
+		manager.Stop()
+	})
+	return manager
+}
+
+// kubeletPrepare has the kubelet prepare a bound pod, retrying while the
+// driver is not registered yet, and returns the CDI ids it hands to the
+// runtime for the pod's first container.
+func kubeletPrepare(tCtx ktesting.TContext, manager *kubeletdra.Manager, pod *v1.Pod) []string {
+	tCtx.Helper()
+	var lastErr error
+	err := wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		lastErr = manager.PrepareResources(ctx, pod)
+		return lastErr == nil, nil
+	})
+	if err != nil {
+		tCtx.Fatalf("kubelet could not prepare pod %s: %v", pod.Name, lastErr)
+	}
+	info, err := manager.GetResources(pod, &pod.Spec.Containers[0])
+	tCtx.ExpectNoError(err)
+	var ids []string
+	for _, d := range info.CDIDevices {
+		ids = append(ids, d.Name)
+	}
+	return ids
+}
+
+// prepareDirect calls the agent's kubelet plugin Prepare for one claim and
+// returns the CDI ids of its devices.
+func prepareDirect(tCtx ktesting.TContext, a *agent.Agent, claim *resourceapi.ResourceClaim) []string {
+	tCtx.Helper()
+	results, err := a.PrepareResourceClaims(tCtx, []*resourceapi.ResourceClaim{claim})
+	tCtx.ExpectNoError(err, "prepare")
+	result := results[claim.UID]
+	tCtx.ExpectNoError(result.Err, "prepare claim "+claim.Name)
+	var ids []string
+	for _, d := range result.Devices {
+		ids = append(ids, d.CDIDeviceIDs...)
+	}
+	return ids
+}
+
+// onlyClaim returns the one claim of a scheduled pod.
+func (e *env) onlyClaim(pod *v1.Pod) *resourceapi.ResourceClaim {
+	e.tCtx.Helper()
+	claims, err := framework.PodClaims(e.tCtx, cp.Client, pod)
+	e.tCtx.ExpectNoError(err)
+	if len(claims) != 1 {
+		e.tCtx.Fatalf("pod %s has %d claims, want 1", pod.Name, len(claims))
+	}
+	return claims[0]
+}
+
+// hasTaint says whether the named device of the slice has a taint with key.
+func hasTaint(slice *resourceapi.ResourceSlice, device, key string) bool {
+	for _, d := range slice.Spec.Devices {
+		if d.Name != device {
+			continue
+		}
+		for _, taint := range d.Taints {
+			if taint.Key == key {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func nodeSliceSelector(node string) string {
+	return fields.Set{resourceapi.ResourceSliceSelectorNodeName: node}.String()
+}
+
+// fileState is a file's content and modification time.
+type fileState struct {
+	content []byte
+	modTime time.Time
+}
+
+func readStat(tCtx ktesting.TContext, path string) fileState {
+	tCtx.Helper()
+	info, err := os.Stat(path)
+	tCtx.ExpectNoError(err)
+	content, err := os.ReadFile(path)
+	tCtx.ExpectNoError(err)
+	return fileState{content: content, modTime: info.ModTime()}
+}
+
+func (f fileState) equal(o fileState) bool {
+	return bytes.Equal(f.content, o.content) && f.modTime.Equal(o.modTime)
+}
+
+func (f fileState) String() string {
+	return fmt.Sprintf("%d bytes modified %s", len(f.content), f.modTime.Format(time.RFC3339Nano))
 }
