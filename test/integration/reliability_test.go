@@ -3,6 +3,7 @@ package integration
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -444,4 +445,294 @@ func (f fileState) equal(o fileState) bool {
 
 func (f fileState) String() string {
 	return fmt.Sprintf("%d bytes modified %s", len(f.content), f.modTime.Format(time.RFC3339Nano))
+}
+
+// TestHostileObjects hands topodra-scheduler objects at the API's size
+// limits (k8s.io/api/resource/v1) and claims it cannot satisfy: a node
+// with 1,024 GPUs in 8 slices of ResourceSliceMaxDevices, a slice of
+// ResourceSliceMaxDevices devices each with
+// ResourceSliceMaxAttributesAndCapacitiesPerDevice attributes whose names
+// and string values have the maximum lengths, claims with
+// DeviceRequestsMaxSize requests, and claims whose allocation would exceed
+// AllocationResultsMaxSize devices. Every pod must get a clear answer,
+// bound or not scheduled with a message that says why (for a claim over the
+// results limit the same verdict as the stock scheduler's), while the
+// scheduler keeps running
+// and schedules ordinary pods; the invariant checker finds nothing. How
+// long each answer took is logged, not asserted.
+func TestHostileObjects(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "hostile")
+	bigNode := e.bigNode("big", 1024)
+	limitsNode, limitsAttr, limitsValue := e.limitsNode("limits")
+	e.dgxNodes("dgx", 2, "256")
+	startTopodra(tCtx)
+
+	exact := func(count int64, selectors ...string) resourceapi.DeviceRequest {
+		r := resourceapi.DeviceRequest{Exactly: &resourceapi.ExactDeviceRequest{
+			DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count,
+		}}
+		for _, s := range selectors {
+			r.Exactly.Selectors = append(r.Exactly.Selectors, resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: s}})
+		}
+		return r
+	}
+	all := resourceapi.DeviceRequest{Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeAll}}
+	repeat := func(n int, r resourceapi.DeviceRequest) []resourceapi.DeviceRequest {
+		out := make([]resourceapi.DeviceRequest, n)
+		for i := range out {
+			out[i] = *r.DeepCopy()
+		}
+		return out
+	}
+	const maxRequests, maxResults = resourceapi.DeviceRequestsMaxSize, resourceapi.AllocationResultsMaxSize
+	wantDevice := 77
+	type hostile struct {
+		name, group string
+		requests    []resourceapi.DeviceRequest
+		// devices is how many devices the claim must get; 0 means that
+		// the pod must not be scheduled.
+		devices int
+		// check, if set, inspects the allocated devices.
+		check func(devices []string)
+	}
+	cases := []hostile{
+		{name: "one-of-1024", group: "big", requests: []resourceapi.DeviceRequest{exact(1)}, devices: 1},
+		{name: "8-of-1024", group: "big", requests: []resourceapi.DeviceRequest{exact(8)}, devices: 8},
+		{name: "max-results", group: "big", requests: []resourceapi.DeviceRequest{exact(maxResults)}, devices: maxResults},
+		{name: "over-max-results", group: "big", requests: []resourceapi.DeviceRequest{exact(maxResults + 1)}},
+		{name: "all-of-1024", group: "big", requests: []resourceapi.DeviceRequest{all}},
+		{name: "max-requests", group: "big", requests: repeat(maxRequests, exact(1)), devices: maxRequests},
+		{name: "max-requests-over-max-results", group: "big", requests: repeat(maxRequests, exact(2))},
+		{name: "long-attribute-selector", group: "limits", devices: 1,
+			requests: []resourceapi.DeviceRequest{exact(1, fmt.Sprintf("device.attributes[%q].%s == %q", limitsAttr.domain, limitsAttr.id, limitsValue(wantDevice)))},
+			check: func(devices []string) {
+				if want := limitsDeviceName(wantDevice); devices[0] != want {
+					t.Errorf("the selector on a maximum-length attribute got %s, want %s", devices[0], want)
+				}
+			}},
+		{name: "all-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{all}},
+		{name: "many-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{exact(maxResults)}, devices: maxResults},
+	}
+
+	// One request more than DeviceRequestsMaxSize is the API server's to
+	// refuse; it never reaches the scheduler.
+	tooMany := e.claimTemplate("too-many-requests", repeat(maxRequests+1, exact(1)))
+	if _, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, tooMany, metav1.CreateOptions{}); !apierrors.IsInvalid(err) {
+		t.Errorf("a template with %d requests: got %v, want Invalid", maxRequests+1, err)
+	}
+
+	for _, c := range cases {
+		_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, e.claimTemplate(c.name, c.requests), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err, "create template "+c.name)
+	}
+	created := map[string]time.Time{}
+	for _, c := range cases {
+		created[c.name] = time.Now()
+		e.pod(c.name, topodraName, c.group, c.name)
+	}
+	// Ordinary pods created behind the hostile ones are scheduled too.
+	template := e.template(1, nil)
+	for i := range 8 {
+		e.pod(fmt.Sprintf("ordinary-%d", i), topodraName, "dgx", template)
+	}
+
+	decided := e.waitAllDecided(created)
+	for _, c := range cases {
+		pod := decided[c.name].pod
+		took := decided[c.name].took.Round(time.Millisecond)
+		cond := framework.PodScheduledCondition(pod)
+		if c.devices == 0 {
+			if pod.Spec.NodeName != "" {
+				t.Errorf("%s: bound to %s, want not scheduled", c.name, pod.Spec.NodeName)
+			} else {
+				expectOverLimit(t, c.name, cond)
+				t.Logf("%s: not scheduled after %s: %s: %s", c.name, took, cond.Reason, cond.Message)
+			}
+			continue
+		}
+		if pod.Spec.NodeName == "" {
+			t.Errorf("%s: not scheduled (%s: %s), want %d devices", c.name, cond.Reason, cond.Message, c.devices)
+			continue
+		}
+		devices := e.devicesOf(pod)
+		if len(devices) != c.devices {
+			t.Errorf("%s: got %d devices, want %d", c.name, len(devices), c.devices)
+		} else if c.check != nil {
+			c.check(devices)
+		}
+		t.Logf("%s: bound to %s with %d devices after %s", c.name, pod.Spec.NodeName, len(devices), took)
+	}
+	for i := range 8 {
+		e.devicesOf(e.waitScheduled(fmt.Sprintf("ordinary-%d", i)))
+	}
+
+	// The stock scheduler answers a claim over the results limit the same
+	// way: it is the upstream allocator's verdict.
+	startStock(tCtx)
+	e.pod("stock-over-max-results", stockName, "big", "over-max-results")
+	if pod := e.waitDecided("stock-over-max-results"); pod.Spec.NodeName != "" {
+		t.Errorf("the stock scheduler bound a claim of %d devices to %s", maxResults+1, pod.Spec.NodeName)
+	} else {
+		cond := framework.PodScheduledCondition(pod)
+		expectOverLimit(t, "stock-over-max-results", cond)
+		t.Logf("stock scheduler: %s: %s", cond.Reason, cond.Message)
+	}
+	t.Logf("nodes: %s (1,024 GPUs), %s (one slice at the limits)", bigNode, limitsNode)
+	e.expectNoViolations()
+}
+
+// expectOverLimit checks the PodScheduled condition of a pod whose claim
+// would get more than AllocationResultsMaxSize devices. The allocator
+// treats such a claim as invalid input, not as a misfit of a node: the
+// reason is SchedulerError (the pod is retried with backoff, as upstream's
+// DynamicResources plugin does) and the message names the limit.
+func expectOverLimit(t *testing.T, name string, cond *v1.PodCondition) {
+	t.Helper()
+	limit := fmt.Sprintf("exceeds the claim limit of %d", resourceapi.AllocationResultsMaxSize)
+	if cond.Reason != v1.PodReasonSchedulerError || !strings.Contains(cond.Message, limit) {
+		t.Errorf("%s: PodScheduled reason %q message %q, want %s with a message that says %q", name, cond.Reason, cond.Message, v1.PodReasonSchedulerError, limit)
+	}
+}
+
+// decision is a pod as first seen decided and how long after its creation
+// that was.
+type decision struct {
+	pod  *v1.Pod
+	took time.Duration
+}
+
+// waitAllDecided polls the namespace's pods until each named one is bound
+// or has PodScheduled False.
+func (e *env) waitAllDecided(created map[string]time.Time) map[string]decision {
+	e.tCtx.Helper()
+	out := map[string]decision{}
+	err := wait.PollUntilContextTimeout(e.tCtx, 20*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		pods, err := cp.Client.CoreV1().Pods(e.ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		for i := range pods.Items {
+			p := &pods.Items[i]
+			start, ok := created[p.Name]
+			if _, seen := out[p.Name]; !ok || seen {
+				continue
+			}
+			if c := framework.PodScheduledCondition(p); p.Spec.NodeName != "" || (c != nil && c.Status == v1.ConditionFalse) {
+				out[p.Name] = decision{pod: p, took: time.Since(start)}
+			}
+		}
+		return len(out) == len(created), nil
+	})
+	if err != nil {
+		var pending []string
+		for name := range created {
+			if _, ok := out[name]; !ok {
+				pending = append(pending, name)
+			}
+		}
+		e.tCtx.Fatalf("no scheduling decision for %v: %v", pending, err)
+	}
+	return out
+}
+
+// waitDecided waits until the scheduler has bound the pod or set its
+// PodScheduled condition to False.
+func (e *env) waitDecided(name string) *v1.Pod {
+	e.tCtx.Helper()
+	pod, err := framework.WaitForPod(e.tCtx, cp.Client, e.ns, name, waitTimeout, "a scheduling decision", func(p *v1.Pod) (bool, error) {
+		c := framework.PodScheduledCondition(p)
+		return p.Spec.NodeName != "" || (c != nil && c.Status == v1.ConditionFalse), nil
+	})
+	e.tCtx.ExpectNoError(err)
+	return pod
+}
+
+// claimTemplate returns a template named name with the given requests,
+// named req-0, req-1, ...
+func (e *env) claimTemplate(name string, requests []resourceapi.DeviceRequest) *resourceapi.ResourceClaimTemplate {
+	tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name}}
+	for i, r := range requests {
+		r.Name = fmt.Sprintf("req-%d", i)
+		tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, r)
+	}
+	return tmpl
+}
+
+// bigNode creates a node in group with n GPUs in a pool of slices of
+// ResourceSliceMaxDevices devices each: PCIe roots of 8 GPUs, NUMA nodes
+// of 128, NVLink cliques of 64.
+func (e *env) bigNode(group string, n int) string {
+	name := e.ns + "-" + group
+	_, err := framework.CreateReadyNode(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group})
+	e.tCtx.ExpectNoError(err)
+	const perSlice = resourceapi.ResourceSliceMaxDevices
+	count := int64((n + perSlice - 1) / perSlice)
+	for s := range int(count) {
+		var devices []framework.Device
+		for i := s * perSlice; i < min(n, (s+1)*perSlice); i++ {
+			devices = append(devices, framework.Device{
+				Name: fmt.Sprintf("gpu-%d", i),
+				Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+					topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci%04x:00", i/8)),
+					topology.AttrNUMANode: framework.IntAttr(int64(i / 128)),
+					"nvlinkClique":        framework.StringAttr(fmt.Sprintf("%s-clique-%d", name, i/64)),
+					"index":               framework.IntAttr(int64(i)),
+				},
+			})
+		}
+		slice := framework.SliceForNode(name, topology.DriverName, devices)
+		slice.Name = fmt.Sprintf("%s-%d", name, s)
+		slice.Spec.Pool.ResourceSliceCount = count
+		_, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, slice, metav1.CreateOptions{})
+		e.tCtx.ExpectNoError(err, "create slice "+slice.Name)
+	}
+	return name
+}
+
+// qualifiedName is an attribute name split into its parts.
+type qualifiedName struct{ domain, id string }
+
+// limitsDeviceName is the name of device i of limitsNode's slice: a DNS
+// label of the maximum length, 63.
+func limitsDeviceName(i int) string {
+	return fmt.Sprintf("gpu-%03d-", i) + strings.Repeat("x", 63-8)
+}
+
+// limitsNode creates a node in group whose pool is one slice at the API's
+// limits: ResourceSliceMaxDevices devices with names of maximum length,
+// each with ResourceSliceMaxAttributesAndCapacitiesPerDevice string
+// attributes whose names have the maximum domain and identifier lengths
+// and whose values have DeviceAttributeMaxValueLength characters, unique
+// per device and attribute. It returns the node, the name of the first
+// attribute and the value of that attribute per device.
+func (e *env) limitsNode(group string) (string, qualifiedName, func(device int) string) {
+	name := e.ns + "-" + group
+	_, err := framework.CreateReadyNode(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group})
+	e.tCtx.ExpectNoError(err)
+	domain := strings.Repeat("d", resourceapi.DeviceMaxDomainLength-len(".example")) + ".example"
+	attr := func(j int) qualifiedName {
+		id := fmt.Sprintf("a%02d_", j)
+		return qualifiedName{domain, id + strings.Repeat("x", resourceapi.DeviceMaxIDLength-len(id))}
+	}
+	value := func(device, j int) string {
+		v := fmt.Sprintf("%03d-%02d-", device, j)
+		return v + strings.Repeat("v", resourceapi.DeviceAttributeMaxValueLength-len(v))
+	}
+	var devices []framework.Device
+	for i := range resourceapi.ResourceSliceMaxDevices {
+		d := framework.Device{Name: limitsDeviceName(i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{}}
+		for j := range resourceapi.ResourceSliceMaxAttributesAndCapacitiesPerDevice {
+			a := attr(j)
+			d.Attributes[resourceapi.QualifiedName(a.domain+"/"+a.id)] = framework.StringAttr(value(i, j))
+		}
+		devices = append(devices, d)
+	}
+	slice := framework.SliceForNode(name, topology.DriverName, devices)
+	created, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, slice, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err, "create the slice at the limits")
+	data, err := json.Marshal(created)
+	e.tCtx.ExpectNoError(err)
+	e.tCtx.Logf("slice at the limits: %d devices x %d attributes, %d bytes of JSON", len(created.Spec.Devices), len(created.Spec.Devices[0].Attributes), len(data))
+	return name, attr(0), func(device int) string { return value(device, 0) }
 }
