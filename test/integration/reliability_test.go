@@ -453,11 +453,12 @@ func (f fileState) String() string {
 // ResourceSliceMaxDevices devices each with
 // ResourceSliceMaxAttributesAndCapacitiesPerDevice attributes whose names
 // and string values have the maximum lengths, claims with
-// DeviceRequestsMaxSize requests, and claims whose allocation would exceed
-// AllocationResultsMaxSize devices. Every pod must get a clear answer,
-// bound or not scheduled with a message that says why (for a claim over the
-// results limit the same verdict as the stock scheduler's), while the
-// scheduler keeps running
+// DeviceRequestsMaxSize requests, claims whose allocation would exceed
+// AllocationResultsMaxSize devices, and pools that are valid slice by slice
+// but not as a whole (duplicate device names, a missing slice). Every pod
+// must get a clear answer, bound or not scheduled with a message that says
+// why and the same reason (Unschedulable or SchedulerError) as the stock
+// scheduler gives for the same claim, while the scheduler keeps running
 // and schedules ordinary pods; the invariant checker finds nothing. How
 // long each answer took is logged, not asserted.
 func TestHostileObjects(t *testing.T) {
@@ -466,7 +467,13 @@ func TestHostileObjects(t *testing.T) {
 	bigNode := e.bigNode("big", 1024)
 	limitsNode, limitsAttr, limitsValue := e.limitsNode("limits")
 	e.dgxNodes("dgx", 2, "256")
+	// Pools that pass API validation slice by slice but not as a whole:
+	// two slices with the same device names, and a pool that announces two
+	// slices but has one.
+	e.brokenPoolNode("duplicates", 2, 2)
+	e.brokenPoolNode("incomplete", 1, 2)
 	startTopodra(tCtx)
+	startStock(tCtx)
 
 	exact := func(count int64, selectors ...string) resourceapi.DeviceRequest {
 		r := resourceapi.DeviceRequest{Exactly: &resourceapi.ExactDeviceRequest{
@@ -495,15 +502,18 @@ func TestHostileObjects(t *testing.T) {
 		devices int
 		// check, if set, inspects the allocated devices.
 		check func(devices []string)
+		// overLimit: the claim asks for more than AllocationResultsMaxSize
+		// devices.
+		overLimit bool
 	}
 	cases := []hostile{
 		{name: "one-of-1024", group: "big", requests: []resourceapi.DeviceRequest{exact(1)}, devices: 1},
 		{name: "8-of-1024", group: "big", requests: []resourceapi.DeviceRequest{exact(8)}, devices: 8},
 		{name: "max-results", group: "big", requests: []resourceapi.DeviceRequest{exact(maxResults)}, devices: maxResults},
-		{name: "over-max-results", group: "big", requests: []resourceapi.DeviceRequest{exact(maxResults + 1)}},
-		{name: "all-of-1024", group: "big", requests: []resourceapi.DeviceRequest{all}},
+		{name: "over-max-results", group: "big", requests: []resourceapi.DeviceRequest{exact(maxResults + 1)}, overLimit: true},
+		{name: "all-of-1024", group: "big", requests: []resourceapi.DeviceRequest{all}, overLimit: true},
 		{name: "max-requests", group: "big", requests: repeat(maxRequests, exact(1)), devices: maxRequests},
-		{name: "max-requests-over-max-results", group: "big", requests: repeat(maxRequests, exact(2))},
+		{name: "max-requests-over-max-results", group: "big", requests: repeat(maxRequests, exact(2)), overLimit: true},
 		{name: "long-attribute-selector", group: "limits", devices: 1,
 			requests: []resourceapi.DeviceRequest{exact(1, fmt.Sprintf("device.attributes[%q].%s == %q", limitsAttr.domain, limitsAttr.id, limitsValue(wantDevice)))},
 			check: func(devices []string) {
@@ -511,8 +521,11 @@ func TestHostileObjects(t *testing.T) {
 					t.Errorf("the selector on a maximum-length attribute got %s, want %s", devices[0], want)
 				}
 			}},
-		{name: "all-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{all}},
+		{name: "all-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{all}, overLimit: true},
 		{name: "many-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{exact(maxResults)}, devices: maxResults},
+		{name: "duplicate-names", group: "duplicates", requests: []resourceapi.DeviceRequest{exact(1)}},
+		{name: "incomplete-pool", group: "incomplete", requests: []resourceapi.DeviceRequest{exact(1)}},
+		{name: "all-of-incomplete-pool", group: "incomplete", requests: []resourceapi.DeviceRequest{all}},
 	}
 
 	// One request more than DeviceRequestsMaxSize is the API server's to
@@ -530,6 +543,11 @@ func TestHostileObjects(t *testing.T) {
 	for _, c := range cases {
 		created[c.name] = time.Now()
 		e.pod(c.name, topodraName, c.group, c.name)
+		if c.devices == 0 {
+			// The stock scheduler's verdict on the same claim.
+			created["stock-"+c.name] = time.Now()
+			e.pod("stock-"+c.name, stockName, c.group, c.name)
+		}
 	}
 	// Ordinary pods created behind the hostile ones are scheduled too.
 	template := e.template(1, nil)
@@ -543,11 +561,24 @@ func TestHostileObjects(t *testing.T) {
 		took := decided[c.name].took.Round(time.Millisecond)
 		cond := framework.PodScheduledCondition(pod)
 		if c.devices == 0 {
-			if pod.Spec.NodeName != "" {
+			stock := decided["stock-"+c.name].pod
+			stockCond := framework.PodScheduledCondition(stock)
+			switch {
+			case pod.Spec.NodeName != "":
 				t.Errorf("%s: bound to %s, want not scheduled", c.name, pod.Spec.NodeName)
-			} else {
+			case cond.Message == "":
+				t.Errorf("%s: not scheduled (%s) without a message", c.name, cond.Reason)
+			case stock.Spec.NodeName != "":
+				t.Errorf("%s: the stock scheduler bound it to %s", c.name, stock.Spec.NodeName)
+			case cond.Reason != stockCond.Reason:
+				t.Errorf("%s: not scheduled as %s (%s), the stock scheduler says %s (%s)", c.name, cond.Reason, cond.Message, stockCond.Reason, stockCond.Message)
+			}
+			if c.overLimit {
 				expectOverLimit(t, c.name, cond)
-				t.Logf("%s: not scheduled after %s: %s: %s", c.name, took, cond.Reason, cond.Message)
+			}
+			t.Logf("%s: not scheduled after %s: %s: %s", c.name, took, cond.Reason, cond.Message)
+			if stockCond != nil {
+				t.Logf("%s: the stock scheduler says %s: %s", c.name, stockCond.Reason, stockCond.Message)
 			}
 			continue
 		}
@@ -567,17 +598,6 @@ func TestHostileObjects(t *testing.T) {
 		e.devicesOf(e.waitScheduled(fmt.Sprintf("ordinary-%d", i)))
 	}
 
-	// The stock scheduler answers a claim over the results limit the same
-	// way: it is the upstream allocator's verdict.
-	startStock(tCtx)
-	e.pod("stock-over-max-results", stockName, "big", "over-max-results")
-	if pod := e.waitDecided("stock-over-max-results"); pod.Spec.NodeName != "" {
-		t.Errorf("the stock scheduler bound a claim of %d devices to %s", maxResults+1, pod.Spec.NodeName)
-	} else {
-		cond := framework.PodScheduledCondition(pod)
-		expectOverLimit(t, "stock-over-max-results", cond)
-		t.Logf("stock scheduler: %s: %s", cond.Reason, cond.Message)
-	}
 	t.Logf("nodes: %s (1,024 GPUs), %s (one slice at the limits)", bigNode, limitsNode)
 	e.expectNoViolations()
 }
@@ -706,6 +726,23 @@ func limitsDeviceName(i int) string {
 // and whose values have DeviceAttributeMaxValueLength characters, unique
 // per device and attribute. It returns the node, the name of the first
 // attribute and the value of that attribute per device.
+// brokenPoolNode creates a node in group whose pool has the given number of
+// slices, each with gpu-0..gpu-3 of the DGX-like layout (so the names repeat
+// from the second slice on), and announces announced slices.
+func (e *env) brokenPoolNode(group string, slices, announced int) string {
+	name := e.ns + "-" + group
+	_, err := framework.CreateReadyNode(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group})
+	e.tCtx.ExpectNoError(err)
+	for i := range slices {
+		slice := framework.SliceForNode(name, topology.DriverName, framework.DGXLikeGPUs(name)[:4])
+		slice.Name = fmt.Sprintf("%s-%d", name, i)
+		slice.Spec.Pool.ResourceSliceCount = int64(announced)
+		_, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, slice, metav1.CreateOptions{})
+		e.tCtx.ExpectNoError(err, "create slice "+slice.Name)
+	}
+	return name
+}
+
 func (e *env) limitsNode(group string) (string, qualifiedName, func(device int) string) {
 	name := e.ns + "-" + group
 	_, err := framework.CreateReadyNode(e.tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": group})
