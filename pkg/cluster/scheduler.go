@@ -44,6 +44,10 @@ type LeaderElection struct {
 	// LeaseDuration, RenewDeadline and RetryPeriod as in
 	// KubeSchedulerConfiguration; zero keeps kube-scheduler's default.
 	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
+	// KeepLeaseOnStop: when the replica is stopped while it leads, its
+	// lease is left to expire, as when the process is killed, instead of
+	// being released as on a graceful shutdown.
+	KeepLeaseOnStop bool
 }
 
 // DefaultStockConfig is a config with one stock profile, default-scheduler.
@@ -85,7 +89,10 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 	ctx = klog.NewContext(ctx, logger)
 	done := make(chan error, 1)
 	go func() {
-		err := schedulerapp.Run(ctx, args, opts.Stock)
+		err := schedulerapp.RunWithOptions(ctx, args, schedulerapp.RunOptions{
+			Stock:           opts.Stock,
+			KeepLeaseOnStop: opts.LeaderElection != nil && opts.LeaderElection.KeepLeaseOnStop,
+		})
 		if err != nil && ctx.Err() == nil {
 			// Failed on its own (bad config, API unreachable): say so
 			// where a test log or the simulator's output shows it.

@@ -43,11 +43,18 @@ import (
 
 // TestLeaderFailover runs two topodra-scheduler replicas that elect a
 // leader through a Lease, as a Deployment with two replicas would, and
-// stops the leader while it is scheduling. The other replica must take the
-// lease and schedule every pod, including those created after the leader
-// stopped (only it can bind them), without a double allocation or a pod
-// bound with an unreserved claim.
+// stops the leader while it is scheduling: gracefully (it releases the
+// lease) and as a crash (the lease is left to expire). Each time the other
+// replica must take the lease and schedule every pod, including those
+// created after the leader stopped (only it can bind them), without a
+// double allocation or a pod bound with an unreserved claim.
 func TestLeaderFailover(t *testing.T) {
+	for name, crash := range map[string]bool{"stopped": false, "crashed": true} {
+		t.Run(name, func(t *testing.T) { testLeaderFailover(t, crash) })
+	}
+}
+
+func testLeaderFailover(t *testing.T, crash bool) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "failover")
 	// 10 nodes x 8 GPUs hold the 60 GPUs of the pods below however they
@@ -56,11 +63,12 @@ func TestLeaderFailover(t *testing.T) {
 	templates := []string{e.template(1, nil), e.template(2, nil)}
 
 	election := &cluster.LeaderElection{
-		Namespace:     e.ns,
-		Name:          "topodra-scheduler",
-		LeaseDuration: 4 * time.Second,
-		RenewDeadline: 2 * time.Second,
-		RetryPeriod:   time.Second,
+		Namespace:       e.ns,
+		Name:            "topodra-scheduler",
+		LeaseDuration:   4 * time.Second,
+		RenewDeadline:   2 * time.Second,
+		RetryPeriod:     time.Second,
+		KeepLeaseOnStop: crash,
 	}
 	startReplica := func(name string) func() {
 		stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: name, Config: config.SchedulerConfig, LeaderElection: election})
@@ -82,10 +90,15 @@ func TestLeaderFailover(t *testing.T) {
 	}
 	createBatch(0)
 	bound := e.waitBoundCount(5, "a few pods of the first batch")
-	// stopA returns once a's scheduler has stopped and its lease is released.
+	// stopA returns once a's scheduler has stopped (and, unless it
+	// crashes, released its lease).
 	stopA()
 	stopped := time.Now()
-	t.Logf("stopped the leader with %d of %d pods bound", bound, perBatch)
+	holder := e.leaseHolder(election.Name)
+	t.Logf("stopped the leader with %d of %d pods bound; lease now held by %q", bound, perBatch, holder)
+	if !crash && holder == holderA {
+		t.Errorf("replica a still holds the lease after a graceful stop")
+	}
 	holderB := e.waitLeaseHolder(election.Name, election.LeaseDuration+30*time.Second, "a holder other than a", func(id string) bool {
 		return id != "" && id != holderA
 	})

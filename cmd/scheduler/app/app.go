@@ -72,6 +72,24 @@ func VersionString() string {
 // schedules only while it holds the lease and returns an error if it loses
 // it (see runElected).
 func Run(ctx context.Context, args []string, stock bool) error {
+	return RunWithOptions(ctx, args, RunOptions{Stock: stock})
+}
+
+// RunOptions are the settings of an in-process scheduler that have no
+// command-line flag.
+type RunOptions struct {
+	// Stock runs plain kube-scheduler without topodra's plugins.
+	Stock bool
+	// KeepLeaseOnStop makes a leader that is stopped through its context
+	// leave its lease to expire instead of releasing it, as a killed
+	// process does: a successor takes over only once the lease duration has
+	// passed. Without leader election it has no effect.
+	KeepLeaseOnStop bool
+}
+
+// RunWithOptions is Run with the settings in opts.
+func RunWithOptions(ctx context.Context, args []string, runOpts RunOptions) error {
+	stock := runOpts.Stock
 	opts := options.NewOptions()
 	fs := pflag.NewFlagSet(SchedulerName, pflag.ContinueOnError)
 	for _, set := range opts.Flags.FlagSets {
@@ -92,7 +110,7 @@ func Run(ctx context.Context, args []string, stock bool) error {
 		return fmt.Errorf("set up scheduler: %w", err)
 	}
 	if cc.LeaderElection != nil {
-		return runElected(ctx, cc, sched, stock)
+		return runElected(ctx, cc, sched, stock, !runOpts.KeepLeaseOnStop)
 	}
 	return runScheduler(ctx, cc, sched, stock)
 }
@@ -127,20 +145,22 @@ var errLostLease = errors.New("lost lease")
 //
 // Upstream's Run elects too, but it ends the process (os.Exit) when it stops
 // leading, even when asked to stop, which an in-process replica must not do.
-// Here, when ctx is done, the scheduler stops first and the lease is released
-// after it has stopped, so that a successor does not start beside it. A
-// standby replica starts its informers only once it leads.
-func runElected(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, sched *scheduler.Scheduler, stock bool) error {
+// Here, when ctx is done, the scheduler stops first and the lease is
+// released (if release is set) after it has stopped, so that a successor
+// does not start beside it. A standby replica starts its informers only
+// once it leads.
+func runElected(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, sched *scheduler.Scheduler, stock, release bool) error {
 	logger := klog.FromContext(ctx)
 	le := *cc.LeaderElection
 	// Upstream's Run must not elect again (cc.LeaderElection) nor add the
 	// elector's watchdog to its health checks (LeaderElect).
 	cc.LeaderElection = nil
 	cc.ComponentConfig.LeaderElection.LeaderElect = false
-	le.ReleaseOnCancel = true
+	le.ReleaseOnCancel = release
 
 	// electCtx keeps ctx's values (logger) but ends only through
-	// stopElect, which releases the lease if it is held.
+	// stopElect, which releases the lease if it is held and release is
+	// set.
 	electCtx, stopElect := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopElect()
 	var (
