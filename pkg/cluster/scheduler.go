@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -36,8 +37,8 @@ type SchedulerOptions struct {
 }
 
 // LeaderElection is the leaderElection section StartScheduler writes into a
-// replica's KubeSchedulerConfiguration. Each replica gets its own identity
-// (kube-scheduler's hostname_uuid), which the Lease's holderIdentity shows.
+// replica's KubeSchedulerConfiguration, and the replica's identity, which
+// the Lease's holderIdentity shows while it leads.
 type LeaderElection struct {
 	// Namespace and Name of the Lease. Both are required.
 	Namespace, Name string
@@ -48,6 +49,9 @@ type LeaderElection struct {
 	// lease is left to expire, as when the process is killed, instead of
 	// being released as on a graceful shutdown.
 	KeepLeaseOnStop bool
+	// Identity is the replica's holder identity: SchedulerOptions.Name
+	// when empty. Replicas of one lease need distinct names.
+	Identity string
 }
 
 // DefaultStockConfig is a config with one stock profile, default-scheduler.
@@ -61,7 +65,7 @@ profiles:
 // the same options and setup code as the binary, with --secure-port=0 and
 // leader election as opts.LeaderElection says (off by default). The
 // returned function stops it and waits until it has stopped (a leader
-// releases its lease); Stop calls it too.
+// releases its lease, unless KeepLeaseOnStop); Stop calls it too.
 func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
 	config := opts.Config
 	if len(config) == 0 && opts.ConfigFile != "" {
@@ -84,15 +88,18 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 	}
 	args := append([]string{"--config=" + path, "--secure-port=0"}, opts.Args...)
 
+	runOpts := schedulerapp.RunOptions{Stock: opts.Stock}
+	if le := opts.LeaderElection; le != nil {
+		runOpts.KeepLeaseOnStop = le.KeepLeaseOnStop
+		runOpts.Identity = cmp.Or(le.Identity, name)
+	}
+
 	ctx, cancel := context.WithCancel(ctx)
 	logger := klog.FromContext(ctx).WithName(name)
 	ctx = klog.NewContext(ctx, logger)
 	done := make(chan error, 1)
 	go func() {
-		err := schedulerapp.RunWithOptions(ctx, args, schedulerapp.RunOptions{
-			Stock:           opts.Stock,
-			KeepLeaseOnStop: opts.LeaderElection != nil && opts.LeaderElection.KeepLeaseOnStop,
-		})
+		err := schedulerapp.RunWithOptions(ctx, args, runOpts)
 		if err != nil && ctx.Err() == nil {
 			// Failed on its own (bad config, API unreachable): say so
 			// where a test log or the simulator's output shows it.

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/component-base/configz"
 	k8sversion "k8s.io/component-base/version"
 	"k8s.io/klog/v2"
@@ -85,9 +86,13 @@ type RunOptions struct {
 	// process does: a successor takes over only once the lease duration has
 	// passed. Without leader election it has no effect.
 	KeepLeaseOnStop bool
+	// Identity is the replica's holder identity in the lease. Empty keeps
+	// kube-scheduler's own (hostname_uuid). Without leader election it has
+	// no effect.
+	Identity string
 }
 
-// RunWithOptions is Run with the settings in opts.
+// RunWithOptions is Run with the settings in runOpts.
 func RunWithOptions(ctx context.Context, args []string, runOpts RunOptions) error {
 	stock := runOpts.Stock
 	opts := options.NewOptions()
@@ -110,6 +115,13 @@ func RunWithOptions(ctx context.Context, args []string, runOpts RunOptions) erro
 		return fmt.Errorf("set up scheduler: %w", err)
 	}
 	if cc.LeaderElection != nil {
+		if runOpts.Identity != "" {
+			lock, ok := cc.LeaderElection.Lock.(*resourcelock.LeaseLock)
+			if !ok {
+				return fmt.Errorf("leader election identity %q: lock %T is not a Lease", runOpts.Identity, cc.LeaderElection.Lock)
+			}
+			lock.LockConfig.Identity = runOpts.Identity
+		}
 		return runElected(ctx, cc, sched, stock, !runOpts.KeepLeaseOnStop)
 	}
 	return runScheduler(ctx, cc, sched, stock)
