@@ -35,7 +35,6 @@ import (
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
-	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/pkg/invariant"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -61,7 +60,7 @@ func testLeaderFailover(t *testing.T, crash bool) {
 	e.dgxNodes("dgx", 10, "256")
 	templates := []string{e.template(1, nil), e.template(2, nil)}
 
-	election := &cluster.LeaderElection{
+	election := &framework.LeaderElection{
 		Namespace:       e.ns,
 		Name:            "topodra-scheduler",
 		LeaseDuration:   4 * time.Second,
