@@ -679,18 +679,6 @@ func (e *env) waitAllDecided(created map[string]time.Time) map[string]decision {
 	return out
 }
 
-// waitDecided waits until the scheduler has bound the pod or set its
-// PodScheduled condition to False.
-func (e *env) waitDecided(name string) *v1.Pod {
-	e.tCtx.Helper()
-	pod, err := framework.WaitForPod(e.tCtx, cp.Client, e.ns, name, waitTimeout, "a scheduling decision", func(p *v1.Pod) (bool, error) {
-		c := framework.PodScheduledCondition(p)
-		return p.Spec.NodeName != "" || (c != nil && c.Status == v1.ConditionFalse), nil
-	})
-	e.tCtx.ExpectNoError(err)
-	return pod
-}
-
 // claimTemplate returns a template named name with the given requests,
 // named req-0, req-1, ...
 func (e *env) claimTemplate(name string, requests []resourceapi.DeviceRequest) *resourceapi.ResourceClaimTemplate {
