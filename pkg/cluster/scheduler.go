@@ -1,11 +1,13 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/yaml"
@@ -28,6 +30,28 @@ type SchedulerOptions struct {
 	ConfigFile string
 	// Args are extra command-line flags.
 	Args []string
+	// LeaderElection, when set, runs the scheduler as one replica of a
+	// group that elects a leader through a Lease. Nil means leader
+	// election off.
+	LeaderElection *LeaderElection
+}
+
+// LeaderElection is the leaderElection section StartScheduler writes into a
+// replica's KubeSchedulerConfiguration, and the replica's identity, which
+// the Lease's holderIdentity shows while it leads.
+type LeaderElection struct {
+	// Namespace and Name of the Lease. Both are required.
+	Namespace, Name string
+	// LeaseDuration, RenewDeadline and RetryPeriod as in
+	// KubeSchedulerConfiguration; zero keeps kube-scheduler's default.
+	LeaseDuration, RenewDeadline, RetryPeriod time.Duration
+	// KeepLeaseOnStop: when the replica is stopped while it leads, its
+	// lease is left to expire, as when the process is killed, instead of
+	// being released as on a graceful shutdown.
+	KeepLeaseOnStop bool
+	// Identity is the replica's holder identity: SchedulerOptions.Name
+	// when empty. Replicas of one lease need distinct names.
+	Identity string
 }
 
 // DefaultStockConfig is a config with one stock profile, default-scheduler.
@@ -39,8 +63,9 @@ profiles:
 
 // StartScheduler runs a scheduler in process against the control plane, from
 // the same options and setup code as the binary, with --secure-port=0 and
-// leader election off. The returned function stops it and waits until it has
-// stopped; Stop calls it too.
+// leader election as opts.LeaderElection says (off by default). The
+// returned function stops it and waits until it has stopped (a leader
+// releases its lease, unless KeepLeaseOnStop); Stop calls it too.
 func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (func(), error) {
 	config := opts.Config
 	if len(config) == 0 && opts.ConfigFile != "" {
@@ -57,18 +82,24 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 	if name == "" {
 		name = "scheduler"
 	}
-	path, err := c.writeSchedulerConfig(name, config)
+	path, err := c.writeSchedulerConfig(name, config, opts.LeaderElection)
 	if err != nil {
 		return nil, err
 	}
 	args := append([]string{"--config=" + path, "--secure-port=0"}, opts.Args...)
+
+	runOpts := schedulerapp.RunOptions{Stock: opts.Stock}
+	if le := opts.LeaderElection; le != nil {
+		runOpts.KeepLeaseOnStop = le.KeepLeaseOnStop
+		runOpts.Identity = cmp.Or(le.Identity, name)
+	}
 
 	ctx, cancel := context.WithCancel(ctx)
 	logger := klog.FromContext(ctx).WithName(name)
 	ctx = klog.NewContext(ctx, logger)
 	done := make(chan error, 1)
 	go func() {
-		err := schedulerapp.Run(ctx, args, opts.Stock)
+		err := schedulerapp.RunWithOptions(ctx, args, runOpts)
 		if err != nil && ctx.Err() == nil {
 			// Failed on its own (bad config, API unreachable): say so
 			// where a test log or the simulator's output shows it.
@@ -89,8 +120,9 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 }
 
 // writeSchedulerConfig fills in the client connection and leader election
-// of a KubeSchedulerConfiguration and writes it to a file.
-func (c *Cluster) writeSchedulerConfig(name string, config []byte) (string, error) {
+// (off when election is nil) of a KubeSchedulerConfiguration and writes it
+// to a file.
+func (c *Cluster) writeSchedulerConfig(name string, config []byte, election *LeaderElection) (string, error) {
 	var obj map[string]any
 	if err := yaml.Unmarshal(config, &obj); err != nil {
 		return "", fmt.Errorf("parse scheduler config: %w", err)
@@ -107,7 +139,24 @@ func (c *Cluster) writeSchedulerConfig(name string, config []byte) (string, erro
 	if le == nil {
 		le = map[string]any{}
 	}
-	le["leaderElect"] = false
+	le["leaderElect"] = election != nil
+	if election != nil {
+		if election.Namespace == "" || election.Name == "" {
+			return "", fmt.Errorf("leader election of scheduler %s: lease namespace and name are required", name)
+		}
+		le["resourceLock"] = "leases"
+		le["resourceNamespace"] = election.Namespace
+		le["resourceName"] = election.Name
+		for key, d := range map[string]time.Duration{
+			"leaseDuration": election.LeaseDuration,
+			"renewDeadline": election.RenewDeadline,
+			"retryPeriod":   election.RetryPeriod,
+		} {
+			if d != 0 {
+				le[key] = d.String()
+			}
+		}
+	}
 	obj["leaderElection"] = le
 	out, err := yaml.Marshal(obj)
 	if err != nil {

@@ -7,6 +7,7 @@ package app
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -16,11 +17,15 @@ import (
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
 	"k8s.io/component-base/configz"
 	k8sversion "k8s.io/component-base/version"
 	"k8s.io/klog/v2"
 	schedapp "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	schedulerserverconfig "k8s.io/kubernetes/cmd/kube-scheduler/app/config"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
+	"k8s.io/kubernetes/pkg/scheduler"
 
 	"github.com/topodra/topodra/pkg/version"
 )
@@ -64,8 +69,32 @@ func VersionString() string {
 // logging configuration alone and stops when ctx is done, so tests and the
 // simulator can run several schedulers (topodra and stock, or a restarted
 // one) in one process. With stock=true it runs plain kube-scheduler without
-// topodra's plugins.
+// topodra's plugins. When the configuration enables leader election, it
+// schedules only while it holds the lease and returns an error if it loses
+// it (see runElected).
 func Run(ctx context.Context, args []string, stock bool) error {
+	return RunWithOptions(ctx, args, RunOptions{Stock: stock})
+}
+
+// RunOptions are the settings of an in-process scheduler that have no
+// command-line flag.
+type RunOptions struct {
+	// Stock runs plain kube-scheduler without topodra's plugins.
+	Stock bool
+	// KeepLeaseOnStop makes a leader that is stopped through its context
+	// leave its lease to expire instead of releasing it, as a killed
+	// process does: a successor takes over only once the lease duration has
+	// passed. Without leader election it has no effect.
+	KeepLeaseOnStop bool
+	// Identity is the replica's holder identity in the lease. Empty keeps
+	// kube-scheduler's own (hostname_uuid). Without leader election it has
+	// no effect.
+	Identity string
+}
+
+// RunWithOptions is Run with the settings in runOpts.
+func RunWithOptions(ctx context.Context, args []string, runOpts RunOptions) error {
+	stock := runOpts.Stock
 	opts := options.NewOptions()
 	fs := pflag.NewFlagSet(SchedulerName, pflag.ContinueOnError)
 	for _, set := range opts.Flags.FlagSets {
@@ -85,6 +114,22 @@ func Run(ctx context.Context, args []string, stock bool) error {
 	if err != nil {
 		return fmt.Errorf("set up scheduler: %w", err)
 	}
+	if cc.LeaderElection != nil {
+		if runOpts.Identity != "" {
+			lock, ok := cc.LeaderElection.Lock.(*resourcelock.LeaseLock)
+			if !ok {
+				return fmt.Errorf("leader election identity %q: lock %T is not a Lease", runOpts.Identity, cc.LeaderElection.Lock)
+			}
+			lock.LockConfig.Identity = runOpts.Identity
+		}
+		return runElected(ctx, cc, sched, stock, !runOpts.KeepLeaseOnStop)
+	}
+	return runScheduler(ctx, cc, sched, stock)
+}
+
+// runScheduler runs the scheduler inline (upstream's path without leader
+// election) until ctx is done.
+func runScheduler(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, sched *scheduler.Scheduler, stock bool) error {
 	// configz refuses a second registration of the same name, and Run
 	// registers "componentconfig" as it starts. In-process schedulers start
 	// one at a time: each removes what the one before registered and waits
@@ -94,12 +139,97 @@ func Run(ctx context.Context, args []string, stock bool) error {
 	klog.FromContext(ctx).V(2).Info("starting in-process scheduler", "stock", stock)
 	done := make(chan error, 1)
 	go func() { done <- schedapp.Run(ctx, cc, sched) }()
-	err = waitRegistered(ctx, done)
+	err := waitRegistered(ctx, done)
 	startMu.Unlock()
 	if err != nil {
 		return err
 	}
 	return <-done
+}
+
+// errLostLease is what runElected returns when the scheduler stopped because
+// another replica took the lease (upstream's command exits with status 1).
+var errLostLease = errors.New("lost lease")
+
+// runElected competes for the lease described by cc.LeaderElection and runs
+// the scheduler (runScheduler) only while it holds it. It returns nil when
+// ctx is done and errLostLease when the lease was lost.
+//
+// Upstream's Run elects too, but it ends the process (os.Exit) when it stops
+// leading, even when asked to stop, which an in-process replica must not do.
+// Here, when ctx is done, the scheduler stops first and the lease is
+// released (if release is set) after it has stopped, so that a successor
+// does not start beside it. A standby replica starts its informers only
+// once it leads.
+func runElected(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, sched *scheduler.Scheduler, stock, release bool) error {
+	logger := klog.FromContext(ctx)
+	le := *cc.LeaderElection
+	// Upstream's Run must not elect again (cc.LeaderElection) nor add the
+	// elector's watchdog to its health checks (LeaderElect).
+	cc.LeaderElection = nil
+	cc.ComponentConfig.LeaderElection.LeaderElect = false
+	le.ReleaseOnCancel = release
+
+	// electCtx keeps ctx's values (logger) but ends only through
+	// stopElect, which releases the lease if it is held and release is
+	// set.
+	electCtx, stopElect := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopElect()
+	var (
+		mu       sync.Mutex
+		leading  bool // guarded by mu
+		stopping bool // guarded by mu
+	)
+	schedDone := make(chan error, 1)
+	// While standing by, stop competing as soon as ctx is done. While
+	// leading, OnStartedLeading stops the scheduler first, then the
+	// election.
+	stopWatch := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		stopping = true
+		if !leading {
+			stopElect()
+		}
+	})
+	defer stopWatch()
+	le.Callbacks = leaderelection.LeaderCallbacks{
+		OnStartedLeading: func(leaseCtx context.Context) {
+			mu.Lock()
+			if stopping {
+				mu.Unlock()
+				return
+			}
+			leading = true
+			mu.Unlock()
+			logger.Info("leading, starting to schedule", "identity", le.Lock.Identity())
+			runCtx, cancel := context.WithCancel(leaseCtx)
+			stopRun := context.AfterFunc(ctx, cancel)
+			err := runScheduler(runCtx, cc, sched, stock)
+			stopRun()
+			cancel()
+			schedDone <- err
+			stopElect()
+		},
+		OnStoppedLeading: func() {},
+	}
+	elector, err := leaderelection.NewLeaderElector(le)
+	if err != nil {
+		return fmt.Errorf("create leader elector: %w", err)
+	}
+	logger.V(2).Info("competing for the scheduler lease", "identity", le.Lock.Identity(), "lease", le.Lock.Describe())
+	elector.Run(electCtx)
+	mu.Lock()
+	led := leading
+	mu.Unlock()
+	if led {
+		// The scheduler stops when the lease ends (leaseCtx); wait for it.
+		<-schedDone
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	return errLostLease
 }
 
 const configzName = "componentconfig"

@@ -46,5 +46,9 @@ func StartProcess(ctx context.Context, extraFlags ...string) (*ControlPlane, err
 // SchedulerOptions says which scheduler StartScheduler runs.
 type SchedulerOptions = cluster.SchedulerOptions
 
+// LeaderElection makes a scheduler one replica of a group that elects a
+// leader through a Lease (see cluster.LeaderElection).
+type LeaderElection = cluster.LeaderElection
+
 // DefaultStockConfig is a config with one stock profile, default-scheduler.
 const DefaultStockConfig = cluster.DefaultStockConfig
