@@ -19,9 +19,11 @@ build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-check ./cmd/topodra-check
 	@if ls cmd/simulator/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-sim ./cmd/simulator; fi
 
-# What CI runs: unit and integration tests.
+# What CI runs: unit, integration and load tests, then each fuzz target
+# for a few seconds (the instrumented builds take minutes the first time).
 test:
 	$(GO) test $(TEST_FLAGS) ./...
+	$(MAKE) fuzz FUZZTIME=3s
 
 unit:
 	$(GO) test $(TEST_FLAGS) ./pkg/... ./cmd/...
@@ -29,7 +31,7 @@ unit:
 integration:
 	$(GO) test $(TEST_FLAGS) ./test/integration/...
 
-# Each fuzz target for FUZZTIME (their seed corpora also run in `make test`).
+# Each fuzz target for FUZZTIME (their seed corpora run in every go test).
 # The first run instruments and compiles the scheduler's packages: minutes.
 FUZZTIME ?= 10s
 fuzz:
