@@ -53,6 +53,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				ScoringStrategy:            config.MostAllocated,
 				WholeNodeTrade:             0,
 				WholeNodeTradeWhileWaiting: 2,
+				DrainTrade:                 2,
 				RoomWeight:                 70,
 				PackingWeight:              30,
 				Alignment:                  config.AlignmentPrefer,
@@ -126,16 +127,17 @@ func TestValidateArgs(t *testing.T) {
 		mutate  func(*config.TopologyDRAArgs)
 		wantErr string
 	}{
-		"defaults are valid":  {mutate: func(*config.TopologyDRAArgs) {}},
-		"unqualified attr":    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
-		"duplicate attr":      {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
-		"bad strategy":        {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
-		"bad alignment":       {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":        {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
-		"negative weight":     {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
-		"negative trade":      {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
-		"no trade is valid":   {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
-		"zero binding timout": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"defaults are valid":   {mutate: func(*config.TopologyDRAArgs) {}},
+		"unqualified attr":     {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
+		"duplicate attr":       {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"bad strategy":         {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":        {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"zero weights":         {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"negative weight":      {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":       {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"negative drain trade": {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
+		"no trade is valid":    {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
+		"zero binding timout":  {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
