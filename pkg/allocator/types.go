@@ -132,8 +132,11 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 // zero mean DefaultPolicy's.
 func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 
-// ScoreOn is Score with RankOn(q, draining) as the rank: the score of an
-// allocation of quality q on a node that is draining or not.
+// ScoreOn is the score of an allocation of quality q on a node that is
+// draining or not: Score with RankOn(q, draining) as the rank and, on a
+// draining node, room 0 (the node is spoken for, as a whole free node
+// is), so that among placements of equal rank the draining node comes
+// last.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
@@ -145,9 +148,15 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		pack = 1 - q.Packing
 		wr = 0
 	}
+	room := q.Room
+	if draining {
+		// The node is spoken for, as a whole free node is: nothing is
+		// left unbroken there.
+		room = 0
+	}
 	tie := 0.0
 	if wr+wp > 0 {
-		tie = (wr*q.Room + wp*pack) / (wr + wp)
+		tie = (wr*room + wp*pack) / (wr + wp)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
 	score := int64(math.Round(band * (float64(p.RankOn(q, draining)) + 0.96*tie)))

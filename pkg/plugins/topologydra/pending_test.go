@@ -126,8 +126,16 @@ func TestDrainTradeLowersDrainingNodes(t *testing.T) {
 		t.Error("ScoreOn(q, false) should be Score(q)")
 	}
 	args.DrainTrade = 0
-	if off := policyFromArgs(args); off.ScoreOn(rootPair, true) != off.Score(rootPair) {
-		t.Error("drainTrade 0 should ignore draining")
+	strict := policyFromArgs(args)
+	if strict.RankOn(rootPair, true) != 3 {
+		t.Errorf("drainTrade 0 keeps the rank on a draining node: got %d", strict.RankOn(rootPair, true))
+	}
+	if strict.ScoreOn(rootPair, true) <= strict.ScoreOn(numaPair, false) {
+		t.Error("drainTrade 0: the better rank on a draining node should still win")
+	}
+	sameRank := allocator.Quality{Devices: pair, Shared: 3, Room: 0.95, Packing: 0.1}
+	if strict.ScoreOn(rootPair, true) >= strict.Score(sameRank) {
+		t.Errorf("within one rank the draining node (%d) should come last, even against an emptier node (%d)", strict.ScoreOn(rootPair, true), strict.Score(sameRank))
 	}
 	args.DrainTrade = 2
 	args.ScoringStrategy = config.LeastAllocated

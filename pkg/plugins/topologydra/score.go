@@ -39,7 +39,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 			for _, c := range s.allocClaims {
 				own += claimDevices(c)
 			}
-			if pl.policy.DrainTrade > 0 && own < allocator.WholeNodeBlock {
+			if own < allocator.WholeNodeBlock {
 				s.draining = drainingNodes(s, nodes, waiting)
 			}
 		}
