@@ -53,7 +53,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				ScoringStrategy:            config.MostAllocated,
 				WholeNodeTrade:             0,
 				WholeNodeTradeWhileWaiting: 2,
-				DrainTrade:                 2,
+				DrainTrade:                 1,
 				RoomWeight:                 70,
 				PackingWeight:              30,
 				Alignment:                  config.AlignmentPrefer,

@@ -85,7 +85,7 @@ func SetDefaults(a *TopologyDRAArgs) {
 		a.WholeNodeTradeWhileWaiting = ptr.To[int32](2)
 	}
 	if a.DrainTrade == nil {
-		a.DrainTrade = ptr.To[int32](2)
+		a.DrainTrade = ptr.To[int32](1)
 	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
