@@ -184,10 +184,10 @@ func writeTimelines(w io.Writer, r *Report) {
 		for _, v := range []int{0, top / 2, top} {
 			fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\">%d</text>\n", left-4, y(v)+3, v)
 		}
-		for _, t := range []int{0, (ticks - 1) / 2, ticks - 1} {
+		for _, t := range []int{0, (ticks - 1) / 2} {
 			fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"middle\">%d</text>\n", x(t), height-bottom+14, t)
 		}
-		fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\">tick</text>\n", width-pad, height-bottom+14)
+		fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\">tick %d</text>\n", width-pad, height-bottom+14, ticks-1)
 		for i, s := range timelineSeries {
 			var pts []string
 			for _, pt := range res.Timeline {
