@@ -20,7 +20,8 @@ import (
 // PreScore skips scoring for pods with nothing to allocate, and chooses
 // how the nodes are ranked: with WholeNodeTradeWhileWaiting while a pod
 // that needs a whole node is pending, and, for a pod smaller than a whole
-// node, with DrainTrade on the draining nodes (see drainingNodes).
+// node, which nodes are draining (see drainingNodes): Score ranks them
+// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less).
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
 	s, err := getState(cs)
 	if err != nil {
