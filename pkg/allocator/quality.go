@@ -34,6 +34,14 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 		}
 	}
 	matching, nodeUtil := usage(ns, units, seen)
+	for i, m := range matching {
+		if m {
+			q.NodeDevices++
+			if ns.inUse[i] {
+				q.NodeInUse++
+			}
+		}
+	}
 	domains := sharedDomains(ns, L, devs, matching, seen)
 
 	coords := make([]topology.Coordinates, len(devs))

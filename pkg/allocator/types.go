@@ -51,6 +51,12 @@ type Policy struct {
 	// to one that shares no domain. 0 keeps alignment strictly first;
 	// negative is invalid.
 	WholeNodeTrade int
+	// DrainTrade is how many alignment ranks a placement loses on a
+	// draining node: one that a pending whole-node pod is expected to get
+	// next (the caller says which, see ScoreOn). As with WholeNodeTrade, a
+	// placement is never lowered below rank 1, and only when packing. 0
+	// ignores draining; negative is invalid.
+	DrainTrade int
 	// RoomWeight and PackingWeight mix Quality's Room and Packing into the
 	// part of Score that ranks placements of equal alignment rank; only
 	// their ratio matters. Both zero means DefaultPolicy's; negative
@@ -84,12 +90,27 @@ func DefaultPolicy() Policy {
 }
 
 // Rank is the alignment rank of an allocation of quality q under the
-// policy: q.Shared, lowered by WholeNodeTrade (not below 1) where the
-// allocation breaks up a whole free node and the policy packs.
-func (p Policy) Rank(q Quality) int {
+// policy on a node that is not draining: RankOn(q, false).
+func (p Policy) Rank(q Quality) int { return p.RankOn(q, false) }
+
+// RankOn is the alignment rank of an allocation of quality q on a node
+// that is draining or not: q.Shared, lowered (not below 1, and only when
+// the policy packs) by WholeNodeTrade where the allocation breaks up a
+// whole free node and by DrainTrade where the node is draining.
+func (p Policy) RankOn(q Quality, draining bool) int {
 	r := q.Shared
-	if p.Packing && q.BreaksNode && r > 1 {
-		r = max(1, r-p.WholeNodeTrade)
+	if !p.Packing || r <= 1 {
+		return r
+	}
+	trade := 0
+	if q.BreaksNode {
+		trade += p.WholeNodeTrade
+	}
+	if draining {
+		trade += p.DrainTrade
+	}
+	if trade > 0 {
+		r = max(1, r-trade)
 	}
 	return r
 }
@@ -109,7 +130,14 @@ func (p Policy) Rank(q Quality) int {
 // spread) keep their say. The allocator uses it for Quality.Score and the
 // scheduler plugin for node scores. RoomWeight and PackingWeight both
 // zero mean DefaultPolicy's.
-func (p Policy) Score(q Quality) int64 {
+func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
+
+// ScoreOn is the score of an allocation of quality q on a node that is
+// draining or not: Score with RankOn(q, draining) as the rank and, on a
+// draining node, room 0 (the node is spoken for, as a whole free node
+// is), so that among placements of equal rank the draining node comes
+// last.
+func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
 		def := DefaultPolicy()
@@ -120,12 +148,18 @@ func (p Policy) Score(q Quality) int64 {
 		pack = 1 - q.Packing
 		wr = 0
 	}
+	room := q.Room
+	if draining {
+		// The node is spoken for, as a whole free node is: nothing is
+		// left unbroken there.
+		room = 0
+	}
 	tie := 0.0
 	if wr+wp > 0 {
-		tie = (wr*q.Room + wp*pack) / (wr + wp)
+		tie = (wr*room + wp*pack) / (wr + wp)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
-	score := int64(math.Round(band * (float64(p.Rank(q)) + 0.96*tie)))
+	score := int64(math.Round(band * (float64(p.RankOn(q, draining)) + 0.96*tie)))
 	return max(0, min(100, score))
 }
 
@@ -200,6 +234,10 @@ type Quality struct {
 	// one attribute that hold all its devices (a device without the
 	// attribute counts as a domain of its own).
 	DomainsSpanned int
+	// NodeDevices is how many of the node's devices match the pod's
+	// requests; NodeInUse how many of them other pods hold (before this
+	// allocation).
+	NodeDevices, NodeInUse int
 	// Packing in [0,1]: the mean of how much of the node's matching devices
 	// are in use after this allocation and how full, on average, the
 	// domains all devices share (every level; a single device shares each

@@ -13,7 +13,8 @@ import (
 // WriteHTML writes the report as one self-contained HTML page (inline CSS
 // and SVG, nothing fetched): the side-by-side table, the per-node free
 // capacity at the end, and for each scheduler a map of every node's GPUs at
-// the end and at each checkpoint. A map groups GPUs by NUMA node and PCIe
+// the end and at each checkpoint, and per scheduler a plot of the run over
+// time (see writeTimelines). A map groups GPUs by NUMA node and PCIe
 // root, colors them by pod and draws NVLink cliques as bars under their
 // members. Each map is an <svg class="node-map"> with data-scheduler,
 // data-node and data-snapshot ("end" or "tick N") attributes.
@@ -76,6 +77,8 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
+
+	writeTimelines(w, r)
 
 	// Per node at the end.
 	p("<h2>Free capacity at the end</h2>\n<table class=\"results\">\n<thead><tr><th>node</th><th>profile</th>")
@@ -141,6 +144,64 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	return w.Flush()
 }
 
+// timelineSeries are the lines of a timeline plot: label, color, value.
+var timelineSeries = []struct {
+	label, color string
+	value        func(TickPoint) int
+}{
+	{"pods waiting", "#d1495b", func(p TickPoint) int { return p.Waiting }},
+	{"whole free nodes", "#00798c", func(p TickPoint) int { return p.FreeNodes }},
+	{"whole free NUMA nodes", "#edae49", func(p TickPoint) int { return p.FreeNUMA }},
+}
+
+// writeTimelines writes, per scheduler, an <svg class="timeline"
+// data-scheduler="..."> that plots each tick's pods waiting, whole free
+// nodes and whole free NUMA nodes (Result.Timeline), all schedulers on one
+// scale, and a note that one run is not a verdict. Nothing when no result
+// has a timeline.
+func writeTimelines(w io.Writer, r *Report) {
+	e := html.EscapeString
+	ticks, top := 0, 1
+	for _, res := range r.Results {
+		for _, pt := range res.Timeline {
+			ticks = max(ticks, pt.Tick+1)
+			for _, s := range timelineSeries {
+				top = max(top, s.value(pt))
+			}
+		}
+	}
+	if ticks == 0 {
+		return
+	}
+	const width, height, left, bottom, pad = 520.0, 200.0, 34.0, 22.0, 8.0
+	x := func(tick int) float64 { return left + (width-left-pad)*float64(tick)/float64(max(1, ticks-1)) }
+	y := func(v int) float64 { return pad + (height-bottom-pad)*(1-float64(v)/float64(top)) }
+	fmt.Fprintf(w, "<h2>Over time</h2>\n<p class=\"note\">At the end of each tick: pods waiting (created, not bound), whole free nodes and whole free NUMA nodes (4 free GPUs). Fragmentation shows as free nodes and NUMA nodes that vanish while pods wait. Runs vary: the order in which a tick's pods are scheduled and the stock scheduler's random choice among equal nodes change one run's outcome (the same seed has given the stock scheduler twice the pod-ticks of another run). Judge over many seeds: <code>make placement</code> (<code>--seeds 1-8</code>) is the verdict, not one run.</p>\n<div class=\"columns\">\n")
+	for _, res := range r.Results {
+		fmt.Fprintf(w, "<div class=\"column\"><h4>%s</h4>\n", e(res.Scheduler))
+		fmt.Fprintf(w, "<svg class=\"timeline\" data-scheduler=\"%s\" xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\">\n", e(res.Scheduler), width, height+18, width, height+18)
+		fmt.Fprintf(w, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"white\" stroke=\"#d8dde5\"/>\n", left, pad, width-left-pad, height-bottom-pad)
+		for _, v := range []int{0, top / 2, top} {
+			fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\">%d</text>\n", left-4, y(v)+3, v)
+		}
+		for _, t := range []int{0, (ticks - 1) / 2} {
+			fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"middle\">%d</text>\n", x(t), height-bottom+14, t)
+		}
+		fmt.Fprintf(w, "<text x=\"%.1f\" y=\"%.1f\" font-size=\"10\" text-anchor=\"end\">tick %d</text>\n", width-pad, height-bottom+14, ticks-1)
+		for i, s := range timelineSeries {
+			var pts []string
+			for _, pt := range res.Timeline {
+				pts = append(pts, fmt.Sprintf("%.1f,%.1f", x(pt.Tick), y(s.value(pt))))
+			}
+			fmt.Fprintf(w, "<polyline data-series=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"1.8\" points=\"%s\"/>\n", e(s.label), s.color, strings.Join(pts, " "))
+			lx := left + float64(i)*160
+			fmt.Fprintf(w, "<rect x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"4\" fill=\"%s\"/><text x=\"%.1f\" y=\"%.1f\" font-size=\"11\">%s</text>\n", lx, height+8, s.color, lx+16, height+13, e(s.label))
+		}
+		fmt.Fprintf(w, "</svg>\n</div>\n")
+	}
+	fmt.Fprintf(w, "</div>\n")
+}
+
 const css = `
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #1d2430; background: #fafbfc; }
 h1 { margin: 0 0 4px; } h2 { margin-top: 28px; } h3 { margin: 18px 0 6px; } h4 { margin: 6px 0; font-size: 16px; }
@@ -155,7 +216,7 @@ table.results tr.sub th { font-weight: normal; padding-left: 24px; }
 .node { display: inline-block; vertical-align: top; margin: 0 6px 6px 0; background: white; border: 1px solid #d8dde5; border-radius: 6px; padding: 6px; }
 .node-title { font-size: 12px; font-weight: 600; margin-bottom: 2px; }
 .node-title span { font-weight: normal; color: #5b6575; }
-svg.node-map text { font-family: system-ui, sans-serif; }
+svg.node-map text, svg.timeline text { font-family: system-ui, sans-serif; }
 `
 
 // Geometry of a node map.

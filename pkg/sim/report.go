@@ -162,6 +162,17 @@ type NodeEnd struct {
 	Fit4 int `json:"fit4GPUNUMAAligned"`
 }
 
+// TickPoint is the state of a run at the end of one tick.
+type TickPoint struct {
+	Tick int `json:"tick"`
+	// Waiting counts the pods created and not bound.
+	Waiting int `json:"waiting"`
+	// FreeNodes counts the nodes with GPUs of which none is in use;
+	// FreeNUMA the whole free NUMA nodes of 4 GPUs (NodeEnd.Fit4 summed).
+	FreeNodes int `json:"freeNodes"`
+	FreeNUMA  int `json:"freeNUMANodes"`
+}
+
 // Result is the outcome of one scheduler's run.
 type Result struct {
 	Scheduler       string    `json:"scheduler"`
@@ -188,6 +199,9 @@ type Result struct {
 	// start aligned: the fragmentation measure that does not depend on
 	// which jobs happen to run at the end.
 	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
+	// Timeline has one point per tick, taken after the tick's arrivals
+	// were bound or marked unschedulable.
+	Timeline []TickPoint `json:"timeline,omitempty"`
 	// Throughput is pods bound in their arrival tick per second of time
 	// spent waiting for them.
 	Throughput float64 `json:"throughputPodsPerSecond"`

@@ -357,10 +357,17 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		// to be running): how much of the free capacity sits in whole free
 		// NUMA nodes.
 		free, inBlocks := 0, 0
+		_, _, waiting := tr.counts()
+		point := TickPoint{Tick: tick, Waiting: waiting}
 		for _, e := range nodeEnds(topo, snap) {
 			free += e.FreeGPUs
 			inBlocks += 4 * e.Fit4
+			point.FreeNUMA += e.Fit4
+			if e.GPUs > 0 && e.FreeGPUs == e.GPUs {
+				point.FreeNodes++
+			}
 		}
+		res.Timeline = append(res.Timeline, point)
 		if free > 0 {
 			blockShare += float64(inBlocks) / float64(free)
 			blockTicks++

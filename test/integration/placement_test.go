@@ -185,3 +185,30 @@ func TestWaitingWholeNodePodProtectsNodes(t *testing.T) {
 		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of the empty %s", devices, node, empty)
 	}
 }
+
+// TestDrainingNodeIsLeftToEmpty: while an 8-GPU pod waits, the used DGX
+// closest to free is draining, and a 2-GPU pod leaves it alone: it takes
+// a NUMA node pair on a busier DGX instead of a PCIe-root pair on the
+// draining one. With nothing waiting it takes the PCIe-root pair.
+func TestDrainingNodeIsLeftToEmpty(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "drain")
+	almost := e.node("a", "almost", framework.DGXLikeGPUs, "gpu-0")
+	busy := e.node("a", "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+	two, eight := e.template(2, nil), e.template(8, nil)
+	startTopodra(tCtx)
+
+	node, devices := e.schedule("nothing-waiting", "a", two)
+	if node != almost || !sharedDomain(devices, 2) {
+		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of %s (one GPU in use; %s has four)", devices, node, almost, busy)
+	}
+
+	// No node of group "nowhere" exists: the 8-GPU pod stays pending.
+	e.pod("waiting", topodraName, "nowhere", eight)
+	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
+	tCtx.ExpectNoError(err)
+	node, devices = e.schedule("while-waiting", "a", two)
+	if node != busy || !sharedDomain(devices, 4) {
+		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of %s, leaving %s (closest to free) to drain", devices, node, busy, almost)
+	}
+}

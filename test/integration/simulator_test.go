@@ -257,6 +257,7 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 		return ""
 	}
 	endMaps := map[string][]string{} // scheduler -> nodes
+	timelines := map[string]int{}    // scheduler -> series plotted
 	maps, external := 0, 0
 	for n := range doc.Descendants() {
 		if n.Type != html.ElementNode {
@@ -265,6 +266,13 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 		switch n.Data {
 		case "script", "link", "img", "iframe":
 			external++
+		}
+		if n.Data == "svg" && strings.Contains(attr(n, "class"), "timeline") {
+			for c := range n.Descendants() {
+				if c.Type == html.ElementNode && c.Data == "polyline" && attr(c, "data-series") != "" {
+					timelines[attr(n, "data-scheduler")]++
+				}
+			}
 		}
 		if n.Data == "svg" && strings.Contains(attr(n, "class"), "node-map") {
 			maps++
@@ -281,6 +289,12 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 		nodeNames = append(nodeNames, n.Node)
 	}
 	for _, res := range report.Results {
+		if len(res.Timeline) != report.Ticks {
+			t.Errorf("%s: timeline has %d points, want one per tick (%d)", res.Scheduler, len(res.Timeline), report.Ticks)
+		}
+		if timelines[res.Scheduler] != 3 {
+			t.Errorf("%s: over-time plot has %d series, want 3 (pods waiting, whole free nodes, whole free NUMA nodes)", res.Scheduler, timelines[res.Scheduler])
+		}
 		got := endMaps[res.Scheduler]
 		slices.Sort(got)
 		want := slices.Sorted(slices.Values(nodeNames))

@@ -16,13 +16,11 @@ import (
 	"sync"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
-	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -42,13 +40,13 @@ const Name = "TopologyDRA"
 type TopologyDRA struct {
 	args   config.TopologyDRAArgs
 	policy allocator.Policy
-	// scorePolicy returns the policy whose Score ranks the nodes for pod:
-	// policy, or policy with WholeNodeTradeWhileWaiting while a pod that
-	// needs a whole node is pending (see wholeNodePodWaiting).
-	scorePolicy func(pod *corev1.Pod) allocator.Policy
-	// pods lists the cluster's pods; nil where scorePolicy does not look
-	// at pending pods.
-	pods       corelisters.PodLister
+	// waitingPolicy is policy with WholeNodeTradeWhileWaiting: it ranks
+	// the nodes while a pod that needs a whole node is pending.
+	waitingPolicy allocator.Policy
+	// pending indexes the pending pods with claims; nil where neither
+	// WholeNodeTradeWhileWaiting nor DrainTrade makes scoring look at
+	// pending pods.
+	pending    *pendingIndex
 	features   structured.Features
 	draManager fwk.SharedDRAManager
 	client     kubernetes.Interface
@@ -138,16 +136,12 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		pl.filterTimeout = args.FilterTimeout
 	}
 	pl.policy = policyFromArgs(*args)
-	pl.scorePolicy = func(*corev1.Pod) allocator.Policy { return pl.policy }
-	if args.WholeNodeTradeWhileWaiting > args.WholeNodeTrade && pl.policy.Packing {
-		waiting := pl.policy
-		waiting.WholeNodeTrade = int(args.WholeNodeTradeWhileWaiting)
-		pl.pods = h.SharedInformerFactory().Core().V1().Pods().Lister()
-		pl.scorePolicy = func(pod *corev1.Pod) allocator.Policy {
-			if pl.wholeNodePodWaiting(pod) {
-				return waiting
-			}
-			return pl.policy
+	pl.waitingPolicy = pl.policy
+	pl.waitingPolicy.WholeNodeTrade = int(args.WholeNodeTradeWhileWaiting)
+	if pl.policy.Packing && (args.WholeNodeTradeWhileWaiting > args.WholeNodeTrade || args.DrainTrade > 0) {
+		pl.pending = newPendingIndex()
+		if _, err := h.SharedInformerFactory().Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
+			return nil, fmt.Errorf("watch pending pods: %w", err)
 		}
 	}
 	if args.OwnedTaintKey != "" {
@@ -168,7 +162,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// ranked by alignment (WholeNodeTrade) first, then room and packing mixed
+// ranked by alignment (WholeNodeTrade, DrainTrade) first, then room and packing mixed
 // by RoomWeight and PackingWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 	policy := allocator.Policy{
@@ -176,6 +170,7 @@ func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 		Alignment:      allocator.AlignmentMode(args.Alignment),
 		Packing:        args.ScoringStrategy == config.MostAllocated,
 		WholeNodeTrade: int(args.WholeNodeTrade),
+		DrainTrade:     int(args.DrainTrade),
 		RoomWeight:     float64(args.RoomWeight),
 		PackingWeight:  float64(args.PackingWeight),
 	}

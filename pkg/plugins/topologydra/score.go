@@ -1,12 +1,15 @@
 package topologydra
 
 import (
+	"cmp"
 	"context"
 	"math"
+	"slices"
+	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -15,8 +18,10 @@ import (
 )
 
 // PreScore skips scoring for pods with nothing to allocate, and chooses
-// the policy that ranks the nodes: with WholeNodeTradeWhileWaiting while a
-// pod that needs a whole node is pending.
+// how the nodes are ranked: with WholeNodeTradeWhileWaiting while a pod
+// that needs a whole node is pending, and, for a pod smaller than a whole
+// node, which nodes are draining (see drainingNodes): Score ranks them
+// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less).
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
 	s, err := getState(cs)
 	if err != nil {
@@ -26,7 +31,20 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	if s.allocator == nil {
 		return fwk.NewStatus(fwk.Skip)
 	}
-	s.scorePolicy = pl.scorePolicy(pod)
+	s.scorePolicy = pl.policy
+	s.draining = nil
+	if pl.pending != nil {
+		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get); waiting > 0 {
+			s.scorePolicy = pl.waitingPolicy
+			own := 0
+			for _, c := range s.allocClaims {
+				own += claimDevices(c)
+			}
+			if own < allocator.WholeNodeBlock {
+				s.draining = drainingNodes(s, nodes, waiting)
+			}
+		}
+	}
 	s.choiceLevels = 0
 	if pl.features.PrioritizedList {
 		for _, c := range s.allocClaims {
@@ -38,63 +56,44 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		}
 	}
 	if logger := klog.FromContext(ctx); logger.V(5).Enabled() {
-		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade)
+		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade, "draining", sets.List(s.draining))
 	}
 	return nil
 }
 
-// wholeNodePodWaiting reports whether a pod other than pod, of the same
-// scheduler, is pending (not bound, not being deleted) and asks, in its
-// claims that are not allocated yet, for allocator.WholeNodeBlock devices
-// or more (exact counts; the first subrequest of a firstAvailable
-// request). It reads the informer caches only; a claim not in the cache
-// yet counts as nothing. It walks all pods of the cluster, once per
-// scheduling cycle of a pod with claims.
-func (pl *TopologyDRA) wholeNodePodWaiting(pod *v1.Pod) bool {
-	all, err := pl.pods.List(labels.Everything())
-	if err != nil {
-		return false
+// drainingNodes picks, among the nodes that passed Filter, the waiting
+// nodes (at most) with allocator.WholeNodeBlock or more devices matching
+// the pod's requests that have the fewest of them in use, ties broken by
+// name: the nodes that pending whole-node pods are expected to get first,
+// if the pods being placed now leave them alone.
+func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int) sets.Set[string] {
+	type candidate struct {
+		name  string
+		inUse int
 	}
-	for _, p := range all {
-		if p.UID == pod.UID || p.Spec.NodeName != "" || p.DeletionTimestamp != nil ||
-			p.Spec.SchedulerName != pod.Spec.SchedulerName || len(p.Spec.ResourceClaims) == 0 {
+	var cands []candidate
+	for _, n := range nodes {
+		name := n.Node().Name
+		res := s.getResult(name)
+		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock {
 			continue
 		}
-		if pl.requestedDevices(p) >= allocator.WholeNodeBlock {
-			return true
-		}
+		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse})
 	}
-	return false
-}
-
-// requestedDevices counts the devices that pod's unallocated claims ask
-// for, as far as the claim cache knows them.
-func (pl *TopologyDRA) requestedDevices(pod *v1.Pod) int {
-	n := 0
-	for i := range pod.Spec.ResourceClaims {
-		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
-		if err != nil || name == nil {
-			continue
-		}
-		claim, err := pl.draManager.ResourceClaims().Get(pod.Namespace, *name)
-		if err != nil || claim.Status.Allocation != nil {
-			continue
-		}
-		for _, r := range claim.Spec.Devices.Requests {
-			switch {
-			case r.Exactly != nil && r.Exactly.AllocationMode != resourceapi.DeviceAllocationModeAll:
-				n += int(r.Exactly.Count)
-			case len(r.FirstAvailable) > 0 && r.FirstAvailable[0].AllocationMode != resourceapi.DeviceAllocationModeAll:
-				n += int(r.FirstAvailable[0].Count)
-			}
-		}
+	slices.SortFunc(cands, func(a, b candidate) int {
+		return cmp.Or(cmp.Compare(a.inUse, b.inUse), strings.Compare(a.name, b.name))
+	})
+	out := sets.New[string]()
+	for _, c := range cands[:min(waiting, len(cands))] {
+		out.Insert(c.name)
 	}
-	return n
+	return out
 }
 
 // Score returns the score of the allocation Filter found on the node:
 // Policy.Score of its quality (alignment rank, room, packing) under the
-// policy PreScore chose (see policyFromArgs and scorePolicy).
+// policy PreScore chose, on a draining node or not (see policyFromArgs
+// and PreScore).
 func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeInfo fwk.NodeInfo) (int64, *fwk.Status) {
 	s, err := getState(cs)
 	if err != nil {
@@ -104,7 +103,7 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	if res == nil {
 		return 0, nil
 	}
-	score := s.scorePolicy.Score(res.Quality)
+	score := s.scorePolicy.ScoreOn(res.Quality, s.draining.Has(nodeInfo.Node().Name))
 	if s.choiceLevels > 0 {
 		// Like the stock plugin, a node where the pod gets earlier
 		// (preferred) subrequests of its prioritized lists wins; topology

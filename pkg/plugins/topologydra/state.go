@@ -70,9 +70,11 @@ type stateData struct {
 	// the node (nil for claims allocated earlier). Written by Reserve, read
 	// by PreBind and Unreserve.
 	allocations []*resourceapi.AllocationResult
-	// scorePolicy is the policy whose Score ranks the nodes this cycle
-	// (TopologyDRA.scorePolicy). Written by PreScore, read by Score.
+	// scorePolicy is the policy whose ScoreOn ranks the nodes this cycle,
+	// and draining the nodes it ranks as draining (nil: none). Written by
+	// PreScore, read by Score.
 	scorePolicy allocator.Policy
+	draining    sets.Set[string]
 	// choiceLevels is the largest sum of subrequest indexes the claims to
 	// allocate can reach (0: no prioritized list to rank by). Written by
 	// PreScore, read by Score.

@@ -65,8 +65,19 @@ type TopologyDRAArgs struct {
 	// devices or more) is pending; it is never less than WholeNodeTrade.
 	WholeNodeTrade             int32
 	WholeNodeTradeWhileWaiting int32
-	RoomWeight                 int32
-	PackingWeight              int32
+	// DrainTrade concerns pods smaller than a whole node while k pods of
+	// this scheduler that need a whole node are pending: the k nodes with
+	// WholeNodeBlock or more matching devices that have the fewest of them
+	// in use (ties: by name) are draining. A placement there has room 0
+	// (last within its alignment rank) and gives up DrainTrade alignment
+	// ranks (never below the loosest aligned rank), so that small pods
+	// leave the node to empty out. Scoring only: a draining node stays
+	// feasible. Draining nodes are chosen whenever demand awareness is on
+	// (WholeNodeTradeWhileWaiting above WholeNodeTrade, or DrainTrade
+	// above 0).
+	DrainTrade    int32
+	RoomWeight    int32
+	PackingWeight int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

@@ -34,6 +34,7 @@ type TopologyDRAArgs struct {
 	ScoringStrategy            *string  `json:"scoringStrategy,omitempty"`
 	WholeNodeTrade             *int32   `json:"wholeNodeTrade,omitempty"`
 	WholeNodeTradeWhileWaiting *int32   `json:"wholeNodeTradeWhileWaiting,omitempty"`
+	DrainTrade                 *int32   `json:"drainTrade,omitempty"`
 	RoomWeight                 *int32   `json:"roomWeight,omitempty"`
 	PackingWeight              *int32   `json:"packingWeight,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
@@ -54,6 +55,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.ScoringStrategy = copyPtr(a.ScoringStrategy)
 	out.WholeNodeTrade = copyPtr(a.WholeNodeTrade)
 	out.WholeNodeTradeWhileWaiting = copyPtr(a.WholeNodeTradeWhileWaiting)
+	out.DrainTrade = copyPtr(a.DrainTrade)
 	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.Alignment = copyPtr(a.Alignment)
@@ -86,6 +88,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.WholeNodeTradeWhileWaiting == nil {
 		a.WholeNodeTradeWhileWaiting = ptr.To[int32](2)
 	}
+	if a.DrainTrade == nil {
+		a.DrainTrade = ptr.To[int32](1)
+	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
 	}
@@ -112,6 +117,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.ScoringStrategy = config.ScoringStrategy(ptr.Deref(in.ScoringStrategy, ""))
 	out.WholeNodeTrade = ptr.Deref(in.WholeNodeTrade, 0)
 	out.WholeNodeTradeWhileWaiting = ptr.Deref(in.WholeNodeTradeWhileWaiting, 0)
+	out.DrainTrade = ptr.Deref(in.DrainTrade, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -129,6 +135,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.ScoringStrategy = ptr.To(string(in.ScoringStrategy))
 	out.WholeNodeTrade = ptr.To(in.WholeNodeTrade)
 	out.WholeNodeTradeWhileWaiting = ptr.To(in.WholeNodeTradeWhileWaiting)
+	out.DrainTrade = ptr.To(in.DrainTrade)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))

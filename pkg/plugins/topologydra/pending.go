@@ -1,0 +1,163 @@
+package topologydra
+
+import (
+	"sync"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+
+	"github.com/topodra/topodra/pkg/allocator"
+)
+
+// pendingIndex holds the pending pods with claims, by scheduler name, fed
+// by the scheduler's pod informer: PreScore asks it how many pods that
+// need a whole node wait, at a cost that grows with the pending pods of
+// one scheduler, not with the cluster. A pod is pending while it is not
+// bound and not being deleted. Safe for concurrent use.
+type pendingIndex struct {
+	mu sync.Mutex
+	// pods maps scheduler name, then pod UID, to the pod's entry.
+	pods map[string]map[types.UID]*pendingPod
+}
+
+// pendingPod is an index entry.
+type pendingPod struct {
+	pod *v1.Pod
+	// devices is what the pod's claims ask for in all (allocated or not),
+	// once every claim was found in the claim cache; -1 until then. Claim
+	// specs do not change, so a known count stays valid.
+	devices int
+}
+
+func newPendingIndex() *pendingIndex {
+	return &pendingIndex{pods: map[string]map[types.UID]*pendingPod{}}
+}
+
+// handler is the pod informer's event handler that keeps the index.
+func (ix *pendingIndex) handler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { ix.update(obj) },
+		UpdateFunc: func(_, obj any) { ix.update(obj) },
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if pod, ok := obj.(*v1.Pod); ok {
+				ix.remove(pod)
+			}
+		},
+	}
+}
+
+func (ix *pendingIndex) update(obj any) {
+	pod, ok := obj.(*v1.Pod)
+	if !ok {
+		return
+	}
+	if pod.Spec.NodeName != "" || pod.DeletionTimestamp != nil || len(pod.Spec.ResourceClaims) == 0 {
+		ix.remove(pod)
+		return
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	bySched := ix.pods[pod.Spec.SchedulerName]
+	if bySched == nil {
+		bySched = map[types.UID]*pendingPod{}
+		ix.pods[pod.Spec.SchedulerName] = bySched
+	}
+	if e := bySched[pod.UID]; e != nil {
+		// The claims' names may have arrived in the pod's status.
+		if e.devices < 0 {
+			e.pod = pod
+		}
+		return
+	}
+	bySched[pod.UID] = &pendingPod{pod: pod, devices: -1}
+}
+
+func (ix *pendingIndex) remove(pod *v1.Pod) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if bySched := ix.pods[pod.Spec.SchedulerName]; bySched != nil {
+		delete(bySched, pod.UID)
+		if len(bySched) == 0 {
+			delete(ix.pods, pod.Spec.SchedulerName)
+		}
+	}
+}
+
+// wholeNodePods counts the pending pods of pod's scheduler, other than pod,
+// whose claims that are not allocated yet ask for allocator.WholeNodeBlock
+// devices or more (exact counts; the first subrequest of a firstAvailable
+// request). claims looks claims up (the scheduler's claim cache); a claim
+// it does not know yet counts as nothing.
+func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter) int {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	n := 0
+	for uid, e := range ix.pods[pod.Spec.SchedulerName] {
+		if uid == pod.UID {
+			continue
+		}
+		if e.devices < 0 {
+			if total, ok := podDevices(e.pod, claims, false); ok {
+				e.devices = total
+			}
+		}
+		if e.devices >= 0 && e.devices < allocator.WholeNodeBlock {
+			continue
+		}
+		// Few pods ask for whole nodes: only theirs are looked up again,
+		// to leave out claims allocated in the meantime.
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock {
+			n++
+		}
+	}
+	return n
+}
+
+// claimGetter looks up a claim by namespace and name.
+type claimGetter func(namespace, name string) (*resourceapi.ResourceClaim, error)
+
+// podDevices sums the devices that the pod's claims ask for (with
+// unallocatedOnly: its claims that are not allocated), and reports whether
+// every claim was found.
+func podDevices(pod *v1.Pod, claims claimGetter, unallocatedOnly bool) (int, bool) {
+	n, all := 0, true
+	for i := range pod.Spec.ResourceClaims {
+		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
+		if err != nil || name == nil {
+			all = all && err == nil
+			continue
+		}
+		claim, err := claims(pod.Namespace, *name)
+		if err != nil {
+			all = false
+			continue
+		}
+		if unallocatedOnly && claim.Status.Allocation != nil {
+			continue
+		}
+		n += claimDevices(claim)
+	}
+	return n, all
+}
+
+// claimDevices counts the devices a claim asks for: exact counts, and the
+// first subrequest of a firstAvailable request; requests for all matching
+// devices count as none.
+func claimDevices(claim *resourceapi.ResourceClaim) int {
+	n := 0
+	for _, r := range claim.Spec.Devices.Requests {
+		switch {
+		case r.Exactly != nil && r.Exactly.AllocationMode != resourceapi.DeviceAllocationModeAll:
+			n += int(r.Exactly.Count)
+		case len(r.FirstAvailable) > 0 && r.FirstAvailable[0].AllocationMode != resourceapi.DeviceAllocationModeAll:
+			n += int(r.FirstAvailable[0].Count)
+		}
+	}
+	return n
+}

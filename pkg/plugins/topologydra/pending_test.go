@@ -1,0 +1,145 @@
+package topologydra
+
+import (
+	"fmt"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/tools/cache"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+)
+
+func TestPendingIndexCountsWholeNodePods(t *testing.T) {
+	claims := map[string]*resourceapi.ResourceClaim{}
+	claimOf := func(name string, count int64, allocated bool) {
+		c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: name}}
+		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count}}}
+		if allocated {
+			c.Status.Allocation = &resourceapi.AllocationResult{}
+		}
+		claims[name] = c
+	}
+	get := func(ns, name string) (*resourceapi.ResourceClaim, error) {
+		if c, ok := claims[name]; ok {
+			return c, nil
+		}
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "resourceclaims"}, name)
+	}
+	pod := func(name, sched, node string, claimNames ...string) *v1.Pod {
+		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: name, UID: types.UID(name)}}
+		p.Spec.SchedulerName, p.Spec.NodeName = sched, node
+		for _, c := range claimNames {
+			p.Spec.ResourceClaims = append(p.Spec.ResourceClaims, v1.PodResourceClaim{Name: c, ResourceClaimName: ptr.To(c)})
+		}
+		return p
+	}
+	ix := newPendingIndex()
+	h := ix.handler()
+	self := pod("self", "s", "", "small")
+	claimOf("small", 2, false)
+	claimOf("eight", 8, false)
+	claimOf("four-a", 4, false)
+	claimOf("four-b", 4, false)
+	claimOf("done", 8, true)
+	h.OnAdd(self, false)
+	h.OnAdd(pod("big", "s", "", "eight"), false)
+	h.OnAdd(pod("split", "s", "", "four-a", "four-b"), false) // 8 in two claims
+	h.OnAdd(pod("allocated", "s", "", "done"), false)
+	h.OnAdd(pod("unknown", "s", "", "not-created-yet"), false)
+	h.OnAdd(pod("other-scheduler", "other", "", "eight"), false)
+	h.OnAdd(pod("bound", "s", "node-1", "eight"), false)
+	h.OnAdd(pod("no-claims", "s", ""), false)
+	if got := ix.wholeNodePods(self, get); got != 2 {
+		t.Errorf("whole-node pods waiting = %d, want 2 (big and split; not self, allocated, unknown, another scheduler's, bound)", got)
+	}
+
+	claimOf("not-created-yet", 8, false)
+	if got := ix.wholeNodePods(self, get); got != 3 {
+		t.Errorf("after its claim appeared: %d, want 3", got)
+	}
+	big := pod("big", "s", "node-2", "eight")
+	h.OnUpdate(pod("big", "s", "", "eight"), big)
+	h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/split", Obj: pod("split", "s", "", "four-a", "four-b")})
+	if got := ix.wholeNodePods(self, get); got != 1 {
+		t.Errorf("after one was bound and one deleted: %d, want 1", got)
+	}
+	if got := ix.wholeNodePods(pod("x", "other", "", "small"), get); got != 1 {
+		t.Errorf("for the other scheduler: %d, want 1", got)
+	}
+}
+
+func TestDrainingNodes(t *testing.T) {
+	s := &stateData{results: map[string]*allocator.Result{}}
+	var nodes []fwk.NodeInfo
+	add := func(name string, devices, inUse int) {
+		s.results[name] = &allocator.Result{Quality: allocator.Quality{NodeDevices: devices, NodeInUse: inUse}}
+		info := framework.NewNodeInfo()
+		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		nodes = append(nodes, info)
+	}
+	add("d", 8, 5)
+	add("c", 8, 2)
+	add("b", 8, 2)
+	add("small", 2, 0) // too small for a whole-node pod
+	add("a", 8, 7)
+	info := framework.NewNodeInfo()
+	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "infeasible"}})
+	nodes = append(nodes, info)
+	for waiting, want := range map[int][]string{1: {"b"}, 2: {"b", "c"}, 3: {"b", "c", "d"}, 9: {"a", "b", "c", "d"}} {
+		t.Run(fmt.Sprint(waiting), func(t *testing.T) {
+			got := drainingNodes(s, nodes, waiting)
+			if !got.Equal(sets.New(want...)) {
+				t.Errorf("draining = %v, want %v", got.UnsortedList(), want)
+			}
+		})
+	}
+}
+
+func TestDrainTradeLowersDrainingNodes(t *testing.T) {
+	args := *DefaultArgs()
+	p := policyFromArgs(args)
+	pair := []string{"a", "b"}
+	rootPair := allocator.Quality{Devices: pair, Shared: 3, Room: 0.95, Packing: 0.3}
+	numaPair := allocator.Quality{Devices: pair, Shared: 2, Room: 0.95, Packing: 0.6}
+	spanning := allocator.Quality{Devices: pair, Shared: 1, Room: 1, Packing: 0.8}
+	if p.ScoreOn(rootPair, true) >= p.ScoreOn(numaPair, false) {
+		t.Errorf("a root pair on a draining node (%d) should lose to a NUMA pair elsewhere (%d)", p.ScoreOn(rootPair, true), p.ScoreOn(numaPair, false))
+	}
+	if p.RankOn(numaPair, true) != 1 {
+		t.Errorf("draining never lowers below rank 1: got %d", p.RankOn(numaPair, true))
+	}
+	if unaligned := (allocator.Quality{Devices: pair, Shared: 0, Room: 1, Packing: 1}); p.ScoreOn(spanning, true) <= p.ScoreOn(unaligned, false) {
+		t.Error("an aligned placement on a draining node should still beat one that shares no domain")
+	}
+	if p.ScoreOn(rootPair, false) != p.Score(rootPair) {
+		t.Error("ScoreOn(q, false) should be Score(q)")
+	}
+	args.DrainTrade = 0
+	strict := policyFromArgs(args)
+	if strict.RankOn(rootPair, true) != 3 {
+		t.Errorf("drainTrade 0 keeps the rank on a draining node: got %d", strict.RankOn(rootPair, true))
+	}
+	if strict.ScoreOn(rootPair, true) <= strict.ScoreOn(numaPair, false) {
+		t.Error("drainTrade 0: the better rank on a draining node should still win")
+	}
+	sameRank := allocator.Quality{Devices: pair, Shared: 3, Room: 0.95, Packing: 0.1}
+	if strict.ScoreOn(rootPair, true) >= strict.Score(sameRank) {
+		t.Errorf("within one rank the draining node (%d) should come last, even against an emptier node (%d)", strict.ScoreOn(rootPair, true), strict.Score(sameRank))
+	}
+	args.DrainTrade = 2
+	args.ScoringStrategy = config.LeastAllocated
+	if spread := policyFromArgs(args); spread.RankOn(rootPair, true) != 3 {
+		t.Error("draining only counts when packing")
+	}
+}
