@@ -3,8 +3,14 @@ package agent
 import (
 	"context"
 	"errors"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 
@@ -76,6 +82,55 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	if err := a.publish(ctx); err != nil {
 		a.HandleError(ctx, err, "publish health taints")
 	}
+	a.reportUnhealthy(ctx, affected, ev)
+}
+
+// ReasonDeviceUnhealthy is the reason of the warning events on the node and
+// on the prepared claims whose device became unhealthy.
+const ReasonDeviceUnhealthy = "DeviceUnhealthy"
+
+// reportUnhealthy tells the users of the devices: a warning event on every
+// prepared claim that holds one of them (the pods that use the claim may
+// fail), and one on the node that names those claims.
+func (a *Agent) reportUnhealthy(ctx context.Context, devices []string, ev discovery.HealthEvent) {
+	if a.opts.Recorder == nil {
+		return
+	}
+	what := ev.Reason
+	if ev.Message != "" {
+		what += ": " + ev.Message
+	}
+	var users []string
+	if a.store != nil {
+		a.prepareMutex.Lock()
+		cp, err := a.store.Load()
+		a.prepareMutex.Unlock()
+		if err != nil {
+			a.HandleError(ctx, err, "read the checkpoint to report unhealthy devices")
+		} else {
+			uids := slices.Sorted(maps.Keys(cp.Claims))
+			for _, uid := range uids {
+				claim := cp.Claims[uid]
+				for _, d := range claim.Devices {
+					if !slices.Contains(devices, d.Device) {
+						continue
+					}
+					ref := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: claim.Namespace, Name: claim.Name, UID: uid}}
+					a.opts.Recorder.Eventf(ref, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+						"device %s on node %s is unhealthy (%s); pods using this claim may fail", d.Device, a.opts.NodeName, what)
+					users = append(users, claim.Namespace+"/"+claim.Name)
+					break
+				}
+			}
+		}
+	}
+	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.opts.NodeName}}
+	inUse := "no prepared claim uses them"
+	if len(users) > 0 {
+		inUse = "used by claims " + strings.Join(users, ", ")
+	}
+	a.opts.Recorder.Eventf(node, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+		"devices %s are unhealthy (%s), tainted %s; %s", strings.Join(devices, ", "), what, HealthTaintKey, inUse)
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin. An agent without a

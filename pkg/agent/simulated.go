@@ -8,6 +8,7 @@ import (
 
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
@@ -38,6 +39,8 @@ type SimulatedOptions struct {
 	StateDir, CDIDir string
 	// NUMAForm: see discovery.NVMLOptions.
 	NUMAForm discovery.NUMAForm
+	// Recorder, if set, receives the agent's events (see [Options.Recorder]).
+	Recorder events.EventRecorder
 }
 
 // Simulated is a publish-only agent on a simulated machine.
@@ -79,6 +82,7 @@ func StartSimulated(ctx context.Context, opts SimulatedOptions) (*Simulated, err
 		StateDir:    opts.StateDir,
 		CDIDir:      opts.CDIDir,
 		OwnedTaint:  opts.OwnedTaint,
+		Recorder:    opts.Recorder,
 	})
 	if err != nil {
 		return nil, err

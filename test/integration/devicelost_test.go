@@ -1,0 +1,139 @@
+package integration
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// TestDeviceLostGetsNoAllocations: the agent's GPU reports an XID while a
+// prepared claim holds it. The device gets a health taint; the claim and
+// the node get a warning event that says so (the pods using the claim may
+// fail); once the claim is released, the device gets no new allocation:
+// an 8-GPU pod stays pending, a 7-GPU pod binds to the healthy GPUs.
+func TestDeviceLostGetsNoAllocations(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "lost")
+	nodeName := e.ns + "-g-0"
+	_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "g"}, "256")
+	tCtx.ExpectNoError(err)
+	broadcaster := events.NewEventBroadcasterAdapter(cp.Client)
+	broadcaster.StartRecordingToSink(tCtx.Done())
+	defer broadcaster.Shutdown()
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	sim, err := agent.StartSimulated(tCtx, agent.SimulatedOptions{
+		NodeName: nodeName, Machine: machine, KubeClient: cp.Client, OwnedTaint: true,
+		StateDir: t.TempDir(), CDIDir: t.TempDir(), Recorder: broadcaster.NewRecorder("topodra-node-agent"),
+	})
+	tCtx.ExpectNoError(err)
+	defer sim.Stop()
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.Devices) == 8 })
+	startTopodra(tCtx)
+
+	// A running pod with one GPU, prepared by the agent.
+	e.pod("running", topodraName, "g", e.template(1, nil))
+	running := e.waitScheduled("running")
+	claims, err := framework.PodClaims(tCtx, cp.Client, running)
+	tCtx.ExpectNoError(err)
+	if _, err := sim.Agent.PrepareResourceClaims(tCtx, claims); err != nil {
+		tCtx.Fatalf("prepare: %v", err)
+	}
+	devices := framework.AllocatedDevices(claims[0])
+	if len(devices) != 1 {
+		tCtx.Fatalf("running pod has devices %v", devices)
+	}
+	lost := devices[0]
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(*resourceapi.ResourceSlice) bool { return true })
+	index := -1
+	for _, d := range slice.Spec.Devices {
+		if d.Name == lost && d.Attributes["index"].IntValue != nil {
+			index = int(*d.Attributes["index"].IntValue)
+		}
+	}
+	if index < 0 {
+		tCtx.Fatalf("device %s has no index attribute", lost)
+	}
+
+	// The GPU fails.
+	tCtx.ExpectNoError(machine.InjectXID(index, 79))
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "health taint on "+lost, func(s *resourceapi.ResourceSlice) bool {
+		for _, d := range s.Spec.Devices {
+			for _, taint := range d.Taints {
+				if d.Name == lost && taint.Key == agent.HealthTaintKey {
+					return true
+				}
+			}
+		}
+		return false
+	})
+	waitEvent := func(kind, name string) {
+		t.Helper()
+		err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+			list, err := cp.Client.EventsV1().Events(metav1.NamespaceAll).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, nil
+			}
+			for _, ev := range list.Items {
+				if ev.Reason == agent.ReasonDeviceUnhealthy && ev.Regarding.Kind == kind && ev.Regarding.Name == name && strings.Contains(ev.Note, lost) {
+					t.Logf("%s %s: %s", kind, name, ev.Note)
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		tCtx.ExpectNoError(err, "no %s event on %s %s", agent.ReasonDeviceUnhealthy, kind, name)
+	}
+	waitEvent("ResourceClaim", claims[0].Name)
+	waitEvent("Node", nodeName)
+
+	// The claim is released (deallocated by the claim controller; the
+	// test cluster runs no garbage collector to delete it); the failed GPU
+	// is not handed out again.
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "running", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	var left []resourceapi.ResourceClaim
+	if err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		list, err := cp.Client.ResourceV1().ResourceClaims(e.ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		left = left[:0]
+		for _, c := range list.Items {
+			if c.Status.Allocation != nil {
+				left = append(left, c)
+			}
+		}
+		return len(left) == 0, nil
+	}); err != nil {
+		for _, c := range left {
+			t.Logf("claim %s: finalizers %v, deletion %v, reserved %v, allocated %v", c.Name, c.Finalizers, c.DeletionTimestamp, c.Status.ReservedFor, c.Status.Allocation != nil)
+		}
+		tCtx.Fatalf("the running pod's claim was not deallocated: %v", err)
+	}
+	e.pod("eight", topodraName, "g", e.template(8, nil))
+	pod := e.waitFailed("eight")
+	t.Logf("8-GPU pod: %s", framework.PodScheduledCondition(pod).Message)
+	e.pod("seven", topodraName, "g", e.template(7, nil))
+	seven := e.devicesOf(e.waitScheduled("seven"))
+	for _, d := range seven {
+		if strings.HasSuffix(d, "/"+lost) || d == lost {
+			t.Errorf("the 7-GPU pod got the failed GPU %s: %v", lost, seven)
+		}
+	}
+	e.expectClean()
+	if p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "eight", metav1.GetOptions{}); err == nil && p.Spec.NodeName != "" {
+		t.Errorf("8-GPU pod bound to %s although a GPU failed", p.Spec.NodeName)
+	}
+}
