@@ -67,14 +67,8 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "kubelet"})
 	tCtx.ExpectNoError(err)
 
-	// Unix socket paths are limited to ~108 bytes; t.TempDir can be longer.
-	base, err := os.MkdirTemp("", "tk")
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(func() { _ = os.RemoveAll(base) })
-	pluginDir, registryDir, kubeletState := filepath.Join(base, "p"), filepath.Join(base, "r"), filepath.Join(base, "k")
-	for _, dir := range []string{pluginDir, registryDir, kubeletState} {
-		tCtx.ExpectNoError(os.MkdirAll(dir, 0o750))
-	}
+	dirs := shortDirs(tCtx, "tk", "p", "r", "k")
+	pluginDir, registryDir, kubeletState := dirs[0], dirs[1], dirs[2]
 
 	// 1. The kubelet: DRA manager plus plugin manager on the registry
 	// directory. It starts before the agent, as on a node, so that its
@@ -228,4 +222,20 @@ func waitHealth(tCtx ktesting.TContext, manager *kubeletdra.Manager, pod *v1.Pod
 		return false, nil
 	})
 	tCtx.ExpectNoError(err, fmt.Sprintf("kubelet's health of %s is not %s; last: %+v", resourceID, want, last))
+}
+
+// shortDirs creates directories named names below a new temporary
+// directory with a short path (unix socket paths are limited to about 108
+// bytes; t.TempDir can be longer), removed when the test ends.
+func shortDirs(tCtx ktesting.TContext, prefix string, names ...string) []string {
+	base, err := os.MkdirTemp("", prefix)
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(func() { _ = os.RemoveAll(base) })
+	var dirs []string
+	for _, name := range names {
+		dir := filepath.Join(base, name)
+		tCtx.ExpectNoError(os.MkdirAll(dir, 0o750))
+		dirs = append(dirs, dir)
+	}
+	return dirs
 }

@@ -35,7 +35,6 @@ import (
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
-	"github.com/topodra/topodra/pkg/invariant"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -112,7 +111,7 @@ func testLeaderFailover(t *testing.T, crash bool) {
 	if got := e.leaseHolder(election.Name); got != holderB {
 		t.Errorf("lease holder after the run is %q, want b (%s)", got, holderB)
 	}
-	e.expectNoViolations()
+	e.expectClean()
 }
 
 // leaseHolder returns the holderIdentity of a Lease in the test's
@@ -166,32 +165,6 @@ func boundPods(pods []v1.Pod) int {
 	return n
 }
 
-// expectNoViolations runs the invariant checker on the cluster and fails
-// the test for each violation that involves the test's namespace (other
-// tests sharing the cluster may leave theirs on purpose).
-func (e *env) expectNoViolations() {
-	e.tCtx.Helper()
-	violations, err := invariant.Check(e.tCtx, cp.Client)
-	e.tCtx.ExpectNoError(err, "invariant check")
-	for _, v := range violations {
-		if e.involves(v) {
-			e.tCtx.Errorf("violation: %s", v)
-		}
-	}
-}
-
-func (e *env) involves(v invariant.Violation) bool {
-	if strings.HasPrefix(v.Pod, e.ns+"/") {
-		return true
-	}
-	for _, c := range v.Claims {
-		if strings.HasPrefix(c, e.ns+"/") {
-			return true
-		}
-	}
-	return false
-}
-
 // TestAgentRestartNoChurn restarts the node agent (registered with a real
 // kubelet DRA manager, as on a node) with the same plugin, state and CDI
 // directories, as a DaemonSet rollout or a crash does. The new agent must
@@ -209,14 +182,8 @@ func TestAgentRestartNoChurn(t *testing.T) {
 	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "restart"})
 	tCtx.ExpectNoError(err)
 
-	// Unix socket paths are limited to ~108 bytes; t.TempDir can be longer.
-	base, err := os.MkdirTemp("", "tr")
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(func() { _ = os.RemoveAll(base) })
-	pluginDir, registryDir, kubeletState, stateDir, cdiDir := filepath.Join(base, "p"), filepath.Join(base, "r"), filepath.Join(base, "k"), filepath.Join(base, "s"), filepath.Join(base, "c")
-	for _, dir := range []string{pluginDir, registryDir, kubeletState, stateDir, cdiDir} {
-		tCtx.ExpectNoError(os.MkdirAll(dir, 0o750))
-	}
+	dirs := shortDirs(tCtx, "tr", "p", "r", "k", "s", "c")
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
 	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 
 	// Each agent runs on its own mock machine, as a new process opens NVML
@@ -343,7 +310,7 @@ func TestAgentRestartNoChurn(t *testing.T) {
 	if tainted.Name != slice.Name || tainted.Spec.Pool.Generation != slice.Spec.Pool.Generation || tainted.UID != slice.UID {
 		t.Errorf("the health taint came as slice %s (uid %s) generation %d, want the original %s (uid %s) generation %d", tainted.Name, tainted.UID, tainted.Spec.Pool.Generation, slice.Name, slice.UID, slice.Spec.Pool.Generation)
 	}
-	e.expectNoViolations()
+	e.expectClean()
 }
 
 // startKubeletDRA starts the kubelet's DRA manager and plugin manager for a
@@ -622,7 +589,7 @@ func TestHostileObjects(t *testing.T) {
 	}
 
 	t.Logf("nodes: %s (1,024 GPUs), %s (one slice at the limits)", bigNode, limitsNode)
-	e.expectNoViolations()
+	e.expectClean()
 }
 
 // expectOverLimit checks the PodScheduled condition of a pod whose claim
