@@ -13,14 +13,8 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
-	"k8s.io/client-go/tools/record"
-	pluginregistrationv1 "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
-	kubeletconfig "k8s.io/kubernetes/pkg/kubelet/config"
-	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
@@ -73,21 +67,7 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	// 1. The kubelet: DRA manager plus plugin manager on the registry
 	// directory. It starts before the agent, as on a node, so that its
 	// startup wipe of the node's ResourceSlices runs against no slices.
-	kubeletCtx, stopKubelet := context.WithCancel(tCtx)
-	manager, err := kubeletdra.NewManager(tCtx.Logger(), cp.Client, kubeletState)
-	tCtx.ExpectNoError(err)
-	getNode := func(ctx context.Context) (*v1.Node, error) {
-		return cp.Client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
-	}
-	sourcesReady := kubeletconfig.NewSourcesReady(func(sets.Set[string]) bool { return true })
-	tCtx.ExpectNoError(manager.Start(kubeletCtx, func() []*v1.Pod { return nil }, getNode, sourcesReady))
-	plugins := pluginmanager.NewPluginManager(registryDir, record.NewFakeRecorder(10))
-	plugins.AddHandler(pluginregistrationv1.DRAPlugin, manager.GetWatcherHandler())
-	go plugins.Run(kubeletCtx, sourcesReady, kubeletCtx.Done())
-	defer func() {
-		stopKubelet()
-		manager.Stop()
-	}()
+	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 
 	// 2. The agent, with CDI specs from nvcdi over a fake driver root that
 	// holds the driver version the (mock) NVML reports.
