@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
@@ -166,10 +167,7 @@ func TestWaitingWholeNodePodProtectsNodes(t *testing.T) {
 	two, eight := e.template(2, nil), e.template(8, nil)
 	startTopodra(tCtx)
 
-	// No node of group "nowhere" exists: the 8-GPU pod stays pending.
-	e.pod("waiting", topodraName, "nowhere", eight)
-	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
-	tCtx.ExpectNoError(err)
+	e.waitingWholeNodePod("waiting", "a", eight)
 	node, devices := e.schedule("while-waiting", "a", two)
 	if node != used || !sharedDomain(devices, 4) {
 		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of the used %s (not the empty %s)", devices, node, used, empty)
@@ -184,6 +182,21 @@ func TestWaitingWholeNodePodProtectsNodes(t *testing.T) {
 	if node != empty || !sharedDomain(devices, 2) {
 		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of the empty %s", devices, node, empty)
 	}
+}
+
+// waitingWholeNodePod creates a pod of group's nodes with a claim from
+// template that stays pending: it also asks for more CPU than any node
+// has. Its claim stays unallocated, so it counts as a pod that waits for
+// a whole node there.
+func (e *env) waitingWholeNodePod(name, group, template string) {
+	e.tCtx.Helper()
+	pod := framework.PodWithClaims(e.ns, name, topodraName, template)
+	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+	pod.Spec.Containers[0].Resources.Requests = v1.ResourceList{v1.ResourceCPU: resource.MustParse("100000")}
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(e.tCtx, pod, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	_, err = framework.WaitForPodUnschedulable(e.tCtx, cp.Client, e.ns, name, waitTimeout)
+	e.tCtx.ExpectNoError(err)
 }
 
 // TestDrainingNodeIsLeftToEmpty: while an 8-GPU pod waits, the used DGX
@@ -203,10 +216,7 @@ func TestDrainingNodeIsLeftToEmpty(t *testing.T) {
 		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of %s (one GPU in use; %s has four)", devices, node, almost, busy)
 	}
 
-	// No node of group "nowhere" exists: the 8-GPU pod stays pending.
-	e.pod("waiting", topodraName, "nowhere", eight)
-	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
-	tCtx.ExpectNoError(err)
+	e.waitingWholeNodePod("waiting", "a", eight)
 	node, devices = e.schedule("while-waiting", "a", two)
 	if node != busy || !sharedDomain(devices, 4) {
 		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of %s, leaving %s (closest to free) to drain", devices, node, busy, almost)

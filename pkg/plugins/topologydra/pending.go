@@ -7,6 +7,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -92,9 +93,11 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 // wholeNodePods counts the pending pods of pod's scheduler, other than pod,
 // whose claims that are not allocated yet ask for allocator.WholeNodeBlock
 // devices or more (exact counts; the first subrequest of a firstAvailable
-// request). claims looks claims up (the scheduler's claim cache); a claim
-// it does not know yet counts as nothing.
-func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter) int {
+// request) and whose required node affinity (node selector and required
+// terms) admits at least one of nodes: a pod pinned elsewhere waits for
+// other nodes. claims looks claims up (the scheduler's claim cache); a
+// claim it does not know yet counts as nothing.
+func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []*v1.Node) int {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	n := 0
@@ -112,11 +115,23 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter) int {
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitsAny(e.pod, nodes) {
 			n++
 		}
 	}
 	return n
+}
+
+// admitsAny reports whether the pod's required node affinity matches one
+// of nodes.
+func admitsAny(pod *v1.Pod, nodes []*v1.Node) bool {
+	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	for _, node := range nodes {
+		if ok, err := affinity.Match(node); ok && err == nil {
+			return true
+		}
+	}
+	return false
 }
 
 // claimGetter looks up a claim by namespace and name.

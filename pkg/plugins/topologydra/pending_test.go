@@ -44,6 +44,10 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 		}
 		return p
 	}
+	nodes := []*v1.Node{
+		{ObjectMeta: metav1.ObjectMeta{Name: "node-1", Labels: map[string]string{"group": "a"}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "node-2", Labels: map[string]string{"group": "b"}}},
+	}
 	ix := newPendingIndex()
 	h := ix.handler()
 	self := pod("self", "s", "", "small")
@@ -60,22 +64,34 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	h.OnAdd(pod("other-scheduler", "other", "", "eight"), false)
 	h.OnAdd(pod("bound", "s", "node-1", "eight"), false)
 	h.OnAdd(pod("no-claims", "s", ""), false)
-	if got := ix.wholeNodePods(self, get); got != 2 {
+	if got := ix.wholeNodePods(self, get, nodes); got != 2 {
 		t.Errorf("whole-node pods waiting = %d, want 2 (big and split; not self, allocated, unknown, another scheduler's, bound)", got)
 	}
 
 	claimOf("not-created-yet", 8, false)
-	if got := ix.wholeNodePods(self, get); got != 3 {
+	if got := ix.wholeNodePods(self, get, nodes); got != 3 {
 		t.Errorf("after its claim appeared: %d, want 3", got)
 	}
 	big := pod("big", "s", "node-2", "eight")
 	h.OnUpdate(pod("big", "s", "", "eight"), big)
 	h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/split", Obj: pod("split", "s", "", "four-a", "four-b")})
-	if got := ix.wholeNodePods(self, get); got != 1 {
+	if got := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("after one was bound and one deleted: %d, want 1", got)
 	}
-	if got := ix.wholeNodePods(pod("x", "other", "", "small"), get); got != 1 {
+	if got := ix.wholeNodePods(pod("x", "other", "", "small"), get, nodes); got != 1 {
 		t.Errorf("for the other scheduler: %d, want 1", got)
+	}
+
+	// A waiting pod pinned to other nodes does not count for these.
+	claimOf("pinned-eight", 8, false)
+	pinned := pod("pinned", "s", "", "pinned-eight")
+	pinned.Spec.NodeSelector = map[string]string{"group": "c"}
+	h.OnAdd(pinned, false)
+	if got := ix.wholeNodePods(self, get, nodes); got != 1 {
+		t.Errorf("with a whole-node pod pinned to group c: %d, want 1", got)
+	}
+	if got := ix.wholeNodePods(self, get, append(nodes, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-3", Labels: map[string]string{"group": "c"}}})); got != 2 {
+		t.Errorf("with a node of group c among the candidates: %d, want 2", got)
 	}
 }
 
