@@ -40,24 +40,42 @@ var (
 	errDeviceVanished = errors.New("allocated device no longer exists")
 )
 
-// publishedDevices returns the devices that exist: those of the newest
-// generation of each pool in the scheduler's slice cache, as the invariant
-// checker counts them (no VanishedDevice for them).
-func (pl *TopologyDRA) publishedDevices() (map[invariant.Device]bool, error) {
-	resourceSlices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
-	if err != nil {
-		return nil, fmt.Errorf("list resource slices: %w", err)
+// publishedLookup tells whether a device is published: it belongs to the
+// newest generation of its pool in the scheduler's slice cache, as the
+// invariant checker counts devices (no VanishedDevice for it). The slices
+// are listed on the first question only, since most allocations never
+// need it.
+type publishedLookup struct {
+	pl      *TopologyDRA
+	devices map[invariant.Device]bool
+	err     error
+}
+
+func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &publishedLookup{pl: pl} }
+
+func (p *publishedLookup) has(d invariant.Device) (bool, error) {
+	if p.devices == nil && p.err == nil {
+		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+		if err != nil {
+			p.err = fmt.Errorf("list resource slices: %w", err)
+		} else {
+			p.devices = invariant.PublishedDevices(resourceSlices)
+		}
 	}
-	return invariant.PublishedDevices(resourceSlices), nil
+	if p.err != nil {
+		return false, p.err
+	}
+	_, ok := p.devices[d]
+	return ok, nil
 }
 
 // bindingState reports whether an allocated claim's devices are ready to
 // bind (all binding conditions true, or none), and errBindingFailed,
 // errBindingTimeout or errDeviceVanished (wrapped, naming the claim and
-// device) when the allocation can no longer become ready. published are the
-// devices that exist (see publishedDevices); nil skips that check.
-// Unallocated claims are not ready.
-func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published map[invariant.Device]bool) (bool, error) {
+// device) when the allocation can no longer become ready. published tells
+// whether a device exists (asked only for devices that are not ready); nil
+// skips that check. Unallocated claims are not ready.
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published func(invariant.Device) (bool, error)) (bool, error) {
 	alloc := claim.Status.Allocation
 	if alloc == nil {
 		return false, nil
@@ -85,7 +103,11 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 			}
 		}
 		if !deviceReady && published != nil {
-			if _, exists := published[invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device}]; !exists {
+			exists, err := published(invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device})
+			if err != nil {
+				return false, err
+			}
+			if !exists {
 				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
 			}
 		}
@@ -99,16 +121,13 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 
 // bindingFailed reports an allocated claim whose binding failed, timed out
 // or waits for a device that vanished (PreFilter records it; Filter marks
-// the claim unavailable so that PostFilter deallocates it).
-func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim) error {
+// the claim unavailable so that PostFilter deallocates it). published is
+// shared by the claims of one cycle.
+func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim, published *publishedLookup) error {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions([]*resourceapi.ResourceClaim{claim}) {
 		return nil
 	}
-	published, err := pl.publishedDevices()
-	if err != nil {
-		return err
-	}
-	_, err = pl.bindingState(claim, time.Now(), published)
+	_, err := pl.bindingState(claim, time.Now(), published.has)
 	return err
 }
 
@@ -143,10 +162,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
 	start := time.Now()
 	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
-		published, err := pl.publishedDevices()
-		if err != nil {
-			return false, err
-		}
+		published := pl.newPublishedLookup()
 		for i, claim := range s.claims {
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
 			if err != nil {
@@ -162,7 +178,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
 			}
 			s.claims[i] = latest
-			ready, err := pl.bindingState(latest, time.Now(), published)
+			ready, err := pl.bindingState(latest, time.Now(), published.has)
 			if err != nil || !ready {
 				return false, err
 			}

@@ -61,7 +61,14 @@ func TestBindingState(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
-			ready, err := pl.bindingState(tc.claim, tc.now, tc.published)
+			var published func(invariant.Device) (bool, error)
+			if tc.published != nil {
+				published = func(d invariant.Device) (bool, error) {
+					_, ok := tc.published[d]
+					return ok, nil
+				}
+			}
+			ready, err := pl.bindingState(tc.claim, tc.now, published)
 			if ready != tc.wantReady || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
 				t.Errorf("got ready %v, err %v; want ready %v, err %v", ready, err, tc.wantReady, tc.wantErr)
 			}

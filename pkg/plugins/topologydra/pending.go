@@ -9,6 +9,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
 )
@@ -97,7 +98,7 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 // terms) admits at least one of nodes: a pod pinned elsewhere waits for
 // other nodes. claims looks claims up (the scheduler's claim cache); a
 // claim it does not know yet counts as nothing.
-func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []*v1.Node) int {
+func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []fwk.NodeInfo) int {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	n := 0
@@ -124,10 +125,10 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []*
 
 // admitsAny reports whether the pod's required node affinity matches one
 // of nodes.
-func admitsAny(pod *v1.Pod, nodes []*v1.Node) bool {
+func admitsAny(pod *v1.Pod, nodes []fwk.NodeInfo) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	for _, node := range nodes {
-		if ok, err := affinity.Match(node); ok && err == nil {
+		if ok, err := affinity.Match(node.Node()); ok && err == nil {
 			return true
 		}
 	}

@@ -44,10 +44,12 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 		}
 		return p
 	}
-	nodes := []*v1.Node{
-		{ObjectMeta: metav1.ObjectMeta{Name: "node-1", Labels: map[string]string{"group": "a"}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "node-2", Labels: map[string]string{"group": "b"}}},
+	nodeInfo := func(name, group string) fwk.NodeInfo {
+		ni := framework.NewNodeInfo()
+		ni.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"group": group}}})
+		return ni
 	}
+	nodes := []fwk.NodeInfo{nodeInfo("node-1", "a"), nodeInfo("node-2", "b")}
 	ix := newPendingIndex()
 	h := ix.handler()
 	self := pod("self", "s", "", "small")
@@ -90,7 +92,7 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	if got := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("with a whole-node pod pinned to group c: %d, want 1", got)
 	}
-	if got := ix.wholeNodePods(self, get, append(nodes, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-3", Labels: map[string]string{"group": "c"}}})); got != 2 {
+	if got := ix.wholeNodePods(self, get, append(nodes, nodeInfo("node-3", "c"))); got != 2 {
 		t.Errorf("with a node of group c among the candidates: %d, want 2", got)
 	}
 }

@@ -99,6 +99,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 	cs.Write(stateKey, s)
 
+	published := pl.newPublishedLookup()
 	for i, claim := range claims {
 		if claim.Status.Allocation != nil {
 			if !resourceclaim.CanBeReserved(claim) && !resourceclaim.IsReservedForPod(pod, claim, false) {
@@ -113,7 +114,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				}
 				s.availableOnNodes[i] = ns
 			}
-			s.unusable[i] = pl.bindingFailed(claim)
+			s.unusable[i] = pl.bindingFailed(claim, published)
 			continue
 		}
 		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {

@@ -34,11 +34,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	s.scorePolicy = pl.policy
 	s.draining = nil
 	if pl.pending != nil {
-		candidates := make([]*v1.Node, 0, len(nodes))
-		for _, n := range nodes {
-			candidates = append(candidates, n.Node())
-		}
-		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, candidates); waiting > 0 {
+		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
 			own := 0
 			for _, c := range s.allocClaims {
