@@ -64,16 +64,8 @@ func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice 
 		excluded = p.picksOnly(pl, rank, others)
 	}
 
-	// Devices of one slice are contiguous in ns.devices.
 	view := slices.Clone(ns.slices)
-	var runs []sliceRun
-	for i := range ns.devices {
-		si := ns.devices[i].sliceIndex
-		if len(runs) == 0 || runs[len(runs)-1].si != si {
-			runs = append(runs, sliceRun{si: si, from: i})
-		}
-		runs[len(runs)-1].to = i + 1
-	}
+	runs := ns.sliceRuns()
 	var changed []poolKey
 	ordered := make([]int, 0, len(ns.devices))
 	for _, r := range runs {
@@ -114,6 +106,20 @@ func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice 
 // sliceRun is the devices of one slice in nodeState.devices: si is the
 // index in nodeState.slices, [from, to) the device range.
 type sliceRun struct{ si, from, to int }
+
+// sliceRuns splits the node's devices by slice (the devices of one slice
+// are contiguous).
+func (ns *nodeState) sliceRuns() []sliceRun {
+	var runs []sliceRun
+	for i := range ns.devices {
+		si := ns.devices[i].sliceIndex
+		if len(runs) == 0 || runs[len(runs)-1].si != si {
+			runs = append(runs, sliceRun{si: si, from: i})
+		}
+		runs[len(runs)-1].to = i + 1
+	}
+	return runs
+}
 
 // renameReordered renames the slices of pools that have several changed
 // slices (changed lists the pool of every changed slice), so that upstream,
@@ -255,16 +261,11 @@ func chosenOnly(ns *nodeState, allocations []resourceapi.AllocationResult) []*re
 	}
 	const others = 1 << 30
 	view := slices.Clone(ns.slices)
-	hidden := make([]bool, 0)
-	for from := 0; from < len(ns.devices); {
-		si := ns.devices[from].sliceIndex
-		to := from
-		for to < len(ns.devices) && ns.devices[to].sliceIndex == si {
-			to++
-		}
-		slice := ns.slices[si]
+	var hidden []bool
+	for _, r := range ns.sliceRuns() {
+		slice := ns.slices[r.si]
 		hidden = append(hidden[:0], make([]bool, len(slice.Spec.Devices))...)
-		for i := from; i < to; i++ {
+		for i := r.from; i < r.to; i++ {
 			d := &ns.devices[i]
 			_, chosen := rank[[3]string{d.driver, slice.Spec.Pool.Name, d.device.Name}]
 			hidden[d.deviceIndex] = !chosen && len(d.device.ConsumesCounters) == 0
@@ -285,9 +286,8 @@ func chosenOnly(ns *nodeState, allocations []resourceapi.AllocationResult) []*re
 		if len(devices) != len(slice.Spec.Devices) || !sameOrder(devices, slice.Spec.Devices) {
 			c := *slice
 			c.Spec.Devices = devices
-			view[si] = &c
+			view[r.si] = &c
 		}
-		from = to
 	}
 	return view
 }
