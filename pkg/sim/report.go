@@ -171,6 +171,8 @@ type TickPoint struct {
 	// FreeNUMA the whole free NUMA nodes of 4 GPUs (NodeEnd.Fit4 summed).
 	FreeNodes int `json:"freeNodes"`
 	FreeNUMA  int `json:"freeNUMANodes"`
+	// FreeGPUs counts the GPUs not in use.
+	FreeGPUs int `json:"freeGPUs"`
 }
 
 // Result is the outcome of one scheduler's run.
@@ -191,6 +193,15 @@ type Result struct {
 	// PendingPodTicks sums, over all pods, the ticks from arrival to
 	// binding (to the end of the run for pods never bound).
 	PendingPodTicks int `json:"pendingPodTicks"`
+	// PendingGPUTicks sums the same weighted by the GPUs each pod asks
+	// for: the demand that waited. While the cluster is full, a scheduler
+	// can only move it between pods, unless it leaves fewer GPUs idle
+	// while pods wait (IdleWhileWaiting).
+	PendingGPUTicks int `json:"pendingGPUTicks"`
+	// IdleWhileWaiting sums, over the ticks at whose end a pod waits, the
+	// GPUs that are free then: capacity left unused while there was demand
+	// (the waiting pods did not fit into it).
+	IdleWhileWaiting int `json:"idleGPUTicksWhileWaiting"`
 	// WaitByGPUs splits that by the GPUs a pod asks for (0: not a plain
 	// GPU count).
 	WaitByGPUs map[int]*Wait `json:"waitByGPUs,omitempty"`

@@ -367,6 +367,10 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				point.FreeNodes++
 			}
 		}
+		point.FreeGPUs = free
+		if waiting > 0 {
+			res.IdleWhileWaiting += free
+		}
 		res.Timeline = append(res.Timeline, point)
 		if free > 0 {
 			blockShare += float64(inBlocks) / float64(free)
@@ -445,6 +449,7 @@ func (t *tracker) fill(res *Result) {
 		w.Pods++
 		w.Ticks += wait
 		res.PendingPodTicks += wait
+		res.PendingGPUTicks += wait * gpus
 	}
 	res.LatencySamples = len(latencies)
 	res.LatencyP50Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.50))

@@ -68,6 +68,10 @@ type SweepRow struct {
 	Seed      int64  `json:"seed"`
 	Scheduler string `json:"scheduler"`
 	PodTicks  int    `json:"pendingPodTicks"`
+	// GPUTicks and Idle are Result.PendingGPUTicks and
+	// Result.IdleWhileWaiting.
+	GPUTicks int `json:"pendingGPUTicks"`
+	Idle     int `json:"idleGPUTicksWhileWaiting"`
 	// MeanWait is the mean wait in ticks by GPUs per pod (1, 2, 4, 8);
 	// absent where the run had no such pod.
 	MeanWait    map[int]float64 `json:"meanWaitByGPUs"`
@@ -87,6 +91,7 @@ var SweepSizes = []int{1, 2, 4, 8}
 
 func rowOf(scenario string, seed int64, res *Result) SweepRow {
 	row := SweepRow{Scenario: scenario, Seed: seed, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
+		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Throughput: res.Throughput,
 		AttemptP50Ms: res.AttemptP50Ms, Errors: len(res.Errors)}
@@ -140,6 +145,8 @@ type SweepSummary struct {
 	Throughput Stat         `json:"throughputPodsPerSecond"`
 	AttemptP50 Stat         `json:"attemptP50Ms"`
 	// Sums over runs.
+	GPUTicks    int `json:"pendingGPUTicks"`
+	Idle        int `json:"idleGPUTicksWhileWaiting"`
 	NeverPlaced int `json:"neverPlaced"`
 	Fit8        int `json:"fit8GPU"`
 	Fit4        int `json:"fit4GPUNUMAAligned"`
@@ -162,6 +169,8 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		for g, w := range r.MeanWait {
 			waits[g] = append(waits[g], w)
 		}
+		s.GPUTicks += r.GPUTicks
+		s.Idle += r.Idle
 		s.NeverPlaced += r.NeverPlaced
 		s.Fit8 += r.Fit8
 		s.Fit4 += r.Fit4
@@ -304,7 +313,7 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	return rep, nil
 }
 
-const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\t"
+const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\t"
 
 func writeRow(w io.Writer, r SweepRow) {
 	wait := func(g int) string {
@@ -313,8 +322,8 @@ func writeRow(w io.Writer, r SweepRow) {
 		}
 		return "-"
 	}
-	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t\n",
-		r.Scenario, r.Seed, r.Scheduler, r.PodTicks, wait(1), wait(2), wait(4), wait(8),
+	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t\n",
+		r.Scenario, r.Seed, r.Scheduler, r.PodTicks, r.GPUTicks, r.Idle, wait(1), wait(2), wait(4), wait(8),
 		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms)
 }
 
@@ -322,11 +331,11 @@ func writeRow(w io.Writer, r SweepRow) {
 // all runs, then the targets.
 func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "medians [p25-p75] over seeds; never placed, fit 8 and fit 4 summed")
-	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\t")
+	fmt.Fprintln(w, "medians [p25-p75] over seeds; GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed")
+	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\t")
 	line := func(name string, s SweepSummary) {
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t\n", name, s.Scheduler, s.Runs,
-			s.PodTicks, s.MeanWait[1], s.MeanWait[2], s.MeanWait[4], s.MeanWait[8], s.NeverPlaced, s.Fit8, s.Fit4,
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t\n", name, s.Scheduler, s.Runs,
+			s.PodTicks, s.GPUTicks, s.Idle, s.MeanWait[1], s.MeanWait[2], s.MeanWait[4], s.MeanWait[8], s.NeverPlaced, s.Fit8, s.Fit4,
 			100*s.Aligned.Median, s.Throughput.Median, s.AttemptP50.Median)
 	}
 	for _, sc := range r.Scenarios {

@@ -158,6 +158,21 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if waitPods != res.Pods || waitTicks != res.PendingPodTicks || waitTicks < 0 {
 		t.Errorf("%s: waiting by size counts %d pods and %d ticks, want %d pods and %d ticks", name, waitPods, waitTicks, res.Pods, res.PendingPodTicks)
 	}
+	// GPU-weighted waiting and idle capacity agree with the sizes and the
+	// timeline.
+	gpuTicks := 0
+	for g, w := range res.WaitByGPUs {
+		gpuTicks += g * w.Ticks
+	}
+	idle := 0
+	for _, p := range res.Timeline {
+		if p.Waiting > 0 {
+			idle += p.FreeGPUs
+		}
+	}
+	if gpuTicks != res.PendingGPUTicks || idle != res.IdleWhileWaiting {
+		t.Errorf("%s: GPU-ticks waiting %d, idle while waiting %d; by size and timeline %d and %d", name, res.PendingGPUTicks, res.IdleWhileWaiting, gpuTicks, idle)
+	}
 	if res.FreeInWholeNUMA < 0 || res.FreeInWholeNUMA > 1 {
 		t.Errorf("%s: share of free GPUs in whole NUMA nodes %f is not in [0,1]", name, res.FreeInWholeNUMA)
 	}
