@@ -57,6 +57,9 @@ type Policy struct {
 	// placement is never lowered below rank 1, and only when packing. 0
 	// ignores draining; negative is invalid.
 	DrainTrade int
+	// AgeWeight is the weight of Quality.Settled beside RoomWeight and
+	// PackingWeight (packing only; 0: not counted).
+	AgeWeight float64
 	// RoomWeight and PackingWeight mix Quality's Room and Packing into the
 	// part of Score that ranks placements of equal alignment rank; only
 	// their ratio matters. Both zero means DefaultPolicy's; negative
@@ -120,7 +123,7 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 // packing:
 //
 //	band  = 100 / (len(Attributes) + 1)
-//	score = round(band * (Rank(q) + 0.96 * (RoomWeight*room + PackingWeight*packing) / (RoomWeight + PackingWeight)))
+//	score = round(band * (Rank(q) + 0.96 * (RoomWeight*room + PackingWeight*packing + AgeWeight*settled) / (RoomWeight + PackingWeight + AgeWeight)))
 //
 // so a higher Rank always scores higher (the second term stays below one
 // band). room is q.Room when Packing is set (and RoomWeight is left out
@@ -144,9 +147,10 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		wr, wp = def.RoomWeight, def.PackingWeight
 	}
 	pack := q.Packing
+	wa := p.AgeWeight
 	if !p.Packing {
 		pack = 1 - q.Packing
-		wr = 0
+		wr, wa = 0, 0
 	}
 	room := q.Room
 	if draining {
@@ -155,8 +159,8 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		room = 0
 	}
 	tie := 0.0
-	if wr+wp > 0 {
-		tie = (wr*room + wp*pack) / (wr + wp)
+	if wr+wp+wa > 0 {
+		tie = (wr*room + wp*pack + wa*q.Settled) / (wr + wp + wa)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
 	score := int64(math.Round(band * (float64(p.RankOn(q, draining)) + 0.96*tie)))
@@ -252,6 +256,14 @@ type Quality struct {
 	// is in use, and broken when the allocation takes any of them. Blocks
 	// with the same devices count once. 1 when nothing free is broken.
 	Room float64
+	// Settled in [0,1] is how long the node's current device pods have
+	// run, compared with the other nodes a pod can go to: the age of the
+	// node's oldest pod with claims over the largest such age (0 for a
+	// node without such pods). Pods that have run long tend to run on, so
+	// small pods placed beside them leave the other nodes free to empty
+	// out. Set by the scheduler plugin for node scores; the allocator
+	// leaves it 0 (it is the same for every placement on one node).
+	Settled float64
 	// Shared is the alignment rank: how many of the configured attributes
 	// have one value for all devices (devices without the attribute share
 	// none). A single device, or none, shares every attribute. 0 means the

@@ -2,7 +2,9 @@ package topologydra
 
 import (
 	"fmt"
+	"math"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -116,7 +118,7 @@ func TestDrainingNodes(t *testing.T) {
 	nodes = append(nodes, info)
 	for waiting, want := range map[int][]string{1: {"b"}, 2: {"b", "c"}, 3: {"b", "c", "d"}, 9: {"a", "b", "c", "d"}} {
 		t.Run(fmt.Sprint(waiting), func(t *testing.T) {
-			got := drainingNodes(s, nodes, waiting)
+			got := drainingNodes(s, nodes, waiting, nil)
 			if !got.Equal(sets.New(want...)) {
 				t.Errorf("draining = %v, want %v", got.UnsortedList(), want)
 			}
@@ -159,5 +161,70 @@ func TestDrainTradeLowersDrainingNodes(t *testing.T) {
 	args.ScoringStrategy = config.LeastAllocated
 	if spread := policyFromArgs(args); spread.RankOn(rootPair, true) != 3 {
 		t.Error("draining only counts when packing")
+	}
+}
+
+func TestSettlednessAndDrainingByAge(t *testing.T) {
+	now := time.Now()
+	self := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "self", UID: "self", CreationTimestamp: metav1.NewTime(now.Add(-time.Hour))}}
+	self.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
+	pod := func(name string, age time.Duration, claims bool) *v1.Pod {
+		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(name), CreationTimestamp: metav1.NewTime(now.Add(-age))}}
+		if claims {
+			p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
+		}
+		return p
+	}
+	s := &stateData{results: map[string]*allocator.Result{}}
+	var nodes []fwk.NodeInfo
+	add := func(name string, inUse int, pods ...*v1.Pod) {
+		s.results[name] = &allocator.Result{Quality: allocator.Quality{NodeDevices: 8, NodeInUse: inUse}}
+		info := framework.NewNodeInfo(pods...)
+		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		nodes = append(nodes, info)
+	}
+	add("old", 1, pod("service", 40*time.Minute, true), pod("young", time.Minute, true))
+	add("young", 3, pod("job-1", 10*time.Minute, true), pod("job-2", 5*time.Minute, true), pod("no-claims", 50*time.Minute, false))
+	add("empty", 0)
+	add("self-only", 0, self) // the pod being placed does not count
+
+	settled, ages := settledness(nodes, self, now)
+	want := map[string]float64{"old": 1, "young": 0.25, "empty": 0, "self-only": 0}
+	for name, w := range want {
+		if got := settled[name]; math.Abs(got-w) > 1e-9 {
+			t.Errorf("settled[%s] = %v, want %v", name, got, w)
+		}
+	}
+	// Nodes whose pods are youngest drain first, whatever their count in
+	// use: the node of the long-running service is never a target while
+	// another node can take the waiting pod.
+	if got := drainingNodes(s, nodes, 3, ages); !got.Equal(sets.New("empty", "self-only", "young")) {
+		t.Errorf("draining by age = %v, want empty, self-only, young", sets.List(got))
+	}
+	if got := drainingNodes(s, nodes, 3, nil); !got.Equal(sets.New("empty", "self-only", "old")) {
+		t.Errorf("draining by devices in use = %v, want empty, self-only, old", sets.List(got))
+	}
+
+	// With AgeWeight, a small pod goes beside the long-running pod when
+	// the placements are otherwise equal.
+	args := *DefaultArgs()
+	args.AgeWeight = 30
+	p := policyFromArgs(args)
+	q := allocator.Quality{Devices: []string{"a"}, Shared: 3, Room: 0.95, Packing: 0.5}
+	atOld, atYoung := q, q
+	atOld.Settled, atYoung.Settled = settled["old"], settled["young"]
+	if p.ScoreOn(atOld, false) <= p.ScoreOn(atYoung, false) {
+		t.Errorf("beside the older pods %d, beside the younger %d: want higher beside the older", p.ScoreOn(atOld, false), p.ScoreOn(atYoung, false))
+	}
+	// Alignment still comes first.
+	looser := atOld
+	looser.Shared = 2
+	if p.ScoreOn(looser, false) >= p.ScoreOn(atYoung, false) {
+		t.Errorf("a looser placement beside old pods (%d) beat a tighter one (%d)", p.ScoreOn(looser, false), p.ScoreOn(atYoung, false))
+	}
+	// Without AgeWeight, age does not count.
+	p0 := policyFromArgs(*DefaultArgs())
+	if p0.ScoreOn(atOld, false) != p0.ScoreOn(atYoung, false) {
+		t.Error("age counted with AgeWeight 0")
 	}
 }

@@ -173,6 +173,7 @@ func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 		DrainTrade:     int(args.DrainTrade),
 		RoomWeight:     float64(args.RoomWeight),
 		PackingWeight:  float64(args.PackingWeight),
+		AgeWeight:      float64(args.AgeWeight),
 	}
 	for _, attr := range args.TopologyAttributes {
 		policy.Attributes = append(policy.Attributes, resourceapi.QualifiedName(attr))

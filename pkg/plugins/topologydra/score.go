@@ -6,6 +6,7 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -33,6 +34,10 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	}
 	s.scorePolicy = pl.policy
 	s.draining = nil
+	s.settled, s.ages = nil, nil
+	if pl.policy.Packing && pl.policy.AgeWeight > 0 {
+		s.settled, s.ages = settledness(nodes, pod, time.Now())
+	}
 	if pl.pending != nil {
 		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
@@ -41,7 +46,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 				own += claimDevices(c)
 			}
 			if own < allocator.WholeNodeBlock {
-				s.draining = drainingNodes(s, nodes, waiting)
+				s.draining = drainingNodes(s, nodes, waiting, s.ages)
 			}
 		}
 	}
@@ -65,11 +70,14 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 // nodes (at most) with allocator.WholeNodeBlock or more devices matching
 // the pod's requests that have the fewest of them in use, ties broken by
 // name: the nodes that pending whole-node pods are expected to get first,
-// if the pods being placed now leave them alone.
-func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int) sets.Set[string] {
+// if the pods being placed now leave them alone. With ages (see
+// settledness), the nodes whose oldest pod with claims is youngest come
+// first, then the fewest in use: pods that have run long tend to run on.
+func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[string]time.Duration) sets.Set[string] {
 	type candidate struct {
 		name  string
 		inUse int
+		age   time.Duration
 	}
 	var cands []candidate
 	for _, n := range nodes {
@@ -78,16 +86,44 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int) sets.Set[str
 		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock {
 			continue
 		}
-		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse})
+		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse, age: ages[name]})
 	}
 	slices.SortFunc(cands, func(a, b candidate) int {
-		return cmp.Or(cmp.Compare(a.inUse, b.inUse), strings.Compare(a.name, b.name))
+		return cmp.Or(cmp.Compare(a.age, b.age), cmp.Compare(a.inUse, b.inUse), strings.Compare(a.name, b.name))
 	})
 	out := sets.New[string]()
 	for _, c := range cands[:min(waiting, len(cands))] {
 		out.Insert(c.name)
 	}
 	return out
+}
+
+// settledness returns, per node, Quality.Settled (the age of the node's
+// oldest pod with claims, other than pod, over the largest such age among
+// nodes) and that age (0 for a node without such pods). A pod's age is
+// counted from its creation.
+func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]float64, map[string]time.Duration) {
+	ages := make(map[string]time.Duration, len(nodes))
+	var oldest time.Duration
+	for _, n := range nodes {
+		var age time.Duration
+		for _, pi := range n.GetPods() {
+			p := pi.GetPod()
+			if p.UID == pod.UID || len(p.Spec.ResourceClaims) == 0 {
+				continue
+			}
+			age = max(age, now.Sub(p.CreationTimestamp.Time))
+		}
+		ages[n.Node().Name] = age
+		oldest = max(oldest, age)
+	}
+	settled := make(map[string]float64, len(nodes))
+	if oldest > 0 {
+		for name, age := range ages {
+			settled[name] = float64(age) / float64(oldest)
+		}
+	}
+	return settled, ages
 }
 
 // Score returns the score of the allocation Filter found on the node:
@@ -103,7 +139,9 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	if res == nil {
 		return 0, nil
 	}
-	score := s.scorePolicy.ScoreOn(res.Quality, s.draining.Has(nodeInfo.Node().Name))
+	q := res.Quality
+	q.Settled = s.settled[nodeInfo.Node().Name]
+	score := s.scorePolicy.ScoreOn(q, s.draining.Has(nodeInfo.Node().Name))
 	if s.choiceLevels > 0 {
 		// Like the stock plugin, a node where the pod gets earlier
 		// (preferred) subrequests of its prioritized lists wins; topology

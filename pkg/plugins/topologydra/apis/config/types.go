@@ -78,6 +78,13 @@ type TopologyDRAArgs struct {
 	DrainTrade    int32
 	RoomWeight    int32
 	PackingWeight int32
+	// AgeWeight weighs, beside RoomWeight and PackingWeight, how long the
+	// node's current device pods have run (allocator.Quality.Settled):
+	// small pods go beside pods that have run long, which tend to run on,
+	// and leave nodes of young pods to empty out. Where it is above 0,
+	// draining nodes are also chosen by age: the nodes whose oldest device
+	// pod is youngest (then fewest devices in use). 0: not counted.
+	AgeWeight int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

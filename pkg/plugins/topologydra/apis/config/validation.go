@@ -39,6 +39,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.WholeNodeTradeWhileWaiting < args.WholeNodeTrade {
 		errs = append(errs, field.Invalid(path.Child("wholeNodeTradeWhileWaiting"), args.WholeNodeTradeWhileWaiting, "must not be less than wholeNodeTrade"))
 	}
+	if args.AgeWeight < 0 {
+		errs = append(errs, field.Invalid(path.Child("ageWeight"), args.AgeWeight, "must not be negative"))
+	}
 	if args.DrainTrade < 0 {
 		errs = append(errs, field.Invalid(path.Child("drainTrade"), args.DrainTrade, "must not be negative"))
 	}

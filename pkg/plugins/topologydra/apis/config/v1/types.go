@@ -37,6 +37,7 @@ type TopologyDRAArgs struct {
 	DrainTrade                 *int32   `json:"drainTrade,omitempty"`
 	RoomWeight                 *int32   `json:"roomWeight,omitempty"`
 	PackingWeight              *int32   `json:"packingWeight,omitempty"`
+	AgeWeight                  *int32   `json:"ageWeight,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
 	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
 	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
@@ -58,6 +59,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.DrainTrade = copyPtr(a.DrainTrade)
 	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
+	out.AgeWeight = copyPtr(a.AgeWeight)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
 	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
@@ -91,6 +93,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.DrainTrade == nil {
 		a.DrainTrade = ptr.To[int32](1)
 	}
+	if a.AgeWeight == nil {
+		a.AgeWeight = ptr.To[int32](0)
+	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
 	}
@@ -118,6 +123,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.WholeNodeTrade = ptr.Deref(in.WholeNodeTrade, 0)
 	out.WholeNodeTradeWhileWaiting = ptr.Deref(in.WholeNodeTradeWhileWaiting, 0)
 	out.DrainTrade = ptr.Deref(in.DrainTrade, 0)
+	out.AgeWeight = ptr.Deref(in.AgeWeight, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -136,6 +142,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.WholeNodeTrade = ptr.To(in.WholeNodeTrade)
 	out.WholeNodeTradeWhileWaiting = ptr.To(in.WholeNodeTradeWhileWaiting)
 	out.DrainTrade = ptr.To(in.DrainTrade)
+	out.AgeWeight = ptr.To(in.AgeWeight)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
