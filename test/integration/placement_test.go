@@ -202,23 +202,58 @@ func (e *env) waitingWholeNodePod(name, group, template string) {
 // TestDrainingNodeIsLeftToEmpty: while an 8-GPU pod waits, the used DGX
 // closest to free is draining, and a 2-GPU pod leaves it alone: it takes
 // a NUMA node pair on a busier DGX instead of a PCIe-root pair on the
-// draining one. With nothing waiting it takes the PCIe-root pair.
+// draining one. With nothing waiting it takes the PCIe-root pair. Each
+// case has nodes of its own, with devices held by claims and no pods, so
+// that no node's pods are older than another's (age ranks nodes too).
 func TestDrainingNodeIsLeftToEmpty(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "drain")
-	almost := e.node("a", "almost", framework.DGXLikeGPUs, "gpu-0")
-	busy := e.node("a", "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+	nodes := map[string][2]string{}
+	for _, group := range []string{"a", "b"} {
+		almost := e.node(group, "almost", framework.DGXLikeGPUs, "gpu-0")
+		busy := e.node(group, "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+		nodes[group] = [2]string{almost, busy}
+	}
 	two, eight := e.template(2, nil), e.template(8, nil)
 	startTopodra(tCtx)
 
+	almost, busy := nodes["a"][0], nodes["a"][1]
 	node, devices := e.schedule("nothing-waiting", "a", two)
 	if node != almost || !sharedDomain(devices, 2) {
 		t.Fatalf("with nothing pending the pair got %v on %s, want a PCIe root of %s (one GPU in use; %s has four)", devices, node, almost, busy)
 	}
 
-	e.waitingWholeNodePod("waiting", "a", eight)
-	node, devices = e.schedule("while-waiting", "a", two)
+	almost, busy = nodes["b"][0], nodes["b"][1]
+	e.waitingWholeNodePod("waiting", "b", eight)
+	node, devices = e.schedule("while-waiting", "b", two)
 	if node != busy || !sharedDomain(devices, 4) {
 		t.Fatalf("with an 8-GPU pod pending the pair got %v on %s, want one NUMA node of %s, leaving %s (closest to free) to drain", devices, node, busy, almost)
+	}
+}
+
+// TestSmallPodsGoBesideLongRunners: of two used DGX nodes, a 1-GPU pod
+// goes to the one whose pod has run longer, although the other is fuller
+// (packing alone would choose it) and neither placement breaks up a free
+// block: pods that have run long tend to run on, and the node of young
+// pods is left to empty out.
+func TestSmallPodsGoBesideLongRunners(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "age")
+	old := e.node("a", "old", framework.DGXLikeGPUs)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+	if node, devices := e.schedule("long-runner", "a", one); node != old {
+		t.Fatalf("the first pod went to %s (%v), the only node is %s", node, devices, old)
+	}
+	// Creation times have whole seconds: make the long runner clearly
+	// older than anything on the other node.
+	time.Sleep(2 * time.Second)
+	// Three GPUs in use, by claims without pods: the free GPU left in
+	// the first NUMA node is the partner of a used one, so taking it
+	// breaks nothing, as next to the long runner.
+	fuller := e.node("a", "fuller", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2")
+	node, devices := e.schedule("small", "a", one)
+	if node != old {
+		t.Fatalf("the 1-GPU pod went to %s (%v), want %s beside the pod that has run longest, not the fuller %s", node, devices, old, fuller)
 	}
 }

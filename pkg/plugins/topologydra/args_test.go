@@ -58,6 +58,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				DrainTrade:                 1,
 				RoomWeight:                 70,
 				PackingWeight:              30,
+				AgeWeight:                  30,
 				Alignment:                  config.AlignmentPrefer,
 				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds:      600,

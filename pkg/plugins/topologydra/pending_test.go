@@ -205,10 +205,12 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 		t.Errorf("draining by devices in use = %v, want empty, self-only, old", sets.List(got))
 	}
 
-	// With AgeWeight, a small pod goes beside the long-running pod when
-	// the placements are otherwise equal.
+	// With AgeWeight (the default), a small pod goes beside the
+	// long-running pod when the placements are otherwise equal.
 	args := *DefaultArgs()
-	args.AgeWeight = 30
+	if args.AgeWeight == 0 {
+		t.Fatal("ageWeight is off by default")
+	}
 	p := policyFromArgs(args)
 	q := allocator.Quality{Devices: []string{"a"}, Shared: 3, Room: 0.95, Packing: 0.5}
 	atOld, atYoung := q, q
@@ -223,7 +225,8 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 		t.Errorf("a looser placement beside old pods (%d) beat a tighter one (%d)", p.ScoreOn(looser, false), p.ScoreOn(atYoung, false))
 	}
 	// Without AgeWeight, age does not count.
-	p0 := policyFromArgs(*DefaultArgs())
+	args.AgeWeight = 0
+	p0 := policyFromArgs(args)
 	if p0.ScoreOn(atOld, false) != p0.ScoreOn(atYoung, false) {
 		t.Error("age counted with AgeWeight 0")
 	}

@@ -94,7 +94,7 @@ func SetDefaults(a *TopologyDRAArgs) {
 		a.DrainTrade = ptr.To[int32](1)
 	}
 	if a.AgeWeight == nil {
-		a.AgeWeight = ptr.To[int32](0)
+		a.AgeWeight = ptr.To[int32](30)
 	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
