@@ -59,6 +59,9 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("aligned overall", false, func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
 	row("waiting: pod-ticks in all", false, func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
 	row("mean ticks by GPUs per pod", true, waitText)
+	row("GPU-ticks waiting / GPUs idle meanwhile", true, func(res Result) string {
+		return fmt.Sprintf("%d / %d", res.PendingGPUTicks, res.IdleWhileWaiting)
+	})
 	row("empty nodes opened / needlessly", false, openedText)
 	row("free GPUs in whole NUMA nodes (mean over ticks)", false, func(res Result) string { return fmt.Sprintf("%.0f%%", 100*res.FreeInWholeNUMA) })
 	row("free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) })

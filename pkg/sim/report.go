@@ -298,6 +298,9 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("aligned overall", func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
 	row("waiting: pod-ticks in all", func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
 	row("  mean ticks by GPUs per pod", waitText)
+	row("  GPU-ticks waiting / GPUs idle meanwhile", func(res Result) string {
+		return fmt.Sprintf("%d / %d", res.PendingGPUTicks, res.IdleWhileWaiting)
+	})
 	row("empty nodes opened / needlessly", openedText)
 	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
 	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
