@@ -184,7 +184,10 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 		nodes = append(nodes, info)
 	}
 	add("old", 1, pod("service", 40*time.Minute, true), pod("young", time.Minute, true))
-	add("young", 3, pod("job-1", 10*time.Minute, true), pod("job-2", 5*time.Minute, true), pod("no-claims", 50*time.Minute, false))
+	// A pod that waited long counts from its binding, not its creation.
+	waited := pod("waited", 60*time.Minute, true)
+	waited.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionTrue, LastTransitionTime: metav1.NewTime(now.Add(-2 * time.Minute))}}
+	add("young", 3, pod("job-1", 10*time.Minute, true), pod("job-2", 5*time.Minute, true), pod("no-claims", 50*time.Minute, false), waited)
 	add("empty", 0)
 	add("self-only", 0, self) // the pod being placed does not count
 

@@ -101,7 +101,7 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[str
 // settledness returns, per node, Quality.Settled (the age of the node's
 // oldest pod with claims, other than pod, over the largest such age among
 // nodes) and that age (0 for a node without such pods). A pod's age is
-// counted from its creation.
+// counted from its binding (see runningSince).
 func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]float64, map[string]time.Duration) {
 	ages := make(map[string]time.Duration, len(nodes))
 	var oldest time.Duration
@@ -112,7 +112,7 @@ func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]f
 			if p.UID == pod.UID || len(p.Spec.ResourceClaims) == 0 {
 				continue
 			}
-			age = max(age, now.Sub(p.CreationTimestamp.Time))
+			age = max(age, now.Sub(runningSince(p)))
 		}
 		ages[n.Node().Name] = age
 		oldest = max(oldest, age)
@@ -124,6 +124,18 @@ func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]f
 		}
 	}
 	return settled, ages
+}
+
+// runningSince is when the pod was bound to its node (its PodScheduled
+// condition turned true), or its creation where that is not known yet (a
+// pod this scheduler has just assumed).
+func runningSince(pod *v1.Pod) time.Time {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == v1.PodScheduled && c.Status == v1.ConditionTrue && !c.LastTransitionTime.IsZero() {
+			return c.LastTransitionTime.Time
+		}
+	}
+	return pod.CreationTimestamp.Time
 }
 
 // Score returns the score of the allocation Filter found on the node:
