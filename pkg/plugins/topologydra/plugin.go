@@ -162,8 +162,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// ranked by alignment (WholeNodeTrade, DrainTrade) first, then room and packing mixed
-// by RoomWeight and PackingWeight.
+// ranked by alignment (WholeNodeTrade, DrainTrade) first, then room,
+// packing and the age of the node's pods (Quality.Settled, set by PreScore)
+// mixed by RoomWeight, PackingWeight and AgeWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 	policy := allocator.Policy{
 		Attributes:     []resourceapi.QualifiedName{},

@@ -22,7 +22,9 @@ import (
 // how the nodes are ranked: with WholeNodeTradeWhileWaiting while a pod
 // that needs a whole node is pending, and, for a pod smaller than a whole
 // node, which nodes are draining (see drainingNodes): Score ranks them
-// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less).
+// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less). With
+// AgeWeight it also measures how long each node's pods have run (see
+// settledness).
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
 	s, err := getState(cs)
 	if err != nil {
