@@ -191,17 +191,17 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	add("empty", 0)
 	add("self-only", 0, self) // the pod being placed does not count
 
-	settled, ages := settledness(nodes, self, now)
+	ages := agesOf(nodes, self, now)
 	want := map[string]float64{"old": 1, "young": 0.25, "empty": 0, "self-only": 0}
 	for name, w := range want {
-		if got := settled[name]; math.Abs(got-w) > 1e-9 {
+		if got := ages.settled(name); math.Abs(got-w) > 1e-9 {
 			t.Errorf("settled[%s] = %v, want %v", name, got, w)
 		}
 	}
 	// Nodes whose pods are youngest drain first, whatever their count in
 	// use: the node of the long-running service is never a target while
 	// another node can take the waiting pod.
-	if got := drainingNodes(s, nodes, 3, ages); !got.Equal(sets.New("empty", "self-only", "young")) {
+	if got := drainingNodes(s, nodes, 3, ages.byNode); !got.Equal(sets.New("empty", "self-only", "young")) {
 		t.Errorf("draining by age = %v, want empty, self-only, young", sets.List(got))
 	}
 	if got := drainingNodes(s, nodes, 3, nil); !got.Equal(sets.New("empty", "self-only", "old")) {
@@ -217,7 +217,7 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	p := policyFromArgs(args)
 	q := allocator.Quality{Devices: []string{"a"}, Shared: 3, Room: 0.95, Packing: 0.5}
 	atOld, atYoung := q, q
-	atOld.Settled, atYoung.Settled = settled["old"], settled["young"]
+	atOld.Settled, atYoung.Settled = ages.settled("old"), ages.settled("young")
 	if p.ScoreOn(atOld, false) <= p.ScoreOn(atYoung, false) {
 		t.Errorf("beside the older pods %d, beside the younger %d: want higher beside the older", p.ScoreOn(atOld, false), p.ScoreOn(atYoung, false))
 	}

@@ -24,7 +24,7 @@ import (
 // node, which nodes are draining (see drainingNodes): Score ranks them
 // with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less). With
 // AgeWeight it also measures how long each node's pods have run (see
-// settledness).
+// agesOf).
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
 	s, err := getState(cs)
 	if err != nil {
@@ -36,9 +36,9 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	}
 	s.scorePolicy = pl.policy
 	s.draining = nil
-	s.settled, s.ages = nil, nil
+	s.ages = nodeAges{}
 	if pl.policy.Packing && pl.policy.AgeWeight > 0 {
-		s.settled, s.ages = settledness(nodes, pod, time.Now())
+		s.ages = agesOf(nodes, pod, time.Now())
 	}
 	if pl.pending != nil {
 		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
@@ -48,7 +48,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 				own += claimDevices(c)
 			}
 			if own < allocator.WholeNodeBlock {
-				s.draining = drainingNodes(s, nodes, waiting, s.ages)
+				s.draining = drainingNodes(s, nodes, waiting, s.ages.byNode)
 			}
 		}
 	}
@@ -73,7 +73,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 // the pod's requests that have the fewest of them in use, ties broken by
 // name: the nodes that pending whole-node pods are expected to get first,
 // if the pods being placed now leave them alone. With ages (see
-// settledness), the nodes whose oldest pod with claims is youngest come
+// agesOf), the nodes whose oldest pod with claims is youngest come
 // first, then the fewest in use: pods that have run long tend to run on.
 func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[string]time.Duration) sets.Set[string] {
 	type candidate struct {
@@ -100,13 +100,25 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[str
 	return out
 }
 
-// settledness returns, per node, Quality.Settled (the age of the node's
-// oldest pod with claims, other than pod, over the largest such age among
-// nodes) and that age (0 for a node without such pods). A pod's age is
+// nodeAges holds, per node, the age of the node's oldest pod with claims
+// (0 for a node without such pods), and the largest of them.
+type nodeAges struct {
+	byNode map[string]time.Duration
+	oldest time.Duration
+}
+
+// settled is Quality.Settled of the node: its age over the largest.
+func (a nodeAges) settled(node string) float64 {
+	if a.oldest <= 0 {
+		return 0
+	}
+	return float64(a.byNode[node]) / float64(a.oldest)
+}
+
+// agesOf measures the ages of nodes, leaving pod out. A pod's age is
 // counted from its binding (see runningSince).
-func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]float64, map[string]time.Duration) {
-	ages := make(map[string]time.Duration, len(nodes))
-	var oldest time.Duration
+func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) nodeAges {
+	ages := nodeAges{byNode: make(map[string]time.Duration, len(nodes))}
 	for _, n := range nodes {
 		var age time.Duration
 		for _, pi := range n.GetPods() {
@@ -116,16 +128,10 @@ func settledness(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) (map[string]f
 			}
 			age = max(age, now.Sub(runningSince(p)))
 		}
-		ages[n.Node().Name] = age
-		oldest = max(oldest, age)
+		ages.byNode[n.Node().Name] = age
+		ages.oldest = max(ages.oldest, age)
 	}
-	settled := make(map[string]float64, len(nodes))
-	if oldest > 0 {
-		for name, age := range ages {
-			settled[name] = float64(age) / float64(oldest)
-		}
-	}
-	return settled, ages
+	return ages
 }
 
 // runningSince is when the pod was bound to its node (its PodScheduled
@@ -154,7 +160,7 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 		return 0, nil
 	}
 	q := res.Quality
-	q.Settled = s.settled[nodeInfo.Node().Name]
+	q.Settled = s.ages.settled(nodeInfo.Node().Name)
 	score := s.scorePolicy.ScoreOn(q, s.draining.Has(nodeInfo.Node().Name))
 	if s.choiceLevels > 0 {
 		// Like the stock plugin, a node where the pod gets earlier

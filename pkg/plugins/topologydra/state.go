@@ -3,7 +3,6 @@ package topologydra
 import (
 	"errors"
 	"sync"
-	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
@@ -76,11 +75,9 @@ type stateData struct {
 	// PreScore, read by Score.
 	scorePolicy allocator.Policy
 	draining    sets.Set[string]
-	// settled holds Quality.Settled per node and ages the age of the
-	// node's oldest pod with claims (see settledness); nil unless the
-	// policy weighs age. Written by PreScore, read by Score.
-	settled map[string]float64
-	ages    map[string]time.Duration
+	// ages are the nodes' ages (see agesOf); empty unless the policy
+	// weighs age. Written by PreScore, read by Score.
+	ages nodeAges
 	// choiceLevels is the largest sum of subrequest indexes the claims to
 	// allocate can reach (0: no prioritized list to rank by). Written by
 	// PreScore, read by Score.
