@@ -12,9 +12,11 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -256,4 +258,53 @@ func TestSmallPodsGoBesideLongRunners(t *testing.T) {
 	if node != old {
 		t.Fatalf("the 1-GPU pod went to %s (%v), want %s beside the pod that has run longest, not the fuller %s", node, devices, old, fuller)
 	}
+}
+
+// TestWholeNodePodRetriedOnlyWhenItCanFit: a pod that needs all eight GPUs
+// of a node is not retried while the devices given back leave fewer than
+// eight free there, and is scheduled when the last one is given back.
+// Every retry that cannot succeed renews the pod's place at the back of the
+// scheduling queue and its backoff, so that pods which arrived later would
+// be tried first when the node frees up.
+func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "retry")
+	var all []string
+	for i := range 8 {
+		all = append(all, fmt.Sprintf("gpu-%d", i))
+	}
+	node := e.node("a", "full", framework.DGXLikeGPUs, all...)
+	eight := e.template(8, nil)
+	startTopodra(tCtx)
+
+	e.pod("whole", topodraName, "a", eight)
+	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	tCtx.ExpectNoError(err)
+	before := unschedulableAttempts(tCtx)
+	giveBack := func(device string) {
+		name := "taken-a-full-" + device
+		tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, name, metav1.DeleteOptions{}))
+	}
+	for _, d := range all[:7] {
+		giveBack(d)
+	}
+	// Long enough for a retry after the scheduler's initial backoff (1 s).
+	time.Sleep(3 * time.Second)
+	if n := unschedulableAttempts(tCtx) - before; n != 0 {
+		t.Errorf("the 8-GPU pod was retried %d times while at most 7 GPUs of %s were free, want 0", n, node)
+	}
+	giveBack(all[7])
+	pod := e.waitScheduled("whole")
+	if pod.Spec.NodeName != node {
+		t.Fatalf("the 8-GPU pod went to %s, want %s", pod.Spec.NodeName, node)
+	}
+}
+
+// unschedulableAttempts counts the topodra profile's scheduling attempts
+// that ended unschedulable, from the process-wide metrics registry.
+func unschedulableAttempts(tCtx ktesting.TContext) uint64 {
+	tCtx.Helper()
+	by, err := measure.GatherBy(legacyregistry.DefaultGatherer, "scheduler_scheduling_attempt_duration_seconds", map[string]string{"profile": topodraName}, "result")
+	tCtx.ExpectNoError(err)
+	return uint64(by["unschedulable"].Count())
 }

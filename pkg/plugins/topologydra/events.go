@@ -41,12 +41,12 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 	newClaim, _ := newObj.(*resourceapi.ResourceClaim)
 	if newClaim == nil {
 		if oldClaim != nil && oldClaim.Status.Allocation != nil {
-			return fwk.Queue, nil // devices freed
+			return pl.hintForFreed(pod, oldClaim), nil
 		}
 		return fwk.QueueSkip, nil
 	}
 	if oldClaim != nil && oldClaim.Status.Allocation != nil && newClaim.Status.Allocation == nil {
-		return fwk.Queue, nil // devices freed
+		return pl.hintForFreed(pod, oldClaim), nil
 	}
 	if !pl.usesClaim(pod, newClaim) {
 		return fwk.QueueSkip, nil
@@ -55,6 +55,15 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 		return fwk.Queue, nil
 	}
 	return fwk.QueueSkip, nil
+}
+
+// hintForFreed: devices given back by claim help pod only where they
+// leave enough free devices together (see freedEnough).
+func (pl *TopologyDRA) hintForFreed(pod *v1.Pod, claim *resourceapi.ResourceClaim) fwk.QueueingHint {
+	if pl.freedEnough(pod, claim) {
+		return fwk.Queue
+	}
+	return fwk.QueueSkip
 }
 
 func (pl *TopologyDRA) usesClaim(pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {

@@ -87,3 +87,88 @@ func TestSliceQueueingHint(t *testing.T) {
 		})
 	}
 }
+
+// TestFreedDevicesQueueingHint: a claim that gives devices back requeues
+// a pending pod only when the pool it came from now has enough free
+// devices for the pod's largest request, counting the claim's own devices
+// as free whether or not the claim cache has seen the change yet.
+func TestFreedDevicesQueueingHint(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b"), testNode("c")},
+		testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
+		testClaim("big", 4), testClaim("small", 2),
+		&resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "all"},
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeAll},
+			}}}},
+		},
+		allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1"),
+		allocatedOn(testClaim("y", 1), "a", "gpu-2"),
+		allocatedOn(testClaim("z", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"),
+		testSlice("c", 4),
+		allocatedOn(testClaim("c1", 2), "c", "gpu-0", "gpu-1"),
+		allocatedOn(testClaim("c2", 2), "c", "gpu-2", "gpu-3"),
+	)
+	for _, name := range []string{"big", "small", "all", "x", "y", "z", "c1", "c2"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	big, small := testPod("big", "big"), testPod("small", "small")
+	all, missing := testPod("all", "all"), testPod("missing", "nope")
+	hint := func(pod *v1.Pod, old, new *resourceapi.ResourceClaim) fwk.QueueingHint {
+		t.Helper()
+		var newObj any
+		if new != nil {
+			newObj = new
+		}
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, newObj)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	deallocated := func(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+		c = c.DeepCopy()
+		c.Status.Allocation = nil
+		c.ResourceVersion += "-next"
+		return c
+	}
+
+	// y frees gpu-2 on a: two free there, not four.
+	y := h.apiClaim("y")
+	for pod, want := range map[*v1.Pod]fwk.QueueingHint{big: fwk.QueueSkip, small: fwk.Queue, all: fwk.Queue, missing: fwk.Queue} {
+		if got := hint(pod, y, deallocated(y)); got != want {
+			t.Errorf("y deallocated, pod %s: hint %v, want %v", pod.Name, got, want)
+		}
+	}
+	// Deleted while allocated: the same answer.
+	if got := hint(big, y, nil); got != fwk.QueueSkip {
+		t.Errorf("y deleted, pod big: hint %v, want QueueSkip", got)
+	}
+
+	// The cache learns that y is gone; then x frees gpu-0 and gpu-1, and
+	// a has all four free, although the cache still holds x allocated.
+	y.Status.Allocation = nil
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, y, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	h.waitForClaim("y", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	x := h.apiClaim("x")
+	if got := hint(big, x, deallocated(x)); got != fwk.Queue {
+		t.Errorf("x deallocated after y, pod big: hint %v, want Queue", got)
+	}
+
+	// Two claims on c give their devices back at once, and the cache has
+	// seen neither: the second event still finds c free.
+	c1, c2 := h.apiClaim("c1"), h.apiClaim("c2")
+	if got := hint(big, c1, deallocated(c1)); got != fwk.QueueSkip {
+		t.Errorf("c1 deallocated, pod big: hint %v, want QueueSkip", got)
+	}
+	if got := hint(big, c2, deallocated(c2)); got != fwk.Queue {
+		t.Errorf("c2 deallocated right after c1, pod big: hint %v, want Queue", got)
+	}
+
+	// A claim on b freeing all of b's devices is enough too.
+	z := h.apiClaim("z")
+	if got := hint(big, z, deallocated(z)); got != fwk.Queue {
+		t.Errorf("z deallocated, pod big: hint %v, want Queue", got)
+	}
+}

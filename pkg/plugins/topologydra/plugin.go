@@ -55,6 +55,9 @@ type TopologyDRA struct {
 	// cache keeps the allocator's per-slice and per-node data across
 	// scheduling cycles of this profile.
 	cache *allocator.Cache
+	// freed counts free devices for the queueing hint of claims that give
+	// devices back.
+	freed freedDevices
 	// ownedToleration is added to every request so that devices tainted
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
