@@ -1,0 +1,148 @@
+// Command placementmodel screens placement policies on the simulator's
+// workloads in seconds, without an API server or a scheduler: a model of
+// the nodes, the ticks and the policies (model.go, policy.go), calibrated
+// against `make placement` (docs/placement.md, "A model to screen ideas").
+// Its numbers are the model's, not the scheduler's; use the simulator's
+// sweep as the verdict.
+//
+//	go run ./hack/placementmodel --seeds 1-8
+package main
+
+import (
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/topodra/topodra/pkg/sim"
+)
+
+// policies are the policies the model knows, by name.
+var policies = map[string]policy{
+	"stock":   stock,
+	"spread":  spread,
+	"topodra": topodra(defaultTopodra),
+	"topodra-no-age": topodra(func() topodraOptions {
+		o := defaultTopodra
+		o.age = 0
+		return o
+	}()),
+	"topodra-oracle-remaining": topodra(func() topodraOptions {
+		o := defaultTopodra
+		o.remaining = true
+		return o
+	}()),
+	"topodra-oracle-reserve": topodra(func() topodraOptions {
+		o := defaultTopodra
+		o.reserve = true
+		return o
+	}()),
+}
+
+var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst}
+
+func main() {
+	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
+	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
+	queue := flag.String("queue", "fifo,small-first", "orders in which waiting pods are retried: fifo, small-first")
+	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")
+	flag.Parse()
+	if err := run1(*seeds, *names, *queue, *reps); err != nil {
+		fmt.Fprintln(os.Stderr, "placementmodel:", err)
+		os.Exit(1)
+	}
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func run1(seedList, names, queues string, reps int) error {
+	seeds, err := sim.ParseSeeds(seedList)
+	if err != nil {
+		return err
+	}
+	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "policy\tqueue\truns\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tGPU-ticks\tidle\taligned\t\n")
+	for _, q := range strings.Split(queues, ",") {
+		order, ok := orders[q]
+		if !ok {
+			return fmt.Errorf("unknown queue order %q", q)
+		}
+		for _, name := range strings.Split(names, ",") {
+			pick, ok := policies[name]
+			if !ok {
+				return fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(sortedKeys(policies), ", "))
+			}
+			s, err := sweep(seeds, pick, order, reps)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(w, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%d\t%d\t%.1f%%\t\n", name, q, s.runs,
+				median(s.waits[1]), median(s.waits[2]), median(s.waits[4]), median(s.waits[8]),
+				s.neverPlaced, s.fit8, s.gpuTicks, s.idle, 100*median(s.aligned))
+		}
+	}
+	return w.Flush()
+}
+
+// summary holds per-run values (medians are taken over runs) and sums.
+type summary struct {
+	runs                              int
+	waits                             map[int][]float64
+	aligned                           []float64
+	neverPlaced, fit8, gpuTicks, idle int
+}
+
+func sweep(seeds []int64, pick policy, order queueOrder, reps int) (summary, error) {
+	s := summary{waits: map[int][]float64{}}
+	for _, sc := range sim.DefaultScenarios() {
+		specs, err := sim.PlanNodes(sc.Profile, sc.Nodes)
+		if err != nil {
+			return s, err
+		}
+		for _, seed := range seeds {
+			w, err := sim.GenerateTrace(sc.Trace, seed, sc.Pods, specs)
+			if err != nil {
+				return s, err
+			}
+			for rep := range reps {
+				r := run(w, specs, pick, order, rand.New(rand.NewPCG(uint64(seed), uint64(rep))))
+				s.runs++
+				for k, v := range r.waits {
+					if v[0] > 0 {
+						s.waits[k] = append(s.waits[k], float64(v[1])/float64(v[0]))
+					}
+				}
+				if r.aligned[1] > 0 {
+					s.aligned = append(s.aligned, float64(r.aligned[0])/float64(r.aligned[1]))
+				}
+				s.neverPlaced += r.neverPlaced
+				s.fit8 += r.fit8
+				s.gpuTicks += r.gpuTicks
+				s.idle += r.idle
+			}
+		}
+	}
+	return s, nil
+}
+
+func median(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	v = slices.Clone(v)
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/topodra/topodra/pkg/sim"
+)
+
+func emptyNode(dgx bool) *node {
+	n := &node{dgx: dgx}
+	for i := range n.gpu {
+		n.gpu[i] = -1
+	}
+	for i := range n.nic {
+		n.nic[i] = -1
+	}
+	return n
+}
+
+// TestTopodraFollowsTheRules: the model's TopologyDRA takes a PCIe-root
+// pair on the empty DGX when nothing waits, and a pair in one NUMA node of
+// the busy DGX while an 8-GPU pod waits (rules 1-3 of docs/placement.md).
+func TestTopodraFollowsTheRules(t *testing.T) {
+	busy := emptyNode(true)
+	running := &pod{gpus: 1, placed: true, end: never}
+	for _, g := range []int{0, 2, 4, 6} {
+		busy.gpu[g] = 0
+	}
+	nodes := []*node{busy, emptyNode(true)}
+	pair := &pod{gpus: 2}
+	pick := topodra(defaultTopodra)
+	s := &state{nodes: nodes, pods: []*pod{running}, rng: rand.New(rand.NewPCG(1, 1))}
+
+	c := pick(s, pair, placements(nodes, pair))
+	if c.node != 1 || c.shared != 3 {
+		t.Errorf("nothing waiting: got node %d slots %v (rank %d), want a PCIe-root pair on the empty node 1", c.node, c.slots, c.shared)
+	}
+	s.waiting = []*pod{{gpus: 8}}
+	c = pick(s, pair, placements(nodes, pair))
+	if c.node != 0 || c.slots[0]/4 != c.slots[1]/4 {
+		t.Errorf("8-GPU pod waiting: got node %d slots %v, want one NUMA node of the busy node 0", c.node, c.slots)
+	}
+}
+
+// TestRunsKeepDevicesApart: in every run of every policy no GPU or NIC is
+// held by two pods at once, and every pod is counted once in the waits.
+func TestRunsKeepDevicesApart(t *testing.T) {
+	for _, sc := range sim.DefaultScenarios() {
+		specs, err := sim.PlanNodes(sc.Profile, sc.Nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w, err := sim.GenerateTrace(sc.Trace, 1, sc.Pods, specs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for name, pick := range policies {
+			checked := func(s *state, p *pod, ps []placement) placement {
+				c := pick(s, p, ps)
+				if c.node < 0 {
+					return c
+				}
+				n := s.nodes[c.node]
+				for _, g := range c.slots {
+					if n.gpu[g] >= 0 {
+						t.Fatalf("%s/%s: GPU %d of node %d given twice at tick %d", sc.Name, name, g, c.node, s.now)
+					}
+				}
+				if c.nic >= 0 && n.nic[c.nic] >= 0 {
+					t.Fatalf("%s/%s: NIC %d of node %d given twice at tick %d", sc.Name, name, c.nic, c.node, s.now)
+				}
+				return c
+			}
+			r := run(w, specs, checked, fifo, rand.New(rand.NewPCG(1, 1)))
+			counted := 0
+			for _, v := range r.waits {
+				counted += v[0]
+			}
+			if counted != len(w.Jobs) {
+				t.Errorf("%s/%s: %d pods in the waits, want %d", sc.Name, name, counted, len(w.Jobs))
+			}
+		}
+	}
+}

@@ -1,0 +1,196 @@
+package main
+
+import (
+	"math"
+	"slices"
+)
+
+// stock is kube-scheduler 1.37 with the stock DRA plugin on these nodes:
+// every node scores the same, and without extenders equal scores are not
+// shuffled, so the pod goes to the first feasible node in the order the
+// parallel filters finished: mostly the node order, now and then a later
+// node (15 % here). Devices are taken first-fit.
+func stock(s *state, p *pod, ps []placement) placement {
+	first := ps[0]
+	if s.rng.IntN(100) < 15 {
+		for _, c := range ps {
+			if c.node != first.node {
+				return c
+			}
+		}
+	}
+	return first
+}
+
+// spread is a random feasible node, devices first-fit: what "random
+// spreading" would be.
+func spread(s *state, p *pod, ps []placement) placement {
+	var firsts []placement
+	for _, c := range ps {
+		if len(firsts) == 0 || firsts[len(firsts)-1].node != c.node {
+			firsts = append(firsts, c)
+		}
+	}
+	return firsts[s.rng.IntN(len(firsts))]
+}
+
+// topodraOptions are the knobs of the TopologyDRA model.
+type topodraOptions struct {
+	// wholeNodeTrade, wholeNodeTradeWhileWaiting, drainTrade and the
+	// weights as in TopologyDRAArgs.
+	wholeNodeTrade, wholeNodeTradeWhileWaiting, drainTrade int
+	room, packing, age                                     float64
+	// secondsPerTick: ages are whole seconds of wall time; a simulator
+	// tick takes about 0.2 s. 0 means ages in ticks.
+	ticksPerSecond int
+	// remaining replaces the age by the pod's remaining lifetime (an
+	// oracle: the scheduler cannot know it).
+	remaining bool
+	// reserve keeps, while a whole-node pod waits, the node that frees
+	// up first (by the pods' true ends, an oracle) for it, and lets
+	// other pods onto it only if they end before then (EASY backfill).
+	reserve bool
+}
+
+var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
+
+// topodra models TopologyDRA's score (docs/placement.md, rules 1-5): the
+// alignment rank after the whole-node and drain trades first, then room,
+// packing and age, as an integer 0..100; equal scores go to the first node
+// in node order.
+func topodra(o topodraOptions) policy {
+	return func(s *state, p *pod, ps []placement) placement {
+		waiting := 0
+		for _, q := range s.waiting {
+			if q.gpus >= gpus {
+				waiting++
+			}
+		}
+		age := func(n int) int {
+			a := 0
+			for _, i := range s.nodes[n].gpu {
+				if i < 0 {
+					continue
+				}
+				q := s.pods[i]
+				if o.remaining {
+					r := 1000
+					if q.end != never {
+						r = q.end - s.now
+					}
+					a = max(a, r)
+				} else {
+					a = max(a, s.now-q.start)
+				}
+			}
+			if o.ticksPerSecond > 0 && !o.remaining {
+				a /= o.ticksPerSecond
+			}
+			return a
+		}
+		var feasible []int
+		for _, c := range ps {
+			if !slices.Contains(feasible, c.node) {
+				feasible = append(feasible, c.node)
+			}
+		}
+		oldest := 0
+		for _, n := range feasible {
+			oldest = max(oldest, age(n))
+		}
+		trade := o.wholeNodeTrade
+		draining := map[int]bool{}
+		if waiting > 0 {
+			trade = o.wholeNodeTradeWhileWaiting
+			if p.gpus < gpus {
+				byAge := slices.Clone(feasible)
+				slices.SortStableFunc(byAge, func(a, b int) int {
+					if d := age(a) - age(b); d != 0 {
+						return d
+					}
+					return s.nodes[b].free() - s.nodes[a].free()
+				})
+				for _, n := range byAge[:min(waiting, len(byAge))] {
+					draining[n] = true
+				}
+			}
+		}
+		reserved, until := -1, never
+		if o.reserve && waiting > 0 && p.gpus < gpus {
+			for n := range s.nodes {
+				end := 0
+				for _, i := range s.nodes[n].gpu {
+					if i >= 0 {
+						end = max(end, s.pods[i].end)
+					}
+				}
+				if end < until {
+					reserved, until = n, end
+				}
+			}
+		}
+		best, bestScore := placement{node: -1}, int64(-1)
+		for _, c := range ps {
+			if c.node == reserved && p.endIfStarted(s.now) > until {
+				continue
+			}
+			n := s.nodes[c.node]
+			rank := c.shared
+			if rank > 1 {
+				t := 0
+				if n.free() == gpus {
+					t += trade
+				}
+				if draining[c.node] {
+					t += o.drainTrade
+				}
+				rank = max(1, rank-t)
+			}
+			room := roomAfter(n, c.slots)
+			if draining[c.node] {
+				room = 0
+			}
+			packing := float64(gpus-n.free()+len(c.slots)) / gpus
+			settled := 0.0
+			if oldest > 0 {
+				settled = float64(age(c.node)) / float64(oldest)
+			}
+			tie := (o.room*room + o.packing*packing + o.age*settled) / (o.room + o.packing + o.age)
+			score := int64(math.Round(25 * (float64(rank) + 0.96*tie)))
+			if score > bestScore {
+				best, bestScore = c, score
+			}
+		}
+		return best
+	}
+}
+
+// roomAfter is Quality.Room: 1 minus the cost of the free blocks that
+// taking slots breaks up (whole node 1, NUMA node 0.3, pair 0.05).
+func roomAfter(n *node, slots []int) float64 {
+	cost := 0.0
+	if n.free() == gpus {
+		cost++
+	}
+	broken := func(from, size int) bool {
+		hit := false
+		for s := from; s < from+size; s++ {
+			if n.gpu[s] >= 0 {
+				return false
+			}
+			hit = hit || slices.Contains(slots, s)
+		}
+		return hit
+	}
+	for h := range 2 {
+		if broken(4*h, 4) {
+			cost += 0.3
+		}
+	}
+	for k := range 4 {
+		if broken(2*k, 2) {
+			cost += 0.05
+		}
+	}
+	return max(0, 1-cost)
+}
