@@ -89,13 +89,30 @@ func TestSliceQueueingHint(t *testing.T) {
 }
 
 // TestFreedDevicesQueueingHint: a claim that gives devices back requeues
-// a pending pod only when the pool it came from now has enough free
-// devices for the pod's largest request, counting the claim's own devices
-// as free whether or not the claim cache has seen the change yet.
+// a pending pod only when, for the driver and node it came from, enough
+// devices are now free for one of the pod's requests, counting the claim's
+// own devices, and those given back just before, as free whether or not
+// the claim cache has seen those changes yet.
 func TestFreedDevicesQueueingHint(t *testing.T) {
-	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b"), testNode("c")},
-		testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
-		testClaim("big", 4), testClaim("small", 2),
+	// Node d publishes two pools of two GPUs each.
+	pool := func(name string) *resourceapi.ResourceSlice {
+		s := testSlice("d", 2)
+		s.Name, s.Spec.Pool.Name = name, name
+		return s
+	}
+	inPool := func(c *resourceapi.ResourceClaim, p string) *resourceapi.ResourceClaim {
+		for i := range c.Status.Allocation.Devices.Results {
+			c.Status.Allocation.Devices.Results[i].Pool = p
+		}
+		return c
+	}
+	twoRequests := testClaim("two-requests", 4)
+	twoRequests.Spec.Devices.Requests = append(twoRequests.Spec.Devices.Requests, resourceapi.DeviceRequest{
+		Name: "one", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	})
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b"), testNode("c"), testNode("d")},
+		testDeviceClass(), testSlice("a", 4), testSlice("b", 4), testSlice("c", 4), pool("d-a"), pool("d-b"),
+		testClaim("big", 4), testClaim("small", 2), twoRequests,
 		&resourceapi.ResourceClaim{
 			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "all"},
 			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
@@ -105,14 +122,15 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 		allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1"),
 		allocatedOn(testClaim("y", 1), "a", "gpu-2"),
 		allocatedOn(testClaim("z", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"),
-		testSlice("c", 4),
 		allocatedOn(testClaim("c1", 2), "c", "gpu-0", "gpu-1"),
 		allocatedOn(testClaim("c2", 2), "c", "gpu-2", "gpu-3"),
+		inPool(allocatedOn(testClaim("da", 2), "d", "gpu-0", "gpu-1"), "d-a"),
+		inPool(allocatedOn(testClaim("db", 2), "d", "gpu-0", "gpu-1"), "d-b"),
 	)
-	for _, name := range []string{"big", "small", "all", "x", "y", "z", "c1", "c2"} {
+	for _, name := range []string{"big", "small", "two-requests", "all", "x", "y", "z", "c1", "c2", "da", "db"} {
 		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
 	}
-	big, small := testPod("big", "big"), testPod("small", "small")
+	big, small, two := testPod("big", "big"), testPod("small", "small"), testPod("two", "two-requests")
 	all, missing := testPod("all", "all"), testPod("missing", "nope")
 	hint := func(pod *v1.Pod, old, new *resourceapi.ResourceClaim) fwk.QueueingHint {
 		t.Helper()
@@ -132,10 +150,18 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 		c.ResourceVersion += "-next"
 		return c
 	}
+	giveBackInCache := func(name string) {
+		c := h.apiClaim(name)
+		c.Status.Allocation = nil
+		_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, c, metav1.UpdateOptions{})
+		h.tCtx.ExpectNoError(err)
+		h.waitForClaim(name, func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	}
 
-	// y frees gpu-2 on a: two free there, not four.
+	// y frees gpu-2 on a: two free there, not four. A pod with a request
+	// for one device might use them.
 	y := h.apiClaim("y")
-	for pod, want := range map[*v1.Pod]fwk.QueueingHint{big: fwk.QueueSkip, small: fwk.Queue, all: fwk.Queue, missing: fwk.Queue} {
+	for pod, want := range map[*v1.Pod]fwk.QueueingHint{big: fwk.QueueSkip, small: fwk.Queue, two: fwk.Queue, all: fwk.Queue, missing: fwk.Queue} {
 		if got := hint(pod, y, deallocated(y)); got != want {
 			t.Errorf("y deallocated, pod %s: hint %v, want %v", pod.Name, got, want)
 		}
@@ -147,10 +173,7 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 
 	// The cache learns that y is gone; then x frees gpu-0 and gpu-1, and
 	// a has all four free, although the cache still holds x allocated.
-	y.Status.Allocation = nil
-	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, y, metav1.UpdateOptions{})
-	h.tCtx.ExpectNoError(err)
-	h.waitForClaim("y", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	giveBackInCache("y")
 	x := h.apiClaim("x")
 	if got := hint(big, x, deallocated(x)); got != fwk.Queue {
 		t.Errorf("x deallocated after y, pod big: hint %v, want Queue", got)
@@ -164,6 +187,13 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 	}
 	if got := hint(big, c2, deallocated(c2)); got != fwk.Queue {
 		t.Errorf("c2 deallocated right after c1, pod big: hint %v, want Queue", got)
+	}
+
+	// Node d's free GPUs count together across its two pools.
+	giveBackInCache("db")
+	da := h.apiClaim("da")
+	if got := hint(big, da, deallocated(da)); got != fwk.Queue {
+		t.Errorf("da deallocated with db free, pod big: hint %v, want Queue (four free on d in two pools)", got)
 	}
 
 	// A claim on b freeing all of b's devices is enough too.

@@ -11,15 +11,15 @@ import (
 )
 
 // freedDevices answers, for one event that gave devices back, how many
-// devices of each driver are free in each pool the devices came from. It
-// serves the queueing hint of every pending pod for that event: the queue
-// asks the hints of all its pods one after another, so the counts are
-// kept for the last event only. Safe for concurrent use.
+// devices of each driver are free where the devices came from. It serves
+// the queueing hint of every pending pod for that event: the queue asks
+// the hints of its pods one after another, so the counts are kept for the
+// last event only. Safe for concurrent use.
 type freedDevices struct {
 	mu sync.Mutex
 	// key identifies the event: the claim and its resourceVersion.
 	key  freedKey
-	free map[poolKey]int
+	free map[deviceGroup]int
 	// recent holds the devices given back by the events of the last
 	// recentlyFreed, by when: the claim tracker is fed by its own event
 	// handler, so when several claims on one node give devices back at
@@ -37,18 +37,34 @@ type freedKey struct {
 	resourceVersion string
 }
 
-// poolKey names the devices of one driver in one pool.
-type poolKey struct{ driver, pool string }
+// deviceGroup names the devices of one driver on one node (node set), or
+// in one pool for devices that are not local to a node.
+type deviceGroup struct{ driver, node, pool string }
 
-// largestRequest is the most devices that one request of the pod's claims
-// that are not allocated yet asks for: the exact count, or the smallest
-// count of a firstAvailable request's subrequests. ok is false when it
-// cannot say (a claim is not there yet, or a request asks for all
-// matching devices).
-func (pl *TopologyDRA) largestRequest(pod *v1.Pod) (need int, ok bool) {
+func groupOf(slice *resourceapi.ResourceSlice) deviceGroup {
+	if slice.Spec.NodeName != nil && *slice.Spec.NodeName != "" {
+		return deviceGroup{driver: slice.Spec.Driver, node: *slice.Spec.NodeName}
+	}
+	return deviceGroup{driver: slice.Spec.Driver, pool: slice.Spec.Pool.Name}
+}
+
+// smallestRequest is the fewest devices that one request of the pod's
+// claims that are not allocated yet asks for: its exact count, or the
+// smallest count among a firstAvailable request's subrequests. Which
+// driver serves which request is not known here, so freed devices may
+// help the pod as soon as they leave this many free. ok is false when it
+// cannot say (a claim is not there yet, all its claims are allocated, or
+// a request asks for all matching devices).
+func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 	claims, err := pl.podClaims(pod)
 	if err != nil {
 		return 0, false
+	}
+	need = -1
+	least := func(n int) {
+		if need < 0 || n < need {
+			need = n
+		}
 	}
 	for _, claim := range claims {
 		if claim.Status.Allocation != nil {
@@ -60,33 +76,30 @@ func (pl *TopologyDRA) largestRequest(pod *v1.Pod) (need int, ok bool) {
 				if r.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll {
 					return 0, false
 				}
-				need = max(need, int(r.Exactly.Count))
+				least(int(r.Exactly.Count))
 			case len(r.FirstAvailable) > 0:
-				least := -1
 				for _, sub := range r.FirstAvailable {
 					if sub.AllocationMode == resourceapi.DeviceAllocationModeAll {
 						return 0, false
 					}
-					if least < 0 || int(sub.Count) < least {
-						least = int(sub.Count)
-					}
+					least(int(sub.Count))
 				}
-				need = max(need, least)
 			}
 		}
 	}
-	return need, true
+	return need, need >= 0
 }
 
 // freedEnough reports whether the devices that claim gave back (its
-// allocation before the event) can let pod fit: whether some pool that the
-// claim held devices in now has, for one driver, at least as many free
-// devices as the pod's largest request asks for. Free means published and
-// not allocated; the claim's own devices, and those given back by other
-// claims in the last recentlyFreed, count as free whether or not the claim
-// tracker has seen those events yet. In-flight allocations and device
-// taints are not subtracted, so the answer errs towards yes. It also says
-// yes whenever it cannot tell.
+// allocation before the event) can let pod fit: whether, for a driver and
+// node (or pool, for devices not local to a node) that the claim held
+// devices of, at least as many devices are now free as one of the pod's
+// requests asks for (see smallestRequest). Free means published and not
+// allocated; the claim's own devices, and those given back in the last
+// recentlyFreed, count as free whether or not the claim tracker has seen
+// those events yet. In-flight allocations, taints and shared counters are
+// not subtracted, so the answer errs towards yes. It also says yes
+// whenever it cannot tell.
 //
 // Without it every pod that waits for devices is retried, and fails
 // again, whenever any claim is deallocated anywhere; each failure renews
@@ -98,7 +111,7 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) == 0 {
 		return true
 	}
-	need, ok := pl.largestRequest(pod)
+	need, ok := pl.smallestRequest(pod)
 	if !ok || need <= 1 {
 		return true
 	}
@@ -114,9 +127,9 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 	return false
 }
 
-// count returns the free devices per driver and pool in the pools that
-// claim's allocation used, computing them once per event.
-func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) (map[poolKey]int, bool) {
+// count returns the free devices per group that claim's allocation used,
+// computing them once per event.
+func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) (map[deviceGroup]int, bool) {
 	key := freedKey{uid: claim.UID, resourceVersion: claim.ResourceVersion}
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -132,9 +145,10 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			delete(f.recent, id)
 		}
 	}
-	pools := map[poolKey]bool{}
+	type poolKey struct{ driver, pool string }
+	freedPools := map[poolKey]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		pools[poolKey{driver: r.Driver, pool: r.Pool}] = true
+		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
 		f.recent[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = now
 	}
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
@@ -145,24 +159,28 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	if err != nil {
 		return nil, false
 	}
-	// Only the newest generation of a pool counts.
+	// The groups the freed devices belong to, and the newest generation
+	// of every pool (only it counts).
+	groups := map[deviceGroup]bool{}
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		if pools[k] {
-			generation[k] = max(generation[k], s.Spec.Pool.Generation)
+		generation[k] = max(generation[k], s.Spec.Pool.Generation)
+		if freedPools[k] {
+			groups[groupOf(s)] = true
 		}
 	}
-	free := map[poolKey]int{}
+	free := map[deviceGroup]int{}
 	for _, s := range slices {
+		g := groupOf(s)
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		if !pools[k] || s.Spec.Pool.Generation != generation[k] {
+		if !groups[g] || s.Spec.Pool.Generation != generation[k] {
 			continue
 		}
 		for _, d := range s.Spec.Devices {
 			id := structured.MakeDeviceID(k.driver, k.pool, d.Name)
 			if _, freed := f.recent[id]; freed || !allocated.Has(id) {
-				free[k]++
+				free[g]++
 			}
 		}
 	}
