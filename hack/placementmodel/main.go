@@ -48,6 +48,7 @@ func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
 	queue := flag.String("queue", "fifo,small-first", "orders in which waiting pods are retried: fifo, small-first")
+	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")
 	flag.Parse()
 	if err := run1(*seeds, *names, *queue, *reps); err != nil {

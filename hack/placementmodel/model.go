@@ -171,6 +171,11 @@ type result struct {
 	aligned     [2]int // aligned, possible
 }
 
+// oneByOne retries the waiting pods after each departure instead of after
+// all departures of a tick: in a cluster pods rarely end together, and
+// each freed device is offered to the waiting pods at once.
+var oneByOne bool
+
 // queueOrder sorts the waiting pods before their retry.
 type queueOrder func(waiting []*pod)
 
@@ -241,6 +246,14 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 		index[p] = i
 	}
 	ticks := w.Ticks()
+	retry := func() {
+		order(waiting)
+		for _, p := range slices.Clone(waiting) {
+			if try(index[p], p) {
+				waiting = slices.DeleteFunc(waiting, func(q *pod) bool { return q == p })
+			}
+		}
+	}
 	for s.now = 0; s.now < ticks; s.now++ {
 		for _, p := range pods {
 			if p.placed && p.end == s.now {
@@ -250,14 +263,12 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 				if p.nic >= 0 {
 					nodes[p.node].nic[p.nic] = -1
 				}
+				if oneByOne {
+					retry()
+				}
 			}
 		}
-		order(waiting)
-		for _, p := range slices.Clone(waiting) {
-			if try(index[p], p) {
-				waiting = slices.DeleteFunc(waiting, func(q *pod) bool { return q == p })
-			}
-		}
+		retry()
 		var arrivals []*pod
 		for _, p := range pods {
 			if p.arrival == s.now {

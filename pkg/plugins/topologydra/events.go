@@ -41,12 +41,12 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 	newClaim, _ := newObj.(*resourceapi.ResourceClaim)
 	if newClaim == nil {
 		if oldClaim != nil && oldClaim.Status.Allocation != nil {
-			return pl.hintForFreed(pod, oldClaim), nil
+			return pl.hintForFreed(logger, pod, oldClaim), nil
 		}
 		return fwk.QueueSkip, nil
 	}
 	if oldClaim != nil && oldClaim.Status.Allocation != nil && newClaim.Status.Allocation == nil {
-		return pl.hintForFreed(pod, oldClaim), nil
+		return pl.hintForFreed(logger, pod, oldClaim), nil
 	}
 	if !pl.usesClaim(pod, newClaim) {
 		return fwk.QueueSkip, nil
@@ -57,12 +57,14 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 	return fwk.QueueSkip, nil
 }
 
-// hintForFreed: devices given back by claim help pod only where they
-// leave enough free devices together (see freedEnough).
-func (pl *TopologyDRA) hintForFreed(pod *v1.Pod, claim *resourceapi.ResourceClaim) fwk.QueueingHint {
-	if pl.freedEnough(pod, claim) {
+// hintForFreed: devices given back by another pod's claim help pod only
+// where they leave enough free devices together (see freedEnough); a
+// change of the pod's own claim always requeues it.
+func (pl *TopologyDRA) hintForFreed(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim) fwk.QueueingHint {
+	if pl.usesClaim(pod, claim) || pl.freedEnough(pod, claim) {
 		return fwk.Queue
 	}
+	logger.V(6).Info("Devices given back leave too few free for the pod", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 	return fwk.QueueSkip
 }
 

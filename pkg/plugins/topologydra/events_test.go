@@ -166,6 +166,12 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 			t.Errorf("y deallocated, pod %s: hint %v, want %v", pod.Name, got, want)
 		}
 	}
+	// The pod's own claim given back always requeues it.
+	own := allocatedOn(testClaim("big", 4), "a", "gpu-3")
+	own.UID = h.apiClaim("big").UID
+	if got := hint(big, own, deallocated(own)); got != fwk.Queue {
+		t.Errorf("own claim deallocated, pod big: hint %v, want Queue", got)
+	}
 	// Deleted while allocated: the same answer.
 	if got := hint(big, y, nil); got != fwk.QueueSkip {
 		t.Errorf("y deleted, pod big: hint %v, want QueueSkip", got)
