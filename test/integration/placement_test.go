@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
+	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -275,12 +277,21 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 	}
 	node := e.node("a", "full", framework.DGXLikeGPUs, all...)
 	eight := e.template(8, nil)
-	startTopodra(tCtx)
-
-	e.pod("whole", topodraName, "a", eight)
-	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	// A profile of its own: the attempt metric is per profile, and pods
+	// that other tests left pending belong to topodra-scheduler.
+	const profile = "topodra-retry-test"
+	cfg := bytes.Replace(config.SchedulerConfig, []byte("- schedulerName: "+topodraName), []byte("- schedulerName: "+profile), 1)
+	if bytes.Equal(cfg, config.SchedulerConfig) {
+		t.Fatalf("config/scheduler-config.yaml has no profile %s to rename", topodraName)
+	}
+	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-retry", Config: cfg})
 	tCtx.ExpectNoError(err)
-	before := unschedulableAttempts(tCtx)
+	tCtx.Cleanup(stop)
+
+	e.pod("whole", profile, "a", eight)
+	_, err = framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	tCtx.ExpectNoError(err)
+	before := unschedulableAttempts(tCtx, profile)
 	giveBack := func(device string) {
 		name := "taken-a-full-" + device
 		tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, name, metav1.DeleteOptions{}))
@@ -290,7 +301,7 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 	}
 	// Long enough for a retry after the scheduler's initial backoff (1 s).
 	time.Sleep(3 * time.Second)
-	if n := unschedulableAttempts(tCtx) - before; n != 0 {
+	if n := unschedulableAttempts(tCtx, profile) - before; n != 0 {
 		t.Errorf("the 8-GPU pod was retried %d times while at most 7 GPUs of %s were free, want 0", n, node)
 	}
 	giveBack(all[7])
@@ -300,11 +311,11 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 	}
 }
 
-// unschedulableAttempts counts the topodra profile's scheduling attempts
-// that ended unschedulable, from the process-wide metrics registry.
-func unschedulableAttempts(tCtx ktesting.TContext) uint64 {
+// unschedulableAttempts counts the profile's scheduling attempts that
+// ended unschedulable, from the process-wide metrics registry.
+func unschedulableAttempts(tCtx ktesting.TContext, profile string) uint64 {
 	tCtx.Helper()
-	by, err := measure.GatherBy(legacyregistry.DefaultGatherer, "scheduler_scheduling_attempt_duration_seconds", map[string]string{"profile": topodraName}, "result")
+	by, err := measure.GatherBy(legacyregistry.DefaultGatherer, "scheduler_scheduling_attempt_duration_seconds", map[string]string{"profile": profile}, "result")
 	tCtx.ExpectNoError(err)
 	return uint64(by["unschedulable"].Count())
 }
