@@ -91,8 +91,8 @@ func TestSliceQueueingHint(t *testing.T) {
 // TestFreedDevicesQueueingHint: a claim that gives devices back requeues
 // a pending pod only when, for the driver and node it came from, enough
 // devices are now free for one of the pod's requests, counting the claim's
-// own devices, and those given back just before, as free whether or not
-// the claim cache has seen those changes yet.
+// own devices, and those given back just before, as free while the claim
+// cache still shows them held by the claims that gave them back.
 func TestFreedDevicesQueueingHint(t *testing.T) {
 	// Node d publishes two pools of two GPUs each.
 	pool := func(name string) *resourceapi.ResourceSlice {
@@ -177,12 +177,20 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 		t.Errorf("y deleted, pod big: hint %v, want QueueSkip", got)
 	}
 
-	// The cache learns that y is gone; then x frees gpu-0 and gpu-1, and
-	// a has all four free, although the cache still holds x allocated.
+	// The cache learns that y is gone, and gpu-2 is taken again by y2:
+	// when x frees gpu-0 and gpu-1, three are free on a.
 	giveBackInCache("y")
+	h.create(allocatedOn(testClaim("y2", 1), "a", "gpu-2"))
+	h.waitForClaim("y2", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
 	x := h.apiClaim("x")
-	if got := hint(big, x, deallocated(x)); got != fwk.Queue {
-		t.Errorf("x deallocated after y, pod big: hint %v, want Queue", got)
+	if got := hint(big, x, deallocated(x)); got != fwk.QueueSkip {
+		t.Errorf("x deallocated with gpu-2 taken again, pod big: hint %v, want QueueSkip", got)
+	}
+	// y2 gives gpu-2 back: a has all four free, although the cache
+	// still holds x allocated.
+	y2 := h.apiClaim("y2")
+	if got := hint(big, y2, deallocated(y2)); got != fwk.Queue {
+		t.Errorf("y2 deallocated after x, pod big: hint %v, want Queue", got)
 	}
 
 	// Two claims on c give their devices back at once, and the cache has

@@ -2,7 +2,6 @@ package topologydra
 
 import (
 	"sync"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -20,17 +19,15 @@ type freedDevices struct {
 	// key identifies the event: the claim and its resourceVersion.
 	key  freedKey
 	free map[deviceGroup]int
-	// recent holds the devices given back by the events of the last
-	// recentlyFreed, by when: the claim tracker is fed by its own event
-	// handler, so when several claims on one node give devices back at
-	// once it may not have seen the earlier ones yet. They count as free.
-	recent map[structured.DeviceID]time.Time
+	// freedBy holds the devices given back by earlier events, with the
+	// claim that gave each back: the claim tracker is fed by its own
+	// event handler, so when several claims on one node give devices back
+	// at once it may not have seen the earlier ones yet. A device counts
+	// as free while the tracker still shows that claim holding it; an
+	// entry goes once the tracker shows the device free or held by
+	// another claim.
+	freedBy map[structured.DeviceID]types.UID
 }
-
-// recentlyFreed is how long devices given back count as free whatever the
-// claim tracker says. Counting a device as free that was taken again in
-// the meantime only costs a retry.
-const recentlyFreed = 30 * time.Second
 
 type freedKey struct {
 	uid             types.UID
@@ -95,10 +92,11 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // node (or pool, for devices not local to a node) that the claim held
 // devices of, at least as many devices are now free as one of the pod's
 // requests asks for (see smallestRequest). Free means published and not
-// allocated; the claim's own devices, and those given back in the last
-// recentlyFreed, count as free whether or not the claim tracker has seen
-// those events yet. In-flight allocations, taints and shared counters are
-// not subtracted, so the answer errs towards yes. It also says yes
+// allocated; devices given back by this or an earlier event count as free
+// while the claim tracker still shows the claim that gave them back
+// holding them (it has not seen that event yet). In-flight allocations,
+// taints and shared counters are not subtracted, so the answer errs
+// towards yes. It also says yes
 // whenever it cannot tell.
 //
 // Without it every pod that waits for devices is retried, and fails
@@ -136,20 +134,14 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	if f.free != nil && f.key == key {
 		return f.free, true
 	}
-	now := time.Now()
-	if f.recent == nil {
-		f.recent = map[structured.DeviceID]time.Time{}
-	}
-	for id, at := range f.recent {
-		if now.Sub(at) > recentlyFreed {
-			delete(f.recent, id)
-		}
+	if f.freedBy == nil {
+		f.freedBy = map[structured.DeviceID]types.UID{}
 	}
 	type poolKey struct{ driver, pool string }
 	freedPools := map[poolKey]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
-		f.recent[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = now
+		f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = claim.UID
 	}
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
@@ -158,6 +150,28 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	allocated, err := pl.draManager.ResourceClaims().ListAllAllocatedDevices()
 	if err != nil {
 		return nil, false
+	}
+	claims, err := pl.draManager.ResourceClaims().List()
+	if err != nil {
+		return nil, false
+	}
+	// Which claim the tracker shows holding each device given back.
+	heldBy := map[structured.DeviceID]types.UID{}
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			continue
+		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
+			if _, ok := f.freedBy[id]; ok {
+				heldBy[id] = c.UID
+			}
+		}
+	}
+	for id, uid := range f.freedBy {
+		if held, ok := heldBy[id]; !ok || held != uid {
+			delete(f.freedBy, id) // seen free, or taken again
+		}
 	}
 	// The groups the freed devices belong to, and the newest generation
 	// of every pool (only it counts).
@@ -179,7 +193,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		}
 		for _, d := range s.Spec.Devices {
 			id := structured.MakeDeviceID(k.driver, k.pool, d.Name)
-			if _, freed := f.recent[id]; freed || !allocated.Has(id) {
+			if _, freed := f.freedBy[id]; freed || !allocated.Has(id) {
 				free[g]++
 			}
 		}
