@@ -177,42 +177,34 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 		t.Errorf("y deleted, pod big: hint %v, want QueueSkip", got)
 	}
 
+	// givesBack checks the hint for pod big when claim name (as the API
+	// has it, allocated) is deallocated.
+	givesBack := func(name string, want fwk.QueueingHint, why string) {
+		t.Helper()
+		c := h.apiClaim(name)
+		if got := hint(big, c, deallocated(c)); got != want {
+			t.Errorf("%s deallocated (%s), pod big: hint %v, want %v", name, why, got, want)
+		}
+	}
+
 	// The cache learns that y is gone, and gpu-2 is taken again by y2:
-	// when x frees gpu-0 and gpu-1, three are free on a.
+	// when x frees gpu-0 and gpu-1, three are free on a. When y2 gives
+	// gpu-2 back, all four are, although the cache still holds x.
 	giveBackInCache("y")
 	h.create(allocatedOn(testClaim("y2", 1), "a", "gpu-2"))
 	h.waitForClaim("y2", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
-	x := h.apiClaim("x")
-	if got := hint(big, x, deallocated(x)); got != fwk.QueueSkip {
-		t.Errorf("x deallocated with gpu-2 taken again, pod big: hint %v, want QueueSkip", got)
-	}
-	// y2 gives gpu-2 back: a has all four free, although the cache
-	// still holds x allocated.
-	y2 := h.apiClaim("y2")
-	if got := hint(big, y2, deallocated(y2)); got != fwk.Queue {
-		t.Errorf("y2 deallocated after x, pod big: hint %v, want Queue", got)
-	}
+	givesBack("x", fwk.QueueSkip, "gpu-2 taken again by y2")
+	givesBack("y2", fwk.Queue, "right after x")
 
 	// Two claims on c give their devices back at once, and the cache has
 	// seen neither: the second event still finds c free.
-	c1, c2 := h.apiClaim("c1"), h.apiClaim("c2")
-	if got := hint(big, c1, deallocated(c1)); got != fwk.QueueSkip {
-		t.Errorf("c1 deallocated, pod big: hint %v, want QueueSkip", got)
-	}
-	if got := hint(big, c2, deallocated(c2)); got != fwk.Queue {
-		t.Errorf("c2 deallocated right after c1, pod big: hint %v, want Queue", got)
-	}
+	givesBack("c1", fwk.QueueSkip, "two of c free")
+	givesBack("c2", fwk.Queue, "right after c1")
 
 	// Node d's free GPUs count together across its two pools.
 	giveBackInCache("db")
-	da := h.apiClaim("da")
-	if got := hint(big, da, deallocated(da)); got != fwk.Queue {
-		t.Errorf("da deallocated with db free, pod big: hint %v, want Queue (four free on d in two pools)", got)
-	}
+	givesBack("da", fwk.Queue, "db free: four on d in two pools")
 
 	// A claim on b freeing all of b's devices is enough too.
-	z := h.apiClaim("z")
-	if got := hint(big, z, deallocated(z)); got != fwk.Queue {
-		t.Errorf("z deallocated, pod big: hint %v, want Queue", got)
-	}
+	givesBack("z", fwk.Queue, "all of b")
 }
