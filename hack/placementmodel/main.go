@@ -49,9 +49,10 @@ func main() {
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
 	queue := flag.String("queue", "fifo,small-first", "orders in which waiting pods are retried: fifo, small-first")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
+	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")
 	flag.Parse()
-	if err := run1(*seeds, *names, *queue, *reps); err != nil {
+	if err := run1(*seeds, *scenarios, *names, *queue, *reps); err != nil {
 		fmt.Fprintln(os.Stderr, "placementmodel:", err)
 		os.Exit(1)
 	}
@@ -66,8 +67,12 @@ func sortedKeys[V any](m map[string]V) []string {
 	return out
 }
 
-func run1(seedList, names, queues string, reps int) error {
+func run1(seedList, scenarioList, names, queues string, reps int) error {
 	seeds, err := sim.ParseSeeds(seedList)
+	if err != nil {
+		return err
+	}
+	scenarios, err := pickScenarios(scenarioList)
 	if err != nil {
 		return err
 	}
@@ -83,7 +88,7 @@ func run1(seedList, names, queues string, reps int) error {
 			if !ok {
 				return fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(sortedKeys(policies), ", "))
 			}
-			s, err := sweep(seeds, pick, order, reps)
+			s, err := sweep(scenarios, seeds, pick, order, reps)
 			if err != nil {
 				return err
 			}
@@ -103,9 +108,27 @@ type summary struct {
 	neverPlaced, fit8, gpuTicks, idle int
 }
 
-func sweep(seeds []int64, pick policy, order queueOrder, reps int) (summary, error) {
+// pickScenarios resolves a comma-separated list of scenario names; empty
+// means the sweep's scenarios.
+func pickScenarios(list string) ([]sim.Scenario, error) {
+	known := append(sim.DefaultScenarios(), sim.Scenario{Name: "demo", Profile: sim.DefaultProfile, Nodes: 8, Pods: 160, Trace: sim.TraceBuiltin})
+	if list == "" {
+		return known[:len(known)-1], nil
+	}
+	var out []sim.Scenario
+	for _, name := range strings.Split(list, ",") {
+		i := slices.IndexFunc(known, func(s sim.Scenario) bool { return s.Name == name })
+		if i < 0 {
+			return nil, fmt.Errorf("unknown scenario %q", name)
+		}
+		out = append(out, known[i])
+	}
+	return out, nil
+}
+
+func sweep(scenarios []sim.Scenario, seeds []int64, pick policy, order queueOrder, reps int) (summary, error) {
 	s := summary{waits: map[int][]float64{}}
-	for _, sc := range sim.DefaultScenarios() {
+	for _, sc := range scenarios {
 		specs, err := sim.PlanNodes(sc.Profile, sc.Nodes)
 		if err != nil {
 			return s, err
