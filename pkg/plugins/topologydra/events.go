@@ -31,8 +31,9 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 }
 
 // isSchedulableAfterClaimChange: requeue when one of the pod's claims
-// appears or its status changes, or when any claim gives devices back
-// (deallocated or deleted while allocated).
+// appears or its status changes, or when a claim gives devices back
+// (deallocated or deleted while allocated) and they may let the pod fit
+// (hintForFreed).
 func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if _, ok := oldObj.(cache.DeletedFinalStateUnknown); ok && newObj == nil {
 		return fwk.Queue, nil
