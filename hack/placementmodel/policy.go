@@ -40,7 +40,7 @@ type topodraOptions struct {
 	// weights as in TopologyDRAArgs.
 	wholeNodeTrade, wholeNodeTradeWhileWaiting, drainTrade int
 	room, packing, age                                     float64
-	// secondsPerTick: ages are whole seconds of wall time; a simulator
+	// ticksPerSecond: ages are whole seconds of wall time; a simulator
 	// tick takes about 0.2 s. 0 means ages in ticks.
 	ticksPerSecond int
 	// remaining replaces the age by the pod's remaining lifetime (an
