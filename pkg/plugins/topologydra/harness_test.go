@@ -51,7 +51,7 @@ const (
 // newHarness creates the objects through the fake API (so that the reactor
 // gives them UIDs and resource versions), starts the informers, waits for
 // the DRA manager to see everything and builds the plugin with default args.
-func newHarness(t *testing.T, nodes []*v1.Node, objs ...runtime.Object) *harness {
+func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness {
 	tCtx := ktesting.Init(t)
 	h := &harness{tCtx: tCtx, client: fake.NewClientset(), recorder: events.NewFakeRecorder(100), nodes: map[string]fwk.NodeInfo{}}
 	h.client.PrependReactor("*", "*", versionReactor(h.client.Tracker()))

@@ -24,8 +24,9 @@ type freedDevices struct {
 	// event handler, so when several claims on one node give devices back
 	// at once it may not have seen the earlier ones yet. A device counts
 	// as free while the tracker still shows that claim holding it; an
-	// entry goes once the tracker shows the device free or held by
-	// another claim.
+	// entry goes once an event that counts the devices of its node finds
+	// the tracker showing it free or held by another claim (so there are
+	// never more entries than published devices).
 	freedBy map[structured.DeviceID]types.UID
 }
 
@@ -147,31 +148,9 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	if err != nil {
 		return nil, false
 	}
-	allocated, err := pl.draManager.ResourceClaims().ListAllAllocatedDevices()
-	if err != nil {
-		return nil, false
-	}
 	claims, err := pl.draManager.ResourceClaims().List()
 	if err != nil {
 		return nil, false
-	}
-	// Which claim the tracker shows holding each device given back.
-	heldBy := map[structured.DeviceID]types.UID{}
-	for _, c := range claims {
-		if c.Status.Allocation == nil {
-			continue
-		}
-		for _, r := range c.Status.Allocation.Devices.Results {
-			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
-			if _, ok := f.freedBy[id]; ok {
-				heldBy[id] = c.UID
-			}
-		}
-	}
-	for id, uid := range f.freedBy {
-		if held, ok := heldBy[id]; !ok || held != uid {
-			delete(f.freedBy, id) // seen free, or taken again
-		}
 	}
 	// The groups the freed devices belong to, and the newest generation
 	// of every pool (only it counts).
@@ -184,16 +163,56 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			groups[groupOf(s)] = true
 		}
 	}
-	free := map[deviceGroup]int{}
+	// The pools of those groups: only their devices are counted, so the
+	// cost per event follows the nodes the claim held devices on, not the
+	// cluster, apart from one pass over the slices and the claims.
+	pools := map[poolKey]bool{}
 	for _, s := range slices {
-		g := groupOf(s)
-		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		if !groups[g] || s.Spec.Pool.Generation != generation[k] {
+		if groups[groupOf(s)] {
+			pools[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] = true
+		}
+	}
+	// Which devices of those pools the tracker shows allocated, and which
+	// claim holds each device given back.
+	type deviceKey struct{ driver, pool, device string }
+	allocated := map[deviceKey]bool{}
+	heldBy := map[structured.DeviceID]types.UID{}
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
 			continue
 		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] {
+				continue
+			}
+			allocated[deviceKey{r.Driver, r.Pool, r.Device}] = true
+			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
+			if _, ok := f.freedBy[id]; ok {
+				heldBy[id] = c.UID
+			}
+		}
+	}
+	for id, uid := range f.freedBy {
+		if !pools[poolKey{driver: id.Driver.String(), pool: id.Pool.String()}] {
+			continue // not counted here; checked when its node's devices are
+		}
+		if held, ok := heldBy[id]; !ok || held != uid {
+			delete(f.freedBy, id) // seen free, or taken again
+		}
+	}
+	free := map[deviceGroup]int{}
+	for _, s := range slices {
+		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
+		if !pools[k] || s.Spec.Pool.Generation != generation[k] {
+			continue
+		}
+		g := groupOf(s)
 		for _, d := range s.Spec.Devices {
-			id := structured.MakeDeviceID(k.driver, k.pool, d.Name)
-			if _, freed := f.freedBy[id]; freed || !allocated.Has(id) {
+			if !allocated[deviceKey{k.driver, k.pool, d.Name}] {
+				free[g]++
+				continue
+			}
+			if _, freed := f.freedBy[structured.MakeDeviceID(k.driver, k.pool, d.Name)]; freed {
 				free[g]++
 			}
 		}
