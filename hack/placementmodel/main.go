@@ -42,12 +42,12 @@ var policies = map[string]policy{
 	}()),
 }
 
-var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst}
+var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst}
 
 func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
-	queue := flag.String("queue", "fifo,small-first", "orders in which waiting pods are retried: fifo, small-first")
+	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")

@@ -189,6 +189,14 @@ func smallFirst(w []*pod) {
 	slices.SortStableFunc(w, func(a, b *pod) int { return a.gpus - b.gpus })
 }
 
+// largeFirst retries the larger pods first: what kube-scheduler's queue
+// does when a freed device requeues a waiting pod only if it may now fit
+// (TopologyDRA's hint): a pod that needs a whole node is retried rarely,
+// so its last failure is the oldest, and the queue tries it first.
+func largeFirst(w []*pod) {
+	slices.SortStableFunc(w, func(a, b *pod) int { return b.gpus - a.gpus })
+}
+
 func podsOf(w *sim.Workload) []*pod {
 	var out []*pod
 	for _, j := range w.Jobs {
