@@ -74,6 +74,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("attempts: scheduled / unschedulable", true, func(res Result) string {
 		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
 	})
+	row("scheduler CPU", true, schedulerCPUText)
 	row("create→bind p50 / p99", false, func(res Result) string {
 		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
 	})

@@ -228,9 +228,14 @@ type Result struct {
 	AttemptP50Ms float64           `json:"attemptP50Ms"`
 	AttemptP99Ms float64           `json:"attemptP99Ms"`
 	Attempts     map[string]uint64 `json:"attempts,omitempty"`
-	WallSeconds  float64           `json:"wallSeconds"`
-	Snapshots    []Snapshot        `json:"snapshots"`
-	Placements   []Placement       `json:"placements"`
+	// SchedulerCPUSeconds is the CPU time of the scheduler's goroutines
+	// while the ticks ran (they carry the pprof label scheduler=<name>;
+	// from a CPU profile sampled at 100 Hz), or -1 where it could not be
+	// measured (another CPU profile was running).
+	SchedulerCPUSeconds float64     `json:"schedulerCPUSeconds"`
+	WallSeconds         float64     `json:"wallSeconds"`
+	Snapshots           []Snapshot  `json:"snapshots"`
+	Placements          []Placement `json:"placements"`
 	// PendingPods names the pods never bound, with the scheduler's last
 	// message.
 	PendingPods map[string]string `json:"pendingPods,omitempty"`
@@ -313,6 +318,7 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("  attempts: scheduled / unschedulable", func(res Result) string {
 		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
 	})
+	row("  scheduler CPU", schedulerCPUText)
 	row("create->bind p50 / p99", func(res Result) string {
 		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
 	})
@@ -395,4 +401,16 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 		out = append(out, e)
 	}
 	return out
+}
+
+// schedulerCPUText is the scheduler's CPU time over the run and per pod
+// placed.
+func schedulerCPUText(res Result) string {
+	if res.SchedulerCPUSeconds < 0 {
+		return "not measured"
+	}
+	if res.Placed == 0 {
+		return fmt.Sprintf("%.2f s", res.SchedulerCPUSeconds)
+	}
+	return fmt.Sprintf("%.2f s, %.1f ms per pod placed", res.SchedulerCPUSeconds, 1000*res.SchedulerCPUSeconds/float64(res.Placed))
 }

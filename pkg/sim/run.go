@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/pprof"
 	"slices"
 	"sync"
 	"time"
@@ -207,7 +208,13 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 	before := readAttempts(schedulerName)
-	if _, err := cp.StartScheduler(ctx, schedOpts); err != nil {
+	// The scheduler's goroutines carry the pprof label scheduler=<name>,
+	// so a CPU profile of the run (--cpuprofile) can be split by
+	// scheduler: go tool pprof -tagfocus scheduler=topodra.
+	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
+		_, err = cp.StartScheduler(ctx, schedOpts)
+	})
+	if err != nil {
 		return nil, nil, err
 	}
 	if err := probeScheduler(ctx, client, schedulerName, opts.SettleTimeout); err != nil {
@@ -216,9 +223,16 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
 
+	prof := measure.StartCPUProfile()
 	res, err = drive(ctx, opts, workload, tr, client, topo, sched, schedulerName)
+	cpu, _, _, cpuErr := prof.Stop("scheduler", sched)
 	if err != nil {
 		return nil, nil, err
+	}
+	res.SchedulerCPUSeconds = cpu
+	if cpuErr != nil {
+		res.SchedulerCPUSeconds = -1
+		res.Notes = append(res.Notes, fmt.Sprintf("scheduler CPU not measured: %v", cpuErr))
 	}
 	att := readAttempts(schedulerName).since(before)
 	res.AttemptP50Ms = 1000 * att.quantile(0.50)

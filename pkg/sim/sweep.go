@@ -83,7 +83,10 @@ type SweepRow struct {
 	Aligned         float64 `json:"alignedFraction"`
 	Throughput      float64 `json:"throughputPodsPerSecond"`
 	AttemptP50Ms    float64 `json:"attemptP50Ms"`
-	Errors          int     `json:"errors"`
+	// SchedulerCPUMsPerPod is the scheduler's CPU time over the run per
+	// pod placed (Result.SchedulerCPUSeconds), -1 where not measured.
+	SchedulerCPUMsPerPod float64 `json:"schedulerCPUMsPerPod"`
+	Errors               int     `json:"errors"`
 }
 
 // SweepSizes are the pod sizes whose waits a sweep reports.
@@ -94,7 +97,10 @@ func rowOf(scenario string, seed int64, res *Result) SweepRow {
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Throughput: res.Throughput,
-		AttemptP50Ms: res.AttemptP50Ms, Errors: len(res.Errors)}
+		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: -1, Errors: len(res.Errors)}
+	if res.SchedulerCPUSeconds >= 0 && res.Placed > 0 {
+		row.SchedulerCPUMsPerPod = 1000 * res.SchedulerCPUSeconds / float64(res.Placed)
+	}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
 			row.MeanWait[g] = w.Mean()
@@ -144,6 +150,8 @@ type SweepSummary struct {
 	Aligned    Stat         `json:"alignedFraction"`
 	Throughput Stat         `json:"throughputPodsPerSecond"`
 	AttemptP50 Stat         `json:"attemptP50Ms"`
+	// SchedulerCPU is over the runs where it was measured.
+	SchedulerCPU Stat `json:"schedulerCPUMsPerPod"`
 	// Sums over runs.
 	GPUTicks    int `json:"pendingGPUTicks"`
 	Idle        int `json:"idleGPUTicksWhileWaiting"`
@@ -155,7 +163,7 @@ type SweepSummary struct {
 
 func summarize(scheduler string, rows []SweepRow) SweepSummary {
 	s := SweepSummary{Scheduler: scheduler, MeanWait: map[int]Stat{}}
-	var ticks, aligned, tput, p50 []float64
+	var ticks, aligned, tput, p50, cpu []float64
 	waits := map[int][]float64{}
 	for _, r := range rows {
 		if r.Scheduler != scheduler {
@@ -166,6 +174,9 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		aligned = append(aligned, r.Aligned)
 		tput = append(tput, r.Throughput)
 		p50 = append(p50, r.AttemptP50Ms)
+		if r.SchedulerCPUMsPerPod >= 0 {
+			cpu = append(cpu, r.SchedulerCPUMsPerPod)
+		}
 		for g, w := range r.MeanWait {
 			waits[g] = append(waits[g], w)
 		}
@@ -177,6 +188,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Errors += r.Errors
 	}
 	s.PodTicks, s.Aligned, s.Throughput, s.AttemptP50 = statOf(ticks), statOf(aligned), statOf(tput), statOf(p50)
+	s.SchedulerCPU = statOf(cpu)
 	for g, w := range waits {
 		s.MeanWait[g] = statOf(w)
 	}
@@ -313,7 +325,7 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	return rep, nil
 }
 
-const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\t"
+const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t"
 
 func writeRow(w io.Writer, r SweepRow) {
 	wait := func(g int) string {
@@ -322,9 +334,13 @@ func writeRow(w io.Writer, r SweepRow) {
 		}
 		return "-"
 	}
-	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t\n",
+	cpu := "-"
+	if r.SchedulerCPUMsPerPod >= 0 {
+		cpu = fmt.Sprintf("%.2f", r.SchedulerCPUMsPerPod)
+	}
+	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t%s\t\n",
 		r.Scenario, r.Seed, r.Scheduler, r.PodTicks, r.GPUTicks, r.Idle, wait(1), wait(2), wait(4), wait(8),
-		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms)
+		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms, cpu)
 }
 
 // WriteSummary prints the medians (with quartiles) per scenario and over
@@ -332,11 +348,11 @@ func writeRow(w io.Writer, r SweepRow) {
 func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "medians [p25-p75] over seeds; GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed")
-	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\t")
+	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")
 	line := func(name string, s SweepSummary) {
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t\n", name, s.Scheduler, s.Runs,
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t%.2f\t\n", name, s.Scheduler, s.Runs,
 			s.PodTicks, s.GPUTicks, s.Idle, s.MeanWait[1], s.MeanWait[2], s.MeanWait[4], s.MeanWait[8], s.NeverPlaced, s.Fit8, s.Fit4,
-			100*s.Aligned.Median, s.Throughput.Median, s.AttemptP50.Median)
+			100*s.Aligned.Median, s.Throughput.Median, s.AttemptP50.Median, s.SchedulerCPU.Median)
 	}
 	for _, sc := range r.Scenarios {
 		for _, s := range r.PerScenario[sc.Name] {

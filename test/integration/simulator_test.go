@@ -107,6 +107,13 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if len(res.Placements) != res.Placed {
 		t.Errorf("%s: %d placements for %d placed pods", name, len(res.Placements), res.Placed)
 	}
+	// The scheduler's own CPU time: its goroutines carry the pprof label.
+	switch {
+	case res.SchedulerCPUSeconds < 0:
+		t.Logf("%s: scheduler CPU not measured (another CPU profile was running, e.g. go test -cpuprofile)", name)
+	case res.SchedulerCPUSeconds == 0:
+		t.Errorf("%s: scheduler CPU 0 s over a run that placed %d pods: no profile sample carried the label scheduler=%s", name, res.Placed, name)
+	}
 	multi, gpuNIC := 0, 0
 	for _, p := range res.Placements {
 		if len(p.GPUs) >= 2 {

@@ -313,7 +313,7 @@ func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Wor
 		return nil, err
 	}
 	res := &Result{Workload: w.Name, Scheduler: sched, Mode: string(w.Mode)}
-	prof := startCPUProfile()
+	prof := measure.StartCPUProfile()
 	var t0, end time.Time
 	switch w.Mode {
 	case Burst:
@@ -322,7 +322,7 @@ func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Wor
 	case Steady:
 		t0, end, err = runSteady(ctx, client, ns, profile, w, bound)
 	}
-	cpu, processCPU, raw, cpuErr := prof.stop(sched)
+	cpu, processCPU, raw, cpuErr := prof.Stop("scheduler", sched)
 	if err != nil {
 		return nil, err
 	}

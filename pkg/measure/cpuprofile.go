@@ -1,4 +1,4 @@
-package perf
+package measure
 
 import (
 	"bytes"
@@ -12,40 +12,41 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 )
 
-// Every component runs in this process, so the process' CPU time says
-// little about the scheduler. Each scheduler is started under the pprof
-// label scheduler=<name>; its goroutines (and the goroutines they start)
-// carry the label, and a CPU profile of the measured interval, summed over
-// samples with the label, is the scheduler's own CPU time. Profiling
-// samples at 100 Hz, so short runs have a resolution of 10 ms.
+// Where every component runs in one process, the process' CPU time says
+// little about one of them. A component started under a pprof label (say
+// scheduler=<name>) passes the label to its goroutines and to the
+// goroutines they start, and a CPU profile of the measured interval,
+// summed over the samples with the label, is that component's own CPU
+// time. Profiling samples at 100 Hz, so short runs have a resolution of
+// 10 ms.
 
-// cpuProfile is a CPU profile being recorded into memory.
-type cpuProfile struct {
+// CPUProfile is a CPU profile being recorded into memory.
+type CPUProfile struct {
 	buf     bytes.Buffer
 	started bool
 	rusage0 time.Duration
 }
 
-// startCPUProfile starts profiling. When a profile is already running (go
-// test -cpuprofile, or the command's own), it records nothing and
-// schedulerCPU reports -1.
-func startCPUProfile() *cpuProfile {
-	p := &cpuProfile{rusage0: processCPU()}
+// StartCPUProfile starts profiling. When a profile is already running (go
+// test -cpuprofile, or the command's own), it records nothing and Stop
+// reports -1 for the labelled time.
+func StartCPUProfile() *CPUProfile {
+	p := &CPUProfile{rusage0: processCPU()}
 	p.started = pprof.StartCPUProfile(&p.buf) == nil
 	return p
 }
 
-// stop ends the profile and returns the seconds of CPU spent by goroutines
-// labelled scheduler=name (or -1), the process' CPU seconds, and the raw
+// Stop ends the profile and returns the seconds of CPU spent by goroutines
+// labelled key=value (or -1), the process' CPU seconds, and the raw
 // profile (nil when none was recorded).
-func (p *cpuProfile) stop(name string) (scheduler, process float64, raw []byte, err error) {
+func (p *CPUProfile) Stop(key, value string) (labelled, process float64, raw []byte, err error) {
 	process = (processCPU() - p.rusage0).Seconds()
 	if !p.started {
 		return -1, process, nil, nil
 	}
 	pprof.StopCPUProfile()
 	raw = p.buf.Bytes()
-	ns, err := labelledCPU(raw, "scheduler", name)
+	ns, err := labelledCPU(raw, key, value)
 	if err != nil {
 		return -1, process, raw, err
 	}
