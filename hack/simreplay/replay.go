@@ -1,0 +1,182 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+
+	"github.com/topodra/topodra/pkg/sim"
+)
+
+// runJSON is the part of a simulator run's JSON that the replay reads.
+type runJSON struct {
+	Seed     int64  `json:"seed"`
+	Workload string `json:"workload"`
+	Profile  string `json:"profile"`
+	Pods     int    `json:"pods"`
+	Ticks    int    `json:"ticks"`
+	Nodes    []struct {
+		Node    string `json:"node"`
+		Profile string `json:"profile"`
+		Devices []struct {
+			Name string `json:"name"`
+			GPU  bool   `json:"gpu"`
+			NUMA string `json:"numaNode"`
+		} `json:"devices"`
+	} `json:"nodes"`
+	Results []struct {
+		Scheduler  string `json:"scheduler"`
+		Placements []struct {
+			Pod  string   `json:"pod"`
+			Node string   `json:"node"`
+			Tick int      `json:"tick"`
+			GPUs []string `json:"gpus"`
+		} `json:"placements"`
+	} `json:"results"`
+}
+
+// job is what the replay needs of a pod: when it arrives, how long it
+// runs once bound (0: to the end) and how many GPUs it asks for.
+type job struct {
+	name          string
+	arrival, life int
+	gpus          int
+}
+
+// jobsOf reads the jobs of a workload; GPUs are the counts its claim
+// templates ask of the GPU class.
+func jobsOf(w *sim.Workload) ([]job, error) {
+	perTemplate := map[string]int{}
+	for _, t := range w.Templates {
+		for _, r := range t.Spec.Spec.Devices.Requests {
+			if r.Exactly != nil && r.Exactly.DeviceClassName == sim.GPUClassName {
+				perTemplate[t.Name] += int(r.Exactly.Count)
+			}
+		}
+	}
+	var out []job
+	for _, j := range w.Jobs {
+		g := 0
+		for _, c := range j.Pod.Spec.ResourceClaims {
+			if c.ResourceClaimTemplateName != nil {
+				g += perTemplate[*c.ResourceClaimTemplateName]
+			}
+		}
+		out = append(out, job{name: j.Pod.Name, arrival: j.Arrival, life: j.Lifetime, gpus: g})
+	}
+	return out, nil
+}
+
+type options struct {
+	scheduler string
+	from, to  int
+	all       bool
+}
+
+// replay prints the run of each scheduler tick by tick. Departures follow
+// the simulator: a pod bound at tick b with lifetime l leaves at the start
+// of tick b+l.
+func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
+	byName := map[string]job{}
+	for _, j := range jobs {
+		byName[j.name] = j
+	}
+	nodeIndex := map[string]int{}
+	for i, n := range rep.Nodes {
+		nodeIndex[n.Node] = i
+	}
+	to := o.to
+	if to < 0 {
+		to = rep.Ticks - 1
+	}
+	for _, res := range rep.Results {
+		if o.scheduler != "" && res.Scheduler != o.scheduler {
+			continue
+		}
+		fmt.Fprintf(out, "== %s\nnodes:", res.Scheduler)
+		for i, n := range rep.Nodes {
+			fmt.Fprintf(out, " %d %s (%s)", i, n.Node, n.Profile)
+		}
+		fmt.Fprintln(out)
+		// gpus[node][device name] = size of the pod holding it, 0 free.
+		gpus := make([]map[string]int, len(rep.Nodes))
+		for i := range gpus {
+			gpus[i] = map[string]int{}
+		}
+		type bound struct {
+			node, tick int
+			devices    []string
+		}
+		placed := map[string]bound{}
+		for _, p := range res.Placements {
+			n, ok := nodeIndex[p.Node]
+			if !ok {
+				return fmt.Errorf("%s: pod %s placed on unknown node %s", res.Scheduler, p.Pod, p.Node)
+			}
+			if _, ok := byName[p.Pod]; !ok {
+				return fmt.Errorf("%s: pod %s is not in the workload (the JSON is from another workload or version)", res.Scheduler, p.Pod)
+			}
+			placed[p.Pod] = bound{node: n, tick: p.Tick, devices: p.GPUs}
+		}
+		show := func() string {
+			var parts []string
+			for i, n := range rep.Nodes {
+				var b strings.Builder
+				fmt.Fprintf(&b, "%d:", i)
+				numa := ""
+				for k, d := range n.Devices {
+					if !d.GPU {
+						continue
+					}
+					if k > 0 && d.NUMA != numa {
+						b.WriteString("|")
+					}
+					numa = d.NUMA
+					switch g := gpus[i][d.Name]; {
+					case g == 0:
+						b.WriteString(".")
+					case g > 9:
+						b.WriteString("#")
+					default:
+						fmt.Fprint(&b, g)
+					}
+				}
+				parts = append(parts, b.String())
+			}
+			return strings.Join(parts, " ")
+		}
+		for tick := 0; tick < rep.Ticks; tick++ {
+			for name, b := range placed {
+				if j := byName[name]; j.life > 0 && b.tick+j.life == tick {
+					for _, d := range b.devices {
+						gpus[b.node][d] = 0
+					}
+				}
+			}
+			var waiting []string
+			for _, j := range jobs {
+				if b, ok := placed[j.name]; j.arrival < tick && (!ok || b.tick >= tick) {
+					waiting = append(waiting, fmt.Sprintf("%s (%d GPUs, since %d)", j.name, j.gpus, j.arrival))
+				}
+			}
+			var now []string
+			for _, p := range res.Placements {
+				if p.Tick != tick {
+					continue
+				}
+				b, j := placed[p.Pod], byName[p.Pod]
+				for _, d := range b.devices {
+					gpus[b.node][d] = j.gpus
+				}
+				now = append(now, fmt.Sprintf("%s -> %s %v (arrived %d)", p.Pod, p.Node, p.GPUs, j.arrival))
+			}
+			if tick < o.from || tick > to || (len(waiting) == 0 && !o.all) {
+				continue
+			}
+			slices.Sort(waiting)
+			fmt.Fprintf(out, "tick %d\n  waiting at start: %s\n  placed: %s\n  at end: %s\n", tick, strings.Join(waiting, ", "), strings.Join(now, ", "), show())
+		}
+	}
+	return nil
+}

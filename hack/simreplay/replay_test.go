@@ -1,0 +1,93 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/topodra/topodra/pkg/sim"
+)
+
+func TestReplay(t *testing.T) {
+	// One node of four GPUs in two NUMA nodes. "pair" (2 GPUs) runs from
+	// tick 0 for 2 ticks; "four" arrives at tick 1 and waits until the
+	// pair leaves at the start of tick 2.
+	const run = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
+	"nodes": [{"node": "n", "profile": "p", "devices": [
+		{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
+		{"name": "nic-0", "gpu": false, "numaNode": "0"},
+		{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
+	"results": [{"scheduler": "topodra", "placements": [
+		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"]},
+		{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
+	var rep runJSON
+	if err := json.Unmarshal([]byte(run), &rep); err != nil {
+		t.Fatal(err)
+	}
+	jobs := []job{{name: "pair", arrival: 0, life: 2, gpus: 2}, {name: "four", arrival: 1, life: 0, gpus: 4}}
+
+	var out bytes.Buffer
+	if err := replay(&out, rep, jobs, options{to: -1, all: true}); err != nil {
+		t.Fatal(err)
+	}
+	want := `== topodra
+nodes: 0 n (p)
+tick 0
+  waiting at start: 
+  placed: pair -> n [gpu-0 gpu-1] (arrived 0)
+  at end: 0:22|..
+tick 1
+  waiting at start: 
+  placed: 
+  at end: 0:22|..
+tick 2
+  waiting at start: four (4 GPUs, since 1)
+  placed: four -> n [gpu-0 gpu-1 gpu-2 gpu-3] (arrived 1)
+  at end: 0:44|44
+`
+	if out.String() != want {
+		t.Errorf("replay printed\n%s\nwant\n%s", out.String(), want)
+	}
+
+	out.Reset()
+	if err := replay(&out, rep, jobs, options{to: -1}); err != nil {
+		t.Fatal(err)
+	}
+	if got := bytes.Count(out.Bytes(), []byte("tick ")); got != 1 {
+		t.Errorf("without --all: %d ticks printed, want 1 (the one at which a pod waits):\n%s", got, out.String())
+	}
+
+	rep.Results[0].Placements[1].Pod = "stranger"
+	if err := replay(&out, rep, jobs, options{to: -1}); err == nil {
+		t.Error("a placement of a pod that is not in the workload: no error")
+	}
+}
+
+func TestJobsOfBuiltinWorkload(t *testing.T) {
+	specs, err := sim.PlanNodes(sim.DefaultProfile, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := sim.GenerateTrace(sim.TraceBuiltin, 1, 160, specs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	jobs, err := jobsOf(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sizes := map[int]int{}
+	for _, j := range jobs {
+		sizes[j.gpus]++
+		// The built-in workload names pods after their size.
+		if strings.Contains(j.name, "-8g-") && j.gpus != 8 || strings.Contains(j.name, "-1g-") && j.gpus != 1 {
+			t.Errorf("job %s: %d GPUs", j.name, j.gpus)
+		}
+	}
+	for _, g := range []int{1, 2, 4, 8} {
+		if sizes[g] == 0 {
+			t.Errorf("no job of %d GPUs in the built-in workload (sizes %v)", g, sizes)
+		}
+	}
+}
