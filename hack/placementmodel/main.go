@@ -42,6 +42,14 @@ var policies = map[string]policy{
 	}()),
 }
 
+func init() {
+	for _, e := range []int{50, 100} {
+		o := defaultTopodra
+		o.reserve, o.lifetimeError = true, float64(e)/100
+		policies[fmt.Sprintf("topodra-oracle-reserve-error%d", e)] = topodra(o)
+	}
+}
+
 var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst}
 
 func main() {

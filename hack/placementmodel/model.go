@@ -47,6 +47,8 @@ type pod struct {
 	start, end    int
 	node, nic     int
 	slots         []int
+	// id is the pod's index in its workload.
+	id int
 }
 
 // endIfStarted is when the pod would leave if it started at now.
@@ -201,7 +203,7 @@ func podsOf(w *sim.Workload) []*pod {
 	var out []*pod
 	for _, j := range w.Jobs {
 		t := *j.Pod.Spec.ResourceClaims[0].ResourceClaimTemplateName
-		p := &pod{arrival: j.Arrival, life: j.Lifetime, node: -1, nic: -1}
+		p := &pod{arrival: j.Arrival, life: j.Lifetime, node: -1, nic: -1, id: len(out)}
 		rest, _ := strings.CutPrefix(t, "gpu-")
 		p.gpus = int(rest[0] - '0')
 		if strings.Contains(t, "-nic-") {

@@ -50,6 +50,11 @@ type topodraOptions struct {
 	// up first (by the pods' true ends, an oracle) for it, and lets
 	// other pods onto it only if they end before then (EASY backfill).
 	reserve bool
+	// lifetimeError makes the reservation see estimated lifetimes: each
+	// pod's true lifetime times a factor drawn once per pod, uniformly in
+	// [1-lifetimeError, 1+lifetimeError] (as if users annotated pods with
+	// an expected runtime that is off by up to that much).
+	lifetimeError float64
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -115,13 +120,27 @@ func topodra(o topodraOptions) policy {
 				}
 			}
 		}
+		// estimate is a pod's lifetime as the reservation sees it.
+		estimate := func(q *pod) int {
+			if o.lifetimeError == 0 {
+				return q.life
+			}
+			u := float64(uint32(q.id)*2654435761) / (1 << 32)
+			return int(math.Round(float64(q.life) * (1 + o.lifetimeError*(2*u-1))))
+		}
 		reserved, until := -1, never
 		if o.reserve && waiting > 0 && p.gpus < gpus {
 			for n := range s.nodes {
 				end := 0
 				for _, i := range s.nodes[n].gpu {
-					if i >= 0 {
-						end = max(end, s.pods[i].end)
+					if i < 0 {
+						continue
+					}
+					q := s.pods[i]
+					if q.life == 0 {
+						end = never
+					} else {
+						end = max(end, q.start+estimate(q))
 					}
 				}
 				if end < until {
@@ -131,7 +150,7 @@ func topodra(o topodraOptions) policy {
 		}
 		best, bestScore := placement{node: -1}, int64(-1)
 		for _, c := range ps {
-			if c.node == reserved && p.endIfStarted(s.now) > until {
+			if c.node == reserved && (p.life == 0 || s.now+estimate(p) > until) {
 				continue
 			}
 			n := s.nodes[c.node]
