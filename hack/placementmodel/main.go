@@ -40,14 +40,16 @@ var policies = map[string]policy{
 		o.reserve = true
 		return o
 	}()),
+	"topodra-oracle-reserve-error50":  topodra(reserveWithError(0.5)),
+	"topodra-oracle-reserve-error100": topodra(reserveWithError(1)),
 }
 
-func init() {
-	for _, e := range []int{50, 100} {
-		o := defaultTopodra
-		o.reserve, o.lifetimeError = true, float64(e)/100
-		policies[fmt.Sprintf("topodra-oracle-reserve-error%d", e)] = topodra(o)
-	}
+// reserveWithError is the reservation oracle with lifetimes off by up to
+// the given fraction.
+func reserveWithError(e float64) topodraOptions {
+	o := defaultTopodra
+	o.reserve, o.lifetimeError = true, e
+	return o
 }
 
 var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst}

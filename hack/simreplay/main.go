@@ -65,11 +65,7 @@ func run(path, workloadFile string, o options) error {
 	if err != nil {
 		return err
 	}
-	jobs, err := jobsOf(w)
-	if err != nil {
-		return err
-	}
-	return replay(os.Stdout, rep, jobs, o)
+	return replay(os.Stdout, rep, jobsOf(w), o)
 }
 
 func generate(trace string, rep runJSON) (*sim.Workload, error) {

@@ -46,7 +46,7 @@ type job struct {
 
 // jobsOf reads the jobs of a workload; GPUs are the counts its claim
 // templates ask of the GPU class.
-func jobsOf(w *sim.Workload) ([]job, error) {
+func jobsOf(w *sim.Workload) []job {
 	perTemplate := map[string]int{}
 	for _, t := range w.Templates {
 		for _, r := range t.Spec.Spec.Devices.Requests {
@@ -65,7 +65,7 @@ func jobsOf(w *sim.Workload) ([]job, error) {
 		}
 		out = append(out, job{name: j.Pod.Name, arrival: j.Arrival, life: j.Lifetime, gpus: g})
 	}
-	return out, nil
+	return out
 }
 
 type options struct {

@@ -73,10 +73,7 @@ func TestJobsOfBuiltinWorkload(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	jobs, err := jobsOf(w)
-	if err != nil {
-		t.Fatal(err)
-	}
+	jobs := jobsOf(w)
 	sizes := map[int]int{}
 	for _, j := range jobs {
 		sizes[j.gpus]++

@@ -403,14 +403,23 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 	return out
 }
 
+// SchedulerCPUMsPerPod is the scheduler's CPU time per pod placed, in
+// milliseconds; -1 where it was not measured or no pod was placed.
+func (res Result) SchedulerCPUMsPerPod() float64 {
+	if res.SchedulerCPUSeconds < 0 || res.Placed == 0 {
+		return -1
+	}
+	return 1000 * res.SchedulerCPUSeconds / float64(res.Placed)
+}
+
 // schedulerCPUText is the scheduler's CPU time over the run and per pod
 // placed.
 func schedulerCPUText(res Result) string {
 	if res.SchedulerCPUSeconds < 0 {
 		return "not measured"
 	}
-	if res.Placed == 0 {
-		return fmt.Sprintf("%.2f s", res.SchedulerCPUSeconds)
+	if per := res.SchedulerCPUMsPerPod(); per >= 0 {
+		return fmt.Sprintf("%.2f s, %.1f ms per pod placed", res.SchedulerCPUSeconds, per)
 	}
-	return fmt.Sprintf("%.2f s, %.1f ms per pod placed", res.SchedulerCPUSeconds, 1000*res.SchedulerCPUSeconds/float64(res.Placed))
+	return fmt.Sprintf("%.2f s", res.SchedulerCPUSeconds)
 }

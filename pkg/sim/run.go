@@ -209,8 +209,8 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	}
 	before := readAttempts(schedulerName)
 	// The scheduler's goroutines carry the pprof label scheduler=<name>,
-	// so a CPU profile of the run (--cpuprofile) can be split by
-	// scheduler: go tool pprof -tagfocus scheduler=topodra.
+	// so that a CPU profile of the run counts the scheduler's own CPU
+	// time (Result.SchedulerCPUSeconds).
 	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
 		_, err = cp.StartScheduler(ctx, schedOpts)
 	})

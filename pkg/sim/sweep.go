@@ -83,8 +83,7 @@ type SweepRow struct {
 	Aligned         float64 `json:"alignedFraction"`
 	Throughput      float64 `json:"throughputPodsPerSecond"`
 	AttemptP50Ms    float64 `json:"attemptP50Ms"`
-	// SchedulerCPUMsPerPod is the scheduler's CPU time over the run per
-	// pod placed (Result.SchedulerCPUSeconds), -1 where not measured.
+	// SchedulerCPUMsPerPod is Result.SchedulerCPUMsPerPod.
 	SchedulerCPUMsPerPod float64 `json:"schedulerCPUMsPerPod"`
 	Errors               int     `json:"errors"`
 }
@@ -97,10 +96,7 @@ func rowOf(scenario string, seed int64, res *Result) SweepRow {
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Throughput: res.Throughput,
-		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: -1, Errors: len(res.Errors)}
-	if res.SchedulerCPUSeconds >= 0 && res.Placed > 0 {
-		row.SchedulerCPUMsPerPod = 1000 * res.SchedulerCPUSeconds / float64(res.Placed)
-	}
+		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors)}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
 			row.MeanWait[g] = w.Mean()
