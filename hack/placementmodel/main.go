@@ -42,6 +42,16 @@ var policies = map[string]policy{
 	}()),
 	"topodra-oracle-reserve-error50":  topodra(reserveWithError(0.5)),
 	"topodra-oracle-reserve-error100": topodra(reserveWithError(1)),
+	"topodra-oracle-reserve-soft": topodra(func() topodraOptions {
+		o := defaultTopodra
+		o.reserve, o.soft = true, true
+		return o
+	}()),
+	"topodra-reserve-deadline": topodra(func() topodraOptions {
+		o := defaultTopodra
+		o.reserve, o.upperBound = true, 1
+		return o
+	}()),
 }
 
 // reserveWithError is the reservation oracle with lifetimes off by up to
@@ -87,7 +97,7 @@ func run1(seedList, scenarioList, names, queues string, reps int) error {
 		return err
 	}
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(w, "policy\tqueue\truns\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tGPU-ticks\tidle\taligned\t\n")
+	fmt.Fprintf(w, "policy\tqueue\truns\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tGPU-ticks\t8-GPU share\tidle\taligned\t\n")
 	for _, q := range strings.Split(queues, ",") {
 		order, ok := orders[q]
 		if !ok {
@@ -102,9 +112,9 @@ func run1(seedList, scenarioList, names, queues string, reps int) error {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(w, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%d\t%d\t%.1f%%\t\n", name, q, s.runs,
+			fmt.Fprintf(w, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%d\t%.0f%%\t%d\t%.1f%%\t\n", name, q, s.runs,
 				median(s.waits[1]), median(s.waits[2]), median(s.waits[4]), median(s.waits[8]),
-				s.neverPlaced, s.fit8, s.gpuTicks, s.idle, 100*median(s.aligned))
+				s.neverPlaced, s.fit8, s.gpuTicks, 100*float64(s.gpuTicks8)/float64(max(1, s.gpuTicks)), s.idle, 100*median(s.aligned))
 		}
 	}
 	return w.Flush()
@@ -112,10 +122,10 @@ func run1(seedList, scenarioList, names, queues string, reps int) error {
 
 // summary holds per-run values (medians are taken over runs) and sums.
 type summary struct {
-	runs                              int
-	waits                             map[int][]float64
-	aligned                           []float64
-	neverPlaced, fit8, gpuTicks, idle int
+	runs                                         int
+	waits                                        map[int][]float64
+	aligned                                      []float64
+	neverPlaced, fit8, gpuTicks, gpuTicks8, idle int
 }
 
 // pickScenarios resolves a comma-separated list of scenario names; empty
@@ -162,6 +172,7 @@ func sweep(scenarios []sim.Scenario, seeds []int64, pick policy, order queueOrde
 				s.neverPlaced += r.neverPlaced
 				s.fit8 += r.fit8
 				s.gpuTicks += r.gpuTicks
+				s.gpuTicks8 += r.gpuTicks8
 				s.idle += r.idle
 			}
 		}

@@ -169,6 +169,7 @@ type result struct {
 	neverPlaced int
 	fit8        int
 	gpuTicks    int
+	gpuTicks8   int // of gpuTicks, those of pods of 8 GPUs (without NICs)
 	idle        int
 	aligned     [2]int // aligned, possible
 }
@@ -315,6 +316,9 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 		w := res.waits[k]
 		res.waits[k] = [2]int{w[0] + 1, w[1] + until - p.arrival}
 		res.gpuTicks += (until - p.arrival) * p.gpus
+		if k == gpus {
+			res.gpuTicks8 += (until - p.arrival) * p.gpus
+		}
 	}
 	for _, n := range nodes {
 		if n.free() == gpus {

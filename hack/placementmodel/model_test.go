@@ -83,3 +83,39 @@ func TestRunsKeepDevicesApart(t *testing.T) {
 		}
 	}
 }
+
+// TestReservation: while an 8-GPU pod waits, a pod that would outlast
+// the node that frees first stays off it; the hard reservation leaves it
+// waiting when only that node fits, the soft one lets it in.
+func TestReservation(t *testing.T) {
+	setup := func(fullSecond bool) (*state, []*node) {
+		first, second := emptyNode(true), emptyNode(true)
+		pods := []*pod{
+			{gpus: 1, placed: true, start: 0, life: 5, end: 5},
+			{gpus: 1, placed: true, start: 0, life: 50, end: 50},
+		}
+		first.gpu[0], second.gpu[0] = 0, 1
+		if fullSecond {
+			for g := range second.gpu {
+				second.gpu[g] = 1
+			}
+		}
+		nodes := []*node{first, second}
+		return &state{nodes: nodes, pods: pods, now: 1, waiting: []*pod{{gpus: 8}}, rng: rand.New(rand.NewPCG(1, 1))}, nodes
+	}
+	pair := &pod{gpus: 2, life: 20, id: 7}
+	for _, name := range []string{"topodra-oracle-reserve", "topodra-reserve-deadline", "topodra-oracle-reserve-soft"} {
+		s, nodes := setup(false)
+		if c := policies[name](s, pair, placements(nodes, pair)); c.node != 1 {
+			t.Errorf("%s: pair placed on node %d, want node 1 (node 0 frees first)", name, c.node)
+		}
+		s, nodes = setup(true)
+		want := -1
+		if name == "topodra-oracle-reserve-soft" {
+			want = 0
+		}
+		if c := policies[name](s, pair, placements(nodes, pair)); c.node != want {
+			t.Errorf("%s, only node 0 fits: pair placed on node %d, want %d", name, c.node, want)
+		}
+	}
+}

@@ -55,6 +55,14 @@ type topodraOptions struct {
 	// [1-lifetimeError, 1+lifetimeError] (as if users annotated pods with
 	// an expected runtime that is off by up to that much).
 	lifetimeError float64
+	// upperBound makes the reservation see bounds instead: each pod's
+	// true lifetime times a factor drawn once per pod, uniformly in
+	// [1, 1+upperBound] (as a pod's activeDeadlineSeconds would be: never
+	// shorter than the run, often longer).
+	upperBound float64
+	// soft keeps other pods off the reserved node only where they fit on
+	// another node; a pod that fits nowhere else still takes it.
+	soft bool
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -122,10 +130,13 @@ func topodra(o topodraOptions) policy {
 		}
 		// estimate is a pod's lifetime as the reservation sees it.
 		estimate := func(q *pod) int {
-			if o.lifetimeError == 0 {
+			u := float64(uint32(q.id)*2654435761) / (1 << 32)
+			switch {
+			case o.upperBound > 0:
+				return int(math.Ceil(float64(q.life) * (1 + o.upperBound*u)))
+			case o.lifetimeError == 0:
 				return q.life
 			}
-			u := float64(uint32(q.id)*2654435761) / (1 << 32)
 			return int(math.Round(float64(q.life) * (1 + o.lifetimeError*(2*u-1))))
 		}
 		reserved, until := -1, never
@@ -147,6 +158,9 @@ func topodra(o topodraOptions) policy {
 					reserved, until = n, end
 				}
 			}
+		}
+		if o.soft && !slices.ContainsFunc(ps, func(c placement) bool { return c.node != reserved }) {
+			reserved = -1
 		}
 		best, bestScore := placement{node: -1}, int64(-1)
 		for _, c := range ps {
