@@ -84,31 +84,48 @@ func TestLargeJobKeepsRoom(t *testing.T) {
 }
 
 // TestSmallPodsConsolidate: 1-GPU pods fill a used node, of either
-// profile, before they open an empty one.
+// profile, before they open an empty one; also when each pod requests CPU
+// and memory as GPU pods do, which NodeResourcesFit's LeastAllocated score
+// (on in topodra's profile) holds against the fuller node.
 func TestSmallPodsConsolidate(t *testing.T) {
 	profiles := map[string]func(string) []framework.Device{
 		"dgx":               framework.DGXLikeGPUs,
 		"pcie-nvlink-pairs": pcieNVLinkPairsGPUs,
 	}
 	for name, usedProfile := range profiles {
-		t.Run(name, func(t *testing.T) {
-			tCtx := ktesting.Init(t)
-			e := newEnv(tCtx, "consolidate")
-			e.node("a", "empty-dgx", framework.DGXLikeGPUs)
-			e.node("a", "empty-pcie", pcieNVLinkPairsGPUs)
-			used := e.node("a", "used", usedProfile, "gpu-5")
-			one := e.template(1, nil)
-			startTopodra(tCtx)
+		for _, hostRequests := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/host-requests=%v", name, hostRequests), func(t *testing.T) {
+				tCtx := ktesting.Init(t)
+				e := newEnv(tCtx, "consolidate")
+				e.node("a", "empty-dgx", framework.DGXLikeGPUs)
+				e.node("a", "empty-pcie", pcieNVLinkPairsGPUs)
+				used := e.node("a", "used", usedProfile, "gpu-5")
+				one := e.template(1, nil)
+				startTopodra(tCtx)
 
-			// Seven pods fill the used node's seven free GPUs.
-			for i := range 7 {
-				podName := fmt.Sprintf("one-%d", i)
-				node, devices := e.schedule(podName, "a", one)
-				if node != used {
-					t.Fatalf("pod %s went to %s (%v) while the used node %s had %d free GPUs", podName, node, devices, used, 7-i)
+				// Seven pods fill the used node's seven free GPUs.
+				for i := range 7 {
+					podName := fmt.Sprintf("one-%d", i)
+					pod := framework.PodWithClaims(e.ns, podName, topodraName, one)
+					pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "a"}
+					if hostRequests {
+						// Per GPU, as in the simulator's workloads:
+						// eight GPUs' worth is three quarters of the
+						// node's 256 CPUs and 2 TiB.
+						pod.Spec.Containers[0].Resources.Requests = v1.ResourceList{
+							v1.ResourceCPU:    resource.MustParse("24"),
+							v1.ResourceMemory: resource.MustParse("192Gi"),
+						}
+					}
+					_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+					tCtx.ExpectNoError(err, "create pod "+podName)
+					bound := e.waitScheduled(podName)
+					if node := bound.Spec.NodeName; node != used {
+						t.Fatalf("pod %s went to %s (%v) while the used node %s had %d free GPUs", podName, node, e.devicesOf(bound), used, 7-i)
+					}
 				}
-			}
-		})
+			})
+		}
 	}
 }
 
