@@ -68,6 +68,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
 	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
+	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
 	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
@@ -86,6 +87,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	opts.Schedulers = sim.ParseSchedulers(schedulers)
+	opts.NoHostRequests = !*hostRequests
 	if opts.Checkpoints == 0 {
 		opts.Checkpoints = -1
 	}

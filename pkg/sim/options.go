@@ -67,6 +67,12 @@ type Options struct {
 	// says where it came from (for the report).
 	Workload     *Workload
 	WorkloadName string
+	// NoHostRequests leaves the pods of the generated workloads without
+	// CPU and memory requests. By default each requests HostCPUPerGPU CPUs
+	// and HostMemoryPerGPU bytes per GPU, as GPU pods do; without them the
+	// stock scheduler's NodeResourcesFit and BalancedAllocation scores
+	// are equal on every node, and it takes the first feasible one.
+	NoHostRequests bool
 	// Pin gives every pod of the built-in workload a node (nodeSelector on
 	// kubernetes.io/hostname) chosen by the seed among the nodes where it
 	// fits by count. Then node choice is out of the schedulers' hands and

@@ -268,13 +268,16 @@ type NodeTopology struct {
 type Report struct {
 	Seed int64 `json:"seed"`
 	// Workload is "built-in" or the workload's name (its file).
-	Workload    string         `json:"workload"`
-	Profile     string         `json:"profile"`
-	Pods        int            `json:"pods"`
-	Ticks       int            `json:"ticks"`
-	Nodes       []NodeTopology `json:"nodes"`
-	Results     []Result       `json:"results"`
-	WallSeconds float64        `json:"wallSeconds"`
+	Workload string `json:"workload"`
+	Profile  string `json:"profile"`
+	Pods     int    `json:"pods"`
+	Ticks    int    `json:"ticks"`
+	// HostRequests says what the generated pods request besides devices
+	// (HostRequestsText, or "none"); empty for a workload file.
+	HostRequests string         `json:"hostRequests,omitempty"`
+	Nodes        []NodeTopology `json:"nodes"`
+	Results      []Result       `json:"results"`
+	WallSeconds  float64        `json:"wallSeconds"`
 }
 
 // WriteTable prints the side-by-side table.
@@ -352,10 +355,18 @@ func (r *Report) WriteTable(out io.Writer) error {
 
 // Description names the workload: "built-in workload, seed 1" or the file.
 func (r *Report) Description() string {
+	d := "workload " + r.Workload
 	if r.Workload == "" || r.Workload == "built-in" {
-		return fmt.Sprintf("built-in workload, seed %d", r.Seed)
+		d = fmt.Sprintf("built-in workload, seed %d", r.Seed)
 	}
-	return "workload " + r.Workload
+	switch r.HostRequests {
+	case "":
+	case "none":
+		d += ", pods without CPU or memory requests"
+	default:
+		d += ", pods request " + r.HostRequests
+	}
+	return d
 }
 
 // Summary is a one-line verdict comparing the first two results.

@@ -61,9 +61,18 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 		if err != nil {
 			return nil, err
 		}
+		if opts.NoHostRequests {
+			workload = withoutHostRequests(workload)
+		}
 	}
 	start := time.Now()
 	report := &Report{Seed: opts.Seed, Workload: "built-in", Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
+	if opts.Workload == nil {
+		report.HostRequests = HostRequestsText
+		if opts.NoHostRequests {
+			report.HostRequests = "none"
+		}
+	}
 	switch {
 	case opts.Workload != nil:
 		report.Workload = opts.WorkloadName

@@ -246,6 +246,9 @@ type SweepReport struct {
 	Summaries []SweepSummary `json:"summaries"`
 	// PerScenario are the summaries of each scenario, in scenario order.
 	PerScenario map[string][]SweepSummary `json:"perScenario"`
+	// HostRequests says what the pods request besides devices
+	// (Report.HostRequests).
+	HostRequests string `json:"hostRequests"`
 	// Targets compare topodra with stock over all rows; empty unless both ran.
 	Targets     []Target `json:"targets,omitempty"`
 	WallSeconds float64  `json:"wallSeconds"`
@@ -263,7 +266,10 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	if opts.Base.Workload != nil {
 		return nil, fmt.Errorf("a sweep generates its workloads; Workload must be nil")
 	}
-	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}}
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}, HostRequests: HostRequestsText}
+	if opts.Base.NoHostRequests {
+		rep.HostRequests = "none"
+	}
 	var rw *tabwriter.Writer
 	if opts.Rows != nil {
 		rw = tabwriter.NewWriter(opts.Rows, 0, 0, 1, ' ', tabwriter.AlignRight)
@@ -343,6 +349,7 @@ func writeRow(w io.Writer, r SweepRow) {
 // all runs, then the targets.
 func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(w, "pods' CPU and memory requests: %s\n", r.HostRequests)
 	fmt.Fprintln(w, "medians [p25-p75] over seeds; GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed")
 	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")
 	line := func(name string, s SweepSummary) {

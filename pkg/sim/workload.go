@@ -9,6 +9,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
@@ -236,7 +237,23 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 	return w, nil
 }
 
+// What each pod of the generated workloads requests per GPU besides its
+// devices, as GPU pods do (a DGX H100 has 224 hardware threads and 2 TiB
+// for 8 GPUs; the simulated nodes have 256 CPUs and 2 TiB, so these never
+// run out before the GPUs do). Options.NoHostRequests leaves them out.
+const (
+	HostCPUPerGPU    = 24
+	HostMemoryPerGPU = 192 << 30
+)
+
+// HostRequestsText describes the requests of the generated pods.
+var HostRequestsText = fmt.Sprintf("%d CPUs and %d GiB of memory per GPU", HostCPUPerGPU, HostMemoryPerGPU>>30)
+
 func builtinPod(name string, kind jobKind) *v1.Pod {
+	requests := v1.ResourceList{
+		v1.ResourceCPU:    *resource.NewQuantity(int64(HostCPUPerGPU*kind.gpus), resource.DecimalSI),
+		v1.ResourceMemory: *resource.NewQuantity(int64(HostMemoryPerGPU*kind.gpus), resource.BinarySI),
+	}
 	return &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:   name,
@@ -246,7 +263,7 @@ func builtinPod(name string, kind jobKind) *v1.Pod {
 			Containers: []v1.Container{{
 				Name:      "trainer",
 				Image:     "registry.k8s.io/pause:3.10",
-				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "devices"}}},
+				Resources: v1.ResourceRequirements{Requests: requests, Claims: []v1.ResourceClaim{{Name: "devices"}}},
 			}},
 			ResourceClaims: []v1.PodResourceClaim{{
 				Name:                      "devices",
@@ -273,4 +290,19 @@ func weightedPick(rng *rand.Rand, sum int, weight func(i int) int) int {
 		}
 		pick -= weight(i)
 	}
+}
+
+// withoutHostRequests is a copy of w whose pods request no CPU or memory.
+func withoutHostRequests(w *Workload) *Workload {
+	out := *w
+	out.Jobs = slices.Clone(w.Jobs)
+	for i := range out.Jobs {
+		pod := out.Jobs[i].Pod.DeepCopy()
+		for c := range pod.Spec.Containers {
+			delete(pod.Spec.Containers[c].Resources.Requests, v1.ResourceCPU)
+			delete(pod.Spec.Containers[c].Resources.Requests, v1.ResourceMemory)
+		}
+		out.Jobs[i].Pod = pod
+	}
+	return &out
 }

@@ -161,3 +161,43 @@ spec:
 		})
 	}
 }
+
+// TestGeneratedPodsRequestHostResources: every generated pod requests CPU
+// and memory in proportion to the GPUs of its template; withoutHostRequests
+// removes them from a copy and leaves the workload it was given alone.
+func TestGeneratedPodsRequestHostResources(t *testing.T) {
+	nodes, err := PlanNodes(DefaultProfile, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, trace := range Traces() {
+		w, err := GenerateTrace(trace, 5, 60, nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gpus := map[string]int64{}
+		for _, tmpl := range w.Templates {
+			for _, r := range tmpl.Spec.Spec.Devices.Requests {
+				if r.Exactly != nil && r.Exactly.DeviceClassName == GPUClassName {
+					gpus[tmpl.Name] += r.Exactly.Count
+				}
+			}
+		}
+		for _, j := range w.Jobs {
+			n := gpus[*j.Pod.Spec.ResourceClaims[0].ResourceClaimTemplateName]
+			req := j.Pod.Spec.Containers[0].Resources.Requests
+			if n == 0 || req.Cpu().Value() != HostCPUPerGPU*n || req.Memory().Value() != HostMemoryPerGPU*n {
+				t.Errorf("%s: pod %s with %d GPUs requests %s CPU and %s memory, want %d and %d per GPU", trace, j.Pod.Name, n, req.Cpu(), req.Memory(), HostCPUPerGPU, HostMemoryPerGPU)
+			}
+		}
+		bare := withoutHostRequests(w)
+		for i, j := range bare.Jobs {
+			if req := j.Pod.Spec.Containers[0].Resources.Requests; len(req) != 0 {
+				t.Errorf("%s: pod %s still requests %v", trace, j.Pod.Name, req)
+			}
+			if len(w.Jobs[i].Pod.Spec.Containers[0].Resources.Requests) != 2 {
+				t.Fatalf("%s: withoutHostRequests changed the workload it was given", trace)
+			}
+		}
+	}
+}
