@@ -22,9 +22,10 @@ import (
 
 // policies are the policies the model knows, by name.
 var policies = map[string]policy{
-	"stock":   stock,
-	"spread":  spread,
-	"topodra": topodra(defaultTopodra),
+	"stock":                 stock,
+	"spread":                spread,
+	"stock-least-allocated": leastAllocated,
+	"topodra":               topodra(defaultTopodra),
 	"topodra-no-age": topodra(func() topodraOptions {
 		o := defaultTopodra
 		o.age = 0

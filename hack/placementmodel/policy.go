@@ -22,6 +22,19 @@ func stock(s *state, p *pod, ps []placement) placement {
 	return first
 }
 
+// leastAllocated is stock when pods request CPU and memory in proportion
+// to their GPUs: NodeResourcesFit's default LeastAllocated score prefers
+// the node with the most free (ties: the first), devices first-fit.
+func leastAllocated(s *state, p *pod, ps []placement) placement {
+	best := ps[0]
+	for _, c := range ps {
+		if s.nodes[c.node].free() > s.nodes[best.node].free() {
+			best = c
+		}
+	}
+	return best
+}
+
 // spread is a random feasible node, devices first-fit: what "random
 // spreading" would be.
 func spread(s *state, p *pod, ps []placement) placement {
