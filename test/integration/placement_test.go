@@ -129,6 +129,50 @@ func TestSmallPodsConsolidate(t *testing.T) {
 	}
 }
 
+// TestHostRequestsDoNotOverrideRoom: pods request CPU and memory in
+// proportion to their GPUs (30 CPUs and 240 GiB per GPU here). A 2-GPU pod
+// can take the last free pair of a busy DGX or break up the whole free
+// NUMA node of a less busy one. It takes the busy DGX's pair, keeping the
+// NUMA node for a 4-GPU pod; with NodeResourcesFit's LeastAllocated score
+// in the profile, the emptier node (23 points more there) would win.
+func TestHostRequestsDoNotOverrideRoom(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "hostrequests")
+	perGPU := func(gpus int64) v1.ResourceList {
+		return v1.ResourceList{
+			v1.ResourceCPU:    *resource.NewQuantity(30*gpus, resource.DecimalSI),
+			v1.ResourceMemory: *resource.NewQuantity(240*gpus<<30, resource.BinarySI),
+		}
+	}
+	// The pods that hold the taken GPUs, by their CPU and memory only.
+	filler := func(node string, gpus int64) {
+		pod := &v1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "filler-" + node, Namespace: e.ns},
+			Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{
+				Name: "c", Image: "registry.k8s.io/pause:3.10", Resources: v1.ResourceRequirements{Requests: perGPU(gpus)},
+			}}},
+		}
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err, "create filler pod")
+	}
+	busy := e.node("a", "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5")
+	filler(busy, 6)
+	fresh := e.node("a", "fresh", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3")
+	filler(fresh, 4)
+	two := e.template(2, nil)
+	startTopodra(tCtx)
+
+	pod := framework.PodWithClaims(e.ns, "two", topodraName, two)
+	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "a"}
+	pod.Spec.Containers[0].Resources.Requests = perGPU(2)
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err, "create pod")
+	bound := e.waitScheduled("two")
+	if devices := e.devicesOf(bound); bound.Spec.NodeName != busy {
+		t.Fatalf("2-GPU pod got %v on %s, want the last pair of the busy %s (not the free NUMA node of %s)", devices, bound.Spec.NodeName, busy, fresh)
+	}
+}
+
 // TestUserPreferenceStillCounts: two nodes where the pod's device
 // placement is equally good (one GPU whose pair partner is taken, nothing
 // free is broken) and which differ only in how full they are. Without a
