@@ -201,3 +201,20 @@ func TestGeneratedPodsRequestHostResources(t *testing.T) {
 		}
 	}
 }
+
+// TestDescriptionSaysWhatPodsRequest: the report's description names the
+// pods' CPU and memory requests for generated workloads only.
+func TestDescriptionSaysWhatPodsRequest(t *testing.T) {
+	for _, c := range []struct {
+		report Report
+		want   string
+	}{
+		{Report{Workload: "built-in", Seed: 3, HostRequests: HostRequestsText}, "built-in workload, seed 3, pods request 24 CPUs and 192 GiB of memory per GPU"},
+		{Report{Workload: "poisson", Seed: 3, HostRequests: "none"}, "workload poisson, pods without CPU or memory requests"},
+		{Report{Workload: "jobs.yaml"}, "workload jobs.yaml"},
+	} {
+		if got := c.report.Description(); got != c.want {
+			t.Errorf("Description() = %q, want %q", got, c.want)
+		}
+	}
+}

@@ -328,47 +328,83 @@ func TestSmallPodsGoBesideLongRunners(t *testing.T) {
 // eight free there, and is scheduled when the last one is given back.
 // Every retry that cannot succeed renews the pod's place at the back of the
 // scheduling queue and its backoff, so that pods which arrived later would
-// be tried first when the node frees up.
+// be tried first when the node frees up. With host requests the GPUs are
+// held by pods that request CPU and memory in proportion, and the waiting
+// pod asks for eight GPUs' worth: TopologyDRA filters before
+// NodeResourcesFit, so the pod is rejected for its devices and retried by
+// TopologyDRA's rule, not on every pod that leaves the node.
 func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "retry")
-	var all []string
-	for i := range 8 {
-		all = append(all, fmt.Sprintf("gpu-%d", i))
+	perGPU := func(gpus int64) v1.ResourceList {
+		return v1.ResourceList{
+			v1.ResourceCPU:    *resource.NewQuantity(24*gpus, resource.DecimalSI),
+			v1.ResourceMemory: *resource.NewQuantity(192*gpus<<30, resource.BinarySI),
+		}
 	}
-	node := e.node("a", "full", framework.DGXLikeGPUs, all...)
-	eight := e.template(8, nil)
-	// A profile of its own: the attempt metric is per profile, and pods
-	// that other tests left pending belong to topodra-scheduler.
-	const profile = "topodra-retry-test"
-	cfg := bytes.Replace(config.SchedulerConfig, []byte("- schedulerName: "+topodraName), []byte("- schedulerName: "+profile), 1)
-	if bytes.Equal(cfg, config.SchedulerConfig) {
-		t.Fatalf("config/scheduler-config.yaml has no profile %s to rename", topodraName)
-	}
-	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-retry", Config: cfg})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(stop)
+	for _, hostRequests := range []bool{false, true} {
+		t.Run(fmt.Sprintf("host-requests=%v", hostRequests), func(t *testing.T) {
+			tCtx := ktesting.Init(t)
+			e := newEnv(tCtx, "retry")
+			var all []string
+			for i := range 8 {
+				all = append(all, fmt.Sprintf("gpu-%d", i))
+			}
+			node := e.node("a", "full", framework.DGXLikeGPUs, all...)
+			holder := func(device string) string { return "holder-" + device }
+			if hostRequests {
+				for _, d := range all {
+					pod := &v1.Pod{
+						ObjectMeta: metav1.ObjectMeta{Name: holder(d), Namespace: e.ns},
+						Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{
+							Name: "c", Image: "registry.k8s.io/pause:3.10", Resources: v1.ResourceRequirements{Requests: perGPU(1)},
+						}}},
+					}
+					_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+					tCtx.ExpectNoError(err, "create holder pod")
+				}
+			}
+			eight := e.template(8, nil)
+			// A profile of its own: the attempt metric is per profile, and
+			// pods that other tests left pending belong to
+			// topodra-scheduler.
+			profile := fmt.Sprintf("topodra-retry-test-%v", hostRequests)
+			cfg := bytes.Replace(config.SchedulerConfig, []byte("- schedulerName: "+topodraName), []byte("- schedulerName: "+profile), 1)
+			if bytes.Equal(cfg, config.SchedulerConfig) {
+				t.Fatalf("config/scheduler-config.yaml has no profile %s to rename", topodraName)
+			}
+			stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: profile, Config: cfg})
+			tCtx.ExpectNoError(err)
+			tCtx.Cleanup(stop)
 
-	e.pod("whole", profile, "a", eight)
-	_, err = framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
-	tCtx.ExpectNoError(err)
-	before := unschedulableAttempts(tCtx, profile)
-	giveBack := func(device string) {
-		name := "taken-a-full-" + device
-		tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, name, metav1.DeleteOptions{}))
-	}
-	for _, d := range all[:7] {
-		giveBack(d)
-	}
-	// Long enough for a retry after the scheduler's initial backoff (1 s).
-	time.Sleep(3 * time.Second)
-	if n := unschedulableAttempts(tCtx, profile) - before; n != 0 {
-		t.Errorf("the 8-GPU pod was retried %d times while at most 7 GPUs of %s were free, want 0", n, node)
-	}
-	giveBack(all[7])
-	pod := e.waitScheduled("whole")
-	if pod.Spec.NodeName != node {
-		t.Fatalf("the 8-GPU pod went to %s, want %s", pod.Spec.NodeName, node)
+			whole := framework.PodWithClaims(e.ns, "whole", profile, eight)
+			whole.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "a"}
+			if hostRequests {
+				whole.Spec.Containers[0].Resources.Requests = perGPU(8)
+			}
+			_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, whole, metav1.CreateOptions{})
+			tCtx.ExpectNoError(err, "create pod whole")
+			_, err = framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+			tCtx.ExpectNoError(err)
+			before := unschedulableAttempts(tCtx, profile)
+			giveBack := func(device string) {
+				if hostRequests {
+					tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, holder(device), metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+				}
+				tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "taken-a-full-"+device, metav1.DeleteOptions{}))
+			}
+			for _, d := range all[:7] {
+				giveBack(d)
+			}
+			// Long enough for a retry after the scheduler's initial backoff (1 s).
+			time.Sleep(3 * time.Second)
+			if n := unschedulableAttempts(tCtx, profile) - before; n != 0 {
+				t.Errorf("the 8-GPU pod was retried %d times while at most 7 GPUs of %s were free, want 0", n, node)
+			}
+			giveBack(all[7])
+			pod := e.waitScheduled("whole")
+			if pod.Spec.NodeName != node {
+				t.Fatalf("the 8-GPU pod went to %s, want %s", pod.Spec.NodeName, node)
+			}
+		})
 	}
 }
 
