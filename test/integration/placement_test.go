@@ -63,6 +63,29 @@ func (e *env) schedule(name, group string, templates ...string) (node string, de
 	return pod.Spec.NodeName, e.devicesOf(pod)
 }
 
+// hostRequests is what a pod with gpus GPUs requests besides them, at
+// cpu CPUs and gib GiB of memory per GPU.
+func hostRequests(gpus, cpu, gib int64) v1.ResourceList {
+	return v1.ResourceList{
+		v1.ResourceCPU:    *resource.NewQuantity(cpu*gpus, resource.DecimalSI),
+		v1.ResourceMemory: *resource.NewQuantity(gib*gpus<<30, resource.BinarySI),
+	}
+}
+
+// boundPod creates a pod without claims already bound to node, holding
+// only the given CPU and memory there.
+func (e *env) boundPod(name, node string, requests v1.ResourceList) {
+	e.tCtx.Helper()
+	pod := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: e.ns},
+		Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{
+			Name: "c", Image: "registry.k8s.io/pause:3.10", Resources: v1.ResourceRequirements{Requests: requests},
+		}}},
+	}
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(e.tCtx, pod, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err, "create pod "+name)
+}
+
 // TestLargeJobKeepsRoom: a 4-GPU pod goes to the used DGX that has a whole
 // free NUMA node, not to the empty DGX, so that an 8-GPU pod still fits.
 func TestLargeJobKeepsRoom(t *testing.T) {
@@ -93,8 +116,8 @@ func TestSmallPodsConsolidate(t *testing.T) {
 		"pcie-nvlink-pairs": pcieNVLinkPairsGPUs,
 	}
 	for name, usedProfile := range profiles {
-		for _, hostRequests := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s/host-requests=%v", name, hostRequests), func(t *testing.T) {
+		for _, withRequests := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/host-requests=%v", name, withRequests), func(t *testing.T) {
 				tCtx := ktesting.Init(t)
 				e := newEnv(tCtx, "consolidate")
 				e.node("a", "empty-dgx", framework.DGXLikeGPUs)
@@ -108,14 +131,11 @@ func TestSmallPodsConsolidate(t *testing.T) {
 					podName := fmt.Sprintf("one-%d", i)
 					pod := framework.PodWithClaims(e.ns, podName, topodraName, one)
 					pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "a"}
-					if hostRequests {
+					if withRequests {
 						// Per GPU, as in the simulator's workloads:
 						// eight GPUs' worth is three quarters of the
 						// node's 256 CPUs and 2 TiB.
-						pod.Spec.Containers[0].Resources.Requests = v1.ResourceList{
-							v1.ResourceCPU:    resource.MustParse("24"),
-							v1.ResourceMemory: resource.MustParse("192Gi"),
-						}
+						pod.Spec.Containers[0].Resources.Requests = hostRequests(1, 24, 192)
 					}
 					_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
 					tCtx.ExpectNoError(err, "create pod "+podName)
@@ -138,23 +158,9 @@ func TestSmallPodsConsolidate(t *testing.T) {
 func TestHostRequestsDoNotOverrideRoom(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "hostrequests")
-	perGPU := func(gpus int64) v1.ResourceList {
-		return v1.ResourceList{
-			v1.ResourceCPU:    *resource.NewQuantity(30*gpus, resource.DecimalSI),
-			v1.ResourceMemory: *resource.NewQuantity(240*gpus<<30, resource.BinarySI),
-		}
-	}
+	perGPU := func(gpus int64) v1.ResourceList { return hostRequests(gpus, 30, 240) }
 	// The pods that hold the taken GPUs, by their CPU and memory only.
-	filler := func(node string, gpus int64) {
-		pod := &v1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: "filler-" + node, Namespace: e.ns},
-			Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{
-				Name: "c", Image: "registry.k8s.io/pause:3.10", Resources: v1.ResourceRequirements{Requests: perGPU(gpus)},
-			}}},
-		}
-		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
-		tCtx.ExpectNoError(err, "create filler pod")
-	}
+	filler := func(node string, gpus int64) { e.boundPod("filler-"+node, node, perGPU(gpus)) }
 	busy := e.node("a", "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5")
 	filler(busy, 6)
 	fresh := e.node("a", "fresh", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3")
@@ -334,14 +340,9 @@ func TestSmallPodsGoBesideLongRunners(t *testing.T) {
 // NodeResourcesFit, so the pod is rejected for its devices and retried by
 // TopologyDRA's rule, not on every pod that leaves the node.
 func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
-	perGPU := func(gpus int64) v1.ResourceList {
-		return v1.ResourceList{
-			v1.ResourceCPU:    *resource.NewQuantity(24*gpus, resource.DecimalSI),
-			v1.ResourceMemory: *resource.NewQuantity(192*gpus<<30, resource.BinarySI),
-		}
-	}
-	for _, hostRequests := range []bool{false, true} {
-		t.Run(fmt.Sprintf("host-requests=%v", hostRequests), func(t *testing.T) {
+	perGPU := func(gpus int64) v1.ResourceList { return hostRequests(gpus, 24, 192) }
+	for _, withRequests := range []bool{false, true} {
+		t.Run(fmt.Sprintf("host-requests=%v", withRequests), func(t *testing.T) {
 			tCtx := ktesting.Init(t)
 			e := newEnv(tCtx, "retry")
 			var all []string
@@ -350,23 +351,16 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 			}
 			node := e.node("a", "full", framework.DGXLikeGPUs, all...)
 			holder := func(device string) string { return "holder-" + device }
-			if hostRequests {
+			if withRequests {
 				for _, d := range all {
-					pod := &v1.Pod{
-						ObjectMeta: metav1.ObjectMeta{Name: holder(d), Namespace: e.ns},
-						Spec: v1.PodSpec{NodeName: node, Containers: []v1.Container{{
-							Name: "c", Image: "registry.k8s.io/pause:3.10", Resources: v1.ResourceRequirements{Requests: perGPU(1)},
-						}}},
-					}
-					_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
-					tCtx.ExpectNoError(err, "create holder pod")
+					e.boundPod(holder(d), node, perGPU(1))
 				}
 			}
 			eight := e.template(8, nil)
 			// A profile of its own: the attempt metric is per profile, and
 			// pods that other tests left pending belong to
 			// topodra-scheduler.
-			profile := fmt.Sprintf("topodra-retry-test-%v", hostRequests)
+			profile := fmt.Sprintf("topodra-retry-test-%v", withRequests)
 			cfg := bytes.Replace(config.SchedulerConfig, []byte("- schedulerName: "+topodraName), []byte("- schedulerName: "+profile), 1)
 			if bytes.Equal(cfg, config.SchedulerConfig) {
 				t.Fatalf("config/scheduler-config.yaml has no profile %s to rename", topodraName)
@@ -377,7 +371,7 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 
 			whole := framework.PodWithClaims(e.ns, "whole", profile, eight)
 			whole.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "a"}
-			if hostRequests {
+			if withRequests {
 				whole.Spec.Containers[0].Resources.Requests = perGPU(8)
 			}
 			_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, whole, metav1.CreateOptions{})
@@ -386,7 +380,7 @@ func TestWholeNodePodRetriedOnlyWhenItCanFit(t *testing.T) {
 			tCtx.ExpectNoError(err)
 			before := unschedulableAttempts(tCtx, profile)
 			giveBack := func(device string) {
-				if hostRequests {
+				if withRequests {
 					tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, holder(device), metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 				}
 				tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "taken-a-full-"+device, metav1.DeleteOptions{}))
