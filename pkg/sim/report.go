@@ -353,7 +353,9 @@ func (r *Report) WriteTable(out io.Writer) error {
 	return w.Flush()
 }
 
-// Description names the workload: "built-in workload, seed 1" or the file.
+// Description names the workload ("built-in workload, seed 1", a trace or
+// the file) and, for generated workloads, what the pods request besides
+// their devices.
 func (r *Report) Description() string {
 	d := "workload " + r.Workload
 	if r.Workload == "" || r.Workload == "built-in" {
