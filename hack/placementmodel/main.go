@@ -25,6 +25,7 @@ var policies = map[string]policy{
 	"stock":                 stock,
 	"spread":                spread,
 	"stock-least-allocated": leastAllocated,
+	"stock-most-allocated":  mostAllocated,
 	"topodra":               topodra(defaultTopodra),
 	"topodra-no-age": topodra(func() topodraOptions {
 		o := defaultTopodra

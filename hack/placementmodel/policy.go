@@ -35,6 +35,20 @@ func leastAllocated(s *state, p *pod, ps []placement) placement {
 	return best
 }
 
+// mostAllocated is stock with the bin-packing profile that admins of GPU
+// clusters configure (NodeResourcesFit MostAllocated) when pods request
+// CPU and memory in proportion to their GPUs: the node with the fewest
+// free GPUs (ties: the first), devices first-fit.
+func mostAllocated(s *state, p *pod, ps []placement) placement {
+	best := ps[0]
+	for _, c := range ps {
+		if s.nodes[c.node].free() < s.nodes[best.node].free() {
+			best = c
+		}
+	}
+	return best
+}
+
 // spread is a random feasible node, devices first-fit: what "random
 // spreading" would be.
 func spread(s *state, p *pod, ps []placement) placement {
