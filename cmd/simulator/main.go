@@ -56,6 +56,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		logFile    string
 		verbosity  int
 		schedCfg   string
+		stockCfg   string
 		seeds      string
 		scenarios  string
 	)
@@ -73,6 +74,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
 	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
 	fs.StringVar(&jsonPath, "json", "", "write the full results as JSON to this file")
+	fs.StringVar(&stockCfg, "stock-scheduler-config", "", "KubeSchedulerConfiguration for the stock run instead of the default one (its profile must be named default-scheduler), e.g. a bin-packing NodeResourcesFit")
 	fs.StringVar(&schedCfg, "scheduler-config", "", "KubeSchedulerConfiguration for the topodra run instead of the embedded config/scheduler-config.yaml (its profile must be named topodra-scheduler)")
 	fs.StringVar(&logFile, "log-file", "", "write component logs (apiserver, schedulers, agents) to this file; by default they are discarded")
 	fs.IntVar(&verbosity, "v", 0, "log verbosity for --log-file")
@@ -107,6 +109,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		opts.SchedulerConfig = data
+	}
+	if stockCfg != "" {
+		data, err := os.ReadFile(stockCfg)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+		opts.StockSchedulerConfig = data
 	}
 	if err := cluster.SetUpLogging(logFile, verbosity); err != nil {
 		fmt.Fprintln(stderr, err)

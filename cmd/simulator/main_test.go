@@ -27,9 +27,10 @@ func TestBadFlags(t *testing.T) {
 		args    []string
 		wantErr string
 	}{
-		"unknown flag":     {args: []string{"--nodez", "3"}, wantErr: "flag provided but not defined"},
-		"missing workload": {args: []string{"--workload", "testdata/nope.yaml"}, wantErr: "no such file"},
-		"stray argument":   {args: []string{"extra"}, wantErr: "unexpected arguments"},
+		"unknown flag":         {args: []string{"--nodez", "3"}, wantErr: "flag provided but not defined"},
+		"missing workload":     {args: []string{"--workload", "testdata/nope.yaml"}, wantErr: "no such file"},
+		"stray argument":       {args: []string{"extra"}, wantErr: "unexpected arguments"},
+		"missing stock config": {args: []string{"--stock-scheduler-config", "testdata/nope.yaml"}, wantErr: "no such file"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

@@ -60,6 +60,10 @@ type Options struct {
 	// SchedulerConfig replaces the embedded topodra profile
 	// (config.SchedulerConfig) for the topodra run.
 	SchedulerConfig []byte
+	// StockSchedulerConfig replaces the stock scheduler's default
+	// configuration (one default-scheduler profile) for the stock run;
+	// its profile must be named default-scheduler.
+	StockSchedulerConfig []byte
 	// Trace names the generated workload (see Traces; default
 	// TraceBuiltin). Ignored when Workload is set.
 	Trace string

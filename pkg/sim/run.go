@@ -211,6 +211,9 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	case SchedulerStock:
 		schedOpts.Stock = true
 		schedOpts.Config = []byte(cluster.DefaultStockConfig)
+		if len(opts.StockSchedulerConfig) > 0 {
+			schedOpts.Config = opts.StockSchedulerConfig
+		}
 		schedulerName = "default-scheduler"
 	}
 	if schedOpts.Config, err = withShortBackoff(schedOpts.Config); err != nil {
