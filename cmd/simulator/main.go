@@ -102,21 +102,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 		opts.Workload = w
 		opts.WorkloadName = workload
 	}
-	if schedCfg != "" {
-		data, err := os.ReadFile(schedCfg)
+	for _, f := range []struct {
+		path string
+		into *[]byte
+	}{{schedCfg, &opts.SchedulerConfig}, {stockCfg, &opts.StockSchedulerConfig}} {
+		if f.path == "" {
+			continue
+		}
+		data, err := os.ReadFile(f.path)
 		if err != nil {
 			fmt.Fprintln(stderr, err)
 			return 2
 		}
-		opts.SchedulerConfig = data
-	}
-	if stockCfg != "" {
-		data, err := os.ReadFile(stockCfg)
-		if err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
-		}
-		opts.StockSchedulerConfig = data
+		*f.into = data
 	}
 	if err := cluster.SetUpLogging(logFile, verbosity); err != nil {
 		fmt.Fprintln(stderr, err)

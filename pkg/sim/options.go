@@ -108,6 +108,15 @@ type NodeSpec struct {
 // DefaultProfile is the default machine mix.
 const DefaultProfile = "dgx-h100=6,pcie-nvlink-pairs=2"
 
+// hostRequests says what the generated pods request besides devices:
+// HostRequestsText, or "none" with NoHostRequests.
+func (o *Options) hostRequests() string {
+	if o.NoHostRequests {
+		return "none"
+	}
+	return HostRequestsText
+}
+
 func (o *Options) setDefaults() {
 	if o.Profile == "" {
 		o.Profile = DefaultProfile

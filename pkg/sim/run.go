@@ -68,10 +68,7 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	start := time.Now()
 	report := &Report{Seed: opts.Seed, Workload: "built-in", Profile: opts.Profile, Pods: len(workload.Jobs), Ticks: workload.Ticks()}
 	if opts.Workload == nil {
-		report.HostRequests = HostRequestsText
-		if opts.NoHostRequests {
-			report.HostRequests = "none"
-		}
+		report.HostRequests = opts.hostRequests()
 	}
 	switch {
 	case opts.Workload != nil:

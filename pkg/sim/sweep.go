@@ -266,10 +266,7 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	if opts.Base.Workload != nil {
 		return nil, fmt.Errorf("a sweep generates its workloads; Workload must be nil")
 	}
-	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}, HostRequests: HostRequestsText}
-	if opts.Base.NoHostRequests {
-		rep.HostRequests = "none"
-	}
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}, HostRequests: opts.Base.hostRequests()}
 	var rw *tabwriter.Writer
 	if opts.Rows != nil {
 		rw = tabwriter.NewWriter(opts.Rows, 0, 0, 1, ' ', tabwriter.AlignRight)
