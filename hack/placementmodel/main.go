@@ -64,12 +64,12 @@ func reserveWithError(e float64) topodraOptions {
 	return o
 }
 
-var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst}
+var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst, "whole-then-small": wholeThenSmall}
 
 func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
-	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first")
+	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")

@@ -187,9 +187,22 @@ func fifo([]*pod) {}
 
 // smallFirst retries the smaller pods first: what kube-scheduler's queue
 // does when every freed device requeues every waiting pod (a large pod
-// fails most often, and each failure puts it at the back).
+// fails most often, and each failure puts it at the back), and what
+// TopologyDRA's profile does with DeviceCountSort.
 func smallFirst(w []*pod) {
 	slices.SortStableFunc(w, func(a, b *pod) int { return a.gpus - b.gpus })
+}
+
+// wholeThenSmall retries the pods that need a whole node first, then the
+// others, smaller first.
+func wholeThenSmall(w []*pod) {
+	key := func(p *pod) int {
+		if p.gpus >= gpus {
+			return 0
+		}
+		return p.gpus
+	}
+	slices.SortStableFunc(w, func(a, b *pod) int { return key(a) - key(b) })
 }
 
 // largeFirst retries the larger pods first: what kube-scheduler's queue

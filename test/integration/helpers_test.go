@@ -164,22 +164,24 @@ func startStock(tCtx ktesting.TContext) {
 	tCtx.Cleanup(stop)
 }
 
-// preallocate creates a claim that already holds a device of the node, as
-// if an earlier pod had it.
-func (e *env) preallocate(name, node, device string) {
+// preallocate creates a claim that already holds the given devices of the
+// node, as if an earlier pod had them.
+func (e *env) preallocate(name, node string, devices ...string) {
 	claim := &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: name},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
 			Name:    "req-0",
-			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: e.class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: int64(len(devices))},
 		}}}},
 	}
 	created, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Create(e.tCtx, claim, metav1.CreateOptions{})
 	e.tCtx.ExpectNoError(err)
+	var results []resourceapi.DeviceRequestAllocationResult
+	for _, d := range devices {
+		results = append(results, resourceapi.DeviceRequestAllocationResult{Request: "req-0", Driver: topology.DriverName, Pool: node, Device: d})
+	}
 	created.Status.Allocation = &resourceapi.AllocationResult{
-		Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
-			Request: "req-0", Driver: topology.DriverName, Pool: node, Device: device,
-		}}},
+		Devices: resourceapi.DeviceAllocationResult{Results: results},
 		NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
 			MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
 		}}},

@@ -410,3 +410,47 @@ func unschedulableAttempts(tCtx ktesting.TContext, profile string) uint64 {
 	tCtx.ExpectNoError(err)
 	return uint64(by["unschedulable"].Count())
 }
+
+// TestSmallerPodsAreTriedFirst: of the pods of one priority that wait
+// together, the shipped profile tries those that ask for fewest devices
+// first (DeviceCountSort). A DGX whose eight GPUs one claim holds; an
+// 8-GPU, a 4-GPU and a 1-GPU pod fail in that order, then the claim gives
+// all eight back in one event, which requeues all three. The 1- and 4-GPU
+// pods start and the 8-GPU pod waits. PrioritySort would try the 8-GPU pod
+// first (it failed first, so it has the oldest queue timestamp) and leave
+// both others waiting.
+func TestSmallerPodsAreTriedFirst(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "queue-order")
+	var all []string
+	for i := range 8 {
+		all = append(all, fmt.Sprintf("gpu-%d", i))
+	}
+	node := e.node("a", "held", framework.DGXLikeGPUs)
+	e.preallocate("holder", node, all...)
+	startTopodra(tCtx)
+	for _, p := range []struct {
+		name string
+		gpus int64
+	}{{"eight", 8}, {"four", 4}, {"one", 1}} {
+		e.pod(p.name, topodraName, "a", e.template(p.gpus, nil))
+		_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, p.name, waitTimeout)
+		tCtx.ExpectNoError(err)
+	}
+	// Past the scheduler's initial backoff (1 s), so that the event moves
+	// all three straight to the active queue.
+	time.Sleep(1500 * time.Millisecond)
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "holder", metav1.DeleteOptions{}))
+
+	for _, name := range []string{"four", "one"} {
+		if got := e.waitScheduled(name).Spec.NodeName; got != node {
+			t.Errorf("%s went to %s, want %s", name, got, node)
+		}
+	}
+	time.Sleep(time.Second)
+	pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "eight", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if pod.Spec.NodeName != "" {
+		t.Errorf("the 8-GPU pod went to %s; want it to wait, the smaller pods tried first", pod.Spec.NodeName)
+	}
+}

@@ -7,5 +7,7 @@ import (
 )
 
 func init() {
-	registryOptions = append(registryOptions, schedapp.WithPlugin(topologydra.Name, topologydra.New))
+	registryOptions = append(registryOptions,
+		schedapp.WithPlugin(topologydra.Name, topologydra.New),
+		schedapp.WithPlugin(topologydra.SortName, topologydra.NewSort))
 }

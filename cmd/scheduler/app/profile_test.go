@@ -22,8 +22,9 @@ import (
 // TestShippedSchedulerConfigs builds the scheduler from every shipped
 // configuration (no API server is contacted) and checks that TopologyDRA's
 // PostFilter, which deallocates claims no node can use, runs before
-// DefaultPreemption, as the stock DynamicResources plugin does, and that
-// every configuration gives TopologyDRA's score the same weight.
+// DefaultPreemption, as the stock DynamicResources plugin does, that
+// every profile sorts the queue with DeviceCountSort, and that every
+// configuration gives TopologyDRA's score the same weight.
 func TestShippedSchedulerConfigs(t *testing.T) {
 	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
 	if err != nil {
@@ -93,6 +94,12 @@ func TestShippedSchedulerConfigs(t *testing.T) {
 			dra, preempt := slices.Index(order, topologydra.Name), slices.Index(order, "DefaultPreemption")
 			if dra < 0 || preempt < 0 || dra > preempt {
 				t.Errorf("PostFilter plugins %v: want %s before DefaultPreemption", order, topologydra.Name)
+			}
+			for profile, fw := range sched.Profiles {
+				sorts := fw.ListPlugins().QueueSort.Enabled
+				if len(sorts) != 1 || sorts[0].Name != topologydra.SortName {
+					t.Errorf("profile %s: QueueSort plugins %v, want %s only", profile, sorts, topologydra.SortName)
+				}
 			}
 		})
 	}

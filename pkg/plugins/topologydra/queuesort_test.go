@@ -1,0 +1,73 @@
+package topologydra
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/utils/ptr"
+)
+
+func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
+	claims := map[string]*resourceapi.ResourceClaim{
+		"eight": testClaim("eight", 8),
+		"four":  testClaim("four", 4),
+		"one":   testClaim("one", 1),
+		"one-b": testClaim("one-b", 1),
+	}
+	get := func(_, name string) (*resourceapi.ResourceClaim, error) {
+		if c, ok := claims[name]; ok {
+			return c, nil
+		}
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "resourceclaims"}, name)
+	}
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	queued := func(name string, priority int32, age int, claimNames ...string) fwk.QueuedEntityInfo {
+		pod := testPod(name, claimNames...)
+		pod.Spec.Priority = ptr.To(priority)
+		pi, err := framework.NewPodInfo(pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := &framework.QueuedPodInfo{PodInfo: pi}
+		q.Timestamp = start.Add(-time.Duration(age) * time.Second)
+		return q
+	}
+	entities := []fwk.QueuedEntityInfo{
+		queued("eight-oldest", 0, 100, "eight"),
+		queued("four-old", 0, 50, "four"),
+		queued("split-four", 0, 60, "one", "one-b", "missing"), // 2 known, 1 not in the cache
+		queued("one-new", 0, 1, "one"),
+		queued("no-claims", 0, 0),
+		queued("eight-urgent", 10, 0, "eight"),
+	}
+	sorter := &DeviceCountSort{claims: get}
+	slices.SortStableFunc(entities, func(a, b fwk.QueuedEntityInfo) int {
+		switch {
+		case sorter.Less(a, b):
+			return -1
+		case sorter.Less(b, a):
+			return 1
+		}
+		return 0
+	})
+	var got []string
+	for _, e := range entities {
+		got = append(got, e.(interface{ GetPodInfo() fwk.PodInfo }).GetPodInfo().GetPod().Name)
+	}
+	want := []string{"eight-urgent", "no-claims", "one-new", "split-four", "four-old", "eight-oldest"}
+	if !slices.Equal(got, want) {
+		t.Errorf("queue order %s\nwant        %s", strings.Join(got, " "), strings.Join(want, " "))
+	}
+	// Equal priority and devices: the earlier timestamp first, as PrioritySort.
+	a, b := queued("a", 0, 5, "four"), queued("b", 0, 3, "four")
+	if !sorter.Less(a, b) || sorter.Less(b, a) {
+		t.Error("pods with equal priority and devices: want the one queued first first")
+	}
+}
