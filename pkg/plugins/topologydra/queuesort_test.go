@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/queuesort"
 	"k8s.io/utils/ptr"
 )
 
@@ -69,5 +70,36 @@ func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
 	a, b := queued("a", 0, 5, "four"), queued("b", 0, 3, "four")
 	if !sorter.Less(a, b) || sorter.Less(b, a) {
 		t.Error("pods with equal priority and devices: want the one queued first first")
+	}
+}
+
+// BenchmarkQueueSortLess compares one Less call of DeviceCountSort (two
+// pods with one claim each, looked up in a map as in the claim cache) with
+// PrioritySort's.
+func BenchmarkQueueSortLess(b *testing.B) {
+	claims := map[string]*resourceapi.ResourceClaim{"four": testClaim("four", 4), "eight": testClaim("eight", 8)}
+	get := func(namespace, name string) (*resourceapi.ResourceClaim, error) {
+		if c, ok := claims[name]; ok {
+			return c, nil
+		}
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "resourceclaims"}, namespace+"/"+name)
+	}
+	queued := func(name, claim string) fwk.QueuedEntityInfo {
+		pi, err := framework.NewPodInfo(testPod(name, claim))
+		if err != nil {
+			b.Fatal(err)
+		}
+		return &framework.QueuedPodInfo{PodInfo: pi}
+	}
+	x, y := queued("x", "eight"), queued("y", "four")
+	for name, less := range map[string]func(a, b fwk.QueuedEntityInfo) bool{
+		"DeviceCountSort": (&DeviceCountSort{claims: get}).Less,
+		"PrioritySort":    (&queuesort.PrioritySort{}).Less,
+	} {
+		b.Run(name, func(b *testing.B) {
+			for b.Loop() {
+				less(x, y)
+			}
+		})
 	}
 }
