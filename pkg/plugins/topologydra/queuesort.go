@@ -23,8 +23,9 @@ const SortName = "DeviceCountSort"
 // Device counts are as in the pending-pod index: exact counts and the
 // first subrequest of a firstAvailable request, allocated or not (claim
 // specs do not change, so a pod's place in the queue does not either); a
-// pod without claims asks for none, and a claim not in the scheduler's
-// claim cache counts as none. Entities that are not single pods (pod
+// pod without claims asks for none. A claim not in the scheduler's claim
+// cache counts as none; PreEnqueue keeps such a pod out of the active
+// queue until the claim is there. Entities that are not single pods (pod
 // groups) count as asking for none.
 //
 // All profiles of a scheduler share one queue, so every profile must
