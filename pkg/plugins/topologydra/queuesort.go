@@ -62,13 +62,9 @@ func (s *DeviceCountSort) Less(a, b fwk.QueuedEntityInfo) bool {
 // devices is what a queued pod's claims ask for.
 func (s *DeviceCountSort) devices(e fwk.QueuedEntityInfo) int {
 	p, ok := e.(interface{ GetPodInfo() fwk.PodInfo })
-	if !ok || p.GetPodInfo() == nil {
+	if !ok {
 		return 0
 	}
-	pod := p.GetPodInfo().GetPod()
-	if pod == nil || len(pod.Spec.ResourceClaims) == 0 {
-		return 0
-	}
-	n, _ := podDevices(pod, s.claims, false)
+	n, _ := podDevices(p.GetPodInfo().GetPod(), s.claims, false)
 	return n
 }
