@@ -56,6 +56,28 @@ var policies = map[string]policy{
 	}()),
 }
 
+// Headroom: a whole-node pod starts only if some GPUs stay free for
+// smaller pods; by count, by share of the cluster's GPUs, and by share
+// until the whole-node pod has waited a few ticks.
+func init() {
+	for _, n := range []int{1, 2, 4, 8, 12, 16} {
+		o := defaultTopodra
+		o.headroom = n
+		policies[fmt.Sprintf("topodra-headroom-%d", n)] = topodra(o)
+	}
+	for _, share := range []float64{0.125, 0.1875, 0.25} {
+		for _, waited := range []int{0, 4, 6, 8} {
+			o := defaultTopodra
+			o.headroomShare, o.headroomFor = share, waited
+			name := fmt.Sprintf("topodra-headroom-share-%g", 100*share)
+			if waited > 0 {
+				name += fmt.Sprintf("-for-%d", waited)
+			}
+			policies[name] = topodra(o)
+		}
+	}
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {
@@ -70,6 +92,7 @@ func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
 	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small")
+	flag.BoolVar(&sortArrivals, "sort-arrivals", false, "try a tick's new pods in queue order, not arrival order")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")

@@ -179,6 +179,9 @@ type result struct {
 // each freed device is offered to the waiting pods at once.
 var oneByOne bool
 
+// sortArrivals tries a tick's new pods in queue order, not arrival order.
+var sortArrivals bool
+
 // queueOrder sorts the waiting pods before their retry.
 type queueOrder func(waiting []*pod)
 
@@ -298,6 +301,9 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 			if p.arrival == s.now {
 				arrivals = append(arrivals, p)
 			}
+		}
+		if sortArrivals {
+			order(arrivals)
 		}
 		for k, p := range arrivals {
 			// Pods of this tick not tried yet wait too, as far as the

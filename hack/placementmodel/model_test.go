@@ -119,3 +119,40 @@ func TestReservation(t *testing.T) {
 		}
 	}
 }
+
+// TestHeadroom: a whole-node pod waits while starting it would leave fewer
+// free GPUs than the headroom, starts once enough are free or once it has
+// waited long enough, and smaller pods are never held back.
+func TestHeadroom(t *testing.T) {
+	busy := emptyNode(true)
+	for g := range 6 {
+		busy.gpu[g] = 0
+	}
+	nodes := []*node{busy, emptyNode(true)}
+	s := &state{nodes: nodes, pods: []*pod{{gpus: 6, placed: true, end: never}}, now: 3, rng: rand.New(rand.NewPCG(1, 1))}
+	whole := &pod{gpus: 8, arrival: 2}
+	pair := &pod{gpus: 2, arrival: 3}
+	for _, tc := range []struct {
+		name      string
+		o         topodraOptions
+		wantWhole int
+	}{
+		{"no headroom", topodraOptions{}, 1},
+		{"2 GPUs, 2 free elsewhere", topodraOptions{headroom: 2}, 1},
+		{"3 GPUs, 2 free elsewhere", topodraOptions{headroom: 3}, -1},
+		{"share 1/4 of 16", topodraOptions{headroomShare: 0.25}, -1},
+		{"share 1/8 of 16", topodraOptions{headroomShare: 0.125}, 1},
+		{"3 GPUs, waited long enough", topodraOptions{headroom: 3, headroomFor: 1}, 1},
+		{"3 GPUs, not waited long enough", topodraOptions{headroom: 3, headroomFor: 2}, -1},
+	} {
+		o := defaultTopodra
+		o.headroom, o.headroomShare, o.headroomFor = tc.o.headroom, tc.o.headroomShare, tc.o.headroomFor
+		pick := topodra(o)
+		if c := pick(s, whole, placements(nodes, whole)); c.node != tc.wantWhole {
+			t.Errorf("%s: 8-GPU pod on node %d, want %d", tc.name, c.node, tc.wantWhole)
+		}
+		if c := pick(s, pair, placements(nodes, pair)); c.node < 0 {
+			t.Errorf("%s: the 2-GPU pod was held back", tc.name)
+		}
+	}
+}

@@ -90,6 +90,14 @@ type topodraOptions struct {
 	// soft keeps other pods off the reserved node only where they fit on
 	// another node; a pod that fits nowhere else still takes it.
 	soft bool
+	// headroom keeps GPUs for smaller pods: a pod that needs a whole
+	// node starts only if at least this many GPUs of the cluster stay
+	// free after it. headroomShare gives the number as a share of the
+	// cluster's GPUs instead; a whole-node pod that has waited
+	// headroomFor ticks (0: never) starts regardless.
+	headroom      int
+	headroomShare float64
+	headroomFor   int
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -189,6 +197,9 @@ func topodra(o topodraOptions) policy {
 		if o.soft && !slices.ContainsFunc(ps, func(c placement) bool { return c.node != reserved }) {
 			reserved = -1
 		}
+		if !o.leavesHeadroom(s, p) {
+			return placement{node: -1}
+		}
 		best, bestScore := placement{node: -1}, int64(-1)
 		for _, c := range ps {
 			if c.node == reserved && (p.life == 0 || s.now+estimate(p) > until) {
@@ -223,6 +234,22 @@ func topodra(o topodraOptions) policy {
 		}
 		return best
 	}
+}
+
+// leavesHeadroom says whether p may start now under the headroom rule.
+func (o topodraOptions) leavesHeadroom(s *state, p *pod) bool {
+	h := o.headroom
+	if o.headroomShare > 0 {
+		h = int(math.Round(o.headroomShare * float64(gpus*len(s.nodes))))
+	}
+	if h == 0 || p.gpus < gpus || o.headroomFor > 0 && s.now-p.arrival >= o.headroomFor {
+		return true
+	}
+	free := 0
+	for _, n := range s.nodes {
+		free += n.free()
+	}
+	return free-p.gpus >= h
 }
 
 // roomAfter is Quality.Room: 1 minus the cost of the free blocks that
