@@ -2,8 +2,6 @@ package topologydra
 
 import (
 	"context"
-	"maps"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -33,11 +31,7 @@ func code(st *fwk.Status) fwk.Code {
 func (h *harness) cycle(pod *v1.Pod, nodes ...string) (fwk.CycleState, map[string]*fwk.Status) {
 	h.tCtx.Helper()
 	cs := framework.NewCycleState()
-	var all []fwk.NodeInfo
-	for _, n := range slices.Sorted(maps.Keys(h.nodes)) {
-		all = append(all, h.nodes[n])
-	}
-	_, st := h.pl.PreFilter(h.tCtx, cs, pod, all)
+	_, st := h.pl.PreFilter(h.tCtx, cs, pod, nil)
 	if !st.IsSuccess() {
 		h.tCtx.Fatalf("PreFilter: %v", st)
 	}

@@ -7,8 +7,6 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/structured"
-
-	"github.com/topodra/topodra/pkg/allocator"
 )
 
 // freedDevices answers, for one event that gave devices back, how many
@@ -21,9 +19,6 @@ type freedDevices struct {
 	// key identifies the event: the claim and its resourceVersion.
 	key  freedKey
 	free map[deviceGroup]int
-	// total counts the cluster's node-local devices per driver (for the
-	// headroom).
-	total map[string]int
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -103,10 +98,7 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // holding them (it has not seen that event yet). In-flight allocations,
 // taints and shared counters are not subtracted, so the answer errs
 // towards yes. It also says yes
-// whenever it cannot tell, and for a pod that needs a whole node's worth
-// of devices where smallPodHeadroomPercent applies to the driver of the
-// devices given back: devices freed on any node may bring the cluster up
-// to the headroom that the pod waits for.
+// whenever it cannot tell.
 //
 // Without it every pod that waits for devices is retried, and fails
 // again, whenever any claim is deallocated anywhere; each failure renews
@@ -125,14 +117,6 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 	free, ok := pl.freed.count(pl, claim)
 	if !ok {
 		return true
-	}
-	if pl.headroomPercent > 0 && need >= allocator.WholeNodeBlock {
-		total := pl.freed.totals()
-		for _, r := range claim.Status.Allocation.Devices.Results {
-			if HeadroomFor(pl.headroomPercent, total[r.Driver]) > 0 {
-				return true
-			}
-		}
 	}
 	for _, n := range free {
 		if n >= need {
@@ -233,20 +217,6 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			}
 		}
 	}
-	total := map[string]int{}
-	for _, s := range slices {
-		if s.Spec.NodeName != nil && s.Spec.Pool.Generation == generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
-			total[s.Spec.Driver] += len(s.Spec.Devices)
-		}
-	}
-	f.key, f.free, f.total = key, free, total
+	f.key, f.free = key, free
 	return free, true
-}
-
-// totals returns the node-local devices per driver counted by the last
-// count.
-func (f *freedDevices) totals() map[string]int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.total
 }
