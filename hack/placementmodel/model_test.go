@@ -133,20 +133,21 @@ func TestHeadroom(t *testing.T) {
 	whole := &pod{gpus: 8, arrival: 2}
 	pair := &pod{gpus: 2, arrival: 3}
 	for _, tc := range []struct {
-		name      string
-		o         topodraOptions
-		wantWhole int
+		name             string
+		headroom, waited int
+		share            float64
+		wantWhole        int
 	}{
-		{"no headroom", topodraOptions{}, 1},
-		{"2 GPUs, 2 free elsewhere", topodraOptions{headroom: 2}, 1},
-		{"3 GPUs, 2 free elsewhere", topodraOptions{headroom: 3}, -1},
-		{"share 1/4 of 16", topodraOptions{headroomShare: 0.25}, -1},
-		{"share 1/8 of 16", topodraOptions{headroomShare: 0.125}, 1},
-		{"3 GPUs, waited long enough", topodraOptions{headroom: 3, headroomFor: 1}, 1},
-		{"3 GPUs, not waited long enough", topodraOptions{headroom: 3, headroomFor: 2}, -1},
+		{"no headroom", 0, 0, 0, 1},
+		{"2 GPUs, 2 free elsewhere", 2, 0, 0, 1},
+		{"3 GPUs, 2 free elsewhere", 3, 0, 0, -1},
+		{"share 1/4 of 16", 0, 0, 0.25, -1},
+		{"share 1/8 of 16", 0, 0, 0.125, 1},
+		{"3 GPUs, waited long enough", 3, 1, 0, 1},
+		{"3 GPUs, not waited long enough", 3, 2, 0, -1},
 	} {
 		o := defaultTopodra
-		o.headroom, o.headroomShare, o.headroomFor = tc.o.headroom, tc.o.headroomShare, tc.o.headroomFor
+		o.headroom, o.headroomShare, o.headroomFor = tc.headroom, tc.share, tc.waited
 		pick := topodra(o)
 		if c := pick(s, whole, placements(nodes, whole)); c.node != tc.wantWhole {
 			t.Errorf("%s: 8-GPU pod on node %d, want %d", tc.name, c.node, tc.wantWhole)

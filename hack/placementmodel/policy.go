@@ -108,6 +108,9 @@ var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1
 // in node order.
 func topodra(o topodraOptions) policy {
 	return func(s *state, p *pod, ps []placement) placement {
+		if !o.leavesHeadroom(s, p) {
+			return placement{node: -1}
+		}
 		waiting := 0
 		for _, q := range s.waiting {
 			if q.gpus >= gpus {
@@ -196,9 +199,6 @@ func topodra(o topodraOptions) policy {
 		}
 		if o.soft && !slices.ContainsFunc(ps, func(c placement) bool { return c.node != reserved }) {
 			reserved = -1
-		}
-		if !o.leavesHeadroom(s, p) {
-			return placement{node: -1}
 		}
 		best, bestScore := placement{node: -1}, int64(-1)
 		for _, c := range ps {
