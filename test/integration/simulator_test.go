@@ -26,13 +26,13 @@ func (w testWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// TestSimulatorEndToEnd runs topodra-sim small: 4 nodes (3 DGX H100 with
+// TestSimulator runs topodra-sim small: 4 nodes (3 DGX H100 with
 // NICs, 1 PCIe box with NVLink pairs), 40 pods through topodra-scheduler and
 // the stock scheduler, each on its own fresh control plane. Pods are pinned
 // to nodes by the seed (sim.Options.Pin), so node choice is out of the
 // schedulers' hands and the stock run is reproducible; the comparison is
 // then about device choice, where topodra must never be worse.
-func TestSimulatorEndToEnd(t *testing.T) {
+func TestSimulator(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	const nodes = 4
 	opts := sim.Options{
