@@ -71,6 +71,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
 	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
+	fs.IntVar(&opts.WarmUpPods, "warm-up-pods", sim.DefaultWarmUpPods, "pods of an unmeasured run through each scheduler before the measured ones (once per sweep), so that neither pays for being the first of the process; 0 or less: no warm-up")
 	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
 	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
 	fs.StringVar(&jsonPath, "json", "", "write the full results as JSON to this file")
@@ -92,6 +93,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	opts.NoHostRequests = !*hostRequests
 	if opts.Checkpoints == 0 {
 		opts.Checkpoints = -1
+	}
+	if opts.WarmUpPods == 0 {
+		opts.WarmUpPods = -1
 	}
 	if workload != "" {
 		w, err := sim.LoadWorkload(workload)

@@ -274,10 +274,13 @@ type Report struct {
 	Ticks    int    `json:"ticks"`
 	// HostRequests says what the generated pods request besides devices
 	// (HostRequestsText, or "none"); empty for a workload file.
-	HostRequests string         `json:"hostRequests,omitempty"`
-	Nodes        []NodeTopology `json:"nodes"`
-	Results      []Result       `json:"results"`
-	WallSeconds  float64        `json:"wallSeconds"`
+	HostRequests string `json:"hostRequests,omitempty"`
+	// WarmUpPods is the size of the unmeasured warm-up run through each
+	// scheduler before the measured ones (0: none).
+	WarmUpPods  int            `json:"warmUpPods,omitempty"`
+	Nodes       []NodeTopology `json:"nodes"`
+	Results     []Result       `json:"results"`
+	WallSeconds float64        `json:"wallSeconds"`
 }
 
 // WriteTable prints the side-by-side table.

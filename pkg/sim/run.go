@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime/pprof"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -76,6 +77,12 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	case opts.Trace != "" && opts.Trace != TraceBuiltin:
 		report.Workload = opts.Trace
 	}
+	if opts.WarmUpPods > 0 {
+		if err := warmUp(ctx, opts, nodes); err != nil {
+			return nil, err
+		}
+		report.WarmUpPods = opts.WarmUpPods
+	}
 	for _, sched := range opts.Schedulers {
 		res, topo, err := runOne(ctx, opts, nodes, workload, sched)
 		if err != nil {
@@ -88,6 +95,31 @@ func Run(ctx context.Context, opts Options) (*Report, error) {
 	}
 	report.WallSeconds = time.Since(start).Seconds()
 	return report, nil
+}
+
+// warmUp runs a small built-in workload (opts.WarmUpPods pods on at most
+// two of the run's nodes) through each scheduler, each on its own cluster,
+// and discards the results, so that no measured run is the first of the
+// process.
+func warmUp(ctx context.Context, opts Options, nodes []NodeSpec) error {
+	start := time.Now()
+	nodes = nodes[:min(2, len(nodes))]
+	workload, err := GenerateTrace(TraceBuiltin, opts.Seed, opts.WarmUpPods, nodes)
+	if err != nil {
+		return fmt.Errorf("warm-up: %w", err)
+	}
+	if opts.NoHostRequests {
+		workload = withoutHostRequests(workload)
+	}
+	o := opts
+	o.Progress, o.AfterRun, o.Checkpoints = nil, nil, -1
+	for _, sched := range opts.Schedulers {
+		if _, _, err := runOne(ctx, o, nodes, workload, sched); err != nil {
+			return fmt.Errorf("warm-up of %s: %w", sched, err)
+		}
+	}
+	opts.progressf("warm-up: %d pods on %d nodes through %s in %.1fs (not measured)", len(workload.Jobs), len(nodes), strings.Join(opts.Schedulers, ", "), time.Since(start).Seconds())
+	return nil
 }
 
 func (o *Options) progressf(format string, args ...any) {

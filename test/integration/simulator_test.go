@@ -28,7 +28,8 @@ func (w testWriter) Write(p []byte) (int, error) {
 
 // TestSimulator runs topodra-sim small: 4 nodes (3 DGX H100 with
 // NICs, 1 PCIe box with NVLink pairs), 40 pods through topodra-scheduler and
-// the stock scheduler, each on its own fresh control plane. Pods are pinned
+// the stock scheduler, each on its own fresh control plane, after a warm-up
+// of 6 pods through each. Pods are pinned
 // to nodes by the seed (sim.Options.Pin), so node choice is out of the
 // schedulers' hands and the stock run is reproducible; the comparison is
 // then about device choice, where topodra must never be worse.
@@ -36,12 +37,15 @@ func TestSimulator(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	const nodes = 4
 	opts := sim.Options{
-		Nodes:    nodes,
-		Profile:  "dgx-h100=3,pcie-nvlink-pairs=1",
-		Pods:     40,
-		Seed:     7,
-		Pin:      true,
-		Progress: testWriter{t},
+		Nodes:   nodes,
+		Profile: "dgx-h100=3,pcie-nvlink-pairs=1",
+		Pods:    40,
+		Seed:    7,
+		Pin:     true,
+		// A small warm-up, to check that it runs and that nothing of it
+		// is counted in the measured runs.
+		WarmUpPods: 6,
+		Progress:   testWriter{t},
 		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
 			return checkAgainstAPI(ctx, client, res)
 		},
@@ -67,10 +71,18 @@ func TestSimulator(t *testing.T) {
 			}
 		}
 	}
+	if report.WarmUpPods != opts.WarmUpPods {
+		t.Errorf("report says warm-up of %d pods, want %d", report.WarmUpPods, opts.WarmUpPods)
+	}
 	byName := map[string]sim.Result{}
 	for _, res := range report.Results {
 		byName[res.Scheduler] = res
 		checkCounts(t, res, report.Pods, totalGPUs)
+		// Successful attempts: one per placed pod and one for the probe
+		// pod that shows the scheduler is up; none of the warm-up's.
+		if got, most := res.Attempts["scheduled"], uint64(res.Placed+1); got > most {
+			t.Errorf("%s: %d successful scheduling attempts counted for %d placed pods and the probe: the warm-up's leaked into the measured run", res.Scheduler, got, res.Placed)
+		}
 	}
 	topodra, stock := byName[sim.SchedulerTopodra], byName[sim.SchedulerStock]
 	if topodra.AlignedFraction < stock.AlignedFraction {
