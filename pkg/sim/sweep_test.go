@@ -2,6 +2,7 @@ package sim
 
 import (
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -44,20 +45,61 @@ func TestTargets(t *testing.T) {
 		Aligned: stat(0.97), Throughput: stat(50), Fit8: 10}
 	stock := SweepSummary{Scheduler: SchedulerStock, MeanWait: map[int]Stat{1: stat(0.1), 2: stat(0.1), 4: stat(1), 8: stat(3)},
 		Aligned: stat(0.7), Throughput: stat(51), Fit8: 5, NeverPlaced: 1}
-	for _, tg := range targets(topodra, stock) {
+	for _, tg := range targets(topodra, stock, nil) {
 		if !tg.Met {
 			t.Errorf("target %q not met: %+v", tg.Measure, tg)
 		}
 	}
 	topodra.MeanWait[8] = stat(2)
 	met := 0
-	for _, tg := range targets(topodra, stock) {
+	for _, tg := range targets(topodra, stock, nil) {
 		if tg.Met {
 			met++
 		}
 	}
-	if want := len(targets(topodra, stock)) - 1; met != want {
+	if want := len(targets(topodra, stock, nil)) - 1; met != want {
 		t.Errorf("8-GPU wait 2 vs stock 3: %d targets met, want %d (only the 0.5x target fails)", met, want)
+	}
+}
+
+func TestPairedWaits(t *testing.T) {
+	row := func(scenario string, seed int64, sched string, waits map[int]float64) SweepRow {
+		return SweepRow{Scenario: scenario, Seed: seed, Scheduler: sched, MeanWait: waits}
+	}
+	rows := []SweepRow{
+		row("a", 1, SchedulerTopodra, map[int]float64{1: 0, 8: 2}),
+		row("a", 1, SchedulerStock, map[int]float64{1: 0.1, 8: 5}),
+		row("a", 2, SchedulerTopodra, map[int]float64{1: 0.2, 8: 6}),
+		row("a", 2, SchedulerStock, map[int]float64{1: 0, 8: 6}),
+		// The same seed in another scenario is another run.
+		row("b", 1, SchedulerTopodra, map[int]float64{1: 0, 8: 1}),
+		row("b", 1, SchedulerStock, map[int]float64{1: 0, 8: 3}),
+		// A run without 8-GPU pods for one of them, and a run stock did
+		// not do, are left out.
+		row("b", 2, SchedulerTopodra, map[int]float64{1: 0.5}),
+		row("b", 2, SchedulerStock, map[int]float64{1: 0.5, 8: 2}),
+		row("c", 1, SchedulerTopodra, map[int]float64{1: 9, 8: 9}),
+	}
+	for g, want := range map[int]Paired{
+		1: {Lower: 1, Equal: 2, Higher: 1},
+		8: {Lower: 2, Equal: 1, Higher: 0},
+		2: {},
+	} {
+		if got := pairedWaits(rows, g); *got != want {
+			t.Errorf("%d GPU: got %+v, want %+v", g, *got, want)
+		}
+	}
+	stat := func(v float64) Stat { return Stat{Median: v} }
+	sum := SweepSummary{MeanWait: map[int]Stat{1: stat(0), 2: stat(0), 4: stat(0), 8: stat(1)}}
+	// Only the waits of each size against stock's compare run by run.
+	for _, tg := range targets(sum, sum, rows) {
+		perSize := strings.HasPrefix(tg.Measure, "median mean wait") && tg.Want == "<= stock"
+		if perSize != (tg.Paired != nil) {
+			t.Errorf("%s, %s: paired %v", tg.Measure, tg.Want, tg.Paired)
+		}
+		if tg.Measure == "median mean wait, 8 GPU" && perSize && *tg.Paired != (Paired{Lower: 2, Equal: 1}) {
+			t.Errorf("8-GPU target: paired %v, want 2 / 1 / 0", tg.Paired)
+		}
 	}
 }
 
