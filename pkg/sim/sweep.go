@@ -327,17 +327,15 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 		fmt.Fprintln(rw, sweepHeader)
 		_ = rw.Flush()
 	}
-	warmedUp := false
 	for _, sc := range opts.Scenarios {
 		for _, seed := range opts.Seeds {
 			o := opts.Base
 			o.Profile, o.Nodes, o.Pods, o.Seed, o.Trace = sc.Profile, sc.Nodes, sc.Pods, seed, sc.Trace
 			o.Checkpoints = -1
 			// One warm-up per sweep, before its first run.
-			if warmedUp {
+			if len(rep.Rows) > 0 {
 				o.WarmUpPods = -1
 			}
-			warmedUp = true
 			r, err := Run(ctx, o)
 			if err != nil {
 				return nil, fmt.Errorf("scenario %s seed %d: %w", sc.Name, seed, err)
