@@ -166,6 +166,22 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 			t.Errorf("y deallocated, pod %s: hint %v, want %v", pod.Name, got, want)
 		}
 	}
+	// Only nodes the pod may use count: pinned to b (nodeSelector), the
+	// pod that asks for two and the one with a one-device request are
+	// not requeued for devices freed on a; pinned to a, they are.
+	pinned := func(pod *v1.Pod, node string) *v1.Pod {
+		pod = pod.DeepCopy()
+		pod.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": node}
+		return pod
+	}
+	for pod, want := range map[*v1.Pod]fwk.QueueingHint{
+		pinned(small, "b"): fwk.QueueSkip, pinned(two, "b"): fwk.QueueSkip,
+		pinned(small, "a"): fwk.Queue, pinned(two, "a"): fwk.Queue,
+	} {
+		if got := hint(pod, y, deallocated(y)); got != want {
+			t.Errorf("y deallocated on a, pod %s pinned to %s: hint %v, want %v", pod.Name, pod.Spec.NodeSelector["kubernetes.io/hostname"], got, want)
+		}
+	}
 	// The pod's own claim given back always requeues it.
 	own := allocatedOn(testClaim("big", 4), "a", "gpu-3")
 	own.UID = h.apiClaim("big").UID

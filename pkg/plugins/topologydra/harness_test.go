@@ -48,7 +48,7 @@ const (
 	testClass = "gpu"
 )
 
-// newHarness creates the objects through the fake API (so that the reactor
+// newHarness creates the nodes and objects through the fake API (so that the reactor
 // gives them UIDs and resource versions), starts the informers, waits for
 // the DRA manager to see everything and builds the plugin with default args.
 func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness {
@@ -77,6 +77,9 @@ func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness
 	pl, err := New(tCtx, nil, fh)
 	tCtx.ExpectNoError(err, "create plugin")
 	h.pl = pl.(*TopologyDRA)
+	for _, n := range nodes {
+		h.create(n)
+	}
 	for _, obj := range objs {
 		h.create(obj)
 	}
@@ -106,6 +109,8 @@ func (h *harness) create(obj runtime.Object) {
 		_, err = h.client.ResourceV1().ResourceSlices().Create(h.tCtx, o, metav1.CreateOptions{})
 	case *resourceapi.DeviceClass:
 		_, err = h.client.ResourceV1().DeviceClasses().Create(h.tCtx, o, metav1.CreateOptions{})
+	case *v1.Node:
+		_, err = h.client.CoreV1().Nodes().Create(h.tCtx, o, metav1.CreateOptions{})
 	default:
 		err = fmt.Errorf("unsupported object %T", obj)
 	}

@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -56,8 +57,10 @@ type TopologyDRA struct {
 	// scheduling cycles of this profile.
 	cache *allocator.Cache
 	// freed counts free devices for the queueing hint of claims that give
-	// devices back.
+	// devices back; nodes tells it which nodes a waiting pod may use (nil:
+	// no informer factory, every node).
 	freed freedDevices
+	nodes corelisters.NodeLister
 	// ownedToleration is added to every request so that devices tainted
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
@@ -134,6 +137,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		handle:         h,
 		cache:          allocator.NewCache(),
 		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
+	}
+	if f := h.SharedInformerFactory(); f != nil {
+		pl.nodes = f.Core().V1().Nodes().Lister()
 	}
 	if feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate).EnableDRASchedulerFilterTimeout {
 		pl.filterTimeout = args.FilterTimeout

@@ -6,6 +6,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/structured"
 )
 
@@ -92,7 +93,8 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // allocation before the event) can let pod fit: whether, for a driver and
 // node (or pool, for devices not local to a node) that the claim held
 // devices of, at least as many devices are now free as one of the pod's
-// requests asks for (see smallestRequest). Free means published and not
+// requests asks for (see smallestRequest), on a node that the pod's
+// required node affinity (node selector and required terms) admits. Free means published and not
 // allocated; devices given back by this or an earlier event count as free
 // while the claim tracker still shows the claim that gave them back
 // holding them (it has not seen that event yet). In-flight allocations,
@@ -111,19 +113,35 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 		return true
 	}
 	need, ok := pl.smallestRequest(pod)
-	if !ok || need <= 1 {
+	if !ok {
 		return true
 	}
 	free, ok := pl.freed.count(pl, claim)
 	if !ok {
 		return true
 	}
-	for _, n := range free {
-		if n >= need {
+	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	for g, n := range free {
+		if n >= need && pl.mayUse(affinity, g.node) {
 			return true
 		}
 	}
 	return false
+}
+
+// mayUse reports whether a pod with this required node affinity may run on
+// the named node: true for devices not local to a node ("") and where the
+// node is not known (yet).
+func (pl *TopologyDRA) mayUse(affinity nodeaffinity.RequiredNodeAffinity, nodeName string) bool {
+	if nodeName == "" || pl.nodes == nil {
+		return true
+	}
+	node, err := pl.nodes.Get(nodeName)
+	if err != nil {
+		return true
+	}
+	ok, err := affinity.Match(node)
+	return ok || err != nil
 }
 
 // count returns the free devices per group that claim's allocation used,
