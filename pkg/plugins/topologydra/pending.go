@@ -28,9 +28,10 @@ type pendingIndex struct {
 // pendingPod is an index entry.
 type pendingPod struct {
 	pod *v1.Pod
-	// devices is what the pod's claims ask for in all (allocated or not),
-	// once every claim was found in the claim cache; -1 until then. Claim
-	// specs do not change, so a known count stays valid.
+	// devices is the most devices of one class that the pod's claims ask
+	// for, allocated or not (podDevices), once every claim was found in
+	// the claim cache; -1 until then. Claim specs do not change, so a known
+	// count stays valid.
 	devices int
 }
 
@@ -93,8 +94,7 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 
 // wholeNodePods counts the pending pods of pod's scheduler, other than pod,
 // whose claims that are not allocated yet ask for allocator.WholeNodeBlock
-// devices or more (exact counts; the first subrequest of a firstAvailable
-// request) and whose required node affinity (node selector and required
+// devices or more of one device class (podDevices) and whose required node affinity (node selector and required
 // terms) admits at least one of nodes: a pod pinned elsewhere waits for
 // other nodes. claims looks claims up (the scheduler's claim cache); a
 // claim it does not know yet counts as nothing.
@@ -138,11 +138,15 @@ func admitsAny(pod *v1.Pod, nodes []fwk.NodeInfo) bool {
 // claimGetter looks up a claim by namespace and name.
 type claimGetter func(namespace, name string) (*resourceapi.ResourceClaim, error)
 
-// podDevices sums the devices that the pod's claims ask for (with
-// unallocatedOnly: its claims that are not allocated), and reports whether
-// every claim was found.
+// podDevices returns the most devices of one device class that the pod's
+// claims ask for together (with unallocatedOnly: its claims that are not
+// allocated), and reports whether every claim was found. A pod that asks
+// for one GPU and one NIC asks for one device of each class: as a pod that
+// asks for one GPU, it takes one of the node's GPUs, not two; two claims
+// for four GPUs each ask for eight.
 func podDevices(pod *v1.Pod, claims claimGetter, unallocatedOnly bool) (int, bool) {
-	n, all := 0, true
+	var buf [4]classDevices
+	counts, all := buf[:0], true
 	for i := range pod.Spec.ResourceClaims {
 		name, _, err := resourceclaim.Name(pod, &pod.Spec.ResourceClaims[i])
 		if err != nil || name == nil {
@@ -157,23 +161,52 @@ func podDevices(pod *v1.Pod, claims claimGetter, unallocatedOnly bool) (int, boo
 		if unallocatedOnly && claim.Status.Allocation != nil {
 			continue
 		}
-		n += claimDevices(claim)
+		counts = addClaimDevices(counts, claim)
 	}
-	return n, all
+	return mostOfOneClass(counts), all
 }
 
-// claimDevices counts the devices a claim asks for: exact counts, and the
-// first subrequest of a firstAvailable request; requests for all matching
-// devices count as none.
-func claimDevices(claim *resourceapi.ResourceClaim) int {
-	n := 0
+// classDevices is a number of devices of one device class.
+type classDevices struct {
+	class string
+	n     int
+}
+
+// addClaimDevices adds the devices a claim asks for to counts, per device
+// class: exact counts, and the first subrequest of a firstAvailable
+// request; requests for all matching devices count as none.
+func addClaimDevices(counts []classDevices, claim *resourceapi.ResourceClaim) []classDevices {
 	for _, r := range claim.Spec.Devices.Requests {
+		var class string
+		var n int
 		switch {
 		case r.Exactly != nil && r.Exactly.AllocationMode != resourceapi.DeviceAllocationModeAll:
-			n += int(r.Exactly.Count)
+			class, n = r.Exactly.DeviceClassName, int(r.Exactly.Count)
 		case len(r.FirstAvailable) > 0 && r.FirstAvailable[0].AllocationMode != resourceapi.DeviceAllocationModeAll:
-			n += int(r.FirstAvailable[0].Count)
+			class, n = r.FirstAvailable[0].DeviceClassName, int(r.FirstAvailable[0].Count)
+		default:
+			continue
+		}
+		found := false
+		for k := range counts {
+			if counts[k].class == class {
+				counts[k].n += n
+				found = true
+				break
+			}
+		}
+		if !found {
+			counts = append(counts, classDevices{class: class, n: n})
 		}
 	}
-	return n
+	return counts
+}
+
+// mostOfOneClass is the largest count in counts (0 if none).
+func mostOfOneClass(counts []classDevices) int {
+	most := 0
+	for _, c := range counts {
+		most = max(most, c.n)
+	}
+	return most
 }

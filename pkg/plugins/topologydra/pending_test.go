@@ -60,6 +60,9 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	claimOf("four-a", 4, false)
 	claimOf("four-b", 4, false)
 	claimOf("done", 8, true)
+	claimOf("four-gpus-four-nics", 4, false)
+	claims["four-gpus-four-nics"].Spec.Devices.Requests = append(claims["four-gpus-four-nics"].Spec.Devices.Requests,
+		resourceapi.DeviceRequest{Name: "nic", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "nic", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4}})
 	h.OnAdd(self, false)
 	h.OnAdd(pod("big", "s", "", "eight"), false)
 	h.OnAdd(pod("split", "s", "", "four-a", "four-b"), false) // 8 in two claims
@@ -68,8 +71,9 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	h.OnAdd(pod("other-scheduler", "other", "", "eight"), false)
 	h.OnAdd(pod("bound", "s", "node-1", "eight"), false)
 	h.OnAdd(pod("no-claims", "s", ""), false)
+	h.OnAdd(pod("half-node-with-nics", "s", "", "four-gpus-four-nics"), false) // 4 of each class
 	if got := ix.wholeNodePods(self, get, nodes); got != 2 {
-		t.Errorf("whole-node pods waiting = %d, want 2 (big and split; not self, allocated, unknown, another scheduler's, bound)", got)
+		t.Errorf("whole-node pods waiting = %d, want 2 (big and split; not self, allocated, unknown, another scheduler's, bound, 4 GPUs + 4 NICs)", got)
 	}
 
 	claimOf("not-created-yet", 8, false)

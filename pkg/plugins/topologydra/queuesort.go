@@ -13,20 +13,22 @@ import (
 const SortName = "DeviceCountSort"
 
 // DeviceCountSort is a QueueSort plugin. It orders the scheduling queue by
-// pod priority (higher first), then by the number of devices the pod's
-// claims ask for (fewer first), then by the time the pod entered the
-// queue, as PrioritySort does. So, of the pods of one priority that wait
-// together, those that need fewest devices are tried first, and a pod
-// that needs a whole node is tried once the smaller pods have taken what
-// they fit in.
+// pod priority (higher first), then by the number of devices of one
+// device class the pod's claims ask for (fewer first), then by the time
+// the pod entered the queue, as PrioritySort does. So, of the pods of one
+// priority that wait together, those that need fewest devices are tried
+// first, and a pod that needs a whole node is tried once the smaller pods
+// have taken what they fit in.
 //
-// Device counts are as in the pending-pod index: exact counts and the
-// first subrequest of a firstAvailable request, allocated or not (claim
-// specs do not change, so a pod's place in the queue does not either); a
-// pod without claims asks for none. A claim not in the scheduler's claim
-// cache counts as none; PreEnqueue keeps such a pod out of the active
-// queue until the claim is there. Entities that are not single pods (pod
-// groups) count as asking for none.
+// Device counts are as in the pending-pod index: per device class, the
+// exact counts and the first subrequest of a firstAvailable request of
+// all the pod's claims, allocated or not (claim specs do not change, so a
+// pod's place in the queue does not either), and of those the largest: a
+// pod that asks for a GPU and a NIC counts one, as a pod that asks for a
+// GPU does. A pod without claims asks for none. A claim not in the
+// scheduler's claim cache counts as none; PreEnqueue keeps such a pod out
+// of the active queue until the claim is there. Entities that are not
+// single pods (pod groups) count as asking for none.
 //
 // All profiles of a scheduler share one queue, so every profile must
 // name the same QueueSort plugin.

@@ -21,6 +21,9 @@ func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
 		"four":  testClaim("four", 4),
 		"one":   testClaim("one", 1),
 		"one-b": testClaim("one-b", 1),
+		"two":   testClaim("two", 2),
+		// One GPU and one NIC: one device of each class.
+		"gpu-nic": withRequest(testClaim("gpu-nic", 1), "nic", "nic-class", 1),
 	}
 	get := func(_, name string) (*resourceapi.ResourceClaim, error) {
 		if c, ok := claims[name]; ok {
@@ -45,6 +48,8 @@ func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
 		queued("four-old", 0, 50, "four"),
 		queued("split-four", 0, 60, "one", "one-b", "missing"), // 2 known, 1 not in the cache
 		queued("one-new", 0, 1, "one"),
+		queued("gpu-and-nic", 0, 2, "gpu-nic"),
+		queued("two-older", 0, 70, "two"),
 		queued("no-claims", 0, 0),
 		queued("eight-urgent", 10, 0, "eight"),
 	}
@@ -62,7 +67,7 @@ func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
 	for _, e := range entities {
 		got = append(got, e.(interface{ GetPodInfo() fwk.PodInfo }).GetPodInfo().GetPod().Name)
 	}
-	want := []string{"eight-urgent", "no-claims", "one-new", "split-four", "four-old", "eight-oldest"}
+	want := []string{"eight-urgent", "no-claims", "gpu-and-nic", "one-new", "two-older", "split-four", "four-old", "eight-oldest"}
 	if !slices.Equal(got, want) {
 		t.Errorf("queue order %s\nwant        %s", strings.Join(got, " "), strings.Join(want, " "))
 	}
@@ -71,6 +76,15 @@ func TestDeviceCountSortOrdersByPriorityThenDevicesThenTime(t *testing.T) {
 	if !sorter.Less(a, b) || sorter.Less(b, a) {
 		t.Error("pods with equal priority and devices: want the one queued first first")
 	}
+}
+
+// withRequest adds an exact request for n devices of class to claim.
+func withRequest(claim *resourceapi.ResourceClaim, name, class string, n int64) *resourceapi.ResourceClaim {
+	claim.Spec.Devices.Requests = append(claim.Spec.Devices.Requests, resourceapi.DeviceRequest{
+		Name:    name,
+		Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n},
+	})
+	return claim
 }
 
 // BenchmarkQueueSortLess compares one Less call of DeviceCountSort (two

@@ -43,11 +43,11 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	if pl.pending != nil {
 		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
-			own := 0
+			var own []classDevices
 			for _, c := range s.allocClaims {
-				own += claimDevices(c)
+				own = addClaimDevices(own, c)
 			}
-			if own < allocator.WholeNodeBlock {
+			if mostOfOneClass(own) < allocator.WholeNodeBlock {
 				s.draining = drainingNodes(s, nodes, waiting, s.ages.byNode)
 			}
 		}
