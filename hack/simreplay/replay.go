@@ -32,6 +32,7 @@ type runJSON struct {
 			Node string   `json:"node"`
 			Tick int      `json:"tick"`
 			GPUs []string `json:"gpus"`
+			NICs []string `json:"nics"`
 		} `json:"placements"`
 	} `json:"results"`
 }
@@ -117,7 +118,7 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 			if _, ok := byName[p.Pod]; !ok {
 				return fmt.Errorf("%s: pod %s is not in the workload (the JSON is from another workload or version)", res.Scheduler, p.Pod)
 			}
-			placed[p.Pod] = bound{node: n, tick: p.Tick, devices: p.GPUs}
+			placed[p.Pod] = bound{node: n, tick: p.Tick, devices: append(slices.Clone(p.GPUs), p.NICs...)}
 		}
 		show := func() string {
 			var parts []string
@@ -141,6 +142,18 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 					default:
 						fmt.Fprint(&b, g)
 					}
+				}
+				nics, free := 0, 0
+				for _, d := range n.Devices {
+					if !d.GPU {
+						nics++
+						if gpus[i][d.Name] == 0 {
+							free++
+						}
+					}
+				}
+				if nics > 0 {
+					fmt.Fprintf(&b, "/%dn", free)
 				}
 				parts = append(parts, b.String())
 			}

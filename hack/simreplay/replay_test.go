@@ -10,16 +10,17 @@ import (
 )
 
 func TestReplay(t *testing.T) {
-	// One node of four GPUs in two NUMA nodes. "pair" (2 GPUs) runs from
-	// tick 0 for 2 ticks; "four" arrives at tick 1 and waits until the
-	// pair leaves at the start of tick 2.
+	// One node of four GPUs in two NUMA nodes and a NIC. "pair" (2 GPUs
+	// and the NIC) runs from tick 0 for 2 ticks; "four" arrives at tick 1
+	// and waits until the pair leaves at the start of tick 2. The node's
+	// free NICs follow its GPUs.
 	const run = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
 	"nodes": [{"node": "n", "profile": "p", "devices": [
 		{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
 		{"name": "nic-0", "gpu": false, "numaNode": "0"},
 		{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
 	"results": [{"scheduler": "topodra", "placements": [
-		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"]},
+		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"], "nics": ["nic-0"]},
 		{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
 	var rep runJSON
 	if err := json.Unmarshal([]byte(run), &rep); err != nil {
@@ -36,15 +37,15 @@ nodes: 0 n (p)
 tick 0
   waiting at start: 
   placed: pair -> n [gpu-0 gpu-1] (arrived 0)
-  at end: 0:22|..
+  at end: 0:22|../0n
 tick 1
   waiting at start: 
   placed: 
-  at end: 0:22|..
+  at end: 0:22|../0n
 tick 2
   waiting at start: four (4 GPUs, since 1)
   placed: four -> n [gpu-0 gpu-1 gpu-2 gpu-3] (arrived 1)
-  at end: 0:44|44
+  at end: 0:44|44/1n
 `
 	if out.String() != want {
 		t.Errorf("replay printed\n%s\nwant\n%s", out.String(), want)
