@@ -2,8 +2,8 @@
 // (go run ./cmd/simulator --json run.json): for every tick at which a pod
 // waits, each node's GPUs (the size of the pod on each GPU, "." when free,
 // "|" between NUMA nodes; "/4n": four NICs free, on nodes that have NICs)
-// at the start of the tick, the waiting pods, the
-// pods placed in the tick and the GPUs at its end. It shows what one run's
+// at the start of the tick, the waiting pods, the pods placed in the tick
+// and the GPUs at its end. It shows what one run's
 // numbers hide: which node a whole-node pod waited for and who took the
 // devices meanwhile.
 //

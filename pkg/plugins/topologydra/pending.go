@@ -94,9 +94,9 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 
 // wholeNodePods counts the pending pods of pod's scheduler, other than pod,
 // whose claims that are not allocated yet ask for allocator.WholeNodeBlock
-// devices or more of one device class (podDevices) and whose required node affinity (node selector and required
-// terms) admits at least one of nodes: a pod pinned elsewhere waits for
-// other nodes. claims looks claims up (the scheduler's claim cache); a
+// devices or more of one device class (podDevices) and whose required
+// node affinity (node selector and required terms) admits at least one of
+// nodes: a pod pinned elsewhere waits for other nodes. claims looks claims up (the scheduler's claim cache); a
 // claim it does not know yet counts as nothing.
 func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []fwk.NodeInfo) int {
 	ix.mu.Lock()
