@@ -10,6 +10,7 @@
 //	go run ./cmd/simulator --json run.json
 //	go run ./hack/simreplay run.json
 //	go run ./hack/simreplay --scheduler topodra --from 20 --to 40 run.json
+//	go run ./hack/simreplay --why run.json   # why pods waited, by size
 //
 // The workload is generated again from the run's seed, pod count and
 // trace (or read from --workload for runs of a workload file), so the
@@ -31,12 +32,13 @@ func main() {
 	to := flag.Int("to", -1, "last tick to print (default the last)")
 	all := flag.Bool("all", false, "print every tick, not only those at which a pod waits")
 	workloadFile := flag.String("workload", "", "the workload file of a run of --workload")
+	why := flag.Bool("why", false, "instead of the ticks, count the pods that waited by size and by what the cluster lacked at the end of the tick they arrived in")
 	flag.Parse()
 	if flag.NArg() != 1 {
 		fmt.Fprintln(os.Stderr, "usage: simreplay [flags] RUN.json")
 		os.Exit(2)
 	}
-	if err := run(flag.Arg(0), *workloadFile, options{scheduler: *scheduler, from: *from, to: *to, all: *all}); err != nil {
+	if err := run(flag.Arg(0), *workloadFile, options{scheduler: *scheduler, from: *from, to: *to, all: *all, why: *why}); err != nil {
 		fmt.Fprintln(os.Stderr, "simreplay:", err)
 		os.Exit(1)
 	}

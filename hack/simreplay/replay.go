@@ -38,33 +38,41 @@ type runJSON struct {
 }
 
 // job is what the replay needs of a pod: when it arrives, how long it
-// runs once bound (0: to the end) and how many GPUs it asks for.
+// runs once bound (0: to the end) and how many GPUs and NICs it asks for.
 type job struct {
 	name          string
 	arrival, life int
-	gpus          int
+	gpus, nics    int
 }
 
-// jobsOf reads the jobs of a workload; GPUs are the counts its claim
-// templates ask of the GPU class.
+// jobsOf reads the jobs of a workload; GPUs and NICs are the counts its
+// claim templates ask of the GPU and NIC classes.
 func jobsOf(w *sim.Workload) []job {
-	perTemplate := map[string]int{}
+	type count struct{ gpus, nics int }
+	perTemplate := map[string]count{}
 	for _, t := range w.Templates {
+		c := perTemplate[t.Name]
 		for _, r := range t.Spec.Spec.Devices.Requests {
-			if r.Exactly != nil && r.Exactly.DeviceClassName == sim.GPUClassName {
-				perTemplate[t.Name] += int(r.Exactly.Count)
+			switch {
+			case r.Exactly == nil:
+			case r.Exactly.DeviceClassName == sim.GPUClassName:
+				c.gpus += int(r.Exactly.Count)
+			case r.Exactly.DeviceClassName == sim.NICClassName:
+				c.nics += int(r.Exactly.Count)
 			}
 		}
+		perTemplate[t.Name] = c
 	}
 	var out []job
 	for _, j := range w.Jobs {
-		g := 0
+		jb := job{name: j.Pod.Name, arrival: j.Arrival, life: j.Lifetime}
 		for _, c := range j.Pod.Spec.ResourceClaims {
 			if c.ResourceClaimTemplateName != nil {
-				g += perTemplate[*c.ResourceClaimTemplateName]
+				jb.gpus += perTemplate[*c.ResourceClaimTemplateName].gpus
+				jb.nics += perTemplate[*c.ResourceClaimTemplateName].nics
 			}
 		}
-		out = append(out, job{name: j.Pod.Name, arrival: j.Arrival, life: j.Lifetime, gpus: g})
+		out = append(out, jb)
 	}
 	return out
 }
@@ -73,6 +81,44 @@ type options struct {
 	scheduler string
 	from, to  int
 	all       bool
+	// why prints, instead of the ticks, why the pods that waited did:
+	// see causes.
+	why bool
+}
+
+// Why a pod waited, judged by the cluster at the end of the tick in which
+// it arrived (later pods of that tick may have taken what it failed on).
+var causes = []string{
+	"cluster full",                   // no GPU free
+	"fewer GPUs free than it asks",   // some free, fewer than it asks
+	"free GPUs only scattered",       // enough free, no node with enough
+	"no node with its GPUs and NICs", // a node with the GPUs, none that also has the NICs
+	"fits by count on a node",        // alignment, matchAttribute, or the order in the tick
+}
+
+// cause classifies a waiting pod by the free GPUs and NICs per node.
+func cause(j job, freeGPUs, freeNICs []int) string {
+	total, gpuNode, both := 0, false, false
+	for i := range freeGPUs {
+		total += freeGPUs[i]
+		if freeGPUs[i] >= j.gpus {
+			gpuNode = true
+			if freeNICs[i] >= j.nics {
+				both = true
+			}
+		}
+	}
+	switch {
+	case total == 0:
+		return causes[0]
+	case total < j.gpus:
+		return causes[1]
+	case !gpuNode:
+		return causes[2]
+	case !both:
+		return causes[3]
+	}
+	return causes[4]
 }
 
 // replay prints the run of each scheduler tick by tick. Departures follow
@@ -95,6 +141,8 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 		if o.scheduler != "" && res.Scheduler != o.scheduler {
 			continue
 		}
+		// waited[size][cause]: pods that waited, by what they ask for.
+		waited := map[string]map[string]int{}
 		fmt.Fprintf(out, "== %s\nnodes:", res.Scheduler)
 		for i, n := range rep.Nodes {
 			fmt.Fprintf(out, " %d %s (%s)", i, n.Node, n.Profile)
@@ -184,12 +232,66 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 				}
 				now = append(now, fmt.Sprintf("%s -> %s %v (arrived %d)", p.Pod, p.Node, p.GPUs, j.arrival))
 			}
+			if o.why {
+				freeGPUs, freeNICs := make([]int, len(rep.Nodes)), make([]int, len(rep.Nodes))
+				for i, n := range rep.Nodes {
+					for _, d := range n.Devices {
+						switch {
+						case gpus[i][d.Name] != 0:
+						case d.GPU:
+							freeGPUs[i]++
+						default:
+							freeNICs[i]++
+						}
+					}
+				}
+				for _, j := range jobs {
+					if b, ok := placed[j.name]; j.arrival != tick || ok && b.tick == tick {
+						continue
+					}
+					size := fmt.Sprintf("%d GPU", j.gpus)
+					if j.nics > 0 {
+						size += fmt.Sprintf(" + %d NIC", j.nics)
+					}
+					if waited[size] == nil {
+						waited[size] = map[string]int{}
+					}
+					waited[size][cause(j, freeGPUs, freeNICs)]++
+				}
+				continue
+			}
 			if tick < o.from || tick > to || (len(waiting) == 0 && !o.all) {
 				continue
 			}
 			slices.Sort(waiting)
 			fmt.Fprintf(out, "tick %d\n  waiting at start: %s\n  placed: %s\n  at end: %s\n", tick, strings.Join(waiting, ", "), strings.Join(now, ", "), show())
 		}
+		if o.why {
+			printWhy(out, waited)
+		}
 	}
 	return nil
+}
+
+// printWhy prints the pods that waited by what they ask for and cause.
+func printWhy(out io.Writer, waited map[string]map[string]int) {
+	fmt.Fprintln(out, "pods that waited, by the cluster at the end of the tick they arrived in:")
+	if len(waited) == 0 {
+		fmt.Fprintln(out, "  none")
+		return
+	}
+	sizes := make([]string, 0, len(waited))
+	for size := range waited {
+		sizes = append(sizes, size)
+	}
+	slices.Sort(sizes)
+	for _, size := range sizes {
+		var parts []string
+		for _, c := range causes {
+			if n := waited[size][c]; n > 0 {
+				parts = append(parts, fmt.Sprintf("%s %d", c, n))
+			}
+		}
+		fmt.Fprintf(out, "  %s: %s\n", size, strings.Join(parts, ", "))
+	}
 }

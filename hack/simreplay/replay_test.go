@@ -89,3 +89,44 @@ func TestJobsOfBuiltinWorkload(t *testing.T) {
 		}
 	}
 }
+
+func TestWhy(t *testing.T) {
+	// The run of TestReplay: "four" arrives at tick 1, when the pair holds
+	// two of the node's four GPUs.
+	const run = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
+	"nodes": [{"node": "n", "profile": "p", "devices": [
+		{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
+		{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
+	"results": [{"scheduler": "topodra", "placements": [
+		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"]},
+		{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
+	var rep runJSON
+	if err := json.Unmarshal([]byte(run), &rep); err != nil {
+		t.Fatal(err)
+	}
+	jobs := []job{{name: "pair", arrival: 0, life: 2, gpus: 2}, {name: "four", arrival: 1, life: 0, gpus: 4}}
+	var out bytes.Buffer
+	if err := replay(&out, rep, jobs, options{to: -1, why: true}); err != nil {
+		t.Fatal(err)
+	}
+	if want := "  4 GPU: fewer GPUs free than it asks 1\n"; !strings.HasSuffix(out.String(), want) || strings.Contains(out.String(), "\ntick ") {
+		t.Errorf("--why printed\n%s\nwant it to end in\n%s(and no ticks)", out.String(), want)
+	}
+
+	for _, tc := range []struct {
+		name               string
+		job                job
+		freeGPUs, freeNICs []int
+		want               string
+	}{
+		{"nothing free", job{gpus: 1}, []int{0, 0}, []int{2, 0}, "cluster full"},
+		{"too few free", job{gpus: 4}, []int{1, 2}, []int{0, 0}, "fewer GPUs free than it asks"},
+		{"scattered", job{gpus: 2}, []int{1, 1}, []int{0, 0}, "free GPUs only scattered"},
+		{"GPUs where no NIC is free", job{gpus: 1, nics: 1}, []int{3, 0}, []int{0, 2}, "no node with its GPUs and NICs"},
+		{"fits by count", job{gpus: 1, nics: 1}, []int{3, 1}, []int{0, 1}, "fits by count on a node"},
+	} {
+		if got := cause(tc.job, tc.freeGPUs, tc.freeNICs); got != tc.want {
+			t.Errorf("%s: cause %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
