@@ -9,24 +9,32 @@ import (
 	"github.com/topodra/topodra/pkg/sim"
 )
 
-func TestReplay(t *testing.T) {
-	// One node of four GPUs in two NUMA nodes and a NIC. "pair" (2 GPUs
-	// and the NIC) runs from tick 0 for 2 ticks; "four" arrives at tick 1
-	// and waits until the pair leaves at the start of tick 2. The node's
-	// free NICs follow its GPUs.
-	const run = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
-	"nodes": [{"node": "n", "profile": "p", "devices": [
-		{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
-		{"name": "nic-0", "gpu": false, "numaNode": "0"},
-		{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
-	"results": [{"scheduler": "topodra", "placements": [
-		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"], "nics": ["nic-0"]},
-		{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
+// replayRun is a run of one node of four GPUs in two NUMA nodes and a
+// NIC: "pair" (2 GPUs and the NIC) runs from tick 0 for 2 ticks; "four"
+// arrives at tick 1 and waits until the pair leaves at the start of tick
+// 2.
+const replayRun = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
+"nodes": [{"node": "n", "profile": "p", "devices": [
+	{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
+	{"name": "nic-0", "gpu": false, "numaNode": "0"},
+	{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
+"results": [{"scheduler": "topodra", "placements": [
+	{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"], "nics": ["nic-0"]},
+	{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
+
+// replayFixture returns replayRun and its jobs.
+func replayFixture(t *testing.T) (runJSON, []job) {
+	t.Helper()
 	var rep runJSON
-	if err := json.Unmarshal([]byte(run), &rep); err != nil {
+	if err := json.Unmarshal([]byte(replayRun), &rep); err != nil {
 		t.Fatal(err)
 	}
-	jobs := []job{{name: "pair", arrival: 0, life: 2, gpus: 2}, {name: "four", arrival: 1, life: 0, gpus: 4}}
+	return rep, []job{{name: "pair", arrival: 0, life: 2, gpus: 2}, {name: "four", arrival: 1, life: 0, gpus: 4}}
+}
+
+func TestReplay(t *testing.T) {
+	// The node's free NICs follow its GPUs.
+	rep, jobs := replayFixture(t)
 
 	var out bytes.Buffer
 	if err := replay(&out, rep, jobs, options{to: -1, all: true}); err != nil {
@@ -93,18 +101,7 @@ func TestJobsOfBuiltinWorkload(t *testing.T) {
 func TestWhy(t *testing.T) {
 	// The run of TestReplay: "four" arrives at tick 1, when the pair holds
 	// two of the node's four GPUs.
-	const run = `{"seed": 1, "workload": "built-in", "profile": "p", "pods": 2, "ticks": 3,
-	"nodes": [{"node": "n", "profile": "p", "devices": [
-		{"name": "gpu-0", "gpu": true, "numaNode": "0"}, {"name": "gpu-1", "gpu": true, "numaNode": "0"},
-		{"name": "gpu-2", "gpu": true, "numaNode": "1"}, {"name": "gpu-3", "gpu": true, "numaNode": "1"}]}],
-	"results": [{"scheduler": "topodra", "placements": [
-		{"pod": "pair", "node": "n", "tick": 0, "gpus": ["gpu-0", "gpu-1"]},
-		{"pod": "four", "node": "n", "tick": 2, "gpus": ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]}]}]}`
-	var rep runJSON
-	if err := json.Unmarshal([]byte(run), &rep); err != nil {
-		t.Fatal(err)
-	}
-	jobs := []job{{name: "pair", arrival: 0, life: 2, gpus: 2}, {name: "four", arrival: 1, life: 0, gpus: 4}}
+	rep, jobs := replayFixture(t)
 	var out bytes.Buffer
 	if err := replay(&out, rep, jobs, options{to: -1, why: true}); err != nil {
 		t.Fatal(err)
