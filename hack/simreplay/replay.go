@@ -168,6 +168,22 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 			}
 			placed[p.Pod] = bound{node: n, tick: p.Tick, devices: append(slices.Clone(p.GPUs), p.NICs...)}
 		}
+		// freeOn counts node i's free GPUs and free NICs, and its NICs.
+		freeOn := func(i int) (freeGPUs, freeNICs, nics int) {
+			for _, d := range rep.Nodes[i].Devices {
+				if !d.GPU {
+					nics++
+				}
+				switch {
+				case gpus[i][d.Name] != 0:
+				case d.GPU:
+					freeGPUs++
+				default:
+					freeNICs++
+				}
+			}
+			return freeGPUs, freeNICs, nics
+		}
 		show := func() string {
 			var parts []string
 			for i, n := range rep.Nodes {
@@ -191,16 +207,7 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 						fmt.Fprint(&b, g)
 					}
 				}
-				nics, free := 0, 0
-				for _, d := range n.Devices {
-					if !d.GPU {
-						nics++
-						if gpus[i][d.Name] == 0 {
-							free++
-						}
-					}
-				}
-				if nics > 0 {
+				if _, free, nics := freeOn(i); nics > 0 {
 					fmt.Fprintf(&b, "/%dn", free)
 				}
 				parts = append(parts, b.String())
@@ -234,16 +241,8 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 			}
 			if o.why {
 				freeGPUs, freeNICs := make([]int, len(rep.Nodes)), make([]int, len(rep.Nodes))
-				for i, n := range rep.Nodes {
-					for _, d := range n.Devices {
-						switch {
-						case gpus[i][d.Name] != 0:
-						case d.GPU:
-							freeGPUs[i]++
-						default:
-							freeNICs[i]++
-						}
-					}
+				for i := range rep.Nodes {
+					freeGPUs[i], freeNICs[i], _ = freeOn(i)
 				}
 				for _, j := range jobs {
 					if b, ok := placed[j.name]; j.arrival != tick || ok && b.tick == tick {
