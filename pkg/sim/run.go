@@ -2,6 +2,7 @@ package sim
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"runtime/pprof"
@@ -25,6 +26,8 @@ import (
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/pkg/measure"
+	"github.com/topodra/topodra/pkg/plugins/topologydra"
+	topodrav1 "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config/v1"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -247,6 +250,13 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	}
 	if schedOpts.Config, err = withShortBackoff(schedOpts.Config); err != nil {
 		return nil, nil, err
+	}
+	if sched == SchedulerTopodra {
+		percent, err := headroomPercent(schedOpts.Config)
+		if err != nil {
+			return nil, nil, err
+		}
+		tr.setHeadroom(percent)
 	}
 	before := readAttempts(schedulerName)
 	// The scheduler's goroutines carry the pprof label scheduler=<name>,
@@ -549,6 +559,37 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 		return fmt.Errorf("delete probe pod: %w", err)
 	}
 	return nil
+}
+
+// headroomPercent is the largest smallPodHeadroomPercent among the
+// TopologyDRA args of a KubeSchedulerConfiguration's profiles, defaults
+// applied where a profile sets none.
+func headroomPercent(config []byte) (int32, error) {
+	var cfg struct {
+		Profiles []struct {
+			PluginConfig []struct {
+				Name string          `json:"name"`
+				Args json.RawMessage `json:"args"`
+			} `json:"pluginConfig"`
+		} `json:"profiles"`
+	}
+	if err := yaml.Unmarshal(config, &cfg); err != nil {
+		return 0, fmt.Errorf("scheduler configuration: %w", err)
+	}
+	percent := int32(0)
+	for _, p := range cfg.Profiles {
+		args := &topodrav1.TopologyDRAArgs{}
+		for _, pc := range p.PluginConfig {
+			if pc.Name == topologydra.Name && len(pc.Args) > 0 {
+				if err := json.Unmarshal(pc.Args, args); err != nil {
+					return 0, fmt.Errorf("scheduler configuration: TopologyDRA args: %w", err)
+				}
+			}
+		}
+		topodrav1.SetDefaults(args)
+		percent = max(percent, *args.SmallPodHeadroomPercent)
+	}
+	return percent, nil
 }
 
 // withShortBackoff sets the pod backoff of a KubeSchedulerConfiguration to

@@ -20,6 +20,7 @@ import (
 
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/measure"
+	"github.com/topodra/topodra/pkg/plugins/topologydra"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -87,6 +88,19 @@ type tracker struct {
 	// inv holds the same devices and who uses them (owner: pod name);
 	// placements are judged on it.
 	inv *measure.Inventory
+
+	// headroomPercent is TopologyDRA's smallPodHeadroomPercent: a pod
+	// that needs half a node or more starts only if the headroom of the
+	// GPUs of the nodes it may use stays free (topologydra.HeadroomFor);
+	// 0: none.
+	headroomPercent int32
+}
+
+// setHeadroom sets TopologyDRA's smallPodHeadroomPercent.
+func (t *tracker) setHeadroom(percent int32) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.headroomPercent = percent
 }
 
 func newTracker(namespace string) *tracker {
@@ -531,15 +545,20 @@ func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempla
 
 // retryable lists the pods that are not bound, though some node they may
 // use has enough free GPUs and NICs for them (by count), leaving out skip.
-// Any scheduler that is correct must bind these once it retries them.
+// Any scheduler that is correct must bind these once it retries them;
+// a pod that needs half a node or more counts only if the headroom stays
+// free.
 func (t *tracker) retryable(skip map[string]bool) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	type free struct{ gpus, nics int }
+	type free struct{ gpus, nics, allGPUs int }
 	perNode := map[string]*free{}
 	for node, devs := range t.nodeDevices {
 		f := &free{}
 		for _, d := range devs {
+			if d.GPU {
+				f.allGPUs++
+			}
 			if _, used := t.inv.Owner(d.Key); used {
 				continue
 			}
@@ -557,6 +576,18 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 			continue
 		}
 		selector := labels.SelectorFromSet(ps.NodeSelector)
+		if t.headroomPercent > 0 && ps.Demand.GPUs >= topologydra.HalfNodeBlock {
+			total, free := 0, 0
+			for node, f := range perNode {
+				if selector.Matches(t.nodeLabels[node]) {
+					total += f.allGPUs
+					free += f.gpus
+				}
+			}
+			if free-ps.Demand.GPUs < topologydra.HeadroomFor(t.headroomPercent, total, ps.Demand.GPUs) {
+				continue // the scheduler keeps the headroom
+			}
+		}
 		for node, f := range perNode {
 			if selector.Matches(t.nodeLabels[node]) && f.gpus >= ps.Demand.GPUs && f.nics >= ps.Demand.NICs {
 				out = append(out, ps.Name)

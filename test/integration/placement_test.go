@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -452,5 +453,44 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	if pod.Spec.NodeName != "" {
 		t.Errorf("the 8-GPU pod went to %s; want it to wait, the smaller pods tried first", pod.Spec.NodeName)
+	}
+}
+
+// TestWholeNodePodLeavesHeadroom: on eight DGX nodes (64 GPUs, headroom 8
+// at the shipped smallPodHeadroomPercent of 12), an 8-GPU pod does not take
+// the empty node while that would leave fewer than 8 GPUs free, and says
+// so in its PodScheduled condition. When a claim on another node gives 4
+// GPUs back (that node still has fewer than 8 free, so only the headroom
+// can make the pod fit), the pod is retried and starts on the empty node.
+func TestWholeNodePodLeavesHeadroom(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "headroom")
+	nodes := e.dgxNodes("h", 8, "256")
+	gpus := func(from, to int) []string {
+		var out []string
+		for i := from; i < to; i++ {
+			out = append(out, fmt.Sprintf("gpu-%d", i))
+		}
+		return out
+	}
+	e.preallocate("low-1", nodes[1], gpus(0, 4)...)
+	e.preallocate("low-2", nodes[2], gpus(0, 4)...)
+	e.preallocate("high-2", nodes[2], gpus(4, 8)...)
+	for _, n := range nodes[3:] {
+		e.preallocate("all-"+n, n, gpus(0, 8)...)
+	}
+	startTopodra(tCtx)
+
+	e.pod("whole", topodraName, "h", e.template(8, nil))
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	tCtx.ExpectNoError(err)
+	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "keeping 8 of the 64") {
+		t.Errorf("PodScheduled message %q does not say that 8 of the 64 GPUs are kept free", msg)
+	}
+	// Past the scheduler's initial backoff (1 s).
+	time.Sleep(1500 * time.Millisecond)
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "low-2", metav1.DeleteOptions{}))
+	if got := e.waitScheduled("whole").Spec.NodeName; got != nodes[0] {
+		t.Errorf("the 8-GPU pod went to %s, want the empty %s", got, nodes[0])
 	}
 }

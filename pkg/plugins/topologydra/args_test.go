@@ -59,6 +59,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				RoomWeight:                 70,
 				PackingWeight:              30,
 				AgeWeight:                  30,
+				SmallPodHeadroomPercent:    12,
 				Alignment:                  config.AlignmentPrefer,
 				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds:      600,

@@ -2,6 +2,8 @@ package topologydra
 
 import (
 	"context"
+	"maps"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -31,7 +33,11 @@ func code(st *fwk.Status) fwk.Code {
 func (h *harness) cycle(pod *v1.Pod, nodes ...string) (fwk.CycleState, map[string]*fwk.Status) {
 	h.tCtx.Helper()
 	cs := framework.NewCycleState()
-	_, st := h.pl.PreFilter(h.tCtx, cs, pod, nil)
+	var all []fwk.NodeInfo
+	for _, n := range slices.Sorted(maps.Keys(h.nodes)) {
+		all = append(all, h.nodes[n])
+	}
+	_, st := h.pl.PreFilter(h.tCtx, cs, pod, all)
 	if !st.IsSuccess() {
 		h.tCtx.Fatalf("PreFilter: %v", st)
 	}

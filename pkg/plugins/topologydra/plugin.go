@@ -69,6 +69,8 @@ type TopologyDRA struct {
 	// verification in Reserve (args.FilterTimeout while the
 	// DRASchedulerFilterTimeout gate is on); 0: no limit.
 	filterTimeout time.Duration
+	// headroomPercent is args.SmallPodHeadroomPercent (headroom.go).
+	headroomPercent int32
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
 	skipCounting sync.Map
@@ -132,11 +134,12 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			EnableConsumableCapacity: features.ConsumableCapacity,
 			EnableListTypeAttributes: features.ListTypeAttributes,
 		}),
-		draManager:     h.SharedDRAManager(),
-		client:         h.ClientSet(),
-		handle:         h,
-		cache:          allocator.NewCache(),
-		bindingTimeout: time.Duration(args.BindingTimeoutSeconds) * time.Second,
+		draManager:      h.SharedDRAManager(),
+		client:          h.ClientSet(),
+		handle:          h,
+		cache:           allocator.NewCache(),
+		bindingTimeout:  time.Duration(args.BindingTimeoutSeconds) * time.Second,
+		headroomPercent: args.SmallPodHeadroomPercent,
 	}
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()

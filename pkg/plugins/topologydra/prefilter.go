@@ -63,7 +63,7 @@ func (pl *TopologyDRA) podClaims(pod *v1.Pod) ([]*resourceapi.ResourceClaim, err
 
 // PreFilter gathers the pod's claims, validates them, and builds the
 // per-cycle allocator. Pods without claims are skipped.
-func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	extended, err := pl.draExtendedResources(pod)
 	if err != nil {
@@ -139,6 +139,15 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
 		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
+	}
+	if pl.headroomPercent > 0 {
+		var counts []classDevices
+		for _, claim := range s.allocClaims {
+			counts = addClaimDevices(counts, claim)
+		}
+		if mostOfOneClass(counts) >= HalfNodeBlock {
+			s.headroom = headroomCounts(slices, allocatedState, admittedNodes(pod, nodes))
+		}
 	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,

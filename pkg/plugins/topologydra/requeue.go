@@ -20,6 +20,11 @@ type freedDevices struct {
 	// key identifies the event: the claim and its resourceVersion.
 	key  freedKey
 	free map[deviceGroup]int
+	// cluster counts, per driver, the node-local devices of the cluster
+	// and how many are free, counted as free is; nodes counts them per
+	// node (for the headroom).
+	cluster map[string]driverDevices
+	nodes   map[deviceGroup]driverDevices
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -100,7 +105,10 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // holding them (it has not seen that event yet). In-flight allocations,
 // taints and shared counters are not subtracted, so the answer errs
 // towards yes. It also says yes
-// whenever it cannot tell.
+// whenever it cannot tell. Where smallPodHeadroomPercent keeps devices
+// free against the pod (see headroomWait), it says no while fewer would
+// stay free than the headroom, and yes when this event brings the nodes
+// the pod may use up to it: the node the pod fits on may be another one.
 //
 // Without it every pod that waits for devices is retried, and fails
 // again, whenever any claim is deallocated anywhere; each failure renews
@@ -119,6 +127,14 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 	free, ok := pl.freed.count(pl, claim)
 	if !ok {
 		return true
+	}
+	if pl.headroomPercent > 0 && need >= HalfNodeBlock {
+		switch pl.headroomWait(pod, claim, need) {
+		case headroomShort:
+			return false
+		case headroomRetry:
+			return true
+		}
 	}
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	for g, n := range free {
@@ -235,6 +251,117 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			}
 		}
 	}
-	f.key, f.free = key, free
+	// Every node's devices of each driver, and how many are free, for the
+	// headroom.
+	nodes := map[deviceGroup]driverDevices{}
+	nodeOf := map[poolKey]deviceGroup{}
+	for _, s := range slices {
+		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
+		if s.Spec.NodeName != nil && *s.Spec.NodeName != "" && s.Spec.Pool.Generation == generation[k] {
+			g := groupOf(s)
+			nodeOf[k] = g
+			c := nodes[g]
+			c.total += len(s.Spec.Devices)
+			c.free += len(s.Spec.Devices)
+			nodes[g] = c
+		}
+	}
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			continue
+		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			g, ok := nodeOf[poolKey{driver: r.Driver, pool: r.Pool}]
+			if !ok {
+				continue
+			}
+			if uid, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && uid == c.UID {
+				continue // given back, not seen yet
+			}
+			n := nodes[g]
+			n.free--
+			nodes[g] = n
+		}
+	}
+	cluster := map[string]driverDevices{}
+	for g, n := range nodes {
+		c := cluster[g.driver]
+		c.total += n.total
+		c.free += n.free
+		cluster[g.driver] = c
+	}
+	f.key, f.free, f.cluster, f.nodes = key, free, cluster, nodes
 	return free, true
+}
+
+// headroomCounts returns, per driver, the node-local devices and how many
+// of them are free, as of the last count: of the whole cluster, or, with
+// mayUse, of the nodes it accepts.
+func (f *freedDevices) headroomCounts(mayUse func(node string) bool) map[string]driverDevices {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if mayUse == nil {
+		return f.cluster
+	}
+	out := map[string]driverDevices{}
+	for g, n := range f.nodes {
+		if mayUse(g.node) {
+			c := out[g.driver]
+			c.total += n.total
+			c.free += n.free
+			out[g.driver] = c
+		}
+	}
+	return out
+}
+
+// headroomState is what the headroom says about retrying a pod after
+// devices were given back.
+type headroomState int
+
+const (
+	// headroomNone: the headroom does not decide; count free devices per
+	// node as for any pod.
+	headroomNone headroomState = iota
+	// headroomShort: fewer devices would stay free than the headroom, for
+	// every driver the claim gave devices back of: the pod would fail
+	// again.
+	headroomShort
+	// headroomRetry: this event brought the nodes the pod may use up to
+	// the headroom for a driver the claim gave devices back of.
+	headroomRetry
+)
+
+// headroomWait tells whether the headroom (HeadroomFor, with the node-local
+// devices of each driver the claim gave devices back of, on the nodes the
+// pod's required node affinity admits) kept a pod that asks for need
+// devices waiting, before and after the event.
+func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClaim, need int) headroomState {
+	var mayUse func(string) bool
+	if pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil {
+		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+		mayUse = func(node string) bool { return pl.mayUse(affinity, node) }
+	}
+	counts := pl.freed.headroomCounts(mayUse)
+	given := map[string]int{}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		given[r.Driver]++
+	}
+	short := 0
+	for driver, n := range given {
+		c := counts[driver]
+		h := HeadroomFor(pl.headroomPercent, c.total, need)
+		switch {
+		case h == 0:
+			return headroomNone
+		case c.free-need < h:
+			short++
+		case c.free-n-need < h:
+			return headroomRetry
+		}
+	}
+	if short == len(given) {
+		return headroomShort
+	}
+	return headroomNone
 }

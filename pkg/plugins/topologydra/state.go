@@ -41,6 +41,13 @@ type stateData struct {
 	// nodes). Written by PreFilter, read-only after.
 	availableOnNodes []*nodeaffinity.NodeSelector
 
+	// headroom holds, per driver, the node-local devices of the nodes the
+	// pod may use and how many are free, for a pod whose claims to
+	// allocate ask for HalfNodeBlock or more devices of one class while
+	// smallPodHeadroomPercent is on; nil otherwise. Written by PreFilter,
+	// read-only after.
+	headroom map[string]driverDevices
+
 	// unusable holds, per claim index, why an existing allocation cannot
 	// be used on any node (its device binding failed or timed out); nil
 	// when usable. Written by PreFilter, read-only after: Filter rejects

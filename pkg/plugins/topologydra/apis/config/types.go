@@ -85,6 +85,16 @@ type TopologyDRAArgs struct {
 	// draining nodes are also chosen by age: the nodes whose oldest device
 	// pod is youngest (then fewest devices in use). 0: not counted.
 	AgeWeight int32
+	// SmallPodHeadroomPercent keeps devices free for smaller pods: a pod
+	// whose claims take allocator.WholeNodeBlock or more devices of one
+	// driver on a node starts only if at least this share (rounded up) of
+	// that driver's devices on the nodes the pod may use (its required
+	// node selector and affinity) stay free after it, and one that takes
+	// half as many or more only if a quarter of that share stays free.
+	// Where the share amounts to less than WholeNodeBlock devices (fewer
+	// than about 8 / share nodes) it does not apply, so a small cluster
+	// runs as many whole-node pods as it has nodes. 0: off.
+	SmallPodHeadroomPercent int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

@@ -42,6 +42,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.AgeWeight < 0 {
 		errs = append(errs, field.Invalid(path.Child("ageWeight"), args.AgeWeight, "must not be negative"))
 	}
+	if args.SmallPodHeadroomPercent < 0 || args.SmallPodHeadroomPercent > 50 {
+		errs = append(errs, field.Invalid(path.Child("smallPodHeadroomPercent"), args.SmallPodHeadroomPercent, "must be between 0 and 50"))
+	}
 	if args.DrainTrade < 0 {
 		errs = append(errs, field.Invalid(path.Child("drainTrade"), args.DrainTrade, "must not be negative"))
 	}

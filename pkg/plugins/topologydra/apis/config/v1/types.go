@@ -38,6 +38,7 @@ type TopologyDRAArgs struct {
 	RoomWeight                 *int32   `json:"roomWeight,omitempty"`
 	PackingWeight              *int32   `json:"packingWeight,omitempty"`
 	AgeWeight                  *int32   `json:"ageWeight,omitempty"`
+	SmallPodHeadroomPercent    *int32   `json:"smallPodHeadroomPercent,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
 	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
 	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
@@ -60,6 +61,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.RoomWeight = copyPtr(a.RoomWeight)
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.AgeWeight = copyPtr(a.AgeWeight)
+	out.SmallPodHeadroomPercent = copyPtr(a.SmallPodHeadroomPercent)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
 	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
@@ -73,6 +75,9 @@ func copyPtr[T any](p *T) *T {
 	}
 	return ptr.To(*p)
 }
+
+// DefaultSmallPodHeadroomPercent is smallPodHeadroomPercent's default.
+const DefaultSmallPodHeadroomPercent = 12
 
 // SetDefaults fills in every unset field.
 func SetDefaults(a *TopologyDRAArgs) {
@@ -95,6 +100,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	}
 	if a.AgeWeight == nil {
 		a.AgeWeight = ptr.To[int32](30)
+	}
+	if a.SmallPodHeadroomPercent == nil {
+		a.SmallPodHeadroomPercent = ptr.To[int32](DefaultSmallPodHeadroomPercent)
 	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
@@ -124,6 +132,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.WholeNodeTradeWhileWaiting = ptr.Deref(in.WholeNodeTradeWhileWaiting, 0)
 	out.DrainTrade = ptr.Deref(in.DrainTrade, 0)
 	out.AgeWeight = ptr.Deref(in.AgeWeight, 0)
+	out.SmallPodHeadroomPercent = ptr.Deref(in.SmallPodHeadroomPercent, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -143,6 +152,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.WholeNodeTradeWhileWaiting = ptr.To(in.WholeNodeTradeWhileWaiting)
 	out.DrainTrade = ptr.To(in.DrainTrade)
 	out.AgeWeight = ptr.To(in.AgeWeight)
+	out.SmallPodHeadroomPercent = ptr.To(in.SmallPodHeadroomPercent)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))

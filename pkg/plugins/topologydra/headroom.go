@@ -1,0 +1,102 @@
+package topologydra
+
+import (
+	"fmt"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/dynamic-resource-allocation/structured"
+	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
+)
+
+// HalfNodeBlock is the smallest allocation, in devices of one driver, that
+// leaves a headroom: half a whole node.
+const HalfNodeBlock = allocator.WholeNodeBlock / 2
+
+// driverDevices counts one driver's node-local devices on the nodes a pod
+// may use.
+type driverDevices struct{ total, free int }
+
+// headroomCounts counts, per driver, the devices of node-local pools (the
+// newest generation of each pool) on the nodes that admit says the pod
+// may use, and those of them not allocated.
+func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.AllocatedState, admit sets.Set[string]) map[string]driverDevices {
+	type poolKey struct{ driver, pool string }
+	generation := map[poolKey]int64{}
+	for _, s := range slices {
+		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
+		generation[k] = max(generation[k], s.Spec.Pool.Generation)
+	}
+	out := map[string]driverDevices{}
+	for _, s := range slices {
+		if s.Spec.NodeName == nil || !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
+			continue
+		}
+		c := out[s.Spec.Driver]
+		for _, d := range s.Spec.Devices {
+			c.total++
+			if allocated == nil || !allocated.AllocatedDevices.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) {
+				c.free++
+			}
+		}
+		out[s.Spec.Driver] = c
+	}
+	return out
+}
+
+// admittedNodes names the nodes whose labels match the pod's required node
+// selector and affinity: the part of the cluster whose headroom the pod
+// keeps (other pods may run elsewhere).
+func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo) sets.Set[string] {
+	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	out := sets.New[string]()
+	for _, n := range nodes {
+		if ok, err := affinity.Match(n.Node()); ok && err == nil {
+			out.Insert(n.Node().Name)
+		}
+	}
+	return out
+}
+
+// HeadroomFor is how many of total devices of one driver must stay free
+// after an allocation that takes n of them. The full headroom is percent
+// of total, rounded up; an allocation of allocator.WholeNodeBlock or more
+// leaves all of it, one of HalfNodeBlock or more a quarter of it (rounded
+// up), a smaller one none. Where the full headroom is less than
+// allocator.WholeNodeBlock (a small cluster) nothing is kept.
+func HeadroomFor(percent int32, total, n int) int {
+	h := (int(percent)*total + 99) / 100
+	switch {
+	case h < allocator.WholeNodeBlock:
+		return 0
+	case n >= allocator.WholeNodeBlock:
+		return h
+	case n >= HalfNodeBlock:
+		return (h + 3) / 4
+	}
+	return 0
+}
+
+// checkHeadroom says why an allocation may not be used now: for a driver
+// it takes devices of, fewer than HeadroomFor of that driver's devices
+// would stay free on the nodes the pod may use. Empty when it may.
+func checkHeadroom(percent int32, counts map[string]driverDevices, allocations []resourceapi.AllocationResult) string {
+	taken := map[string]int{}
+	for _, a := range allocations {
+		for _, r := range a.Devices.Results {
+			taken[r.Driver]++
+		}
+	}
+	for driver, n := range taken {
+		c := counts[driver]
+		if h := HeadroomFor(percent, c.total, n); h > 0 && c.free-n < h {
+			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, this pod needs %d",
+				h, c.total, driver, percent, c.free, n)
+		}
+	}
+	return ""
+}

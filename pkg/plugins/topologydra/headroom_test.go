@@ -1,0 +1,195 @@
+package topologydra
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/klog/v2"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+func TestHeadroomFor(t *testing.T) {
+	for _, tc := range []struct {
+		percent        int32
+		total, n, want int
+	}{
+		{12, 64, 8, 8},   // 7.68 rounded up: one node's worth on 8 nodes
+		{12, 64, 16, 8},  // two claims of 8
+		{12, 64, 4, 2},   // half a node: a quarter
+		{12, 64, 7, 2},   // still half a node's class
+		{12, 64, 3, 0},   // smaller pods keep none
+		{12, 64, 1, 0},   //
+		{12, 128, 8, 16}, // 15.36
+		{12, 128, 4, 4},  //
+		{12, 56, 8, 0},   // 6.72: less than a whole node, off
+		{12, 56, 4, 0},   // and for half-node pods too
+		{12, 16, 8, 0},   // two nodes: never held back
+		{0, 1000, 8, 0},
+		{50, 16, 8, 8},
+		{50, 16, 4, 2},
+	} {
+		if got := HeadroomFor(tc.percent, tc.total, tc.n); got != tc.want {
+			t.Errorf("HeadroomFor(%d, %d, %d) = %d, want %d", tc.percent, tc.total, tc.n, got, tc.want)
+		}
+	}
+}
+
+// TestFilterKeepsHeadroom: on eight nodes of eight GPUs (headroom 8 of 64
+// at 12 %, 2 for pods of 4 to 7 GPUs), an 8-GPU pod may not take the
+// empty node while only 7 other GPUs are free; with 8 free it may; a
+// 1-GPU pod is never held back; a pod pinned to one node keeps no
+// headroom there; 0 switches it off. A 4-GPU pod may not leave fewer
+// than 2 free, a 2-GPU pod may.
+func TestFilterKeepsHeadroom(t *testing.T) {
+	var nodes []*v1.Node
+	var names []string
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		names = append(names, name)
+		nodes = append(nodes, testNode(name))
+	}
+	setup := func(freeOnNode0, freeOnNode1 int, extra ...runtime.Object) *harness {
+		objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8), testClaim("four", 4), testClaim("two", 2), testClaim("one", 1)}
+		for i, n := range names {
+			objs = append(objs, testSlice(n, 8))
+			held := 8
+			switch i {
+			case 0:
+				held = 8 - freeOnNode0
+			case 1:
+				held = 8 - freeOnNode1
+			}
+			var devs []string
+			for g := range held {
+				devs = append(devs, fmt.Sprintf("gpu-%d", g))
+			}
+			if len(devs) > 0 {
+				objs = append(objs, allocatedOn(testClaim("held-"+n, int64(held)), n, devs...))
+			}
+		}
+		h := newHarness(t, nodes, append(objs, extra...)...)
+		h.pl.headroomPercent = 12
+		return h
+	}
+
+	h := setup(8, 7)
+	_, st := h.cycle(testPod("p", "eight"), names...)
+	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("7 free besides the empty node: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
+	}
+	for _, n := range names[1:] {
+		if st[n].IsSuccess() {
+			t.Errorf("Filter(%s) succeeded on a node without 8 free GPUs", n)
+		}
+	}
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 8 of the 64") || !strings.Contains(msg, "15 are free, this pod needs 8") {
+		t.Errorf("message %q does not say what is kept and why", msg)
+	}
+	_, st = h.cycle(testPod("small", "one"), names...)
+	if !st["node-0"].IsSuccess() || !st["node-1"].IsSuccess() {
+		t.Errorf("a 1-GPU pod was held back: %v, %v", st["node-0"], st["node-1"])
+	}
+	pinned := testPod("pinned", "eight")
+	pinned.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": "node-0"}
+	anyNode := testPod("any", "eight")
+	anyNode.Spec.Affinity = &v1.Affinity{NodeAffinity: &v1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &v1.NodeSelector{
+		NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "kubernetes.io/hostname", Operator: v1.NodeSelectorOpExists}}}},
+	}}}
+	if _, st = h.cycle(pinned, "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("a pod that may use one node only keeps no headroom: %v", st["node-0"])
+	}
+	h.pl.headroomPercent = 0
+	if _, st = h.cycle(testPod("p", "eight"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("headroom off: %v", st["node-0"])
+	}
+
+	h = setup(8, 8)
+	_, st = h.cycle(testPod("p", "eight"), names...)
+	if !st["node-0"].IsSuccess() || !st["node-1"].IsSuccess() {
+		t.Errorf("8 free besides the empty node: %v, %v, want both nodes feasible", st["node-0"], st["node-1"])
+	}
+
+	h = setup(5, 0)
+	_, st = h.cycle(testPod("p", "four"), "node-0")
+	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("5 free: Filter(node-0) for 4 GPUs = %v, want UnschedulableAndUnresolvable", st["node-0"])
+	}
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 2 of the 64") || !strings.Contains(msg, "5 are free, this pod needs 4") {
+		t.Errorf("message %q does not say what is kept and why", msg)
+	}
+	if _, st = h.cycle(testPod("p", "two"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("a 2-GPU pod was held back: %v", st["node-0"])
+	}
+	h = setup(6, 0)
+	if _, st = h.cycle(testPod("p", "four"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("6 free: a 4-GPU pod that leaves 2 was held back: %v", st["node-0"])
+	}
+}
+
+// TestHeadroomQueueingHint: eight nodes of eight GPUs, 9 free (an empty
+// node and one more GPU), so a waiting 8-GPU pod is kept out by the
+// headroom (8 of 64). A claim giving back 1 GPU leaves the cluster short
+// of it: no retry. A claim giving back 7 GPUs on a node that then has 7
+// free brings the cluster to 16 free: retry, though no node gained room
+// for the pod (it fits on the empty one). Without the headroom only the
+// node's count decides, and so for a pod pinned to one node (where 8 GPUs
+// leave no headroom); a pod whose node affinity admits every node keeps
+// the cluster's.
+func TestHeadroomQueueingHint(t *testing.T) {
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		switch {
+		case i == 1:
+			objs = append(objs, allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"))
+		case i > 1:
+			objs = append(objs,
+				allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"),
+				allocatedOn(testClaim("one-"+name, 1), name, "gpu-7"))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("one-node-2", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("seven-node-3", func(*resourceapi.ResourceClaim) bool { return true })
+	pinned := testPod("pinned", "eight")
+	pinned.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": "node-0"}
+	anyNode := testPod("any", "eight")
+	anyNode.Spec.Affinity = &v1.Affinity{NodeAffinity: &v1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &v1.NodeSelector{
+		NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "kubernetes.io/hostname", Operator: v1.NodeSelectorOpExists}}}},
+	}}}
+	for _, tc := range []struct {
+		name    string
+		percent int32
+		claim   string
+		pod     *v1.Pod
+		want    fwk.QueueingHint
+	}{
+		{"1 GPU back, cluster still short", 12, "one-node-2", testPod("p", "eight"), fwk.QueueSkip},
+		{"7 GPUs back, cluster reaches the headroom", 12, "seven-node-3", testPod("p", "eight"), fwk.Queue},
+		{"7 GPUs back, no headroom, no node with 8", 0, "seven-node-3", testPod("p", "eight"), fwk.QueueSkip},
+		{"pod pinned to the empty node (no headroom there), 7 GPUs back elsewhere", 12, "seven-node-3", pinned, fwk.QueueSkip},
+		{"pod with a node affinity that admits all nodes, 1 GPU back", 12, "one-node-2", anyNode, fwk.QueueSkip},
+		{"pod with a node affinity that admits all nodes, 7 GPUs back", 12, "seven-node-3", anyNode, fwk.Queue},
+	} {
+		h.pl.headroomPercent = tc.percent
+		old := h.apiClaim(tc.claim)
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion += "-next"
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), tc.pod, old, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("%s: hint %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
