@@ -25,15 +25,14 @@ type driverDevices struct{ total, free int }
 // newest generation of each pool) on the nodes that admit says the pod
 // may use, and those of them not allocated.
 func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.AllocatedState, admit sets.Set[string]) map[string]driverDevices {
-	type poolKey struct{ driver, pool string }
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
-		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
+		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		generation[k] = max(generation[k], s.Spec.Pool.Generation)
 	}
 	out := map[string]driverDevices{}
 	for _, s := range slices {
-		if s.Spec.NodeName == nil || !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
+		if s.Spec.NodeName == nil || !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
 			continue
 		}
 		c := out[s.Spec.Driver]

@@ -41,6 +41,9 @@ type freedKey struct {
 	resourceVersion string
 }
 
+// poolKey names a resource pool of one driver.
+type poolKey struct{ driver, pool string }
+
 // deviceGroup names the devices of one driver on one node (node set), or
 // in one pool for devices that are not local to a node.
 type deviceGroup struct{ driver, node, pool string }
@@ -172,7 +175,6 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	if f.freedBy == nil {
 		f.freedBy = map[structured.DeviceID]types.UID{}
 	}
-	type poolKey struct{ driver, pool string }
 	freedPools := map[poolKey]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
@@ -253,6 +255,20 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	// Every node's devices of each driver, and how many are free, for the
 	// headroom.
+	var nodes map[deviceGroup]driverDevices
+	var cluster map[string]driverDevices
+	if pl.headroomPercent > 0 {
+		nodes, cluster = f.countNodes(slices, claims, generation)
+	}
+	f.key, f.free, f.cluster, f.nodes = key, free, cluster, nodes
+	return free, true
+}
+
+// countNodes counts every node's devices of each driver (the newest
+// generation of each node-local pool) and how many of them are free
+// (devices given back and not seen yet count as free), and sums them per
+// driver. Caller holds f.mu.
+func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []*resourceapi.ResourceClaim, generation map[poolKey]int64) (map[deviceGroup]driverDevices, map[string]driverDevices) {
 	nodes := map[deviceGroup]driverDevices{}
 	nodeOf := map[poolKey]deviceGroup{}
 	for _, s := range slices {
@@ -290,8 +306,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		c.free += n.free
 		cluster[g.driver] = c
 	}
-	f.key, f.free, f.cluster, f.nodes = key, free, cluster, nodes
-	return free, true
+	return nodes, cluster
 }
 
 // headroomCounts returns, per driver, the node-local devices and how many
