@@ -269,41 +269,60 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 // (devices given back and not seen yet count as free), and sums them per
 // driver. Caller holds f.mu.
 func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []*resourceapi.ResourceClaim, generation map[poolKey]int64) (map[deviceGroup]driverDevices, map[string]driverDevices) {
-	nodes := map[deviceGroup]driverDevices{}
-	nodeOf := map[poolKey]deviceGroup{}
+	// Counted in a slice, one entry per node and driver, so that a claim's
+	// device costs one lookup of its pool.
+	var groups []deviceGroup
+	var counts []driverDevices
+	index := make(map[deviceGroup]int, len(slices))
+	poolIndex := make(map[poolKey]int, len(slices))
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		if s.Spec.NodeName != nil && *s.Spec.NodeName != "" && s.Spec.Pool.Generation == generation[k] {
-			g := groupOf(s)
-			nodeOf[k] = g
-			c := nodes[g]
-			c.total += len(s.Spec.Devices)
-			c.free += len(s.Spec.Devices)
-			nodes[g] = c
+		if s.Spec.NodeName == nil || *s.Spec.NodeName == "" || s.Spec.Pool.Generation != generation[k] {
+			continue
 		}
+		g := groupOf(s)
+		i, ok := index[g]
+		if !ok {
+			i = len(groups)
+			index[g] = i
+			groups = append(groups, g)
+			counts = append(counts, driverDevices{})
+		}
+		poolIndex[k] = i
+		counts[i].total += len(s.Spec.Devices)
+		counts[i].free += len(s.Spec.Devices)
+	}
+	// The claims that gave devices back: only their results are looked up
+	// among the devices given back.
+	givers := map[types.UID]bool{}
+	for _, uid := range f.freedBy {
+		givers[uid] = true
 	}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
 			continue
 		}
+		gave := givers[c.UID]
 		for _, r := range c.Status.Allocation.Devices.Results {
-			g, ok := nodeOf[poolKey{driver: r.Driver, pool: r.Pool}]
+			i, ok := poolIndex[poolKey{driver: r.Driver, pool: r.Pool}]
 			if !ok {
 				continue
 			}
-			if uid, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && uid == c.UID {
-				continue // given back, not seen yet
+			if gave {
+				if uid, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && uid == c.UID {
+					continue // given back, not seen yet
+				}
 			}
-			n := nodes[g]
-			n.free--
-			nodes[g] = n
+			counts[i].free--
 		}
 	}
+	nodes := make(map[deviceGroup]driverDevices, len(groups))
 	cluster := map[string]driverDevices{}
-	for g, n := range nodes {
+	for i, g := range groups {
+		nodes[g] = counts[i]
 		c := cluster[g.driver]
-		c.total += n.total
-		c.free += n.free
+		c.total += counts[i].total
+		c.free += counts[i].free
 		cluster[g.driver] = c
 	}
 	return nodes, cluster

@@ -15,7 +15,7 @@ import (
 // gives devices back, on a cluster of 8-GPU nodes with 7 of every node's
 // GPUs allocated (one claim each): per event (the first pending pod asks
 // and the free devices are counted) and per further pending pod (the
-// counts are reused).
+// counts are reused), without and with the headroom.
 func BenchmarkFreedDevicesHint(b *testing.B) {
 	for _, nodes := range []int{100, 1000} {
 		var nodeObjs []*v1.Node
@@ -47,22 +47,28 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 			gone.Status.Allocation = nil
 			// A new resourceVersion per event: the counts are kept per event.
 			old = old.DeepCopy()
-			old.ResourceVersion = fmt.Sprintf("%s-%d", old.ResourceVersion, event)
+			old.ResourceVersion = fmt.Sprintf("%s-%d-%d", old.ResourceVersion, h.pl.headroomPercent, event)
 			got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, gone)
-			if err != nil || got != fwk.QueueSkip {
+			if err != nil || h.pl.headroomPercent == 0 && got != fwk.QueueSkip {
 				b.Fatalf("hint = %v, %v; want QueueSkip (6 of 8 GPUs in use)", got, err)
 			}
 		}
-		b.Run(fmt.Sprintf("nodes=%d/event", nodes), func(b *testing.B) {
-			for i := 0; b.Loop(); i++ {
-				hint(claims[i%len(claims)], i)
-			}
-		})
-		b.Run(fmt.Sprintf("nodes=%d/pod", nodes), func(b *testing.B) {
-			old := claims[0]
-			for b.Loop() {
-				hint(old, -1)
-			}
-		})
+		// With smallPodHeadroomPercent (the default) every event also
+		// counts every node's devices; the pod is then held back by the
+		// headroom until the devices given back reach it.
+		for _, percent := range []int32{0, 12} {
+			h.pl.headroomPercent = percent
+			b.Run(fmt.Sprintf("nodes=%d/headroom=%d/event", nodes, percent), func(b *testing.B) {
+				for i := 0; b.Loop(); i++ {
+					hint(claims[i%len(claims)], i)
+				}
+			})
+			b.Run(fmt.Sprintf("nodes=%d/headroom=%d/pod", nodes, percent), func(b *testing.B) {
+				old := claims[0]
+				for b.Loop() {
+					hint(old, -1)
+				}
+			})
+		}
 	}
 }
