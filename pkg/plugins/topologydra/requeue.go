@@ -328,10 +328,10 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 	return nodes, cluster
 }
 
-// headroomCounts returns, per driver, the node-local devices and how many
+// driverCounts returns, per driver, the node-local devices and how many
 // of them are free, as of the last count: of the whole cluster, or, with
 // mayUse, of the nodes it accepts.
-func (f *freedDevices) headroomCounts(mayUse func(node string) bool) map[string]driverDevices {
+func (f *freedDevices) driverCounts(mayUse func(node string) bool) map[string]driverDevices {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if mayUse == nil {
@@ -376,7 +376,7 @@ func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClai
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 		mayUse = func(node string) bool { return pl.mayUse(affinity, node) }
 	}
-	counts := pl.freed.headroomCounts(mayUse)
+	counts := pl.freed.driverCounts(mayUse)
 	given := map[string]int{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		given[r.Driver]++
