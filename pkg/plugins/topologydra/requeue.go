@@ -148,6 +148,16 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 	return false
 }
 
+// nodeKnown reports whether the node lister has the named node (true
+// without a lister).
+func (pl *TopologyDRA) nodeKnown(nodeName string) bool {
+	if pl.nodes == nil {
+		return true
+	}
+	_, err := pl.nodes.Get(nodeName)
+	return err == nil
+}
+
 // mayUse reports whether a pod with this required node affinity may run on
 // the named node: true for devices not local to a node ("") and where the
 // node is not known (yet).
@@ -258,17 +268,18 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	var nodes map[deviceGroup]driverDevices
 	var cluster map[string]driverDevices
 	if pl.headroomPercent > 0 {
-		nodes, cluster = f.countNodes(slices, claims, generation)
+		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
 	}
 	f.key, f.free, f.cluster, f.nodes = key, free, cluster, nodes
 	return free, true
 }
 
-// countNodes counts every node's devices of each driver (the newest
-// generation of each node-local pool) and how many of them are free
+// countNodes counts every known node's devices of each driver (the newest
+// generation of each node-local pool; slices of nodes that are gone do not
+// count, as they do not for Filter) and how many of them are free
 // (devices given back and not seen yet count as free), and sums them per
 // driver. Caller holds f.mu.
-func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []*resourceapi.ResourceClaim, generation map[poolKey]int64) (map[deviceGroup]driverDevices, map[string]driverDevices) {
+func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []*resourceapi.ResourceClaim, generation map[poolKey]int64, known func(string) bool) (map[deviceGroup]driverDevices, map[string]driverDevices) {
 	// Counted in a slice, one entry per node and driver, so that a claim's
 	// device costs one lookup of its pool.
 	var groups []deviceGroup
@@ -277,7 +288,7 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 	poolIndex := make(map[poolKey]int, len(slices))
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		if s.Spec.NodeName == nil || *s.Spec.NodeName == "" || s.Spec.Pool.Generation != generation[k] {
+		if s.Spec.NodeName == nil || *s.Spec.NodeName == "" || s.Spec.Pool.Generation != generation[k] || !known(*s.Spec.NodeName) {
 			continue
 		}
 		g := groupOf(s)
