@@ -208,11 +208,20 @@ type Target struct {
 // which topodra's value was lower than, equal to or higher than stock's.
 // Both schedulers see the same workload in a run, so this shows whether a
 // difference between the medians holds run by run or is a matter of
-// which runs happened to fall in the middle.
+// which runs happened to fall in the middle. Over the same runs it counts
+// those without a wait (value 0) and takes the mean, per scheduler: where
+// most runs have no wait, the median only says whether more than half of
+// them had none.
 type Paired struct {
 	Lower  int `json:"lower"`
 	Equal  int `json:"equal"`
 	Higher int `json:"higher"`
+	// ZeroTopodra and ZeroStock count the runs without a wait.
+	ZeroTopodra int `json:"zeroTopodra"`
+	ZeroStock   int `json:"zeroStock"`
+	// MeanTopodra and MeanStock are the means over the runs.
+	MeanTopodra float64 `json:"meanTopodra"`
+	MeanStock   float64 `json:"meanStock"`
 }
 
 func (p Paired) String() string {
@@ -233,14 +242,17 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 		}
 	}
 	p := &Paired{}
+	n := 0
 	for _, r := range rows {
 		if r.Scheduler != SchedulerTopodra {
 			continue
 		}
 		w, ok := r.MeanWait[g]
 		sw, both := stock[run{r.Scenario, r.Seed}]
+		if !ok || !both {
+			continue
+		}
 		switch {
-		case !ok || !both:
 		case w < sw:
 			p.Lower++
 		case w == sw:
@@ -248,6 +260,19 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 		default:
 			p.Higher++
 		}
+		n++
+		p.MeanTopodra += w
+		p.MeanStock += sw
+		if w == 0 {
+			p.ZeroTopodra++
+		}
+		if sw == 0 {
+			p.ZeroStock++
+		}
+	}
+	if n > 0 {
+		p.MeanTopodra /= float64(n)
+		p.MeanStock /= float64(n)
 	}
 	return p
 }
@@ -428,7 +453,7 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\truns where topodra is lower / equal / higher\t")
+	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\truns where topodra is lower / equal / higher\truns without a wait, topodra / stock\tmean over the runs, topodra / stock\t")
 	met := 0
 	for _, t := range r.Targets {
 		verdict := "no"
@@ -436,11 +461,13 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 			verdict = "yes"
 			met++
 		}
-		paired := ""
-		if t.Paired != nil {
-			paired = t.Paired.String()
+		paired, zero, mean := "", "", ""
+		if p := t.Paired; p != nil {
+			paired = p.String()
+			zero = fmt.Sprintf("%d / %d", p.ZeroTopodra, p.ZeroStock)
+			mean = fmt.Sprintf("%.3f / %.3f", p.MeanTopodra, p.MeanStock)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict, paired)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict, paired, zero, mean)
 	}
 	if err := w.Flush(); err != nil {
 		return err

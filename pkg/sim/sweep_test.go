@@ -81,8 +81,10 @@ func TestPairedWaits(t *testing.T) {
 		row("c", 1, SchedulerTopodra, map[int]float64{1: 9, 8: 9}),
 	}
 	for g, want := range map[int]Paired{
-		1: {Lower: 1, Equal: 2, Higher: 1},
-		8: {Lower: 2, Equal: 1, Higher: 0},
+		// Runs a1, a2, b1, b2: topodra 0, 0.2, 0, 0.5; stock 0.1, 0, 0, 0.5.
+		1: {Lower: 1, Equal: 2, Higher: 1, ZeroTopodra: 2, ZeroStock: 2, MeanTopodra: 0.7 / 4, MeanStock: 0.6 / 4},
+		// Runs a1, a2, b1: topodra 2, 6, 1; stock 5, 6, 3.
+		8: {Lower: 2, Equal: 1, Higher: 0, MeanTopodra: 3, MeanStock: 14.0 / 3},
 		2: {},
 	} {
 		if got := pairedWaits(rows, g); *got != want {
@@ -97,7 +99,7 @@ func TestPairedWaits(t *testing.T) {
 		if perSize != (tg.Paired != nil) {
 			t.Errorf("%s, %s: paired %v", tg.Measure, tg.Want, tg.Paired)
 		}
-		if tg.Measure == "median mean wait, 8 GPU" && perSize && *tg.Paired != (Paired{Lower: 2, Equal: 1}) {
+		if tg.Measure == "median mean wait, 8 GPU" && perSize && tg.Paired.String() != "2 / 1 / 0" {
 			t.Errorf("8-GPU target: paired %v, want 2 / 1 / 0", tg.Paired)
 		}
 	}
