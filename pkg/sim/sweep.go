@@ -472,6 +472,6 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last column compares the runs of the same scenario and seed one by one)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario and seed that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
 	return nil
 }
