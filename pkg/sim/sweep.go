@@ -242,7 +242,6 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 		}
 	}
 	p := &Paired{}
-	n := 0
 	for _, r := range rows {
 		if r.Scheduler != SchedulerTopodra {
 			continue
@@ -260,7 +259,6 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 		default:
 			p.Higher++
 		}
-		n++
 		p.MeanTopodra += w
 		p.MeanStock += sw
 		if w == 0 {
@@ -270,7 +268,7 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 			p.ZeroStock++
 		}
 	}
-	if n > 0 {
+	if n := p.Lower + p.Equal + p.Higher; n > 0 {
 		p.MeanTopodra /= float64(n)
 		p.MeanStock /= float64(n)
 	}
