@@ -202,8 +202,8 @@ type Result struct {
 	// GPUs that are free then: capacity left unused while there was demand
 	// (the waiting pods did not fit into it).
 	IdleWhileWaiting int `json:"idleGPUTicksWhileWaiting"`
-	// WaitByGPUs splits that by the GPUs a pod asks for (0: not a plain
-	// GPU count).
+	// WaitByGPUs splits that by the GPUs a pod's claims ask for, whatever
+	// their selectors and constraints (0: no GPUs, or all of a node's).
 	WaitByGPUs map[int]*Wait `json:"waitByGPUs,omitempty"`
 	// FreeInWholeNUMA is the mean over the ticks of the share of free GPUs
 	// that sit in whole free NUMA nodes (4 GPUs), where a 4-GPU job can

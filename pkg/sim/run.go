@@ -402,7 +402,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				pod.Namespace = Namespace
 				pod.ResourceVersion = ""
 				pod.Spec.SchedulerName = schedulerName
-				tr.created(pod, j, demandOf(pod, templates))
+				tr.created(pod, j, demandOf(pod, templates), gpusAsked(pod, templates))
 				if _, err := client.CoreV1().Pods(Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 					return nil, fmt.Errorf("create pod %s: %w", pod.Name, err)
 				}
@@ -499,10 +499,7 @@ func (t *tracker) fill(res *Result) {
 		if ps.Bound {
 			wait = ps.BoundTick - ps.CreatedTick
 		}
-		gpus := 0
-		if ps.Demand != nil {
-			gpus = ps.Demand.GPUs
-		}
+		gpus := ps.GPUs
 		if res.WaitByGPUs == nil {
 			res.WaitByGPUs = map[int]*Wait{}
 		}

@@ -58,6 +58,9 @@ type podState struct {
 	// Demand is what the pod's claims ask for, when that is simple enough
 	// to check against free device counts (see demandOf).
 	Demand *demand
+	// GPUs is how many GPUs the pod's claims ask for (see gpusAsked),
+	// also where Demand is nil: the size its wait is counted under.
+	GPUs int
 }
 
 // demand is a pod's total ExactCount request of GPUs and NICs.
@@ -218,11 +221,12 @@ func (t *tracker) setTick(tick int) {
 }
 
 // created registers a pod just before it is created.
-func (t *tracker) created(pod *v1.Pod, job int, d *demand) {
+func (t *tracker) created(pod *v1.Pod, job int, d *demand, gpus int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.pods[pod.Name] = &podState{
 		Demand:       d,
+		GPUs:         gpus,
 		Name:         pod.Name,
 		Job:          job,
 		NodeSelector: pod.Spec.NodeSelector,
@@ -505,6 +509,40 @@ func (t *tracker) profileOf(node string) string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.nodeLabels[node][LabelProfile]
+}
+
+// gpusAsked counts the GPUs that a pod's claim templates ask for: the
+// ExactCount requests of the GPU class and the first subrequest of a
+// firstAvailable request, whatever their selectors and constraints.
+// Requests for all matching devices count as none: their size depends on
+// the node.
+func gpusAsked(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTemplate) int {
+	n := 0
+	count := func(class string, mode resourceapi.DeviceAllocationMode, c int64) {
+		if class != GPUClassName || mode == resourceapi.DeviceAllocationModeAll {
+			return
+		}
+		n += int(max(c, 1))
+	}
+	for _, pc := range pod.Spec.ResourceClaims {
+		if pc.ResourceClaimTemplateName == nil {
+			continue
+		}
+		tmpl := templates[*pc.ResourceClaimTemplateName]
+		if tmpl == nil {
+			continue
+		}
+		for _, r := range tmpl.Spec.Spec.Devices.Requests {
+			switch {
+			case r.Exactly != nil:
+				count(r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count)
+			case len(r.FirstAvailable) > 0:
+				sub := r.FirstAvailable[0]
+				count(sub.DeviceClassName, sub.AllocationMode, sub.Count)
+			}
+		}
+	}
+	return n
 }
 
 // demandOf sums what a pod's claims ask for, or returns nil when some

@@ -2,10 +2,15 @@ package sim
 
 import (
 	"reflect"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 )
 
 func TestGenerateIsSeeded(t *testing.T) {
@@ -216,5 +221,58 @@ func TestDescriptionSaysWhatPodsRequest(t *testing.T) {
 		if got := c.report.Description(); got != c.want {
 			t.Errorf("Description() = %q, want %q", got, c.want)
 		}
+	}
+}
+
+// TestGPUsAsked: every generated pod's wait is counted under the GPUs its
+// claim asks for (the size in its name), also where a matchAttribute
+// constraint keeps the simulator from judging it by free counts, and a
+// firstAvailable request counts its first subrequest.
+func TestGPUsAsked(t *testing.T) {
+	nodes, err := PlanNodes(DefaultProfile, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := regexp.MustCompile(`-(\d+)g-`)
+	for _, trace := range Traces() {
+		w, err := GenerateTrace(trace, 3, 200, nodes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		templates := map[string]*resourceapi.ResourceClaimTemplate{}
+		for _, tmpl := range w.Templates {
+			templates[tmpl.Name] = tmpl
+		}
+		constrained := 0
+		for _, j := range w.Jobs {
+			m := size.FindStringSubmatch(j.Pod.Name)
+			if m == nil {
+				t.Fatalf("%s: pod name %s names no size", trace, j.Pod.Name)
+			}
+			want, _ := strconv.Atoi(m[1])
+			if got := gpusAsked(j.Pod, templates); got != want {
+				t.Errorf("%s: pod %s asks for %d GPUs, counted %d", trace, j.Pod.Name, want, got)
+			}
+			if demandOf(j.Pod, templates) == nil {
+				constrained++
+			}
+		}
+		if trace == TraceNICMatch && constrained == 0 {
+			t.Errorf("%s: no pod without a countable demand, so the constrained case was not checked", trace)
+		}
+	}
+
+	tmpl := &resourceapi.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: "choice"}}
+	tmpl.Spec.Spec.Devices.Requests = []resourceapi.DeviceRequest{
+		{Name: "gpus", FirstAvailable: []resourceapi.DeviceSubRequest{
+			{Name: "four", DeviceClassName: GPUClassName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4},
+			{Name: "two", DeviceClassName: GPUClassName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2},
+		}},
+		{Name: "all", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: GPUClassName, AllocationMode: resourceapi.DeviceAllocationModeAll}},
+		{Name: "nic", Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: NICClassName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1}},
+	}
+	pod := &v1.Pod{Spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "c", ResourceClaimTemplateName: ptr.To("choice")}, {Name: "direct", ResourceClaimName: ptr.To("shared")}}}}
+	if got := gpusAsked(pod, map[string]*resourceapi.ResourceClaimTemplate{"choice": tmpl}); got != 4 {
+		t.Errorf("firstAvailable 4 or 2, All, a NIC and a claim by name: counted %d GPUs, want 4", got)
 	}
 }
