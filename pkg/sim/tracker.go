@@ -63,8 +63,12 @@ type podState struct {
 	GPUs int
 }
 
-// demand is a pod's total ExactCount request of GPUs and NICs.
-type demand struct{ GPUs, NICs int }
+// demand is a pod's total ExactCount request of GPUs and NICs. SameRoot:
+// its one claim requires all its devices on one PCIe root.
+type demand struct {
+	GPUs, NICs int
+	SameRoot   bool
+}
 
 // claimState is an allocated claim.
 type claimState struct {
@@ -547,8 +551,9 @@ func gpusAsked(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempl
 
 // demandOf sums what a pod's claims ask for, or returns nil when some
 // request is not a plain ExactCount of the GPU or NIC class (selectors,
-// constraints, All mode, firstAvailable, other classes): then free counts
-// say nothing certain about whether the pod fits.
+// All mode, firstAvailable, other classes) or a constraint is not one
+// matchAttribute on pcieRoot over the only claim's requests: then free
+// counts say nothing certain about whether the pod fits.
 func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTemplate) *demand {
 	d := &demand{}
 	for _, pc := range pod.Spec.ResourceClaims {
@@ -556,7 +561,15 @@ func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempla
 			return nil
 		}
 		tmpl := templates[*pc.ResourceClaimTemplateName]
-		if tmpl == nil || len(tmpl.Spec.Spec.Devices.Constraints) > 0 {
+		if tmpl == nil {
+			return nil
+		}
+		switch cs := tmpl.Spec.Spec.Devices.Constraints; {
+		case len(cs) == 0:
+		case len(cs) == 1 && len(pod.Spec.ResourceClaims) == 1 && len(cs[0].Requests) == 0 &&
+			cs[0].MatchAttribute != nil && *cs[0].MatchAttribute == resourceapi.FullyQualifiedName(topology.AttrPCIeRoot):
+			d.SameRoot = true
+		default:
 			return nil
 		}
 		for _, r := range tmpl.Spec.Spec.Devices.Requests {
@@ -582,7 +595,8 @@ func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempla
 }
 
 // retryable lists the pods that are not bound, though some node they may
-// use has enough free GPUs and NICs for them (by count), leaving out skip.
+// use has enough free GPUs and NICs for them (by count; for a pod that
+// needs them on one PCIe root, some root of such a node), leaving out skip.
 // Any scheduler that is correct must bind these once it retries them;
 // a pod that needs half a node or more counts only if the headroom stays
 // free.
@@ -609,6 +623,7 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 		perNode[node] = f
 	}
 	var out []string
+	var rootFree map[measure.DomainID]measure.Count // per PCIe root, computed once needed
 	for _, ps := range t.pods {
 		if ps.Bound || ps.Gone || ps.Demand == nil || skip[ps.Name] {
 			continue
@@ -625,6 +640,19 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 			if free-ps.Demand.GPUs < topologydra.HeadroomFor(t.headroomPercent, total, ps.Demand.GPUs) {
 				continue // the scheduler keeps the headroom
 			}
+		}
+		if ps.Demand.SameRoot {
+			if rootFree == nil {
+				rootFree = t.inv.Free(measure.LevelPCIeRoot, measure.Scope{})
+			}
+			want := measure.Count{GPUs: ps.Demand.GPUs, NICs: ps.Demand.NICs}
+			for dom, c := range rootFree {
+				if selector.Matches(t.nodeLabels[dom.Node]) && c.Covers(want) {
+					out = append(out, ps.Name)
+					break
+				}
+			}
+			continue
 		}
 		for node, f := range perNode {
 			if selector.Matches(t.nodeLabels[node]) && f.gpus >= ps.Demand.GPUs && f.nics >= ps.Demand.NICs {

@@ -1,0 +1,78 @@
+package sim
+
+import (
+	"slices"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// TestRetryableSameRoot: a pending pod whose claim needs a GPU and a NIC
+// on one PCIe root is retryable only while some root of a node it may use
+// has both free; free devices on different roots do not count.
+func TestRetryableSameRoot(t *testing.T) {
+	// One node, two PCIe roots, each with two GPUs and one NIC.
+	slice := func(driver string, devs ...resourceapi.Device) resourceapi.ResourceSlice {
+		return resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: driver, NodeName: ptr.To("n"), Pool: resourceapi.ResourcePool{Name: "n"}, Devices: devs}}
+	}
+	dev := func(name, root string) resourceapi.Device {
+		return resourceapi.Device{Name: name, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			topology.AttrPCIeRoot: {StringValue: ptr.To(root)},
+		}}
+	}
+	tr := newTracker(Namespace)
+	tr.loadDevices([]resourceapi.ResourceSlice{
+		slice(topology.DriverName, dev("gpu-0", "root-a"), dev("gpu-1", "root-a"), dev("gpu-2", "root-b"), dev("gpu-3", "root-b")),
+		slice(mockNICDriver, dev("nic-0", "root-a"), dev("nic-1", "root-b")),
+	}, []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n"}}})
+	key := func(driver, name string) string { return driver + "/n/" + name }
+
+	templates := map[string]*resourceapi.ResourceClaimTemplate{}
+	for _, kind := range []traceKind{
+		{jobKind: jobKind{template: "gpu-1-nic-1-match", gpus: 1, nics: 1}, match: true},
+		{jobKind: jobKind{template: "gpu-1-nic-1", gpus: 1, nics: 1}},
+	} {
+		tmpl := traceTemplates([]traceKind{kind})[0]
+		templates[tmpl.Name] = tmpl
+	}
+	pod := func(name, template string) *v1.Pod {
+		return &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "devices", ResourceClaimTemplateName: ptr.To(template)}}}}
+	}
+	for _, p := range []*v1.Pod{pod("match", "gpu-1-nic-1-match"), pod("any", "gpu-1-nic-1")} {
+		d := demandOf(p, templates)
+		if d == nil {
+			t.Fatalf("pod %s: no demand", p.Name)
+		}
+		if d.SameRoot != (p.Name == "match") {
+			t.Fatalf("pod %s: SameRoot %v", p.Name, d.SameRoot)
+		}
+		tr.created(p, 0, d, gpusAsked(p, templates))
+	}
+
+	for _, tc := range []struct {
+		used []string
+		want []string
+	}{
+		{used: nil, want: []string{"any", "match"}},
+		// Root a: GPUs used, NIC free. Root b: GPUs free, NIC used.
+		{used: []string{key(topology.DriverName, "gpu-0"), key(topology.DriverName, "gpu-1"), key(mockNICDriver, "nic-1")}, want: []string{"any"}},
+		// Root b: one GPU and its NIC free.
+		{used: []string{key(topology.DriverName, "gpu-0"), key(topology.DriverName, "gpu-1"), key(topology.DriverName, "gpu-2")}, want: []string{"any", "match"}},
+		{used: []string{key(mockNICDriver, "nic-0"), key(mockNICDriver, "nic-1")}, want: nil},
+	} {
+		for k := range tr.devices {
+			tr.inv.Release(k)
+		}
+		for _, k := range tc.used {
+			tr.inv.Use(k, "other")
+		}
+		if got := tr.retryable(nil); !slices.Equal(got, tc.want) {
+			t.Errorf("in use %v: retryable %v, want %v", tc.used, got, tc.want)
+		}
+	}
+}
