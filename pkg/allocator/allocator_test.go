@@ -678,3 +678,103 @@ func TestConcurrentAllocate(t *testing.T) {
 		})
 	}
 }
+
+// TestQualityStrandedRoots: on a DGX with one NIC per PCIe root, a GPU-only
+// allocation that takes the last free GPU of a root whose NIC is free
+// strands that root; a pod that asks for GPUs and NICs strands none, and
+// without pcieRoot among the attributes nothing is counted.
+func TestQualityStrandedRoots(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	// inUse: GPUs and NICs in use. NIC i sits on root 3-i, beside GPUs
+	// 2(3-i) and 2(3-i)+1.
+	quality := func(policy Policy, inUse []string, claims ...*resourceapi.ResourceClaim) Quality {
+		t.Helper()
+		state := allocated(gpuDriver, "n")
+		for _, d := range inUse {
+			driver := gpuDriver
+			if strings.HasPrefix(d, "nic") {
+				driver = nicDriver
+			}
+			state.AllocatedDevices.Insert(structured.MakeDeviceID(driver, "n", d))
+		}
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgxWithNICs("n"), Policy: policy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, node("n"), claims)
+		if err != nil || res.Allocations == nil {
+			t.Fatalf("allocate: %v %v", err, res.Explanation)
+		}
+		return res.Quality
+	}
+	gpus := func(n int64) *resourceapi.ResourceClaim { return claim("c").request("gpus", "gpu", n).obj() }
+	for _, tc := range []struct {
+		name  string
+		inUse []string
+		claim *resourceapi.ResourceClaim
+		want  int
+	}{
+		// Best fit puts one GPU beside gpu-0: the last free GPU of root 0,
+		// whose NIC (nic-3) is free.
+		{"1 GPU beside a used one", []string{"gpu-0", "nic-2"}, gpus(1), 1},
+		{"1 GPU on an empty node", nil, gpus(1), 0},
+		// Four GPUs go to NUMA node 1 and take roots 2 and 3 whole.
+		{"4 GPUs", []string{"gpu-0", "nic-2"}, gpus(4), 2},
+		{"8 GPUs", nil, gpus(8), 4},
+		{"8 GPUs, one NIC in use", []string{"nic-2"}, gpus(8), 3},
+		// A pair goes to root 1, whose NIC is in use.
+		{"pair beside a used NIC", []string{"gpu-0", "gpu-4", "gpu-6", "nic-2"}, gpus(2), 0},
+		{"GPU and NIC", nil, claim("c").request("gpu", "gpu", 8).request("nic", "nic", 1).obj(), 0},
+	} {
+		if q := quality(DefaultPolicy(), tc.inUse, tc.claim); q.StrandedRoots != tc.want {
+			t.Errorf("%s: %d stranded roots on %v, want %d", tc.name, q.StrandedRoots, q.Devices, tc.want)
+		}
+	}
+	noRoot := DefaultPolicy()
+	noRoot.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode}
+	if q := quality(noRoot, nil, gpus(8)); q.StrandedRoots != 0 {
+		t.Errorf("without pcieRoot: %d stranded roots, want 0", q.StrandedRoots)
+	}
+}
+
+// TestNICRootTrade: an allocation marked StrandsNICs gives up NICRootTrade
+// ranks, down to 0, and scores below an equal one that is not marked; the
+// trade needs packing.
+func TestNICRootTrade(t *testing.T) {
+	p := DefaultPolicy()
+	p.NICRootTrade = 1
+	for _, tc := range []struct{ shared, want int }{{3, 2}, {2, 1}, {1, 0}, {0, 0}} {
+		q := Quality{Shared: tc.shared, StrandsNICs: true, Room: 0.5, Packing: 0.5}
+		if got := p.Rank(q); got != tc.want {
+			t.Errorf("rank %d stranding: %d, want %d", tc.shared, got, tc.want)
+		}
+		kept := q
+		kept.StrandsNICs = false
+		if got := p.Rank(kept); got != tc.shared {
+			t.Errorf("rank %d: %d", tc.shared, got)
+		}
+		// Within one rank the stranding allocation comes last.
+		lower := kept
+		lower.Shared = tc.want
+		if tc.shared > 0 && p.Score(q) >= p.Score(lower) {
+			t.Errorf("rank %d stranding scores %d, not below %d of rank %d without", tc.shared, p.Score(q), p.Score(lower), tc.want)
+		}
+	}
+	// Whole-node trade and NIC trade add up; the former stops at rank 1.
+	if got := p.Rank(Quality{Shared: 2, BreaksNode: true, StrandsNICs: true}); got != 1 {
+		t.Errorf("with a whole-node trade of 0: rank %d, want 1", got)
+	}
+	p.WholeNodeTrade = 5
+	if got := p.Rank(Quality{Shared: 3, BreaksNode: true, StrandsNICs: true}); got != 0 {
+		t.Errorf("both trades: rank %d, want 0", got)
+	}
+	off := DefaultPolicy()
+	if got := off.Rank(Quality{Shared: 1, StrandsNICs: true}); got != 1 {
+		t.Errorf("NICRootTrade 0: rank %d, want 1", got)
+	}
+	spread := p
+	spread.Packing = false
+	if got := spread.Rank(Quality{Shared: 1, StrandsNICs: true}); got != 1 {
+		t.Errorf("spreading: rank %d, want 1", got)
+	}
+}

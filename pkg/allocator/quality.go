@@ -77,6 +77,7 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 	}
 	q.Packing = full.packing(nodeUtil)
 	q.Room, q.BreaksNode = room(ns, matching, devs)
+	q.StrandedRoots = a.strandedRoots(ns, matching, seen)
 	q.Shared = L
 	if len(devs) > 1 {
 		q.Shared = 0
@@ -343,4 +344,47 @@ func leftover(ns *nodeState, allUnits []*unit, results []resourceapi.AllocationR
 		}
 	}
 	return sum
+}
+
+// strandedRoots computes Quality.StrandedRoots. chosen marks the devices
+// of the allocation; ns.inUse does not include them yet.
+func (a *Allocator) strandedRoots(ns *nodeState, matching, chosen []bool) int {
+	l := slices.Index(a.policy.Attributes, topology.AttrPCIeRoot)
+	if l < 0 || l >= len(ns.dom) || len(ns.domVals[l]) == 0 {
+		return 0
+	}
+	var drivers []string
+	for i := range ns.devices {
+		if matching[i] && !slices.Contains(drivers, ns.devices[i].driver) {
+			drivers = append(drivers, ns.devices[i].driver)
+		}
+	}
+	type root struct {
+		free, taken int
+		otherFree   bool
+	}
+	roots := make([]root, len(ns.domVals[l]))
+	for i := range ns.devices {
+		v := ns.dom[l][i]
+		if v < 0 || ns.inUse[i] {
+			continue
+		}
+		r := &roots[v]
+		switch {
+		case matching[i]:
+			r.free++
+			if chosen[i] {
+				r.taken++
+			}
+		case !slices.Contains(drivers, ns.devices[i].driver):
+			r.otherFree = true
+		}
+	}
+	n := 0
+	for _, r := range roots {
+		if r.otherFree && r.free > 0 && r.taken == r.free {
+			n++
+		}
+	}
+	return n
 }

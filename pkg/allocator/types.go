@@ -57,6 +57,13 @@ type Policy struct {
 	// placement is never lowered below rank 1, and only when packing. 0
 	// ignores draining; negative is invalid.
 	DrainTrade int
+	// NICRootTrade is how many alignment ranks an allocation marked
+	// Quality.StrandsNICs (by the caller) loses. Unlike the other trades it
+	// may fall to rank 0, and within its rank such an allocation comes
+	// last (its room, packing and age count as 0), so that a looser
+	// allocation that leaves the NICs usable wins. Only when packing; 0
+	// ignores it; negative is invalid.
+	NICRootTrade int
 	// AgeWeight is the weight of Quality.Settled beside RoomWeight and
 	// PackingWeight (packing only; 0: not counted).
 	AgeWeight float64
@@ -99,10 +106,11 @@ func (p Policy) Rank(q Quality) int { return p.RankOn(q, false) }
 // RankOn is the alignment rank of an allocation of quality q on a node
 // that is draining or not: q.Shared, lowered (not below 1, and only when
 // the policy packs) by WholeNodeTrade where the allocation breaks up a
-// whole free node and by DrainTrade where the node is draining.
+// whole free node and by DrainTrade where the node is draining; then, where
+// q.StrandsNICs, by NICRootTrade (not below 0).
 func (p Policy) RankOn(q Quality, draining bool) int {
 	r := q.Shared
-	if !p.Packing || r <= 1 {
+	if !p.Packing {
 		return r
 	}
 	trade := 0
@@ -112,10 +120,18 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 	if draining {
 		trade += p.DrainTrade
 	}
-	if trade > 0 {
+	if trade > 0 && r > 1 {
 		r = max(1, r-trade)
 	}
+	if p.strands(q) {
+		r = max(0, r-p.NICRootTrade)
+	}
 	return r
+}
+
+// strands reports whether NICRootTrade applies to q.
+func (p Policy) strands(q Quality) bool {
+	return p.Packing && q.StrandsNICs && p.NICRootTrade > 0
 }
 
 // Score is the score of an allocation of quality q, in 0..100, higher is
@@ -159,7 +175,7 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		room = 0
 	}
 	tie := 0.0
-	if wr+wp+wa > 0 {
+	if wr+wp+wa > 0 && !p.strands(q) {
 		tie = (wr*room + wp*pack + wa*q.Settled) / (wr + wp + wa)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
@@ -269,6 +285,17 @@ type Quality struct {
 	// none). A single device, or none, shares every attribute. 0 means the
 	// devices share no domain.
 	Shared int
+	// StrandedRoots counts the PCIe roots (pcieRoot must be one of
+	// Policy.Attributes) on which the allocation takes the last free
+	// device that matches the pod's requests while a device of another
+	// driver, one that none of the matching devices has, stays free
+	// there: for a pod that asks for GPUs only, the NICs it leaves without
+	// a free GPU on their PCIe root.
+	StrandedRoots int
+	// StrandsNICs marks an allocation that Policy.NICRootTrade applies
+	// to. The scheduler plugin sets it (it sees which pods wait and run);
+	// the allocator leaves it false.
+	StrandsNICs bool
 	// BreaksNode is true when the allocation takes devices from a free
 	// block of WholeNodeBlock or more devices (see Room): it uses up a
 	// whole free node that a whole-node job could have had.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -492,5 +493,57 @@ func TestWholeNodePodLeavesHeadroom(t *testing.T) {
 	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "low-2", metav1.DeleteOptions{}))
 	if got := e.waitScheduled("whole").Spec.NodeName; got != nodes[0] {
 		t.Errorf("the 8-GPU pod went to %s, want the empty %s", got, nodes[0])
+	}
+}
+
+// TestWholeNodePodLeavesNICsToMatchedPods: an 8-GPU pod ranks a DGX (one
+// NVSwitch clique) above a PCIe box and takes it; once a pod whose claim
+// needs a GPU and a NIC on one PCIe root runs, the next 8-GPU pod takes a
+// free PCIe box, which has no NICs, and leaves the free DGX's GPUs beside
+// its NICs to such pods (nicRootTrade).
+func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicroot")
+	const nicDriver = "nic.test.topodra.io"
+	nicClass := e.ns + "-nic"
+	_, err := cp.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass(nicClass, nicDriver), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	// A DGX with one NIC per GPU pair's PCIe root.
+	dgxWithNICs := func(suffix string) string {
+		name := e.node("a", suffix, framework.DGXLikeGPUs)
+		var nics []framework.Device
+		for i := range 4 {
+			nics = append(nics, framework.Device{Name: fmt.Sprintf("nic-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+				topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", i)),
+			}})
+		}
+		_, err := cp.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(name, nicDriver, nics), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		return name
+	}
+	dgxs := []string{dgxWithNICs("dgx-0"), dgxWithNICs("dgx-1"), dgxWithNICs("dgx-2")}
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	eight := e.template(8, nil)
+	matched := framework.ClaimTemplate(e.ns, "gpu-nic-same-root", e.class, 1)
+	matched.Spec.Spec.Devices.Requests = append(matched.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
+		Name:    "nic",
+		Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: nicClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	})
+	matched.Spec.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
+	_, err = cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, matched, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	startTopodra(tCtx)
+
+	node, _ := e.schedule("eight-0", "a", eight)
+	if !slices.Contains(dgxs, node) {
+		t.Fatalf("with no pod asking for a GPU and a NIC on one root, the 8-GPU pod went to %s, want a DGX %v", node, dgxs)
+	}
+	node, devices := e.schedule("gpu-nic", "a", matched.Name)
+	if !slices.Contains(dgxs, node) || len(devices) != 2 {
+		t.Fatalf("GPU+NIC pod got %v on %s, want a GPU and a NIC of a DGX", devices, node)
+	}
+	node, _ = e.schedule("eight-1", "a", eight)
+	if node != pcie {
+		t.Fatalf("with a GPU+NIC pod running, the 8-GPU pod went to %s, want the PCIe box %s (a DGX stays free for GPU+NIC pods)", node, pcie)
 	}
 }

@@ -60,6 +60,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				PackingWeight:              30,
 				AgeWeight:                  30,
 				SmallPodHeadroomPercent:    12,
+				NICRootTrade:               1,
 				Alignment:                  config.AlignmentPrefer,
 				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds:      600,

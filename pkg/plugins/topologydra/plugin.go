@@ -174,7 +174,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 //   - packing: the allocator's Packing (node and domain fullness after this
 //     allocation) for MostAllocated, 1-Packing for LeastAllocated;
 //
-// ranked by alignment (WholeNodeTrade, DrainTrade) first, then room,
+// ranked by alignment (WholeNodeTrade, DrainTrade, NICRootTrade) first, then room,
 // packing and the age of the node's pods (Quality.Settled, set by PreScore)
 // mixed by RoomWeight, PackingWeight and AgeWeight.
 func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
@@ -184,6 +184,7 @@ func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 		Packing:        args.ScoringStrategy == config.MostAllocated,
 		WholeNodeTrade: int(args.WholeNodeTrade),
 		DrainTrade:     int(args.DrainTrade),
+		NICRootTrade:   int(args.NICRootTrade),
 		RoomWeight:     float64(args.RoomWeight),
 		PackingWeight:  float64(args.PackingWeight),
 		AgeWeight:      float64(args.AgeWeight),

@@ -14,6 +14,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 
 	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/topology"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 )
@@ -40,18 +41,20 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	if pl.policy.Packing && pl.policy.AgeWeight > 0 {
 		s.ages = agesOf(nodes, pod, time.Now())
 	}
+	var own []classDevices
+	for _, c := range s.allocClaims {
+		own = addClaimDevices(own, c)
+	}
+	wholeNode := mostOfOneClass(own) >= allocator.WholeNodeBlock
 	if pl.pending != nil {
 		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
-			var own []classDevices
-			for _, c := range s.allocClaims {
-				own = addClaimDevices(own, c)
-			}
-			if mostOfOneClass(own) < allocator.WholeNodeBlock {
+			if !wholeNode {
 				s.draining = drainingNodes(s, nodes, waiting, s.ages.byNode)
 			}
 		}
 	}
+	s.sparesNICs = wholeNode && pl.policy.Packing && pl.policy.NICRootTrade > 0 && nicRootPairsWanted(pl.draManager.ResourceClaims().List)
 	s.choiceLevels = 0
 	if pl.features.PrioritizedList {
 		for _, c := range s.allocClaims {
@@ -63,9 +66,50 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		}
 	}
 	if logger := klog.FromContext(ctx); logger.V(5).Enabled() {
-		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade, "draining", sets.List(s.draining))
+		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade, "draining", sets.List(s.draining), "sparesNICs", s.sparesNICs)
 	}
 	return nil
+}
+
+// nicRootPairsWanted reports whether some claim needs devices of two or
+// more device classes on one PCIe root: a matchAttribute constraint on
+// resource.kubernetes.io/pcieRoot over requests (all of the claim's, where
+// it names none) of different classes, such as a GPU and the NIC beside
+// it. Claims live as long as their pods, so this says that such pods run
+// or wait. A list error counts as no.
+func nicRootPairsWanted(list func() ([]*resourceapi.ResourceClaim, error)) bool {
+	claims, err := list()
+	if err != nil {
+		return false
+	}
+	for _, c := range claims {
+		for _, con := range c.Spec.Devices.Constraints {
+			if con.MatchAttribute == nil || *con.MatchAttribute != resourceapi.FullyQualifiedName(topology.AttrPCIeRoot) {
+				continue
+			}
+			var class string
+			for _, r := range c.Spec.Devices.Requests {
+				if len(con.Requests) > 0 && !slices.Contains(con.Requests, r.Name) {
+					continue
+				}
+				var classes []string
+				if r.Exactly != nil {
+					classes = append(classes, r.Exactly.DeviceClassName)
+				}
+				for _, sub := range r.FirstAvailable {
+					classes = append(classes, sub.DeviceClassName)
+				}
+				for _, cl := range classes {
+					if class == "" {
+						class = cl
+					} else if cl != class {
+						return true
+					}
+				}
+			}
+		}
+	}
+	return false
 }
 
 // drainingNodes picks, among the nodes that passed Filter, the waiting
@@ -161,6 +205,7 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	}
 	q := res.Quality
 	q.Settled = s.ages.settled(nodeInfo.Node().Name)
+	q.StrandsNICs = s.sparesNICs && q.StrandedRoots > 0
 	score := s.scorePolicy.ScoreOn(q, s.draining.Has(nodeInfo.Node().Name))
 	if s.choiceLevels > 0 {
 		// Like the stock plugin, a node where the pod gets earlier

@@ -85,6 +85,10 @@ type stateData struct {
 	// ages are the nodes' ages (see agesOf); empty unless the policy
 	// weighs age. Written by PreScore, read by Score.
 	ages nodeAges
+	// sparesNICs is true where NICRootTrade applies to this pod's
+	// placements (see nicRootPairsWanted). Written by PreScore, read by
+	// Score.
+	sparesNICs bool
 	// choiceLevels is the largest sum of subrequest indexes the claims to
 	// allocate can reach (0: no prioritized list to rank by). Written by
 	// PreScore, read by Score.

@@ -95,6 +95,19 @@ type TopologyDRAArgs struct {
 	// than about 8 / share nodes) it does not apply, so a small cluster
 	// runs as many whole-node pods as it has nodes. 0: off.
 	SmallPodHeadroomPercent int32
+	// NICRootTrade concerns pods whose claims take WholeNodeBlock or more
+	// devices of one class and no NICs, while pods of any scheduler whose
+	// claim needs devices of two or more classes on one PCIe root (a
+	// matchAttribute on resource.kubernetes.io/pcieRoot: a GPU and a NIC
+	// beside it) run or wait. A placement that takes the last free GPU of
+	// a PCIe root whose NIC stays free (allocator.Quality.StrandedRoots)
+	// gives up this many alignment ranks, down to 0 unlike the other
+	// trades, and comes last within its rank: a whole-node pod then takes
+	// a free node without NICs before a free node with them, and leaves
+	// the GPUs beside NICs to the pods that can only use those. Scoring
+	// only. It needs resource.kubernetes.io/pcieRoot among
+	// TopologyAttributes. 0: off.
+	NICRootTrade int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

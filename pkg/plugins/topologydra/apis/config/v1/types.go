@@ -39,6 +39,7 @@ type TopologyDRAArgs struct {
 	PackingWeight              *int32   `json:"packingWeight,omitempty"`
 	AgeWeight                  *int32   `json:"ageWeight,omitempty"`
 	SmallPodHeadroomPercent    *int32   `json:"smallPodHeadroomPercent,omitempty"`
+	NICRootTrade               *int32   `json:"nicRootTrade,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
 	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
 	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
@@ -62,6 +63,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.AgeWeight = copyPtr(a.AgeWeight)
 	out.SmallPodHeadroomPercent = copyPtr(a.SmallPodHeadroomPercent)
+	out.NICRootTrade = copyPtr(a.NICRootTrade)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
 	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
@@ -104,6 +106,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.SmallPodHeadroomPercent == nil {
 		a.SmallPodHeadroomPercent = ptr.To[int32](DefaultSmallPodHeadroomPercent)
 	}
+	if a.NICRootTrade == nil {
+		a.NICRootTrade = ptr.To[int32](1)
+	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
 	}
@@ -133,6 +138,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.DrainTrade = ptr.Deref(in.DrainTrade, 0)
 	out.AgeWeight = ptr.Deref(in.AgeWeight, 0)
 	out.SmallPodHeadroomPercent = ptr.Deref(in.SmallPodHeadroomPercent, 0)
+	out.NICRootTrade = ptr.Deref(in.NICRootTrade, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -153,6 +159,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.DrainTrade = ptr.To(in.DrainTrade)
 	out.AgeWeight = ptr.To(in.AgeWeight)
 	out.SmallPodHeadroomPercent = ptr.To(in.SmallPodHeadroomPercent)
+	out.NICRootTrade = ptr.To(in.NICRootTrade)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
