@@ -680,9 +680,9 @@ func TestConcurrentAllocate(t *testing.T) {
 }
 
 // TestQualityStrandedRoots: on a DGX with one NIC per PCIe root, a GPU-only
-// allocation that takes the last free GPU of a root whose NIC is free
-// strands that root; a pod that asks for GPUs and NICs strands none, and
-// without pcieRoot among the attributes nothing is counted.
+// allocation of a whole node's GPUs strands every root whose NIC is free;
+// a pod that asks for GPUs and NICs strands none; smaller allocations and
+// policies without pcieRoot among the attributes count none.
 func TestQualityStrandedRoots(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	// inUse: GPUs and NICs in use. NIC i sits on root 3-i, beside GPUs
@@ -714,16 +714,11 @@ func TestQualityStrandedRoots(t *testing.T) {
 		claim *resourceapi.ResourceClaim
 		want  int
 	}{
-		// Best fit puts one GPU beside gpu-0: the last free GPU of root 0,
-		// whose NIC (nic-3) is free.
-		{"1 GPU beside a used one", []string{"gpu-0", "nic-2"}, gpus(1), 1},
-		{"1 GPU on an empty node", nil, gpus(1), 0},
-		// Four GPUs go to NUMA node 1 and take roots 2 and 3 whole.
-		{"4 GPUs", []string{"gpu-0", "nic-2"}, gpus(4), 2},
+		// Smaller allocations are not counted: the last free GPU of root
+		// 0, beside its free NIC, goes to this one.
+		{"1 GPU beside a used one", []string{"gpu-0", "nic-2"}, gpus(1), 0},
 		{"8 GPUs", nil, gpus(8), 4},
 		{"8 GPUs, one NIC in use", []string{"nic-2"}, gpus(8), 3},
-		// A pair goes to root 1, whose NIC is in use.
-		{"pair beside a used NIC", []string{"gpu-0", "gpu-4", "gpu-6", "nic-2"}, gpus(2), 0},
 		{"GPU and NIC", nil, claim("c").request("gpu", "gpu", 8).request("nic", "nic", 1).obj(), 0},
 	} {
 		if q := quality(DefaultPolicy(), tc.inUse, tc.claim); q.StrandedRoots != tc.want {

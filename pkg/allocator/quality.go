@@ -77,7 +77,9 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 	}
 	q.Packing = full.packing(nodeUtil)
 	q.Room, q.BreaksNode = room(ns, matching, devs)
-	q.StrandedRoots = a.strandedRoots(ns, matching, seen)
+	if len(devs) >= WholeNodeBlock {
+		q.StrandedRoots = a.strandedRoots(ns, matching, seen)
+	}
 	q.Shared = L
 	if len(devs) > 1 {
 		q.Shared = 0

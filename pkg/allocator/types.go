@@ -290,7 +290,9 @@ type Quality struct {
 	// device that matches the pod's requests while a device of another
 	// driver, one that none of the matching devices has, stays free
 	// there: for a pod that asks for GPUs only, the NICs it leaves without
-	// a free GPU on their PCIe root.
+	// a free GPU on their PCIe root. Counted only for allocations of
+	// WholeNodeBlock or more devices, the ones Policy.NICRootTrade
+	// concerns; 0 for smaller ones.
 	StrandedRoots int
 	// StrandsNICs marks an allocation that Policy.NICRootTrade applies
 	// to. The scheduler plugin sets it (it sees which pods wait and run);
