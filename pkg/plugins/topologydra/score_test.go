@@ -1,10 +1,15 @@
 package topologydra
 
 import (
+	"errors"
 	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/allocator"
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 func TestPolicyScore(t *testing.T) {
@@ -64,5 +69,44 @@ func TestPolicyScore(t *testing.T) {
 func TestScoreIsProportional(t *testing.T) {
 	if ext := (&TopologyDRA{}).ScoreExtensions(); ext != nil {
 		t.Error("scores must not be normalised: a stretched 1-point difference would override users' preferred affinities")
+	}
+}
+
+// TestNICRootPairsWanted: only a pcieRoot matchAttribute over requests of
+// two or more device classes (all requests where the constraint names
+// none; firstAvailable subrequests count) turns nicRootTrade on.
+func TestNICRootPairsWanted(t *testing.T) {
+	root := ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))
+	numa := ptr.To(resourceapi.FullyQualifiedName(topology.AttrNUMANode))
+	exact := func(name, class string) resourceapi.DeviceRequest {
+		return resourceapi.DeviceRequest{Name: name, Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1}}
+	}
+	claim := func(constraints []resourceapi.DeviceConstraint, requests ...resourceapi.DeviceRequest) *resourceapi.ResourceClaim {
+		return &resourceapi.ResourceClaim{Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: requests, Constraints: constraints}}}
+	}
+	choice := resourceapi.DeviceRequest{Name: "gpu-or-nic", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "gpu", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+		{Name: "nic", DeviceClassName: "nic", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	}}
+	for name, tc := range map[string]struct {
+		claims []*resourceapi.ResourceClaim
+		want   bool
+	}{
+		"none":                          {nil, false},
+		"GPU and NIC, no constraint":    {[]*resourceapi.ResourceClaim{claim(nil, exact("gpu", "gpu"), exact("nic", "nic"))}, false},
+		"GPU and NIC on one root":       {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: root}}, exact("gpu", "gpu"), exact("nic", "nic"))}, true},
+		"GPU and NIC on one NUMA node":  {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: numa}}, exact("gpu", "gpu"), exact("nic", "nic"))}, false},
+		"two GPUs on one root":          {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: root}}, exact("a", "gpu"), exact("b", "gpu"))}, false},
+		"root match over the GPUs only": {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: root, Requests: []string{"a", "b"}}}, exact("a", "gpu"), exact("b", "gpu"), exact("nic", "nic"))}, false},
+		"root match naming GPU and NIC": {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: root, Requests: []string{"a", "nic"}}}, exact("a", "gpu"), exact("b", "gpu"), exact("nic", "nic"))}, true},
+		"firstAvailable of two classes": {[]*resourceapi.ResourceClaim{claim([]resourceapi.DeviceConstraint{{MatchAttribute: root}}, choice)}, true},
+	} {
+		got := nicRootPairsWanted(func() ([]*resourceapi.ResourceClaim, error) { return tc.claims, nil })
+		if got != tc.want {
+			t.Errorf("%s: %v, want %v", name, got, tc.want)
+		}
+	}
+	if nicRootPairsWanted(func() ([]*resourceapi.ResourceClaim, error) { return nil, errors.New("no cache") }) {
+		t.Error("a list error turned the trade on")
 	}
 }
