@@ -106,6 +106,9 @@ func (a *Allocator) run(ctx context.Context, p *podNode, strategies []strategy) 
 			continue
 		}
 		if res, err := s.allocate(ctx, p); res != nil || err != nil {
+			if res != nil && res.Allocations != nil && p.ns != nil {
+				res.Quality.OtherDevices, res.Quality.OtherFree = otherDevices(p.ns, p.units)
+			}
 			return res, err
 		}
 	}

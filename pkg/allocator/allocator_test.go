@@ -732,6 +732,67 @@ func TestQualityStrandedRoots(t *testing.T) {
 	}
 }
 
+// TestQualityOtherDevices: a pod that asks for GPUs only sees the node's
+// NICs as other devices, counted whole and free; one that asks for both
+// sees none.
+func TestQualityOtherDevices(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	gpus := func(n int64) *resourceapi.ResourceClaim { return claim("c").request("gpus", "gpu", n).obj() }
+	for _, tc := range []struct {
+		name      string
+		inUse     []string
+		claim     *resourceapi.ResourceClaim
+		all, free int
+	}{
+		{"1 GPU", nil, gpus(1), 4, 4},
+		{"4 GPUs, one NIC in use", []string{"nic-1", "gpu-0"}, gpus(4), 4, 3},
+		{"GPU and NIC", []string{"nic-1"}, claim("c").request("gpu", "gpu", 1).request("nic", "nic", 1).obj(), 0, 0},
+	} {
+		state := allocated(gpuDriver, "n")
+		for _, d := range tc.inUse {
+			driver := gpuDriver
+			if strings.HasPrefix(d, "nic") {
+				driver = nicDriver
+			}
+			state.AllocatedDevices.Insert(structured.MakeDeviceID(driver, "n", d))
+		}
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgxWithNICs("n"), Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{tc.claim})
+		if err != nil || res.Allocations == nil {
+			t.Fatalf("%s: allocate: %v %v", tc.name, err, res.Explanation)
+		}
+		if q := res.Quality; q.OtherDevices != tc.all || q.OtherFree != tc.free {
+			t.Errorf("%s: other devices %d, %d free; want %d, %d free", tc.name, q.OtherDevices, q.OtherFree, tc.all, tc.free)
+		}
+	}
+}
+
+// TestNICReserveScore: an allocation marked InNICReserve scores below
+// every unmarked one of rank 1 or more, keeps its order among the marked
+// ones, and is not lowered when spreading.
+func TestNICReserveScore(t *testing.T) {
+	p := DefaultPolicy()
+	best := Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true}
+	worst := Quality{Shared: 1, Room: 0, Packing: 0}
+	if p.Score(best) >= p.Score(worst) {
+		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 1 outside it", p.Score(best), p.Score(worst))
+	}
+	lower := Quality{Shared: 2, Room: 1, Packing: 1, InNICReserve: true}
+	if p.Score(best) <= p.Score(lower) {
+		t.Errorf("in the reserve, rank 3 scores %d, not above %d of rank 2", p.Score(best), p.Score(lower))
+	}
+	plain := best
+	plain.InNICReserve = false
+	spread := p
+	spread.Packing = false
+	if spread.Score(best) != spread.Score(plain) {
+		t.Errorf("spreading: %d in the reserve, %d outside", spread.Score(best), spread.Score(plain))
+	}
+}
+
 // TestNICRootTrade: an allocation marked StrandsNICs gives up NICRootTrade
 // ranks, down to 0, and scores below an equal one that is not marked; the
 // trade needs packing.

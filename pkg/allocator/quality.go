@@ -390,3 +390,32 @@ func (a *Allocator) strandedRoots(ns *nodeState, matching, chosen []bool) int {
 	}
 	return n
 }
+
+// otherDevices counts Quality.OtherDevices and Quality.OtherFree: the
+// node's devices of drivers that no device matching units has, and the
+// free ones among them. Without units (nothing analysed) both are 0.
+func otherDevices(ns *nodeState, units []*unit) (all, free int) {
+	if len(units) == 0 {
+		return 0, 0
+	}
+	var drivers []string
+	for _, u := range units {
+		for i, m := range u.matching {
+			if m && !slices.Contains(drivers, ns.devices[i].driver) {
+				drivers = append(drivers, ns.devices[i].driver)
+			}
+		}
+	}
+	if len(drivers) == 0 {
+		return 0, 0
+	}
+	for i := range ns.devices {
+		if !slices.Contains(drivers, ns.devices[i].driver) {
+			all++
+			if !ns.inUse[i] {
+				free++
+			}
+		}
+	}
+	return all, free
+}

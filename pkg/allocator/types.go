@@ -155,7 +155,10 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining or not: Score with RankOn(q, draining) as the rank and, on a
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
-// last.
+// last. When packing, an allocation marked q.InNICReserve scores in the
+// lowest band (that score times 0.96/(len(Attributes)+1)): below every
+// allocation of rank 1 or more that is not so marked, in the order it
+// would otherwise have among those that are.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
@@ -179,7 +182,13 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		tie = (wr*room + wp*pack + wa*q.Settled) / (wr + wp + wa)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
-	score := int64(math.Round(band * (float64(p.RankOn(q, draining)) + 0.96*tie)))
+	points := band * (float64(p.RankOn(q, draining)) + 0.96*tie)
+	if p.Packing && q.InNICReserve {
+		// The lowest band, in the order the allocation would otherwise
+		// have: below every allocation of rank 1 or more.
+		points *= 0.96 / float64(len(p.Attributes)+1)
+	}
+	score := int64(math.Round(points))
 	return max(0, min(100, score))
 }
 
@@ -298,6 +307,17 @@ type Quality struct {
 	// to. The scheduler plugin sets it (it sees which pods wait and run);
 	// the allocator leaves it false.
 	StrandsNICs bool
+	// OtherDevices counts the node's devices of the drivers that none of
+	// the devices matching the pod's requests has (for a pod that asks
+	// for GPUs only: the node's NICs), and OtherFree those of them no
+	// claim holds. They describe the node, not the allocation: the same
+	// for every allocation of the pod there.
+	OtherDevices, OtherFree int
+	// InNICReserve marks an allocation that takes devices the scheduler
+	// keeps for pods that also need the node's other devices (see
+	// Policy.ScoreOn). The scheduler plugin sets it (it sees all nodes);
+	// the allocator leaves it false.
+	InNICReserve bool
 	// BreaksNode is true when the allocation takes devices from a free
 	// block of WholeNodeBlock or more devices (see Room): it uses up a
 	// whole free node that a whole-node job could have had.

@@ -501,44 +501,83 @@ func TestWholeNodePodLeavesHeadroom(t *testing.T) {
 // needs a GPU and a NIC on one PCIe root runs, the next 8-GPU pod takes a
 // free PCIe box, which has no NICs, and leaves the free DGX's GPUs beside
 // its NICs to such pods (nicRootTrade).
-func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "nicroot")
-	const nicDriver = "nic.test.topodra.io"
-	nicClass := e.ns + "-nic"
-	_, err := cp.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass(nicClass, nicDriver), metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	// A DGX with one NIC per GPU pair's PCIe root.
-	dgxWithNICs := func(suffix string) string {
-		name := e.node("a", suffix, framework.DGXLikeGPUs)
-		var nics []framework.Device
-		for i := range 4 {
-			nics = append(nics, framework.Device{Name: fmt.Sprintf("nic-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-				topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", i)),
-			}})
-		}
-		_, err := cp.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(name, nicDriver, nics), metav1.CreateOptions{})
-		tCtx.ExpectNoError(err)
-		return name
+// nicDriver is the driver of the NICs of nicClass and withNICs.
+const nicDriver = "nic.test.topodra.io"
+
+// nicClass creates the test's device class for NICs.
+func (e *env) nicClass() string {
+	name := e.ns + "-nic"
+	_, err := cp.Client.ResourceV1().DeviceClasses().Create(e.tCtx, framework.DeviceClass(name, nicDriver), metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return name
+}
+
+// withNICs publishes four NICs on node, one on each PCIe root of a
+// DGX-like node's GPU pairs, and returns the node.
+func (e *env) withNICs(node string) string {
+	var nics []framework.Device
+	for i := range 4 {
+		nics = append(nics, framework.Device{Name: fmt.Sprintf("nic-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", i)),
+		}})
 	}
-	dgxs := []string{dgxWithNICs("dgx-0"), dgxWithNICs("dgx-1"), dgxWithNICs("dgx-2")}
-	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
-	eight := e.template(8, nil)
-	matched := framework.ClaimTemplate(e.ns, "gpu-nic-same-root", e.class, 1)
-	matched.Spec.Spec.Devices.Requests = append(matched.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
+	_, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, framework.SliceForNode(node, nicDriver, nics), metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return node
+}
+
+// gpuNICTemplate creates a claim template asking for one GPU and one NIC,
+// with the given constraints.
+func (e *env) gpuNICTemplate(name, nicClass string, constraints ...resourceapi.DeviceConstraint) string {
+	tmpl := framework.ClaimTemplate(e.ns, name, e.class, 1)
+	tmpl.Spec.Spec.Devices.Requests = append(tmpl.Spec.Spec.Devices.Requests, resourceapi.DeviceRequest{
 		Name:    "nic",
 		Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: nicClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
 	})
-	matched.Spec.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
-	_, err = cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, matched, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
+	tmpl.Spec.Spec.Devices.Constraints = constraints
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return name
+}
+
+// TestGPUsBesideNICsLeftForNICPods: with nicReservePercent (default 5),
+// a 1-GPU pod leaves the last free GPU of a DGX whose NICs are free and
+// opens the empty PCIe box instead (without it, the fuller DGX wins);
+// then a pod that needs a GPU and a NIC still starts there.
+func TestGPUsBesideNICsLeftForNICPods(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve")
+	nicClass := e.nicClass()
+	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"))
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	one := e.template(1, nil)
+	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("one", "a", one); node != pcie {
+		t.Fatalf("the 1-GPU pod got %v on %s, want a GPU of the PCIe box %s: the DGX's last free GPU is kept for pods that need its NICs too", devices, node, pcie)
+	}
+	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
+		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
+	}
+}
+
+func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicroot")
+	nicClass := e.nicClass()
+	dgxWithNICs := func(suffix string) string { return e.withNICs(e.node("a", suffix, framework.DGXLikeGPUs)) }
+	dgxs := []string{dgxWithNICs("dgx-0"), dgxWithNICs("dgx-1"), dgxWithNICs("dgx-2")}
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	eight := e.template(8, nil)
+	matched := e.gpuNICTemplate("gpu-nic-same-root", nicClass, resourceapi.DeviceConstraint{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))})
 	startTopodra(tCtx)
 
 	node, _ := e.schedule("eight-0", "a", eight)
 	if !slices.Contains(dgxs, node) {
 		t.Fatalf("with no pod asking for a GPU and a NIC on one root, the 8-GPU pod went to %s, want a DGX %v", node, dgxs)
 	}
-	node, devices := e.schedule("gpu-nic", "a", matched.Name)
+	node, devices := e.schedule("gpu-nic", "a", matched)
 	if !slices.Contains(dgxs, node) || len(devices) != 2 {
 		t.Fatalf("GPU+NIC pod got %v on %s, want a GPU and a NIC of a DGX", devices, node)
 	}

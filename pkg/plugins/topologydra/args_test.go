@@ -61,6 +61,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				AgeWeight:                  30,
 				SmallPodHeadroomPercent:    12,
 				NICRootTrade:               1,
+				NICReservePercent:          5,
 				Alignment:                  config.AlignmentPrefer,
 				OwnedTaintKey:              "gpu.topodra.io/topodra-only",
 				BindingTimeoutSeconds:      600,
@@ -144,6 +145,9 @@ func TestValidateArgs(t *testing.T) {
 		"negative drain trade":    {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
 		"no trade is valid":       {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
 		"zero binding timout":     {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"NIC reserve above 50":    {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 51 }, wantErr: "nicReservePercent"},
+		"negative NIC reserve":    {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = -1 }, wantErr: "nicReservePercent"},
+		"no NIC reserve is valid": {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 0 }},
 		"no filter timeout":       {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = 0 }},
 		"negative filter timeout": {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = -time.Second }, wantErr: "filterTimeout"},
 	}

@@ -71,6 +71,8 @@ type TopologyDRA struct {
 	filterTimeout time.Duration
 	// headroomPercent is args.SmallPodHeadroomPercent (headroom.go).
 	headroomPercent int32
+	// nicReservePercent is args.NICReservePercent (see nicReserveOf).
+	nicReservePercent int32
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
 	skipCounting sync.Map
@@ -134,12 +136,13 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			EnableConsumableCapacity: features.ConsumableCapacity,
 			EnableListTypeAttributes: features.ListTypeAttributes,
 		}),
-		draManager:      h.SharedDRAManager(),
-		client:          h.ClientSet(),
-		handle:          h,
-		cache:           allocator.NewCache(),
-		bindingTimeout:  time.Duration(args.BindingTimeoutSeconds) * time.Second,
-		headroomPercent: args.SmallPodHeadroomPercent,
+		draManager:        h.SharedDRAManager(),
+		client:            h.ClientSet(),
+		handle:            h,
+		cache:             allocator.NewCache(),
+		bindingTimeout:    time.Duration(args.BindingTimeoutSeconds) * time.Second,
+		headroomPercent:   args.SmallPodHeadroomPercent,
+		nicReservePercent: args.NICReservePercent,
 	}
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()

@@ -25,7 +25,8 @@ import (
 // node, which nodes are draining (see drainingNodes): Score ranks them
 // with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less). With
 // AgeWeight it also measures how long each node's pods have run (see
-// agesOf).
+// agesOf), and with NICReservePercent how many GPUs beside free NICs are
+// kept for the pods that need both (see nicReserveOf).
 func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) *fwk.Status {
 	s, err := getState(cs)
 	if err != nil {
@@ -55,6 +56,10 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		}
 	}
 	s.sparesNICs = wholeNode && pl.policy.Packing && pl.policy.NICRootTrade > 0 && nicRootPairsWanted(pl.draManager.ResourceClaims().List)
+	s.nicReserve = nicReserve{}
+	if pl.policy.Packing && pl.nicReservePercent > 0 {
+		s.nicReserve = nicReserveOf(s, nodes, pl.nicReservePercent)
+	}
 	s.choiceLevels = 0
 	if pl.features.PrioritizedList {
 		for _, c := range s.allocClaims {
@@ -110,6 +115,42 @@ func nicRootPairsWanted(list func() ([]*resourceapi.ResourceClaim, error)) bool 
 		}
 	}
 	return false
+}
+
+// nicReserve is, for one pod, how many of the devices of the pod's own
+// drivers (GPUs) stay free for pods that also need a node's other devices
+// (NICs), and how many are free on the nodes where such devices are free.
+type nicReserve struct {
+	keep, free int
+}
+
+// nicReserveOf counts, over the nodes the pod passed Filter on that have
+// devices of a driver the pod does not ask for (allocator.Quality's
+// OtherDevices), the devices matching the pod's requests, and keeps
+// percent of them (rounded up); free counts those not in use on the nodes
+// where such other devices are free (Quality.OtherFree).
+func nicReserveOf(s *stateData, nodes []fwk.NodeInfo, percent int32) nicReserve {
+	var r nicReserve
+	total := 0
+	for _, n := range nodes {
+		res := s.getResult(n.Node().Name)
+		if res == nil || res.Quality.OtherDevices == 0 {
+			continue
+		}
+		total += res.Quality.NodeDevices
+		if res.Quality.OtherFree > 0 {
+			r.free += res.Quality.NodeDevices - res.Quality.NodeInUse
+		}
+	}
+	r.keep = (total*int(percent) + 99) / 100
+	return r
+}
+
+// takes reports whether an allocation of quality q uses the reserve: it is
+// on a node with free other devices and leaves fewer than keep of the
+// pod's own devices free on such nodes.
+func (r nicReserve) takes(q allocator.Quality) bool {
+	return r.keep > 0 && q.OtherFree > 0 && r.free-len(q.Devices) < r.keep
 }
 
 // drainingNodes picks, among the nodes that passed Filter, the waiting
@@ -206,6 +247,7 @@ func (pl *TopologyDRA) Score(ctx context.Context, cs fwk.CycleState, pod *v1.Pod
 	q := res.Quality
 	q.Settled = s.ages.settled(nodeInfo.Node().Name)
 	q.StrandsNICs = s.sparesNICs && q.StrandedRoots > 0
+	q.InNICReserve = s.nicReserve.takes(q)
 	score := s.scorePolicy.ScoreOn(q, s.draining.Has(nodeInfo.Node().Name))
 	if s.choiceLevels > 0 {
 		// Like the stock plugin, a node where the pod gets earlier

@@ -89,6 +89,9 @@ type stateData struct {
 	// placements (see nicRootPairsWanted). Written by PreScore, read by
 	// Score.
 	sparesNICs bool
+	// nicReserve is what PreScore found for NICReservePercent (see
+	// nicReserveOf); read by Score.
+	nicReserve nicReserve
 	// choiceLevels is the largest sum of subrequest indexes the claims to
 	// allocate can reach (0: no prioritized list to rank by). Written by
 	// PreScore, read by Score.

@@ -108,6 +108,19 @@ type TopologyDRAArgs struct {
 	// only. It needs resource.kubernetes.io/pcieRoot among
 	// TopologyAttributes. 0: off.
 	NICRootTrade int32
+	// NICReservePercent keeps GPUs beside free NICs for the pods that ask
+	// for both. Among the nodes a pod passed Filter on, those with a free
+	// device of a driver the pod does not ask for (for a GPU-only pod: a
+	// free NIC) hold a number of free devices of the pod's own drivers;
+	// a placement on such a node that would leave fewer of those free
+	// than this share (rounded up) of the pod's own devices on the nodes
+	// with other devices scores in the lowest band
+	// (allocator.Quality.InNICReserve): a pod goes to a node without
+	// NICs, at any alignment, before it takes the last GPUs beside free
+	// NICs, and takes them where nothing else fits. Pods that ask for
+	// devices of every driver of a node are not affected. Scoring only.
+	// 0: off.
+	NICReservePercent int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
 	// OwnedTaintKey is the device taint key that marks devices only topodra

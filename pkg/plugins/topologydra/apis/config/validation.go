@@ -45,6 +45,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.SmallPodHeadroomPercent < 0 || args.SmallPodHeadroomPercent > 50 {
 		errs = append(errs, field.Invalid(path.Child("smallPodHeadroomPercent"), args.SmallPodHeadroomPercent, "must be between 0 and 50"))
 	}
+	if args.NICReservePercent < 0 || args.NICReservePercent > 50 {
+		errs = append(errs, field.Invalid(path.Child("nicReservePercent"), args.NICReservePercent, "must be between 0 and 50"))
+	}
 	if args.NICRootTrade < 0 {
 		errs = append(errs, field.Invalid(path.Child("nicRootTrade"), args.NICRootTrade, "must not be negative"))
 	}

@@ -40,6 +40,7 @@ type TopologyDRAArgs struct {
 	AgeWeight                  *int32   `json:"ageWeight,omitempty"`
 	SmallPodHeadroomPercent    *int32   `json:"smallPodHeadroomPercent,omitempty"`
 	NICRootTrade               *int32   `json:"nicRootTrade,omitempty"`
+	NICReservePercent          *int32   `json:"nicReservePercent,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
 	OwnedTaintKey              *string  `json:"ownedTaintKey,omitempty"`
 	BindingTimeoutSeconds      *int64   `json:"bindingTimeoutSeconds,omitempty"`
@@ -64,6 +65,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.AgeWeight = copyPtr(a.AgeWeight)
 	out.SmallPodHeadroomPercent = copyPtr(a.SmallPodHeadroomPercent)
 	out.NICRootTrade = copyPtr(a.NICRootTrade)
+	out.NICReservePercent = copyPtr(a.NICReservePercent)
 	out.Alignment = copyPtr(a.Alignment)
 	out.OwnedTaintKey = copyPtr(a.OwnedTaintKey)
 	out.BindingTimeoutSeconds = copyPtr(a.BindingTimeoutSeconds)
@@ -80,6 +82,9 @@ func copyPtr[T any](p *T) *T {
 
 // DefaultSmallPodHeadroomPercent is smallPodHeadroomPercent's default.
 const DefaultSmallPodHeadroomPercent = 12
+
+// DefaultNICReservePercent is nicReservePercent's default.
+const DefaultNICReservePercent = 5
 
 // SetDefaults fills in every unset field.
 func SetDefaults(a *TopologyDRAArgs) {
@@ -108,6 +113,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	}
 	if a.NICRootTrade == nil {
 		a.NICRootTrade = ptr.To[int32](1)
+	}
+	if a.NICReservePercent == nil {
+		a.NICReservePercent = ptr.To[int32](DefaultNICReservePercent)
 	}
 	if a.RoomWeight == nil {
 		a.RoomWeight = ptr.To[int32](70)
@@ -139,6 +147,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.AgeWeight = ptr.Deref(in.AgeWeight, 0)
 	out.SmallPodHeadroomPercent = ptr.Deref(in.SmallPodHeadroomPercent, 0)
 	out.NICRootTrade = ptr.Deref(in.NICRootTrade, 0)
+	out.NICReservePercent = ptr.Deref(in.NICReservePercent, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
 	out.PackingWeight = ptr.Deref(in.PackingWeight, 0)
 	out.Alignment = config.AlignmentPolicy(ptr.Deref(in.Alignment, ""))
@@ -160,6 +169,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.AgeWeight = ptr.To(in.AgeWeight)
 	out.SmallPodHeadroomPercent = ptr.To(in.SmallPodHeadroomPercent)
 	out.NICRootTrade = ptr.To(in.NICRootTrade)
+	out.NICReservePercent = ptr.To(in.NICReservePercent)
 	out.RoomWeight = ptr.To(in.RoomWeight)
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))

@@ -1,0 +1,61 @@
+package topologydra
+
+import (
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
+)
+
+// TestNICReserve: the reserve is a share of the pod's devices on the nodes
+// with other devices, free counts only nodes whose other devices are
+// free, and a placement uses the reserve where it leaves fewer free than
+// kept on a node with free other devices.
+func TestNICReserve(t *testing.T) {
+	s := &stateData{results: map[string]*allocator.Result{}}
+	var nodes []fwk.NodeInfo
+	add := func(name string, q allocator.Quality) {
+		s.results[name] = &allocator.Result{Quality: q}
+		info := framework.NewNodeInfo()
+		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		nodes = append(nodes, info)
+	}
+	// Two DGXs with NICs, one with all its NICs in use, and a box without.
+	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 6, OtherDevices: 4, OtherFree: 1})
+	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 2, OtherDevices: 4, OtherFree: 0})
+	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0})
+	info := framework.NewNodeInfo()
+	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "no-result"}})
+	nodes = append(nodes, info)
+
+	r := nicReserveOf(s, nodes, 12)
+	if r.keep != 2 || r.free != 2 {
+		t.Fatalf("12 %% of 16: keep %d, free %d; want 2, 2", r.keep, r.free)
+	}
+	for _, tc := range []struct {
+		name string
+		q    allocator.Quality
+		want bool
+	}{
+		{"last GPUs beside a free NIC", allocator.Quality{OtherFree: 1, Devices: []string{"g"}}, true},
+		{"node without free NICs", allocator.Quality{OtherFree: 0, Devices: []string{"g"}}, false},
+	} {
+		if got := r.takes(tc.q); got != tc.want {
+			t.Errorf("%s: takes %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	roomy := nicReserveOf(s, nodes, 5) // keep 1 of 16
+	if roomy.takes(allocator.Quality{OtherFree: 1, Devices: []string{"g"}}) {
+		t.Errorf("keeping 1 of 2 free: one GPU uses the reserve")
+	}
+	if !roomy.takes(allocator.Quality{OtherFree: 1, Devices: []string{"g", "h"}}) {
+		t.Errorf("keeping 1 of 2 free: two GPUs do not use the reserve")
+	}
+	if off := nicReserveOf(s, nodes, 0); off.takes(allocator.Quality{OtherFree: 1, Devices: []string{"g", "h"}}) {
+		t.Errorf("0 %%: the reserve is used")
+	}
+}
