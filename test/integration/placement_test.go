@@ -430,17 +430,31 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 	}
 	node := e.node("a", "held", framework.DGXLikeGPUs)
 	e.preallocate("holder", node, all...)
-	startTopodra(tCtx)
+	// A pod's backoff doubles with every failed attempt (a pod tried once
+	// before its claim exists fails twice); capped at 1 s, every backoff
+	// is over by the time the claim is deleted, and the event moves all
+	// three pods straight to the active queue. Otherwise a pod whose
+	// backoff still runs waits in the backoff queue while the 8-GPU pod,
+	// already past its own, is tried first and takes the node.
+	cfg := strings.Replace(string(config.SchedulerConfig), "kind: KubeSchedulerConfiguration\n", "kind: KubeSchedulerConfiguration\npodMaxBackoffSeconds: 1\n", 1)
+	if cfg == string(config.SchedulerConfig) {
+		t.Fatal("config/scheduler-config.yaml has no line kind: KubeSchedulerConfiguration to add podMaxBackoffSeconds after")
+	}
+	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: []byte(cfg)})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(stop)
 	for _, p := range []struct {
 		name string
 		gpus int64
 	}{{"eight", 8}, {"four", 4}, {"one", 1}} {
 		e.pod(p.name, topodraName, "a", e.template(p.gpus, nil))
-		_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, p.name, waitTimeout)
+		// Failed for the devices, not for a claim not created yet.
+		_, err := framework.WaitForPod(tCtx, cp.Client, e.ns, p.name, waitTimeout, "unschedulable for its devices", func(pod *v1.Pod) (bool, error) {
+			c := framework.PodScheduledCondition(pod)
+			return c != nil && c.Status == v1.ConditionFalse && strings.Contains(c.Message, "in use"), nil
+		})
 		tCtx.ExpectNoError(err)
 	}
-	// Past the scheduler's initial backoff (1 s), so that the event moves
-	// all three straight to the active queue.
 	time.Sleep(1500 * time.Millisecond)
 	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "holder", metav1.DeleteOptions{}))
 
