@@ -158,6 +158,19 @@ func startTopodra(tCtx ktesting.TContext) {
 	tCtx.Cleanup(stop)
 }
 
+// startTopodraEdited starts a topodra scheduler named name on the shipped
+// config with its first old replaced by new; it fails the test where
+// the config has no old.
+func startTopodraEdited(tCtx ktesting.TContext, name, old, new string) {
+	cfg := strings.Replace(string(config.SchedulerConfig), old, new, 1)
+	if cfg == string(config.SchedulerConfig) {
+		tCtx.Fatalf("config/scheduler-config.yaml has no %q to replace", old)
+	}
+	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: name, Config: []byte(cfg)})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(stop)
+}
+
 func startStock(tCtx ktesting.TContext) {
 	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "stock", Stock: true})
 	tCtx.ExpectNoError(err)

@@ -436,13 +436,7 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 	// three pods straight to the active queue. Otherwise a pod whose
 	// backoff still runs waits in the backoff queue while the 8-GPU pod,
 	// already past its own, is tried first and takes the node.
-	cfg := strings.Replace(string(config.SchedulerConfig), "kind: KubeSchedulerConfiguration\n", "kind: KubeSchedulerConfiguration\npodMaxBackoffSeconds: 1\n", 1)
-	if cfg == string(config.SchedulerConfig) {
-		t.Fatal("config/scheduler-config.yaml has no line kind: KubeSchedulerConfiguration to add podMaxBackoffSeconds after")
-	}
-	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: []byte(cfg)})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(stop)
+	startTopodraEdited(tCtx, "topodra", "kind: KubeSchedulerConfiguration\n", "kind: KubeSchedulerConfiguration\npodMaxBackoffSeconds: 1\n")
 	for _, p := range []struct {
 		name string
 		gpus int64
@@ -458,10 +452,30 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "holder", metav1.DeleteOptions{}))
 
-	for _, name := range []string{"four", "one"} {
-		if got := e.waitScheduled(name).Spec.NodeName; got != node {
-			t.Errorf("%s went to %s, want %s", name, got, node)
+	// Where the three pods are: on failure it says which pod took the node.
+	state := func() (map[string]string, string) {
+		nodes, desc := map[string]string{}, ""
+		for _, name := range []string{"one", "four", "eight"} {
+			pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, name, metav1.GetOptions{})
+			if err != nil {
+				desc += fmt.Sprintf(" %s: %v;", name, err)
+				continue
+			}
+			nodes[name] = pod.Spec.NodeName
+			msg := ""
+			if c := framework.PodScheduledCondition(pod); c != nil {
+				msg = c.Message
+			}
+			desc += fmt.Sprintf(" %s: node %q, %q;", name, pod.Spec.NodeName, msg)
 		}
+		return nodes, desc
+	}
+	err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(context.Context) (bool, error) {
+		nodes, _ := state()
+		return nodes["four"] != "" && nodes["one"] != "", nil
+	})
+	if nodes, desc := state(); err != nil || nodes["four"] != node || nodes["one"] != node {
+		t.Fatalf("after the holder claim went, want the 1- and 4-GPU pods on %s:%s", node, desc)
 	}
 	time.Sleep(time.Second)
 	pod, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "eight", metav1.GetOptions{})

@@ -18,7 +18,6 @@ import (
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
 
-	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -54,13 +53,7 @@ func TestFilterTimeout(t *testing.T) {
 	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(tCtx, slow, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
 
-	cfg := strings.Replace(string(config.SchedulerConfig), "filterTimeout: 10s", "filterTimeout: 1s", 1)
-	if cfg == string(config.SchedulerConfig) {
-		tCtx.Fatal("scheduler-config.yaml has no filterTimeout: 10s to shorten")
-	}
-	stop, err := cp.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra-timeout", Config: []byte(cfg)})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(stop)
+	startTopodraEdited(tCtx, "topodra-timeout", "filterTimeout: 10s", "filterTimeout: 1s")
 
 	e.pod("slow", topodraName, "slow", "distinct-slots")
 	const reason = "timed out trying to allocate devices"
