@@ -116,8 +116,8 @@ type TopologyDRAArgs struct {
 	// than this share (rounded up) of the pod's own devices on the nodes
 	// with other devices scores in the lowest band
 	// (allocator.Quality.InNICReserve): a pod goes to a node without
-	// NICs, at any alignment, before it takes the last GPUs beside free
-	// NICs, and takes them where nothing else fits. Pods that ask for
+	// free NICs, at any alignment, before it takes the last GPUs beside
+	// free NICs, and takes them where nothing else fits. Pods that ask for
 	// devices of every driver of a node are not affected. Scoring only.
 	// 0: off.
 	NICReservePercent int32
