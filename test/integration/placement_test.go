@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -423,9 +422,6 @@ func unschedulableAttempts(tCtx ktesting.TContext, profile string) uint64 {
 // first (it failed first, so it has the oldest queue timestamp) and leave
 // both others waiting.
 func TestSmallerPodsAreTriedFirst(t *testing.T) {
-	if os.Getenv("TOPODRA_QUEUE_ORDER_TEST") == "" {
-		t.Skip("skipped unless TOPODRA_QUEUE_ORDER_TEST=1: in about one CI run in four the 8-GPU pod is tried before the 1- and 4-GPU pods after the holder claim goes and takes the node (cause not found; the queue order itself is covered by the DeviceCountSort unit tests)")
-	}
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "queue-order")
 	var all []string
@@ -435,11 +431,15 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 	node := e.node("a", "held", framework.DGXLikeGPUs)
 	e.preallocate("holder", node, all...)
 	// A pod's backoff doubles with every failed attempt (a pod tried once
-	// before its claim exists fails twice); capped at 1 s, every backoff
-	// is over by the time the claim is deleted, and the event moves all
-	// three pods straight to the active queue. Otherwise a pod whose
-	// backoff still runs waits in the backoff queue while the 8-GPU pod,
-	// already past its own, is tried first and takes the node.
+	// before its claim exists fails twice); capped at 1 s here. The queue
+	// rounds a backoff's end down to its 1 s ordering window and counts a
+	// pod as backing off until that window is over, so a backoff ends at
+	// most 2 s after the failure. Once that has passed for all three, the
+	// deletion event moves them straight to the active queue, which tries
+	// them in DeviceCountSort's order. Sooner, a pod still backing off
+	// waits in the backoff queue, ordered by when its backoff ends, while
+	// the 8-GPU pod, which failed first and is past its own, is tried
+	// first and takes the node.
 	startTopodraEdited(tCtx, "topodra", "kind: KubeSchedulerConfiguration\n", "kind: KubeSchedulerConfiguration\npodMaxBackoffSeconds: 1\n")
 	for _, p := range []struct {
 		name string
@@ -453,7 +453,7 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 		})
 		tCtx.ExpectNoError(err)
 	}
-	time.Sleep(1500 * time.Millisecond)
+	time.Sleep(2500 * time.Millisecond)
 	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "holder", metav1.DeleteOptions{}))
 
 	// Where the three pods are: on failure it says which pod took the node.
