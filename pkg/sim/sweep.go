@@ -81,8 +81,11 @@ type SweepRow struct {
 	// FreeInWholeNUMA is Result.FreeInWholeNUMA.
 	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
 	Aligned         float64 `json:"alignedFraction"`
-	Throughput      float64 `json:"throughputPodsPerSecond"`
-	AttemptP50Ms    float64 `json:"attemptP50Ms"`
+	// Alignment is Result.Alignment: the counts behind Aligned, per
+	// measure.
+	Alignment    Alignment `json:"alignment"`
+	Throughput   float64   `json:"throughputPodsPerSecond"`
+	AttemptP50Ms float64   `json:"attemptP50Ms"`
 	// SchedulerCPUMsPerPod is Result.SchedulerCPUMsPerPod.
 	SchedulerCPUMsPerPod float64 `json:"schedulerCPUMsPerPod"`
 	Errors               int     `json:"errors"`
@@ -95,7 +98,7 @@ func rowOf(scenario string, seed int64, res *Result) SweepRow {
 	row := SweepRow{Scenario: scenario, Seed: seed, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
-		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Throughput: res.Throughput,
+		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
 		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors)}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
