@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/topodra/topodra/pkg/sim"
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // runJSON is the part of a simulator run's JSON that the replay reads.
@@ -23,6 +24,7 @@ type runJSON struct {
 			Name string `json:"name"`
 			GPU  bool   `json:"gpu"`
 			NUMA string `json:"numaNode"`
+			Root string `json:"pcieRoot"`
 		} `json:"devices"`
 	} `json:"nodes"`
 	Results []struct {
@@ -38,20 +40,30 @@ type runJSON struct {
 }
 
 // job is what the replay needs of a pod: when it arrives, how long it
-// runs once bound (0: to the end) and how many GPUs and NICs it asks for.
+// runs once bound (0: to the end), how many GPUs and NICs it asks for,
+// and whether one of its claims needs its devices on one PCIe root.
 type job struct {
 	name          string
 	arrival, life int
 	gpus, nics    int
+	sameRoot      bool
 }
 
 // jobsOf reads the jobs of a workload; GPUs and NICs are the counts its
 // claim templates ask of the GPU and NIC classes.
 func jobsOf(w *sim.Workload) []job {
-	type count struct{ gpus, nics int }
+	type count struct {
+		gpus, nics int
+		sameRoot   bool
+	}
 	perTemplate := map[string]count{}
 	for _, t := range w.Templates {
 		c := perTemplate[t.Name]
+		for _, m := range t.Spec.Spec.Devices.Constraints {
+			if m.MatchAttribute != nil && string(*m.MatchAttribute) == string(topology.AttrPCIeRoot) {
+				c.sameRoot = true
+			}
+		}
 		for _, r := range t.Spec.Spec.Devices.Requests {
 			switch {
 			case r.Exactly == nil:
@@ -70,6 +82,7 @@ func jobsOf(w *sim.Workload) []job {
 			if c.ResourceClaimTemplateName != nil {
 				jb.gpus += perTemplate[*c.ResourceClaimTemplateName].gpus
 				jb.nics += perTemplate[*c.ResourceClaimTemplateName].nics
+				jb.sameRoot = jb.sameRoot || perTemplate[*c.ResourceClaimTemplateName].sameRoot
 			}
 		}
 		out = append(out, jb)
@@ -89,23 +102,32 @@ type options struct {
 // Why a pod waited, judged by the cluster at the end of the tick in which
 // it arrived (later pods of that tick may have taken what it failed on).
 var causes = []string{
-	"cluster full",                   // no GPU free
-	"fewer GPUs free than it asks",   // some free, fewer than it asks
-	"free GPUs only scattered",       // enough free, no node with enough
-	"no node with its GPUs and NICs", // a node with the GPUs, none that also has the NICs
-	"fits by count on a node",        // alignment, matchAttribute, or the order in the tick
+	"cluster full",                        // no GPU free
+	"fewer GPUs free than it asks",        // some free, fewer than it asks
+	"free GPUs only scattered",            // enough free, no node with enough
+	"no node with its GPUs and NICs",      // a node with the GPUs, none that also has the NICs
+	"no PCIe root with its GPUs and NICs", // a node with both, none on one root (pods that need one root)
+	"fits by count on a node",             // alignment, matchAttribute, or the order in the tick
 }
 
-// cause classifies a waiting pod by the free GPUs and NICs per node.
-func cause(j job, freeGPUs, freeNICs []int) string {
-	total, gpuNode, both := 0, false, false
-	for i := range freeGPUs {
-		total += freeGPUs[i]
-		if freeGPUs[i] >= j.gpus {
+// free is a count of free GPUs and NICs.
+type free struct{ gpus, nics int }
+
+// cause classifies a waiting pod by the free GPUs and NICs per node and,
+// for a pod that needs its devices on one PCIe root, per root of each
+// node (roots[node]).
+func cause(j job, nodes []free, roots [][]free) string {
+	total, gpuNode, both, root := 0, false, false, false
+	for i, n := range nodes {
+		total += n.gpus
+		if n.gpus >= j.gpus {
 			gpuNode = true
-			if freeNICs[i] >= j.nics {
+			if n.nics >= j.nics {
 				both = true
 			}
+		}
+		for _, r := range roots[i] {
+			root = root || r.gpus >= j.gpus && r.nics >= j.nics
 		}
 	}
 	switch {
@@ -117,8 +139,10 @@ func cause(j job, freeGPUs, freeNICs []int) string {
 		return causes[2]
 	case !both:
 		return causes[3]
+	case j.sameRoot && !root:
+		return causes[4]
 	}
-	return causes[4]
+	return causes[5]
 }
 
 // replay prints the run of each scheduler tick by tick. Departures follow
@@ -240,9 +264,25 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 				now = append(now, fmt.Sprintf("%s -> %s %v (arrived %d)", p.Pod, p.Node, p.GPUs, j.arrival))
 			}
 			if o.why {
-				freeGPUs, freeNICs := make([]int, len(rep.Nodes)), make([]int, len(rep.Nodes))
-				for i := range rep.Nodes {
-					freeGPUs[i], freeNICs[i], _ = freeOn(i)
+				nodes, roots := make([]free, len(rep.Nodes)), make([][]free, len(rep.Nodes))
+				for i, n := range rep.Nodes {
+					nodes[i].gpus, nodes[i].nics, _ = freeOn(i)
+					byRoot := map[string]free{}
+					for _, d := range n.Devices {
+						f := byRoot[d.Root]
+						switch {
+						case d.Root == "" || gpus[i][d.Name] != 0:
+							continue
+						case d.GPU:
+							f.gpus++
+						default:
+							f.nics++
+						}
+						byRoot[d.Root] = f
+					}
+					for _, f := range byRoot {
+						roots[i] = append(roots[i], f)
+					}
 				}
 				for _, j := range jobs {
 					if b, ok := placed[j.name]; j.arrival != tick || ok && b.tick == tick {
@@ -255,7 +295,7 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 					if waited[size] == nil {
 						waited[size] = map[string]int{}
 					}
-					waited[size][cause(j, freeGPUs, freeNICs)]++
+					waited[size][cause(j, nodes, roots)]++
 				}
 				continue
 			}

@@ -111,18 +111,25 @@ func TestWhy(t *testing.T) {
 	}
 
 	for _, tc := range []struct {
-		name               string
-		job                job
-		freeGPUs, freeNICs []int
-		want               string
+		name  string
+		job   job
+		nodes []free
+		roots [][]free
+		want  string
 	}{
-		{"nothing free", job{gpus: 1}, []int{0, 0}, []int{2, 0}, "cluster full"},
-		{"too few free", job{gpus: 4}, []int{1, 2}, []int{0, 0}, "fewer GPUs free than it asks"},
-		{"scattered", job{gpus: 2}, []int{1, 1}, []int{0, 0}, "free GPUs only scattered"},
-		{"GPUs where no NIC is free", job{gpus: 1, nics: 1}, []int{3, 0}, []int{0, 2}, "no node with its GPUs and NICs"},
-		{"fits by count", job{gpus: 1, nics: 1}, []int{3, 1}, []int{0, 1}, "fits by count on a node"},
+		{"nothing free", job{gpus: 1}, []free{{0, 2}, {0, 0}}, nil, "cluster full"},
+		{"too few free", job{gpus: 4}, []free{{1, 0}, {2, 0}}, nil, "fewer GPUs free than it asks"},
+		{"scattered", job{gpus: 2}, []free{{1, 0}, {1, 0}}, nil, "free GPUs only scattered"},
+		{"GPUs where no NIC is free", job{gpus: 1, nics: 1}, []free{{3, 0}, {0, 2}}, nil, "no node with its GPUs and NICs"},
+		{"fits by count", job{gpus: 1, nics: 1}, []free{{3, 0}, {1, 1}}, [][]free{nil, {{1, 0}, {0, 1}}}, "fits by count on a node"},
+		{"no root with both", job{gpus: 1, nics: 1, sameRoot: true}, []free{{3, 0}, {1, 1}}, [][]free{nil, {{1, 0}, {0, 1}}}, "no PCIe root with its GPUs and NICs"},
+		{"a root with both", job{gpus: 1, nics: 1, sameRoot: true}, []free{{3, 0}, {2, 1}}, [][]free{nil, {{1, 0}, {1, 1}}}, "fits by count on a node"},
 	} {
-		if got := cause(tc.job, tc.freeGPUs, tc.freeNICs); got != tc.want {
+		roots := tc.roots
+		if roots == nil {
+			roots = make([][]free, len(tc.nodes))
+		}
+		if got := cause(tc.job, tc.nodes, roots); got != tc.want {
 			t.Errorf("%s: cause %q, want %q", tc.name, got, tc.want)
 		}
 	}
