@@ -39,6 +39,23 @@ func TestStatOf(t *testing.T) {
 	}
 }
 
+// TestRowOf: a sweep row carries the run's waits by size and the
+// alignment counts behind its aligned fraction.
+func TestRowOf(t *testing.T) {
+	res := &Result{Scheduler: "topodra", Pending: 2,
+		Alignment:       Alignment{MultiGPU: 3, Clique: Ratio{2, 3}, Root: Ratio{1, 2}, NUMA: Ratio{3, 3}, GPUNIC: 1, NICRoot: Ratio{1, 1}},
+		AlignedFraction: 7.0 / 9,
+		WaitByGPUs:      map[int]*Wait{1: {Pods: 2, Ticks: 1}, 8: {}},
+	}
+	row := rowOf("builtin-8", 3, res)
+	if row.Alignment != res.Alignment || row.Aligned != res.AlignedFraction || row.NeverPlaced != 2 {
+		t.Errorf("row %+v, want the alignment %+v (%.3f) and 2 never placed", row, res.Alignment, res.AlignedFraction)
+	}
+	if len(row.MeanWait) != 1 || row.MeanWait[1] != 0.5 {
+		t.Errorf("mean waits %v, want 1 GPU: 0.5 and no entry for sizes without pods", row.MeanWait)
+	}
+}
+
 func TestTargets(t *testing.T) {
 	stat := func(v float64) Stat { return Stat{Median: v} }
 	topodra := SweepSummary{Scheduler: SchedulerTopodra, MeanWait: map[int]Stat{1: stat(0), 2: stat(0.1), 4: stat(0.5), 8: stat(1)},
