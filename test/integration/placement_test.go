@@ -618,3 +618,50 @@ func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
 		t.Fatalf("with a GPU+NIC pod running, the 8-GPU pod went to %s, want the PCIe box %s (a DGX stays free for GPU+NIC pods)", node, pcie)
 	}
 }
+
+// nicsOn publishes one NIC on each of the given PCIe roots of a DGX-like
+// node ("nic-<root>", with the root's pcieRoot and NUMA node, as the
+// node agent publishes them), and returns the node.
+func (e *env) nicsOn(node string, roots ...int) string {
+	var nics []framework.Device
+	for _, r := range roots {
+		nics = append(nics, framework.Device{Name: fmt.Sprintf("nic-%d", r), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", r)),
+			topology.AttrNUMANode: framework.IntAttr(int64(r / 2)),
+		}})
+	}
+	_, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, framework.SliceForNode(node, nicDriver, nics), metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	return node
+}
+
+// TestGPUNICPodKeepsItsRootOnDrainingNode: while an 8-GPU pod waits, a pod
+// that asks for a GPU and a NIC still takes them on one PCIe root of the
+// draining DGX, rather than a GPU and a NIC on different roots of a busy
+// one: the drain trade costs a rank only to pods of one device class.
+func TestGPUNICPodKeepsItsRootOnDrainingNode(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "drainnic")
+	nicClass := e.nicClass()
+	// Closest to free, so draining: one GPU in use, a NIC on every root.
+	almost := e.nicsOn(e.node("a", "almost", framework.DGXLikeGPUs, "gpu-0"), 0, 1, 2, 3)
+	// Busy: its free GPUs (root 3) and its only NIC (root 2) share a NUMA
+	// node, not a root.
+	busy := e.nicsOn(e.node("a", "busy", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"), 2)
+	eight := e.template(8, nil)
+	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
+	startTopodra(tCtx)
+
+	e.waitingWholeNodePod("waiting", "a", eight)
+	node, devices := e.schedule("gpu-nic", "a", gpuNIC)
+	var gpu, nic = -1, -1
+	for _, d := range devices {
+		if _, err := fmt.Sscanf(d, "gpu-%d", &gpu); err == nil {
+			continue
+		}
+		_, _ = fmt.Sscanf(d, "nic-%d", &nic)
+	}
+	if node != almost || gpu < 0 || gpu/2 != nic {
+		t.Fatalf("with an 8-GPU pod pending the GPU+NIC pod got %v on %s, want a GPU and the NIC of one PCIe root of the draining %s (on %s they would share only a NUMA node)", devices, node, almost, busy)
+	}
+}

@@ -195,7 +195,7 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	add("empty", 0)
 	add("self-only", 0, self) // the pod being placed does not count
 
-	ages := agesOf(nodes, self, now)
+	ages := agesOf(nodes, self, now, nil)
 	want := map[string]float64{"old": 1, "young": 0.25, "empty": 0, "self-only": 0}
 	for name, w := range want {
 		if got := ages.settled(name); math.Abs(got-w) > 1e-9 {

@@ -47,7 +47,9 @@ type TopologyDRA struct {
 	// pending indexes the pending pods with claims; nil where neither
 	// WholeNodeTradeWhileWaiting nor DrainTrade makes scoring look at
 	// pending pods.
-	pending    *pendingIndex
+	pending *pendingIndex
+	// bindClock times the bindings of pods for AgeWeight; nil without it.
+	bindClock  *bindClock
 	features   structured.Features
 	draManager fwk.SharedDRAManager
 	client     kubernetes.Interface
@@ -157,6 +159,14 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		pl.pending = newPendingIndex()
 		if _, err := h.SharedInformerFactory().Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
+		}
+	}
+	if pl.policy.Packing && args.AgeWeight > 0 {
+		if f := h.SharedInformerFactory(); f != nil {
+			pl.bindClock = newBindClock()
+			if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.bindClock.handler()); err != nil {
+				return nil, fmt.Errorf("watch pod bindings: %w", err)
+			}
 		}
 	}
 	if args.OwnedTaintKey != "" {

@@ -23,7 +23,8 @@ import (
 // how the nodes are ranked: with WholeNodeTradeWhileWaiting while a pod
 // that needs a whole node is pending, and, for a pod smaller than a whole
 // node, which nodes are draining (see drainingNodes): Score ranks them
-// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less). With
+// with allocator.Policy.ScoreOn (room 0, DrainTrade ranks less, none for
+// a pod that asks for devices of several classes). With
 // AgeWeight it also measures how long each node's pods have run (see
 // agesOf), and with NICReservePercent how many GPUs beside free NICs are
 // kept for the pods that need both (see nicReserveOf).
@@ -40,7 +41,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	s.draining = nil
 	s.ages = nodeAges{}
 	if pl.policy.Packing && pl.policy.AgeWeight > 0 {
-		s.ages = agesOf(nodes, pod, time.Now())
+		s.ages = agesOf(nodes, pod, time.Now(), pl.bindClock)
 	}
 	var own []classDevices
 	for _, c := range s.allocClaims {
@@ -54,6 +55,14 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 				s.draining = drainingNodes(s, nodes, waiting, s.ages.byNode)
 			}
 		}
+	}
+	if len(own) > 1 {
+		// A pod that asks for devices of several classes (a GPU and the
+		// NIC beside it) gives up no rank on a draining node: the
+		// looser placement elsewhere would split its devices across
+		// PCIe roots, the one alignment it asked for. The draining
+		// node still comes last within its rank.
+		s.scorePolicy.DrainTrade = 0
 	}
 	s.sparesNICs = wholeNode && pl.policy.Packing && pl.policy.NICRootTrade > 0 && nicRootPairsWanted(pl.draManager.ResourceClaims().List)
 	s.nicReserve = nicReserve{}
@@ -201,8 +210,9 @@ func (a nodeAges) settled(node string) float64 {
 }
 
 // agesOf measures the ages of nodes, leaving pod out. A pod's age is
-// counted from its binding (see runningSince).
-func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) nodeAges {
+// counted from its binding: as the clock saw it where it did, else as
+// runningSince says.
+func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time, clock *bindClock) nodeAges {
 	ages := nodeAges{byNode: make(map[string]time.Duration, len(nodes))}
 	for _, n := range nodes {
 		var age time.Duration
@@ -211,7 +221,11 @@ func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time) nodeAges {
 			if p.UID == pod.UID || len(p.Spec.ResourceClaims) == 0 {
 				continue
 			}
-			age = max(age, now.Sub(runningSince(p)))
+			since, ok := clock.boundAt(p)
+			if !ok {
+				since = runningSince(p)
+			}
+			age = max(age, now.Sub(since))
 		}
 		ages.byNode[n.Node().Name] = age
 		ages.oldest = max(ages.oldest, age)

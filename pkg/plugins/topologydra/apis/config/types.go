@@ -71,10 +71,12 @@ type TopologyDRAArgs struct {
 	// in use (ties: by name) are draining. A placement there has room 0
 	// (last within its alignment rank) and gives up DrainTrade alignment
 	// ranks (never below the loosest aligned rank), so that small pods
-	// leave the node to empty out. Scoring only: a draining node stays
-	// feasible. Draining nodes are chosen whenever demand awareness is on
-	// (WholeNodeTradeWhileWaiting above WholeNodeTrade, or DrainTrade
-	// above 0).
+	// leave the node to empty out; a pod that asks for devices of several
+	// classes (a GPU and a NIC) gives up no rank, since its looser
+	// placement would split them across PCIe roots. Scoring only: a
+	// draining node stays feasible. Draining nodes are chosen whenever
+	// demand awareness is on (WholeNodeTradeWhileWaiting above
+	// WholeNodeTrade, or DrainTrade above 0).
 	DrainTrade    int32
 	RoomWeight    int32
 	PackingWeight int32
