@@ -770,19 +770,31 @@ func TestQualityOtherDevices(t *testing.T) {
 	}
 }
 
-// TestNICReserveScore: an allocation marked InNICReserve scores below
-// every unmarked one of rank 1 or more, keeps its order among the marked
-// ones, and is not lowered when spreading.
+// TestNICReserveScore: an allocation marked InNICReserve gives up one
+// rank: it scores below every unmarked one of its own rank, ties with an
+// unmarked one a rank looser on room and packing, and still beats one
+// two ranks looser; it is not lowered when spreading.
 func TestNICReserveScore(t *testing.T) {
 	p := DefaultPolicy()
 	best := Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true}
-	worst := Quality{Shared: 1, Room: 0, Packing: 0}
-	if p.Score(best) >= p.Score(worst) {
-		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 1 outside it", p.Score(best), p.Score(worst))
+	sameRank := Quality{Shared: 3, Room: 0, Packing: 0}
+	if p.Score(best) >= p.Score(sameRank) {
+		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 3 outside it", p.Score(best), p.Score(sameRank))
 	}
-	lower := Quality{Shared: 2, Room: 1, Packing: 1, InNICReserve: true}
-	if p.Score(best) <= p.Score(lower) {
-		t.Errorf("in the reserve, rank 3 scores %d, not above %d of rank 2", p.Score(best), p.Score(lower))
+	looser := Quality{Shared: 2, Room: 1, Packing: 1}
+	if p.Score(best) != p.Score(looser) {
+		t.Errorf("rank 3 in the reserve scores %d, rank 2 outside it with the same room and packing %d: want a tie", p.Score(best), p.Score(looser))
+	}
+	emptier := Quality{Shared: 2, Room: 0.7, Packing: 0.2}
+	if p.Score(best) <= p.Score(emptier) {
+		t.Errorf("rank 3 in the reserve (%d) should beat rank 2 outside it with less room and packing (%d)", p.Score(best), p.Score(emptier))
+	}
+	loosest := Quality{Shared: 1, Room: 1, Packing: 1}
+	if p.Score(best) <= p.Score(loosest) {
+		t.Errorf("rank 3 in the reserve scores %d, not above %d of rank 1", p.Score(best), p.Score(loosest))
+	}
+	if got := p.Score(Quality{Shared: 0, Room: 1, Packing: 1, InNICReserve: true}); got < 0 || got != p.Score(Quality{Shared: 0, Room: 1, Packing: 1}) {
+		t.Errorf("rank 0 in the reserve scores %d, want as outside it (no rank to give up)", got)
 	}
 	plain := best
 	plain.InNICReserve = false

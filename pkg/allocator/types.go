@@ -155,10 +155,10 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining or not: Score with RankOn(q, draining) as the rank and, on a
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
-// last. When packing, an allocation marked q.InNICReserve scores in the
-// lowest band (that score times 0.96/(len(Attributes)+1)): below every
-// allocation of rank 1 or more that is not so marked, in the order it
-// would otherwise have among those that are.
+// last. When packing, an allocation marked q.InNICReserve gives up one
+// more rank (not below 0): it ties with an allocation one rank looser
+// elsewhere, which room, packing and age then decide, and wins over a
+// looser one.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
@@ -182,12 +182,13 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 		tie = (wr*room + wp*pack + wa*q.Settled) / (wr + wp + wa)
 	}
 	band := 100 / float64(len(p.Attributes)+1)
-	points := band * (float64(p.RankOn(q, draining)) + 0.96*tie)
+	rank := p.RankOn(q, draining)
 	if p.Packing && q.InNICReserve {
-		// The lowest band, in the order the allocation would otherwise
-		// have: below every allocation of rank 1 or more.
-		points *= 0.96 / float64(len(p.Attributes)+1)
+		// One rank less: the reserve is left to the pods that need
+		// it where an allocation one rank looser exists elsewhere.
+		rank = max(0, rank-1)
 	}
+	points := band * (float64(rank) + 0.96*tie)
 	score := int64(math.Round(points))
 	return max(0, min(100, score))
 }

@@ -665,3 +665,23 @@ func TestGPUNICPodKeepsItsRootOnDrainingNode(t *testing.T) {
 		t.Fatalf("with an 8-GPU pod pending the GPU+NIC pod got %v on %s, want a GPU and the NIC of one PCIe root of the draining %s (on %s they would share only a NUMA node)", devices, node, almost, busy)
 	}
 }
+
+// TestLargePodTakesNICReserveBeforeEmptyNode: the GPUs kept beside free
+// NICs cost a pod one alignment rank, not all of them. A 4-GPU pod takes
+// the free NUMA node of a DGX whose NICs are free, although its GPUs
+// there are the reserve, rather than break up an empty PCIe box (one
+// rank looser, and a whole free node). A 1-GPU pod, as well aligned
+// anywhere, opens the box (TestGPUsBesideNICsLeftForNICPods).
+func TestLargePodTakesNICReserveBeforeEmptyNode(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve4")
+	e.nicClass()
+	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	four := e.template(4, nil)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("four", "a", four); node != dgx || !sharedDomain(devices, 4) {
+		t.Fatalf("the 4-GPU pod got %v on %s, want the free NUMA node of %s, not the empty PCIe box %s", devices, node, dgx, pcie)
+	}
+}

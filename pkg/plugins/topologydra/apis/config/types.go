@@ -116,10 +116,10 @@ type TopologyDRAArgs struct {
 	// free NIC) hold a number of free devices of the pod's own drivers;
 	// a placement on such a node that would leave fewer of those free
 	// than this share (rounded up) of the pod's own devices on the nodes
-	// with other devices scores in the lowest band
+	// with other devices gives up one alignment rank
 	// (allocator.Quality.InNICReserve): a pod goes to a node without
-	// free NICs, at any alignment, before it takes the last GPUs beside
-	// free NICs, and takes them where nothing else fits. Pods that ask for
+	// free NICs where it is aligned as well there less that rank, and
+	// takes the last GPUs beside free NICs otherwise. Pods that ask for
 	// devices of every driver of a node are not affected. Scoring only.
 	// 0: off.
 	NICReservePercent int32
