@@ -545,18 +545,8 @@ func (e *env) nicClass() string {
 }
 
 // withNICs publishes four NICs on node, one on each PCIe root of a
-// DGX-like node's GPU pairs, and returns the node.
-func (e *env) withNICs(node string) string {
-	var nics []framework.Device
-	for i := range 4 {
-		nics = append(nics, framework.Device{Name: fmt.Sprintf("nic-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
-			topology.AttrPCIeRoot: framework.StringAttr(fmt.Sprintf("pci0000:%02x", i)),
-		}})
-	}
-	_, err := cp.Client.ResourceV1().ResourceSlices().Create(e.tCtx, framework.SliceForNode(node, nicDriver, nics), metav1.CreateOptions{})
-	e.tCtx.ExpectNoError(err)
-	return node
-}
+// DGX-like node's GPU pairs (see nicsOn), and returns the node.
+func (e *env) withNICs(node string) string { return e.nicsOn(node, 0, 1, 2, 3) }
 
 // gpuNICTemplate creates a claim template asking for one GPU and one NIC,
 // with the given constraints.
