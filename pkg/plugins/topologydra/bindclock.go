@@ -40,10 +40,7 @@ func (c *bindClock) handler() cache.ResourceEventHandler {
 			c.mu.Unlock()
 		},
 		DeleteFunc: func(obj any) {
-			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = tomb.Obj
-			}
-			if pod, ok := obj.(*v1.Pod); ok {
+			if pod, ok := deletedPod(obj); ok {
 				c.mu.Lock()
 				delete(c.bound, pod.UID)
 				c.mu.Unlock()

@@ -45,14 +45,21 @@ func (ix *pendingIndex) handler() cache.ResourceEventHandler {
 		AddFunc:    func(obj any) { ix.update(obj) },
 		UpdateFunc: func(_, obj any) { ix.update(obj) },
 		DeleteFunc: func(obj any) {
-			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = tomb.Obj
-			}
-			if pod, ok := obj.(*v1.Pod); ok {
+			if pod, ok := deletedPod(obj); ok {
 				ix.remove(pod)
 			}
 		},
 	}
+}
+
+// deletedPod is the pod of a pod informer's delete event, whether it
+// comes as the pod or as a tombstone.
+func deletedPod(obj any) (*v1.Pod, bool) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	pod, ok := obj.(*v1.Pod)
+	return pod, ok
 }
 
 func (ix *pendingIndex) update(obj any) {
