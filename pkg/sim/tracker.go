@@ -630,15 +630,26 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 		}
 		selector := labels.SelectorFromSet(ps.NodeSelector)
 		if t.headroomPercent > 0 && ps.Demand.GPUs >= topologydra.HalfNodeBlock {
-			total, free := 0, 0
+			total, spare := 0, 0
 			for node, f := range perNode {
 				if selector.Matches(t.nodeLabels[node]) {
 					total += f.allGPUs
-					free += f.gpus
+					spare += topologydra.Spare(f.gpus)
 				}
 			}
-			if free-ps.Demand.GPUs < topologydra.HeadroomFor(t.headroomPercent, total, ps.Demand.GPUs) {
-				continue // the scheduler keeps the headroom
+			// The scheduler keeps the headroom: it counts the GPUs free
+			// on nodes left with topologydra.SpareOnNode or more.
+			h := topologydra.HeadroomFor(t.headroomPercent, total, ps.Demand.GPUs)
+			fits := false
+			for node, f := range perNode {
+				if selector.Matches(t.nodeLabels[node]) && f.gpus >= ps.Demand.GPUs &&
+					spare-topologydra.Spare(f.gpus)+topologydra.Spare(f.gpus-ps.Demand.GPUs) >= h {
+					fits = true
+					break
+				}
+			}
+			if !fits {
+				continue
 			}
 		}
 		if ps.Demand.SameRoot {

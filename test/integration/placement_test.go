@@ -528,6 +528,45 @@ func TestWholeNodePodLeavesHeadroom(t *testing.T) {
 	}
 }
 
+// TestHeadroomCountsNodesWithRoom: on eight DGX nodes (headroom 8 of 64),
+// one empty, one with 7 GPUs free and one with a single GPU free, 16 GPUs
+// are free, so an 8-GPU pod on the empty node would leave 8; but the single
+// GPU is no room for a 2-GPU pod, so only 7 count and the pod waits. When
+// a claim gives back a second GPU beside the single one (that node still
+// has far fewer than 8 free), the pod is retried and starts.
+func TestHeadroomCountsNodesWithRoom(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "headroom-room")
+	nodes := e.dgxNodes("h", 8, "256")
+	gpus := func(from, to int) []string {
+		var out []string
+		for i := from; i < to; i++ {
+			out = append(out, fmt.Sprintf("gpu-%d", i))
+		}
+		return out
+	}
+	e.preallocate("one-1", nodes[1], gpus(0, 1)...)
+	e.preallocate("six-2", nodes[2], gpus(0, 6)...)
+	e.preallocate("one-2", nodes[2], gpus(6, 7)...)
+	for _, n := range nodes[3:] {
+		e.preallocate("all-"+n, n, gpus(0, 8)...)
+	}
+	startTopodra(tCtx)
+
+	e.pod("whole", topodraName, "h", e.template(8, nil))
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	tCtx.ExpectNoError(err)
+	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "16 are free, this pod needs 8, and 7 would stay free on nodes with 2 or more free") {
+		t.Errorf("PodScheduled message %q does not say that the single free GPU does not count", msg)
+	}
+	// Past the scheduler's initial backoff (1 s).
+	time.Sleep(1500 * time.Millisecond)
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "one-2", metav1.DeleteOptions{}))
+	if got := e.waitScheduled("whole").Spec.NodeName; got != nodes[0] {
+		t.Errorf("the 8-GPU pod went to %s, want the empty %s", got, nodes[0])
+	}
+}
+
 // TestWholeNodePodLeavesNICsToMatchedPods: an 8-GPU pod ranks a DGX (one
 // NVSwitch clique) above a PCIe box and takes it; once a pod whose claim
 // needs a GPU and a NIC on one PCIe root runs, the next 8-GPU pod takes a

@@ -89,8 +89,8 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// More devices may become free or appear (claim and slice events).
 		return unschedulable(msg)
 	}
-	if s.headroom != nil {
-		if why := checkHeadroom(pl.headroomPercent, s.headroom, res.Allocations); why != "" {
+	if s.headroom.drivers != nil {
+		if why := checkHeadroom(pl.headroomPercent, s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
 			return unresolvable(why)

@@ -18,33 +18,72 @@ import (
 const HalfNodeBlock = allocator.WholeNodeBlock / 2
 
 // driverDevices counts one driver's node-local devices on the nodes a pod
-// may use.
-type driverDevices struct{ total, free int }
+// may use: all of them, the free ones, and the free ones on nodes with at
+// least SpareOnNode free (see Spare).
+type driverDevices struct{ total, free, spare int }
+
+// SpareOnNode is the fewest free devices of one driver on a node for them
+// to count towards the headroom: a single free device can serve only a
+// 1-device pod, so single devices left free on many nodes are no room for
+// the 2-device pods the headroom is kept for.
+const SpareOnNode = 2
+
+// Spare is how many of free devices of one driver on one node count
+// towards the headroom: all of them from SpareOnNode, else none.
+func Spare(free int) int {
+	if free >= SpareOnNode {
+		return free
+	}
+	return 0
+}
 
 // headroomCounts counts, per driver, the devices of node-local pools (the
 // newest generation of each pool) on the nodes that admit says the pod
-// may use, and those of them not allocated.
-func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.AllocatedState, admit sets.Set[string]) map[string]driverDevices {
+// may use, and those of them not allocated, in all and per node.
+func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.AllocatedState, admit sets.Set[string]) headroom {
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		generation[k] = max(generation[k], s.Spec.Pool.Generation)
 	}
-	out := map[string]driverDevices{}
+	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}}
 	for _, s := range slices {
 		if s.Spec.NodeName == nil || !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
 			continue
 		}
-		c := out[s.Spec.Driver]
+		g := deviceGroup{node: *s.Spec.NodeName, driver: s.Spec.Driver}
+		c := out.drivers[s.Spec.Driver]
 		for _, d := range s.Spec.Devices {
 			c.total++
 			if allocated == nil || !allocated.AllocatedDevices.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) {
 				c.free++
+				out.free[g]++
 			}
 		}
-		out[s.Spec.Driver] = c
+		out.drivers[s.Spec.Driver] = c
+	}
+	for g, n := range out.free {
+		c := out.drivers[g.driver]
+		c.spare += Spare(n)
+		out.drivers[g.driver] = c
 	}
 	return out
+}
+
+// headroom is what Filter checks an allocation against: per driver, the
+// devices of the nodes the pod may use (driverDevices), and the free ones
+// per node and driver.
+type headroom struct {
+	drivers map[string]driverDevices
+	free    map[deviceGroup]int
+}
+
+// spareAfter is how many devices of driver would count towards the
+// headroom (see Spare) after an allocation that takes n of them on node.
+func (h headroom) spareAfter(driver, node string, n int) int {
+	g := deviceGroup{node: node, driver: driver}
+	f := h.free[g]
+	return h.drivers[driver].spare - Spare(f) + Spare(f-n)
 }
 
 // admittedNodes names the nodes whose labels match the pod's required node
@@ -80,10 +119,11 @@ func HeadroomFor(percent int32, total, n int) int {
 	return 0
 }
 
-// checkHeadroom says why an allocation may not be used now: for a driver
-// it takes devices of, fewer than HeadroomFor of that driver's devices
-// would stay free on the nodes the pod may use. Empty when it may.
-func checkHeadroom(percent int32, counts map[string]driverDevices, allocations []resourceapi.AllocationResult) string {
+// checkHeadroom says why an allocation on node may not be used now: for
+// a driver it takes devices of, fewer than HeadroomFor of that driver's
+// devices would stay free on the nodes the pod may use, counting only
+// nodes left with SpareOnNode or more free. Empty when it may.
+func checkHeadroom(percent int32, counts headroom, node string, allocations []resourceapi.AllocationResult) string {
 	taken := map[string]int{}
 	for _, a := range allocations {
 		for _, r := range a.Devices.Results {
@@ -91,10 +131,14 @@ func checkHeadroom(percent int32, counts map[string]driverDevices, allocations [
 		}
 	}
 	for driver, n := range taken {
-		c := counts[driver]
-		if h := HeadroomFor(percent, c.total, n); h > 0 && c.free-n < h {
-			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, this pod needs %d",
-				h, c.total, driver, percent, c.free, n)
+		c := counts.drivers[driver]
+		h := HeadroomFor(percent, c.total, n)
+		if h == 0 {
+			continue
+		}
+		if spare := counts.spareAfter(driver, node, n); spare < h {
+			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, this pod needs %d, and %d would stay free on nodes with %d or more free",
+				h, c.total, driver, percent, c.free, n, spare, SpareOnNode)
 		}
 	}
 	return ""

@@ -43,7 +43,11 @@ func TestHeadroomFor(t *testing.T) {
 // empty node while only 7 other GPUs are free; with 8 free it may; a
 // 1-GPU pod is never held back; a pod pinned to one node keeps no
 // headroom there; 0 switches it off. A 4-GPU pod may not leave fewer
-// than 2 free, a 2-GPU pod may.
+// than 2 free, a 2-GPU pod may. Single GPUs free on a node do not count:
+// 8 free besides the empty node, one of them alone on its node, hold the
+// 8-GPU pod back, and a 4-GPU pod may not leave two single GPUs on two
+// nodes (nor one on its own node and one on another), while it may leave
+// two on one node.
 func TestFilterKeepsHeadroom(t *testing.T) {
 	var nodes []*v1.Node
 	var names []string
@@ -52,16 +56,14 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 		names = append(names, name)
 		nodes = append(nodes, testNode(name))
 	}
-	setup := func(freeOnNode0, freeOnNode1 int, extra ...runtime.Object) *harness {
+	// setup frees free[i] GPUs on node-i, none on the others.
+	setup := func(free ...int) *harness {
 		objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8), testClaim("four", 4), testClaim("two", 2), testClaim("one", 1)}
 		for i, n := range names {
 			objs = append(objs, testSlice(n, 8))
 			held := 8
-			switch i {
-			case 0:
-				held = 8 - freeOnNode0
-			case 1:
-				held = 8 - freeOnNode1
+			if i < len(free) {
+				held = 8 - free[i]
 			}
 			var devs []string
 			for g := range held {
@@ -71,7 +73,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 				objs = append(objs, allocatedOn(testClaim("held-"+n, int64(held)), n, devs...))
 			}
 		}
-		h := newHarness(t, nodes, append(objs, extra...)...)
+		h := newHarness(t, nodes, objs...)
 		h.pl.headroomPercent = 12
 		return h
 	}
@@ -128,37 +130,80 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	if _, st = h.cycle(testPod("p", "four"), "node-0"); !st["node-0"].IsSuccess() {
 		t.Errorf("6 free: a 4-GPU pod that leaves 2 was held back: %v", st["node-0"])
 	}
+
+	h = setup(8, 7, 1)
+	_, st = h.cycle(testPod("p", "eight"), "node-0")
+	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("8 free besides the empty node, one alone on its node: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
+	}
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "16 are free, this pod needs 8, and 7 would stay free on nodes with 2 or more free") {
+		t.Errorf("message %q does not say that single free GPUs do not count", msg)
+	}
+	h = setup(4, 1, 1)
+	if _, st = h.cycle(testPod("p", "four"), "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("a 4-GPU pod that leaves two single GPUs on two nodes: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
+	}
+	h = setup(4, 2)
+	if _, st = h.cycle(testPod("p", "four"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("a 4-GPU pod that leaves two GPUs on one node was held back: %v", st["node-0"])
+	}
+	h = setup(5, 1)
+	if _, st = h.cycle(testPod("p", "four"), "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("a 4-GPU pod that leaves a single GPU on its node and one on another: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
+	}
 }
 
-// TestHeadroomQueueingHint: eight nodes of eight GPUs, 9 free (an empty
-// node and one more GPU), so a waiting 8-GPU pod is kept out by the
+// TestHeadroomQueueingHint: eight nodes of eight GPUs, 10 free (an empty
+// node and two GPUs on another), so a waiting 8-GPU pod is kept out by the
 // headroom (8 of 64). A claim giving back 1 GPU leaves the cluster short
 // of it: no retry. A claim giving back 7 GPUs on a node that then has 7
-// free brings the cluster to 16 free: retry, though no node gained room
+// free brings the cluster to 17 free: retry, though no node gained room
 // for the pod (it fits on the empty one). Without the headroom only the
 // node's count decides, and so for a pod pinned to one node (where 8 GPUs
 // leave no headroom); a pod whose node affinity admits every node keeps
-// the cluster's.
+// the cluster's. With one GPU free on the other node instead of two, the
+// 7 GPUs given back bring the cluster to 16 free, but one of them alone
+// on its node does not count: no retry.
 func TestHeadroomQueueingHint(t *testing.T) {
-	var nodes []*v1.Node
-	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
-	for i := range 8 {
-		name := fmt.Sprintf("node-%d", i)
-		nodes = append(nodes, testNode(name))
-		objs = append(objs, testSlice(name, 8))
-		switch {
-		case i == 1:
-			objs = append(objs, allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"))
-		case i > 1:
-			objs = append(objs,
-				allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"),
-				allocatedOn(testClaim("one-"+name, 1), name, "gpu-7"))
+	// cluster holds heldOnNode1 GPUs of node-1, all of node-2 to node-7.
+	cluster := func(heldOnNode1 int) *harness {
+		var nodes []*v1.Node
+		objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
+		for i := range 8 {
+			name := fmt.Sprintf("node-%d", i)
+			nodes = append(nodes, testNode(name))
+			objs = append(objs, testSlice(name, 8))
+			switch {
+			case i == 1:
+				var devs []string
+				for g := range heldOnNode1 {
+					devs = append(devs, fmt.Sprintf("gpu-%d", g))
+				}
+				objs = append(objs, allocatedOn(testClaim("held-"+name, int64(heldOnNode1)), name, devs...))
+			case i > 1:
+				objs = append(objs,
+					allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"),
+					allocatedOn(testClaim("one-"+name, 1), name, "gpu-7"))
+			}
 		}
+		h := newHarness(t, nodes, objs...)
+		h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+		h.waitForClaim("one-node-2", func(*resourceapi.ResourceClaim) bool { return true })
+		h.waitForClaim("seven-node-3", func(*resourceapi.ResourceClaim) bool { return true })
+		return h
 	}
-	h := newHarness(t, nodes, objs...)
-	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
-	h.waitForClaim("one-node-2", func(*resourceapi.ResourceClaim) bool { return true })
-	h.waitForClaim("seven-node-3", func(*resourceapi.ResourceClaim) bool { return true })
+	hint := func(h *harness, pod *v1.Pod, claim string) fwk.QueueingHint {
+		old := h.apiClaim(claim)
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion += "-next"
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	h := cluster(6)
 	pinned := testPod("pinned", "eight")
 	pinned.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": "node-0"}
 	anyNode := testPod("any", "eight")
@@ -180,16 +225,14 @@ func TestHeadroomQueueingHint(t *testing.T) {
 		{"pod with a node affinity that admits all nodes, 7 GPUs back", 12, "seven-node-3", anyNode, fwk.Queue},
 	} {
 		h.pl.headroomPercent = tc.percent
-		old := h.apiClaim(tc.claim)
-		freed := old.DeepCopy()
-		freed.Status.Allocation = nil
-		freed.ResourceVersion += "-next"
-		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), tc.pod, old, freed)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got != tc.want {
+		if got := hint(h, tc.pod, tc.claim); got != tc.want {
 			t.Errorf("%s: hint %v, want %v", tc.name, got, tc.want)
 		}
+	}
+
+	h = cluster(7)
+	h.pl.headroomPercent = 12
+	if got := hint(h, testPod("p", "eight"), "seven-node-3"); got != fwk.QueueSkip {
+		t.Errorf("7 GPUs back, 16 free but one alone on its node: hint %v, want %v", got, fwk.QueueSkip)
 	}
 }

@@ -25,6 +25,8 @@ type freedDevices struct {
 	// node (for the headroom).
 	cluster map[string]driverDevices
 	nodes   map[deviceGroup]driverDevices
+	// gave counts the devices the event's claim gave back, per group.
+	gave map[deviceGroup]int
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -201,12 +203,20 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	// The groups the freed devices belong to, and the newest generation
 	// of every pool (only it counts).
 	groups := map[deviceGroup]bool{}
+	groupOfPool := map[poolKey]deviceGroup{}
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		generation[k] = max(generation[k], s.Spec.Pool.Generation)
 		if freedPools[k] {
 			groups[groupOf(s)] = true
+			groupOfPool[k] = groupOf(s)
+		}
+	}
+	gave := map[deviceGroup]int{}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if g, ok := groupOfPool[poolKey{driver: r.Driver, pool: r.Pool}]; ok {
+			gave[g]++
 		}
 	}
 	// The pools of those groups: only their devices are counted, so the
@@ -270,7 +280,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	if pl.headroomPercent > 0 {
 		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
 	}
-	f.key, f.free, f.cluster, f.nodes = key, free, cluster, nodes
+	f.key, f.free, f.cluster, f.nodes, f.gave = key, free, cluster, nodes, gave
 	return free, true
 }
 
@@ -334,6 +344,7 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 		c := cluster[g.driver]
 		c.total += counts[i].total
 		c.free += counts[i].free
+		c.spare += Spare(counts[i].free)
 		cluster[g.driver] = c
 	}
 	return nodes, cluster
@@ -354,8 +365,26 @@ func (f *freedDevices) driverCounts(mayUse func(node string) bool) map[string]dr
 			c := out[g.driver]
 			c.total += n.total
 			c.free += n.free
+			c.spare += Spare(n.free)
 			out[g.driver] = c
 		}
+	}
+	return out
+}
+
+// spareGained returns, per driver, how much the event raised the count of
+// devices free on nodes with SpareOnNode or more (see Spare), on the nodes
+// mayUse accepts (all with nil), as of the last count.
+func (f *freedDevices) spareGained(mayUse func(node string) bool) map[string]int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := map[string]int{}
+	for g, n := range f.gave {
+		c, ok := f.nodes[g]
+		if !ok || mayUse != nil && !mayUse(g.node) {
+			continue
+		}
+		out[g.driver] += Spare(c.free) - Spare(c.free-n)
 	}
 	return out
 }
@@ -388,20 +417,23 @@ func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClai
 		mayUse = func(node string) bool { return pl.mayUse(affinity, node) }
 	}
 	counts := pl.freed.driverCounts(mayUse)
-	given := map[string]int{}
+	gained := pl.freed.spareGained(mayUse)
+	given := map[string]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		given[r.Driver]++
+		given[r.Driver] = true
 	}
 	short := 0
-	for driver, n := range given {
+	for driver := range given {
 		c := counts[driver]
 		h := HeadroomFor(pl.headroomPercent, c.total, need)
+		// Filter counts the devices free on nodes left with SpareOnNode
+		// or more: at most c.spare-need wherever the pod goes.
 		switch {
 		case h == 0:
 			return headroomNone
-		case c.free-need < h:
+		case c.spare-need < h:
 			short++
-		case c.free-n-need < h:
+		case c.spare-gained[driver]-need < h:
 			return headroomRetry
 		}
 	}

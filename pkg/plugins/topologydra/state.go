@@ -42,11 +42,11 @@ type stateData struct {
 	availableOnNodes []*nodeaffinity.NodeSelector
 
 	// headroom holds, per driver, the node-local devices of the nodes the
-	// pod may use and how many are free, for a pod whose claims to
-	// allocate ask for HalfNodeBlock or more devices of one class while
-	// smallPodHeadroomPercent is on; nil otherwise. Written by PreFilter,
-	// read-only after.
-	headroom map[string]driverDevices
+	// pod may use and how many are free (in all and per node), for a pod
+	// whose claims to allocate ask for HalfNodeBlock or more devices of
+	// one class while smallPodHeadroomPercent is on; zero otherwise.
+	// Written by PreFilter, read-only after.
+	headroom headroom
 
 	// unusable holds, per claim index, why an existing allocation cannot
 	// be used on any node (its device binding failed or timed out); nil

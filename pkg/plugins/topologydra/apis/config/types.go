@@ -93,6 +93,8 @@ type TopologyDRAArgs struct {
 	// that driver's devices on the nodes the pod may use (its required
 	// node selector and affinity) stay free after it, and one that takes
 	// half as many or more only if a quarter of that share stays free.
+	// Free devices count only on nodes left with two or more of them
+	// free: a single free device on a node is no room for a 2-device pod.
 	// Where the share amounts to less than WholeNodeBlock devices (fewer
 	// than about 8 / share nodes) it does not apply, so a small cluster
 	// runs as many whole-node pods as it has nodes. 0: off.
