@@ -496,36 +496,8 @@ func TestSmallerPodsAreTriedFirst(t *testing.T) {
 // GPUs back (that node still has fewer than 8 free, so only the headroom
 // can make the pod fit), the pod is retried and starts on the empty node.
 func TestWholeNodePodLeavesHeadroom(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "headroom")
-	nodes := e.dgxNodes("h", 8, "256")
-	gpus := func(from, to int) []string {
-		var out []string
-		for i := from; i < to; i++ {
-			out = append(out, fmt.Sprintf("gpu-%d", i))
-		}
-		return out
-	}
-	e.preallocate("low-1", nodes[1], gpus(0, 4)...)
-	e.preallocate("low-2", nodes[2], gpus(0, 4)...)
-	e.preallocate("high-2", nodes[2], gpus(4, 8)...)
-	for _, n := range nodes[3:] {
-		e.preallocate("all-"+n, n, gpus(0, 8)...)
-	}
-	startTopodra(tCtx)
-
-	e.pod("whole", topodraName, "h", e.template(8, nil))
-	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
-	tCtx.ExpectNoError(err)
-	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "keeping 8 of the 64") {
-		t.Errorf("PodScheduled message %q does not say that 8 of the 64 GPUs are kept free", msg)
-	}
-	// Past the scheduler's initial backoff (1 s).
-	time.Sleep(1500 * time.Millisecond)
-	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "low-2", metav1.DeleteOptions{}))
-	if got := e.waitScheduled("whole").Spec.NodeName; got != nodes[0] {
-		t.Errorf("the 8-GPU pod went to %s, want the empty %s", got, nodes[0])
-	}
+	heldByHeadroom(t, "headroom", []heldGPUs{{"low-1", 1, 0, 4}, {"low-2", 2, 0, 4}, {"high-2", 2, 4, 8}},
+		"keeping 8 of the 64", "low-2")
 }
 
 // TestHeadroomCountsNodesWithRoom: on eight DGX nodes (headroom 8 of 64),
@@ -535,8 +507,23 @@ func TestWholeNodePodLeavesHeadroom(t *testing.T) {
 // a claim gives back a second GPU beside the single one (that node still
 // has far fewer than 8 free), the pod is retried and starts.
 func TestHeadroomCountsNodesWithRoom(t *testing.T) {
+	heldByHeadroom(t, "headroom-room", []heldGPUs{{"one-1", 1, 0, 1}, {"six-2", 2, 0, 6}, {"one-2", 2, 6, 7}},
+		"16 are free, this pod needs 8, and 7 would stay free on nodes with 2 or more free", "one-2")
+}
+
+// heldGPUs is a claim holding GPUs from..to-1 of the node with that index.
+type heldGPUs struct {
+	claim          string
+	node, from, to int
+}
+
+// heldByHeadroom runs topodra on eight DGX nodes, node 0 empty, nodes 1
+// and 2 holding held, every GPU of nodes 3-7 held: an 8-GPU pod must wait
+// with message in its PodScheduled condition, then start on node 0 once
+// the claim giveBack is deleted.
+func heldByHeadroom(t *testing.T, ns string, held []heldGPUs, message, giveBack string) {
 	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "headroom-room")
+	e := newEnv(tCtx, ns)
 	nodes := e.dgxNodes("h", 8, "256")
 	gpus := func(from, to int) []string {
 		var out []string
@@ -545,9 +532,9 @@ func TestHeadroomCountsNodesWithRoom(t *testing.T) {
 		}
 		return out
 	}
-	e.preallocate("one-1", nodes[1], gpus(0, 1)...)
-	e.preallocate("six-2", nodes[2], gpus(0, 6)...)
-	e.preallocate("one-2", nodes[2], gpus(6, 7)...)
+	for _, h := range held {
+		e.preallocate(h.claim, nodes[h.node], gpus(h.from, h.to)...)
+	}
 	for _, n := range nodes[3:] {
 		e.preallocate("all-"+n, n, gpus(0, 8)...)
 	}
@@ -556,12 +543,12 @@ func TestHeadroomCountsNodesWithRoom(t *testing.T) {
 	e.pod("whole", topodraName, "h", e.template(8, nil))
 	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
 	tCtx.ExpectNoError(err)
-	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "16 are free, this pod needs 8, and 7 would stay free on nodes with 2 or more free") {
-		t.Errorf("PodScheduled message %q does not say that the single free GPU does not count", msg)
+	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, message) {
+		t.Errorf("PodScheduled message %q does not say %q", msg, message)
 	}
 	// Past the scheduler's initial backoff (1 s).
 	time.Sleep(1500 * time.Millisecond)
-	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, "one-2", metav1.DeleteOptions{}))
+	tCtx.ExpectNoError(cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, giveBack, metav1.DeleteOptions{}))
 	if got := e.waitScheduled("whole").Spec.NodeName; got != nodes[0] {
 		t.Errorf("the 8-GPU pod went to %s, want the empty %s", got, nodes[0])
 	}
