@@ -64,7 +64,9 @@ clean:
 
 # Placement verdict: every scenario with seeds 1-8 through topodra and stock;
 # one row per run, then medians against the placement targets (docs/placement.md).
+# PLACEMENT_ROUNDS=3 runs everything three times and takes the medians over all.
 PLACEMENT_SEEDS ?= 1-8
+PLACEMENT_ROUNDS ?= 1
 placement:
 	@mkdir -p _out
-	$(GO) run ./cmd/simulator --seeds $(PLACEMENT_SEEDS) --json $(or $(PLACEMENT_OUT),_out/placement.json) $(PLACEMENT_ARGS)
+	$(GO) run ./cmd/simulator --seeds $(PLACEMENT_SEEDS) --rounds $(PLACEMENT_ROUNDS) --json $(or $(PLACEMENT_OUT),_out/placement.json) $(PLACEMENT_ARGS)

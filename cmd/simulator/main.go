@@ -16,7 +16,13 @@
 // scheduler, then the medians and the placement targets; --json writes
 // all of it.
 //
-//	go run ./cmd/simulator --seeds 1-8 [--scenarios builtin-8,poisson-8] [--json sweep.json]
+//	go run ./cmd/simulator --seeds 1-8 [--scenarios builtin-8,poisson-8] [--rounds 3] [--json sweep.json]
+//
+// --rounds runs every scenario and seed several times and takes the medians
+// over all runs; --pool does the same for sweeps already run, from their
+// JSON files:
+//
+//	go run ./cmd/simulator --pool a.json,b.json [--json pooled.json]
 package main
 
 import (
@@ -59,6 +65,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		stockCfg   string
 		seeds      string
 		scenarios  string
+		rounds     int
+		pool       string
 	)
 	fs.IntVar(&opts.Nodes, "nodes", 0, "number of simulated nodes (default: the sum of the --profile mix, or 8)")
 	fs.StringVar(&opts.Profile, "profile", sim.DefaultProfile, "machine profile, or a mix like dgx-h100=6,pcie-nvlink-pairs=2 (profiles: dgx-h100, pcie-nvlink-pairs, workstation-2gpu); a mix is scaled to --nodes")
@@ -69,6 +77,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
 	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
+	fs.IntVar(&rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")
+	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration); print the medians and targets over all their runs together (with --json, write that report)")
 	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.WarmUpPods, "warm-up-pods", sim.DefaultWarmUpPods, "pods of an unmeasured run through each scheduler before the measured ones (once per sweep), so that neither pays for being the first of the process; 0 or less: no warm-up")
@@ -88,6 +98,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "unexpected arguments: %v\n", fs.Args())
 		return 2
+	}
+	if rounds < 1 || (rounds > 1 && seeds == "") {
+		fmt.Fprintf(stderr, "--rounds %d: give --seeds and 1 or more rounds\n", rounds)
+		return 2
+	}
+	if pool != "" {
+		return poolSweeps(sim.ParseSchedulers(pool), jsonPath, stdout, stderr)
 	}
 	opts.Schedulers = sim.ParseSchedulers(schedulers)
 	opts.NoHostRequests = !*hostRequests
@@ -141,7 +158,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if seeds != "" {
 		podsSet := false
 		fs.Visit(func(f *flag.Flag) { podsSet = podsSet || f.Name == "pods" })
-		return sweep(ctx, opts, seeds, scenarios, podsSet, jsonPath, stdout, stderr)
+		return sweep(ctx, opts, seeds, scenarios, rounds, podsSet, jsonPath, stdout, stderr)
 	}
 	report, err := sim.Run(ctx, opts)
 	if err != nil {
@@ -187,7 +204,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 
 // sweep runs the multi-seed sweep; opts.Pods replaces each scenario's pod
 // count when podsSet.
-func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, podsSet bool, jsonPath string, stdout, stderr io.Writer) int {
+func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, rounds int, podsSet bool, jsonPath string, stdout, stderr io.Writer) int {
 	start := time.Now()
 	seedList, err := sim.ParseSeeds(seeds)
 	if err != nil {
@@ -216,12 +233,45 @@ func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, podsS
 		fmt.Fprintln(stderr, "--seeds generates its workloads: --workload and --pin do not apply")
 		return 2
 	}
-	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Base: opts, Rows: stdout})
+	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Rounds: rounds, Base: opts, Rows: stdout})
 	if err != nil {
 		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
 		return 1
 	}
 	fmt.Fprintln(stdout)
+	return writeSweep(rep, jsonPath, start, stdout, stderr)
+}
+
+// poolSweeps reads sweep reports from files and prints (and, with
+// jsonPath, writes) the report of all their runs together.
+func poolSweeps(files []string, jsonPath string, stdout, stderr io.Writer) int {
+	start := time.Now()
+	var reports []*sim.SweepReport
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+		var rep sim.SweepReport
+		if err := json.Unmarshal(data, &rep); err != nil {
+			fmt.Fprintf(stderr, "%s: not a sweep report: %v\n", f, err)
+			return 2
+		}
+		reports = append(reports, &rep)
+	}
+	rep, err := sim.PoolSweeps(reports)
+	if err != nil {
+		fmt.Fprintf(stderr, "--pool: %v\n", err)
+		return 2
+	}
+	fmt.Fprintf(stdout, "pooled %d sweep reports: %d runs\n\n", len(reports), len(rep.Rows))
+	return writeSweep(rep, jsonPath, start, stdout, stderr)
+}
+
+// writeSweep prints a sweep report's summary and targets, and writes it
+// as JSON to jsonPath if set.
+func writeSweep(rep *sim.SweepReport, jsonPath string, start time.Time, stdout, stderr io.Writer) int {
 	if err := rep.WriteSummary(stdout); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1

@@ -2,6 +2,9 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -31,6 +34,10 @@ func TestBadFlags(t *testing.T) {
 		"missing workload":     {args: []string{"--workload", "testdata/nope.yaml"}, wantErr: "no such file"},
 		"stray argument":       {args: []string{"extra"}, wantErr: "unexpected arguments"},
 		"missing stock config": {args: []string{"--stock-scheduler-config", "testdata/nope.yaml"}, wantErr: "no such file"},
+		"rounds without seeds": {args: []string{"--rounds", "3"}, wantErr: "give --seeds"},
+		"no rounds":            {args: []string{"--seeds", "1", "--rounds", "0"}, wantErr: "1 or more rounds"},
+		"missing pool file":    {args: []string{"--pool", "testdata/nope.json"}, wantErr: "no such file"},
+		"pool not a sweep":     {args: []string{"--pool", "testdata/workload.yaml"}, wantErr: "not a sweep report"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -52,5 +59,57 @@ func TestHelpExitsZero(t *testing.T) {
 	}
 	if !strings.Contains(stderr.String(), "-seed") {
 		t.Errorf("--help printed no usage: %q", stderr.String())
+	}
+}
+
+// --pool prints the targets over the runs of all the reports it is given,
+// and writes the pooled report with --json; reports that do not agree on
+// the pods' requests are refused.
+func TestPoolSweeps(t *testing.T) {
+	dir := t.TempDir()
+	sc := sim.Scenario{Name: "builtin-8", Profile: sim.DefaultProfile, Nodes: 8, Pods: 100, Trace: sim.TraceBuiltin}
+	write := func(name, requests string, topodraWait, stockWait float64) string {
+		rep := sim.SweepReport{Scenarios: []sim.Scenario{sc}, Seeds: []int64{1}, HostRequests: requests, Rows: []sim.SweepRow{
+			{Scenario: sc.Name, Seed: 1, Scheduler: sim.SchedulerTopodra, MeanWait: map[int]float64{8: topodraWait}, Aligned: 0.97, Throughput: 50},
+			{Scenario: sc.Name, Seed: 1, Scheduler: sim.SchedulerStock, MeanWait: map[int]float64{8: stockWait}, Aligned: 0.7, Throughput: 50},
+		}}
+		data, err := json.Marshal(rep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	a, b := write("a.json", "r", 2, 6), write("b.json", "r", 4, 10)
+	out := filepath.Join(dir, "pooled.json")
+	var stdout, stderr bytes.Buffer
+	if code := run([]string{"--pool", a + "," + b, "--json", out}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit code %d: %s", code, stderr.String())
+	}
+	for _, want := range []string{"pooled 2 sweep reports: 4 runs", "seeds 1, 2 rounds", "over 2 runs per scheduler"} {
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("output does not say %q:\n%s", want, stdout.String())
+		}
+	}
+	data, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pooled sim.SweepReport
+	if err := json.Unmarshal(data, &pooled); err != nil {
+		t.Fatal(err)
+	}
+	if pooled.Rounds != 2 || len(pooled.Rows) != 4 || len(pooled.Targets) == 0 {
+		t.Errorf("pooled report: %d rounds, %d rows, %d targets; want 2, 4 and the targets", pooled.Rounds, len(pooled.Rows), len(pooled.Targets))
+	}
+
+	c := write("c.json", "none", 1, 1)
+	stdout.Reset()
+	stderr.Reset()
+	if code := run([]string{"--pool", a + "," + c}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "requests") {
+		t.Errorf("reports with different requests: exit code %d, stderr %q; want 2 and the reason", code, stderr.String())
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -64,8 +65,12 @@ func ParseSeeds(s string) ([]int64, error) {
 
 // SweepRow is one scheduler's run of one scenario and seed.
 type SweepRow struct {
-	Scenario  string `json:"scenario"`
-	Seed      int64  `json:"seed"`
+	Scenario string `json:"scenario"`
+	Seed     int64  `json:"seed"`
+	// Round numbers the repetitions of a sweep's runs, from 1 (0 in
+	// reports written before rounds existed): runs of the same scenario,
+	// seed and round ran the same workload through each scheduler.
+	Round     int    `json:"round,omitempty"`
 	Scheduler string `json:"scheduler"`
 	PodTicks  int    `json:"pendingPodTicks"`
 	// GPUTicks and Idle are Result.PendingGPUTicks and
@@ -94,8 +99,8 @@ type SweepRow struct {
 // SweepSizes are the pod sizes whose waits a sweep reports.
 var SweepSizes = []int{1, 2, 4, 8}
 
-func rowOf(scenario string, seed int64, res *Result) SweepRow {
-	row := SweepRow{Scenario: scenario, Seed: seed, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
+func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
+	row := SweepRow{Scenario: scenario, Seed: seed, Round: round, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
@@ -207,7 +212,7 @@ type Target struct {
 	Paired *Paired `json:"paired,omitempty"`
 }
 
-// Paired counts the runs (scenario and seed) that both schedulers ran in
+// Paired counts the runs (scenario, seed and round) that both schedulers ran in
 // which topodra's value was lower than, equal to or higher than stock's.
 // Both schedulers see the same workload in a run, so this shows whether a
 // difference between the medians holds run by run or is a matter of
@@ -237,11 +242,12 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 	type run struct {
 		scenario string
 		seed     int64
+		round    int
 	}
 	stock := map[run]float64{}
 	for _, r := range rows {
 		if w, ok := r.MeanWait[g]; ok && r.Scheduler == SchedulerStock {
-			stock[run{r.Scenario, r.Seed}] = w
+			stock[run{r.Scenario, r.Seed, r.Round}] = w
 		}
 	}
 	p := &Paired{}
@@ -250,7 +256,7 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 			continue
 		}
 		w, ok := r.MeanWait[g]
-		sw, both := stock[run{r.Scenario, r.Seed}]
+		sw, both := stock[run{r.Scenario, r.Seed, r.Round}]
 		if !ok || !both {
 			continue
 		}
@@ -285,13 +291,13 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 	for _, g := range SweepSizes {
 		tw, sw := t.MeanWait[g], s.MeanWait[g]
 		out = append(out, Target{Measure: fmt.Sprintf("median mean wait, %d GPU", g), Want: "<= stock",
-			Topodra: fmt.Sprintf("%.2f", tw.Median), Stock: fmt.Sprintf("%.2f", sw.Median), Met: tw.Median <= sw.Median,
+			Topodra: fmt.Sprintf("%.3f", tw.Median), Stock: fmt.Sprintf("%.3f", sw.Median), Met: tw.Median <= sw.Median,
 			Paired: pairedWaits(rows, g)})
 	}
 	tw, sw := t.MeanWait[8], s.MeanWait[8]
 	out = append(out,
 		Target{Measure: "median mean wait, 8 GPU", Want: "<= 0.5 x stock",
-			Topodra: fmt.Sprintf("%.2f", tw.Median), Stock: fmt.Sprintf("%.2f", sw.Median), Met: tw.Median <= 0.5*sw.Median},
+			Topodra: fmt.Sprintf("%.3f", tw.Median), Stock: fmt.Sprintf("%.3f", sw.Median), Met: tw.Median <= 0.5*sw.Median},
 		Target{Measure: "pods never placed (sum)", Want: "<= stock",
 			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
@@ -308,6 +314,11 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 type SweepOptions struct {
 	// Seeds to run each scenario with.
 	Seeds []int64
+	// Rounds is how many times every scenario and seed runs (default 1).
+	// Runs of one seed differ only in the timing of the components, but
+	// that is enough to move a median of near-zero waits: more rounds
+	// give the medians more runs.
+	Rounds int
 	// Scenarios to run (default DefaultScenarios).
 	Scenarios []Scenario
 	// Base supplies everything else of each run (schedulers, scheduler
@@ -320,8 +331,11 @@ type SweepOptions struct {
 
 // SweepReport is the outcome of Sweep.
 type SweepReport struct {
-	Scenarios []Scenario     `json:"scenarios"`
-	Seeds     []int64        `json:"seeds"`
+	Scenarios []Scenario `json:"scenarios"`
+	Seeds     []int64    `json:"seeds"`
+	// Rounds is how many times each scenario and seed ran (summed over
+	// the reports a pooled report was made of).
+	Rounds    int            `json:"rounds,omitempty"`
 	Rows      []SweepRow     `json:"rows"`
 	Summaries []SweepSummary `json:"summaries"`
 	// PerScenario are the summaries of each scenario, in scenario order.
@@ -346,32 +360,35 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	if opts.Base.Workload != nil {
 		return nil, fmt.Errorf("a sweep generates its workloads; Workload must be nil")
 	}
-	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, PerScenario: map[string][]SweepSummary{}, HostRequests: opts.Base.hostRequests()}
+	rounds := max(1, opts.Rounds)
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests()}
 	var rw *tabwriter.Writer
 	if opts.Rows != nil {
 		rw = tabwriter.NewWriter(opts.Rows, 0, 0, 1, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(rw, sweepHeader)
 		_ = rw.Flush()
 	}
-	for _, sc := range opts.Scenarios {
-		for _, seed := range opts.Seeds {
-			o := opts.Base
-			o.Profile, o.Nodes, o.Pods, o.Seed, o.Trace = sc.Profile, sc.Nodes, sc.Pods, seed, sc.Trace
-			o.Checkpoints = -1
-			// One warm-up per sweep, before its first run.
-			if len(rep.Rows) > 0 {
-				o.WarmUpPods = -1
-			}
-			r, err := Run(ctx, o)
-			if err != nil {
-				return nil, fmt.Errorf("scenario %s seed %d: %w", sc.Name, seed, err)
-			}
-			for i := range r.Results {
-				row := rowOf(sc.Name, seed, &r.Results[i])
-				rep.Rows = append(rep.Rows, row)
-				if rw != nil {
-					writeRow(rw, row)
-					_ = rw.Flush()
+	for round := 1; round <= rounds; round++ {
+		for _, sc := range opts.Scenarios {
+			for _, seed := range opts.Seeds {
+				o := opts.Base
+				o.Profile, o.Nodes, o.Pods, o.Seed, o.Trace = sc.Profile, sc.Nodes, sc.Pods, seed, sc.Trace
+				o.Checkpoints = -1
+				// One warm-up per sweep, before its first run.
+				if len(rep.Rows) > 0 {
+					o.WarmUpPods = -1
+				}
+				r, err := Run(ctx, o)
+				if err != nil {
+					return nil, fmt.Errorf("scenario %s seed %d round %d: %w", sc.Name, seed, round, err)
+				}
+				for i := range r.Results {
+					row := rowOf(sc.Name, seed, round, &r.Results[i])
+					rep.Rows = append(rep.Rows, row)
+					if rw != nil {
+						writeRow(rw, row)
+						_ = rw.Flush()
+					}
 				}
 			}
 		}
@@ -380,9 +397,18 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	if len(schedulers) == 0 {
 		schedulers = []string{SchedulerTopodra, SchedulerStock}
 	}
+	rep.summarize(schedulers)
+	rep.WallSeconds = time.Since(start).Seconds()
+	return rep, nil
+}
+
+// summarize fills the summaries, per scenario and over all rows, of
+// schedulers, and the targets where both topodra and stock ran.
+func (rep *SweepReport) summarize(schedulers []string) {
+	rep.Summaries, rep.PerScenario, rep.Targets = nil, map[string][]SweepSummary{}, nil
 	for _, s := range schedulers {
 		rep.Summaries = append(rep.Summaries, summarize(s, rep.Rows))
-		for _, sc := range opts.Scenarios {
+		for _, sc := range rep.Scenarios {
 			var rows []SweepRow
 			for _, r := range rep.Rows {
 				if r.Scenario == sc.Name {
@@ -404,8 +430,61 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	if t != nil && s != nil {
 		rep.Targets = targets(*t, *s, rep.Rows)
 	}
-	rep.WallSeconds = time.Since(start).Seconds()
-	return rep, nil
+}
+
+// PoolSweeps joins the runs of several sweep reports into one report and
+// summarizes them again, so that the medians and targets are taken over
+// all their runs. Each report's rounds are numbered after the previous
+// report's, so runs are compared run by run only within the report they
+// came from. The reports must agree on the pods' CPU and memory requests;
+// a scenario of the same name must have the same machines and workload.
+// Pool only reports of the same builds and configurations: nothing in a
+// report says which build made it.
+func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
+	if len(reports) == 0 {
+		return nil, fmt.Errorf("no sweep reports to pool")
+	}
+	out := &SweepReport{HostRequests: reports[0].HostRequests}
+	scenarios := map[string]Scenario{}
+	var schedulers []string
+	for i, r := range reports {
+		if len(r.Rows) == 0 {
+			return nil, fmt.Errorf("sweep report %d has no runs", i+1)
+		}
+		if r.HostRequests != out.HostRequests {
+			return nil, fmt.Errorf("sweep report %d: pods' requests %q, but report 1 has %q", i+1, r.HostRequests, out.HostRequests)
+		}
+		for _, sc := range r.Scenarios {
+			if prev, ok := scenarios[sc.Name]; ok && prev != sc {
+				return nil, fmt.Errorf("sweep report %d: scenario %s is %+v, but an earlier report has %+v", i+1, sc.Name, sc, prev)
+			} else if !ok {
+				scenarios[sc.Name] = sc
+				out.Scenarios = append(out.Scenarios, sc)
+			}
+		}
+		for _, seed := range r.Seeds {
+			if !slices.Contains(out.Seeds, seed) {
+				out.Seeds = append(out.Seeds, seed)
+			}
+		}
+		offset, last := out.Rounds, 0
+		for _, row := range r.Rows {
+			if !slices.Contains(schedulers, row.Scheduler) {
+				schedulers = append(schedulers, row.Scheduler)
+			}
+			// Reports from before rounds have round 0: one round.
+			round := max(1, row.Round)
+			last = max(last, round)
+			row.Round = offset + round
+			row.MeanWait = maps.Clone(row.MeanWait)
+			out.Rows = append(out.Rows, row)
+		}
+		out.Rounds = offset + last
+		out.WallSeconds += r.WallSeconds
+	}
+	slices.Sort(out.Seeds)
+	out.summarize(schedulers)
+	return out, nil
 }
 
 const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t"
@@ -426,12 +505,34 @@ func writeRow(w io.Writer, r SweepRow) {
 		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms, cpu)
 }
 
+// runsLine says what the runs are: seeds, and rounds where more than one.
+func (r *SweepReport) runsLine() string {
+	var seeds []string
+	for i := 0; i < len(r.Seeds); {
+		j := i
+		for j+1 < len(r.Seeds) && r.Seeds[j+1] == r.Seeds[j]+1 {
+			j++
+		}
+		if j > i {
+			seeds = append(seeds, fmt.Sprintf("%d-%d", r.Seeds[i], r.Seeds[j]))
+		} else {
+			seeds = append(seeds, strconv.FormatInt(r.Seeds[i], 10))
+		}
+		i = j + 1
+	}
+	line := "seeds " + strings.Join(seeds, ",")
+	if r.Rounds > 1 {
+		line += fmt.Sprintf(", %d rounds", r.Rounds)
+	}
+	return line
+}
+
 // WriteSummary prints the medians (with quartiles) per scenario and over
 // all runs, then the targets.
 func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(w, "pods' CPU and memory requests: %s\n", r.HostRequests)
-	fmt.Fprintln(w, "medians [p25-p75] over seeds; GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed")
+	fmt.Fprintf(w, "medians [p25-p75] over the runs (%s); GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed\n", r.runsLine())
 	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")
 	line := func(name string, s SweepSummary) {
 		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t%.2f\t\n", name, s.Scheduler, s.Runs,
@@ -473,6 +574,6 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario and seed that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
 	return nil
 }

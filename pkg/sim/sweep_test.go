@@ -47,7 +47,7 @@ func TestRowOf(t *testing.T) {
 		AlignedFraction: 7.0 / 9,
 		WaitByGPUs:      map[int]*Wait{1: {Pods: 2, Ticks: 1}, 8: {}},
 	}
-	row := rowOf("builtin-8", 3, res)
+	row := rowOf("builtin-8", 3, 1, res)
 	if row.Alignment != res.Alignment || row.Aligned != res.AlignedFraction || row.NeverPlaced != 2 {
 		t.Errorf("row %+v, want the alignment %+v (%.3f) and 2 never placed", row, res.Alignment, res.AlignedFraction)
 	}
@@ -153,5 +153,84 @@ func TestGenerateTraceIsSeeded(t *testing.T) {
 		if trace == TraceNICMatch && constrained == 0 {
 			t.Errorf("%s: no template with a matchAttribute constraint", trace)
 		}
+	}
+}
+
+// TestPoolSweeps: pooled reports are summarized over all their runs, each
+// report's rounds follow the previous report's, and runs are compared run
+// by run only within the report they came from.
+func TestPoolSweeps(t *testing.T) {
+	sc := Scenario{Name: "a", Profile: DefaultProfile, Nodes: 8, Pods: 100, Trace: TraceBuiltin}
+	row := func(seed int64, round int, sched string, wait8 float64) SweepRow {
+		return SweepRow{Scenario: "a", Seed: seed, Round: round, Scheduler: sched, MeanWait: map[int]float64{8: wait8}, Aligned: 0.97, Throughput: 50}
+	}
+	// A report from before rounds (round 0), and one of two rounds.
+	first := &SweepReport{Scenarios: []Scenario{sc}, Seeds: []int64{1}, HostRequests: "x", WallSeconds: 10,
+		Rows: []SweepRow{row(1, 0, SchedulerTopodra, 2), row(1, 0, SchedulerStock, 6)}}
+	second := &SweepReport{Scenarios: []Scenario{sc}, Seeds: []int64{1, 2}, Rounds: 2, HostRequests: "x", WallSeconds: 20,
+		Rows: []SweepRow{
+			row(1, 1, SchedulerTopodra, 4), row(1, 1, SchedulerStock, 8),
+			row(2, 2, SchedulerTopodra, 9), row(2, 2, SchedulerStock, 7),
+			// Stock alone in round 1 of seed 2: nothing to pair it with.
+			row(2, 1, SchedulerStock, 1),
+		}}
+	pooled, err := PoolSweeps([]*SweepReport{first, second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pooled.Rounds != 3 || len(pooled.Rows) != 7 || !slices.Equal(pooled.Seeds, []int64{1, 2}) || pooled.WallSeconds != 30 {
+		t.Errorf("pooled: %d rounds, %d rows, seeds %v, %.0f s; want 3, 7, [1 2], 30 s", pooled.Rounds, len(pooled.Rows), pooled.Seeds, pooled.WallSeconds)
+	}
+	var rounds []int
+	for _, r := range pooled.Rows {
+		rounds = append(rounds, r.Round)
+	}
+	if want := []int{1, 1, 2, 2, 3, 3, 2}; !slices.Equal(rounds, want) {
+		t.Errorf("rounds %v, want %v", rounds, want)
+	}
+	if first.Rows[0].Round != 0 || second.Rows[0].Round != 1 {
+		t.Errorf("pooling changed its inputs: rounds %d, %d", first.Rows[0].Round, second.Rows[0].Round)
+	}
+	// Medians over all runs: topodra 2, 4, 9; stock 6, 8, 7, 1.
+	var top, stock SweepSummary
+	for _, s := range pooled.Summaries {
+		switch s.Scheduler {
+		case SchedulerTopodra:
+			top = s
+		case SchedulerStock:
+			stock = s
+		}
+	}
+	if top.Runs != 3 || top.MeanWait[8].Median != 4 || stock.Runs != 4 || stock.MeanWait[8].Median != 6.5 {
+		t.Errorf("summaries: topodra %d runs, median %v; stock %d runs, median %v; want 3, 4 and 4, 6.5",
+			top.Runs, top.MeanWait[8].Median, stock.Runs, stock.MeanWait[8].Median)
+	}
+	if len(pooled.PerScenario["a"]) != 2 || len(pooled.Targets) == 0 {
+		t.Errorf("per scenario %v, %d targets; want both schedulers and the targets", pooled.PerScenario, len(pooled.Targets))
+	}
+	for _, tg := range pooled.Targets {
+		if tg.Measure == "median mean wait, 8 GPU" && tg.Paired != nil {
+			// Pairs: (2, 6), (4, 8), (9, 7).
+			if want := (Paired{Lower: 2, Higher: 1, MeanTopodra: 5, MeanStock: 7}); *tg.Paired != want {
+				t.Errorf("8-GPU pairs %+v, want %+v", *tg.Paired, want)
+			}
+		}
+	}
+
+	other := *second
+	other.HostRequests = "none"
+	if _, err := PoolSweeps([]*SweepReport{first, &other}); err == nil || !strings.Contains(err.Error(), "requests") {
+		t.Errorf("reports with different pod requests pooled: %v", err)
+	}
+	other = *second
+	other.Scenarios = []Scenario{{Name: "a", Profile: DefaultProfile, Nodes: 16, Pods: 100, Trace: TraceBuiltin}}
+	if _, err := PoolSweeps([]*SweepReport{first, &other}); err == nil || !strings.Contains(err.Error(), "scenario a") {
+		t.Errorf("reports with different scenarios of one name pooled: %v", err)
+	}
+	if _, err := PoolSweeps(nil); err == nil {
+		t.Error("no reports pooled without an error")
+	}
+	if _, err := PoolSweeps([]*SweepReport{first, {HostRequests: "x"}}); err == nil {
+		t.Error("a report without runs pooled without an error")
 	}
 }
