@@ -104,6 +104,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	if pool != "" {
+		if seeds != "" {
+			fmt.Fprintln(stderr, "--pool joins sweeps already run: give it or --seeds, not both")
+			return 2
+		}
 		return poolSweeps(sim.ParseSchedulers(pool), jsonPath, stdout, stderr)
 	}
 	opts.Schedulers = sim.ParseSchedulers(schedulers)

@@ -38,6 +38,7 @@ func TestBadFlags(t *testing.T) {
 		"no rounds":            {args: []string{"--seeds", "1", "--rounds", "0"}, wantErr: "1 or more rounds"},
 		"missing pool file":    {args: []string{"--pool", "testdata/nope.json"}, wantErr: "no such file"},
 		"pool not a sweep":     {args: []string{"--pool", "testdata/workload.yaml"}, wantErr: "not a sweep report"},
+		"pool and seeds":       {args: []string{"--pool", "a.json", "--seeds", "1"}, wantErr: "not both"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
