@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"maps"
 	"slices"
 	"strconv"
 	"strings"
@@ -476,7 +475,6 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 			round := max(1, row.Round)
 			last = max(last, round)
 			row.Round = offset + round
-			row.MeanWait = maps.Clone(row.MeanWait)
 			out.Rows = append(out.Rows, row)
 		}
 		out.Rounds = offset + last
