@@ -78,6 +78,20 @@ func init() {
 	}
 }
 
+// Services: the pods that run to the end are known by their restart
+// policy; with and without the headroom.
+func init() {
+	for _, share := range []float64{0, 0.125} {
+		o := defaultTopodra
+		o.services, o.headroomShare = true, share
+		name := "topodra-services"
+		if share > 0 {
+			name += fmt.Sprintf("-headroom-share-%g", 100*share)
+		}
+		policies[name] = topodra(o)
+	}
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {

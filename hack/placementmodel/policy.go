@@ -98,6 +98,10 @@ type topodraOptions struct {
 	headroom      int
 	headroomShare float64
 	headroomFor   int
+	// services: the pods that run to the end are known as such (as
+	// restartPolicy Always tells the scheduler): a node that holds one
+	// counts as the oldest and is never draining.
+	services bool
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -117,7 +121,18 @@ func topodra(o topodraOptions) policy {
 				waiting++
 			}
 		}
+		hasService := func(n int) bool {
+			for _, i := range s.nodes[n].gpu {
+				if i >= 0 && s.pods[i].life == 0 {
+					return true
+				}
+			}
+			return false
+		}
 		age := func(n int) int {
+			if o.services && hasService(n) {
+				return never
+			}
 			a := 0
 			for _, i := range s.nodes[n].gpu {
 				if i < 0 {

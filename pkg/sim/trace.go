@@ -18,7 +18,8 @@ const (
 	// TracePoisson: Poisson arrivals asking for a quarter more than the cluster holds,
 	// lifetimes that grow with the pod's size (1 GPU: 2-6 ticks, 8 GPUs:
 	// 8-18), one GPU+NIC pod in ten (soft alignment), and one 1-GPU
-	// service in ten that runs to the end.
+	// service in ten that runs to the end (restartPolicy Always; the
+	// others Never).
 	TracePoisson = "poisson"
 	// TraceNICMatch: like TracePoisson, but a third of the pods ask for one
 	// or two GPUs and a NIC with a hard matchAttribute on
@@ -119,7 +120,7 @@ func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workl
 		}
 		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
 		counts[kind.prefix]++
-		w.Jobs = append(w.Jobs, Job{Pod: builtinPod(name, kind.jobKind), Arrival: int(math.Floor(at)), Lifetime: life})
+		w.Jobs = append(w.Jobs, Job{Pod: builtinPod(name, kind.jobKind, life), Arrival: int(math.Floor(at)), Lifetime: life})
 	}
 	return w, nil
 }

@@ -125,7 +125,8 @@ func capacities(nodes []NodeSpec) ([]nodeCapacity, error) {
 // NICs), arriving at a steady rate that keeps the cluster about full and
 // slower for the last quarter, then a few ticks without arrivals, so that
 // it drains; most finish after 4 to 16
-// ticks, a tenth of the 1- and 2-GPU pods run to the end. The same seed and
+// ticks, a tenth of the 1- and 2-GPU pods run to the end (services, with
+// restartPolicy Always; the others are Jobs' pods, Never). The same seed and
 // nodes give the same workload. With pin, every pod gets a node (see
 // Options.Pin); a pod that fits nowhere at its tick arrives at the first
 // later tick where it fits; pinned workloads have no pods that run to the
@@ -204,7 +205,7 @@ func Generate(seed int64, pods int, nodes []NodeSpec, pin bool) (*Workload, erro
 		arrival = max(arrival, tick)
 		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
 		counts[kind.prefix]++
-		pod := builtinPod(name, kind)
+		pod := builtinPod(name, kind, life)
 		if pin {
 			for {
 				var fits []int
@@ -249,7 +250,7 @@ const (
 // HostRequestsText describes the requests of the generated pods.
 var HostRequestsText = fmt.Sprintf("%d CPUs and %d GiB of memory per GPU", HostCPUPerGPU, HostMemoryPerGPU>>30)
 
-func builtinPod(name string, kind jobKind) *v1.Pod {
+func builtinPod(name string, kind jobKind, life int) *v1.Pod {
 	requests := v1.ResourceList{
 		v1.ResourceCPU:    *resource.NewQuantity(int64(HostCPUPerGPU*kind.gpus), resource.DecimalSI),
 		v1.ResourceMemory: *resource.NewQuantity(int64(HostMemoryPerGPU*kind.gpus), resource.BinarySI),
@@ -270,8 +271,19 @@ func builtinPod(name string, kind jobKind) *v1.Pod {
 				ResourceClaimTemplateName: ptr.To(kind.template),
 			}},
 			TerminationGracePeriodSeconds: ptr.To[int64](0),
+			RestartPolicy:                 restartPolicyFor(life),
 		},
 	}
+}
+
+// restartPolicyFor is the restart policy of a generated pod with this
+// lifetime: a pod that runs to the end is a service (Always, as the pods
+// of a Deployment), one that finishes is a Job's pod (Never).
+func restartPolicyFor(life int) v1.RestartPolicy {
+	if life == 0 {
+		return v1.RestartPolicyAlways
+	}
+	return v1.RestartPolicyNever
 }
 
 // LoadWorkload reads a workload file (workload.Load).

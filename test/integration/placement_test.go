@@ -331,6 +331,40 @@ func TestSmallPodsGoBesideLongRunners(t *testing.T) {
 	}
 }
 
+// TestSmallPodsGoBesideServices: a node that holds a pod with
+// restartPolicy Always (a service: the kubelet restarts it whenever it
+// exits, so it ends only when deleted) will not empty out, so a 1-GPU
+// Job pod goes beside the service rather than beside an older Job pod:
+// the Job's node is left to drain for whole-node pods.
+func TestSmallPodsGoBesideServices(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "service")
+	jobs := e.node("j", "jobs", framework.DGXLikeGPUs)
+	service := e.node("s", "service", framework.DGXLikeGPUs)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+	run := func(name string, restart v1.RestartPolicy, selector map[string]string) string {
+		pod := framework.PodWithClaims(e.ns, name, topodraName, one)
+		pod.Spec.NodeSelector = selector
+		pod.Spec.RestartPolicy = restart
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err, "create pod "+name)
+		return e.waitScheduled(name).Spec.NodeName
+	}
+	if node := run("old-job", v1.RestartPolicyNever, map[string]string{"group": "j", "test": e.ns}); node != jobs {
+		t.Fatalf("old-job went to %s, want %s", node, jobs)
+	}
+	// Bindings are timed in whole seconds where the scheduler did not
+	// see them: make the Job's pod clearly older than the service.
+	time.Sleep(2 * time.Second)
+	if node := run("server", v1.RestartPolicyAlways, map[string]string{"group": "s", "test": e.ns}); node != service {
+		t.Fatalf("server went to %s, want %s", node, service)
+	}
+	if node := run("small-job", v1.RestartPolicyNever, map[string]string{"test": e.ns}); node != service {
+		t.Fatalf("the 1-GPU Job pod went to %s, want %s beside the service (restartPolicy Always), leaving %s with its older Job pod to drain", node, service, jobs)
+	}
+}
+
 // TestWholeNodePodRetriedOnlyWhenItCanFit: a pod that needs all eight GPUs
 // of a node is not retried while the devices given back leave fewer than
 // eight free there, and is scheduled when the last one is given back.

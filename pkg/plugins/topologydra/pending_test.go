@@ -122,7 +122,7 @@ func TestDrainingNodes(t *testing.T) {
 	nodes = append(nodes, info)
 	for waiting, want := range map[int][]string{1: {"b"}, 2: {"b", "c"}, 3: {"b", "c", "d"}, 9: {"a", "b", "c", "d"}} {
 		t.Run(fmt.Sprint(waiting), func(t *testing.T) {
-			got := drainingNodes(s, nodes, waiting, nil)
+			got := drainingNodes(s, nodes, waiting, nodeAges{})
 			if !got.Equal(sets.New(want...)) {
 				t.Errorf("draining = %v, want %v", got.UnsortedList(), want)
 			}
@@ -205,10 +205,10 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	// Nodes whose pods are youngest drain first, whatever their count in
 	// use: the node of the long-running service is never a target while
 	// another node can take the waiting pod.
-	if got := drainingNodes(s, nodes, 3, ages.byNode); !got.Equal(sets.New("empty", "self-only", "young")) {
+	if got := drainingNodes(s, nodes, 3, ages); !got.Equal(sets.New("empty", "self-only", "young")) {
 		t.Errorf("draining by age = %v, want empty, self-only, young", sets.List(got))
 	}
-	if got := drainingNodes(s, nodes, 3, nil); !got.Equal(sets.New("empty", "self-only", "old")) {
+	if got := drainingNodes(s, nodes, 3, nodeAges{}); !got.Equal(sets.New("empty", "self-only", "old")) {
 		t.Errorf("draining by devices in use = %v, want empty, self-only, old", sets.List(got))
 	}
 
@@ -236,5 +236,61 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	p0 := policyFromArgs(args)
 	if p0.ScoreOn(atOld, false) != p0.ScoreOn(atYoung, false) {
 		t.Error("age counted with AgeWeight 0")
+	}
+}
+
+// A node that holds a pod that runs until deleted (restartPolicy Always:
+// a service) never drains, whatever the ages: it counts as more settled
+// than any node of Jobs' pods and comes last among the draining nodes.
+func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
+	now := time.Now()
+	self := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "self", UID: "self"}}
+	pod := func(name string, age time.Duration, restart v1.RestartPolicy) *v1.Pod {
+		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(name), CreationTimestamp: metav1.NewTime(now.Add(-age))}}
+		p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
+		p.Spec.RestartPolicy = restart
+		return p
+	}
+	s := &stateData{results: map[string]*allocator.Result{}}
+	var nodes []fwk.NodeInfo
+	add := func(name string, pods ...*v1.Pod) {
+		s.results[name] = &allocator.Result{Quality: allocator.Quality{NodeDevices: 8, NodeInUse: len(pods)}}
+		info := framework.NewNodeInfo(pods...)
+		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		nodes = append(nodes, info)
+	}
+	add("jobs-old", pod("job-1", 40*time.Minute, v1.RestartPolicyNever))
+	add("jobs-young", pod("job-2", 10*time.Minute, v1.RestartPolicyOnFailure))
+	add("service", pod("server", 5*time.Minute, v1.RestartPolicyAlways), pod("job-3", 20*time.Minute, v1.RestartPolicyNever))
+	add("empty")
+
+	ages := agesOf(nodes, self, now, nil)
+	want := map[string]float64{"service": 1, "jobs-old": 0.5, "jobs-young": 0.125, "empty": 0}
+	for name, w := range want {
+		if got := ages.settled(name); math.Abs(got-w) > 1e-9 {
+			t.Errorf("settled[%s] = %v, want %v", name, got, w)
+		}
+	}
+	for k, w := range map[int]sets.Set[string]{
+		2: sets.New("empty", "jobs-young"),
+		3: sets.New("empty", "jobs-young", "jobs-old"),
+		4: sets.New("empty", "jobs-young", "jobs-old", "service"),
+	} {
+		if got := drainingNodes(s, nodes, k, ages); !got.Equal(w) {
+			t.Errorf("%d draining = %v, want %v", k, sets.List(got), sets.List(w))
+		}
+	}
+
+	// Where every node's pods run until deleted (bare pods default to
+	// restartPolicy Always), age alone decides, as without the rule.
+	nodes, s.results = nil, map[string]*allocator.Result{}
+	add("old", pod("a", 40*time.Minute, ""))
+	add("young", pod("b", 10*time.Minute, v1.RestartPolicyAlways))
+	ages = agesOf(nodes, self, now, nil)
+	if got := ages.settled("young"); math.Abs(got-0.25) > 1e-9 {
+		t.Errorf("all lasting: settled[young] = %v, want 0.25", got)
+	}
+	if got := drainingNodes(s, nodes, 1, ages); !got.Equal(sets.New("young")) {
+		t.Errorf("all lasting: draining = %v, want young", sets.List(got))
 	}
 }

@@ -52,7 +52,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
 			if !wholeNode {
-				s.draining = drainingNodes(s, nodes, waiting, s.ages.byNode)
+				s.draining = drainingNodes(s, nodes, waiting, s.ages)
 			}
 		}
 	}
@@ -167,13 +167,16 @@ func (r nicReserve) takes(q allocator.Quality) bool {
 // the pod's requests that have the fewest of them in use, ties broken by
 // name: the nodes that pending whole-node pods are expected to get first,
 // if the pods being placed now leave them alone. With ages (see
-// agesOf), the nodes whose oldest pod with claims is youngest come
-// first, then the fewest in use: pods that have run long tend to run on.
-func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[string]time.Duration) sets.Set[string] {
+// agesOf), the nodes that hold no pod that runs until deleted come first
+// (a node that holds one never drains), then those whose oldest pod with
+// claims is youngest, then the fewest in use: pods that have run long
+// tend to run on.
+func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAges) sets.Set[string] {
 	type candidate struct {
-		name  string
-		inUse int
-		age   time.Duration
+		name    string
+		inUse   int
+		lasting bool
+		age     time.Duration
 	}
 	var cands []candidate
 	for _, n := range nodes {
@@ -182,10 +185,10 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[str
 		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock {
 			continue
 		}
-		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse, age: ages[name]})
+		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse, lasting: ages.lasting.Has(name), age: ages.byNode[name]})
 	}
 	slices.SortFunc(cands, func(a, b candidate) int {
-		return cmp.Or(cmp.Compare(a.age, b.age), cmp.Compare(a.inUse, b.inUse), strings.Compare(a.name, b.name))
+		return cmp.Or(cmpBool(a.lasting, b.lasting), cmp.Compare(a.age, b.age), cmp.Compare(a.inUse, b.inUse), strings.Compare(a.name, b.name))
 	})
 	out := sets.New[string]()
 	for _, c := range cands[:min(waiting, len(cands))] {
@@ -194,41 +197,95 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages map[str
 	return out
 }
 
-// nodeAges holds, per node, the age of the node's oldest pod with claims
-// (0 for a node without such pods), and the largest of them.
-type nodeAges struct {
-	byNode map[string]time.Duration
-	oldest time.Duration
+// cmpBool orders false before true.
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case a:
+		return 1
+	}
+	return -1
 }
 
-// settled is Quality.Settled of the node: its age over the largest.
+// nodeAges holds, per node, the age of the node's oldest pod with claims
+// (0 for a node without such pods), and which nodes hold a pod with
+// claims that runs until it is deleted (see runsUntilDeleted).
+type nodeAges struct {
+	byNode map[string]time.Duration
+	// lasting: the nodes that hold a pod that runs until deleted.
+	lasting sets.Set[string]
+	// oldestLasting and oldestOther are the largest ages of the lasting
+	// nodes and of the others; others: some node with pods with claims
+	// is not lasting.
+	oldestLasting, oldestOther time.Duration
+	others                     bool
+}
+
+// settled is Quality.Settled of the node. Where every node with pods
+// with claims is lasting, or none is, it is the node's age over the
+// largest. Where both kinds exist, the lasting nodes come first: 1/2 plus
+// 1/2 of the age over the largest among them; the others 1/2 of the age
+// over the largest among them.
 func (a nodeAges) settled(node string) float64 {
-	if a.oldest <= 0 {
-		return 0
+	frac := func(d, most time.Duration) float64 {
+		if most <= 0 {
+			return 0
+		}
+		return float64(d) / float64(most)
 	}
-	return float64(a.byNode[node]) / float64(a.oldest)
+	age := a.byNode[node]
+	switch {
+	case len(a.lasting) == 0:
+		return frac(age, a.oldestOther)
+	case a.lasting.Has(node) && !a.others:
+		return frac(age, a.oldestLasting)
+	case a.lasting.Has(node):
+		return 0.5 + 0.5*frac(age, a.oldestLasting)
+	}
+	return 0.5 * frac(age, a.oldestOther)
+}
+
+// runsUntilDeleted reports whether the pod ends only when it is deleted:
+// with restartPolicy Always (the default, as for the pods of Deployments
+// and StatefulSets) the kubelet restarts its containers whenever they
+// exit, so it never completes by itself; a Job's pods (Never,
+// OnFailure) do.
+func runsUntilDeleted(pod *v1.Pod) bool {
+	return pod.Spec.RestartPolicy == v1.RestartPolicyAlways || pod.Spec.RestartPolicy == ""
 }
 
 // agesOf measures the ages of nodes, leaving pod out. A pod's age is
 // counted from its binding: as the clock saw it where it did, else as
 // runningSince says.
 func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time, clock *bindClock) nodeAges {
-	ages := nodeAges{byNode: make(map[string]time.Duration, len(nodes))}
+	ages := nodeAges{byNode: make(map[string]time.Duration, len(nodes)), lasting: sets.New[string]()}
 	for _, n := range nodes {
 		var age time.Duration
+		lasting, withClaims := false, false
 		for _, pi := range n.GetPods() {
 			p := pi.GetPod()
 			if p.UID == pod.UID || len(p.Spec.ResourceClaims) == 0 {
 				continue
 			}
+			withClaims = true
+			lasting = lasting || runsUntilDeleted(p)
 			since, ok := clock.boundAt(p)
 			if !ok {
 				since = runningSince(p)
 			}
 			age = max(age, now.Sub(since))
 		}
-		ages.byNode[n.Node().Name] = age
-		ages.oldest = max(ages.oldest, age)
+		name := n.Node().Name
+		ages.byNode[name] = age
+		switch {
+		case lasting:
+			ages.lasting.Insert(name)
+			ages.oldestLasting = max(ages.oldestLasting, age)
+		case withClaims:
+			ages.others = true
+			ages.oldestOther = max(ages.oldestOther, age)
+		}
 	}
 	return ages
 }
