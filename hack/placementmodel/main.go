@@ -92,6 +92,32 @@ func init() {
 	}
 }
 
+// Draining nodes closed to pods of 2 or 4 GPUs and more, where they fit
+// elsewhere or always.
+func init() {
+	for _, from := range []int{2, 4} {
+		for _, hard := range []bool{false, true} {
+			o := defaultTopodra
+			o.services, o.headroomShare, o.drainClosedFrom, o.drainClosedHard = true, 0.125, from, hard
+			name := fmt.Sprintf("topodra-services-headroom-share-12.5-drain-closed-%d", from)
+			if hard {
+				name += "-hard"
+			}
+			policies[name] = topodra(o)
+		}
+	}
+}
+
+// The reservation by upper bounds with the services rule and the headroom,
+// for every pod or only for pods of 2 or 4 GPUs and more.
+func init() {
+	for _, from := range []int{0, 2, 4} {
+		o := defaultTopodra
+		o.services, o.headroomShare, o.reserve, o.upperBound, o.reserveFrom = true, 0.125, true, 1, from
+		policies[fmt.Sprintf("topodra-services-headroom-share-12.5-reserve-deadline-from-%d", from)] = topodra(o)
+	}
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {
@@ -100,12 +126,13 @@ func reserveWithError(e float64) topodraOptions {
 	return o
 }
 
-var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst, "whole-then-small": wholeThenSmall}
+var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst, "whole-then-small": wholeThenSmall,
+	"small-first-aged-2": smallFirstAged(2), "small-first-aged-4": smallFirstAged(4), "small-first-aged-6": smallFirstAged(6), "small-first-aged-8": smallFirstAged(8), "small-first-aged-12": smallFirstAged(12)}
 
 func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
-	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small")
+	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small, small-first-aged-N (N: 2, 4, 6, 8, 12 ticks)")
 	flag.BoolVar(&sortArrivals, "sort-arrivals", false, "try a tick's new pods in queue order, not arrival order")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")

@@ -208,6 +208,24 @@ func wholeThenSmall(w []*pod) {
 	slices.SortStableFunc(w, func(a, b *pod) int { return key(a) - key(b) })
 }
 
+// smallFirstAged retries the smaller pods first, except that pods that
+// have waited at least the given number of ticks go before all others,
+// the longest-waiting first (a queue sort with aging against starvation).
+func smallFirstAged(after int) queueOrder {
+	return func(w []*pod) {
+		key := func(p *pod) int {
+			if now-p.arrival >= after {
+				return -1000 + p.arrival
+			}
+			return p.gpus
+		}
+		slices.SortStableFunc(w, func(a, b *pod) int { return key(a) - key(b) })
+	}
+}
+
+// now is the tick being run, for queue orders that age pods.
+var now int
+
 // largeFirst retries the larger pods first: what kube-scheduler's queue
 // does when a freed device requeues a waiting pod only if it may now fit
 // (TopologyDRA's hint): a pod that needs a whole node is retried rarely,
@@ -274,6 +292,7 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 	}
 	ticks := w.Ticks()
 	retry := func() {
+		now = s.now
 		order(waiting)
 		for _, p := range slices.Clone(waiting) {
 			if try(index[p], p) {

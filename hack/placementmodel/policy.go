@@ -102,6 +102,15 @@ type topodraOptions struct {
 	// restartPolicy Always tells the scheduler): a node that holds one
 	// counts as the oldest and is never draining.
 	services bool
+	// drainClosedFrom keeps pods of at least this many GPUs (0: none)
+	// off the draining nodes while a whole-node pod waits, unless no
+	// other node can take them.
+	drainClosedFrom int
+	// drainClosedHard keeps them off even then.
+	drainClosedHard bool
+	// reserveFrom applies the reservation only to pods of at least this
+	// many GPUs (0: all).
+	reserveFrom int
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -215,9 +224,16 @@ func topodra(o topodraOptions) policy {
 		if o.soft && !slices.ContainsFunc(ps, func(c placement) bool { return c.node != reserved }) {
 			reserved = -1
 		}
+		closed := o.drainClosedFrom > 0 && p.gpus >= o.drainClosedFrom && len(draining) > 0
+		if closed && !o.drainClosedHard && !slices.ContainsFunc(ps, func(c placement) bool { return !draining[c.node] }) {
+			closed = false
+		}
 		best, bestScore := placement{node: -1}, int64(-1)
 		for _, c := range ps {
-			if c.node == reserved && (p.life == 0 || s.now+estimate(p) > until) {
+			if closed && draining[c.node] {
+				continue
+			}
+			if c.node == reserved && p.gpus >= o.reserveFrom && (p.life == 0 || s.now+estimate(p) > until) {
 				continue
 			}
 			n := s.nodes[c.node]
