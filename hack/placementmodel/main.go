@@ -118,6 +118,13 @@ func init() {
 	}
 }
 
+// Draining nodes chosen by the size of their largest pod, then by age.
+func init() {
+	o := defaultTopodra
+	o.services, o.headroomShare, o.drainSmallest = true, 0.125, true
+	policies["topodra-services-headroom-share-12.5-drain-smallest"] = topodra(o)
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {

@@ -157,3 +157,18 @@ func TestHeadroom(t *testing.T) {
 		}
 	}
 }
+
+// TestSmallFirstAged: pods that have waited the given ticks go first,
+// the longest-waiting first; the others follow, smaller first.
+func TestSmallFirstAged(t *testing.T) {
+	old8, young8, old2, young1 := &pod{gpus: 8, arrival: 1}, &pod{gpus: 8, arrival: 9}, &pod{gpus: 2, arrival: 3}, &pod{gpus: 1, arrival: 9}
+	w := []*pod{young8, young1, old2, old8}
+	now = 10
+	smallFirstAged(6)(w)
+	want := []*pod{old8, old2, young1, young8}
+	for i := range want {
+		if w[i] != want[i] {
+			t.Fatalf("position %d: got the pod of %d GPUs that arrived at %d, want %d GPUs at %d", i, w[i].gpus, w[i].arrival, want[i].gpus, want[i].arrival)
+		}
+	}
+}

@@ -111,6 +111,9 @@ type topodraOptions struct {
 	// reserveFrom applies the reservation only to pods of at least this
 	// many GPUs (0: all).
 	reserveFrom int
+	// drainSmallest chooses the draining nodes by the largest pod on
+	// them first (smaller first: larger pods run longer), then by age.
+	drainSmallest bool
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -179,7 +182,21 @@ func topodra(o topodraOptions) policy {
 			trade = o.wholeNodeTradeWhileWaiting
 			if p.gpus < gpus {
 				byAge := slices.Clone(feasible)
+				largest := func(n int) int {
+					m := 0
+					for _, i := range s.nodes[n].gpu {
+						if i >= 0 {
+							m = max(m, s.pods[i].gpus)
+						}
+					}
+					return m
+				}
 				slices.SortStableFunc(byAge, func(a, b int) int {
+					if o.drainSmallest {
+						if d := largest(a) - largest(b); d != 0 {
+							return d
+						}
+					}
 					if d := age(a) - age(b); d != 0 {
 						return d
 					}
