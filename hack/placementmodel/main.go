@@ -125,6 +125,15 @@ func init() {
 	policies["topodra-services-headroom-share-12.5-drain-smallest"] = topodra(o)
 }
 
+// Remaining lifetimes learned from the pods that have ended.
+func init() {
+	o := defaultTopodra
+	o.services, o.headroomShare, o.learned = true, 0.125, true
+	policies["topodra-services-headroom-share-12.5-learned"] = topodra(o)
+	o.learned, o.remaining = false, true
+	policies["topodra-services-headroom-share-12.5-oracle-remaining"] = topodra(o)
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {
