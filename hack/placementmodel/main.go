@@ -153,8 +153,9 @@ func main() {
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")
 	reps := flag.Int("reps", 3, "runs per seed and scenario (the stock and spread policies draw random numbers)")
+	causes := flag.Bool("causes", false, "also split the pod-ticks that 8-GPU pods wait by what the cluster had free at the end of each tick")
 	flag.Parse()
-	if err := run1(*seeds, *scenarios, *names, *queue, *reps); err != nil {
+	if err := run1(*seeds, *scenarios, *names, *queue, *reps, *causes); err != nil {
 		fmt.Fprintln(os.Stderr, "placementmodel:", err)
 		os.Exit(1)
 	}
@@ -169,7 +170,7 @@ func sortedKeys[V any](m map[string]V) []string {
 	return out
 }
 
-func run1(seedList, scenarioList, names, queues string, reps int) error {
+func run1(seedList, scenarioList, names, queues string, reps int, causes bool) error {
 	seeds, err := sim.ParseSeeds(seedList)
 	if err != nil {
 		return err
@@ -179,7 +180,11 @@ func run1(seedList, scenarioList, names, queues string, reps int) error {
 		return err
 	}
 	w := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(w, "policy\tqueue\truns\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tGPU-ticks\t8-GPU share\tidle\taligned\t\n")
+	fmt.Fprintf(w, "policy\tqueue\truns\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tGPU-ticks\t8-GPU share\tidle\taligned\t")
+	if causes {
+		fmt.Fprintf(w, "8-GPU pod-ticks waiting: %s\t", strings.Join(causes8[:], "\t"))
+	}
+	fmt.Fprintln(w)
 	for _, q := range strings.Split(queues, ",") {
 		order, ok := orders[q]
 		if !ok {
@@ -194,9 +199,15 @@ func run1(seedList, scenarioList, names, queues string, reps int) error {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(w, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%d\t%.0f%%\t%d\t%.1f%%\t\n", name, q, s.runs,
+			fmt.Fprintf(w, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%d\t%d\t%d\t%.0f%%\t%d\t%.1f%%\t", name, q, s.runs,
 				median(s.waits[1]), median(s.waits[2]), median(s.waits[4]), median(s.waits[8]),
 				s.neverPlaced, s.fit8, s.gpuTicks, 100*float64(s.gpuTicks8)/float64(max(1, s.gpuTicks)), s.idle, 100*median(s.aligned))
+			if causes {
+				for _, n := range s.wait8 {
+					fmt.Fprintf(w, "%d\t", n)
+				}
+			}
+			fmt.Fprintln(w)
 		}
 	}
 	return w.Flush()
@@ -208,6 +219,7 @@ type summary struct {
 	waits                                        map[int][]float64
 	aligned                                      []float64
 	neverPlaced, fit8, gpuTicks, gpuTicks8, idle int
+	wait8                                        [len(causes8)]int
 }
 
 // pickScenarios resolves a comma-separated list of scenario names; empty
@@ -256,6 +268,9 @@ func sweep(scenarios []sim.Scenario, seeds []int64, pick policy, order queueOrde
 				s.gpuTicks += r.gpuTicks
 				s.gpuTicks8 += r.gpuTicks8
 				s.idle += r.idle
+				for i, n := range r.wait8 {
+					s.wait8[i] += n
+				}
 			}
 		}
 	}

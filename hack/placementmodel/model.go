@@ -172,7 +172,16 @@ type result struct {
 	gpuTicks8   int // of gpuTicks, those of pods of 8 GPUs (without NICs)
 	idle        int
 	aligned     [2]int // aligned, possible
+	// wait8 splits the pod-ticks that pods of 8 GPUs (without NICs) wait,
+	// counted at the end of each tick, by what the cluster had free then
+	// (causes8).
+	wait8 [len(causes8)]int
 }
+
+// causes8 name the columns of result.wait8: fewer than 8 GPUs free in
+// all; 8-15 free, or 16 or more, but no node with 8; a node with 8 free
+// (held back by the headroom, or arrived after the tick's retries).
+var causes8 = [...]string{"fewer than 8 free", "8-15 free, no whole node", "16+ free, no whole node", "a whole node free"}
 
 // oneByOne retries the waiting pods after each departure instead of after
 // all departures of a tick: in a cluster pods rarely end together, and
@@ -339,6 +348,7 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 				res.idle += n.free()
 			}
 		}
+		res.countWait8(nodes, waiting)
 	}
 	for _, p := range pods {
 		until := ticks
@@ -364,6 +374,30 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 		}
 	}
 	return res
+}
+
+// countWait8 adds the pods of 8 GPUs (without NICs) that wait at the end
+// of a tick to result.wait8, by what the cluster has free.
+func (r *result) countWait8(nodes []*node, waiting []*pod) {
+	free, whole := 0, false
+	for _, n := range nodes {
+		free += n.free()
+		whole = whole || n.free() == gpus
+	}
+	cause := 0
+	switch {
+	case whole:
+		cause = 3
+	case free >= 2*gpus:
+		cause = 2
+	case free >= gpus:
+		cause = 1
+	}
+	for _, p := range waiting {
+		if p.gpus == gpus && p.nics == 0 {
+			r.wait8[cause]++
+		}
+	}
 }
 
 // measure rates a placement as the simulator does (Placement's In* and

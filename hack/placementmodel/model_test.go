@@ -172,3 +172,33 @@ func TestSmallFirstAged(t *testing.T) {
 		}
 	}
 }
+
+// TestCountWait8: waiting 8-GPU pods are counted under what the cluster
+// has free; smaller pods and GPU+NIC pods are not counted.
+func TestCountWait8(t *testing.T) {
+	busy := func(free int) *node {
+		n := emptyNode(true)
+		for g := free; g < gpus; g++ {
+			n.gpu[g] = 0
+		}
+		return n
+	}
+	waiting := []*pod{{gpus: 8}, {gpus: 8, nics: 1}, {gpus: 4}}
+	for _, c := range []struct {
+		nodes []*node
+		want  int
+	}{
+		{[]*node{busy(3), busy(4)}, 0},
+		{[]*node{busy(7), busy(4)}, 1},
+		{[]*node{busy(7), busy(7), busy(2)}, 2},
+		{[]*node{busy(8), busy(0)}, 3},
+	} {
+		var r result
+		r.countWait8(c.nodes, waiting)
+		for i, n := range r.wait8 {
+			if want := map[bool]int{true: 1}[i == c.want]; n != want {
+				t.Errorf("%d nodes: %q counted %d, want %d", len(c.nodes), causes8[i], n, want)
+			}
+		}
+	}
+}
