@@ -134,6 +134,24 @@ func init() {
 	policies["topodra-services-headroom-share-12.5-oracle-remaining"] = topodra(o)
 }
 
+// The headroom as the scheduler applies it: 12 % rounded up, a quarter of
+// it for pods of 4 to 7 GPUs, counted on nodes left with two or more free.
+func init() {
+	o := defaultTopodra
+	o.services, o.headroomShare, o.headroomAsShipped = true, 0.12, true
+	policies["topodra-shipped"] = topodra(o)
+	for _, f := range []float64{0.5, 0.75} {
+		v := o
+		v.wholeNodeHeadroom = f
+		policies[fmt.Sprintf("topodra-shipped-whole-%g", f)] = topodra(v)
+	}
+	v := o
+	v.wholeNodeSpareFrom = 1
+	policies["topodra-shipped-whole-singles"] = topodra(v)
+	v.wholeNodeSpareFrom = 4
+	policies["topodra-shipped-whole-spare-4"] = topodra(v)
+}
+
 // reserveWithError is the reservation oracle with lifetimes off by up to
 // the given fraction.
 func reserveWithError(e float64) topodraOptions {

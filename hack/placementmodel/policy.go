@@ -120,6 +120,14 @@ type topodraOptions struct {
 	// this pod has (in tenths of a tick); with none of its size, over
 	// all sizes; with none at all, the age.
 	learned bool
+	// headroomAsShipped applies headroomShare as the scheduler does
+	// (leavesSpare) instead of leavesHeadroom.
+	headroomAsShipped bool
+	// wholeNodeHeadroom scales the headroom of pods of 8 GPUs (0: 1);
+	// wholeNodeSpareFrom counts, for them, nodes left with at least this
+	// many free (0: 2).
+	wholeNodeHeadroom  float64
+	wholeNodeSpareFrom int
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -258,6 +266,9 @@ func topodra(o topodraOptions) policy {
 			if closed && draining[c.node] {
 				continue
 			}
+			if o.headroomAsShipped && !o.leavesSpare(s, p, c) {
+				continue
+			}
 			if c.node == reserved && p.gpus >= o.reserveFrom && (p.life == 0 || s.now+estimate(p) > until) {
 				continue
 			}
@@ -298,7 +309,7 @@ func (o topodraOptions) leavesHeadroom(s *state, p *pod) bool {
 	if o.headroomShare > 0 {
 		h = int(math.Round(o.headroomShare * float64(gpus*len(s.nodes))))
 	}
-	if h == 0 || p.gpus < gpus || o.headroomFor > 0 && s.now-p.arrival >= o.headroomFor {
+	if h == 0 || p.gpus < gpus || o.headroomFor > 0 && s.now-p.arrival >= o.headroomFor || o.headroomAsShipped {
 		return true
 	}
 	free := 0
@@ -306,6 +317,39 @@ func (o topodraOptions) leavesHeadroom(s *state, p *pod) bool {
 		free += n.free()
 	}
 	return free-p.gpus >= h
+}
+
+// leavesSpare is the headroom as the scheduler applies it
+// (smallPodHeadroomPercent): after placement c, a pod of 8 GPUs must leave
+// the headroom free, one of 4 to 7 a quarter of it (rounded up), counting
+// only the GPUs of nodes left with two or more free.
+func (o topodraOptions) leavesSpare(s *state, p *pod, c placement) bool {
+	h := int(math.Ceil(o.headroomShare * float64(gpus*len(s.nodes))))
+	least := 2
+	switch {
+	case h < gpus || p.gpus < gpus/2:
+		return true
+	case p.gpus < gpus:
+		h = (h + 3) / 4
+	default:
+		if o.wholeNodeHeadroom > 0 {
+			h = int(math.Ceil(o.wholeNodeHeadroom * float64(h)))
+		}
+		if o.wholeNodeSpareFrom > 0 {
+			least = o.wholeNodeSpareFrom
+		}
+	}
+	spare := 0
+	for i, n := range s.nodes {
+		f := n.free()
+		if i == c.node {
+			f -= len(c.slots)
+		}
+		if f >= least {
+			spare += f
+		}
+	}
+	return spare >= h
 }
 
 // roomAfter is Quality.Room: 1 minus the cost of the free blocks that
