@@ -150,6 +150,13 @@ func init() {
 	policies["topodra-shipped-whole-singles"] = topodra(v)
 	v.wholeNodeSpareFrom = 4
 	policies["topodra-shipped-whole-spare-4"] = topodra(v)
+	for _, share := range []float64{0.375, 0.5} {
+		w := o
+		w.wholeNodeSpareFrom, w.halfNodeShare = 1, share
+		policies[fmt.Sprintf("topodra-shipped-whole-singles-half-%g", share)] = topodra(w)
+		w.wholeNodeSpareFrom = 0
+		policies[fmt.Sprintf("topodra-shipped-half-%g", share)] = topodra(w)
+	}
 }
 
 // reserveWithError is the reservation oracle with lifetimes off by up to

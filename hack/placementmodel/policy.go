@@ -128,6 +128,9 @@ type topodraOptions struct {
 	// many free (0: 2).
 	wholeNodeHeadroom  float64
 	wholeNodeSpareFrom int
+	// halfNodeShare is the share of the headroom that pods of 4 to 7 GPUs
+	// keep (0: a quarter).
+	halfNodeShare float64
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -330,7 +333,11 @@ func (o topodraOptions) leavesSpare(s *state, p *pod, c placement) bool {
 	case h < gpus || p.gpus < gpus/2:
 		return true
 	case p.gpus < gpus:
-		h = (h + 3) / 4
+		if o.halfNodeShare > 0 {
+			h = int(math.Ceil(o.halfNodeShare * float64(h)))
+		} else {
+			h = (h + 3) / 4
+		}
 	default:
 		if o.wholeNodeHeadroom > 0 {
 			h = int(math.Ceil(o.wholeNodeHeadroom * float64(h)))
