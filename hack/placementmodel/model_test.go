@@ -202,3 +202,54 @@ func TestCountWait8(t *testing.T) {
 		}
 	}
 }
+
+// TestLeavesSpare: the headroom as the scheduler applies it on 8 nodes
+// (12 % of 64 rounded up: 8; 2 for 4-GPU pods), counting only nodes left
+// with two or more free, or, with wholeNodeSpareFrom 1, every free GPU
+// against an 8-GPU pod.
+func TestLeavesSpare(t *testing.T) {
+	withFree := func(free ...int) *state {
+		s := &state{}
+		for i := range 8 {
+			n := emptyNode(true)
+			f := 0
+			if i < len(free) {
+				f = free[i]
+			}
+			for g := f; g < gpus; g++ {
+				n.gpu[g] = 0
+			}
+			s.nodes = append(s.nodes, n)
+		}
+		return s
+	}
+	shipped := topodraOptions{headroomShare: 0.12, headroomAsShipped: true}
+	singles := shipped
+	singles.wholeNodeSpareFrom = 1
+	take := func(node, n int) placement {
+		c := placement{node: node}
+		for g := range n {
+			c.slots = append(c.slots, g)
+		}
+		return c
+	}
+	for _, c := range []struct {
+		name string
+		o    topodraOptions
+		s    *state
+		p    *pod
+		c    placement
+		want bool
+	}{
+		{"8 GPUs, 8 free besides", shipped, withFree(8, 8), &pod{gpus: 8}, take(0, 8), true},
+		{"8 GPUs, 7 and a single free besides", shipped, withFree(8, 7, 1), &pod{gpus: 8}, take(0, 8), false},
+		{"8 GPUs, 7 and a single free besides, singles counted", singles, withFree(8, 7, 1), &pod{gpus: 8}, take(0, 8), true},
+		{"4 GPUs leaving one on its node and one elsewhere", singles, withFree(5, 1), &pod{gpus: 4}, take(0, 4), false},
+		{"4 GPUs leaving two on its node", shipped, withFree(6), &pod{gpus: 4}, take(0, 4), true},
+		{"2 GPUs never held back", shipped, withFree(2), &pod{gpus: 2}, take(0, 2), true},
+	} {
+		if got := c.o.leavesSpare(c.s, c.p, c.c); got != c.want {
+			t.Errorf("%s: leavesSpare = %v, want %v", c.name, got, c.want)
+		}
+	}
+}
