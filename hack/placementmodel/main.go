@@ -92,13 +92,21 @@ func init() {
 	}
 }
 
+// servicesHeadroom is the default's model with the services rule and the
+// headroom an eighth of the cluster's GPUs, the base of the screens below.
+func servicesHeadroom() topodraOptions {
+	o := defaultTopodra
+	o.services, o.headroomShare = true, 0.125
+	return o
+}
+
 // Draining nodes closed to pods of 2 or 4 GPUs and more, where they fit
 // elsewhere or always.
 func init() {
 	for _, from := range []int{2, 4} {
 		for _, hard := range []bool{false, true} {
-			o := defaultTopodra
-			o.services, o.headroomShare, o.drainClosedFrom, o.drainClosedHard = true, 0.125, from, hard
+			o := servicesHeadroom()
+			o.drainClosedFrom, o.drainClosedHard = from, hard
 			name := fmt.Sprintf("topodra-services-headroom-share-12.5-drain-closed-%d", from)
 			if hard {
 				name += "-hard"
@@ -112,23 +120,23 @@ func init() {
 // for every pod or only for pods of 2 or 4 GPUs and more.
 func init() {
 	for _, from := range []int{0, 2, 4} {
-		o := defaultTopodra
-		o.services, o.headroomShare, o.reserve, o.upperBound, o.reserveFrom = true, 0.125, true, 1, from
+		o := servicesHeadroom()
+		o.reserve, o.upperBound, o.reserveFrom = true, 1, from
 		policies[fmt.Sprintf("topodra-services-headroom-share-12.5-reserve-deadline-from-%d", from)] = topodra(o)
 	}
 }
 
 // Draining nodes chosen by the size of their largest pod, then by age.
 func init() {
-	o := defaultTopodra
-	o.services, o.headroomShare, o.drainSmallest = true, 0.125, true
+	o := servicesHeadroom()
+	o.drainSmallest = true
 	policies["topodra-services-headroom-share-12.5-drain-smallest"] = topodra(o)
 }
 
 // Remaining lifetimes learned from the pods that have ended.
 func init() {
-	o := defaultTopodra
-	o.services, o.headroomShare, o.learned = true, 0.125, true
+	o := servicesHeadroom()
+	o.learned = true
 	policies["topodra-services-headroom-share-12.5-learned"] = topodra(o)
 	o.learned, o.remaining = false, true
 	policies["topodra-services-headroom-share-12.5-oracle-remaining"] = topodra(o)
@@ -167,13 +175,21 @@ func reserveWithError(e float64) topodraOptions {
 	return o
 }
 
-var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst, "whole-then-small": wholeThenSmall,
-	"small-first-aged-2": smallFirstAged(2), "small-first-aged-4": smallFirstAged(4), "small-first-aged-6": smallFirstAged(6), "small-first-aged-8": smallFirstAged(8), "small-first-aged-12": smallFirstAged(12)}
+var orders = map[string]queueOrder{"fifo": fifo, "small-first": smallFirst, "large-first": largeFirst, "whole-then-small": wholeThenSmall}
+
+// agedAfter are the waits, in ticks, of the small-first-aged-N orders.
+var agedAfter = []int{2, 4, 6, 8, 12}
+
+func init() {
+	for _, n := range agedAfter {
+		orders[fmt.Sprintf("small-first-aged-%d", n)] = smallFirstAged(n)
+	}
+}
 
 func main() {
 	seeds := flag.String("seeds", "1-8", "seeds, e.g. 1-8 or 1,3,9-12")
 	names := flag.String("policies", "stock,spread,topodra,topodra-no-age,topodra-oracle-remaining,topodra-oracle-reserve", "policies to run: "+strings.Join(sortedKeys(policies), ", "))
-	queue := flag.String("queue", "fifo,small-first,large-first", "orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small, small-first-aged-N (N: 2, 4, 6, 8, 12 ticks)")
+	queue := flag.String("queue", "fifo,small-first,large-first", fmt.Sprintf("orders in which waiting pods are retried: fifo, small-first, large-first, whole-then-small, small-first-aged-N (N ticks, one of %v)", agedAfter))
 	flag.BoolVar(&sortArrivals, "sort-arrivals", false, "try a tick's new pods in queue order, not arrival order")
 	flag.BoolVar(&oneByOne, "one-by-one", false, "retry waiting pods after each departure, not after all departures of a tick")
 	scenarios := flag.String("scenarios", "", "scenarios to run, comma-separated: the sweep's (default all of them) and demo (the demo's default run: built-in workload, 160 pods, 8 nodes)")

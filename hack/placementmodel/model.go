@@ -191,23 +191,23 @@ var oneByOne bool
 // sortArrivals tries a tick's new pods in queue order, not arrival order.
 var sortArrivals bool
 
-// queueOrder sorts the waiting pods before their retry.
-type queueOrder func(waiting []*pod)
+// queueOrder sorts the waiting pods before their retry at tick now.
+type queueOrder func(now int, waiting []*pod)
 
 // fifo retries the pods that arrived first first.
-func fifo([]*pod) {}
+func fifo(int, []*pod) {}
 
 // smallFirst retries the smaller pods first: what kube-scheduler's queue
 // does when every freed device requeues every waiting pod (a large pod
 // fails most often, and each failure puts it at the back), and what
 // TopologyDRA's profile does with DeviceCountSort.
-func smallFirst(w []*pod) {
+func smallFirst(_ int, w []*pod) {
 	slices.SortStableFunc(w, func(a, b *pod) int { return a.gpus - b.gpus })
 }
 
 // wholeThenSmall retries the pods that need a whole node first, then the
 // others, smaller first.
-func wholeThenSmall(w []*pod) {
+func wholeThenSmall(_ int, w []*pod) {
 	key := func(p *pod) int {
 		if p.gpus >= gpus {
 			return 0
@@ -221,7 +221,7 @@ func wholeThenSmall(w []*pod) {
 // have waited at least the given number of ticks go before all others,
 // the longest-waiting first (a queue sort with aging against starvation).
 func smallFirstAged(after int) queueOrder {
-	return func(w []*pod) {
+	return func(now int, w []*pod) {
 		key := func(p *pod) int {
 			if now-p.arrival >= after {
 				return -1000 + p.arrival
@@ -232,14 +232,11 @@ func smallFirstAged(after int) queueOrder {
 	}
 }
 
-// now is the tick being run, for queue orders that age pods.
-var now int
-
 // largeFirst retries the larger pods first: what kube-scheduler's queue
 // does when a freed device requeues a waiting pod only if it may now fit
 // (TopologyDRA's hint): a pod that needs a whole node is retried rarely,
 // so its last failure is the oldest, and the queue tries it first.
-func largeFirst(w []*pod) {
+func largeFirst(_ int, w []*pod) {
 	slices.SortStableFunc(w, func(a, b *pod) int { return b.gpus - a.gpus })
 }
 
@@ -301,8 +298,7 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 	}
 	ticks := w.Ticks()
 	retry := func() {
-		now = s.now
-		order(waiting)
+		order(s.now, waiting)
 		for _, p := range slices.Clone(waiting) {
 			if try(index[p], p) {
 				waiting = slices.DeleteFunc(waiting, func(q *pod) bool { return q == p })
@@ -331,7 +327,7 @@ func run(w *sim.Workload, specs []sim.NodeSpec, pick policy, order queueOrder, r
 			}
 		}
 		if sortArrivals {
-			order(arrivals)
+			order(s.now, arrivals)
 		}
 		for k, p := range arrivals {
 			// Pods of this tick not tried yet wait too, as far as the

@@ -163,8 +163,7 @@ func TestHeadroom(t *testing.T) {
 func TestSmallFirstAged(t *testing.T) {
 	old8, young8, old2, young1 := &pod{gpus: 8, arrival: 1}, &pod{gpus: 8, arrival: 9}, &pod{gpus: 2, arrival: 3}, &pod{gpus: 1, arrival: 9}
 	w := []*pod{young8, young1, old2, old8}
-	now = 10
-	smallFirstAged(6)(w)
+	smallFirstAged(6)(10, w)
 	want := []*pod{old8, old2, young1, young8}
 	for i := range want {
 		if w[i] != want[i] {
