@@ -225,6 +225,7 @@ func run1(seedList, scenarioList, names, queues string, reps int, causes bool) e
 	if causes {
 		fmt.Fprintf(w, "8-GPU pod-ticks waiting: %s\t", strings.Join(causes8[:], "\t"))
 	}
+	fmt.Fprintf(w, "mean 2 / 4 / 8\t")
 	fmt.Fprintln(w)
 	for _, q := range strings.Split(queues, ",") {
 		order, ok := orders[q]
@@ -248,6 +249,7 @@ func run1(seedList, scenarioList, names, queues string, reps int, causes bool) e
 					fmt.Fprintf(w, "%d\t", n)
 				}
 			}
+			fmt.Fprintf(w, "%.3f / %.3f / %.2f\t", mean(s.waits[2]), mean(s.waits[4]), mean(s.waits[8]))
 			fmt.Fprintln(w)
 		}
 	}
@@ -316,6 +318,19 @@ func sweep(scenarios []sim.Scenario, seeds []int64, pick policy, order queueOrde
 		}
 	}
 	return s, nil
+}
+
+// mean is the mean over runs: the medians of the small pods' waits move
+// in steps (most runs have none), the means show the trade between sizes.
+func mean(v []float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	sum := 0.0
+	for _, x := range v {
+		sum += x
+	}
+	return sum / float64(len(v))
 }
 
 func median(v []float64) float64 {
