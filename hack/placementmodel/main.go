@@ -143,11 +143,20 @@ func init() {
 }
 
 // The headroom as the scheduler applies it: 12 % rounded up, a quarter of
-// it for pods of 4 to 7 GPUs, counted on nodes left with two or more free.
+// it for pods of 4 to 7 GPUs, counted on nodes left with two or more free;
+// topodra-shipped-whole-W-half-H keeps the share W of it against pods of 8
+// GPUs and H against pods of 4 to 7 instead (W 1, H 0.25 as shipped).
 func init() {
 	o := defaultTopodra
 	o.services, o.headroomShare, o.headroomAsShipped = true, 0.12, true
 	policies["topodra-shipped"] = topodra(o)
+	for _, f := range []float64{0.5, 0.625, 0.75, 0.875, 1} {
+		for _, share := range []float64{0.25, 0.375, 0.5} {
+			w := o
+			w.wholeNodeHeadroom, w.halfNodeShare = f, share
+			policies[fmt.Sprintf("topodra-shipped-whole-%g-half-%g", f, share)] = topodra(w)
+		}
+	}
 	for _, f := range []float64{0.5, 0.75} {
 		v := o
 		v.wholeNodeHeadroom = f
