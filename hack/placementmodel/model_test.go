@@ -2,6 +2,7 @@ package main
 
 import (
 	"math/rand/v2"
+	"reflect"
 	"testing"
 
 	"github.com/topodra/topodra/pkg/sim"
@@ -250,5 +251,26 @@ func TestLeavesSpare(t *testing.T) {
 		if got := c.o.leavesSpare(c.s, c.p, c.c); got != c.want {
 			t.Errorf("%s: leavesSpare = %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestShareGrid: the grid's pair of shares that the scheduler ships runs
+// exactly as topodra-shipped, and another pair does not.
+func TestShareGrid(t *testing.T) {
+	scenarios := sim.DefaultScenarios()[:1]
+	seeds := []int64{1, 2}
+	run := func(name string) summary {
+		s, err := sweep(scenarios, seeds, policies[name], smallFirst, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	shipped := run("topodra-shipped")
+	if same := run("topodra-shipped-whole-1-half-0.25"); !reflect.DeepEqual(shipped, same) {
+		t.Errorf("whole 1, half 0.25 ran differently from topodra-shipped:\n%+v\n%+v", same, shipped)
+	}
+	if other := run("topodra-shipped-whole-0.5-half-0.5"); reflect.DeepEqual(shipped, other) {
+		t.Errorf("whole 0.5, half 0.5 ran exactly as topodra-shipped: the shares have no effect")
 	}
 }
