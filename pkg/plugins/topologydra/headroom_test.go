@@ -236,3 +236,66 @@ func TestHeadroomQueueingHint(t *testing.T) {
 		t.Errorf("7 GPUs back, 16 free but one alone on its node: hint %v, want %v", got, fwk.QueueSkip)
 	}
 }
+
+// TestHeadroomHintWithOtherDrivers: a claim that gave back a GPU and a NIC
+// brings the GPUs of the cluster up to the headroom a waiting 4-GPU pod
+// keeps (8 nodes of 8 GPUs: 2 of 64), while the NICs, too few for any
+// headroom of their own, leave its node short of four. The pod is retried
+// on every such event, whichever driver the hint looks at first.
+func TestHeadroomHintWithOtherDrivers(t *testing.T) {
+	const nicDriver = "nic.test.topodra.io"
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), testClaim("four", 4)}
+	gpus := func(from, to int) []string {
+		var out []string
+		for g := from; g < to; g++ {
+			out = append(out, fmt.Sprintf("gpu-%d", g))
+		}
+		return out
+	}
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		nics := testSlice(name, 0)
+		nics.Name, nics.Spec.Driver = name+"-nics", nicDriver
+		for n := range 2 {
+			nics.Spec.Devices = append(nics.Spec.Devices, resourceapi.Device{Name: fmt.Sprintf("nic-%d", n)})
+		}
+		objs = append(objs, testSlice(name, 8), nics)
+		switch i {
+		case 0: // 4 GPUs free
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpus(0, 4)...))
+		case 1: // gpu-7 free; gpu-6 and nic-0 held by one claim
+			gpuNIC := allocatedOn(testClaim("gpu-nic", 1), name, "gpu-6")
+			gpuNIC.Status.Allocation.Devices.Results = append(gpuNIC.Status.Allocation.Devices.Results,
+				resourceapi.DeviceRequestAllocationResult{Request: "nic", Driver: nicDriver, Pool: name, Device: "nic-0"})
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpus(0, 6)...), gpuNIC)
+		default:
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpus(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+	h.waitForClaim("gpu-nic", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("held-node-7", func(*resourceapi.ResourceClaim) bool { return true })
+
+	pod := testPod("p", "four")
+	if _, st := h.cycle(pod, "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Fatalf("before the event: Filter(node-0) = %v, want the headroom to hold the pod back", st["node-0"])
+	}
+	old := h.apiClaim("gpu-nic")
+	for i := range 20 {
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion = fmt.Sprintf("%s-%d", old.ResourceVersion, i)
+		prev := old.DeepCopy()
+		prev.ResourceVersion = fmt.Sprintf("%s-%d-old", old.ResourceVersion, i)
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, prev, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != fwk.Queue {
+			t.Fatalf("event %d: hint %v, want %v: the GPU given back brings the cluster up to the headroom", i, got, fwk.Queue)
+		}
+	}
+}

@@ -422,7 +422,11 @@ func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClai
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		given[r.Driver] = true
 	}
-	short := 0
+	// Which of the drivers serves the pod is not known here: one whose
+	// headroom this event reached means a retry, whatever the others say
+	// (a driver with too few devices for a headroom, such as the NICs
+	// beside the GPUs, says nothing).
+	short, retry := 0, false
 	for driver := range given {
 		c := counts[driver]
 		h := HeadroomFor(pl.headroomPercent, c.total, need)
@@ -430,14 +434,16 @@ func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClai
 		// or more: at most c.spare-need wherever the pod goes.
 		switch {
 		case h == 0:
-			return headroomNone
 		case c.spare-need < h:
 			short++
 		case c.spare-gained[driver]-need < h:
-			return headroomRetry
+			retry = true
 		}
 	}
-	if short == len(given) {
+	switch {
+	case retry:
+		return headroomRetry
+	case short == len(given):
 		return headroomShort
 	}
 	return headroomNone
