@@ -242,6 +242,11 @@ type Result struct {
 	// Notes are observations worth a look, like pods that fit by count
 	// but stayed pending.
 	Notes []string `json:"notes,omitempty"`
+	// Stuck counts the pods that fit by count after devices were freed
+	// and were not bound within the retry wait (each once): pods the
+	// scheduler did not retry when it could have, or turned down for a
+	// reason the simulator does not know.
+	Stuck int `json:"stuckPods,omitempty"`
 	// Errors are inconsistencies found while tracking (allocated devices
 	// that do not exist, double allocation, claims on another node).
 	Errors []string `json:"errors,omitempty"`

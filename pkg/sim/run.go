@@ -388,6 +388,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			if err != nil {
 				for _, name := range last {
 					stuck[name] = true
+					res.Stuck++
 					res.Notes = append(res.Notes, fmt.Sprintf("tick %d: pod %s fits by free device count but was not scheduled within %s", tick, name, retryTimeout))
 					opts.progressf("[%s] tick %d: pod %s fits by free device count but was not scheduled within %s", sched, tick, name, retryTimeout)
 				}

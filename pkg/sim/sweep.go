@@ -93,6 +93,8 @@ type SweepRow struct {
 	// SchedulerCPUMsPerPod is Result.SchedulerCPUMsPerPod.
 	SchedulerCPUMsPerPod float64 `json:"schedulerCPUMsPerPod"`
 	Errors               int     `json:"errors"`
+	// Stuck is Result.Stuck.
+	Stuck int `json:"stuckPods,omitempty"`
 }
 
 // SweepSizes are the pod sizes whose waits a sweep reports.
@@ -103,7 +105,7 @@ func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
-		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors)}
+		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
 			row.MeanWait[g] = w.Mean()
@@ -162,6 +164,7 @@ type SweepSummary struct {
 	Fit8        int `json:"fit8GPU"`
 	Fit4        int `json:"fit4GPUNUMAAligned"`
 	Errors      int `json:"errors"`
+	Stuck       int `json:"stuckPods,omitempty"`
 }
 
 func summarize(scheduler string, rows []SweepRow) SweepSummary {
@@ -189,6 +192,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Fit8 += r.Fit8
 		s.Fit4 += r.Fit4
 		s.Errors += r.Errors
+		s.Stuck += r.Stuck
 	}
 	s.PodTicks, s.Aligned, s.Throughput, s.AttemptP50 = statOf(ticks), statOf(aligned), statOf(tput), statOf(p50)
 	s.SchedulerCPU = statOf(cpu)
@@ -573,5 +577,10 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 		return err
 	}
 	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	var stuck []string
+	for _, s := range r.Summaries {
+		stuck = append(stuck, fmt.Sprintf("%s %d", s.Scheduler, s.Stuck))
+	}
+	fmt.Fprintf(out, "pods that fit by free device count but were not bound within %s of the devices being freed, summed over the runs: %s\n", retryTimeout, strings.Join(stuck, ", "))
 	return nil
 }

@@ -42,7 +42,7 @@ func TestStatOf(t *testing.T) {
 // TestRowOf: a sweep row carries the run's waits by size and the
 // alignment counts behind its aligned fraction.
 func TestRowOf(t *testing.T) {
-	res := &Result{Scheduler: "topodra", Pending: 2,
+	res := &Result{Scheduler: "topodra", Pending: 2, Stuck: 3,
 		Alignment:       Alignment{MultiGPU: 3, Clique: Ratio{2, 3}, Root: Ratio{1, 2}, NUMA: Ratio{3, 3}, GPUNIC: 1, NICRoot: Ratio{1, 1}},
 		AlignedFraction: 7.0 / 9,
 		WaitByGPUs:      map[int]*Wait{1: {Pods: 2, Ticks: 1}, 8: {}},
@@ -50,6 +50,9 @@ func TestRowOf(t *testing.T) {
 	row := rowOf("builtin-8", 3, 1, res)
 	if row.Alignment != res.Alignment || row.Aligned != res.AlignedFraction || row.NeverPlaced != 2 {
 		t.Errorf("row %+v, want the alignment %+v (%.3f) and 2 never placed", row, res.Alignment, res.AlignedFraction)
+	}
+	if row.Stuck != 3 {
+		t.Errorf("row counts %d stuck pods, want the run's 3", row.Stuck)
 	}
 	if len(row.MeanWait) != 1 || row.MeanWait[1] != 0.5 {
 		t.Errorf("mean waits %v, want 1 GPU: 0.5 and no entry for sizes without pods", row.MeanWait)
@@ -174,6 +177,7 @@ func TestPoolSweeps(t *testing.T) {
 			// Stock alone in round 1 of seed 2: nothing to pair it with.
 			row(2, 1, SchedulerStock, 1),
 		}}
+	first.Rows[0].Stuck, second.Rows[2].Stuck = 1, 2
 	pooled, err := PoolSweeps([]*SweepReport{first, second})
 	if err != nil {
 		t.Fatal(err)
@@ -204,6 +208,16 @@ func TestPoolSweeps(t *testing.T) {
 	if top.Runs != 3 || top.MeanWait[8].Median != 4 || stock.Runs != 4 || stock.MeanWait[8].Median != 6.5 {
 		t.Errorf("summaries: topodra %d runs, median %v; stock %d runs, median %v; want 3, 4 and 4, 6.5",
 			top.Runs, top.MeanWait[8].Median, stock.Runs, stock.MeanWait[8].Median)
+	}
+	if top.Stuck != 3 || stock.Stuck != 0 {
+		t.Errorf("stuck pods summed: topodra %d, stock %d; want 3 and 0", top.Stuck, stock.Stuck)
+	}
+	var text strings.Builder
+	if err := pooled.WriteSummary(&text); err != nil {
+		t.Fatal(err)
+	}
+	if want := "summed over the runs: topodra 3, stock 0"; !strings.Contains(text.String(), want) {
+		t.Errorf("summary does not say %q:\n%s", want, text.String())
 	}
 	if len(pooled.PerScenario["a"]) != 2 || len(pooled.Targets) == 0 {
 		t.Errorf("per scenario %v, %d targets; want both schedulers and the targets", pooled.PerScenario, len(pooled.Targets))
