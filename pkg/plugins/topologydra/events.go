@@ -62,7 +62,7 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 // where they leave enough free devices together (see freedEnough); a
 // change of the pod's own claim always requeues it.
 func (pl *TopologyDRA) hintForFreed(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim) fwk.QueueingHint {
-	if pl.usesClaim(pod, claim) || pl.freedEnough(pod, claim) {
+	if pl.usesClaim(pod, claim) || pl.freedEnough(logger, pod, claim) {
 		return fwk.Queue
 	}
 	logger.V(6).Info("Devices given back leave too few free for the pod", "pod", klog.KObj(pod), "claim", klog.KObj(claim))

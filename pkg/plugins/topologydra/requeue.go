@@ -8,6 +8,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
 )
 
 // freedDevices answers, for one event that gave devices back, how many
@@ -121,7 +122,7 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // needs many devices fails on nearly every such event, so when a node
 // finally frees up for it, smaller pods that failed less recently are
 // tried first and take the devices.
-func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
+func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
 	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) == 0 {
 		return true
 	}
@@ -134,7 +135,7 @@ func (pl *TopologyDRA) freedEnough(pod *v1.Pod, claim *resourceapi.ResourceClaim
 		return true
 	}
 	if pl.headroomPercent > 0 && need >= HalfNodeBlock {
-		switch pl.headroomWait(pod, claim, need) {
+		switch pl.headroomWait(logger, pod, claim, need) {
 		case headroomShort:
 			return false
 		case headroomRetry:
@@ -410,7 +411,7 @@ const (
 // devices of each driver the claim gave devices back of, on the nodes the
 // pod's required node affinity admits) kept a pod that asks for need
 // devices waiting, before and after the event.
-func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClaim, need int) headroomState {
+func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim, need int) headroomState {
 	var mayUse func(string) bool
 	if pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil {
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
@@ -430,6 +431,10 @@ func (pl *TopologyDRA) headroomWait(pod *v1.Pod, claim *resourceapi.ResourceClai
 	for driver := range given {
 		c := counts[driver]
 		h := HeadroomFor(pl.headroomPercent, c.total, need)
+		if v := logger.V(6); v.Enabled() {
+			v.Info("Headroom after devices were given back", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "driver", driver,
+				"devices", c.total, "free", c.free, "freeOnNodesWithRoom", c.spare, "gained", gained[driver], "needs", need, "headroom", h)
+		}
 		// Filter counts the devices free on nodes left with SpareOnNode
 		// or more: at most c.spare-need wherever the pod goes.
 		switch {
