@@ -146,6 +146,8 @@ func init() {
 // it for pods of 4 to 7 GPUs, counted on nodes left with two or more free;
 // topodra-shipped-whole-W-half-H keeps the share W of it against pods of 8
 // GPUs and H against pods of 4 to 7 instead (W 1, H 0.25 as shipped).
+// The earlier names topodra-shipped-whole-W (H 0.25) and
+// topodra-shipped-half-H (W 1) name points of the same grid.
 func init() {
 	o := defaultTopodra
 	o.services, o.headroomShare, o.headroomAsShipped = true, 0.12, true
@@ -154,13 +156,15 @@ func init() {
 		for _, share := range []float64{0.25, 0.375, 0.5} {
 			w := o
 			w.wholeNodeHeadroom, w.halfNodeShare = f, share
-			policies[fmt.Sprintf("topodra-shipped-whole-%g-half-%g", f, share)] = topodra(w)
+			pick := topodra(w)
+			policies[fmt.Sprintf("topodra-shipped-whole-%g-half-%g", f, share)] = pick
+			switch {
+			case share == 0.25 && (f == 0.5 || f == 0.75):
+				policies[fmt.Sprintf("topodra-shipped-whole-%g", f)] = pick
+			case f == 1 && share != 0.25:
+				policies[fmt.Sprintf("topodra-shipped-half-%g", share)] = pick
+			}
 		}
-	}
-	for _, f := range []float64{0.5, 0.75} {
-		v := o
-		v.wholeNodeHeadroom = f
-		policies[fmt.Sprintf("topodra-shipped-whole-%g", f)] = topodra(v)
 	}
 	v := o
 	v.wholeNodeSpareFrom = 1
@@ -171,8 +175,6 @@ func init() {
 		w := o
 		w.wholeNodeSpareFrom, w.halfNodeShare = 1, share
 		policies[fmt.Sprintf("topodra-shipped-whole-singles-half-%g", share)] = topodra(w)
-		w.wholeNodeSpareFrom = 0
-		policies[fmt.Sprintf("topodra-shipped-half-%g", share)] = topodra(w)
 	}
 }
 
