@@ -388,7 +388,6 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			if err != nil {
 				for _, name := range last {
 					stuck[name] = true
-					res.Stuck++
 					res.Notes = append(res.Notes, fmt.Sprintf("tick %d: pod %s fits by free device count but was not scheduled within %s", tick, name, retryTimeout))
 					opts.progressf("[%s] tick %d: pod %s fits by free device count but was not scheduled within %s", sched, tick, name, retryTimeout)
 				}
@@ -448,6 +447,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			lastProgress = time.Now()
 		}
 	}
+	res.Stuck = len(stuck)
 	res.Snapshots = append(res.Snapshots, tr.snapshot("end"))
 	if blockTicks > 0 {
 		res.FreeInWholeNUMA = blockShare / float64(blockTicks)
