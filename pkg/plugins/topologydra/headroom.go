@@ -2,10 +2,13 @@ package topologydra
 
 import (
 	"fmt"
+	"sync"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -142,4 +145,35 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 		}
 	}
 	return ""
+}
+
+// heldBack holds the UIDs of pods whose latest scheduling attempt had an
+// allocation on some node turned down by the headroom alone. The freed-
+// devices hint retries such a pod on any event after which the headroom
+// is kept with the pod placed, not only on the event that brings the
+// cluster up to it: the attempt the hint called for may have run before
+// the claim tracker took in the devices given back, and no later event
+// then brings the cluster up to a headroom it already has. PreFilter
+// forgets a pod, Filter records it, Reserve and the pod's deletion forget
+// it. The zero value is ready; safe for concurrent use.
+type heldBack struct{ pods sync.Map }
+
+func (h *heldBack) hold(uid types.UID)   { h.pods.Store(uid, struct{}{}) }
+func (h *heldBack) forget(uid types.UID) { h.pods.Delete(uid) }
+
+func (h *heldBack) held(uid types.UID) bool {
+	_, ok := h.pods.Load(uid)
+	return ok
+}
+
+// handler forgets pods when they are deleted, for pods that were being
+// held back when they went (Reserve never ran for them).
+func (h *heldBack) handler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		DeleteFunc: func(obj any) {
+			if pod, ok := deletedPod(obj); ok {
+				h.forget(pod.UID)
+			}
+		},
+	}
 }

@@ -7,6 +7,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -297,5 +298,79 @@ func TestHeadroomHintWithOtherDrivers(t *testing.T) {
 		if got != fwk.Queue {
 			t.Fatalf("event %d: hint %v, want %v: the GPU given back brings the cluster up to the headroom", i, got, fwk.Queue)
 		}
+	}
+}
+
+// TestHeadroomHintRetriesHeldBackPod: eight nodes of eight GPUs, 4 free on
+// node-0 and none elsewhere, so a 4-GPU pod is held back by the headroom
+// (2 of 64). Then a claim on node-1 gives 2 GPUs back: the cluster now
+// keeps the headroom with the pod on node-0, as the pod's retry would
+// find. The next event gives back one GPU on node-2, which neither raises
+// the headroom's count nor leaves 4 free there: the pod the headroom held
+// back is retried all the same (its retry after the first event may have
+// run before the tracker saw it), a pod that was not held back is not,
+// and neither is the first pod once an attempt found a node for it.
+func TestHeadroomHintRetriesHeldBackPod(t *testing.T) {
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), testClaim("four", 4)}
+	gpus := func(from, to int) []string {
+		var out []string
+		for g := from; g < to; g++ {
+			out = append(out, fmt.Sprintf("gpu-%d", g))
+		}
+		return out
+	}
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		switch i {
+		case 0:
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpus(0, 4)...))
+		case 1:
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpus(0, 6)...), allocatedOn(testClaim("pair", 2), name, gpus(6, 8)...))
+		case 2:
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 7), name, gpus(0, 7)...), allocatedOn(testClaim("single", 1), name, "gpu-7"))
+		default:
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpus(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+	h.waitForClaim("single", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("held-node-7", func(*resourceapi.ResourceClaim) bool { return true })
+
+	pod, other := testPod("p", "four"), testPod("other", "four")
+	if _, st := h.cycle(pod, "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Fatalf("4 free in all: Filter(node-0) = %v, want the headroom to hold the pod back", st["node-0"])
+	}
+	pair := h.apiClaim("pair")
+	pair.Status.Allocation = nil
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, pair, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err, "give back the pair")
+	h.waitForClaim("pair", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+
+	hint := func(p *v1.Pod) fwk.QueueingHint {
+		old := h.apiClaim("single")
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion += "-next"
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), p, old, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	if got := hint(pod); got != fwk.Queue {
+		t.Errorf("pod held back by the headroom, headroom kept with it placed: hint %v, want %v", got, fwk.Queue)
+	}
+	if got := hint(other); got != fwk.QueueSkip {
+		t.Errorf("pod never held back, no node with 4 free among those the event touched: hint %v, want %v", got, fwk.QueueSkip)
+	}
+	if _, st := h.cycle(pod, "node-0"); !st["node-0"].IsSuccess() {
+		t.Fatalf("2 free on node-1: Filter(node-0) = %v, want success", st["node-0"])
+	}
+	if got := hint(pod); got != fwk.QueueSkip {
+		t.Errorf("pod whose latest attempt found a node: hint %v, want %v", got, fwk.QueueSkip)
 	}
 }

@@ -73,6 +73,9 @@ type TopologyDRA struct {
 	filterTimeout time.Duration
 	// headroomPercent is args.SmallPodHeadroomPercent (headroom.go).
 	headroomPercent int32
+	// heldBack holds the pods the headroom held back at their latest
+	// attempt, for the freed-devices hint.
+	heldBack heldBack
 	// nicReservePercent is args.NICReservePercent (see nicReserveOf).
 	nicReservePercent int32
 	// skipCounting holds, per node name, until when Filter allocates that
@@ -159,6 +162,13 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		pl.pending = newPendingIndex()
 		if _, err := h.SharedInformerFactory().Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
+		}
+	}
+	if pl.headroomPercent > 0 {
+		if f := h.SharedInformerFactory(); f != nil {
+			if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.heldBack.handler()); err != nil {
+				return nil, fmt.Errorf("watch deleted pods: %w", err)
+			}
 		}
 	}
 	if pl.policy.Packing && args.AgeWeight > 0 {

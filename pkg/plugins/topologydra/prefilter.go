@@ -141,6 +141,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
 	}
 	if pl.headroomPercent > 0 {
+		pl.heldBack.forget(pod.UID)
 		var counts []classDevices
 		for _, claim := range s.allocClaims {
 			counts = addClaimDevices(counts, claim)

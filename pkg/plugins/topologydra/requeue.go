@@ -114,7 +114,9 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // whenever it cannot tell. Where smallPodHeadroomPercent keeps devices
 // free against the pod (see headroomWait), it says no while fewer would
 // stay free than the headroom, and yes when this event brings the nodes
-// the pod may use up to it: the node the pod fits on may be another one.
+// the pod may use up to it, or whenever they keep it with the pod placed
+// if the headroom held the pod back at its latest attempt (heldBack): the
+// node the pod fits on may be another one.
 //
 // Without it every pod that waits for devices is retried, and fails
 // again, whenever any claim is deallocated anywhere; each failure renews
@@ -403,7 +405,8 @@ const (
 	// again.
 	headroomShort
 	// headroomRetry: this event brought the nodes the pod may use up to
-	// the headroom for a driver the claim gave devices back of.
+	// the headroom for a driver the claim gave devices back of, or they
+	// keep it and the headroom held the pod back at its latest attempt.
 	headroomRetry
 )
 
@@ -427,13 +430,16 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	// headroom this event reached means a retry, whatever the others say
 	// (a driver with too few devices for a headroom, such as the NICs
 	// beside the GPUs, says nothing).
+	// A pod the headroom alone held back at its latest attempt is retried
+	// whenever the headroom is kept with it placed (see heldBack).
+	held := pl.heldBack.held(pod.UID)
 	short, retry := 0, false
 	for driver := range given {
 		c := counts[driver]
 		h := HeadroomFor(pl.headroomPercent, c.total, need)
 		if v := logger.V(6); v.Enabled() {
 			v.Info("Headroom after devices were given back", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "driver", driver,
-				"devices", c.total, "free", c.free, "freeOnNodesWithRoom", c.spare, "gained", gained[driver], "needs", need, "headroom", h)
+				"devices", c.total, "free", c.free, "freeOnNodesWithRoom", c.spare, "gained", gained[driver], "needs", need, "headroom", h, "heldBack", held)
 		}
 		// Filter counts the devices free on nodes left with SpareOnNode
 		// or more: at most c.spare-need wherever the pod goes.
@@ -441,7 +447,7 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 		case h == 0:
 		case c.spare-need < h:
 			short++
-		case c.spare-gained[driver]-need < h:
+		case held || c.spare-gained[driver]-need < h:
 			retry = true
 		}
 	}
