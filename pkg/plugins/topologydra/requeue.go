@@ -429,9 +429,9 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	// Which of the drivers serves the pod is not known here: one whose
 	// headroom this event reached means a retry, whatever the others say
 	// (a driver with too few devices for a headroom, such as the NICs
-	// beside the GPUs, says nothing).
-	// A pod the headroom alone held back at its latest attempt is retried
-	// whenever the headroom is kept with it placed (see heldBack).
+	// beside the GPUs, says nothing). A pod the headroom alone held back
+	// at its latest attempt is retried whenever a driver's headroom is
+	// kept with it placed (see heldBack).
 	held := pl.heldBack.held(pod.UID)
 	short, retry := 0, false
 	for driver := range given {
