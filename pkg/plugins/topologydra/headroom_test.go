@@ -66,12 +66,8 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 			if i < len(free) {
 				held = 8 - free[i]
 			}
-			var devs []string
-			for g := range held {
-				devs = append(devs, fmt.Sprintf("gpu-%d", g))
-			}
-			if len(devs) > 0 {
-				objs = append(objs, allocatedOn(testClaim("held-"+n, int64(held)), n, devs...))
+			if held > 0 {
+				objs = append(objs, allocatedOn(testClaim("held-"+n, int64(held)), n, gpuNames(0, held)...))
 			}
 		}
 		h := newHarness(t, nodes, objs...)
@@ -176,11 +172,7 @@ func TestHeadroomQueueingHint(t *testing.T) {
 			objs = append(objs, testSlice(name, 8))
 			switch {
 			case i == 1:
-				var devs []string
-				for g := range heldOnNode1 {
-					devs = append(devs, fmt.Sprintf("gpu-%d", g))
-				}
-				objs = append(objs, allocatedOn(testClaim("held-"+name, int64(heldOnNode1)), name, devs...))
+				objs = append(objs, allocatedOn(testClaim("held-"+name, int64(heldOnNode1)), name, gpuNames(0, heldOnNode1)...))
 			case i > 1:
 				objs = append(objs,
 					allocatedOn(testClaim("seven-"+name, 7), name, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6"),
@@ -247,13 +239,6 @@ func TestHeadroomHintWithOtherDrivers(t *testing.T) {
 	const nicDriver = "nic.test.topodra.io"
 	var nodes []*v1.Node
 	objs := []runtime.Object{testDeviceClass(), testClaim("four", 4)}
-	gpus := func(from, to int) []string {
-		var out []string
-		for g := from; g < to; g++ {
-			out = append(out, fmt.Sprintf("gpu-%d", g))
-		}
-		return out
-	}
 	for i := range 8 {
 		name := fmt.Sprintf("node-%d", i)
 		nodes = append(nodes, testNode(name))
@@ -265,14 +250,14 @@ func TestHeadroomHintWithOtherDrivers(t *testing.T) {
 		objs = append(objs, testSlice(name, 8), nics)
 		switch i {
 		case 0: // 4 GPUs free
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpus(0, 4)...))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpuNames(0, 4)...))
 		case 1: // gpu-7 free; gpu-6 and nic-0 held by one claim
 			gpuNIC := allocatedOn(testClaim("gpu-nic", 1), name, "gpu-6")
 			gpuNIC.Status.Allocation.Devices.Results = append(gpuNIC.Status.Allocation.Devices.Results,
 				resourceapi.DeviceRequestAllocationResult{Request: "nic", Driver: nicDriver, Pool: name, Device: "nic-0"})
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpus(0, 6)...), gpuNIC)
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpuNames(0, 6)...), gpuNIC)
 		default:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpus(0, 8)...))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
 		}
 	}
 	h := newHarness(t, nodes, objs...)
@@ -313,26 +298,19 @@ func TestHeadroomHintWithOtherDrivers(t *testing.T) {
 func TestHeadroomHintRetriesHeldBackPod(t *testing.T) {
 	var nodes []*v1.Node
 	objs := []runtime.Object{testDeviceClass(), testClaim("four", 4)}
-	gpus := func(from, to int) []string {
-		var out []string
-		for g := from; g < to; g++ {
-			out = append(out, fmt.Sprintf("gpu-%d", g))
-		}
-		return out
-	}
 	for i := range 8 {
 		name := fmt.Sprintf("node-%d", i)
 		nodes = append(nodes, testNode(name))
 		objs = append(objs, testSlice(name, 8))
 		switch i {
 		case 0:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpus(0, 4)...))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpuNames(0, 4)...))
 		case 1:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpus(0, 6)...), allocatedOn(testClaim("pair", 2), name, gpus(6, 8)...))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("pair", 2), name, gpuNames(6, 8)...))
 		case 2:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 7), name, gpus(0, 7)...), allocatedOn(testClaim("single", 1), name, "gpu-7"))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 7), name, gpuNames(0, 7)...), allocatedOn(testClaim("single", 1), name, "gpu-7"))
 		default:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpus(0, 8)...))
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
 		}
 	}
 	h := newHarness(t, nodes, objs...)
@@ -373,4 +351,13 @@ func TestHeadroomHintRetriesHeldBackPod(t *testing.T) {
 	if got := hint(pod); got != fwk.QueueSkip {
 		t.Errorf("pod whose latest attempt found a node: hint %v, want %v", got, fwk.QueueSkip)
 	}
+}
+
+// gpuNames names the devices gpu-from to gpu-(to-1) of testSlice.
+func gpuNames(from, to int) []string {
+	var out []string
+	for g := from; g < to; g++ {
+		out = append(out, fmt.Sprintf("gpu-%d", g))
+	}
+	return out
 }
