@@ -773,7 +773,8 @@ func TestQualityOtherDevices(t *testing.T) {
 // TestNICReserveScore: an allocation marked InNICReserve gives up one
 // rank: it scores below every unmarked one of its own rank, ties with an
 // unmarked one a rank looser on room and packing, and still beats one
-// two ranks looser; it is not lowered when spreading.
+// two ranks looser; an allocation of rank 1 keeps its rank (it beats
+// one of rank 0 outside the reserve); it is not lowered when spreading.
 func TestNICReserveScore(t *testing.T) {
 	p := DefaultPolicy()
 	best := Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true}
@@ -792,6 +793,10 @@ func TestNICReserveScore(t *testing.T) {
 	loosest := Quality{Shared: 1, Room: 1, Packing: 1}
 	if p.Score(best) <= p.Score(loosest) {
 		t.Errorf("rank 3 in the reserve scores %d, not above %d of rank 1", p.Score(best), p.Score(loosest))
+	}
+	clique := Quality{Shared: 1, Room: 0, Packing: 0, InNICReserve: true}
+	if nothing := (Quality{Shared: 0, Room: 1, Packing: 1}); p.Score(clique) <= p.Score(nothing) {
+		t.Errorf("rank 1 in the reserve scores %d, not above %d of rank 0 outside it", p.Score(clique), p.Score(nothing))
 	}
 	if got := p.Score(Quality{Shared: 0, Room: 1, Packing: 1, InNICReserve: true}); got < 0 || got != p.Score(Quality{Shared: 0, Room: 1, Packing: 1}) {
 		t.Errorf("rank 0 in the reserve scores %d, want as outside it (no rank to give up)", got)

@@ -156,9 +156,12 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
 // last. When packing, an allocation marked q.InNICReserve gives up one
-// more rank (not below 0): it ties with an allocation one rank looser
-// elsewhere, which room, packing and age then decide, and wins over a
-// looser one.
+// more rank, but an aligned one (rank 1 or more) never drops below rank 1,
+// as with the whole-node and drain trades: it ties with an allocation one
+// rank looser elsewhere, which room, packing and age then decide, and wins
+// over a looser one; one of rank 1 keeps its rank, so devices that share
+// a clique, a PCIe root or a NUMA node never lose to devices that share
+// nothing for the reserve's sake.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
@@ -185,8 +188,9 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	rank := p.RankOn(q, draining)
 	if p.Packing && q.InNICReserve {
 		// One rank less: the reserve is left to the pods that need
-		// it where an allocation one rank looser exists elsewhere.
-		rank = max(0, rank-1)
+		// it where an allocation one rank looser exists elsewhere,
+		// but never at the price of all alignment.
+		rank = max(min(rank, 1), rank-1)
 	}
 	points := band * (float64(rank) + 0.96*tie)
 	score := int64(math.Round(points))

@@ -716,6 +716,31 @@ func TestGPUNICPodKeepsItsRootOnDrainingNode(t *testing.T) {
 	}
 }
 
+// TestWholeNodePodKeepsCliqueInNICReserve: the reserve never costs an
+// aligned placement its last rank. An 8-GPU pod takes the empty DGX, whose
+// GPUs are all kept beside its free NICs, because there its eight GPUs
+// share the NVSwitch clique; on any of the empty PCIe boxes they would
+// share nothing (were the reserve to drop the DGX to rank 0, all six
+// nodes would tie). The DGX's NIC sits on a PCIe root of its own, so the
+// pod strands no GPU+NIC root (rule 9 stays out of it whatever claims
+// other tests leave behind).
+func TestWholeNodePodKeepsCliqueInNICReserve(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve8")
+	e.nicClass()
+	dgx := e.nicsOn(e.node("a", "dgx", framework.DGXLikeGPUs), 8)
+	var boxes []string
+	for i := range 5 {
+		boxes = append(boxes, e.node("a", fmt.Sprintf("pcie-%d", i), pcieNVLinkPairsGPUs))
+	}
+	eight := e.template(8, nil)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("eight", "a", eight); node != dgx {
+		t.Fatalf("the 8-GPU pod got %v on %s, want the DGX %s (one clique), not a PCIe box %v (nothing shared)", devices, node, dgx, boxes)
+	}
+}
+
 // TestLargePodTakesNICReserveBeforeEmptyNode: the GPUs kept beside free
 // NICs cost a pod one alignment rank, not all of them. A 4-GPU pod takes
 // the free NUMA node of a DGX whose NICs are free, although its GPUs
