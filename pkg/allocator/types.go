@@ -106,8 +106,10 @@ func (p Policy) Rank(q Quality) int { return p.RankOn(q, false) }
 // RankOn is the alignment rank of an allocation of quality q on a node
 // that is draining or not: q.Shared, lowered (not below 1, and only when
 // the policy packs) by WholeNodeTrade where the allocation breaks up a
-// whole free node and by DrainTrade where the node is draining; then, where
-// q.StrandsNICs, by NICRootTrade (not below 0).
+// whole free node, by DrainTrade where the node is draining and by one
+// where it takes devices kept beside free devices of other drivers
+// (q.InNICReserve); then, where q.StrandsNICs, by NICRootTrade (not below
+// 0).
 func (p Policy) RankOn(q Quality, draining bool) int {
 	r := q.Shared
 	if !p.Packing {
@@ -119,6 +121,9 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 	}
 	if draining {
 		trade += p.DrainTrade
+	}
+	if q.InNICReserve {
+		trade++
 	}
 	if trade > 0 && r > 1 {
 		r = max(1, r-trade)
@@ -155,13 +160,11 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining or not: Score with RankOn(q, draining) as the rank and, on a
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
-// last. When packing, an allocation marked q.InNICReserve gives up one
-// more rank, but an aligned one (rank 1 or more) never drops below rank 1,
-// as with the whole-node and drain trades: it ties with an allocation one
-// rank looser elsewhere, which room, packing and age then decide, and wins
-// over a looser one; one of rank 1 keeps its rank, so devices that share
-// a clique, a PCIe root or a NUMA node never lose to devices that share
-// nothing for the reserve's sake.
+// last. An allocation marked q.InNICReserve gives up one rank there, as a
+// trade (not below rank 1): it ties with an allocation one rank looser
+// elsewhere, which room, packing and age then decide, and wins over a
+// looser one; devices that share a clique, a PCIe root or a NUMA node
+// never lose to devices that share nothing for the reserve's sake.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
@@ -186,12 +189,6 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	}
 	band := 100 / float64(len(p.Attributes)+1)
 	rank := p.RankOn(q, draining)
-	if p.Packing && q.InNICReserve {
-		// One rank less: the reserve is left to the pods that need
-		// it where an allocation one rank looser exists elsewhere,
-		// but never at the price of all alignment.
-		rank = max(min(rank, 1), rank-1)
-	}
 	points := band * (float64(rank) + 0.96*tie)
 	score := int64(math.Round(points))
 	return max(0, min(100, score))

@@ -121,9 +121,9 @@ type TopologyDRAArgs struct {
 	// with other devices gives up one alignment rank, never below rank 1
 	// if it had one (allocator.Quality.InNICReserve): a pod goes to a
 	// node without free NICs where it is aligned as well there less that
-	// rank, and takes the last GPUs beside free NICs otherwise. Pods that ask for
-	// devices of every driver of a node are not affected. Scoring only.
-	// 0: off.
+	// rank, and takes the last GPUs beside free NICs otherwise. Pods that
+	// ask for devices of every driver of a node are not affected. Scoring
+	// only. 0: off.
 	NICReservePercent int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
