@@ -663,6 +663,18 @@ func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
 	if !slices.Contains(dgxs, node) || len(devices) != 2 {
 		t.Fatalf("GPU+NIC pod got %v on %s, want a GPU and a NIC of a DGX", devices, node)
 	}
+	// Rule 9 looks at every claim: this one must not outlive the test (a
+	// second run with -count, or a later test, would see it while its
+	// first 8-GPU pod is placed). Without a garbage collector here the
+	// generated claim stays after its pod: delete both.
+	claim := e.claimOf("gpu-nic")
+	tCtx.Cleanup(func() {
+		err := cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "gpu-nic", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+		tCtx.ExpectNoError(err)
+		err = cp.Client.ResourceV1().ResourceClaims(e.ns).Delete(tCtx, claim, metav1.DeleteOptions{})
+		tCtx.ExpectNoError(err)
+		e.waitClaimGone(claim)
+	})
 	node, _ = e.schedule("eight-1", "a", eight)
 	if node != pcie {
 		t.Fatalf("with a GPU+NIC pod running, the 8-GPU pod went to %s, want the PCIe box %s (a DGX stays free for GPU+NIC pods)", node, pcie)
