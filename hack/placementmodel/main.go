@@ -166,6 +166,15 @@ func init() {
 			}
 		}
 	}
+	// The draining nodes chosen among all nodes, none marked where every
+	// node the pod can go to would be (for pods of any size), or both.
+	d := o
+	d.drainAmongAll = true
+	policies["topodra-shipped-drain-among-all"] = topodra(d)
+	d.drainMoot = true
+	policies["topodra-shipped-drain-among-all-moot"] = topodra(d)
+	d.drainAmongAll = false
+	policies["topodra-shipped-drain-moot"] = topodra(d)
 	v := o
 	v.wholeNodeSpareFrom = 1
 	policies["topodra-shipped-whole-singles"] = topodra(v)

@@ -131,6 +131,13 @@ type topodraOptions struct {
 	// halfNodeShare is the share of the headroom that pods of 4 to 7 GPUs
 	// keep (0: a quarter).
 	halfNodeShare float64
+	// drainAmongAll chooses the draining nodes among all nodes, not only
+	// among those the pod being placed can go to: a full node can be the
+	// one a waiting whole-node pod gets first.
+	drainAmongAll bool
+	// drainMoot drops the draining nodes where every node the pod can go
+	// to is one of them: there is nowhere else to steer it.
+	drainMoot bool
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -201,6 +208,12 @@ func topodra(o topodraOptions) policy {
 			trade = o.wholeNodeTradeWhileWaiting
 			if p.gpus < gpus {
 				byAge := slices.Clone(feasible)
+				if o.drainAmongAll {
+					byAge = byAge[:0]
+					for n := range s.nodes {
+						byAge = append(byAge, n)
+					}
+				}
 				largest := func(n int) int {
 					m := 0
 					for _, i := range s.nodes[n].gpu {
@@ -223,6 +236,9 @@ func topodra(o topodraOptions) policy {
 				})
 				for _, n := range byAge[:min(waiting, len(byAge))] {
 					draining[n] = true
+				}
+				if o.drainMoot && !slices.ContainsFunc(feasible, func(n int) bool { return !draining[n] }) {
+					clear(draining)
 				}
 			}
 		}

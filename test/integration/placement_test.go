@@ -304,6 +304,29 @@ func TestDrainingNodeIsLeftToEmpty(t *testing.T) {
 	}
 }
 
+// TestAllDrainingNodesKeepAlignment: where every node a pod can go to
+// would be draining (as many whole-node pods wait as there are such
+// nodes), none is. Marked, both DGXs would drop to rank 1 with room 0,
+// and the 4-GPU pod would span the NUMA nodes of the fuller one; it takes
+// the free NUMA node of the other instead.
+func TestAllDrainingNodesKeepAlignment(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "alldrain")
+	// A free NUMA node (GPUs 4-7) and two more free GPUs.
+	roomy := e.node("a", "roomy", framework.DGXLikeGPUs, "gpu-0", "gpu-1")
+	// Four free GPUs, two in each NUMA node: only the clique holds them.
+	split := e.node("a", "split", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-4", "gpu-5")
+	four, eight := e.template(4, nil), e.template(8, nil)
+	startTopodra(tCtx)
+
+	e.waitingWholeNodePod("waiting-0", "a", eight)
+	e.waitingWholeNodePod("waiting-1", "a", eight)
+	node, devices := e.schedule("four", "a", four)
+	if node != roomy || !sharedDomain(devices, 4) {
+		t.Fatalf("with two 8-GPU pods pending for two DGXs the 4-GPU pod got %v on %s, want the free NUMA node of %s (on %s its GPUs would span the NUMA nodes)", devices, node, roomy, split)
+	}
+}
+
 // TestSmallPodsGoBesideLongRunners: of two used DGX nodes, a 1-GPU pod
 // goes to the one whose pod has run longer, although the other is fuller
 // (packing alone would choose it) and neither placement breaks up a free

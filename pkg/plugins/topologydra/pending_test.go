@@ -128,6 +128,24 @@ func TestDrainingNodes(t *testing.T) {
 			}
 		})
 	}
+	// Every node with a result draining: the small one is not; without
+	// it they all are.
+	all := drainingNodes(s, nodes, 9, nodeAges{})
+	if drainsAll(s, nodes, all) {
+		t.Errorf("drainsAll with the small node free of marks: true")
+	}
+	var big []fwk.NodeInfo
+	for _, n := range nodes {
+		if n.Node().Name != "small" {
+			big = append(big, n)
+		}
+	}
+	if !drainsAll(s, big, all) {
+		t.Errorf("drainsAll over the four nodes that drain: false")
+	}
+	if drainsAll(s, big, drainingNodes(s, big, 3, nodeAges{})) {
+		t.Errorf("drainsAll with three of four draining: true")
+	}
 }
 
 func TestDrainTradeLowersDrainingNodes(t *testing.T) {

@@ -53,6 +53,16 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 			s.scorePolicy = pl.waitingPolicy
 			if !wholeNode {
 				s.draining = drainingNodes(s, nodes, waiting, s.ages)
+				// A pod of several devices of one class whose every
+				// node is draining has nowhere else to go: the marks
+				// would only level its alignment ranks (the trade
+				// stops at rank 1) and its room (0 on all), and it
+				// would take a looser placement for nothing. A pod of
+				// one device has the same rank everywhere; it keeps
+				// the marks (the draining nodes come last).
+				if mostOfOneClass(own) > 1 && drainsAll(s, nodes, s.draining) {
+					s.draining = sets.New[string]()
+				}
 			}
 		}
 	}
@@ -195,6 +205,17 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAge
 		out.Insert(c.name)
 	}
 	return out
+}
+
+// drainsAll reports whether every node the pod can go to (every node with
+// a result) is draining.
+func drainsAll(s *stateData, nodes []fwk.NodeInfo, draining sets.Set[string]) bool {
+	for _, n := range nodes {
+		if name := n.Node().Name; s.getResult(name) != nil && !draining.Has(name) {
+			return false
+		}
+	}
+	return true
 }
 
 // cmpBool orders false before true.

@@ -73,7 +73,9 @@ type TopologyDRAArgs struct {
 	// ranks (never below the loosest aligned rank), so that small pods
 	// leave the node to empty out; a pod that asks for devices of several
 	// classes (a GPU and a NIC) gives up no rank, since its looser
-	// placement would split them across PCIe roots. Scoring only: a
+	// placement would split them across PCIe roots. For a pod of several
+	// devices of one class whose every node would be draining, none is
+	// (there is nowhere else to send it). Scoring only: a
 	// draining node stays feasible. Draining nodes are chosen whenever
 	// demand awareness is on (WholeNodeTradeWhileWaiting above
 	// WholeNodeTrade, or DrainTrade above 0).
