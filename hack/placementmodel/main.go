@@ -175,6 +175,26 @@ func init() {
 	policies["topodra-shipped-drain-among-all-moot"] = topodra(d)
 	d.drainAmongAll = false
 	policies["topodra-shipped-drain-moot"] = topodra(d)
+	// The drain rule above with the whole-node headroom at the share S
+	// while at least N other pods of 8 GPUs wait
+	// (topodra-shipped-relax-N-S).
+	for _, from := range []int{1, 2, 3} {
+		for _, share := range []float64{0, 0.5} {
+			r := d
+			r.relaxFrom, r.relaxShare = from, share
+			policies[fmt.Sprintf("topodra-shipped-relax-%d-%g", from, share)] = topodra(r)
+		}
+	}
+	// The drain rule above with pods of up to U GPUs drawn to nodes whose
+	// pods are of their size class, at weight W beside room 70, packing
+	// and age 30 (topodra-shipped-like-U-W).
+	for _, upTo := range []int{2, 4, 8} {
+		for _, w := range []float64{15, 30, 70} {
+			l := d
+			l.likeUpTo, l.like = upTo, w
+			policies[fmt.Sprintf("topodra-shipped-like-%d-%g", upTo, w)] = topodra(l)
+		}
+	}
 	v := o
 	v.wholeNodeSpareFrom = 1
 	policies["topodra-shipped-whole-singles"] = topodra(v)

@@ -206,7 +206,8 @@ func TestCountWait8(t *testing.T) {
 // TestLeavesSpare: the headroom as the scheduler applies it on 8 nodes
 // (12 % of 64 rounded up: 8; 2 for 4-GPU pods), counting only nodes left
 // with two or more free, or, with wholeNodeSpareFrom 1, every free GPU
-// against an 8-GPU pod.
+// against an 8-GPU pod, or, with relaxFrom 1 and relaxShare 0.5, 4 while
+// another 8-GPU pod waits.
 func TestLeavesSpare(t *testing.T) {
 	withFree := func(free ...int) *state {
 		s := &state{}
@@ -226,6 +227,14 @@ func TestLeavesSpare(t *testing.T) {
 	shipped := topodraOptions{headroomShare: 0.12, headroomAsShipped: true}
 	singles := shipped
 	singles.wholeNodeSpareFrom = 1
+	relax := shipped
+	relax.relaxFrom, relax.relaxShare = 1, 0.5
+	queued := func(s *state, sizes ...int) *state {
+		for _, g := range sizes {
+			s.waiting = append(s.waiting, &pod{gpus: g})
+		}
+		return s
+	}
 	take := func(node, n int) placement {
 		c := placement{node: node}
 		for g := range n {
@@ -247,6 +256,10 @@ func TestLeavesSpare(t *testing.T) {
 		{"4 GPUs leaving one on its node and one elsewhere", singles, withFree(5, 1), &pod{gpus: 4}, take(0, 4), false},
 		{"4 GPUs leaving two on its node", shipped, withFree(6), &pod{gpus: 4}, take(0, 4), true},
 		{"2 GPUs never held back", shipped, withFree(2), &pod{gpus: 2}, take(0, 2), true},
+		{"8 GPUs, 4 free besides, none queued", relax, withFree(8, 4), &pod{gpus: 8}, take(0, 8), false},
+		{"8 GPUs, 4 free besides, a 4-GPU pod queued", relax, queued(withFree(8, 4), 4), &pod{gpus: 8}, take(0, 8), false},
+		{"8 GPUs, 4 free besides, an 8-GPU pod queued", relax, queued(withFree(8, 4), 8), &pod{gpus: 8}, take(0, 8), true},
+		{"8 GPUs, 3 free besides, an 8-GPU pod queued", relax, queued(withFree(8, 3), 8), &pod{gpus: 8}, take(0, 8), false},
 	} {
 		if got := c.o.leavesSpare(c.s, c.p, c.c); got != c.want {
 			t.Errorf("%s: leavesSpare = %v, want %v", c.name, got, c.want)
@@ -272,5 +285,27 @@ func TestShareGrid(t *testing.T) {
 	}
 	if other := run("topodra-shipped-whole-0.5-half-0.5"); reflect.DeepEqual(shipped, other) {
 		t.Errorf("whole 0.5, half 0.5 ran exactly as topodra-shipped: the shares have no effect")
+	}
+}
+
+// TestSameClass: the share of a node's GPUs in use held by pods of the
+// placed pod's size class (1-2, 4-7, 8 GPUs).
+func TestSameClass(t *testing.T) {
+	s := &state{pods: []*pod{{gpus: 1}, {gpus: 2}, {gpus: 4}}}
+	n := emptyNode(true)
+	if got := sameClass(s, n, 1); got != 0 {
+		t.Errorf("empty node: %v, want 0", got)
+	}
+	n.gpu[0], n.gpu[1], n.gpu[2] = 0, 1, 1
+	for i := 4; i < 8; i++ {
+		n.gpu[i] = 2
+	}
+	for _, c := range []struct {
+		gpus int
+		want float64
+	}{{1, 3.0 / 7}, {2, 3.0 / 7}, {4, 4.0 / 7}, {8, 0}} {
+		if got := sameClass(s, n, c.gpus); got != c.want {
+			t.Errorf("pod of %d GPUs: %v, want %v", c.gpus, got, c.want)
+		}
 	}
 }

@@ -138,6 +138,15 @@ type topodraOptions struct {
 	// drainMoot drops the draining nodes where every node the pod can go
 	// to is one of them: there is nowhere else to steer it.
 	drainMoot bool
+	// relaxFrom scales the headroom of pods of 8 GPUs by relaxShare
+	// while at least relaxFrom other pods of 8 GPUs wait (0: never).
+	relaxFrom  int
+	relaxShare float64
+	// like weighs, beside room, packing and age, the share of a node's
+	// GPUs in use that pods of the placed pod's size class hold (1-2, 4-7
+	// or 8 GPUs; 0 on an empty node), for pods of up to likeUpTo GPUs.
+	like     float64
+	likeUpTo int
 }
 
 var defaultTopodra = topodraOptions{wholeNodeTradeWhileWaiting: 2, drainTrade: 1, room: 70, packing: 30, age: 30, ticksPerSecond: 5}
@@ -312,7 +321,11 @@ func topodra(o topodraOptions) policy {
 			if oldest > 0 {
 				settled = float64(age(c.node)) / float64(oldest)
 			}
-			tie := (o.room*room + o.packing*packing + o.age*settled) / (o.room + o.packing + o.age)
+			likeness := 0.0
+			if o.like > 0 && p.gpus <= o.likeUpTo {
+				likeness = sameClass(s, n, p.gpus)
+			}
+			tie := (o.room*room + o.packing*packing + o.age*settled + o.like*likeness) / (o.room + o.packing + o.age + o.like)
 			score := int64(math.Round(25 * (float64(rank) + 0.96*tie)))
 			if score > bestScore {
 				best, bestScore = c, score
@@ -320,6 +333,34 @@ func topodra(o topodraOptions) policy {
 		}
 		return best
 	}
+}
+
+// sameClass is the share of n's GPUs in use held by pods of the size
+// class of a pod of g GPUs (1-2, 4-7, 8 and more); 0 for an empty node.
+func sameClass(s *state, n *node, g int) float64 {
+	class := func(g int) int {
+		switch {
+		case g <= 2:
+			return 0
+		case g < gpus:
+			return 1
+		}
+		return 2
+	}
+	used, same := 0, 0
+	for _, i := range n.gpu {
+		if i < 0 {
+			continue
+		}
+		used++
+		if class(s.pods[i].gpus) == class(g) {
+			same++
+		}
+	}
+	if used == 0 {
+		return 0
+	}
+	return float64(same) / float64(used)
 }
 
 // leavesHeadroom says whether p may start now under the headroom rule.
@@ -357,6 +398,17 @@ func (o topodraOptions) leavesSpare(s *state, p *pod, c placement) bool {
 	default:
 		if o.wholeNodeHeadroom > 0 {
 			h = int(math.Ceil(o.wholeNodeHeadroom * float64(h)))
+		}
+		if o.relaxFrom > 0 {
+			w := 0
+			for _, q := range s.waiting {
+				if q.gpus >= gpus {
+					w++
+				}
+			}
+			if w >= o.relaxFrom {
+				h = int(math.Ceil(o.relaxShare * float64(h)))
+			}
 		}
 		if o.wholeNodeSpareFrom > 0 {
 			least = o.wholeNodeSpareFrom
