@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"slices"
 	"strconv"
 	"strings"
@@ -213,6 +214,11 @@ type Target struct {
 	// of single runs that the target takes the median of; nil for the
 	// others. It does not decide Met.
 	Paired *Paired `json:"paired,omitempty"`
+	// MetInResamples is the share of Resamples bootstrap resamples of the
+	// runs in which the target is met (see metInResamples): how firmly
+	// the runs behind Met decide it. Near 0.5 the verdict is a coin toss
+	// at this number of runs. It does not decide Met.
+	MetInResamples float64 `json:"metInResamples"`
 }
 
 // Paired counts the runs (scenario, seed and round) that both schedulers ran in
@@ -432,7 +438,63 @@ func (rep *SweepReport) summarize(schedulers []string) {
 	}
 	if t != nil && s != nil {
 		rep.Targets = targets(*t, *s, rep.Rows)
+		for i, share := range metInResamples(rep.Rows, Resamples) {
+			rep.Targets[i].MetInResamples = share
+		}
 	}
+}
+
+// Resamples is how many bootstrap resamples of a sweep's runs its targets
+// are checked on (Target.MetInResamples).
+const Resamples = 1000
+
+// metInResamples checks the targets on n resamples of rows and returns,
+// per target in the order of targets, the share of resamples in which it
+// was met. A run is one scenario, seed and round with the rows of both
+// schedulers, so the schedulers stay paired on the same workloads; each
+// resample draws as many runs as rows has, with replacement. The draws
+// come from a fixed seed: the same rows give the same shares.
+func metInResamples(rows []SweepRow, n int) []float64 {
+	type run struct {
+		scenario string
+		seed     int64
+		round    int
+	}
+	var keys []run
+	byRun := map[run][]SweepRow{}
+	for _, r := range rows {
+		k := run{r.Scenario, r.Seed, r.Round}
+		if _, ok := byRun[k]; !ok {
+			keys = append(keys, k)
+		}
+		byRun[k] = append(byRun[k], r)
+	}
+	if len(keys) == 0 || n <= 0 {
+		return nil
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	var met []int
+	sample := make([]SweepRow, 0, len(rows))
+	for range n {
+		sample = sample[:0]
+		for range keys {
+			sample = append(sample, byRun[keys[rng.IntN(len(keys))]]...)
+		}
+		ts := targets(summarize(SchedulerTopodra, sample), summarize(SchedulerStock, sample), nil)
+		if met == nil {
+			met = make([]int, len(ts))
+		}
+		for i, t := range ts {
+			if t.Met {
+				met[i]++
+			}
+		}
+	}
+	out := make([]float64, len(met))
+	for i, m := range met {
+		out[i] = float64(m) / float64(n)
+	}
+	return out
 }
 
 // PoolSweeps joins the runs of several sweep reports into one report and
@@ -557,7 +619,7 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	}
 	fmt.Fprintln(out)
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\truns where topodra is lower / equal / higher\truns without a wait, topodra / stock\tmean over the runs, topodra / stock\t")
+	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\tmet in resamples\truns where topodra is lower / equal / higher\truns without a wait, topodra / stock\tmean over the runs, topodra / stock\t")
 	met := 0
 	for _, t := range r.Targets {
 		verdict := "no"
@@ -571,11 +633,12 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 			zero = fmt.Sprintf("%d / %d", p.ZeroTopodra, p.ZeroStock)
 			mean = fmt.Sprintf("%.3f / %.3f", p.MeanTopodra, p.MeanStock)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict, paired, zero, mean)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.0f %%\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict, 100*t.MetInResamples, paired, zero, mean)
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
+	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
 	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
 	var stuck []string
 	for _, s := range r.Summaries {

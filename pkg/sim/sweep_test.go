@@ -248,3 +248,50 @@ func TestPoolSweeps(t *testing.T) {
 		t.Error("a report without runs pooled without an error")
 	}
 }
+
+// TestMetInResamples: a target that every run meets is met in every
+// resample, one that a minority of runs decides is met in some resamples
+// only, the schedulers' rows of a run stay together, and the same rows
+// give the same shares.
+func TestMetInResamples(t *testing.T) {
+	row := func(seed int64, sched string, wait1, wait8 float64) SweepRow {
+		return SweepRow{Scenario: "a", Seed: seed, Scheduler: sched, MeanWait: map[int]float64{1: wait1, 2: 0, 4: 0, 8: wait8},
+			Aligned: 0.97, Throughput: 50}
+	}
+	var rows []SweepRow
+	for seed := range int64(20) {
+		// Topodra's 8-GPU pods wait a third of stock's in every run;
+		// its 1-GPU pods wait in 9 runs of 20 (stock's in none), so the
+		// median is 0 and whether a resample keeps it there is a coin toss.
+		wait1 := 0.0
+		if seed < 9 {
+			wait1 = 0.1
+		}
+		rows = append(rows, row(seed, SchedulerTopodra, wait1, float64(seed+1)), row(seed, SchedulerStock, 0, 3*float64(seed+1)))
+	}
+	shares := metInResamples(rows, 400)
+	ts := targets(summarize(SchedulerTopodra, rows), summarize(SchedulerStock, rows), nil)
+	if len(shares) != len(ts) {
+		t.Fatalf("%d shares for %d targets", len(shares), len(ts))
+	}
+	for i, tg := range ts {
+		switch tg.Measure {
+		case "median mean wait, 1 GPU":
+			if !tg.Met || shares[i] < 0.2 || shares[i] > 0.9 {
+				t.Errorf("1 GPU: met %v in %.2f of the resamples, want met and between 0.2 and 0.9", tg.Met, shares[i])
+			}
+		default:
+			// Every run meets the others (the 8-GPU wait, paired with
+			// stock's, at a third in every run).
+			if !tg.Met || shares[i] != 1 {
+				t.Errorf("%s, %s: met %v in %.2f of the resamples, want 1", tg.Measure, tg.Want, tg.Met, shares[i])
+			}
+		}
+	}
+	if again := metInResamples(rows, 400); !slices.Equal(again, shares) {
+		t.Errorf("the same rows gave %v, then %v", shares, again)
+	}
+	if got := metInResamples(nil, 400); got != nil {
+		t.Errorf("no rows: %v, want nil", got)
+	}
+}
