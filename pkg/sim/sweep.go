@@ -452,24 +452,29 @@ const Resamples = 1000
 // per target in the order of targets, the share of resamples in which it
 // was met. A run is one scenario, seed and round with the rows of both
 // schedulers, so the schedulers stay paired on the same workloads; each
-// resample draws as many runs as rows has, with replacement. The draws
-// come from a fixed seed: the same rows give the same shares.
+// resample draws, within each scenario, as many runs as the scenario has,
+// with replacement, so every resample keeps the sweep's mix of scenarios.
+// The draws come from a fixed seed: the same rows give the same shares.
 func metInResamples(rows []SweepRow, n int) []float64 {
 	type run struct {
 		scenario string
 		seed     int64
 		round    int
 	}
-	var keys []run
+	var scenarios []string
+	runs := map[string][]run{}
 	byRun := map[run][]SweepRow{}
 	for _, r := range rows {
 		k := run{r.Scenario, r.Seed, r.Round}
 		if _, ok := byRun[k]; !ok {
-			keys = append(keys, k)
+			if _, ok := runs[r.Scenario]; !ok {
+				scenarios = append(scenarios, r.Scenario)
+			}
+			runs[r.Scenario] = append(runs[r.Scenario], k)
 		}
 		byRun[k] = append(byRun[k], r)
 	}
-	if len(keys) == 0 || n <= 0 {
+	if len(byRun) == 0 || n <= 0 {
 		return nil
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -477,8 +482,11 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 	sample := make([]SweepRow, 0, len(rows))
 	for range n {
 		sample = sample[:0]
-		for range keys {
-			sample = append(sample, byRun[keys[rng.IntN(len(keys))]]...)
+		for _, sc := range scenarios {
+			keys := runs[sc]
+			for range keys {
+				sample = append(sample, byRun[keys[rng.IntN(len(keys))]]...)
+			}
 		}
 		ts := targets(summarize(SchedulerTopodra, sample), summarize(SchedulerStock, sample), nil)
 		if met == nil {
@@ -638,7 +646,7 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
+	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement within each scenario) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
 	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
 	var stuck []string
 	for _, s := range r.Summaries {
