@@ -1,7 +1,6 @@
 package topologydra
 
 import (
-	"context"
 	"maps"
 	"slices"
 	"strings"
@@ -15,7 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/util/wait"
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -240,11 +238,7 @@ func TestReserveVerifyFails(t *testing.T) {
 	// Once gpu-1 is free again, node-a is decided by upstream (a verified
 	// result), not by counting.
 	h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, "late", metav1.DeleteOptions{}))
-	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-		_, err := h.pl.draManager.ResourceClaims().Get(testNS, "late")
-		return err != nil, nil
-	})
-	h.tCtx.ExpectNoError(err, "claim late still cached")
+	h.waitForClaimGone("late")
 	third, st3 := h.cycle(pod, "node-a")
 	if !st3["node-a"].IsSuccess() {
 		t.Fatalf("Filter after the mismatch: %v", st3["node-a"])

@@ -41,6 +41,15 @@ type harness struct {
 	recorder *events.FakeRecorder
 	pl       *TopologyDRA
 	nodes    map[string]fwk.NodeInfo
+
+	// delivered holds the last version of each claim that the claim
+	// cache's event handlers have been given, nil after a delete. Its
+	// handler is registered after the DRA manager's and the plugin's, and
+	// the cache delivers events to its handlers in registration order, so
+	// once a version is here the manager's allocated-device tracker has
+	// seen it too. The cache's Get is updated before any handler runs.
+	mu        sync.Mutex
+	delivered map[string]*resourceapi.ResourceClaim
 }
 
 const (
@@ -53,7 +62,8 @@ const (
 // the DRA manager to see everything and builds the plugin with default args.
 func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness {
 	tCtx := ktesting.Init(t)
-	h := &harness{tCtx: tCtx, client: fake.NewClientset(), recorder: events.NewFakeRecorder(100), nodes: map[string]fwk.NodeInfo{}}
+	h := &harness{tCtx: tCtx, client: fake.NewClientset(), recorder: events.NewFakeRecorder(100), nodes: map[string]fwk.NodeInfo{},
+		delivered: map[string]*resourceapi.ResourceClaim{}}
 	h.client.PrependReactor("*", "*", versionReactor(h.client.Tracker()))
 	factory := informers.NewSharedInformerFactory(h.client, 0)
 	tracker, err := resourceslicetracker.StartTracker(tCtx, resourceslicetracker.Options{
@@ -77,6 +87,11 @@ func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness
 	pl, err := New(tCtx, nil, fh)
 	tCtx.ExpectNoError(err, "create plugin")
 	h.pl = pl.(*TopologyDRA)
+	deliveredSynced := claims.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { h.deliver(obj, false) },
+		UpdateFunc: func(_, obj any) { h.deliver(obj, false) },
+		DeleteFunc: func(obj any) { h.deliver(obj, true) },
+	})
 	for _, n := range nodes {
 		h.create(n)
 	}
@@ -90,7 +105,7 @@ func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness
 		frameworkruntime.WaitForShutdown(fh)
 	})
 	factory.WaitForCacheSync(tCtx.Done())
-	cache.WaitFor(tCtx, "handlers", tracker.HasSyncedChecker(), claimsSynced.HasSyncedChecker())
+	cache.WaitFor(tCtx, "handlers", tracker.HasSyncedChecker(), claimsSynced.HasSyncedChecker(), deliveredSynced.HasSyncedChecker())
 	for _, n := range nodes {
 		info := framework.NewNodeInfo()
 		info.SetNode(n)
@@ -117,15 +132,48 @@ func (h *harness) create(obj runtime.Object) {
 	h.tCtx.ExpectNoError(err)
 }
 
-// waitForClaim waits until the plugin's claim cache holds a version of the
-// claim for which cond is true.
+func (h *harness) deliver(obj any, deleted bool) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	claim, ok := obj.(*resourceapi.ResourceClaim)
+	if !ok {
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if deleted {
+		h.delivered[claim.Name] = nil
+		return
+	}
+	h.delivered[claim.Name] = claim
+}
+
+// waitForClaim waits until the plugin's claim cache, and every consumer of
+// its events (the allocated-device tracker among them), holds a version of
+// the claim for which cond is true.
 func (h *harness) waitForClaim(name string, cond func(*resourceapi.ResourceClaim) bool) {
 	h.tCtx.Helper()
 	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-		c, err := h.pl.draManager.ResourceClaims().Get(testNS, name)
-		return err == nil && cond(c), nil
+		h.mu.Lock()
+		c := h.delivered[name]
+		h.mu.Unlock()
+		return c != nil && cond(c), nil
 	})
 	h.tCtx.ExpectNoError(err, "claim "+name+" in the plugin's cache")
+}
+
+// waitForClaimGone waits until the deletion of a claim has reached every
+// consumer of the claim cache's events.
+func (h *harness) waitForClaimGone(name string) {
+	h.tCtx.Helper()
+	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		c, seen := h.delivered[name]
+		return seen && c == nil, nil
+	})
+	h.tCtx.ExpectNoError(err, "claim "+name+" still cached")
 }
 
 // apiClaim reads a claim from the fake API.
