@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/sim"
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -99,50 +100,22 @@ type options struct {
 	why bool
 }
 
-// Why a pod waited, judged by the cluster at the end of the tick in which
-// it arrived (later pods of that tick may have taken what it failed on).
-var causes = []string{
-	"cluster full",                        // no GPU free
-	"fewer GPUs free than it asks",        // some free, fewer than it asks
-	"free GPUs only scattered",            // enough free, no node with enough
-	"no node with its GPUs and NICs",      // a node with the GPUs, none that also has the NICs
-	"no PCIe root with its GPUs and NICs", // a node with both, none on one root (pods that need one root)
-	"fits by count on a node",             // alignment, matchAttribute, or the order in the tick
-}
-
 // free is a count of free GPUs and NICs.
 type free struct{ gpus, nics int }
 
 // cause classifies a waiting pod by the free GPUs and NICs per node and,
 // for a pod that needs its devices on one PCIe root, per root of each
-// node (roots[node]).
+// node (roots[node]), as the simulator does (sim.ClassifyWait); the replay
+// does not know the scheduler's headroom.
 func cause(j job, nodes []free, roots [][]free) string {
-	total, gpuNode, both, root := 0, false, false, false
-	for i, n := range nodes {
-		total += n.gpus
-		if n.gpus >= j.gpus {
-			gpuNode = true
-			if n.nics >= j.nics {
-				both = true
-			}
-		}
-		for _, r := range roots[i] {
-			root = root || r.gpus >= j.gpus && r.nics >= j.nics
+	var n, r []measure.Count
+	for i, f := range nodes {
+		n = append(n, measure.Count{GPUs: f.gpus, NICs: f.nics})
+		for _, rf := range roots[i] {
+			r = append(r, measure.Count{GPUs: rf.gpus, NICs: rf.nics})
 		}
 	}
-	switch {
-	case total == 0:
-		return causes[0]
-	case total < j.gpus:
-		return causes[1]
-	case !gpuNode:
-		return causes[2]
-	case !both:
-		return causes[3]
-	case j.sameRoot && !root:
-		return causes[4]
-	}
-	return causes[5]
+	return sim.ClassifyWait(sim.WaitWant{GPUs: j.gpus, NICs: j.nics, SameRoot: j.sameRoot}, n, r, nil)
 }
 
 // replay prints the run of each scheduler tick by tick. Departures follow
@@ -166,7 +139,7 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 			continue
 		}
 		// waited[size][cause]: pods that waited, by what they ask for.
-		waited := map[string]map[string]int{}
+		waited := sim.WaitedBy{}
 		fmt.Fprintf(out, "== %s\nnodes:", res.Scheduler)
 		for i, n := range rep.Nodes {
 			fmt.Fprintf(out, " %d %s (%s)", i, n.Node, n.Profile)
@@ -288,14 +261,8 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 					if b, ok := placed[j.name]; j.arrival != tick || ok && b.tick == tick {
 						continue
 					}
-					size := fmt.Sprintf("%d GPU", j.gpus)
-					if j.nics > 0 {
-						size += fmt.Sprintf(" + %d NIC", j.nics)
-					}
-					if waited[size] == nil {
-						waited[size] = map[string]int{}
-					}
-					waited[size][cause(j, nodes, roots)]++
+					size := sim.WaitSize(j.gpus, j.nics)
+					waited.Add(size, cause(j, nodes, roots), 1)
 				}
 				continue
 			}
@@ -313,24 +280,13 @@ func replay(out io.Writer, rep runJSON, jobs []job, o options) error {
 }
 
 // printWhy prints the pods that waited by what they ask for and cause.
-func printWhy(out io.Writer, waited map[string]map[string]int) {
+func printWhy(out io.Writer, waited sim.WaitedBy) {
 	fmt.Fprintln(out, "pods that waited, by the cluster at the end of the tick they arrived in:")
 	if len(waited) == 0 {
 		fmt.Fprintln(out, "  none")
 		return
 	}
-	sizes := make([]string, 0, len(waited))
-	for size := range waited {
-		sizes = append(sizes, size)
-	}
-	slices.Sort(sizes)
-	for _, size := range sizes {
-		var parts []string
-		for _, c := range causes {
-			if n := waited[size][c]; n > 0 {
-				parts = append(parts, fmt.Sprintf("%s %d", c, n))
-			}
-		}
-		fmt.Fprintf(out, "  %s: %s\n", size, strings.Join(parts, ", "))
+	for _, size := range waited.Sizes() {
+		fmt.Fprintf(out, "  %s: %s\n", size, waited.Line(size, nil))
 	}
 }

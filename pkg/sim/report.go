@@ -205,6 +205,10 @@ type Result struct {
 	// WaitByGPUs splits that by the GPUs a pod's claims ask for, whatever
 	// their selectors and constraints (0: no GPUs, or all of a node's).
 	WaitByGPUs map[int]*Wait `json:"waitByGPUs,omitempty"`
+	// WaitedBy counts the pods that were not bound in the tick they
+	// arrived in, by what they ask for and what the cluster lacked at the
+	// end of that tick (see ClassifyWait).
+	WaitedBy WaitedBy `json:"waitedBy,omitempty"`
 	// FreeInWholeNUMA is the mean over the ticks of the share of free GPUs
 	// that sit in whole free NUMA nodes (4 GPUs), where a 4-GPU job can
 	// start aligned: the fragmentation measure that does not depend on
@@ -358,7 +362,22 @@ func (r *Report) WriteTable(out io.Writer) error {
 		}
 		fmt.Fprintln(w, line)
 	}
-	return w.Flush()
+	if err := w.Flush(); err != nil {
+		return err
+	}
+
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "pods not bound in the tick they arrived in, by size and what the cluster lacked at the end of that tick")
+	for _, res := range r.Results {
+		fmt.Fprintf(out, "%s:\n", res.Scheduler)
+		if len(res.WaitedBy) == 0 {
+			fmt.Fprintln(out, "  none")
+		}
+		for _, size := range res.WaitedBy.Sizes() {
+			fmt.Fprintf(out, "  %s: %s\n", size, res.WaitedBy.Line(size, nil))
+		}
+	}
+	return nil
 }
 
 // Description names the workload ("built-in workload, seed 1", a trace or

@@ -413,6 +413,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			}
 			busy += time.Since(t0)
 			boundOnArrival += tr.boundAt(names, tick)
+			tr.judgeWaits(names)
 		}
 		snap := tr.snapshot(fmt.Sprintf("tick %d", tick))
 		if checkpoints[tick] {
@@ -511,6 +512,12 @@ func (t *tracker) fill(res *Result) {
 		}
 		w.Pods++
 		w.Ticks += wait
+		if wait > 0 && ps.WaitCause != "" {
+			if res.WaitedBy == nil {
+				res.WaitedBy = WaitedBy{}
+			}
+			res.WaitedBy.Add(ps.WaitSize, ps.WaitCause, 1)
+		}
 		res.PendingPodTicks += wait
 		res.PendingGPUTicks += wait * gpus
 	}

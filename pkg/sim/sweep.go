@@ -96,6 +96,8 @@ type SweepRow struct {
 	Errors               int     `json:"errors"`
 	// Stuck is Result.Stuck.
 	Stuck int `json:"stuckPods,omitempty"`
+	// WaitedBy is Result.WaitedBy.
+	WaitedBy WaitedBy `json:"waitedBy,omitempty"`
 }
 
 // SweepSizes are the pod sizes whose waits a sweep reports.
@@ -106,7 +108,8 @@ func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
-		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck}
+		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck,
+		WaitedBy: res.WaitedBy}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
 			row.MeanWait[g] = w.Mean()
@@ -166,10 +169,16 @@ type SweepSummary struct {
 	Fit4        int `json:"fit4GPUNUMAAligned"`
 	Errors      int `json:"errors"`
 	Stuck       int `json:"stuckPods,omitempty"`
+	// WaitedBy sums the runs' pods that waited by size and cause;
+	// WaitedRuns counts the runs in which a pod of that size waited for
+	// that cause. Runs of sweeps written before causes were recorded count
+	// in neither.
+	WaitedBy   WaitedBy `json:"waitedBy,omitempty"`
+	WaitedRuns WaitedBy `json:"waitedRuns,omitempty"`
 }
 
 func summarize(scheduler string, rows []SweepRow) SweepSummary {
-	s := SweepSummary{Scheduler: scheduler, MeanWait: map[int]Stat{}}
+	s := SweepSummary{Scheduler: scheduler, MeanWait: map[int]Stat{}, WaitedBy: WaitedBy{}, WaitedRuns: WaitedBy{}}
 	var ticks, aligned, tput, p50, cpu []float64
 	waits := map[int][]float64{}
 	for _, r := range rows {
@@ -194,6 +203,14 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Fit4 += r.Fit4
 		s.Errors += r.Errors
 		s.Stuck += r.Stuck
+		for size, causes := range r.WaitedBy {
+			for cause, n := range causes {
+				if n > 0 {
+					s.WaitedBy.Add(size, cause, n)
+					s.WaitedRuns.Add(size, cause, 1)
+				}
+			}
+		}
 	}
 	s.PodTicks, s.Aligned, s.Throughput, s.AttemptP50 = statOf(ticks), statOf(aligned), statOf(tput), statOf(p50)
 	s.SchedulerCPU = statOf(cpu)
@@ -622,6 +639,7 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
+	r.writeWaitCauses(out)
 	if len(r.Targets) == 0 {
 		return nil
 	}
@@ -654,4 +672,27 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "pods that fit by free device count but were not bound within %s of the devices being freed, summed over the runs: %s\n", retryTimeout, strings.Join(stuck, ", "))
 	return nil
+}
+
+// writeWaitCauses prints, per scheduler, the pods that waited by size and
+// cause over all runs, and in how many runs each occurred; nothing where
+// no run recorded causes.
+func (r *SweepReport) writeWaitCauses(out io.Writer) {
+	recorded := false
+	for _, s := range r.Summaries {
+		recorded = recorded || len(s.WaitedBy) > 0
+	}
+	if !recorded {
+		return
+	}
+	fmt.Fprintf(out, "\npods not bound in the tick they arrived in, by size and what the cluster lacked at the end of that tick, summed over the runs (%s; in how many runs)\n", r.runsLine())
+	for _, s := range r.Summaries {
+		fmt.Fprintf(out, "%s:\n", s.Scheduler)
+		if len(s.WaitedBy) == 0 {
+			fmt.Fprintln(out, "  none")
+		}
+		for _, size := range s.WaitedBy.Sizes() {
+			fmt.Fprintf(out, "  %s: %s\n", size, s.WaitedBy.Line(size, s.WaitedRuns))
+		}
+	}
 }

@@ -20,7 +20,6 @@ import (
 
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/measure"
-	"github.com/topodra/topodra/pkg/plugins/topologydra"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -61,6 +60,10 @@ type podState struct {
 	// GPUs is how many GPUs the pod's claims ask for (see gpusAsked),
 	// also where Demand is nil: the size its wait is counted under.
 	GPUs int
+	// WaitSize and WaitCause say, for a pod not bound once the pods of
+	// its tick had been scheduled, what it asks for and what the cluster
+	// lacked then (see judgeWaits); empty for the others.
+	WaitSize, WaitCause string
 }
 
 // demand is a pod's total ExactCount request of GPUs and NICs. SameRoot:
@@ -603,14 +606,11 @@ func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempla
 func (t *tracker) retryable(skip map[string]bool) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	type free struct{ gpus, nics, allGPUs int }
+	type free struct{ gpus, nics int }
 	perNode := map[string]*free{}
 	for node, devs := range t.nodeDevices {
 		f := &free{}
 		for _, d := range devs {
-			if d.GPU {
-				f.allGPUs++
-			}
 			if _, used := t.inv.Owner(d.Key); used {
 				continue
 			}
@@ -629,28 +629,8 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 			continue
 		}
 		selector := labels.SelectorFromSet(ps.NodeSelector)
-		if t.headroomPercent > 0 && ps.Demand.GPUs >= topologydra.HalfNodeBlock {
-			total, spare := 0, 0
-			for node, f := range perNode {
-				if selector.Matches(t.nodeLabels[node]) {
-					total += f.allGPUs
-					spare += topologydra.Spare(f.gpus)
-				}
-			}
-			// The scheduler keeps the headroom: it counts the GPUs free
-			// on nodes left with topologydra.SpareOnNode or more.
-			h := topologydra.HeadroomFor(t.headroomPercent, total, ps.Demand.GPUs)
-			fits := false
-			for node, f := range perNode {
-				if selector.Matches(t.nodeLabels[node]) && f.gpus >= ps.Demand.GPUs &&
-					spare-topologydra.Spare(f.gpus)+topologydra.Spare(f.gpus-ps.Demand.GPUs) >= h {
-					fits = true
-					break
-				}
-			}
-			if !fits {
-				continue
-			}
+		if !t.fitsWithHeadroom(selector, ps.Demand.GPUs) {
+			continue
 		}
 		if ps.Demand.SameRoot {
 			if rootFree == nil {
