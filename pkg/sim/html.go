@@ -82,6 +82,8 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
 
+	writeWaitCauses(p, e, r)
+
 	writeTimelines(w, r)
 
 	// Per node at the end.
@@ -419,4 +421,38 @@ func shortPod(pod string) string {
 		pod = pod[len(pod)-7:]
 	}
 	return pod
+}
+
+// writeWaitCauses adds the table of the pods that waited, by size and
+// cause (Result.WaitedBy), one column per scheduler.
+func writeWaitCauses(p func(string, ...any), e func(string) string, r *Report) {
+	all := WaitedBy{}
+	for _, res := range r.Results {
+		for size, causes := range res.WaitedBy {
+			for cause, n := range causes {
+				all.Add(size, cause, n)
+			}
+		}
+	}
+	p("<h2>Why pods waited</h2>\n<table class=\"results\">\n<thead><tr><th>pod asks for</th>")
+	for _, res := range r.Results {
+		p("<th>%s</th>", e(res.Scheduler))
+	}
+	p("</tr></thead>\n<tbody>\n")
+	if len(all) == 0 {
+		p("<tr><th>every pod</th>")
+		for range r.Results {
+			p("<td>bound in the tick it arrived in</td>")
+		}
+		p("</tr>\n")
+	}
+	for _, size := range all.Sizes() {
+		p("<tr><th>%s</th>", e(size))
+		for _, res := range r.Results {
+			p("<td>%s</td>", e(res.WaitedBy.Line(size, nil)))
+		}
+		p("</tr>\n")
+	}
+	p("</tbody>\n</table>\n")
+	p("<p class=\"note\">Pods not bound in the tick they arrived in, by what the cluster lacked right after that tick's pods were scheduled: no GPU free, fewer GPUs free than the pod asks, enough only scattered over nodes, no node (or PCIe root, for a pod whose claim matches pcieRoot) with its GPUs and NICs, GPUs kept free by topodra's headroom for smaller pods, or room by count that the pod could not use (alignment, a constraint, or pods of the same tick scheduled before it).</p>\n")
 }

@@ -162,3 +162,25 @@ func TestSweepWaitCauses(t *testing.T) {
 		t.Errorf("causes printed for runs that recorded none:\n%s", text.String())
 	}
 }
+
+func TestWaitCausesHTML(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Scheduler: SchedulerTopodra, WaitedBy: WaitedBy{"1 GPU + 1 NIC": {CauseNoRootNICs: 2}}},
+		{Scheduler: SchedulerStock},
+	}}
+	var page strings.Builder
+	if err := r.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	if want := "<tr><th>1 GPU + 1 NIC</th><td>no PCIe root with its GPUs and NICs 2</td><td></td></tr>"; !strings.Contains(page.String(), want) {
+		t.Errorf("the report has no row %q", want)
+	}
+	r.Results[0].WaitedBy = nil
+	page.Reset()
+	if err := r.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(page.String(), "<td>bound in the tick it arrived in</td>") {
+		t.Error("without waits the report does not say that every pod was bound on arrival")
+	}
+}
