@@ -121,7 +121,11 @@ func (w WaitedBy) Line(size string, runs WaitedBy) string {
 			continue
 		}
 		if runs != nil {
-			parts = append(parts, fmt.Sprintf("%s %d (%d runs)", c, n, runs[size][c]))
+			unit := "runs"
+			if runs[size][c] == 1 {
+				unit = "run"
+			}
+			parts = append(parts, fmt.Sprintf("%s %d (%d %s)", c, n, runs[size][c], unit))
 		} else {
 			parts = append(parts, fmt.Sprintf("%s %d", c, n))
 		}

@@ -53,7 +53,7 @@ func TestWaitedBySizesAndLine(t *testing.T) {
 	runs := WaitedBy{}
 	runs.Add("1 GPU", CauseClusterFull, 1)
 	runs.Add("1 GPU", CauseFitsByCount, 1)
-	if got, want := w.Line("1 GPU", runs), "cluster full 1 (1 runs), fits by count on a node 2 (1 runs)"; got != want {
+	if got, want := w.Line("1 GPU", runs), "cluster full 1 (1 run), fits by count on a node 2 (1 run)"; got != want {
 		t.Errorf("line %q, want %q", got, want)
 	}
 }
@@ -142,7 +142,7 @@ func TestSweepWaitCauses(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		"  1 GPU + 1 NIC: cluster full 1 (1 runs), no PCIe root with its GPUs and NICs 3 (2 runs)\n",
+		"  1 GPU + 1 NIC: cluster full 1 (1 run), no PCIe root with its GPUs and NICs 3 (2 runs)\n",
 		"stock:\n  none\n",
 	} {
 		if !strings.Contains(text.String(), want) {
