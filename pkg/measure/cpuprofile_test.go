@@ -2,9 +2,12 @@ package measure
 
 import (
 	"context"
+	"runtime"
 	"runtime/pprof"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestCPUProfileCountsLabelledGoroutines(t *testing.T) {
@@ -12,8 +15,26 @@ func TestCPUProfileCountsLabelledGoroutines(t *testing.T) {
 	if !p.started {
 		t.Skip("a CPU profile is already running (go test -cpuprofile): this one would record nothing")
 	}
+	// spin burns d of CPU time on its own OS thread, however long that
+	// takes on a loaded machine (a spin timed by the wall clock got less
+	// than half of its CPU while other tests ran).
 	spin := func(d time.Duration) {
-		for end := time.Now().Add(d); time.Now().Before(end); {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		threadCPU := func() (time.Duration, bool) {
+			var ru unix.Rusage
+			if err := unix.Getrusage(unix.RUSAGE_THREAD, &ru); err != nil {
+				t.Errorf("getrusage: %v", err) // spin may run on another goroutine: no Fatal
+				return 0, false
+			}
+			return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()), true
+		}
+		start, ok := threadCPU()
+		for ok {
+			var now time.Duration
+			if now, ok = threadCPU(); now-start >= d {
+				return
+			}
 		}
 	}
 	pprof.Do(context.Background(), pprof.Labels("component", "busy"), func(context.Context) {
