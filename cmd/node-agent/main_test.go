@@ -6,9 +6,12 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"path"
+	"slices"
 	"strings"
 	"testing"
 
+	oci "github.com/opencontainers/runtime-spec/specs-go"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/klog/v2/ktesting"
 	"sigs.k8s.io/yaml"
@@ -121,20 +124,85 @@ func TestDryRun(t *testing.T) {
 	}
 }
 
-// TestDryRunRealNVML runs against the real NVML library. Where there is no
-// GPU (CI) it must say so and succeed.
+// TestDryRunRealNVML runs the dry run with --show-cdi on the real NVML
+// library, loaded from the driver root that DRIVER_ROOT names (the
+// agent's own environment twin of --driver-root; default "/"). Where there
+// is no GPU (CI) it must say so and succeed. Where there is one, every
+// published GPU must carry what NVML and sysfs tell about it, and a
+// container of a claim for all of them must get their device nodes and the
+// driver's NVML library from the driver root.
 func TestDryRunRealNVML(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
+	cmd, o := newCommandWithOptions()
+	if err := cmd.ParseFlags([]string{"--nvml=real", "--dry-run", "--show-cdi", "--node-name=node-1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyEnv(cmd.Flags(), agentFlags); err != nil {
+		t.Fatal(err)
+	}
 	var stdout, stderr bytes.Buffer
-	err := run(ctx, &options{nvml: "real", sysfsRoot: "/sys", dryRun: true, nodeName: "node-1"}, &stdout, &stderr)
-	if err != nil {
-		t.Fatalf("dry run with real NVML: %v", err)
+	if err := run(ctx, o, &stdout, &stderr); err != nil {
+		t.Fatalf("dry run with real NVML (driver root %s): %v", o.driverRoot, err)
 	}
-	if stdout.Len() > 0 {
-		t.Skipf("this machine has an NVIDIA GPU:\n%s", stdout.String())
+	if stdout.Len() == 0 {
+		if !strings.HasPrefix(stderr.String(), noGPUMessage) {
+			t.Errorf("want %q on stderr, got %q", noGPUMessage, stderr.String())
+		}
+		t.Logf("no GPU, as the dry run says: %s", stderr.String())
+		return
 	}
-	if !strings.HasPrefix(stderr.String(), noGPUMessage) {
-		t.Errorf("want %q on stderr, got %q", noGPUMessage, stderr.String())
+	t.Logf("driver root %s:\n%s", o.driverRoot, stdout.String())
+
+	docs := strings.Split(stdout.String(), "---\n")
+	if len(docs) != 4 {
+		t.Fatalf("want the skipped GPUs' comments, one slice, the CDI spec and the container view; got %d documents", len(docs))
+	}
+	var slice resourceapi.ResourceSlice
+	if err := yaml.Unmarshal([]byte(docs[1]), &slice); err != nil {
+		t.Fatalf("first document is not a ResourceSlice: %v", err)
+	}
+	if len(slice.Spec.Devices) == 0 {
+		t.Fatal("a GPU answered NVML but the slice has no device")
+	}
+	var view containerView
+	if err := yaml.Unmarshal([]byte(docs[3]), &view); err != nil {
+		t.Fatalf("container view: %v", err)
+	}
+	deviceNodes := map[string]bool{}
+	for _, d := range view.Devices {
+		deviceNodes[d.Path] = true
+	}
+	env := strings.Join(view.Env, "\n")
+	for _, d := range slice.Spec.Devices {
+		for _, name := range []resourceapi.QualifiedName{discovery.AttrUUID, discovery.AttrProductName, discovery.AttrArchitecture, discovery.AttrCUDAComputeCapability, discovery.AttrDriverVersion, discovery.AttrCUDADriverVersion, topology.AttrPCIBusID, topology.AttrPCIeRoot} {
+			if _, ok := d.Attributes[name]; !ok {
+				t.Errorf("%s: no attribute %s", d.Name, name)
+			}
+		}
+		mem, ok := d.Capacity[discovery.CapacityMemory]
+		if !ok || mem.Value.Sign() <= 0 {
+			t.Errorf("%s: memory capacity %v", d.Name, mem.Value)
+		}
+		if _, ok := d.Capacity[discovery.CapacityMultiprocessors]; !ok {
+			// NVML answers "Not Supported" for a whole GPU on some drivers
+			// (an H200 on 580.159).
+			t.Logf("%s: NVML gave no multiprocessor count", d.Name)
+		}
+		if uuid := d.Attributes[discovery.AttrUUID].StringValue; uuid == nil || !strings.HasPrefix(*uuid, "GPU-") || !strings.Contains(env, *uuid) {
+			t.Errorf("%s: UUID %v is not a GPU UUID in the container's environment", d.Name, uuid)
+		}
+		minor := d.Attributes[discovery.AttrMinor].IntValue
+		if minor == nil {
+			t.Errorf("%s: no minor number", d.Name)
+		} else if node := fmt.Sprintf("/dev/nvidia%d", *minor); !deviceNodes[node] {
+			t.Errorf("%s: the container lacks %s; it has %v", d.Name, node, view.Devices)
+		}
+	}
+	if !deviceNodes["/dev/nvidiactl"] {
+		t.Errorf("the container lacks /dev/nvidiactl: %v", view.Devices)
+	}
+	if !slices.ContainsFunc(view.Mounts, func(m oci.Mount) bool { return strings.Contains(path.Base(m.Source), "libnvidia-ml.so") }) {
+		t.Errorf("the container does not get the driver's libnvidia-ml: %v", view.Mounts)
 	}
 }
 

@@ -98,11 +98,17 @@ func (r Root) NVMLLibraryPath() (string, error) {
 	return r.FindLibrary(NVMLLibrary)
 }
 
+// ControlDevice is the device node that every NVIDIA driver creates; a
+// root whose /dev holds it is where the driver's device nodes are.
+const ControlDevice = "/dev/nvidiactl"
+
 // DevPath is the agent-side root below which device nodes (/dev/nvidia0)
-// are found: the driver root if it has a /dev directory, otherwise "/"
-// (the agent's own /dev, which must then be the host's).
+// are found: the driver root if its /dev holds [ControlDevice], otherwise
+// "/" (the agent's own /dev, which must then be the host's). A driver root
+// with an empty /dev (a driver directory mounted into a VM or container,
+// such as /usr/local/nvidia) therefore uses the host's device nodes.
 func (r Root) DevPath() string {
-	if info, err := os.Stat(filepath.Join(r.Path, "dev")); err == nil && info.IsDir() {
+	if _, err := os.Stat(filepath.Join(r.Path, ControlDevice)); err == nil {
 		return r.Path
 	}
 	return "/"

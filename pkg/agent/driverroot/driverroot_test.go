@@ -100,8 +100,14 @@ func TestRootPaths(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, "dev"), 0o755); err != nil {
 		t.Fatal(err)
 	}
+	if r.DevPath() != "/" || r.DevHostPath() != "/" {
+		t.Errorf("root with an empty /dev: dev paths %s %s, want / /", r.DevPath(), r.DevHostPath())
+	}
+	if err := os.WriteFile(filepath.Join(dir, ControlDevice), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	if r.DevPath() != dir || r.DevHostPath() != "/" {
-		t.Errorf("root with /dev: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), dir)
+		t.Errorf("root with /dev/nvidiactl: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), dir)
 	}
 	if got := r.ToHost("/etc/passwd"); got != "/etc/passwd" {
 		t.Errorf("path outside the root rewritten to %s", got)
