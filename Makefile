@@ -9,7 +9,7 @@ LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s
 export CGO_CFLAGS ?= -Wno-deprecated-declarations
 TEST_FLAGS ?= -count=1 -timeout=40m -p=2
 
-.PHONY: all build test unit integration verify demo bench bench-short placement fuzz images clean
+.PHONY: all build test unit integration test-gpu verify demo bench bench-short placement fuzz images clean
 
 all: build
 
@@ -32,6 +32,12 @@ unit:
 
 integration:
 	$(GO) test $(TEST_FLAGS) ./test/integration/...
+
+# On a GPU node: the checks against the real NVML library of DRIVER_ROOT
+# (default /; /run/nvidia/driver on a GPU Operator node), verbose. They
+# skip, saying why, where there is no GPU; every go test runs them too.
+test-gpu:
+	$(GO) test -count=1 -v -run 'RealNVML|RealGPU' ./cmd/node-agent ./pkg/agent/discovery ./test/integration
 
 # Each fuzz target for FUZZTIME (their seed corpora run in every go test).
 # The first run instruments and compiles the scheduler's packages: minutes.
