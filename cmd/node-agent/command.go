@@ -15,7 +15,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -206,7 +205,7 @@ func newSource(o *options, nodeName string) (*source, error) {
 		if o.sysfsRoot != "/sys" {
 			sysfs = os.DirFS(o.sysfsRoot).(fs.ReadLinkFS)
 		}
-		disc := discovery.NewLazy(nvmlFromRoot(root), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
+		disc := discovery.NewLazy(discovery.OpenFromRoot(root), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
 		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: disc.Lib, HookPath: o.cdiHookPath})
 		if err != nil {
 			return nil, err
@@ -226,17 +225,6 @@ func newSource(o *options, nodeName string) (*source, error) {
 		return &source{discovery: disc, cdi: cdi.Static{EnvOnly: true}, close: disc.Close}, nil
 	default:
 		return nil, fmt.Errorf("--nvml must be 'real' or 'mock:<profile>', got %q", o.nvml)
-	}
-}
-
-// nvmlFromRoot opens libnvidia-ml.so.1 of the driver root.
-func nvmlFromRoot(root driverroot.Root) discovery.OpenFunc {
-	return func() (nvml.Interface, error) {
-		path, err := root.NVMLLibraryPath()
-		if err != nil {
-			return nil, fmt.Errorf("%w: %w", discovery.ErrNoGPU, err)
-		}
-		return nvml.New(nvml.WithLibraryPath(path)), nil
 	}
 }
 

@@ -86,20 +86,7 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return machine.NVML() }})
 	tCtx.ExpectNoError(err)
 	cdiDir := tCtx.TempDir()
-	a, err := agent.New(tCtx, agent.Options{
-		NodeName:       nodeName,
-		KubeClient:     cp.Client,
-		Discovery:      disc,
-		CDIGenerator:   gen,
-		PluginDataDir:  pluginDir,
-		RegistrarDir:   registryDir,
-		StateDir:       tCtx.TempDir(),
-		CDIDir:         cdiDir,
-		OwnedTaint:     agent.DefaultOwnedTaint,
-		RescanInterval: -1,
-	})
-	tCtx.ExpectNoError(err, "start agent")
-	defer a.Stop()
+	startNodeAgent(tCtx, nodeName, disc, gen, pluginDir, registryDir, cdiDir)
 	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool {
 		return len(s.Spec.Devices) == 8
 	})
@@ -125,23 +112,9 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	}
 	tCtx.Logf("topodra allocated %s of %s to claim %s", device, nodeName, claim.Name)
 
-	// 4. The kubelet prepares the pod as the API has it. Registration is
-	// asynchronous (the plugin watcher notices the socket): prepare until
-	// the kubelet knows the driver.
-	var lastErr error
-	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		lastErr = manager.PrepareResources(ctx, pod)
-		return lastErr == nil, nil
-	})
-	if err != nil {
-		tCtx.Fatalf("kubelet could not prepare the pod's claim: %v", lastErr)
-	}
-	info, err := manager.GetResources(pod, &pod.Spec.Containers[0])
-	tCtx.ExpectNoError(err)
+	// 4. The kubelet prepares the pod as the API has it.
 	wantID := cdi.DeviceID(claim.UID, device)
-	if len(info.CDIDevices) != 1 || info.CDIDevices[0].Name != wantID {
-		tCtx.Fatalf("kubelet hands the runtime %v, want [%s]", info.CDIDevices, wantID)
-	}
+	prepareOnKubelet(tCtx, manager, pod, wantID)
 
 	// 5. What the runtime does with the id.
 	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(cdiDir), cdiapi.WithAutoRefresh(false))
@@ -177,6 +150,55 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	waitHealth(tCtx, manager, pod, wantID, v1.ResourceHealthStatusUnhealthy)
 
 	// 7. Unprepare removes the spec.
+	unprepareOnKubelet(tCtx, manager, pod, specPath)
+}
+
+// startNodeAgent starts the node agent of nodeName on the shared control
+// plane with the kubelet's plugin and registration directories, the owned
+// taint as shipped and no rescans; it stops when the test ends.
+func startNodeAgent(tCtx ktesting.TContext, nodeName string, disc discovery.Interface, gen cdi.Generator, pluginDir, registryDir, cdiDir string) {
+	tCtx.Helper()
+	a, err := agent.New(tCtx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     cp.Client,
+		Discovery:      disc,
+		CDIGenerator:   gen,
+		PluginDataDir:  pluginDir,
+		RegistrarDir:   registryDir,
+		StateDir:       tCtx.TempDir(),
+		CDIDir:         cdiDir,
+		OwnedTaint:     agent.DefaultOwnedTaint,
+		RescanInterval: -1,
+	})
+	tCtx.ExpectNoError(err, "start agent")
+	tCtx.Cleanup(a.Stop)
+}
+
+// prepareOnKubelet has the kubelet's DRA manager prepare pod as the API has
+// it, and checks that the pod's first container gets exactly the CDI
+// device wantID. Registration is asynchronous (the plugin watcher notices
+// the socket): it prepares until the kubelet knows the driver.
+func prepareOnKubelet(tCtx ktesting.TContext, manager *kubeletdra.Manager, pod *v1.Pod, wantID string) {
+	tCtx.Helper()
+	var lastErr error
+	err := wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		lastErr = manager.PrepareResources(ctx, pod)
+		return lastErr == nil, nil
+	})
+	if err != nil {
+		tCtx.Fatalf("kubelet could not prepare the pod's claim: %v", lastErr)
+	}
+	info, err := manager.GetResources(pod, &pod.Spec.Containers[0])
+	tCtx.ExpectNoError(err)
+	if len(info.CDIDevices) != 1 || info.CDIDevices[0].Name != wantID {
+		tCtx.Fatalf("kubelet hands the runtime %v, want [%s]", info.CDIDevices, wantID)
+	}
+}
+
+// unprepareOnKubelet has the kubelet unprepare pod and checks that the
+// CDI spec at specPath is gone.
+func unprepareOnKubelet(tCtx ktesting.TContext, manager *kubeletdra.Manager, pod *v1.Pod, specPath string) {
+	tCtx.Helper()
 	tCtx.ExpectNoError(manager.UnprepareResources(tCtx, pod), "unprepare")
 	if _, err := os.Stat(specPath); !os.IsNotExist(err) {
 		tCtx.Errorf("CDI spec %s still there after unprepare: %v", specPath, err)

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -9,18 +8,15 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
-	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/driverroot"
@@ -41,15 +37,11 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	root, err := driverroot.New(os.Getenv("DRIVER_ROOT"), "")
 	tCtx.ExpectNoError(err)
-	libPath, err := root.NVMLLibraryPath()
-	if err != nil {
-		t.Skipf("no real NVML here: %v", err)
-	}
-	disc := discovery.NewLazy(func() (nvml.Interface, error) { return nvml.New(nvml.WithLibraryPath(libPath)), nil }, discovery.NVMLOptions{})
+	disc := discovery.NewLazy(discovery.OpenFromRoot(root), discovery.NVMLOptions{})
 	defer func() { _ = disc.Close() }()
 	inv, err := disc.Discover(tCtx)
 	if errors.Is(err, discovery.ErrNoGPU) {
-		t.Skipf("NVML at %s finds no GPU: %v", libPath, err)
+		t.Skipf("no GPU here: %v", err)
 	}
 	tCtx.ExpectNoError(err, "discover GPUs")
 	if len(inv.GPUs) == 0 {
@@ -70,20 +62,7 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: disc.Lib})
 	tCtx.ExpectNoError(err)
 	cdiDir := tCtx.TempDir()
-	a, err := agent.New(tCtx, agent.Options{
-		NodeName:       nodeName,
-		KubeClient:     cp.Client,
-		Discovery:      disc,
-		CDIGenerator:   gen,
-		PluginDataDir:  dirs[0],
-		RegistrarDir:   dirs[1],
-		StateDir:       tCtx.TempDir(),
-		CDIDir:         cdiDir,
-		OwnedTaint:     agent.DefaultOwnedTaint,
-		RescanInterval: -1,
-	})
-	tCtx.ExpectNoError(err, "start agent")
-	defer a.Stop()
+	startNodeAgent(tCtx, nodeName, disc, gen, dirs[0], dirs[1], cdiDir)
 	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, fmt.Sprintf("%d devices", len(inv.GPUs)), func(s *resourceapi.ResourceSlice) bool {
 		return len(s.Spec.Devices) == len(inv.GPUs)
 	})
@@ -104,20 +83,8 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 	claim := claims[0]
 	tCtx.Logf("topodra allocated %s (%s, PCI %s) to claim %s", gpu.Name, gpu.UUID, gpu.PCIBusID, claim.Name)
 
-	var lastErr error
-	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		lastErr = manager.PrepareResources(ctx, pod)
-		return lastErr == nil, nil
-	})
-	if err != nil {
-		tCtx.Fatalf("kubelet could not prepare the pod's claim: %v", lastErr)
-	}
-	info, err := manager.GetResources(pod, &pod.Spec.Containers[0])
-	tCtx.ExpectNoError(err)
 	wantID := cdi.DeviceID(claim.UID, gpu.Name)
-	if len(info.CDIDevices) != 1 || info.CDIDevices[0].Name != wantID {
-		tCtx.Fatalf("kubelet hands the runtime %v, want [%s]", info.CDIDevices, wantID)
-	}
+	prepareOnKubelet(tCtx, manager, pod, wantID)
 
 	// What a runtime gives the container for that id.
 	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(cdiDir), cdiapi.WithAutoRefresh(false))
@@ -145,9 +112,5 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 	}
 
 	waitHealth(tCtx, manager, pod, wantID, v1.ResourceHealthStatusHealthy)
-	specPath := cache.GetDevice(wantID).GetSpec().GetPath()
-	tCtx.ExpectNoError(manager.UnprepareResources(tCtx, pod), "unprepare")
-	if _, err := os.Stat(specPath); !os.IsNotExist(err) {
-		tCtx.Errorf("CDI spec %s still there after unprepare: %v", specPath, err)
-	}
+	unprepareOnKubelet(tCtx, manager, pod, cache.GetDevice(wantID).GetSpec().GetPath())
 }

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
 
@@ -27,18 +26,14 @@ func TestRealNVML(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	path, err := root.NVMLLibraryPath()
-	if err != nil {
-		t.Skipf("no real NVML here: %v", err)
-	}
-	d := discovery.NewLazy(func() (nvml.Interface, error) { return nvml.New(nvml.WithLibraryPath(path)), nil }, discovery.NVMLOptions{})
+	d := discovery.NewLazy(discovery.OpenFromRoot(root), discovery.NVMLOptions{})
 	defer func() { _ = d.Close() }()
 	inv, err := d.Discover(ctx)
 	if errors.Is(err, discovery.ErrNoGPU) {
-		t.Skipf("NVML at %s finds no GPU: %v", path, err)
+		t.Skipf("no GPU here: %v", err)
 	}
 	if err != nil {
-		t.Fatalf("discover with NVML at %s: %v", path, err)
+		t.Fatalf("discover with the NVML of driver root %s: %v", root.Path, err)
 	}
 	if len(inv.GPUs)+len(inv.Skipped) == 0 {
 		t.Fatal("discovery succeeded with neither published nor skipped GPUs")

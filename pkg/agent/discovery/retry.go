@@ -6,12 +6,26 @@ import (
 	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/topodra/topodra/pkg/agent/driverroot"
 )
 
 // OpenFunc returns a fresh, uninitialized NVML library, or an error
 // wrapping [ErrNoGPU] when there is nothing to load yet (for example
 // libnvidia-ml.so.1 is not in the driver root).
 type OpenFunc func() (nvml.Interface, error)
+
+// OpenFromRoot opens libnvidia-ml.so.1 of a driver root (the real NVML
+// library); while the root has none, the error wraps [ErrNoGPU].
+func OpenFromRoot(root driverroot.Root) OpenFunc {
+	return func() (nvml.Interface, error) {
+		path, err := root.NVMLLibraryPath()
+		if err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrNoGPU, err)
+		}
+		return nvml.New(nvml.WithLibraryPath(path)), nil
+	}
+}
 
 // Lazy is NVML discovery for a node whose driver may appear after the agent
 // starts (a driver container still installing, a driver installed later).
