@@ -17,6 +17,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/driverroot"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -198,7 +199,7 @@ func TestDryRunRealNVML(t *testing.T) {
 			t.Errorf("%s: the container lacks %s; it has %v", d.Name, node, view.Devices)
 		}
 	}
-	if !deviceNodes["/dev/nvidiactl"] {
+	if !deviceNodes[driverroot.ControlDevice] {
 		t.Errorf("the container lacks /dev/nvidiactl: %v", view.Devices)
 	}
 	if !slices.ContainsFunc(view.Mounts, func(m oci.Mount) bool { return strings.Contains(path.Base(m.Source), "libnvidia-ml.so") }) {

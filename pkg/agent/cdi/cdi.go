@@ -30,6 +30,8 @@ import (
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/topodra/topodra/pkg/agent/driverroot"
 )
 
 // Vendor and Class make up the CDI kind "gpu.topodra.io/gpu".
@@ -46,7 +48,7 @@ const DefaultDir = "/var/run/cdi"
 // its GPUs' /dev/nvidia<minor>, where they exist: nvidia-uvm is created
 // only once the nvidia-uvm module is loaded, and a spec that names a
 // missing node makes the container fail to start.
-var ControlDeviceNodes = []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
+var ControlDeviceNodes = []string{driverroot.ControlDevice, "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}
 
 // Device is one GPU to expose.
 type Device struct {
