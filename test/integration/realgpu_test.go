@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path"
 	"slices"
 	"strings"
@@ -31,8 +32,10 @@ import (
 // kubelet's DRA manager prepares it. The CDI id the kubelet hands the
 // runtime must give a container the allocated GPU's device node,
 // /dev/nvidiactl, its UUID and the driver's libnvidia-ml; the kubelet must
-// see the GPU Healthy; unprepare removes the spec. Where there is no NVML
-// library or no GPU (CI) it skips and says why.
+// see the GPU Healthy; unprepare removes the spec. In between, a container
+// of that CDI device must run nvidia-smi and CUDA on the GPU
+// (containerSeesGPU). Where there is no NVML library or no GPU (CI) it
+// skips and says why.
 func TestKubeletPreparesRealGPU(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	root, err := driverroot.New(os.Getenv("DRIVER_ROOT"), "")
@@ -111,6 +114,77 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 		tCtx.Errorf("container mounts lack libnvidia-ml.so.%s: %v", driverVersion, spec.Mounts)
 	}
 
+	tCtx.Run("container", func(tCtx ktesting.TContext) {
+		containerSeesGPU(tCtx, spec, gpu.UUID, fmt.Sprintf("/dev/nvidia%d", gpu.Minor))
+	})
+
 	waitHealth(tCtx, manager, pod, wantID, v1.ResourceHealthStatusHealthy)
 	unprepareOnKubelet(tCtx, manager, pod, cache.GetDevice(wantID).GetSpec().GetPath())
+}
+
+// containerSeesGPU runs nvidia-smi, and a CUDA program where there is a C
+// compiler, in a container of spec (see runContainer): nvidia-smi, mounted
+// by the spec, must list exactly the GPU of uuid, and the CUDA program
+// must create a context on it and move memory to and from it. As controls,
+// the same container without the GPU's device node (node) must list no
+// GPU, and without /dev/nvidia-uvm CUDA must not start: the checks pass
+// on what the spec gives the container, not on what the machine has.
+func containerSeesGPU(tCtx ktesting.TContext, spec *oci.Spec, uuid, node string) {
+	if why := containerUnsupported(tCtx); why != "" {
+		tCtx.Skipf("no container here: %s", why)
+	}
+	smi := ""
+	for _, m := range spec.Mounts {
+		if path.Base(m.Destination) == "nvidia-smi" {
+			smi = m.Destination
+		}
+	}
+	if smi == "" {
+		tCtx.Fatalf("the container gets no nvidia-smi: %v", spec.Mounts)
+	}
+	out, err := runContainer(tCtx, spec, nil, smi, "--query-gpu=uuid,name", "--format=csv,noheader")
+	tCtx.Logf("nvidia-smi in the container:\n%s", out)
+	if err != nil {
+		tCtx.Fatalf("nvidia-smi in the container: %v", err)
+	}
+	if lines := strings.Split(strings.TrimSpace(out), "\n"); len(lines) != 1 || !strings.HasPrefix(lines[0], uuid+",") {
+		tCtx.Errorf("nvidia-smi in the container lists %q, want the one GPU %s", lines, uuid)
+	}
+	out, err = runContainer(tCtx, withoutDevices(spec, node), nil, smi, "--query-gpu=uuid,name", "--format=csv,noheader")
+	tCtx.Logf("nvidia-smi in the container without %s (%v):\n%s", node, err, out)
+	if err == nil || strings.Contains(out, uuid) {
+		tCtx.Errorf("nvidia-smi in a container without %s still works and lists %q", node, out)
+	}
+
+	cc, err := exec.LookPath("cc")
+	if err != nil {
+		tCtx.Logf("no C compiler here (%v): CUDA not checked in the container", err)
+		return
+	}
+	bin := path.Join(tCtx.TempDir(), "cudacheck")
+	if out, err := exec.CommandContext(tCtx, cc, "-O2", "-o", bin, "testdata/cudacheck.c", "-ldl").CombinedOutput(); err != nil {
+		tCtx.Fatalf("build testdata/cudacheck.c: %v\n%s", err, out)
+	}
+	out, err = runContainer(tCtx, spec, map[string]string{"/usr/local/bin/cudacheck": bin}, "/usr/local/bin/cudacheck")
+	tCtx.Logf("cudacheck in the container:\n%s", out)
+	if err != nil {
+		tCtx.Fatalf("cudacheck in the container: %v", err)
+	}
+	if lines := strings.Split(strings.TrimSpace(out), "\n"); len(lines) != 1 || !strings.HasPrefix(lines[0], uuid+" ") {
+		tCtx.Errorf("CUDA in the container sees %q, want the one GPU %s", lines, uuid)
+	}
+	out, err = runContainer(tCtx, withoutDevices(spec, "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"), map[string]string{"/usr/local/bin/cudacheck": bin}, "/usr/local/bin/cudacheck")
+	tCtx.Logf("cudacheck in the container without /dev/nvidia-uvm (%v):\n%s", err, out)
+	if err == nil {
+		tCtx.Errorf("CUDA in a container without /dev/nvidia-uvm still works: %s", out)
+	}
+}
+
+// withoutDevices returns a copy of spec without the device nodes paths.
+func withoutDevices(spec *oci.Spec, paths ...string) *oci.Spec {
+	linux := *spec.Linux
+	linux.Devices = slices.DeleteFunc(slices.Clone(linux.Devices), func(d oci.LinuxDevice) bool { return slices.Contains(paths, d.Path) })
+	out := *spec
+	out.Linux = &linux
+	return &out
 }
