@@ -83,6 +83,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
 
 	writeWaitCauses(p, e, r)
+	writeRunTargets(p, e, r)
 
 	writeTimelines(w, r)
 
@@ -455,4 +456,25 @@ func writeWaitCauses(p func(string, ...any), e func(string) string, r *Report) {
 	}
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">Pods not bound in the tick they arrived in, by what the cluster lacked right after that tick's pods were scheduled: no GPU free, fewer GPUs free than the pod asks, enough only scattered over nodes, no node (or PCIe root, for a pod whose claim matches pcieRoot) with its GPUs and NICs, GPUs kept free by topodra's headroom for smaller pods, or room by count that the pod could not use (alignment, a constraint, or pods of the same tick scheduled before it).</p>\n")
+}
+
+// writeRunTargets writes the placement targets of this one run
+// (Report.RunTargets); nothing without both schedulers.
+func writeRunTargets(p func(string, ...any), e func(string) string, r *Report) {
+	run := r.RunTargets()
+	if len(run) == 0 {
+		return
+	}
+	p("<h2>Placement targets in this run alone</h2>\n<table class=\"results\">\n<thead><tr><th>target</th><th>want</th><th>topodra</th><th>stock</th><th>met</th></tr></thead>\n<tbody>\n")
+	met := 0
+	for _, t := range run {
+		verdict := "no"
+		if t.Met {
+			verdict = "yes"
+			met++
+		}
+		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict)
+	}
+	p("</tbody>\n</table>\n")
+	p("<p class=\"note\">%d of %d met in this run. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", met, len(run))
 }

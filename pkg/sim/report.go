@@ -377,7 +377,55 @@ func (r *Report) WriteTable(out io.Writer) error {
 			fmt.Fprintf(out, "  %s: %s\n", size, res.WaitedBy.Line(size, nil))
 		}
 	}
+
+	run := r.RunTargets()
+	if len(run) == 0 {
+		return nil
+	}
+	fmt.Fprintln(out)
+	fmt.Fprintln(out, "placement targets in this run alone (runs vary; the verdict is the multi-seed sweep: --seeds 1-8)")
+	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\t")
+	met := 0
+	for _, t := range run {
+		verdict := "no"
+		if t.Met {
+			verdict = "yes"
+			met++
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", runTargetName(t), t.Want, t.Topodra, t.Stock, verdict)
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "%d of %d met in this run\n", met, len(run))
 	return nil
+}
+
+// runTargetName names a sweep's target for one run: its median is the
+// run's value, its sum the run's count.
+func runTargetName(t Target) string {
+	return strings.TrimSuffix(strings.TrimPrefix(t.Measure, "median "), " (sum)")
+}
+
+// RunTargets checks this one run against the placement targets the way a
+// sweep checks its medians, each median being this run's value; nil
+// unless the report has a topodra and a stock result.
+func (r *Report) RunTargets() []Target {
+	var t, s *Result
+	for i := range r.Results {
+		switch r.Results[i].Scheduler {
+		case SchedulerTopodra:
+			t = &r.Results[i]
+		case SchedulerStock:
+			s = &r.Results[i]
+		}
+	}
+	if t == nil || s == nil {
+		return nil
+	}
+	rows := []SweepRow{rowOf("", r.Seed, 1, t), rowOf("", r.Seed, 1, s)}
+	return targets(summarize(SchedulerTopodra, rows), summarize(SchedulerStock, rows), rows)
 }
 
 // Description names the workload ("built-in workload, seed 1", a trace or

@@ -295,3 +295,43 @@ func TestMetInResamples(t *testing.T) {
 		t.Errorf("no rows: %v, want nil", got)
 	}
 }
+
+// TestRunTargets checks the demo's targets of one run: the run's own
+// values stand for the medians, and the table says which are met.
+func TestRunTargets(t *testing.T) {
+	topodra := Result{Scheduler: SchedulerTopodra, AlignedFraction: 0.94, Throughput: 60, Fit8: 1,
+		WaitByGPUs: map[int]*Wait{1: {Pods: 80}, 2: {Pods: 36, Ticks: 3}, 4: {Pods: 30, Ticks: 15}, 8: {Pods: 12, Ticks: 60}}}
+	stock := Result{Scheduler: SchedulerStock, AlignedFraction: 0.6, Throughput: 58, Pending: 5,
+		WaitByGPUs: map[int]*Wait{1: {Pods: 80}, 2: {Pods: 36, Ticks: 1}, 4: {Pods: 30, Ticks: 30}, 8: {Pods: 12, Ticks: 360}}}
+	report := &Report{Seed: 1, Results: []Result{topodra, stock}}
+	var missed []string
+	for _, tg := range report.RunTargets() {
+		if !tg.Met {
+			missed = append(missed, tg.Measure)
+		}
+	}
+	if want := []string{"median mean wait, 2 GPU", "median alignment"}; !slices.Equal(missed, want) {
+		t.Errorf("missed %q, want %q (2-GPU wait 0.083 against 0.028, alignment 94 %%)", missed, want)
+	}
+	var out strings.Builder
+	if err := report.WriteTable(&out); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"placement targets in this run alone", "mean wait, 2 GPU", "7 of 9 met in this run"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the table lacks %q:\n%s", want, out.String())
+		}
+	}
+	var page strings.Builder
+	if err := report.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"Placement targets in this run alone", "<th>mean wait, 2 GPU</th>", "7 of 9 met in this run"} {
+		if !strings.Contains(page.String(), want) {
+			t.Errorf("the HTML report lacks %q", want)
+		}
+	}
+	if got := (&Report{Results: []Result{topodra}}).RunTargets(); got != nil {
+		t.Errorf("a run of topodra alone has targets %+v, want none", got)
+	}
+}
