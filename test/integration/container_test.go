@@ -331,6 +331,14 @@ func containerInit(path string) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make / private: %w", err)
 	}
+	// The root on a mount of its own that allows programs and device
+	// nodes, wherever the temporary directory is (/tmp may be noexec).
+	if err := unix.Mount(c.Root, c.Root, "", unix.MS_BIND, ""); err != nil {
+		return fmt.Errorf("bind the root: %w", err)
+	}
+	if err := unix.Mount("", c.Root, "", unix.MS_BIND|unix.MS_REMOUNT, ""); err != nil {
+		return fmt.Errorf("remount the root: %w", err)
+	}
 	for _, m := range c.Mounts {
 		if err := bindMount(c.Root, m); err != nil {
 			return err
