@@ -466,15 +466,9 @@ func writeRunTargets(p func(string, ...any), e func(string) string, r *Report) {
 		return
 	}
 	p("<h2>Placement targets in this run alone</h2>\n<table class=\"results\">\n<thead><tr><th>target</th><th>want</th><th>topodra</th><th>stock</th><th>met</th></tr></thead>\n<tbody>\n")
-	met := 0
 	for _, t := range run {
-		verdict := "no"
-		if t.Met {
-			verdict = "yes"
-			met++
-		}
-		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict)
+		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict(t))
 	}
 	p("</tbody>\n</table>\n")
-	p("<p class=\"note\">%d of %d met in this run. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", met, len(run))
+	p("<p class=\"note\">%d of %d met in this run. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", metCount(run), len(run))
 }

@@ -386,19 +386,13 @@ func (r *Report) WriteTable(out io.Writer) error {
 	fmt.Fprintln(out, "placement targets in this run alone (runs vary; the verdict is the multi-seed sweep: --seeds 1-8)")
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\t")
-	met := 0
 	for _, t := range run {
-		verdict := "no"
-		if t.Met {
-			verdict = "yes"
-			met++
-		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", runTargetName(t), t.Want, t.Topodra, t.Stock, verdict)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", runTargetName(t), t.Want, t.Topodra, t.Stock, verdict(t))
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d of %d met in this run\n", met, len(run))
+	fmt.Fprintf(out, "%d of %d met in this run\n", metCount(run), len(run))
 	return nil
 }
 
@@ -408,24 +402,40 @@ func runTargetName(t Target) string {
 	return strings.TrimSuffix(strings.TrimPrefix(t.Measure, "median "), " (sum)")
 }
 
-// RunTargets checks this one run against the placement targets the way a
-// sweep checks its medians, each median being this run's value; nil
-// unless the report has a topodra and a stock result.
-func (r *Report) RunTargets() []Target {
-	var t, s *Result
-	for i := range r.Results {
-		switch r.Results[i].Scheduler {
-		case SchedulerTopodra:
-			t = &r.Results[i]
-		case SchedulerStock:
-			s = &r.Results[i]
+// verdict is "yes" for a target met, else "no".
+func verdict(t Target) string {
+	if t.Met {
+		return "yes"
+	}
+	return "no"
+}
+
+// metCount counts the targets met.
+func metCount(ts []Target) int {
+	n := 0
+	for _, t := range ts {
+		if t.Met {
+			n++
 		}
 	}
-	if t == nil || s == nil {
+	return n
+}
+
+// RunTargets checks this one run against the placement targets as a sweep
+// of this one run would (each median is this run's value); nil unless the
+// report has a topodra and a stock result.
+func (r *Report) RunTargets() []Target {
+	rep := &SweepReport{}
+	ran := map[string]bool{}
+	for i := range r.Results {
+		rep.Rows = append(rep.Rows, rowOf("", r.Seed, 1, &r.Results[i]))
+		ran[r.Results[i].Scheduler] = true
+	}
+	if !ran[SchedulerTopodra] || !ran[SchedulerStock] {
 		return nil
 	}
-	rows := []SweepRow{rowOf("", r.Seed, 1, t), rowOf("", r.Seed, 1, s)}
-	return targets(summarize(SchedulerTopodra, rows), summarize(SchedulerStock, rows), rows)
+	rep.summarize([]string{SchedulerTopodra, SchedulerStock})
+	return rep.Targets
 }
 
 // Description names the workload ("built-in workload, seed 1", a trace or

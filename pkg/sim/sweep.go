@@ -646,26 +646,20 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	fmt.Fprintln(out)
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\tmet in resamples\truns where topodra is lower / equal / higher\truns without a wait, topodra / stock\tmean over the runs, topodra / stock\t")
-	met := 0
 	for _, t := range r.Targets {
-		verdict := "no"
-		if t.Met {
-			verdict = "yes"
-			met++
-		}
 		paired, zero, mean := "", "", ""
 		if p := t.Paired; p != nil {
 			paired = p.String()
 			zero = fmt.Sprintf("%d / %d", p.ZeroTopodra, p.ZeroStock)
 			mean = fmt.Sprintf("%.3f / %.3f", p.MeanTopodra, p.MeanStock)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.0f %%\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict, 100*t.MetInResamples, paired, zero, mean)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.0f %%\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict(t), 100*t.MetInResamples, paired, zero, mean)
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement within each scenario) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
-	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", met, len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", metCount(r.Targets), len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
 	var stuck []string
 	for _, s := range r.Summaries {
 		stuck = append(stuck, fmt.Sprintf("%s %d", s.Scheduler, s.Stuck))
