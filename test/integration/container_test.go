@@ -145,24 +145,21 @@ func runContainer(tCtx ktesting.TContext, spec *oci.Spec, files map[string]strin
 	}
 	// The base layer: the C library, and what the program needs that the
 	// spec does not mount.
-	var binaries []string
-	hostOf := map[string]string{}
-	for _, m := range spec.Mounts {
-		hostOf[m.Destination] = m.Source
-	}
-	for _, l := range cfg.Links {
-		hostOf[l[1]] = hostOf[resolveLink(l)]
-	}
-	if src, ok := hostOf[args[0]]; ok {
-		binaries = append(binaries, src)
-	} else if src, ok := files[args[0]]; ok {
-		binaries = append(binaries, src)
+	var program []string
+	if src, ok := files[args[0]]; ok {
+		program = append(program, src)
 	}
 	provided := map[string]bool{}
-	for dst := range hostOf {
-		provided[filepath.Base(dst)] = true
+	for _, m := range spec.Mounts {
+		provided[filepath.Base(m.Destination)] = true
+		if m.Destination == args[0] {
+			program = append(program, m.Source)
+		}
 	}
-	base := baseLibraries(tCtx, binaries, provided)
+	for _, l := range cfg.Links {
+		provided[filepath.Base(l[1])] = true
+	}
+	base := baseLibraries(tCtx, program, provided)
 	for _, lib := range baseImageLibraries {
 		if host := findLibrary(lib); host != "" && !slices.Contains(base, host) {
 			base = append(base, host)
@@ -227,14 +224,6 @@ func cdiHookEffects(args []string) (links [][2]string, folders []string, known b
 		}
 	}
 	return links, folders, true
-}
-
-// resolveLink is the path a link points to, inside the container.
-func resolveLink(l [2]string) string {
-	if filepath.IsAbs(l[0]) {
-		return l[0]
-	}
-	return filepath.Join(filepath.Dir(l[1]), l[0])
 }
 
 // libraryDirs are where baseLibraries looks for a library on this machine.
