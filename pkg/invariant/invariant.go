@@ -1,8 +1,12 @@
 // Package invariant checks the allocation invariants that every DRA
 // scheduler in a cluster must keep together: no device is allocated to two
-// claims (unless it allows multiple allocations), no allocation names a
-// device that no longer exists, and no pod is bound while a claim it uses
-// is unallocated or not reserved for it.
+// claims (unless it allows multiple allocations), the devices allocated
+// from a pool consume no more of its shared counters than there are
+// (partitionable devices), the shares of a device that allows multiple
+// allocations consume no more of its capacity than it has, no allocation
+// names a device that no longer exists, and no pod is bound while a claim
+// it uses is unallocated or not reserved for it. Allocations with admin
+// access count for none of these, as for the upstream allocator.
 //
 // [Find] judges a set of objects; [Check] lists them from a cluster. Both
 // are safe for concurrent use.
@@ -11,11 +15,13 @@ package invariant
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -27,6 +33,14 @@ const (
 	// allocations is allocated to more than one claim (or twice to one).
 	// Allocations with admin access do not count.
 	DoubleAllocation Kind = "DoubleAllocation"
+	// CounterExceeded: the devices allocated from a pool (each once,
+	// however many claims share it) consume more of a counter of one of
+	// the pool's shared counter sets than the set holds: two partitions
+	// of one physical device are allocated that do not fit in it together.
+	CounterExceeded Kind = "CounterExceeded"
+	// CapacityExceeded: the allocations of a device that allows multiple
+	// allocations consume more of one of its capacities than it has.
+	CapacityExceeded Kind = "CapacityExceeded"
 	// VanishedDevice: an allocation names a device that no ResourceSlice
 	// of the pool's current generation publishes.
 	VanishedDevice Kind = "VanishedDevice"
@@ -48,8 +62,12 @@ func (d Device) String() string { return d.Driver + "/" + d.Pool + "/" + d.Name 
 // Violation is one broken invariant.
 type Violation struct {
 	Kind Kind `json:"kind"`
-	// Device is set for DoubleAllocation and VanishedDevice.
+	// Device is set for DoubleAllocation, CapacityExceeded and
+	// VanishedDevice.
 	Device *Device `json:"device,omitempty"`
+	// Counter is set for CounterExceeded, as
+	// driver/pool/counterSet/counter.
+	Counter string `json:"counter,omitempty"`
 	// Claims are the claims involved, as namespace/name, sorted.
 	Claims []string `json:"claims"`
 	// Pod is set for the pod kinds, as namespace/name.
@@ -67,15 +85,15 @@ type State struct {
 	Pods   []*v1.Pod
 }
 
-// Find returns the violations in s, sorted by kind, then device, then pod.
-// It reads s without modifying it.
+// Find returns the violations in s, sorted by kind, then device or
+// counter, then pod. It reads s without modifying it.
 func Find(s State) []Violation {
-	published := PublishedDevices(s.Slices)
+	pools := publishedPools(s.Slices)
 	var out []Violation
-	out = append(out, deviceViolations(s.Claims, published)...)
+	out = append(out, deviceViolations(s.Claims, pools)...)
 	out = append(out, podViolations(s.Pods, s.Claims)...)
 	slices.SortFunc(out, func(a, b Violation) int {
-		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
+		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
 	return out
 }
@@ -90,6 +108,32 @@ func deviceKey(d *Device) string {
 // PublishedDevices maps every device of the newest generation of each pool
 // to whether it allows multiple allocations.
 func PublishedDevices(resourceSlices []*resourceapi.ResourceSlice) map[Device]bool {
+	out := map[Device]bool{}
+	for d, spec := range publishedPools(resourceSlices).devices {
+		out[d] = allowsMultiple(spec)
+	}
+	return out
+}
+
+func allowsMultiple(d *resourceapi.Device) bool {
+	return d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations
+}
+
+// counterKey names one counter of a pool's shared counter set.
+type counterKey struct {
+	driver, pool, set, name string
+}
+
+func (k counterKey) String() string { return k.driver + "/" + k.pool + "/" + k.set + "/" + k.name }
+
+// pools is what the newest generation of each pool publishes: its devices
+// and the values of its shared counters.
+type pools struct {
+	devices  map[Device]*resourceapi.Device
+	counters map[counterKey]resource.Quantity
+}
+
+func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 	type poolID struct{ driver, pool string }
 	newest := map[poolID]int64{}
 	for _, s := range resourceSlices {
@@ -98,20 +142,30 @@ func PublishedDevices(resourceSlices []*resourceapi.ResourceSlice) map[Device]bo
 			newest[id] = s.Spec.Pool.Generation
 		}
 	}
-	out := map[Device]bool{}
+	out := pools{devices: map[Device]*resourceapi.Device{}, counters: map[counterKey]resource.Quantity{}}
 	for _, s := range resourceSlices {
 		if s.Spec.Pool.Generation != newest[poolID{s.Spec.Driver, s.Spec.Pool.Name}] {
 			continue
 		}
-		for _, d := range s.Spec.Devices {
-			out[Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}] = d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations
+		for i := range s.Spec.Devices {
+			d := &s.Spec.Devices[i]
+			out.devices[Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}] = d
+		}
+		for _, set := range s.Spec.SharedCounters {
+			for name, c := range set.Counters {
+				k := counterKey{s.Spec.Driver, s.Spec.Pool.Name, set.Name, name}
+				if _, dup := out.counters[k]; !dup {
+					out.counters[k] = c.Value
+				}
+			}
 		}
 	}
 	return out
 }
 
-func deviceViolations(claims []*resourceapi.ResourceClaim, published map[Device]bool) []Violation {
+func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Violation {
 	holders := map[Device][]string{}
+	consumed := map[Device]map[resourceapi.QualifiedName]resource.Quantity{}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
 			continue
@@ -122,24 +176,74 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published map[Device]
 			}
 			d := Device{r.Driver, r.Pool, r.Device}
 			holders[d] = append(holders[d], c.Namespace+"/"+c.Name)
+			for name, q := range r.ConsumedCapacity {
+				if consumed[d] == nil {
+					consumed[d] = map[resourceapi.QualifiedName]resource.Quantity{}
+				}
+				sum := consumed[d][name]
+				sum.Add(q)
+				consumed[d][name] = sum
+			}
 		}
 	}
 	var out []Violation
+	counterUse := map[counterKey]resource.Quantity{}
+	counterClaims := map[counterKey][]string{}
 	for d, claimNames := range holders {
 		slices.Sort(claimNames)
-		multiple, exists := published[d]
+		distinct := slices.Compact(slices.Clone(claimNames))
+		spec, exists := published.devices[d]
 		if !exists {
 			out = append(out, Violation{
-				Kind: VanishedDevice, Device: &d, Claims: slices.Compact(slices.Clone(claimNames)),
-				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(slices.Compact(slices.Clone(claimNames)), ", ")),
+				Kind: VanishedDevice, Device: &d, Claims: distinct,
+				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(distinct, ", ")),
 			})
+			spec = &resourceapi.Device{}
 		}
+		multiple := allowsMultiple(spec)
 		if len(claimNames) > 1 && !multiple {
 			out = append(out, Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s is allocated %d times: %s", d, len(claimNames), strings.Join(claimNames, ", ")),
 			})
 		}
+		if multiple {
+			for _, name := range slices.Sorted(maps.Keys(consumed[d])) {
+				capacity, ok := spec.Capacity[name]
+				if sum := consumed[d][name]; ok && sum.Cmp(capacity.Value) > 0 {
+					out = append(out, Violation{
+						Kind: CapacityExceeded, Device: &d, Claims: distinct,
+						Message: fmt.Sprintf("device %s has %s of %s, but %s consume %s", d, capacity.Value.String(), name, strings.Join(distinct, ", "), sum.String()),
+					})
+				}
+			}
+		}
+		// A device consumes its counters once, however many claims
+		// share it.
+		for _, consumption := range spec.ConsumesCounters {
+			for name, c := range consumption.Counters {
+				k := counterKey{d.Driver, d.Pool, consumption.CounterSet, name}
+				sum := counterUse[k]
+				sum.Add(c.Value)
+				counterUse[k] = sum
+				counterClaims[k] = append(counterClaims[k], distinct...)
+			}
+		}
+	}
+	for k, used := range counterUse {
+		// A counter set that the pool does not publish leaves the pool
+		// unusable for the allocator; nothing is over-consumed then.
+		limit, ok := published.counters[k]
+		if !ok || used.Cmp(limit) <= 0 {
+			continue
+		}
+		claimNames := counterClaims[k]
+		slices.Sort(claimNames)
+		claimNames = slices.Compact(claimNames)
+		out = append(out, Violation{
+			Kind: CounterExceeded, Counter: k.String(), Claims: claimNames,
+			Message: fmt.Sprintf("counter %s of counter set %s in pool %s/%s is %s, but the devices allocated to %s consume %s", k.name, k.set, k.driver, k.pool, limit.String(), strings.Join(claimNames, ", "), used.String()),
+		})
 	}
 	return out
 }

@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
@@ -164,6 +166,127 @@ func TestInvariantChecker(t *testing.T) {
 				if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
 					t.Errorf("violation %d: got %s %s pod %q claims %v, want %s %s pod %q claims %v",
 						i, g.Kind, deviceKey(g.Device), g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Pod, w.Claims)
+				}
+			}
+		})
+	}
+}
+
+// partitioned is a pool of one physical GPU with 40Gi of memory in four
+// memory slices: the whole GPU consumes all four, each of its 1g
+// partitions one, and a device that allows multiple allocations shares
+// 10 of its "bandwidth" among its claims.
+func partitioned(pool string, generation int64) *resourceapi.ResourceSlice {
+	consumes := func(slices int64) []resourceapi.DeviceCounterConsumption {
+		return []resourceapi.DeviceCounterConsumption{{CounterSet: "gpu-0", Counters: map[string]resourceapi.Counter{
+			"memory": {Value: resource.MustParse(fmt.Sprintf("%dGi", 10*slices))},
+			"slices": {Value: *resource.NewQuantity(slices, resource.DecimalSI)},
+		}}}
+	}
+	s := slice(pool, generation,
+		resourceapi.Device{Name: "gpu-0", ConsumesCounters: consumes(4)},
+		resourceapi.Device{Name: "gpu-0-1g-0", ConsumesCounters: consumes(1)},
+		resourceapi.Device{Name: "gpu-0-1g-1", ConsumesCounters: consumes(1)},
+		resourceapi.Device{Name: "gpu-0-2g-0", ConsumesCounters: consumes(2)},
+		resourceapi.Device{Name: "link", AllowMultipleAllocations: ptr.To(true), Capacity: map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{
+			"bandwidth": {Value: resource.MustParse("10")},
+			"ports":     {Value: resource.MustParse("4")},
+		}},
+	)
+	s.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-0", Counters: map[string]resourceapi.Counter{
+		"memory": {Value: resource.MustParse("40Gi")},
+		"slices": {Value: *resource.NewQuantity(4, resource.DecimalSI)},
+	}}}
+	return s
+}
+
+// share returns claim with a share of consumed capacity of device.
+func share(c *resourceapi.ResourceClaim, device string, consumed map[resourceapi.QualifiedName]string) *resourceapi.ResourceClaim {
+	for i, r := range c.Status.Allocation.Devices.Results {
+		if r.Device != device {
+			continue
+		}
+		r.ShareID = ptr.To(types.UID(c.Name + "-share"))
+		r.ConsumedCapacity = map[resourceapi.QualifiedName]resource.Quantity{}
+		for name, q := range consumed {
+			r.ConsumedCapacity[name] = resource.MustParse(q)
+		}
+		c.Status.Allocation.Devices.Results[i] = r
+	}
+	return c
+}
+
+// TestSharedResourcesChecker: partitions of one device and shares of a
+// device's capacity are judged as the upstream allocator counts them.
+func TestSharedResourcesChecker(t *testing.T) {
+	pool := partitioned("node-p", 1)
+	bandwidth := func(q string) map[resourceapi.QualifiedName]string {
+		return map[resourceapi.QualifiedName]string{"bandwidth": q, "ports": "1"}
+	}
+	tests := map[string]struct {
+		state State
+		want  []Violation
+	}{
+		"partitions that fit together": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-p", "", "gpu-0-1g-0"),
+				claim("b", "node-p", "", "gpu-0-1g-1", "gpu-0-2g-0"),
+				adminAccess(claim("admin", "node-p", "", "gpu-0")), // admin access consumes nothing
+			}},
+		},
+		"the whole device beside one of its partitions": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("whole", "node-p", "", "gpu-0"),
+				claim("part", "node-p", "", "gpu-0-1g-1"),
+			}},
+			want: []Violation{
+				{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/memory", Claims: []string{"ns/part", "ns/whole"}},
+				{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/slices", Claims: []string{"ns/part", "ns/whole"}},
+			},
+		},
+		"counters of the newest generation": {
+			// Generation 2 has only half the memory: 1g-0 and 2g-0 no
+			// longer fit together; generation 1 does not count.
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{pool, func() *resourceapi.ResourceSlice {
+					s := partitioned("node-p", 2)
+					s.Spec.SharedCounters[0].Counters["memory"] = resourceapi.Counter{Value: resource.MustParse("20Gi")}
+					return s
+				}()},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-p", "", "gpu-0-1g-0"), claim("b", "node-p", "", "gpu-0-2g-0")},
+			},
+			want: []Violation{{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/memory", Claims: []string{"ns/a", "ns/b"}}},
+		},
+		"shares within the capacity": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				share(claim("a", "node-p", "", "link"), "link", bandwidth("4")),
+				share(claim("b", "node-p", "", "link"), "link", bandwidth("6")),
+				adminAccess(share(claim("admin", "node-p", "", "link"), "link", bandwidth("10"))),
+			}},
+		},
+		"shares over the capacity": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				share(claim("a", "node-p", "", "link"), "link", bandwidth("4")),
+				share(claim("b", "node-p", "", "link"), "link", bandwidth("4")),
+				share(claim("c", "node-p", "", "link"), "link", bandwidth("2500m")),
+			}},
+			want: []Violation{{Kind: CapacityExceeded, Device: &Device{driver, "node-p", "link"}, Claims: []string{"ns/a", "ns/b", "ns/c"}}},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			got := Find(tc.state)
+			for _, v := range got {
+				t.Log(v)
+			}
+			if len(got) != len(tc.want) {
+				t.Fatalf("got %d violations, want %d: %v", len(got), len(tc.want), got)
+			}
+			for i, w := range tc.want {
+				g := got[i]
+				if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Counter != w.Counter || !slices.Equal(g.Claims, w.Claims) {
+					t.Errorf("violation %d: got %s %s %s claims %v, want %s %s %s claims %v",
+						i, g.Kind, deviceKey(g.Device), g.Counter, g.Claims, w.Kind, deviceKey(w.Device), w.Counter, w.Claims)
 				}
 			}
 		})
