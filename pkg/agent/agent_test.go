@@ -265,9 +265,15 @@ func TestPrepareUnprepare(t *testing.T) {
 			{restart: true, prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"a"}},
 			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
 		},
-		"admin access may share with admin access only": {
+		// Admin access (monitoring) overlaps any allocation, as the
+		// scheduler allocates it: beside a workload's claim, before or
+		// after it, and beside other admin claims.
+		"admin access shares with any claim": {
 			{prepare: []*resourceapi.ResourceClaim{admin1, admin1b}, wantPrepared: []string{"admin", "admin-b"}},
-			{prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"admin", "admin-b"}},
+			{prepare: []*resourceapi.ResourceClaim{b1}, wantPrepared: []string{"admin", "admin-b", "b"}},
+			{unprepare: []*resourceapi.ResourceClaim{admin1, admin1b}, wantPrepared: []string{"b"}},
+			{prepare: []*resourceapi.ResourceClaim{admin1}, wantPrepared: []string{"admin", "b"}},
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantErr: map[string]error{"a": agent.ErrDeviceInUse}, wantPrepared: []string{"admin", "b"}},
 		},
 		"unprepare frees the device, twice is fine": {
 			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},

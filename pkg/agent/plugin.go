@@ -188,15 +188,19 @@ func (a *Agent) checkConfig(claim *resourceapi.ResourceClaim) error {
 
 // preparedElsewhere finds another claim that holds the GPU with this UUID.
 // Comparing UUIDs, not names, keeps the check right even if a GPU's name
-// changed between the two prepares. Two claims may share a GPU only if both
-// use admin access (monitoring).
+// changed between the two prepares. A claim with admin access (monitoring)
+// shares the GPU with any other claim, as the scheduler allocates it: only
+// two claims without admin access exclude each other.
 func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, uuid string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
+	if admin {
+		return checkpoint.PreparedClaim{}, "", false
+	}
 	for uid, other := range cp.Claims {
 		if uid == self {
 			continue
 		}
 		for _, d := range other.Devices {
-			if d.UUID == uuid && !(admin && d.AdminAccess) {
+			if d.UUID == uuid && !d.AdminAccess {
 				return other, uid, true
 			}
 		}
