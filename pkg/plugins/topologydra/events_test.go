@@ -6,6 +6,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/utils/ptr"
@@ -223,4 +224,42 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 
 	// A claim on b freeing all of b's devices is enough too.
 	givesBack("z", fwk.Queue, "all of b")
+}
+
+// TestSharedDeviceFreedQueueingHint: a claim gives back its share of a
+// device that allows multiple allocations while another claim still holds
+// a share. No device becomes free, but capacity does: every pod is
+// requeued. Exclusive devices given back are counted as before.
+func TestSharedDeviceFreedQueueingHint(t *testing.T) {
+	share := func(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+		for i := range c.Status.Allocation.Devices.Results {
+			c.Status.Allocation.Devices.Results[i].ShareID = ptr.To(types.UID("share-" + c.Name))
+		}
+		return c
+	}
+	h := newHarness(t, []*v1.Node{testNode("e")}, testDeviceClass(), testSlice("e", 3), testClaim("one", 1), testClaim("two", 2),
+		allocatedOn(testClaim("full", 1), "e", "gpu-0"), allocatedOn(testClaim("other", 1), "e", "gpu-2"),
+		share(allocatedOn(testClaim("s1", 1), "e", "gpu-1")), share(allocatedOn(testClaim("s2", 1), "e", "gpu-1")))
+	for _, name := range []string{"one", "two", "full", "other", "s1", "s2"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	for _, tc := range []struct {
+		claim, pod string
+		want       fwk.QueueingHint
+	}{
+		{"s1", "one", fwk.Queue}, {"s1", "two", fwk.Queue},
+		{"full", "one", fwk.Queue}, {"full", "two", fwk.QueueSkip},
+	} {
+		c := h.apiClaim(tc.claim)
+		freed := c.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion += "-next"
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), testPod(tc.pod, tc.pod), c, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("%s deallocated, pod asking for %s: hint %v, want %v", tc.claim, tc.pod, got, tc.want)
+		}
+	}
 }

@@ -55,10 +55,19 @@ func TestPreFilter(t *testing.T) {
 		wantMsg       string
 		wantEvent     string
 		wantAllocator bool
+		// pending: another pod's cycle is allocating claim "c".
+		pending bool
 	}{
 		"no claims": {pod: testPod("p"), wantCode: fwk.Skip},
+		// Rejections of the pod as a whole are unresolvable, as with the
+		// stock plugin: preempting pods cannot help, and Filter would pass
+		// every node on the state written so far.
 		"claim not created yet": {
-			pod: testPod("p", "absent"), wantCode: fwk.Unschedulable, wantMsg: "waiting for resource claim ns/absent",
+			pod: testPod("p", "absent"), wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "waiting for resource claim ns/absent",
+		},
+		"claim being allocated for another pod": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1)}, pending: true,
+			pod: testPod("p", "c"), wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "being allocated for another pod",
 		},
 		"missing device class": {
 			objs: []runtime.Object{func() *resourceapi.ResourceClaim {
@@ -86,6 +95,13 @@ func TestPreFilter(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			h := newHarness(t, nodes, tc.objs...)
+			if tc.pending {
+				c, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, "c", metav1.GetOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				h.pl.draManager.ResourceClaims().SignalClaimPendingAllocation(c.UID, allocatedOn(c.DeepCopy(), "node-a", "gpu-0"))
+			}
 			cs := framework.NewCycleState()
 			_, st := h.pl.PreFilter(h.tCtx, cs, tc.pod, nil)
 			if code(st) != tc.wantCode {
@@ -128,8 +144,8 @@ func TestFilter(t *testing.T) {
 		if !st["node-a"].IsSuccess() {
 			t.Fatalf("Filter(node-a): %v", st["node-a"])
 		}
-		if code(st["node-b"]) != fwk.Unschedulable {
-			t.Errorf("Filter(node-b) without devices: %v, want Unschedulable", st["node-b"])
+		if code(st["node-b"]) != fwk.UnschedulableAndUnresolvable {
+			t.Errorf("Filter(node-b) without devices: %v, want UnschedulableAndUnresolvable", st["node-b"])
 		}
 		s, _ := getState(cs)
 		res := s.getResult("node-a")

@@ -59,7 +59,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			if ctx.Err() != nil {
 				// The framework stopped the cycle (another node failed
 				// it, or it was cancelled); this node is not at fault.
-				return unschedulable(fmt.Sprintf("asked by caller to stop allocating devices: %v", context.Cause(ctx)))
+				return unresolvable(fmt.Sprintf("asked by caller to stop allocating devices: %v", context.Cause(ctx)))
 			}
 			return internalError(klog.FromContext(ctx), err, "pod", klog.KObj(pod), "node", klog.KObj(node))
 		}
@@ -86,8 +86,12 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 				msg = e
 			}
 		}
-		// More devices may become free or appear (claim and slice events).
-		return unschedulable(msg)
+		// More devices may become free or appear (claim and slice events
+		// requeue the pod). Unresolvable, as with the stock plugin:
+		// preempting pods frees no devices in preemption's trial runs
+		// (their claims stay allocated), so trying costs an allocation
+		// per candidate node and evicts nothing.
+		return unresolvable(msg)
 	}
 	if s.headroom.drivers != nil {
 		if why := checkHeadroom(pl.headroomPercent, s.headroom, node.Name, res.Allocations); why != "" {

@@ -83,7 +83,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	claims, err := pl.podClaims(pod)
 	if err != nil {
 		// The claim cache may be behind; a claim event requeues the pod.
-		return nil, unschedulable(err.Error())
+		// Unresolvable, as with the stock plugin: no node can take the
+		// pod, and preempting pods would not change that.
+		return nil, unresolvable(err.Error())
 	}
 	if len(claims) == 0 {
 		return noClaims()
@@ -105,7 +107,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			if !resourceclaim.CanBeReserved(claim) && !resourceclaim.IsReservedForPod(pod, claim, false) {
 				// Shared claim with a full reservedFor list; a claim
 				// update (a consumer leaving) requeues the pod.
-				return nil, unschedulable(fmt.Sprintf("resource claim %s is in use by %d pods, the most a claim can be reserved for", claim.Name, len(claim.Status.ReservedFor)))
+				return nil, unresolvable(fmt.Sprintf("resource claim %s is in use by %d pods, the most a claim can be reserved for", claim.Name, len(claim.Status.ReservedFor)))
 			}
 			if sel := claim.Status.Allocation.NodeSelector; sel != nil {
 				ns, err := nodeaffinity.NewNodeSelector(sel)
@@ -120,7 +122,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
 			// Another pod's cycle is allocating this shared claim right
 			// now; its claim update requeues us.
-			return nil, unschedulable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
+			return nil, unresolvable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
 		}
 		if st := pl.validateClaim(ctx, claim); st != nil {
 			return nil, st

@@ -108,7 +108,8 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // required node affinity (node selector and required terms) admits. Free means published and not
 // allocated; devices given back by this or an earlier event count as free
 // while the claim tracker still shows the claim that gave them back
-// holding them (it has not seen that event yet). In-flight allocations,
+// holding them (it has not seen that event yet). A claim that held a share
+// of a device (consumable capacity) always says yes. In-flight allocations,
 // taints and shared counters are not subtracted, so the answer errs
 // towards yes. It also says yes
 // whenever it cannot tell. Where smallPodHeadroomPercent keeps devices
@@ -127,6 +128,14 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
 	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) == 0 {
 		return true
+	}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if r.ShareID != nil || len(r.ConsumedCapacity) > 0 {
+			// A share of a device that allows multiple allocations: it
+			// gives capacity back, which counting free devices does not
+			// see (other claims may still hold shares of the device).
+			return true
+		}
 	}
 	need, ok := pl.smallestRequest(pod)
 	if !ok {
