@@ -161,7 +161,9 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	logger := klog.FromContext(ctx)
 	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
 	start := time.Now()
-	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(context.Context) (bool, error) {
+	// bindingTimeout bounds the wait also for allocations without a
+	// timestamp (written by another scheduler or a controller).
+	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, pl.bindingTimeout, true, func(context.Context) (bool, error) {
 		published := pl.newPublishedLookup()
 		for i, claim := range s.claims {
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
@@ -185,6 +187,9 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 		}
 		return true, nil
 	})
+	if wait.Interrupted(err) && ctx.Err() == nil {
+		err = fmt.Errorf("%w: not all ready within the binding timeout %s", errBindingTimeout, pl.bindingTimeout)
+	}
 	status := schedmetrics.BindingConditionsStatusSuccess
 	switch {
 	case err == nil:

@@ -115,3 +115,27 @@ func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
 		t.Fatal("PreBind still waits for the binding conditions of a claim that is being deleted")
 	}
 }
+
+// TestBindingWaitWithoutTimestamp: a claim with binding conditions that
+// another writer allocated without an allocation timestamp, whose driver
+// never reports. PreBind's wait ends after bindingTimeout, as a timeout.
+func TestBindingWaitWithoutTimestamp(t *testing.T) {
+	c := allocatedOn(testClaim("c", 1), "node-a", "gpu-0")
+	c.Status.Allocation.Devices.Results[0].BindingConditions = []string{"Attached"}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), c)
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	if !h.pl.features.DeviceBindingAndStatus {
+		t.Skip("DRADeviceBindingConditions is off in this build's feature defaults")
+	}
+	schedmetrics.Register() // the wait records the binding-condition metrics.
+	h.pl.bindingTimeout = 300 * time.Millisecond
+	s := &stateData{claims: []*resourceapi.ResourceClaim{h.apiClaim("c")}}
+	start := time.Now()
+	st := h.pl.waitForBindingConditions(h.tCtx, testPod("p", "c"), "node-a", s)
+	if st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
+		t.Errorf("PreBind's wait: %v, want a binding timeout", st)
+	}
+	if waited := time.Since(start); waited > 5*time.Second {
+		t.Errorf("PreBind waited %v with a binding timeout of 300ms", waited)
+	}
+}
