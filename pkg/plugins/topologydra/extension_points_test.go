@@ -240,8 +240,8 @@ func TestReserveVerifyFails(t *testing.T) {
 	s2.setResult("node-a", res)
 
 	st2 := h.pl.Reserve(h.tCtx, second, pod, "node-a")
-	if code(st2) != fwk.Unschedulable || !strings.Contains(st2.Message(), "not confirmed by the upstream allocator") {
-		t.Errorf("Reserve: %v, want Unschedulable saying upstream did not confirm the counted allocation", st2)
+	if code(st2) != fwk.Error || !strings.Contains(st2.Message(), "not confirmed by the upstream allocator") {
+		t.Errorf("Reserve: %v, want an error (retried after backoff) saying upstream did not confirm the counted allocation", st2)
 	}
 	claim, _ := h.pl.draManager.ResourceClaims().Get(testNS, "c")
 	if h.pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {

@@ -62,7 +62,9 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		}
 		if verified.Allocations == nil || len(verified.Allocations) != len(s.toAllocate) {
 			// The next attempt allocates this node with upstream directly.
-			return unschedulable(fmt.Sprintf("the allocation counted for node %s was not confirmed by the upstream allocator; retrying with it", nodeName))
+			// An error, not unschedulable: no cluster event need follow,
+			// so the pod retries after its backoff.
+			return fwk.AsStatus(fmt.Errorf("the allocation counted for node %s was not confirmed by the upstream allocator; retrying with it", nodeName))
 		}
 		res = verified
 	}
