@@ -385,6 +385,69 @@ func TestBadInput(t *testing.T) {
 	}
 }
 
+// TestSelectorRuntimeErrorLikeUpstream: a selector that fails at run time
+// on some devices of a node (they lack the attribute). Upstream reports
+// the error when its search reaches such a device, so whether the node
+// gives an allocation or an error depends on upstream's order; topodra
+// answers as upstream does on the node's own slices (error or the same
+// devices), whichever strategy serves the pod.
+func TestSelectorRuntimeErrorLikeUpstream(t *testing.T) {
+	sel := `device.attributes["` + gpuDriver + `"].mem >= 40`
+	withMem := func(lacking ...int) []*resourceapi.ResourceSlice {
+		s := dgx("node-a")
+		for i := range s[0].Spec.Devices {
+			if !slices.Contains(lacking, i) {
+				s[0].Spec.Devices[i].Attributes["mem"] = num(80)
+			}
+		}
+		return s
+	}
+	testcases := map[string]struct {
+		slices  []*resourceapi.ResourceSlice
+		inUse   []string
+		count   int64
+		wantErr bool
+	}{
+		// Best fit would try gpu-7 (the last free one of a busy NUMA
+		// node) first; upstream's order gets to gpu-0 before it.
+		"one device, the failing one preferred": {slices: withMem(7), inUse: []string{"gpu-4", "gpu-5", "gpu-6"}, count: 1},
+		// A view without gpu-0 would allocate; upstream meets gpu-0 first.
+		"two devices, the failing one first in the node's order": {slices: withMem(0), count: 2, wantErr: true},
+		"two devices, the failing one last in the node's order":  {slices: withMem(7), inUse: []string{"gpu-0"}, count: 2},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			ctx := quietContext(t)
+			state := allocated(gpuDriver, "node-a", tc.inUse...)
+			claims := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", tc.count, sel).obj()}
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("node-a"), claims)
+			up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
+			if upErr != nil {
+				t.Fatal(upErr)
+			}
+			upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
+			var got []string
+			if res != nil {
+				got = deviceNames(res.Allocations)
+			}
+			t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
+			if (upErr != nil) != tc.wantErr {
+				t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
+			}
+			if (err != nil) != (upErr != nil) {
+				t.Fatalf("topodra error %v, upstream error %v", err, upErr)
+			}
+			if err == nil && !slices.Equal(got, deviceNames(upRes)) {
+				t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
+			}
+		})
+	}
+}
+
 func TestNewRequiresClassLister(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	if _, err := New(ctx, Options{}); err == nil {

@@ -17,21 +17,15 @@ import (
 // allocator is built over all slices, exactly as the stock plugin builds
 // its own. Allocate then costs what upstream's costs: first-fit over the
 // sorted devices picks the best-fitting device, and since only the order
-// differs, it allocates exactly when upstream does. It always decides.
+// differs, it allocates exactly when upstream does. It decides unless a
+// selector fails at run time on a device of the node (podNode.uncertain):
+// then the views strategy asks upstream in the node's own order.
 type orderedStrategy struct{}
 
 func (orderedStrategy) applies(p *podNode) bool { return p.a.simplePod(p.claims) }
 
 func (orderedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) {
 	a := p.a
-	up, err := a.orderedUpstream(ctx)
-	if err != nil {
-		return nil, err
-	}
-	results, err := up.Allocate(ctx, p.node, p.claims)
-	if err != nil {
-		return a.upstreamFailure(ctx, p, err)
-	}
 	ns, err := p.devices()
 	if err != nil {
 		return nil, err
@@ -39,6 +33,17 @@ func (orderedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 	infos, _, err := p.analysis(ctx)
 	if err != nil {
 		return nil, err
+	}
+	if p.uncertain() {
+		return nil, nil
+	}
+	up, err := a.orderedUpstream(ctx)
+	if err != nil {
+		return nil, err
+	}
+	results, err := up.Allocate(ctx, p.node, p.claims)
+	if err != nil {
+		return a.upstreamFailure(ctx, p, err)
 	}
 	if results == nil {
 		return &Result{Explanation: a.explain(infos, ns, nil, false)}, nil

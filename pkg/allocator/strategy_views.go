@@ -13,7 +13,8 @@ import (
 // upstream on views of the node, most preferred first, one upstream call
 // per view until one works; the node's slices as they are come last, so it
 // allocates exactly when upstream does (except for alignment=require). It
-// always decides.
+// always decides. Where a selector fails at run time on a device of the
+// node, only the node's own slices are tried (see podNode.uncertain).
 type viewsStrategy struct{}
 
 func (viewsStrategy) applies(*podNode) bool { return true }
@@ -45,10 +46,12 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 	var attempts []viewAttempt
 	if !passthrough && len(a.policy.Attributes) > 0 {
 		groups = buildGroups(infos)
-		var res *Result
-		attempts, res = a.preferredViews(ns, infos, groups, p.units)
-		if res != nil {
-			return res, nil
+		if !p.uncertain() {
+			var res *Result
+			attempts, res = a.preferredViews(ns, infos, groups, p.units)
+			if res != nil {
+				return res, nil
+			}
 		}
 	}
 	// The node's slices as they are: upstream's own answer.
