@@ -914,3 +914,19 @@ func TestNICRootTrade(t *testing.T) {
 		t.Errorf("spreading: rank %d, want 1", got)
 	}
 }
+
+// TestSkipNodeOperationsLikeUpstream: devices of a slice that skips node
+// operations are allocatable only where the feature is on and the node
+// declares it; counting leaves them to upstream, so topodra allocates
+// exactly when upstream does, on the first try.
+func TestSkipNodeOperationsLikeUpstream(t *testing.T) {
+	ctx := quietContext(t)
+	s := dgx("node-a")
+	s[0].Spec.SkipNodeOperations = []resourceapi.SkipNodeOperation{"*"}
+	c := claim("c").request("gpus", "gpu", 2).obj()
+	_, res, up := allocateBoth(ctx, t, "node-a", s, nil, DefaultPolicy(), []*resourceapi.ResourceClaim{c})
+	t.Logf("topodra %v (unverified %v), upstream %v", deviceNames(res.Allocations), res.Unverified, deviceNames(up))
+	if (res.Allocations == nil) != (up == nil) || res.Unverified {
+		t.Errorf("topodra allocated %v (unverified %v), upstream %v", deviceNames(res.Allocations), res.Unverified, deviceNames(up))
+	}
+}

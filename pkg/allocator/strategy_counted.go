@@ -130,6 +130,11 @@ func exactUnits(ns *nodeState, claims []*resourceapi.ResourceClaim, infos []*cla
 			if len(d.ConsumesCounters) > 0 || ptr.Deref(d.AllowMultipleAllocations, false) || len(d.BindingConditions) > 0 {
 				return nil, nil, false
 			}
+			// Devices of slices that skip node operations are allocatable
+			// only as the node declares (upstream decides).
+			if len(ns.devices[i].slice.Spec.SkipNodeOperations) > 0 {
+				return nil, nil, false
+			}
 		}
 	}
 	return units, constrained, true
