@@ -147,6 +147,17 @@ func TestOwnedTaintPolicy(t *testing.T) {
 
 	waitRefused(owned)
 	run(owned)
+	// Admitted while the owned key is another one; they tolerate other,
+	// and the second is protected by the allocation finalizer.
+	preexisting, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "preexisting"}, Spec: claimSpec(false, toleration(other, resourceapi.DeviceTolerationOpExists)),
+	}, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	protected, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "protected", Finalizers: []string{resourceapi.Finalizer}},
+		Spec:       claimSpec(false, toleration(other, resourceapi.DeviceTolerationOpExists)),
+	}, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
 
 	// Writes to the status subresource (what schedulers write) are not
 	// checked, whatever the claim holds.
@@ -169,6 +180,31 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	if err := create(false, claimSpec(false, toleration(owned, resourceapi.DeviceTolerationOpExists))); err != nil {
 		t.Errorf("with the key configured to %s, a toleration of %s is refused: %v", other, owned, err)
 	}
+	// A claim admitted before its toleration named the owned key: it may
+	// change otherwise, but no scheduler may protect an allocation of it
+	// (add the finalizer it writes before allocating).
+	update := func(name string, change func(*resourceapi.ResourceClaim)) error {
+		claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(tCtx, name, metav1.GetOptions{})
+		tCtx.ExpectNoError(err)
+		change(claim)
+		_, err = c.Client.ResourceV1().ResourceClaims(ns).Update(tCtx, claim, metav1.UpdateOptions{})
+		return err
+	}
+	addFinalizer := func(claim *resourceapi.ResourceClaim) {
+		claim.Finalizers = append(claim.Finalizers, resourceapi.Finalizer)
+	}
+	if err := update(preexisting.Name, func(claim *resourceapi.ResourceClaim) { claim.Labels = map[string]string{"team": "a"} }); err != nil {
+		t.Errorf("a label on a claim that tolerates the owned key: %v", err)
+	}
+	if err := update(preexisting.Name, addFinalizer); err == nil || !strings.Contains(err.Error(), "topodra-scheduler") {
+		t.Errorf("the allocation finalizer on a claim that tolerates the owned key: %v, want refused", err)
+	}
+	if err := update("status-write", addFinalizer); err != nil {
+		t.Errorf("the allocation finalizer on a claim without tolerations: %v", err)
+	}
+	if err := update(protected.Name, func(claim *resourceapi.ResourceClaim) { claim.Finalizers = nil }); err != nil {
+		t.Errorf("the finalizer of a claim that tolerates the owned key cannot be removed: %v", err)
+	}
 
 	// Without its parameter the policy fails closed.
 	tCtx.ExpectNoError(c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Delete(tCtx, "topodra-ownership", metav1.DeleteOptions{}))
@@ -176,4 +212,7 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		return create(false, claimSpec(false)) != nil, nil
 	})
 	tCtx.ExpectNoError(err, "without ConfigMap topodra-ownership, claims are still admitted")
+	if err := update(preexisting.Name, addFinalizer); err == nil {
+		t.Error("without ConfigMap topodra-ownership, the allocation finalizer was added")
+	}
 }
