@@ -930,3 +930,72 @@ func TestSkipNodeOperationsLikeUpstream(t *testing.T) {
 		t.Errorf("topodra allocated %v (unverified %v), upstream %v", deviceNames(res.Allocations), res.Unverified, deviceNames(up))
 	}
 }
+
+// TestRequireTakesTheFirstAlignedChoice: a claim with alignment=require
+// and firstAvailable subrequests "four", then "two". Four GPUs are free
+// by count but in two NUMA nodes (no NVLink clique here), two fit in one:
+// the claim gets "two", aligned. Where no choice fits aligned, the node
+// is rejected as before.
+func TestRequireTakesTheFirstAlignedChoice(t *testing.T) {
+	ctx := quietContext(t)
+	noClique := func() []*resourceapi.ResourceSlice {
+		s := dgx("node-a")
+		for i := range s[0].Spec.Devices {
+			delete(s[0].Spec.Devices[i].Attributes, "nvlinkClique")
+		}
+		return s
+	}
+	requireClaim := func(counts ...int64) *resourceapi.ResourceClaim {
+		c := claim("c").annotate(topology.AnnotationAlignment, "require").obj()
+		r := resourceapi.DeviceRequest{Name: "r"}
+		for _, n := range counts {
+			r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
+				Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
+			})
+		}
+		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
+		return c
+	}
+	for name, tc := range map[string]struct {
+		inUse      []string
+		counts     []int64
+		wantSub    string
+		wantReject bool
+	}{
+		// Each NUMA node has gpu-1 and gpu-3 (PCIe roots apart) or gpu-5, gpu-7 free.
+		"four spans NUMA nodes, two fits in one": {inUse: []string{"gpu-0", "gpu-2", "gpu-4", "gpu-6"}, counts: []int64{4, 2}, wantSub: "r/n2"},
+		"four fits in a NUMA node":               {inUse: []string{"gpu-0"}, counts: []int64{4, 2}, wantSub: "r/n4"},
+		"no choice fits aligned":                 {inUse: []string{"gpu-0", "gpu-2", "gpu-4", "gpu-6"}, counts: []int64{4, 3}, wantReject: true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			s := noClique()
+			state := allocated(gpuDriver, "node-a", tc.inUse...)
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: s, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{requireClaim(tc.counts...)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.wantReject {
+				if res.Allocations != nil || res.Explanation == nil || !strings.Contains(res.Explanation.String(), "alignment=require") {
+					t.Errorf("got %v (%v), want the node rejected for alignment=require", deviceNames(res.Allocations), res.Explanation)
+				}
+				return
+			}
+			if res.Allocations == nil {
+				t.Fatalf("no allocation: %v", res.Explanation)
+			}
+			var subs []string
+			for _, r := range res.Allocations[0].Devices.Results {
+				if !slices.Contains(subs, r.Request) {
+					subs = append(subs, r.Request)
+				}
+			}
+			if !res.Quality.Aligned || !slices.Equal(subs, []string{tc.wantSub}) {
+				t.Errorf("got %v as %v (aligned %v), want subrequest %s, aligned", deviceNames(res.Allocations), subs, res.Quality.Aligned, tc.wantSub)
+			}
+		})
+	}
+}

@@ -52,6 +52,10 @@ type planner struct {
 	groups []*group
 	// allUnits are all requests and subrequests of the pod.
 	allUnits []*unit
+	// passed are the subrequests that a claim requiring alignment gave up
+	// for a later one (alignedAlternative): views hide their devices as
+	// they hide a group's, so that upstream gets to the later one.
+	passed map[*unit]bool
 }
 
 // buildGroups forms the groups of a pod. Claims with alignment none, with

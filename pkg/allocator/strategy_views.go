@@ -61,7 +61,7 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 
 // preferredViews returns the preferred views for the planned groups, most
 // preferred first, or a Result when an alignment=require group fits in no
-// domain.
+// domain with any choice of its firstAvailable subrequests.
 func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*group, units []*unit) ([]viewAttempt, *Result) {
 	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, groups: groups, allUnits: units}
 	maxPlans := 2
@@ -72,7 +72,7 @@ func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*
 			for i := range avail {
 				avail[i] = true
 			}
-			if len(p.fittingDomains(g, avail, false)) == 0 {
+			if len(p.fittingDomains(g, avail, false)) == 0 && !p.alignedAlternative(infos, g, avail) {
 				return nil, &Result{Explanation: a.explain(infos, ns, g, true), DevicesConsidered: len(ns.devices)}
 			}
 		}
@@ -217,3 +217,71 @@ func (a *Allocator) accept(ns *nodeState, infos []*claimInfo, groups []*group, r
 	}
 	return true, true
 }
+
+// maxAlternatives bounds the combinations of firstAvailable subrequests
+// that alignedAlternative tries for one group.
+const maxAlternatives = 64
+
+// alignedAlternative looks for later firstAvailable subrequests with which
+// the alignment=require group g fits in one domain, where the subrequests
+// counting chose do not: a claim that requires alignment takes the first
+// choice (in upstream's order: the first request's subrequests vary
+// slowest) that it can get aligned. On success it makes that choice the
+// requests' targets (views accept it then) and g's units, and reports
+// true. The subrequests given up are p.passed.
+func (p *planner) alignedAlternative(infos []*claimInfo, g *group, avail []bool) bool {
+	var reqs []*request
+	for _, ci := range g.claims {
+		reqs = append(reqs, infos[ci].requests...)
+	}
+	choice := make([]int, len(reqs))
+	for i, r := range reqs {
+		if r.target < 0 {
+			return false
+		}
+		choice[i] = r.target
+	}
+	// next advances choice to the following combination, last request
+	// fastest; false after the last one.
+	next := func() bool {
+		for i := len(reqs) - 1; i >= 0; i-- {
+			if choice[i]+1 < len(reqs[i].alts) {
+				choice[i]++
+				for j := i + 1; j < len(reqs); j++ {
+					choice[j] = reqs[j].target
+				}
+				return true
+			}
+		}
+		return false
+	}
+	for tries := 0; tries < maxAlternatives && next(); tries++ {
+		alt := &group{claims: g.claims, mode: g.mode}
+		fits := true
+		for i, r := range reqs {
+			u := r.alts[choice[i]]
+			if u.all || u.upper < u.count {
+				fits = false
+				break
+			}
+			alt.units = append(alt.units, u)
+			alt.need += u.count
+		}
+		if !fits || len(p.fittingDomains(alt, avail, false)) == 0 {
+			continue
+		}
+		for i, r := range reqs {
+			for _, u := range r.alts[r.target:choice[i]] {
+				if p.passed == nil {
+					p.passed = map[*unit]bool{}
+				}
+				p.passed[u] = true
+			}
+			r.target = choice[i]
+		}
+		g.units, g.need = alt.units, alt.need
+		return true
+	}
+	return false
+}
+

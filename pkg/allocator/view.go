@@ -173,7 +173,7 @@ func (p *planner) picksOnly(pl *plan, rank []int64, others int64) []bool {
 	}
 	var open []*unit
 	for _, u := range p.allUnits {
-		if !grouped[u] {
+		if !grouped[u] && !p.passed[u] {
 			open = append(open, u)
 		}
 	}
@@ -226,7 +226,7 @@ func (p *planner) exclusions(pl *plan) []bool {
 		}
 	}
 	for _, u := range p.allUnits {
-		if aligned[u] {
+		if aligned[u] || p.passed[u] {
 			continue
 		}
 		for i, m := range u.matching {
