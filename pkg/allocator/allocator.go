@@ -174,6 +174,10 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 	if opts.AllocatedState != nil {
 		a.state = *opts.AllocatedState
 	}
+	// A device with shares allocated counts as in use for every claim
+	// that cannot share it, also where its slice no longer lets it be
+	// shared (the upstream allocator would then hand it out whole beside
+	// the shares: this is stricter than upstream on purpose).
 	a.inUse = sets.New[structured.DeviceID]()
 	for id := range a.state.AllocatedSharedDeviceIDs {
 		a.inUse.Insert(id.GetDeviceID())
