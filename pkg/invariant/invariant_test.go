@@ -150,25 +150,7 @@ func TestInvariantChecker(t *testing.T) {
 		},
 	}
 	for name, tc := range tests {
-		t.Run(name, func(t *testing.T) {
-			got := Find(tc.state)
-			for _, v := range got {
-				t.Log(v)
-				if v.Message == "" {
-					t.Errorf("violation %s has no message", v.Kind)
-				}
-			}
-			if len(got) != len(tc.want) {
-				t.Fatalf("got %d violations, want %d: %v", len(got), len(tc.want), got)
-			}
-			for i, w := range tc.want {
-				g := got[i]
-				if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
-					t.Errorf("violation %d: got %s %s pod %q claims %v, want %s %s pod %q claims %v",
-						i, g.Kind, deviceKey(g.Device), g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Pod, w.Claims)
-				}
-			}
-		})
+		t.Run(name, func(t *testing.T) { expectViolations(t, Find(tc.state), tc.want) })
 	}
 }
 
@@ -274,22 +256,29 @@ func TestSharedResourcesChecker(t *testing.T) {
 		},
 	}
 	for name, tc := range tests {
-		t.Run(name, func(t *testing.T) {
-			got := Find(tc.state)
-			for _, v := range got {
-				t.Log(v)
-			}
-			if len(got) != len(tc.want) {
-				t.Fatalf("got %d violations, want %d: %v", len(got), len(tc.want), got)
-			}
-			for i, w := range tc.want {
-				g := got[i]
-				if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Counter != w.Counter || !slices.Equal(g.Claims, w.Claims) {
-					t.Errorf("violation %d: got %s %s %s claims %v, want %s %s %s claims %v",
-						i, g.Kind, deviceKey(g.Device), g.Counter, g.Claims, w.Kind, deviceKey(w.Device), w.Counter, w.Claims)
-				}
-			}
-		})
+		t.Run(name, func(t *testing.T) { expectViolations(t, Find(tc.state), tc.want) })
+	}
+}
+
+// expectViolations compares violations by kind, device, counter, pod and
+// claims, and checks that each has a message.
+func expectViolations(t *testing.T, got, want []Violation) {
+	t.Helper()
+	for _, v := range got {
+		t.Log(v)
+		if v.Message == "" {
+			t.Errorf("violation %s has no message", v.Kind)
+		}
+	}
+	if len(got) != len(want) {
+		t.Fatalf("got %d violations, want %d: %v", len(got), len(want), got)
+	}
+	for i, w := range want {
+		g := got[i]
+		if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Counter != w.Counter || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
+			t.Errorf("violation %d: got %s %s %s pod %q claims %v, want %s %s %s pod %q claims %v",
+				i, g.Kind, deviceKey(g.Device), g.Counter, g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Counter, w.Pod, w.Claims)
+		}
 	}
 }
 
