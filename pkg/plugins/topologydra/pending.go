@@ -6,6 +6,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
@@ -18,7 +19,8 @@ import (
 // by the scheduler's pod informer: PreScore asks it how many pods that
 // need a whole node wait, at a cost that grows with the pending pods of
 // one scheduler, not with the cluster. A pod is pending while it is not
-// bound and not being deleted. Safe for concurrent use.
+// bound, not being deleted and not held back by scheduling gates (a queue
+// manager may hold a pod for days). Safe for concurrent use.
 type pendingIndex struct {
 	mu sync.Mutex
 	// pods maps scheduler name, then pod UID, to the pod's entry.
@@ -67,7 +69,7 @@ func (ix *pendingIndex) update(obj any) {
 	if !ok {
 		return
 	}
-	if pod.Spec.NodeName != "" || pod.DeletionTimestamp != nil || len(pod.Spec.ResourceClaims) == 0 {
+	if pod.Spec.NodeName != "" || pod.DeletionTimestamp != nil || len(pod.Spec.ResourceClaims) == 0 || len(pod.Spec.SchedulingGates) > 0 {
 		ix.remove(pod)
 		return
 	}
@@ -79,10 +81,9 @@ func (ix *pendingIndex) update(obj any) {
 		ix.pods[pod.Spec.SchedulerName] = bySched
 	}
 	if e := bySched[pod.UID]; e != nil {
-		// The claims' names may have arrived in the pod's status.
-		if e.devices < 0 {
-			e.pod = pod
-		}
+		// The claims' names may have arrived in the pod's status, and a
+		// gated pod's node affinity may have changed.
+		e.pod = pod
 		return
 	}
 	bySched[pod.UID] = &pendingPod{pod: pod, devices: -1}
@@ -103,12 +104,14 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 // whose claims that are not allocated yet ask for allocator.WholeNodeBlock
 // devices or more of one device class (podDevices) and whose required
 // node affinity (node selector and required terms) admits at least one of
-// nodes: a pod pinned elsewhere waits for other nodes. claims looks claims up (the scheduler's claim cache); a
-// claim it does not know yet counts as nothing.
-func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []fwk.NodeInfo) int {
+// nodes: a pod pinned elsewhere waits for other nodes. admitted holds the
+// names of the nodes of nodes that at least one of them admits. claims
+// looks claims up (the scheduler's claim cache); a claim it does not know
+// yet counts as nothing.
+func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []fwk.NodeInfo) (n int, admitted sets.Set[string]) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
-	n := 0
+	admitted = sets.New[string]()
 	for uid, e := range ix.pods[pod.Spec.SchedulerName] {
 		if uid == pod.UID {
 			continue
@@ -123,23 +126,25 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitsAny(e.pod, nodes) {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted) {
 			n++
 		}
 	}
-	return n
+	return n, admitted
 }
 
-// admitsAny reports whether the pod's required node affinity matches one
-// of nodes.
-func admitsAny(pod *v1.Pod, nodes []fwk.NodeInfo) bool {
+// admitNodes adds to admitted the names of the nodes that the pod's
+// required node affinity matches, and reports whether there was one.
+func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string]) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	found := false
 	for _, node := range nodes {
 		if ok, err := affinity.Match(node.Node()); ok && err == nil {
-			return true
+			admitted.Insert(node.Node().Name)
+			found = true
 		}
 	}
-	return false
+	return found
 }
 
 // claimGetter looks up a claim by namespace and name.

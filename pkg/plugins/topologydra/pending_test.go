@@ -72,21 +72,21 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	h.OnAdd(pod("bound", "s", "node-1", "eight"), false)
 	h.OnAdd(pod("no-claims", "s", ""), false)
 	h.OnAdd(pod("half-node-with-nics", "s", "", "four-gpus-four-nics"), false) // 4 of each class
-	if got := ix.wholeNodePods(self, get, nodes); got != 2 {
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 2 {
 		t.Errorf("whole-node pods waiting = %d, want 2 (big and split; not self, allocated, unknown, another scheduler's, bound, 4 GPUs + 4 NICs)", got)
 	}
 
 	claimOf("not-created-yet", 8, false)
-	if got := ix.wholeNodePods(self, get, nodes); got != 3 {
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 3 {
 		t.Errorf("after its claim appeared: %d, want 3", got)
 	}
 	big := pod("big", "s", "node-2", "eight")
 	h.OnUpdate(pod("big", "s", "", "eight"), big)
 	h.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/split", Obj: pod("split", "s", "", "four-a", "four-b")})
-	if got := ix.wholeNodePods(self, get, nodes); got != 1 {
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("after one was bound and one deleted: %d, want 1", got)
 	}
-	if got := ix.wholeNodePods(pod("x", "other", "", "small"), get, nodes); got != 1 {
+	if got, _ := ix.wholeNodePods(pod("x", "other", "", "small"), get, nodes); got != 1 {
 		t.Errorf("for the other scheduler: %d, want 1", got)
 	}
 
@@ -95,11 +95,41 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	pinned := pod("pinned", "s", "", "pinned-eight")
 	pinned.Spec.NodeSelector = map[string]string{"group": "c"}
 	h.OnAdd(pinned, false)
-	if got := ix.wholeNodePods(self, get, nodes); got != 1 {
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("with a whole-node pod pinned to group c: %d, want 1", got)
 	}
-	if got := ix.wholeNodePods(self, get, append(nodes, nodeInfo("node-3", "c"))); got != 2 {
+	if got, _ := ix.wholeNodePods(self, get, append(nodes, nodeInfo("node-3", "c"))); got != 2 {
 		t.Errorf("with a node of group c among the candidates: %d, want 2", got)
+	}
+	// Only the nodes some waiting pod may use are admitted.
+	if got, admitted := ix.wholeNodePods(self, get, append(nodes, nodeInfo("node-3", "c"))); got != 2 || !admitted.Equal(sets.New("node-1", "node-2", "node-3")) {
+		t.Errorf("admitted nodes: %v (%d waiting), want all three", sets.List(admitted), got)
+	}
+	h.OnDelete(pod("unknown", "s", "", "not-created-yet"))
+	if got, admitted := ix.wholeNodePods(self, get, append(nodes, nodeInfo("node-3", "c"))); got != 1 || !admitted.Equal(sets.New("node-3")) {
+		t.Errorf("with only the pod pinned to group c waiting: %d, admitted %v, want 1 and node-3", got, sets.List(admitted))
+	}
+
+	// A pod held back by a scheduling gate does not wait to be scheduled;
+	// once the gate is gone, its node selector as updated counts.
+	claimOf("gated-eight", 8, false)
+	gated := pod("gated", "s", "", "gated-eight")
+	gated.Spec.SchedulingGates = []v1.PodSchedulingGate{{Name: "example.com/quota"}}
+	h.OnAdd(gated, false)
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 0 {
+		t.Errorf("with a gated whole-node pod (and one pinned elsewhere): %d, want 0", got)
+	}
+	admittedPod := pod("gated", "s", "", "gated-eight")
+	admittedPod.Spec.NodeSelector = map[string]string{"group": "c"}
+	h.OnUpdate(gated, admittedPod)
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 0 {
+		t.Errorf("with the pod released to group c only: %d, want 0", got)
+	}
+	unpinned := admittedPod.DeepCopy()
+	unpinned.Spec.NodeSelector = nil
+	h.OnUpdate(admittedPod, unpinned)
+	if got, _ := ix.wholeNodePods(self, get, nodes); got != 1 {
+		t.Errorf("with its node selector removed: %d, want 1", got)
 	}
 }
 
@@ -122,7 +152,7 @@ func TestDrainingNodes(t *testing.T) {
 	nodes = append(nodes, info)
 	for waiting, want := range map[int][]string{1: {"b"}, 2: {"b", "c"}, 3: {"b", "c", "d"}, 9: {"a", "b", "c", "d"}} {
 		t.Run(fmt.Sprint(waiting), func(t *testing.T) {
-			got := drainingNodes(s, nodes, waiting, nodeAges{})
+			got := drainingNodes(s, nodes, waiting, nodeAges{}, allNames(nodes))
 			if !got.Equal(sets.New(want...)) {
 				t.Errorf("draining = %v, want %v", got.UnsortedList(), want)
 			}
@@ -130,7 +160,7 @@ func TestDrainingNodes(t *testing.T) {
 	}
 	// Every node with a result draining: the small one is not; without
 	// it they all are.
-	all := drainingNodes(s, nodes, 9, nodeAges{})
+	all := drainingNodes(s, nodes, 9, nodeAges{}, allNames(nodes))
 	if drainsAll(s, nodes, all) {
 		t.Errorf("drainsAll with the small node free of marks: true")
 	}
@@ -143,8 +173,12 @@ func TestDrainingNodes(t *testing.T) {
 	if !drainsAll(s, big, all) {
 		t.Errorf("drainsAll over the four nodes that drain: false")
 	}
-	if drainsAll(s, big, drainingNodes(s, big, 3, nodeAges{})) {
+	if drainsAll(s, big, drainingNodes(s, big, 3, nodeAges{}, allNames(big))) {
 		t.Errorf("drainsAll with three of four draining: true")
+	}
+	// Only nodes a waiting pod may use drain: b and c are not admitted.
+	if got := drainingNodes(s, nodes, 2, nodeAges{}, sets.New("a", "d", "small")); !got.Equal(sets.New("a", "d")) {
+		t.Errorf("draining among a, d and small = %v, want a and d", sets.List(got))
 	}
 }
 
@@ -192,6 +226,7 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	self.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
 	pod := func(name string, age time.Duration, claims bool) *v1.Pod {
 		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(name), CreationTimestamp: metav1.NewTime(now.Add(-age))}}
+		p.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionTrue, LastTransitionTime: metav1.NewTime(now.Add(-age))}}
 		if claims {
 			p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
 		}
@@ -209,7 +244,11 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	// A pod that waited long counts from its binding, not its creation.
 	waited := pod("waited", 60*time.Minute, true)
 	waited.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionTrue, LastTransitionTime: metav1.NewTime(now.Add(-2 * time.Minute))}}
-	add("young", 3, pod("job-1", 10*time.Minute, true), pod("job-2", 5*time.Minute, true), pod("no-claims", 50*time.Minute, false), waited)
+	// A pod placed but not seen bound yet (assumed, or waiting in
+	// PreBind) has only just been placed, however long it waited before.
+	assumed := pod("assumed", 60*time.Minute, true)
+	assumed.Status.Conditions = nil
+	add("young", 3, pod("job-1", 10*time.Minute, true), pod("job-2", 5*time.Minute, true), pod("no-claims", 50*time.Minute, false), waited, assumed)
 	add("empty", 0)
 	add("self-only", 0, self) // the pod being placed does not count
 
@@ -223,10 +262,10 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	// Nodes whose pods are youngest drain first, whatever their count in
 	// use: the node of the long-running service is never a target while
 	// another node can take the waiting pod.
-	if got := drainingNodes(s, nodes, 3, ages); !got.Equal(sets.New("empty", "self-only", "young")) {
+	if got := drainingNodes(s, nodes, 3, ages, allNames(nodes)); !got.Equal(sets.New("empty", "self-only", "young")) {
 		t.Errorf("draining by age = %v, want empty, self-only, young", sets.List(got))
 	}
-	if got := drainingNodes(s, nodes, 3, nodeAges{}); !got.Equal(sets.New("empty", "self-only", "old")) {
+	if got := drainingNodes(s, nodes, 3, nodeAges{}, allNames(nodes)); !got.Equal(sets.New("empty", "self-only", "old")) {
 		t.Errorf("draining by devices in use = %v, want empty, self-only, old", sets.List(got))
 	}
 
@@ -265,6 +304,7 @@ func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
 	self := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "self", UID: "self"}}
 	pod := func(name string, age time.Duration, restart v1.RestartPolicy) *v1.Pod {
 		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID(name), CreationTimestamp: metav1.NewTime(now.Add(-age))}}
+		p.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionTrue, LastTransitionTime: metav1.NewTime(now.Add(-age))}}
 		p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c"}}
 		p.Spec.RestartPolicy = restart
 		return p
@@ -294,7 +334,7 @@ func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
 		3: sets.New("empty", "jobs-young", "jobs-old"),
 		4: sets.New("empty", "jobs-young", "jobs-old", "service"),
 	} {
-		if got := drainingNodes(s, nodes, k, ages); !got.Equal(w) {
+		if got := drainingNodes(s, nodes, k, ages, allNames(nodes)); !got.Equal(w) {
 			t.Errorf("%d draining = %v, want %v", k, sets.List(got), sets.List(w))
 		}
 	}
@@ -308,7 +348,16 @@ func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
 	if got := ages.settled("young"); math.Abs(got-0.25) > 1e-9 {
 		t.Errorf("all lasting: settled[young] = %v, want 0.25", got)
 	}
-	if got := drainingNodes(s, nodes, 1, ages); !got.Equal(sets.New("young")) {
+	if got := drainingNodes(s, nodes, 1, ages, allNames(nodes)); !got.Equal(sets.New("young")) {
 		t.Errorf("all lasting: draining = %v, want young", sets.List(got))
 	}
+}
+
+// allNames is the set of the nodes' names: every node admitted.
+func allNames(nodes []fwk.NodeInfo) sets.Set[string] {
+	out := sets.New[string]()
+	for _, n := range nodes {
+		out.Insert(n.Node().Name)
+	}
+	return out
 }

@@ -49,10 +49,10 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	}
 	wholeNode := mostOfOneClass(own) >= allocator.WholeNodeBlock
 	if pl.pending != nil {
-		if waiting := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
+		if waiting, admitted := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
 			if !wholeNode {
-				s.draining = drainingNodes(s, nodes, waiting, s.ages)
+				s.draining = drainingNodes(s, nodes, waiting, s.ages, admitted)
 				// A pod of several devices of one class whose every
 				// node is draining has nowhere else to go: the marks
 				// would only level its alignment ranks (the trade
@@ -172,7 +172,8 @@ func (r nicReserve) takes(q allocator.Quality) bool {
 	return r.keep > 0 && q.OtherFree > 0 && r.free-len(q.Devices) < r.keep
 }
 
-// drainingNodes picks, among the nodes that passed Filter, the waiting
+// drainingNodes picks, among the nodes that passed Filter and that a
+// waiting whole-node pod may use (admitted), the waiting
 // nodes (at most) with allocator.WholeNodeBlock or more devices matching
 // the pod's requests that have the fewest of them in use, ties broken by
 // name: the nodes that pending whole-node pods are expected to get first,
@@ -181,7 +182,7 @@ func (r nicReserve) takes(q allocator.Quality) bool {
 // (a node that holds one never drains), then those whose oldest pod with
 // claims is youngest, then the fewest in use: pods that have run long
 // tend to run on.
-func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAges) sets.Set[string] {
+func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAges, admitted sets.Set[string]) sets.Set[string] {
 	type candidate struct {
 		name    string
 		inUse   int
@@ -192,7 +193,7 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAge
 	for _, n := range nodes {
 		name := n.Node().Name
 		res := s.getResult(name)
-		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock {
+		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock || !admitted.Has(name) {
 			continue
 		}
 		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse, lasting: ages.lasting.Has(name), age: ages.byNode[name]})
@@ -293,7 +294,7 @@ func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time, clock *bindClock) 
 			lasting = lasting || runsUntilDeleted(p)
 			since, ok := clock.boundAt(p)
 			if !ok {
-				since = runningSince(p)
+				since = runningSince(p, now)
 			}
 			age = max(age, now.Sub(since))
 		}
@@ -312,15 +313,16 @@ func agesOf(nodes []fwk.NodeInfo, pod *v1.Pod, now time.Time, clock *bindClock) 
 }
 
 // runningSince is when the pod was bound to its node (its PodScheduled
-// condition turned true), or its creation where that is not known yet (a
-// pod this scheduler has just assumed).
-func runningSince(pod *v1.Pod) time.Time {
+// condition turned true), or now where that is not known yet: a pod this
+// scheduler has just assumed, or whose binding waits in PreBind, has only
+// just been placed, however long it waited before.
+func runningSince(pod *v1.Pod, now time.Time) time.Time {
 	for _, c := range pod.Status.Conditions {
 		if c.Type == v1.PodScheduled && c.Status == v1.ConditionTrue && !c.LastTransitionTime.IsZero() {
 			return c.LastTransitionTime.Time
 		}
 	}
-	return pod.CreationTimestamp.Time
+	return now
 }
 
 // Score returns the score of the allocation Filter found on the node:
