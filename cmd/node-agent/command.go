@@ -108,7 +108,7 @@ the command line wins.`,
 	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container. CDI specs name driver files below it.")
 	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. Empty: --driver-root itself (running on the host).")
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
-	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness: running and registered with the kubelet) and /readyz (readiness: GPUs found). Empty disables them.")
+	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
 	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
 	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", "", "Directory of the DRA plugin socket. Empty: <kubelet-dir>/plugins/"+topology.DriverName+".")

@@ -598,13 +598,13 @@ func (a *Agent) NoGPU() error {
 	return a.noGPU
 }
 
-// Ready returns nil when the agent runs and has found GPUs; otherwise an
-// error that says why not. It is the agent's readiness.
+// Ready returns nil when the agent serves: as Live. A node without GPUs
+// (no driver yet, none installed) is ready, with an empty pool, a
+// TopodraNoGPU event on the Node and NoGPU saying why: a DaemonSet's
+// rolling update counts a pod that is not ready as unavailable, so one
+// such node would hold up the update of every other node.
 func (a *Agent) Ready() error {
-	if err := a.Err(); err != nil {
-		return err
-	}
-	return a.NoGPU()
+	return a.Live()
 }
 
 // Live returns nil while the agent runs and, unless it is publish-only,

@@ -57,8 +57,13 @@ func TestAgentWaitsForDriver(t *testing.T) {
 	}
 	t.Cleanup(a.Stop)
 
-	if err := a.Ready(); !errors.Is(err, discovery.ErrNoGPU) {
-		t.Errorf("ready without a driver: %v, want an error wrapping ErrNoGPU", err)
+	if err := a.NoGPU(); !errors.Is(err, discovery.ErrNoGPU) {
+		t.Errorf("without a driver: NoGPU() = %v, want an error wrapping ErrNoGPU", err)
+	}
+	// Ready all the same: a node without GPUs must not hold up a rolling
+	// update of the DaemonSet.
+	if err := a.Ready(); err != nil {
+		t.Errorf("not ready without a driver: %v", err)
 	}
 	if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNoGPU) || !strings.Contains(got, "libnvidia-ml.so.1") {
 		t.Errorf("event %q, want a %s warning naming the library", got, agent.ReasonNoGPU)
@@ -79,6 +84,9 @@ func TestAgentWaitsForDriver(t *testing.T) {
 		return len(slices.Items[0].Spec.Devices) == 8, nil
 	}); err != nil {
 		t.Fatalf("GPUs not published after the driver appeared: %v", err)
+	}
+	if err := a.NoGPU(); err != nil {
+		t.Errorf("with GPUs: NoGPU() = %v", err)
 	}
 	if err := a.Ready(); err != nil {
 		t.Errorf("not ready with GPUs: %v", err)

@@ -284,4 +284,3 @@ func (p *planner) alignedAlternative(infos []*claimInfo, g *group, avail []bool)
 	}
 	return false
 }
-
