@@ -34,11 +34,13 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
 
 Checks the DRA allocation invariants of a cluster: no device allocated to two
-claims (unless it allows multiple allocations), no allocation of a device that
-no ResourceSlice publishes, no pod bound while a claim it uses is unallocated
-or not reserved for it. Exit code 0: none found; 1: violations (printed);
-2: the cluster could not be read. Needs list on pods, resourceclaims and
-resourceslices in all namespaces.
+claims (unless it allows multiple allocations), no shared counter or shared
+device capacity consumed beyond what its pool publishes, no allocation of a
+device that no ResourceSlice publishes, no pod bound while a claim it uses is
+unallocated or not reserved for it. Exit code 0: none found; 1: violations
+(printed); 2: the cluster could not be read. Needs list on resourceslices,
+and get and list on pods and resourceclaims (a pod's violation is confirmed
+by reading the pod and its claims again), in all namespaces.
 
 Flags:`)
 		fs.PrintDefaults()
