@@ -118,7 +118,7 @@ the command line wins.`,
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
-	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change; 0 or less disables rescanning.")
+	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, and to unprepare claims deleted from the API while prepared; 0 or less disables rescanning (deleted claims are then checked every "+agent.DefaultRescanInterval.String()+").")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
 	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
@@ -281,7 +281,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		OwnedTaint:      o.ownedTaint,
 		OwnedTaintKey:   o.ownedTaintKey,
 		RescanInterval:  rescan(o.rescanInterval),
-		StaleClaimCheck: agent.DefaultRescanInterval,
+		StaleClaimCheck: staleClaimCheck(o.rescanInterval),
 	})
 	if err != nil {
 		return err
@@ -310,6 +310,16 @@ func rescan(d time.Duration) time.Duration {
 		return -1
 	}
 	return d
+}
+
+// staleClaimCheck is how often prepared claims are checked against the
+// API server: every rescan, or every DefaultRescanInterval where rescans
+// are off (claims deleted while the agent was down still go).
+func staleClaimCheck(rescanInterval time.Duration) time.Duration {
+	if rescanInterval <= 0 {
+		return agent.DefaultRescanInterval
+	}
+	return rescanInterval
 }
 
 // prober is what the health endpoints ask.

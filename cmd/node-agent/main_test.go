@@ -10,12 +10,14 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	oci "github.com/opencontainers/runtime-spec/specs-go"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/klog/v2/ktesting"
 	"sigs.k8s.io/yaml"
 
+	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/driverroot"
 	"github.com/topodra/topodra/pkg/topology"
@@ -233,5 +235,17 @@ func TestHealthEndpoints(t *testing.T) {
 				t.Errorf("status %d body %q, want %d containing %q", rec.Code, rec.Body.String(), tc.wantStatus, tc.wantBody)
 			}
 		})
+	}
+}
+
+func TestStaleClaimCheckFollowsRescans(t *testing.T) {
+	for in, want := range map[time.Duration]time.Duration{
+		5 * time.Minute: 5 * time.Minute,
+		0:               agent.DefaultRescanInterval,
+		-time.Second:    agent.DefaultRescanInterval,
+	} {
+		if got := staleClaimCheck(in); got != want {
+			t.Errorf("--rescan-interval=%v: stale claims checked every %v, want %v", in, got, want)
+		}
 	}
 }
