@@ -159,8 +159,12 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	pl.waitingPolicy = pl.policy
 	pl.waitingPolicy.WholeNodeTrade = int(args.WholeNodeTradeWhileWaiting)
 	if pl.policy.Packing && (args.WholeNodeTradeWhileWaiting > args.WholeNodeTrade || args.DrainTrade > 0) {
+		f := h.SharedInformerFactory()
+		if f == nil {
+			return nil, fmt.Errorf("%s needs the scheduler's informer factory to watch pending pods (wholeNodeTradeWhileWaiting, drainTrade)", Name)
+		}
 		pl.pending = newPendingIndex()
-		if _, err := h.SharedInformerFactory().Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
+		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
 		}
 	}
