@@ -254,6 +254,39 @@ func TestDiscoverMIGEnabledGPUIsNotPublished(t *testing.T) {
 	}
 }
 
+// TestUnpublishedGPUJoinsNoClique: in a chain of NVLink bridges 0-1-2,
+// GPU 1 in MIG mode is not published; GPUs 0 and 2 have no NVLink peer
+// they could be given with, so neither gets a clique.
+func TestUnpublishedGPUJoinsNoClique(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	spec, err := mockgpu.ProfileSpec(mockgpu.ProfilePCIeNVLinkPairs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.GPUs = spec.GPUs[:3]
+	spec.Bridges = [][2]int{{0, 1}, {1, 2}}
+	m, err := mockgpu.NewFromSpec(spec, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	with := discover(ctx, t, m, discovery.NVMLOptions{})
+	for _, g := range with.GPUs {
+		if _, ok := g.Device.Attributes["nvlinkClique"]; !ok {
+			t.Fatalf("with all three published, %s has no clique", g.Name)
+		}
+	}
+	m.SetMIG(1, true)
+	inv := discover(ctx, t, m, discovery.NVMLOptions{})
+	if len(inv.GPUs) != 2 {
+		t.Fatalf("want 2 whole GPUs, got %d", len(inv.GPUs))
+	}
+	for _, g := range inv.GPUs {
+		if c, ok := g.Device.Attributes["nvlinkClique"]; ok {
+			t.Errorf("%s: clique %s through the unpublished GPU", g.Name, *c.StringValue)
+		}
+	}
+}
+
 func TestDiscoverNVLinkFailures(t *testing.T) {
 	testcases := map[string]struct {
 		profile string
@@ -555,6 +588,7 @@ func TestCanonicalPCIBusID(t *testing.T) {
 		"NVML form":         {"00000000:1B:00.0", "0000:1b:00.0"},
 		"already canonical": {"0000:1b:00.0", "0000:1b:00.0"},
 		"non-zero domain":   {"00000001:C3:00.0", "0001:c3:00.0"},
+		"five-digit domain": {"00010000:E1:00.0", "10000:e1:00.0"},
 		"legacy short":      {"0000:c3:00.0", "0000:c3:00.0"},
 		"garbage":           {"Not-A-Bus", "not-a-bus"},
 	}

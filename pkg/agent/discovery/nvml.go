@@ -169,8 +169,10 @@ func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
 		infos = append(infos, *info)
 	}
 
-	// NVLink cliques over all published GPUs. MIG-enabled GPUs are not
-	// published and therefore cannot anchor a clique either.
+	// NVLink cliques over all published GPUs. GPUs that are not published
+	// (MIG-enabled, or that could not be read) neither anchor a clique nor
+	// join their neighbours into one: NVLink does not pass traffic on
+	// through a GPU.
 	var busIDs []string
 	var links []Link
 	for _, info := range infos {
@@ -179,6 +181,13 @@ func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
 		}
 		links = append(links, info.links...)
 	}
+	unpublished := map[string]bool{}
+	for _, sk := range inv.Skipped {
+		if sk.PCIBusID != "" {
+			unpublished[sk.PCIBusID] = true
+		}
+	}
+	links = slices.DeleteFunc(links, func(l Link) bool { return unpublished[l.Remote] })
 	cliques := NVLinkCliques(busIDs, links)
 	for _, info := range infos {
 		if id, ok := cliques[info.PCIBusID]; ok {
@@ -335,10 +344,10 @@ func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
 		case ret == nvml.ERROR_NOT_SUPPORTED && l == 0:
 			// No NVLink on this GPU at all.
 			return nil
-		case ret == nvml.ERROR_INVALID_ARGUMENT:
-			// Past the last link of this GPU.
-			return links
 		case ret != nvml.SUCCESS, state != nvml.FEATURE_ENABLED:
+			// Past the last link of this GPU (INVALID_ARGUMENT), or a link
+			// that is off: SKUs with fewer NVLinks may leave gaps, so the
+			// other indices are asked too.
 			continue
 		}
 		// NVSwitches are often not visible as PCI devices (remote PCI info
@@ -362,16 +371,19 @@ func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
 	return links
 }
 
-// CanonicalPCIBusID turns NVML's "00000000:1B:00.0" into sysfs' "0000:1b:00.0".
-// Input that does not look like a bus id is returned lower-cased.
+// CanonicalPCIBusID turns NVML's "00000000:1B:00.0" into sysfs' "0000:1b:00.0":
+// the domain without leading zeros beyond four digits, as the kernel
+// prints it ("00010000:E1:00.0" is "10000:e1:00.0", a device of another
+// domain than "0000:e1:00.0"). Input that does not look like a bus id is
+// returned lower-cased.
 func CanonicalPCIBusID(id string) string {
 	id = strings.ToLower(strings.TrimSpace(id))
 	domain, rest, ok := strings.Cut(id, ":")
 	if !ok || strings.Count(rest, ":") != 1 {
 		return id
 	}
-	if len(domain) > 4 {
-		domain = domain[len(domain)-4:]
+	for len(domain) > 4 && domain[0] == '0' {
+		domain = domain[1:]
 	}
 	for len(domain) < 4 {
 		domain = "0" + domain
