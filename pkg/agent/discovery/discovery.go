@@ -140,8 +140,10 @@ func (inv *Inventory) DriverResources(poolName string) resourceslice.DriverResou
 
 // DeviceName is the published name of the GPU whose device node is
 // /dev/nvidia<minor>. The minor number, unlike NVML's index, does not depend
-// on CUDA_VISIBLE_DEVICES-like enumeration order or on which other GPUs the
-// driver found, so a GPU keeps its name across agent restarts.
+// on CUDA_VISIBLE_DEVICES-like enumeration order, so a GPU keeps its name
+// across agent restarts. The kernel module hands out minors as it probes
+// GPUs, so a GPU that fails to probe at boot can shift the minors of the
+// later ones: what a prepared claim holds is therefore checked by UUID.
 func DeviceName(minor int) string {
 	return fmt.Sprintf("gpu-%d", minor)
 }
