@@ -34,6 +34,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime/debug"
 	"slices"
 	"syscall"
@@ -103,6 +104,23 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "--rounds %d: give --seeds and 1 or more rounds\n", rounds)
 		return 2
 	}
+	if scenarios != "" && seeds == "" {
+		fmt.Fprintln(stderr, "--scenarios chooses the scenarios of a sweep: give --seeds too")
+		return 2
+	}
+	if reportPath != "" && seeds != "" {
+		fmt.Fprintln(stderr, "--report is the report of one run; a sweep writes its runs with --json")
+		return 2
+	}
+	for _, path := range []string{reportPath, jsonPath} {
+		if path == "" {
+			continue
+		}
+		if st, err := os.Stat(filepath.Dir(path)); err != nil || !st.IsDir() {
+			fmt.Fprintf(stderr, "cannot write %s: no directory %s\n", path, filepath.Dir(path))
+			return 2
+		}
+	}
 	if pool != "" {
 		if seeds != "" {
 			fmt.Fprintln(stderr, "--pool joins sweeps already run: give it or --seeds, not both")
@@ -141,6 +159,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		*f.into = data
 	}
+	if seeds == "" {
+		if err := opts.Check(); err != nil {
+			fmt.Fprintln(stderr, err)
+			return 2
+		}
+	}
 	if err := cluster.SetUpLogging(logFile, verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
@@ -166,8 +190,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	report, err := sim.Run(ctx, opts)
 	if err != nil {
-		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
-		return 1
+		return failed(ctx, err, stderr)
 	}
 	fmt.Fprintf(stdout, "\ntopodra-sim: %s, %d pods over %d ticks, %d nodes (%s)\n\n", report.Description(), report.Pods, report.Ticks, len(report.Nodes), report.Profile)
 	if err := report.WriteTable(stdout); err != nil {
@@ -206,6 +229,17 @@ func run(args []string, stdout, stderr io.Writer) int {
 	return code
 }
 
+// failed reports a run that did not finish: interrupted (exit 130, as a
+// shell reports SIGINT), or failed (exit 1).
+func failed(ctx context.Context, err error, stderr io.Writer) int {
+	if ctx.Err() != nil {
+		fmt.Fprintln(stderr, "topodra-sim: interrupted")
+		return 130
+	}
+	fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
+	return 1
+}
+
 // sweep runs the multi-seed sweep; opts.Pods replaces each scenario's pod
 // count when podsSet.
 func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, rounds int, podsSet bool, jsonPath string, stdout, stderr io.Writer) int {
@@ -237,10 +271,17 @@ func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, round
 		fmt.Fprintln(stderr, "--seeds generates its workloads: --workload and --pin do not apply")
 		return 2
 	}
+	base := opts
+	for _, sc := range chosen {
+		base.Profile, base.Nodes, base.Trace = sc.Profile, sc.Nodes, sc.Trace
+		if err := base.Check(); err != nil {
+			fmt.Fprintf(stderr, "scenario %s: %v\n", sc.Name, err)
+			return 2
+		}
+	}
 	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Rounds: rounds, Base: opts, Rows: stdout})
 	if err != nil {
-		fmt.Fprintf(stderr, "topodra-sim: %v\n", err)
-		return 1
+		return failed(ctx, err, stderr)
 	}
 	fmt.Fprintln(stdout)
 	return writeSweep(rep, jsonPath, start, stdout, stderr)

@@ -39,6 +39,15 @@ func TestBadFlags(t *testing.T) {
 		"missing pool file":    {args: []string{"--pool", "testdata/nope.json"}, wantErr: "no such file"},
 		"pool not a sweep":     {args: []string{"--pool", "testdata/workload.yaml"}, wantErr: "not a sweep report"},
 		"pool and seeds":       {args: []string{"--pool", "a.json", "--seeds", "1"}, wantErr: "not both"},
+		"unknown profile":      {args: []string{"--profile", "nonsense"}, wantErr: "nonsense"},
+		"negative nodes":       {args: []string{"--nodes", "-1"}, wantErr: "nodes must not be negative"},
+		"unknown scheduler":    {args: []string{"--schedulers", "topodra,foo"}, wantErr: `unknown scheduler "foo"`},
+		"unknown trace":        {args: []string{"--trace", "xyz"}, wantErr: `unknown trace "xyz"`},
+		"misnamed profile":     {args: []string{"--scheduler-config", "testdata/misnamed-profile.yaml"}, wantErr: "no profile named topodra-scheduler"},
+		"scenarios alone":      {args: []string{"--scenarios", "builtin-8"}, wantErr: "give --seeds too"},
+		"report of a sweep":    {args: []string{"--seeds", "1", "--report", "x.html"}, wantErr: "--json"},
+		"report into nowhere":  {args: []string{"--report", "testdata/no-such-dir/x.html"}, wantErr: "no directory testdata/no-such-dir"},
+		"json into nowhere":    {args: []string{"--seeds", "1", "--json", "testdata/no-such-dir/x.json"}, wantErr: "no directory"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

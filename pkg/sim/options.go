@@ -16,6 +16,7 @@
 package sim
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -26,6 +27,7 @@ import (
 	"time"
 
 	"k8s.io/client-go/kubernetes"
+	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 )
@@ -150,6 +152,58 @@ func (o *Options) setDefaults() {
 	if o.WarmUpPods == 0 {
 		o.WarmUpPods = DefaultWarmUpPods
 	}
+}
+
+// Check reports what is wrong with the options before anything starts:
+// counts, the trace, the schedulers, the profile mix, and the profile
+// names of the scheduler configurations given (topodra-scheduler,
+// default-scheduler), which the run's pods ask for.
+func (o Options) Check() error {
+	o.setDefaults()
+	errs := []error{o.validate()}
+	if _, err := PlanNodes(o.Profile, o.Nodes); err != nil {
+		errs = append(errs, err)
+	}
+	for _, c := range []struct {
+		config []byte
+		flag   string
+		name   string
+	}{{o.SchedulerConfig, "scheduler configuration", "topodra-scheduler"}, {o.StockSchedulerConfig, "stock scheduler configuration", "default-scheduler"}} {
+		if len(c.config) == 0 {
+			continue
+		}
+		names, err := profileNames(c.config)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", c.flag, err))
+			continue
+		}
+		if !slices.Contains(names, c.name) {
+			errs = append(errs, fmt.Errorf("%s: no profile named %s (the simulated pods ask for that scheduler), only %s", c.flag, c.name, strings.Join(names, ", ")))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// profileNames lists the scheduler names of a KubeSchedulerConfiguration's
+// profiles, with kube-scheduler's defaults: no profiles, or a profile
+// without a name, is default-scheduler.
+func profileNames(config []byte) ([]string, error) {
+	var cfg struct {
+		Profiles []struct {
+			SchedulerName string `json:"schedulerName"`
+		} `json:"profiles"`
+	}
+	if err := yaml.Unmarshal(config, &cfg); err != nil {
+		return nil, err
+	}
+	if len(cfg.Profiles) == 0 {
+		return []string{"default-scheduler"}, nil
+	}
+	var names []string
+	for _, p := range cfg.Profiles {
+		names = append(names, cmp.Or(p.SchedulerName, "default-scheduler"))
+	}
+	return names, nil
 }
 
 func (o *Options) validate() error {

@@ -47,10 +47,10 @@ const pollInterval = 5 * time.Millisecond
 // start or an unmet wait fails the run with an error that says what was
 // waited for.
 func Run(ctx context.Context, opts Options) (*Report, error) {
-	opts.setDefaults()
-	if err := opts.validate(); err != nil {
+	if err := opts.Check(); err != nil {
 		return nil, err
 	}
+	opts.setDefaults()
 	nodes, err := PlanNodes(opts.Profile, opts.Nodes)
 	if err != nil {
 		return nil, err
@@ -114,6 +114,7 @@ func warmUp(ctx context.Context, opts Options, nodes []NodeSpec) error {
 	if opts.NoHostRequests {
 		workload = withoutHostRequests(workload)
 	}
+	opts.progressf("warm-up: %d pods on %d nodes through %s first, not measured ...", len(workload.Jobs), len(nodes), strings.Join(opts.Schedulers, ", "))
 	o := opts
 	o.Progress, o.AfterRun, o.Checkpoints = nil, nil, -1
 	for _, sched := range opts.Schedulers {
@@ -258,7 +259,6 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		}
 		tr.setHeadroom(percent)
 	}
-	before := readAttempts(schedulerName)
 	// The scheduler's goroutines carry the pprof label scheduler=<name>,
 	// so that a CPU profile of the run counts the scheduler's own CPU
 	// time (Result.SchedulerCPUSeconds).
@@ -271,6 +271,8 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if err := probeScheduler(ctx, client, schedulerName, opts.SettleTimeout); err != nil {
 		return nil, nil, err
 	}
+	// Attempts are counted from here: the probe pod is not the workload's.
+	before := readAttempts(schedulerName)
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
 
