@@ -34,6 +34,10 @@ type SchedulerOptions struct {
 	// group that elects a leader through a Lease. Nil means leader
 	// election off.
 	LeaderElection *LeaderElection
+	// OnFailure, when set, is called with the error of a scheduler that
+	// stopped on its own (a bad configuration, the API unreachable), not
+	// when it is stopped.
+	OnFailure func(error)
 }
 
 // LeaderElection is the leaderElection section StartScheduler writes into a
@@ -105,6 +109,9 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 			// where a test log or the simulator's output shows it.
 			logger.Error(err, "scheduler failed")
 			fmt.Fprintf(os.Stderr, "scheduler %s failed: %v\n", name, err)
+			if opts.OnFailure != nil {
+				opts.OnFailure(err)
+			}
 		}
 		done <- err
 	}()

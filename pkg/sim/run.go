@@ -259,6 +259,11 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		}
 		tr.setHeadroom(percent)
 	}
+	// A scheduler that stops on its own (its configuration refused) ends
+	// the wait for the probe pod with its own error.
+	probeCtx, stopProbe := context.WithCancelCause(ctx)
+	defer stopProbe(nil)
+	schedOpts.OnFailure = func(err error) { stopProbe(fmt.Errorf("scheduler %s stopped: %w", schedulerName, err)) }
 	// The scheduler's goroutines carry the pprof label scheduler=<name>,
 	// so that a CPU profile of the run counts the scheduler's own CPU
 	// time (Result.SchedulerCPUSeconds).
@@ -268,7 +273,10 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := probeScheduler(ctx, client, schedulerName, opts.SettleTimeout); err != nil {
+	if err := probeScheduler(probeCtx, client, schedulerName, opts.SettleTimeout); err != nil {
+		if cause := context.Cause(probeCtx); cause != nil && ctx.Err() == nil {
+			return nil, nil, cause
+		}
 		return nil, nil, err
 	}
 	// Attempts are counted from here: the probe pod is not the workload's.
