@@ -64,6 +64,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	})
 	row("empty nodes opened / needlessly", false, openedText)
 	row("free GPUs in whole NUMA nodes (mean over ticks)", false, func(res Result) string { return fmt.Sprintf("%.0f%%", 100*res.FreeInWholeNUMA) })
+	row("pods stuck (fit by count, not bound within 10 s)", false, func(res Result) string { return fmt.Sprint(res.Stuck) })
 	row("free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) })
@@ -81,6 +82,25 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
+
+	// What the run noticed beyond the numbers, and inconsistencies (a
+	// run with any exits 1).
+	var notes []string
+	for _, res := range r.Results {
+		for _, n := range res.Notes {
+			notes = append(notes, res.Scheduler+": "+n)
+		}
+		for _, n := range res.Errors {
+			notes = append(notes, res.Scheduler+": inconsistency: "+n)
+		}
+	}
+	if len(notes) > 0 {
+		p("<h2>Notes</h2>\n<ul>\n")
+		for _, n := range notes {
+			p("<li>%s</li>\n", e(n))
+		}
+		p("</ul>\n")
+	}
 
 	writeWaitCauses(p, e, r)
 	writeRunTargets(p, e, r)

@@ -323,6 +323,7 @@ func (r *Report) WriteTable(out io.Writer) error {
 	})
 	row("empty nodes opened / needlessly", openedText)
 	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
+	row("pods stuck (fit by count, not bound within 10 s)", func(res Result) string { return fmt.Sprint(res.Stuck) })
 	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })
@@ -364,6 +365,14 @@ func (r *Report) WriteTable(out io.Writer) error {
 	}
 	if err := w.Flush(); err != nil {
 		return err
+	}
+
+	// What a run noticed beyond the numbers: pods that fit by count but
+	// were not bound within the retry wait, and the like.
+	for _, res := range r.Results {
+		for _, note := range res.Notes {
+			fmt.Fprintf(out, "[%s] note: %s\n", res.Scheduler, note)
+		}
 	}
 
 	fmt.Fprintln(out)

@@ -335,3 +335,30 @@ func TestRunTargets(t *testing.T) {
 		t.Errorf("a run of topodra alone has targets %+v, want none", got)
 	}
 }
+
+// TestNotesShown: what a run noticed beyond the numbers (stuck pods, notes,
+// inconsistencies) is in the table and in the HTML report, not only in the
+// JSON.
+func TestNotesShown(t *testing.T) {
+	topodra := Result{Scheduler: SchedulerTopodra, Stuck: 2, Notes: []string{"tick 9: pod a fits by free device count but was not scheduled within 10s"},
+		Errors: []string{"claim c of pod b: device d is already allocated to pod e"}}
+	report := &Report{Seed: 1, Results: []Result{topodra, {Scheduler: SchedulerStock}}}
+	var out strings.Builder
+	if err := report.WriteTable(&out); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"pods stuck (fit by count, not bound within 10 s)", "[topodra] note: tick 9: pod a fits"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the table lacks %q:\n%s", want, out.String())
+		}
+	}
+	var page strings.Builder
+	if err := report.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"pods stuck", "<h2>Notes</h2>", "topodra: tick 9: pod a fits", "topodra: inconsistency: claim c of pod b"} {
+		if !strings.Contains(page.String(), want) {
+			t.Errorf("the HTML report lacks %q", want)
+		}
+	}
+}
