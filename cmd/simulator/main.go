@@ -215,11 +215,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "report: %s\n", reportPath)
 	}
 	if jsonPath != "" {
-		if err := writeFile(jsonPath, func(w io.Writer) error {
-			enc := json.NewEncoder(w)
-			enc.SetIndent("", "  ")
-			return enc.Encode(report)
-		}); err != nil {
+		if err := writeJSON(jsonPath, report); err != nil {
 			fmt.Fprintln(stderr, err)
 			return 1
 		}
@@ -281,6 +277,14 @@ func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, round
 	}
 	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Rounds: rounds, Base: opts, Rows: stdout})
 	if err != nil {
+		if rep != nil && jsonPath != "" {
+			// The runs before the failure are kept, marked incomplete.
+			if werr := writeJSON(jsonPath, rep); werr != nil {
+				fmt.Fprintln(stderr, werr)
+			} else {
+				fmt.Fprintf(stderr, "json of the %d rows before the failure (incomplete): %s\n", len(rep.Rows), jsonPath)
+			}
+		}
 		return failed(ctx, err, stderr)
 	}
 	fmt.Fprintln(stdout)
@@ -322,11 +326,7 @@ func writeSweep(rep *sim.SweepReport, jsonPath string, start time.Time, stdout, 
 		return 1
 	}
 	if jsonPath != "" {
-		if err := writeFile(jsonPath, func(w io.Writer) error {
-			enc := json.NewEncoder(w)
-			enc.SetIndent("", "  ")
-			return enc.Encode(rep)
-		}); err != nil {
+		if err := writeJSON(jsonPath, rep); err != nil {
 			fmt.Fprintln(stderr, err)
 			return 1
 		}
@@ -341,6 +341,15 @@ func writeSweep(rep *sim.SweepReport, jsonPath string, start time.Time, stdout, 
 	}
 	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
 	return code
+}
+
+// writeJSON writes v as indented JSON to path.
+func writeJSON(path string, v any) error {
+	return writeFile(path, func(w io.Writer) error {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	})
 }
 
 func writeFile(path string, write func(io.Writer) error) error {

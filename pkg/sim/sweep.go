@@ -372,12 +372,16 @@ type SweepReport struct {
 	// Targets compare topodra with stock over all rows; empty unless both ran.
 	Targets     []Target `json:"targets,omitempty"`
 	WallSeconds float64  `json:"wallSeconds"`
+	// Incomplete says which run failed, where the sweep stopped early;
+	// the rows are then those of the runs before it.
+	Incomplete string `json:"incomplete,omitempty"`
 }
 
 // Sweep runs every scenario with every seed through the schedulers (one
 // fresh cluster per run and scheduler, one run at a time) and summarizes
 // the runs: medians with quartiles, sums, and the targets of topodra
-// against stock. A failed run fails the sweep.
+// against stock. A failed run stops the sweep: it returns the error and,
+// where runs finished before it, the report of those (Incomplete set).
 func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	start := time.Now()
 	if len(opts.Scenarios) == 0 {
@@ -385,6 +389,10 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	}
 	if opts.Base.Workload != nil {
 		return nil, fmt.Errorf("a sweep generates its workloads; Workload must be nil")
+	}
+	schedulers := opts.Base.Schedulers
+	if len(schedulers) == 0 {
+		schedulers = []string{SchedulerTopodra, SchedulerStock}
 	}
 	rounds := max(1, opts.Rounds)
 	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests()}
@@ -406,7 +414,14 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 				}
 				r, err := Run(ctx, o)
 				if err != nil {
-					return nil, fmt.Errorf("scenario %s seed %d round %d: %w", sc.Name, seed, round, err)
+					err = fmt.Errorf("scenario %s seed %d round %d: %w", sc.Name, seed, round, err)
+					if len(rep.Rows) == 0 {
+						return nil, err
+					}
+					rep.Incomplete = err.Error()
+					rep.summarize(schedulers)
+					rep.WallSeconds = time.Since(start).Seconds()
+					return rep, err
 				}
 				for i := range r.Results {
 					row := rowOf(sc.Name, seed, round, &r.Results[i])
@@ -418,10 +433,6 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 				}
 			}
 		}
-	}
-	schedulers := opts.Base.Schedulers
-	if len(schedulers) == 0 {
-		schedulers = []string{SchedulerTopodra, SchedulerStock}
 	}
 	rep.summarize(schedulers)
 	rep.WallSeconds = time.Since(start).Seconds()
@@ -570,6 +581,9 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 		}
 		out.Rounds = offset + last
 		out.WallSeconds += r.WallSeconds
+		if r.Incomplete != "" {
+			out.Incomplete = strings.TrimPrefix(out.Incomplete+"; ", "; ") + fmt.Sprintf("report %d: %s", i+1, r.Incomplete)
+		}
 	}
 	slices.Sort(out.Seeds)
 	out.summarize(schedulers)
@@ -620,6 +634,9 @@ func (r *SweepReport) runsLine() string {
 // all runs, then the targets.
 func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	if r.Incomplete != "" {
+		fmt.Fprintf(w, "INCOMPLETE: the sweep stopped early (%s); these are the runs before it\n", r.Incomplete)
+	}
 	fmt.Fprintf(w, "pods' CPU and memory requests: %s\n", r.HostRequests)
 	fmt.Fprintf(w, "medians [p25-p75] over the runs (%s); GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed\n", r.runsLine())
 	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")

@@ -178,6 +178,7 @@ func TestPoolSweeps(t *testing.T) {
 			row(2, 1, SchedulerStock, 1),
 		}}
 	first.Rows[0].Stuck, second.Rows[2].Stuck = 1, 2
+	second.Incomplete = "scenario a seed 3 round 2: timed out"
 	pooled, err := PoolSweeps([]*SweepReport{first, second})
 	if err != nil {
 		t.Fatal(err)
@@ -191,6 +192,13 @@ func TestPoolSweeps(t *testing.T) {
 	}
 	if want := []int{1, 1, 2, 2, 3, 3, 2}; !slices.Equal(rounds, want) {
 		t.Errorf("rounds %v, want %v", rounds, want)
+	}
+	if want := "report 2: scenario a seed 3 round 2: timed out"; pooled.Incomplete != want {
+		t.Errorf("pooled incomplete %q, want %q", pooled.Incomplete, want)
+	}
+	var summary strings.Builder
+	if err := pooled.WriteSummary(&summary); err != nil || !strings.Contains(summary.String(), "INCOMPLETE: the sweep stopped early") {
+		t.Errorf("the summary of an incomplete pool does not say so (%v):\n%s", err, summary.String())
 	}
 	if first.Rows[0].Round != 0 || second.Rows[0].Round != 1 {
 		t.Errorf("pooling changed its inputs: rounds %d, %d", first.Rows[0].Round, second.Rows[0].Round)
