@@ -12,10 +12,12 @@ import (
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
@@ -232,6 +234,20 @@ func TestCleanupStaleClaims(t *testing.T) {
 			t.Fatalf("prepare %s: %v", uid, r.Err)
 		}
 	}
+	// While the API server fails to answer, nothing is stale: a claim
+	// is unprepared only when the API says it is gone.
+	var failing atomic.Bool
+	failing.Store(true)
+	e.client.PrependReactor("get", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if failing.Load() {
+			return true, nil, apierrors.NewInternalError(errors.New("etcd unavailable"))
+		}
+		return false, nil, nil
+	})
+	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+		t.Errorf("with the API failing: removed %v (%v), want none", removed, err)
+	}
+	failing.Store(false)
 	removed, err := a.CleanupStaleClaims(ctx)
 	if err != nil {
 		t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
 
@@ -997,5 +998,31 @@ func TestRequireTakesTheFirstAlignedChoice(t *testing.T) {
 				t.Errorf("got %v as %v (aligned %v), want subrequest %s, aligned", deviceNames(res.Allocations), subs, res.Quality.Aligned, tc.wantSub)
 			}
 		})
+	}
+}
+
+// TestSharesKeepADeviceInUse: a device whose slice no longer lets it be
+// shared while shares of it are still allocated is not handed out whole
+// beside them (upstream would: this is stricter on purpose); the other
+// device is.
+func TestSharesKeepADeviceInUse(t *testing.T) {
+	ctx := quietContext(t)
+	s := plainGPUs("node-a", 2)
+	state := allocated(gpuDriver, "node-a")
+	share := types.UID("share-1")
+	state.AllocatedSharedDeviceIDs.Insert(structured.MakeSharedDeviceID(structured.MakeDeviceID(gpuDriver, "node-a", "gpu-0"), &share))
+	for count, want := range map[int64][]string{1: {"gpu-1"}, 2: nil} {
+		c := claim("c").request("gpu", "gpu", count).obj()
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: s, CELCache: newCELCache(), Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{c})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := deviceNames(res.Allocations); !slices.Equal(got, want) {
+			t.Errorf("%d GPUs: got %v, want %v", count, got, want)
+		}
 	}
 }

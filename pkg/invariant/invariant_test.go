@@ -99,6 +99,11 @@ func TestInvariantChecker(t *testing.T) {
 						p.Status.Phase = v1.PodSucceeded
 						return p
 					}(),
+					func() *v1.Pod {
+						p := pod("failed", "uid-f", "node-a", "pending")
+						p.Status.Phase = v1.PodFailed
+						return p
+					}(),
 				},
 			},
 		},
@@ -132,12 +137,19 @@ func TestInvariantChecker(t *testing.T) {
 						p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
 						return p
 					}(),
+					// The claim of DRA-backed extended resources.
+					func() *v1.Pod {
+						p := pod("x", "uid-x", "node-a")
+						p.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "pending"}
+						return p
+					}(),
 				},
 			},
 			want: []Violation{
 				{Kind: PodClaimUnallocated, Pod: "ns/p", Claims: []string{"ns/pending"}},
 				{Kind: PodClaimUnallocated, Pod: "ns/q", Claims: []string{"ns/missing"}},
 				{Kind: PodClaimUnallocated, Pod: "ns/t"},
+				{Kind: PodClaimUnallocated, Pod: "ns/x", Claims: []string{"ns/pending"}},
 			},
 		},
 		"pod bound with a claim reserved for another pod": {

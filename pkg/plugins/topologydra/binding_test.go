@@ -125,17 +125,13 @@ func TestBindingWaitWithoutTimestamp(t *testing.T) {
 	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), c)
 	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 	if !h.pl.features.DeviceBindingAndStatus {
-		t.Skip("DRADeviceBindingConditions is off in this build's feature defaults")
+		t.Fatal("DRADeviceBindingConditions is off in this build's feature defaults")
 	}
 	schedmetrics.Register() // the wait records the binding-condition metrics.
 	h.pl.bindingTimeout = 300 * time.Millisecond
 	s := &stateData{claims: []*resourceapi.ResourceClaim{h.apiClaim("c")}}
-	start := time.Now()
 	st := h.pl.waitForBindingConditions(h.tCtx, testPod("p", "c"), "node-a", s)
 	if st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
 		t.Errorf("PreBind's wait: %v, want a binding timeout", st)
-	}
-	if waited := time.Since(start); waited > 5*time.Second {
-		t.Errorf("PreBind waited %v with a binding timeout of 300ms", waited)
 	}
 }

@@ -131,8 +131,17 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 	for _, name := range []string{"big", "small", "two-requests", "all", "x", "y", "z", "c1", "c2", "da", "db"} {
 		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
 	}
+	// Four GPUs, or else one: the one counts.
+	fourOrOne := testClaim("four-or-one", 1)
+	fourOrOne.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "four", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4},
+		{Name: "one", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	}}}
+	h.create(fourOrOne)
+	h.waitForClaim("four-or-one", func(*resourceapi.ResourceClaim) bool { return true })
 	big, small, two := testPod("big", "big"), testPod("small", "small"), testPod("two", "two-requests")
 	all, missing := testPod("all", "all"), testPod("missing", "nope")
+	firstAvailable := testPod("first-available", "four-or-one")
 	hint := func(pod *v1.Pod, old, new *resourceapi.ResourceClaim) fwk.QueueingHint {
 		t.Helper()
 		var newObj any
@@ -162,7 +171,7 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 	// y frees gpu-2 on a: two free there, not four. A pod with a request
 	// for one device might use them.
 	y := h.apiClaim("y")
-	for pod, want := range map[*v1.Pod]fwk.QueueingHint{big: fwk.QueueSkip, small: fwk.Queue, two: fwk.Queue, all: fwk.Queue, missing: fwk.Queue} {
+	for pod, want := range map[*v1.Pod]fwk.QueueingHint{big: fwk.QueueSkip, small: fwk.Queue, two: fwk.Queue, all: fwk.Queue, missing: fwk.Queue, firstAvailable: fwk.Queue} {
 		if got := hint(pod, y, deallocated(y)); got != want {
 			t.Errorf("y deallocated, pod %s: hint %v, want %v", pod.Name, got, want)
 		}

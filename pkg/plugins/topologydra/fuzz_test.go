@@ -25,12 +25,12 @@ func FuzzArgsDecode(f *testing.F) {
 	for _, seed := range []string{
 		"scoringStrategy: MostAllocated\nalignment: prefer\n",
 		"topologyAttributes: [gpu.topodra.io/nvlinkClique, resource.kubernetes.io/pcieRoot]\n",
-		"alignmentWeight: 70\npackingWeight: 30\nownedTaintKey: gpu.topodra.io/topodra-only\n",
+		"roomWeight: 70\npackingWeight: 30\nownedTaintKey: gpu.topodra.io/topodra-only\n",
 		"alignment: require\nbindingTimeoutSeconds: 0\n",
 		"alignment: sideways\n",
 		"unknownField: 1\n",
 		"topologyAttributes: []\nownedTaintKey: \"\"\n",
-		"alignmentWeight: -1\n",
+		"roomWeight: -1\n",
 		"{}",
 		"[",
 	} {
