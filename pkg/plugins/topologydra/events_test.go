@@ -272,3 +272,36 @@ func TestSharedDeviceFreedQueueingHint(t *testing.T) {
 		}
 	}
 }
+
+// TestPodUpdateQueueingHint: a pod whose claims come from templates is
+// requeued by its own update once the claim controller has named every
+// claim in its status and the claims are in the cache, not before.
+func TestPodUpdateQueueingHint(t *testing.T) {
+	generated := testClaim("p-gpu-abc", 1)
+	generated.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: "p", UID: "p", Controller: ptr.To(true)}}
+	h := newHarness(t, []*v1.Node{testNode("a")}, testDeviceClass(), testSlice("a", 2), generated)
+	h.waitForClaim("p-gpu-abc", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "p", UID: "p"}}
+	pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
+	named := func(claim string) *v1.Pod {
+		p := pod.DeepCopy()
+		p.Status.ResourceClaimStatuses = []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To(claim)}}
+		return p
+	}
+	for name, tc := range map[string]struct {
+		updated *v1.Pod
+		want    fwk.QueueingHint
+	}{
+		"claim not named yet":          {updated: pod, want: fwk.QueueSkip},
+		"claim named, not in cache":    {updated: named("p-gpu-xyz"), want: fwk.QueueSkip},
+		"claim named and in the cache": {updated: named("p-gpu-abc"), want: fwk.Queue},
+	} {
+		got, err := h.pl.isSchedulableAfterPodUpdate(klog.Background(), pod, pod, tc.updated)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("%s: hint %v, want %v", name, got, tc.want)
+		}
+	}
+}
