@@ -1026,3 +1026,36 @@ func TestSharesKeepADeviceInUse(t *testing.T) {
 		}
 	}
 }
+
+// TestQualityRoom: the room a placement leaves is measured by the free
+// blocks it breaks: none (room 1) for a GPU beside a used one, a whole
+// node (BreaksNode) for the first GPU of an empty DGX, a free NUMA node
+// (less room, but not the node) for four GPUs beside a used NUMA node.
+func TestQualityRoom(t *testing.T) {
+	ctx := quietContext(t)
+	room := func(inUse []string, count int64) Quality {
+		t.Helper()
+		state := allocated(gpuDriver, "node-a", inUse...)
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgx("node-a"), CELCache: newCELCache(), Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", count).obj()})
+		if err != nil || res.Allocations == nil {
+			t.Fatalf("allocate %d: %v, %v", count, err, res)
+		}
+		return res.Quality
+	}
+	beside := room([]string{"gpu-0"}, 1)
+	if beside.Room != 1 || beside.BreaksNode {
+		t.Errorf("a GPU beside a used one: room %v, breaks node %v; want 1, false", beside.Room, beside.BreaksNode)
+	}
+	first := room(nil, 1)
+	if first.Room >= 1 || !first.BreaksNode {
+		t.Errorf("the first GPU of an empty node: room %v, breaks node %v; want below 1, true", first.Room, first.BreaksNode)
+	}
+	numa := room([]string{"gpu-0"}, 4)
+	if numa.Room >= 1 || numa.BreaksNode || numa.Room <= first.Room {
+		t.Errorf("four GPUs in the free NUMA node of a used node: room %v, breaks node %v; want below 1, above breaking a node (%v), false", numa.Room, numa.BreaksNode, first.Room)
+	}
+}
