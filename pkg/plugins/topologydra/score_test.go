@@ -1,10 +1,17 @@
 package topologydra
 
 import (
+	"context"
 	"errors"
 	"testing"
+	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/apimachinery/pkg/util/wait"
+	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -108,5 +115,83 @@ func TestNICRootPairsWanted(t *testing.T) {
 	}
 	if nicRootPairsWanted(func() ([]*resourceapi.ResourceClaim, error) { return nil, errors.New("no cache") }) {
 		t.Error("a list error turned the trade on")
+	}
+}
+
+// TestWaitingWholeNodePodDrainsThroughScore: PreScore reads the pending
+// whole-node pods and Score applies the drain: with an 8-GPU pod waiting,
+// the node closest to free is draining and a 1-GPU pod scores lower there
+// than it did before the pod waited; a pod pinned to other nodes does not
+// drain these.
+func TestWaitingWholeNodePodDrainsThroughScore(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a"), testNode("node-b")}
+	h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 8), testSlice("node-b", 8), testClaim("small", 1), testClaim("eight", 8),
+		allocatedOn(testClaim("on-a", 1), "node-a", "gpu-0"), allocatedOn(testClaim("on-b", 3), "node-b", "gpu-0", "gpu-1", "gpu-2"))
+	for _, c := range []string{"small", "eight", "on-a", "on-b"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	small := testPod("small", "small")
+	all := []fwk.NodeInfo{h.nodes["node-a"], h.nodes["node-b"]}
+	scoreA := func() (int64, sets.Set[string]) {
+		t.Helper()
+		cs, filtered := h.cycle(small, "node-a", "node-b")
+		for n, s := range filtered {
+			if !s.IsSuccess() {
+				t.Fatalf("Filter(%s): %v", n, s)
+			}
+		}
+		if st := h.pl.PreScore(h.tCtx, cs, small, all); !st.IsSuccess() {
+			t.Fatalf("PreScore: %v", st)
+		}
+		score, scored := h.pl.Score(h.tCtx, cs, small, h.nodes["node-a"])
+		if !scored.IsSuccess() {
+			t.Fatalf("Score: %v", scored)
+		}
+		s, err := getState(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return score, s.draining
+	}
+	before, draining := scoreA()
+	if draining.Len() != 0 {
+		t.Fatalf("draining %v with no pod waiting", sets.List(draining))
+	}
+
+	waitFor := func(pod *v1.Pod, want int) {
+		t.Helper()
+		if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			n, _ := h.pl.pending.wholeNodePods(small, h.pl.draManager.ResourceClaims().Get, all)
+			return n == want, nil
+		}); err != nil {
+			t.Fatalf("the pending index never counted %d whole-node pods: %v", want, err)
+		}
+	}
+	pinned := testPod("pinned", "eight")
+	pinned.Spec.NodeSelector = map[string]string{"elsewhere": "true"}
+	if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pinned, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		h.pl.pending.mu.Lock()
+		defer h.pl.pending.mu.Unlock()
+		return h.pl.pending.pods[""][pinned.UID] != nil, nil
+	}); err != nil {
+		t.Fatalf("the pending index never saw the pinned pod: %v", err)
+	}
+	if got, draining := scoreA(); got != before || draining.Len() != 0 {
+		t.Errorf("with a whole-node pod pinned elsewhere: node-a scores %d (before %d), draining %v; want unchanged", got, before, sets.List(draining))
+	}
+
+	waitFor(testPod("big", "eight"), 1)
+	after, draining := scoreA()
+	if !draining.Equal(sets.New("node-a")) {
+		t.Errorf("draining %v, want node-a (one GPU in use, against three)", sets.List(draining))
+	}
+	if after >= before {
+		t.Errorf("node-a scores %d with the 8-GPU pod waiting, %d before: want lower", after, before)
 	}
 }
