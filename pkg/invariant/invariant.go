@@ -198,14 +198,16 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 				Kind: VanishedDevice, Device: &d, Claims: distinct,
 				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(distinct, ", ")),
 			})
-			spec = &resourceapi.Device{}
 		}
-		multiple := allowsMultiple(spec)
+		multiple := exists && allowsMultiple(spec)
 		if len(claimNames) > 1 && !multiple {
 			out = append(out, Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s is allocated %d times: %s", d, len(claimNames), strings.Join(claimNames, ", ")),
 			})
+		}
+		if !exists {
+			continue
 		}
 		if multiple {
 			for _, name := range slices.Sorted(maps.Keys(consumed[d])) {
