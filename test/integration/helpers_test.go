@@ -73,6 +73,14 @@ func (e *env) template(count int64, annotations map[string]string) string {
 	return name
 }
 
+// createTemplate creates tmpl in the test's namespace and returns its name.
+func (e *env) createTemplate(tmpl *resourceapi.ResourceClaimTemplate) string {
+	e.tCtx.Helper()
+	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err, "create claim template "+tmpl.Name)
+	return tmpl.Name
+}
+
 // pod creates a pod for the scheduler, pinned to the node group, with one
 // claim per template.
 func (e *env) pod(name, scheduler, group string, templates ...string) *v1.Pod {

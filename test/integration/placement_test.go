@@ -640,9 +640,7 @@ func (e *env) gpuNICTemplate(name, nicClass string, constraints ...resourceapi.D
 		Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: nicClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
 	})
 	tmpl.Spec.Spec.Devices.Constraints = constraints
-	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
-	e.tCtx.ExpectNoError(err)
-	return name
+	return e.createTemplate(tmpl)
 }
 
 // TestGPUsBesideNICsLeftForNICPods: with nicReservePercent (default 5),

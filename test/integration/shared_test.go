@@ -86,9 +86,7 @@ func (e *env) profileTemplate(profile, bandwidth string) string {
 			Requests: map[resourceapi.QualifiedName]apiresource.Quantity{"bandwidth": apiresource.MustParse(bandwidth)},
 		}
 	}
-	_, err := cp.Client.ResourceV1().ResourceClaimTemplates(e.ns).Create(e.tCtx, tmpl, metav1.CreateOptions{})
-	e.tCtx.ExpectNoError(err)
-	return name
+	return e.createTemplate(tmpl)
 }
 
 // TestSharedDevicesNeverOverbooked: pods that ask for partitions of one
