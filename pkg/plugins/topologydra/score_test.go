@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -193,5 +194,59 @@ func TestWaitingWholeNodePodDrainsThroughScore(t *testing.T) {
 	}
 	if after >= before {
 		t.Errorf("node-a scores %d with the 8-GPU pod waiting, %d before: want lower", after, before)
+	}
+}
+
+// TestScorePrefersTheSettledNode: PreScore measures the ages of the
+// nodes' pods and Score adds them: of two nodes whose placements are
+// otherwise alike, the one whose pods have run longer scores higher; with
+// the ages swapped, the other one does.
+func TestScorePrefersTheSettledNode(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a"), testNode("node-b")}
+	h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 8), testSlice("node-b", 8), testClaim("small", 1),
+		allocatedOn(testClaim("on-a", 1), "node-a", "gpu-0"), allocatedOn(testClaim("on-b", 1), "node-b", "gpu-0"))
+	for _, c := range []string{"small", "on-a", "on-b"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	running := func(name, claim, node string, bound time.Time) *v1.Pod {
+		p := testPod(name, claim)
+		p.Spec.NodeName = node
+		p.Spec.RestartPolicy = v1.RestartPolicyNever
+		p.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionTrue, LastTransitionTime: metav1.NewTime(bound)}}
+		return p
+	}
+	scores := func(boundA, boundB time.Time) (int64, int64) {
+		t.Helper()
+		for node, p := range map[string]*v1.Pod{"node-a": running("run-a", "on-a", "node-a", boundA), "node-b": running("run-b", "on-b", "node-b", boundB)} {
+			info := framework.NewNodeInfo(p)
+			info.SetNode(h.nodes[node].Node())
+			h.nodes[node] = info
+		}
+		small := testPod("small", "small")
+		cs, filtered := h.cycle(small, "node-a", "node-b")
+		for n, s := range filtered {
+			if !s.IsSuccess() {
+				t.Fatalf("Filter(%s): %v", n, s)
+			}
+		}
+		if st := h.pl.PreScore(h.tCtx, cs, small, []fwk.NodeInfo{h.nodes["node-a"], h.nodes["node-b"]}); !st.IsSuccess() {
+			t.Fatalf("PreScore: %v", st)
+		}
+		a, st := h.pl.Score(h.tCtx, cs, small, h.nodes["node-a"])
+		if !st.IsSuccess() {
+			t.Fatalf("Score(node-a): %v", st)
+		}
+		b, st := h.pl.Score(h.tCtx, cs, small, h.nodes["node-b"])
+		if !st.IsSuccess() {
+			t.Fatalf("Score(node-b): %v", st)
+		}
+		return a, b
+	}
+	now := time.Now()
+	if a, b := scores(now.Add(-time.Hour), now.Add(-time.Minute)); a <= b {
+		t.Errorf("node-a's pod ran an hour, node-b's a minute: scores %d and %d, want node-a higher", a, b)
+	}
+	if a, b := scores(now.Add(-time.Minute), now.Add(-time.Hour)); b <= a {
+		t.Errorf("node-b's pod ran an hour, node-a's a minute: scores %d and %d, want node-b higher", a, b)
 	}
 }
