@@ -9,8 +9,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/client-go/tools/cache"
+	v1helper "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -89,18 +91,33 @@ func (h headroom) spareAfter(driver, node string, n int) int {
 	return h.drivers[driver].spare - Spare(f) + Spare(f-n)
 }
 
-// admittedNodes names the nodes whose labels match the pod's required node
-// selector and affinity: the part of the cluster whose headroom the pod
-// keeps (other pods may run elsewhere).
-func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo) sets.Set[string] {
-	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+// admittedNodes names the nodes that the pod may use (see mayUse): the
+// part of the cluster whose headroom the pod keeps (other pods may run
+// elsewhere). taintOps is the TaintTolerationComparisonOperators feature.
+func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo, taintOps bool) sets.Set[string] {
 	out := sets.New[string]()
-	for _, n := range nodes {
-		if ok, err := affinity.Match(n.Node()); ok && err == nil {
-			out.Insert(n.Node().Name)
-		}
-	}
+	admitNodes(pod, nodes, out, taintOps)
 	return out
+}
+
+// mayUse reports whether the node passes what the scheduler's
+// NodeAffinity, NodeUnschedulable and TaintToleration filters check of the
+// pod: its required node selector and affinity, a cordon, and taints with
+// the effects NoSchedule and NoExecute that it does not tolerate. A node
+// that fails any of them cannot take the pod however many devices it has
+// free, so its devices neither keep a headroom for it nor drain for it.
+func mayUse(logger klog.Logger, pod *v1.Pod, affinity nodeaffinity.RequiredNodeAffinity, node *v1.Node, taintOps bool) bool {
+	if ok, err := affinity.Match(node); !ok || err != nil {
+		return false
+	}
+	if node.Spec.Unschedulable && !v1helper.TolerationsTolerateTaint(logger, pod.Spec.Tolerations,
+		&v1.Taint{Key: v1.TaintNodeUnschedulable, Effect: v1.TaintEffectNoSchedule}, taintOps) {
+		return false
+	}
+	_, untolerated := v1helper.FindMatchingUntoleratedTaint(logger, node.Spec.Taints, pod.Spec.Tolerations, func(t *v1.Taint) bool {
+		return t.Effect == v1.TaintEffectNoSchedule || t.Effect == v1.TaintEffectNoExecute
+	}, taintOps)
+	return !untolerated
 }
 
 // HeadroomFor is how many of total devices of one driver must stay free

@@ -361,3 +361,46 @@ func gpuNames(from, to int) []string {
 	}
 	return out
 }
+
+// TestHeadroomOnlyOnNodesThePodMayUse: the headroom is kept on the nodes
+// the pod could run on. Of sixteen nodes of eight GPUs, eight are full and
+// closed to the pod (four by a taint it does not tolerate, four
+// cordoned); with two empty nodes among the others, an 8-GPU pod may take
+// one (8 of 64 kept free, 8 left), where counting the closed nodes would
+// hold it back (16 of 128). A pod that tolerates both counts them all.
+func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
+	var nodes []*v1.Node
+	var names []string
+	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8), testClaim("eight-tolerant", 8)}
+	for i := range 16 {
+		name := fmt.Sprintf("node-%02d", i)
+		node := testNode(name)
+		switch {
+		case i >= 12:
+			node.Spec.Unschedulable = true
+		case i >= 8:
+			node.Spec.Taints = []v1.Taint{{Key: "dedicated", Value: "other-team", Effect: v1.TaintEffectNoSchedule}}
+		}
+		names = append(names, name)
+		nodes = append(nodes, node)
+		objs = append(objs, testSlice(name, 8))
+		if i >= 2 {
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+
+	if _, st := h.cycle(testPod("p", "eight"), names...); !st["node-00"].IsSuccess() {
+		t.Errorf("closed nodes counted: Filter(node-00) = %v, want success", st["node-00"])
+	}
+	tolerant := testPod("tolerant", "eight-tolerant")
+	tolerant.Spec.Tolerations = []v1.Toleration{
+		{Key: "dedicated", Operator: v1.TolerationOpEqual, Value: "other-team", Effect: v1.TaintEffectNoSchedule},
+		{Key: v1.TaintNodeUnschedulable, Operator: v1.TolerationOpExists, Effect: v1.TaintEffectNoSchedule},
+	}
+	_, st := h.cycle(tolerant, names...)
+	if code(st["node-00"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-00"].Message(), "of the 128") {
+		t.Errorf("a pod that may use every node: Filter(node-00) = %v, want held back, keeping 16 of the 128", st["node-00"])
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -25,6 +26,9 @@ type pendingIndex struct {
 	mu sync.Mutex
 	// pods maps scheduler name, then pod UID, to the pod's entry.
 	pods map[string]map[types.UID]*pendingPod
+	// taintOps is the TaintTolerationComparisonOperators feature, for
+	// matching tolerations (see mayUse); set before use.
+	taintOps bool
 }
 
 // pendingPod is an index entry.
@@ -126,20 +130,21 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted) {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted, ix.taintOps) {
 			n++
 		}
 	}
 	return n, admitted
 }
 
-// admitNodes adds to admitted the names of the nodes that the pod's
-// required node affinity matches, and reports whether there was one.
-func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string]) bool {
+// admitNodes adds to admitted the names of the nodes that the pod may use
+// (mayUse), and reports whether there was one.
+func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string], taintOps bool) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	logger := klog.Background()
 	found := false
 	for _, node := range nodes {
-		if ok, err := affinity.Match(node.Node()); ok && err == nil {
+		if mayUse(logger, pod, affinity, node.Node(), taintOps) {
 			admitted.Insert(node.Node().Name)
 			found = true
 		}

@@ -131,6 +131,20 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	if got, _ := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("with its node selector removed: %d, want 1", got)
 	}
+	// A node the waiting pod may not use (a taint it does not tolerate,
+	// a cordon) is not admitted: nothing drains there for it.
+	tainted, cordoned := nodeInfo("node-4", "a"), nodeInfo("node-5", "a")
+	tainted.Node().Spec.Taints = []v1.Taint{{Key: "dedicated", Value: "x", Effect: v1.TaintEffectNoSchedule}}
+	cordoned.Node().Spec.Unschedulable = true
+	if got, admitted := ix.wholeNodePods(self, get, []fwk.NodeInfo{tainted, cordoned}); got != 0 || admitted.Len() != 0 {
+		t.Errorf("with only a tainted and a cordoned node: %d waiting, admitted %v, want none", got, sets.List(admitted))
+	}
+	tolerant := unpinned.DeepCopy()
+	tolerant.Spec.Tolerations = []v1.Toleration{{Key: "dedicated", Operator: v1.TolerationOpExists}}
+	h.OnUpdate(unpinned, tolerant)
+	if got, admitted := ix.wholeNodePods(self, get, []fwk.NodeInfo{tainted, cordoned}); got != 1 || !admitted.Equal(sets.New("node-4")) {
+		t.Errorf("with the pod tolerating the taint: %d waiting, admitted %v, want 1 and node-4", got, sets.List(admitted))
+	}
 }
 
 func TestDrainingNodes(t *testing.T) {

@@ -78,6 +78,9 @@ type TopologyDRA struct {
 	heldBack heldBack
 	// nicReservePercent is args.NICReservePercent (see nicReserveOf).
 	nicReservePercent int32
+	// taintOps is the TaintTolerationComparisonOperators feature: how
+	// mayUse matches a pod's tolerations.
+	taintOps bool
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
 	skipCounting sync.Map
@@ -131,7 +134,8 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if h.SharedDRAManager() == nil {
 		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", Name)
 	}
-	features := dynamicresources.AllocatorFeatures(feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate))
+	fts := feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)
+	features := dynamicresources.AllocatorFeatures(fts)
 	pl := &TopologyDRA{
 		args:     *args,
 		features: features,
@@ -148,11 +152,12 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		bindingTimeout:    time.Duration(args.BindingTimeoutSeconds) * time.Second,
 		headroomPercent:   args.SmallPodHeadroomPercent,
 		nicReservePercent: args.NICReservePercent,
+		taintOps:          fts.EnableTaintTolerationComparisonOperators,
 	}
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
 	}
-	if feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate).EnableDRASchedulerFilterTimeout {
+	if fts.EnableDRASchedulerFilterTimeout {
 		pl.filterTimeout = args.FilterTimeout
 	}
 	pl.policy = policyFromArgs(*args)
@@ -164,6 +169,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			return nil, fmt.Errorf("%s needs the scheduler's informer factory to watch pending pods (wholeNodeTradeWhileWaiting, drainTrade)", Name)
 		}
 		pl.pending = newPendingIndex()
+		pl.pending.taintOps = pl.taintOps
 		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
 		}

@@ -149,7 +149,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			counts = addClaimDevices(counts, claim)
 		}
 		if mostOfOneClass(counts) >= HalfNodeBlock {
-			s.headroom = headroomCounts(slices, allocatedState, admittedNodes(pod, nodes))
+			s.headroom = headroomCounts(slices, allocatedState, admittedNodes(pod, nodes, pl.taintOps))
 		}
 	}
 	a, err := allocator.New(ctx, allocator.Options{
