@@ -128,6 +128,27 @@ func (a *Allocator) analyze(ctx context.Context, ns *nodeState, claims []*resour
 	return infos, passthrough, nil
 }
 
+// ClaimAnnotations reads the claim's topodra annotations: the alignment
+// mode it asks for (empty where it names none: the policy's applies) and
+// whether its devices align with the pod's other claims. An invalid value
+// is an *InputError naming the claim and the annotation.
+func ClaimAnnotations(claim *resourceapi.ResourceClaim) (mode AlignmentMode, alignPod bool, err error) {
+	if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
+		m, err := ParseAlignmentMode(value)
+		if err != nil {
+			return "", false, &InputError{Claim: klog.KObj(claim).String(), Detail: "annotation " + topology.AnnotationAlignment, Err: err}
+		}
+		mode = m
+	}
+	if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
+		if value != "pod" {
+			return "", false, &InputError{Claim: klog.KObj(claim).String(), Detail: fmt.Sprintf("annotation %s: invalid value %q (want pod)", topology.AnnotationAlignWith, value)}
+		}
+		alignPod = true
+	}
+	return mode, alignPod, nil
+}
+
 // claimStatic returns the cached analysis of a claim.
 func (a *Allocator) claimStatic(claim *resourceapi.ResourceClaim) *claimStatic {
 	if st, ok := a.static.Load(claim); ok {
@@ -140,21 +161,15 @@ func (a *Allocator) claimStatic(claim *resourceapi.ResourceClaim) *claimStatic {
 
 func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic {
 	st := &claimStatic{mode: a.policy.Alignment}
-	if value, ok := claim.Annotations[topology.AnnotationAlignment]; ok {
-		mode, err := ParseAlignmentMode(value)
-		if err != nil {
-			st.err = &InputError{Claim: klog.KObj(claim).String(), Detail: "annotation " + topology.AnnotationAlignment, Err: err}
-			return st
-		}
+	mode, alignPod, err := ClaimAnnotations(claim)
+	if err != nil {
+		st.err = err
+		return st
+	}
+	if mode != "" {
 		st.mode = mode
 	}
-	if value, ok := claim.Annotations[topology.AnnotationAlignWith]; ok {
-		if value != "pod" {
-			st.err = &InputError{Claim: klog.KObj(claim).String(), Detail: fmt.Sprintf("annotation %s: invalid value %q (want pod)", topology.AnnotationAlignWith, value)}
-			return st
-		}
-		st.alignPod = true
-	}
+	st.alignPod = alignPod
 	for _, c := range claim.Spec.Devices.Constraints {
 		if c.MatchAttribute == nil && c.DistinctAttribute == nil {
 			st.passthrough = true

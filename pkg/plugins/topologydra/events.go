@@ -10,6 +10,8 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // EventsToRegister lists the cluster events that can make a pod that this
@@ -17,8 +19,10 @@ import (
 // that cannot.
 func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWithHint, error) {
 	return []fwk.ClusterEventWithHint{
-		// Node labels feed allocation node selectors and slice node selectors.
-		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable}},
+		// Node labels feed allocation node selectors and slice node
+		// selectors; labels, taints and cordons decide which nodes keep a
+		// headroom for the pod (mayUse).
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint}},
 		// Claims: the pod's own claim created or changed, or devices freed.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Add | fwk.Update | fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterClaimChange},
 		// The claim controller names generated claims in the pod status.
@@ -52,10 +56,24 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 	if !pl.usesClaim(pod, newClaim) {
 		return fwk.QueueSkip, nil
 	}
-	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) {
+	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) || topodraAnnotationsChanged(oldClaim, newClaim) {
 		return fwk.Queue, nil
 	}
 	return fwk.QueueSkip, nil
+}
+
+// topodraAnnotationsChanged reports whether the annotations through which
+// a claim asks for an alignment differ: an invalid value fixed with
+// `kubectl annotate` makes the pod schedulable.
+func topodraAnnotationsChanged(oldClaim, newClaim *resourceapi.ResourceClaim) bool {
+	for _, key := range []string{topology.AnnotationAlignment, topology.AnnotationAlignWith} {
+		o, oldOK := oldClaim.Annotations[key]
+		n, newOK := newClaim.Annotations[key]
+		if o != n || oldOK != newOK {
+			return true
+		}
+	}
+	return false
 }
 
 // hintForFreed: devices given back by another pod's claim help pod only

@@ -10,6 +10,8 @@ import (
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 func TestClaimQueueingHint(t *testing.T) {
@@ -27,6 +29,10 @@ func TestClaimQueueingHint(t *testing.T) {
 		}
 		return c
 	}
+	annotated := func(c *resourceapi.ResourceClaim, key, value string) *resourceapi.ResourceClaim {
+		c.Annotations = map[string]string{key: value}
+		return c
+	}
 	pl := &TopologyDRA{}
 	tests := map[string]struct {
 		old, new *resourceapi.ResourceClaim
@@ -39,6 +45,9 @@ func TestClaimQueueingHint(t *testing.T) {
 		"other claim deallocated":           {old: claim("other", true, 0), new: claim("other", false, 0), want: fwk.Queue},
 		"other allocated claim deleted":     {old: claim("other", true, 0), want: fwk.Queue},
 		"other unallocated claim deleted":   {old: claim("other", false, 0), want: fwk.QueueSkip},
+		"own claim's alignment fixed":       {old: annotated(claim("mine", false, 0), topology.AnnotationAlignment, "requried"), new: annotated(claim("mine", false, 0), topology.AnnotationAlignment, "require"), want: fwk.Queue},
+		"own claim's align-with removed":    {old: annotated(claim("mine", false, 0), topology.AnnotationAlignWith, "node"), new: claim("mine", false, 0), want: fwk.Queue},
+		"own claim, other annotation":       {old: claim("mine", false, 0), new: annotated(claim("mine", false, 0), "example.com/x", "y"), want: fwk.QueueSkip},
 		"claim in other namespace, my name": {new: &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "x", Name: "mine"}}, want: fwk.QueueSkip},
 	}
 	for name, tc := range tests {

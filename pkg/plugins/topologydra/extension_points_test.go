@@ -17,6 +17,8 @@ import (
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 func code(st *fwk.Status) fwk.Code {
@@ -82,6 +84,24 @@ func TestPreFilter(t *testing.T) {
 			objs:     []runtime.Object{testDeviceClass(), testClaim("c", 1, `device.attributes["x"].`)},
 			pod:      testPod("p", "c"),
 			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "invalid CEL selector", wantEvent: "InvalidClaim",
+		},
+		"invalid alignment annotation": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), func() *resourceapi.ResourceClaim {
+				c := testClaim("c", 1)
+				c.Annotations = map[string]string{topology.AnnotationAlignment: "requried"}
+				return c
+			}()},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: `annotation topodra.io/alignment: invalid alignment "requried"`, wantEvent: "InvalidClaim",
+		},
+		"invalid align-with annotation": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), func() *resourceapi.ResourceClaim {
+				c := testClaim("c", 1)
+				c.Annotations = map[string]string{topology.AnnotationAlignWith: "node"}
+				return c
+			}()},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: `invalid value "node" (want pod)`, wantEvent: "InvalidClaim",
 		},
 		"claim to allocate": {
 			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1)},

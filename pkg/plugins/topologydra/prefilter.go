@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -192,6 +193,14 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 		}
 		checkSelectors(request+" (class "+className+")", class.Spec.Selectors)
 	}
+	var annotationErr *allocator.InputError
+	if _, _, err := allocator.ClaimAnnotations(claim); errors.As(err, &annotationErr) {
+		problem := annotationErr.Detail
+		if annotationErr.Err != nil {
+			problem += ": " + annotationErr.Err.Error()
+		}
+		problems = append(problems, problem)
+	}
 	for _, req := range claim.Spec.Devices.Requests {
 		switch {
 		case req.Exactly != nil:
@@ -216,7 +225,9 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 	msg := fmt.Sprintf("resource claim %s: %s", claim.Name, strings.Join(problems, "; "))
 	pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", msg)
 	// A missing class may be created, a broken class fixed: DeviceClass
-	// events requeue the pod. A broken claim needs a new claim.
+	// events requeue the pod, and so does a change of the claim's topodra
+	// annotations (see isSchedulableAfterClaimChange). A broken spec
+	// needs a new claim.
 	return unresolvable(msg)
 }
 
