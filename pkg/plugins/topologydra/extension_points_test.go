@@ -1,6 +1,8 @@
 package topologydra
 
 import (
+	"context"
+	"errors"
 	"maps"
 	"slices"
 	"strings"
@@ -281,6 +283,31 @@ func TestReserveVerifyFails(t *testing.T) {
 	}
 	if s3, _ := getState(third); s3.getResult("node-a").Unverified {
 		t.Error("Filter still decided node-a by counting after upstream refused a counted allocation there")
+	}
+}
+
+// TestReserveVerifyCancelled: a verification that stops because the
+// scheduler cancelled it is an error (the pod is retried after backoff),
+// never "0/1 nodes are available".
+func TestReserveVerifyCancelled(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a")}
+	h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1))
+	pod := testPod("p", "c")
+	cs, st := h.cycle(pod, "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatalf("Filter: %v", st["node-a"])
+	}
+	if s, _ := getState(cs); !s.getResult("node-a").Unverified {
+		t.Fatal("Filter verified the 1-GPU claim with upstream already; this test needs a counted result")
+	}
+	ctx, cancel := context.WithCancelCause(h.tCtx)
+	cancel(errors.New("scheduler stopping"))
+	if st := h.pl.Reserve(ctx, cs, pod, "node-a"); code(st) != fwk.Error {
+		t.Errorf("Reserve with the context cancelled: %v, want Error", st)
+	}
+	claim, _ := h.pl.draManager.ResourceClaims().Get(testNS, "c")
+	if h.pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
+		t.Error("a failed Reserve left an in-flight allocation")
 	}
 }
 

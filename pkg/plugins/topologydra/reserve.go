@@ -13,6 +13,8 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/allocator"
 )
 
 // Reserve marks the allocation chosen for the node as in flight in the
@@ -49,7 +51,15 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			return fwk.AsStatus(fmt.Errorf("node %s: timed out verifying the allocation of devices", nodeName))
 		}
 		if err != nil {
-			return unresolvable(err.Error())
+			// As in Filter: bad input fails the cycle like a CEL error
+			// there; anything else is a fault. Both retry with backoff.
+			if errors.Is(err, allocator.ErrInvalidInput) {
+				return inputError(logger, err, "pod", klog.KObj(pod), "node", nodeName)
+			}
+			if ctx.Err() != nil {
+				return fwk.AsStatus(fmt.Errorf("verifying the allocation on node %s: %w", nodeName, context.Cause(ctx)))
+			}
+			return internalError(logger, fmt.Errorf("verify the allocation on node %s: %w", nodeName, err), "pod", klog.KObj(pod))
 		}
 		if verified.CountingRefused {
 			// Filter and Verify saw the same snapshot, so counting and
