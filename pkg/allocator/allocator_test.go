@@ -218,6 +218,14 @@ func TestAllocateShapes(t *testing.T) {
 			upstreamWant: nil,
 			wantExplain:  "claim gpu-claim request gpus: only 1 free device matches (needs 2)",
 		},
+		"more-than-the-node-has": {
+			slices:       dgx(nodeName),
+			allocated:    allocated(gpuDriver, nodeName, "gpu-0"),
+			claims:       []*resourceapi.ResourceClaim{gpus("big", 16).obj()},
+			want:         nil,
+			upstreamWant: nil,
+			wantExplain:  "claim big request gpus: the node has only 8 matching devices (needs 16)",
+		},
 		"no-matching-device": {
 			slices:       dgx(nodeName),
 			claims:       []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1, `device.attributes["gpu.topodra.io"].model == "B200"`).obj()},
@@ -533,14 +541,14 @@ func TestPoolsLikeUpstream(t *testing.T) {
 		inUse       []string
 		wantExplain string
 	}{
-		"incomplete-pool":            {slices: incomplete, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
-		"incomplete-pool-all-in-use": {slices: incomplete, inUse: all, wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"incomplete-pool":            {slices: incomplete, wantExplain: "resource pools are incomplete"},
+		"incomplete-pool-all-in-use": {slices: incomplete, inUse: all, wantExplain: "resource pools are incomplete"},
 		"duplicate-device-names":     {slices: duplicate, wantExplain: "invalid resource pools"},
 		"missing-counter-set":        {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "gone", Counters: gb}), wantExplain: "invalid resource pools"},
 		"missing-counter":            {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: map[string]resourceapi.Counter{"bw": {Value: resource.MustParse("1")}}}), wantExplain: "invalid resource pools"},
 		// While DRADeviceCompatibilityGroups is off, upstream ignores the
 		// slice, which leaves the pool incomplete.
-		"compatibility-groups-feature-off": {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: gb, CompatibilityGroups: []string{"a"}}), wantExplain: "resource pool gpu.topodra.io/n is incomplete"},
+		"compatibility-groups-feature-off": {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "mem", Counters: gb, CompatibilityGroups: []string{"a"}}), wantExplain: "resource pools are incomplete"},
 	} {
 		for _, count := range []int64{1, 2} {
 			t.Run(fmt.Sprintf("%s/%d", name, count), func(t *testing.T) {
@@ -568,6 +576,12 @@ func TestPoolsLikeUpstream(t *testing.T) {
 				}
 				if !strings.Contains(res.Explanation.String(), tc.wantExplain) {
 					t.Errorf("explanation %q does not contain %q", res.Explanation, tc.wantExplain)
+				}
+				if strings.Contains(res.Explanation.String(), "gpu.topodra.io/n") {
+					t.Errorf("explanation %q names the node's pool: it would differ from node to node", res.Explanation)
+				}
+				if named := res.Explanation.Requests[0].UnusablePools; strings.Contains(tc.wantExplain, "incomplete") && named != "gpu.topodra.io/n (incomplete)" {
+					t.Errorf("UnusablePools %q, want the pool named with why, for the log", named)
 				}
 			})
 		}

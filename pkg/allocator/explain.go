@@ -72,17 +72,22 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 	if ns != nil {
 		re.BestDomain, re.BestDomainFree = a.bestDomain(ns, u.free)
 	}
+	unusable := ns != nil && (len(ns.incomplete) > 0 || len(ns.invalid) > 0)
 	if reason == "" {
 		switch {
+		case u.nMatch == 0 && unusable:
+			reason = fmt.Sprintf("no device of the node's usable resource pools matches class %s and the request's selectors", u.class.Name)
 		case u.nMatch == 0:
 			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
+		case u.nMatch < re.Needed:
+			reason = fmt.Sprintf("the node has only %s (needs %d)", plural(u.nMatch, "matching device"), re.Needed)
 		case u.upper == 0:
 			reason = fmt.Sprintf("all %s in use (needs %d)", plural(u.nMatch, "matching device")+" are", re.Needed)
 		case u.upper < re.Needed:
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
 			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
-		case ns != nil && (len(ns.incomplete) > 0 || len(ns.invalid) > 0):
+		case unusable:
 			reason = matchPhrase(len(u.free))
 		default:
 			reason = fmt.Sprintf("%s, but no combination satisfies the constraints, counters and other requests of the pod's claims together", matchPhrase(len(u.free)))
@@ -90,29 +95,43 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 		reason += unusablePools(ns)
 	}
 	re.Reason = reason
+	re.UnusablePools = unusablePoolNames(ns)
 	return re
 }
 
-// unusablePools names the node's pools that upstream allocates nothing
-// from, as a suffix for a reason; "" if there are none.
+// unusablePools says, as a suffix for a reason, that the node has pools
+// that upstream allocates nothing from; "" if there are none. It names
+// none of them, so that the reason reads the same on every node and the
+// scheduler's message for the pod, which counts the nodes of each reason,
+// stays short (unusablePoolNames are for the log).
 func unusablePools(ns *nodeState) string {
 	if ns == nil {
 		return ""
 	}
 	var b strings.Builder
 	if len(ns.incomplete) > 0 {
-		fmt.Fprintf(&b, "; resource pool %s is incomplete (being updated)", strings.Join(ns.incomplete, ", "))
+		b.WriteString("; some of the node's resource pools are incomplete (being updated, or published in a form this scheduler cannot use)")
 	}
 	if len(ns.invalid) > 0 {
-		b.WriteString("; invalid resource pools were encountered:")
-		for i, pool := range slices.Sorted(maps.Keys(ns.invalid)) {
-			if i > 0 {
-				b.WriteString(",")
-			}
-			fmt.Fprintf(&b, " %s (%s)", pool, ns.invalid[pool])
-		}
+		b.WriteString("; invalid resource pools were encountered")
 	}
 	return b.String()
+}
+
+// unusablePoolNames names the node's pools that upstream allocates nothing
+// from, with why; "" if there are none.
+func unusablePoolNames(ns *nodeState) string {
+	if ns == nil {
+		return ""
+	}
+	var parts []string
+	for _, pool := range ns.incomplete {
+		parts = append(parts, pool+" (incomplete)")
+	}
+	for _, pool := range slices.Sorted(maps.Keys(ns.invalid)) {
+		parts = append(parts, fmt.Sprintf("%s (%s)", pool, ns.invalid[pool]))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // matchPhrase says "1 free device matches" or "3 free devices match".

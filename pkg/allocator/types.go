@@ -362,8 +362,12 @@ type RequestExplanation struct {
 	// BestDomain is the domain with the most free matching devices.
 	BestDomain     string
 	BestDomainFree int
-	// Reason is a short user-facing explanation.
+	// Reason is a short user-facing explanation that names no pool, so
+	// that it reads the same on nodes that fail alike.
 	Reason string
+	// UnusablePools names the node's pools that nothing was allocated
+	// from, and why (incomplete, invalid); for logs. Empty if none.
+	UnusablePools string
 }
 
 // String returns one short user-facing sentence that does not mention the

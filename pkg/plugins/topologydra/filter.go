@@ -85,6 +85,14 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			if e := res.Explanation.String(); e != "" {
 				msg = e
 			}
+			// The message names no pool, so that it reads the same on
+			// every node; the log says which pools were left out.
+			for _, r := range res.Explanation.Requests {
+				if r.UnusablePools != "" {
+					klog.FromContext(ctx).V(2).Info("Resource pools left out", "pod", klog.KObj(pod), "node", klog.KObj(node), "pools", r.UnusablePools)
+					break
+				}
+			}
 		}
 		// More devices may become free or appear (claim and slice events
 		// requeue the pod). Unresolvable, as with the stock plugin:

@@ -157,8 +157,10 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 			continue
 		}
 		if spare := counts.spareAfter(driver, node, n); spare < h {
-			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, this pod needs %d, and %d would stay free on nodes with %d or more free",
-				h, c.total, driver, percent, c.free, n, spare, SpareOnNode)
+			// The same words on every node that fails, so that the
+			// pod's message counts them once.
+			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, %d of them on nodes with %d or more free, and this pod needs %d, which would leave fewer than %d there; it is retried when devices are given back",
+				h, c.total, driver, percent, c.free, c.spare, SpareOnNode, n, h)
 		}
 	}
 	return ""

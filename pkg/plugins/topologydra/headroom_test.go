@@ -85,7 +85,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 			t.Errorf("Filter(%s) succeeded on a node without 8 free GPUs", n)
 		}
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 8 of the 64") || !strings.Contains(msg, "15 are free, this pod needs 8") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 8 of the 64") || !strings.Contains(msg, "15 are free, 15 of them on nodes with 2 or more free, and this pod needs 8") {
 		t.Errorf("message %q does not say what is kept and why", msg)
 	}
 	_, st = h.cycle(testPod("small", "one"), names...)
@@ -111,13 +111,22 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	if !st["node-0"].IsSuccess() || !st["node-1"].IsSuccess() {
 		t.Errorf("8 free besides the empty node: %v, %v, want both nodes feasible", st["node-0"], st["node-1"])
 	}
+	// A 4-GPU pod held back on two nodes that it would leave with
+	// different counts free: one message, so that the pod's condition
+	// counts the two nodes under it.
+	h = setup(5, 6)
+	h.pl.headroomPercent = 50 // 8 of 64 kept from 4-GPU pods
+	_, st = h.cycle(testPod("p", "four"), names...)
+	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || st["node-0"].Message() != st["node-1"].Message() {
+		t.Errorf("Filter(node-0) = %v, Filter(node-1) = %v, want both held back with one message", st["node-0"], st["node-1"])
+	}
 
 	h = setup(5, 0)
 	_, st = h.cycle(testPod("p", "four"), "node-0")
 	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
 		t.Errorf("5 free: Filter(node-0) for 4 GPUs = %v, want UnschedulableAndUnresolvable", st["node-0"])
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 2 of the 64") || !strings.Contains(msg, "5 are free, this pod needs 4") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 2 of the 64") || !strings.Contains(msg, "5 are free, 5 of them on nodes with 2 or more free, and this pod needs 4") {
 		t.Errorf("message %q does not say what is kept and why", msg)
 	}
 	if _, st = h.cycle(testPod("p", "two"), "node-0"); !st["node-0"].IsSuccess() {
@@ -133,7 +142,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
 		t.Errorf("8 free besides the empty node, one alone on its node: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "16 are free, this pod needs 8, and 7 would stay free on nodes with 2 or more free") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "16 are free, 15 of them on nodes with 2 or more free, and this pod needs 8, which would leave fewer than 8 there") {
 		t.Errorf("message %q does not say that single free GPUs do not count", msg)
 	}
 	h = setup(4, 1, 1)
