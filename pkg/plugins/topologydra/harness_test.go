@@ -61,10 +61,19 @@ const (
 // gives them UIDs and resource versions), starts the informers, waits for
 // the DRA manager to see everything and builds the plugin with default args.
 func newHarness(t testing.TB, nodes []*v1.Node, objs ...runtime.Object) *harness {
+	return newHarnessWith(t, nil, nodes, objs...)
+}
+
+// newHarnessWith is newHarness with clientHook, if not nil, called on the
+// harness before any informer starts (to add reactors to h.client).
+func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, objs ...runtime.Object) *harness {
 	tCtx := ktesting.Init(t)
 	h := &harness{tCtx: tCtx, client: fake.NewClientset(), recorder: events.NewFakeRecorder(100), nodes: map[string]fwk.NodeInfo{},
 		delivered: map[string]*resourceapi.ResourceClaim{}}
 	h.client.PrependReactor("*", "*", versionReactor(h.client.Tracker()))
+	if clientHook != nil {
+		clientHook(h)
+	}
 	factory := informers.NewSharedInformerFactory(h.client, 0)
 	tracker, err := resourceslicetracker.StartTracker(tCtx, resourceslicetracker.Options{
 		EnableDeviceTaintRules: true,

@@ -37,31 +37,55 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	if err != nil {
 		return nil
 	}
-	var bound []int
+	bound := false
 	for i, claim := range s.claims {
 		if resourceclaim.IsReservedForPod(pod, claim, false) {
 			continue
 		}
 		updated, err := pl.bindClaim(ctx, pod, claim, s.allocations[i])
 		if err != nil {
+			if s.allocations[i] != nil {
+				pl.settleFailedWrite(ctx, pod, s, i)
+			}
 			return internalError(logger, err, "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		}
 		s.claims[i] = updated
 		if s.allocations[i] != nil {
-			bound = append(bound, i)
+			// In the API now, and assumed in the claim cache: the
+			// in-flight entry goes at once, so that Unreserve after a
+			// later claim fails does not put back the informer's copy,
+			// which may not show the allocation yet (the devices would
+			// look free while the claim holds them).
+			pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(updated.UID, true)
+			bound = true
 		}
-	}
-	// Written to the API: the in-flight entries are no longer needed.
-	for _, i := range bound {
-		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(s.claims[i].UID, true)
 	}
 	if st := pl.waitForBindingConditions(ctx, pod, nodeName, s); st != nil {
 		return st
 	}
-	if s.result != nil && len(bound) > 0 {
+	if s.result != nil && bound {
 		pl.recordPlacement(pod, nodeName, s)
 	}
 	return nil
+}
+
+// settleFailedWrite handles a write of claim i whose outcome is unknown
+// (a timeout may come after the API server stored it): where the API
+// shows the claim allocated and reserved for the pod, the cycle state,
+// the claim cache and the in-flight entry take that in, as after a
+// successful write, so that Unreserve removes the reservation and the
+// devices never look free while the claim holds them.
+func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, pod *v1.Pod, s *stateData, i int) {
+	claim := s.claims[i]
+	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+	if err != nil || latest.UID != claim.UID || latest.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, latest, false) {
+		return
+	}
+	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
+		klog.FromContext(ctx).V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
+	}
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(latest.UID, true)
+	s.claims[i] = latest
 }
 
 func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, allocation *resourceapi.AllocationResult) (*resourceapi.ResourceClaim, error) {

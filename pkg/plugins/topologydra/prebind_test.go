@@ -1,0 +1,153 @@
+package topologydra
+
+import (
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	cgotesting "k8s.io/client-go/testing"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// laggingWatch passes a watch's events on, each after the delay that is
+// set when the event arrives.
+type laggingWatch struct {
+	watch.Interface
+	out   chan watch.Event
+	delay *atomic.Int64
+}
+
+func (w *laggingWatch) ResultChan() <-chan watch.Event { return w.out }
+
+// TestPreBindFailureKeepsWrittenClaims: PreBind writes claim a and fails
+// on claim b while the claim informer lags behind the API. Unreserve must
+// not put back the informer's unallocated copy of a: the devices a holds
+// in the API would look free, and another pod would get them too.
+func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
+	var delay atomic.Int64
+	lagClaims := func(h *harness) {
+		h.client.PrependWatchReactor("resourceclaims", func(action cgotesting.Action) (bool, watch.Interface, error) {
+			w, err := h.client.Tracker().Watch(action.GetResource(), action.GetNamespace())
+			if err != nil {
+				return true, nil, err
+			}
+			lw := &laggingWatch{Interface: w, out: make(chan watch.Event, 100), delay: &delay}
+			go func() {
+				defer close(lw.out)
+				for ev := range w.ResultChan() {
+					time.Sleep(time.Duration(delay.Load()))
+					lw.out <- ev
+				}
+			}()
+			return true, lw, nil
+		})
+	}
+	h := newHarnessWith(t, lagClaims, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		testClaim("a", 2), testClaim("b", 2), testClaim("q", 4))
+	for _, n := range []string{"a", "b", "q"} {
+		h.waitForClaim(n, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	pod := testPod("p", "a", "b")
+	cs, st := h.cycle(pod, "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatalf("Filter: %v", st["node-a"])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	delay.Store(int64(2 * time.Second))
+	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		u := action.(cgotesting.UpdateAction)
+		if u.GetSubresource() == "status" && u.GetObject().(*resourceapi.ResourceClaim).Name == "b" {
+			return true, nil, errors.New("apiserver: timeout")
+		}
+		return false, nil, nil
+	})
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although writing claim b failed")
+	}
+	if h.apiClaim("a").Status.Allocation == nil {
+		t.Fatal("claim a was not written")
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	state, err := h.pl.gatherAllocatedState(h.tCtx)
+	h.tCtx.ExpectNoError(err)
+	if n := state.AllocatedDevices.Len(); n != 2 {
+		t.Errorf("after Unreserve the scheduler counts %d devices allocated, want the 2 that claim a holds in the API", n)
+	}
+	q := testPod("q", "q")
+	if _, st := h.cycle(q, "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Errorf("a 4-GPU pod fits on node-a while claim a holds 2 of its 4 GPUs")
+	}
+}
+
+// TestPreBindWriteOutcomeUnknown: the API server stores claim c's
+// allocation but the reply is lost (a timeout). PreBind fails; Unreserve
+// must leave the scheduler counting c's devices and take the pod out of
+// c's reservedFor, as after a write that succeeded.
+func TestPreBindWriteOutcomeUnknown(t *testing.T) {
+	var lag atomic.Int64
+	var lose atomic.Bool
+	hook := func(h *harness) {
+		h.client.PrependWatchReactor("resourceclaims", func(action cgotesting.Action) (bool, watch.Interface, error) {
+			w, err := h.client.Tracker().Watch(action.GetResource(), action.GetNamespace())
+			if err != nil {
+				return true, nil, err
+			}
+			lw := &laggingWatch{Interface: w, out: make(chan watch.Event, 100), delay: &lag}
+			go func() {
+				defer close(lw.out)
+				for ev := range w.ResultChan() {
+					time.Sleep(time.Duration(lag.Load()))
+					lw.out <- ev
+				}
+			}()
+			return true, lw, nil
+		})
+		h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+			u := action.(cgotesting.UpdateAction)
+			if u.GetSubresource() != "status" || !lose.Load() {
+				return false, nil, nil
+			}
+			obj := u.GetObject().(*resourceapi.ResourceClaim).DeepCopy()
+			obj.ResourceVersion = "1000000" // newer than any the harness gave out
+			if err := h.client.Tracker().Update(action.GetResource(), obj, action.GetNamespace(), metav1.UpdateOptions{}); err != nil {
+				return true, nil, err
+			}
+			return true, nil, errors.New("apiserver: timeout")
+		})
+	}
+	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := testPod("p", "c")
+	cs, st := h.cycle(pod, "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatalf("Filter: %v", st["node-a"])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	lag.Store(int64(2 * time.Second))
+	lose.Store(true)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although the reply was lost")
+	}
+	lose.Store(false)
+	if c := h.apiClaim("c"); c.Status.Allocation == nil {
+		t.Fatal("the lost write did not reach the API")
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if c := h.apiClaim("c"); len(c.Status.ReservedFor) != 0 {
+		t.Errorf("claim c still reserved for %v after Unreserve", c.Status.ReservedFor)
+	}
+	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+	}
+}
