@@ -375,3 +375,42 @@ func allNames(nodes []fwk.NodeInfo) sets.Set[string] {
 	}
 	return out
 }
+
+// TestPlacedWholeNodePodIsNotWaiting: once Reserve has given a whole-node
+// pod its devices (PreBind still writing them), the next pod's PreScore
+// no longer counts it as waiting: no node drains for it.
+func TestPlacedWholeNodePodIsNotWaiting(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("n1"), testNode("n2")}, testDeviceClass(), testSlice("n1", 8), testSlice("n2", 8),
+		testClaim("eight", 8), testClaim("one", 1))
+	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("one", func(*resourceapi.ResourceClaim) bool { return true })
+	whole, small := testPod("whole", "eight"), testPod("small", "one")
+	h.pl.pending.handler().OnAdd(whole, false)
+	h.pl.pending.handler().OnAdd(small, false)
+	nodes := []fwk.NodeInfo{h.nodes["n1"], h.nodes["n2"]}
+	draining := func() sets.Set[string] {
+		t.Helper()
+		cs, _ := h.cycle(small, "n1", "n2")
+		if st := h.pl.PreScore(h.tCtx, cs, small, nodes); !st.IsSuccess() {
+			t.Fatalf("PreScore: %v", st)
+		}
+		s, err := getState(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.draining
+	}
+	if d := draining(); d.Len() != 1 {
+		t.Fatalf("with the whole-node pod waiting: draining %v, want one node", sets.List(d))
+	}
+	cs, st := h.cycle(whole, "n1")
+	if !st["n1"].IsSuccess() {
+		t.Fatalf("Filter: %v", st["n1"])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, whole, "n1"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	if d := draining(); d.Len() != 0 {
+		t.Errorf("after the whole-node pod's Reserve: draining %v, want none", sets.List(d))
+	}
+}

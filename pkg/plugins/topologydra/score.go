@@ -49,7 +49,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	}
 	wholeNode := mostOfOneClass(own) >= allocator.WholeNodeBlock
 	if pl.pending != nil {
-		if waiting, admitted := pl.pending.wholeNodePods(pod, pl.draManager.ResourceClaims().Get, nodes); waiting > 0 {
+		if waiting, admitted := pl.pending.wholeNodePods(pod, pl.claimWithInFlight, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
 			if !wholeNode {
 				s.draining = drainingNodes(s, nodes, waiting, s.ages, admitted)
@@ -386,3 +386,18 @@ func choicePenalty(claims []*resourceapi.ResourceClaim, allocations []resourceap
 // them. Stretching the feasible nodes' scores to 0..100 would turn a
 // 1-point difference into the full range and override them.
 func (pl *TopologyDRA) ScoreExtensions() fwk.ScoreExtensions { return nil }
+
+// claimWithInFlight looks a claim up in the claim cache, with the
+// allocation a scheduling cycle has reserved for it and not written yet:
+// a pod between Reserve and the end of PreBind is placed, not waiting.
+func (pl *TopologyDRA) claimWithInFlight(namespace, name string) (*resourceapi.ResourceClaim, error) {
+	claim, err := pl.draManager.ResourceClaims().Get(namespace, name)
+	if err != nil || claim.Status.Allocation != nil {
+		return claim, err
+	}
+	if allocation := pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID); allocation != nil {
+		claim = claim.DeepCopy()
+		claim.Status.Allocation = allocation
+	}
+	return claim, nil
+}
