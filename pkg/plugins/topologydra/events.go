@@ -21,7 +21,7 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 	return []fwk.ClusterEventWithHint{
 		// Node labels feed allocation node selectors and slice node
 		// selectors; labels, taints and cordons decide which nodes keep a
-		// headroom for the pod (mayUse).
+		// headroom for the pod (podMayUseNode).
 		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint}},
 		// Claims: the pod's own claim created or changed, or devices freed.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Add | fwk.Update | fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterClaimChange},

@@ -314,3 +314,53 @@ func TestPodUpdateQueueingHint(t *testing.T) {
 		}
 	}
 }
+
+// TestFreedDevicesTakenAgainBySameClaim: a claim gives two GPUs back
+// before the claim tracker sees it, then is allocated the same GPUs
+// again (its pod retried). Those GPUs are held, not free: when another
+// claim gives back the other two GPUs of the node, a 4-GPU pod is not
+// retried for a node with two free.
+func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a")}, testDeviceClass(), testSlice("a", 4),
+		testClaim("big", 4),
+		allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1"),
+		allocatedOn(testClaim("z", 2), "a", "gpu-2", "gpu-3"))
+	for _, n := range []string{"big", "x", "z"} {
+		h.waitForClaim(n, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	big := testPod("big", "big")
+	hint := func(old, new *resourceapi.ResourceClaim) fwk.QueueingHint {
+		t.Helper()
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), big, old, new)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	setAllocation := func(name string, allocation *resourceapi.AllocationResult) {
+		t.Helper()
+		c := h.apiClaim(name)
+		c.Status.Allocation = allocation
+		if _, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, c, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		h.waitForClaim(name, func(c *resourceapi.ResourceClaim) bool { return (c.Status.Allocation == nil) == (allocation == nil) })
+	}
+	// x gives gpu-0 and gpu-1 back; the hint runs before the tracker
+	// sees it.
+	x := h.apiClaim("x")
+	gone := x.DeepCopy()
+	gone.Status.Allocation = nil
+	if got := hint(x, gone); got != fwk.QueueSkip {
+		t.Errorf("x gave back 2 of 4: hint %v, want QueueSkip", got)
+	}
+	// The tracker sees x deallocated, then allocated the same GPUs again.
+	setAllocation("x", nil)
+	setAllocation("x", allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1").Status.Allocation)
+	// z gives back gpu-2 and gpu-3: two free on the node, x holds the rest.
+	z := h.apiClaim("z")
+	setAllocation("z", nil)
+	if got := hint(z, h.apiClaim("z")); got != fwk.QueueSkip {
+		t.Errorf("z gave back 2 GPUs while x holds the other 2 again: hint %v for a 4-GPU pod, want QueueSkip", got)
+	}
+}

@@ -91,7 +91,7 @@ func (h headroom) spareAfter(driver, node string, n int) int {
 	return h.drivers[driver].spare - Spare(f) + Spare(f-n)
 }
 
-// admittedNodes names the nodes that the pod may use (see mayUse): the
+// admittedNodes names the nodes that the pod may use (see podMayUseNode): the
 // part of the cluster whose headroom the pod keeps (other pods may run
 // elsewhere). taintOps is the TaintTolerationComparisonOperators feature.
 func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo, taintOps bool) sets.Set[string] {
@@ -100,13 +100,13 @@ func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo, taintOps bool) sets.Set[st
 	return out
 }
 
-// mayUse reports whether the node passes what the scheduler's
+// podMayUseNode reports whether the node passes what the scheduler's
 // NodeAffinity, NodeUnschedulable and TaintToleration filters check of the
 // pod: its required node selector and affinity, a cordon, and taints with
 // the effects NoSchedule and NoExecute that it does not tolerate. A node
 // that fails any of them cannot take the pod however many devices it has
 // free, so its devices neither keep a headroom for it nor drain for it.
-func mayUse(logger klog.Logger, pod *v1.Pod, affinity nodeaffinity.RequiredNodeAffinity, node *v1.Node, taintOps bool) bool {
+func podMayUseNode(logger klog.Logger, pod *v1.Pod, affinity nodeaffinity.RequiredNodeAffinity, node *v1.Node, taintOps bool) bool {
 	if ok, err := affinity.Match(node); !ok || err != nil {
 		return false
 	}

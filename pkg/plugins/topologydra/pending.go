@@ -27,7 +27,7 @@ type pendingIndex struct {
 	// pods maps scheduler name, then pod UID, to the pod's entry.
 	pods map[string]map[types.UID]*pendingPod
 	// taintOps is the TaintTolerationComparisonOperators feature, for
-	// matching tolerations (see mayUse); set before use.
+	// matching tolerations (see podMayUseNode); set before use.
 	taintOps bool
 }
 
@@ -138,13 +138,13 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 }
 
 // admitNodes adds to admitted the names of the nodes that the pod may use
-// (mayUse), and reports whether there was one.
+// (podMayUseNode), and reports whether there was one.
 func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string], taintOps bool) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	logger := klog.Background()
 	found := false
 	for _, node := range nodes {
-		if mayUse(logger, pod, affinity, node.Node(), taintOps) {
+		if podMayUseNode(logger, pod, affinity, node.Node(), taintOps) {
 			admitted.Insert(node.Node().Name)
 			found = true
 		}

@@ -79,7 +79,7 @@ type TopologyDRA struct {
 	// nicReservePercent is args.NICReservePercent (see nicReserveOf).
 	nicReservePercent int32
 	// taintOps is the TaintTolerationComparisonOperators feature: how
-	// mayUse matches a pod's tolerations.
+	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"strconv"
 	"sync"
 
 	v1 "k8s.io/api/core/v1"
@@ -32,11 +33,33 @@ type freedDevices struct {
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
 	// at once it may not have seen the earlier ones yet. A device counts
-	// as free while the tracker still shows that claim holding it; an
-	// entry goes once an event that counts the devices of its node finds
-	// the tracker showing it free or held by another claim (so there are
-	// never more entries than published devices).
-	freedBy map[structured.DeviceID]types.UID
+	// as free while the tracker still shows that claim holding it, at
+	// the version that gave it back or an older one; an entry goes once
+	// an event that counts the devices of its node finds the tracker
+	// showing it free, held by another claim, or held by a newer version
+	// of the same claim (allocated the same device again), so there are
+	// never more entries than published devices.
+	freedBy map[structured.DeviceID]release
+}
+
+// release is the claim that gave a device back, and the resourceVersion
+// of that claim that still held it.
+type release struct {
+	uid     types.UID
+	version string
+}
+
+// heldBy reports whether claim, as the claim tracker shows it, is the
+// claim that gave the device back, not yet seen giving it back: the same
+// claim at the version that gave it back or an older one. A version that
+// is not a decimal number (the API server's are) counts as not newer.
+func (r release) heldBy(claim *resourceapi.ResourceClaim) bool {
+	if claim.UID != r.uid {
+		return false
+	}
+	seen, err1 := strconv.ParseUint(claim.ResourceVersion, 10, 64)
+	released, err2 := strconv.ParseUint(r.version, 10, 64)
+	return err1 != nil || err2 != nil || seen <= released
 }
 
 type freedKey struct {
@@ -197,12 +220,12 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		return f.free, true
 	}
 	if f.freedBy == nil {
-		f.freedBy = map[structured.DeviceID]types.UID{}
+		f.freedBy = map[structured.DeviceID]release{}
 	}
 	freedPools := map[poolKey]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
-		f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = claim.UID
+		f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = release{uid: claim.UID, version: claim.ResourceVersion}
 	}
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
@@ -244,7 +267,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	// claim holds each device given back.
 	type deviceKey struct{ driver, pool, device string }
 	allocated := map[deviceKey]bool{}
-	heldBy := map[structured.DeviceID]types.UID{}
+	stillHeld := map[structured.DeviceID]bool{}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
 			continue
@@ -255,16 +278,16 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			}
 			allocated[deviceKey{r.Driver, r.Pool, r.Device}] = true
 			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
-			if _, ok := f.freedBy[id]; ok {
-				heldBy[id] = c.UID
+			if rel, ok := f.freedBy[id]; ok && rel.heldBy(c) {
+				stillHeld[id] = true
 			}
 		}
 	}
-	for id, uid := range f.freedBy {
+	for id := range f.freedBy {
 		if !pools[poolKey{driver: id.Driver.String(), pool: id.Pool.String()}] {
 			continue // not counted here; checked when its node's devices are
 		}
-		if held, ok := heldBy[id]; !ok || held != uid {
+		if !stillHeld[id] {
 			delete(f.freedBy, id) // seen free, or taken again
 		}
 	}
@@ -328,8 +351,8 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 	// The claims that gave devices back: only their results are looked up
 	// among the devices given back.
 	givers := map[types.UID]bool{}
-	for _, uid := range f.freedBy {
-		givers[uid] = true
+	for _, rel := range f.freedBy {
+		givers[rel.uid] = true
 	}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
@@ -342,7 +365,7 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 				continue
 			}
 			if gave {
-				if uid, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && uid == c.UID {
+				if rel, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && rel.heldBy(c) {
 					continue // given back, not seen yet
 				}
 			}
