@@ -24,7 +24,8 @@ import (
 // PostFilter, which deallocates claims no node can use, runs before
 // DefaultPreemption, as the stock DynamicResources plugin does, that
 // every profile sorts the queue with DeviceCountSort, and that every
-// configuration gives TopologyDRA's score the same weight.
+// configuration gives TopologyDRA's score the same weight and scores every
+// feasible node.
 func TestShippedSchedulerConfigs(t *testing.T) {
 	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
 	if err != nil {
@@ -81,6 +82,9 @@ func TestShippedSchedulerConfigs(t *testing.T) {
 			fw, ok := sched.Profiles["topodra-scheduler"]
 			if !ok {
 				t.Fatal("no topodra-scheduler profile")
+			}
+			if pct := fw.PercentageOfNodesToScore(); pct == nil || *pct != 100 {
+				t.Errorf("topodra-scheduler scores a share of the feasible nodes (percentageOfNodesToScore %v), want every one (100)", pct)
 			}
 			var order []string
 			for _, p := range fw.ListPlugins().PostFilter.Enabled {
