@@ -10,6 +10,7 @@ import (
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
@@ -221,4 +222,46 @@ func schedulerOwnedKey(t *testing.T, data []byte) string {
 		return topology.DefaultTaintKey
 	}
 	return key
+}
+
+// TestSchedulerSurvivesADrain: in every install, the scheduler's
+// replicas prefer distinct nodes and a PodDisruptionBudget that selects
+// them lets a drain evict only one at a time.
+func TestSchedulerSurvivesADrain(t *testing.T) {
+	for name, objs := range sets(t) {
+		if strings.HasPrefix(name, "examples/") {
+			continue
+		}
+		var deploy *appsv1.Deployment
+		var pdb *policyv1.PodDisruptionBudget
+		for _, obj := range objs {
+			switch o := obj.(type) {
+			case *appsv1.Deployment:
+				if o.Name == "topodra-scheduler" {
+					deploy = o
+				}
+			case *policyv1.PodDisruptionBudget:
+				pdb = o
+			}
+		}
+		if deploy == nil {
+			t.Errorf("%s: no topodra-scheduler Deployment", name)
+			continue
+		}
+		labels := deploy.Spec.Template.Labels
+		if pdb == nil || pdb.Namespace != deploy.Namespace || pdb.Spec.Selector == nil || pdb.Spec.MaxUnavailable == nil || pdb.Spec.MaxUnavailable.IntValue() != 1 {
+			t.Errorf("%s: want a PodDisruptionBudget with maxUnavailable 1 beside the scheduler, got %+v", name, pdb)
+			continue
+		}
+		for k, v := range pdb.Spec.Selector.MatchLabels {
+			if labels[k] != v {
+				t.Errorf("%s: the PodDisruptionBudget selects %s=%s, which the scheduler's pods do not carry", name, k, v)
+			}
+		}
+		anti := deploy.Spec.Template.Spec.Affinity
+		if anti == nil || anti.PodAntiAffinity == nil || len(anti.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution) == 0 ||
+			anti.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution[0].PodAffinityTerm.TopologyKey != v1.LabelHostname {
+			t.Errorf("%s: the scheduler's replicas do not prefer distinct nodes", name)
+		}
+	}
 }
