@@ -7,7 +7,8 @@
 # spec it wrote and what a container of the claim sees once the CDI library
 # applies the claim's devices as a runtime does (environment, driver
 # libraries and nvidia-smi mounts, device nodes, hooks), and unprepares it.
-# Needs no cluster and writes nothing outside a temporary directory. Extra
+# Needs no cluster; builds bin/topodra-node-agent (or $BIN_DIR), and the
+# agent writes nothing outside a temporary directory. Extra
 # arguments go to the agent, e.g.
 #   hack/gpu-check.sh --owned-taint --numa-list
 #   DRIVER_ROOT=/run/nvidia/driver hack/gpu-check.sh   # GPU Operator node
