@@ -1073,3 +1073,31 @@ func TestQualityRoom(t *testing.T) {
 		t.Errorf("four GPUs in the free NUMA node of a used node: room %v, breaks node %v; want below 1, above breaking a node (%v), false", numa.Room, numa.BreaksNode, first.Room)
 	}
 }
+
+// TestNoSubrequestFitsNamesEach: a prioritized list none of whose
+// subrequests fits is explained by all of them, not only the first: the
+// pod would run with any.
+func TestNoSubrequestFitsNamesEach(t *testing.T) {
+	ctx := quietContext(t)
+	c := claim("c").obj()
+	r := resourceapi.DeviceRequest{Name: "gpus"}
+	for _, n := range []int64{8, 4} {
+		r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
+			Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
+		})
+	}
+	c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
+	state := allocated(gpuDriver, "node-a", "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4")
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgx("node-a"), CELCache: newCELCache(), Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "claim c request gpus: no subrequest fits (n8: only 3 free devices match (needs 8); n4: only 3 free devices match (needs 4))"
+	if res.Allocations != nil || res.Explanation.String() != want {
+		t.Errorf("got %v, explanation %q; want none, %q", deviceNames(res.Allocations), res.Explanation.String(), want)
+	}
+}

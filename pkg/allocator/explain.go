@@ -51,10 +51,29 @@ func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
 			if expl == nil {
 				expl = &Explanation{}
 			}
-			expl.Requests = append(expl.Requests, a.requestExplanation(r.alts[0], ns, ""))
+			expl.Requests = append(expl.Requests, a.alternativesExplanation(r, ns))
 		}
 	}
 	return expl
+}
+
+// alternativesExplanation describes a request none of whose alternatives
+// fits: the one alternative of an exact request, or every subrequest of
+// a prioritized list (the pod would run with any of them).
+func (a *Allocator) alternativesExplanation(r *request, ns *nodeState) RequestExplanation {
+	first := a.requestExplanation(r.alts[0], ns, "")
+	if len(r.alts) == 1 {
+		return first
+	}
+	parts := make([]string, 0, len(r.alts))
+	for _, u := range r.alts {
+		re := a.requestExplanation(u, ns, "")
+		reason, _, _ := strings.Cut(re.Reason, "; ") // the pools' suffix once, below
+		parts = append(parts, u.subName+": "+reason)
+	}
+	first.Request = r.name
+	first.Reason = "no subrequest fits (" + strings.Join(parts, "; ") + ")" + unusablePools(ns)
+	return first
 }
 
 // requestExplanation describes one unit; ns may be nil (no domain info).
@@ -194,7 +213,11 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 		for _, r := range info.requests {
 			u := r.chosen()
 			if u == nil && len(r.alts) > 0 {
-				u = r.alts[0]
+				if first == nil {
+					first = r.alts[0]
+				}
+				expl.Requests = append(expl.Requests, a.alternativesExplanation(r, ns))
+				continue
 			}
 			if u == nil {
 				continue
