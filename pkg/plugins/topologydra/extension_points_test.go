@@ -19,6 +19,7 @@ import (
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -512,5 +513,35 @@ func TestScorePrefersFirstChoice(t *testing.T) {
 	}
 	if scoreA < 0 || scoreB > fwk.MaxNodeScore {
 		t.Errorf("scores %d, %d outside 0..%d", scoreA, scoreB, fwk.MaxNodeScore)
+	}
+}
+
+// TestPreEnqueueTellsWhy: a pod held out of the queue for a claim it
+// names that does not exist gets a warning event saying so (no
+// scheduling attempt runs, so nothing else would); a pod whose template
+// claim the controller has not created yet waits silently.
+func TestPreEnqueueTellsWhy(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass())
+	if st := h.pl.PreEnqueue(h.tCtx, testPod("p", "absent")); code(st) != fwk.Unschedulable {
+		t.Fatalf("PreEnqueue: %v, want Unschedulable", st)
+	}
+	select {
+	case e := <-h.recorder.Events:
+		if !strings.Contains(e, "Warning FailedScheduling") || !strings.Contains(e, "waiting for resource claim ns/absent") {
+			t.Errorf("event %q, want a FailedScheduling warning naming the claim", e)
+		}
+	default:
+		t.Error("no event on the pod")
+	}
+	fromTemplate := testPod("q")
+	fromTemplate.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
+	fromTemplate.Status.ResourceClaimStatuses = []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To("q-gpu-x1")}}
+	if st := h.pl.PreEnqueue(h.tCtx, fromTemplate); code(st) != fwk.Unschedulable {
+		t.Fatalf("PreEnqueue of a pod whose claim is being created: %v, want Unschedulable", st)
+	}
+	select {
+	case e := <-h.recorder.Events:
+		t.Errorf("event %q for a claim the controller is creating", e)
+	default:
 	}
 }

@@ -23,12 +23,32 @@ import (
 // PreEnqueue keeps a pod out of the active queue until all of its claims
 // exist (claims from templates are created by the ResourceClaim controller
 // and named in pod.status.resourceClaimStatuses).
+//
+// The queue keeps such a pod without a scheduling attempt, so no condition
+// or event says why it waits: where the wait is not the claim
+// controller's usual short one (a claim the pod names directly that does
+// not exist, a claim being deleted, a claim of another pod), the pod gets
+// a warning event.
 func (pl *TopologyDRA) PreEnqueue(ctx context.Context, pod *v1.Pod) *fwk.Status {
 	if _, err := pl.podClaims(pod); err != nil {
+		var wait *claimWaitError
+		if errors.As(err, &wait) && wait.tellUser {
+			pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedScheduling", "Scheduling", "%s", err.Error())
+		}
 		return unschedulable(err.Error())
 	}
 	return nil
 }
+
+// claimWaitError says why a pod's claims are not ready for scheduling,
+// and whether the user should be told (see PreEnqueue).
+type claimWaitError struct {
+	err      error
+	tellUser bool
+}
+
+func (e *claimWaitError) Error() string { return e.err.Error() }
+func (e *claimWaitError) Unwrap() error { return e.err }
 
 // podClaims returns the pod's claims from the scheduler's claim cache, in
 // pod.spec.resourceClaims order, or an error saying which one is missing.
@@ -47,14 +67,16 @@ func (pl *TopologyDRA) podClaims(pod *v1.Pod) ([]*resourceapi.ResourceClaim, err
 		}
 		claim, err := pl.draManager.ResourceClaims().Get(pod.Namespace, *name)
 		if err != nil {
-			return nil, fmt.Errorf("waiting for resource claim %s/%s: %w", pod.Namespace, *name, err)
+			// A claim of a template is created by the claim controller
+			// just after the pod; one the pod names must exist already.
+			return nil, &claimWaitError{err: fmt.Errorf("waiting for resource claim %s/%s: %w", pod.Namespace, *name, err), tellUser: podClaim.ResourceClaimName != nil}
 		}
 		if claim.DeletionTimestamp != nil {
-			return nil, fmt.Errorf("resource claim %s/%s is being deleted", pod.Namespace, *name)
+			return nil, &claimWaitError{err: fmt.Errorf("resource claim %s/%s is being deleted", pod.Namespace, *name), tellUser: true}
 		}
 		if mustCheckOwner {
 			if err := resourceclaim.IsForPod(pod, claim, false); err != nil {
-				return nil, err
+				return nil, &claimWaitError{err: err, tellUser: true}
 			}
 		}
 		claims = append(claims, claim)
