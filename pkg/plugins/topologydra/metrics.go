@@ -72,5 +72,12 @@ func (pl *TopologyDRA) recordPlacement(pod *v1.Pod, nodeName string, s *stateDat
 		where = "single device"
 	}
 	msg := fmt.Sprintf("allocated %s on node %s (%s)", strings.Join(q.Devices, ", "), nodeName, where)
+	if why := s.result.Explanation.String(); why != "" && q.Domain == "" && len(q.Devices) > 1 {
+		// Why the devices could not share a domain here.
+		msg += ": " + why
+	}
+	if s.draining.Has(nodeName) {
+		msg += "; the node was being kept for waiting whole-node pods, and no other node offered as good a placement"
+	}
 	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "DevicesAllocated", "Binding", "%s", msg)
 }

@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -248,5 +249,30 @@ func TestScorePrefersTheSettledNode(t *testing.T) {
 	}
 	if a, b := scores(now.Add(-time.Minute), now.Add(-time.Hour)); b <= a {
 		t.Errorf("node-b's pod ran an hour, node-a's a minute: scores %d and %d, want node-b higher", a, b)
+	}
+}
+
+// TestPlacementEventSaysWhy: the pod's DevicesAllocated event says why
+// its devices span domains, and that its node was being kept for waiting
+// whole-node pods.
+func TestPlacementEventSaysWhy(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")})
+	s := &stateData{
+		result: &allocator.Result{
+			Quality:     allocator.Quality{Devices: []string{"gpu-0", "gpu-5"}},
+			Explanation: &allocator.Explanation{Requests: []allocator.RequestExplanation{{Claim: "c", Request: "gpus", Reason: "devices span domains: the best domain numaNode=0 has 1 of 2 needed free devices (alignment=prefer)"}}},
+		},
+		draining: sets.New("node-a"),
+	}
+	h.pl.recordPlacement(testPod("p"), "node-a", s)
+	select {
+	case e := <-h.recorder.Events:
+		for _, want := range []string{"allocated gpu-0, gpu-5 on node node-a (devices span domains): claim c request gpus: devices span domains: the best domain numaNode=0 has 1 of 2", "kept for waiting whole-node pods"} {
+			if !strings.Contains(e, want) {
+				t.Errorf("event %q does not say %q", e, want)
+			}
+		}
+	default:
+		t.Fatal("no event")
 	}
 }
