@@ -22,6 +22,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -44,7 +45,11 @@ var (
 	ErrCorrupt = errors.New("checkpoint checksum mismatch")
 )
 
-// Checkpoint is the persisted state: prepared claims by UID.
+// Checkpoint is the persisted state: prepared claims by UID, what claims
+// held before the last reboot, and the GPU faults seen during this boot.
+//
+// Fields added after v2 are optional: files without them load, and they
+// are left out of the file while empty.
 type Checkpoint struct {
 	// BootID is the node's boot id (/proc/sys/kernel/random/boot_id) when
 	// the claims were prepared. Prepared state does not survive a reboot
@@ -53,6 +58,15 @@ type Checkpoint struct {
 	// written before boot ids were recorded.
 	BootID string                      `json:"bootID,omitempty"`
 	Claims map[types.UID]PreparedClaim `json:"claims"`
+	// PreviousBoot holds the claims that were prepared during an earlier
+	// boot and have not been prepared again since: which GPU (by UUID)
+	// each of their device names stood for then. The kubelet prepares
+	// the claims of surviving pods again after a reboot; a device name
+	// that now names another GPU must not be prepared for them.
+	PreviousBoot map[types.UID]PreparedClaim `json:"previousBoot,omitempty"`
+	// Faults are the GPUs found faulty during this boot, by GPU UUID. A
+	// reboot resets the GPUs and clears them.
+	Faults map[string]Fault `json:"faults,omitempty"`
 }
 
 // PreparedClaim is one claim that Prepare handled.
@@ -60,6 +74,19 @@ type PreparedClaim struct {
 	Namespace string           `json:"namespace"`
 	Name      string           `json:"name"`
 	Devices   []PreparedDevice `json:"devices"`
+	// AllocatedAt is the claim's allocation timestamp when it was
+	// prepared, if the API server recorded one: it tells a reallocation
+	// of the same claim from the allocation that was prepared.
+	AllocatedAt *time.Time `json:"allocatedAt,omitempty"`
+}
+
+// Fault is a GPU fault (critical XID, lost GPU) as the agent publishes it.
+type Fault struct {
+	// Device is the GPU's device name when the fault was seen.
+	Device  string    `json:"device,omitempty"`
+	Reason  string    `json:"reason"`
+	Message string    `json:"message,omitempty"`
+	Time    time.Time `json:"time"`
 }
 
 // PreparedDevice is one allocated device of a prepared claim.

@@ -2,11 +2,14 @@ package checkpoint
 
 import (
 	"errors"
+	"fmt"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -29,6 +32,12 @@ func TestRoundTrip(t *testing.T) {
 		"empty":      {Claims: map[types.UID]PreparedClaim{}},
 		"one claim":  {Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0", "gpu-1")}},
 		"two claims": {Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0"), "uid-b": claim("b", "gpu-3")}},
+		"previous boot and faults": {
+			BootID:       "boot-2",
+			Claims:       map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")},
+			PreviousBoot: map[types.UID]PreparedClaim{"uid-b": claim("b", "gpu-3")},
+			Faults:       map[string]Fault{"GPU-gpu-5": {Device: "gpu-5", Reason: "xid-48", Message: "double-bit ECC error", Time: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}},
+		},
 	}
 	for name, cp := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -146,5 +155,26 @@ func TestCrashBetweenWriteAndRename(t *testing.T) {
 	}
 	if temps, _ := filepath.Glob(filepath.Join(dir, tempPrefix+"*")); len(temps) != 0 {
 		t.Errorf("stale temporary files not removed: %v", temps)
+	}
+}
+
+// TestLoadV2WithoutNewFields reads a file as agents wrote it before
+// previousBoot and faults existed.
+func TestLoadV2WithoutNewFields(t *testing.T) {
+	s, err := New(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := `{"bootID":"boot-1","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpus"],"pool":"node-1","device":"gpu-0","uuid":"GPU-0","minor":0,"cdiDeviceIDs":["x"]}]}}}`
+	out := fmt.Sprintf(`{"version":%q,"checksum":%d,"data":%s}`, Version, crc32.ChecksumIEEE([]byte(data)), data)
+	if err := os.WriteFile(s.Path(), []byte(out), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cp, err := s.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cp.Claims) != 1 || cp.PreviousBoot != nil || cp.Faults != nil {
+		t.Errorf("got %+v", cp)
 	}
 }
