@@ -114,7 +114,8 @@ type Options struct {
 	// cdi.Static{} (device nodes that exist, no driver files).
 	CDIGenerator cdi.Generator
 	// BootIDPath is read for the node's boot id; prepared claims recorded
-	// under another boot id are dropped at start. Default
+	// under another boot id are dropped at start (Prepare then refuses
+	// such a claim if its device names now name other GPUs). Default
 	// DefaultBootIDPath; a file that cannot be read disables the check.
 	BootIDPath string
 	// StaleClaimCheck is how often prepared claims are checked against the

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
@@ -45,6 +46,8 @@ type env struct {
 	devNodes bool
 	// bootIDFile stands for /proc/sys/kernel/random/boot_id.
 	bootIDFile string
+	// recorder, if set, receives the agent's events.
+	recorder events.EventRecorder
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -106,6 +109,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		CDIGenerator:   cdi.Static{DevRoot: e.devRoot},
 		BootIDPath:     e.bootIDFile,
 		RescanInterval: -1,
+		Recorder:       e.recorder,
 	})
 	if err != nil {
 		t.Fatalf("start agent: %v", err)

@@ -271,3 +271,78 @@ func TestCleanupStaleClaims(t *testing.T) {
 		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
 	}
 }
+
+// TestRebootMovedGPU prepares two claims, then "reboots" the node with the
+// minor numbers of GPUs 2 and 3 swapped, so that the device name gpu-2 now
+// names the other GPU. The kubelet prepares both claims again: the one on
+// gpu-2 is refused with ErrGPUMoved, naming both UUIDs, and a warning event
+// on the claim; the one on gpu-5, whose GPU kept its name, prepares
+// normally; a new claim on gpu-2 prepares normally.
+func TestRebootMovedGPU(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	moved := claim("moved", gpus("gpus", "gpu-2")...)
+	kept := claim("kept", gpus("gpus", "gpu-5")...)
+	a := e.start(ctx, t)
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved, kept})
+	if err != nil || res[moved.UID].Err != nil || res[kept.UID].Err != nil {
+		t.Fatalf("prepare: %v %v", err, res)
+	}
+	a.Stop()
+
+	if err := os.WriteFile(e.bootIDFile, []byte("boot-2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e.machine.SetMinor(2, 3)
+	e.machine.SetMinor(3, 2)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	a = e.start(ctx, t)
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved, kept})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := res[moved.UID].Err
+	if !errors.Is(got, agent.ErrGPUMoved) || !strings.Contains(got.Error(), e.machine.UUID(2)) || !strings.Contains(got.Error(), e.machine.UUID(3)) || !strings.Contains(got.Error(), "recreated") {
+		t.Errorf("claim on the moved GPU: got %v, want ErrGPUMoved naming %s and %s", got, e.machine.UUID(2), e.machine.UUID(3))
+	}
+	if r := res[kept.UID]; r.Err != nil || len(r.Devices) != 1 {
+		t.Errorf("claim on a GPU that kept its name: %+v", r)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonGPUMoved) || !strings.Contains(ev, e.machine.UUID(2)) {
+		t.Errorf("event %q, want a %s warning", ev, agent.ReasonGPUMoved)
+	}
+	// A restart does not forget it: the kubelet keeps retrying.
+	a.Stop()
+	a = e.start(ctx, t)
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved})
+	if err != nil || !errors.Is(res[moved.UID].Err, agent.ErrGPUMoved) {
+		t.Errorf("after a restart: %v %v, want ErrGPUMoved", err, res[moved.UID].Err)
+	}
+	// The recreated pod's claim is another claim: gpu-2 is free for it.
+	again := claim("again", gpus("gpus", "gpu-2")...)
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{again})
+	if err != nil || res[again.UID].Err != nil {
+		t.Errorf("new claim on gpu-2: %v %v", err, res[again.UID].Err)
+	}
+	if spec := readSpec(t, e, again.UID); len(spec.Devices) != 1 || !strings.Contains(spec.ContainerEdits.Env[0], e.machine.UUID(3)) {
+		t.Errorf("new claim's CDI spec: %+v, want GPU %s", spec, e.machine.UUID(3))
+	}
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(again)}); err != nil {
+		t.Fatal(err)
+	}
+	// Once the claim is deallocated (its pod deleted), a new allocation
+	// of the same claim is not the one prepared before the reboot.
+	deallocated := moved.DeepCopy()
+	deallocated.Status.Allocation = nil
+	if _, err := e.client.ResourceV1().ResourceClaims(moved.Namespace).Create(ctx, deallocated, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.CleanupStaleClaims(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved})
+	if err != nil || res[moved.UID].Err != nil {
+		t.Errorf("reallocated claim: %v %v", err, res[moved.UID].Err)
+	}
+}

@@ -7,7 +7,9 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -26,6 +28,16 @@ var ErrNoState = errors.New("agent has no state or CDI directory: it cannot prep
 // prepared for another claim.
 var ErrDeviceInUse = errors.New("device already prepared for another claim")
 
+// ErrGPUMoved is the per-claim error for a claim that was prepared before
+// the node rebooted and whose device name now names another GPU (the
+// kernel numbered the GPUs differently at boot). Preparing it would give
+// the pod a different physical GPU than the one it ran on.
+var ErrGPUMoved = errors.New("GPU moved at boot")
+
+// ReasonGPUMoved is the reason of the warning event on a claim that is
+// refused with ErrGPUMoved.
+const ReasonGPUMoved = "GPUMovedAtBoot"
+
 // ErrConfigNotSupported is the per-claim error for a claim that carries
 // opaque device configuration for this driver: the driver defines none, and
 // ignoring it would run the pod with a configuration it did not ask for.
@@ -38,6 +50,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // if the file went missing). A device that is prepared for a different
 // claim is refused with ErrDeviceInUse (unless both use admin access), the
 // DRA driver being the last line of defense against double allocation.
+// A claim that was prepared before the node rebooted is refused with
+// ErrGPUMoved (and a warning event on the claim) if one of its device
+// names now names a GPU with another UUID.
 //
 // Per-claim problems are per-claim errors; an unreadable or unwritable
 // checkpoint fails the whole call so that the kubelet retries.
@@ -60,10 +75,17 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 		if err != nil {
 			logger.Error(err, "cannot prepare claim", "claim", klog.KObj(claim))
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
+			if errors.Is(err, ErrGPUMoved) && a.opts.Recorder != nil {
+				a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+			}
 			continue
 		}
 		if isNew {
 			cp.Claims[claim.UID] = prepared
+			changed = true
+		}
+		if _, ok := cp.PreviousBoot[claim.UID]; ok {
+			delete(cp.PreviousBoot, claim.UID)
 			changed = true
 		}
 		result[claim.UID] = kubeletplugin.PrepareResult{Devices: prepareResultDevices(prepared)}
@@ -113,6 +135,13 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 	}
 	inv := a.Inventory()
 	prepared := checkpoint.PreparedClaim{Namespace: claim.Namespace, Name: claim.Name}
+	if ts := claim.Status.Allocation.AllocationTimestamp; ts != nil {
+		prepared.AllocatedAt = ptr.To(ts.UTC().Truncate(time.Second))
+	}
+	before, rebooted := cp.PreviousBoot[claim.UID]
+	if rebooted && !sameAllocation(before.AllocatedAt, prepared.AllocatedAt) {
+		rebooted = false
+	}
 	byDevice := map[string]int{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if r.Driver != a.opts.DriverName {
@@ -124,6 +153,12 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 		gpu := inv.GPU(r.Device)
 		if gpu == nil {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: device %s does not exist on node %s", klog.KObj(claim), r.Device, a.opts.NodeName)
+		}
+		if rebooted {
+			if uuid, ok := deviceUUID(before, r.Device); ok && uuid != gpu.UUID {
+				return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: device %s was GPU %s when the claim was prepared before node %s rebooted and is GPU %s now; the pod must be recreated so that the claim is allocated again",
+					klog.KObj(claim), ErrGPUMoved, r.Device, uuid, a.opts.NodeName, gpu.UUID)
+			}
 		}
 		admin := ptr.Deref(r.AdminAccess, false)
 		if owner, uid, ok := preparedElsewhere(cp, claim.UID, gpu.UUID, admin); ok {
@@ -151,6 +186,23 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 		prepared.Devices[i].CDIDeviceIDs = []string{ids[prepared.Devices[i].Device]}
 	}
 	return prepared, true, nil
+}
+
+// sameAllocation says whether two allocation timestamps may belong to the
+// same allocation: unknown ones (not every API server records them) may.
+func sameAllocation(a, b *time.Time) bool {
+	return a == nil || b == nil || a.Equal(*b)
+}
+
+// deviceUUID is the UUID of the GPU that a prepared claim held under the
+// device name.
+func deviceUUID(c checkpoint.PreparedClaim, device string) (string, bool) {
+	for _, d := range c.Devices {
+		if d.Device == device {
+			return d.UUID, true
+		}
+	}
+	return "", false
 }
 
 // checkConfig refuses opaque configuration for this driver that applies to

@@ -33,7 +33,10 @@ func (a *Agent) bootID(ctx context.Context) string {
 // checkBootID loads the checkpoint and, if it was written during another
 // boot, drops every prepared claim with its CDI spec: after a reboot no
 // container holds those devices any more, and minor numbers may differ.
-// The kubelet prepares the claims of pods that still run again.
+// The kubelet prepares the claims of pods that still run again; what each
+// dropped claim held (device name and GPU UUID) moves to PreviousBoot so
+// that Prepare can refuse a device name that now names another GPU. GPU
+// faults are cleared: a reboot resets the GPUs.
 func (a *Agent) checkBootID(ctx context.Context) error {
 	a.prepareMutex.Lock()
 	defer a.prepareMutex.Unlock()
@@ -45,14 +48,21 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	if boot == "" || cp.BootID == boot {
 		return nil
 	}
-	if cp.BootID != "" && len(cp.Claims) > 0 {
-		klog.FromContext(ctx).Info("node rebooted since claims were prepared, dropping them", "claims", len(cp.Claims), "oldBootID", cp.BootID, "bootID", boot)
-		for uid := range cp.Claims {
+	if cp.BootID != "" {
+		if len(cp.Claims) > 0 {
+			klog.FromContext(ctx).Info("node rebooted since claims were prepared, dropping them", "claims", len(cp.Claims), "oldBootID", cp.BootID, "bootID", boot)
+		}
+		for uid, c := range cp.Claims {
 			if err := a.cdi.DeleteClaimSpec(uid); err != nil {
 				return err
 			}
+			if cp.PreviousBoot == nil {
+				cp.PreviousBoot = map[types.UID]checkpoint.PreparedClaim{}
+			}
+			cp.PreviousBoot[uid] = c
 		}
 		cp.Claims = map[types.UID]checkpoint.PreparedClaim{}
+		cp.Faults = nil
 	}
 	cp.BootID = boot
 	return a.store.Save(cp)
@@ -62,7 +72,9 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 // in the API server (or exists with another UID): its pods are gone, and
 // the kubelet, which would normally call Unprepare, may never do so (for
 // example when the agent was down at the time). It returns the claims it
-// removed. API errors other than NotFound keep the claim.
+// removed. API errors other than NotFound keep the claim. It also forgets
+// what claims held before the last reboot once such a claim is gone or no
+// longer allocated: a later allocation is not the one prepared back then.
 func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if a.store == nil {
 		return nil, ErrNoState
@@ -71,7 +83,18 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if err != nil {
 		return nil, err
 	}
-	var stale []types.UID
+	var stale, forget []types.UID
+	for uid, c := range cp.PreviousBoot {
+		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			forget = append(forget, uid)
+		case err != nil:
+			klog.FromContext(ctx).V(2).Info("cannot check claim prepared before the reboot", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+		case claim.UID != uid || claim.Status.Allocation == nil:
+			forget = append(forget, uid)
+		}
+	}
 	for uid, c := range cp.Claims {
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		switch {
@@ -83,7 +106,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 			stale = append(stale, uid)
 		}
 	}
-	if len(stale) == 0 {
+	if len(stale) == 0 && len(forget) == 0 {
 		return nil, nil
 	}
 	a.prepareMutex.Lock()
@@ -91,6 +114,9 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	cp, err = a.store.Load()
 	if err != nil {
 		return nil, err
+	}
+	for _, uid := range forget {
+		delete(cp.PreviousBoot, uid)
 	}
 	var removed []types.UID
 	for _, uid := range stale {

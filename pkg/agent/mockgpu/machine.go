@@ -246,6 +246,14 @@ func (m *Machine) SetAllLinks(gpu int, up bool) {
 	}
 }
 
+// SetMinor changes the minor number (/dev/nvidia<minor>) of a GPU, as a
+// reboot does when the kernel numbers the GPUs in another order (a GPU
+// that failed to probe shifts the later ones). Call it only while nothing
+// uses the machine's NVML.
+func (m *Machine) SetMinor(gpu, minor int) {
+	m.devices[gpu].Minor = minor
+}
+
 // SetMIG enables or disables MIG mode on a GPU.
 func (m *Machine) SetMIG(gpu int, enabled bool) {
 	mode := 0
