@@ -282,10 +282,11 @@ func TestRebootMovedGPU(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
 	moved := claim("moved", gpus("gpus", "gpu-2")...)
+	moved2 := claim("moved2", gpus("gpus", "gpu-3")...)
 	kept := claim("kept", gpus("gpus", "gpu-5")...)
 	a := e.start(ctx, t)
-	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved, kept})
-	if err != nil || res[moved.UID].Err != nil || res[kept.UID].Err != nil {
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved, moved2, kept})
+	if err != nil || res[moved.UID].Err != nil || res[moved2.UID].Err != nil || res[kept.UID].Err != nil {
 		t.Fatalf("prepare: %v %v", err, res)
 	}
 	a.Stop()
@@ -324,6 +325,16 @@ func TestRebootMovedGPU(t *testing.T) {
 	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{again})
 	if err != nil || res[again.UID].Err != nil {
 		t.Errorf("new claim on gpu-2: %v %v", err, res[again.UID].Err)
+	}
+	// Unprepare (the kubelet gave up on the pod) forgets the old GPU too.
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved2}); err != nil || !errors.Is(res[moved2.UID].Err, agent.ErrGPUMoved) {
+		t.Errorf("moved2 before unprepare: %v %v, want ErrGPUMoved", err, res[moved2.UID].Err)
+	}
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(moved2)}); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved2}); err != nil || res[moved2.UID].Err != nil {
+		t.Errorf("moved2 after unprepare: %v %v", err, res[moved2.UID].Err)
 	}
 	if spec := readSpec(t, e, again.UID); len(spec.Devices) != 1 || !strings.Contains(spec.ContainerEdits.Env[0], e.machine.UUID(3)) {
 		t.Errorf("new claim's CDI spec: %+v, want GPU %s", spec, e.machine.UUID(3))

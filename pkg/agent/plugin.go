@@ -279,7 +279,8 @@ func (a *Agent) cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
 }
 
 // UnprepareResourceClaims implements kubeletplugin.DRAPlugin: it removes
-// each claim's CDI spec and checkpoint entry. Unknown claims are fine (the
+// each claim's CDI spec and checkpoint entries (including what the claim
+// held before the last reboot). Unknown claims are fine (the
 // call is idempotent); their CDI spec is removed anyway in case a crash
 // happened between writing it and recording the claim.
 func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
@@ -305,6 +306,10 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 			delete(cp.Claims, claim.UID)
 			changed = true
 			logger.V(2).Info("claim unprepared", "claim", claim.NamespacedName)
+		}
+		if _, ok := cp.PreviousBoot[claim.UID]; ok {
+			delete(cp.PreviousBoot, claim.UID)
+			changed = true
 		}
 		result[claim.UID] = nil
 	}
