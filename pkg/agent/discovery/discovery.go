@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 )
@@ -23,6 +25,30 @@ import (
 // or NVML reports zero devices. Callers that merely probe a node, like
 // hack/gpu-check.sh, treat it as "nothing here" rather than as a failure.
 var ErrNoGPU = errors.New("no NVIDIA GPU found")
+
+// ErrDriverChanged is returned (wrapped) by discovery and health watching
+// when NVML says that the loaded library can no longer talk to the kernel
+// driver: ERROR_LIB_RM_VERSION_MISMATCH (the driver was upgraded under a
+// running agent), ERROR_DRIVER_NOT_LOADED (the driver was unloaded) or
+// ERROR_UNINITIALIZED (the library was shut down). The library must be
+// shut down and loaded again; [Lazy] does that on its next call.
+var ErrDriverChanged = errors.New("NVML lost the kernel driver (driver upgraded or unloaded)")
+
+// driverChanged reports whether err carries one of the NVML returns that
+// mean [ErrDriverChanged].
+func driverChanged(err error) bool {
+	return errors.Is(err, nvml.ERROR_LIB_RM_VERSION_MISMATCH) ||
+		errors.Is(err, nvml.ERROR_DRIVER_NOT_LOADED) ||
+		errors.Is(err, nvml.ERROR_UNINITIALIZED)
+}
+
+// wrapDriverChanged adds [ErrDriverChanged] to err where it applies.
+func wrapDriverChanged(err error) error {
+	if err == nil || errors.Is(err, ErrDriverChanged) || !driverChanged(err) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrDriverChanged, err)
+}
 
 // Interface discovers the devices of one node.
 //
@@ -49,13 +75,16 @@ type HealthWatcher interface {
 }
 
 // HealthEvent reports that one device (or all devices) became unhealthy.
-// Devices stay unhealthy until the agent restarts: NVML gives no reliable
+// Devices stay unhealthy until the node reboots: NVML gives no reliable
 // "recovered" signal after a critical XID or a lost GPU.
 type HealthEvent struct {
 	// Device is the device name in the slice ("gpu-3"). Empty means that
 	// every device of the node is affected (for example the event set
 	// itself reported that a GPU is lost without saying which).
 	Device string
+	// UUID is the GPU's UUID where the source knows it; it identifies
+	// the GPU even if its device name changes. Empty with an empty Device.
+	UUID string
 	// Reason is short and machine readable: "xid-79", "gpu-lost".
 	// It is published as the value of the health taint.
 	Reason string

@@ -725,6 +725,9 @@ func TestWatchHealth(t *testing.T) {
 				select {
 				case got := <-events:
 					got.Time = time.Time{}
+					if s.want.Device != "" {
+						s.want.UUID = inv.GPU(s.want.Device).UUID
+					}
 					if diff := cmp.Diff(s.want, got); diff != "" {
 						t.Errorf("event (-want +got):\n%s", diff)
 					}

@@ -48,7 +48,13 @@ const waitTimeout = 1000 * time.Millisecond
 // WatchHealth implements [HealthWatcher] with NVML events: a critical XID
 // on a device marks that device unhealthy; an event set reporting
 // ERROR_GPU_IS_LOST marks every device unhealthy (NVML does not say which).
+// When NVML has lost the kernel driver it returns an error wrapping
+// [ErrDriverChanged] instead of waiting on a library that cannot recover.
 func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
+	return wrapDriverChanged(d.watchHealth(ctx, inv, events))
+}
+
+func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
 	logger := klog.FromContext(ctx)
 
 	set, ret := d.lib.EventSetCreate()
@@ -60,6 +66,9 @@ func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 	nameByUUID := map[string]string{}
 	for _, gpu := range inv.GPUs {
 		dev, ret := d.lib.DeviceGetHandleByUUID(gpu.UUID)
+		if driverChanged(ret) {
+			return fmt.Errorf("get handle of %s: %w", gpu.Name, ret)
+		}
 		if ret != nvml.SUCCESS {
 			logger.Info("cannot watch device health", "device", gpu.Name, "err", ret)
 			continue
@@ -116,6 +125,9 @@ func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 			}
 			continue
 		default:
+			if driverChanged(ret) {
+				return fmt.Errorf("wait for NVML events: %w", ret)
+			}
 			logger.Info("waiting for NVML events failed", "err", ret)
 			if !pause() {
 				return nil
@@ -132,10 +144,12 @@ func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 		}
 		// Without a device NVML cannot say which GPU failed: all are
 		// suspect. A device we do not publish (MIG-enabled) is ignored.
-		name := ""
+		name, uuid := "", ""
 		if data.Device != nil {
-			uuid, ret := data.Device.GetUUID()
+			var ret nvml.Return
+			uuid, ret = data.Device.GetUUID()
 			if ret != nvml.SUCCESS {
+				uuid = ""
 				logger.Info("critical XID on a device without UUID, marking all devices", "xid", xid, "err", ret)
 			} else if name = nameByUUID[uuid]; name == "" {
 				logger.Info("ignoring critical XID on an unpublished device", "xid", xid, "uuid", uuid)
@@ -146,7 +160,7 @@ func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 		if what, ok := xidMessages[xid]; ok {
 			msg += ": " + what
 		}
-		if !send(HealthEvent{Device: name, Reason: fmt.Sprintf("xid-%d", xid), Message: msg, Time: time.Now()}) {
+		if !send(HealthEvent{Device: name, UUID: uuid, Reason: fmt.Sprintf("xid-%d", xid), Message: msg, Time: time.Now()}) {
 			return nil
 		}
 	}

@@ -116,8 +116,16 @@ type gpuInfo struct {
 	links []Link
 }
 
-// Discover implements [Interface].
+// Discover implements [Interface]. When NVML has lost the kernel driver
+// (see [ErrDriverChanged]) it fails with an error wrapping
+// ErrDriverChanged, also where only one GPU says so, rather than publishing
+// GPUs as skipped.
 func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
+	inv, err := d.discover(ctx)
+	return inv, wrapDriverChanged(err)
+}
+
+func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 	logger := klog.FromContext(ctx)
 	d.mutex.Lock()
 	defer d.mutex.Unlock()
@@ -148,6 +156,9 @@ func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
 	var infos []gpuInfo
 	for i := 0; i < count; i++ {
 		dev, ret := d.lib.DeviceGetHandleByIndex(i)
+		if driverChanged(ret) {
+			return nil, fmt.Errorf("get handle of GPU %d: %w", i, ret)
+		}
 		if ret != nvml.SUCCESS {
 			// A lost GPU still counts but cannot be opened: report it,
 			// publish the others.
@@ -156,6 +167,9 @@ func (d *NVML) Discover(ctx context.Context) (*Inventory, error) {
 			continue
 		}
 		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion)
+		if driverChanged(err) {
+			return nil, fmt.Errorf("GPU %d: %w", i, err)
+		}
 		if err != nil {
 			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: err.Error()})
 			logger.Info("skipping GPU", "index", i, "reason", err.Error())

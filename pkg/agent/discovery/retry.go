@@ -2,10 +2,12 @@ package discovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"k8s.io/klog/v2"
 
 	"github.com/topodra/topodra/pkg/agent/driverroot"
 )
@@ -16,7 +18,9 @@ import (
 type OpenFunc func() (nvml.Interface, error)
 
 // OpenFromRoot opens libnvidia-ml.so.1 of a driver root (the real NVML
-// library); while the root has none, the error wraps [ErrNoGPU].
+// library); while the root has none, the error wraps [ErrNoGPU]. The path
+// is resolved again on every call, so that after a driver upgrade the new
+// library file is loaded.
 func OpenFromRoot(root driverroot.Root) OpenFunc {
 	return func() (nvml.Interface, error) {
 		path, err := root.NVMLLibraryPath()
@@ -31,9 +35,12 @@ func OpenFromRoot(root driverroot.Root) OpenFunc {
 // starts (a driver container still installing, a driver installed later).
 // Each Discover call first tries to open and initialize NVML if that has
 // not succeeded yet; until it does, Discover returns an error wrapping
-// [ErrNoGPU] and the agent retries. Once open, NVML stays open until Close.
-// Lazy implements [Interface] and [HealthWatcher] and is safe for
-// concurrent use.
+// [ErrNoGPU] and the agent retries. Once open, NVML stays open until Close
+// or until NVML reports that it lost the kernel driver ([ErrDriverChanged]:
+// a driver upgrade or unload): then Lazy shuts the library down, forgets
+// it and returns that error, and the next call opens the library again
+// (from a path resolved anew). Lazy implements [Interface] and
+// [HealthWatcher] and is safe for concurrent use.
 type Lazy struct {
 	open OpenFunc
 	opts NVMLOptions
@@ -88,12 +95,17 @@ func (l *Lazy) Discover(ctx context.Context) (*Inventory, error) {
 	if err != nil {
 		return nil, err
 	}
-	return d.Discover(ctx)
+	inv, err := d.Discover(ctx)
+	if errors.Is(err, ErrDriverChanged) {
+		l.drop(ctx, d)
+	}
+	return inv, err
 }
 
 // WatchHealth implements [HealthWatcher]. While NVML is not open it
 // returns an error wrapping [ErrHealthUnsupported]; the agent restarts
-// health watching when the devices change.
+// health watching when the devices change. An error wrapping
+// [ErrDriverChanged] drops the library as Discover does.
 func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
 	l.mutex.Lock()
 	d := l.current
@@ -101,7 +113,26 @@ func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, events chan<- He
 	if d == nil {
 		return fmt.Errorf("%w: NVML is not loaded", ErrHealthUnsupported)
 	}
-	return d.WatchHealth(ctx, inv, events)
+	err := d.WatchHealth(ctx, inv, events)
+	if errors.Is(err, ErrDriverChanged) {
+		l.drop(ctx, d)
+	}
+	return err
+}
+
+// drop shuts d down and forgets it, unless another call already replaced
+// it. Shutdown may fail on a library that lost its driver; it is
+// forgotten all the same.
+func (l *Lazy) drop(ctx context.Context, d *NVML) {
+	l.mutex.Lock()
+	defer l.mutex.Unlock()
+	if l.current != d {
+		return
+	}
+	l.current = nil
+	if err := d.Close(); err != nil {
+		klog.FromContext(ctx).V(2).Info("shutting down NVML after it lost the driver", "err", err)
+	}
 }
 
 // Close shuts NVML down if it was opened.
