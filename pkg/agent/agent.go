@@ -157,6 +157,15 @@ const DefaultNoGPURetry = 5 * time.Second
 const (
 	ReasonNoGPU     = "TopodraNoGPU"
 	ReasonGPUsFound = "TopodraGPUsFound"
+	// ReasonNVMLReload (Warning): NVML lost the kernel driver (an
+	// upgrade or unload), the agent reloads it.
+	ReasonNVMLReload = "TopodraNVMLReload"
+	// ReasonNVMLReloadFailed (Warning): reloading NVML failed, the agent
+	// retries.
+	ReasonNVMLReloadFailed = "TopodraNVMLReloadFailed"
+	// ReasonNVMLReloaded (Normal): NVML works again, with the driver
+	// version it names.
+	ReasonNVMLReloaded = "TopodraNVMLReloaded"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -198,6 +207,13 @@ type Agent struct {
 	// healthActive says whether the health source is watching now.
 	healthActive bool
 	stopHealth   context.CancelFunc
+	// reload is why NVML has to be reloaded (an error wrapping
+	// discovery.ErrDriverChanged), nil while it works; reloadError is
+	// the last reload failure reported.
+	reload      error
+	reloadError string
+	// rescanNow wakes up the rescan loop.
+	rescanNow chan struct{}
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
@@ -254,6 +270,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		health:        opts.Health,
 		unhealthy:     map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
+		rescanNow:     make(chan struct{}, 1),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
@@ -483,20 +500,34 @@ func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
 }
 
 // Rescan rediscovers devices now and republishes if anything changed.
+// When NVML lost the kernel driver (discovery.ErrDriverChanged: a driver
+// upgrade or unload) it keeps the published devices, stops health
+// watching, records a ReasonNVMLReload warning on the Node and returns the
+// error; the rescan loop then retries soon, with backoff, and discovery
+// reloads NVML. The first rescan that succeeds after that republishes
+// (the driver version changed) and restarts health watching.
 func (a *Agent) Rescan(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	inv, err := a.discovery.Discover(ctx)
 	switch {
+	case errors.Is(err, discovery.ErrDriverChanged):
+		a.driverChanged(ctx, err)
+		return fmt.Errorf("discover devices: %w", err)
 	case errors.Is(err, discovery.ErrNoGPU):
 		inv = &discovery.Inventory{}
 	case err != nil:
+		a.reloadFailed(ctx, err)
 		return fmt.Errorf("discover devices: %w", err)
 	}
 	a.recordDiscovery(ctx, inv, err)
 	a.mutex.Lock()
+	reloaded := a.reload != nil && err == nil
+	if reloaded {
+		a.reload, a.reloadError = nil, ""
+	}
 	old := a.inventory
 	changed := !apiequality.Semantic.DeepEqual(old, inv)
-	restartHealth := changed && !sameUUIDs(old, inv)
+	restartHealth := changed && !sameUUIDs(old, inv) || reloaded
 	if changed {
 		a.inventory = inv
 		for name := range a.unhealthy {
@@ -506,15 +537,92 @@ func (a *Agent) Rescan(ctx context.Context) error {
 		}
 	}
 	a.mutex.Unlock()
+	if reloaded {
+		version := driverVersion(inv)
+		logger.Info("reloaded NVML", "devices", len(inv.GPUs), "driverVersion", version)
+		a.nodeEvent(v1.EventTypeNormal, ReasonNVMLReloaded, "Discover", "%s reloaded NVML: %d GPUs, driver version %s", a.opts.DriverName, len(inv.GPUs), version)
+	}
+	if restartHealth && a.health != nil {
+		a.startHealth(inv)
+	}
 	if !changed {
 		return nil
 	}
 	logger.V(2).Info("devices changed")
 	logDiscovery(logger, inv)
-	if restartHealth && a.health != nil {
-		a.startHealth(inv)
-	}
 	return a.publish(ctx)
+}
+
+// driverChanged handles discovery.ErrDriverChanged from discovery or
+// health watching: the first time it stops health watching (the devices'
+// health is Unknown until NVML is back), records a ReasonNVMLReload warning
+// on the Node and makes the rescan loop try again at once.
+func (a *Agent) driverChanged(ctx context.Context, err error) {
+	a.mutex.Lock()
+	first := a.reload == nil
+	if first {
+		a.reload = err
+		if a.stopHealth != nil {
+			a.stopHealth()
+			a.stopHealth = nil
+		}
+		a.setHealthActiveLocked(false)
+	}
+	a.mutex.Unlock()
+	if !first {
+		return
+	}
+	klog.FromContext(ctx).Info("NVML lost the kernel driver, reloading it", "err", err.Error())
+	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; reloading NVML and republishing the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
+	select {
+	case a.rescanNow <- struct{}{}:
+	default:
+	}
+}
+
+// reloadFailed reports, once per distinct error, that NVML could not be
+// reloaded.
+func (a *Agent) reloadFailed(ctx context.Context, err error) {
+	a.mutex.Lock()
+	report := a.reload != nil && a.reloadError != err.Error()
+	if report {
+		a.reloadError = err.Error()
+	}
+	a.mutex.Unlock()
+	if !report {
+		return
+	}
+	klog.FromContext(ctx).Info("cannot reload NVML, retrying", "err", err.Error())
+	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReloadFailed, "Discover", "%s cannot reload NVML, retrying: %v", a.opts.DriverName, err)
+}
+
+// reloading reports whether NVML has to be reloaded.
+func (a *Agent) reloading() bool {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	return a.reload != nil
+}
+
+func driverVersion(inv *discovery.Inventory) string {
+	for _, g := range inv.GPUs {
+		if v := g.Device.Attributes[discovery.AttrDriverVersion].VersionValue; v != nil {
+			return *v
+		}
+	}
+	return "unknown"
+}
+
+// nodeRef is how events refer to the Node: the UID is the node name, as
+// the kubelet's own node events and kubectl describe node have it.
+func (a *Agent) nodeRef() *v1.ObjectReference {
+	return &v1.ObjectReference{Kind: "Node", Name: a.opts.NodeName, UID: types.UID(a.opts.NodeName)}
+}
+
+// nodeEvent records an event on the Node if there is a recorder.
+func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
+	if a.opts.Recorder != nil {
+		a.opts.Recorder.Eventf(a.nodeRef(), nil, eventtype, reason, action, note, args...)
+	}
 }
 
 func sameUUIDs(a, b *discovery.Inventory) bool {
@@ -529,34 +637,42 @@ func sameUUIDs(a, b *discovery.Inventory) bool {
 	return true
 }
 
-// rescanLoop rediscovers every RescanInterval; while no GPU is found it
-// retries sooner, after NoGPURetry, doubling up to RescanInterval, so that
-// a driver that appears after the agent started is picked up quickly.
+// rescanLoop rediscovers every RescanInterval; while no GPU is found or
+// NVML has to be reloaded it retries sooner, after NoGPURetry, doubling up
+// to RescanInterval, so that a driver that appears after the agent started
+// or after an upgrade is picked up quickly. Health watching that finds
+// NVML lost the driver wakes it up at once.
 func (a *Agent) rescanLoop(ctx context.Context) {
 	retry := a.opts.NoGPURetry
 	for {
 		delay := a.opts.RescanInterval
-		if a.NoGPU() != nil {
+		if a.NoGPU() != nil || a.reloading() {
 			delay = retry
 			retry = min(2*retry, max(a.opts.RescanInterval, a.opts.NoGPURetry))
 		} else {
 			retry = a.opts.NoGPURetry
-			if delay < 0 {
-				// Rescanning disabled: nothing to do until GPUs are
-				// lost, which only a rescan would notice.
-				<-ctx.Done()
-				return
-			}
 		}
-		timer := time.NewTimer(delay)
+		// A negative delay (rescanning disabled, GPUs found) waits for
+		// a wake-up only.
+		var timeout <-chan time.Time
+		var timer *time.Timer
+		if delay >= 0 {
+			timer = time.NewTimer(delay)
+			timeout = timer.C
+		}
 		select {
 		case <-ctx.Done():
+		case <-a.rescanNow:
+		case <-timeout:
+		}
+		if timer != nil {
 			timer.Stop()
+		}
+		if ctx.Err() != nil {
 			return
-		case <-timer.C:
-			if err := a.Rescan(ctx); err != nil {
-				utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
-			}
+		}
+		if err := a.Rescan(ctx); err != nil {
+			utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
 		}
 	}
 }
@@ -576,18 +692,13 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	a.noGPU, a.discovered = noGPU, true
 	a.mutex.Unlock()
 
-	node := &v1.ObjectReference{Kind: "Node", Name: a.opts.NodeName, UID: types.UID(a.opts.NodeName)}
 	switch {
 	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
 		logger.Info("no GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
-		if a.opts.Recorder != nil {
-			a.opts.Recorder.Eventf(node, nil, v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
-		}
+		a.nodeEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
 	case noGPU == nil && prev != nil:
 		logger.Info("GPUs found", "devices", len(inv.GPUs))
-		if a.opts.Recorder != nil {
-			a.opts.Recorder.Eventf(node, nil, v1.EventTypeNormal, ReasonGPUsFound, "Discover", "%s found %d GPUs", a.opts.DriverName, len(inv.GPUs))
-		}
+		a.nodeEvent(v1.EventTypeNormal, ReasonGPUsFound, "Discover", "%s found %d GPUs", a.opts.DriverName, len(inv.GPUs))
 	}
 }
 

@@ -33,7 +33,9 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 	a.wg.Go(func() {
 		logger := klog.FromContext(ctx)
 		err := a.health.WatchHealth(ctx, inv, events)
-		if err != nil && ctx.Err() == nil {
+		if errors.Is(err, discovery.ErrDriverChanged) && ctx.Err() == nil {
+			a.driverChanged(ctx, err)
+		} else if err != nil && ctx.Err() == nil {
 			if errors.Is(err, discovery.ErrHealthUnsupported) {
 				logger.Info("device health reporting is not available", "reason", err.Error())
 			} else {
