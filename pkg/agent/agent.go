@@ -30,7 +30,9 @@
 // devices, topodra tolerates its own taint. A device
 // that NVML reports as faulty (critical XID, lost GPU) carries the
 // NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
-// until the agent restarts.
+// until the node reboots: the fault belongs to the GPU's UUID, stays while
+// the GPU is missing from discovery, and is kept in the checkpoint (where
+// the agent has one) across agent restarts.
 package agent
 
 import (
@@ -198,8 +200,10 @@ type Agent struct {
 	// noGPU is why the last discovery found no GPU, nil once it found some.
 	noGPU      error
 	discovered bool
-	unhealthy  map[string]discovery.HealthEvent
-	published  *resourceslice.DriverResources
+	// faults are the faulty GPUs by UUID, with Device set to the name
+	// the GPU had when the fault was seen.
+	faults    map[string]discovery.HealthEvent
+	published *resourceslice.DriverResources
 	// healthChanged is closed (and replaced) when a device becomes
 	// unhealthy or healthActive changes: it wakes up the kubelet's health
 	// streams.
@@ -268,7 +272,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		opts:          opts,
 		discovery:     opts.Discovery,
 		health:        opts.Health,
-		unhealthy:     map[string]discovery.HealthEvent{},
+		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
 		rescanNow:     make(chan struct{}, 1),
 	}
@@ -335,7 +339,8 @@ func (o *Options) setNames() {
 }
 
 // openState opens the checkpoint in StateDir and the CDI spec writer on
-// CDIDir, and drops claims prepared during another boot. It fails on an
+// CDIDir, drops claims prepared during another boot and takes over the GPU
+// faults recorded during this one. It fails on an
 // unreadable checkpoint at once rather than on the first Prepare: the
 // agent must not forget prepared devices.
 func (a *Agent) openState(ctx context.Context) error {
@@ -352,7 +357,10 @@ func (a *Agent) openState(ctx context.Context) error {
 		return err
 	}
 	a.store, a.cdi = store, writer
-	return a.checkBootID(ctx)
+	if err := a.checkBootID(ctx); err != nil {
+		return err
+	}
+	return a.loadFaults()
 }
 
 func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
@@ -406,7 +414,13 @@ func (a *Agent) Resources() resourceslice.DriverResources {
 }
 
 func (a *Agent) resourcesLocked() resourceslice.DriverResources {
-	return BuildResources(a.inventory, a.opts.PoolName, a.unhealthy, TaintOptions{
+	unhealthy := map[string]discovery.HealthEvent{}
+	for _, g := range a.inventory.GPUs {
+		if ev, ok := a.faults[g.UUID]; ok {
+			unhealthy[g.Name] = ev
+		}
+	}
+	return BuildResources(a.inventory, a.opts.PoolName, unhealthy, TaintOptions{
 		Owned:    a.opts.OwnedTaint,
 		OwnedKey: a.opts.OwnedTaintKey,
 	})
@@ -530,11 +544,6 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	restartHealth := changed && !sameUUIDs(old, inv) || reloaded
 	if changed {
 		a.inventory = inv
-		for name := range a.unhealthy {
-			if inv.GPU(name) == nil {
-				delete(a.unhealthy, name)
-			}
-		}
 	}
 	a.mutex.Unlock()
 	if reloaded {

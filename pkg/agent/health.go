@@ -11,9 +11,11 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 )
 
@@ -54,8 +56,10 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 	})
 }
 
-// markUnhealthy records a fault, republishes with a health taint and wakes
-// up the kubelet health streams.
+// markUnhealthy records a fault under the GPU's UUID (the event's UUID, or
+// the GPU that has the event's device name now; all GPUs for an event
+// without either), keeps it in the checkpoint, republishes with a health
+// taint and wakes up the kubelet health streams.
 func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	logger := klog.FromContext(ctx)
 	if ev.Time.IsZero() {
@@ -63,14 +67,21 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	}
 	a.mutex.Lock()
 	var affected []string
+	added := map[string]discovery.HealthEvent{}
 	for _, g := range a.inventory.GPUs {
-		if ev.Device != "" && ev.Device != g.Name {
+		switch {
+		case ev.UUID != "" && ev.UUID != g.UUID:
+			continue
+		case ev.UUID == "" && ev.Device != "" && ev.Device != g.Name:
 			continue
 		}
-		if _, already := a.unhealthy[g.Name]; already {
+		if _, already := a.faults[g.UUID]; already {
 			continue
 		}
-		a.unhealthy[g.Name] = ev
+		fault := ev
+		fault.Device, fault.UUID = g.Name, g.UUID
+		a.faults[g.UUID] = fault
+		added[g.UUID] = fault
 		affected = append(affected, g.Name)
 	}
 	if len(affected) > 0 {
@@ -81,10 +92,51 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 		return
 	}
 	logger.Info("devices became unhealthy", "devices", affected, "reason", ev.Reason, "message", ev.Message)
+	a.saveFaults(ctx, added)
 	if err := a.publish(ctx); err != nil {
 		a.HandleError(ctx, err, "publish health taints")
 	}
-	a.reportUnhealthy(ctx, affected, ev)
+	a.reportUnhealthy(ctx, affected, slices.Collect(maps.Keys(added)), ev)
+}
+
+// saveFaults adds faults to the checkpoint, so that a restarted agent
+// still taints those GPUs. A failure is logged: the taint is published
+// all the same.
+func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.HealthEvent) {
+	if a.store == nil {
+		return
+	}
+	a.prepareMutex.Lock()
+	defer a.prepareMutex.Unlock()
+	cp, err := a.store.Load()
+	if err == nil {
+		if cp.Faults == nil {
+			cp.Faults = map[string]checkpoint.Fault{}
+		}
+		for uuid, ev := range faults {
+			cp.Faults[uuid] = checkpoint.Fault{Device: ev.Device, Reason: ev.Reason, Message: ev.Message, Time: ev.Time.UTC()}
+		}
+		err = a.store.Save(cp)
+	}
+	if err != nil {
+		utilruntime.HandleErrorWithContext(ctx, err, "cannot record GPU faults in the checkpoint, a restarted agent will not know them")
+	}
+}
+
+// loadFaults takes over the faults recorded in the checkpoint.
+func (a *Agent) loadFaults() error {
+	a.prepareMutex.Lock()
+	cp, err := a.store.Load()
+	a.prepareMutex.Unlock()
+	if err != nil {
+		return err
+	}
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	for uuid, f := range cp.Faults {
+		a.faults[uuid] = discovery.HealthEvent{Device: f.Device, UUID: uuid, Reason: f.Reason, Message: f.Message, Time: f.Time}
+	}
+	return nil
 }
 
 // ReasonDeviceUnhealthy is the reason of the warning events on the node and
@@ -94,7 +146,7 @@ const ReasonDeviceUnhealthy = "DeviceUnhealthy"
 // reportUnhealthy tells the users of the devices: a warning event on every
 // prepared claim that holds one of them (the pods that use the claim may
 // fail), and one on the node that names those claims.
-func (a *Agent) reportUnhealthy(ctx context.Context, devices []string, ev discovery.HealthEvent) {
+func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev discovery.HealthEvent) {
 	if a.opts.Recorder == nil {
 		return
 	}
@@ -114,7 +166,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices []string, ev discov
 			for _, uid := range uids {
 				claim := cp.Claims[uid]
 				for _, d := range claim.Devices {
-					if !slices.Contains(devices, d.Device) {
+					if !slices.Contains(uuids, d.UUID) {
 						continue
 					}
 					ref := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: claim.Namespace, Name: claim.Name, UID: uid}}
@@ -183,7 +235,7 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 			LastUpdated:        now,
 			HealthCheckTimeout: healthCheckTimeout,
 		}
-		if ev, ok := a.unhealthy[g.Name]; ok {
+		if ev, ok := a.faults[g.UUID]; ok {
 			h.Health = kubeletplugin.HealthStatusUnhealthy
 			h.Message = ev.Message
 			h.LastUpdated = ev.Time

@@ -492,3 +492,120 @@ func hasTaint(taints []resourceapi.DeviceTaint, key string) bool {
 	}
 	return false
 }
+
+// healthTaint returns the value of a device's health taint in what the
+// agent publishes, "" if it has none.
+func healthTaint(t *testing.T, a *agent.Agent, device string) string {
+	t.Helper()
+	for _, pool := range a.Resources().Pools {
+		for _, d := range pool.Slices[0].Devices {
+			if d.Name != device {
+				continue
+			}
+			for _, taint := range d.Taints {
+				if taint.Key == agent.HealthTaintKey {
+					return taint.Value
+				}
+			}
+		}
+	}
+	return ""
+}
+
+func waitForHealthTaint(ctx context.Context, t *testing.T, a *agent.Agent, device, want string) {
+	t.Helper()
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return healthTaint(t, a, device) == want, nil
+	}); err != nil {
+		t.Fatalf("%s: health taint %q, want %q", device, healthTaint(t, a, device), want)
+	}
+}
+
+// TestFaultsSurviveRestartNotReboot: a GPU's fault is kept in the
+// checkpoint, so that a restarted agent (a rolling update) still taints the
+// GPU; a reboot resets the GPU and clears it.
+func TestFaultsSurviveRestartNotReboot(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	if err := e.machine.InjectXID(5, 48); err != nil {
+		t.Fatal(err)
+	}
+	waitForHealthTaint(ctx, t, a, "gpu-5", "xid-48")
+	a.Stop()
+
+	a = e.start(ctx, t)
+	if got := healthTaint(t, a, "gpu-5"); got != "xid-48" {
+		t.Errorf("after a restart: health taint %q, want xid-48", got)
+	}
+	if got := healthTaint(t, a, "gpu-4"); got != "" {
+		t.Errorf("healthy gpu-4 tainted %q", got)
+	}
+	a.Stop()
+
+	if err := os.WriteFile(e.bootIDFile, []byte("boot-2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a = e.start(ctx, t)
+	if got := healthTaint(t, a, "gpu-5"); got != "" {
+		t.Errorf("after a reboot: health taint %q, want none", got)
+	}
+}
+
+// hidingDiscovery leaves out the GPU with UUID hide, as a GPU that fell off
+// the bus is missing from NVML.
+type hidingDiscovery struct {
+	*discovery.NVML
+	hide atomic.Value
+}
+
+func (d *hidingDiscovery) Discover(ctx context.Context) (*discovery.Inventory, error) {
+	inv, err := d.NVML.Discover(ctx)
+	if err != nil {
+		return nil, err
+	}
+	hide, _ := d.hide.Load().(string)
+	out := &discovery.Inventory{Skipped: inv.Skipped}
+	for _, g := range inv.GPUs {
+		if g.UUID != hide {
+			out.GPUs = append(out.GPUs, g)
+		}
+	}
+	return out, nil
+}
+
+// TestFaultKeptWhileGPUIsMissing: a faulty GPU that is missing from one
+// rescan and comes back is still tainted.
+func TestFaultKeptWhileGPUIsMissing(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	nv, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	disc := &hidingDiscovery{NVML: nv}
+	a, err := agent.New(ctx, agent.Options{NodeName: nodeName, KubeClient: e.client, Discovery: disc, PublishOnly: true, RescanInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	if err := e.machine.InjectXID(3, 79); err != nil {
+		t.Fatal(err)
+	}
+	waitForHealthTaint(ctx, t, a, "gpu-3", "xid-79")
+
+	disc.hide.Store(e.machine.UUID(3))
+	if err := a.Rescan(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if a.Inventory().GPU("gpu-3") != nil {
+		t.Fatal("gpu-3 still discovered")
+	}
+	disc.hide.Store("")
+	if err := a.Rescan(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := healthTaint(t, a, "gpu-3"); got != "xid-79" {
+		t.Errorf("gpu-3 back: health taint %q, want xid-79", got)
+	}
+}

@@ -29,7 +29,7 @@ func NewOffline(ctx context.Context, opts Options, inv *discovery.Inventory) (*A
 	a := &Agent{
 		opts:          opts,
 		inventory:     inv,
-		unhealthy:     map[string]discovery.HealthEvent{},
+		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
 	}
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
