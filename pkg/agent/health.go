@@ -178,12 +178,11 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 			}
 		}
 	}
-	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: a.opts.NodeName}}
 	inUse := "no prepared claim uses them"
 	if len(users) > 0 {
 		inUse = "used by claims " + strings.Join(users, ", ")
 	}
-	a.opts.Recorder.Eventf(node, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+	a.nodeEvent(v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
 		"devices %s are unhealthy (%s), tainted %s; %s", strings.Join(devices, ", "), what, HealthTaintKey, inUse)
 }
 

@@ -12,14 +12,17 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes/scheme"
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/client-go/tools/reference"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
 
@@ -607,5 +610,53 @@ func TestFaultKeptWhileGPUIsMissing(t *testing.T) {
 	}
 	if got := healthTaint(t, a, "gpu-3"); got != "xid-79" {
 		t.Errorf("gpu-3 back: health taint %q, want xid-79", got)
+	}
+}
+
+// refRecorder records the object reference of every event, as the event
+// broadcaster computes it.
+type refRecorder struct {
+	mutex sync.Mutex
+	refs  map[string][]*v1.ObjectReference
+}
+
+func (r *refRecorder) Eventf(regarding, _ runtime.Object, _, reason, _, _ string, _ ...any) {
+	ref, err := reference.GetReference(scheme.Scheme, regarding)
+	if err != nil {
+		panic(err)
+	}
+	r.mutex.Lock()
+	defer r.mutex.Unlock()
+	r.refs[reason] = append(r.refs[reason], ref)
+}
+
+// TestDeviceUnhealthyEventOnNode: the DeviceUnhealthy event refers to the
+// Node as kubectl describe node looks for its events (UID = node name).
+func TestDeviceUnhealthyEventOnNode(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := &refRecorder{refs: map[string][]*v1.ObjectReference{}}
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	if err := e.machine.InjectXID(1, 79); err != nil {
+		t.Fatal(err)
+	}
+	waitForHealthTaint(ctx, t, a, "gpu-1", "xid-79")
+	var nodeRefs []*v1.ObjectReference
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		recorder.mutex.Lock()
+		defer recorder.mutex.Unlock()
+		nodeRefs = nil
+		for _, ref := range recorder.refs[agent.ReasonDeviceUnhealthy] {
+			if ref.Kind == "Node" {
+				nodeRefs = append(nodeRefs, ref)
+			}
+		}
+		return len(nodeRefs) > 0, nil
+	}); err != nil {
+		t.Fatal("no DeviceUnhealthy event on the Node")
+	}
+	if ref := nodeRefs[0]; ref.Name != nodeName || ref.UID != types.UID(nodeName) {
+		t.Errorf("event refers to %+v, want Node %s with UID %s", ref, nodeName, nodeName)
 	}
 }
