@@ -237,6 +237,11 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if nodeName == "" {
 		return errors.New("--node-name (or NODE_NAME) is required")
 	}
+	if o.ownedTaintKey != "" {
+		if err := agent.ValidateTaintKey(o.ownedTaintKey); err != nil {
+			return fmt.Errorf("--owned-taint-key (or OWNED_TAINT_KEY): %w", err)
+		}
+	}
 
 	src, err := newSource(o, nodeName)
 	if err == nil {

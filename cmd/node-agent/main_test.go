@@ -87,6 +87,7 @@ func TestDryRun(t *testing.T) {
 		"unknown profile":           {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
 		"neither real nor mock":     {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
 		"missing node name outside": {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
+		"invalid owned taint key":   {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {

@@ -40,6 +40,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,6 +50,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -132,7 +134,8 @@ type Options struct {
 	// The command's default is DefaultOwnedTaint. Without it, a default
 	// scheduler running beside topodra hands out the same devices.
 	OwnedTaint bool
-	// OwnedTaintKey defaults to topology.DefaultTaintKey.
+	// OwnedTaintKey defaults to topology.DefaultTaintKey; New refuses a
+	// key that is not a qualified name.
 	OwnedTaintKey string
 
 	// RescanInterval is how often devices are rediscovered (default
@@ -245,6 +248,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.OwnedTaintKey == "" {
 		opts.OwnedTaintKey = topology.DefaultTaintKey
 	}
+	if err := ValidateTaintKey(opts.OwnedTaintKey); err != nil {
+		return nil, fmt.Errorf("owned taint key: %w", err)
+	}
 	if opts.RescanInterval == 0 {
 		opts.RescanInterval = DefaultRescanInterval
 	}
@@ -326,6 +332,16 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
 	}
 	return a, nil
+}
+
+// ValidateTaintKey checks a device taint key as the API server does (a
+// qualified name, like a label key): a key it refuses would make every
+// ResourceSlice write fail.
+func ValidateTaintKey(key string) error {
+	if errs := validation.IsQualifiedName(key); len(errs) > 0 {
+		return fmt.Errorf("%q is not a valid taint key: %s", key, strings.Join(errs, "; "))
+	}
+	return nil
 }
 
 // setNames fills in the default driver and pool names.

@@ -631,9 +631,10 @@ func TestOptionsRequired(t *testing.T) {
 		t.Fatal(err)
 	}
 	testcases := map[string]agent.Options{
-		"no node name": {KubeClient: e.client, Discovery: disc},
-		"no client":    {NodeName: nodeName, Discovery: disc},
-		"no discovery": {NodeName: nodeName, KubeClient: e.client},
+		"no node name":            {KubeClient: e.client, Discovery: disc},
+		"no client":               {NodeName: nodeName, Discovery: disc},
+		"no discovery":            {NodeName: nodeName, KubeClient: e.client},
+		"invalid owned taint key": {NodeName: nodeName, KubeClient: e.client, Discovery: disc, OwnedTaint: true, OwnedTaintKey: "-topodra-only"},
 	}
 	for name, opts := range testcases {
 		t.Run(name, func(t *testing.T) {
