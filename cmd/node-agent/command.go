@@ -288,6 +288,9 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		RescanInterval:  rescan(o.rescanInterval),
 		StaleClaimCheck: staleClaimCheck(o.rescanInterval),
 	})
+	if errors.Is(err, agent.ErrCDIDir) {
+		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
+	}
 	if err != nil {
 		return err
 	}

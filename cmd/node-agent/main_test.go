@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -248,5 +250,39 @@ func TestStaleClaimCheckFollowsRescans(t *testing.T) {
 		if got := staleClaimCheck(in); got != want {
 			t.Errorf("--rescan-interval=%v: stale claims checked every %v, want %v", in, got, want)
 		}
+	}
+}
+
+// TestUnusableCDIDirNamesFlag: a --cdi-dir that cannot hold CDI specs fails
+// the start with an error that names the flag.
+func TestUnusableCDIDirNamesFlag(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+contexts: [{name: c, context: {cluster: c, user: u}}]
+users: [{name: u, user: {}}]
+current-context: c
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	o := options{
+		nodeName:   "node-1",
+		kubeconfig: kubeconfig,
+		nvml:       "mock:dgx-h100",
+		kubeletDir: filepath.Join(dir, "kubelet"),
+		stateDir:   filepath.Join(dir, "state"),
+		cdiDir:     file,
+	}
+	var stdout, stderr bytes.Buffer
+	err := run(ctx, &o, &stdout, &stderr)
+	if err == nil || !strings.Contains(err.Error(), "--cdi-dir") || !strings.Contains(err.Error(), file) {
+		t.Errorf("got %v, want an error naming --cdi-dir and %s", err, file)
 	}
 }

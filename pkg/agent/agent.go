@@ -39,6 +39,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -355,7 +356,8 @@ func (o *Options) setNames() {
 }
 
 // openState opens the checkpoint in StateDir and the CDI spec writer on
-// CDIDir, drops claims prepared during another boot and takes over the GPU
+// CDIDir (checking, unless PublishOnly, that specs can be written there:
+// the kubelet's first Prepare must not be what finds out), drops claims prepared during another boot and takes over the GPU
 // faults recorded during this one. It fails on an
 // unreadable checkpoint at once rather than on the first Prepare: the
 // agent must not forget prepared devices.
@@ -372,11 +374,37 @@ func (a *Agent) openState(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if !a.opts.PublishOnly {
+		if err := probeDir(a.opts.CDIDir); err != nil {
+			return fmt.Errorf("%w: %s: %w", ErrCDIDir, a.opts.CDIDir, err)
+		}
+	}
 	a.store, a.cdi = store, writer
 	if err := a.checkBootID(ctx); err != nil {
 		return err
 	}
 	return a.loadFaults()
+}
+
+// ErrCDIDir is returned (wrapped) by New when Options.CDIDir cannot be
+// created or written.
+var ErrCDIDir = errors.New("CDI directory is not usable")
+
+// probeDir creates dir if needed and creates and removes a file in it.
+func probeDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, ".topodra-probe-*")
+	if err != nil {
+		return err
+	}
+	name := f.Name()
+	if err := f.Close(); err != nil {
+		_ = os.Remove(name)
+		return err
+	}
+	return os.Remove(name)
 }
 
 func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {

@@ -1,9 +1,11 @@
 package agent_test
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -97,5 +99,58 @@ func TestKubeletPluginServesPrepare(t *testing.T) {
 	}
 	if got := resp.Claims[string(c.UID)]; got == nil || got.Error != "" {
 		t.Errorf("unexpected unprepare response: %v", resp)
+	}
+}
+
+// TestUnusableCDIDirFailsStart: a --cdi-dir that cannot hold specs fails
+// the start of a kubelet plugin, rather than its first Prepare; a
+// publish-only agent, which the kubelet does not ask to prepare, starts.
+func TestUnusableCDIDirFailsStart(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	base, err := os.MkdirTemp("", "ta")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(base) })
+	for _, dir := range []string{"p", "r"} {
+		if err := os.MkdirAll(filepath.Join(base, dir), 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	file := filepath.Join(base, "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, dir := range map[string]string{"a file": file, "below a file": filepath.Join(file, "cdi")} {
+		t.Run(name, func(t *testing.T) {
+			opts := agent.Options{
+				NodeName:       nodeName,
+				KubeClient:     e.client,
+				Discovery:      disc,
+				PluginDataDir:  filepath.Join(base, "p"),
+				RegistrarDir:   filepath.Join(base, "r"),
+				StateDir:       e.stateDir,
+				CDIDir:         dir,
+				RescanInterval: -1,
+			}
+			a, err := agent.New(ctx, opts)
+			if err == nil {
+				a.Stop()
+			}
+			if !errors.Is(err, agent.ErrCDIDir) || !strings.Contains(err.Error(), dir) {
+				t.Errorf("got %v, want ErrCDIDir naming %s", err, dir)
+			}
+			opts.PublishOnly = true
+			a, err = agent.New(ctx, opts)
+			if err != nil {
+				t.Fatalf("publish-only: %v", err)
+			}
+			a.Stop()
+		})
 	}
 }
