@@ -89,6 +89,9 @@ Every flag can also be set through its environment variable (shown in brackets);
 the command line wins.`,
 		Version:      version.Version,
 		SilenceUsage: true,
+		// Everything is a flag: a stray word ("publish-only" for
+		// "--publish-only") must not be ignored.
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := applyEnv(cmd.Flags(), agentFlags); err != nil {
 				return err

@@ -286,3 +286,17 @@ current-context: c
 		t.Errorf("got %v, want an error naming --cdi-dir and %s", err, file)
 	}
 }
+
+// TestPositionalArgumentsRefused: "publish-only" instead of
+// "--publish-only" is an error, not ignored.
+func TestPositionalArgumentsRefused(t *testing.T) {
+	cmd := newCommand()
+	var out bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&out)
+	cmd.SetArgs([]string{"--nvml=mock:dgx-h100", "--dry-run", "--node-name=node-1", "publish-only"})
+	err := cmd.Execute()
+	if err == nil || !strings.Contains(err.Error(), `"publish-only"`) {
+		t.Errorf("got %v, want an error naming the stray argument", err)
+	}
+}
