@@ -23,7 +23,8 @@ const (
 // in-cluster configuration), prints every violation on stdout (text, or
 // JSON with -o json) and returns ExitViolations if there is one,
 // ExitClean if there is none and ExitError if the cluster could not be
-// read or the flags are wrong (the reason goes to stderr).
+// read or the flags are wrong (the reason goes to stderr). It takes no
+// positional arguments.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := pflag.NewFlagSet("topodra-check", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -49,6 +50,11 @@ Flags:`)
 		if err == pflag.ErrHelp {
 			return ExitClean
 		}
+		fmt.Fprintf(stderr, "topodra-check: %v\nRun 'topodra-check --help' for usage.\n", err)
+		return ExitError
+	}
+	if rest := fs.Args(); len(rest) > 0 {
+		fmt.Fprintf(stderr, "topodra-check: takes no arguments, got %q; to check the cluster of a kubeconfig file, use --kubeconfig %s\n", rest, rest[0])
 		return ExitError
 	}
 	if *output != "text" && *output != "json" {

@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -305,6 +307,44 @@ func TestRunReportsUnreadableCluster(t *testing.T) {
 	}
 	if code := Run(context.Background(), []string{"-o", "yaml"}, &stdout, &stderr); code != ExitError {
 		t.Errorf("bad --output: exit code %d, want %d", code, ExitError)
+	}
+}
+
+// TestRunRejectsBadCommandLine: a wrong flag or a positional argument exits
+// with ExitError before the cluster is read, and says why on stderr (a
+// positional argument would otherwise check $KUBECONFIG's cluster instead
+// of the file named).
+func TestRunRejectsBadCommandLine(t *testing.T) {
+	// $KUBECONFIG names a missing file: reading the cluster fails with
+	// another message, so the messages below come from the command line
+	// alone, and no test reaches a real cluster.
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	t.Setenv("KUBECONFIG", kubeconfig)
+	tests := map[string]struct {
+		args []string
+		want []string
+	}{
+		"unknown flag":        {args: []string{"--kubeconfg", "x"}, want: []string{"unknown flag: --kubeconfg", "--help"}},
+		"flag without value":  {args: []string{"--context"}, want: []string{"--context", "--help"}},
+		"positional argument": {args: []string{"other.yaml"}, want: []string{`"other.yaml"`, "--kubeconfig other.yaml"}},
+		"argument after flag": {args: []string{"-o", "json", "other.yaml"}, want: []string{"--kubeconfig other.yaml"}},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			code := Run(context.Background(), tc.args, &stdout, &stderr)
+			if code != ExitError {
+				t.Errorf("exit code %d, want %d", code, ExitError)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(stderr.String(), w) {
+					t.Errorf("stderr %q does not contain %q", stderr.String(), w)
+				}
+			}
+			if stdout.Len() > 0 {
+				t.Errorf("stdout %q, want nothing", stdout.String())
+			}
+		})
 	}
 }
 
