@@ -278,8 +278,11 @@ func (pl *TopologyDRA) gatherAllocatedState(ctx context.Context) (*structured.Al
 
 // withOwnedToleration returns the claim as the allocator sees it: with a
 // toleration for the owned device taint on every request, so that devices
-// that only topodra may hand out are available to it. The copy is never
-// written to the API.
+// that only topodra may hand out are available to it. The copy's spec is
+// never written to the API, but the allocator copies each request's
+// tolerations, this one included, into the device results of the
+// allocation, which PreBind writes to the claim's status (validation
+// keeps ownedTaintKey a valid toleration key for that reason).
 func (pl *TopologyDRA) withOwnedToleration(claim *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
 	if pl.ownedToleration == nil {
 		return claim

@@ -3,6 +3,7 @@ package config
 import (
 	"strings"
 
+	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 )
@@ -62,6 +63,12 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	}
 	if args.RoomWeight+args.PackingWeight == 0 {
 		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "roomWeight and packingWeight must not both be zero"))
+	}
+	if args.OwnedTaintKey != "" {
+		// The toleration for this key goes into every allocation result
+		// the plugin writes, where the API server validates it as it
+		// validates a device toleration's key.
+		errs = append(errs, metav1validation.ValidateLabelName(args.OwnedTaintKey, path.Child("ownedTaintKey"))...)
 	}
 	if args.BindingTimeoutSeconds <= 0 {
 		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, "must be positive"))
