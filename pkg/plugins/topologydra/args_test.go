@@ -134,17 +134,22 @@ func TestValidateArgs(t *testing.T) {
 		mutate  func(*config.TopologyDRAArgs)
 		wantErr string
 	}{
-		"defaults are valid":               {mutate: func(*config.TopologyDRAArgs) {}},
-		"unqualified attr":                 {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
-		"duplicate attr":                   {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
-		"bad strategy":                     {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
-		"bad alignment":                    {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":                     {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
-		"negative weight":                  {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
-		"negative trade":                   {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
-		"negative drain trade":             {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
-		"no trade is valid":                {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
-		"zero binding timout":              {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"defaults are valid":          {mutate: func(*config.TopologyDRAArgs) {}},
+		"unqualified attr":            {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
+		"duplicate attr":              {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"bad strategy":                {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":               {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"zero weights":                {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"negative weight":             {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":              {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"negative drain trade":        {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
+		"no trade is valid":           {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
+		"zero binding timout":         {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"binding timeout of a day":    {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86400 }},
+		"binding timeout above a day": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86401 }, wantErr: "bindingTimeoutSeconds"},
+		// time.Duration(secs) * time.Second would overflow to a negative
+		// timeout.
+		"overflowing binding timeout":      {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 1 << 40 }, wantErr: "at most 86400"},
 		"NIC reserve above 50":             {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 51 }, wantErr: "nicReservePercent"},
 		"negative NIC reserve":             {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = -1 }, wantErr: "nicReservePercent"},
 		"no NIC reserve is valid":          {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 0 }},

@@ -133,7 +133,7 @@ type TopologyDRAArgs struct {
 	// hands out; topodra tolerates it. Empty disables the toleration.
 	OwnedTaintKey string
 	// BindingTimeoutSeconds bounds how long PreBind waits for device
-	// binding conditions.
+	// binding conditions: 1 to MaxBindingTimeoutSeconds.
 	BindingTimeoutSeconds int64
 	// FilterTimeout bounds one node's allocation in Filter and the
 	// verification of the chosen devices in Reserve, as the stock
@@ -143,6 +143,10 @@ type TopologyDRAArgs struct {
 	// (the default); 0 means no limit.
 	FilterTimeout time.Duration
 }
+
+// MaxBindingTimeoutSeconds is the largest BindingTimeoutSeconds: a day,
+// far beyond any device's binding and far below what a time.Duration holds.
+const MaxBindingTimeoutSeconds = 24 * 60 * 60
 
 // DefaultFilterTimeout is the stock plugin's default filterTimeout.
 const DefaultFilterTimeout = 10 * time.Second

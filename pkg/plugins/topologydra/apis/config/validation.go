@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"strings"
 
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
@@ -70,8 +71,8 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 		// validates a device toleration's key.
 		errs = append(errs, metav1validation.ValidateLabelName(args.OwnedTaintKey, path.Child("ownedTaintKey"))...)
 	}
-	if args.BindingTimeoutSeconds <= 0 {
-		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, "must be positive"))
+	if args.BindingTimeoutSeconds <= 0 || args.BindingTimeoutSeconds > MaxBindingTimeoutSeconds {
+		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, fmt.Sprintf("must be positive and at most %d (one day)", MaxBindingTimeoutSeconds)))
 	}
 	if args.FilterTimeout < 0 {
 		errs = append(errs, field.Invalid(path.Child("filterTimeout"), args.FilterTimeout.String(), "must not be negative (0 means no limit)"))
