@@ -134,9 +134,22 @@ func TestValidateArgs(t *testing.T) {
 		mutate  func(*config.TopologyDRAArgs)
 		wantErr string
 	}{
-		"defaults are valid":          {mutate: func(*config.TopologyDRAArgs) {}},
-		"unqualified attr":            {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
-		"duplicate attr":              {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"defaults are valid":        {mutate: func(*config.TopologyDRAArgs) {}},
+		"unqualified attr":          {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"pcieRoot"} }, wantErr: "fully qualified"},
+		"duplicate attr":            {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/x"} }, wantErr: "Duplicate"},
+		"attr with a space":         {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/pcie root"} }, wantErr: `topologyAttributes[0]: Invalid value: "a.io/pcie root"`},
+		"attr with a dash":          {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/pcie-root"} }, wantErr: "C identifier"},
+		"attr with two slashes":     {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/x", "a.io/b/c"} }, wantErr: `topologyAttributes[1]: Invalid value: "a.io/b/c"`},
+		"attr with a bad domain":    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a_b.io/x"} }, wantErr: "the domain"},
+		"attr with an empty domain": {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"/x"} }, wantErr: "domain must not be empty"},
+		"attr with an empty name":   {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/"} }, wantErr: "name must not be empty"},
+		"attr with a long name":     {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"a.io/" + strings.Repeat("x", 33)} }, wantErr: "at most 32"},
+		"attr with a long domain":   {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{strings.Repeat("a", 64) + "/x"} }, wantErr: "at most 63"},
+		"attr at the length limits": {mutate: func(a *config.TopologyDRAArgs) {
+			a.TopologyAttributes = []string{strings.Repeat("a", 63) + "/" + strings.Repeat("x", 32)}
+		}},
+		"attr with upper case":        {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"GPU.example.com/NVLink_Clique"} }},
+		"no attrs":                    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{} }},
 		"bad strategy":                {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
 		"bad alignment":               {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
 		"zero weights":                {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},

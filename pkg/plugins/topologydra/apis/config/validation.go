@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	"k8s.io/apimachinery/pkg/api/validate/content"
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -16,11 +17,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	seen := sets.New[string]()
 	for i, attr := range args.TopologyAttributes {
 		p := path.Child("topologyAttributes").Index(i)
-		domain, name, ok := strings.Cut(attr, "/")
-		switch {
-		case !ok || domain == "" || name == "":
-			errs = append(errs, field.Invalid(p, attr, "must be a fully qualified attribute name, <domain>/<name>"))
-		case seen.Has(attr):
+		if attrErrs := validateFullyQualifiedAttribute(attr, p); len(attrErrs) > 0 {
+			errs = append(errs, attrErrs...)
+		} else if seen.Has(attr) {
 			errs = append(errs, field.Duplicate(p, attr))
 		}
 		seen.Insert(attr)
@@ -76,6 +75,51 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	}
 	if args.FilterTimeout < 0 {
 		errs = append(errs, field.Invalid(path.Child("filterTimeout"), args.FilterTimeout.String(), "must not be negative (0 means no limit)"))
+	}
+	return errs
+}
+
+// Lengths of the parts of a fully qualified device attribute name, as the
+// resource API limits them (resourceapi.DeviceMaxDomainLength and
+// DeviceMaxIDLength).
+const (
+	maxAttributeDomainLength = 63
+	maxAttributeIDLength     = 32
+)
+
+// validateFullyQualifiedAttribute checks attr as the resource API checks a
+// fully qualified device attribute name (a matchAttribute constraint's): a
+// domain that is a DNS subdomain (compared in lower case) of at most 63
+// characters, one slash, and a C identifier of at most 32 characters. Only
+// such names can name an attribute that a ResourceSlice publishes. Every
+// error names the entry (p) and its value.
+func validateFullyQualifiedAttribute(attr string, p *field.Path) field.ErrorList {
+	domain, name, ok := strings.Cut(attr, "/")
+	if !ok {
+		return field.ErrorList{field.Invalid(p, attr, "must be a fully qualified attribute name, <domain>/<name>")}
+	}
+	var errs field.ErrorList
+	switch {
+	case domain == "":
+		errs = append(errs, field.Invalid(p, attr, "the domain must not be empty (want <domain>/<name>)"))
+	case len(domain) > maxAttributeDomainLength:
+		errs = append(errs, field.Invalid(p, attr, fmt.Sprintf("the domain must be at most %d characters", maxAttributeDomainLength)))
+	default:
+		for _, msg := range content.IsDNS1123Subdomain(strings.ToLower(domain)) {
+			errs = append(errs, field.Invalid(p, attr, "the domain: "+msg))
+		}
+	}
+	switch {
+	case name == "":
+		errs = append(errs, field.Invalid(p, attr, "the name must not be empty (want <domain>/<name>)"))
+	case strings.Contains(name, "/"):
+		errs = append(errs, field.Invalid(p, attr, "must contain one slash only (want <domain>/<name>)"))
+	case len(name) > maxAttributeIDLength:
+		errs = append(errs, field.Invalid(p, attr, fmt.Sprintf("the name must be at most %d characters", maxAttributeIDLength)))
+	default:
+		for _, msg := range content.IsCIdentifier(name) {
+			errs = append(errs, field.Invalid(p, attr, "the name: "+msg))
+		}
 	}
 	return errs
 }
