@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"context"
 	"time"
 
 	"os"
@@ -10,7 +11,12 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
+	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 
@@ -187,6 +193,59 @@ func TestValidateArgs(t *testing.T) {
 			}
 			if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), tc.wantErr) {
 				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
+			}
+		})
+	}
+}
+
+// stubHandle is the least of a framework handle that New needs.
+type stubHandle struct {
+	fwk.Handle
+	factory informers.SharedInformerFactory
+}
+
+type stubDRAManager struct{ fwk.SharedDRAManager }
+
+func (h stubHandle) SharedDRAManager() fwk.SharedDRAManager                 { return stubDRAManager{} }
+func (h stubHandle) ClientSet() kubernetes.Interface                        { return nil }
+func (h stubHandle) SharedInformerFactory() informers.SharedInformerFactory { return h.factory }
+
+// newWithLog builds the plugin from args and returns what New logged.
+func newWithLog(t *testing.T, args *config.TopologyDRAArgs) string {
+	t.Helper()
+	var buf ktesting.BufferTL
+	ctx, cancel := context.WithCancel(klog.NewContext(context.Background(), ktesting.NewLogger(&buf, ktesting.NewConfig())))
+	defer cancel()
+	h := stubHandle{factory: informers.NewSharedInformerFactory(fake.NewClientset(), 0)}
+	if _, err := New(ctx, args, h); err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	return buf.String()
+}
+
+func TestNewWarnsAboutArgsWithoutEffect(t *testing.T) {
+	tests := map[string]struct {
+		mutate   func(*config.TopologyDRAArgs)
+		wantWarn string
+	}{
+		"defaults":                       {mutate: func(*config.TopologyDRAArgs) {}},
+		"nicRootTrade without pcieRoot":  {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"gpu.topodra.io/nvlinkClique"} }, wantWarn: "nicRootTrade has no effect"},
+		"no nicRootTrade, no pcieRoot":   {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes, a.NICRootTrade = nil, 0 }},
+		"nicRootTrade without any attrs": {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = nil }, wantWarn: "resource.kubernetes.io/pcieRoot"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			args := DefaultArgs()
+			tc.mutate(args)
+			got := newWithLog(t, args)
+			if tc.wantWarn == "" {
+				if strings.Contains(got, "Warning") {
+					t.Errorf("New logged %q, want no warning", got)
+				}
+				return
+			}
+			if !strings.Contains(got, tc.wantWarn) {
+				t.Errorf("New logged %q, want a warning containing %q", got, tc.wantWarn)
 			}
 		})
 	}

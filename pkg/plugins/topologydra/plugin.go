@@ -13,6 +13,7 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
@@ -32,6 +34,7 @@ import (
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 	v1 "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config/v1"
 	_ "github.com/topodra/topodra/pkg/plugins/topologydra/apis/scheme"
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // Name is the plugin name used in scheduler configuration.
@@ -189,6 +192,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			}
 		}
 	}
+	warnUnusedArgs(klog.FromContext(ctx), args)
 	if args.OwnedTaintKey != "" {
 		pl.ownedToleration = &resourceapi.DeviceToleration{
 			Key:      args.OwnedTaintKey,
@@ -196,6 +200,18 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		}
 	}
 	return pl, nil
+}
+
+// warnUnusedArgs logs the args that are valid but without effect.
+// nicRootTrade needs resource.kubernetes.io/pcieRoot among
+// topologyAttributes to find the GPUs beside a NIC; it is not refused
+// without, since it is on by default and a profile whose devices publish
+// no PCIe root would otherwise have to switch it off explicitly.
+func warnUnusedArgs(logger klog.Logger, args *config.TopologyDRAArgs) {
+	if args.NICRootTrade > 0 && !slices.Contains(args.TopologyAttributes, string(topology.AttrPCIeRoot)) {
+		logger.Info("Warning: nicRootTrade has no effect, since topologyAttributes lacks "+string(topology.AttrPCIeRoot)+"; add it, or set nicRootTrade to 0",
+			"plugin", Name, "nicRootTrade", args.NICRootTrade, "topologyAttributes", args.TopologyAttributes)
+	}
 }
 
 // policyFromArgs is the allocator's preference model for the args. Its
