@@ -1101,3 +1101,25 @@ func TestNoSubrequestFitsNamesEach(t *testing.T) {
 		t.Errorf("got %v, explanation %q; want none, %q", deviceNames(res.Allocations), res.Explanation.String(), want)
 	}
 }
+
+// TestSpreadingIgnoresWeights: when spreading, the emptier placement of one
+// rank scores higher whatever the weights, PackingWeight 0 included.
+func TestSpreadingIgnoresWeights(t *testing.T) {
+	empty := Quality{Shared: 2, Room: 0, Packing: 0.1, Settled: 0}
+	full := Quality{Shared: 2, Room: 1, Packing: 0.9, Settled: 1}
+	for _, w := range []struct{ room, packing, age float64 }{{70, 30, 30}, {70, 0, 0}, {70, 0, 30}, {0, 1, 0}, {0, 0, 0}} {
+		p := DefaultPolicy()
+		p.Packing = false
+		p.RoomWeight, p.PackingWeight, p.AgeWeight = w.room, w.packing, w.age
+		if p.Score(empty) <= p.Score(full) {
+			t.Errorf("weights %+v: the emptier placement scores %d, not above %d", w, p.Score(empty), p.Score(full))
+		}
+		ref := DefaultPolicy()
+		ref.Packing = false
+		for _, q := range []Quality{empty, full} {
+			if p.Score(q) != ref.Score(q) {
+				t.Errorf("weights %+v: score %d, want %d as with the default weights", w, p.Score(q), ref.Score(q))
+			}
+		}
+	}
+}

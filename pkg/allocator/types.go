@@ -70,7 +70,8 @@ type Policy struct {
 	// RoomWeight and PackingWeight mix Quality's Room and Packing into the
 	// part of Score that ranks placements of equal alignment rank; only
 	// their ratio matters. Both zero means DefaultPolicy's; negative
-	// weights are invalid.
+	// weights are invalid. Only when packing: spreading ranks by
+	// emptiness alone.
 	RoomWeight, PackingWeight float64
 }
 
@@ -147,11 +148,11 @@ func (p Policy) strands(q Quality) bool {
 //	score = round(band * (Rank(q) + 0.96 * (RoomWeight*room + PackingWeight*packing + AgeWeight*settled) / (RoomWeight + PackingWeight + AgeWeight)))
 //
 // so a higher Rank always scores higher (the second term stays below one
-// band). room is q.Room when Packing is set (and RoomWeight is left out
-// when spreading); packing is q.Packing when Packing is set, 1-q.Packing
-// otherwise. The score is proportional: it is not stretched between
-// nodes, so other score plugins (users' preferred affinities, topology
-// spread) keep their say. The allocator uses it for Quality.Score and the
+// band). room is q.Room and packing q.Packing when Packing is set; when
+// spreading, the second term is 1-q.Packing alone (RoomWeight, AgeWeight
+// and the value of PackingWeight do not apply). The score is
+// proportional: it is not stretched between nodes, so other score plugins
+// (users' preferred affinities, topology spread) keep their say. The allocator uses it for Quality.Score and the
 // scheduler plugin for node scores. RoomWeight and PackingWeight both
 // zero mean DefaultPolicy's.
 func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
@@ -174,8 +175,9 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	pack := q.Packing
 	wa := p.AgeWeight
 	if !p.Packing {
+		// Spreading: only the emptiness counts, whatever the weights.
 		pack = 1 - q.Packing
-		wr, wa = 0, 0
+		wr, wp, wa = 0, 1, 0
 	}
 	room := q.Room
 	if draining {
