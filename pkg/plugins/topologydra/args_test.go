@@ -154,18 +154,23 @@ func TestValidateArgs(t *testing.T) {
 		"attr at the length limits": {mutate: func(a *config.TopologyDRAArgs) {
 			a.TopologyAttributes = []string{strings.Repeat("a", 63) + "/" + strings.Repeat("x", 32)}
 		}},
-		"attr with upper case":        {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"GPU.example.com/NVLink_Clique"} }},
-		"no attrs":                    {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{} }},
-		"bad strategy":                {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
-		"bad alignment":               {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
-		"zero weights":                {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
-		"negative weight":             {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
-		"negative trade":              {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
-		"negative drain trade":        {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
-		"no trade is valid":           {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
-		"zero binding timout":         {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
-		"binding timeout of a day":    {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86400 }},
-		"binding timeout above a day": {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86401 }, wantErr: "bindingTimeoutSeconds"},
+		"attr with upper case":             {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"GPU.example.com/NVLink_Clique"} }},
+		"no attrs":                         {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{} }},
+		"bad strategy":                     {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":                    {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"zero weights":                     {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
+		"spreading without packing weight": {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy, a.PackingWeight = config.LeastAllocated, 0 }, wantErr: "only packingWeight weighs the spreading"},
+		"spreading with packing weight": {mutate: func(a *config.TopologyDRAArgs) {
+			a.ScoringStrategy, a.RoomWeight, a.PackingWeight = config.LeastAllocated, 0, 1
+		}},
+		"packing without packing weight": {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = 0 }},
+		"negative weight":                {mutate: func(a *config.TopologyDRAArgs) { a.PackingWeight = -1 }, wantErr: "negative"},
+		"negative trade":                 {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = -1 }, wantErr: "wholeNodeTrade"},
+		"negative drain trade":           {mutate: func(a *config.TopologyDRAArgs) { a.DrainTrade = -1 }, wantErr: "drainTrade"},
+		"no trade is valid":              {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeTrade = 0 }},
+		"zero binding timout":            {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"binding timeout of a day":       {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86400 }},
+		"binding timeout above a day":    {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 86401 }, wantErr: "bindingTimeoutSeconds"},
 		// time.Duration(secs) * time.Second would overflow to a negative
 		// timeout.
 		"overflowing binding timeout":      {mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 1 << 40 }, wantErr: "at most 86400"},

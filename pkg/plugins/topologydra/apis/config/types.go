@@ -57,12 +57,14 @@ type TopologyDRAArgs struct {
 	// the devices share), then room (how few free aligned blocks — whole
 	// nodes, NUMA nodes, pairs — the placement breaks up) and packing (how
 	// full the node and domains become), mixed by RoomWeight and
-	// PackingWeight (only their ratio matters). WholeNodeTrade is how many
-	// alignment ranks a placement that breaks up a whole free node gives
-	// up (never below the loosest aligned rank); 0 keeps alignment
-	// strictly first. WholeNodeTradeWhileWaiting replaces it while a pod
-	// of this scheduler that needs a whole node (allocator.WholeNodeBlock
-	// devices or more) is pending; it is never less than WholeNodeTrade.
+	// PackingWeight (only their ratio matters; under LeastAllocated only
+	// the emptiness counts, and PackingWeight must be above 0 there).
+	// WholeNodeTrade is how many alignment ranks a placement that breaks
+	// up a whole free node gives up (never below the loosest aligned
+	// rank); 0 keeps alignment strictly first. WholeNodeTradeWhileWaiting
+	// replaces it while a pod of this scheduler that needs a whole node
+	// (allocator.WholeNodeBlock devices or more) is pending; it is never
+	// less than WholeNodeTrade.
 	WholeNodeTrade             int32
 	WholeNodeTradeWhileWaiting int32
 	// DrainTrade concerns pods smaller than a whole node while k pods of

@@ -61,6 +61,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 	if args.PackingWeight < 0 {
 		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must not be negative"))
 	}
+	if args.ScoringStrategy == LeastAllocated && args.PackingWeight == 0 {
+		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must be positive with scoringStrategy LeastAllocated: under LeastAllocated only packingWeight weighs the spreading; roomWeight and ageWeight do not apply"))
+	}
 	if args.RoomWeight+args.PackingWeight == 0 {
 		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "roomWeight and packingWeight must not both be zero"))
 	}
