@@ -11,14 +11,18 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/util/validation/field"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
+	featuregatetesting "k8s.io/component-base/featuregate/testing"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
+	"k8s.io/kubernetes/pkg/features"
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
 
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 )
@@ -94,7 +98,7 @@ func TestConfigFilesDecode(t *testing.T) {
 			if !reflect.DeepEqual(got, tc.want) {
 				t.Errorf("args = %+v, want %+v", got, tc.want)
 			}
-			if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args); len(errs) > 0 {
+			if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, defaultFeatures()); len(errs) > 0 {
 				t.Errorf("config file args invalid: %v", errs)
 			}
 			enabled := false
@@ -189,7 +193,7 @@ func TestValidateArgs(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			args := DefaultArgs()
 			tc.mutate(args)
-			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args)
+			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, defaultFeatures())
 			if tc.wantErr == "" {
 				if len(errs) > 0 {
 					t.Errorf("unexpected errors: %v", errs)
@@ -200,6 +204,78 @@ func TestValidateArgs(t *testing.T) {
 				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
 			}
 		})
+	}
+}
+
+// defaultFeatures are the scheduler features of the current feature gates.
+func defaultFeatures() feature.Features {
+	return feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)
+}
+
+// TestValidateArgsFeatureGates: as for the stock plugin's args, a timeout
+// given while its feature is off is refused; unset (0) is valid then.
+func TestValidateArgsFeatureGates(t *testing.T) {
+	on := defaultFeatures()
+	if !on.EnableDRASchedulerFilterTimeout || !on.EnableDRADeviceBindingConditions || !on.EnableDRAResourceClaimDeviceStatus {
+		t.Fatal("the timeouts' feature gates are on by default in Kubernetes 1.37")
+	}
+	noFilterTimeout, noBinding := on, on
+	noFilterTimeout.EnableDRASchedulerFilterTimeout = false
+	noBinding.EnableDRADeviceBindingConditions = false
+	noDeviceStatus := on
+	noDeviceStatus.EnableDRAResourceClaimDeviceStatus = false
+	tests := map[string]struct {
+		fts     feature.Features
+		mutate  func(*config.TopologyDRAArgs)
+		wantErr string
+	}{
+		"filter timeout without its gate":          {fts: noFilterTimeout, mutate: func(a *config.TopologyDRAArgs) {}, wantErr: "filterTimeout: Forbidden: DRASchedulerFilterTimeout feature gate is disabled"},
+		"no filter timeout without its gate":       {fts: noFilterTimeout, mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = 0 }},
+		"binding timeout without its gate":         {fts: noBinding, mutate: func(a *config.TopologyDRAArgs) {}, wantErr: "bindingTimeoutSeconds: Forbidden: DRADeviceBindingConditions or DRAResourceClaimDeviceStatus"},
+		"binding timeout without device status":    {fts: noDeviceStatus, mutate: func(a *config.TopologyDRAArgs) {}, wantErr: "bindingTimeoutSeconds: Forbidden"},
+		"no binding timeout without its gate":      {fts: noBinding, mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }},
+		"huge binding timeout without its gate":    {fts: noBinding, mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 1 << 40 }, wantErr: "bindingTimeoutSeconds: Forbidden"},
+		"no binding timeout with its gates":        {fts: on, mutate: func(a *config.TopologyDRAArgs) { a.BindingTimeoutSeconds = 0 }, wantErr: "positive"},
+		"negative filter timeout without its gate": {fts: noFilterTimeout, mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = -time.Second }, wantErr: "filterTimeout: Forbidden"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			args := DefaultArgs()
+			tc.mutate(args)
+			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, tc.fts)
+			if tc.wantErr == "" {
+				if len(errs) > 0 {
+					t.Errorf("unexpected errors: %v", errs)
+				}
+				return
+			}
+			if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), tc.wantErr) {
+				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
+			}
+		})
+	}
+}
+
+// TestDefaultsFollowFeatureGates: the timeouts of features that are off
+// are not defaulted (the defaults stay valid), and a config file that sets
+// them is refused then, as the stock plugin's filterTimeout and
+// bindingTimeout are.
+func TestDefaultsFollowFeatureGates(t *testing.T) {
+	featuregatetesting.SetFeatureGatesDuringTest(t, utilfeature.DefaultFeatureGate, featuregatetesting.FeatureOverrides{
+		features.DRASchedulerFilterTimeout:  false,
+		features.DRADeviceBindingConditions: false,
+	})
+	args := DefaultArgs()
+	if args.FilterTimeout != 0 || args.BindingTimeoutSeconds != 0 {
+		t.Errorf("defaults with the gates off: filterTimeout %s, bindingTimeoutSeconds %d, want both unset", args.FilterTimeout, args.BindingTimeoutSeconds)
+	}
+	if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, defaultFeatures()); len(errs) > 0 {
+		t.Errorf("defaults with the gates off are invalid: %v", errs)
+	}
+	loaded, _ := loadProfileArgs(t, filepath.Join("..", "..", "..", "config", "scheduler-config.yaml"), "topodra-scheduler")
+	errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), loaded, defaultFeatures()).ToAggregate()
+	if errs == nil || !strings.Contains(errs.Error(), "filterTimeout: Forbidden") || !strings.Contains(errs.Error(), "bindingTimeoutSeconds: Forbidden") {
+		t.Errorf("config/scheduler-config.yaml with the gates off: %v, want filterTimeout and bindingTimeoutSeconds forbidden", errs)
 	}
 }
 

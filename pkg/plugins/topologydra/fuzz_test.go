@@ -8,8 +8,10 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/validation/field"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
 	schedscheme "k8s.io/kubernetes/pkg/scheduler/apis/config/scheme"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
 	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/config"
@@ -46,7 +48,7 @@ func FuzzArgsDecode(f *testing.F) {
 		if decoded == nil {
 			return
 		}
-		if errs := pluginconfig.ValidateTopologyDRAArgs(field.NewPath("args"), decoded); len(errs) > 0 {
+		if errs := pluginconfig.ValidateTopologyDRAArgs(field.NewPath("args"), decoded, feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)); len(errs) > 0 {
 			return
 		}
 		versioned := &v1.TopologyDRAArgs{}

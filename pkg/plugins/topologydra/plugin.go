@@ -131,13 +131,13 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if err != nil {
 		return nil, err
 	}
-	if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args); len(errs) > 0 {
+	fts := feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)
+	if errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, fts); len(errs) > 0 {
 		return nil, fmt.Errorf("invalid %s args: %w", Name, errs.ToAggregate())
 	}
 	if h.SharedDRAManager() == nil {
 		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", Name)
 	}
-	fts := feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate)
 	features := dynamicresources.AllocatorFeatures(fts)
 	pl := &TopologyDRA{
 		args:     *args,
@@ -263,7 +263,8 @@ func argsFrom(obj runtime.Object) (*config.TopologyDRAArgs, error) {
 	}
 }
 
-// DefaultArgs returns the defaulted internal args.
+// DefaultArgs returns the defaulted internal args under the current
+// feature gates (see v1.SetDefaults).
 func DefaultArgs() *config.TopologyDRAArgs {
 	versioned := &v1.TopologyDRAArgs{}
 	v1.SetDefaults(versioned)

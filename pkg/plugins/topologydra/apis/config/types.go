@@ -135,14 +135,18 @@ type TopologyDRAArgs struct {
 	// hands out; topodra tolerates it. Empty disables the toleration.
 	OwnedTaintKey string
 	// BindingTimeoutSeconds bounds how long PreBind waits for device
-	// binding conditions: 1 to MaxBindingTimeoutSeconds.
+	// binding conditions: 1 to MaxBindingTimeoutSeconds. It applies while
+	// the DRADeviceBindingConditions and DRAResourceClaimDeviceStatus
+	// feature gates are on (the default); without them it must be unset
+	// (0).
 	BindingTimeoutSeconds int64
 	// FilterTimeout bounds one node's allocation in Filter and the
 	// verification of the chosen devices in Reserve, as the stock
 	// plugin's filterTimeout does; a node that runs out of time fails the
 	// scheduling attempt with an error, and the pod retries with backoff.
 	// It applies while the DRASchedulerFilterTimeout feature gate is on
-	// (the default); 0 means no limit.
+	// (the default); 0 means no limit. Without the gate it must be unset
+	// (0).
 	FilterTimeout time.Duration
 }
 

@@ -8,11 +8,14 @@ import (
 	metav1validation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
 )
 
 // ValidateTopologyDRAArgs checks the arguments; path is where they sit in
-// the configuration (for error messages).
-func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.ErrorList {
+// the configuration (for error messages). As for the stock plugin's args,
+// a timeout set while the feature it applies to is off (fts) is an error:
+// it would have no effect.
+func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs, fts feature.Features) field.ErrorList {
 	var errs field.ErrorList
 	seen := sets.New[string]()
 	for i, attr := range args.TopologyAttributes {
@@ -73,10 +76,22 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs) field.Erro
 		// validates a device toleration's key.
 		errs = append(errs, metav1validation.ValidateLabelName(args.OwnedTaintKey, path.Child("ownedTaintKey"))...)
 	}
-	if args.BindingTimeoutSeconds <= 0 || args.BindingTimeoutSeconds > MaxBindingTimeoutSeconds {
+	switch {
+	case !fts.EnableDRADeviceBindingConditions || !fts.EnableDRAResourceClaimDeviceStatus:
+		// Unset (0) unless given: the defaults leave it out.
+		if args.BindingTimeoutSeconds != 0 {
+			errs = append(errs, field.Forbidden(path.Child("bindingTimeoutSeconds"), "DRADeviceBindingConditions or DRAResourceClaimDeviceStatus feature gate is disabled"))
+		}
+	case args.BindingTimeoutSeconds <= 0 || args.BindingTimeoutSeconds > MaxBindingTimeoutSeconds:
 		errs = append(errs, field.Invalid(path.Child("bindingTimeoutSeconds"), args.BindingTimeoutSeconds, fmt.Sprintf("must be positive and at most %d (one day)", MaxBindingTimeoutSeconds)))
 	}
-	if args.FilterTimeout < 0 {
+	switch {
+	case !fts.EnableDRASchedulerFilterTimeout:
+		// 0 (no limit) is what the feature's absence amounts to.
+		if args.FilterTimeout != 0 {
+			errs = append(errs, field.Forbidden(path.Child("filterTimeout"), "DRASchedulerFilterTimeout feature gate is disabled"))
+		}
+	case args.FilterTimeout < 0:
 		errs = append(errs, field.Invalid(path.Child("filterTimeout"), args.FilterTimeout.String(), "must not be negative (0 means no limit)"))
 	}
 	return errs

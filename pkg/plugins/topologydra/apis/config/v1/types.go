@@ -13,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/conversion"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
+	"k8s.io/kubernetes/pkg/features"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
@@ -86,7 +88,12 @@ const DefaultSmallPodHeadroomPercent = 12
 // DefaultNICReservePercent is nicReservePercent's default.
 const DefaultNICReservePercent = 5
 
-// SetDefaults fills in every unset field.
+// SetDefaults fills in every unset field, except, as the stock plugin's
+// defaults do, the timeouts of features that are off: filterTimeout
+// without the DRASchedulerFilterTimeout feature gate, and
+// bindingTimeoutSeconds without DRADeviceBindingConditions and
+// DRAResourceClaimDeviceStatus. Those stay unset (0 once converted), and
+// validation refuses them set.
 func SetDefaults(a *TopologyDRAArgs) {
 	if a.TopologyAttributes == nil {
 		for _, attr := range topology.DefaultAttributes {
@@ -129,10 +136,11 @@ func SetDefaults(a *TopologyDRAArgs) {
 	if a.OwnedTaintKey == nil {
 		a.OwnedTaintKey = ptr.To(topology.DefaultTaintKey)
 	}
-	if a.BindingTimeoutSeconds == nil {
+	gates := utilfeature.DefaultFeatureGate
+	if a.BindingTimeoutSeconds == nil && gates.Enabled(features.DRADeviceBindingConditions) && gates.Enabled(features.DRAResourceClaimDeviceStatus) {
 		a.BindingTimeoutSeconds = ptr.To[int64](600)
 	}
-	if a.FilterTimeout == nil {
+	if a.FilterTimeout == nil && gates.Enabled(features.DRASchedulerFilterTimeout) {
 		a.FilterTimeout = &metav1.Duration{Duration: config.DefaultFilterTimeout}
 	}
 }
@@ -174,7 +182,11 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.PackingWeight = ptr.To(in.PackingWeight)
 	out.Alignment = ptr.To(string(in.Alignment))
 	out.OwnedTaintKey = ptr.To(in.OwnedTaintKey)
-	out.BindingTimeoutSeconds = ptr.To(in.BindingTimeoutSeconds)
+	// 0 is never a valid binding timeout: it stands for none set (its
+	// feature gates are off).
+	if in.BindingTimeoutSeconds != 0 {
+		out.BindingTimeoutSeconds = ptr.To(in.BindingTimeoutSeconds)
+	}
 	out.FilterTimeout = &metav1.Duration{Duration: in.FilterTimeout}
 }
 
