@@ -43,7 +43,8 @@ var registryOptions []schedapp.Option
 
 // NewCommand returns the topodra-scheduler command. It is the upstream
 // kube-scheduler command with topodra's plugins registered; --version prints
-// the topodra version and the kube-scheduler version it is built on.
+// the topodra version and the kube-scheduler version it is built on. It
+// refuses to start from a configuration that checkProfiles refuses.
 func NewCommand() *cobra.Command {
 	cmd := schedapp.NewSchedulerCommand(RegistryOptions()...)
 	cmd.Use = SchedulerName
@@ -55,6 +56,18 @@ func NewCommand() *cobra.Command {
 			os.Exit(0)
 		}
 		return upstreamPreRun(c, args)
+	}
+	// The configuration is checked for what kube-scheduler's validation
+	// leaves out (checkProfiles) before the upstream command sets the
+	// scheduler up from it; the feature gates are set by then.
+	upstreamRun := cmd.RunE
+	cmd.RunE = func(c *cobra.Command, args []string) error {
+		if f := c.Flags().Lookup("config"); f != nil {
+			if err := checkConfigFile(klog.Background(), f.Value.String()); err != nil {
+				return err
+			}
+		}
+		return upstreamRun(c, args)
 	}
 	return cmd
 }
@@ -69,7 +82,8 @@ func VersionString() string {
 // logging configuration alone and stops when ctx is done, so tests and the
 // simulator can run several schedulers (topodra and stock, or a restarted
 // one) in one process. With stock=true it runs plain kube-scheduler without
-// topodra's plugins. When the configuration enables leader election, it
+// topodra's plugins; otherwise it refuses a configuration that
+// checkProfiles refuses, as the command does. When the configuration enables leader election, it
 // schedules only while it holds the lease and returns an error if it loses
 // it (see runElected).
 func Run(ctx context.Context, args []string, stock bool) error {
@@ -109,6 +123,9 @@ func RunWithOptions(ctx context.Context, args []string, runOpts RunOptions) erro
 	var reg []schedapp.Option
 	if !stock {
 		reg = RegistryOptions()
+		if err := checkConfigFile(klog.FromContext(ctx), opts.ConfigFile); err != nil {
+			return err
+		}
 	}
 	cc, sched, err := schedapp.Setup(ctx, opts, reg...)
 	if err != nil {
