@@ -106,6 +106,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
 			pl.heldBack.hold(pod.UID)
+			s.heldOnce.Do(headroomHolds.Inc)
 			return unresolvable(why)
 		}
 	}

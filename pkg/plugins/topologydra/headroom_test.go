@@ -9,6 +9,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 )
@@ -116,9 +117,17 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	// counts the two nodes under it.
 	h = setup(5, 6)
 	h.pl.headroomPercent = 50 // 8 of 64 kept from 4-GPU pods
+	before, err := testutil.GetCounterMetricValue(headroomHolds)
+	if err != nil {
+		t.Fatal(err)
+	}
 	_, st = h.cycle(testPod("p", "four"), names...)
 	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || st["node-0"].Message() != st["node-1"].Message() {
 		t.Errorf("Filter(node-0) = %v, Filter(node-1) = %v, want both held back with one message", st["node-0"], st["node-1"])
+	}
+	// One attempt held back on two nodes counts once.
+	if after, _ := testutil.GetCounterMetricValue(headroomHolds); after != before+1 {
+		t.Errorf("topodra_headroom_holds_total went from %v to %v in one attempt, want +1", before, after)
 	}
 
 	h = setup(5, 0)

@@ -46,12 +46,18 @@ var (
 		Help:           "Allocations that Filter decided by counting and that the upstream allocator refused in Reserve (counting and upstream disagree; the node is then allocated by upstream directly for a while).",
 		StabilityLevel: metrics.ALPHA,
 	})
+	headroomHolds = metrics.NewCounter(&metrics.CounterOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "headroom_holds_total",
+		Help:           "Scheduling attempts in which smallPodHeadroomPercent turned a pod down on at least one node that its devices fit (devices kept free for smaller pods), as distinct from devices short.",
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds)
 	})
 }
 

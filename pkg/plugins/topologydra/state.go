@@ -61,6 +61,9 @@ type stateData struct {
 	// reportOnce limits the warning event for a claim error to one per
 	// cycle (Filter runs for many nodes).
 	reportOnce sync.Once
+	// heldOnce counts the cycle once in headroomHolds, however many
+	// nodes the headroom turned down.
+	heldOnce sync.Once
 
 	// mu guards results and unavailableClaims, which Filter writes
 	// concurrently for many nodes.
