@@ -25,30 +25,33 @@ type laggingWatch struct {
 
 func (w *laggingWatch) ResultChan() <-chan watch.Event { return w.out }
 
+// lagClaimWatch makes the harness's claim informers see every claim event
+// after the delay that is set when the event arrives.
+func lagClaimWatch(h *harness, delay *atomic.Int64) {
+	h.client.PrependWatchReactor("resourceclaims", func(action cgotesting.Action) (bool, watch.Interface, error) {
+		w, err := h.client.Tracker().Watch(action.GetResource(), action.GetNamespace())
+		if err != nil {
+			return true, nil, err
+		}
+		lw := &laggingWatch{Interface: w, out: make(chan watch.Event, 100), delay: delay}
+		go func() {
+			defer close(lw.out)
+			for ev := range w.ResultChan() {
+				time.Sleep(time.Duration(delay.Load()))
+				lw.out <- ev
+			}
+		}()
+		return true, lw, nil
+	})
+}
+
 // TestPreBindFailureKeepsWrittenClaims: PreBind writes claim a and fails
 // on claim b while the claim informer lags behind the API. Unreserve must
 // not put back the informer's unallocated copy of a: the devices a holds
 // in the API would look free, and another pod would get them too.
 func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 	var delay atomic.Int64
-	lagClaims := func(h *harness) {
-		h.client.PrependWatchReactor("resourceclaims", func(action cgotesting.Action) (bool, watch.Interface, error) {
-			w, err := h.client.Tracker().Watch(action.GetResource(), action.GetNamespace())
-			if err != nil {
-				return true, nil, err
-			}
-			lw := &laggingWatch{Interface: w, out: make(chan watch.Event, 100), delay: &delay}
-			go func() {
-				defer close(lw.out)
-				for ev := range w.ResultChan() {
-					time.Sleep(time.Duration(delay.Load()))
-					lw.out <- ev
-				}
-			}()
-			return true, lw, nil
-		})
-	}
-	h := newHarnessWith(t, lagClaims, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+	h := newHarnessWith(t, func(h *harness) { lagClaimWatch(h, &delay) }, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
 		testClaim("a", 2), testClaim("b", 2), testClaim("q", 4))
 	for _, n := range []string{"a", "b", "q"} {
 		h.waitForClaim(n, func(*resourceapi.ResourceClaim) bool { return true })
@@ -95,21 +98,7 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 	var lag atomic.Int64
 	var lose atomic.Bool
 	hook := func(h *harness) {
-		h.client.PrependWatchReactor("resourceclaims", func(action cgotesting.Action) (bool, watch.Interface, error) {
-			w, err := h.client.Tracker().Watch(action.GetResource(), action.GetNamespace())
-			if err != nil {
-				return true, nil, err
-			}
-			lw := &laggingWatch{Interface: w, out: make(chan watch.Event, 100), delay: &lag}
-			go func() {
-				defer close(lw.out)
-				for ev := range w.ResultChan() {
-					time.Sleep(time.Duration(lag.Load()))
-					lw.out <- ev
-				}
-			}()
-			return true, lw, nil
-		})
+		lagClaimWatch(h, &lag)
 		h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
 			u := action.(cgotesting.UpdateAction)
 			if u.GetSubresource() != "status" || !lose.Load() {
