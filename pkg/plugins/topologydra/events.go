@@ -22,7 +22,7 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 		// Node labels feed allocation node selectors and slice node
 		// selectors; labels, taints and cordons decide which nodes keep a
 		// headroom for the pod (podMayUseNode).
-		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint}},
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint}, QueueingHintFn: pl.isSchedulableAfterNodeChange},
 		// Claims: the pod's own claim created or changed, or devices freed.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Add | fwk.Update | fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterClaimChange},
 		// The claim controller names generated claims in the pod status.
@@ -59,6 +59,27 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) || topodraAnnotationsChanged(oldClaim, newClaim) {
 		return fwk.Queue, nil
 	}
+	return fwk.QueueSkip, nil
+}
+
+// isSchedulableAfterNodeChange: a new node, or new labels or allocatable
+// resources, may make any pod schedulable. A changed cordon or taint only
+// changes which nodes keep a headroom for a pod (podMayUseNode): it
+// requeues only the pods the headroom held back, so that the many taint
+// changes of a large cluster do not renew every waiting pod's backoff.
+func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	oldNode, _ := oldObj.(*v1.Node)
+	newNode, _ := newObj.(*v1.Node)
+	if oldNode == nil || newNode == nil {
+		return fwk.Queue, nil
+	}
+	if !apiequality.Semantic.DeepEqual(oldNode.Labels, newNode.Labels) || !apiequality.Semantic.DeepEqual(oldNode.Status.Allocatable, newNode.Status.Allocatable) {
+		return fwk.Queue, nil
+	}
+	if pl.heldBack.held(pod.UID) {
+		return fwk.Queue, nil
+	}
+	logger.V(6).Info("Node taints or cordon changed; the pod was not held back by the headroom", "pod", klog.KObj(pod), "node", klog.KObj(newNode))
 	return fwk.QueueSkip, nil
 }
 

@@ -364,3 +364,41 @@ func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
 		t.Errorf("z gave back 2 GPUs while x holds the other 2 again: hint %v for a 4-GPU pod, want QueueSkip", got)
 	}
 }
+
+// TestNodeQueueingHint: new nodes, labels and allocatable requeue any
+// pod; a taint or cordon change only a pod the headroom held back.
+func TestNodeQueueingHint(t *testing.T) {
+	pl := &TopologyDRA{}
+	pod, held := testPod("p"), testPod("held")
+	pl.heldBack.hold(held.UID)
+	node := func(mutate func(*v1.Node)) *v1.Node {
+		n := testNode("n")
+		mutate(n)
+		return n
+	}
+	plain := node(func(*v1.Node) {})
+	for _, tc := range []struct {
+		name     string
+		old, new *v1.Node
+		pod      *v1.Pod
+		want     fwk.QueueingHint
+	}{
+		{"node added", nil, plain, pod, fwk.Queue},
+		{"label added", plain, node(func(n *v1.Node) { n.Labels["gpu"] = "h100" }), pod, fwk.Queue},
+		{"cordoned", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), pod, fwk.QueueSkip},
+		{"taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}} }), plain, pod, fwk.QueueSkip},
+		{"cordoned, pod held back by the headroom", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), held, fwk.Queue},
+	} {
+		var oldObj any
+		if tc.old != nil {
+			oldObj = tc.old
+		}
+		got, err := pl.isSchedulableAfterNodeChange(klog.Background(), tc.pod, oldObj, tc.new)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("%s: hint %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

@@ -1,14 +1,17 @@
 package topologydra
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -420,5 +423,64 @@ func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
 	_, st := h.cycle(tolerant, names...)
 	if code(st["node-00"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-00"].Message(), "of the 128") {
 		t.Errorf("a pod that may use every node: Filter(node-00) = %v, want held back, keeping 16 of the 128", st["node-00"])
+	}
+}
+
+// TestHeadroomHintOnlyNodesThePodMayUse: the freed-devices hint counts the
+// headroom over the nodes Filter counts it over. Of sixteen nodes, eight
+// are full and closed to the pod (four tainted, four cordoned), node-00 is
+// empty and node-01 held by one 8-GPU claim: an 8-GPU pod is held back
+// (16 free would leave 8, the headroom over its 64 GPUs). When node-01's
+// claim gives its GPUs back, Filter admits the pod, so the hint retries
+// it; a pod that tolerates the taints and cordons still keeps 16 of 128.
+func TestHeadroomHintOnlyNodesThePodMayUse(t *testing.T) {
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
+	for i := range 16 {
+		name := fmt.Sprintf("node-%02d", i)
+		node := testNode(name)
+		switch {
+		case i >= 12:
+			node.Spec.Unschedulable = true
+		case i >= 8:
+			node.Spec.Taints = []v1.Taint{{Key: "dedicated", Value: "other-team", Effect: v1.TaintEffectNoSchedule}}
+		}
+		nodes = append(nodes, node)
+		objs = append(objs, testSlice(name, 8))
+		if i >= 1 {
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("held-node-15", func(*resourceapi.ResourceClaim) bool { return true })
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return h.pl.nodeKnown("node-15"), nil
+	}); err != nil {
+		t.Fatalf("the node lister never saw node-15: %v", err)
+	}
+	hint := func(pod *v1.Pod) fwk.QueueingHint {
+		t.Helper()
+		old := h.apiClaim("held-node-01")
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed.ResourceVersion += "-next"
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	if got := hint(testPod("p", "eight")); got != fwk.Queue {
+		t.Errorf("node-01 freed, 16 of the pod's 64 GPUs free: hint %v, want Queue", got)
+	}
+	tolerant := testPod("tolerant", "eight")
+	tolerant.Spec.Tolerations = []v1.Toleration{
+		{Key: "dedicated", Operator: v1.TolerationOpExists},
+		{Key: v1.TaintNodeUnschedulable, Operator: v1.TolerationOpExists},
+	}
+	if got := hint(tolerant); got != fwk.QueueSkip {
+		t.Errorf("node-01 freed, 16 of 128 free for a pod that may use every node: hint %v, want QueueSkip", got)
 	}
 }

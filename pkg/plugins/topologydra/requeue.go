@@ -29,6 +29,10 @@ type freedDevices struct {
 	nodes   map[deviceGroup]driverDevices
 	// gave counts the devices the event's claim gave back, per group.
 	gave map[deviceGroup]int
+	// restricted holds, as of the last count, the nodes with devices
+	// counted for the headroom that not every pod may use: cordoned, or
+	// with a NoSchedule or NoExecute taint (see podMayUseNode).
+	restricted map[string]*v1.Node
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -312,11 +316,47 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	// headroom.
 	var nodes map[deviceGroup]driverDevices
 	var cluster map[string]driverDevices
+	var restricted map[string]*v1.Node
 	if pl.headroomPercent > 0 {
 		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
+		restricted = pl.restrictedNodes(nodes)
 	}
-	f.key, f.free, f.cluster, f.nodes, f.gave = key, free, cluster, nodes, gave
+	f.key, f.free, f.cluster, f.nodes, f.gave, f.restricted = key, free, cluster, nodes, gave, restricted
 	return free, true
+}
+
+// restrictedNodes returns the nodes of groups that are cordoned or carry
+// a NoSchedule or NoExecute taint: the nodes where whether a pod may use
+// them depends on the pod's tolerations.
+func (pl *TopologyDRA) restrictedNodes(groups map[deviceGroup]driverDevices) map[string]*v1.Node {
+	if pl.nodes == nil {
+		return nil
+	}
+	out := map[string]*v1.Node{}
+	for g := range groups {
+		if _, seen := out[g.node]; seen || g.node == "" {
+			continue
+		}
+		node, err := pl.nodes.Get(g.node)
+		if err != nil {
+			continue
+		}
+		restricted := node.Spec.Unschedulable
+		for _, t := range node.Spec.Taints {
+			restricted = restricted || t.Effect == v1.TaintEffectNoSchedule || t.Effect == v1.TaintEffectNoExecute
+		}
+		if restricted {
+			out[g.node] = node
+		}
+	}
+	return out
+}
+
+// restrictedNodes returns the restricted nodes of the last count.
+func (f *freedDevices) restrictedNodes() map[string]*v1.Node {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.restricted
 }
 
 // countNodes counts every known node's devices of each driver (the newest
@@ -447,10 +487,20 @@ const (
 // pod's required node affinity admits) kept a pod that asks for need
 // devices waiting, before and after the event.
 func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim, need int) headroomState {
+	// The nodes the pod may use, as Filter counts them (podMayUseNode):
+	// its required node affinity, and cordons and taints where a node has
+	// them.
 	var mayUse func(string) bool
-	if pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil {
+	hasAffinity := pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil
+	restricted := pl.freed.restrictedNodes()
+	if hasAffinity || len(restricted) > 0 {
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
-		mayUse = func(node string) bool { return pl.mayUse(affinity, node) }
+		mayUse = func(node string) bool {
+			if n, ok := restricted[node]; ok {
+				return podMayUseNode(logger, pod, affinity, n, pl.taintOps)
+			}
+			return !hasAffinity || pl.mayUse(affinity, node)
+		}
 	}
 	counts := pl.freed.driverCounts(mayUse)
 	gained := pl.freed.spareGained(mayUse)
