@@ -163,7 +163,7 @@ func TestValidateArgs(t *testing.T) {
 		"bad strategy":                     {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
 		"bad alignment":                    {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
 		"zero weights":                     {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
-		"spreading without packing weight": {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy, a.PackingWeight = config.LeastAllocated, 0 }, wantErr: "only packingWeight weighs the spreading"},
+		"spreading without packing weight": {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy, a.PackingWeight = config.LeastAllocated, 0 }},
 		"spreading with packing weight": {mutate: func(a *config.TopologyDRAArgs) {
 			a.ScoringStrategy, a.RoomWeight, a.PackingWeight = config.LeastAllocated, 0, 1
 		}},

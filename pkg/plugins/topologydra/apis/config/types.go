@@ -58,7 +58,7 @@ type TopologyDRAArgs struct {
 	// nodes, NUMA nodes, pairs — the placement breaks up) and packing (how
 	// full the node and domains become), mixed by RoomWeight and
 	// PackingWeight (only their ratio matters; under LeastAllocated only
-	// the emptiness counts, and PackingWeight must be above 0 there).
+	// the emptiness counts, whatever the weights).
 	// WholeNodeTrade is how many alignment ranks a placement that breaks
 	// up a whole free node gives up (never below the loosest aligned
 	// rank); 0 keeps alignment strictly first. WholeNodeTradeWhileWaiting

@@ -64,9 +64,6 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs, fts featur
 	if args.PackingWeight < 0 {
 		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must not be negative"))
 	}
-	if args.ScoringStrategy == LeastAllocated && args.PackingWeight == 0 {
-		errs = append(errs, field.Invalid(path.Child("packingWeight"), args.PackingWeight, "must be positive with scoringStrategy LeastAllocated: under LeastAllocated only packingWeight weighs the spreading; roomWeight and ageWeight do not apply"))
-	}
 	if args.RoomWeight+args.PackingWeight == 0 {
 		errs = append(errs, field.Invalid(path.Child("roomWeight"), args.RoomWeight, "roomWeight and packingWeight must not both be zero"))
 	}
