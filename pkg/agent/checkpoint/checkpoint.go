@@ -27,11 +27,19 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// Version identifies the checkpoint format written by this package.
-const Version = "checkpoint.gpu.topodra.io/v2"
+// Version identifies the checkpoint format written by this package: v3
+// adds PreviousBoot, Faults and PreparedClaim.AllocatedAt to v2. Agents
+// that read only v2 refuse a v3 file (by its version), so an agent
+// cannot be rolled back across v3 without removing the file (and with it
+// the record of prepared claims).
+const Version = "checkpoint.gpu.topodra.io/v3"
 
-// versionV1 is the format without BootID; it is read, never written.
-const versionV1 = "checkpoint.gpu.topodra.io/v1"
+// versionV2 is the format without PreviousBoot, Faults and AllocatedAt;
+// versionV1 the one without BootID. Both are read, never written.
+const (
+	versionV2 = "checkpoint.gpu.topodra.io/v2"
+	versionV1 = "checkpoint.gpu.topodra.io/v1"
+)
 
 // FileName is the checkpoint's name inside its directory.
 const FileName = "checkpoint.json"
@@ -48,8 +56,8 @@ var (
 // Checkpoint is the persisted state: prepared claims by UID, what claims
 // held before the last reboot, and the GPU faults seen during this boot.
 //
-// Fields added after v2 are optional: files without them load, and they
-// are left out of the file while empty.
+// The fields that v3 added are optional: v2 files load without them, and
+// they are left out of the file while empty.
 type Checkpoint struct {
 	// BootID is the node's boot id (/proc/sys/kernel/random/boot_id) when
 	// the claims were prepared. Prepared state does not survive a reboot
@@ -154,7 +162,7 @@ func (s *Store) Load() (*Checkpoint, error) {
 	if err := json.Unmarshal(data, &f); err != nil {
 		return nil, fmt.Errorf("decode checkpoint %s: %w", s.Path(), err)
 	}
-	if f.Version != Version && f.Version != versionV1 {
+	if f.Version != Version && f.Version != versionV2 && f.Version != versionV1 {
 		return nil, fmt.Errorf("read checkpoint %s: %w %q (want %q)", s.Path(), ErrUnknownVersion, f.Version, Version)
 	}
 	if crc32.ChecksumIEEE(f.Data) != f.Checksum {

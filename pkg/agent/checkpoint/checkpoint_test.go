@@ -159,14 +159,14 @@ func TestCrashBetweenWriteAndRename(t *testing.T) {
 }
 
 // TestLoadV2WithoutNewFields reads a file as agents wrote it before
-// previousBoot and faults existed.
+// previousBoot, faults and allocatedAt existed (v2).
 func TestLoadV2WithoutNewFields(t *testing.T) {
 	s, err := New(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
 	data := `{"bootID":"boot-1","claims":{"uid-a":{"namespace":"default","name":"a","devices":[{"requests":["gpus"],"pool":"node-1","device":"gpu-0","uuid":"GPU-0","minor":0,"cdiDeviceIDs":["x"]}]}}}`
-	out := fmt.Sprintf(`{"version":%q,"checksum":%d,"data":%s}`, Version, crc32.ChecksumIEEE([]byte(data)), data)
+	out := fmt.Sprintf(`{"version":%q,"checksum":%d,"data":%s}`, versionV2, crc32.ChecksumIEEE([]byte(data)), data)
 	if err := os.WriteFile(s.Path(), []byte(out), 0o600); err != nil {
 		t.Fatal(err)
 	}
