@@ -139,6 +139,17 @@ type Options struct {
 	// key that is not a qualified name.
 	OwnedTaintKey string
 
+	// RestartOnDriverChange stops the agent (Err wraps
+	// discovery.ErrDriverChanged) when NVML loses the kernel driver,
+	// after the ReasonNVMLReload event, instead of reloading NVML in
+	// process: a real libnvidia-ml stays mapped in a process that has
+	// used it, so only a new process loads the new driver's library (the
+	// node-agent command sets it; its container is restarted, and the
+	// checkpoint keeps the prepared claims). Without it the agent reloads
+	// through its discovery, which serves discovery implementations that
+	// can load again (mock libraries).
+	RestartOnDriverChange bool
+
 	// RescanInterval is how often devices are rediscovered (default
 	// DefaultRescanInterval); negative disables rescanning.
 	RescanInterval time.Duration
@@ -164,7 +175,8 @@ const (
 	ReasonNoGPU     = "TopodraNoGPU"
 	ReasonGPUsFound = "TopodraGPUsFound"
 	// ReasonNVMLReload (Warning): NVML lost the kernel driver (an
-	// upgrade or unload), the agent reloads it.
+	// upgrade or unload); the agent stops so that its restart loads the
+	// new library (Options.RestartOnDriverChange), or reloads it.
 	ReasonNVMLReload = "TopodraNVMLReload"
 	// ReasonNVMLReloadFailed (Warning): reloading NVML failed, the agent
 	// retries.
@@ -561,11 +573,17 @@ func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
 // When NVML lost the kernel driver (discovery.ErrDriverChanged: a driver
 // upgrade or unload) it keeps the published devices, stops health
 // watching, records a ReasonNVMLReload warning on the Node and returns the
-// error; the rescan loop then retries soon, with backoff, and discovery
-// reloads NVML. The first rescan that succeeds after that republishes
-// (the driver version changed) and restarts health watching.
+// error; with Options.RestartOnDriverChange the agent then stops, else the
+// rescan loop retries soon, with backoff, and discovery reloads NVML. The
+// first rescan that starts after that and succeeds republishes (the
+// driver version changed) and restarts health watching.
 func (a *Agent) Rescan(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
+	// Only a discovery that started after NVML lost its driver reloaded
+	// it: one that started before may return the old library's answer.
+	a.mutex.Lock()
+	pending := a.reload
+	a.mutex.Unlock()
 	inv, err := a.discovery.Discover(ctx)
 	switch {
 	case errors.Is(err, discovery.ErrDriverChanged):
@@ -579,7 +597,7 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	}
 	a.recordDiscovery(ctx, inv, err)
 	a.mutex.Lock()
-	reloaded := a.reload != nil && err == nil
+	reloaded := pending != nil && a.reload == pending && err == nil
 	if reloaded {
 		a.reload, a.reloadError = nil, ""
 	}
@@ -623,6 +641,12 @@ func (a *Agent) driverChanged(ctx context.Context, err error) {
 	}
 	a.mutex.Unlock()
 	if !first {
+		return
+	}
+	if a.opts.RestartOnDriverChange {
+		klog.FromContext(ctx).Info("NVML lost the kernel driver, stopping so that a restart loads the new library", "err", err.Error())
+		a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; restarting the agent to load NVML again and republish the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
+		a.cancel(fmt.Errorf("NVML lost the kernel driver; restart to load the new library: %w", err))
 		return
 	}
 	klog.FromContext(ctx).Info("NVML lost the kernel driver, reloading it", "err", err.Error())

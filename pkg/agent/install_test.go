@@ -446,10 +446,12 @@ func TestAgentReloadsNVMLAfterDriverUpgrade(t *testing.T) {
 				}
 			}
 
-			old.Break()
+			// The new library first: a rescan between the two would
+			// otherwise reopen the broken one.
 			mutex.Lock()
 			next = upgraded
 			mutex.Unlock()
+			old.Break()
 			if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, published("570.86.10", "")); err != nil {
 				t.Fatalf("new driver version not published: %v", err)
 			}
@@ -658,5 +660,52 @@ func TestDeviceUnhealthyEventOnNode(t *testing.T) {
 	}
 	if ref := nodeRefs[0]; ref.Name != nodeName || ref.UID != types.UID(nodeName) {
 		t.Errorf("event refers to %+v, want Node %s with UID %s", ref, nodeName, nodeName)
+	}
+}
+
+// TestAgentStopsForNewDriver: with RestartOnDriverChange (the command's
+// setting), NVML losing its driver stops the agent with an error that
+// says so, after a warning on the Node, so that its container restarts
+// and loads the new library; the published GPUs are not withdrawn.
+func TestAgentStopsForNewDriver(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	old := e.machine.Library("550.54.15")
+	lazy := discovery.NewLazy(func() (nvml.Interface, error) { return old, nil }, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+	recorder := events.NewFakeRecorder(20)
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:              nodeName,
+		KubeClient:            e.client,
+		Discovery:             lazy,
+		PublishOnly:           true,
+		Recorder:              recorder,
+		RescanInterval:        20 * time.Millisecond,
+		Health:                &idleHealth{},
+		RestartOnDriverChange: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+		slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		return err == nil && len(slices.Items) == 1, nil
+	}); err != nil {
+		t.Fatalf("GPUs not published: %v", err)
+	}
+	old.Break()
+	select {
+	case <-a.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent kept running after NVML lost its driver")
+	}
+	if err := a.Err(); !errors.Is(err, discovery.ErrDriverChanged) {
+		t.Errorf("Err() = %v, want it to wrap discovery.ErrDriverChanged", err)
+	}
+	if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNVMLReload) || !strings.Contains(got, "restarting the agent") {
+		t.Errorf("event %q, want a %s warning saying the agent restarts", got, agent.ReasonNVMLReload)
+	}
+	if got := old.Shutdowns(); got > 1 {
+		t.Errorf("library shut down %d times", got)
 	}
 }

@@ -39,7 +39,11 @@ func OpenFromRoot(root driverroot.Root) OpenFunc {
 // or until NVML reports that it lost the kernel driver ([ErrDriverChanged]:
 // a driver upgrade or unload): then Lazy shuts the library down, forgets
 // it and returns that error, and the next call opens the library again
-// (from a path resolved anew). Lazy implements [Interface] and
+// (from a path resolved anew). A real libnvidia-ml stays mapped in the
+// process once used (go-nvml binds its symbols globally), so opening it
+// again reaches the old library: only a new process loads a new driver's
+// (see agent.Options.RestartOnDriverChange); reopening serves libraries
+// that can load again, such as mocks. Lazy implements [Interface] and
 // [HealthWatcher] and is safe for concurrent use.
 type Lazy struct {
 	open OpenFunc
