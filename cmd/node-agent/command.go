@@ -290,8 +290,6 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		OwnedTaintKey:   o.ownedTaintKey,
 		RescanInterval:  rescan(o.rescanInterval),
 		StaleClaimCheck: staleClaimCheck(o.rescanInterval),
-		// The real NVML library cannot be replaced in a running process.
-		RestartOnDriverChange: true,
 	})
 	if errors.Is(err, agent.ErrCDIDir) {
 		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)

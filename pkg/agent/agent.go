@@ -139,17 +139,6 @@ type Options struct {
 	// key that is not a qualified name.
 	OwnedTaintKey string
 
-	// RestartOnDriverChange stops the agent (Err wraps
-	// discovery.ErrDriverChanged) when NVML loses the kernel driver,
-	// after the ReasonNVMLReload event, instead of reloading NVML in
-	// process: a real libnvidia-ml stays mapped in a process that has
-	// used it, so only a new process loads the new driver's library (the
-	// node-agent command sets it; its container is restarted, and the
-	// checkpoint keeps the prepared claims). Without it the agent reloads
-	// through its discovery, which serves discovery implementations that
-	// can load again (mock libraries).
-	RestartOnDriverChange bool
-
 	// RescanInterval is how often devices are rediscovered (default
 	// DefaultRescanInterval); negative disables rescanning.
 	RescanInterval time.Duration
@@ -176,14 +165,8 @@ const (
 	ReasonGPUsFound = "TopodraGPUsFound"
 	// ReasonNVMLReload (Warning): NVML lost the kernel driver (an
 	// upgrade or unload); the agent stops so that its restart loads the
-	// new library (Options.RestartOnDriverChange), or reloads it.
+	// new library.
 	ReasonNVMLReload = "TopodraNVMLReload"
-	// ReasonNVMLReloadFailed (Warning): reloading NVML failed, the agent
-	// retries.
-	ReasonNVMLReloadFailed = "TopodraNVMLReloadFailed"
-	// ReasonNVMLReloaded (Normal): NVML works again, with the driver
-	// version it names.
-	ReasonNVMLReloaded = "TopodraNVMLReloaded"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -227,13 +210,6 @@ type Agent struct {
 	// healthActive says whether the health source is watching now.
 	healthActive bool
 	stopHealth   context.CancelFunc
-	// reload is why NVML has to be reloaded (an error wrapping
-	// discovery.ErrDriverChanged), nil while it works; reloadError is
-	// the last reload failure reported.
-	reload      error
-	reloadError string
-	// rescanNow wakes up the rescan loop.
-	rescanNow chan struct{}
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
@@ -293,7 +269,6 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		health:        opts.Health,
 		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
-		rescanNow:     make(chan struct{}, 1),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
@@ -571,19 +546,9 @@ func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
 
 // Rescan rediscovers devices now and republishes if anything changed.
 // When NVML lost the kernel driver (discovery.ErrDriverChanged: a driver
-// upgrade or unload) it keeps the published devices, stops health
-// watching, records a ReasonNVMLReload warning on the Node and returns the
-// error; with Options.RestartOnDriverChange the agent then stops, else the
-// rescan loop retries soon, with backoff, and discovery reloads NVML. The
-// first rescan that starts after that and succeeds republishes (the
-// driver version changed) and restarts health watching.
+// upgrade or unload) the agent stops (see driverChanged).
 func (a *Agent) Rescan(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
-	// Only a discovery that started after NVML lost its driver reloaded
-	// it: one that started before may return the old library's answer.
-	a.mutex.Lock()
-	pending := a.reload
-	a.mutex.Unlock()
 	inv, err := a.discovery.Discover(ctx)
 	switch {
 	case errors.Is(err, discovery.ErrDriverChanged):
@@ -592,101 +557,42 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	case errors.Is(err, discovery.ErrNoGPU):
 		inv = &discovery.Inventory{}
 	case err != nil:
-		a.reloadFailed(ctx, err)
 		return fmt.Errorf("discover devices: %w", err)
 	}
 	a.recordDiscovery(ctx, inv, err)
 	a.mutex.Lock()
-	reloaded := pending != nil && a.reload == pending && err == nil
-	if reloaded {
-		a.reload, a.reloadError = nil, ""
-	}
 	old := a.inventory
 	changed := !apiequality.Semantic.DeepEqual(old, inv)
-	restartHealth := changed && !sameUUIDs(old, inv) || reloaded
+	restartHealth := changed && !sameUUIDs(old, inv)
 	if changed {
 		a.inventory = inv
 	}
 	a.mutex.Unlock()
-	if reloaded {
-		version := driverVersion(inv)
-		logger.Info("reloaded NVML", "devices", len(inv.GPUs), "driverVersion", version)
-		a.nodeEvent(v1.EventTypeNormal, ReasonNVMLReloaded, "Discover", "%s reloaded NVML: %d GPUs, driver version %s", a.opts.DriverName, len(inv.GPUs), version)
-	}
-	if restartHealth && a.health != nil {
-		a.startHealth(inv)
-	}
 	if !changed {
 		return nil
 	}
 	logger.V(2).Info("devices changed")
 	logDiscovery(logger, inv)
+	if restartHealth && a.health != nil {
+		a.startHealth(inv)
+	}
 	return a.publish(ctx)
 }
 
 // driverChanged handles discovery.ErrDriverChanged from discovery or
-// health watching: the first time it stops health watching (the devices'
-// health is Unknown until NVML is back), records a ReasonNVMLReload warning
-// on the Node and makes the rescan loop try again at once.
+// health watching: it records a ReasonNVMLReload warning on the Node and
+// stops the agent (Err wraps the error). A process that has used the
+// real libnvidia-ml keeps it mapped (go-nvml binds its symbols globally),
+// so only a new process loads a new driver's library: the container is
+// restarted, the published devices stay meanwhile and the checkpoint
+// keeps the prepared claims.
 func (a *Agent) driverChanged(ctx context.Context, err error) {
-	a.mutex.Lock()
-	first := a.reload == nil
-	if first {
-		a.reload = err
-		if a.stopHealth != nil {
-			a.stopHealth()
-			a.stopHealth = nil
-		}
-		a.setHealthActiveLocked(false)
-	}
-	a.mutex.Unlock()
-	if !first {
+	if a.ctx.Err() != nil {
 		return
 	}
-	if a.opts.RestartOnDriverChange {
-		klog.FromContext(ctx).Info("NVML lost the kernel driver, stopping so that a restart loads the new library", "err", err.Error())
-		a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; restarting the agent to load NVML again and republish the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
-		a.cancel(fmt.Errorf("NVML lost the kernel driver; restart to load the new library: %w", err))
-		return
-	}
-	klog.FromContext(ctx).Info("NVML lost the kernel driver, reloading it", "err", err.Error())
-	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; reloading NVML and republishing the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
-	select {
-	case a.rescanNow <- struct{}{}:
-	default:
-	}
-}
-
-// reloadFailed reports, once per distinct error, that NVML could not be
-// reloaded.
-func (a *Agent) reloadFailed(ctx context.Context, err error) {
-	a.mutex.Lock()
-	report := a.reload != nil && a.reloadError != err.Error()
-	if report {
-		a.reloadError = err.Error()
-	}
-	a.mutex.Unlock()
-	if !report {
-		return
-	}
-	klog.FromContext(ctx).Info("cannot reload NVML, retrying", "err", err.Error())
-	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReloadFailed, "Discover", "%s cannot reload NVML, retrying: %v", a.opts.DriverName, err)
-}
-
-// reloading reports whether NVML has to be reloaded.
-func (a *Agent) reloading() bool {
-	a.mutex.Lock()
-	defer a.mutex.Unlock()
-	return a.reload != nil
-}
-
-func driverVersion(inv *discovery.Inventory) string {
-	for _, g := range inv.GPUs {
-		if v := g.Device.Attributes[discovery.AttrDriverVersion].VersionValue; v != nil {
-			return *v
-		}
-	}
-	return "unknown"
+	klog.FromContext(ctx).Info("NVML lost the kernel driver, stopping so that a restart loads the new library", "err", err.Error())
+	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; restarting the agent to load NVML again and republish the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
+	a.cancel(fmt.Errorf("NVML lost the kernel driver; restart to load the new library: %w", err))
 }
 
 // nodeRef is how events refer to the Node: the UID is the node name, as
@@ -714,42 +620,34 @@ func sameUUIDs(a, b *discovery.Inventory) bool {
 	return true
 }
 
-// rescanLoop rediscovers every RescanInterval; while no GPU is found or
-// NVML has to be reloaded it retries sooner, after NoGPURetry, doubling up
-// to RescanInterval, so that a driver that appears after the agent started
-// or after an upgrade is picked up quickly. Health watching that finds
-// NVML lost the driver wakes it up at once.
+// rescanLoop rediscovers every RescanInterval; while no GPU is found it
+// retries sooner, after NoGPURetry, doubling up to RescanInterval, so that
+// a driver that appears after the agent started is picked up quickly.
 func (a *Agent) rescanLoop(ctx context.Context) {
 	retry := a.opts.NoGPURetry
 	for {
 		delay := a.opts.RescanInterval
-		if a.NoGPU() != nil || a.reloading() {
+		if a.NoGPU() != nil {
 			delay = retry
 			retry = min(2*retry, max(a.opts.RescanInterval, a.opts.NoGPURetry))
 		} else {
 			retry = a.opts.NoGPURetry
+			if delay < 0 {
+				// Rescanning disabled: nothing to do until GPUs are
+				// lost, which only a rescan would notice.
+				<-ctx.Done()
+				return
+			}
 		}
-		// A negative delay (rescanning disabled, GPUs found) waits for
-		// a wake-up only.
-		var timeout <-chan time.Time
-		var timer *time.Timer
-		if delay >= 0 {
-			timer = time.NewTimer(delay)
-			timeout = timer.C
-		}
+		timer := time.NewTimer(delay)
 		select {
 		case <-ctx.Done():
-		case <-a.rescanNow:
-		case <-timeout:
-		}
-		if timer != nil {
 			timer.Stop()
-		}
-		if ctx.Err() != nil {
 			return
-		}
-		if err := a.Rescan(ctx); err != nil {
-			utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
+		case <-timer.C:
+			if err := a.Rescan(ctx); err != nil {
+				utilruntime.HandleErrorWithContext(ctx, err, "rescan failed, keeping the last published devices")
+			}
 		}
 	}
 }

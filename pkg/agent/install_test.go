@@ -372,123 +372,6 @@ func (h *idleHealth) WatchHealth(ctx context.Context, _ *discovery.Inventory, _ 
 	return nil
 }
 
-// TestAgentReloadsNVMLAfterDriverUpgrade upgrades the driver under a running
-// agent: the loaded library starts answering ERROR_LIB_RM_VERSION_MISMATCH
-// and the next load gets a library with another driver version. The agent
-// notices (through health watching, or through a rescan), reloads NVML,
-// republishes the GPUs with the new driverVersion, restarts health
-// watching and says so on the Node.
-func TestAgentReloadsNVMLAfterDriverUpgrade(t *testing.T) {
-	testcases := map[string]struct {
-		rescan time.Duration
-		// idle replaces NVML health watching, so that only a rescan
-		// can notice the upgrade.
-		idle bool
-	}{
-		"noticed by health watching": {rescan: time.Hour},
-		"noticed by a rescan":        {rescan: 20 * time.Millisecond, idle: true},
-	}
-	for name, tc := range testcases {
-		t.Run(name, func(t *testing.T) {
-			_, ctx := ktesting.NewTestContext(t)
-			e := newEnv(t)
-			old, upgraded := e.machine.Library("550.54.15"), e.machine.Library("570.86.10")
-			var mutex sync.Mutex
-			next := old
-			lazy := discovery.NewLazy(func() (nvml.Interface, error) {
-				mutex.Lock()
-				defer mutex.Unlock()
-				return next, nil
-			}, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
-			recorder := events.NewFakeRecorder(20)
-			opts := agent.Options{
-				NodeName:       nodeName,
-				KubeClient:     e.client,
-				Discovery:      lazy,
-				PublishOnly:    true,
-				Recorder:       recorder,
-				RescanInterval: tc.rescan,
-				NoGPURetry:     10 * time.Millisecond,
-			}
-			idle := &idleHealth{}
-			if tc.idle {
-				opts.Health = idle
-			}
-			a, err := agent.New(ctx, opts)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(a.Stop)
-
-			published := func(version string, tainted string) func(context.Context) (bool, error) {
-				return func(ctx context.Context) (bool, error) {
-					slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
-					if err != nil || len(slices.Items) != 1 || len(slices.Items[0].Spec.Devices) != 8 {
-						return false, nil
-					}
-					for _, d := range slices.Items[0].Spec.Devices {
-						if v := d.Attributes["driverVersion"].VersionValue; v == nil || *v != version {
-							return false, nil
-						}
-						if d.Name == tainted && !hasTaint(d.Taints, agent.HealthTaintKey) {
-							return false, nil
-						}
-					}
-					return true, nil
-				}
-			}
-			if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, published("550.54.15", "")); err != nil {
-				t.Fatalf("old driver version not published: %v", err)
-			}
-			if !tc.idle {
-				for old.EventSets() == 0 {
-					time.Sleep(time.Millisecond)
-				}
-			}
-
-			// The new library first: a rescan between the two would
-			// otherwise reopen the broken one.
-			mutex.Lock()
-			next = upgraded
-			mutex.Unlock()
-			old.Break()
-			if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, published("570.86.10", "")); err != nil {
-				t.Fatalf("new driver version not published: %v", err)
-			}
-			if got := old.Shutdowns(); got != 1 {
-				t.Errorf("old library shut down %d times, want 1", got)
-			}
-			if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNVMLReload) || !strings.Contains(got, "ERROR_LIB_RM_VERSION_MISMATCH") {
-				t.Errorf("event %q, want a %s warning naming the NVML error", got, agent.ReasonNVMLReload)
-			}
-			if got := expectEvent(t, recorder); !strings.Contains(got, "Normal "+agent.ReasonNVMLReloaded) || !strings.Contains(got, "570.86.10") {
-				t.Errorf("event %q, want %s with the new version", got, agent.ReasonNVMLReloaded)
-			}
-
-			// Health watching runs again, on the new library.
-			if tc.idle {
-				if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-					return idle.starts.Load() >= 2, nil
-				}); err != nil {
-					t.Errorf("health watching not restarted: started %d times", idle.starts.Load())
-				}
-				return
-			}
-			if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-				if upgraded.EventSets() == 0 {
-					return false, nil
-				}
-				if err := e.machine.InjectXID(4, 48); err != nil {
-					return false, err
-				}
-				return wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 3*time.Second, true, published("570.86.10", "gpu-4")) == nil, nil
-			}); err != nil {
-				t.Errorf("health watching not restarted on the new library: %v", err)
-			}
-		})
-	}
-}
-
 func hasTaint(taints []resourceapi.DeviceTaint, key string) bool {
 	for _, t := range taints {
 		if t.Key == key {
@@ -663,49 +546,63 @@ func TestDeviceUnhealthyEventOnNode(t *testing.T) {
 	}
 }
 
-// TestAgentStopsForNewDriver: with RestartOnDriverChange (the command's
-// setting), NVML losing its driver stops the agent with an error that
-// says so, after a warning on the Node, so that its container restarts
-// and loads the new library; the published GPUs are not withdrawn.
+// TestAgentStopsForNewDriver: NVML losing its driver, noticed by health
+// watching or by a rescan, stops the agent with an error that says so,
+// after a warning on the Node, so that its container restarts and loads
+// the new library; the published GPUs are not withdrawn meanwhile.
 func TestAgentStopsForNewDriver(t *testing.T) {
-	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	old := e.machine.Library("550.54.15")
-	lazy := discovery.NewLazy(func() (nvml.Interface, error) { return old, nil }, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
-	recorder := events.NewFakeRecorder(20)
-	a, err := agent.New(ctx, agent.Options{
-		NodeName:              nodeName,
-		KubeClient:            e.client,
-		Discovery:             lazy,
-		PublishOnly:           true,
-		Recorder:              recorder,
-		RescanInterval:        20 * time.Millisecond,
-		Health:                &idleHealth{},
-		RestartOnDriverChange: true,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(a.Stop)
-	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
-		slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
-		return err == nil && len(slices.Items) == 1, nil
-	}); err != nil {
-		t.Fatalf("GPUs not published: %v", err)
-	}
-	old.Break()
-	select {
-	case <-a.Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the agent kept running after NVML lost its driver")
-	}
-	if err := a.Err(); !errors.Is(err, discovery.ErrDriverChanged) {
-		t.Errorf("Err() = %v, want it to wrap discovery.ErrDriverChanged", err)
-	}
-	if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNVMLReload) || !strings.Contains(got, "restarting the agent") {
-		t.Errorf("event %q, want a %s warning saying the agent restarts", got, agent.ReasonNVMLReload)
-	}
-	if got := old.Shutdowns(); got > 1 {
-		t.Errorf("library shut down %d times", got)
+	for name, idle := range map[string]bool{"noticed by health watching": false, "noticed by a rescan": true} {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			e := newEnv(t)
+			old := e.machine.Library("550.54.15")
+			lazy := discovery.NewLazy(func() (nvml.Interface, error) { return old, nil }, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+			recorder := events.NewFakeRecorder(20)
+			opts := agent.Options{
+				NodeName:       nodeName,
+				KubeClient:     e.client,
+				Discovery:      lazy,
+				PublishOnly:    true,
+				Recorder:       recorder,
+				RescanInterval: time.Hour,
+			}
+			if idle {
+				// Only a rescan can notice.
+				opts.Health = &idleHealth{}
+				opts.RescanInterval = 20 * time.Millisecond
+			}
+			a, err := agent.New(ctx, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(a.Stop)
+			if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(ctx context.Context) (bool, error) {
+				slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+				return err == nil && len(slices.Items) == 1, nil
+			}); err != nil {
+				t.Fatalf("GPUs not published: %v", err)
+			}
+			if !idle {
+				for old.EventSets() == 0 {
+					time.Sleep(time.Millisecond)
+				}
+			}
+			old.Break()
+			select {
+			case <-a.Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("the agent kept running after NVML lost its driver")
+			}
+			if err := a.Err(); !errors.Is(err, discovery.ErrDriverChanged) {
+				t.Errorf("Err() = %v, want it to wrap discovery.ErrDriverChanged", err)
+			}
+			if got := expectEvent(t, recorder); !strings.Contains(got, "Warning "+agent.ReasonNVMLReload) || !strings.Contains(got, "restarting the agent") {
+				t.Errorf("event %q, want a %s warning saying the agent restarts", got, agent.ReasonNVMLReload)
+			}
+			slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+			if err != nil || len(slices.Items) != 1 {
+				t.Errorf("published slices after the stop: %d (%v), want the one kept", len(slices.Items), err)
+			}
+		})
 	}
 }

@@ -42,7 +42,7 @@ func OpenFromRoot(root driverroot.Root) OpenFunc {
 // (from a path resolved anew). A real libnvidia-ml stays mapped in the
 // process once used (go-nvml binds its symbols globally), so opening it
 // again reaches the old library: only a new process loads a new driver's
-// (see agent.Options.RestartOnDriverChange); reopening serves libraries
+// (the agent stops and is restarted); reopening serves libraries
 // that can load again, such as mocks. Lazy implements [Interface] and
 // [HealthWatcher] and is safe for concurrent use.
 type Lazy struct {
