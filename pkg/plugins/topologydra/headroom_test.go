@@ -383,16 +383,16 @@ func gpuNames(from, to int) []string {
 	return out
 }
 
-// TestHeadroomOnlyOnNodesThePodMayUse: the headroom is kept on the nodes
-// the pod could run on. Of sixteen nodes of eight GPUs, eight are full and
-// closed to the pod (four by a taint it does not tolerate, four
-// cordoned); with two empty nodes among the others, an 8-GPU pod may take
-// one (8 of 64 kept free, 8 left), where counting the closed nodes would
-// hold it back (16 of 128). A pod that tolerates both counts them all.
-func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
+// closedPoolCluster is sixteen nodes of eight GPUs, node-00 to node-15,
+// with a headroom of 12 % and claim "eight" for 8 GPUs (and objs): nodes
+// from node-08 are closed to pods that do not tolerate it, node-08 to
+// node-11 by a NoSchedule taint, node-12 to node-15 by a cordon; the nodes
+// from the firstHeld-th on are full, each held by one 8-GPU claim
+// "held-<node>".
+func closedPoolCluster(t *testing.T, firstHeld int, objs ...runtime.Object) (*harness, []string) {
 	var nodes []*v1.Node
 	var names []string
-	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8), testClaim("eight-tolerant", 8)}
+	objs = append(objs, testDeviceClass(), testClaim("eight", 8))
 	for i := range 16 {
 		name := fmt.Sprintf("node-%02d", i)
 		node := testNode(name)
@@ -405,12 +405,23 @@ func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
 		names = append(names, name)
 		nodes = append(nodes, node)
 		objs = append(objs, testSlice(name, 8))
-		if i >= 2 {
+		if i >= firstHeld {
 			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
 		}
 	}
 	h := newHarness(t, nodes, objs...)
 	h.pl.headroomPercent = 12
+	return h, names
+}
+
+// TestHeadroomOnlyOnNodesThePodMayUse: the headroom is kept on the nodes
+// the pod could run on. Of sixteen nodes of eight GPUs, eight are full and
+// closed to the pod (four by a taint it does not tolerate, four
+// cordoned); with two empty nodes among the others, an 8-GPU pod may take
+// one (8 of 64 kept free, 8 left), where counting the closed nodes would
+// hold it back (16 of 128). A pod that tolerates both counts them all.
+func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
+	h, names := closedPoolCluster(t, 2, testClaim("eight-tolerant", 8))
 
 	if _, st := h.cycle(testPod("p", "eight"), names...); !st["node-00"].IsSuccess() {
 		t.Errorf("closed nodes counted: Filter(node-00) = %v, want success", st["node-00"])
@@ -434,25 +445,7 @@ func TestHeadroomOnlyOnNodesThePodMayUse(t *testing.T) {
 // claim gives its GPUs back, Filter admits the pod, so the hint retries
 // it; a pod that tolerates the taints and cordons still keeps 16 of 128.
 func TestHeadroomHintOnlyNodesThePodMayUse(t *testing.T) {
-	var nodes []*v1.Node
-	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
-	for i := range 16 {
-		name := fmt.Sprintf("node-%02d", i)
-		node := testNode(name)
-		switch {
-		case i >= 12:
-			node.Spec.Unschedulable = true
-		case i >= 8:
-			node.Spec.Taints = []v1.Taint{{Key: "dedicated", Value: "other-team", Effect: v1.TaintEffectNoSchedule}}
-		}
-		nodes = append(nodes, node)
-		objs = append(objs, testSlice(name, 8))
-		if i >= 1 {
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
-		}
-	}
-	h := newHarness(t, nodes, objs...)
-	h.pl.headroomPercent = 12
+	h, _ := closedPoolCluster(t, 1)
 	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
 	h.waitForClaim("held-node-15", func(*resourceapi.ResourceClaim) bool { return true })
 	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
