@@ -29,10 +29,10 @@ type freedDevices struct {
 	nodes   map[deviceGroup]driverDevices
 	// gave counts the devices the event's claim gave back, per group.
 	gave map[deviceGroup]int
-	// restricted holds, as of the last count, the nodes with devices
-	// counted for the headroom that not every pod may use: cordoned, or
-	// with a NoSchedule or NoExecute taint (see podMayUseNode).
-	restricted map[string]*v1.Node
+	// restricted says, as of the last count, whether some node with
+	// devices counted for the headroom is closed to pods that do not
+	// tolerate it: cordoned, or with a NoSchedule or NoExecute taint.
+	restricted bool
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -182,7 +182,7 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	}
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	for g, n := range free {
-		if n >= need && pl.mayUse(affinity, g.node) {
+		if n >= need && pl.mayUse(logger, pod, affinity, g.node) {
 			return true
 		}
 	}
@@ -199,10 +199,11 @@ func (pl *TopologyDRA) nodeKnown(nodeName string) bool {
 	return err == nil
 }
 
-// mayUse reports whether a pod with this required node affinity may run on
-// the named node: true for devices not local to a node ("") and where the
+// mayUse reports whether the pod (with affinity, its required node
+// affinity) may run on the named node, as Filter judges it
+// (podMayUseNode): true for devices not local to a node ("") and where the
 // node is not known (yet).
-func (pl *TopologyDRA) mayUse(affinity nodeaffinity.RequiredNodeAffinity, nodeName string) bool {
+func (pl *TopologyDRA) mayUse(logger klog.Logger, pod *v1.Pod, affinity nodeaffinity.RequiredNodeAffinity, nodeName string) bool {
 	if nodeName == "" || pl.nodes == nil {
 		return true
 	}
@@ -210,8 +211,7 @@ func (pl *TopologyDRA) mayUse(affinity nodeaffinity.RequiredNodeAffinity, nodeNa
 	if err != nil {
 		return true
 	}
-	ok, err := affinity.Match(node)
-	return ok || err != nil
+	return podMayUseNode(logger, pod, affinity, node, pl.taintOps)
 }
 
 // count returns the free devices per group that claim's allocation used,
@@ -316,44 +316,41 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	// headroom.
 	var nodes map[deviceGroup]driverDevices
 	var cluster map[string]driverDevices
-	var restricted map[string]*v1.Node
+	restricted := false
 	if pl.headroomPercent > 0 {
 		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
-		restricted = pl.restrictedNodes(nodes)
+		restricted = pl.anyRestricted(nodes)
 	}
 	f.key, f.free, f.cluster, f.nodes, f.gave, f.restricted = key, free, cluster, nodes, gave, restricted
 	return free, true
 }
 
-// restrictedNodes returns the nodes of groups that are cordoned or carry
-// a NoSchedule or NoExecute taint: the nodes where whether a pod may use
-// them depends on the pod's tolerations.
-func (pl *TopologyDRA) restrictedNodes(groups map[deviceGroup]driverDevices) map[string]*v1.Node {
+// anyRestricted reports whether a node of groups is cordoned or carries a
+// NoSchedule or NoExecute taint: whether a pod may use it then depends on
+// the pod's tolerations.
+func (pl *TopologyDRA) anyRestricted(groups map[deviceGroup]driverDevices) bool {
 	if pl.nodes == nil {
-		return nil
+		return false
 	}
-	out := map[string]*v1.Node{}
 	for g := range groups {
-		if _, seen := out[g.node]; seen || g.node == "" {
-			continue
-		}
 		node, err := pl.nodes.Get(g.node)
 		if err != nil {
 			continue
 		}
-		restricted := node.Spec.Unschedulable
-		for _, t := range node.Spec.Taints {
-			restricted = restricted || t.Effect == v1.TaintEffectNoSchedule || t.Effect == v1.TaintEffectNoExecute
+		if node.Spec.Unschedulable {
+			return true
 		}
-		if restricted {
-			out[g.node] = node
+		for _, t := range node.Spec.Taints {
+			if t.Effect == v1.TaintEffectNoSchedule || t.Effect == v1.TaintEffectNoExecute {
+				return true
+			}
 		}
 	}
-	return out
+	return false
 }
 
-// restrictedNodes returns the restricted nodes of the last count.
-func (f *freedDevices) restrictedNodes() map[string]*v1.Node {
+// anyRestricted is anyRestricted of the last count.
+func (f *freedDevices) anyRestricted() bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.restricted
@@ -484,23 +481,18 @@ const (
 
 // headroomWait tells whether the headroom (HeadroomFor, with the node-local
 // devices of each driver the claim gave devices back of, on the nodes the
-// pod's required node affinity admits) kept a pod that asks for need
+// pod may use, see mayUse) kept a pod that asks for need
 // devices waiting, before and after the event.
 func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *resourceapi.ResourceClaim, need int) headroomState {
 	// The nodes the pod may use, as Filter counts them (podMayUseNode):
 	// its required node affinity, and cordons and taints where a node has
 	// them.
+	// Without either, every node counts (the cluster's totals).
 	var mayUse func(string) bool
 	hasAffinity := pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil
-	restricted := pl.freed.restrictedNodes()
-	if hasAffinity || len(restricted) > 0 {
+	if hasAffinity || pl.freed.anyRestricted() {
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
-		mayUse = func(node string) bool {
-			if n, ok := restricted[node]; ok {
-				return podMayUseNode(logger, pod, affinity, n, pl.taintOps)
-			}
-			return !hasAffinity || pl.mayUse(affinity, node)
-		}
+		mayUse = func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
 	}
 	counts := pl.freed.driverCounts(mayUse)
 	gained := pl.freed.spareGained(mayUse)
