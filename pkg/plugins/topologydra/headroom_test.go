@@ -206,17 +206,7 @@ func TestHeadroomQueueingHint(t *testing.T) {
 		h.waitForClaim("seven-node-3", func(*resourceapi.ResourceClaim) bool { return true })
 		return h
 	}
-	hint := func(h *harness, pod *v1.Pod, claim string) fwk.QueueingHint {
-		old := h.apiClaim(claim)
-		freed := old.DeepCopy()
-		freed.Status.Allocation = nil
-		freed.ResourceVersion += "-next"
-		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return got
-	}
+	hint := func(h *harness, pod *v1.Pod, claim string) fwk.QueueingHint { return freeingHint(t, h, pod, claim) }
 	h := cluster(6)
 	pinned := testPod("pinned", "eight")
 	pinned.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": "node-0"}
@@ -349,17 +339,7 @@ func TestHeadroomHintRetriesHeldBackPod(t *testing.T) {
 	h.tCtx.ExpectNoError(err, "give back the pair")
 	h.waitForClaim("pair", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
 
-	hint := func(p *v1.Pod) fwk.QueueingHint {
-		old := h.apiClaim("single")
-		freed := old.DeepCopy()
-		freed.Status.Allocation = nil
-		freed.ResourceVersion += "-next"
-		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), p, old, freed)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return got
-	}
+	hint := func(p *v1.Pod) fwk.QueueingHint { return freeingHint(t, h, p, "single") }
 	if got := hint(pod); got != fwk.Queue {
 		t.Errorf("pod held back by the headroom, headroom kept with it placed: hint %v, want %v", got, fwk.Queue)
 	}
@@ -453,18 +433,7 @@ func TestHeadroomHintOnlyNodesThePodMayUse(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("the node lister never saw node-15: %v", err)
 	}
-	hint := func(pod *v1.Pod) fwk.QueueingHint {
-		t.Helper()
-		old := h.apiClaim("held-node-01")
-		freed := old.DeepCopy()
-		freed.Status.Allocation = nil
-		freed.ResourceVersion += "-next"
-		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return got
-	}
+	hint := func(pod *v1.Pod) fwk.QueueingHint { return freeingHint(t, h, pod, "held-node-01") }
 	if got := hint(testPod("p", "eight")); got != fwk.Queue {
 		t.Errorf("node-01 freed, 16 of the pod's 64 GPUs free: hint %v, want Queue", got)
 	}
@@ -476,4 +445,19 @@ func TestHeadroomHintOnlyNodesThePodMayUse(t *testing.T) {
 	if got := hint(tolerant); got != fwk.QueueSkip {
 		t.Errorf("node-01 freed, 16 of 128 free for a pod that may use every node: hint %v, want QueueSkip", got)
 	}
+}
+
+// freeingHint is the claim hint for pod on the event in which the named
+// claim gives its devices back (the claim cache not updated yet).
+func freeingHint(t *testing.T, h *harness, pod *v1.Pod, claim string) fwk.QueueingHint {
+	t.Helper()
+	old := h.apiClaim(claim)
+	freed := old.DeepCopy()
+	freed.Status.Allocation = nil
+	freed.ResourceVersion += "-next"
+	got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
 }
