@@ -1,0 +1,73 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/utils/ptr"
+)
+
+// TestMatchingDevices: a node with four "h100" and four "a100" GPUs, two
+// NICs and a network-attached GPU pool. A claim for h100s matches the four
+// h100s (one of them allocated) and nothing of the NIC driver; a
+// firstAvailable request counts both of its subrequests; a second claim
+// for NICs adds them under their own driver; the network-attached GPUs
+// never count. An unknown class is an input error.
+func TestMatchingDevices(t *testing.T) {
+	ctx := quietContext(t)
+	var gpus []resourceapi.Device
+	for i := range 8 {
+		model := "h100"
+		if i >= 4 {
+			model = "a100"
+		}
+		gpus = append(gpus, device(fmt.Sprintf("gpu-%d", i), attrs{"model": str(model)}))
+	}
+	network := slice("fabric", gpuDriver, device("remote-0", attrs{"model": str("h100")}))
+	network.Spec.NodeName = nil
+	network.Spec.AllNodes = ptr.To(true)
+	slices := []*resourceapi.ResourceSlice{
+		slice("n", gpuDriver, gpus...),
+		slice("n", nicDriver, device("nic-0", nil), device("nic-1", nil)),
+		network,
+	}
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n", "gpu-1", "gpu-5"),
+		ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h100 := `device.attributes["` + gpuDriver + `"].model == "h100"`
+	a100 := `device.attributes["` + gpuDriver + `"].model == "a100"`
+	firstAvailable := claim("either").obj()
+	firstAvailable.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "h100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: h100}}}},
+		{Name: "a100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: a100}}}},
+	}}}
+	for name, tc := range map[string]struct {
+		claims []*resourceapi.ResourceClaim
+		want   map[string]MatchCount
+	}{
+		"h100s":          {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj()}, want: map[string]MatchCount{gpuDriver: {Matching: 4, Free: 3}}},
+		"any GPU":        {claims: []*resourceapi.ResourceClaim{claim("g").request("gpu", "gpu", 8).obj()}, want: map[string]MatchCount{gpuDriver: {Matching: 8, Free: 6}}},
+		"firstAvailable": {claims: []*resourceapi.ResourceClaim{firstAvailable}, want: map[string]MatchCount{gpuDriver: {Matching: 8, Free: 6}}},
+		"two claims": {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj(), claim("n").request("nic", "nic", 1).obj()},
+			want: map[string]MatchCount{gpuDriver: {Matching: 4, Free: 3}, nicDriver: {Matching: 2, Free: 2}}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			got, ok, err := a.MatchingDevices(ctx, node("n"), tc.claims)
+			if err != nil || !ok {
+				t.Fatalf("MatchingDevices: ok %v, err %v", ok, err)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("MatchingDevices = %v, want %v", got, tc.want)
+			}
+		})
+	}
+	_, _, err = a.MatchingDevices(ctx, node("n"), []*resourceapi.ResourceClaim{claim("x").request("gpu", "no-such-class", 1).obj()})
+	var inputErr *InputError
+	if !errors.As(err, &inputErr) {
+		t.Errorf("unknown class: err %v, want an *InputError", err)
+	}
+}
