@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"context"
 	"fmt"
 	"sync"
 
@@ -75,12 +76,58 @@ func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.A
 	return out
 }
 
+// matchingHeadroom counts, per driver, the node-local devices on the
+// nodes in admit that some request of claims matches (class and
+// selectors; see allocator.MatchingDevices), the free ones among them,
+// and those free on nodes with SpareOnNode or more: the headroom of a pod
+// that asks for one GPU model among several that one driver publishes is
+// kept among the GPUs of that model. ok is false where the allocator
+// cannot tell which devices match (an error, fields it does not
+// interpret): then the driver's devices count, as headroomCounts has them.
+func matchingHeadroom(ctx context.Context, a *allocator.Allocator, nodes []fwk.NodeInfo, admit sets.Set[string], claims []*resourceapi.ResourceClaim) (headroom, bool) {
+	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, matched: true}
+	for _, ni := range nodes {
+		node := ni.Node()
+		if node == nil || !admit.Has(node.Name) {
+			continue
+		}
+		counts, ok, err := a.MatchingDevices(ctx, node, claims)
+		if err != nil || !ok {
+			klog.FromContext(ctx).V(4).Info("Headroom counted over all devices of each driver: which devices match is not known", "node", klog.KObj(node), "err", err)
+			return headroom{}, false
+		}
+		for driver, n := range counts {
+			c := out.drivers[driver]
+			c.total += n.Matching
+			c.free += n.Free
+			c.spare += Spare(n.Free)
+			out.drivers[driver] = c
+			out.free[deviceGroup{node: node.Name, driver: driver}] = n.Free
+		}
+	}
+	return out, true
+}
+
+// fewerThan reports whether h counts fewer devices than all for some
+// driver that h counts.
+func (h headroom) fewerThan(all headroom) bool {
+	for driver, c := range h.drivers {
+		if c.total < all.drivers[driver].total {
+			return true
+		}
+	}
+	return false
+}
+
 // headroom is what Filter checks an allocation against: per driver, the
 // devices of the nodes the pod may use (driverDevices), and the free ones
 // per node and driver.
 type headroom struct {
 	drivers map[string]driverDevices
 	free    map[deviceGroup]int
+	// matched: the counts are of the devices the pod's requests match
+	// (matchingHeadroom), not all of each driver's.
+	matched bool
 }
 
 // spareAfter is how many devices of driver would count towards the
@@ -159,8 +206,12 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 		if spare := counts.spareAfter(driver, node, n); spare < h {
 			// The same words on every node that fails, so that the
 			// pod's message counts them once.
-			return fmt.Sprintf("keeping %d of the %d %s devices of the nodes this pod may use free for smaller pods (smallPodHeadroomPercent %d); %d are free, %d of them on nodes with %d or more free, and this pod needs %d, which would leave fewer than %d there; it is retried when devices are given back",
-				h, c.total, driver, percent, c.free, c.spare, SpareOnNode, n, h)
+			which := "devices of the nodes this pod may use"
+			if counts.matched {
+				which = "devices that this pod's requests match on the nodes it may use"
+			}
+			return fmt.Sprintf("keeping %d of the %d %s %s free for smaller pods (smallPodHeadroomPercent %d); %d are free, %d of them on nodes with %d or more free, and this pod needs %d, which would leave fewer than %d there; it is retried when devices are given back",
+				h, c.total, driver, which, percent, c.free, c.spare, SpareOnNode, n, h)
 		}
 	}
 	return ""
@@ -174,14 +225,45 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 // the claim tracker took in the devices given back, and no later event
 // then brings the cluster up to a headroom it already has. PreFilter
 // forgets a pod, Filter records it, Reserve and the pod's deletion forget
-// it. The zero value is ready; safe for concurrent use.
-type heldBack struct{ pods sync.Map }
+// it. The gauge topodra_headroom_held_pods counts the pods held.
+//
+// It also holds the pods whose headroom PreFilter counted over fewer
+// devices of a driver than the node-local devices of that driver on the
+// nodes the pod may use (its requests match only some of them, say one
+// GPU model of two; see matchingHeadroom): the hint's counts per driver
+// do not tell such a pod's headroom, so it judges them as for any pod.
+// The zero value is ready; safe for concurrent use.
+type heldBack struct{ pods, narrow sync.Map }
 
-func (h *heldBack) hold(uid types.UID)   { h.pods.Store(uid, struct{}{}) }
-func (h *heldBack) forget(uid types.UID) { h.pods.Delete(uid) }
+func (h *heldBack) hold(uid types.UID) {
+	if _, loaded := h.pods.LoadOrStore(uid, struct{}{}); !loaded {
+		headroomHeldPods.Inc()
+	}
+}
+
+func (h *heldBack) forget(uid types.UID) {
+	if _, loaded := h.pods.LoadAndDelete(uid); loaded {
+		headroomHeldPods.Dec()
+	}
+}
 
 func (h *heldBack) held(uid types.UID) bool {
 	_, ok := h.pods.Load(uid)
+	return ok
+}
+
+// setNarrow records whether the pod's headroom was counted over only the
+// devices its requests match, where those are fewer than its drivers'.
+func (h *heldBack) setNarrow(uid types.UID, narrow bool) {
+	if narrow {
+		h.narrow.Store(uid, struct{}{})
+	} else {
+		h.narrow.Delete(uid)
+	}
+}
+
+func (h *heldBack) isNarrow(uid types.UID) bool {
+	_, ok := h.narrow.Load(uid)
 	return ok
 }
 
@@ -192,6 +274,7 @@ func (h *heldBack) handler() cache.ResourceEventHandler {
 		DeleteFunc: func(obj any) {
 			if pod, ok := deletedPod(obj); ok {
 				h.forget(pod.UID)
+				h.narrow.Delete(pod.UID)
 			}
 		},
 	}

@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +16,9 @@ import (
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 func TestHeadroomFor(t *testing.T) {
@@ -460,4 +464,103 @@ func freeingHint(t *testing.T, h *harness, pod *v1.Pod, claim string) fwk.Queuei
 		t.Fatal(err)
 	}
 	return got
+}
+
+// TestHeadroomAmongTheModelThePodAsks: one driver publishes two GPU
+// models, "h100" on node-0 to node-3 and "a100" on node-4 to node-7, and
+// the 8-GPU pod asks for h100s. At 25 % its headroom is 8 of the 32 h100s,
+// not 16 of all 64 GPUs: busy a100s do not hold it back while another
+// h100 node stays empty, and free a100s leave no room for it on the last
+// empty h100 node. A pod that takes any GPU keeps 16 of the 64. With only
+// node-0 free the h100 pod is held back, and the freed-devices hint
+// retries it when a claim gives back a whole h100 node, which the counts
+// of all GPUs would call short of 16; a pod that was not held back is
+// judged as a pod without a headroom: the node given back fits it.
+func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
+	// setup frees the GPUs of the nodes named in free, holds the others
+	// with one claim each ("held-<node>").
+	setup := func(free ...int) *harness {
+		objs := []runtime.Object{testDeviceClass(),
+			testClaim("h100", 8, fmt.Sprintf(`device.attributes[%q].model == "h100"`, topology.DriverName)), testClaim("any", 8)}
+		var nodes []*v1.Node
+		var held []string
+		for i := range 8 {
+			name := fmt.Sprintf("node-%d", i)
+			nodes = append(nodes, testNode(name))
+			s := testSlice(name, 8)
+			model := "h100"
+			if i >= 4 {
+				model = "a100"
+			}
+			for d := range s.Spec.Devices {
+				s.Spec.Devices[d].Attributes["model"] = resourceapi.DeviceAttribute{StringValue: ptr.To(model)}
+			}
+			objs = append(objs, s)
+			if !slices.Contains(free, i) {
+				objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+				held = append(held, "held-"+name)
+			}
+		}
+		h := newHarness(t, nodes, objs...)
+		h.pl.headroomPercent = 25
+		h.waitForClaim("any", func(*resourceapi.ResourceClaim) bool { return true })
+		for _, name := range held {
+			h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+		}
+		return h
+	}
+	const ofTheH100s = "devices that this pod's requests match on the nodes it may use"
+
+	h := setup(0, 1)
+	if _, st := h.cycle(testPod("p", "h100"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("a100s busy, another h100 node empty: Filter(node-0) = %v, want success", st["node-0"])
+	}
+	_, st := h.cycle(testPod("p", "any"), "node-0")
+	if msg := st["node-0"].Message(); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(msg, "keeping 16 of the 64 "+topology.DriverName+" devices of the nodes this pod may use") {
+		t.Errorf("a pod that takes any GPU: Filter(node-0) = %v, want it held back for 16 of all 64 GPUs", st["node-0"])
+	}
+
+	h = setup(0, 4, 5, 6, 7)
+	_, st = h.cycle(testPod("p", "h100"), "node-0")
+	if msg := st["node-0"].Message(); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(msg, "keeping 8 of the 32 "+topology.DriverName+" "+ofTheH100s) {
+		t.Errorf("a100s free, the last h100 node empty: Filter(node-0) = %v, want the pod held back for 8 of the 32 h100s", st["node-0"])
+	}
+	if _, st := h.cycle(testPod("p", "any"), "node-0"); !st["node-0"].IsSuccess() {
+		t.Errorf("a pod that takes any GPU, 32 a100s free: Filter(node-0) = %v, want success", st["node-0"])
+	}
+
+	h = setup(0)
+	pod := testPod("p", "h100")
+	heldPods := func() float64 {
+		v, err := testutil.GetGaugeMetricValue(headroomHeldPods)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	before := heldPods()
+	for range 2 {
+		_, st = h.cycle(pod, "node-0")
+		if msg := st["node-0"].Message(); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(msg, "8 are free, 8 of them on nodes with 2 or more free") {
+			t.Fatalf("only node-0 free: Filter(node-0) = %v, want the pod held back", st["node-0"])
+		}
+	}
+	if got := heldPods(); got != before+1 {
+		t.Errorf("topodra_headroom_held_pods went from %v to %v after two attempts of one pod, want +1", before, got)
+	}
+	if got := freeingHint(t, h, pod, "held-node-1"); got != fwk.Queue {
+		t.Errorf("held-back h100 pod, a whole h100 node given back: hint %v, want %v", got, fwk.Queue)
+	}
+	other := testPod("other", "h100")
+	if got := freeingHint(t, h, other, "held-node-1"); got != fwk.QueueSkip {
+		t.Errorf("counted over all 64 GPUs, a whole node given back leaves the cluster short of 16: hint %v, want %v", got, fwk.QueueSkip)
+	}
+	h.pl.heldBack.setNarrow(other.UID, true) // as after an attempt that found no node
+	if got := freeingHint(t, h, other, "held-node-1"); got != fwk.Queue {
+		t.Errorf("h100 pod not held back, a node with room for it given back: hint %v, want %v", got, fwk.Queue)
+	}
+	h.pl.heldBack.forget(pod.UID)
+	if got := heldPods(); got != before {
+		t.Errorf("topodra_headroom_held_pods is %v once the pod is forgotten, want %v", got, before)
+	}
 }

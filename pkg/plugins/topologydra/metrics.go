@@ -52,12 +52,18 @@ var (
 		Help:           "Scheduling attempts in which smallPodHeadroomPercent turned a pod down on at least one node that its devices fit (devices kept free for smaller pods), as distinct from devices short.",
 		StabilityLevel: metrics.ALPHA,
 	})
+	headroomHeldPods = metrics.NewGauge(&metrics.GaugeOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "headroom_held_pods",
+		Help:           "Pods whose latest scheduling attempt smallPodHeadroomPercent turned down on at least one node that their devices fit, and that are still waiting (not reserved, not deleted).",
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods)
 	})
 }
 

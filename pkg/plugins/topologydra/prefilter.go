@@ -165,15 +165,14 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if err != nil {
 		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
 	}
+	keepHeadroom := false
 	if pl.headroomPercent > 0 {
 		pl.heldBack.forget(pod.UID)
 		var counts []classDevices
 		for _, claim := range s.allocClaims {
 			counts = addClaimDevices(counts, claim)
 		}
-		if mostOfOneClass(counts) >= HalfNodeBlock {
-			s.headroom = headroomCounts(slices, allocatedState, admittedNodes(pod, nodes, pl.taintOps))
-		}
+		keepHeadroom = mostOfOneClass(counts) >= HalfNodeBlock
 	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,
@@ -189,6 +188,16 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, unresolvable(err.Error())
 	}
 	s.allocator = a
+	if keepHeadroom {
+		admit := admittedNodes(pod, nodes, pl.taintOps)
+		s.headroom = headroomCounts(slices, allocatedState, admit)
+		narrow, ok := matchingHeadroom(ctx, a, nodes, admit, s.allocClaims)
+		isNarrow := ok && narrow.fewerThan(s.headroom)
+		if isNarrow {
+			s.headroom = narrow
+		}
+		pl.heldBack.setNarrow(pod.UID, isNarrow)
+	}
 	return nil, nil
 }
 

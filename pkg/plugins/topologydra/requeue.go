@@ -494,6 +494,18 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 		mayUse = func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
 	}
+	held := pl.heldBack.held(pod.UID)
+	if pl.heldBack.isNarrow(pod.UID) {
+		// Filter counted only the devices the pod's requests match,
+		// which the counts per driver here do not tell apart: a pod the
+		// headroom held back is retried on any devices given back, and
+		// any other pod as a pod without a headroom.
+		logger.V(6).Info("Headroom of the devices the pod's requests match", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "heldBack", held)
+		if held {
+			return headroomRetry
+		}
+		return headroomNone
+	}
 	counts := pl.freed.driverCounts(mayUse)
 	gained := pl.freed.spareGained(mayUse)
 	given := map[string]bool{}
@@ -506,7 +518,6 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	// beside the GPUs, says nothing). A pod the headroom alone held back
 	// at its latest attempt is retried whenever a driver's headroom is
 	// kept with it placed (see heldBack).
-	held := pl.heldBack.held(pod.UID)
 	short, retry := 0, false
 	for driver := range given {
 		c := counts[driver]
