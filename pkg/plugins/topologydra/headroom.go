@@ -52,9 +52,13 @@ func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.A
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		generation[k] = max(generation[k], s.Spec.Pool.Generation)
 	}
-	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}}
+	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, local: sets.New[poolKey]()}
 	for _, s := range slices {
-		if s.Spec.NodeName == nil || !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
+		if s.Spec.NodeName == nil {
+			continue
+		}
+		out.local.Insert(poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name})
+		if !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
 			continue
 		}
 		g := deviceGroup{node: *s.Spec.NodeName, driver: s.Spec.Driver}
@@ -128,6 +132,9 @@ type headroom struct {
 	// matched: the counts are of the devices the pod's requests match
 	// (matchingHeadroom), not all of each driver's.
 	matched bool
+	// local holds the node-local pools: an allocation's devices of other
+	// pools (network-attached) take nothing the headroom counts.
+	local sets.Set[poolKey]
 }
 
 // spareAfter is how many devices of driver would count towards the
@@ -187,14 +194,16 @@ func HeadroomFor(percent int32, total, n int) int {
 }
 
 // checkHeadroom says why an allocation on node may not be used now: for
-// a driver it takes devices of, fewer than HeadroomFor of that driver's
+// a driver it takes node-local devices of, fewer than HeadroomFor of that driver's
 // devices would stay free on the nodes the pod may use, counting only
 // nodes left with SpareOnNode or more free. Empty when it may.
 func checkHeadroom(percent int32, counts headroom, node string, allocations []resourceapi.AllocationResult) string {
 	taken := map[string]int{}
 	for _, a := range allocations {
 		for _, r := range a.Devices.Results {
-			taken[r.Driver]++
+			if counts.local.Has(poolKey{driver: r.Driver, pool: r.Pool}) {
+				taken[r.Driver]++
+			}
 		}
 	}
 	for driver, n := range taken {

@@ -564,3 +564,42 @@ func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
 		t.Errorf("topodra_headroom_held_pods is %v once the pod is forgotten, want %v", got, before)
 	}
 }
+
+// TestHeadroomLeavesNetworkDevicesOut: eight nodes of eight GPUs, all
+// taken but node-0's, and eight GPUs of the same driver in a pool that is
+// not local to a node (allNodes). An 8-GPU pod that takes the pool's GPUs
+// leaves the nodes' GPUs as they are: the headroom (8 of 64 at 12 %) does
+// not hold it back, while a pod that takes node-0's GPUs is held back.
+func TestHeadroomLeavesNetworkDevicesOut(t *testing.T) {
+	objs := []runtime.Object{testDeviceClass(),
+		testClaim("rack", 8, fmt.Sprintf(`has(device.attributes[%q].rack)`, topology.DriverName)),
+		testClaim("local", 8, fmt.Sprintf(`!has(device.attributes[%q].rack)`, topology.DriverName))}
+	var nodes []*v1.Node
+	var held []string
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		if i > 0 {
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+			held = append(held, "held-"+name)
+		}
+	}
+	rack := testSlice("rack", 8)
+	rack.Spec.NodeName, rack.Spec.AllNodes = nil, ptr.To(true)
+	for d := range rack.Spec.Devices {
+		rack.Spec.Devices[d].Attributes["rack"] = resourceapi.DeviceAttribute{BoolValue: ptr.To(true)}
+	}
+	objs = append(objs, rack)
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+	for _, name := range held {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	if _, st := h.cycle(testPod("p", "rack"), "node-0", "node-1"); !st["node-0"].IsSuccess() || !st["node-1"].IsSuccess() {
+		t.Errorf("8 GPUs of a network-attached pool: Filter = %v, %v, want success on both nodes", st["node-0"], st["node-1"])
+	}
+	if _, st := h.cycle(testPod("p", "local"), "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("node-0's 8 GPUs, none free elsewhere: Filter(node-0) = %v, want the headroom to hold the pod back", st["node-0"])
+	}
+}

@@ -194,6 +194,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		narrow, ok := matchingHeadroom(ctx, a, nodes, admit, s.allocClaims)
 		isNarrow := ok && narrow.fewerThan(s.headroom)
 		if isNarrow {
+			narrow.local = s.headroom.local
 			s.headroom = narrow
 		}
 		pl.heldBack.setNarrow(pod.UID, isNarrow)
