@@ -58,6 +58,7 @@ type options struct {
 	cdiDir              string
 	ownedTaint          bool
 	ownedTaintKey       string
+	devicePlugin        []string
 	numaList            bool
 	rescanInterval      time.Duration
 	publishOnly         bool
@@ -120,6 +121,7 @@ the command line wins.`,
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
+	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, and to unprepare claims deleted from the API while prepared; 0 or less disables rescanning (deleted claims are then checked every "+agent.DefaultRescanInterval.String()+").")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
@@ -276,20 +278,22 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	broadcaster.StartRecordingToSink(ctx.Done())
 	defer broadcaster.Shutdown()
 	a, err := agent.New(ctx, agent.Options{
-		NodeName:        nodeName,
-		KubeClient:      client,
-		Discovery:       src.discovery,
-		CDIGenerator:    src.cdi,
-		Recorder:        broadcaster.NewRecorder("topodra-node-agent"),
-		PublishOnly:     o.publishOnly,
-		PluginDataDir:   o.pluginDir(),
-		RegistrarDir:    o.registryDir(),
-		StateDir:        o.stateDir,
-		CDIDir:          o.cdiDir,
-		OwnedTaint:      o.ownedTaint,
-		OwnedTaintKey:   o.ownedTaintKey,
-		RescanInterval:  rescan(o.rescanInterval),
-		StaleClaimCheck: staleClaimCheck(o.rescanInterval),
+		NodeName:              nodeName,
+		KubeClient:            client,
+		Discovery:             src.discovery,
+		CDIGenerator:          src.cdi,
+		Recorder:              broadcaster.NewRecorder("topodra-node-agent"),
+		PublishOnly:           o.publishOnly,
+		PluginDataDir:         o.pluginDir(),
+		RegistrarDir:          o.registryDir(),
+		StateDir:              o.stateDir,
+		CDIDir:                o.cdiDir,
+		OwnedTaint:            o.ownedTaint,
+		OwnedTaintKey:         o.ownedTaintKey,
+		DevicePluginResources: o.devicePlugin,
+		DevicePluginCheck:     checkInterval(o.rescanInterval),
+		RescanInterval:        rescan(o.rescanInterval),
+		StaleClaimCheck:       checkInterval(o.rescanInterval),
 	})
 	if errors.Is(err, agent.ErrCDIDir) {
 		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
@@ -323,10 +327,11 @@ func rescan(d time.Duration) time.Duration {
 	return d
 }
 
-// staleClaimCheck is how often prepared claims are checked against the
-// API server: every rescan, or every DefaultRescanInterval where rescans
-// are off (claims deleted while the agent was down still go).
-func staleClaimCheck(rescanInterval time.Duration) time.Duration {
+// checkInterval is how often prepared claims are checked against the
+// API server and the Node for a device plugin: every rescan, or every
+// DefaultRescanInterval where rescans are off (claims deleted while the
+// agent was down still go).
+func checkInterval(rescanInterval time.Duration) time.Duration {
 	if rescanInterval <= 0 {
 		return agent.DefaultRescanInterval
 	}

@@ -247,7 +247,7 @@ func TestStaleClaimCheckFollowsRescans(t *testing.T) {
 		0:               agent.DefaultRescanInterval,
 		-time.Second:    agent.DefaultRescanInterval,
 	} {
-		if got := staleClaimCheck(in); got != want {
+		if got := checkInterval(in); got != want {
 			t.Errorf("--rescan-interval=%v: stale claims checked every %v, want %v", in, got, want)
 		}
 	}

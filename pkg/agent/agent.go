@@ -139,6 +139,18 @@ type Options struct {
 	// key that is not a qualified name.
 	OwnedTaintKey string
 
+	// DevicePluginResources name the extended resources of a device
+	// plugin that hands out the same GPUs (a name, or a prefix ending in
+	// "*"; the command's default is DefaultDevicePluginResources): while
+	// the Node's allocatable has any of them, every device carries the
+	// NoSchedule taint DevicePluginTaintKey (see CheckDevicePlugin).
+	// Empty disables the check.
+	DevicePluginResources []string
+	// DevicePluginCheck is how often the Node is read for
+	// DevicePluginResources after the check at start (default
+	// DefaultRescanInterval).
+	DevicePluginCheck time.Duration
+
 	// RescanInterval is how often devices are rediscovered (default
 	// DefaultRescanInterval); negative disables rescanning.
 	RescanInterval time.Duration
@@ -203,6 +215,9 @@ type Agent struct {
 	// the GPU had when the fault was seen.
 	faults    map[string]discovery.HealthEvent
 	published *resourceslice.DriverResources
+	// devicePlugin lists the device plugin's resources the Node
+	// advertises ("name=quantity, ..."), empty where it has none.
+	devicePlugin string
 	// healthChanged is closed (and replaced) when a device becomes
 	// unhealthy or healthActive changes: it wakes up the kubelet's health
 	// streams.
@@ -308,6 +323,22 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		a.helper = helper
 	}
 
+	if len(opts.DevicePluginResources) > 0 {
+		if opts.DevicePluginCheck <= 0 {
+			opts.DevicePluginCheck = DefaultRescanInterval
+			a.opts.DevicePluginCheck = opts.DevicePluginCheck
+		}
+		// Before the first publish of devices, so that a node with a
+		// device plugin never publishes them untainted; where the Node
+		// cannot be read they are tainted until it can.
+		if err := a.CheckDevicePlugin(a.ctx); err != nil {
+			utilruntime.HandleErrorWithContext(ctx, err, "device plugin check failed at start, publishing the devices tainted until it succeeds")
+			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", err, opts.DriverName, DevicePluginTaintKey)
+			a.mutex.Lock()
+			a.devicePlugin = "unknown"
+			a.mutex.Unlock()
+		}
+	}
 	if err := a.publish(a.ctx); err != nil {
 		a.Stop()
 		return nil, err
@@ -316,6 +347,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		a.startHealth(inv)
 	}
 	a.wg.Go(func() { a.rescanLoop(a.ctx) })
+	if len(opts.DevicePluginResources) > 0 {
+		a.wg.Go(func() { a.devicePluginLoop(a.ctx, opts.DevicePluginCheck) })
+	}
 	if a.store != nil && opts.StaleClaimCheck > 0 {
 		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
 	}
@@ -452,8 +486,9 @@ func (a *Agent) resourcesLocked() resourceslice.DriverResources {
 		}
 	}
 	return BuildResources(a.inventory, a.opts.PoolName, unhealthy, TaintOptions{
-		Owned:    a.opts.OwnedTaint,
-		OwnedKey: a.opts.OwnedTaintKey,
+		Owned:        a.opts.OwnedTaint,
+		OwnedKey:     a.opts.OwnedTaintKey,
+		DevicePlugin: a.devicePlugin != "",
 	})
 }
 
@@ -462,6 +497,9 @@ type TaintOptions struct {
 	// Owned adds the NoSchedule taint OwnedKey to every device.
 	Owned    bool
 	OwnedKey string
+	// DevicePlugin adds the NoSchedule taint DevicePluginTaintKey to
+	// every device.
+	DevicePlugin bool
 }
 
 // BuildResources turns an inventory into the pool that the agent publishes:
@@ -479,6 +517,12 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 			}
 			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
 				Key:    key,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+			})
+		}
+		if taints.DevicePlugin {
+			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
+				Key:    DevicePluginTaintKey,
 				Effect: resourceapi.DeviceTaintEffectNoSchedule,
 			})
 		}

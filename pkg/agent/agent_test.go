@@ -48,6 +48,8 @@ type env struct {
 	bootIDFile string
 	// recorder, if set, receives the agent's events.
 	recorder events.EventRecorder
+	// devicePlugin is Options.DevicePluginResources.
+	devicePlugin []string
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -110,6 +112,8 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		BootIDPath:     e.bootIDFile,
 		RescanInterval: -1,
 		Recorder:       e.recorder,
+
+		DevicePluginResources: e.devicePlugin,
 	})
 	if err != nil {
 		t.Fatalf("start agent: %v", err)

@@ -1,0 +1,109 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// DevicePluginTaintKey is the NoSchedule device taint on every device while
+// the Node advertises GPUs of a device plugin (see
+// Options.DevicePluginResources): neither scheduler allocates them then.
+const DevicePluginTaintKey = topology.DriverName + "/device-plugin"
+
+// DefaultDevicePluginResources are the node agent command's default for
+// Options.DevicePluginResources: the extended resources of NVIDIA's device
+// plugin, whole GPUs and MIG devices of the mixed strategy.
+var DefaultDevicePluginResources = []string{"nvidia.com/gpu", "nvidia.com/mig-*"}
+
+// Event reasons on the Node about a device plugin.
+const (
+	// ReasonDevicePlugin (Warning): the Node advertises GPUs of a device
+	// plugin; the agent's devices are tainted DevicePluginTaintKey.
+	ReasonDevicePlugin = "TopodraDevicePluginConflict"
+	// ReasonDevicePluginGone (Normal): the Node no longer advertises them;
+	// the taint is gone.
+	ReasonDevicePluginGone = "TopodraDevicePluginGone"
+)
+
+// devicePluginResources names the resources in the Node's allocatable that
+// match patterns (a name, or a prefix ending in "*") with a quantity above
+// zero, as "name=quantity", sorted.
+func devicePluginResources(node *v1.Node, patterns []string) []string {
+	var out []string
+	for name, q := range node.Status.Allocatable {
+		if q.Sign() <= 0 {
+			continue
+		}
+		for _, p := range patterns {
+			prefix, wildcard := strings.CutSuffix(p, "*")
+			if string(name) == p || wildcard && strings.HasPrefix(string(name), prefix) {
+				out = append(out, fmt.Sprintf("%s=%s", name, q.String()))
+				break
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// CheckDevicePlugin reads the Node and taints every device with
+// DevicePluginTaintKey while its allocatable has GPUs of a device plugin
+// (Options.DevicePluginResources): the kubelet hands those out to pods
+// that ask for the extended resource, the same GPUs that this agent
+// publishes, so a pod of either kind could get a GPU the other holds. A
+// change is reported on the Node (ReasonDevicePlugin,
+// ReasonDevicePluginGone) and republished. Claims already prepared are
+// left alone. Without DevicePluginResources it does nothing; an error
+// reading the Node keeps the last answer.
+func (a *Agent) CheckDevicePlugin(ctx context.Context) error {
+	if len(a.opts.DevicePluginResources) == 0 {
+		return nil
+	}
+	node, err := a.opts.KubeClient.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read node for device plugin resources: %w", err)
+	}
+	found := strings.Join(devicePluginResources(node, a.opts.DevicePluginResources), ", ")
+	a.mutex.Lock()
+	changed := found != a.devicePlugin
+	a.devicePlugin = found
+	a.mutex.Unlock()
+	if !changed {
+		return nil
+	}
+	logger := klog.FromContext(ctx)
+	if found != "" {
+		logger.Info("The node advertises GPUs of a device plugin, tainting all devices", "resources", found, "taint", DevicePluginTaintKey)
+		a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish",
+			"the node advertises %s from a device plugin, which hands out the GPUs that %s publishes: all its devices are tainted %s (NoSchedule) until the node no longer does; disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false)",
+			found, a.opts.DriverName, DevicePluginTaintKey)
+	} else {
+		logger.Info("The node no longer advertises GPUs of a device plugin, removing the taint", "taint", DevicePluginTaintKey)
+		a.nodeEvent(v1.EventTypeNormal, ReasonDevicePluginGone, "Publish", "the node no longer advertises GPUs of a device plugin: %s devices are no longer tainted %s", a.opts.DriverName, DevicePluginTaintKey)
+	}
+	return a.publish(ctx)
+}
+
+// devicePluginLoop runs CheckDevicePlugin every interval.
+func (a *Agent) devicePluginLoop(ctx context.Context, interval time.Duration) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(interval):
+		}
+		if err := a.CheckDevicePlugin(ctx); err != nil && ctx.Err() == nil {
+			utilruntime.HandleErrorWithContext(ctx, err, "device plugin check failed, keeping the last answer")
+		}
+	}
+}

@@ -1,0 +1,90 @@
+package agent_test
+
+import (
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/topodra/topodra/pkg/agent"
+)
+
+// TestDevicePluginTaintsDevices: a Node whose allocatable has GPUs of
+// NVIDIA's device plugin gets every published device tainted
+// DevicePluginTaintKey from the first publish on, and a warning event;
+// a claim prepared before stays prepared. Once the Node advertises none
+// (the plugin gone, its resource at zero), the taint goes and a Normal
+// event says so. MIG resources count through the prefix; other extended
+// resources do not.
+func TestDevicePluginTaintsDevices(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	e.devicePlugin = agent.DefaultDevicePluginResources
+	setAllocatable := func(list v1.ResourceList) {
+		t.Helper()
+		node, err := e.client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		node.Status.Allocatable = list
+		if _, err := e.client.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tainted := func(a *agent.Agent) (n, of int) {
+		devices := a.Resources().Pools[nodeName].Slices[0].Devices
+		for _, d := range devices {
+			for _, taint := range d.Taints {
+				if taint.Key == agent.DevicePluginTaintKey && taint.Effect == resourceapi.DeviceTaintEffectNoSchedule {
+					n++
+				}
+			}
+		}
+		return n, len(devices)
+	}
+
+	setAllocatable(v1.ResourceList{"nvidia.com/gpu": resource.MustParse("8"), "example.com/fpga": resource.MustParse("1")})
+	a := e.start(ctx, t)
+	if n, of := tainted(a); n != of || of == 0 {
+		t.Errorf("node with nvidia.com/gpu=8: %d of %d devices tainted %s, want all", n, of, agent.DevicePluginTaintKey)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePlugin) || !strings.Contains(ev, "nvidia.com/gpu=8") || strings.Contains(ev, "fpga") {
+		t.Errorf("event %q, want a %s warning naming nvidia.com/gpu=8 only", ev, agent.ReasonDevicePlugin)
+	}
+	c := claim("before", gpus("gpus", "gpu-0")...)
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
+		t.Fatalf("prepare: %v %v", err, res[c.UID].Err)
+	}
+
+	setAllocatable(v1.ResourceList{"nvidia.com/gpu": resource.MustParse("0"), "example.com/fpga": resource.MustParse("1")})
+	if err := a.CheckDevicePlugin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := tainted(a); n != 0 {
+		t.Errorf("device plugin gone: %d devices still tainted", n)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Normal "+agent.ReasonDevicePluginGone) {
+		t.Errorf("event %q, want %s", ev, agent.ReasonDevicePluginGone)
+	}
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
+		t.Errorf("the claim prepared before: %v %v", err, res[c.UID].Err)
+	}
+
+	setAllocatable(v1.ResourceList{"nvidia.com/mig-1g.10gb": resource.MustParse("7")})
+	if err := a.CheckDevicePlugin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, of := tainted(a); n != of {
+		t.Errorf("node with MIG devices of a device plugin: %d of %d devices tainted", n, of)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/mig-1g.10gb=7") {
+		t.Errorf("event %q, want it to name the MIG resource", ev)
+	}
+}
