@@ -307,42 +307,9 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 			memoSlice = d.slice
 			memo = a.cache.forSlice(d.slice.UID, d.slice.Generation, a.features.ListTypeAttributes)
 		}
-		matches := true
-		for _, expr := range u.selectors {
-			state := memoUnknown
-			if memo != nil {
-				state = memo.get(expr.Expression, d.deviceIndex)
-			}
-			if state == memoUnknown {
-				ok, _, err := expr.DeviceMatches(ctx, cel.Device{
-					Driver:                   d.driver,
-					AllowMultipleAllocations: d.device.AllowMultipleAllocations,
-					Attributes:               d.device.Attributes,
-					Capacity:                 d.device.Capacity,
-				})
-				switch {
-				case err != nil:
-					state = memoError
-				case ok:
-					state = memoTrue
-				default:
-					state = memoFalse
-				}
-				if memo != nil && (err == nil || ctx.Err() == nil) {
-					memo.set(expr.Expression, d.deviceIndex, len(d.slice.Spec.Devices), state)
-				}
-			}
-			if state == memoError {
-				// Upstream reports runtime errors when it gets to
-				// this device; count it as matching so that counting
-				// never rules out what upstream would do.
-				u.uncertn = true
-				continue
-			}
-			if state == memoFalse {
-				matches = false
-				break
-			}
+		matches, uncertain := a.selectorsMatch(ctx, memo, d.slice, d.deviceIndex, d.device, u.selectors)
+		if uncertain {
+			u.uncertn = true
 		}
 		if !matches {
 			continue
@@ -359,6 +326,46 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 		}
 		u.free = append(u.free, i)
 	}
+}
+
+// selectorsMatch evaluates selectors on the device at deviceIndex of
+// slice, through memo (the slice's cached results; nil evaluates every
+// time). A selector that fails at run time counts as matching and makes
+// uncertain true: upstream reports such an error when it gets to the
+// device, so counting never rules out what upstream would do.
+func (a *Allocator) selectorsMatch(ctx context.Context, memo *sliceMemo, slice *resourceapi.ResourceSlice, deviceIndex int, device *resourceapi.Device, selectors []cel.CompilationResult) (matches, uncertain bool) {
+	for _, expr := range selectors {
+		state := memoUnknown
+		if memo != nil {
+			state = memo.get(expr.Expression, deviceIndex)
+		}
+		if state == memoUnknown {
+			ok, _, err := expr.DeviceMatches(ctx, cel.Device{
+				Driver:                   slice.Spec.Driver,
+				AllowMultipleAllocations: device.AllowMultipleAllocations,
+				Attributes:               device.Attributes,
+				Capacity:                 device.Capacity,
+			})
+			switch {
+			case err != nil:
+				state = memoError
+			case ok:
+				state = memoTrue
+			default:
+				state = memoFalse
+			}
+			if memo != nil && (err == nil || ctx.Err() == nil) {
+				memo.set(expr.Expression, deviceIndex, len(slice.Spec.Devices), state)
+			}
+		}
+		switch state {
+		case memoError:
+			uncertain = true
+		case memoFalse:
+			return false, uncertain
+		}
+	}
+	return true, uncertain
 }
 
 // taintPrevents reports whether a NoSchedule or NoExecute taint on the

@@ -2,55 +2,84 @@ package allocator
 
 import (
 	"context"
-	"errors"
 
-	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 )
 
 // MatchCount counts a driver's devices on one node that a pod's requests
 // could take (Matching) and how many of them have no allocation (Free).
 type MatchCount struct{ Matching, Free int }
 
-// MatchingDevices counts, per driver, the devices of the node's own pools
-// (slices with spec.nodeName; not network-attached devices) that match the
-// class and selectors of some request of claims, counting every
-// subrequest of a firstAvailable request, and how many of them have no
-// allocation. A device on which a selector failed at run time counts as
-// matching. ok is false where the claims use fields this package does not
-// interpret: only upstream's allocation can tell then. Like Allocate, it
-// returns an error only for input problems that make the claims
-// unallocatable on every node (an *InputError) and cancellation. Safe for
-// concurrent use.
-func (a *Allocator) MatchingDevices(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim) (counts map[string]MatchCount, ok bool, err error) {
-	if node == nil {
-		return nil, false, errors.New("matching devices: node is nil")
-	}
-	p := &podNode{a: a, node: node, claims: claims}
-	_, passthrough, err := p.analysis(ctx)
-	if err != nil || passthrough {
-		return nil, false, err
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, false, err
-	}
-	counts = map[string]MatchCount{}
-	for i := range p.ns.devices {
-		d := &p.ns.devices[i]
-		if d.slice.Spec.NodeName == nil {
-			continue
+// MatchingDevices counts, per node of nodes and per driver, the devices of
+// the node's own pools (slices with spec.nodeName, the newest generation
+// of each pool; not network-attached devices) that match the class and
+// selectors of some request of claims, counting every subrequest of a
+// firstAvailable request, and how many of them have no allocation. A
+// device on which a selector failed at run time counts as matching. It
+// works on slices, through the selector cache, without gathering the
+// nodes: pool rules (incomplete or invalid pools) are not applied. ok is
+// false where the claims use fields this package does not interpret: only
+// upstream's allocation can tell then. Like Allocate, it returns an error
+// only for input problems that make the claims unallocatable on every
+// node (an *InputError) and cancellation. Safe for concurrent use.
+func (a *Allocator) MatchingDevices(ctx context.Context, claims []*resourceapi.ResourceClaim, nodes sets.Set[string]) (counts map[string]map[string]MatchCount, ok bool, err error) {
+	var specs []*unitSpec
+	for _, claim := range claims {
+		st := a.claimStatic(claim)
+		if st.err != nil {
+			return nil, false, st.err
 		}
-		for _, u := range p.units {
-			if !u.matching[i] {
+		if st.passthrough {
+			return nil, false, nil
+		}
+		for _, rs := range st.requests {
+			specs = append(specs, rs.alts...)
+		}
+	}
+	newest := make(map[poolKey]int64, len(nodes))
+	newestOf := func(k poolKey) int64 {
+		if g, ok := newest[k]; ok {
+			return g
+		}
+		var g int64
+		for _, s := range a.byPool[k] {
+			g = max(g, s.Spec.Pool.Generation)
+		}
+		newest[k] = g
+		return g
+	}
+	counts = make(map[string]map[string]MatchCount, len(nodes))
+	for node := range nodes {
+		if err := ctx.Err(); err != nil {
+			return nil, false, err
+		}
+		for _, slice := range a.byNode[node] {
+			if slice.Spec.Pool.Generation != newestOf(poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}) {
 				continue
 			}
-			c := counts[d.driver]
-			c.Matching++
-			if !p.ns.inUse[i] {
-				c.Free++
+			memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
+			ids := a.sliceInfo(slice).ids
+			for i := range slice.Spec.Devices {
+				device := &slice.Spec.Devices[i]
+				for _, u := range specs {
+					if matches, _ := a.selectorsMatch(ctx, memo, slice, i, device, u.selectors); !matches {
+						continue
+					}
+					byDriver := counts[node]
+					if byDriver == nil {
+						byDriver = map[string]MatchCount{}
+						counts[node] = byDriver
+					}
+					c := byDriver[slice.Spec.Driver]
+					c.Matching++
+					if !a.deviceInUse(ids[i]) {
+						c.Free++
+					}
+					byDriver[slice.Spec.Driver] = c
+					break
+				}
 			}
-			counts[d.driver] = c
-			break
 		}
 	}
 	return counts, true, nil

@@ -88,25 +88,21 @@ func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.A
 // kept among the GPUs of that model. ok is false where the allocator
 // cannot tell which devices match (an error, fields it does not
 // interpret): then the driver's devices count, as headroomCounts has them.
-func matchingHeadroom(ctx context.Context, a *allocator.Allocator, nodes []fwk.NodeInfo, admit sets.Set[string], claims []*resourceapi.ResourceClaim) (headroom, bool) {
+func matchingHeadroom(ctx context.Context, a *allocator.Allocator, admit sets.Set[string], claims []*resourceapi.ResourceClaim) (headroom, bool) {
+	byNode, ok, err := a.MatchingDevices(ctx, claims, admit)
+	if err != nil || !ok {
+		klog.FromContext(ctx).V(4).Info("Headroom counted over all devices of each driver: which devices match is not known", "err", err)
+		return headroom{}, false
+	}
 	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, matched: true}
-	for _, ni := range nodes {
-		node := ni.Node()
-		if node == nil || !admit.Has(node.Name) {
-			continue
-		}
-		counts, ok, err := a.MatchingDevices(ctx, node, claims)
-		if err != nil || !ok {
-			klog.FromContext(ctx).V(4).Info("Headroom counted over all devices of each driver: which devices match is not known", "node", klog.KObj(node), "err", err)
-			return headroom{}, false
-		}
+	for node, counts := range byNode {
 		for driver, n := range counts {
 			c := out.drivers[driver]
 			c.total += n.Matching
 			c.free += n.Free
 			c.spare += Spare(n.Free)
 			out.drivers[driver] = c
-			out.free[deviceGroup{node: node.Name, driver: driver}] = n.Free
+			out.free[deviceGroup{node: node, driver: driver}] = n.Free
 		}
 	}
 	return out, true

@@ -191,7 +191,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if keepHeadroom {
 		admit := admittedNodes(pod, nodes, pl.taintOps)
 		s.headroom = headroomCounts(slices, allocatedState, admit)
-		narrow, ok := matchingHeadroom(ctx, a, nodes, admit, s.allocClaims)
+		narrow, ok := matchingHeadroom(ctx, a, admit, s.allocClaims)
 		isNarrow := ok && narrow.fewerThan(s.headroom)
 		if isNarrow {
 			narrow.local = s.headroom.local
