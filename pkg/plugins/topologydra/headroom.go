@@ -1,7 +1,6 @@
 package topologydra
 
 import (
-	"context"
 	"fmt"
 	"sync"
 
@@ -80,20 +79,13 @@ func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.A
 	return out
 }
 
-// matchingHeadroom counts, per driver, the node-local devices on the
-// nodes in admit that some request of claims matches (class and
-// selectors; see allocator.MatchingDevices), the free ones among them,
-// and those free on nodes with SpareOnNode or more: the headroom of a pod
-// that asks for one GPU model among several that one driver publishes is
-// kept among the GPUs of that model. ok is false where the allocator
-// cannot tell which devices match (an error, fields it does not
-// interpret): then the driver's devices count, as headroomCounts has them.
-func matchingHeadroom(ctx context.Context, a *allocator.Allocator, admit sets.Set[string], claims []*resourceapi.ResourceClaim) (headroom, bool) {
-	byNode, ok, err := a.MatchingDevices(ctx, claims, admit)
-	if err != nil || !ok {
-		klog.FromContext(ctx).V(4).Info("Headroom counted over all devices of each driver: which devices match is not known", "err", err)
-		return headroom{}, false
-	}
+// matchingHeadroom is the headroom counted over the devices that the
+// pod's requests match (allocator.MatchingDevices on the nodes the pod may
+// use): per driver all of them, the free ones, and those free on nodes
+// with SpareOnNode or more. The headroom of a pod that asks for one GPU
+// model among several that one driver publishes is kept among the GPUs of
+// that model.
+func matchingHeadroom(byNode map[string]map[string]allocator.MatchCount) headroom {
 	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, matched: true}
 	for node, counts := range byNode {
 		for driver, n := range counts {
@@ -105,7 +97,7 @@ func matchingHeadroom(ctx context.Context, a *allocator.Allocator, admit sets.Se
 			out.free[deviceGroup{node: node, driver: driver}] = n.Free
 		}
 	}
-	return out, true
+	return out
 }
 
 // fewerThan reports whether h counts fewer devices than all for some
@@ -146,7 +138,7 @@ func (h headroom) spareAfter(driver, node string, n int) int {
 // elsewhere). taintOps is the TaintTolerationComparisonOperators feature.
 func admittedNodes(pod *v1.Pod, nodes []fwk.NodeInfo, taintOps bool) sets.Set[string] {
 	out := sets.New[string]()
-	admitNodes(pod, nodes, out, taintOps)
+	admitNodes(pod, nodes, out, taintOps, nil)
 	return out
 }
 

@@ -165,14 +165,14 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if err != nil {
 		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
 	}
-	keepHeadroom := false
+	var counts []classDevices
+	for _, claim := range s.allocClaims {
+		counts = addClaimDevices(counts, claim)
+	}
+	need := mostOfOneClass(counts)
+	keepHeadroom := pl.headroomPercent > 0 && need >= HalfNodeBlock
 	if pl.headroomPercent > 0 {
 		pl.heldBack.forget(pod.UID)
-		var counts []classDevices
-		for _, claim := range s.allocClaims {
-			counts = addClaimDevices(counts, claim)
-		}
-		keepHeadroom = mostOfOneClass(counts) >= HalfNodeBlock
 	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,
@@ -188,14 +188,31 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, unresolvable(err.Error())
 	}
 	s.allocator = a
+	wholeNode := need >= allocator.WholeNodeBlock
+	if !keepHeadroom && !wholeNode {
+		return nil, nil
+	}
+	// The devices the pod's requests match on the nodes it may use: its
+	// headroom is kept among them, and the drain rule counts it as waiting
+	// only for the nodes where they make up what it needs.
+	admit := admittedNodes(pod, nodes, pl.taintOps)
+	matching, ok, err := a.MatchingDevices(ctx, s.allocClaims, admit)
+	if err != nil || !ok {
+		logger.V(4).Info("Not known which devices the pod's requests match: the headroom counts all of each driver's devices, the drain rule every node the pod may use", "err", err)
+		matching = nil
+	}
+	if wholeNode {
+		pl.pending.setFillable(pod, fillableNodes(matching, need))
+	}
 	if keepHeadroom {
-		admit := admittedNodes(pod, nodes, pl.taintOps)
 		s.headroom = headroomCounts(slices, allocatedState, admit)
-		narrow, ok := matchingHeadroom(ctx, a, admit, s.allocClaims)
-		isNarrow := ok && narrow.fewerThan(s.headroom)
-		if isNarrow {
-			narrow.local = s.headroom.local
-			s.headroom = narrow
+		isNarrow := false
+		if matching != nil {
+			narrow := matchingHeadroom(matching)
+			if isNarrow = narrow.fewerThan(s.headroom); isNarrow {
+				narrow.local = s.headroom.local
+				s.headroom = narrow
+			}
 		}
 		pl.heldBack.setNarrow(pod.UID, isNarrow)
 	}

@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -274,5 +276,100 @@ func TestPlacementEventSaysWhy(t *testing.T) {
 		}
 	default:
 		t.Fatal("no event")
+	}
+}
+
+// TestDrainOnlyWhereTheWaitingPodFits: one driver publishes "h100" GPUs on
+// node-h1 and node-h2 and "a100" GPUs on node-a1 and node-a2, eight each.
+// A waiting pod that asks for 8 a100s drains no h100 node for a 1-GPU
+// h100 pod, once its own PreFilter has found which nodes it can fill;
+// before that, every node it may use counts, as for a pod whose claims
+// are not known. A waiting pod that asks for 8 h100s drains the h100 node
+// with fewer in use, and one that asks for 16 h100s, more than a node
+// has, drains none.
+func TestDrainOnlyWhereTheWaitingPodFits(t *testing.T) {
+	model := func(m string) string { return fmt.Sprintf(`device.attributes[%q].model == %q`, topology.DriverName, m) }
+	objs := []runtime.Object{testDeviceClass(),
+		testClaim("h100-one", 1, model("h100")), testClaim("a100-eight", 8, model("a100")), testClaim("h100-eight", 8, model("h100")),
+		testClaim("h100-eight-b", 8, model("h100")), testClaim("h100-eight-c", 8, model("h100")),
+		allocatedOn(testClaim("on-h1", 2), "node-h1", "gpu-0", "gpu-1"), allocatedOn(testClaim("on-h2", 1), "node-h2", "gpu-0")}
+	var nodes []*v1.Node
+	for _, n := range []string{"node-h1", "node-h2", "node-a1", "node-a2"} {
+		nodes = append(nodes, testNode(n))
+		s := testSlice(n, 8)
+		m := "h100"
+		if strings.HasPrefix(n, "node-a") {
+			m = "a100"
+		}
+		for d := range s.Spec.Devices {
+			s.Spec.Devices[d].Attributes["model"] = resourceapi.DeviceAttribute{StringValue: ptr.To(m)}
+		}
+		objs = append(objs, s)
+	}
+	h := newHarness(t, nodes, objs...)
+	for _, c := range []string{"h100-one", "a100-eight", "h100-eight", "h100-eight-b", "h100-eight-c", "on-h1", "on-h2"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	small := testPod("small", "h100-one")
+	hNodes := []fwk.NodeInfo{h.nodes["node-h1"], h.nodes["node-h2"]}
+	draining := func() sets.Set[string] {
+		t.Helper()
+		cs, filtered := h.cycle(small, "node-h1", "node-h2")
+		for n, s := range filtered {
+			if !s.IsSuccess() {
+				t.Fatalf("Filter(%s): %v", n, s)
+			}
+		}
+		if st := h.pl.PreScore(h.tCtx, cs, small, hNodes); !st.IsSuccess() {
+			t.Fatalf("PreScore: %v", st)
+		}
+		s, err := getState(cs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.draining
+	}
+	waiting := func(pod *v1.Pod) {
+		t.Helper()
+		if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			h.pl.pending.mu.Lock()
+			defer h.pl.pending.mu.Unlock()
+			return h.pl.pending.pods[""][pod.UID] != nil, nil
+		}); err != nil {
+			t.Fatalf("the pending index never saw pod %s: %v", pod.Name, err)
+		}
+	}
+	remove := func(pod *v1.Pod) {
+		t.Helper()
+		h.pl.pending.remove(pod)
+	}
+
+	a100 := testPod("a100", "a100-eight")
+	waiting(a100)
+	if got := draining(); !got.Equal(sets.New("node-h2")) {
+		t.Errorf("a100 pod waiting, never tried: draining %v, want node-h2 (every node it may use counts)", sets.List(got))
+	}
+	h.cycle(a100)
+	if got := draining(); got.Len() != 0 {
+		t.Errorf("a100 pod waiting, tried: draining %v, want none of the h100 nodes", sets.List(got))
+	}
+	remove(a100)
+
+	h100 := testPod("h100", "h100-eight")
+	waiting(h100)
+	h.cycle(h100)
+	if got := draining(); !got.Equal(sets.New("node-h2")) {
+		t.Errorf("h100 pod waiting: draining %v, want node-h2 (one GPU in use, against two)", sets.List(got))
+	}
+	remove(h100)
+
+	sixteen := testPod("sixteen", "h100-eight-b", "h100-eight-c")
+	waiting(sixteen)
+	h.cycle(sixteen)
+	if got := draining(); got.Len() != 0 {
+		t.Errorf("pod for 16 h100s waiting: draining %v, want none (no node has 16)", sets.List(got))
 	}
 }
