@@ -84,3 +84,25 @@ func (a *Allocator) MatchingDevices(ctx context.Context, claims []*resourceapi.R
 	}
 	return counts, true, nil
 }
+
+// DeviceHasTaint reports whether the device driver/pool/device is in the
+// Allocator's slices (found) and whether it carries a taint with key, of
+// any effect (in the slice or from a DeviceTaintRule, where the slices
+// were listed with the rules applied).
+func (a *Allocator) DeviceHasTaint(driver, pool, device, key string) (found, tainted bool) {
+	for _, slice := range a.byPool[poolKey{driver, pool}] {
+		for i := range slice.Spec.Devices {
+			d := &slice.Spec.Devices[i]
+			if d.Name != device {
+				continue
+			}
+			for _, t := range d.Taints {
+				if t.Key == key {
+					return true, true
+				}
+			}
+			return true, false
+		}
+	}
+	return false, false
+}

@@ -17,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/component-base/metrics/testutil"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
@@ -543,5 +544,40 @@ func TestPreEnqueueTellsWhy(t *testing.T) {
 	case e := <-h.recorder.Events:
 		t.Errorf("event %q for a claim the controller is creating", e)
 	default:
+	}
+}
+
+// TestUnownedDevicesCounted: with the owned taint key set (the default),
+// Reserve counts the allocated devices that carry no owned taint, per
+// driver, and not those that do.
+func TestUnownedDevicesCounted(t *testing.T) {
+	owned := testSlice("node-owned", 2)
+	for i := range owned.Spec.Devices {
+		owned.Spec.Devices[i].Taints = []resourceapi.DeviceTaint{{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	}
+	h := newHarness(t, []*v1.Node{testNode("node-owned"), testNode("node-free")}, testDeviceClass(), owned, testSlice("node-free", 2), testClaim("a", 1), testClaim("b", 1))
+	if h.pl.ownedToleration == nil || h.pl.ownedToleration.Key != topology.DefaultTaintKey {
+		t.Fatalf("owned toleration %v, want the default key %s", h.pl.ownedToleration, topology.DefaultTaintKey)
+	}
+	count := func() float64 {
+		v, err := testutil.GetCounterMetricValue(unownedAllocations.WithLabelValues(topology.DriverName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	before := count()
+	for _, tc := range []struct{ claim, node string }{{"a", "node-owned"}, {"b", "node-free"}} {
+		pod := testPod("p-"+tc.claim, tc.claim)
+		cs, st := h.cycle(pod, tc.node)
+		if !st[tc.node].IsSuccess() {
+			t.Fatalf("Filter(%s): %v", tc.node, st[tc.node])
+		}
+		if st := h.pl.Reserve(h.tCtx, cs, pod, tc.node); !st.IsSuccess() {
+			t.Fatalf("Reserve on %s: %v", tc.node, st)
+		}
+	}
+	if got := count(); got != before+1 {
+		t.Errorf("topodra_unowned_devices_allocated_total went from %v to %v after one owned and one unowned device, want +1", before, got)
 	}
 }

@@ -58,12 +58,18 @@ var (
 		Help:           "Pods whose latest scheduling attempt smallPodHeadroomPercent turned down on at least one node that their devices fit, and that are still waiting (not reserved, not deleted).",
 		StabilityLevel: metrics.ALPHA,
 	})
+	unownedAllocations = metrics.NewCounterVec(&metrics.CounterOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "unowned_devices_allocated_total",
+		Help:           "Devices allocated that do not carry the owned taint (ownedTaintKey), by driver: where a default scheduler runs beside topodra, it can allocate these devices too.",
+		StabilityLevel: metrics.ALPHA,
+	}, []string{"driver"})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations)
 	})
 }
 

@@ -69,7 +69,10 @@ type TopologyDRA struct {
 	// ownedToleration is added to every request so that devices tainted
 	// with the owned taint key are available to topodra; nil if disabled.
 	ownedToleration *resourceapi.DeviceToleration
-	bindingTimeout  time.Duration
+	// unownedWarned holds the drivers whose devices without the owned
+	// taint were logged (noteUnowned).
+	unownedWarned  sync.Map
+	bindingTimeout time.Duration
 	// filterTimeout limits one node's allocation in Filter and the
 	// verification in Reserve (args.FilterTimeout while the
 	// DRASchedulerFilterTimeout gate is on); 0: no limit.

@@ -80,6 +80,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	}
 	s.nodeName, s.result = nodeName, res
 	pl.heldBack.forget(pod.UID)
+	pl.noteUnowned(logger, s.allocator, res.Allocations)
 	for j, index := range s.toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
 		claim := s.claims[index].DeepCopy()
@@ -123,6 +124,32 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Patch(ctx, claim.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
 			// The next scheduling attempt of the pod runs Unreserve again.
 			logger.Error(err, "remove pod from claim reservedFor", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		}
+	}
+}
+
+// noteUnowned counts, per driver, the devices of allocations that do not
+// carry the owned taint (ownedTaintKey, in their slice or from a
+// DeviceTaintRule) and logs the first of each driver: the default
+// scheduler does not leave such devices to topodra, so where it runs
+// beside topodra it can hand out the same device (the README's "Other
+// drivers' devices": a DeviceTaintRule per driver owns them). Nothing is
+// counted without an owned taint key.
+func (pl *TopologyDRA) noteUnowned(logger klog.Logger, a *allocator.Allocator, allocations []resourceapi.AllocationResult) {
+	if pl.ownedToleration == nil || a == nil {
+		return
+	}
+	key := pl.ownedToleration.Key
+	for _, alloc := range allocations {
+		for _, r := range alloc.Devices.Results {
+			if found, tainted := a.DeviceHasTaint(r.Driver, r.Pool, r.Device, key); !found || tainted {
+				continue
+			}
+			unownedAllocations.WithLabelValues(r.Driver).Inc()
+			if _, warned := pl.unownedWarned.LoadOrStore(r.Driver, struct{}{}); !warned {
+				logger.Info("Allocating devices without the owned taint: a default scheduler running beside topodra can allocate the same devices; own them with a DeviceTaintRule for the driver (see manifests/examples/owned-nic-taint-rule.yaml)",
+					"driver", r.Driver, "device", r.Pool+"/"+r.Device, "taintKey", key)
+			}
 		}
 	}
 }
