@@ -230,25 +230,16 @@ type classDevices struct {
 
 // addClaimDevices adds the devices a claim asks for to counts, per device
 // class: exact counts, and the first subrequest of a firstAvailable
-// request. A request for all matching devices (allocationMode All, the
-// usual way to ask for a whole node's GPUs) counts as
-// allocator.WholeNodeBlock: the pod is sorted, drained for and kept to the
-// headroom as a whole-node pod.
+// request; requests for all matching devices count as none.
 func addClaimDevices(counts []classDevices, claim *resourceapi.ResourceClaim) []classDevices {
-	size := func(mode resourceapi.DeviceAllocationMode, count int64) int {
-		if mode == resourceapi.DeviceAllocationModeAll {
-			return allocator.WholeNodeBlock
-		}
-		return int(count)
-	}
 	for _, r := range claim.Spec.Devices.Requests {
 		var class string
 		var n int
 		switch {
-		case r.Exactly != nil:
-			class, n = r.Exactly.DeviceClassName, size(r.Exactly.AllocationMode, r.Exactly.Count)
-		case len(r.FirstAvailable) > 0:
-			class, n = r.FirstAvailable[0].DeviceClassName, size(r.FirstAvailable[0].AllocationMode, r.FirstAvailable[0].Count)
+		case r.Exactly != nil && r.Exactly.AllocationMode != resourceapi.DeviceAllocationModeAll:
+			class, n = r.Exactly.DeviceClassName, int(r.Exactly.Count)
+		case len(r.FirstAvailable) > 0 && r.FirstAvailable[0].AllocationMode != resourceapi.DeviceAllocationModeAll:
+			class, n = r.FirstAvailable[0].DeviceClassName, int(r.FirstAvailable[0].Count)
 		default:
 			continue
 		}

@@ -145,17 +145,6 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	if got, admitted := ix.wholeNodePods(self, get, []fwk.NodeInfo{tainted, cordoned}); got != 1 || !admitted.Equal(sets.New("node-4")) {
 		t.Errorf("with the pod tolerating the taint: %d waiting, admitted %v, want 1 and node-4", got, sets.List(admitted))
 	}
-
-	// A claim for all matching GPUs asks for a whole node.
-	claimOf("all-gpus", 0, false)
-	claims["all-gpus"].Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
-	h.OnAdd(pod("all", "s", "", "all-gpus"), false)
-	if got, _ := ix.wholeNodePods(self, get, nodes); got != 2 {
-		t.Errorf("with a pod asking for all matching GPUs: %d waiting, want 2", got)
-	}
-	if n, ok := podDevices(pod("all", "s", "", "all-gpus"), get, false); !ok || n != allocator.WholeNodeBlock {
-		t.Errorf("podDevices of a claim for all matching GPUs = %d, %v; want %d", n, ok, allocator.WholeNodeBlock)
-	}
 }
 
 func TestDrainingNodes(t *testing.T) {
