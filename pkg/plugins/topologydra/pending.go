@@ -39,10 +39,12 @@ type pendingPod struct {
 	// the claim cache; -1 until then. Claim specs do not change, so a known
 	// count stays valid.
 	devices int
-	// fillable names the nodes on which the pod's requests match at
-	// least as many devices of one driver as it needs, as its latest
-	// PreFilter found them (setFillable); nil where that is not known.
-	fillable sets.Set[string]
+	// unfit names the nodes on which the pod's requests match fewer
+	// devices of every driver than it needs, as its latest PreFilter
+	// found them among the nodes it could use then (setUnfit): it cannot
+	// run there however many devices are free. Nodes it did not look at
+	// (cordoned or tainted then) are judged when asked.
+	unfit sets.Set[string]
 }
 
 func newPendingIndex() *pendingIndex {
@@ -97,30 +99,35 @@ func (ix *pendingIndex) update(obj any) {
 	bySched[pod.UID] = &pendingPod{pod: pod, devices: -1}
 }
 
-// setFillable records for a pending pod the nodes on which its requests
-// match at least need devices of one driver (fillableNodes); nil forgets
-// them.
-func (ix *pendingIndex) setFillable(pod *v1.Pod, nodes sets.Set[string]) {
+// setUnfit records for a pending pod the nodes on which it cannot run
+// (unfitNodes); nil forgets them.
+func (ix *pendingIndex) setUnfit(pod *v1.Pod, nodes sets.Set[string]) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	if e := ix.pods[pod.Spec.SchedulerName][pod.UID]; e != nil {
-		e.fillable = nodes
+		e.unfit = nodes
 	}
 }
 
-// fillableNodes names the nodes of byNode (allocator.MatchingDevices) on
-// which some driver has need or more matching devices; nil for nil.
-func fillableNodes(byNode map[string]map[string]allocator.MatchCount, need int) sets.Set[string] {
+// unfitNodes names the nodes of examined on which no driver has need or
+// more devices that the pod's requests match (byNode, from
+// allocator.MatchingDevices over examined); nil where byNode is nil (not
+// known).
+func unfitNodes(examined sets.Set[string], byNode map[string]map[string]allocator.MatchCount, need int) sets.Set[string] {
 	if byNode == nil {
 		return nil
 	}
 	out := sets.New[string]()
-	for node, counts := range byNode {
-		for _, c := range counts {
+	for node := range examined {
+		fits := false
+		for _, c := range byNode[node] {
 			if c.Matching >= need {
-				out.Insert(node)
+				fits = true
 				break
 			}
+		}
+		if !fits {
+			out.Insert(node)
 		}
 	}
 	return out
@@ -142,7 +149,7 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 // devices or more of one device class (podDevices) and that may use at
 // least one of nodes (podMayUseNode) on which, where their latest
 // PreFilter found it out, their requests match as many devices as they
-// need (pendingPod.fillable): a pod pinned elsewhere, or one that asks for
+// need (not pendingPod.unfit): a pod pinned elsewhere, or one that asks for
 // a GPU model these nodes do not have, waits for other nodes. admitted
 // holds the names of the nodes of nodes that at least one of them may use. claims
 // looks claims up (the scheduler's claim cache); a claim it does not know
@@ -165,7 +172,7 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.fillable) {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.unfit) {
 			n++
 		}
 	}
@@ -173,14 +180,14 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 }
 
 // admitNodes adds to admitted the names of the nodes that the pod may use
-// (podMayUseNode) and, unless only is nil, that only holds, and reports
-// whether there was one.
-func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string], taintOps bool, only sets.Set[string]) bool {
+// (podMayUseNode) and that are not in except, and reports whether there
+// was one.
+func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string], taintOps bool, except sets.Set[string]) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	logger := klog.Background()
 	found := false
 	for _, node := range nodes {
-		if only != nil && !only.Has(node.Node().Name) {
+		if except.Has(node.Node().Name) {
 			continue
 		}
 		if podMayUseNode(logger, pod, affinity, node.Node(), taintOps) {

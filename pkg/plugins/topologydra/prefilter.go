@@ -188,7 +188,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, unresolvable(err.Error())
 	}
 	s.allocator = a
-	wholeNode := need >= allocator.WholeNodeBlock
+	// A whole-node pod's fit is recorded for the drain rule, where the
+	// profile has one (pl.pending).
+	wholeNode := pl.pending != nil && need >= allocator.WholeNodeBlock
 	if !keepHeadroom && !wholeNode {
 		return nil, nil
 	}
@@ -202,7 +204,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		matching = nil
 	}
 	if wholeNode {
-		pl.pending.setFillable(pod, fillableNodes(matching, need))
+		pl.pending.setUnfit(pod, unfitNodes(admit, matching, need))
 	}
 	if keepHeadroom {
 		s.headroom = headroomCounts(slices, allocatedState, admit)

@@ -279,14 +279,27 @@ func TestPlacementEventSaysWhy(t *testing.T) {
 	}
 }
 
+// TestWholeNodePodWithoutDrainRule: a profile without the drain rule (no
+// pending-pod index, as with LeastAllocated scoring) schedules a pod of 8
+// GPUs.
+func TestWholeNodePodWithoutDrainRule(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 8), testClaim("eight", 8))
+	h.pl.pending = nil
+	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+	if _, st := h.cycle(testPod("p", "eight"), "node-a"); !st["node-a"].IsSuccess() {
+		t.Errorf("Filter(node-a) = %v, want success", st["node-a"])
+	}
+}
+
 // TestDrainOnlyWhereTheWaitingPodFits: one driver publishes "h100" GPUs on
 // node-h1 and node-h2 and "a100" GPUs on node-a1 and node-a2, eight each.
 // A waiting pod that asks for 8 a100s drains no h100 node for a 1-GPU
-// h100 pod, once its own PreFilter has found which nodes it can fill;
+// h100 pod, once its own PreFilter has found which nodes it cannot fill;
 // before that, every node it may use counts, as for a pod whose claims
 // are not known. A waiting pod that asks for 8 h100s drains the h100 node
-// with fewer in use, and one that asks for 16 h100s, more than a node
-// has, drains none.
+// with fewer in use, also where that node was cordoned at its last
+// attempt (a node it did not look at is judged as it is now), and one
+// that asks for 16 h100s, more than a node has, drains none.
 func TestDrainOnlyWhereTheWaitingPodFits(t *testing.T) {
 	model := func(m string) string { return fmt.Sprintf(`device.attributes[%q].model == %q`, topology.DriverName, m) }
 	objs := []runtime.Object{testDeviceClass(),
@@ -358,9 +371,13 @@ func TestDrainOnlyWhereTheWaitingPodFits(t *testing.T) {
 	}
 	remove(a100)
 
+	// Its latest attempt ran while node-h2 was cordoned: once the cordon
+	// is gone, node-h2 counts again.
 	h100 := testPod("h100", "h100-eight")
 	waiting(h100)
+	h.nodes["node-h2"].Node().Spec.Unschedulable = true
 	h.cycle(h100)
+	h.nodes["node-h2"].Node().Spec.Unschedulable = false
 	if got := draining(); !got.Equal(sets.New("node-h2")) {
 		t.Errorf("h100 pod waiting: draining %v, want node-h2 (one GPU in use, against two)", sets.List(got))
 	}
