@@ -227,8 +227,9 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 // It also holds the pods whose headroom PreFilter counted over fewer
 // devices of a driver than the node-local devices of that driver on the
 // nodes the pod may use (its requests match only some of them, say one
-// GPU model of two; see matchingHeadroom): the hint's counts per driver
-// do not tell such a pod's headroom, so it judges them as for any pod.
+// GPU model of two; see matchingHeadroom), with the nodes among those on
+// which they match none: the hint's counts per driver do not tell such a
+// pod's headroom (see freedEnough).
 // The zero value is ready; safe for concurrent use.
 type heldBack struct{ pods, narrow sync.Map }
 
@@ -250,18 +251,25 @@ func (h *heldBack) held(uid types.UID) bool {
 }
 
 // setNarrow records whether the pod's headroom was counted over only the
-// devices its requests match, where those are fewer than its drivers'.
-func (h *heldBack) setNarrow(uid types.UID, narrow bool) {
+// devices its requests match, where those are fewer than its drivers',
+// and if so the nodes it looked at on which its requests match no device
+// (barren).
+func (h *heldBack) setNarrow(uid types.UID, narrow bool, barren sets.Set[string]) {
 	if narrow {
-		h.narrow.Store(uid, struct{}{})
+		h.narrow.Store(uid, barren)
 	} else {
 		h.narrow.Delete(uid)
 	}
 }
 
-func (h *heldBack) isNarrow(uid types.UID) bool {
-	_, ok := h.narrow.Load(uid)
-	return ok
+// narrowed reports whether the pod's headroom was narrow (setNarrow), and
+// the nodes on which its requests match no device.
+func (h *heldBack) narrowed(uid types.UID) (barren sets.Set[string], narrow bool) {
+	v, ok := h.narrow.Load(uid)
+	if !ok {
+		return nil, false
+	}
+	return v.(sets.Set[string]), true
 }
 
 // handler forgets pods when they are deleted, for pods that were being

@@ -474,8 +474,9 @@ func freeingHint(t *testing.T, h *harness, pod *v1.Pod, claim string) fwk.Queuei
 // empty h100 node. A pod that takes any GPU keeps 16 of the 64. With only
 // node-0 free the h100 pod is held back, and the freed-devices hint
 // retries it when a claim gives back a whole h100 node, which the counts
-// of all GPUs would call short of 16; a pod that was not held back is
-// judged as a pod without a headroom: the node given back fits it.
+// of all GPUs would call short of 16, and not when one gives back an a100
+// node; a pod whose attempt found no room is judged as a pod without a
+// headroom, on the h100 nodes only.
 func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
 	// setup frees the GPUs of the nodes named in free, holds the others
 	// with one claim each ("held-<node>").
@@ -551,13 +552,23 @@ func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
 	if got := freeingHint(t, h, pod, "held-node-1"); got != fwk.Queue {
 		t.Errorf("held-back h100 pod, a whole h100 node given back: hint %v, want %v", got, fwk.Queue)
 	}
-	other := testPod("other", "h100")
-	if got := freeingHint(t, h, other, "held-node-1"); got != fwk.QueueSkip {
+	if got := freeingHint(t, h, testPod("never-tried", "h100"), "held-node-1"); got != fwk.QueueSkip {
 		t.Errorf("counted over all 64 GPUs, a whole node given back leaves the cluster short of 16: hint %v, want %v", got, fwk.QueueSkip)
 	}
-	h.pl.heldBack.setNarrow(other.UID, true) // as after an attempt that found no node
+	if got := freeingHint(t, h, pod, "held-node-4"); got != fwk.QueueSkip {
+		t.Errorf("held-back h100 pod, a whole a100 node given back: hint %v, want %v", got, fwk.QueueSkip)
+	}
+	// An attempt that finds no node with room (node-1 is full), so the
+	// headroom does not hold it back.
+	other := testPod("other", "h100")
+	if _, st := h.cycle(other, "node-1"); st["node-1"].IsSuccess() || strings.Contains(st["node-1"].Message(), "keeping") || h.pl.heldBack.held(other.UID) {
+		t.Fatalf("Filter(node-1) = %v, held back %v; want devices short, not held back", st["node-1"], h.pl.heldBack.held(other.UID))
+	}
 	if got := freeingHint(t, h, other, "held-node-1"); got != fwk.Queue {
 		t.Errorf("h100 pod not held back, a node with room for it given back: hint %v, want %v", got, fwk.Queue)
+	}
+	if got := freeingHint(t, h, other, "held-node-4"); got != fwk.QueueSkip {
+		t.Errorf("h100 pod not held back, an a100 node given back: hint %v, want %v", got, fwk.QueueSkip)
 	}
 	h.pl.heldBack.forget(pod.UID)
 	if got := heldPods(); got != before {

@@ -216,7 +216,16 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				s.headroom = narrow
 			}
 		}
-		pl.heldBack.setNarrow(pod.UID, isNarrow)
+		var barren sets.Set[string]
+		if isNarrow {
+			barren = sets.New[string]()
+			for node := range admit {
+				if len(matching[node]) == 0 {
+					barren.Insert(node)
+				}
+			}
+		}
+		pl.heldBack.setNarrow(pod.UID, isNarrow, barren)
 	}
 	return nil, nil
 }

@@ -172,7 +172,22 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	if !ok {
 		return true
 	}
-	if pl.headroomPercent > 0 && need >= HalfNodeBlock {
+	// A pod whose headroom Filter counted over only the devices its
+	// requests match (heldBack.narrowed), which the counts per driver
+	// here do not tell apart: devices given back on nodes where its
+	// requests match none change nothing for it; elsewhere a pod the
+	// headroom held back is retried, any other as a pod without a
+	// headroom.
+	barren, narrow := pl.heldBack.narrowed(pod.UID)
+	switch {
+	case narrow && pl.heldBack.held(pod.UID):
+		for g := range free {
+			if !barren.Has(g.node) {
+				return true
+			}
+		}
+		return false
+	case !narrow && pl.headroomPercent > 0 && need >= HalfNodeBlock:
 		switch pl.headroomWait(logger, pod, claim, need) {
 		case headroomShort:
 			return false
@@ -182,7 +197,7 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	}
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	for g, n := range free {
-		if n >= need && pl.mayUse(logger, pod, affinity, g.node) {
+		if n >= need && !barren.Has(g.node) && pl.mayUse(logger, pod, affinity, g.node) {
 			return true
 		}
 	}
@@ -495,17 +510,6 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 		mayUse = func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
 	}
 	held := pl.heldBack.held(pod.UID)
-	if pl.heldBack.isNarrow(pod.UID) {
-		// Filter counted only the devices the pod's requests match,
-		// which the counts per driver here do not tell apart: a pod the
-		// headroom held back is retried on any devices given back, and
-		// any other pod as a pod without a headroom.
-		logger.V(6).Info("Headroom of the devices the pod's requests match", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "heldBack", held)
-		if held {
-			return headroomRetry
-		}
-		return headroomNone
-	}
 	counts := pl.freed.driverCounts(mayUse)
 	gained := pl.freed.spareGained(mayUse)
 	given := map[string]bool{}
