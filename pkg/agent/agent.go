@@ -328,16 +328,16 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 			opts.DevicePluginCheck = DefaultRescanInterval
 			a.opts.DevicePluginCheck = opts.DevicePluginCheck
 		}
-		// Before the first publish of devices, so that a node with a
-		// device plugin never publishes them untainted; where the Node
-		// cannot be read they are tainted until it can.
-		if err := a.CheckDevicePlugin(a.ctx); err != nil {
+		// Before the first publish, so that a node with a device plugin
+		// never publishes its devices untainted; where the Node cannot
+		// be read they are tainted until it can.
+		found, err := a.readDevicePlugin(a.ctx)
+		if err != nil {
 			utilruntime.HandleErrorWithContext(ctx, err, "device plugin check failed at start, publishing the devices tainted until it succeeds")
 			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", err, opts.DriverName, DevicePluginTaintKey)
-			a.mutex.Lock()
-			a.devicePlugin = "unknown"
-			a.mutex.Unlock()
+			found = devicePluginUnknown
 		}
+		a.setDevicePlugin(a.ctx, found)
 	}
 	if err := a.publish(a.ctx); err != nil {
 		a.Stop()

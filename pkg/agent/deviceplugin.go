@@ -69,29 +69,56 @@ func (a *Agent) CheckDevicePlugin(ctx context.Context) error {
 	if len(a.opts.DevicePluginResources) == 0 {
 		return nil
 	}
-	node, err := a.opts.KubeClient.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	found, err := a.readDevicePlugin(ctx)
 	if err != nil {
-		return fmt.Errorf("read node for device plugin resources: %w", err)
+		return err
 	}
-	found := strings.Join(devicePluginResources(node, a.opts.DevicePluginResources), ", ")
-	a.mutex.Lock()
-	changed := found != a.devicePlugin
-	a.devicePlugin = found
-	a.mutex.Unlock()
-	if !changed {
+	if !a.setDevicePlugin(ctx, found) {
 		return nil
 	}
+	return a.publish(ctx)
+}
+
+// readDevicePlugin lists the device plugin's resources that the Node
+// advertises ("name=quantity, ...", empty for none).
+func (a *Agent) readDevicePlugin(ctx context.Context) (string, error) {
+	node, err := a.opts.KubeClient.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
+	if err != nil {
+		return "", fmt.Errorf("read node for device plugin resources: %w", err)
+	}
+	return strings.Join(devicePluginResources(node, a.opts.DevicePluginResources), ", "), nil
+}
+
+// devicePluginUnknown is Agent.devicePlugin while the Node could not be
+// read at start: the devices are tainted until it can.
+const devicePluginUnknown = "unknown"
+
+// setDevicePlugin records what readDevicePlugin found, reports a change
+// in the log and on the Node, and says whether it changed.
+func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
+	a.mutex.Lock()
+	prev := a.devicePlugin
+	a.devicePlugin = found
+	a.mutex.Unlock()
+	if found == prev {
+		return false
+	}
 	logger := klog.FromContext(ctx)
-	if found != "" {
+	switch {
+	case found == devicePluginUnknown:
+		logger.Info("Not known whether the node advertises GPUs of a device plugin, tainting all devices", "taint", DevicePluginTaintKey)
+	case found != "":
 		logger.Info("The node advertises GPUs of a device plugin, tainting all devices", "resources", found, "taint", DevicePluginTaintKey)
 		a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish",
 			"the node advertises %s from a device plugin, which hands out the GPUs that %s publishes: all its devices are tainted %s (NoSchedule) until the node no longer does; disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false)",
 			found, a.opts.DriverName, DevicePluginTaintKey)
-	} else {
+	case prev == devicePluginUnknown:
+		logger.Info("The node advertises no GPUs of a device plugin, removing the taint", "taint", DevicePluginTaintKey)
+	default:
 		logger.Info("The node no longer advertises GPUs of a device plugin, removing the taint", "taint", DevicePluginTaintKey)
 		a.nodeEvent(v1.EventTypeNormal, ReasonDevicePluginGone, "Publish", "the node no longer advertises GPUs of a device plugin: %s devices are no longer tainted %s", a.opts.DriverName, DevicePluginTaintKey)
 	}
-	return a.publish(ctx)
+	return true
 }
 
 // devicePluginLoop runs CheckDevicePlugin every interval.

@@ -20,7 +20,8 @@ import (
 // a claim prepared before stays prepared. Once the Node advertises none
 // (the plugin gone, its resource at zero), the taint goes and a Normal
 // event says so. MIG resources count through the prefix; other extended
-// resources do not.
+// resources do not. A Node that cannot be read at start leaves the devices
+// tainted, with a warning, until it can.
 func TestDevicePluginTaintsDevices(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
@@ -86,5 +87,34 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	}
 	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/mig-1g.10gb=7") {
 		t.Errorf("event %q, want it to name the MIG resource", ev)
+	}
+
+	// A Node that cannot be read at start: tainted until it can, with a
+	// warning; once it reads without a device plugin, the taint goes
+	// without a "gone" event (there was none).
+	a.Stop()
+	if err := e.client.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	a = e.start(ctx, t)
+	if n, of := tainted(a); n != of {
+		t.Errorf("Node unreadable at start: %d of %d devices tainted, want all", n, of)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePlugin) || !strings.Contains(ev, "cannot read the Node") {
+		t.Errorf("event %q, want a %s warning that the Node cannot be read", ev, agent.ReasonDevicePlugin)
+	}
+	if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CheckDevicePlugin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := tainted(a); n != 0 {
+		t.Errorf("Node readable, no device plugin: %d devices still tainted", n)
+	}
+	select {
+	case ev := <-recorder.Events:
+		t.Errorf("unexpected event %q", ev)
+	default:
 	}
 }
