@@ -37,25 +37,13 @@ func (a *Allocator) MatchingDevices(ctx context.Context, claims []*resourceapi.R
 			specs = append(specs, rs.alts...)
 		}
 	}
-	newest := make(map[poolKey]int64, len(nodes))
-	newestOf := func(k poolKey) int64 {
-		if g, ok := newest[k]; ok {
-			return g
-		}
-		var g int64
-		for _, s := range a.byPool[k] {
-			g = max(g, s.Spec.Pool.Generation)
-		}
-		newest[k] = g
-		return g
-	}
 	counts = make(map[string]map[string]MatchCount, len(nodes))
 	for node := range nodes {
 		if err := ctx.Err(); err != nil {
 			return nil, false, err
 		}
 		for _, slice := range a.byNode[node] {
-			if slice.Spec.Pool.Generation != newestOf(poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}) {
+			if slice.Spec.Pool.Generation != a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] {
 				continue
 			}
 			memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
@@ -86,11 +74,16 @@ func (a *Allocator) MatchingDevices(ctx context.Context, claims []*resourceapi.R
 }
 
 // DeviceHasTaint reports whether the device driver/pool/device is in the
-// Allocator's slices (found) and whether it carries a taint with key, of
-// any effect (in the slice or from a DeviceTaintRule, where the slices
-// were listed with the rules applied).
+// newest generation of its pool among the Allocator's slices (found) and
+// whether it carries a taint with key, of any effect (in the slice or
+// from a DeviceTaintRule, where the slices were listed with the rules
+// applied).
 func (a *Allocator) DeviceHasTaint(driver, pool, device, key string) (found, tainted bool) {
-	for _, slice := range a.byPool[poolKey{driver, pool}] {
+	k := poolKey{driver, pool}
+	for _, slice := range a.byPool[k] {
+		if slice.Spec.Pool.Generation != a.poolGen[k] {
+			continue
+		}
 		for i := range slice.Spec.Devices {
 			d := &slice.Spec.Devices[i]
 			if d.Name != device {
