@@ -548,8 +548,8 @@ func TestPreEnqueueTellsWhy(t *testing.T) {
 }
 
 // TestUnownedDevicesCounted: with the owned taint key set (the default),
-// Reserve counts the allocated devices that carry no owned taint, per
-// driver, and not those that do.
+// PreBind counts the devices it wrote to claims that carry no owned
+// taint, per driver, and not those that do; Reserve counts nothing.
 func TestUnownedDevicesCounted(t *testing.T) {
 	owned := testSlice("node-owned", 2)
 	for i := range owned.Spec.Devices {
@@ -575,6 +575,12 @@ func TestUnownedDevicesCounted(t *testing.T) {
 		}
 		if st := h.pl.Reserve(h.tCtx, cs, pod, tc.node); !st.IsSuccess() {
 			t.Fatalf("Reserve on %s: %v", tc.node, st)
+		}
+		if got := count(); got != before {
+			t.Errorf("counted at Reserve: %v, want %v until PreBind writes the claim", got, before)
+		}
+		if st := h.pl.PreBind(h.tCtx, cs, pod, tc.node); !st.IsSuccess() {
+			t.Fatalf("PreBind on %s: %v", tc.node, st)
 		}
 	}
 	if got := count(); got != before+1 {

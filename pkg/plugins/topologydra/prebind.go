@@ -65,6 +65,7 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	}
 	if s.result != nil && bound {
 		pl.recordPlacement(pod, nodeName, s)
+		pl.noteUnowned(klog.FromContext(ctx), s.allocator, s.result.Allocations)
 	}
 	return nil
 }

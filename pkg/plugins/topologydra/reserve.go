@@ -80,7 +80,6 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	}
 	s.nodeName, s.result = nodeName, res
 	pl.heldBack.forget(pod.UID)
-	pl.noteUnowned(logger, s.allocator, res.Allocations)
 	for j, index := range s.toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
 		claim := s.claims[index].DeepCopy()
@@ -128,8 +127,8 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 }
 
-// noteUnowned counts, per driver, the devices of allocations that do not
-// carry the owned taint (ownedTaintKey, in their slice or from a
+// noteUnowned counts, per driver, the devices of allocations written to
+// claims (PreBind) that do not carry the owned taint (ownedTaintKey, in their slice or from a
 // DeviceTaintRule) and logs the first of each driver: the default
 // scheduler does not leave such devices to topodra, so where it runs
 // beside topodra it can hand out the same device (the README's "Other
