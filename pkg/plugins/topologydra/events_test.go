@@ -370,7 +370,7 @@ func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
 func TestNodeQueueingHint(t *testing.T) {
 	pl := &TopologyDRA{}
 	pod, held := testPod("p"), testPod("held")
-	pl.heldBack.hold(held.UID)
+	pl.heldBack.hold(held)
 	node := func(mutate func(*v1.Node)) *v1.Node {
 		n := testNode("n")
 		mutate(n)

@@ -105,7 +105,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		if why := checkHeadroom(pl.headroomPercent, s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
-			pl.heldBack.hold(pod.UID)
+			pl.heldBack.hold(pod)
 			s.heldOnce.Do(headroomHolds.Inc)
 			return unresolvable(why)
 		}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/events"
@@ -41,6 +42,9 @@ type harness struct {
 	recorder *events.FakeRecorder
 	pl       *TopologyDRA
 	nodes    map[string]fwk.NodeInfo
+	// podLister is the plugin's pod lister for deleted pods, which the
+	// harness takes out of the plugin (see newHarnessWith).
+	podLister corelisters.PodLister
 
 	// delivered holds the last version of each claim that the claim
 	// cache's event handlers have been given, nil after a delete. Its
@@ -96,6 +100,11 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 	pl, err := New(tCtx, nil, fh)
 	tCtx.ExpectNoError(err, "create plugin")
 	h.pl = pl.(*TopologyDRA)
+	// Most tests schedule pods that they never create in the API, which
+	// the plugin's check for deleted pods (heldBack.lister) would take
+	// for pods deleted during their attempt; TestHeldBackForgetsDeletedPod
+	// puts it back.
+	h.podLister, h.pl.heldBack.lister = h.pl.heldBack.lister, nil
 	deliveredSynced := claims.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { h.deliver(obj, false) },
 		UpdateFunc: func(_, obj any) { h.deliver(obj, false) },

@@ -6,8 +6,10 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	v1helper "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
@@ -231,11 +233,25 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 // which they match none: the hint's counts per driver do not tell such a
 // pod's headroom (see freedEnough).
 // The zero value is ready; safe for concurrent use.
-type heldBack struct{ pods, narrow sync.Map }
+type heldBack struct {
+	pods, narrow sync.Map
+	// lister lists the scheduler's pods (nil: not known); hold checks that
+	// the pod still exists, since its deletion may have been handled
+	// while its attempt ran.
+	lister corelisters.PodLister
+}
 
-func (h *heldBack) hold(uid types.UID) {
-	if _, loaded := h.pods.LoadOrStore(uid, struct{}{}); !loaded {
-		headroomHeldPods.Inc()
+func (h *heldBack) hold(pod *v1.Pod) {
+	if _, loaded := h.pods.LoadOrStore(pod.UID, struct{}{}); loaded {
+		return
+	}
+	headroomHeldPods.Inc()
+	if h.lister == nil {
+		return
+	}
+	if p, err := h.lister.Pods(pod.Namespace).Get(pod.Name); apierrors.IsNotFound(err) || err == nil && p.UID != pod.UID {
+		h.forget(pod.UID)
+		h.narrow.Delete(pod.UID)
 	}
 }
 

@@ -614,3 +614,42 @@ func TestHeadroomLeavesNetworkDevicesOut(t *testing.T) {
 		t.Errorf("node-0's 8 GPUs, none free elsewhere: Filter(node-0) = %v, want the headroom to hold the pod back", st["node-0"])
 	}
 }
+
+// TestHeldBackForgetsDeletedPod: a pod the headroom holds back is kept,
+// and counted in topodra_headroom_held_pods, while it exists; one deleted
+// while its attempt ran (its deletion handled before Filter held it back)
+// is not.
+func TestHeldBackForgetsDeletedPod(t *testing.T) {
+	h := newHarness(t, nil)
+	h.pl.heldBack.lister = h.podLister
+	if h.podLister == nil {
+		t.Fatal("the plugin has no pod lister with the headroom on")
+	}
+	heldPods := func() float64 {
+		v, err := testutil.GetGaugeMetricValue(headroomHeldPods)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	exists, gone := testPod("exists"), testPod("gone")
+	if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, exists, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		_, err := h.podLister.Pods(testNS).Get(exists.Name)
+		return err == nil, nil
+	}); err != nil {
+		t.Fatalf("the pod lister never saw the pod: %v", err)
+	}
+	before := heldPods()
+	h.pl.heldBack.hold(gone)
+	if h.pl.heldBack.held(gone.UID) || heldPods() != before {
+		t.Errorf("a pod not in the API: held %v, gauge %v (before %v); want not held, unchanged", h.pl.heldBack.held(gone.UID), heldPods(), before)
+	}
+	h.pl.heldBack.hold(exists)
+	if !h.pl.heldBack.held(exists.UID) || heldPods() != before+1 {
+		t.Errorf("a pod in the API: held %v, gauge %v (before %v); want held, +1", h.pl.heldBack.held(exists.UID), heldPods(), before)
+	}
+	h.pl.heldBack.forget(exists.UID)
+}

@@ -185,6 +185,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.heldBack.handler()); err != nil {
 				return nil, fmt.Errorf("watch deleted pods: %w", err)
 			}
+			pl.heldBack.lister = f.Core().V1().Pods().Lister()
 		}
 	}
 	if pl.policy.Packing && args.AgeWeight > 0 {
