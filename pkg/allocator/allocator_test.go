@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -812,7 +813,8 @@ func TestQualityStrandedRoots(t *testing.T) {
 
 // TestQualityOtherDevices: a pod that asks for GPUs only sees the node's
 // NICs as other devices, counted whole and free; one that asks for both
-// sees none.
+// sees none. Devices of a pool that is not the node's own
+// (network-attached NICs) are not other devices of the node.
 func TestQualityOtherDevices(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	gpus := func(n int64) *resourceapi.ResourceClaim { return claim("c").request("gpus", "gpu", n).obj() }
@@ -834,7 +836,10 @@ func TestQualityOtherDevices(t *testing.T) {
 			}
 			state.AllocatedDevices.Insert(structured.MakeDeviceID(driver, "n", d))
 		}
-		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: dgxWithNICs("n"), Policy: DefaultPolicy()})
+		fabric := slice("fabric", nicDriver, device("fabric-nic-0", attrs{topology.AttrPCIeRoot: str("pci0000:00")}))
+		fabric.Spec.NodeName, fabric.Spec.AllNodes = nil, ptr.To(true)
+		slices := append(dgxWithNICs("n"), fabric)
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, Policy: DefaultPolicy()})
 		if err != nil {
 			t.Fatal(err)
 		}

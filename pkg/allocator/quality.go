@@ -392,8 +392,10 @@ func (a *Allocator) strandedRoots(ns *nodeState, matching, chosen []bool) int {
 }
 
 // otherDevices counts Quality.OtherDevices and Quality.OtherFree: the
-// node's devices of drivers that no device matching units has, and the
-// free ones among them. Without units (nothing analysed) both are 0.
+// node's own devices (not network-attached ones, which are not the
+// node's to pair with its GPUs) of drivers that no device matching units
+// has, and the free ones among them. Without units (nothing analysed)
+// both are 0.
 func otherDevices(ns *nodeState, units []*unit) (all, free int) {
 	if len(units) == 0 {
 		return 0, 0
@@ -410,11 +412,13 @@ func otherDevices(ns *nodeState, units []*unit) (all, free int) {
 		return 0, 0
 	}
 	for i := range ns.devices {
-		if !slices.Contains(drivers, ns.devices[i].driver) {
-			all++
-			if !ns.inUse[i] {
-				free++
-			}
+		d := &ns.devices[i]
+		if d.slice.Spec.NodeName == nil || slices.Contains(drivers, d.driver) {
+			continue
+		}
+		all++
+		if !ns.inUse[i] {
+			free++
 		}
 	}
 	return all, free

@@ -311,10 +311,11 @@ type Quality struct {
 	// to. The scheduler plugin sets it (it sees which pods wait and run);
 	// the allocator leaves it false.
 	StrandsNICs bool
-	// OtherDevices counts the node's devices of the drivers that none of
-	// the devices matching the pod's requests has (for a pod that asks
-	// for GPUs only: the node's NICs), and OtherFree those of them no
-	// claim holds. They describe the node, not the allocation: the same
+	// OtherDevices counts the node's own devices (not network-attached
+	// ones) of the drivers that none of the devices matching the pod's
+	// requests has
+	// (for a pod that asks for GPUs only: the node's NICs), and OtherFree
+	// those of them no claim holds. They describe the node, not the allocation: the same
 	// for every allocation of the pod there.
 	OtherDevices, OtherFree int
 	// InNICReserve marks an allocation that takes devices the scheduler
