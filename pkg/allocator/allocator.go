@@ -238,5 +238,11 @@ func (p Policy) withDefaults() (Policy, error) {
 	if p.RoomWeight == 0 && p.PackingWeight == 0 {
 		p.RoomWeight, p.PackingWeight = def.RoomWeight, def.PackingWeight
 	}
+	if p.WholeNode == 0 {
+		p.WholeNode = WholeNodeBlock
+	}
+	if p.WholeNode < 2 {
+		return p, fmt.Errorf("a whole node of %d devices: want 2 or more", p.WholeNode)
+	}
 	return p, nil
 }

@@ -76,8 +76,8 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 		}
 	}
 	q.Packing = full.packing(nodeUtil)
-	q.Room, q.BreaksNode = room(ns, matching, devs)
-	if len(devs) >= WholeNodeBlock {
+	q.Room, q.BreaksNode = room(ns, matching, devs, a.policy.WholeNode)
+	if len(devs) >= a.policy.WholeNode {
 		q.StrandedRoots = a.strandedRoots(ns, matching, seen)
 	}
 	q.Shared = L
@@ -110,8 +110,9 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 
 // room computes Quality.Room and Quality.BreaksNode for the chosen devices
 // devs: the whole node and each domain that holds one of them count as a
-// block of the devices that match the pod's requests.
-func room(ns *nodeState, matching []bool, devs []int) (float64, bool) {
+// block of the devices that match the pod's requests; whole devices make
+// a whole node (Policy.WholeNode).
+func room(ns *nodeState, matching []bool, devs []int, whole int) (float64, bool) {
 	if len(devs) == 0 {
 		return 1, false
 	}
@@ -138,8 +139,8 @@ func room(ns *nodeState, matching []bool, devs []int) (float64, bool) {
 	}
 	if b, ok := free(func(int) bool { return true }); ok {
 		broken = append(broken, b)
-		cost += BlockCost(b.size)
-		breaksNode = b.size >= WholeNodeBlock
+		cost += BlockCost(b.size, whole)
+		breaksNode = b.size >= whole
 	}
 	for l := range ns.dom {
 		var seen []int32
@@ -154,8 +155,8 @@ func room(ns *nodeState, matching []bool, devs []int) (float64, bool) {
 			// NVSwitch clique is the whole node): count them once.
 			if ok && !slices.Contains(broken, b) {
 				broken = append(broken, b)
-				cost += BlockCost(b.size)
-				breaksNode = breaksNode || b.size >= WholeNodeBlock
+				cost += BlockCost(b.size, whole)
+				breaksNode = breaksNode || b.size >= whole
 			}
 		}
 	}

@@ -1,6 +1,8 @@
 package allocator
 
 import (
+	"fmt"
+	"math"
 	"reflect"
 	"slices"
 	"testing"
@@ -81,4 +83,45 @@ func TestQualityOneFormula(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestWholeNodeOfFourDevices: on an empty node of 4 GPUs, a 1-GPU
+// placement breaks a whole free node where Policy.WholeNode is 4, and
+// only a block of two (a PCIe root) by the default of 8; a policy with a
+// whole node of fewer than 2 devices is refused.
+func TestWholeNodeOfFourDevices(t *testing.T) {
+	ctx := quietContext(t)
+	one := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1).obj()}
+	for _, tc := range []struct {
+		whole      int
+		wantBreaks bool
+		wantRoom   float64
+	}{
+		{whole: 4, wantBreaks: true, wantRoom: 0},               // 1 (the node) + 0.3 (its root's pair)
+		{whole: 0, wantBreaks: false, wantRoom: 1 - 0.3 - 0.05}, // 4 GPUs: half a node; the root's pair
+	} {
+		policy := DefaultPolicy()
+		policy.WholeNode = tc.whole
+		_, res, _ := allocateBoth(ctx, t, "n", plainFour("n"), nil, policy, one)
+		if q := res.Quality; q.BreaksNode != tc.wantBreaks || math.Abs(q.Room-tc.wantRoom) > 1e-9 {
+			t.Errorf("whole node %d: BreaksNode %v, Room %.3f; want %v, %.3f", tc.whole, q.BreaksNode, q.Room, tc.wantBreaks, tc.wantRoom)
+		}
+	}
+	policy := DefaultPolicy()
+	policy.WholeNode = 1
+	if _, err := New(ctx, Options{ClassLister: defaultClasses, Policy: policy}); err == nil {
+		t.Error("a whole node of 1 device: New succeeded, want an error")
+	}
+}
+
+// plainFour: 4 GPUs, two per PCIe root, in one NUMA node.
+func plainFour(nodeName string) []*resourceapi.ResourceSlice {
+	var devs []resourceapi.Device
+	for i := range 4 {
+		devs = append(devs, device(fmt.Sprintf("gpu-%d", i), attrs{
+			topology.AttrPCIeRoot: str(fmt.Sprintf("pci%04x:00", i/2)),
+			topology.AttrNUMANode: num(0),
+		}))
+	}
+	return []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver, devs...)}
 }

@@ -43,9 +43,14 @@ type Policy struct {
 	// spreading (LeastAllocated: use the emptiest domains first) when
 	// false. Quality.Room and WholeNodeTrade only count when packing.
 	Packing bool
+	// WholeNode is how many devices make a whole node: a free block of
+	// WholeNode or more devices is a whole free node that a whole-node job
+	// needs (Quality.BreaksNode; BlockCost). 0 means WholeNodeBlock;
+	// below 2 is invalid.
+	WholeNode int
 	// WholeNodeTrade is how many alignment ranks (Quality.Shared) a
 	// placement that breaks up a whole free node (a free block of
-	// WholeNodeBlock or more devices) loses in Score, so that a looser
+	// WholeNode or more devices) loses in Score, so that a looser
 	// placement that keeps the node whole can win. A placement is never
 	// lowered below rank 1: trading never makes an aligned placement lose
 	// to one that shares no domain. 0 keeps alignment strictly first;
@@ -196,20 +201,22 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	return max(0, min(100, score))
 }
 
-// WholeNodeBlock is the size from which a free block counts as a whole
-// free node: one that a whole-node (8-GPU) job needs.
+// WholeNodeBlock is Policy.WholeNode's default: the size from which a
+// free block counts as a whole free node, one that a whole-node (8-GPU)
+// job needs.
 const WholeNodeBlock = 8
 
 // BlockCost is what breaking up a free aligned block of size devices costs
-// Quality.Room: 1 from WholeNodeBlock devices (a whole node for the
-// largest jobs), 0.3 for four or more (a NUMA node), 0.05 for two or more,
+// Quality.Room, where whole devices make a whole node (Policy.WholeNode):
+// 1 from whole devices (a whole node for the largest jobs), 0.3 from half
+// of that (on 8-GPU nodes four, a NUMA node), 0.05 for two or more,
 // nothing for a single device. Larger blocks cost far more, so among
 // placements of one rank a pod goes where it breaks the smallest blocks.
-func BlockCost(size int) float64 {
+func BlockCost(size, whole int) float64 {
 	switch {
-	case size >= WholeNodeBlock:
+	case size >= whole:
 		return 1
-	case size >= 4:
+	case size >= max(2, whole/2):
 		return 0.3
 	case size >= 2:
 		return 0.05
@@ -324,7 +331,7 @@ type Quality struct {
 	// the allocator leaves it false.
 	InNICReserve bool
 	// BreaksNode is true when the allocation takes devices from a free
-	// block of WholeNodeBlock or more devices (see Room): it uses up a
+	// block of Policy.WholeNode or more devices (see Room): it uses up a
 	// whole free node that a whole-node job could have had.
 	BreaksNode bool
 	// Tightness in [0,1]: over the configured attributes, the mean of

@@ -253,11 +253,11 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 	if sched == SchedulerTopodra {
-		percent, err := headroomPercent(schedOpts.Config)
+		percent, whole, err := headroomArgs(schedOpts.Config)
 		if err != nil {
 			return nil, nil, err
 		}
-		tr.setHeadroom(percent)
+		tr.setHeadroom(percent, whole)
 	}
 	// A scheduler that stops on its own (its configuration refused) ends
 	// the wait for the probe pod with its own error.
@@ -576,10 +576,10 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 	return nil
 }
 
-// headroomPercent is the largest smallPodHeadroomPercent among the
-// TopologyDRA args of a KubeSchedulerConfiguration's profiles, defaults
-// applied where a profile sets none.
-func headroomPercent(config []byte) (int32, error) {
+// headroomArgs are the largest smallPodHeadroomPercent among the
+// TopologyDRA args of a KubeSchedulerConfiguration's profiles, and that
+// profile's wholeNodeDevices, defaults applied where a profile sets none.
+func headroomArgs(config []byte) (percent int32, whole int, err error) {
 	var cfg struct {
 		Profiles []struct {
 			PluginConfig []struct {
@@ -589,22 +589,24 @@ func headroomPercent(config []byte) (int32, error) {
 		} `json:"profiles"`
 	}
 	if err := yaml.Unmarshal(config, &cfg); err != nil {
-		return 0, fmt.Errorf("scheduler configuration: %w", err)
+		return 0, 0, fmt.Errorf("scheduler configuration: %w", err)
 	}
-	percent := int32(0)
+	whole = topodrav1.DefaultWholeNodeDevices
 	for _, p := range cfg.Profiles {
 		args := &topodrav1.TopologyDRAArgs{}
 		for _, pc := range p.PluginConfig {
 			if pc.Name == topologydra.Name && len(pc.Args) > 0 {
 				if err := json.Unmarshal(pc.Args, args); err != nil {
-					return 0, fmt.Errorf("scheduler configuration: TopologyDRA args: %w", err)
+					return 0, 0, fmt.Errorf("scheduler configuration: TopologyDRA args: %w", err)
 				}
 			}
 		}
 		topodrav1.SetDefaults(args)
-		percent = max(percent, *args.SmallPodHeadroomPercent)
+		if *args.SmallPodHeadroomPercent > percent {
+			percent, whole = *args.SmallPodHeadroomPercent, int(*args.WholeNodeDevices)
+		}
 	}
-	return percent, nil
+	return percent, whole, nil
 }
 
 // withShortBackoff sets the pod backoff of a KubeSchedulerConfiguration to

@@ -104,13 +104,16 @@ type tracker struct {
 	// GPUs of the nodes it may use stays free (topologydra.HeadroomFor);
 	// 0: none.
 	headroomPercent int32
+	// wholeNode is TopologyDRA's wholeNodeDevices.
+	wholeNode int
 }
 
-// setHeadroom sets TopologyDRA's smallPodHeadroomPercent.
-func (t *tracker) setHeadroom(percent int32) {
+// setHeadroom sets TopologyDRA's smallPodHeadroomPercent and
+// wholeNodeDevices.
+func (t *tracker) setHeadroom(percent int32, whole int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.headroomPercent = percent
+	t.headroomPercent, t.wholeNode = percent, whole
 }
 
 func newTracker(namespace string) *tracker {

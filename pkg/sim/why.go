@@ -172,7 +172,7 @@ func (t *tracker) judgeWaits(names []string) {
 // (see topologydra.HeadroomFor); true where no headroom applies. The
 // caller holds t.mu.
 func (t *tracker) fitsWithHeadroom(selector labels.Selector, gpus int) bool {
-	if t.headroomPercent <= 0 || gpus < topologydra.HalfNodeBlock {
+	if t.headroomPercent <= 0 || gpus < t.wholeNode/2 {
 		return true
 	}
 	type count struct{ free, all int }
@@ -196,7 +196,7 @@ func (t *tracker) fitsWithHeadroom(selector labels.Selector, gpus int) bool {
 		total += c.all
 		spare += topologydra.Spare(c.free)
 	}
-	h := topologydra.HeadroomFor(t.headroomPercent, total, gpus)
+	h := topologydra.HeadroomFor(t.headroomPercent, total, gpus, t.wholeNode)
 	for _, c := range perNode {
 		if c.free >= gpus && spare-topologydra.Spare(c.free)+topologydra.Spare(c.free-gpus) >= h {
 			return true

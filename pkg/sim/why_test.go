@@ -92,14 +92,14 @@ func TestJudgeWaits(t *testing.T) {
 	tr.created(pod("one", nil), 0, &demand{GPUs: 1}, 1)
 	tr.created(pod("odd", nil), 0, nil, 3)
 
-	tr.setHeadroom(12) // 8 of 64 kept: after an 8-GPU pod on n0, 2 stay free.
+	tr.setHeadroom(12, 8) // 8 of 64 kept: after an 8-GPU pod on n0, 2 stay free.
 	tr.judgeWaits([]string{"whole", "pinned", "one", "odd"})
 	for name, want := range map[string]string{"whole": CauseHeadroom, "pinned": CauseClusterFull, "one": CauseFitsByCount, "odd": CauseOther} {
 		if got := tr.pods[name].WaitCause; got != want {
 			t.Errorf("%s: %q, want %q", name, got, want)
 		}
 	}
-	tr.setHeadroom(0)
+	tr.setHeadroom(0, 8)
 	tr.judgeWaits([]string{"whole"})
 	if got := tr.pods["whole"].WaitCause; got != CauseFitsByCount {
 		t.Errorf("without a headroom: %q, want %q", got, CauseFitsByCount)

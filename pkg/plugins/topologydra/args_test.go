@@ -70,6 +70,7 @@ func TestConfigFilesDecode(t *testing.T) {
 				PackingWeight:              30,
 				AgeWeight:                  30,
 				SmallPodHeadroomPercent:    12,
+				WholeNodeDevices:           8,
 				NICRootTrade:               1,
 				NICReservePercent:          5,
 				Alignment:                  config.AlignmentPrefer,
@@ -181,6 +182,9 @@ func TestValidateArgs(t *testing.T) {
 		"NIC reserve above 50":             {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 51 }, wantErr: "nicReservePercent"},
 		"negative NIC reserve":             {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = -1 }, wantErr: "nicReservePercent"},
 		"no NIC reserve is valid":          {mutate: func(a *config.TopologyDRAArgs) { a.NICReservePercent = 0 }},
+		"whole node of 4 devices":          {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeDevices = 4 }},
+		"whole node of 1 device":           {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeDevices = 1 }, wantErr: "wholeNodeDevices"},
+		"whole node above 1024":            {mutate: func(a *config.TopologyDRAArgs) { a.WholeNodeDevices = 1025 }, wantErr: "wholeNodeDevices"},
 		"no filter timeout":                {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = 0 }},
 		"invalid owned taint key":          {mutate: func(a *config.TopologyDRAArgs) { a.OwnedTaintKey = "not a valid key!" }, wantErr: "ownedTaintKey"},
 		"owned taint key with two slashes": {mutate: func(a *config.TopologyDRAArgs) { a.OwnedTaintKey = "a.io/b/c" }, wantErr: "ownedTaintKey"},
@@ -329,5 +333,23 @@ func TestNewWarnsAboutArgsWithoutEffect(t *testing.T) {
 				t.Errorf("New logged %q, want a warning containing %q", got, tc.wantWarn)
 			}
 		})
+	}
+}
+
+// TestWholeNodeDevicesReachesThePolicy: wholeNodeDevices becomes the
+// allocator policy's whole node and the pending-pod index's, 8 by
+// default.
+func TestWholeNodeDevicesReachesThePolicy(t *testing.T) {
+	args := DefaultArgs()
+	if p := policyFromArgs(*args); p.WholeNode != 8 {
+		t.Errorf("default: policy whole node %d, want 8", p.WholeNode)
+	}
+	args.WholeNodeDevices = 4
+	if p := policyFromArgs(*args); p.WholeNode != 4 {
+		t.Errorf("wholeNodeDevices 4: policy whole node %d, want 4", p.WholeNode)
+	}
+	h := newHarness(t, nil)
+	if h.pl.wholeNode() != 8 || h.pl.pending.whole() != 8 || h.pl.halfNode() != 4 {
+		t.Errorf("plugin defaults: whole node %d, pending index %d, half %d; want 8, 8, 4", h.pl.wholeNode(), h.pl.pending.whole(), h.pl.halfNode())
 	}
 }

@@ -102,7 +102,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		return unresolvable(msg)
 	}
 	if s.headroom.drivers != nil {
-		if why := checkHeadroom(pl.headroomPercent, s.headroom, node.Name, res.Allocations); why != "" {
+		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
 			pl.heldBack.hold(pod)

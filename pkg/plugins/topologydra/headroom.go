@@ -20,9 +20,19 @@ import (
 	"github.com/topodra/topodra/pkg/allocator"
 )
 
-// HalfNodeBlock is the smallest allocation, in devices of one driver, that
+// wholeNode is how many devices of one class make a whole node
+// (allocator.Policy.WholeNode, from the wholeNodeDevices arg; its default
+// where the policy has none).
+func (pl *TopologyDRA) wholeNode() int {
+	if pl.policy.WholeNode > 0 {
+		return pl.policy.WholeNode
+	}
+	return allocator.WholeNodeBlock
+}
+
+// halfNode is the smallest allocation, in devices of one driver, that
 // leaves a headroom: half a whole node.
-const HalfNodeBlock = allocator.WholeNodeBlock / 2
+func (pl *TopologyDRA) halfNode() int { return pl.wholeNode() / 2 }
 
 // driverDevices counts one driver's node-local devices on the nodes a pod
 // may use: all of them, the free ones, and the free ones on nodes with at
@@ -165,19 +175,20 @@ func podMayUseNode(logger klog.Logger, pod *v1.Pod, affinity nodeaffinity.Requir
 }
 
 // HeadroomFor is how many of total devices of one driver must stay free
-// after an allocation that takes n of them. The full headroom is percent
-// of total, rounded up; an allocation of allocator.WholeNodeBlock or more
-// leaves all of it, one of HalfNodeBlock or more a quarter of it (rounded
-// up), a smaller one none. Where the full headroom is less than
-// allocator.WholeNodeBlock (a small cluster) nothing is kept.
-func HeadroomFor(percent int32, total, n int) int {
+// after an allocation that takes n of them, where whole devices make a
+// whole node (wholeNodeDevices). The full headroom is percent of total,
+// rounded up; an allocation of whole or more leaves all of it, one of
+// half of that or more a quarter of it (rounded up), a smaller one none.
+// Where the full headroom is less than whole (a small cluster) nothing is
+// kept.
+func HeadroomFor(percent int32, total, n, whole int) int {
 	h := (int(percent)*total + 99) / 100
 	switch {
-	case h < allocator.WholeNodeBlock:
+	case h < whole:
 		return 0
-	case n >= allocator.WholeNodeBlock:
+	case n >= whole:
 		return h
-	case n >= HalfNodeBlock:
+	case n >= whole/2:
 		return (h + 3) / 4
 	}
 	return 0
@@ -187,7 +198,7 @@ func HeadroomFor(percent int32, total, n int) int {
 // a driver it takes node-local devices of, fewer than HeadroomFor of that driver's
 // devices would stay free on the nodes the pod may use, counting only
 // nodes left with SpareOnNode or more free. Empty when it may.
-func checkHeadroom(percent int32, counts headroom, node string, allocations []resourceapi.AllocationResult) string {
+func checkHeadroom(percent int32, whole int, counts headroom, node string, allocations []resourceapi.AllocationResult) string {
 	taken := map[string]int{}
 	for _, a := range allocations {
 		for _, r := range a.Devices.Results {
@@ -198,7 +209,7 @@ func checkHeadroom(percent int32, counts headroom, node string, allocations []re
 	}
 	for driver, n := range taken {
 		c := counts.drivers[driver]
-		h := HeadroomFor(percent, c.total, n)
+		h := HeadroomFor(percent, c.total, n, whole)
 		if h == 0 {
 			continue
 		}

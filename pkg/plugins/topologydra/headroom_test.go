@@ -41,8 +41,25 @@ func TestHeadroomFor(t *testing.T) {
 		{50, 16, 8, 8},
 		{50, 16, 4, 2},
 	} {
-		if got := HeadroomFor(tc.percent, tc.total, tc.n); got != tc.want {
-			t.Errorf("HeadroomFor(%d, %d, %d) = %d, want %d", tc.percent, tc.total, tc.n, got, tc.want)
+		if got := HeadroomFor(tc.percent, tc.total, tc.n, 8); got != tc.want {
+			t.Errorf("HeadroomFor(%d, %d, %d, 8) = %d, want %d", tc.percent, tc.total, tc.n, got, tc.want)
+		}
+	}
+	// Nodes of four: 12 % of 64 GPUs (16 nodes) is 8, kept from pods of
+	// 4 or more, a quarter of it from pods of 2 or 3; 12 % of 32 (8
+	// nodes) is 4, a whole node, still kept.
+	for _, tc := range []struct {
+		percent        int32
+		total, n, want int
+	}{
+		{12, 64, 4, 8},
+		{12, 64, 2, 2},
+		{12, 64, 1, 0},
+		{12, 32, 4, 4},
+		{12, 24, 4, 0}, // 2.88: less than a node of four
+	} {
+		if got := HeadroomFor(tc.percent, tc.total, tc.n, 4); got != tc.want {
+			t.Errorf("HeadroomFor(%d, %d, %d, 4) = %d, want %d", tc.percent, tc.total, tc.n, got, tc.want)
 		}
 	}
 }

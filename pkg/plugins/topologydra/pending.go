@@ -29,6 +29,10 @@ type pendingIndex struct {
 	// taintOps is the TaintTolerationComparisonOperators feature, for
 	// matching tolerations (see podMayUseNode); set before use.
 	taintOps bool
+	// wholeNode is how many devices of one class make a whole node
+	// (wholeNodeDevices); 0 means allocator.WholeNodeBlock. Set before
+	// use.
+	wholeNode int
 }
 
 // pendingPod is an index entry.
@@ -45,6 +49,14 @@ type pendingPod struct {
 	// run there however many devices are free. Nodes it did not look at
 	// (cordoned or tainted then) are judged when asked.
 	unfit sets.Set[string]
+}
+
+// whole is wholeNode or its default.
+func (ix *pendingIndex) whole() int {
+	if ix.wholeNode > 0 {
+		return ix.wholeNode
+	}
+	return allocator.WholeNodeBlock
 }
 
 func newPendingIndex() *pendingIndex {
@@ -145,8 +157,8 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 }
 
 // wholeNodePods counts the pending pods of pod's scheduler, other than pod,
-// whose claims that are not allocated yet ask for allocator.WholeNodeBlock
-// devices or more of one device class (podDevices) and that may use at
+// whose claims that are not allocated yet ask for a whole node's devices
+// (wholeNode) or more of one device class (podDevices) and that may use at
 // least one of nodes (podMayUseNode) on which, where their latest
 // PreFilter found it out, their requests match as many devices as they
 // need (not pendingPod.unfit): a pod pinned elsewhere, or one that asks for
@@ -167,12 +179,12 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 				e.devices = total
 			}
 		}
-		if e.devices >= 0 && e.devices < allocator.WholeNodeBlock {
+		if e.devices >= 0 && e.devices < ix.whole() {
 			continue
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= allocator.WholeNodeBlock && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.unfit) {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= ix.whole() && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.unfit) {
 			n++
 		}
 	}

@@ -166,7 +166,7 @@ func TestDrainingNodes(t *testing.T) {
 	nodes = append(nodes, info)
 	for waiting, want := range map[int][]string{1: {"b"}, 2: {"b", "c"}, 3: {"b", "c", "d"}, 9: {"a", "b", "c", "d"}} {
 		t.Run(fmt.Sprint(waiting), func(t *testing.T) {
-			got := drainingNodes(s, nodes, waiting, nodeAges{}, allNames(nodes))
+			got := drainingNodes(s, nodes, waiting, nodeAges{}, allNames(nodes), 8)
 			if !got.Equal(sets.New(want...)) {
 				t.Errorf("draining = %v, want %v", got.UnsortedList(), want)
 			}
@@ -174,7 +174,7 @@ func TestDrainingNodes(t *testing.T) {
 	}
 	// Every node with a result draining: the small one is not; without
 	// it they all are.
-	all := drainingNodes(s, nodes, 9, nodeAges{}, allNames(nodes))
+	all := drainingNodes(s, nodes, 9, nodeAges{}, allNames(nodes), 8)
 	if drainsAll(s, nodes, all) {
 		t.Errorf("drainsAll with the small node free of marks: true")
 	}
@@ -187,11 +187,11 @@ func TestDrainingNodes(t *testing.T) {
 	if !drainsAll(s, big, all) {
 		t.Errorf("drainsAll over the four nodes that drain: false")
 	}
-	if drainsAll(s, big, drainingNodes(s, big, 3, nodeAges{}, allNames(big))) {
+	if drainsAll(s, big, drainingNodes(s, big, 3, nodeAges{}, allNames(big), 8)) {
 		t.Errorf("drainsAll with three of four draining: true")
 	}
 	// Only nodes a waiting pod may use drain: b and c are not admitted.
-	if got := drainingNodes(s, nodes, 2, nodeAges{}, sets.New("a", "d", "small")); !got.Equal(sets.New("a", "d")) {
+	if got := drainingNodes(s, nodes, 2, nodeAges{}, sets.New("a", "d", "small"), 8); !got.Equal(sets.New("a", "d")) {
 		t.Errorf("draining among a, d and small = %v, want a and d", sets.List(got))
 	}
 }
@@ -276,10 +276,10 @@ func TestSettlednessAndDrainingByAge(t *testing.T) {
 	// Nodes whose pods are youngest drain first, whatever their count in
 	// use: the node of the long-running service is never a target while
 	// another node can take the waiting pod.
-	if got := drainingNodes(s, nodes, 3, ages, allNames(nodes)); !got.Equal(sets.New("empty", "self-only", "young")) {
+	if got := drainingNodes(s, nodes, 3, ages, allNames(nodes), 8); !got.Equal(sets.New("empty", "self-only", "young")) {
 		t.Errorf("draining by age = %v, want empty, self-only, young", sets.List(got))
 	}
-	if got := drainingNodes(s, nodes, 3, nodeAges{}, allNames(nodes)); !got.Equal(sets.New("empty", "self-only", "old")) {
+	if got := drainingNodes(s, nodes, 3, nodeAges{}, allNames(nodes), 8); !got.Equal(sets.New("empty", "self-only", "old")) {
 		t.Errorf("draining by devices in use = %v, want empty, self-only, old", sets.List(got))
 	}
 
@@ -348,7 +348,7 @@ func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
 		3: sets.New("empty", "jobs-young", "jobs-old"),
 		4: sets.New("empty", "jobs-young", "jobs-old", "service"),
 	} {
-		if got := drainingNodes(s, nodes, k, ages, allNames(nodes)); !got.Equal(w) {
+		if got := drainingNodes(s, nodes, k, ages, allNames(nodes), 8); !got.Equal(w) {
 			t.Errorf("%d draining = %v, want %v", k, sets.List(got), sets.List(w))
 		}
 	}
@@ -362,7 +362,7 @@ func TestPodsThatRunUntilDeletedSettleNodes(t *testing.T) {
 	if got := ages.settled("young"); math.Abs(got-0.25) > 1e-9 {
 		t.Errorf("all lasting: settled[young] = %v, want 0.25", got)
 	}
-	if got := drainingNodes(s, nodes, 1, ages, allNames(nodes)); !got.Equal(sets.New("young")) {
+	if got := drainingNodes(s, nodes, 1, ages, allNames(nodes), 8); !got.Equal(sets.New("young")) {
 		t.Errorf("all lasting: draining = %v, want young", sets.List(got))
 	}
 }

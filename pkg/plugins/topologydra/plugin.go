@@ -176,6 +176,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		}
 		pl.pending = newPendingIndex()
 		pl.pending.taintOps = pl.taintOps
+		pl.pending.wholeNode = pl.policy.WholeNode
 		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
 		}
@@ -235,6 +236,7 @@ func policyFromArgs(args config.TopologyDRAArgs) allocator.Policy {
 		Attributes:     []resourceapi.QualifiedName{},
 		Alignment:      allocator.AlignmentMode(args.Alignment),
 		Packing:        args.ScoringStrategy == config.MostAllocated,
+		WholeNode:      int(args.WholeNodeDevices),
 		WholeNodeTrade: int(args.WholeNodeTrade),
 		DrainTrade:     int(args.DrainTrade),
 		NICRootTrade:   int(args.NICRootTrade),

@@ -170,7 +170,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		counts = addClaimDevices(counts, claim)
 	}
 	need := mostOfOneClass(counts)
-	keepHeadroom := pl.headroomPercent > 0 && need >= HalfNodeBlock
+	keepHeadroom := pl.headroomPercent > 0 && need >= pl.halfNode()
 	if pl.headroomPercent > 0 {
 		pl.heldBack.forget(pod.UID)
 	}
@@ -190,7 +190,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	s.allocator = a
 	// A whole-node pod's fit is recorded for the drain rule, where the
 	// profile has one (pl.pending).
-	wholeNode := pl.pending != nil && need >= allocator.WholeNodeBlock
+	wholeNode := pl.pending != nil && need >= pl.wholeNode()
 	if !keepHeadroom && !wholeNode {
 		return nil, nil
 	}

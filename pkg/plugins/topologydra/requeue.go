@@ -187,7 +187,7 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 			}
 		}
 		return false
-	case !narrow && pl.headroomPercent > 0 && need >= HalfNodeBlock:
+	case !narrow && pl.headroomPercent > 0 && need >= pl.halfNode():
 		switch pl.headroomWait(logger, pod, claim, need) {
 		case headroomShort:
 			return false
@@ -525,7 +525,7 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	short, retry := 0, false
 	for driver := range given {
 		c := counts[driver]
-		h := HeadroomFor(pl.headroomPercent, c.total, need)
+		h := HeadroomFor(pl.headroomPercent, c.total, need, pl.wholeNode())
 		if v := logger.V(6); v.Enabled() {
 			v.Info("Headroom after devices were given back", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "driver", driver,
 				"devices", c.total, "free", c.free, "freeOnNodesWithRoom", c.spare, "gained", gained[driver], "needs", need, "headroom", h, "heldBack", held)

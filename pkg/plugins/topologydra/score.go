@@ -47,12 +47,12 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 	for _, c := range s.allocClaims {
 		own = addClaimDevices(own, c)
 	}
-	wholeNode := mostOfOneClass(own) >= allocator.WholeNodeBlock
+	wholeNode := mostOfOneClass(own) >= pl.wholeNode()
 	if pl.pending != nil {
 		if waiting, admitted := pl.pending.wholeNodePods(pod, pl.claimWithInFlight, nodes); waiting > 0 {
 			s.scorePolicy = pl.waitingPolicy
 			if !wholeNode {
-				s.draining = drainingNodes(s, nodes, waiting, s.ages, admitted)
+				s.draining = drainingNodes(s, nodes, waiting, s.ages, admitted, pl.wholeNode())
 				// A pod of several devices of one class whose every
 				// node is draining has nowhere else to go: the marks
 				// would only level its alignment ranks (the trade
@@ -174,7 +174,7 @@ func (r nicReserve) takes(q allocator.Quality) bool {
 
 // drainingNodes picks, among the nodes that passed Filter and that a
 // waiting whole-node pod may use (admitted), the waiting
-// nodes (at most) with allocator.WholeNodeBlock or more devices matching
+// nodes (at most) with whole or more devices matching
 // the pod's requests that have the fewest of them in use, ties broken by
 // name: the nodes that pending whole-node pods are expected to get first,
 // if the pods being placed now leave them alone. With ages (see
@@ -182,7 +182,7 @@ func (r nicReserve) takes(q allocator.Quality) bool {
 // (a node that holds one never drains), then those whose oldest pod with
 // claims is youngest, then the fewest in use: pods that have run long
 // tend to run on.
-func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAges, admitted sets.Set[string]) sets.Set[string] {
+func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAges, admitted sets.Set[string], whole int) sets.Set[string] {
 	type candidate struct {
 		name    string
 		inUse   int
@@ -193,7 +193,7 @@ func drainingNodes(s *stateData, nodes []fwk.NodeInfo, waiting int, ages nodeAge
 	for _, n := range nodes {
 		name := n.Node().Name
 		res := s.getResult(name)
-		if res == nil || res.Quality.NodeDevices < allocator.WholeNodeBlock || !admitted.Has(name) {
+		if res == nil || res.Quality.NodeDevices < whole || !admitted.Has(name) {
 			continue
 		}
 		cands = append(cands, candidate{name: name, inUse: res.Quality.NodeInUse, lasting: ages.lasting.Has(name), age: ages.byNode[name]})

@@ -390,3 +390,67 @@ func TestDrainOnlyWhereTheWaitingPodFits(t *testing.T) {
 		t.Errorf("pod for 16 h100s waiting: draining %v, want none (no node has 16)", sets.List(got))
 	}
 }
+
+// TestWholeNodeOfFourGPUs: eight nodes of four GPUs, node-a with 2 free,
+// node-b with 3, node-h empty, the rest full. With wholeNodeDevices 4 a
+// waiting 4-GPU pod is a whole-node pod: a 1-GPU pod finds node-b (fewer
+// in use) draining, and the 4-GPU pod keeps the full headroom (8 of 32 at
+// 25 %), so it may not take node-h and leave 5. With the default of 8 the
+// 4-GPU pod drains nothing and keeps a quarter of it (2): node-h is its.
+func TestWholeNodeOfFourGPUs(t *testing.T) {
+	for _, tc := range []struct {
+		whole        int
+		wantDraining sets.Set[string]
+		wantHeld     bool
+	}{
+		{4, sets.New("node-b"), true},
+		{8, sets.New[string](), false},
+	} {
+		t.Run(fmt.Sprintf("whole node of %d", tc.whole), func(t *testing.T) {
+			var nodes []*v1.Node
+			objs := []runtime.Object{testDeviceClass(), testClaim("one", 1), testClaim("four", 4)}
+			for _, n := range []string{"node-a", "node-b", "node-c", "node-d", "node-e", "node-f", "node-g", "node-h"} {
+				nodes = append(nodes, testNode(n))
+				objs = append(objs, testSlice(n, 4))
+			}
+			objs = append(objs, allocatedOn(testClaim("on-a", 2), "node-a", "gpu-0", "gpu-1"), allocatedOn(testClaim("on-b", 1), "node-b", "gpu-0"))
+			for _, n := range []string{"node-c", "node-d", "node-e", "node-f", "node-g"} {
+				objs = append(objs, allocatedOn(testClaim("full-"+n, 4), n, gpuNames(0, 4)...))
+			}
+			h := newHarness(t, nodes, objs...)
+			h.pl.policy.WholeNode, h.pl.pending.wholeNode = tc.whole, tc.whole
+			h.pl.headroomPercent = 25
+			for _, c := range []string{"one", "four", "on-a", "on-b", "full-node-g"} {
+				h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+			}
+			big := testPod("big", "four")
+			if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, big, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+				h.pl.pending.mu.Lock()
+				defer h.pl.pending.mu.Unlock()
+				return h.pl.pending.pods[""][big.UID] != nil, nil
+			}); err != nil {
+				t.Fatalf("the pending index never saw the 4-GPU pod: %v", err)
+			}
+			small := testPod("small", "one")
+			cs, _ := h.cycle(small, "node-a", "node-b")
+			if st := h.pl.PreScore(h.tCtx, cs, small, []fwk.NodeInfo{h.nodes["node-a"], h.nodes["node-b"]}); !st.IsSuccess() {
+				t.Fatalf("PreScore: %v", st)
+			}
+			s, err := getState(cs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !s.draining.Equal(tc.wantDraining) {
+				t.Errorf("draining %v, want %v", sets.List(s.draining), sets.List(tc.wantDraining))
+			}
+			_, st := h.cycle(big, "node-h")
+			held := code(st["node-h"]) == fwk.UnschedulableAndUnresolvable && strings.Contains(st["node-h"].Message(), "keeping 8 of the 32")
+			if held != tc.wantHeld || !held && !st["node-h"].IsSuccess() {
+				t.Errorf("Filter(node-h) for 4 GPUs = %v, want held back by the full headroom: %v", st["node-h"], tc.wantHeld)
+			}
+		})
+	}
+}

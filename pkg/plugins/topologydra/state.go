@@ -43,7 +43,7 @@ type stateData struct {
 
 	// headroom holds, per driver, the node-local devices of the nodes the
 	// pod may use and how many are free (in all and per node), for a pod
-	// whose claims to allocate ask for HalfNodeBlock or more devices of
+	// whose claims to allocate ask for half a whole node or more devices of
 	// one class while smallPodHeadroomPercent is on; zero otherwise.
 	// Written by PreFilter, read-only after.
 	headroom headroom

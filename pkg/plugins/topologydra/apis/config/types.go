@@ -103,6 +103,15 @@ type TopologyDRAArgs struct {
 	// than about 8 / share nodes) it does not apply, so a small cluster
 	// runs as many whole-node pods as it has nodes. 0: off.
 	SmallPodHeadroomPercent int32
+	// WholeNodeDevices is how many devices of one class make a whole
+	// node (default 8, a DGX's GPUs; set 4 where the nodes have 4 GPUs):
+	// a pod that asks for this many or more is a whole-node pod (the
+	// drain trade and WholeNodeTradeWhileWaiting wait for it, and it keeps
+	// the full SmallPodHeadroomPercent, a pod of half as many a quarter of
+	// it), and a free block of this many is a whole free node
+	// (allocator.Policy.WholeNode: WholeNodeTrade, Room). Between 2 and
+	// 1024.
+	WholeNodeDevices int32
 	// NICRootTrade concerns pods whose claims take WholeNodeBlock or more
 	// devices of one class and no NICs, while pods of any scheduler whose
 	// claim needs devices of two or more classes on one PCIe root (a

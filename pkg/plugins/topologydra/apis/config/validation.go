@@ -49,6 +49,9 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs, fts featur
 	if args.SmallPodHeadroomPercent < 0 || args.SmallPodHeadroomPercent > 50 {
 		errs = append(errs, field.Invalid(path.Child("smallPodHeadroomPercent"), args.SmallPodHeadroomPercent, "must be between 0 and 50"))
 	}
+	if args.WholeNodeDevices < 2 || args.WholeNodeDevices > 1024 {
+		errs = append(errs, field.Invalid(path.Child("wholeNodeDevices"), args.WholeNodeDevices, "must be between 2 and 1024"))
+	}
 	if args.NICReservePercent < 0 || args.NICReservePercent > 50 {
 		errs = append(errs, field.Invalid(path.Child("nicReservePercent"), args.NICReservePercent, "must be between 0 and 50"))
 	}

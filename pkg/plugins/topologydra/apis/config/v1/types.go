@@ -41,6 +41,7 @@ type TopologyDRAArgs struct {
 	PackingWeight              *int32   `json:"packingWeight,omitempty"`
 	AgeWeight                  *int32   `json:"ageWeight,omitempty"`
 	SmallPodHeadroomPercent    *int32   `json:"smallPodHeadroomPercent,omitempty"`
+	WholeNodeDevices           *int32   `json:"wholeNodeDevices,omitempty"`
 	NICRootTrade               *int32   `json:"nicRootTrade,omitempty"`
 	NICReservePercent          *int32   `json:"nicReservePercent,omitempty"`
 	Alignment                  *string  `json:"alignment,omitempty"`
@@ -66,6 +67,7 @@ func (a *TopologyDRAArgs) DeepCopyObject() runtime.Object {
 	out.PackingWeight = copyPtr(a.PackingWeight)
 	out.AgeWeight = copyPtr(a.AgeWeight)
 	out.SmallPodHeadroomPercent = copyPtr(a.SmallPodHeadroomPercent)
+	out.WholeNodeDevices = copyPtr(a.WholeNodeDevices)
 	out.NICRootTrade = copyPtr(a.NICRootTrade)
 	out.NICReservePercent = copyPtr(a.NICReservePercent)
 	out.Alignment = copyPtr(a.Alignment)
@@ -84,6 +86,10 @@ func copyPtr[T any](p *T) *T {
 
 // DefaultSmallPodHeadroomPercent is smallPodHeadroomPercent's default.
 const DefaultSmallPodHeadroomPercent = 12
+
+// DefaultWholeNodeDevices is wholeNodeDevices' default: the GPUs of a
+// DGX-class node (allocator.WholeNodeBlock).
+const DefaultWholeNodeDevices = 8
 
 // DefaultNICReservePercent is nicReservePercent's default.
 const DefaultNICReservePercent = 5
@@ -117,6 +123,9 @@ func SetDefaults(a *TopologyDRAArgs) {
 	}
 	if a.SmallPodHeadroomPercent == nil {
 		a.SmallPodHeadroomPercent = ptr.To[int32](DefaultSmallPodHeadroomPercent)
+	}
+	if a.WholeNodeDevices == nil {
+		a.WholeNodeDevices = ptr.To[int32](DefaultWholeNodeDevices)
 	}
 	if a.NICRootTrade == nil {
 		a.NICRootTrade = ptr.To[int32](1)
@@ -154,6 +163,7 @@ func Convert(in *TopologyDRAArgs, out *config.TopologyDRAArgs) {
 	out.DrainTrade = ptr.Deref(in.DrainTrade, 0)
 	out.AgeWeight = ptr.Deref(in.AgeWeight, 0)
 	out.SmallPodHeadroomPercent = ptr.Deref(in.SmallPodHeadroomPercent, 0)
+	out.WholeNodeDevices = ptr.Deref(in.WholeNodeDevices, 0)
 	out.NICRootTrade = ptr.Deref(in.NICRootTrade, 0)
 	out.NICReservePercent = ptr.Deref(in.NICReservePercent, 0)
 	out.RoomWeight = ptr.Deref(in.RoomWeight, 0)
@@ -176,6 +186,7 @@ func ConvertBack(in *config.TopologyDRAArgs, out *TopologyDRAArgs) {
 	out.DrainTrade = ptr.To(in.DrainTrade)
 	out.AgeWeight = ptr.To(in.AgeWeight)
 	out.SmallPodHeadroomPercent = ptr.To(in.SmallPodHeadroomPercent)
+	out.WholeNodeDevices = ptr.To(in.WholeNodeDevices)
 	out.NICRootTrade = ptr.To(in.NICRootTrade)
 	out.NICReservePercent = ptr.To(in.NICReservePercent)
 	out.RoomWeight = ptr.To(in.RoomWeight)
