@@ -1,7 +1,6 @@
 package allocator
 
 import (
-	"fmt"
 	"math"
 	"reflect"
 	"slices"
@@ -85,7 +84,8 @@ func TestQualityOneFormula(t *testing.T) {
 	}
 }
 
-// TestWholeNodeOfFourDevices: on an empty node of 4 GPUs, a 1-GPU
+// TestWholeNodeOfFourDevices: on an empty node of 4 GPUs (gpuNIC's, two
+// per PCIe root, without the NICs), a 1-GPU
 // placement breaks a whole free node where Policy.WholeNode is 4, and
 // only a block of two (a PCIe root) by the default of 8; a policy with a
 // whole node of fewer than 2 devices is refused.
@@ -102,7 +102,7 @@ func TestWholeNodeOfFourDevices(t *testing.T) {
 	} {
 		policy := DefaultPolicy()
 		policy.WholeNode = tc.whole
-		_, res, _ := allocateBoth(ctx, t, "n", plainFour("n"), nil, policy, one)
+		_, res, _ := allocateBoth(ctx, t, "n", gpuNIC("n")[:1], nil, policy, one)
 		if q := res.Quality; q.BreaksNode != tc.wantBreaks || math.Abs(q.Room-tc.wantRoom) > 1e-9 {
 			t.Errorf("whole node %d: BreaksNode %v, Room %.3f; want %v, %.3f", tc.whole, q.BreaksNode, q.Room, tc.wantBreaks, tc.wantRoom)
 		}
@@ -112,16 +112,4 @@ func TestWholeNodeOfFourDevices(t *testing.T) {
 	if _, err := New(ctx, Options{ClassLister: defaultClasses, Policy: policy}); err == nil {
 		t.Error("a whole node of 1 device: New succeeded, want an error")
 	}
-}
-
-// plainFour: 4 GPUs, two per PCIe root, in one NUMA node.
-func plainFour(nodeName string) []*resourceapi.ResourceSlice {
-	var devs []resourceapi.Device
-	for i := range 4 {
-		devs = append(devs, device(fmt.Sprintf("gpu-%d", i), attrs{
-			topology.AttrPCIeRoot: str(fmt.Sprintf("pci%04x:00", i/2)),
-			topology.AttrNUMANode: num(0),
-		}))
-	}
-	return []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver, devs...)}
 }

@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
@@ -310,4 +311,35 @@ func testPod(name string, claims ...string) *v1.Pod {
 		p.Spec.ResourceClaims = append(p.Spec.ResourceClaims, v1.PodResourceClaim{Name: c, ResourceClaimName: ptr.To(c)})
 	}
 	return p
+}
+
+// createPending creates pod in the API and waits until the plugin's
+// pending-pod index has it.
+func (h *harness) createPending(pod *v1.Pod) {
+	h.tCtx.Helper()
+	_, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err, "create pod "+pod.Name)
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		h.pl.pending.mu.Lock()
+		defer h.pl.pending.mu.Unlock()
+		return h.pl.pending.pods[pod.Spec.SchedulerName][pod.UID] != nil, nil
+	})
+	h.tCtx.ExpectNoError(err, "the pending index never saw pod "+pod.Name)
+}
+
+// draining runs pod's cycle on nodes (PreFilter, Filter, PreScore) and
+// returns the nodes PreScore marked draining.
+func (h *harness) draining(pod *v1.Pod, nodes ...string) sets.Set[string] {
+	h.tCtx.Helper()
+	cs, _ := h.cycle(pod, nodes...)
+	var infos []fwk.NodeInfo
+	for _, n := range nodes {
+		infos = append(infos, h.nodes[n])
+	}
+	if st := h.pl.PreScore(h.tCtx, cs, pod, infos); !st.IsSuccess() {
+		h.tCtx.Fatalf("PreScore: %v", st)
+	}
+	s, err := getState(cs)
+	h.tCtx.ExpectNoError(err, "cycle state")
+	return s.draining
 }

@@ -387,18 +387,9 @@ func TestPlacedWholeNodePodIsNotWaiting(t *testing.T) {
 	whole, small := testPod("whole", "eight"), testPod("small", "one")
 	h.pl.pending.handler().OnAdd(whole, false)
 	h.pl.pending.handler().OnAdd(small, false)
-	nodes := []fwk.NodeInfo{h.nodes["n1"], h.nodes["n2"]}
 	draining := func() sets.Set[string] {
 		t.Helper()
-		cs, _ := h.cycle(small, "n1", "n2")
-		if st := h.pl.PreScore(h.tCtx, cs, small, nodes); !st.IsSuccess() {
-			t.Fatalf("PreScore: %v", st)
-		}
-		s, err := getState(cs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s.draining
+		return h.draining(small, "n1", "n2")
 	}
 	if d := draining(); d.Len() != 1 {
 		t.Fatalf("with the whole-node pod waiting: draining %v, want one node", sets.List(d))

@@ -324,41 +324,12 @@ func TestDrainOnlyWhereTheWaitingPodFits(t *testing.T) {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	small := testPod("small", "h100-one")
-	hNodes := []fwk.NodeInfo{h.nodes["node-h1"], h.nodes["node-h2"]}
 	draining := func() sets.Set[string] {
 		t.Helper()
-		cs, filtered := h.cycle(small, "node-h1", "node-h2")
-		for n, s := range filtered {
-			if !s.IsSuccess() {
-				t.Fatalf("Filter(%s): %v", n, s)
-			}
-		}
-		if st := h.pl.PreScore(h.tCtx, cs, small, hNodes); !st.IsSuccess() {
-			t.Fatalf("PreScore: %v", st)
-		}
-		s, err := getState(cs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s.draining
+		return h.draining(small, "node-h1", "node-h2")
 	}
-	waiting := func(pod *v1.Pod) {
-		t.Helper()
-		if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-			h.pl.pending.mu.Lock()
-			defer h.pl.pending.mu.Unlock()
-			return h.pl.pending.pods[""][pod.UID] != nil, nil
-		}); err != nil {
-			t.Fatalf("the pending index never saw pod %s: %v", pod.Name, err)
-		}
-	}
-	remove := func(pod *v1.Pod) {
-		t.Helper()
-		h.pl.pending.remove(pod)
-	}
+	waiting := h.createPending
+	remove := func(pod *v1.Pod) { h.pl.pending.remove(pod) }
 
 	a100 := testPod("a100", "a100-eight")
 	waiting(a100)
@@ -424,27 +395,9 @@ func TestWholeNodeOfFourGPUs(t *testing.T) {
 				h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 			}
 			big := testPod("big", "four")
-			if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, big, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-				h.pl.pending.mu.Lock()
-				defer h.pl.pending.mu.Unlock()
-				return h.pl.pending.pods[""][big.UID] != nil, nil
-			}); err != nil {
-				t.Fatalf("the pending index never saw the 4-GPU pod: %v", err)
-			}
-			small := testPod("small", "one")
-			cs, _ := h.cycle(small, "node-a", "node-b")
-			if st := h.pl.PreScore(h.tCtx, cs, small, []fwk.NodeInfo{h.nodes["node-a"], h.nodes["node-b"]}); !st.IsSuccess() {
-				t.Fatalf("PreScore: %v", st)
-			}
-			s, err := getState(cs)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !s.draining.Equal(tc.wantDraining) {
-				t.Errorf("draining %v, want %v", sets.List(s.draining), sets.List(tc.wantDraining))
+			h.createPending(big)
+			if got := h.draining(testPod("small", "one"), "node-a", "node-b"); !got.Equal(tc.wantDraining) {
+				t.Errorf("draining %v, want %v", sets.List(got), sets.List(tc.wantDraining))
 			}
 			_, st := h.cycle(big, "node-h")
 			held := code(st["node-h"]) == fwk.UnschedulableAndUnresolvable && strings.Contains(st["node-h"].Message(), "keeping 8 of the 32")
