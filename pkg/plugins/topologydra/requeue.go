@@ -509,7 +509,6 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 		mayUse = func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
 	}
-	held := pl.heldBack.held(pod.UID)
 	counts := pl.freed.driverCounts(mayUse)
 	gained := pl.freed.spareGained(mayUse)
 	given := map[string]bool{}
@@ -522,6 +521,7 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	// beside the GPUs, says nothing). A pod the headroom alone held back
 	// at its latest attempt is retried whenever a driver's headroom is
 	// kept with it placed (see heldBack).
+	held := pl.heldBack.held(pod.UID)
 	short, retry := 0, false
 	for driver := range given {
 		c := counts[driver]
