@@ -371,20 +371,27 @@ func (a *Allocator) selectorsMatch(ctx context.Context, memo *sliceMemo, slice *
 // taintPrevents reports whether a NoSchedule or NoExecute taint on the
 // device is not tolerated.
 func taintPrevents(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) bool {
-	for _, taint := range device.Taints {
+	return untoleratedTaint(device, tolerations) != nil
+}
+
+// untoleratedTaint returns the device's first NoSchedule or NoExecute
+// taint that tolerations do not tolerate, nil if there is none.
+func untoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) *resourceapi.DeviceTaint {
+	for i := range device.Taints {
+		taint := &device.Taints[i]
 		if taint.Effect != resourceapi.DeviceTaintEffectNoSchedule && taint.Effect != resourceapi.DeviceTaintEffectNoExecute {
 			continue
 		}
 		tolerated := false
 		for _, t := range tolerations {
-			if resourceclaim.ToleratesTaint(t, taint) {
+			if resourceclaim.ToleratesTaint(t, *taint) {
 				tolerated = true
 				break
 			}
 		}
 		if !tolerated {
-			return true
+			return taint
 		}
 	}
-	return false
+	return nil
 }

@@ -9,10 +9,12 @@ import (
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -105,7 +107,7 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 		case u.upper < re.Needed:
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
-			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d)", matchPhrase(len(u.free)), re.Needed)
+			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d; tainted %s)", matchPhrase(len(u.free)), re.Needed, strings.Join(untoleratedKeys(ns, u), ", "))
 		case unusable:
 			reason = matchPhrase(len(u.free))
 		default:
@@ -116,6 +118,26 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 	re.Reason = reason
 	re.UnusablePools = unusablePoolNames(ns)
 	return re
+}
+
+// untoleratedKeys names, sorted, the keys of the taints that keep u's
+// matching devices that are not in use from it: for the user, the device
+// taints to look up (a health taint, the owned key of another scheduler,
+// a device plugin beside the agent).
+func untoleratedKeys(ns *nodeState, u *unit) []string {
+	if ns == nil {
+		return nil
+	}
+	keys := sets.New[string]()
+	for i := range ns.devices {
+		if !u.matching[i] || ns.inUse[i] && !ptr.Deref(ns.devices[i].device.AllowMultipleAllocations, false) && !u.admin {
+			continue
+		}
+		if t := untoleratedTaint(ns.devices[i].device, u.tolerations); t != nil {
+			keys.Insert(t.Key)
+		}
+	}
+	return sets.List(keys)
 }
 
 // unusablePools says, as a suffix for a reason, that the node has pools

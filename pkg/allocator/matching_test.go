@@ -130,3 +130,31 @@ func TestDeviceHasTaint(t *testing.T) {
 		}
 	}
 }
+
+// TestExplanationNamesTaints: a node whose free GPUs carry taints the
+// claim does not tolerate says which: the keys, once each, sorted; a
+// GPU in use does not add its taint.
+func TestExplanationNamesTaints(t *testing.T) {
+	ctx := quietContext(t)
+	taint := func(key string) []resourceapi.DeviceTaint {
+		return []resourceapi.DeviceTaint{{Key: key, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	}
+	gpus := []resourceapi.Device{device("gpu-0", nil), device("gpu-1", nil), device("gpu-2", nil), device("gpu-3", nil)}
+	gpus[0].Taints = taint("gpu.topodra.io/device-plugin")
+	gpus[1].Taints = taint("example.com/broken")
+	gpus[2].Taints = taint("gpu.topodra.io/device-plugin")
+	gpus[3].Taints = taint("example.com/in-use")
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n", "gpu-3"), ClassLister: defaultClasses,
+		Slices: []*resourceapi.ResourceSlice{slice("n", gpuDriver, gpus...)}, Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1).obj()})
+	if err != nil || res.Allocations != nil || res.Explanation == nil || len(res.Explanation.Requests) != 1 {
+		t.Fatalf("Allocate: %v, %+v; want no allocation with an explanation", err, res)
+	}
+	want := "only 0 free devices match when untolerated taints are excluded (needs 1; tainted example.com/broken, gpu.topodra.io/device-plugin)"
+	if got := res.Explanation.Requests[0].Reason; got != want {
+		t.Errorf("reason %q, want %q", got, want)
+	}
+}
