@@ -7,6 +7,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/utils/ptr"
@@ -39,6 +40,12 @@ type nodeState struct {
 	devices []nodeDevice
 	// inUse[i] is true if device i has an allocation (this cycle).
 	inUse []bool
+	// busy[i] is true if device i is in use or consumes more of a shared
+	// counter than the allocated devices of its pool leave (a whole GPU
+	// beside an allocated partition of it): what the placement's quality
+	// counts as taken. Feasibility is upstream's; busy is inUse (the same
+	// slice) where no device consumes counters.
+	busy []bool
 	// incomplete names the pools ("driver/pool") that lack slices.
 	incomplete []string
 	// invalid maps the invalid pools ("driver/pool") to the reason.
@@ -221,12 +228,79 @@ func stampOf(view, relevant []*resourceapi.ResourceSlice) ([]sliceStamp, bool) {
 	return stamp, true
 }
 
-// fillInUse records which devices have an allocation in this cycle.
+// fillInUse records which devices have an allocation in this cycle, and
+// which are busy (see nodeState.busy).
 func (ns *nodeState) fillInUse(a *Allocator) {
 	ns.inUse = make([]bool, len(ns.devices))
+	counters := false
 	for i := range ns.devices {
 		ns.inUse[i] = a.deviceInUse(ns.devices[i].id)
+		counters = counters || len(ns.devices[i].device.ConsumesCounters) > 0
 	}
+	ns.busy = ns.inUse
+	if counters {
+		ns.busy = ns.blockedByCounters()
+	}
+}
+
+// blockedByCounters returns inUse with, in addition, the devices that
+// consume more of a counter than its counter set (in the slices of the
+// newest generation of the device's pool) has left after the allocated
+// devices of the pool.
+// Counters that no set declares block nothing (upstream finds such pools
+// invalid).
+func (ns *nodeState) blockedByCounters() []bool {
+	type setKey struct{ driver, pool, set string }
+	newest := map[poolKey]int64{}
+	for _, s := range ns.slices {
+		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
+		newest[k] = max(newest[k], s.Spec.Pool.Generation)
+	}
+	left := map[setKey]map[string]resource.Quantity{}
+	for _, s := range ns.slices {
+		if s.Spec.Pool.Generation != newest[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
+			continue
+		}
+		for _, cs := range s.Spec.SharedCounters {
+			k := setKey{s.Spec.Driver, s.Spec.Pool.Name, cs.Name}
+			m := map[string]resource.Quantity{}
+			for name, c := range cs.Counters {
+				m[name] = c.Value.DeepCopy()
+			}
+			left[k] = m
+		}
+	}
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if !ns.inUse[i] {
+			continue
+		}
+		for _, cc := range d.device.ConsumesCounters {
+			m := left[setKey{d.driver, d.slice.Spec.Pool.Name, cc.CounterSet}]
+			for name, c := range cc.Counters {
+				if q, ok := m[name]; ok {
+					q.Sub(c.Value)
+					m[name] = q
+				}
+			}
+		}
+	}
+	busy := slices.Clone(ns.inUse)
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if busy[i] {
+			continue
+		}
+		for _, cc := range d.device.ConsumesCounters {
+			m := left[setKey{d.driver, d.slice.Spec.Pool.Name, cc.CounterSet}]
+			for name, c := range cc.Counters {
+				if q, ok := m[name]; ok && c.Value.Cmp(q) > 0 {
+					busy[i] = true
+				}
+			}
+		}
+	}
+	return busy
 }
 
 // deviceInUse reports whether a device has a committed or in-flight allocation.

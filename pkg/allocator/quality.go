@@ -37,7 +37,7 @@ func (a *Allocator) quality(ns *nodeState, infos []*claimInfo, units []*unit, re
 	for i, m := range matching {
 		if m {
 			q.NodeDevices++
-			if ns.inUse[i] {
+			if ns.busy[i] {
 				q.NodeInUse++
 			}
 		}
@@ -133,7 +133,7 @@ func room(ns *nodeState, matching []bool, devs []int, whole int) (float64, bool)
 				b.first = i
 			}
 			b.size++
-			ok = ok && !ns.inUse[i]
+			ok = ok && !ns.busy[i]
 		}
 		return b, ok && b.size > 0
 	}
@@ -173,7 +173,7 @@ func usage(ns *nodeState, units []*unit, chosen []bool) ([]bool, float64) {
 			if m && !matching[i] {
 				matching[i] = true
 				total++
-				if ns.inUse[i] || chosen[i] {
+				if ns.busy[i] || chosen[i] {
 					used++
 				}
 			}
@@ -204,7 +204,7 @@ func sharedDomains(ns *nodeState, levels int, devs []int, matching, chosen []boo
 		for i := range ns.devices {
 			if matching[i] && ns.devices[i].coords[l] == v {
 				d.size++
-				if ns.inUse[i] || chosen[i] {
+				if ns.busy[i] || chosen[i] {
 					d.busy++
 				}
 			}
@@ -341,7 +341,7 @@ func leftover(ns *nodeState, allUnits []*unit, results []resourceapi.AllocationR
 			}
 		}
 		for i := range ns.devices {
-			if matching[i] && !chosen[i] && !ns.inUse[i] && slices.Contains(values, ns.dom[l][i]) {
+			if matching[i] && !chosen[i] && !ns.busy[i] && slices.Contains(values, ns.dom[l][i]) {
 				sum++
 			}
 		}
@@ -369,7 +369,7 @@ func (a *Allocator) strandedRoots(ns *nodeState, matching, chosen []bool) int {
 	roots := make([]root, len(ns.domVals[l]))
 	for i := range ns.devices {
 		v := ns.dom[l][i]
-		if v < 0 || ns.inUse[i] {
+		if v < 0 || ns.busy[i] {
 			continue
 		}
 		r := &roots[v]
@@ -418,7 +418,7 @@ func otherDevices(ns *nodeState, units []*unit) (all, free int) {
 			continue
 		}
 		all++
-		if !ns.inUse[i] {
+		if !ns.busy[i] {
 			free++
 		}
 	}

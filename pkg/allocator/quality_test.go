@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -111,5 +112,50 @@ func TestWholeNodeOfFourDevices(t *testing.T) {
 	policy.WholeNode = 1
 	if _, err := New(ctx, Options{ClassLister: defaultClasses, Policy: policy}); err == nil {
 		t.Error("a whole node of 1 device: New succeeded, want an error")
+	}
+}
+
+// TestQualityCountsPartitionedGPUsAsTaken: a node of two GPUs whose
+// memory is a shared counter set each, with a half partition of gpu-0
+// allocated. A pod of one whole GPU sees gpu-0 as taken (it cannot have
+// it): the node has one of its two GPUs in use and gpu-1 is no whole free
+// node; with no partition allocated, both are free.
+func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
+	ctx := quietContext(t)
+	mem := func(set, gb string) []resourceapi.DeviceCounterConsumption {
+		return []resourceapi.DeviceCounterConsumption{{CounterSet: set, Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse(gb)}}}}
+	}
+	devices := []resourceapi.Device{
+		device("gpu-0", attrs{"kind": str("gpu")}), device("gpu-1", attrs{"kind": str("gpu")}),
+		device("gpu-0-half", attrs{"kind": str("part")}), device("gpu-1-half", attrs{"kind": str("part")}),
+	}
+	devices[0].ConsumesCounters, devices[1].ConsumesCounters = mem("gpu-0", "80"), mem("gpu-1", "80")
+	devices[2].ConsumesCounters, devices[3].ConsumesCounters = mem("gpu-0", "40"), mem("gpu-1", "40")
+	gpus := slice("n", gpuDriver, devices...)
+	gpus.Spec.Pool.ResourceSliceCount = 2
+	counters := slice("n", gpuDriver)
+	counters.Name = "n-counters"
+	counters.Spec.Pool.ResourceSliceCount = 2
+	counters.Spec.SharedCounters = []resourceapi.CounterSet{
+		{Name: "gpu-0", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}},
+		{Name: "gpu-1", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}},
+	}
+	whole := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1, `device.attributes["`+gpuDriver+`"].kind == "gpu"`).obj()}
+	for _, tc := range []struct {
+		allocated []string
+		wantInUse int
+		wantDev   string
+	}{
+		{allocated: []string{"gpu-0-half"}, wantInUse: 1, wantDev: gpuDriver + "/n/gpu-1"},
+		{allocated: nil, wantInUse: 0},
+	} {
+		_, res, _ := allocateBoth(ctx, t, "n", []*resourceapi.ResourceSlice{gpus, counters}, allocated(gpuDriver, "n", tc.allocated...), DefaultPolicy(), whole)
+		if res.Allocations == nil {
+			t.Fatalf("%v allocated: no allocation: %+v", tc.allocated, res.Explanation)
+		}
+		q := res.Quality
+		if q.NodeDevices != 2 || q.NodeInUse != tc.wantInUse || tc.wantDev != "" && (len(q.Devices) != 1 || q.Devices[0] != tc.wantDev) {
+			t.Errorf("%v allocated: node devices %d, in use %d, devices %v; want 2, %d, [%s]", tc.allocated, q.NodeDevices, q.NodeInUse, q.Devices, tc.wantInUse, tc.wantDev)
+		}
 	}
 }
