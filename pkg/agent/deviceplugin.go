@@ -22,8 +22,9 @@ const DevicePluginTaintKey = topology.DriverName + "/device-plugin"
 
 // DefaultDevicePluginResources are the node agent command's default for
 // Options.DevicePluginResources: the extended resources of NVIDIA's device
-// plugin, whole GPUs and MIG devices of the mixed strategy.
-var DefaultDevicePluginResources = []string{"nvidia.com/gpu", "nvidia.com/mig-*"}
+// plugin, whole GPUs (also shared by time-slicing or MPS under a renamed
+// resource, nvidia.com/gpu.shared) and MIG devices of the mixed strategy.
+var DefaultDevicePluginResources = []string{"nvidia.com/gpu*", "nvidia.com/mig-*"}
 
 // Event reasons on the Node about a device plugin.
 const (

@@ -19,9 +19,10 @@ import (
 // DevicePluginTaintKey from the first publish on, and a warning event;
 // a claim prepared before stays prepared. Once the Node advertises none
 // (the plugin gone, its resource at zero), the taint goes and a Normal
-// event says so. MIG resources count through the prefix; other extended
-// resources do not. A Node that cannot be read at start leaves the devices
-// tainted, with a warning, until it can.
+// event says so. MIG and time-sliced (nvidia.com/gpu.shared) resources
+// count through the prefixes; other extended resources do not. A Node
+// that cannot be read at start leaves the devices tainted, with a
+// warning, until it can.
 func TestDevicePluginTaintsDevices(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
@@ -87,6 +88,17 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	}
 	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/mig-1g.10gb=7") {
 		t.Errorf("event %q, want it to name the MIG resource", ev)
+	}
+	// Time-slicing with renamed resources: nvidia.com/gpu.shared.
+	setAllocatable(v1.ResourceList{"nvidia.com/gpu.shared": resource.MustParse("32")})
+	if err := a.CheckDevicePlugin(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, of := tainted(a); n != of {
+		t.Errorf("node with time-sliced GPUs of a device plugin: %d of %d devices tainted", n, of)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/gpu.shared=32") {
+		t.Errorf("event %q, want it to name the shared resource", ev)
 	}
 
 	// A Node that cannot be read at start: tainted until it can, with a
