@@ -349,7 +349,7 @@ func TestWholeNodeDevicesReachesThePolicy(t *testing.T) {
 		t.Errorf("wholeNodeDevices 4: policy whole node %d, want 4", p.WholeNode)
 	}
 	h := newHarness(t, nil)
-	if h.pl.wholeNode() != 8 || h.pl.pending.whole() != 8 || h.pl.halfNode() != 4 {
-		t.Errorf("plugin defaults: whole node %d, pending index %d, half %d; want 8, 8, 4", h.pl.wholeNode(), h.pl.pending.whole(), h.pl.halfNode())
+	if h.pl.wholeNode() != 8 || h.pl.pending.wholeNode != 8 || h.pl.halfNode() != 4 {
+		t.Errorf("plugin defaults: whole node %d, pending index %d, half %d; want 8, 8, 4", h.pl.wholeNode(), h.pl.pending.wholeNode, h.pl.halfNode())
 	}
 }

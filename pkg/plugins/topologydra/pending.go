@@ -30,8 +30,7 @@ type pendingIndex struct {
 	// matching tolerations (see podMayUseNode); set before use.
 	taintOps bool
 	// wholeNode is how many devices of one class make a whole node
-	// (wholeNodeDevices); 0 means allocator.WholeNodeBlock. Set before
-	// use.
+	// (wholeNodeDevices); newPendingIndex sets allocator.WholeNodeBlock.
 	wholeNode int
 }
 
@@ -51,16 +50,8 @@ type pendingPod struct {
 	unfit sets.Set[string]
 }
 
-// whole is wholeNode or its default.
-func (ix *pendingIndex) whole() int {
-	if ix.wholeNode > 0 {
-		return ix.wholeNode
-	}
-	return allocator.WholeNodeBlock
-}
-
 func newPendingIndex() *pendingIndex {
-	return &pendingIndex{pods: map[string]map[types.UID]*pendingPod{}}
+	return &pendingIndex{pods: map[string]map[types.UID]*pendingPod{}, wholeNode: allocator.WholeNodeBlock}
 }
 
 // handler is the pod informer's event handler that keeps the index.
@@ -179,12 +170,12 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 				e.devices = total
 			}
 		}
-		if e.devices >= 0 && e.devices < ix.whole() {
+		if e.devices >= 0 && e.devices < ix.wholeNode {
 			continue
 		}
 		// Few pods ask for whole nodes: only theirs are looked up again,
 		// to leave out claims allocated in the meantime.
-		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= ix.whole() && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.unfit) {
+		if unallocated, _ := podDevices(e.pod, claims, true); unallocated >= ix.wholeNode && admitNodes(e.pod, nodes, admitted, ix.taintOps, e.unfit) {
 			n++
 		}
 	}

@@ -176,7 +176,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		}
 		pl.pending = newPendingIndex()
 		pl.pending.taintOps = pl.taintOps
-		pl.pending.wholeNode = pl.policy.WholeNode
+		pl.pending.wholeNode = pl.wholeNode()
 		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
 			return nil, fmt.Errorf("watch pending pods: %w", err)
 		}
