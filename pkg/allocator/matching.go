@@ -7,70 +7,79 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 )
 
-// MatchCount counts a driver's devices on one node that a pod's requests
-// could take (Matching) and how many of them have no allocation (Free).
-type MatchCount struct{ Matching, Free int }
+// DeviceCount counts one driver's devices on one node: all of them
+// (Devices) and those without an allocation (Free), and of them those that
+// a pod's requests match (Matching) and the free ones among those
+// (MatchingFree).
+type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 
-// MatchingDevices counts, per node of nodes and per driver, the devices of
+// CountDevices counts, per node of nodes and per driver, the devices of
 // the node's own pools (slices with spec.nodeName, the newest generation
-// of each pool; not network-attached devices) that match the class and
-// selectors of some request of claims, counting every subrequest of a
-// firstAvailable request, and how many of them have no allocation. A
-// device on which a selector failed at run time counts as matching. It
-// works on slices, through the selector cache, without gathering the
-// nodes: pool rules (incomplete or invalid pools) are not applied. ok is
-// false where the claims use fields this package does not interpret: only
-// upstream's allocation can tell then. Like Allocate, it returns an error
-// only for input problems that make the claims unallocatable on every
-// node (an *InputError) and cancellation. Safe for concurrent use.
-func (a *Allocator) MatchingDevices(ctx context.Context, claims []*resourceapi.ResourceClaim, nodes sets.Set[string]) (counts map[string]map[string]MatchCount, ok bool, err error) {
+// of each pool; not network-attached devices), and of them those that
+// match the class and selectors of some request of claims, counting every
+// subrequest of a firstAvailable request, each with how many have no
+// allocation. A device on which a selector failed at run time counts as
+// matching. It works on slices, through the selector cache, without
+// gathering the nodes: pool rules (incomplete or invalid pools) are not
+// applied. matched is false, and Matching and MatchingFree are 0, where
+// the claims use fields this package does not interpret: only upstream's
+// allocation can tell then. Like Allocate, it returns an error only for
+// input problems that make the claims unallocatable on every node (an
+// *InputError) and cancellation. Safe for concurrent use.
+func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.ResourceClaim, nodes sets.Set[string]) (counts map[string]map[string]DeviceCount, matched bool, err error) {
 	var specs []*unitSpec
+	matched = true
 	for _, claim := range claims {
 		st := a.claimStatic(claim)
 		if st.err != nil {
 			return nil, false, st.err
 		}
 		if st.passthrough {
-			return nil, false, nil
+			specs, matched = nil, false
+			break
 		}
 		for _, rs := range st.requests {
 			specs = append(specs, rs.alts...)
 		}
 	}
-	counts = make(map[string]map[string]MatchCount, len(nodes))
+	counts = make(map[string]map[string]DeviceCount, len(nodes))
 	for node := range nodes {
 		if err := ctx.Err(); err != nil {
 			return nil, false, err
 		}
 		for _, slice := range a.byNode[node] {
-			if slice.Spec.Pool.Generation != a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] {
+			if slice.Spec.Pool.Generation != a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] || len(slice.Spec.Devices) == 0 {
 				continue
 			}
+			byDriver := counts[node]
+			if byDriver == nil {
+				byDriver = map[string]DeviceCount{}
+				counts[node] = byDriver
+			}
+			c := byDriver[slice.Spec.Driver]
 			memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
 			ids := a.sliceInfo(slice).ids
 			for i := range slice.Spec.Devices {
 				device := &slice.Spec.Devices[i]
+				free := !a.deviceInUse(ids[i])
+				c.Devices++
+				if free {
+					c.Free++
+				}
 				for _, u := range specs {
-					if matches, _ := a.selectorsMatch(ctx, memo, slice, i, device, u.selectors); !matches {
-						continue
+					if matches, _ := a.selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
+						c.Matching++
+						if free {
+							c.MatchingFree++
+						}
+						break
 					}
-					byDriver := counts[node]
-					if byDriver == nil {
-						byDriver = map[string]MatchCount{}
-						counts[node] = byDriver
-					}
-					c := byDriver[slice.Spec.Driver]
-					c.Matching++
-					if !a.deviceInUse(ids[i]) {
-						c.Free++
-					}
-					byDriver[slice.Spec.Driver] = c
-					break
 				}
 			}
+			byDriver[slice.Spec.Driver] = c
 		}
 	}
-	return counts, true, nil
+	return counts, matched, nil
 }
 
 // DeviceHasTaint reports whether the device driver/pool/device is in the

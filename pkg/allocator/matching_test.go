@@ -12,13 +12,16 @@ import (
 	"k8s.io/utils/ptr"
 )
 
-// TestMatchingDevices: a node with four "h100" and four "a100" GPUs, two
-// NICs and a network-attached GPU pool. A claim for h100s matches the four
-// h100s (one of them allocated) and nothing of the NIC driver; a
-// firstAvailable request counts both of its subrequests; a second claim
-// for NICs adds them under their own driver; the network-attached GPUs
-// never count. An unknown class is an input error.
-func TestMatchingDevices(t *testing.T) {
+// TestCountDevices: a node with four "h100" and four "a100" GPUs, two
+// NICs and a network-attached GPU pool; gpu-1 (an h100) and gpu-5 are
+// allocated. Every claim sees all 8 GPUs (6 free) and both NICs of the
+// node. A claim for h100s matches the four h100s (three free) and
+// nothing of the NIC driver; a firstAvailable request counts both of its
+// subrequests; a second claim for NICs adds them; the network-attached
+// GPUs never count. A claim with a field the package does not interpret
+// leaves the matching counts at 0 and says so; an unknown class is an
+// input error.
+func TestCountDevices(t *testing.T) {
 	ctx := quietContext(t)
 	var gpus []resourceapi.Device
 	for i := range 8 {
@@ -48,38 +51,48 @@ func TestMatchingDevices(t *testing.T) {
 		{Name: "h100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: h100}}}},
 		{Name: "a100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: a100}}}},
 	}}}
+	constrained := claim("k").request("gpu", "gpu", 1).obj()
+	constrained.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{}} // neither match nor distinct: not interpreted here
+	gpu := func(matching, free int) DeviceCount {
+		return DeviceCount{Devices: 8, Free: 6, Matching: matching, MatchingFree: free}
+	}
+	nic := func(matching, free int) DeviceCount {
+		return DeviceCount{Devices: 2, Free: 2, Matching: matching, MatchingFree: free}
+	}
 	for name, tc := range map[string]struct {
-		claims []*resourceapi.ResourceClaim
-		want   map[string]MatchCount
+		claims      []*resourceapi.ResourceClaim
+		want        map[string]DeviceCount
+		wantMatched bool
 	}{
-		"h100s":          {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj()}, want: map[string]MatchCount{gpuDriver: {Matching: 4, Free: 3}}},
-		"any GPU":        {claims: []*resourceapi.ResourceClaim{claim("g").request("gpu", "gpu", 8).obj()}, want: map[string]MatchCount{gpuDriver: {Matching: 8, Free: 6}}},
-		"firstAvailable": {claims: []*resourceapi.ResourceClaim{firstAvailable}, want: map[string]MatchCount{gpuDriver: {Matching: 8, Free: 6}}},
+		"h100s":          {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj()}, want: map[string]DeviceCount{gpuDriver: gpu(4, 3), nicDriver: nic(0, 0)}, wantMatched: true},
+		"any GPU":        {claims: []*resourceapi.ResourceClaim{claim("g").request("gpu", "gpu", 8).obj()}, want: map[string]DeviceCount{gpuDriver: gpu(8, 6), nicDriver: nic(0, 0)}, wantMatched: true},
+		"firstAvailable": {claims: []*resourceapi.ResourceClaim{firstAvailable}, want: map[string]DeviceCount{gpuDriver: gpu(8, 6), nicDriver: nic(0, 0)}, wantMatched: true},
 		"two claims": {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj(), claim("n").request("nic", "nic", 1).obj()},
-			want: map[string]MatchCount{gpuDriver: {Matching: 4, Free: 3}, nicDriver: {Matching: 2, Free: 2}}},
+			want: map[string]DeviceCount{gpuDriver: gpu(4, 3), nicDriver: nic(2, 2)}, wantMatched: true},
+		"not interpreted": {claims: []*resourceapi.ResourceClaim{constrained}, want: map[string]DeviceCount{gpuDriver: gpu(0, 0), nicDriver: nic(0, 0)}},
 	} {
 		t.Run(name, func(t *testing.T) {
-			got, ok, err := a.MatchingDevices(ctx, tc.claims, sets.New("n", "fabric"))
-			if err != nil || !ok {
-				t.Fatalf("MatchingDevices: ok %v, err %v", ok, err)
+			got, matched, err := a.CountDevices(ctx, tc.claims, sets.New("n", "fabric"))
+			if err != nil || matched != tc.wantMatched {
+				t.Fatalf("CountDevices: matched %v, err %v; want matched %v", matched, err, tc.wantMatched)
 			}
-			if fmt.Sprint(got) != fmt.Sprint(map[string]map[string]MatchCount{"n": tc.want}) {
-				t.Errorf("MatchingDevices = %v, want %v on node n", got, tc.want)
+			if fmt.Sprint(got) != fmt.Sprint(map[string]map[string]DeviceCount{"n": tc.want}) {
+				t.Errorf("CountDevices = %v, want %v on node n", got, tc.want)
 			}
 		})
 	}
-	_, _, err = a.MatchingDevices(ctx, []*resourceapi.ResourceClaim{claim("x").request("gpu", "no-such-class", 1).obj()}, sets.New("n"))
+	_, _, err = a.CountDevices(ctx, []*resourceapi.ResourceClaim{claim("x").request("gpu", "no-such-class", 1).obj()}, sets.New("n"))
 	var inputErr *InputError
 	if !errors.As(err, &inputErr) {
 		t.Errorf("unknown class: err %v, want an *InputError", err)
 	}
 }
 
-// BenchmarkMatchingDevices counts the devices an 8-GPU claim matches on
+// BenchmarkCountDevices counts the devices an 8-GPU claim matches on
 // 500 DGX nodes (4,000 GPUs) with the selector cache warm, as the plugin's
 // PreFilter does for a pod that keeps a headroom; each round builds the
 // Allocator as a scheduling cycle does.
-func BenchmarkMatchingDevices(b *testing.B) {
+func BenchmarkCountDevices(b *testing.B) {
 	ctx := context.Background()
 	var slices []*resourceapi.ResourceSlice
 	var nodes []*v1.Node
@@ -100,7 +113,7 @@ func BenchmarkMatchingDevices(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		if _, _, err := a.MatchingDevices(ctx, c, names); err != nil {
+		if _, _, err := a.CountDevices(ctx, c, names); err != nil {
 			b.Fatal(err)
 		}
 	}

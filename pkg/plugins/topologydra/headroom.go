@@ -13,7 +13,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 	v1helper "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
-	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
@@ -54,59 +53,41 @@ func Spare(free int) int {
 	return 0
 }
 
-// headroomCounts counts, per driver, the devices of node-local pools (the
-// newest generation of each pool) on the nodes that admit says the pod
-// may use, and those of them not allocated, in all and per node.
-func headroomCounts(slices []*resourceapi.ResourceSlice, allocated *structured.AllocatedState, admit sets.Set[string]) headroom {
-	generation := map[poolKey]int64{}
-	for _, s := range slices {
-		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		generation[k] = max(generation[k], s.Spec.Pool.Generation)
-	}
-	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, local: sets.New[poolKey]()}
-	for _, s := range slices {
-		if s.Spec.NodeName == nil {
-			continue
-		}
-		out.local.Insert(poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name})
-		if !admit.Has(*s.Spec.NodeName) || s.Spec.Pool.Generation != generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] {
-			continue
-		}
-		g := deviceGroup{node: *s.Spec.NodeName, driver: s.Spec.Driver}
-		c := out.drivers[s.Spec.Driver]
-		for _, d := range s.Spec.Devices {
-			c.total++
-			if allocated == nil || !allocated.AllocatedDevices.Has(structured.MakeDeviceID(s.Spec.Driver, s.Spec.Pool.Name, d.Name)) {
-				c.free++
-				out.free[g]++
+// headroomOf is the headroom of the nodes in byNode (from
+// allocator.CountDevices over the nodes the pod may use), per driver:
+// their node-local devices or, with matching, those that the pod's
+// requests match (the headroom of a pod that asks for one GPU model among
+// several that one driver publishes is kept among the GPUs of that model);
+// all of them, the free ones, and those free on nodes with SpareOnNode or
+// more. local holds the node-local pools (localPools).
+func headroomOf(byNode map[string]map[string]allocator.DeviceCount, matching bool, local sets.Set[poolKey]) headroom {
+	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, matched: matching, local: local}
+	for node, counts := range byNode {
+		for driver, n := range counts {
+			total, free := n.Devices, n.Free
+			if matching {
+				total, free = n.Matching, n.MatchingFree
 			}
+			if total == 0 {
+				continue
+			}
+			c := out.drivers[driver]
+			c.total += total
+			c.free += free
+			c.spare += Spare(free)
+			out.drivers[driver] = c
+			out.free[deviceGroup{node: node, driver: driver}] = free
 		}
-		out.drivers[s.Spec.Driver] = c
-	}
-	for g, n := range out.free {
-		c := out.drivers[g.driver]
-		c.spare += Spare(n)
-		out.drivers[g.driver] = c
 	}
 	return out
 }
 
-// matchingHeadroom is the headroom counted over the devices that the
-// pod's requests match (allocator.MatchingDevices on the nodes the pod may
-// use): per driver all of them, the free ones, and those free on nodes
-// with SpareOnNode or more. The headroom of a pod that asks for one GPU
-// model among several that one driver publishes is kept among the GPUs of
-// that model.
-func matchingHeadroom(byNode map[string]map[string]allocator.MatchCount) headroom {
-	out := headroom{drivers: map[string]driverDevices{}, free: map[deviceGroup]int{}, matched: true}
-	for node, counts := range byNode {
-		for driver, n := range counts {
-			c := out.drivers[driver]
-			c.total += n.Matching
-			c.free += n.Free
-			c.spare += Spare(n.Free)
-			out.drivers[driver] = c
-			out.free[deviceGroup{node: node, driver: driver}] = n.Free
+// localPools names the pools of slices that are local to a node.
+func localPools(slices []*resourceapi.ResourceSlice) sets.Set[poolKey] {
+	out := sets.New[poolKey]()
+	for _, s := range slices {
+		if s.Spec.NodeName != nil {
+			out.Insert(poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name})
 		}
 	}
 	return out
@@ -129,8 +110,8 @@ func (h headroom) fewerThan(all headroom) bool {
 type headroom struct {
 	drivers map[string]driverDevices
 	free    map[deviceGroup]int
-	// matched: the counts are of the devices the pod's requests match
-	// (matchingHeadroom), not all of each driver's.
+	// matched: the counts are of the devices the pod's requests match,
+	// not all of each driver's (headroomOf).
 	matched bool
 	// local holds the node-local pools: an allocation's devices of other
 	// pools (network-attached) take nothing the headroom counts.
@@ -240,7 +221,7 @@ func checkHeadroom(percent int32, whole int, counts headroom, node string, alloc
 // It also holds the pods whose headroom PreFilter counted over fewer
 // devices of a driver than the node-local devices of that driver on the
 // nodes the pod may use (its requests match only some of them, say one
-// GPU model of two; see matchingHeadroom), with the nodes among those on
+// GPU model of two; see headroomOf), with the nodes among those on
 // which they match none: the hint's counts per driver do not tell such a
 // pod's headroom (see freedEnough).
 // The zero value is ready; safe for concurrent use.

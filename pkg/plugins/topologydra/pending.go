@@ -114,12 +114,8 @@ func (ix *pendingIndex) setUnfit(pod *v1.Pod, nodes sets.Set[string]) {
 
 // unfitNodes names the nodes of examined on which no driver has need or
 // more devices that the pod's requests match (byNode, from
-// allocator.MatchingDevices over examined); nil where byNode is nil (not
-// known).
-func unfitNodes(examined sets.Set[string], byNode map[string]map[string]allocator.MatchCount, need int) sets.Set[string] {
-	if byNode == nil {
-		return nil
-	}
+// allocator.CountDevices over examined).
+func unfitNodes(examined sets.Set[string], byNode map[string]map[string]allocator.DeviceCount, need int) sets.Set[string] {
 	out := sets.New[string]()
 	for node := range examined {
 		fits := false

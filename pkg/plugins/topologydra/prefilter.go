@@ -194,40 +194,49 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if !keepHeadroom && !wholeNode {
 		return nil, nil
 	}
-	// The devices the pod's requests match on the nodes it may use: its
-	// headroom is kept among them, and the drain rule counts it as waiting
-	// only for the nodes where they make up what it needs.
+	// The devices on the nodes the pod may use, and those its requests
+	// match: its headroom is kept among the latter, and the drain rule
+	// counts it as waiting only for the nodes where they make up what it
+	// needs.
 	admit := admittedNodes(pod, nodes, pl.taintOps)
-	matching, ok, err := a.MatchingDevices(ctx, s.allocClaims, admit)
-	if err != nil || !ok {
+	devices, matched, err := a.CountDevices(ctx, s.allocClaims, admit)
+	if err != nil || !matched {
 		logger.V(4).Info("Not known which devices the pod's requests match: the headroom counts all of each driver's devices, the drain rule every node the pod may use", "err", err)
-		matching = nil
 	}
 	if wholeNode {
-		pl.pending.setUnfit(pod, unfitNodes(admit, matching, need))
-	}
-	if keepHeadroom {
-		s.headroom = headroomCounts(slices, allocatedState, admit)
-		isNarrow := false
-		if matching != nil {
-			narrow := matchingHeadroom(matching)
-			if isNarrow = narrow.fewerThan(s.headroom); isNarrow {
-				narrow.local = s.headroom.local
-				s.headroom = narrow
-			}
+		var unfit sets.Set[string]
+		if matched {
+			unfit = unfitNodes(admit, devices, need)
 		}
+		pl.pending.setUnfit(pod, unfit)
+	}
+	if keepHeadroom && err == nil {
+		local := localPools(slices)
+		s.headroom = headroomOf(devices, false, local)
 		var barren sets.Set[string]
-		if isNarrow {
+		if narrow := headroomOf(devices, true, local); matched && narrow.fewerThan(s.headroom) {
+			s.headroom = narrow
 			barren = sets.New[string]()
 			for node := range admit {
-				if len(matching[node]) == 0 {
+				if !matchesOn(devices[node]) {
 					barren.Insert(node)
 				}
 			}
 		}
-		pl.heldBack.setNarrow(pod.UID, isNarrow, barren)
+		pl.heldBack.setNarrow(pod.UID, barren != nil, barren)
 	}
 	return nil, nil
+}
+
+// matchesOn reports whether the pod's requests match a device of one
+// node's counts (allocator.CountDevices).
+func matchesOn(counts map[string]allocator.DeviceCount) bool {
+	for _, c := range counts {
+		if c.Matching > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // validateClaim checks what no node can fix: request types, device classes
