@@ -6,7 +6,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
+	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2/ktesting"
@@ -52,7 +52,7 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 		return n, len(devices)
 	}
 
-	setAllocatable(v1.ResourceList{"nvidia.com/gpu": resource.MustParse("8"), "example.com/fpga": resource.MustParse("1")})
+	setAllocatable(v1.ResourceList{"nvidia.com/gpu": apiresource.MustParse("8"), "example.com/fpga": apiresource.MustParse("1")})
 	a := e.start(ctx, t)
 	if n, of := tainted(a); n != of || of == 0 {
 		t.Errorf("node with nvidia.com/gpu=8: %d of %d devices tainted %s, want all", n, of, agent.DevicePluginTaintKey)
@@ -65,7 +65,7 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 		t.Fatalf("prepare: %v %v", err, res[c.UID].Err)
 	}
 
-	setAllocatable(v1.ResourceList{"nvidia.com/gpu": resource.MustParse("0"), "example.com/fpga": resource.MustParse("1")})
+	setAllocatable(v1.ResourceList{"nvidia.com/gpu": apiresource.MustParse("0"), "example.com/fpga": apiresource.MustParse("1")})
 	if err := a.CheckDevicePlugin(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -79,26 +79,19 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 		t.Errorf("the claim prepared before: %v %v", err, res[c.UID].Err)
 	}
 
-	setAllocatable(v1.ResourceList{"nvidia.com/mig-1g.10gb": resource.MustParse("7")})
-	if err := a.CheckDevicePlugin(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if n, of := tainted(a); n != of {
-		t.Errorf("node with MIG devices of a device plugin: %d of %d devices tainted", n, of)
-	}
-	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/mig-1g.10gb=7") {
-		t.Errorf("event %q, want it to name the MIG resource", ev)
-	}
-	// Time-slicing with renamed resources: nvidia.com/gpu.shared.
-	setAllocatable(v1.ResourceList{"nvidia.com/gpu.shared": resource.MustParse("32")})
-	if err := a.CheckDevicePlugin(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if n, of := tainted(a); n != of {
-		t.Errorf("node with time-sliced GPUs of a device plugin: %d of %d devices tainted", n, of)
-	}
-	if ev := expectEvent(t, recorder); !strings.Contains(ev, "nvidia.com/gpu.shared=32") {
-		t.Errorf("event %q, want it to name the shared resource", ev)
+	// MIG devices, and time-slicing with renamed resources.
+	for _, resource := range []string{"nvidia.com/mig-1g.10gb=7", "nvidia.com/gpu.shared=32"} {
+		name, quantity, _ := strings.Cut(resource, "=")
+		setAllocatable(v1.ResourceList{v1.ResourceName(name): apiresource.MustParse(quantity)})
+		if err := a.CheckDevicePlugin(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n, of := tainted(a); n != of {
+			t.Errorf("node with %s: %d of %d devices tainted", resource, n, of)
+		}
+		if ev := expectEvent(t, recorder); !strings.Contains(ev, resource) {
+			t.Errorf("event %q, want it to name %s", ev, resource)
+		}
 	}
 
 	// A Node that cannot be read at start: tainted until it can, with a

@@ -26,18 +26,8 @@ import (
 func TestKubeletPluginServesPrepare(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	// Unix socket paths are limited to ~108 bytes; t.TempDir can be longer.
-	base, err := os.MkdirTemp("", "ta")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(base) })
+	base := socketDirs(t)
 	pluginDir, registrarDir := filepath.Join(base, "p"), filepath.Join(base, "r")
-	for _, dir := range []string{pluginDir, registrarDir} {
-		if err := os.MkdirAll(dir, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
 	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
 	if err != nil {
 		t.Fatal(err)
@@ -108,16 +98,7 @@ func TestKubeletPluginServesPrepare(t *testing.T) {
 func TestUnusableCDIDirFailsStart(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	base, err := os.MkdirTemp("", "ta")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.RemoveAll(base) })
-	for _, dir := range []string{"p", "r"} {
-		if err := os.MkdirAll(filepath.Join(base, dir), 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
+	base := socketDirs(t)
 	file := filepath.Join(base, "file")
 	if err := os.WriteFile(file, nil, 0o644); err != nil {
 		t.Fatal(err)
@@ -153,4 +134,22 @@ func TestUnusableCDIDirFailsStart(t *testing.T) {
 			a.Stop()
 		})
 	}
+}
+
+// socketDirs returns a short temporary directory (Unix socket paths are
+// limited to about 108 bytes; t.TempDir can be longer) with the
+// subdirectories p and r for the plugin's and the registrar's sockets.
+func socketDirs(t *testing.T) string {
+	t.Helper()
+	base, err := os.MkdirTemp("", "ta")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(base) })
+	for _, dir := range []string{"p", "r"} {
+		if err := os.MkdirAll(filepath.Join(base, dir), 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return base
 }
