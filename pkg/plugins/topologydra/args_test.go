@@ -194,20 +194,25 @@ func TestValidateArgs(t *testing.T) {
 		"negative filter timeout":          {mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = -time.Second }, wantErr: "filterTimeout"},
 	}
 	for name, tc := range tests {
-		t.Run(name, func(t *testing.T) {
-			args := DefaultArgs()
-			tc.mutate(args)
-			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, defaultFeatures())
-			if tc.wantErr == "" {
-				if len(errs) > 0 {
-					t.Errorf("unexpected errors: %v", errs)
-				}
-				return
-			}
-			if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), tc.wantErr) {
-				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
-			}
-		})
+		t.Run(name, func(t *testing.T) { checkValidation(t, tc.mutate, defaultFeatures(), tc.wantErr) })
+	}
+}
+
+// checkValidation validates the default args changed by mutate under fts:
+// no error where wantErr is empty, else one that contains it.
+func checkValidation(t *testing.T, mutate func(*config.TopologyDRAArgs), fts feature.Features, wantErr string) {
+	t.Helper()
+	args := DefaultArgs()
+	mutate(args)
+	errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, fts)
+	if wantErr == "" {
+		if len(errs) > 0 {
+			t.Errorf("unexpected errors: %v", errs)
+		}
+		return
+	}
+	if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), wantErr) {
+		t.Errorf("errors %v, want one containing %q", errs, wantErr)
 	}
 }
 
@@ -243,20 +248,7 @@ func TestValidateArgsFeatureGates(t *testing.T) {
 		"negative filter timeout without its gate": {fts: noFilterTimeout, mutate: func(a *config.TopologyDRAArgs) { a.FilterTimeout = -time.Second }, wantErr: "filterTimeout: Forbidden"},
 	}
 	for name, tc := range tests {
-		t.Run(name, func(t *testing.T) {
-			args := DefaultArgs()
-			tc.mutate(args)
-			errs := config.ValidateTopologyDRAArgs(field.NewPath("args"), args, tc.fts)
-			if tc.wantErr == "" {
-				if len(errs) > 0 {
-					t.Errorf("unexpected errors: %v", errs)
-				}
-				return
-			}
-			if len(errs) == 0 || !strings.Contains(errs.ToAggregate().Error(), tc.wantErr) {
-				t.Errorf("errors %v, want one containing %q", errs, tc.wantErr)
-			}
-		})
+		t.Run(name, func(t *testing.T) { checkValidation(t, tc.mutate, tc.fts, tc.wantErr) })
 	}
 }
 
