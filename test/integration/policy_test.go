@@ -159,15 +159,32 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	}, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
 
-	// Writes to the status subresource (what schedulers write) are not
-	// checked, whatever the claim holds.
-	claim, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "status-write"}, Spec: claimSpec(false)}, metav1.CreateOptions{})
+	// writeStatus changes a claim's status the way a scheduler or a
+	// driver does, through the status subresource.
+	writeStatus := func(name string, change func(*resourceapi.ResourceClaim)) error {
+		tCtx.Helper()
+		claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(tCtx, name, metav1.GetOptions{})
+		tCtx.ExpectNoError(err)
+		change(claim)
+		_, err = c.Client.ResourceV1().ResourceClaims(ns).UpdateStatus(tCtx, claim, metav1.UpdateOptions{})
+		return err
+	}
+	allocate := func(claim *resourceapi.ResourceClaim) {
+		claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
+			Request: "gpu", Driver: topology.DriverName, Pool: "node", Device: "gpu-0",
+		}}}}
+	}
+	// Allocations of claims without the owned key's toleration, and of
+	// claims that tolerate another key, are admitted.
+	_, err = c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "status-write"}, Spec: claimSpec(false)}, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
-	claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{
-		Request: "gpu", Driver: topology.DriverName, Pool: "node", Device: "gpu-0",
-	}}}}
-	_, err = c.Client.ResourceV1().ResourceClaims(ns).UpdateStatus(tCtx, claim, metav1.UpdateOptions{})
-	tCtx.ExpectNoError(err, "status write")
+	tCtx.ExpectNoError(writeStatus("status-write", allocate), "allocation of a claim without tolerations")
+	allocated, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "allocated", Finalizers: []string{resourceapi.Finalizer}},
+		Spec:       claimSpec(false, toleration(other, resourceapi.DeviceTolerationOpExists)),
+	}, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	tCtx.ExpectNoError(writeStatus(allocated.Name, allocate), "allocation of a claim tolerating another key")
 
 	// The key follows the parameter.
 	cm, err := c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Get(tCtx, "topodra-ownership", metav1.GetOptions{})
@@ -202,6 +219,32 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	if err := update("status-write", addFinalizer); err != nil {
 		t.Errorf("the allocation finalizer on a claim without tolerations: %v", err)
 	}
+	// Nor may any scheduler allocate such a claim where it kept the
+	// finalizer from before; its allocation from before can still be used
+	// and given back.
+	if err := writeStatus(protected.Name, allocate); err == nil || !strings.Contains(err.Error(), "topodra-scheduler") || !strings.Contains(err.Error(), "allocate it") {
+		t.Errorf("an allocation of a claim that tolerates the owned key and kept the finalizer: %v, want refused", err)
+	}
+	if err := writeStatus(allocated.Name, func(claim *resourceapi.ResourceClaim) {
+		claim.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "user", UID: "1234"}}
+	}); err != nil {
+		t.Errorf("reserving an allocated claim that tolerates the owned key: %v", err)
+	}
+	if err := writeStatus(allocated.Name, func(claim *resourceapi.ResourceClaim) {
+		claim.Status.ReservedFor = nil
+		claim.Status.Allocation = nil
+	}); err != nil {
+		t.Errorf("deallocating a claim that tolerates the owned key: %v", err)
+	}
+	if err := writeStatus(allocated.Name, allocate); err == nil {
+		t.Error("a claim that tolerates the owned key was allocated again after its deallocation")
+	}
+	if err := writeStatus("status-write", func(claim *resourceapi.ResourceClaim) { claim.Status.Allocation = nil }); err != nil {
+		t.Errorf("deallocating a claim without tolerations: %v", err)
+	}
+	if err := writeStatus("status-write", allocate); err != nil {
+		t.Errorf("allocating a claim without tolerations: %v", err)
+	}
 	if err := update(protected.Name, func(claim *resourceapi.ResourceClaim) { claim.Finalizers = nil }); err != nil {
 		t.Errorf("the finalizer of a claim that tolerates the owned key cannot be removed: %v", err)
 	}
@@ -214,5 +257,8 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	tCtx.ExpectNoError(err, "without ConfigMap topodra-ownership, claims are still admitted")
 	if err := update(preexisting.Name, addFinalizer); err == nil {
 		t.Error("without ConfigMap topodra-ownership, the allocation finalizer was added")
+	}
+	if err := writeStatus("status-write", func(claim *resourceapi.ResourceClaim) { claim.Status.Allocation = nil }); err == nil {
+		t.Error("without ConfigMap topodra-ownership, a claim's status was written")
 	}
 }
