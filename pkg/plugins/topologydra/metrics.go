@@ -64,12 +64,18 @@ var (
 		Help:           "Devices allocated that do not carry the owned taint (ownedTaintKey), by driver: where a default scheduler runs beside topodra, it can allocate these devices too.",
 		StabilityLevel: metrics.ALPHA,
 	}, []string{"driver"})
+	uncertainClaims = metrics.NewGauge(&metrics.GaugeOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "uncertain_allocation_writes",
+		Help:           "Claims whose allocation write failed without telling whether the API server stored it, and whose state could not be read since: their devices stay taken until it can.",
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations, uncertainClaims)
 	})
 }
 

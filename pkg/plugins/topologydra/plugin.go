@@ -87,6 +87,9 @@ type TopologyDRA struct {
 	// taintOps is the TaintTolerationComparisonOperators feature: how
 	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
+	// uncertain holds the claims whose allocation write has an unknown
+	// outcome (uncertain.go).
+	uncertain uncertainWrites
 	// skipCounting holds, per node name, until when Filter allocates that
 	// node with the upstream allocator directly (see skipCountingOn).
 	skipCounting sync.Map
@@ -162,6 +165,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	}
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
+		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.uncertainHandler()); err != nil {
+			return nil, fmt.Errorf("watch claims: %w", err)
+		}
 	}
 	if fts.EnableDRASchedulerFilterTimeout {
 		pl.filterTimeout = args.FilterTimeout

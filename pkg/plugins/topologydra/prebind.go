@@ -45,7 +45,7 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		updated, err := pl.bindClaim(ctx, pod, claim, s.allocations[i])
 		if err != nil {
 			if s.allocations[i] != nil {
-				pl.settleFailedWrite(ctx, pod, s, i)
+				pl.settleFailedWrite(ctx, pod.UID, s, i, updated, err)
 			}
 			return internalError(logger, err, "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		}
@@ -70,25 +70,10 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	return nil
 }
 
-// settleFailedWrite handles a write of claim i whose outcome is unknown
-// (a timeout may come after the API server stored it): where the API
-// shows the claim allocated and reserved for the pod, the cycle state,
-// the claim cache and the in-flight entry take that in, as after a
-// successful write, so that Unreserve removes the reservation and the
-// devices never look free while the claim holds them.
-func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, pod *v1.Pod, s *stateData, i int) {
-	claim := s.claims[i]
-	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
-	if err != nil || latest.UID != claim.UID || latest.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, latest, false) {
-		return
-	}
-	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
-		klog.FromContext(ctx).V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
-	}
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(latest.UID, true)
-	s.claims[i] = latest
-}
-
+// bindClaim writes the allocation (where not nil) and the pod's
+// reservation to the claim, and returns the claim written. On error it
+// returns the claim as of the last write attempted (its resourceVersion is
+// the one that write started from).
 func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, allocation *resourceapi.AllocationResult) (*resourceapi.ResourceClaim, error) {
 	logger := klog.FromContext(ctx)
 	claims := pl.client.ResourceV1().ResourceClaims(claim.Namespace)
@@ -148,7 +133,7 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 		}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)
+		return claim, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)
 	}
 	return claim, nil
 }

@@ -1,18 +1,23 @@
 package topologydra
 
 import (
+	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 )
 
 // laggingWatch passes a watch's events on, each after the delay that is
@@ -138,5 +143,127 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 	}
 	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
 		t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+	}
+}
+
+// TestPreBindWriteOutcomeUnreadable: claim c's allocation write fails
+// without an answer (a timeout), stored or not, and the claim cannot be
+// read afterwards either. Until the claim can be read, its devices stay
+// taken (no other pod gets them) and the pod's next attempt is an error
+// (a retry after backoff); once it can be read, that attempt settles the
+// claim: the pod goes on with the stored allocation, or the devices are
+// free again.
+func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
+	type testCase struct{ stored, informer bool }
+	for name, tc := range map[string]testCase{
+		"stored":                         {stored: true},
+		"not stored":                     {},
+		"stored, seen by the informer":   {stored: true, informer: true},
+		"not stored, claim then labeled": {informer: true},
+	} {
+		stored := tc.stored
+		t.Run(name, func(t *testing.T) {
+			var lag atomic.Int64
+			var lose, unreadable atomic.Bool
+			hook := func(h *harness) {
+				lagClaimWatch(h, &lag)
+				h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					u := action.(cgotesting.UpdateAction)
+					if u.GetSubresource() != "status" || !lose.Load() {
+						return false, nil, nil
+					}
+					if stored {
+						obj := u.GetObject().(*resourceapi.ResourceClaim).DeepCopy()
+						obj.ResourceVersion = "1000000" // newer than any the harness gave out
+						if err := h.client.Tracker().Update(action.GetResource(), obj, action.GetNamespace(), metav1.UpdateOptions{}); err != nil {
+							return true, nil, err
+						}
+					}
+					return true, nil, apierrors.NewTimeoutError("request did not complete within requested timeout", 1)
+				})
+				h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					if unreadable.Load() {
+						return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
+					}
+					return false, nil, nil
+				})
+			}
+			reads := settleReads
+			settleReads.Duration = time.Millisecond
+			t.Cleanup(func() { settleReads = reads })
+			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+			pod := testPod("p", "c")
+			cs, st := h.cycle(pod, "node-a")
+			if !st["node-a"].IsSuccess() {
+				t.Fatalf("Filter: %v", st["node-a"])
+			}
+			if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+				t.Fatalf("Reserve: %v", st)
+			}
+			uid := h.apiClaim("c").UID
+			// The claim informer lags far behind (only reads settle c),
+			// or a little.
+			lag.Store(int64(time.Hour))
+			if tc.informer {
+				lag.Store(int64(300 * time.Millisecond))
+			}
+			lose.Store(true)
+			unreadable.Store(true)
+			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although the write failed")
+			}
+			lose.Store(false)
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+				t.Errorf("a 2-GPU pod fits on node-a while claim c may hold both GPUs")
+			}
+			if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil); code(st) != fwk.Error || !strings.Contains(st.Message(), "cannot be read") {
+				t.Errorf("PreFilter of the pod while its claim cannot be read: %v, want an error that says so", st)
+			}
+
+			if tc.informer {
+				// The informer catches up (with another change of the
+				// claim where the write was not stored), the API stays
+				// unreadable.
+				if !stored {
+					obj, err := h.client.Tracker().Get(resourceapi.SchemeGroupVersion.WithResource("resourceclaims"), testNS, "c")
+					h.tCtx.ExpectNoError(err)
+					c := obj.(*resourceapi.ResourceClaim)
+					c.Labels = map[string]string{"seen": "yes"}
+					_, err = h.client.ResourceV1().ResourceClaims(testNS).Update(h.tCtx, c, metav1.UpdateOptions{})
+					h.tCtx.ExpectNoError(err)
+				}
+				err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+					return !h.pl.uncertain.has(uid), nil
+				})
+				h.tCtx.ExpectNoError(err, "the claim informer's event did not settle claim c")
+			}
+			unreadable.Store(false)
+			cs, st = h.cycle(pod, "node-a")
+			if stored {
+				// c is allocated and reserved for p: nothing to allocate.
+				if !st["node-a"].IsSuccess() {
+					t.Fatalf("Filter of the pod whose allocation was stored: %v", st["node-a"])
+				}
+				if s, err := getState(cs); err != nil || len(s.toAllocate) != 0 {
+					t.Errorf("the pod allocates its claim again although the API holds its allocation (state %v)", err)
+				}
+				if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+					t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs")
+				}
+			} else {
+				if !st["node-a"].IsSuccess() {
+					t.Fatalf("Filter of the pod whose allocation was not stored: %v", st["node-a"])
+				}
+				if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) != fwk.Success {
+					t.Errorf("node-a's GPUs are still taken after the claim was read without an allocation: %v", st["node-a"])
+				}
+			}
+			if h.pl.uncertain.has(h.apiClaim("c").UID) {
+				t.Error("claim c is still uncertain after it was read")
+			}
+		})
 	}
 }

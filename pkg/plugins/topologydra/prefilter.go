@@ -126,6 +126,15 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 
 	published := pl.newPublishedLookup()
 	for i, claim := range claims {
+		if pl.uncertain.has(claim.UID) {
+			claim, err = pl.settleUncertain(ctx, claim)
+			if err != nil {
+				// An error, not unschedulable: the pod retries after its
+				// backoff, and reads the claim again.
+				return nil, fwk.AsStatus(err)
+			}
+			claims[i] = claim
+		}
 		if claim.Status.Allocation != nil {
 			if !resourceclaim.CanBeReserved(claim) && !resourceclaim.IsReservedForPod(pod, claim, false) {
 				// Shared claim with a full reservedFor list; a claim

@@ -108,6 +108,11 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 	for _, index := range s.toAllocate {
 		claim := s.claims[index]
+		if pl.uncertain.has(claim.UID) {
+			// Its write may be stored: the devices stay taken until the
+			// claim's state is known.
+			continue
+		}
 		if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false) {
 			pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, claim.Name)
 			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))

@@ -1,0 +1,262 @@
+package topologydra
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
+)
+
+// uncertainWrites holds the claims whose allocation write failed without
+// telling whether the API server stored it (a timeout, a reset
+// connection), and whose state could not be read afterwards either. Their
+// in-flight allocation stays, so that their devices never look free while
+// the claim may hold them: Unreserve keeps it, and it goes only once the
+// claim's state is known, from a read (the next PreFilter of a pod that
+// uses the claim) or from an informer event of the claim. The zero value
+// is ready to use; safe for concurrent use.
+type uncertainWrites struct {
+	mu     sync.Mutex
+	claims map[types.UID]uncertainWrite
+}
+
+// uncertainWrite is a claim whose write is uncertain: the resourceVersion
+// the write started from.
+type uncertainWrite struct {
+	namespace, name, resourceVersion string
+}
+
+func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.claims == nil {
+		u.claims = map[types.UID]uncertainWrite{}
+	}
+	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion}
+	uncertainClaims.Set(float64(len(u.claims)))
+}
+
+func (u *uncertainWrites) has(uid types.UID) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	_, ok := u.claims[uid]
+	return ok
+}
+
+// take removes uid and reports whether it was there.
+func (u *uncertainWrites) take(uid types.UID) (uncertainWrite, bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	w, ok := u.claims[uid]
+	if ok {
+		delete(u.claims, uid)
+		uncertainClaims.Set(float64(len(u.claims)))
+	}
+	return w, ok
+}
+
+// writeRefused reports whether err proves that the API server did not
+// store the write: it answered with a status that refuses the request.
+// Anything else (timeouts, server errors, transport errors) leaves the
+// outcome open.
+func writeRefused(err error) bool {
+	var status apierrors.APIStatus
+	if !errors.As(err, &status) {
+		return false
+	}
+	switch status.Status().Code {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden, http.StatusNotFound, http.StatusMethodNotAllowed,
+		http.StatusConflict, http.StatusGone, http.StatusUnprocessableEntity, http.StatusTooManyRequests:
+		return true
+	}
+	return false
+}
+
+// writeOutcome is what a read of a claim says about an allocation
+// written to it for pod.
+type writeOutcome int
+
+const (
+	outcomeUnknown writeOutcome = iota
+	// outcomeStored: the claim is allocated and reserved for the pod.
+	outcomeStored
+	// outcomeNotStored: the claim is gone, replaced, or not allocated
+	// for the pod.
+	outcomeNotStored
+)
+
+// readOutcome reads the claim from the API server (a quorum read) and
+// tells whether the allocation written for podUID is there; latest is the
+// claim read (nil where it is gone).
+func (pl *TopologyDRA) readOutcome(ctx context.Context, claim *resourceapi.ResourceClaim, podUID types.UID) (writeOutcome, *resourceapi.ResourceClaim, error) {
+	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return outcomeNotStored, nil, nil
+	case err != nil:
+		return outcomeUnknown, nil, err
+	case latest.UID != claim.UID || latest.Status.Allocation == nil:
+		return outcomeNotStored, latest, nil
+	}
+	for _, r := range latest.Status.ReservedFor {
+		if r.Resource == "pods" && r.UID == podUID {
+			return outcomeStored, latest, nil
+		}
+	}
+	return outcomeNotStored, latest, nil
+}
+
+// settleReads is how often, and how far apart, PreBind reads a claim
+// whose write failed before it leaves the outcome to a later read.
+var settleReads = wait.Backoff{Duration: 100 * time.Millisecond, Factor: 2, Steps: 5}
+
+// settleFailedWrite handles a failed write of claim i's allocation. Where
+// the API shows the claim allocated and reserved for the pod (a timeout
+// may come after the API server stored it), the cycle state, the claim
+// cache and the in-flight entry take that in, as after a successful
+// write, so that Unreserve removes the reservation and the devices never
+// look free while the claim holds them. Where the error does not prove
+// the write refused and no read tells, the claim is recorded as
+// uncertain (see uncertainWrites). attempted is the claim as of the last
+// write attempted (nil: s.claims[i]).
+func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, s *stateData, i int, attempted *resourceapi.ResourceClaim, writeErr error) {
+	logger := klog.FromContext(ctx)
+	claim := s.claims[i]
+	if attempted != nil {
+		claim = attempted
+	}
+	var outcome writeOutcome
+	var latest *resourceapi.ResourceClaim
+	var readErr error
+	_ = wait.ExponentialBackoffWithContext(ctx, settleReads, func(ctx context.Context) (bool, error) {
+		outcome, latest, readErr = pl.readOutcome(ctx, claim, podUID)
+		return outcome != outcomeUnknown || writeRefused(writeErr), nil
+	})
+	switch outcome {
+	case outcomeStored:
+		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
+			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
+		}
+		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(latest.UID, true)
+		s.claims[i] = latest
+	case outcomeUnknown:
+		if writeRefused(writeErr) {
+			return
+		}
+		pl.uncertain.add(claim)
+		// The informer may have shown a newer version of the claim
+		// already, before it was uncertain.
+		if cached, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name); err == nil {
+			pl.settleFromInformer(cached)
+		}
+		logger.Error(readErr, "Allocation write with unknown outcome: its devices stay taken until the claim can be read",
+			"claim", klog.KObj(claim), "writeErr", writeErr)
+	}
+}
+
+// settleUncertain settles claim if its write is uncertain: it reads the
+// claim and, where the outcome is known, drops the in-flight entry (taking
+// in the stored claim). It returns the claim to use (the one read where
+// it was stored) and an error where the outcome is still unknown.
+func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.ResourceClaim) (*resourceapi.ResourceClaim, error) {
+	if !pl.uncertain.has(claim.UID) {
+		return claim, nil
+	}
+	allocation := pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID)
+	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
+	}
+	if _, ok := pl.uncertain.take(claim.UID); !ok {
+		// Settled meanwhile (an informer event).
+		return claim, nil
+	}
+	if err == nil && latest.UID == claim.UID && latest.Status.Allocation != nil && allocation != nil {
+		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
+			klog.FromContext(ctx).V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
+		}
+		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, true)
+		return latest, nil
+	}
+	pl.releaseInFlight(claim.Namespace, claim.Name, claim.UID)
+	if err == nil && latest.UID == claim.UID {
+		return latest, nil
+	}
+	return claim, nil
+}
+
+// settleFromInformer settles claim's uncertain write, if any, where the
+// informer shows the claim at a newer resourceVersion than the write
+// started from: the write was stored before that version, or not at all.
+func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
+	pl.uncertain.mu.Lock()
+	w, ok := pl.uncertain.claims[claim.UID]
+	pl.uncertain.mu.Unlock()
+	if !ok || !newerVersion(claim.ResourceVersion, w.resourceVersion) {
+		return
+	}
+	if _, ok := pl.uncertain.take(claim.UID); !ok {
+		return
+	}
+	if claim.Status.Allocation != nil {
+		// The claim cache follows the informer through a handler of its
+		// own, which may not have run yet: the allocation goes in first,
+		// so that the devices never look free.
+		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
+			klog.Background().V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+		}
+	}
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, claim.Status.Allocation != nil)
+}
+
+// newerVersion reports whether resourceVersion a is newer than b. Versions
+// are compared as the integers etcd gives out, as the scheduler's claim
+// cache does; one that is not an integer is never newer.
+func newerVersion(a, b string) bool {
+	va, errA := strconv.ParseInt(a, 10, 64)
+	vb, errB := strconv.ParseInt(b, 10, 64)
+	return errA == nil && errB == nil && va > vb
+}
+
+// releaseInFlight drops the in-flight allocation of a claim and puts the
+// informer's copy back into the claim cache.
+func (pl *TopologyDRA) releaseInFlight(namespace, name string, uid types.UID) {
+	if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(uid, false) {
+		pl.draManager.ResourceClaims().AssumedClaimRestore(namespace, name)
+	}
+}
+
+// uncertainHandler settles uncertain writes from the claim informer: a
+// claim deleted, or seen at a newer resourceVersion than the write started
+// from, shows the API's state (an allocation there is in the informer's
+// copy, so the in-flight entry can go either way).
+func (pl *TopologyDRA) uncertainHandler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(_, obj any) {
+			if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
+				pl.settleFromInformer(claim)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
+				if _, ok := pl.uncertain.take(claim.UID); ok {
+					pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false)
+				}
+			}
+		},
+	}
+}
