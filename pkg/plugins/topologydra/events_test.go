@@ -402,3 +402,53 @@ func TestNodeQueueingHint(t *testing.T) {
 		}
 	}
 }
+
+// TestAdminAccessHoldsNoDevices: a monitoring claim with admin access on
+// every GPU of node a holds none of them (the upstream allocator does not
+// count such results as allocated). When the workload claim on a gives its
+// four GPUs back, a pod asking for four is requeued, and the count of free
+// devices that the headroom uses sees them free. A device that two claims
+// share counts once.
+func TestAdminAccessHoldsNoDevices(t *testing.T) {
+	monitor := allocatedOn(testClaim("monitor", 4), "a", "gpu-0", "gpu-1", "gpu-2", "gpu-3")
+	for i := range monitor.Status.Allocation.Devices.Results {
+		monitor.Status.Allocation.Devices.Results[i].AdminAccess = ptr.To(true)
+	}
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
+		testClaim("big", 4), monitor, allocatedOn(testClaim("work", 4), "a", "gpu-0", "gpu-1", "gpu-2", "gpu-3"),
+		allocatedOn(testClaim("share-1", 1), "b", "gpu-0"), allocatedOn(testClaim("share-2", 1), "b", "gpu-0"))
+	for _, name := range []string{"big", "monitor", "work", "share-1", "share-2"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	work := h.apiClaim("work")
+	freed := work.DeepCopy()
+	freed.Status.Allocation = nil
+	freed, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, freed, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	h.waitForClaim("work", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), testPod("big", "big"), work, freed)
+	h.tCtx.ExpectNoError(err)
+	if got != fwk.Queue {
+		t.Errorf("work gave back all four GPUs of a, which monitor only watches: hint %v, want Queue", got)
+	}
+	if _, st := h.cycle(testPod("big", "big"), "a"); !st["a"].IsSuccess() {
+		t.Errorf("Filter on a: %v", st["a"])
+	}
+
+	slices, err := h.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	h.tCtx.ExpectNoError(err)
+	claims, err := h.pl.draManager.ResourceClaims().List()
+	h.tCtx.ExpectNoError(err)
+	generation := map[poolKey]int64{}
+	for _, s := range slices {
+		generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] = s.Spec.Pool.Generation
+	}
+	h.pl.freed.mu.Lock()
+	nodes, _ := h.pl.freed.countNodes(slices, claims, generation, func(string) bool { return true })
+	h.pl.freed.mu.Unlock()
+	for node, want := range map[string]int{"a": 4, "b": 3} {
+		if got := nodes[deviceGroup{driver: topology.DriverName, node: node}].free; got != want {
+			t.Errorf("free devices on %s for the headroom: %d, want %d", node, got, want)
+		}
+	}
+}

@@ -243,6 +243,9 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	freedPools := map[poolKey]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
+		if !takesDevice(r) {
+			continue
+		}
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
 		f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = release{uid: claim.UID, version: claim.ResourceVersion}
 	}
@@ -269,6 +272,9 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	gave := map[deviceGroup]int{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
+		if !takesDevice(r) {
+			continue
+		}
 		if g, ok := groupOfPool[poolKey{driver: r.Driver, pool: r.Pool}]; ok {
 			gave[g]++
 		}
@@ -292,7 +298,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			continue
 		}
 		for _, r := range c.Status.Allocation.Devices.Results {
-			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] {
+			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] || !takesDevice(r) {
 				continue
 			}
 			allocated[deviceKey{r.Driver, r.Pool, r.Device}] = true
@@ -338,6 +344,13 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	f.key, f.free, f.cluster, f.nodes, f.gave, f.restricted = key, free, cluster, nodes, gave, restricted
 	return free, true
+}
+
+// takesDevice reports whether an allocation result takes its device from
+// other claims: results with admin access do not (as for the upstream
+// allocator, which does not count them as allocated).
+func takesDevice(r resourceapi.DeviceRequestAllocationResult) bool {
+	return r.AdminAccess == nil || !*r.AdminAccess
 }
 
 // anyRestricted reports whether a node of groups is cordoned or carries a
@@ -406,6 +419,8 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 	for _, rel := range f.freedBy {
 		givers[rel.uid] = true
 	}
+	// A device counts once, however many claims share it.
+	taken := map[structured.DeviceID]bool{}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
 			continue
@@ -413,15 +428,19 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 		gave := givers[c.UID]
 		for _, r := range c.Status.Allocation.Devices.Results {
 			i, ok := poolIndex[poolKey{driver: r.Driver, pool: r.Pool}]
-			if !ok {
+			if !ok || !takesDevice(r) {
 				continue
 			}
+			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
 			if gave {
-				if rel, freed := f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)]; freed && rel.heldBy(c) {
+				if rel, freed := f.freedBy[id]; freed && rel.heldBy(c) {
 					continue // given back, not seen yet
 				}
 			}
-			counts[i].free--
+			if !taken[id] {
+				taken[id] = true
+				counts[i].free--
+			}
 		}
 	}
 	nodes := make(map[deviceGroup]driverDevices, len(groups))
