@@ -31,7 +31,21 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 		{Event: fwk.ClusterEvent{Resource: fwk.DeviceClass, ActionType: fwk.Add | fwk.Update}},
 		// New or changed slices bring devices.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Add | fwk.Update}, QueueingHintFn: pl.isSchedulableAfterSliceChange},
+		// Nodes and slices that go away lower the headroom kept for the
+		// pods it held back.
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterRemoval},
+		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterRemoval},
 	}, nil
+}
+
+// isSchedulableAfterRemoval: a node or slice that goes away brings no
+// devices, but it lowers the headroom (a share of the cluster's devices),
+// so the pods the headroom held back may fit now.
+func (pl *TopologyDRA) isSchedulableAfterRemoval(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	if pl.heldBack.held(pod.UID) {
+		return fwk.Queue, nil
+	}
+	return fwk.QueueSkip, nil
 }
 
 // isSchedulableAfterClaimChange: requeue when one of the pod's claims

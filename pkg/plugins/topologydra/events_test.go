@@ -1,12 +1,15 @@
 package topologydra
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/utils/ptr"
@@ -366,7 +369,8 @@ func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
 }
 
 // TestNodeQueueingHint: new nodes, labels and allocatable requeue any
-// pod; a taint or cordon change only a pod the headroom held back.
+// pod; a taint or cordon change, and a node or slice deleted, only a pod
+// the headroom held back.
 func TestNodeQueueingHint(t *testing.T) {
 	pl := &TopologyDRA{}
 	pod, held := testPod("p"), testPod("held")
@@ -399,6 +403,33 @@ func TestNodeQueueingHint(t *testing.T) {
 		}
 		if got != tc.want {
 			t.Errorf("%s: hint %v, want %v", tc.name, got, tc.want)
+		}
+	}
+	// A node or a slice deleted requeues only a pod the headroom held
+	// back (the headroom is a share of the devices that remain).
+	events, err := pl.EventsToRegister(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, resource := range []fwk.EventResource{fwk.Node, fwk.ResourceSlice} {
+		var hintFn fwk.QueueingHintFn
+		for _, e := range events {
+			if e.Event.Resource == resource && e.Event.ActionType&fwk.Delete != 0 {
+				hintFn = e.QueueingHintFn
+			}
+		}
+		if hintFn == nil {
+			t.Errorf("no event registered for a deleted %s", resource)
+			continue
+		}
+		var old any = plain
+		if resource == fwk.ResourceSlice {
+			old = testSlice("n", 4)
+		}
+		for p, want := range map[*v1.Pod]fwk.QueueingHint{pod: fwk.QueueSkip, held: fwk.Queue} {
+			if got, err := hintFn(klog.Background(), p, old, nil); err != nil || got != want {
+				t.Errorf("%s deleted, pod %s: hint %v (%v), want %v", resource, p.Name, got, err, want)
+			}
 		}
 	}
 }
@@ -450,5 +481,34 @@ func TestAdminAccessHoldsNoDevices(t *testing.T) {
 		if got := nodes[deviceGroup{driver: topology.DriverName, node: node}].free; got != want {
 			t.Errorf("free devices on %s for the headroom: %d, want %d", node, got, want)
 		}
+	}
+}
+
+// TestFreedDevicesOfRemovedPool: devices given back from a pool that is no
+// longer published (its node gone) are not remembered: there is nothing
+// to count them against, and no later event would forget them.
+func TestFreedDevicesOfRemovedPool(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4), testClaim("big", 4),
+		allocatedOn(testClaim("za", 2), "a", "gpu-0", "gpu-1"), allocatedOn(testClaim("zb", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
+	for _, name := range []string{"big", "za", "zb"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceSlices().Delete(h.tCtx, testSlice("b", 4).Name, metav1.DeleteOptions{}))
+	err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		slices, err := h.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+		return err == nil && len(slices) == 1, nil
+	})
+	h.tCtx.ExpectNoError(err, "slice of node b still listed")
+	for _, name := range []string{"zb", "za"} {
+		old := h.apiClaim(name)
+		h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, name, metav1.DeleteOptions{}))
+		h.waitForClaimGone(name)
+		_, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), testPod("big", "big"), old, nil)
+		h.tCtx.ExpectNoError(err)
+	}
+	h.pl.freed.mu.Lock()
+	defer h.pl.freed.mu.Unlock()
+	if n := len(h.pl.freed.freedBy); n != 0 {
+		t.Errorf("%d devices given back are remembered, want none (node b's pool is gone, node a's were seen free)", n)
 	}
 }

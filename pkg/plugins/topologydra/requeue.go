@@ -309,7 +309,12 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		}
 	}
 	for id := range f.freedBy {
-		if !pools[poolKey{driver: id.Driver.String(), pool: id.Pool.String()}] {
+		k := poolKey{driver: id.Driver.String(), pool: id.Pool.String()}
+		if _, published := generation[k]; !published {
+			delete(f.freedBy, id) // its pool is gone: nothing to count
+			continue
+		}
+		if !pools[k] {
 			continue // not counted here; checked when its node's devices are
 		}
 		if !stillHeld[id] {
