@@ -31,11 +31,29 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 		{Event: fwk.ClusterEvent{Resource: fwk.DeviceClass, ActionType: fwk.Add | fwk.Update}},
 		// New or changed slices bring devices.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Add | fwk.Update}, QueueingHintFn: pl.isSchedulableAfterSliceChange},
+		// A pod that fails its binding cycle is reported as an assigned
+		// pod deleted: the devices its in-flight allocation held are free
+		// again, with no claim event where nothing reached the API.
+		{Event: fwk.ClusterEvent{Resource: fwk.AssignedPod, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterAssignedPodDelete},
 		// Nodes and slices that go away lower the headroom kept for the
 		// pods it held back.
 		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterRemoval},
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceSlice, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterRemoval},
 	}, nil
+}
+
+// isSchedulableAfterAssignedPodDelete: requeue when the pod is one whose
+// in-flight allocation Unreserve just dropped (a binding failure). A pod
+// really deleted gives its devices back through claim events, which have
+// hints of their own.
+func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	if tomb, ok := oldObj.(cache.DeletedFinalStateUnknown); ok {
+		oldObj = tomb.Obj
+	}
+	if gone, ok := oldObj.(*v1.Pod); ok && pl.released.has(gone.UID) {
+		return fwk.Queue, nil
+	}
+	return fwk.QueueSkip, nil
 }
 
 // isSchedulableAfterRemoval: a node or slice that goes away brings no

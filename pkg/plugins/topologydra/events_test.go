@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
@@ -510,5 +511,49 @@ func TestFreedDevicesOfRemovedPool(t *testing.T) {
 	defer h.pl.freed.mu.Unlock()
 	if n := len(h.pl.freed.freedBy); n != 0 {
 		t.Errorf("%d devices given back are remembered, want none (node b's pool is gone, node a's were seen free)", n)
+	}
+}
+
+// TestBindingFailureRequeues: pod a reserves all four GPUs of node-a and
+// pod b, asking for one, is turned down meanwhile. a's binding cycle then
+// fails before anything reached the API: Unreserve frees the GPUs without
+// a claim event, and the scheduler reports a as an assigned pod deleted.
+// That event requeues b; the deletion of a pod that Unreserve released
+// nothing for does not (its claims' events do).
+func TestBindingFailureRequeues(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("four", 4), testClaim("one", 1))
+	h.waitForClaim("four", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("one", func(*resourceapi.ResourceClaim) bool { return true })
+	a, b := testPod("a", "four"), testPod("b", "one")
+	csA, _ := h.cycle(a, "node-a")
+	if st := h.pl.Reserve(h.tCtx, csA, a, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve a: %v", st)
+	}
+	if _, st := h.cycle(b, "node-a"); st["node-a"].IsSuccess() {
+		t.Fatal("b fits beside a's in-flight allocation")
+	}
+	h.pl.Unreserve(h.tCtx, csA, a, "node-a")
+	if _, st := h.cycle(b, "node-a"); !st["node-a"].IsSuccess() {
+		t.Fatalf("b after a's Unreserve: %v", st["node-a"])
+	}
+	events, err := h.pl.EventsToRegister(h.tCtx)
+	h.tCtx.ExpectNoError(err)
+	var hintFn fwk.QueueingHintFn
+	for _, e := range events {
+		if framework.MatchClusterEvents(e.Event, framework.EventAssignedPodDelete) {
+			hintFn = e.QueueingHintFn
+		}
+	}
+	if hintFn == nil {
+		t.Fatal("no hint registered for an assigned pod deleted")
+	}
+	assumed := a.DeepCopy()
+	assumed.Spec.NodeName = "node-a"
+	other := testPod("other")
+	other.Spec.NodeName = "node-a"
+	for gone, want := range map[*v1.Pod]fwk.QueueingHint{assumed: fwk.Queue, other: fwk.QueueSkip} {
+		if got, err := hintFn(klog.Background(), b, gone, nil); err != nil || got != want {
+			t.Errorf("assigned pod %s deleted, pod b: hint %v (%v), want %v", gone.Name, got, err, want)
+		}
 	}
 }

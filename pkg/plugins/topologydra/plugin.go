@@ -87,6 +87,9 @@ type TopologyDRA struct {
 	// taintOps is the TaintTolerationComparisonOperators feature: how
 	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
+	// released holds the pods whose in-flight allocations Unreserve
+	// dropped, for the hint of their binding failure.
+	released releasedPods
 	// uncertain holds the claims whose allocation write has an unknown
 	// outcome (uncertain.go).
 	uncertain uncertainWrites

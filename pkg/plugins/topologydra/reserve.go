@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -115,6 +117,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		}
 		if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false) {
 			pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, claim.Name)
+			pl.released.add(pod.UID)
 			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		}
 	}
@@ -156,4 +159,41 @@ func (pl *TopologyDRA) noteUnowned(logger klog.Logger, a *allocator.Allocator, a
 			}
 		}
 	}
+}
+
+// releasedPods remembers, for a while, the pods whose in-flight
+// allocations Unreserve dropped. Devices released that way bring no claim
+// event (nothing reached the API); the scheduler reports a pod that
+// fails its binding cycle as an assigned pod deleted, and the queueing
+// hint of that event asks here (isSchedulableAfterAssignedPodDelete).
+// The zero value is ready to use; safe for concurrent use.
+type releasedPods struct {
+	mu   sync.Mutex
+	pods map[types.UID]time.Time
+}
+
+// releasedFor is how long a pod is remembered: the scheduler reports the
+// binding failure right after Unreserve.
+const releasedFor = time.Minute
+
+func (r *releasedPods) add(uid types.UID) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	for u, at := range r.pods {
+		if now.Sub(at) > releasedFor {
+			delete(r.pods, u)
+		}
+	}
+	if r.pods == nil {
+		r.pods = map[types.UID]time.Time{}
+	}
+	r.pods[uid] = now
+}
+
+func (r *releasedPods) has(uid types.UID) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	at, ok := r.pods[uid]
+	return ok && time.Since(at) <= releasedFor
 }
