@@ -25,7 +25,9 @@ import (
 // policies may share one Cache without evicting each other's entries.
 // Slices without a UID (objects built in memory) are not cached. Each part
 // is dropped as a whole when it grows past its bound, which bounds memory
-// without bookkeeping in the hot path.
+// without bookkeeping in the hot path; ForgetSlice and ForgetNode drop the
+// entries of slice versions and nodes that are gone sooner, from informer
+// events.
 type Cache struct {
 	slices    sync.Map // sliceKey -> *sliceMemo
 	numSlices atomic.Int64
@@ -142,6 +144,37 @@ func (sm *sliceMemo) set(expr string, deviceIndex, numDevices int, state uint8) 
 	if deviceIndex < len(states) {
 		states[deviceIndex] = state
 	}
+}
+
+// ForgetSlice drops what the cache keeps for one version of a slice (UID
+// and metadata.generation): call it when the slice changes or is deleted,
+// so that entries of versions no Allocator will see again do not wait for
+// the bound.
+func (c *Cache) ForgetSlice(uid types.UID, generation int64) {
+	for _, listTypes := range []bool{false, true} {
+		if _, loaded := c.slices.LoadAndDelete(sliceKey{uid: uid, generation: generation, listTypes: listTypes}); loaded {
+			c.numSlices.Add(-1)
+		}
+	}
+}
+
+// ForgetNode drops the cached device lists of a node: call it when the
+// node is deleted.
+func (c *Cache) ForgetNode(name string) {
+	c.nodes.Range(func(key, _ any) bool {
+		if key.(nodeKey).name == name {
+			if _, loaded := c.nodes.LoadAndDelete(key); loaded {
+				c.numNodes.Add(-1)
+			}
+		}
+		return true
+	})
+}
+
+// Size returns how many slice versions and node device lists the cache
+// holds.
+func (c *Cache) Size() (slices, nodes int) {
+	return int(c.numSlices.Load()), int(c.numNodes.Load())
 }
 
 // node returns the cached device list of a node, or nil.

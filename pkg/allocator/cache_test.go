@@ -89,3 +89,42 @@ func BenchmarkAlternatingPolicies(b *testing.B) {
 		})
 	}
 }
+
+// TestCacheForgets: ForgetSlice drops the entries of one version of a
+// slice, ForgetNode those of a node, and the counts that bound the cache
+// follow.
+func TestCacheForgets(t *testing.T) {
+	const nodeName = "node-0"
+	ctx := quietContext(t)
+	slices := dgx(nodeName)
+	cache := NewCache()
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
+		ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Cache: cache, Policy: twoProfiles[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}); err != nil || res.Allocations == nil {
+		t.Fatalf("Allocate: %v", err)
+	}
+	key := nodeKey{name: nodeName, attrsKey: a.attrsKey, features: allFeatures}
+	if cache.node(key) == nil || cache.numNodes.Load() != 1 || cache.numSlices.Load() == 0 {
+		t.Fatalf("after a cycle: node cached %v, %d nodes, %d slices; want the node and its slices", cache.node(key) != nil, cache.numNodes.Load(), cache.numSlices.Load())
+	}
+	for _, s := range slices {
+		if s.UID == "" {
+			t.Fatalf("slice %s has no UID: not cached", s.Name)
+		}
+		cache.ForgetSlice(s.UID, s.Generation)
+	}
+	if n := cache.numSlices.Load(); n != 0 {
+		t.Errorf("%d slice entries after every slice was forgotten", n)
+	}
+	cache.ForgetNode("other-node")
+	if cache.node(key) == nil {
+		t.Error("another node forgotten dropped this one")
+	}
+	cache.ForgetNode(nodeName)
+	if cache.node(key) != nil || cache.numNodes.Load() != 0 {
+		t.Errorf("node still cached (%d entries) after it was forgotten", cache.numNodes.Load())
+	}
+}

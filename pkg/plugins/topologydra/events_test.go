@@ -557,3 +557,36 @@ func TestBindingFailureRequeues(t *testing.T) {
 		}
 	}
 }
+
+// TestCacheFollowsSlicesAndNodes: the allocator cache drops a slice's
+// entries when the slice changes or goes, and a node's when it is deleted.
+func TestCacheFollowsSlicesAndNodes(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4), testClaim("c", 1))
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	h.cycle(testPod("p", "c"), "a", "b")
+	slices, nodes := h.pl.cache.Size()
+	if slices != 2 || nodes != 2 {
+		t.Fatalf("after a cycle on two nodes: %d slices and %d nodes cached, want 2 and 2", slices, nodes)
+	}
+	waitSize := func(wantSlices, wantNodes int, what string) {
+		t.Helper()
+		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			slices, nodes := h.pl.cache.Size()
+			return slices == wantSlices && nodes == wantNodes, nil
+		})
+		if err != nil {
+			slices, nodes := h.pl.cache.Size()
+			t.Fatalf("%s: %d slices and %d nodes cached, want %d and %d", what, slices, nodes, wantSlices, wantNodes)
+		}
+	}
+	slice, err := h.client.ResourceV1().ResourceSlices().Get(h.tCtx, testSlice("a", 4).Name, metav1.GetOptions{})
+	h.tCtx.ExpectNoError(err)
+	slice.Generation++
+	_, err = h.client.ResourceV1().ResourceSlices().Update(h.tCtx, slice, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	waitSize(1, 2, "slice of a changed")
+	h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceSlices().Delete(h.tCtx, testSlice("b", 4).Name, metav1.DeleteOptions{}))
+	waitSize(0, 2, "slice of b deleted")
+	h.tCtx.ExpectNoError(h.client.CoreV1().Nodes().Delete(h.tCtx, "b", metav1.DeleteOptions{}))
+	waitSize(0, 1, "node b deleted")
+}

@@ -17,12 +17,14 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
@@ -171,6 +173,12 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.uncertainHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
+		if _, err := f.Resource().V1().ResourceSlices().Informer().AddEventHandler(forgetSlices(pl.cache)); err != nil {
+			return nil, fmt.Errorf("watch slices: %w", err)
+		}
+		if _, err := f.Core().V1().Nodes().Informer().AddEventHandler(forgetNodes(pl.cache)); err != nil {
+			return nil, fmt.Errorf("watch nodes: %w", err)
+		}
 	}
 	if fts.EnableDRASchedulerFilterTimeout {
 		pl.filterTimeout = args.FilterTimeout
@@ -214,6 +222,42 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		}
 	}
 	return pl, nil
+}
+
+// forgetSlices drops the cache's entries of a slice's previous version
+// when it changes, and of the slice when it is deleted.
+func forgetSlices(c *allocator.Cache) cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(oldObj, newObj any) {
+			old, ok1 := oldObj.(*resourceapi.ResourceSlice)
+			slice, ok2 := newObj.(*resourceapi.ResourceSlice)
+			if ok1 && ok2 && (old.UID != slice.UID || old.Generation != slice.Generation) {
+				c.ForgetSlice(old.UID, old.Generation)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if slice, ok := obj.(*resourceapi.ResourceSlice); ok {
+				c.ForgetSlice(slice.UID, slice.Generation)
+			}
+		},
+	}
+}
+
+// forgetNodes drops the cache's device lists of a deleted node.
+func forgetNodes(c *allocator.Cache) cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if node, ok := obj.(*corev1.Node); ok {
+				c.ForgetNode(node.Name)
+			}
+		},
+	}
 }
 
 // warnUnusedArgs logs the args that are valid but without effect.
