@@ -8,8 +8,9 @@ import (
 )
 
 // DeviceCount counts one driver's devices on one node: all of them
-// (Devices) and those without an allocation (Free), and of them those that
-// a pod's requests match (Matching) and the free ones among those
+// (Devices) and the free ones (Free: without an allocation, and with the
+// shared counters they consume not used up), and of them those that a
+// pod's requests match (Matching) and the free ones among those
 // (MatchingFree).
 type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 
@@ -17,9 +18,10 @@ type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 // the node's own pools (slices with spec.nodeName, the newest generation
 // of each pool; not network-attached devices), and of them those that
 // match the class and selectors of some request of claims, counting every
-// subrequest of a firstAvailable request, each with how many have no
-// allocation. A device on which a selector failed at run time counts as
-// matching. It works on slices, through the selector cache, without
+// subrequest of a firstAvailable request, each with how many are free: not
+// allocated, and not blocked by shared counters that allocated devices
+// used up (a GPU with an allocated partition). A device on which a
+// selector failed at run time counts as matching. It works on slices, through the selector cache, without
 // gathering the nodes: pool rules (incomplete or invalid pools) are not
 // applied. matched is false, and Matching and MatchingFree are 0, where
 // the claims use fields this package does not interpret: only upstream's
@@ -43,12 +45,16 @@ func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.Reso
 		}
 	}
 	counts = make(map[string]map[string]DeviceCount, len(nodes))
+	newest := func(slice *resourceapi.ResourceSlice) bool {
+		return slice.Spec.Pool.Generation == a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}]
+	}
 	for node := range nodes {
 		if err := ctx.Err(); err != nil {
 			return nil, false, err
 		}
+		left := a.countersLeftOn(node, newest)
 		for _, slice := range a.byNode[node] {
-			if slice.Spec.Pool.Generation != a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}] || len(slice.Spec.Devices) == 0 {
+			if !newest(slice) || len(slice.Spec.Devices) == 0 {
 				continue
 			}
 			byDriver := counts[node]
@@ -61,7 +67,7 @@ func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.Reso
 			ids := a.sliceInfo(slice).ids
 			for i := range slice.Spec.Devices {
 				device := &slice.Spec.Devices[i]
-				free := !a.deviceInUse(ids[i])
+				free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device))
 				c.Devices++
 				if free {
 					c.Free++
@@ -80,6 +86,42 @@ func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.Reso
 		}
 	}
 	return counts, matched, nil
+}
+
+// countersLeftOn returns what the devices in use on node leave of the
+// shared counters of its pools (newest tells the slices that count), or
+// nil where the node's devices consume no counters.
+func (a *Allocator) countersLeftOn(node string, newest func(*resourceapi.ResourceSlice) bool) countersLeft {
+	var left countersLeft
+	for _, slice := range a.byNode[node] {
+		if !newest(slice) {
+			continue
+		}
+		for i := range slice.Spec.Devices {
+			if len(slice.Spec.Devices[i].ConsumesCounters) > 0 {
+				left = declaredCounters(a.byNode[node], newest)
+				break
+			}
+		}
+		if left != nil {
+			break
+		}
+	}
+	if left == nil {
+		return nil
+	}
+	for _, slice := range a.byNode[node] {
+		if !newest(slice) {
+			continue
+		}
+		ids := a.sliceInfo(slice).ids
+		for i := range slice.Spec.Devices {
+			if a.deviceInUse(ids[i]) {
+				left.consume(slice.Spec.Driver, slice.Spec.Pool.Name, &slice.Spec.Devices[i])
+			}
+		}
+	}
+	return left
 }
 
 // DeviceHasTaint reports whether the device driver/pool/device is in the

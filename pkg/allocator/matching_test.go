@@ -171,3 +171,33 @@ func TestExplanationNamesTaints(t *testing.T) {
 		t.Errorf("reason %q, want %q", got, want)
 	}
 }
+
+// TestCountDevicesWithPartitions: on a node whose GPUs share their memory
+// with a partition each, a GPU whose partition is allocated is not free
+// (its counters are used up), for the driver and for a pod that asks for
+// whole GPUs.
+func TestCountDevicesWithPartitions(t *testing.T) {
+	ctx := quietContext(t)
+	whole := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1, `device.attributes["`+gpuDriver+`"].kind == "gpu"`).obj()}
+	for _, tc := range []struct {
+		allocated []string
+		want      DeviceCount
+	}{
+		{nil, DeviceCount{Devices: 4, Free: 4, Matching: 2, MatchingFree: 2}},
+		{[]string{"gpu-0-half"}, DeviceCount{Devices: 4, Free: 2, Matching: 2, MatchingFree: 1}},
+		{[]string{"gpu-1"}, DeviceCount{Devices: 4, Free: 2, Matching: 2, MatchingFree: 1}},
+	} {
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n", tc.allocated...),
+			ClassLister: defaultClasses, Slices: partitionedGPUs("n"), CELCache: newCELCache(), Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _, err := a.CountDevices(ctx, whole, sets.New("n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got["n"][gpuDriver] != tc.want {
+			t.Errorf("%v allocated: %+v, want %+v", tc.allocated, got["n"][gpuDriver], tc.want)
+		}
+	}
+}

@@ -250,57 +250,78 @@ func (ns *nodeState) fillInUse(a *Allocator) {
 // Counters that no set declares block nothing (upstream finds such pools
 // invalid).
 func (ns *nodeState) blockedByCounters() []bool {
-	type setKey struct{ driver, pool, set string }
 	newest := map[poolKey]int64{}
 	for _, s := range ns.slices {
 		k := poolKey{s.Spec.Driver, s.Spec.Pool.Name}
 		newest[k] = max(newest[k], s.Spec.Pool.Generation)
 	}
-	left := map[setKey]map[string]resource.Quantity{}
-	for _, s := range ns.slices {
-		if s.Spec.Pool.Generation != newest[poolKey{s.Spec.Driver, s.Spec.Pool.Name}] {
-			continue
-		}
-		for _, cs := range s.Spec.SharedCounters {
-			k := setKey{s.Spec.Driver, s.Spec.Pool.Name, cs.Name}
-			m := map[string]resource.Quantity{}
-			for name, c := range cs.Counters {
-				m[name] = c.Value.DeepCopy()
-			}
-			left[k] = m
-		}
-	}
+	left := declaredCounters(ns.slices, func(s *resourceapi.ResourceSlice) bool {
+		return s.Spec.Pool.Generation == newest[poolKey{s.Spec.Driver, s.Spec.Pool.Name}]
+	})
 	for i := range ns.devices {
-		d := &ns.devices[i]
-		if !ns.inUse[i] {
-			continue
-		}
-		for _, cc := range d.device.ConsumesCounters {
-			m := left[setKey{d.driver, d.slice.Spec.Pool.Name, cc.CounterSet}]
-			for name, c := range cc.Counters {
-				if q, ok := m[name]; ok {
-					q.Sub(c.Value)
-					m[name] = q
-				}
-			}
+		if d := &ns.devices[i]; ns.inUse[i] {
+			left.consume(d.driver, d.slice.Spec.Pool.Name, d.device)
 		}
 	}
 	busy := slices.Clone(ns.inUse)
 	for i := range ns.devices {
-		d := &ns.devices[i]
-		if busy[i] {
-			continue
-		}
-		for _, cc := range d.device.ConsumesCounters {
-			m := left[setKey{d.driver, d.slice.Spec.Pool.Name, cc.CounterSet}]
-			for name, c := range cc.Counters {
-				if q, ok := m[name]; ok && c.Value.Cmp(q) > 0 {
-					busy[i] = true
-				}
-			}
+		if d := &ns.devices[i]; !busy[i] && left.exceeded(d.driver, d.slice.Spec.Pool.Name, d.device) {
+			busy[i] = true
 		}
 	}
 	return busy
+}
+
+// countersLeft is what is left of each counter set of some pools, by
+// driver, pool and set name, then counter name.
+type countersLeft map[counterSetKey]map[string]resource.Quantity
+
+type counterSetKey struct{ driver, pool, set string }
+
+// declaredCounters returns the counter sets that the slices for which
+// counted is true declare, each at its full value.
+func declaredCounters(slices []*resourceapi.ResourceSlice, counted func(*resourceapi.ResourceSlice) bool) countersLeft {
+	left := countersLeft{}
+	for _, s := range slices {
+		if len(s.Spec.SharedCounters) == 0 || !counted(s) {
+			continue
+		}
+		for _, cs := range s.Spec.SharedCounters {
+			m := make(map[string]resource.Quantity, len(cs.Counters))
+			for name, c := range cs.Counters {
+				m[name] = c.Value.DeepCopy()
+			}
+			left[counterSetKey{s.Spec.Driver, s.Spec.Pool.Name, cs.Name}] = m
+		}
+	}
+	return left
+}
+
+// consume takes what device d of a pool consumes from the counters left.
+func (left countersLeft) consume(driver, pool string, d *resourceapi.Device) {
+	for _, cc := range d.ConsumesCounters {
+		m := left[counterSetKey{driver, pool, cc.CounterSet}]
+		for name, c := range cc.Counters {
+			if q, ok := m[name]; ok {
+				q.Sub(c.Value)
+				m[name] = q
+			}
+		}
+	}
+}
+
+// exceeded reports whether device d of a pool consumes more of some
+// counter than is left.
+func (left countersLeft) exceeded(driver, pool string, d *resourceapi.Device) bool {
+	for _, cc := range d.ConsumesCounters {
+		m := left[counterSetKey{driver, pool, cc.CounterSet}]
+		for name, c := range cc.Counters {
+			if q, ok := m[name]; ok && c.Value.Cmp(q) > 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // deviceInUse reports whether a device has a committed or in-flight allocation.

@@ -120,8 +120,10 @@ func TestWholeNodeOfFourDevices(t *testing.T) {
 // allocated. A pod of one whole GPU sees gpu-0 as taken (it cannot have
 // it): the node has one of its two GPUs in use and gpu-1 is no whole free
 // node; with no partition allocated, both are free.
-func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
-	ctx := quietContext(t)
+// partitionedGPUs are the slices of a node of two GPUs whose memory is a
+// shared counter set each (80), with a partition of half of each
+// (attribute kind: gpu or part).
+func partitionedGPUs(node string) []*resourceapi.ResourceSlice {
 	mem := func(set, gb string) []resourceapi.DeviceCounterConsumption {
 		return []resourceapi.DeviceCounterConsumption{{CounterSet: set, Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse(gb)}}}}
 	}
@@ -131,15 +133,20 @@ func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
 	}
 	devices[0].ConsumesCounters, devices[1].ConsumesCounters = mem("gpu-0", "80"), mem("gpu-1", "80")
 	devices[2].ConsumesCounters, devices[3].ConsumesCounters = mem("gpu-0", "40"), mem("gpu-1", "40")
-	gpus := slice("n", gpuDriver, devices...)
+	gpus := slice(node, gpuDriver, devices...)
 	gpus.Spec.Pool.ResourceSliceCount = 2
-	counters := slice("n", gpuDriver)
-	counters.Name = "n-counters"
+	counters := slice(node, gpuDriver)
+	counters.Name = node + "-counters"
 	counters.Spec.Pool.ResourceSliceCount = 2
 	counters.Spec.SharedCounters = []resourceapi.CounterSet{
 		{Name: "gpu-0", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}},
 		{Name: "gpu-1", Counters: map[string]resourceapi.Counter{"gb": {Value: resource.MustParse("80")}}},
 	}
+	return []*resourceapi.ResourceSlice{gpus, counters}
+}
+
+func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
+	ctx := quietContext(t)
 	whole := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1, `device.attributes["`+gpuDriver+`"].kind == "gpu"`).obj()}
 	for _, tc := range []struct {
 		allocated []string
@@ -149,7 +156,7 @@ func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
 		{allocated: []string{"gpu-0-half"}, wantInUse: 1, wantDev: gpuDriver + "/n/gpu-1"},
 		{allocated: nil, wantInUse: 0},
 	} {
-		_, res, _ := allocateBoth(ctx, t, "n", []*resourceapi.ResourceSlice{gpus, counters}, allocated(gpuDriver, "n", tc.allocated...), DefaultPolicy(), whole)
+		_, res, _ := allocateBoth(ctx, t, "n", partitionedGPUs("n"), allocated(gpuDriver, "n", tc.allocated...), DefaultPolicy(), whole)
 		if res.Allocations == nil {
 			t.Fatalf("%v allocated: no allocation: %+v", tc.allocated, res.Explanation)
 		}
