@@ -48,6 +48,7 @@ type options struct {
 	nvml                string
 	driverRoot          string
 	containerDriverRoot string
+	containerDevRoot    string
 	cdiHookPath         string
 	healthAddress       string
 	sysfsRoot           string
@@ -111,6 +112,7 @@ the command line wins.`,
 	fs.StringVar(&o.nvml, "nvml", "real", "Where GPUs come from: 'real' (libnvidia-ml) or 'mock:<profile>' with profile one of "+strings.Join(mockgpu.Profiles(), ", ")+".")
 	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container. CDI specs name driver files below it.")
 	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. Empty: --driver-root itself (running on the host).")
+	fs.StringVar(&o.containerDevRoot, "container-dev-root", "/", "Where the node's /dev is found in this container, as <dir>/dev, for a --driver-root whose dev/ has no nvidiactl (a driver installed on the host, a driver directory without device nodes); CDI specs name the device nodes found there by the node's /dev. '/' is this container's own /dev, which holds only the device nodes that existed when the container started. The DaemonSet mounts the node's /dev at /host/dev and sets /host.")
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
 	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
@@ -205,6 +207,9 @@ func newSource(o *options, nodeName string) (*source, error) {
 		root, err := driverroot.New(o.driverRoot, o.containerDriverRoot)
 		if err != nil {
 			return nil, err
+		}
+		if root, err = root.WithDevRoot("/", o.containerDevRoot); err != nil {
+			return nil, fmt.Errorf("--container-dev-root (or CONTAINER_DEV_ROOT): %w", err)
 		}
 		var sysfs fs.ReadLinkFS
 		if o.sysfsRoot != "/sys" {
@@ -309,7 +314,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 		defer stopHealth()
 	}
-	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
+	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
 	<-a.Done()
 	cause := a.Err()
 	a.Stop()

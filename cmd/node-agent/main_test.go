@@ -32,16 +32,16 @@ func TestEnvironmentTwins(t *testing.T) {
 		want options
 	}{
 		"environment only": {
-			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s"},
-			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true},
+			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s", "CONTAINER_DEV_ROOT": "/host"},
+			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host"},
 		},
 		"command line wins": {
 			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true"},
 			args: []string{"--node-name=flag-node", "--owned-taint=false"},
-			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100"},
+			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100", containerDevRoot: "/"},
 		},
-		"defaults: owned taint on": {
-			want: options{nvml: "real", ownedTaint: true},
+		"defaults: owned taint on, the container's own /dev": {
+			want: options{nvml: "real", ownedTaint: true, containerDevRoot: "/"},
 		},
 	}
 	for name, tc := range testcases {
@@ -56,8 +56,8 @@ func TestEnvironmentTwins(t *testing.T) {
 			if err := applyEnv(cmd.Flags(), agentFlags); err != nil {
 				t.Fatal(err)
 			}
-			if o.nodeName != tc.want.nodeName || o.nvml != tc.want.nvml || o.ownedTaint != tc.want.ownedTaint {
-				t.Errorf("got node %q nvml %q ownedTaint %v, want %q %q %v", o.nodeName, o.nvml, o.ownedTaint, tc.want.nodeName, tc.want.nvml, tc.want.ownedTaint)
+			if o.nodeName != tc.want.nodeName || o.nvml != tc.want.nvml || o.ownedTaint != tc.want.ownedTaint || o.containerDevRoot != tc.want.containerDevRoot {
+				t.Errorf("got node %q nvml %q ownedTaint %v containerDevRoot %q, want %q %q %v %q", o.nodeName, o.nvml, o.ownedTaint, o.containerDevRoot, tc.want.nodeName, tc.want.nvml, tc.want.ownedTaint, tc.want.containerDevRoot)
 			}
 			if v, ok := tc.env["RESCAN_INTERVAL"]; ok && o.rescanInterval.String() != v {
 				t.Errorf("rescan interval %v, want %s", o.rescanInterval, v)
@@ -90,6 +90,7 @@ func TestDryRun(t *testing.T) {
 		"neither real nor mock":     {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
 		"missing node name outside": {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
 		"invalid owned taint key":   {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
+		"relative device root":      {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {

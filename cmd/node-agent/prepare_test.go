@@ -63,10 +63,28 @@ func TestDryRunShowCDI(t *testing.T) {
 
 // TestShowPreparedNVCDI prepares a claim with CDI edits from nvcdi over a
 // fake driver root mounted at a temporary directory that is
-// /run/nvidia/driver on the node: the container gets the GPU's UUID and
-// the driver's libraries and nvidia-smi from the node's path, and the
-// temporary state is gone afterwards.
+// /run/nvidia/driver on the node, with no device nodes of its own, as a
+// driver directory has it: the device nodes come from the device root. The
+// container gets the GPUs' UUIDs, their device nodes and the driver's
+// libraries and nvidia-smi from the node's path, and the temporary state is
+// gone afterwards. Without device nodes, preparing fails and says which
+// GPU lacks which node.
 func TestShowPreparedNVCDI(t *testing.T) {
+	testcases := map[string]struct {
+		deviceNodes bool
+		wantErr     []string
+	}{
+		"device nodes in the device root": {deviceNodes: true},
+		"no device nodes":                 {wantErr: []string{"prepare claim", "gpu-0", "device node missing: /dev/nvidiactl"}},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			testShowPreparedNVCDI(t, tc.deviceNodes, tc.wantErr)
+		})
+	}
+}
+
+func testShowPreparedNVCDI(t *testing.T, deviceNodes bool, wantErr []string) {
 	_, ctx := ktesting.NewTestContext(t)
 	m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: "node-1"})
 	if err != nil {
@@ -94,8 +112,20 @@ func TestShowPreparedNVCDI(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(mountPoint, "usr/bin/nvidia-smi"), []byte("fake"), 0o755); err != nil {
 		t.Fatal(err)
 	}
+	// The device root stands for the node's /dev; the runtime's side of
+	// showPrepared reads the nodes' types from the host paths in the
+	// spec, so here the node's path is the temporary directory too.
+	devRoot := t.TempDir()
+	if deviceNodes {
+		if _, err := m.WriteDeviceNodes(devRoot); err != nil {
+			t.Fatal(err)
+		}
+	}
 	root, err := driverroot.New(driverroot.GPUOperatorHostPath, mountPoint)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if root, err = root.WithDevRoot(devRoot, devRoot); err != nil {
 		t.Fatal(err)
 	}
 	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return m.NVML() }})
@@ -113,7 +143,22 @@ func TestShowPreparedNVCDI(t *testing.T) {
 	t.Setenv("TMPDIR", t.TempDir())
 
 	var out bytes.Buffer
-	if err := showPrepared(ctx, &source{discovery: disc, cdi: gen}, "node-1", inv, &out); err != nil {
+	err = showPrepared(ctx, &source{discovery: disc, cdi: gen}, "node-1", inv, &out)
+	if left, _ := filepath.Glob(filepath.Join(os.Getenv("TMPDIR"), "*")); len(left) != 0 {
+		t.Errorf("temporary state left behind: %v", left)
+	}
+	if wantErr != nil {
+		if err == nil {
+			t.Fatalf("prepared without device nodes:\n%s", out.String())
+		}
+		for _, want := range wantErr {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("error %q does not say %q", err, want)
+			}
+		}
+		return
+	}
+	if err != nil {
 		t.Fatalf("prepare: %v\n%s", err, out.String())
 	}
 	var got containerView
@@ -121,8 +166,19 @@ func TestShowPreparedNVCDI(t *testing.T) {
 	if err := yaml.Unmarshal([]byte(docs[len(docs)-1]), &got); err != nil {
 		t.Fatalf("container view: %v\n%s", err, out.String())
 	}
-	if want := "TOPODRA_GPU_1=" + m.UUID(1); !slices.Contains(got.Env, want) {
-		t.Errorf("container env %v lacks %s", got.Env, want)
+	for _, want := range []string{"TOPODRA_GPU_1=" + m.UUID(1), "NVIDIA_VISIBLE_DEVICES=void"} {
+		if !slices.Contains(got.Env, want) {
+			t.Errorf("container env %v lacks %s", got.Env, want)
+		}
+	}
+	var nodes []string
+	for _, d := range got.Devices {
+		nodes = append(nodes, d.Path)
+	}
+	for _, want := range []string{"/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl"} {
+		if !slices.Contains(nodes, want) {
+			t.Errorf("container device nodes %v lack %s", nodes, want)
+		}
 	}
 	mounts := map[string]string{}
 	for _, mnt := range got.Mounts {
@@ -136,8 +192,5 @@ func TestShowPreparedNVCDI(t *testing.T) {
 		if got := mounts[container]; got != host {
 			t.Errorf("container path %s mounts %q, want %q (all mounts: %v)", container, got, host, mounts)
 		}
-	}
-	if left, _ := filepath.Glob(filepath.Join(os.Getenv("TMPDIR"), "*")); len(left) != 0 {
-		t.Errorf("temporary state left behind: %v", left)
 	}
 }

@@ -70,7 +70,8 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 
 	// 2. The agent, with CDI specs from nvcdi over a fake driver root that
-	// holds the driver version the (mock) NVML reports.
+	// holds the driver version the (mock) NVML reports and the machine's
+	// device nodes.
 	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
 	tCtx.ExpectNoError(err)
 	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
@@ -81,6 +82,8 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 	}
 	rootDir := tCtx.TempDir()
 	fakeDriverInstall(tCtx, rootDir, driverVersion)
+	_, err = machine.WriteDeviceNodes(rootDir)
+	tCtx.ExpectNoError(err)
 	root, err := driverroot.New("/run/nvidia/driver", rootDir)
 	tCtx.ExpectNoError(err)
 	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return machine.NVML() }})

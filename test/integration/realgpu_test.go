@@ -105,10 +105,10 @@ func TestKubeletPreparesRealGPU(t *testing.T) {
 			tCtx.Errorf("container gets device nodes %v, want %s", nodes, want)
 		}
 	}
-	if !slices.ContainsFunc(spec.Process.Env, func(env string) bool {
-		return strings.HasPrefix(env, "NVIDIA_VISIBLE_DEVICES=") && strings.Contains(env, gpu.UUID)
-	}) {
-		tCtx.Errorf("container environment %v lacks NVIDIA_VISIBLE_DEVICES with %s", spec.Process.Env, gpu.UUID)
+	for _, want := range []string{cdi.DeviceEnv(gpu.Name) + "=" + gpu.UUID, cdi.VisibleDevicesEnv + "=void"} {
+		if !slices.Contains(spec.Process.Env, want) {
+			tCtx.Errorf("container environment %v lacks %s", spec.Process.Env, want)
+		}
 	}
 	if !slices.ContainsFunc(spec.Mounts, func(m oci.Mount) bool { return path.Base(m.Source) == "libnvidia-ml.so."+driverVersion }) {
 		tCtx.Errorf("container mounts lack libnvidia-ml.so.%s: %v", driverVersion, spec.Mounts)

@@ -3,18 +3,23 @@
 //
 // There is one spec file per ResourceClaim, named after the claim UID, so
 // that a spec is never reused for another claim (the runtime may cache
-// specs). The spec has one CDI device per allocated GPU and spec-wide edits
-// that every container using any of the claim's GPUs needs, always
-// including NVIDIA_VISIBLE_DEVICES with the UUIDs of all the claim's GPUs.
+// specs). The spec has one CDI device per allocated GPU, each setting
+// TOPODRA_GPU_<n> to its UUID ([DeviceEnv]), and spec-wide edits that every
+// container using any of the claim's GPUs needs.
 //
 // What goes into the edits comes from a [Generator]:
 //   - [NVCDI] (real GPUs) asks NVIDIA's nvcdi library, on the driver root:
 //     the GPU's device nodes, the control device nodes that exist, the
 //     driver libraries, nvidia-smi and the other driver binaries, firmware
 //     and the nvidia-cdi-hook hooks (ldcache, symlinks), with paths as the
-//     container runtime on the node sees them.
+//     container runtime on the node sees them, and
+//     NVIDIA_VISIBLE_DEVICES=void, which keeps the NVIDIA Container Runtime
+//     from injecting GPUs a second time. It fails where the GPU's device
+//     node or /dev/nvidiactl is missing.
 //   - [Static] (mock machines, simulators) lists device nodes by minor
-//     number, only those that exist, or none at all with EnvOnly.
+//     number, only those that exist, or none at all with EnvOnly. It sets
+//     no NVIDIA_VISIBLE_DEVICES, so the spec sets it to the UUIDs of all
+//     the claim's GPUs.
 package cdi
 
 import (
@@ -161,16 +166,26 @@ func DeviceEnv(device string) string {
 	return "TOPODRA_" + strings.ToUpper(strings.NewReplacer("-", "_", ".", "_").Replace(device))
 }
 
-// Spec builds the spec of a claim with g without writing it.
+// VisibleDevicesEnv is the variable through which the NVIDIA Container
+// Runtime is told which GPUs to inject.
+const VisibleDevicesEnv = "NVIDIA_VISIBLE_DEVICES"
+
+// Spec builds the spec of a claim with g without writing it. Where g's
+// common edits do not set [VisibleDevicesEnv], the spec sets it to the
+// UUIDs of the claim's GPUs.
 func Spec(g Generator, claimUID types.UID, devices []Device) (*cdispec.Spec, error) {
-	common, err := g.CommonEdits()
-	if err != nil {
-		return nil, fmt.Errorf("generate common CDI edits: %w", err)
-	}
-	spec := &cdispec.Spec{Kind: Kind, ContainerEdits: common}
 	uuids := make([]string, 0, len(devices))
+	names := make([]string, 0, len(devices))
 	for _, d := range devices {
 		uuids = append(uuids, d.UUID)
+		names = append(names, fmt.Sprintf("%s (%s)", d.Name, d.UUID))
+	}
+	common, err := g.CommonEdits()
+	if err != nil {
+		return nil, fmt.Errorf("generate common CDI edits for %s: %w", strings.Join(names, ", "), err)
+	}
+	spec := &cdispec.Spec{Kind: Kind, ContainerEdits: common}
+	for _, d := range devices {
 		edits, err := g.DeviceEdits(d)
 		if err != nil {
 			return nil, fmt.Errorf("generate CDI edits for %s (%s): %w", d.Name, d.UUID, err)
@@ -185,10 +200,9 @@ func Spec(g Generator, claimUID types.UID, devices []Device) (*cdispec.Spec, err
 		})
 	}
 	slices.SortFunc(spec.Devices, func(a, b cdispec.Device) int { return strings.Compare(a.Name, b.Name) })
-	spec.ContainerEdits.Env = slices.DeleteFunc(spec.ContainerEdits.Env, func(e string) bool {
-		return strings.HasPrefix(e, "NVIDIA_VISIBLE_DEVICES=")
-	})
-	spec.ContainerEdits.Env = append(spec.ContainerEdits.Env, "NVIDIA_VISIBLE_DEVICES="+strings.Join(uuids, ","))
+	if !slices.ContainsFunc(spec.ContainerEdits.Env, func(e string) bool { return strings.HasPrefix(e, VisibleDevicesEnv+"=") }) {
+		spec.ContainerEdits.Env = append(spec.ContainerEdits.Env, VisibleDevicesEnv+"="+strings.Join(uuids, ","))
+	}
 	if v, err := cdiapi.MinimumRequiredVersion(spec); err == nil {
 		spec.Version = v
 	} else {

@@ -3,11 +3,13 @@ package cdi
 import (
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 
 	nvdevice "github.com/NVIDIA/go-nvlib/pkg/nvlib/device"
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi"
+	"github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi/transform"
 	transformroot "github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi/transform/root"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
@@ -20,6 +22,13 @@ import (
 // nvidia-cdi-hook on a node; the GPU Operator puts it at
 // /usr/local/nvidia/toolkit/nvidia-cdi-hook.
 const DefaultHookPath = "/usr/bin/nvidia-cdi-hook"
+
+// ErrMissingDeviceNode is returned (wrapped) by [NVCDI] when a device node
+// that every container of a GPU needs is not in the device root: the GPU's
+// own /dev/nvidia<minor>, or /dev/nvidiactl. nvcdi lists only the device
+// nodes that exist, and a spec without these would start the container
+// without its GPU.
+var ErrMissingDeviceNode = errors.New("device node missing")
 
 // NVCDIOptions configure [NewNVCDI].
 type NVCDIOptions struct {
@@ -37,8 +46,12 @@ type NVCDIOptions struct {
 
 // NVCDI is the [Generator] for real GPUs, built on NVIDIA's nvcdi library in
 // "nvml" mode: the same spec content as NVIDIA's own DRA driver and the
-// NVIDIA Container Toolkit produce for a whole GPU. Paths in the edits are
-// rewritten from the agent's mount of the driver root to the node's.
+// NVIDIA Container Toolkit produce for a whole GPU, including
+// NVIDIA_VISIBLE_DEVICES=void in the common edits. Paths in the edits are
+// rewritten from the agent's mounts of the driver and device roots to the
+// node's. Edits that lack /dev/nvidiactl (common edits) or the GPU's
+// /dev/nvidia<minor> (device edits) are refused with
+// [ErrMissingDeviceNode].
 type NVCDI struct {
 	opts NVCDIOptions
 
@@ -101,16 +114,40 @@ func (g *NVCDI) get() (nvcdi.Interface, error) {
 func (g *NVCDI) toHost(edits cdispec.ContainerEdits) (cdispec.ContainerEdits, error) {
 	root := g.opts.Root
 	spec := &cdispec.Spec{ContainerEdits: edits}
+	devPath, devHostPath := root.DevPath(), root.DevHostPath()
 	t := transformroot.NewDriverTransformer(
 		transformroot.WithDriverRoot(root.Path),
 		transformroot.WithTargetDriverRoot(root.HostPath),
-		transformroot.WithDevRoot(root.DevPath()),
-		transformroot.WithTargetDevRoot(root.DevHostPath()),
+		transformroot.WithDevRoot(devPath),
+		transformroot.WithTargetDevRoot(devHostPath),
 	)
+	if devPath != root.Path && devHostPath == root.HostPath {
+		// The driver transformer rewrites the device root only where
+		// the node's device and driver roots differ; here they are one
+		// directory on the node (the host's "/"), mounted apart in the
+		// agent's container.
+		t = transform.Merge(transformroot.New(
+			transformroot.WithRoot(filepath.Join(devPath, "dev")),
+			transformroot.WithTargetRoot(filepath.Join(devHostPath, "dev")),
+		), t)
+	}
 	if err := t.Transform(spec); err != nil {
 		return cdispec.ContainerEdits{}, fmt.Errorf("rewrite driver root %s to %s: %w", root.Path, root.HostPath, err)
 	}
 	return spec.ContainerEdits, nil
+}
+
+// requireNode fails with [ErrMissingDeviceNode] unless edits list the
+// device node path (as the container sees it).
+func (g *NVCDI) requireNode(edits cdispec.ContainerEdits, path string) error {
+	for _, n := range edits.DeviceNodes {
+		if n.Path == path {
+			return nil
+		}
+	}
+	root := g.opts.Root
+	return fmt.Errorf("%w: %s, looked up as %s in the agent's container (%s on the node)",
+		ErrMissingDeviceNode, path, filepath.Join(root.DevPath(), path), filepath.Join(root.DevHostPath(), path))
 }
 
 // CommonEdits implements [Generator].
@@ -123,10 +160,16 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
-	if edits == nil || edits.ContainerEdits == nil {
-		return cdispec.ContainerEdits{}, nil
+	var common cdispec.ContainerEdits
+	if edits != nil && edits.ContainerEdits != nil {
+		if common, err = g.toHost(*edits.ContainerEdits); err != nil {
+			return cdispec.ContainerEdits{}, err
+		}
 	}
-	return g.toHost(*edits.ContainerEdits)
+	if err := g.requireNode(common, driverroot.ControlDevice); err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	return common, nil
 }
 
 // DeviceEdits implements [Generator].
@@ -142,7 +185,14 @@ func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	if len(specs) == 0 {
 		return cdispec.ContainerEdits{}, fmt.Errorf("nvcdi returned no device for %s", d.UUID)
 	}
-	return g.toHost(specs[0].ContainerEdits)
+	edits, err := g.toHost(specs[0].ContainerEdits)
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if err := g.requireNode(edits, fmt.Sprintf("/dev/nvidia%d", d.Minor)); err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	return edits, nil
 }
 
 // nvcdiLogger adapts a klog.Logger to nvcdi's printf-style logger:

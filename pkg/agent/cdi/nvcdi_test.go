@@ -2,6 +2,7 @@ package cdi_test
 
 import (
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,7 +10,6 @@ import (
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
-	"golang.org/x/sys/unix"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
@@ -23,12 +23,22 @@ const driverVersion = "570.133.07"
 
 // fakeDriverRoot lays out a driver installation as a GPU Operator driver
 // container has it: versioned libraries with .so.1 links (absolute, as
-// ldconfig makes them), nvidia-smi, and /dev with the GPU and control nodes
-// but without nvidia-uvm (module not loaded). Device nodes need CAP_MKNOD;
-// devNodes is false without it.
-func fakeDriverRoot(t *testing.T) (root string, devNodes bool) {
+// ldconfig makes them), nvidia-smi, and /dev with the machine's GPU and
+// control nodes but without nvidia-uvm (module not loaded).
+func fakeDriverRoot(t *testing.T, m *mockgpu.Machine) string {
 	t.Helper()
-	root = t.TempDir()
+	root := fakeDriverFiles(t)
+	if _, err := m.WriteDeviceNodes(root); err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
+
+// fakeDriverFiles lays out the driver's libraries and binaries only, as a
+// driver directory mounted without device nodes has them.
+func fakeDriverFiles(t *testing.T) string {
+	t.Helper()
+	root := t.TempDir()
 	libDir := "/usr/lib/x86_64-linux-gnu"
 	write := func(rel string, mode os.FileMode) {
 		p := filepath.Join(root, rel)
@@ -48,30 +58,12 @@ func fakeDriverRoot(t *testing.T) (root string, devNodes bool) {
 	}
 	write("/usr/bin/nvidia-smi", 0o755)
 	write("/usr/bin/nvidia-debugdump", 0o755)
-	devNodes = true
-	for name, minor := range map[string]uint32{"nvidiactl": 255, "nvidia0": 0, "nvidia1": 1} {
-		p := filepath.Join(root, "dev", name)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(195, minor))); err != nil {
-			t.Logf("cannot create device nodes (%v): checking driver files only", err)
-			devNodes = false
-			break
-		}
-	}
-	return root, devNodes
+	return root
 }
 
-// TestNVCDIFromDriverRoot generates a claim spec with nvcdi on a fake driver
-// root mounted at a temporary directory that is /run/nvidia/driver on the
-// node, and reads it back through the CDI cache as a runtime would.
-func TestNVCDIFromDriverRoot(t *testing.T) {
-	mountPoint, devNodes := fakeDriverRoot(t)
-	root, err := driverroot.New(driverroot.GPUOperatorHostPath, mountPoint)
-	if err != nil {
-		t.Fatal(err)
-	}
+// workstation is the mock machine of the tests, with its NVML initialized.
+func workstation(t *testing.T) (*mockgpu.Machine, nvml.Interface) {
+	t.Helper()
 	m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: "n"})
 	if err != nil {
 		t.Fatal(err)
@@ -79,6 +71,19 @@ func TestNVCDIFromDriverRoot(t *testing.T) {
 	lib := m.NVML()
 	if ret := lib.Init(); ret != nvml.SUCCESS {
 		t.Fatalf("init mock NVML: %v", ret)
+	}
+	return m, lib
+}
+
+// TestNVCDIFromDriverRoot generates a claim spec with nvcdi on a fake driver
+// root mounted at a temporary directory that is /run/nvidia/driver on the
+// node, and reads it back through the CDI cache as a runtime would.
+func TestNVCDIFromDriverRoot(t *testing.T) {
+	m, lib := workstation(t)
+	mountPoint := fakeDriverRoot(t, m)
+	root, err := driverroot.New(driverroot.GPUOperatorHostPath, mountPoint)
+	if err != nil {
+		t.Fatal(err)
 	}
 	const hook = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
 	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }, HookPath: hook})
@@ -141,25 +146,132 @@ func TestNVCDIFromDriverRoot(t *testing.T) {
 			t.Errorf("hook %v runs %s, want %s", h.Args, h.Path, hook)
 		}
 	}
-	var nodes []string
+	nodes := map[string]string{}
 	for _, n := range all.DeviceNodes {
-		nodes = append(nodes, n.Path)
+		nodes[n.Path] = n.HostPath
 		if strings.Contains(n.Path, "nvidia-uvm") {
 			t.Errorf("device node %s listed, but it does not exist", n.Path)
 		}
 	}
-	if devNodes {
-		for _, want := range []string{"/dev/nvidia1", "/dev/nvidiactl"} {
-			if !slices.Contains(nodes, want) {
-				t.Errorf("device nodes %v lack %s", nodes, want)
-			}
-		}
-		if slices.Contains(nodes, "/dev/nvidia0") {
-			t.Errorf("device nodes %v include gpu-0's, which the claim does not have", nodes)
+	for _, want := range []string{"/dev/nvidia1", "/dev/nvidiactl"} {
+		if host, ok := nodes[want]; !ok || host != "/run/nvidia/driver"+want {
+			t.Errorf("device node %s: host path %q (present %v), want the driver root's %s (all: %v)", want, host, ok, "/run/nvidia/driver"+want, nodes)
 		}
 	}
-	if !slices.Contains(all.Env, "NVIDIA_VISIBLE_DEVICES="+m.UUID(1)) {
-		t.Errorf("env %v lacks NVIDIA_VISIBLE_DEVICES", all.Env)
+	if _, ok := nodes["/dev/nvidia0"]; ok {
+		t.Errorf("device nodes %v include gpu-0's, which the claim does not have", nodes)
+	}
+	// nvcdi's NVIDIA_VISIBLE_DEVICES=void stays, so that the NVIDIA
+	// Container Runtime does not inject GPUs a second time; the GPU's
+	// own variable names it.
+	var visible []string
+	for _, e := range all.Env {
+		if strings.HasPrefix(e, "NVIDIA_VISIBLE_DEVICES=") {
+			visible = append(visible, e)
+		}
+	}
+	if !slices.Equal(visible, []string{"NVIDIA_VISIBLE_DEVICES=void"}) {
+		t.Errorf("env sets %v, want only NVIDIA_VISIBLE_DEVICES=void", visible)
+	}
+	if want := cdi.DeviceEnv("gpu-1") + "=" + m.UUID(1); !slices.Contains(all.Env, want) {
+		t.Errorf("env %v lacks %s", all.Env, want)
+	}
+}
+
+// TestNVCDIDeviceNodes checks where the device nodes of a spec come from
+// when the driver root has no /dev (a driver directory, a host installation
+// mounted without its /dev): the device root, named by the node's path in
+// the spec. A spec without the GPU's device node or /dev/nvidiactl would
+// start the container without its GPU; generating it fails instead, naming
+// the device and the node, and writes no spec.
+func TestNVCDIDeviceNodes(t *testing.T) {
+	testcases := map[string]struct {
+		// remove lists device nodes that the device root lacks; nil
+		// removes /dev altogether.
+		remove []string
+		// driverHost is the driver root on the node; default "/".
+		driverHost string
+		wantErr    []string
+	}{
+		"all there":                        {remove: []string{}},
+		"all there, driver container root": {remove: []string{}, driverHost: driverroot.GPUOperatorHostPath},
+		"no /dev at all":                   {wantErr: []string{"gpu-1", "/dev/nvidiactl"}},
+		"no nvidiactl":                     {remove: []string{"nvidiactl"}, wantErr: []string{"gpu-1", "/dev/nvidiactl"}},
+		"no GPU node":                      {remove: []string{"nvidia1"}, wantErr: []string{"gpu-1", "/dev/nvidia1"}},
+		"other GPU's there":                {remove: []string{"nvidia1", "nvidiactl"}, wantErr: []string{"gpu-1", "/dev/nvidiactl"}},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			m, lib := workstation(t)
+			devRoot := t.TempDir()
+			if tc.remove != nil {
+				if _, err := m.WriteDeviceNodes(devRoot); err != nil {
+					t.Fatal(err)
+				}
+				for _, n := range tc.remove {
+					if err := os.Remove(filepath.Join(devRoot, "dev", n)); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			root, err := driverroot.New(tc.driverHost, fakeDriverFiles(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if root, err = root.WithDevRoot("/", devRoot); err != nil {
+				t.Fatal(err)
+			}
+			gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			dir := t.TempDir()
+			w, err := cdi.New(dir, cdi.WithGenerator(gen))
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = w.WriteClaimSpec("uid-1", []cdi.Device{{Name: "gpu-1", UUID: m.UUID(1), Minor: 1}})
+			if tc.wantErr != nil {
+				t.Logf("error: %v", err)
+				if !errors.Is(err, cdi.ErrMissingDeviceNode) {
+					t.Fatalf("want an error wrapping %q, got %v", cdi.ErrMissingDeviceNode, err)
+				}
+				for _, want := range tc.wantErr {
+					if !strings.Contains(err.Error(), want) {
+						t.Errorf("error %q does not name %s", err, want)
+					}
+				}
+				if _, err := os.Stat(w.SpecPath("uid-1")); !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("spec written anyway: %v", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
+			if err != nil {
+				t.Fatal(err)
+			}
+			dev := cache.GetDevice(cdi.DeviceID("uid-1", "gpu-1"))
+			if dev == nil {
+				t.Fatalf("runtime cannot resolve the device: %v", cache.GetErrors())
+			}
+			nodes := map[string]string{}
+			for _, n := range allEdits(dev.GetSpec().Spec).DeviceNodes {
+				nodes[n.Path] = n.HostPath
+			}
+			for _, want := range []string{"/dev/nvidia1", "/dev/nvidiactl"} {
+				host, ok := nodes[want]
+				if !ok {
+					t.Errorf("device nodes %v lack %s", nodes, want)
+				}
+				// nvcdi leaves the host path out where it equals the path.
+				if host != "" && host != want {
+					t.Errorf("device node %s has host path %s, want the node's %s", want, host, want)
+				}
+			}
+		})
 	}
 }
 

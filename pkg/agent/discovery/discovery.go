@@ -98,8 +98,8 @@ type HealthEvent struct {
 type GPU struct {
 	// Name is the device name in the ResourceSlice: "gpu-<minor>".
 	Name string
-	// UUID is NVML's GPU UUID ("GPU-…"); it also goes into
-	// NVIDIA_VISIBLE_DEVICES when the GPU is prepared for a container.
+	// UUID is NVML's GPU UUID ("GPU-…"); a container that the GPU is
+	// prepared for gets it in TOPODRA_GPU_<minor>.
 	UUID string
 	// Index is NVML's device index.
 	Index int

@@ -9,6 +9,12 @@
 // host, Path equals HostPath. Files are looked up below Path; CDI specs,
 // which the container runtime reads on the host, name them below HostPath.
 //
+// Device nodes (/dev/nvidia0, /dev/nvidiactl) are taken from the driver
+// root's /dev where it holds them, as a driver container's does. Otherwise
+// they come from a device root: a directory whose dev/ is the node's /dev,
+// with its own two names, DevRoot in the agent's container and
+// DevRootHostPath on the node (both "/" unless set, see [Root.WithDevRoot]).
+//
 // Symbolic links inside the tree are resolved relative to the tree, so an
 // absolute link like /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 ->
 // /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15 stays inside Path.
@@ -64,6 +70,13 @@ type Root struct {
 	Path string
 	// HostPath is the same root as the container runtime on the node sees it.
 	HostPath string
+	// DevRoot is the directory whose dev/ holds the node's device nodes, as
+	// the agent sees it, for a driver root whose /dev does not hold
+	// [ControlDevice]; DevRootHostPath is the same directory on the node.
+	// Empty means "/" for both: the agent's own /dev, which must then be
+	// the node's. Set both with [Root.WithDevRoot].
+	DevRoot         string
+	DevRootHostPath string
 }
 
 // New returns the root mounted at path that is hostPath on the node. An
@@ -102,24 +115,56 @@ func (r Root) NVMLLibraryPath() (string, error) {
 // root whose /dev holds it is where the driver's device nodes are.
 const ControlDevice = "/dev/nvidiactl"
 
+// WithDevRoot returns r with the device root mounted at path that is
+// hostPath on the node: where r's /dev does not hold [ControlDevice],
+// device nodes are looked up in path/dev and named hostPath/dev in CDI
+// specs. An empty hostPath means "/" (the node's /dev), an empty path
+// means hostPath. Both must be absolute.
+func (r Root) WithDevRoot(hostPath, path string) (Root, error) {
+	if hostPath == "" {
+		hostPath = "/"
+	}
+	if path == "" {
+		path = hostPath
+	}
+	if !filepath.IsAbs(hostPath) || !filepath.IsAbs(path) {
+		return Root{}, fmt.Errorf("device root must be absolute, got host path %q and container path %q", hostPath, path)
+	}
+	r.DevRoot, r.DevRootHostPath = filepath.Clean(path), filepath.Clean(hostPath)
+	return r, nil
+}
+
+// hasDev says whether the driver root's /dev holds [ControlDevice].
+func (r Root) hasDev() bool {
+	_, err := os.Stat(filepath.Join(r.Path, ControlDevice))
+	return err == nil
+}
+
 // DevPath is the agent-side root below which device nodes (/dev/nvidia0)
 // are found: the driver root if its /dev holds [ControlDevice], otherwise
-// "/" (the agent's own /dev, which must then be the host's). A driver root
-// with an empty /dev (a driver directory mounted into a VM or container,
-// such as /usr/local/nvidia) therefore uses the host's device nodes.
+// the device root (DevRoot, default "/"). A driver root with an empty
+// /dev (a driver directory mounted into a VM or container, such as
+// /usr/local/nvidia, or a host installation mounted without its /dev)
+// therefore uses the node's device nodes as the device root has them.
 func (r Root) DevPath() string {
-	if _, err := os.Stat(filepath.Join(r.Path, ControlDevice)); err == nil {
+	if r.hasDev() {
 		return r.Path
 	}
-	return "/"
+	if r.DevRoot == "" {
+		return "/"
+	}
+	return r.DevRoot
 }
 
 // DevHostPath is DevPath as the node sees it.
 func (r Root) DevHostPath() string {
-	if r.DevPath() == r.Path {
+	if r.hasDev() {
 		return r.HostPath
 	}
-	return "/"
+	if r.DevRootHostPath == "" {
+		return "/"
+	}
+	return r.DevRootHostPath
 }
 
 // ToHost turns an agent-side path below Path into the node's path below

@@ -120,3 +120,40 @@ func TestRootPaths(t *testing.T) {
 		t.Errorf("empty container path: %s, want the host path", same.Path)
 	}
 }
+
+// TestDevRoot checks where device nodes come from for a driver root
+// without its own /dev/nvidiactl: the device root, mounted in the agent's
+// container and named by its node path, and from the driver root as soon
+// as that holds the control device.
+func TestDevRoot(t *testing.T) {
+	driver, devRoot := t.TempDir(), t.TempDir()
+	plain, err := New(GPUOperatorHostPath, driver)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := plain.WithDevRoot("", devRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.DevPath() != devRoot || r.DevHostPath() != "/" {
+		t.Errorf("driver root without /dev: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), devRoot)
+	}
+	if r.Path != plain.Path || r.HostPath != plain.HostPath {
+		t.Errorf("WithDevRoot changed the driver root: %+v", r)
+	}
+	if same, _ := plain.WithDevRoot("/srv/devices", ""); same.DevPath() != "/srv/devices" || same.DevHostPath() != "/srv/devices" {
+		t.Errorf("empty container path: dev paths %s %s, want the host path twice", same.DevPath(), same.DevHostPath())
+	}
+	if _, err := plain.WithDevRoot("/", "relative"); err == nil {
+		t.Error("relative device root accepted")
+	}
+	if err := os.MkdirAll(filepath.Join(driver, "dev"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(driver, ControlDevice), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if r.DevPath() != driver || r.DevHostPath() != GPUOperatorHostPath {
+		t.Errorf("driver root with /dev/nvidiactl: dev paths %s %s, want %s %s", r.DevPath(), r.DevHostPath(), driver, GPUOperatorHostPath)
+	}
+}

@@ -17,6 +17,7 @@ import (
 	nvmlmock "github.com/NVIDIA/go-nvml/pkg/nvml/mock"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
 	"github.com/google/uuid"
+	"golang.org/x/sys/unix"
 )
 
 // Options configure [New].
@@ -334,6 +335,50 @@ func buildSysfs(spec Spec) fstest.MapFS {
 // symlinks, for code that reads a directory (deviceattribute.WithFSFromRoot).
 func (m *Machine) WriteSysfs(root string) error {
 	return WriteFS(m.sysfs, root)
+}
+
+// nvidiaMajor is the character device major number of the NVIDIA driver's
+// GPU and control device nodes.
+const nvidiaMajor = 195
+
+// nvidiactlMinor is the minor number of /dev/nvidiactl.
+const nvidiactlMinor = 255
+
+// WriteDeviceNodes creates the device nodes that the NVIDIA driver gives
+// the machine below root/dev: nvidiactl and nvidia<minor> for each GPU,
+// character devices of major 195, which needs CAP_MKNOD. Without it they
+// are character devices 0:0, which any process may create (Linux 5.8 and
+// later) and which stand in for the driver's where only their presence
+// and type count (CDI spec generation); numbered reports which. The nodes
+// are never opened: NVML is the machine's, not the kernel's.
+func (m *Machine) WriteDeviceNodes(root string) (numbered bool, err error) {
+	dir := filepath.Join(root, "dev")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return false, err
+	}
+	names := []string{"nvidiactl"}
+	minors := []uint32{nvidiactlMinor}
+	for _, d := range m.devices {
+		names = append(names, fmt.Sprintf("nvidia%d", d.Minor))
+		minors = append(minors, uint32(d.Minor))
+	}
+	numbered = true
+	for i, name := range names {
+		p := filepath.Join(dir, name)
+		dev := 0
+		if numbered {
+			dev = int(unix.Mkdev(nvidiaMajor, minors[i]))
+		}
+		err := unix.Mknod(p, unix.S_IFCHR|0o666, dev)
+		if errors.Is(err, unix.EPERM) && numbered {
+			numbered = false
+			err = unix.Mknod(p, unix.S_IFCHR|0o666, 0)
+		}
+		if err != nil {
+			return false, fmt.Errorf("create device node %s: %w", p, err)
+		}
+	}
+	return numbered, nil
 }
 
 // WriteFS writes an in-memory tree to disk below root.

@@ -90,3 +90,33 @@ func TestNICsShareGPUPCIeRoots(t *testing.T) {
 		})
 	}
 }
+
+// TestWriteDeviceNodes lays out the driver's device nodes of a machine:
+// character devices, one per GPU minor and the control device.
+func TestWriteDeviceNodes(t *testing.T) {
+	m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: "n"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SetMinor(1, 5)
+	root := t.TempDir()
+	numbered, err := m.WriteDeviceNodes(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("driver's device numbers: %v", numbered)
+	entries, err := os.ReadDir(filepath.Join(root, "dev"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+		if e.Type()&os.ModeCharDevice == 0 {
+			t.Errorf("%s is %v, want a character device", e.Name(), e.Type())
+		}
+	}
+	if want := []string{"nvidia0", "nvidia5", "nvidiactl"}; strings.Join(names, " ") != strings.Join(want, " ") {
+		t.Errorf("device nodes %v, want %v", names, want)
+	}
+}
