@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"golang.org/x/sys/unix"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -50,6 +51,8 @@ type env struct {
 	recorder events.EventRecorder
 	// devicePlugin is Options.DevicePluginResources.
 	devicePlugin []string
+	// generator is Options.CDIGenerator; default: cdi.Static on devRoot.
+	generator cdi.Generator
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -101,6 +104,10 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var generator cdi.Generator = cdi.Static{DevRoot: e.devRoot}
+	if e.generator != nil {
+		generator = e.generator
+	}
 	a, err := agent.New(ctx, agent.Options{
 		NodeName:       nodeName,
 		KubeClient:     e.client,
@@ -108,7 +115,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		PublishOnly:    true,
 		StateDir:       e.stateDir,
 		CDIDir:         e.cdiDir,
-		CDIGenerator:   cdi.Static{DevRoot: e.devRoot},
+		CDIGenerator:   generator,
 		BootIDPath:     e.bootIDFile,
 		RescanInterval: -1,
 		Recorder:       e.recorder,
@@ -229,6 +236,126 @@ func TestPrepareWritesCDISpec(t *testing.T) {
 	}
 	if diff := cmp.Diff(wantSpec, readSpec(t, e, c.UID)); diff != "" {
 		t.Errorf("CDI spec (-want +got):\n%s", diff)
+	}
+}
+
+// switchedGenerator fails while fail is set, and otherwise asks Generator.
+type switchedGenerator struct {
+	cdi.Generator
+	fail atomic.Bool
+}
+
+func (g *switchedGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	if g.fail.Load() {
+		return cdispec.ContainerEdits{}, errors.New("generator broken")
+	}
+	return g.Generator.CommonEdits()
+}
+
+// TestPrepareRegeneratesCDISpec prepares a claim that is already prepared,
+// as the kubelet does after it restarted: the claim's spec is generated
+// again, so that a device node that appeared since (nvidia-uvm, created
+// when the module is loaded) gets in, and the checkpoint stays as it was.
+// A spec that comes out the same is not rewritten, also after an agent
+// restart; where generating fails, the spec written before stays and the
+// claim stays prepared.
+func TestPrepareRegeneratesCDISpec(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	gen := &switchedGenerator{Generator: cdi.Static{DevRoot: e.devRoot}}
+	e.generator = gen
+	a := e.start(ctx, t)
+	c := claim("train", gpus("gpus", "gpu-0")...)
+	prepare := func(step string) kubeletplugin.PrepareResult {
+		t.Helper()
+		result, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+		if err != nil {
+			t.Fatalf("%s: %v", step, err)
+		}
+		if result[c.UID].Err != nil {
+			t.Fatalf("%s: %v", step, result[c.UID].Err)
+		}
+		return result[c.UID]
+	}
+	w, err := cdi.New(e.cdiDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkpointPath := filepath.Join(e.stateDir, checkpoint.FileName)
+	stat := func(path string) (time.Time, []byte) {
+		t.Helper()
+		info, err := os.Stat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.ModTime(), data
+	}
+	hasNode := func(path string) bool {
+		for _, n := range readSpec(t, e, c.UID).ContainerEdits.DeviceNodes {
+			if n.Path == path {
+				return true
+			}
+		}
+		return false
+	}
+	// Modification times of files written within one clock tick compare
+	// equal; set the first ones back so that every rewrite shows.
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+
+	first := prepare("first prepare")
+	if hasNode("/dev/nvidia-uvm") {
+		t.Fatal("spec lists /dev/nvidia-uvm, which does not exist yet")
+	}
+	for _, p := range []string{checkpointPath, w.SpecPath(c.UID)} {
+		if err := os.Chtimes(p, past, past); err != nil {
+			t.Fatal(err)
+		}
+	}
+	checkpointTime, checkpointData := stat(checkpointPath)
+
+	// Nothing changed: nothing is rewritten, also by a restarted agent.
+	prepare("unchanged")
+	a.Stop()
+	a = e.start(ctx, t)
+	prepare("unchanged after a restart")
+	if mtime, _ := stat(w.SpecPath(c.UID)); !mtime.Equal(past) {
+		t.Errorf("unchanged CDI spec rewritten (modified %s)", mtime)
+	}
+
+	// 0:0 is the character device that any process may create.
+	if err := unix.Mknod(filepath.Join(e.devRoot, "dev", "nvidia-uvm"), unix.S_IFCHR|0o666, 0); err != nil {
+		t.Fatal(err)
+	}
+	again := prepare("after nvidia-uvm appeared")
+	if diff := cmp.Diff(first, again); diff != "" {
+		t.Errorf("result changed (-first +again):\n%s", diff)
+	}
+	if !hasNode("/dev/nvidia-uvm") {
+		t.Error("spec not regenerated: /dev/nvidia-uvm missing")
+	}
+	if mtime, data := stat(checkpointPath); !mtime.Equal(checkpointTime) || string(data) != string(checkpointData) {
+		t.Errorf("checkpoint rewritten for a claim prepared before (modified %s)", mtime)
+	}
+
+	gen.fail.Store(true)
+	_, before := stat(w.SpecPath(c.UID))
+	prepare("with a broken generator")
+	if _, after := stat(w.SpecPath(c.UID)); string(after) != string(before) {
+		t.Error("spec changed although it could not be generated")
+	}
+	if err := os.Remove(w.SpecPath(c.UID)); err != nil {
+		t.Fatal(err)
+	}
+	result, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if result[c.UID].Err == nil {
+		t.Error("claim whose lost spec cannot be generated reported prepared")
 	}
 }
 

@@ -46,8 +46,8 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin. For each claim
 // it writes a CDI spec with the claim's GPUs and records the claim in the
 // checkpoint, then returns the CDI device ids. It is idempotent: a claim
-// that is already prepared gets the recorded result (and its CDI spec back
-// if the file went missing). A device that is prepared for a different
+// that is already prepared gets the recorded result, and its CDI spec is
+// generated again (see prepareClaim). A device that is prepared for a different
 // claim is refused with ErrDeviceInUse (unless both use admin access), the
 // DRA driver being the last line of defense against double allocation.
 // A claim that was prepared before the node rebooted is refused with
@@ -114,15 +114,22 @@ func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Dev
 
 // prepareClaim prepares one claim against the loaded checkpoint. isNew
 // reports whether the caller must record the result.
+//
+// A claim that is already prepared gets the same answer as before, and
+// its CDI spec is generated again, so that it names what the node has now:
+// device nodes created since the last Prepare (nvidia-uvm once its module
+// is loaded) get in, and a spec that was lost (/var/run is a tmpfs) is
+// restored. The kubelet prepares a claim again after it restarted. A spec
+// that comes out the same is left alone. Where generating fails, a spec
+// that exists stays and the claim stays prepared, as it was; a missing one
+// fails the claim.
 func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
 	if prepared, ok := cp.Claims[claim.UID]; ok {
-		// Already prepared: same answer as before. Restore the CDI spec
-		// if it was lost (e.g. /var/run is a tmpfs and the node rebooted).
-		if _, err := os.Stat(a.cdi.SpecPath(claim.UID)); err != nil {
-			klog.FromContext(ctx).V(2).Info("restoring missing CDI spec", "claim", klog.KObj(claim))
-			if _, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared)); err != nil {
+		if _, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared)); err != nil {
+			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
 				return checkpoint.PreparedClaim{}, false, err
 			}
+			klog.FromContext(ctx).Error(err, "cannot generate the CDI spec of a prepared claim again, keeping the one written before", "claim", klog.KObj(claim))
 		}
 		return prepared, false, nil
 	}

@@ -23,6 +23,8 @@
 package cdi
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -211,21 +213,41 @@ func Spec(g Generator, claimUID types.UID, devices []Device) (*cdispec.Spec, err
 	return spec, nil
 }
 
-// WriteClaimSpec writes (or atomically replaces) the spec of a claim and
-// returns the CDI device id of each GPU, by DRA device name.
+// WriteClaimSpec generates the spec of a claim, writes it (or atomically
+// replaces the claim's spec) unless the file already holds the same spec,
+// and returns the CDI device id of each GPU, by DRA device name. Where
+// generating fails, the claim's spec file stays as it was.
 func (w *Writer) WriteClaimSpec(claimUID types.UID, devices []Device) (map[string]string, error) {
 	spec, err := Spec(w.generator, claimUID, devices)
 	if err != nil {
 		return nil, fmt.Errorf("CDI spec for claim %s: %w", claimUID, err)
 	}
-	if err := w.cache.WriteSpec(spec, specName(claimUID)); err != nil {
-		return nil, fmt.Errorf("write CDI spec for claim %s: %w", claimUID, err)
+	if !sameSpec(w.SpecPath(claimUID), spec) {
+		if err := w.cache.WriteSpec(spec, specName(claimUID)); err != nil {
+			return nil, fmt.Errorf("write CDI spec for claim %s: %w", claimUID, err)
+		}
 	}
 	ids := make(map[string]string, len(devices))
 	for _, d := range devices {
 		ids[d.Name] = DeviceID(claimUID, d.Name)
 	}
 	return ids, nil
+}
+
+// sameSpec says whether the file at path holds spec: the same content in
+// its JSON form, however it is laid out. An unreadable file does not.
+func sameSpec(path string, spec *cdispec.Spec) bool {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return false
+	}
+	old, err := cdiapi.ParseSpec(data)
+	if err != nil || old == nil {
+		return false
+	}
+	a, errA := json.Marshal(old)
+	b, errB := json.Marshal(spec)
+	return errA == nil && errB == nil && bytes.Equal(a, b)
 }
 
 // DeleteClaimSpec removes the spec of a claim. A missing spec is no error.

@@ -2,8 +2,12 @@ package cdi
 
 import (
 	"os"
+	"path/filepath"
+	"slices"
 	"testing"
+	"time"
 
+	"golang.org/x/sys/unix"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 
 	"k8s.io/apimachinery/pkg/types"
@@ -67,5 +71,68 @@ func TestSpecIsUsableByRuntimes(t *testing.T) {
 				t.Errorf("spec still there: %v", err)
 			}
 		})
+	}
+}
+
+// TestWriteClaimSpecOnlyOnChange writes a claim's spec again, as Prepare
+// does for a claim it prepared before: an unchanged spec leaves the file
+// alone, a device node that appeared since gets in.
+func TestWriteClaimSpecOnlyOnChange(t *testing.T) {
+	devRoot := t.TempDir()
+	if err := os.Mkdir(filepath.Join(devRoot, "dev"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	mknod := func(name string) {
+		t.Helper()
+		// 0:0 is the character device that any process may create.
+		if err := unix.Mknod(filepath.Join(devRoot, "dev", name), unix.S_IFCHR|0o666, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mknod("nvidiactl")
+	mknod("nvidia0")
+	w, err := New(t.TempDir(), WithGenerator(Static{DevRoot: devRoot}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	devices := []Device{{Name: "gpu-0", UUID: "GPU-a", Minor: 0}}
+	if _, err := w.WriteClaimSpec("uid", devices); err != nil {
+		t.Fatal(err)
+	}
+	past := time.Now().Add(-time.Hour).Truncate(time.Second)
+	if err := os.Chtimes(w.SpecPath("uid"), past, past); err != nil {
+		t.Fatal(err)
+	}
+	written := func() (time.Time, []string) {
+		t.Helper()
+		info, err := os.Stat(w.SpecPath("uid"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec, err := cdiapi.ReadSpec(w.SpecPath("uid"), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var nodes []string
+		for _, n := range spec.ContainerEdits.DeviceNodes {
+			nodes = append(nodes, n.Path)
+		}
+		return info.ModTime(), nodes
+	}
+
+	if _, err := w.WriteClaimSpec("uid", devices); err != nil {
+		t.Fatal(err)
+	}
+	if mtime, _ := written(); !mtime.Equal(past) {
+		t.Errorf("unchanged spec rewritten (modified %s)", mtime)
+	}
+
+	mknod("nvidia-uvm")
+	if _, err := w.WriteClaimSpec("uid", devices); err != nil {
+		t.Fatal(err)
+	}
+	mtime, nodes := written()
+	if mtime.Equal(past) || !slices.Contains(nodes, "/dev/nvidia-uvm") {
+		t.Errorf("spec modified %s with device nodes %v, want it rewritten with /dev/nvidia-uvm", mtime, nodes)
 	}
 }
