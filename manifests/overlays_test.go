@@ -90,11 +90,20 @@ func TestOverlays(t *testing.T) {
 				t.Errorf("privileged %v, want %v", privileged, tc.privileged)
 			}
 			rootVolume, rootMount := volume(ds, "driver-root"), mount(c, "driver-root")
+			devVolume, devMount := volume(ds, "host-dev"), mount(c, "host-dev")
 			if tc.driverRoot == "" {
-				if rootVolume != nil || rootMount != nil || volume(ds, "sys") != nil {
-					t.Error("mock agent mounts a driver root or /sys")
+				if rootVolume != nil || rootMount != nil || volume(ds, "sys") != nil || devVolume != nil || devMount != nil {
+					t.Error("mock agent mounts a driver root, /sys or the node's /dev")
 				}
 			} else {
+				// Device nodes where the driver root has none: the
+				// node's /dev, live, not the container's copy.
+				if devVolume == nil || devVolume.HostPath == nil || devVolume.HostPath.Path != "/dev" || devMount == nil {
+					t.Fatal("no host-dev hostPath volume of /dev and mount")
+				}
+				if want := env["CONTAINER_DEV_ROOT"] + "/dev"; !strings.HasPrefix(want, "/") || devMount.MountPath != want || !devMount.ReadOnly {
+					t.Errorf("CONTAINER_DEV_ROOT=%q, the node's /dev mounted read-only %v at %q, want it at %q", env["CONTAINER_DEV_ROOT"], devMount.ReadOnly, devMount.MountPath, want)
+				}
 				if rootVolume == nil || rootVolume.HostPath == nil || rootMount == nil {
 					t.Fatal("no driver-root hostPath volume and mount")
 				}
