@@ -135,37 +135,3 @@ func TestBindingWaitWithoutTimestamp(t *testing.T) {
 		t.Errorf("PreBind's wait: %v, want a binding timeout", st)
 	}
 }
-
-// TestBindingTimeoutOfAllocationWithoutTimestamp: the same claim, through
-// the pod's attempts. The first PreBind stamps the allocation as it
-// reserves the claim (as the stock plugin does), so the next attempt
-// counts the timeout from it and finds the allocation unusable, instead of
-// waiting out the timeout again on every attempt.
-func TestBindingTimeoutOfAllocationWithoutTimestamp(t *testing.T) {
-	c := allocatedOn(testClaim("c", 1), "node-a", "gpu-0")
-	c.Status.Allocation.Devices.Results[0].BindingConditions = []string{"Attached"}
-	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), c)
-	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
-	schedmetrics.Register()
-	h.pl.bindingTimeout = 200 * time.Millisecond
-	pod := testPod("p", "c")
-	cs, st := h.cycle(pod, "node-a")
-	if !st["node-a"].IsSuccess() {
-		t.Fatalf("first attempt, Filter: %v", st["node-a"])
-	}
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
-	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
-		t.Fatalf("first attempt, PreBind: %v, want a binding timeout", st)
-	}
-	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
-	if h.apiClaim("c").Status.Allocation.AllocationTimestamp == nil {
-		t.Error("the allocation has no timestamp after the pod reserved the claim")
-	}
-	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation.AllocationTimestamp != nil })
-	time.Sleep(h.pl.bindingTimeout)
-	if _, st := h.cycle(pod, "node-a"); st["node-a"].IsSuccess() {
-		t.Error("second attempt: the allocation whose binding timed out is still usable")
-	}
-}

@@ -112,11 +112,6 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 			}
 		} else if claim.Status.Allocation == nil {
 			return fmt.Errorf("claim %s was deallocated in the meantime", claim.Name)
-		} else if pl.features.DeviceBindingAndStatus && claim.Status.Allocation.AllocationTimestamp == nil {
-			// An allocation written without a timestamp (by another
-			// scheduler or a controller): the binding timeout of the
-			// next attempt counts from the first reservation.
-			claim.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: time.Now()}
 		}
 		// The apiserver enforces the reservedFor limit and rejects
 		// duplicates; no need to re-check here.
