@@ -5,12 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -113,11 +115,40 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 		}
 		ready = ready && deviceReady
 	}
-	if !ready && alloc.AllocationTimestamp != nil && now.After(alloc.AllocationTimestamp.Add(pl.bindingTimeout)) {
-		return false, fmt.Errorf("%w: claim %s, allocated at %s, binding timeout %s", errBindingTimeout, claim.Name, alloc.AllocationTimestamp.UTC().Format(time.RFC3339), pl.bindingTimeout)
+	if ready {
+		return true, nil
 	}
-	return ready, nil
+	if alloc.AllocationTimestamp != nil {
+		if now.After(alloc.AllocationTimestamp.Add(pl.bindingTimeout)) {
+			return false, fmt.Errorf("%w: claim %s, allocated at %s, binding timeout %s", errBindingTimeout, claim.Name, alloc.AllocationTimestamp.UTC().Format(time.RFC3339), pl.bindingTimeout)
+		}
+	} else if since, ok := pl.untimed.since(claim.UID); ok && now.After(since.Add(pl.bindingTimeout)) {
+		return false, fmt.Errorf("%w: claim %s, allocated without a timestamp, first waited for at %s, binding timeout %s", errBindingTimeout, claim.Name, since.UTC().Format(time.RFC3339), pl.bindingTimeout)
+	}
+	return false, nil
 }
+
+// untimedWaits records, per claim, when this scheduler first waited for
+// the binding conditions of an allocation without a timestamp (written by
+// another scheduler or a controller; the allocation is immutable, so it
+// cannot be stamped later). The binding timeout of such an allocation
+// counts from then. Entries go when the claim is deallocated or deleted
+// (untimedHandler). The zero value is ready to use; safe for concurrent
+// use.
+type untimedWaits struct{ m sync.Map }
+
+// start records now for uid unless a time is recorded.
+func (u *untimedWaits) start(uid types.UID, now time.Time) { u.m.LoadOrStore(uid, now) }
+
+func (u *untimedWaits) since(uid types.UID) (time.Time, bool) {
+	t, ok := u.m.Load(uid)
+	if !ok {
+		return time.Time{}, false
+	}
+	return t.(time.Time), true
+}
+
+func (u *untimedWaits) forget(uid types.UID) { u.m.Delete(uid) }
 
 // bindingFailed reports an allocated claim whose binding failed, timed out
 // or waits for a device that vanished (PreFilter records it; Filter marks
@@ -180,6 +211,9 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 				return false, fmt.Errorf("claim %s was deallocated while waiting for binding conditions", claim.Name)
 			}
 			s.claims[i] = latest
+			if latest.Status.Allocation.AllocationTimestamp == nil {
+				pl.untimed.start(latest.UID, start)
+			}
 			ready, err := pl.bindingState(latest, time.Now(), published.has)
 			if err != nil || !ready {
 				return false, err

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -9,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
@@ -134,4 +136,48 @@ func TestBindingWaitWithoutTimestamp(t *testing.T) {
 	if st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
 		t.Errorf("PreBind's wait: %v, want a binding timeout", st)
 	}
+}
+
+// TestBindingTimeoutOfAllocationWithoutTimestamp: the same claim, through
+// the pod's attempts. The allocation is immutable, so it stays without a
+// timestamp; the timeout counts from the first wait for it, so the next
+// attempt after the timeout finds the allocation unusable (PostFilter
+// then gives it back) instead of waiting it out again on every attempt.
+// Once the claim is deallocated, the first wait is forgotten.
+func TestBindingTimeoutOfAllocationWithoutTimestamp(t *testing.T) {
+	c := allocatedOn(testClaim("c", 1), "node-a", "gpu-0")
+	c.Status.Allocation.Devices.Results[0].BindingConditions = []string{"Attached"}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), c)
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	schedmetrics.Register()
+	h.pl.bindingTimeout = 200 * time.Millisecond
+	pod := testPod("p", "c")
+	cs, st := h.cycle(pod, "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatalf("first attempt, Filter: %v", st["node-a"])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
+		t.Fatalf("first attempt, PreBind: %v, want a binding timeout", st)
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	claim := h.apiClaim("c")
+	if claim.Status.Allocation.AllocationTimestamp != nil {
+		t.Error("the allocation was changed (stamped); the API refuses changes of an allocation")
+	}
+	if _, st := h.cycle(pod, "node-a"); st["node-a"].IsSuccess() || !strings.Contains(st["node-a"].Message(), "binding timeout") {
+		t.Errorf("second attempt, Filter: %v, want the allocation unusable after its binding timeout", st["node-a"])
+	}
+
+	claim.Status.Allocation = nil
+	claim.Status.ReservedFor = nil
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, claim, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		_, waited := h.pl.untimed.since(claim.UID)
+		return !waited, nil
+	})
+	h.tCtx.ExpectNoError(err, "the first wait of a deallocated claim is still recorded")
 }

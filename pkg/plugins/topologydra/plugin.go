@@ -92,6 +92,9 @@ type TopologyDRA struct {
 	// released holds the pods whose in-flight allocations Unreserve
 	// dropped, for the hint of their binding failure.
 	released releasedPods
+	// untimed holds when allocations without a timestamp were first
+	// waited for (binding.go).
+	untimed untimedWaits
 	// uncertain holds the claims whose allocation write has an unknown
 	// outcome (uncertain.go).
 	uncertain uncertainWrites
@@ -170,7 +173,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	}
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
-		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.uncertainHandler()); err != nil {
+		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
 		if _, err := f.Resource().V1().ResourceSlices().Informer().AddEventHandler(forgetSlices(pl.cache)); err != nil {

@@ -237,15 +237,20 @@ func (pl *TopologyDRA) releaseInFlight(namespace, name string, uid types.UID) {
 	}
 }
 
-// uncertainHandler settles uncertain writes from the claim informer: a
+// claimHandler settles uncertain writes from the claim informer: a
 // claim deleted, or seen at a newer resourceVersion than the write started
 // from, shows the API's state (an allocation there is in the informer's
 // copy, so the in-flight entry can go either way).
-func (pl *TopologyDRA) uncertainHandler() cache.ResourceEventHandler {
+// It also forgets the untimed binding waits (untimedWaits) of claims that
+// are deallocated or deleted.
+func (pl *TopologyDRA) claimHandler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(_, obj any) {
 			if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
 				pl.settleFromInformer(claim)
+				if claim.Status.Allocation == nil {
+					pl.untimed.forget(claim.UID)
+				}
 			}
 		},
 		DeleteFunc: func(obj any) {
@@ -256,6 +261,7 @@ func (pl *TopologyDRA) uncertainHandler() cache.ResourceEventHandler {
 				if _, ok := pl.uncertain.take(claim.UID); ok {
 					pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false)
 				}
+				pl.untimed.forget(claim.UID)
 			}
 		},
 	}
