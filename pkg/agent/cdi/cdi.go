@@ -15,7 +15,10 @@
 //     container runtime on the node sees them, and
 //     NVIDIA_VISIBLE_DEVICES=void, which keeps the NVIDIA Container Runtime
 //     from injecting GPUs a second time. It fails where the GPU's device
-//     node or /dev/nvidiactl is missing.
+//     node or /dev/nvidiactl is missing, and, where it can look, where the
+//     nvidia-cdi-hook that the hooks run is missing on the node
+//     ([HookChecker]); [Hooks] lists the hooks and the NVIDIA Container
+//     Toolkit release each needs.
 //   - [Static] (mock machines, simulators) lists device nodes by minor
 //     number, only those that exist, or none at all with EnvOnly. It sets
 //     no NVIDIA_VISIBLE_DEVICES, so the spec sets it to the UUIDs of all

@@ -40,6 +40,14 @@ type NVCDIOptions struct {
 	NVML func() nvml.Interface
 	// HookPath is nvidia-cdi-hook as the node sees it (DefaultHookPath).
 	HookPath string
+	// ContainerHookPath is HookPath as the agent sees it. Where set,
+	// edits that run HookPath fail with [ErrHookMissing] while it is not
+	// an executable file (see [NVCDI.CheckHook]); checked on every
+	// generation. Empty: not checked.
+	ContainerHookPath string
+	// DisabledHooks are left out of the specs (see [ParseDisabledHooks]),
+	// for an nvidia-cdi-hook older than some of the [Hooks].
+	DisabledHooks []nvcdi.HookName
 	// Logger receives nvcdi's messages; default: klog's background logger.
 	Logger klog.Logger
 }
@@ -51,7 +59,8 @@ type NVCDIOptions struct {
 // rewritten from the agent's mounts of the driver and device roots to the
 // node's. Edits that lack /dev/nvidiactl (common edits) or the GPU's
 // /dev/nvidia<minor> (device edits) are refused with
-// [ErrMissingDeviceNode].
+// [ErrMissingDeviceNode], edits with hooks while nvidia-cdi-hook is
+// missing with [ErrHookMissing].
 type NVCDI struct {
 	opts NVCDIOptions
 
@@ -73,6 +82,16 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 	}
 	if opts.HookPath == "" {
 		opts.HookPath = DefaultHookPath
+	}
+	if opts.ContainerHookPath != "" && !filepath.IsAbs(opts.ContainerHookPath) {
+		return nil, fmt.Errorf("container hook path must be absolute, got %q", opts.ContainerHookPath)
+	}
+	names := make([]string, 0, len(opts.DisabledHooks))
+	for _, h := range opts.DisabledHooks {
+		names = append(names, string(h))
+	}
+	if _, err := ParseDisabledHooks(names); err != nil {
+		return nil, err
 	}
 	if opts.Logger.GetSink() == nil {
 		opts.Logger = klog.Background()
@@ -100,6 +119,7 @@ func (g *NVCDI) get() (nvcdi.Interface, error) {
 		nvcdi.WithVendor(Vendor),
 		nvcdi.WithClass(Class),
 		nvcdi.WithNVIDIACDIHookPath(g.opts.HookPath),
+		nvcdi.WithDisabledHooks(g.opts.DisabledHooks...),
 		nvcdi.WithFeatureFlags(nvcdi.FeatureDisableNvsandboxUtils),
 		nvcdi.WithLogger(nvcdiLogger{g.opts.Logger}),
 	)
@@ -150,6 +170,15 @@ func (g *NVCDI) requireNode(edits cdispec.ContainerEdits, path string) error {
 		ErrMissingDeviceNode, path, filepath.Join(root.DevPath(), path), filepath.Join(root.DevHostPath(), path))
 }
 
+// requireHook fails with [ErrHookMissing] where edits run nvidia-cdi-hook
+// and CheckHook finds it missing.
+func (g *NVCDI) requireHook(edits cdispec.ContainerEdits) error {
+	if !runsHook(edits, g.opts.HookPath) {
+		return nil
+	}
+	return g.CheckHook()
+}
+
 // CommonEdits implements [Generator].
 func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 	l, err := g.get()
@@ -167,6 +196,9 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 		}
 	}
 	if err := g.requireNode(common, driverroot.ControlDevice); err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if err := g.requireHook(common); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	return common, nil
@@ -190,6 +222,9 @@ func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireNode(edits, fmt.Sprintf("/dev/nvidia%d", d.Minor)); err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if err := g.requireHook(edits); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	return edits, nil

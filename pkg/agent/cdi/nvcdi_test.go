@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/nvidia-container-toolkit/pkg/nvcdi"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
@@ -300,5 +301,246 @@ func TestNVCDIWithoutNVML(t *testing.T) {
 	}
 	if _, err := w.WriteClaimSpec("uid", []cdi.Device{{Name: "gpu-0", UUID: "GPU-0"}}); err == nil || !strings.Contains(err.Error(), "NVML is not loaded") {
 		t.Errorf("want an error saying NVML is not loaded, got %v", err)
+	}
+}
+
+// hookNames are the nvidia-cdi-hook subcommands that edits run.
+func hookNames(edits cdispec.ContainerEdits) []string {
+	var names []string
+	for _, h := range edits.Hooks {
+		if len(h.Args) > 1 && !slices.Contains(names, h.Args[1]) {
+			names = append(names, h.Args[1])
+		}
+	}
+	slices.Sort(names)
+	return names
+}
+
+// claimSpec writes the spec of a claim for gpu-1 with gen and reads it
+// back as a runtime would.
+func claimSpec(t *testing.T, m *mockgpu.Machine, gen cdi.Generator) (*cdispec.Spec, error) {
+	t.Helper()
+	dir := t.TempDir()
+	w, err := cdi.New(dir, cdi.WithGenerator(gen))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.WriteClaimSpec("uid-1", []cdi.Device{{Name: "gpu-1", UUID: m.UUID(1), Minor: 1}}); err != nil {
+		if _, statErr := os.Stat(w.SpecPath("uid-1")); !errors.Is(statErr, os.ErrNotExist) {
+			t.Errorf("spec written despite %v", err)
+		}
+		return nil, err
+	}
+	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := cache.GetDevice(cdi.DeviceID("uid-1", "gpu-1"))
+	if dev == nil {
+		t.Fatalf("runtime cannot resolve the device: %v", cache.GetErrors())
+	}
+	return dev.GetSpec().Spec, nil
+}
+
+// TestNVCDIDisabledHooks: every hook that nvcdi puts into a spec is one
+// of cdi.Hooks (whose toolkit versions the README and the errors name),
+// and a disabled hook is left out of the spec while the others stay.
+func TestNVCDIDisabledHooks(t *testing.T) {
+	m, lib := workstation(t)
+	root, err := driverroot.New("/", fakeDriverRoot(t, m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	generate := func(disabled ...string) []string {
+		t.Helper()
+		hooks, err := cdi.ParseDisabledHooks(disabled)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }, DisabledHooks: hooks})
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec, err := claimSpec(t, m, gen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return hookNames(allEdits(spec))
+	}
+
+	all := generate()
+	var known []string
+	for _, h := range cdi.Hooks {
+		known = append(known, string(h.Name))
+	}
+	slices.Sort(known)
+	if !slices.Equal(all, known) {
+		t.Errorf("spec runs hooks %v, cdi.Hooks lists %v", all, known)
+	}
+
+	disabled := []string{string(cdi.ApplicationProfileHook), string(cdi.ApplyCUDAMemoryLimitsHook)}
+	got := generate(disabled...)
+	want := slices.DeleteFunc(slices.Clone(all), func(h string) bool { return slices.Contains(disabled, h) })
+	if !slices.Equal(got, want) {
+		t.Errorf("with %v disabled: hooks %v, want %v", disabled, got, want)
+	}
+	if got := generate("all"); len(got) != 0 {
+		t.Errorf("with all hooks disabled: hooks %v", got)
+	}
+}
+
+func TestParseDisabledHooks(t *testing.T) {
+	hooks, err := cdi.ParseDisabledHooks([]string{" update-application-profile", "", "apply-cuda-memory-limits "})
+	if err != nil || len(hooks) != 2 || hooks[0] != cdi.ApplicationProfileHook || hooks[1] != cdi.ApplyCUDAMemoryLimitsHook {
+		t.Errorf("got %v, %v", hooks, err)
+	}
+	_, err = cdi.ParseDisabledHooks([]string{"update-application-profiles"})
+	if err == nil || !strings.Contains(err.Error(), `"update-application-profiles"`) || !strings.Contains(err.Error(), "update-application-profile, apply-cuda-memory-limits, all") {
+		t.Errorf("want an error naming the bad and the valid hooks, got %v", err)
+	}
+	if _, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: driverroot.Root{Path: "/", HostPath: "/"}, NVML: func() nvml.Interface { return nil }, DisabledHooks: []nvcdi.HookName{"chmod"}}); err == nil {
+		t.Error("NewNVCDI accepts an unknown hook")
+	}
+	for disabled, want := range map[string]string{
+		"":                         "1.20.1",
+		"apply-cuda-memory-limits": "1.20.0",
+		"apply-cuda-memory-limits,update-application-profile": "1.17.8",
+		"all": "",
+	} {
+		hooks, err := cdi.ParseDisabledHooks(strings.Split(disabled, ","))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := cdi.RequiredToolkit(hooks); got != want {
+			t.Errorf("disabled %q: toolkit %q, want %q", disabled, got, want)
+		}
+	}
+}
+
+// TestNVCDIHookMissing: where the agent can see the node's
+// nvidia-cdi-hook (ContainerHookPath), a spec whose hooks run it is
+// generated only while it is an executable file there, found with
+// symbolic links resolved inside the node's root as mounted; otherwise
+// generating fails with an error naming the path on the node, the
+// toolkit release needed and the way out, and writes no spec. Every
+// generation looks again, so a hook installed later is found. Without
+// hooks (all disabled) or without ContainerHookPath nothing is checked.
+func TestNVCDIHookMissing(t *testing.T) {
+	const hookPath = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+	testcases := map[string]struct {
+		// setup lays out the node's root.
+		setup     func(t *testing.T, nodeRoot string)
+		disabled  []string
+		noCheck   bool
+		wantErr   []string
+		wantHooks bool
+	}{
+		"executable": {setup: writeHook(0o755), wantHooks: true},
+		"absolute link inside the node's root": {setup: func(t *testing.T, nodeRoot string) {
+			writeFile(t, filepath.Join(nodeRoot, "opt/toolkit-1.20.2/nvidia-cdi-hook"), 0o755)
+			if err := os.Symlink("/opt/toolkit-1.20.2/nvidia-cdi-hook", filepath.Join(nodeRoot, hookPath)); err != nil {
+				t.Fatal(err)
+			}
+		}, wantHooks: true},
+		"missing":        {wantErr: []string{hookPath, "no such file", "NVIDIA Container Toolkit 1.20.1", "apply-cuda-memory-limits", "NVIDIA_CDI_HOOK_PATH", "DISABLED_CDI_HOOKS"}},
+		"not executable": {setup: writeHook(0o644), wantErr: []string{hookPath, "not executable"}},
+		"a directory": {setup: func(t *testing.T, nodeRoot string) {
+			if err := os.MkdirAll(filepath.Join(nodeRoot, hookPath), 0o755); err != nil {
+				t.Fatal(err)
+			}
+		}, wantErr: []string{hookPath, "not a regular file"}},
+		"link out of the node's root": {setup: func(t *testing.T, nodeRoot string) {
+			outside := filepath.Join(t.TempDir(), "nvidia-cdi-hook")
+			writeFile(t, outside, 0o755)
+			if err := os.Symlink(outside, filepath.Join(nodeRoot, hookPath)); err != nil {
+				t.Fatal(err)
+			}
+		}, wantErr: []string{hookPath, "no such file"}},
+		"missing, new hooks disabled": {disabled: []string{"apply-cuda-memory-limits", "update-application-profile"}, wantErr: []string{"NVIDIA Container Toolkit 1.17.8", "disable-device-node-modification"}},
+		"missing, all hooks disabled": {disabled: []string{"all"}},
+		"missing, not checked":        {noCheck: true, wantHooks: true},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			m, lib := workstation(t)
+			driverRoot, err := driverroot.New(driverroot.GPUOperatorHostPath, fakeDriverRoot(t, m))
+			if err != nil {
+				t.Fatal(err)
+			}
+			nodeRoot := t.TempDir()
+			if err := os.MkdirAll(filepath.Join(nodeRoot, filepath.Dir(hookPath)), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if tc.setup != nil {
+				tc.setup(t, nodeRoot)
+			}
+			disabled, err := cdi.ParseDisabledHooks(tc.disabled)
+			if err != nil {
+				t.Fatal(err)
+			}
+			opts := cdi.NVCDIOptions{Root: driverRoot, NVML: func() nvml.Interface { return lib }, HookPath: hookPath, DisabledHooks: disabled}
+			if !tc.noCheck {
+				opts.ContainerHookPath = filepath.Join(nodeRoot, hookPath)
+			}
+			gen, err := cdi.NewNVCDI(opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			spec, err := claimSpec(t, m, gen)
+			if tc.wantErr == nil {
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := gen.CheckHook(); err != nil {
+					t.Errorf("CheckHook: %v", err)
+				}
+				if got := len(allEdits(spec).Hooks) > 0; got != tc.wantHooks {
+					t.Errorf("spec has hooks: %v, want %v", got, tc.wantHooks)
+				}
+				return
+			}
+			t.Logf("error: %v", err)
+			if !errors.Is(err, cdi.ErrHookMissing) {
+				t.Fatalf("want an error wrapping %q, got %v", cdi.ErrHookMissing, err)
+			}
+			for _, want := range append(tc.wantErr, opts.ContainerHookPath) {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("error does not name %q", want)
+				}
+			}
+			if err := gen.CheckHook(); !errors.Is(err, cdi.ErrHookMissing) {
+				t.Errorf("CheckHook: %v, want %v", err, cdi.ErrHookMissing)
+			}
+
+			// Installed after the fact: the same generator finds it.
+			if err := os.RemoveAll(filepath.Join(nodeRoot, hookPath)); err != nil {
+				t.Fatal(err)
+			}
+			writeHook(0o755)(t, nodeRoot)
+			if _, err := claimSpec(t, m, gen); err != nil {
+				t.Errorf("after installing the hook: %v", err)
+			}
+		})
+	}
+}
+
+func writeFile(t *testing.T, path string, mode os.FileMode) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("#!/bin/sh\n"), mode); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// writeHook installs a fake nvidia-cdi-hook at the GPU Operator's path
+// below a node's root.
+func writeHook(mode os.FileMode) func(t *testing.T, nodeRoot string) {
+	return func(t *testing.T, nodeRoot string) {
+		writeFile(t, filepath.Join(nodeRoot, "/usr/local/nvidia/toolkit/nvidia-cdi-hook"), mode)
 	}
 }

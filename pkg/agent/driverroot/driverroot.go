@@ -188,7 +188,7 @@ func (r Root) relative(path string) (string, bool) {
 func (r Root) find(name string, dirs []string) (string, error) {
 	var errs []error
 	for _, dir := range dirs {
-		resolved, err := r.resolve(filepath.Join(dir, name))
+		resolved, err := r.Resolve(filepath.Join(dir, name))
 		if err == nil {
 			return resolved, nil
 		}
@@ -202,10 +202,10 @@ func (r Root) find(name string, dirs []string) (string, error) {
 	return "", fmt.Errorf("%s %w %s (searched %s)", name, ErrNotFound, r.Path, strings.Join(dirs, ", "))
 }
 
-// resolve follows symbolic links of rel (a path relative to the root, with
+// Resolve follows symbolic links of rel (a path relative to the root, with
 // a leading slash) inside the root and returns the agent-side path of a
-// regular file.
-func (r Root) resolve(rel string) (string, error) {
+// regular file. A missing file's error wraps fs.ErrNotExist.
+func (r Root) Resolve(rel string) (string, error) {
 	links := 0
 	parts := strings.Split(strings.TrimPrefix(filepath.Clean(rel), "/"), "/")
 	done := "/"
