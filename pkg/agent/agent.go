@@ -161,7 +161,9 @@ type Options struct {
 
 	// Recorder, if set, receives events about the Node: a Warning
 	// (reason ReasonNoGPU) when discovery finds no GPU, a Normal one
-	// (ReasonGPUsFound) when it finds GPUs after that.
+	// (ReasonGPUsFound) when it finds GPUs after that; a Warning
+	// (ReasonCDIHookMissing) at start when CDIGenerator is a
+	// cdi.HookChecker that finds its hook missing.
 	Recorder events.EventRecorder
 }
 
@@ -179,6 +181,10 @@ const (
 	// upgrade or unload); the agent stops so that its restart loads the
 	// new library.
 	ReasonNVMLReload = "TopodraNVMLReload"
+	// ReasonCDIHookMissing (Warning, at start): the program that the CDI
+	// specs' hooks run is missing on the node (cdi.HookChecker); Prepare
+	// fails for every claim until it is there.
+	ReasonCDIHookMissing = "TopodraCDIHookMissing"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -294,6 +300,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		if err := a.openState(ctx); err != nil {
 			return nil, err
 		}
+		a.checkCDIHook(ctx)
 	}
 
 	inv, err := opts.Discovery.Discover(ctx)
@@ -645,10 +652,33 @@ func (a *Agent) nodeRef() *v1.ObjectReference {
 	return &v1.ObjectReference{Kind: "Node", Name: a.opts.NodeName, UID: types.UID(a.opts.NodeName)}
 }
 
-// nodeEvent records an event on the Node if there is a recorder.
+// noteLengthLimit is the longest event note that the API server accepts.
+const noteLengthLimit = 1024
+
+// nodeEvent records an event on the Node if there is a recorder, its note
+// cut to noteLengthLimit.
 func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
-	if a.opts.Recorder != nil {
-		a.opts.Recorder.Eventf(a.nodeRef(), nil, eventtype, reason, action, note, args...)
+	if a.opts.Recorder == nil {
+		return
+	}
+	note = fmt.Sprintf(note, args...)
+	if len(note) > noteLengthLimit {
+		note = strings.ToValidUTF8(note[:noteLengthLimit-3], "") + "..."
+	}
+	a.opts.Recorder.Eventf(a.nodeRef(), nil, eventtype, reason, action, "%s", note)
+}
+
+// checkCDIHook reports at start, in the log and as a Warning event on the
+// Node, that the CDI generator's hook is missing: every Prepare fails
+// until it is there (the generator checks again each time).
+func (a *Agent) checkCDIHook(ctx context.Context) {
+	checker, ok := a.opts.CDIGenerator.(cdi.HookChecker)
+	if !ok {
+		return
+	}
+	if err := checker.CheckHook(); err != nil {
+		klog.FromContext(ctx).Error(err, "Prepare of GPU claims fails until this is fixed")
+		a.nodeEvent(v1.EventTypeWarning, ReasonCDIHookMissing, "Prepare", "%s cannot prepare GPUs for containers: %v", a.opts.DriverName, err)
 	}
 }
 
