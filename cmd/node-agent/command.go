@@ -50,6 +50,8 @@ type options struct {
 	containerDriverRoot string
 	containerDevRoot    string
 	cdiHookPath         string
+	containerHookPath   string
+	disabledCDIHooks    []string
 	healthAddress       string
 	sysfsRoot           string
 	kubeletDir          string
@@ -114,6 +116,8 @@ the command line wins.`,
 	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. Empty: --driver-root itself (running on the host).")
 	fs.StringVar(&o.containerDevRoot, "container-dev-root", "/", "Where the node's /dev is found in this container, as <dir>/dev, for a --driver-root whose dev/ has no nvidiactl (a driver installed on the host, a driver directory without device nodes); CDI specs name the device nodes found there by the node's /dev. '/' is this container's own /dev, which holds only the device nodes that existed when the container started. The DaemonSet mounts the node's /dev at /host/dev and sets /host.")
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
+	fs.StringVar(&o.containerHookPath, "container-nvidia-cdi-hook-path", "", "Where --nvidia-cdi-hook-path is visible in this container (the DaemonSet: /driver-root/usr/bin/nvidia-cdi-hook, with the GPU Operator /host/usr/local/nvidia/toolkit/nvidia-cdi-hook). Where it is missing or not executable, the agent logs an error and records a "+agent.ReasonCDIHookMissing+" Warning event on the Node at start, and Prepare of real GPUs fails with what to do, looking again each time. A path that ends with --nvidia-cdi-hook-path has its symbolic links resolved inside the directory before that (the node's root as mounted here). Empty: not checked.")
+	fs.StringSliceVar(&o.disabledCDIHooks, "disabled-cdi-hooks", nil, "nvidia-cdi-hook subcommands to leave out of the CDI specs, for a node whose NVIDIA Container Toolkit is older than they need: "+hookVersions()+"; 'all' leaves out every hook. A container with a GPU fails to start where the node's nvidia-cdi-hook lacks a hook of its spec.")
 	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
 	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
@@ -138,6 +142,16 @@ the command line wins.`,
 	logsapi.AddFlags(logConfig, fs)
 	featureGate.AddFlag(fs)
 	return cmd, o
+}
+
+// hookVersions lists the CDI hooks with the NVIDIA Container Toolkit
+// release that each needs.
+func hookVersions() string {
+	var out []string
+	for _, h := range cdi.Hooks {
+		out = append(out, fmt.Sprintf("%s (%s)", h.Name, h.Since))
+	}
+	return strings.Join(out, ", ")
 }
 
 // agentFlags are the flags with environment twins (not the logging flags).
@@ -202,6 +216,13 @@ func newSource(o *options, nodeName string) (*source, error) {
 	if o.numaList {
 		form = discovery.NUMAList
 	}
+	disabledHooks, err := cdi.ParseDisabledHooks(o.disabledCDIHooks)
+	if err != nil {
+		return nil, fmt.Errorf("--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): %w", err)
+	}
+	if o.containerHookPath != "" && !filepath.IsAbs(o.containerHookPath) {
+		return nil, fmt.Errorf("--container-nvidia-cdi-hook-path (or CONTAINER_NVIDIA_CDI_HOOK_PATH) must be absolute, got %q", o.containerHookPath)
+	}
 	switch {
 	case o.nvml == "real":
 		root, err := driverroot.New(o.driverRoot, o.containerDriverRoot)
@@ -216,7 +237,13 @@ func newSource(o *options, nodeName string) (*source, error) {
 			sysfs = os.DirFS(o.sysfsRoot).(fs.ReadLinkFS)
 		}
 		disc := discovery.NewLazy(discovery.OpenFromRoot(root), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
-		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: disc.Lib, HookPath: o.cdiHookPath})
+		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{
+			Root:              root,
+			NVML:              disc.Lib,
+			HookPath:          o.cdiHookPath,
+			ContainerHookPath: o.containerHookPath,
+			DisabledHooks:     disabledHooks,
+		})
 		if err != nil {
 			return nil, err
 		}
@@ -314,7 +341,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 		defer stopHealth()
 	}
-	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
+	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
 	<-a.Done()
 	cause := a.Err()
 	a.Stop()

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/driverroot"
 	"github.com/topodra/topodra/pkg/topology"
@@ -32,15 +33,17 @@ func TestEnvironmentTwins(t *testing.T) {
 		want options
 	}{
 		"environment only": {
-			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s", "CONTAINER_DEV_ROOT": "/host"},
-			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host"},
+			env: map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s", "CONTAINER_DEV_ROOT": "/host",
+				"CONTAINER_NVIDIA_CDI_HOOK_PATH": "/driver-root/usr/bin/nvidia-cdi-hook", "DISABLED_CDI_HOOKS": "update-application-profile,apply-cuda-memory-limits"},
+			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host",
+				containerHookPath: "/driver-root/usr/bin/nvidia-cdi-hook", disabledCDIHooks: []string{"update-application-profile", "apply-cuda-memory-limits"}},
 		},
 		"command line wins": {
-			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true"},
-			args: []string{"--node-name=flag-node", "--owned-taint=false"},
-			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100", containerDevRoot: "/"},
+			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "DISABLED_CDI_HOOKS": "all"},
+			args: []string{"--node-name=flag-node", "--owned-taint=false", "--disabled-cdi-hooks=apply-cuda-memory-limits"},
+			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100", containerDevRoot: "/", disabledCDIHooks: []string{"apply-cuda-memory-limits"}},
 		},
-		"defaults: owned taint on, the container's own /dev": {
+		"defaults: owned taint on, the container's own /dev, every hook, no hook check": {
 			want: options{nvml: "real", ownedTaint: true, containerDevRoot: "/"},
 		},
 	}
@@ -58,6 +61,9 @@ func TestEnvironmentTwins(t *testing.T) {
 			}
 			if o.nodeName != tc.want.nodeName || o.nvml != tc.want.nvml || o.ownedTaint != tc.want.ownedTaint || o.containerDevRoot != tc.want.containerDevRoot {
 				t.Errorf("got node %q nvml %q ownedTaint %v containerDevRoot %q, want %q %q %v %q", o.nodeName, o.nvml, o.ownedTaint, o.containerDevRoot, tc.want.nodeName, tc.want.nvml, tc.want.ownedTaint, tc.want.containerDevRoot)
+			}
+			if o.containerHookPath != tc.want.containerHookPath || !slices.Equal(o.disabledCDIHooks, tc.want.disabledCDIHooks) {
+				t.Errorf("got containerHookPath %q disabledCDIHooks %q, want %q %q", o.containerHookPath, o.disabledCDIHooks, tc.want.containerHookPath, tc.want.disabledCDIHooks)
 			}
 			if v, ok := tc.env["RESCAN_INTERVAL"]; ok && o.rescanInterval.String() != v {
 				t.Errorf("rescan interval %v, want %s", o.rescanInterval, v)
@@ -91,6 +97,8 @@ func TestDryRun(t *testing.T) {
 		"missing node name outside": {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
 		"invalid owned taint key":   {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
 		"relative device root":      {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
+		"unknown disabled hook":     {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
+		"relative hook path":        {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -210,6 +218,49 @@ func TestDryRunRealNVML(t *testing.T) {
 	}
 	if !slices.ContainsFunc(view.Mounts, func(m oci.Mount) bool { return strings.Contains(path.Base(m.Source), "libnvidia-ml.so") }) {
 		t.Errorf("the container does not get the driver's libnvidia-ml: %v", view.Mounts)
+	}
+}
+
+// TestRealSourceChecksHook: on real NVML the CDI generator looks for
+// --nvidia-cdi-hook-path at --container-nvidia-cdi-hook-path, and not
+// where --disabled-cdi-hooks leaves out every hook or the container path
+// is empty; mock GPUs run no hooks and check nothing.
+func TestRealSourceChecksHook(t *testing.T) {
+	nodeRoot := t.TempDir()
+	testcases := map[string]struct {
+		opts    options
+		wantErr bool
+	}{
+		"missing":             {opts: options{nvml: "real", containerHookPath: filepath.Join(nodeRoot, "usr/bin/nvidia-cdi-hook")}, wantErr: true},
+		"not checked":         {opts: options{nvml: "real"}},
+		"all hooks disabled":  {opts: options{nvml: "real", containerHookPath: filepath.Join(nodeRoot, "usr/bin/nvidia-cdi-hook"), disabledCDIHooks: []string{"all"}}},
+		"some hooks disabled": {opts: options{nvml: "real", containerHookPath: filepath.Join(nodeRoot, "usr/bin/nvidia-cdi-hook"), disabledCDIHooks: []string{"apply-cuda-memory-limits"}}, wantErr: true},
+		"mock":                {opts: options{nvml: "mock:dgx-h100", containerHookPath: filepath.Join(nodeRoot, "usr/bin/nvidia-cdi-hook")}},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			o := tc.opts
+			o.driverRoot, o.containerDriverRoot, o.cdiHookPath = "/", nodeRoot, cdi.DefaultHookPath
+			src, err := newSource(&o, "node-1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = src.close() }()
+			checker, ok := src.cdi.(cdi.HookChecker)
+			if !ok {
+				if tc.wantErr || o.nvml == "real" {
+					t.Fatalf("generator %T does not check its hook", src.cdi)
+				}
+				return
+			}
+			err = checker.CheckHook()
+			if got := errors.Is(err, cdi.ErrHookMissing); got != tc.wantErr {
+				t.Errorf("CheckHook: %v, want an error: %v", err, tc.wantErr)
+			}
+			if tc.wantErr && !strings.Contains(err.Error(), cdi.DefaultHookPath) {
+				t.Errorf("error %q does not name the path on the node", err)
+			}
+		})
 	}
 }
 
