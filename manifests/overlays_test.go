@@ -1,6 +1,7 @@
 package manifests
 
 import (
+	"path"
 	"slices"
 	"strings"
 	"testing"
@@ -54,6 +55,35 @@ func mount(c *v1.Container, name string) *v1.VolumeMount {
 	return nil
 }
 
+// checkHookMount: the agent sees the node's NVIDIA_CDI_HOOK_PATH at
+// CONTAINER_NVIDIA_CDI_HOOK_PATH, through a read-only hostPath mount (the
+// one with the longest mount path that holds it) of the volume named
+// want, and the container path ends with the node's path, so that the
+// agent resolves the hook's symbolic links inside the node's root.
+func checkHookMount(t *testing.T, ds *appsv1.DaemonSet, c *v1.Container, env map[string]string, want string) {
+	t.Helper()
+	hook, containerHook := env["NVIDIA_CDI_HOOK_PATH"], env["CONTAINER_NVIDIA_CDI_HOOK_PATH"]
+	if !strings.HasSuffix(containerHook, hook) {
+		t.Errorf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q does not end with NVIDIA_CDI_HOOK_PATH=%q", containerHook, hook)
+	}
+	var through *v1.VolumeMount
+	for i, m := range c.VolumeMounts {
+		if strings.HasPrefix(containerHook, strings.TrimSuffix(m.MountPath, "/")+"/") && (through == nil || len(m.MountPath) > len(through.MountPath)) {
+			through = &c.VolumeMounts[i]
+		}
+	}
+	if through == nil {
+		t.Fatalf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q is on no mount", containerHook)
+	}
+	v := volume(ds, through.Name)
+	if through.Name != want || v == nil || v.HostPath == nil || !through.ReadOnly {
+		t.Fatalf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q is on mount %s (read-only %v), want a read-only hostPath mount of %s", containerHook, through.Name, through.ReadOnly, want)
+	}
+	if onNode := path.Join(v.HostPath.Path, strings.TrimPrefix(containerHook, through.MountPath)); onNode != hook {
+		t.Errorf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q is the node's %s through mount %s, want NVIDIA_CDI_HOOK_PATH=%q", containerHook, onNode, through.Name, hook)
+	}
+}
+
 // TestOverlays checks what each install variant must get right: where the
 // driver root comes from, how privileged the agent is, and what every
 // variant shares (probes, tolerations, requests, images, least privilege).
@@ -62,10 +92,12 @@ func TestOverlays(t *testing.T) {
 		driverRoot string // "" means: no driver root at all (mock)
 		nvml       string
 		hook       string
+		// hookVolume is the volume through which the agent sees hook.
+		hookVolume string
 		privileged bool
 	}{
-		"overlays/host":         {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", privileged: true},
-		"overlays/gpu-operator": {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", privileged: true},
+		"overlays/host":         {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", privileged: true},
+		"overlays/gpu-operator": {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
 		"overlays/mock":         {nvml: "mock:dgx-h100"},
 	}
 	for _, o := range Overlays {
@@ -119,6 +151,7 @@ func TestOverlays(t *testing.T) {
 				if env["NVIDIA_CDI_HOOK_PATH"] != tc.hook {
 					t.Errorf("NVIDIA_CDI_HOOK_PATH=%q, want %q", env["NVIDIA_CDI_HOOK_PATH"], tc.hook)
 				}
+				checkHookMount(t, ds, c, env, tc.hookVolume)
 			}
 
 			// Shared by every variant.
