@@ -179,7 +179,10 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
 	}
 	if _, ok := pl.uncertain.take(claim.UID); !ok {
-		// Settled meanwhile (an informer event).
+		// Settled meanwhile (an informer event): the claim as read.
+		if err == nil && latest.UID == claim.UID {
+			return latest, nil
+		}
 		return claim, nil
 	}
 	if err == nil && latest.UID == claim.UID && latest.Status.Allocation != nil && allocation != nil {
