@@ -152,13 +152,7 @@ func TestBindingTimeoutOfAllocationWithoutTimestamp(t *testing.T) {
 	schedmetrics.Register()
 	h.pl.bindingTimeout = 200 * time.Millisecond
 	pod := testPod("p", "c")
-	cs, st := h.cycle(pod, "node-a")
-	if !st["node-a"].IsSuccess() {
-		t.Fatalf("first attempt, Filter: %v", st["node-a"])
-	}
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
+	cs := h.reserve(pod, "node-a")
 	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
 		t.Fatalf("first attempt, PreBind: %v, want a binding timeout", st)
 	}

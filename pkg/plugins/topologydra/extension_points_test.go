@@ -52,6 +52,20 @@ func (h *harness) cycle(pod *v1.Pod, nodes ...string) (fwk.CycleState, map[strin
 	return cs, out
 }
 
+// reserve runs PreFilter and Filter for pod (Filter must pass on node)
+// and then Reserve on node, and returns the cycle state.
+func (h *harness) reserve(pod *v1.Pod, node string) fwk.CycleState {
+	h.tCtx.Helper()
+	cs, st := h.cycle(pod, node)
+	if !st[node].IsSuccess() {
+		h.tCtx.Fatalf("Filter of pod %s on node %s: %v", pod.Name, node, st[node])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, node); !st.IsSuccess() {
+		h.tCtx.Fatalf("Reserve of pod %s on node %s: %v", pod.Name, node, st)
+	}
+	return cs
+}
+
 func TestPreFilter(t *testing.T) {
 	nodes := []*v1.Node{testNode("node-a")}
 	tests := map[string]struct {
@@ -325,13 +339,7 @@ func TestUnreserveRestores(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 1))
 			pod := testPod("p", "c")
-			cs, st := h.cycle(pod, "node-a")
-			if !st["node-a"].IsSuccess() {
-				t.Fatalf("Filter: %v", st["node-a"])
-			}
-			if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-				t.Fatalf("Reserve: %v", st)
-			}
+			cs := h.reserve(pod, "node-a")
 			claims := h.pl.draManager.ResourceClaims()
 			uid := h.apiClaim("c").UID
 			if claims.GetPendingAllocation(uid) == nil {

@@ -394,13 +394,7 @@ func TestPlacedWholeNodePodIsNotWaiting(t *testing.T) {
 	if d := draining(); d.Len() != 1 {
 		t.Fatalf("with the whole-node pod waiting: draining %v, want one node", sets.List(d))
 	}
-	cs, st := h.cycle(whole, "n1")
-	if !st["n1"].IsSuccess() {
-		t.Fatalf("Filter: %v", st["n1"])
-	}
-	if st := h.pl.Reserve(h.tCtx, cs, whole, "n1"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
+	h.reserve(whole, "n1")
 	if d := draining(); d.Len() != 0 {
 		t.Errorf("after the whole-node pod's Reserve: draining %v, want none", sets.List(d))
 	}

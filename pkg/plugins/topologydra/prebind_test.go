@@ -62,13 +62,7 @@ func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 		h.waitForClaim(n, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	pod := testPod("p", "a", "b")
-	cs, st := h.cycle(pod, "node-a")
-	if !st["node-a"].IsSuccess() {
-		t.Fatalf("Filter: %v", st["node-a"])
-	}
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
+	cs := h.reserve(pod, "node-a")
 	delay.Store(int64(2 * time.Second))
 	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
 		u := action.(cgotesting.UpdateAction)
@@ -121,13 +115,7 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
 	pod := testPod("p", "c")
-	cs, st := h.cycle(pod, "node-a")
-	if !st["node-a"].IsSuccess() {
-		t.Fatalf("Filter: %v", st["node-a"])
-	}
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
+	cs := h.reserve(pod, "node-a")
 	lag.Store(int64(2 * time.Second))
 	lose.Store(true)
 	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
@@ -195,13 +183,7 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
 			pod := testPod("p", "c")
-			cs, st := h.cycle(pod, "node-a")
-			if !st["node-a"].IsSuccess() {
-				t.Fatalf("Filter: %v", st["node-a"])
-			}
-			if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-				t.Fatalf("Reserve: %v", st)
-			}
+			cs := h.reserve(pod, "node-a")
 			uid := h.apiClaim("c").UID
 			// The claim informer lags far behind (only reads settle c),
 			// or a little.
@@ -241,7 +223,7 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 				h.tCtx.ExpectNoError(err, "the claim informer's event did not settle claim c")
 			}
 			unreadable.Store(false)
-			cs, st = h.cycle(pod, "node-a")
+			cs, st := h.cycle(pod, "node-a")
 			if stored {
 				// c is allocated and reserved for p: nothing to allocate.
 				if !st["node-a"].IsSuccess() {
