@@ -50,6 +50,25 @@ func lagClaimWatch(h *harness, delay *atomic.Int64) {
 	})
 }
 
+// loseStatusReplies makes claim status writes fail with err while lose is
+// set, after the API stored them (stored) or not.
+func loseStatusReplies(h *harness, lose *atomic.Bool, stored bool, err error) {
+	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		u := action.(cgotesting.UpdateAction)
+		if u.GetSubresource() != "status" || !lose.Load() {
+			return false, nil, nil
+		}
+		if stored {
+			obj := u.GetObject().(*resourceapi.ResourceClaim).DeepCopy()
+			obj.ResourceVersion = "1000000" // newer than any the harness gave out
+			if err := h.client.Tracker().Update(action.GetResource(), obj, action.GetNamespace(), metav1.UpdateOptions{}); err != nil {
+				return true, nil, err
+			}
+		}
+		return true, nil, err
+	})
+}
+
 // TestPreBindFailureKeepsWrittenClaims: PreBind writes claim a and fails
 // on claim b while the claim informer lags behind the API. Unreserve must
 // not put back the informer's unallocated copy of a: the devices a holds
@@ -98,18 +117,7 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 	var lose atomic.Bool
 	hook := func(h *harness) {
 		lagClaimWatch(h, &lag)
-		h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
-			u := action.(cgotesting.UpdateAction)
-			if u.GetSubresource() != "status" || !lose.Load() {
-				return false, nil, nil
-			}
-			obj := u.GetObject().(*resourceapi.ResourceClaim).DeepCopy()
-			obj.ResourceVersion = "1000000" // newer than any the harness gave out
-			if err := h.client.Tracker().Update(action.GetResource(), obj, action.GetNamespace(), metav1.UpdateOptions{}); err != nil {
-				return true, nil, err
-			}
-			return true, nil, errors.New("apiserver: timeout")
-		})
+		loseStatusReplies(h, &lose, true, errors.New("apiserver: timeout"))
 	}
 	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
 	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
@@ -155,20 +163,7 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			var lose, unreadable atomic.Bool
 			hook := func(h *harness) {
 				lagClaimWatch(h, &lag)
-				h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
-					u := action.(cgotesting.UpdateAction)
-					if u.GetSubresource() != "status" || !lose.Load() {
-						return false, nil, nil
-					}
-					if stored {
-						obj := u.GetObject().(*resourceapi.ResourceClaim).DeepCopy()
-						obj.ResourceVersion = "1000000" // newer than any the harness gave out
-						if err := h.client.Tracker().Update(action.GetResource(), obj, action.GetNamespace(), metav1.UpdateOptions{}); err != nil {
-							return true, nil, err
-						}
-					}
-					return true, nil, apierrors.NewTimeoutError("request did not complete within requested timeout", 1)
-				})
+				loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
 				h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
 					if unreadable.Load() {
 						return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
