@@ -120,7 +120,8 @@ func agentClient(t *testing.T, cp *framework.ControlPlane, node string) kubernet
 // TestAgentOwnNodeOnly: with the shipped RBAC and policy, node A's agent
 // writes node A's ResourceSlice and is refused node B's, cluster-wide
 // slices, and everything when its token names no node; it cannot read
-// Secrets. Other identities are not affected by the policy.
+// Secrets, and Pods only by listing. Other identities are not affected
+// by the policy.
 func TestAgentOwnNodeOnly(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	cp, _ := startInstalled(t, ctx)
@@ -180,6 +181,14 @@ func TestAgentOwnNodeOnly(t *testing.T) {
 	_, err = agentA.CoreV1().Secrets(metav1.NamespaceSystem).List(ctx, metav1.ListOptions{})
 	if !apierrors.IsForbidden(err) {
 		t.Errorf("agent lists Secrets: %v, want Forbidden", err)
+	}
+	// Pods: listed by node (stale claim check), nothing else.
+	if _, err := agentA.CoreV1().Pods(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=node-a"}); err != nil {
+		t.Errorf("agent lists its node's pods: %v", err)
+	}
+	_, err = agentA.CoreV1().Pods(metav1.NamespaceDefault).Get(ctx, "any", metav1.GetOptions{})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("agent gets a Pod: %v, want Forbidden", err)
 	}
 	// The policy matches only the agent: an admin still manages any slice.
 	if err := cp.Client.ResourceV1().ResourceSlices().Delete(ctx, sliceB.Name, metav1.DeleteOptions{}); err != nil {

@@ -191,6 +191,30 @@ func TestOverlays(t *testing.T) {
 			}); !ok {
 				t.Error("own-slices policy not bound with Deny")
 			}
+			agentRole, ok := find(objs, func(r *rbacv1.ClusterRole) bool { return r.Name == "topodra-node-agent" })
+			if !ok {
+				t.Fatal("no agent ClusterRole")
+			}
+			listsPods := false
+			for _, rule := range agentRole.Rules {
+				if !slices.Contains(rule.APIGroups, "") {
+					continue
+				}
+				for _, r := range rule.Resources {
+					switch r {
+					case "pods":
+						listsPods = slices.Equal(rule.Verbs, []string{"list"})
+						if !listsPods {
+							t.Errorf("agent may %v pods, want only list (by spec.nodeName)", rule.Verbs)
+						}
+					case "secrets", "pods/exec", "*":
+						t.Errorf("agent may %v %s", rule.Verbs, r)
+					}
+				}
+			}
+			if !listsPods {
+				t.Error("agent may not list pods: prepared claims gone from the API are never dropped")
+			}
 			role, ok := find(objs, func(r *rbacv1.Role) bool { return r.Name == "topodra-scheduler-leases" })
 			if !ok {
 				t.Fatal("no lease Role")

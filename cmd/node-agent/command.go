@@ -64,6 +64,7 @@ type options struct {
 	devicePlugin        []string
 	numaList            bool
 	rescanInterval      time.Duration
+	staleClaimGrace     time.Duration
 	publishOnly         bool
 	dryRun              bool
 	showCDI             bool
@@ -129,7 +130,8 @@ the command line wins.`,
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
-	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, and to unprepare claims deleted from the API while prepared; 0 or less disables rescanning (deleted claims are then checked every "+agent.DefaultRescanInterval.String()+").")
+	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, and to check prepared claims against the API (see --stale-claim-grace); 0 or less disables rescanning (prepared claims are then checked every "+agent.DefaultRescanInterval.String()+").")
+	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run) keeps its GPUs before the agent drops it; it is dropped only where no pod bound to this node references it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
 	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
@@ -326,6 +328,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		DevicePluginCheck:     checkInterval(o.rescanInterval),
 		RescanInterval:        rescan(o.rescanInterval),
 		StaleClaimCheck:       checkInterval(o.rescanInterval),
+		StaleClaimGrace:       staleClaimGrace(o.staleClaimGrace),
 	})
 	if errors.Is(err, agent.ErrCDIDir) {
 		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
@@ -368,6 +371,15 @@ func checkInterval(rescanInterval time.Duration) time.Duration {
 		return agent.DefaultRescanInterval
 	}
 	return rescanInterval
+}
+
+// staleClaimGrace is --stale-claim-grace as Options.StaleClaimGrace: 0
+// or less never drops a claim.
+func staleClaimGrace(d time.Duration) time.Duration {
+	if d <= 0 {
+		return -1
+	}
+	return d
 }
 
 // prober is what the health endpoints ask.

@@ -305,6 +305,25 @@ func TestStaleClaimCheckFollowsRescans(t *testing.T) {
 	}
 }
 
+func TestStaleClaimGraceFlag(t *testing.T) {
+	cmd, o := newCommandWithOptions()
+	if err := cmd.Flags().Parse(nil); err != nil {
+		t.Fatal(err)
+	}
+	if got := staleClaimGrace(o.staleClaimGrace); got != agent.DefaultStaleClaimGrace {
+		t.Errorf("default --stale-claim-grace: %v, want %v", got, agent.DefaultStaleClaimGrace)
+	}
+	for in, want := range map[time.Duration]time.Duration{
+		2 * time.Hour: 2 * time.Hour,
+		0:             -1,
+		-time.Second:  -1,
+	} {
+		if got := staleClaimGrace(in); got != want {
+			t.Errorf("--stale-claim-grace=%v: %v, want %v", in, got, want)
+		}
+	}
+}
+
 // TestUnusableCDIDirNamesFlag: a --cdi-dir that cannot hold CDI specs fails
 // the start with an error that names the flag.
 func TestUnusableCDIDirNamesFlag(t *testing.T) {

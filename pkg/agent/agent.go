@@ -124,11 +124,18 @@ type Options struct {
 	// DefaultBootIDPath; a file that cannot be read disables the check.
 	BootIDPath string
 	// StaleClaimCheck is how often prepared claims are checked against the
-	// API server; a claim that no longer exists (or was recreated with
-	// another UID) is unprepared. Zero or negative disables the check (the
-	// command's default is DefaultRescanInterval); when enabled it also
-	// runs once at start.
+	// API server (see CleanupStaleClaims): a claim that no longer exists
+	// (or was recreated with another UID) is reported on the Node and
+	// dropped after StaleClaimGrace. Zero or negative disables the check
+	// (the command's default is DefaultRescanInterval); when enabled it
+	// also runs once at start.
 	StaleClaimCheck time.Duration
+	// StaleClaimGrace is how long a prepared claim that the API server no
+	// longer has keeps its GPUs before the agent drops it, which it does
+	// only where no Pod bound to this node references the claim. Until
+	// then the kubelet unprepares it once its containers are gone. Zero
+	// means DefaultStaleClaimGrace; negative: never dropped.
+	StaleClaimGrace time.Duration
 
 	// OwnedTaint publishes the NoSchedule taint OwnedTaintKey on every
 	// device, so that only topodra (which tolerates it) allocates them.
@@ -204,6 +211,12 @@ type Agent struct {
 	// publisher publishes with PublishOnly (nil otherwise).
 	publisher *Publisher
 
+	// staleMutex serializes CleanupStaleClaims and guards gone: when
+	// this process first found each prepared claim gone from the API
+	// server.
+	staleMutex sync.Mutex
+	gone       map[types.UID]time.Time
+
 	// prepareMutex serializes Prepare and Unprepare (the helper already
 	// serializes gRPC calls; direct callers like simulators may not).
 	prepareMutex sync.Mutex
@@ -267,6 +280,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NoGPURetry <= 0 {
 		opts.NoGPURetry = DefaultNoGPURetry
 	}
+	if opts.StaleClaimGrace == 0 {
+		opts.StaleClaimGrace = DefaultStaleClaimGrace
+	}
 	if !opts.PublishOnly {
 		if opts.PluginDataDir == "" {
 			opts.PluginDataDir = filepath.Join(kubeletplugin.KubeletPluginsDir, opts.DriverName)
@@ -290,6 +306,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		health:        opts.Health,
 		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
+		gone:          map[types.UID]time.Time{},
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {

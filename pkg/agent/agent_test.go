@@ -53,6 +53,8 @@ type env struct {
 	devicePlugin []string
 	// generator is Options.CDIGenerator; default: cdi.Static on devRoot.
 	generator cdi.Generator
+	// staleClaimGrace is Options.StaleClaimGrace.
+	staleClaimGrace time.Duration
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -121,6 +123,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		Recorder:       e.recorder,
 
 		DevicePluginResources: e.devicePlugin,
+		StaleClaimGrace:       e.staleClaimGrace,
 	})
 	if err != nil {
 		t.Fatalf("start agent: %v", err)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/reference"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/discovery"
@@ -212,10 +214,16 @@ func TestPrepareRefusesOpaqueConfig(t *testing.T) {
 }
 
 // TestCleanupStaleClaims: a prepared claim that was deleted from the API
-// (or recreated under the same name) is unprepared; one that exists stays.
+// (or recreated under the same name) keeps its GPU, as its pod's
+// containers may still run: another claim on that GPU is refused, and the
+// Node gets one Warning per claim naming it and its GPU. After the grace
+// period the agent drops such a claim unless a pod on the node references
+// it, or the node's pods cannot be listed. A claim that exists stays.
 func TestCleanupStaleClaims(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
 	a := e.start(ctx, t)
 	live := claim("live", gpus("gpus", "gpu-0")...)
 	gone := claim("gone", gpus("gpus", "gpu-1")...)
@@ -238,8 +246,7 @@ func TestCleanupStaleClaims(t *testing.T) {
 			t.Fatalf("prepare %s: %v", uid, r.Err)
 		}
 	}
-	// While the API server fails to answer, nothing is stale: a claim
-	// is unprepared only when the API says it is gone.
+	// While the API server fails to answer, nothing is stale.
 	var failing atomic.Bool
 	failing.Store(true)
 	e.client.PrependReactor("get", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
@@ -251,17 +258,86 @@ func TestCleanupStaleClaims(t *testing.T) {
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 		t.Errorf("with the API failing: removed %v (%v), want none", removed, err)
 	}
+	if ev := drainEvents(recorder); len(ev) != 0 {
+		t.Errorf("events with the API failing: %q", ev)
+	}
 	failing.Store(false)
-	removed, err := a.CleanupStaleClaims(ctx)
+
+	// Gone from the API: kept, reported once each.
+	for range 2 {
+		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+			t.Errorf("within the grace period: removed %v (%v), want none", removed, err)
+		}
+	}
+	evs := drainEvents(recorder)
+	if len(evs) != 2 {
+		t.Errorf("events %q, want one %s per gone claim", evs, agent.ReasonPreparedClaimGone)
+	}
+	for _, c := range []struct{ name, gpu string }{{"default/gone", "gpu-1 (" + e.machine.UUID(1) + ")"}, {"default/recreated", "gpu-2 (" + e.machine.UUID(2) + ")"}} {
+		if !slices.ContainsFunc(evs, func(ev string) bool {
+			return strings.HasPrefix(ev, "Warning "+agent.ReasonPreparedClaimGone) && strings.Contains(ev, c.name) && strings.Contains(ev, c.gpu)
+		}) {
+			t.Errorf("no %s Warning naming %s and %s in %q", agent.ReasonPreparedClaimGone, c.name, c.gpu, evs)
+		}
+	}
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("next", gpus("gpus", "gpu-1")...), claim("clash", gpus("gpus", "gpu-0")...)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := map[types.UID]bool{}
-	for _, uid := range removed {
-		got[uid] = true
+	if r := res["uid-next"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-1 of a claim gone from the API: %v, want ErrDeviceInUse", r.Err)
 	}
-	if len(removed) != 2 || !got[gone.UID] || !got[recreated.UID] {
-		t.Errorf("removed %v, want %s and %s", removed, gone.UID, recreated.UID)
+	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
+	}
+
+	// After the grace period (here: the next check of a restarted
+	// agent): a pod on the node that references "gone" keeps it, one on
+	// another node does not keep "recreated".
+	a.Stop()
+	e.staleClaimGrace = time.Nanosecond
+	a = e.start(ctx, t)
+	pod := func(name, node, claimName string) *v1.Pod {
+		return &v1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
+			Spec:       v1.PodSpec{NodeName: node},
+			Status:     v1.PodStatus{ResourceClaimStatuses: []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To(claimName)}}},
+		}
+	}
+	for _, p := range []*v1.Pod{pod("here", nodeName, "gone"), pod("elsewhere", "node-2", "recreated")} {
+		if _, err := e.client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+		t.Errorf("first check after a restart: removed %v (%v), want none", removed, err)
+	}
+	var listFails atomic.Bool
+	listFails.Store(true)
+	e.client.PrependReactor("list", "pods", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if listFails.Load() {
+			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "", errors.New("no RBAC"))
+		}
+		return false, nil, nil
+	})
+	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+		t.Errorf("pods cannot be listed: removed %v (%v), want none", removed, err)
+	}
+	listFails.Store(false)
+	removed, err := a.CleanupStaleClaims(ctx)
+	if err != nil || !slices.Equal(removed, []types.UID{recreated.UID}) {
+		t.Errorf("after the grace period: removed %v (%v), want %s only", removed, err, recreated.UID)
+	}
+	if err := e.client.CoreV1().Pods("default").Delete(ctx, "here", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	removed, err = a.CleanupStaleClaims(ctx)
+	if err != nil || !slices.Equal(removed, []types.UID{gone.UID}) {
+		t.Errorf("after its pod is gone: removed %v (%v), want %s", removed, err, gone.UID)
+	}
+	evs = drainEvents(recorder)
+	if n := countPrefix(evs, "Normal "+agent.ReasonPreparedClaimDropped); n != 2 {
+		t.Errorf("events %q, want two %s", evs, agent.ReasonPreparedClaimDropped)
 	}
 	// gpu-1 is free again, gpu-0 is not.
 	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("next", gpus("gpus", "gpu-1")...), claim("clash", gpus("gpus", "gpu-0")...)})
@@ -269,11 +345,62 @@ func TestCleanupStaleClaims(t *testing.T) {
 		t.Fatal(err)
 	}
 	if r := res["uid-next"]; r.Err != nil {
-		t.Errorf("gpu-1 after cleanup: %v", r.Err)
+		t.Errorf("gpu-1 after its claim was dropped: %v", r.Err)
 	}
 	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
 		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
 	}
+}
+
+// TestStaleClaimNeverDropped: with a negative grace period a prepared
+// claim gone from the API keeps its GPU until the kubelet unprepares it.
+func TestStaleClaimNeverDropped(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.staleClaimGrace = -1
+	a := e.start(ctx, t)
+	gone := claim("gone", gpus("gpus", "gpu-1")...)
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{gone}); err != nil || res[gone.UID].Err != nil {
+		t.Fatalf("prepare: %v %v", err, res)
+	}
+	for range 3 {
+		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+			t.Errorf("removed %v (%v), want none", removed, err)
+		}
+	}
+	next := claim("next", gpus("gpus", "gpu-1")...)
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{next}); err != nil || !errors.Is(res[next.UID].Err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-1 of the gone claim: %v %v, want ErrDeviceInUse", err, res[next.UID].Err)
+	}
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(gone)}); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{next}); err != nil || res[next.UID].Err != nil {
+		t.Errorf("gpu-1 after the kubelet unprepared the gone claim: %v %v", err, res[next.UID].Err)
+	}
+}
+
+// drainEvents returns the events recorded so far.
+func drainEvents(r *events.FakeRecorder) []string {
+	var out []string
+	for {
+		select {
+		case ev := <-r.Events:
+			out = append(out, ev)
+		default:
+			return out
+		}
+	}
+}
+
+func countPrefix(evs []string, prefix string) int {
+	n := 0
+	for _, ev := range evs {
+		if strings.HasPrefix(ev, prefix) {
+			n++
+		}
+	}
+	return n
 }
 
 // TestRebootMovedGPU prepares two claims, then "reboots" the node with the

@@ -7,11 +7,14 @@ import (
 	"strings"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 )
@@ -68,43 +71,100 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	return a.store.Save(cp)
 }
 
-// CleanupStaleClaims unprepares every recorded claim that no longer exists
-// in the API server (or exists with another UID): its pods are gone, and
-// the kubelet, which would normally call Unprepare, may never do so (for
-// example when the agent was down at the time). It returns the claims it
-// removed. API errors other than NotFound keep the claim. It also forgets
-// what claims held before the last reboot once such a claim is gone or no
-// longer allocated: a later allocation is not the one prepared back then.
+// DefaultStaleClaimGrace is the default of [Options.StaleClaimGrace].
+const DefaultStaleClaimGrace = time.Hour
+
+// Event reasons on the Node about prepared claims that the API server no
+// longer has.
+const (
+	// ReasonPreparedClaimGone (Warning, once per claim and agent
+	// process): a prepared claim is gone from the API server while its
+	// GPUs stay reserved for it; the note names the claim and its GPUs.
+	ReasonPreparedClaimGone = "TopodraPreparedClaimGone"
+	// ReasonPreparedClaimDropped (Normal): the agent dropped such a claim
+	// after Options.StaleClaimGrace because no Pod on the node references
+	// it; its GPUs can be prepared for other claims.
+	ReasonPreparedClaimDropped = "TopodraPreparedClaimDropped"
+)
+
+// CleanupStaleClaims checks the prepared claims against the API server.
+//
+// A prepared claim that the API server no longer has (NotFound, or a
+// claim of that name with another UID) keeps its GPUs: the claim
+// controller deletes the claim of a force-deleted pod while the pod's
+// containers may still run on the node, and the kubelet unprepares the
+// claim only once they have stopped (retrying while the agent is down).
+// Forgetting the claim earlier would let another claim be prepared on
+// GPUs that a running container uses. The first check that finds a claim
+// gone logs it and records a ReasonPreparedClaimGone Warning on the Node
+// naming the claim and its GPUs. Once the claim has been gone for
+// Options.StaleClaimGrace (measured from that first check of this agent
+// process) and no Pod bound to this node references it by namespace and
+// name (spec.resourceClaims or status.resourceClaimStatuses), the claim is
+// unprepared (CDI spec and checkpoint entry removed) with a
+// ReasonPreparedClaimDropped event; a negative grace never drops it.
+// Errors reading a claim or listing Pods keep the claim. It returns the
+// claims it dropped.
+//
+// It also forgets what claims held before the last reboot once such a
+// claim is gone or no longer allocated: a later allocation is not the one
+// prepared back then.
 func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if a.store == nil {
 		return nil, ErrNoState
 	}
+	a.staleMutex.Lock()
+	defer a.staleMutex.Unlock()
+	logger := klog.FromContext(ctx)
 	cp, err := a.store.Load()
 	if err != nil {
 		return nil, err
 	}
-	var stale, forget []types.UID
+	var forget []types.UID
 	for uid, c := range cp.PreviousBoot {
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
 			forget = append(forget, uid)
 		case err != nil:
-			klog.FromContext(ctx).V(2).Info("cannot check claim prepared before the reboot", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+			logger.V(2).Info("cannot check claim prepared before the reboot", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
 		case claim.UID != uid || claim.Status.Allocation == nil:
 			forget = append(forget, uid)
 		}
 	}
+	for uid := range a.gone {
+		if _, ok := cp.Claims[uid]; !ok {
+			// Unprepared by the kubelet meanwhile.
+			delete(a.gone, uid)
+		}
+	}
+	now := time.Now()
+	grace := a.opts.StaleClaimGrace
+	var expired []types.UID
 	for uid, c := range cp.Claims {
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		switch {
-		case apierrors.IsNotFound(err):
-			stale = append(stale, uid)
+		case apierrors.IsNotFound(err), err == nil && claim.UID != uid:
 		case err != nil:
-			klog.FromContext(ctx).V(2).Info("cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
-		case claim.UID != uid:
-			stale = append(stale, uid)
+			logger.V(2).Info("cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+			continue
+		default:
+			delete(a.gone, uid)
+			continue
 		}
+		since, seen := a.gone[uid]
+		if !seen {
+			a.gone[uid] = now
+			a.claimGone(ctx, uid, c)
+			continue
+		}
+		if grace >= 0 && now.Sub(since) >= grace {
+			expired = append(expired, uid)
+		}
+	}
+	stale, err := a.unreferenced(ctx, cp, expired)
+	if err != nil {
+		logger.Info("cannot list the node's pods, keeping the prepared claims that the API server no longer has", "claims", len(expired), "err", err)
 	}
 	if len(stale) == 0 && len(forget) == 0 {
 		return nil, nil
@@ -119,6 +179,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		delete(cp.PreviousBoot, uid)
 	}
 	var removed []types.UID
+	dropped := map[types.UID]checkpoint.PreparedClaim{}
 	for _, uid := range stale {
 		c, ok := cp.Claims[uid]
 		if !ok {
@@ -129,12 +190,99 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		}
 		delete(cp.Claims, uid)
 		removed = append(removed, uid)
-		klog.FromContext(ctx).Info("unprepared stale claim", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid)
+		dropped[uid] = c
 	}
 	if err := a.store.Save(cp); err != nil {
 		return nil, fmt.Errorf("save checkpoint: %w", err)
 	}
+	for _, uid := range removed {
+		c := dropped[uid]
+		delete(a.gone, uid)
+		logger.Info("dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
+		a.nodeEvent(v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
+			"dropped claim %s/%s (%s), which the API server no longer has and no pod on this node references, after %v (--stale-claim-grace): %s can be prepared for other claims",
+			c.Namespace, c.Name, uid, grace, claimDevices(c))
+	}
 	return removed, nil
+}
+
+// claimGone reports a prepared claim that the API server no longer has.
+func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim) {
+	devices := claimDevices(c)
+	klog.FromContext(ctx).Info("prepared claim is gone from the API server, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices)
+	after := fmt.Sprintf("the agent drops it after %v (--stale-claim-grace) once no pod on this node references it", a.opts.StaleClaimGrace)
+	if a.opts.StaleClaimGrace < 0 {
+		after = "the agent never drops it (--stale-claim-grace is negative)"
+	}
+	a.nodeEvent(v1.EventTypeWarning, ReasonPreparedClaimGone, "Unprepare",
+		"claim %s/%s (%s) is prepared with %s but the API server no longer has it (a force-deleted pod whose containers may still run?): these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
+		c.Namespace, c.Name, uid, devices, after)
+}
+
+// claimDevices names a prepared claim's GPUs as "gpu-1 (GPU-...), ...".
+func claimDevices(c checkpoint.PreparedClaim) string {
+	names := make([]string, 0, len(c.Devices))
+	for _, d := range c.Devices {
+		names = append(names, fmt.Sprintf("%s (%s)", d.Device, d.UUID))
+	}
+	if len(names) == 0 {
+		return "no GPU"
+	}
+	return strings.Join(names, ", ")
+}
+
+// unreferenced returns the claims among uids that no Pod bound to this
+// node references (by namespace and name, in spec.resourceClaims or
+// status.resourceClaimStatuses). It lists the node's Pods in each claim's
+// namespace; on an error it returns what it found so far and the error.
+func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, uids []types.UID) ([]types.UID, error) {
+	pods := map[string][]v1.Pod{}
+	var out []types.UID
+	for _, uid := range uids {
+		c := cp.Claims[uid]
+		list, ok := pods[c.Namespace]
+		if !ok {
+			l, err := a.opts.KubeClient.CoreV1().Pods(c.Namespace).List(ctx, metav1.ListOptions{
+				FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.opts.NodeName).String(),
+			})
+			if err != nil {
+				return out, fmt.Errorf("list pods of node %s in namespace %s: %w", a.opts.NodeName, c.Namespace, err)
+			}
+			list = l.Items
+			pods[c.Namespace] = list
+		}
+		referenced := false
+		for i := range list {
+			if list[i].Spec.NodeName == a.opts.NodeName && podReferencesClaim(&list[i], c.Namespace, c.Name) {
+				klog.FromContext(ctx).V(2).Info("keeping prepared claim that the API server no longer has: a pod on the node references it", "claim", klog.KRef(c.Namespace, c.Name), "pod", klog.KObj(&list[i]))
+				referenced = true
+				break
+			}
+		}
+		if !referenced {
+			out = append(out, uid)
+		}
+	}
+	return out, nil
+}
+
+// podReferencesClaim says whether a pod names the claim in its spec or
+// status.
+func podReferencesClaim(pod *v1.Pod, namespace, name string) bool {
+	if pod.Namespace != namespace {
+		return false
+	}
+	for _, rc := range pod.Spec.ResourceClaims {
+		if ptr.Deref(rc.ResourceClaimName, "") == name {
+			return true
+		}
+	}
+	for _, s := range pod.Status.ResourceClaimStatuses {
+		if ptr.Deref(s.ResourceClaimName, "") == name {
+			return true
+		}
+	}
+	return false
 }
 
 func (a *Agent) staleClaimLoop(ctx context.Context) {
