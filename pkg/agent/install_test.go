@@ -403,6 +403,72 @@ func countPrefix(evs []string, prefix string) int {
 	return n
 }
 
+// TestPrepareReallocatedClaim: a prepared claim that was allocated again
+// (other devices, or another allocation time) is refused with
+// ErrReallocated naming the old and new devices, with a warning event on
+// the claim, instead of getting the devices of the earlier allocation;
+// once the kubelet unprepared it, the new allocation prepares.
+func TestPrepareReallocatedClaim(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	at := func(c *resourceapi.ResourceClaim, sec int64) *resourceapi.ResourceClaim {
+		c.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: time.Unix(sec, 0)}
+		return c
+	}
+	first := at(claim("x", gpus("gpus", "gpu-0")...), 1000)
+	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{first}); err != nil || res[first.UID].Err != nil {
+		t.Fatalf("prepare: %v %v", err, res)
+	}
+	testcases := map[string]struct {
+		claim   *resourceapi.ResourceClaim
+		wantErr []string
+	}{
+		"same allocation":         {claim: at(claim("x", gpus("gpus", "gpu-0")...), 1000)},
+		"allocation time unknown": {claim: claim("x", gpus("gpus", "gpu-0")...)},
+		"other GPU":               {claim: at(claim("x", gpus("gpus", "gpu-3")...), 2000), wantErr: []string{"gpu-0", "gpu-3"}},
+		"other GPU, time unknown": {claim: claim("x", gpus("gpus", "gpu-3")...), wantErr: []string{"gpu-0", "gpu-3"}},
+		"same GPU, allocated again": {claim: at(claim("x", gpus("gpus", "gpu-0")...), 2000),
+			wantErr: []string{time.Unix(1000, 0).UTC().Format(time.RFC3339), time.Unix(2000, 0).UTC().Format(time.RFC3339)}},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{tc.claim})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := res[tc.claim.UID]
+			if tc.wantErr == nil {
+				if r.Err != nil || len(r.Devices) != 1 || r.Devices[0].DeviceName != "gpu-0" {
+					t.Errorf("got %+v, want gpu-0", r)
+				}
+				return
+			}
+			if !errors.Is(r.Err, agent.ErrReallocated) {
+				t.Fatalf("got %+v, want ErrReallocated", r)
+			}
+			for _, want := range tc.wantErr {
+				if !strings.Contains(r.Err.Error(), want) {
+					t.Errorf("error %q does not name %s", r.Err, want)
+				}
+			}
+			if ev := expectEvent(t, recorder); !strings.HasPrefix(ev, "Warning "+agent.ReasonReallocated) || !strings.Contains(ev, tc.wantErr[0]) {
+				t.Errorf("event %q, want a %s warning", ev, agent.ReasonReallocated)
+			}
+		})
+	}
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(first)}); err != nil {
+		t.Fatal(err)
+	}
+	again := at(claim("x", gpus("gpus", "gpu-3")...), 2000)
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{again})
+	if r := res[again.UID]; err != nil || r.Err != nil || len(r.Devices) != 1 || r.Devices[0].DeviceName != "gpu-3" {
+		t.Errorf("after unprepare: %v %+v, want gpu-3", err, r)
+	}
+}
+
 // TestRebootMovedGPU prepares two claims, then "reboots" the node with the
 // minor numbers of GPUs 2 and 3 swapped, so that the device name gpu-2 now
 // names the other GPU. The kubelet prepares both claims again: the one on

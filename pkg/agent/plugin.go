@@ -38,6 +38,16 @@ var ErrGPUMoved = errors.New("GPU moved at boot")
 // refused with ErrGPUMoved.
 const ReasonGPUMoved = "GPUMovedAtBoot"
 
+// ErrReallocated is the per-claim error for a claim that is prepared and
+// has been allocated again since, with other devices or at another time:
+// the recorded devices belong to the earlier allocation, whose containers
+// may still use them.
+var ErrReallocated = errors.New("claim was allocated again since it was prepared")
+
+// ReasonReallocated is the reason of the warning event on a claim that is
+// refused with ErrReallocated.
+const ReasonReallocated = "ClaimReallocatedWhilePrepared"
+
 // ErrConfigNotSupported is the per-claim error for a claim that carries
 // opaque device configuration for this driver: the driver defines none, and
 // ignoring it would run the pod with a configuration it did not ask for.
@@ -50,6 +60,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // generated again (see prepareClaim). A device that is prepared for a different
 // claim is refused with ErrDeviceInUse (unless both use admin access), the
 // DRA driver being the last line of defense against double allocation.
+// A prepared claim that has been allocated again since (other devices,
+// or another allocation time) is refused with ErrReallocated (and a
+// warning event on the claim) until it is unprepared.
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID.
@@ -75,8 +88,13 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 		if err != nil {
 			logger.Error(err, "cannot prepare claim", "claim", klog.KObj(claim))
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
-			if errors.Is(err, ErrGPUMoved) && a.opts.Recorder != nil {
-				a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+			if a.opts.Recorder != nil {
+				switch {
+				case errors.Is(err, ErrGPUMoved):
+					a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+				case errors.Is(err, ErrReallocated):
+					a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
+				}
 			}
 			continue
 		}
@@ -115,8 +133,10 @@ func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Dev
 // prepareClaim prepares one claim against the loaded checkpoint. isNew
 // reports whether the caller must record the result.
 //
-// A claim that is already prepared gets the same answer as before, and
-// its CDI spec is generated again, so that it names what the node has now:
+// A claim that is already prepared gets the same answer as before, as
+// long as its allocation is the one that was prepared (the same devices
+// for the same requests and, where both are known, the same allocation
+// time; otherwise ErrReallocated), and its CDI spec is generated again, so that it names what the node has now:
 // device nodes created since the last Prepare (nvidia-uvm once its module
 // is loaded) get in, and a spec that was lost (/var/run is a tmpfs) is
 // restored. The kubelet prepares a claim again after it restarted. A spec
@@ -125,6 +145,9 @@ func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Dev
 // fails the claim.
 func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
 	if prepared, ok := cp.Claims[claim.UID]; ok {
+		if err := a.checkReallocated(claim, prepared); err != nil {
+			return checkpoint.PreparedClaim{}, false, err
+		}
 		if _, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared)); err != nil {
 			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
 				return checkpoint.PreparedClaim{}, false, err
@@ -193,6 +216,51 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 		prepared.Devices[i].CDIDeviceIDs = []string{ids[prepared.Devices[i].Device]}
 	}
 	return prepared, true, nil
+}
+
+// checkReallocated returns ErrReallocated (wrapped) if the claim's
+// allocation is not the one that was prepared: other devices of this
+// driver for its requests, or another allocation time where both are
+// known. A claim without allocation is not checked.
+func (a *Agent) checkReallocated(claim *resourceapi.ResourceClaim, prepared checkpoint.PreparedClaim) error {
+	if claim.Status.Allocation == nil {
+		return nil
+	}
+	var now []string
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if r.Driver == a.opts.DriverName {
+			now = append(now, r.Request+"="+r.Pool+"/"+r.Device)
+		}
+	}
+	var before []string
+	for _, d := range prepared.Devices {
+		for _, req := range d.Requests {
+			before = append(before, req+"="+d.Pool+"/"+d.Device)
+		}
+	}
+	slices.Sort(now)
+	slices.Sort(before)
+	var allocatedAt *time.Time
+	if ts := claim.Status.Allocation.AllocationTimestamp; ts != nil {
+		allocatedAt = ptr.To(ts.UTC().Truncate(time.Second))
+	}
+	if slices.Equal(now, before) && sameAllocation(prepared.AllocatedAt, allocatedAt) {
+		return nil
+	}
+	list := func(devices []string) string {
+		if len(devices) == 0 {
+			return "no device of " + a.opts.DriverName
+		}
+		return strings.Join(devices, ", ")
+	}
+	at := func(t *time.Time) string {
+		if t == nil {
+			return ""
+		}
+		return " allocated at " + t.Format(time.RFC3339)
+	}
+	return fmt.Errorf("claim %s: %w: it is prepared on node %s with %s%s and is now allocated %s%s; the agent keeps the earlier devices until the kubelet unprepares the claim (the pod that used it must be gone), then prepares the new allocation",
+		klog.KObj(claim), ErrReallocated, a.opts.NodeName, list(before), at(prepared.AllocatedAt), list(now), at(allocatedAt))
 }
 
 // sameAllocation says whether two allocation timestamps may belong to the
