@@ -41,6 +41,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -170,7 +171,9 @@ type Options struct {
 	// (reason ReasonNoGPU) when discovery finds no GPU, a Normal one
 	// (ReasonGPUsFound) when it finds GPUs after that; a Warning
 	// (ReasonCDIHookMissing) at start when CDIGenerator is a
-	// cdi.HookChecker that finds its hook missing.
+	// cdi.HookChecker that finds its hook missing; a Warning
+	// (ReasonSliceFieldsDropped) when the API server drops fields of a
+	// published slice; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
 
@@ -192,6 +195,10 @@ const (
 	// specs' hooks run is missing on the node (cdi.HookChecker); Prepare
 	// fails for every claim until it is there.
 	ReasonCDIHookMissing = "TopodraCDIHookMissing"
+	// ReasonSliceFieldsDropped (Warning, once per distinct problem): the
+	// API server stored a published ResourceSlice without some of its
+	// fields (a feature gate such as DRADeviceTaints is off).
+	ReasonSliceFieldsDropped = "TopodraSliceFieldsDropped"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -234,6 +241,9 @@ type Agent struct {
 	// the GPU had when the fault was seen.
 	faults    map[string]discovery.HealthEvent
 	published *resourceslice.DriverResources
+	// droppedFields holds the messages of the DroppedFieldsErrors
+	// reported on the Node.
+	droppedFields map[string]bool
 	// devicePlugin lists the device plugin's resources the Node
 	// advertises ("name=quantity, ..."), empty where it has none.
 	devicePlugin string
@@ -307,6 +317,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
 		gone:          map[types.UID]time.Time{},
+		droppedFields: map[string]bool{},
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
@@ -592,7 +603,7 @@ func (a *Agent) publish(ctx context.Context) error {
 	}
 	// Publish-only mode: the same controller that the kubelet plugin
 	// helper would run, started directly and owned by the Node.
-	publisher, err := PublishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, resources)
+	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, resources, a.checkDroppedFields)
 	if err != nil {
 		return err
 	}
@@ -802,10 +813,48 @@ func (a *Agent) Live() error {
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: recoverable errors are
-// logged, fatal ones stop the agent (Done is closed, Err says why).
+// logged, fatal ones stop the agent (Done is closed, Err says why). A
+// resourceslice.DroppedFieldsError is also reported on the Node (see
+// checkDroppedFields).
 func (a *Agent) HandleError(ctx context.Context, err error, msg string) {
 	utilruntime.HandleErrorWithContext(ctx, err, msg)
+	a.checkDroppedFields(ctx, err)
 	if !errors.Is(err, kubeletplugin.ErrRecoverable) {
 		a.cancel(fmt.Errorf("fatal error: %s: %w", msg, err))
 	}
+}
+
+// checkDroppedFields reports a resourceslice.DroppedFieldsError (the API
+// server stored a published slice without some of its fields, because a
+// feature gate is off) as a ReasonSliceFieldsDropped Warning on the Node,
+// once per distinct error message. Without DRADeviceTaints the device
+// taints are gone: the owned taint that keeps the default scheduler away,
+// the health taints of faulty GPUs and the device plugin taint.
+//
+// Readiness is not affected: the feature gates are the cluster's, so every
+// agent would be unready at once, which stalls the DaemonSet's rolling
+// updates (fixes included) and changes nothing else (no traffic goes to the
+// agents); the agent keeps publishing and preparing.
+func (a *Agent) checkDroppedFields(_ context.Context, err error) {
+	var dropped *resourceslice.DroppedFieldsError
+	if !errors.As(err, &dropped) {
+		return
+	}
+	msg := dropped.Error()
+	a.mutex.Lock()
+	seen := a.droppedFields[msg]
+	a.droppedFields[msg] = true
+	a.mutex.Unlock()
+	if seen {
+		return
+	}
+	consequence := "the published devices lack what the API server dropped"
+	if slices.Contains(dropped.DisabledFeatures(), "DRADeviceTaints") {
+		consequence = fmt.Sprintf("without device taints the devices lack the owned taint %s, so the default scheduler can allocate the GPUs that topodra-scheduler allocates (double-booking), and faulty GPUs lack the health taint %s", a.opts.OwnedTaintKey, HealthTaintKey)
+		if !a.opts.OwnedTaint {
+			consequence = fmt.Sprintf("without device taints faulty GPUs lack the health taint %s and stay allocatable", HealthTaintKey)
+		}
+	}
+	a.nodeEvent(v1.EventTypeWarning, ReasonSliceFieldsDropped, "Publish", "the API server dropped fields of the ResourceSlice that %s published (%v): %s; enable the feature gate(s) on the kube-apiserver (and kube-scheduler)",
+		a.opts.DriverName, dropped, consequence)
 }

@@ -55,6 +55,8 @@ type env struct {
 	generator cdi.Generator
 	// staleClaimGrace is Options.StaleClaimGrace.
 	staleClaimGrace time.Duration
+	// ownedTaint is Options.OwnedTaint.
+	ownedTaint bool
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -124,6 +126,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 
 		DevicePluginResources: e.devicePlugin,
 		StaleClaimGrace:       e.staleClaimGrace,
+		OwnedTaint:            e.ownedTaint,
 	})
 	if err != nil {
 		t.Fatalf("start agent: %v", err)

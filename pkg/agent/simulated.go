@@ -127,6 +127,12 @@ type PublishStatus struct {
 // called. Simulators use it for devices without a driver of their own, like
 // mockgpu's NICs; publish-only agents use it for their GPUs.
 func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*Publisher, error) {
+	return publishStatic(ctx, client, driverName, nodeName, resources, nil)
+}
+
+// publishStatic is PublishStatic with onError, if not nil, called after
+// each publishing error is logged.
+func publishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources, onError func(context.Context, error)) (*Publisher, error) {
 	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", nodeName, "driver", driverName)
 	ctx = klog.NewContext(ctx, klog.LoggerWithName(logger, "ResourceSlice controller"))
 	p := &Publisher{queue: newCountingQueue()}
@@ -141,6 +147,9 @@ func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName,
 			// Like the kubelet plugin helper: publishing errors are
 			// not fixed by a restart, so they are all recoverable.
 			utilruntime.HandleErrorWithContext(ctx, err, msg)
+			if onError != nil {
+				onError(ctx, err)
+			}
 		},
 	})
 	if err != nil {
