@@ -12,14 +12,17 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	eventsv1 "k8s.io/api/events/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/events"
@@ -308,15 +311,16 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("create kube client: %w", err)
 	}
-	broadcaster := events.NewEventBroadcasterAdapter(client)
+	sink := newEventSink(client)
+	broadcaster := events.NewBroadcaster(sink)
 	broadcaster.StartRecordingToSink(ctx.Done())
 	defer broadcaster.Shutdown()
-	a, err := agent.New(ctx, agent.Options{
+	a, err := startAgent(ctx, sink, agent.Options{
 		NodeName:              nodeName,
 		KubeClient:            client,
 		Discovery:             src.discovery,
 		CDIGenerator:          src.cdi,
-		Recorder:              broadcaster.NewRecorder("topodra-node-agent"),
+		Recorder:              broadcaster.NewRecorder(scheme.Scheme, "topodra-node-agent"),
 		PublishOnly:           o.publishOnly,
 		PluginDataDir:         o.pluginDir(),
 		RegistrarDir:          o.registryDir(),
@@ -353,6 +357,75 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return nil
 	}
 	return cause
+}
+
+// startAgent runs agent.New. Where it fails on an unreadable checkpoint
+// it first waits (up to eventFlushTimeout) until the agent's
+// ReasonCheckpointUnreadable event has been sent to the API server: the
+// process exits next, and events are sent in the background.
+func startAgent(ctx context.Context, sink *eventSink, opts agent.Options) (*agent.Agent, error) {
+	a, err := agent.New(ctx, opts)
+	if errors.Is(err, agent.ErrCheckpoint) && opts.Recorder != nil {
+		if !sink.waitFor(ctx, agent.ReasonCheckpointUnreadable, eventFlushTimeout) {
+			klog.FromContext(ctx).Info("the event about the unreadable checkpoint may not have reached the API server", "reason", agent.ReasonCheckpointUnreadable)
+		}
+	}
+	return a, err
+}
+
+// eventFlushTimeout bounds how long startAgent waits for its event.
+const eventFlushTimeout = 10 * time.Second
+
+// eventSink writes events to the API server (events.k8s.io/v1) and tells
+// waitFor when an event with a given reason has been written, or failed
+// to be.
+type eventSink struct {
+	events.EventSink
+	mutex sync.Mutex
+	sent  map[string]chan struct{}
+}
+
+func newEventSink(client kubernetes.Interface) *eventSink {
+	return &eventSink{EventSink: &events.EventSinkImpl{Interface: client.EventsV1()}, sent: map[string]chan struct{}{}}
+}
+
+// Create implements events.EventSink.
+func (s *eventSink) Create(ctx context.Context, event *eventsv1.Event) (*eventsv1.Event, error) {
+	out, err := s.EventSink.Create(ctx, event)
+	ch := s.channel(event.Reason)
+	s.mutex.Lock()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+	s.mutex.Unlock()
+	return out, err
+}
+
+func (s *eventSink) channel(reason string) chan struct{} {
+	s.mutex.Lock()
+	defer s.mutex.Unlock()
+	ch, ok := s.sent[reason]
+	if !ok {
+		ch = make(chan struct{})
+		s.sent[reason] = ch
+	}
+	return ch
+}
+
+// waitFor says whether an event with the reason was sent within timeout.
+func (s *eventSink) waitFor(ctx context.Context, reason string, timeout time.Duration) bool {
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case <-s.channel(reason):
+		return true
+	case <-ctx.Done():
+		return false
+	case <-timer.C:
+		return false
+	}
 }
 
 func rescan(d time.Duration) time.Duration {

@@ -173,7 +173,8 @@ type Options struct {
 	// (ReasonCDIHookMissing) at start when CDIGenerator is a
 	// cdi.HookChecker that finds its hook missing; a Warning
 	// (ReasonSliceFieldsDropped) when the API server drops fields of a
-	// published slice; see also CleanupStaleClaims.
+	// published slice; a Warning (ReasonCheckpointUnreadable) before New
+	// fails on an unreadable checkpoint; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
 
@@ -199,6 +200,9 @@ const (
 	// API server stored a published ResourceSlice without some of its
 	// fields (a feature gate such as DRADeviceTaints is off).
 	ReasonSliceFieldsDropped = "TopodraSliceFieldsDropped"
+	// ReasonCheckpointUnreadable (Warning, at start): the checkpoint of
+	// prepared claims cannot be read (ErrCheckpoint); New fails.
+	ReasonCheckpointUnreadable = "TopodraCheckpointUnreadable"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -437,9 +441,33 @@ func (a *Agent) openState(ctx context.Context) error {
 	}
 	a.store, a.cdi = store, writer
 	if err := a.checkBootID(ctx); err != nil {
+		if errors.Is(err, ErrCheckpoint) {
+			a.checkpointUnreadable(ctx, err)
+		}
 		return err
 	}
 	return a.loadFaults()
+}
+
+// ErrCheckpoint is returned (wrapped) by New when the checkpoint of
+// prepared claims exists and cannot be read: damaged, or written by an
+// agent with a newer checkpoint format.
+var ErrCheckpoint = errors.New("checkpoint of prepared claims is unreadable")
+
+// checkpointUnreadable reports an unreadable checkpoint in the log and as
+// a ReasonCheckpointUnreadable Warning on the Node, with the file and
+// what to do: the agent does not start without it, so that it never
+// prepares a GPU that a running container uses for another claim.
+func (a *Agent) checkpointUnreadable(ctx context.Context, err error) {
+	path := a.store.Path()
+	todo := "cordon the node, move the file aside, restart the agent and then the kubelet, which prepares the claims of running pods again (README: \"Unreadable checkpoint\")"
+	if errors.Is(err, checkpoint.ErrUnknownVersion) {
+		todo = "it was written by a newer agent: run that version again (README: \"Unreadable checkpoint\")"
+	}
+	klog.FromContext(ctx).Error(err, "cannot start: the record of prepared claims is unreadable", "path", path, "todo", todo)
+	a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "Start",
+		"%s cannot start: %v; no GPU claim can be prepared or unprepared on this node until it is fixed, running containers keep their GPUs; %s",
+		a.opts.DriverName, err, todo)
 }
 
 // ErrCDIDir is returned (wrapped) by New when Options.CDIDir cannot be

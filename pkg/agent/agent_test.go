@@ -104,6 +104,17 @@ func newEnv(t *testing.T) *env {
 // start runs a publish-only agent with state, as after a (re)start.
 func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 	t.Helper()
+	a, err := agent.New(ctx, e.options(t))
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	return a
+}
+
+// options are the Options that start uses.
+func (e *env) options(t *testing.T) agent.Options {
+	t.Helper()
 	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: e.machine.NVML(), Sysfs: e.machine.Sysfs()})
 	if err != nil {
 		t.Fatal(err)
@@ -112,7 +123,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 	if e.generator != nil {
 		generator = e.generator
 	}
-	a, err := agent.New(ctx, agent.Options{
+	return agent.Options{
 		NodeName:       nodeName,
 		KubeClient:     e.client,
 		Discovery:      disc,
@@ -127,12 +138,7 @@ func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 		DevicePluginResources: e.devicePlugin,
 		StaleClaimGrace:       e.staleClaimGrace,
 		OwnedTaint:            e.ownedTaint,
-	})
-	if err != nil {
-		t.Fatalf("start agent: %v", err)
 	}
-	t.Cleanup(a.Stop)
-	return a
 }
 
 type alloc struct {

@@ -45,7 +45,7 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	defer a.prepareMutex.Unlock()
 	cp, err := a.store.Load()
 	if err != nil {
-		return err
+		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
 	boot := a.bootID(ctx)
 	if boot == "" || cp.BootID == boot {
