@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -194,7 +195,8 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 // source is not watching (not started yet, NVML not loaded, no device
 // reports events, or the watch failed), devices not known to be faulty are
 // Unknown rather than the stream ending: the kubelet does not ask again
-// for as long as the agent stays registered.
+// for as long as the agent stays registered. A faulty GPU that discovery no
+// longer finds stays in the report as Unhealthy.
 func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
 	if a.health == nil {
 		return kubeletplugin.ErrHealthNotSupported
@@ -240,6 +242,28 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 			h.LastUpdated = ev.Time
 		}
 		report.Devices = append(report.Devices, h)
+	}
+	// A faulty GPU that discovery no longer finds (fallen off the bus)
+	// stays Unhealthy under the name it had, unless another GPU has that
+	// name now: the kubelet would otherwise lose its health, and the pods
+	// that use it would not show that their GPU failed.
+	for _, uuid := range slices.Sorted(maps.Keys(a.faults)) {
+		ev := a.faults[uuid]
+		if ev.Device == "" || slices.ContainsFunc(report.Devices, func(d kubeletplugin.DeviceHealth) bool { return d.DeviceName == ev.Device }) {
+			continue
+		}
+		msg := fmt.Sprintf("GPU %s is missing from discovery", uuid)
+		if ev.Message != "" {
+			msg = ev.Message + "; " + msg
+		}
+		report.Devices = append(report.Devices, kubeletplugin.DeviceHealth{
+			PoolName:           a.opts.PoolName,
+			DeviceName:         ev.Device,
+			Health:             kubeletplugin.HealthStatusUnhealthy,
+			Message:            msg,
+			LastUpdated:        now,
+			HealthCheckTimeout: healthCheckTimeout,
+		})
 	}
 	return report
 }

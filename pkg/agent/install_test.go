@@ -653,8 +653,29 @@ func (d *hidingDiscovery) Discover(ctx context.Context) (*discovery.Inventory, e
 	return out, nil
 }
 
+// firstHealthReport is the first health report the kubelet would get, by
+// device name.
+func firstHealthReport(ctx context.Context, t *testing.T, a *agent.Agent) map[string]kubeletplugin.DeviceHealth {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	reports := make(chan kubeletplugin.DeviceHealthReport)
+	go func() { _ = a.WatchHealthStatus(ctx, reports) }()
+	out := map[string]kubeletplugin.DeviceHealth{}
+	select {
+	case r := <-reports:
+		for _, d := range r.Devices {
+			out[d.DeviceName] = d
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no health report")
+	}
+	return out
+}
+
 // TestFaultKeptWhileGPUIsMissing: a faulty GPU that is missing from one
-// rescan and comes back is still tainted.
+// rescan and comes back is still tainted; while it is missing the kubelet
+// still gets it as Unhealthy.
 func TestFaultKeptWhileGPUIsMissing(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
@@ -679,6 +700,14 @@ func TestFaultKeptWhileGPUIsMissing(t *testing.T) {
 	}
 	if a.Inventory().GPU("gpu-3") != nil {
 		t.Fatal("gpu-3 still discovered")
+	}
+	// The kubelet keeps seeing it Unhealthy, not Unknown.
+	h := firstHealthReport(ctx, t, a)
+	if got, ok := h["gpu-3"]; !ok || got.Health != kubeletplugin.HealthStatusUnhealthy || !strings.Contains(got.Message, e.machine.UUID(3)) {
+		t.Errorf("missing gpu-3 in the kubelet's health report: %v %+v, want Unhealthy naming %s", ok, got, e.machine.UUID(3))
+	}
+	if len(h) != 8 || h["gpu-2"].Health != kubeletplugin.HealthStatusHealthy {
+		t.Errorf("health report %+v, want 8 devices, the others Healthy", h)
 	}
 	disc.hide.Store("")
 	if err := a.Rescan(ctx); err != nil {
