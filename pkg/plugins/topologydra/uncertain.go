@@ -47,10 +47,15 @@ func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim) {
 	uncertainClaims.Set(float64(len(u.claims)))
 }
 
-func (u *uncertainWrites) has(uid types.UID) bool {
+func (u *uncertainWrites) get(uid types.UID) (uncertainWrite, bool) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	_, ok := u.claims[uid]
+	w, ok := u.claims[uid]
+	return w, ok
+}
+
+func (u *uncertainWrites) has(uid types.UID) bool {
+	_, ok := u.get(uid)
 	return ok
 }
 
@@ -145,10 +150,7 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	})
 	switch outcome {
 	case outcomeStored:
-		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
-			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
-		}
-		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(latest.UID, true)
+		pl.takeInStored(logger, latest)
 		s.claims[i] = latest
 	case outcomeUnknown:
 		if writeRefused(writeErr) {
@@ -186,10 +188,7 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 		return claim, nil
 	}
 	if err == nil && latest.UID == claim.UID && latest.Status.Allocation != nil && allocation != nil {
-		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(latest); err != nil {
-			klog.FromContext(ctx).V(5).Info("claim not stored in assume cache", "claim", klog.KObj(latest), "err", err)
-		}
-		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, true)
+		pl.takeInStored(klog.FromContext(ctx), latest)
 		return latest, nil
 	}
 	pl.releaseInFlight(claim.Namespace, claim.Name, claim.UID)
@@ -203,9 +202,7 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 // informer shows the claim at a newer resourceVersion than the write
 // started from: the write was stored before that version, or not at all.
 func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
-	pl.uncertain.mu.Lock()
-	w, ok := pl.uncertain.claims[claim.UID]
-	pl.uncertain.mu.Unlock()
+	w, ok := pl.uncertain.get(claim.UID)
 	if !ok || !newerVersion(claim.ResourceVersion, w.resourceVersion) {
 		return
 	}
@@ -216,11 +213,20 @@ func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
 		// The claim cache follows the informer through a handler of its
 		// own, which may not have run yet: the allocation goes in first,
 		// so that the devices never look free.
-		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
-			klog.Background().V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
-		}
+		pl.takeInStored(klog.Background(), claim)
+		return
 	}
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, claim.Status.Allocation != nil)
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false)
+}
+
+// takeInStored puts a claim as the API stores it, allocated, into the
+// claim cache and drops its in-flight allocation, as after a write that
+// succeeded.
+func (pl *TopologyDRA) takeInStored(logger klog.Logger, claim *resourceapi.ResourceClaim) {
+	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
+		logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+	}
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, true)
 }
 
 // newerVersion reports whether resourceVersion a is newer than b. Versions
