@@ -122,7 +122,7 @@ func (a *Allocator) run(ctx context.Context, p *podNode, strategies []strategy) 
 		}
 		if res, err := s.allocate(ctx, p); res != nil || err != nil {
 			if res != nil && res.Allocations != nil && p.ns != nil {
-				res.Quality.OtherDevices, res.Quality.OtherFree = otherDevices(p.ns, p.units)
+				res.Quality.OtherDevices, res.Quality.OtherFree = a.otherDevices(p.ns, p.units)
 			}
 			return res, err
 		}

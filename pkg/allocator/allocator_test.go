@@ -812,21 +812,28 @@ func TestQualityStrandedRoots(t *testing.T) {
 }
 
 // TestQualityOtherDevices: a pod that asks for GPUs only sees the node's
-// NICs as other devices, counted whole and free; one that asks for both
-// sees none. Devices of a pool that is not the node's own
-// (network-attached NICs) are not other devices of the node.
+// NICs on the PCIe roots of its GPUs as other devices, counted whole and
+// free; one that asks for both sees none. Devices of a pool that is not
+// the node's own (network-attached NICs), devices without a PCIe root (a
+// CPU driver's, which publish a NUMA node), and a NIC on a root without
+// GPUs are not other devices of the node; without pcieRoot among the
+// attributes there are none.
 func TestQualityOtherDevices(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	gpus := func(n int64) *resourceapi.ResourceClaim { return claim("c").request("gpus", "gpu", n).obj() }
+	noRoot := DefaultPolicy()
+	noRoot.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode}
 	for _, tc := range []struct {
 		name      string
 		inUse     []string
 		claim     *resourceapi.ResourceClaim
+		policy    Policy
 		all, free int
 	}{
-		{"1 GPU", nil, gpus(1), 4, 4},
-		{"4 GPUs, one NIC in use", []string{"nic-1", "gpu-0"}, gpus(4), 4, 3},
-		{"GPU and NIC", []string{"nic-1"}, claim("c").request("gpu", "gpu", 1).request("nic", "nic", 1).obj(), 0, 0},
+		{"1 GPU", nil, gpus(1), DefaultPolicy(), 4, 4},
+		{"4 GPUs, one NIC in use", []string{"nic-1", "gpu-0"}, gpus(4), DefaultPolicy(), 4, 3},
+		{"GPU and NIC", []string{"nic-1"}, claim("c").request("gpu", "gpu", 1).request("nic", "nic", 1).obj(), DefaultPolicy(), 0, 0},
+		{"without pcieRoot", nil, gpus(1), noRoot, 0, 0},
 	} {
 		state := allocated(gpuDriver, "n")
 		for _, d := range tc.inUse {
@@ -838,8 +845,12 @@ func TestQualityOtherDevices(t *testing.T) {
 		}
 		fabric := slice("fabric", nicDriver, device("fabric-nic-0", attrs{topology.AttrPCIeRoot: str("pci0000:00")}))
 		fabric.Spec.NodeName, fabric.Spec.AllNodes = nil, ptr.To(true)
-		slices := append(dgxWithNICs("n"), fabric)
-		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, Policy: DefaultPolicy()})
+		cpus := slice("n", "cpu.example.com",
+			device("cpu-0", attrs{topology.AttrNUMANode: num(0)}),
+			device("cpu-1", attrs{topology.AttrNUMANode: num(1)}))
+		lone := slice("n", "storage.example.com", device("nvme-0", attrs{topology.AttrPCIeRoot: str("pci00ff:00")}))
+		slices := append(dgxWithNICs("n"), fabric, cpus, lone)
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, Policy: tc.policy})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -393,28 +393,37 @@ func (a *Allocator) strandedRoots(ns *nodeState, matching, chosen []bool) int {
 }
 
 // otherDevices counts Quality.OtherDevices and Quality.OtherFree: the
-// node's own devices (not network-attached ones, which are not the
-// node's to pair with its GPUs) of drivers that no device matching units
-// has, and the free ones among them. Without units (nothing analysed)
-// both are 0.
-func otherDevices(ns *nodeState, units []*unit) (all, free int) {
-	if len(units) == 0 {
+// node's own devices (not network-attached ones, which are not the node's
+// to pair with its GPUs) of drivers that no device matching units has,
+// that sit on a PCIe root (pcieRoot must be one of Policy.Attributes)
+// shared with a device matching units, and the free ones among them. So
+// a GPU-only pod sees the NICs beside the node's GPUs, not the devices of
+// a CPU or memory driver, which have no PCIe root. Without units (nothing
+// analysed) or without pcieRoot both are 0.
+func (a *Allocator) otherDevices(ns *nodeState, units []*unit) (all, free int) {
+	l := slices.Index(a.policy.Attributes, topology.AttrPCIeRoot)
+	if len(units) == 0 || l < 0 || l >= len(ns.dom) || len(ns.domVals[l]) == 0 {
 		return 0, 0
 	}
 	var drivers []string
+	roots := make([]bool, len(ns.domVals[l]))
 	for _, u := range units {
 		for i, m := range u.matching {
-			if m && !slices.Contains(drivers, ns.devices[i].driver) {
+			if !m {
+				continue
+			}
+			if !slices.Contains(drivers, ns.devices[i].driver) {
 				drivers = append(drivers, ns.devices[i].driver)
+			}
+			if v := ns.dom[l][i]; v >= 0 {
+				roots[v] = true
 			}
 		}
 	}
-	if len(drivers) == 0 {
-		return 0, 0
-	}
 	for i := range ns.devices {
 		d := &ns.devices[i]
-		if d.slice.Spec.NodeName == nil || slices.Contains(drivers, d.driver) {
+		v := ns.dom[l][i]
+		if d.slice.Spec.NodeName == nil || v < 0 || !roots[v] || slices.Contains(drivers, d.driver) {
 			continue
 		}
 		all++

@@ -320,9 +320,10 @@ type Quality struct {
 	StrandsNICs bool
 	// OtherDevices counts the node's own devices (not network-attached
 	// ones) of the drivers that none of the devices matching the pod's
-	// requests has
-	// (for a pod that asks for GPUs only: the node's NICs), and OtherFree
-	// those of them no claim holds. They describe the node, not the allocation: the same
+	// requests has, on the PCIe roots of those matching devices (for a
+	// pod that asks for GPUs only: the NICs beside the node's GPUs, not a
+	// CPU driver's devices; 0 where pcieRoot is not one of
+	// Policy.Attributes), and OtherFree those of them no claim holds. They describe the node, not the allocation: the same
 	// for every allocation of the pod there.
 	OtherDevices, OtherFree int
 	// InNICReserve marks an allocation that takes devices the scheduler

@@ -665,6 +665,31 @@ func TestGPUsBesideNICsLeftForNICPods(t *testing.T) {
 	}
 }
 
+// TestCPUDevicesAreNotNICs: devices of another DRA driver that sit on no
+// PCIe root (a CPU driver's, which publish NUMA nodes) are not kept GPUs
+// for GPU+NIC pods: the 1-GPU pod takes the last free GPU of the DGX that
+// has them, the fullest node, and leaves the PCIe box empty.
+func TestCPUDevicesAreNotNICs(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "cpudevices")
+	dgx := e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6")
+	var cpus []framework.Device
+	for i := range 4 {
+		cpus = append(cpus, framework.Device{Name: fmt.Sprintf("cpu-%d", i), Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			topology.AttrNUMANode: framework.IntAttr(int64(i / 2)),
+		}})
+	}
+	_, err := cp.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(dgx, "cpu.example.com", cpus), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	one := e.template(1, nil)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("one", "a", one); node != dgx {
+		t.Fatalf("the 1-GPU pod got %v on %s, want the DGX's last free GPU on %s (its CPU devices are no NICs), not the empty PCIe box %s", devices, node, dgx, pcie)
+	}
+}
+
 func TestWholeNodePodLeavesNICsToMatchedPods(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "nicroot")
