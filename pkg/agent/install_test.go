@@ -123,8 +123,8 @@ func TestCheckpointAfterReboot(t *testing.T) {
 	e := newEnv(t)
 	c := claim("before", gpus("gpus", "gpu-2")...)
 	a := e.start(ctx, t)
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
-		t.Fatalf("prepare: %v %v", err, res)
+	if err := prepareOne(ctx, t, a, c); err != nil {
+		t.Fatalf("prepare: %v", err)
 	}
 	specPath := readSpecPath(t, e, c.UID)
 	a.Stop()
@@ -201,9 +201,7 @@ func TestPrepareRefusesOpaqueConfig(t *testing.T) {
 				if got != nil {
 					t.Errorf("unexpected error: %v", got)
 				}
-				if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(c)}); err != nil {
-					t.Fatal(err)
-				}
+				unprepareOne(ctx, t, a, c)
 				return
 			}
 			if !errors.Is(got, agent.ErrConfigNotSupported) || !strings.Contains(got.Error(), tc.wantErr) {
@@ -360,8 +358,8 @@ func TestStaleClaimNeverDropped(t *testing.T) {
 	e.staleClaimGrace = -1
 	a := e.start(ctx, t)
 	gone := claim("gone", gpus("gpus", "gpu-1")...)
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{gone}); err != nil || res[gone.UID].Err != nil {
-		t.Fatalf("prepare: %v %v", err, res)
+	if err := prepareOne(ctx, t, a, gone); err != nil {
+		t.Fatalf("prepare: %v", err)
 	}
 	for range 3 {
 		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
@@ -369,14 +367,12 @@ func TestStaleClaimNeverDropped(t *testing.T) {
 		}
 	}
 	next := claim("next", gpus("gpus", "gpu-1")...)
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{next}); err != nil || !errors.Is(res[next.UID].Err, agent.ErrDeviceInUse) {
-		t.Errorf("gpu-1 of the gone claim: %v %v, want ErrDeviceInUse", err, res[next.UID].Err)
+	if err := prepareOne(ctx, t, a, next); !errors.Is(err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-1 of the gone claim: %v, want ErrDeviceInUse", err)
 	}
-	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(gone)}); err != nil {
-		t.Fatal(err)
-	}
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{next}); err != nil || res[next.UID].Err != nil {
-		t.Errorf("gpu-1 after the kubelet unprepared the gone claim: %v %v", err, res[next.UID].Err)
+	unprepareOne(ctx, t, a, gone)
+	if err := prepareOne(ctx, t, a, next); err != nil {
+		t.Errorf("gpu-1 after the kubelet unprepared the gone claim: %v", err)
 	}
 }
 
@@ -419,8 +415,8 @@ func TestPrepareReallocatedClaim(t *testing.T) {
 		return c
 	}
 	first := at(claim("x", gpus("gpus", "gpu-0")...), 1000)
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{first}); err != nil || res[first.UID].Err != nil {
-		t.Fatalf("prepare: %v %v", err, res)
+	if err := prepareOne(ctx, t, a, first); err != nil {
+		t.Fatalf("prepare: %v", err)
 	}
 	testcases := map[string]struct {
 		claim   *resourceapi.ResourceClaim
@@ -459,9 +455,7 @@ func TestPrepareReallocatedClaim(t *testing.T) {
 			}
 		})
 	}
-	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(first)}); err != nil {
-		t.Fatal(err)
-	}
+	unprepareOne(ctx, t, a, first)
 	again := at(claim("x", gpus("gpus", "gpu-3")...), 2000)
 	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{again})
 	if r := res[again.UID]; err != nil || r.Err != nil || len(r.Devices) != 1 || r.Devices[0].DeviceName != "gpu-3" {
@@ -524,21 +518,17 @@ func TestRebootMovedGPU(t *testing.T) {
 		t.Errorf("new claim on gpu-2: %v %v", err, res[again.UID].Err)
 	}
 	// Unprepare (the kubelet gave up on the pod) forgets the old GPU too.
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved2}); err != nil || !errors.Is(res[moved2.UID].Err, agent.ErrGPUMoved) {
-		t.Errorf("moved2 before unprepare: %v %v, want ErrGPUMoved", err, res[moved2.UID].Err)
+	if err := prepareOne(ctx, t, a, moved2); !errors.Is(err, agent.ErrGPUMoved) {
+		t.Errorf("moved2 before unprepare: %v, want ErrGPUMoved", err)
 	}
-	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(moved2)}); err != nil {
-		t.Fatal(err)
-	}
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{moved2}); err != nil || res[moved2.UID].Err != nil {
-		t.Errorf("moved2 after unprepare: %v %v", err, res[moved2.UID].Err)
+	unprepareOne(ctx, t, a, moved2)
+	if err := prepareOne(ctx, t, a, moved2); err != nil {
+		t.Errorf("moved2 after unprepare: %v", err)
 	}
 	if spec := readSpec(t, e, again.UID); len(spec.Devices) != 1 || !strings.Contains(spec.ContainerEdits.Env[0], e.machine.UUID(3)) {
 		t.Errorf("new claim's CDI spec: %+v, want GPU %s", spec, e.machine.UUID(3))
 	}
-	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(again)}); err != nil {
-		t.Fatal(err)
-	}
+	unprepareOne(ctx, t, a, again)
 	// Once the claim is deallocated (its pod deleted), a new allocation
 	// of the same claim is not the one prepared before the reboot.
 	deallocated := moved.DeepCopy()
@@ -824,5 +814,24 @@ func TestAgentStopsForNewDriver(t *testing.T) {
 				t.Errorf("published slices after the stop: %d (%v), want the one kept", len(slices.Items), err)
 			}
 		})
+	}
+}
+
+// prepareOne prepares c alone and returns the error of its result; an
+// error of the call itself fails the test.
+func prepareOne(ctx context.Context, t *testing.T, a *agent.Agent, c *resourceapi.ResourceClaim) error {
+	t.Helper()
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatalf("prepare %s: %v", c.Name, err)
+	}
+	return res[c.UID].Err
+}
+
+// unprepareOne unprepares c as the kubelet does; an error fails the test.
+func unprepareOne(ctx context.Context, t *testing.T, a *agent.Agent, c *resourceapi.ResourceClaim) {
+	t.Helper()
+	if _, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(c)}); err != nil {
+		t.Fatalf("unprepare %s: %v", c.Name, err)
 	}
 }

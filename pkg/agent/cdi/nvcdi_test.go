@@ -226,12 +226,7 @@ func TestNVCDIDeviceNodes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			dir := t.TempDir()
-			w, err := cdi.New(dir, cdi.WithGenerator(gen))
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, err = w.WriteClaimSpec("uid-1", []cdi.Device{{Name: "gpu-1", UUID: m.UUID(1), Minor: 1}})
+			spec, err := claimSpec(t, m, gen)
 			if tc.wantErr != nil {
 				t.Logf("error: %v", err)
 				if !errors.Is(err, cdi.ErrMissingDeviceNode) {
@@ -242,24 +237,13 @@ func TestNVCDIDeviceNodes(t *testing.T) {
 						t.Errorf("error %q does not name %s", err, want)
 					}
 				}
-				if _, err := os.Stat(w.SpecPath("uid-1")); !errors.Is(err, os.ErrNotExist) {
-					t.Errorf("spec written anyway: %v", err)
-				}
 				return
 			}
 			if err != nil {
 				t.Fatal(err)
 			}
-			cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
-			if err != nil {
-				t.Fatal(err)
-			}
-			dev := cache.GetDevice(cdi.DeviceID("uid-1", "gpu-1"))
-			if dev == nil {
-				t.Fatalf("runtime cannot resolve the device: %v", cache.GetErrors())
-			}
 			nodes := map[string]string{}
-			for _, n := range allEdits(dev.GetSpec().Spec).DeviceNodes {
+			for _, n := range allEdits(spec).DeviceNodes {
 				nodes[n.Path] = n.HostPath
 			}
 			for _, want := range []string{"/dev/nvidia1", "/dev/nvidiactl"} {
