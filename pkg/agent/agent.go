@@ -174,7 +174,9 @@ type Options struct {
 	// cdi.HookChecker that finds its hook missing; a Warning
 	// (ReasonSliceFieldsDropped) when the API server drops fields of a
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
-	// fails on an unreadable checkpoint; see also CleanupStaleClaims.
+	// fails on an unreadable checkpoint; a Warning
+	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
+	// unwatched; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
 
@@ -203,6 +205,10 @@ const (
 	// ReasonCheckpointUnreadable (Warning, at start): the checkpoint of
 	// prepared claims cannot be read (ErrCheckpoint); New fails.
 	ReasonCheckpointUnreadable = "TopodraCheckpointUnreadable"
+	// ReasonHealthPartlyWatched (Warning, when health watching starts):
+	// the health source watches some GPUs but not the ones the event
+	// names; the kubelet gets those as Unknown.
+	ReasonHealthPartlyWatched = "TopodraHealthPartlyWatched"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -257,7 +263,10 @@ type Agent struct {
 	healthChanged chan struct{}
 	// healthActive says whether the health source is watching now.
 	healthActive bool
-	stopHealth   context.CancelFunc
+	// unwatched are the GPUs that the health source does not watch while
+	// healthActive, by UUID, with why; nil otherwise.
+	unwatched  discovery.Unwatched
+	stopHealth context.CancelFunc
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}

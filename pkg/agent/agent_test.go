@@ -661,14 +661,27 @@ func TestWatchHealthStatus(t *testing.T) {
 		}
 		return out
 	}
-	first := health(<-reports)
-	if len(first) != 8 || first["gpu-5"] != kubeletplugin.HealthStatusHealthy {
-		t.Fatalf("initial report: %v", first)
+	allHealthy := func(h map[string]kubeletplugin.HealthStatus) bool {
+		for _, status := range h {
+			if status != kubeletplugin.HealthStatusHealthy {
+				return false
+			}
+		}
+		return len(h) == 8
+	}
+	// Devices are Unknown until the watcher says that it watches them.
+	deadline := time.After(30 * time.Second)
+	for watched := false; !watched; {
+		select {
+		case r := <-reports:
+			watched = allHealthy(health(r))
+		case <-deadline:
+			t.Fatal("devices never reported healthy")
+		}
 	}
 	if err := e.machine.InjectXID(5, 79); err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.After(30 * time.Second)
 	for {
 		select {
 		case r := <-reports:
@@ -718,7 +731,7 @@ func TestWatchHealthStatusNotSupported(t *testing.T) {
 // discovery before the driver is there).
 type unsupportedHealth struct{}
 
-func (unsupportedHealth) WatchHealth(context.Context, *discovery.Inventory, chan<- discovery.HealthEvent) error {
+func (unsupportedHealth) WatchHealth(context.Context, *discovery.Inventory, func(discovery.Unwatched), chan<- discovery.HealthEvent) error {
 	return discovery.ErrHealthUnsupported
 }
 

@@ -21,7 +21,8 @@ import (
 )
 
 // startHealth (re)starts watching the health of inv's devices. A previous
-// watcher is stopped first.
+// watcher is stopped first. Devices count as watched only once the new
+// watcher says which it watches.
 func (a *Agent) startHealth(inv *discovery.Inventory) {
 	a.mutex.Lock()
 	if a.stopHealth != nil {
@@ -29,13 +30,26 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 	}
 	ctx, cancel := context.WithCancel(a.ctx)
 	a.stopHealth = cancel
-	a.setHealthActiveLocked(true)
+	a.setHealthWatchLocked(false, nil)
 	a.mutex.Unlock()
 
+	// A watcher that was stopped (ctx canceled under a.mutex) no longer
+	// changes what the agent reports.
+	watching := func(unwatched discovery.Unwatched) {
+		a.mutex.Lock()
+		current := ctx.Err() == nil
+		if current {
+			a.setHealthWatchLocked(true, unwatched)
+		}
+		a.mutex.Unlock()
+		if current {
+			a.reportPartlyWatched(inv, unwatched)
+		}
+	}
 	events := make(chan discovery.HealthEvent)
 	a.wg.Go(func() {
 		logger := klog.FromContext(ctx)
-		err := a.health.WatchHealth(ctx, inv, events)
+		err := a.health.WatchHealth(ctx, inv, watching, events)
 		if errors.Is(err, discovery.ErrDriverChanged) && ctx.Err() == nil {
 			a.driverChanged(ctx, err)
 		} else if err != nil && ctx.Err() == nil {
@@ -45,7 +59,9 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 				logger.Error(err, "watching device health failed, device health is no longer reported")
 			}
 			a.mutex.Lock()
-			a.setHealthActiveLocked(false)
+			if ctx.Err() == nil {
+				a.setHealthWatchLocked(false, nil)
+			}
 			a.mutex.Unlock()
 		}
 		close(events)
@@ -55,6 +71,23 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 			a.markUnhealthy(ctx, ev)
 		}
 	})
+}
+
+// reportPartlyWatched records a ReasonHealthPartlyWatched warning on the
+// Node when the health source watches some of inv's GPUs but not all.
+func (a *Agent) reportPartlyWatched(inv *discovery.Inventory, unwatched discovery.Unwatched) {
+	var names []string
+	for _, g := range inv.GPUs {
+		if why, ok := unwatched[g.UUID]; ok {
+			names = append(names, fmt.Sprintf("%s (%s)", g.Name, why))
+		}
+	}
+	if len(names) == 0 || len(names) == len(inv.GPUs) {
+		return
+	}
+	a.nodeEvent(v1.EventTypeWarning, ReasonHealthPartlyWatched, "HealthCheck",
+		"the health of %d of %d GPUs is not watched, the kubelet gets it as Unknown and their XIDs do not taint them: %s",
+		len(names), len(inv.GPUs), strings.Join(names, ", "))
 }
 
 // markUnhealthy records a fault under the GPU's UUID (the event's UUID, or
@@ -191,12 +224,15 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 // health source (no Options.Health, and a discovery that cannot watch
 // health) returns kubeletplugin.ErrHealthNotSupported at once. Otherwise it
 // sends the health of every device now, on every change, and at least
-// every 10 seconds so that the kubelet's data does not go stale. While the
-// source is not watching (not started yet, NVML not loaded, no device
+// every 10 seconds so that the kubelet's data does not go stale. A device
+// is Healthy only while the source watches it and no fault was seen. While
+// the source is not watching (not started yet, NVML not loaded, no device
 // reports events, or the watch failed), devices not known to be faulty are
 // Unknown rather than the stream ending: the kubelet does not ask again
-// for as long as the agent stays registered. A faulty GPU that discovery no
-// longer finds stays in the report as Unhealthy.
+// for as long as the agent stays registered. A device that the source
+// does not watch while it watches others is Unknown with a message that
+// says why. A faulty GPU that discovery no longer finds stays in the
+// report as Unhealthy.
 func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
 	if a.health == nil {
 		return kubeletplugin.ErrHealthNotSupported
@@ -240,6 +276,9 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 			h.Health = kubeletplugin.HealthStatusUnhealthy
 			h.Message = ev.Message
 			h.LastUpdated = ev.Time
+		} else if why, ok := a.unwatched[g.UUID]; ok {
+			h.Health = kubeletplugin.HealthStatusUnknown
+			h.Message = "health not watched: " + why
 		}
 		report.Devices = append(report.Devices, h)
 	}
@@ -268,11 +307,13 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 	return report
 }
 
-// setHealthActiveLocked records whether the health source is watching and
-// wakes up the kubelet health streams if that changed.
-func (a *Agent) setHealthActiveLocked(active bool) {
-	if a.healthActive != active {
+// setHealthWatchLocked records whether the health source is watching and
+// which GPUs it does not watch, and wakes up the kubelet health streams if
+// that changed.
+func (a *Agent) setHealthWatchLocked(active bool, unwatched discovery.Unwatched) {
+	if a.healthActive != active || !maps.Equal(a.unwatched, unwatched) {
 		a.healthActive = active
+		a.unwatched = unwatched
 		a.healthChangedLocked()
 	}
 }

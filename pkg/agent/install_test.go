@@ -548,7 +548,8 @@ func TestRebootMovedGPU(t *testing.T) {
 // idleHealth watches health without ever reporting anything.
 type idleHealth struct{}
 
-func (h *idleHealth) WatchHealth(ctx context.Context, _ *discovery.Inventory, _ chan<- discovery.HealthEvent) error {
+func (h *idleHealth) WatchHealth(ctx context.Context, _ *discovery.Inventory, watching func(discovery.Unwatched), _ chan<- discovery.HealthEvent) error {
+	watching(nil)
 	<-ctx.Done()
 	return nil
 }
@@ -643,26 +644,6 @@ func (d *hidingDiscovery) Discover(ctx context.Context) (*discovery.Inventory, e
 	return out, nil
 }
 
-// firstHealthReport is the first health report the kubelet would get, by
-// device name.
-func firstHealthReport(ctx context.Context, t *testing.T, a *agent.Agent) map[string]kubeletplugin.DeviceHealth {
-	t.Helper()
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	reports := make(chan kubeletplugin.DeviceHealthReport)
-	go func() { _ = a.WatchHealthStatus(ctx, reports) }()
-	out := map[string]kubeletplugin.DeviceHealth{}
-	select {
-	case r := <-reports:
-		for _, d := range r.Devices {
-			out[d.DeviceName] = d
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("no health report")
-	}
-	return out
-}
-
 // TestFaultKeptWhileGPUIsMissing: a faulty GPU that is missing from one
 // rescan and comes back is still tainted; while it is missing the kubelet
 // still gets it as Unhealthy.
@@ -692,7 +673,9 @@ func TestFaultKeptWhileGPUIsMissing(t *testing.T) {
 		t.Fatal("gpu-3 still discovered")
 	}
 	// The kubelet keeps seeing it Unhealthy, not Unknown.
-	h := firstHealthReport(ctx, t, a)
+	h := waitForHealthReport(ctx, t, a, "gpu-2 watched again", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-2"].Health == kubeletplugin.HealthStatusHealthy
+	})
 	if got, ok := h["gpu-3"]; !ok || got.Health != kubeletplugin.HealthStatusUnhealthy || !strings.Contains(got.Message, e.machine.UUID(3)) {
 		t.Errorf("missing gpu-3 in the kubelet's health report: %v %+v, want Unhealthy naming %s", ok, got, e.machine.UUID(3))
 	}

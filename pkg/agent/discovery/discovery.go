@@ -71,8 +71,20 @@ type HealthWatcher interface {
 	// all (for example no device supports events); the agent then reports
 	// the devices' health as unknown until it watches again (after the
 	// devices change).
-	WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error
+	//
+	// Once it watches, and before it sends any event, WatchHealth calls
+	// watching exactly once with the GPUs of inv that it does not watch
+	// ([Unwatched]; nil when it watches them all). It does not call
+	// watching when it returns an error without having watched. watching
+	// is never nil and returns promptly; it may keep the map. The agent
+	// reports a GPU as healthy only while the watcher watches it.
+	WatchHealth(ctx context.Context, inv *Inventory, watching func(Unwatched), events chan<- HealthEvent) error
 }
+
+// Unwatched maps the UUID of each GPU whose health a [HealthWatcher] does
+// not watch to why, for humans: "NVML RegisterEvents failed: Unknown
+// Error".
+type Unwatched map[string]string
 
 // HealthEvent reports that one device (or all devices) became unhealthy.
 // Devices stay unhealthy until the node reboots: NVML gives no reliable

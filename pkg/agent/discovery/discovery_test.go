@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -717,7 +718,16 @@ func TestWatchHealth(t *testing.T) {
 			}
 			events := make(chan discovery.HealthEvent)
 			done := make(chan error)
-			go func() { done <- d.WatchHealth(ctx, inv, events) }()
+			watched := make(chan discovery.Unwatched, 1)
+			go func() { done <- d.WatchHealth(ctx, inv, func(u discovery.Unwatched) { watched <- u }, events) }()
+			select {
+			case u := <-watched:
+				if len(u) != 0 {
+					t.Errorf("unwatched GPUs %v, want none", u)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("watching not called")
+			}
 			for _, s := range steps {
 				if err := s.do(m); err != nil {
 					t.Fatal(err)
@@ -743,6 +753,111 @@ func TestWatchHealth(t *testing.T) {
 				}
 			case <-time.After(30 * time.Second):
 				t.Fatal("WatchHealth did not return after cancel")
+			}
+		})
+	}
+}
+
+// TestWatchHealthUnwatched: a GPU whose events cannot be registered is
+// named to watching with the failed call, the others are watched; where
+// no GPU can be watched WatchHealth fails without calling watching.
+func TestWatchHealthUnwatched(t *testing.T) {
+	testcases := map[string]struct {
+		fail map[int]nvml.Return
+		// want are the unwatched GPUs by index, with why.
+		want    map[int]string
+		wantErr error
+	}{
+		"RegisterEvents fails on one GPU": {
+			fail: map[int]nvml.Return{1: nvml.ERROR_UNKNOWN},
+			want: map[int]string{1: "NVML RegisterEvents failed: ERROR_UNKNOWN"},
+		},
+		"RegisterEvents fails on every GPU": {
+			fail:    map[int]nvml.Return{0: nvml.ERROR_NOT_SUPPORTED, 1: nvml.ERROR_UNKNOWN},
+			wantErr: discovery.ErrHealthUnsupported,
+		},
+		"RegisterEvents finds the driver unloaded": {
+			fail:    map[int]nvml.Return{1: nvml.ERROR_DRIVER_NOT_LOADED},
+			wantErr: discovery.ErrDriverChanged,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			ctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for gpu, ret := range tc.fail {
+				m.FailEventRegistration(gpu, ret)
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := d.Discover(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			events := make(chan discovery.HealthEvent)
+			watched := make(chan discovery.Unwatched, 2)
+			done := make(chan error, 1)
+			go func() { done <- d.WatchHealth(ctx, inv, func(u discovery.Unwatched) { watched <- u }, events) }()
+
+			if tc.wantErr != nil {
+				select {
+				case err := <-done:
+					if !errors.Is(err, tc.wantErr) {
+						t.Errorf("WatchHealth: %v, want %v", err, tc.wantErr)
+					}
+				case <-time.After(30 * time.Second):
+					t.Fatal("WatchHealth did not return")
+				}
+				if len(watched) > 0 {
+					t.Errorf("watching called with %v", <-watched)
+				}
+				return
+			}
+
+			var got discovery.Unwatched
+			select {
+			case got = <-watched:
+			case <-time.After(30 * time.Second):
+				t.Fatal("watching not called")
+			}
+			want := discovery.Unwatched{}
+			for gpu, why := range tc.want {
+				want[m.UUID(gpu)] = why
+			}
+			if diff := cmp.Diff(want, got); diff != "" {
+				t.Errorf("unwatched (-want +got):\n%s", diff)
+			}
+			// A watched GPU still reports its faults.
+			watchedGPU := slices.IndexFunc(inv.GPUs, func(g discovery.GPU) bool { _, ok := want[g.UUID]; return !ok })
+			if err := m.InjectXID(inv.GPUs[watchedGPU].Index, 79); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case ev := <-events:
+				if ev.UUID != inv.GPUs[watchedGPU].UUID || ev.Reason != "xid-79" {
+					t.Errorf("event %+v, want xid-79 on %s", ev, inv.GPUs[watchedGPU].Name)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("no health event")
+			}
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("WatchHealth: %v", err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("WatchHealth did not return after cancel")
+			}
+			if len(watched) > 0 {
+				t.Errorf("watching called again with %v", <-watched)
 			}
 		})
 	}

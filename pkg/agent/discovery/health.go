@@ -50,11 +50,15 @@ const waitTimeout = 1000 * time.Millisecond
 // ERROR_GPU_IS_LOST marks every device unhealthy (NVML does not say which).
 // When NVML has lost the kernel driver it returns an error wrapping
 // [ErrDriverChanged] instead of waiting on a library that cannot recover.
-func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
-	return wrapDriverChanged(d.watchHealth(ctx, inv, events))
+// A GPU whose handle cannot be got, that does not support critical XID
+// events or for which registering them fails is not watched: it is named
+// to watching with the NVML call that failed, unless no GPU can be watched
+// (then WatchHealth returns [ErrHealthUnsupported]).
+func (d *NVML) WatchHealth(ctx context.Context, inv *Inventory, watching func(Unwatched), events chan<- HealthEvent) error {
+	return wrapDriverChanged(d.watchHealth(ctx, inv, watching, events))
 }
 
-func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
+func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Unwatched), events chan<- HealthEvent) error {
 	logger := klog.FromContext(ctx)
 
 	set, ret := d.lib.EventSetCreate()
@@ -64,22 +68,18 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, events chan<- He
 	defer set.Free()
 
 	nameByUUID := map[string]string{}
+	var unwatched Unwatched
 	for _, gpu := range inv.GPUs {
-		dev, ret := d.lib.DeviceGetHandleByUUID(gpu.UUID)
-		if driverChanged(ret) {
-			return fmt.Errorf("get handle of %s: %w", gpu.Name, ret)
+		why, err := registerXIDEvents(d.lib, gpu.UUID, set)
+		if driverChanged(err) {
+			return fmt.Errorf("watch health of %s: %w", gpu.Name, err)
 		}
-		if ret != nvml.SUCCESS {
-			logger.Info("cannot watch device health", "device", gpu.Name, "err", ret)
-			continue
-		}
-		supported, ret := dev.GetSupportedEventTypes()
-		if ret != nvml.SUCCESS || supported&nvml.EventTypeXidCriticalError == 0 {
-			logger.Info("device does not support critical XID events", "device", gpu.Name, "err", ret)
-			continue
-		}
-		if ret := dev.RegisterEvents(nvml.EventTypeXidCriticalError, set); ret != nvml.SUCCESS {
-			logger.Info("cannot register for device events", "device", gpu.Name, "err", ret)
+		if why != "" {
+			logger.Info("device health not watched", "device", gpu.Name, "uuid", gpu.UUID, "reason", why)
+			if unwatched == nil {
+				unwatched = Unwatched{}
+			}
+			unwatched[gpu.UUID] = why
 			continue
 		}
 		nameByUUID[gpu.UUID] = gpu.Name
@@ -87,7 +87,8 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, events chan<- He
 	if len(nameByUUID) == 0 {
 		return ErrHealthUnsupported
 	}
-	logger.V(2).Info("watching device health", "devices", len(nameByUUID))
+	logger.V(2).Info("watching device health", "devices", len(nameByUUID), "unwatched", len(unwatched))
+	watching(unwatched)
 
 	send := func(ev HealthEvent) bool {
 		select {
@@ -165,4 +166,26 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, events chan<- He
 		}
 	}
 	return nil
+}
+
+// registerXIDEvents registers set for the critical XID events of the GPU
+// with the given UUID. It returns why the GPU cannot be watched, empty
+// when it is, and the NVML return that made it so (nil when it is
+// watched or simply does not support the events).
+func registerXIDEvents(lib nvml.Interface, uuid string, set nvml.EventSet) (string, error) {
+	dev, ret := lib.DeviceGetHandleByUUID(uuid)
+	if ret != nvml.SUCCESS {
+		return fmt.Sprintf("NVML DeviceGetHandleByUUID failed: %v", ret), ret
+	}
+	supported, ret := dev.GetSupportedEventTypes()
+	if ret != nvml.SUCCESS {
+		return fmt.Sprintf("NVML GetSupportedEventTypes failed: %v", ret), ret
+	}
+	if supported&nvml.EventTypeXidCriticalError == 0 {
+		return "the GPU does not support critical XID events", nil
+	}
+	if ret := dev.RegisterEvents(nvml.EventTypeXidCriticalError, set); ret != nvml.SUCCESS {
+		return fmt.Sprintf("NVML RegisterEvents failed: %v", ret), ret
+	}
+	return "", nil
 }

@@ -67,7 +67,11 @@ func TestRealNVML(t *testing.T) {
 	watchCtx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	events := make(chan discovery.HealthEvent, 16)
-	err = d.WatchHealth(watchCtx, inv, events)
+	err = d.WatchHealth(watchCtx, inv, func(unwatched discovery.Unwatched) {
+		for uuid, why := range unwatched {
+			t.Logf("health of GPU %s not watched: %s", uuid, why)
+		}
+	}, events)
 	switch {
 	case errors.Is(err, discovery.ErrHealthUnsupported):
 		t.Logf("no GPU here supports critical XID events: %v", err)

@@ -110,14 +110,14 @@ func (l *Lazy) Discover(ctx context.Context) (*Inventory, error) {
 // returns an error wrapping [ErrHealthUnsupported]; the agent restarts
 // health watching when the devices change. An error wrapping
 // [ErrDriverChanged] drops the library as Discover does.
-func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, events chan<- HealthEvent) error {
+func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, watching func(Unwatched), events chan<- HealthEvent) error {
 	l.mutex.Lock()
 	d := l.current
 	l.mutex.Unlock()
 	if d == nil {
 		return fmt.Errorf("%w: NVML is not loaded", ErrHealthUnsupported)
 	}
-	err := d.WatchHealth(ctx, inv, events)
+	err := d.WatchHealth(ctx, inv, watching, events)
 	if errors.Is(err, ErrDriverChanged) {
 		l.drop(ctx, d)
 	}

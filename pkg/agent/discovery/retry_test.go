@@ -47,7 +47,9 @@ func TestLazyReloadsAfterDriverUpgrade(t *testing.T) {
 	watchDone := make(chan error, 1)
 	watchCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() { watchDone <- lazy.WatchHealth(watchCtx, inv, make(chan discovery.HealthEvent)) }()
+	go func() {
+		watchDone <- lazy.WatchHealth(watchCtx, inv, func(discovery.Unwatched) {}, make(chan discovery.HealthEvent))
+	}()
 	for old.EventSets() == 0 {
 		time.Sleep(time.Millisecond)
 	}

@@ -43,6 +43,9 @@ type Machine struct {
 	mutex    sync.Mutex
 	linkDown map[[2]int]bool
 	lost     bool
+	// registerFails is what RegisterEvents returns per GPU index, where
+	// it fails.
+	registerFails map[int]nvml.Return
 }
 
 type remoteEnd struct {
@@ -76,6 +79,8 @@ func NewFromSpec(spec Spec, opts Options) (*Machine, error) {
 		server:   spec.NewServer(len(spec.GPUs)),
 		events:   make(chan nvml.EventData, eventQueueSize),
 		linkDown: map[[2]int]bool{},
+
+		registerFails: map[int]nvml.Return{},
 	}
 	if len(m.server.Devices) != len(spec.GPUs) {
 		return nil, fmt.Errorf("NVML mock server has %d devices, spec has %d GPUs", len(m.server.Devices), len(spec.GPUs))
@@ -180,6 +185,11 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		return nvml.EventTypeXidCriticalError | nvml.EventTypeDoubleBitEccError | nvml.EventTypeSingleBitEccError, nvml.SUCCESS
 	}
 	dev.RegisterEventsFunc = func(uint64, nvml.EventSet) nvml.Return {
+		m.mutex.Lock()
+		defer m.mutex.Unlock()
+		if ret, ok := m.registerFails[i]; ok {
+			return ret
+		}
 		return nvml.SUCCESS
 	}
 }
@@ -275,6 +285,19 @@ func (m *Machine) InjectXID(gpu int, xid uint64) error {
 		return nil
 	default:
 		return errors.New("NVML event queue is full")
+	}
+}
+
+// FailEventRegistration makes NVML's RegisterEvents return ret for a GPU
+// from now on, so that its health cannot be watched; nvml.SUCCESS lets it
+// succeed again.
+func (m *Machine) FailEventRegistration(gpu int, ret nvml.Return) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	if ret == nvml.SUCCESS {
+		delete(m.registerFails, gpu)
+	} else {
+		m.registerFails[gpu] = ret
 	}
 }
 
