@@ -1139,3 +1139,41 @@ func TestSpreadingIgnoresWeights(t *testing.T) {
 		}
 	}
 }
+
+// TestOneDevicePodKeepsItsFirstChoice: a pod of one-device claims, one of
+// which asks firstAvailable for a large GPU, then any GPU. The best-fit
+// order puts the free large GPU first (its PCIe root is the fuller one),
+// so first-fit over it gives that GPU to the claim that asks for any GPU
+// and the other claim its second choice; the pod must get its first
+// choice where upstream gives it, as it does for every other pod.
+func TestOneDevicePodKeepsItsFirstChoice(t *testing.T) {
+	ctx := quietContext(t)
+	gpu := func(name, root string, gb int64) resourceapi.Device {
+		d := device(name, attrs{topology.AttrPCIeRoot: str(root), topology.AttrNUMANode: num(0)})
+		d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"memory": {Value: *resource.NewQuantity(gb<<30, resource.BinarySI)}}
+		return d
+	}
+	s := []*resourceapi.ResourceSlice{slice("node-a", gpuDriver,
+		gpu("gpu-0", "pci0000:00", 24), gpu("gpu-1", "pci0001:00", 80), gpu("gpu-2", "pci0001:00", 80), gpu("gpu-3", "pci0000:00", 24))}
+	any := claim("c1").request("gpu", "gpu", 1).obj()
+	prefer := claim("c2").obj()
+	prefer.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "r", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "big", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: `device.capacity["` + gpuDriver + `"].memory.compareTo(quantity("40Gi")) >= 0`}}}},
+		{Name: "small", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	}}}
+	claims := []*resourceapi.ResourceClaim{any, prefer}
+	a, res, up := allocateBoth(ctx, t, "node-a", s, allocated(gpuDriver, "node-a", "gpu-2"), DefaultPolicy(), claims)
+	if !a.simplePod(claims) {
+		t.Fatal("the pod should be one the ordered strategy serves")
+	}
+	if res.Allocations == nil || up == nil {
+		t.Fatalf("topodra %v, upstream %v", res.Explanation, deviceNames(up))
+	}
+	request := func(results []resourceapi.AllocationResult) string {
+		return results[1].Devices.Results[0].Request
+	}
+	if got, want := request(res.Allocations), request(up); want != "r/big" || got != want {
+		t.Errorf("claim c2 got %s on %v, upstream %s on %v; want r/big", got, deviceNames(res.Allocations), want, deviceNames(up))
+	}
+}

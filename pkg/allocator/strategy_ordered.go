@@ -8,6 +8,7 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/klog/v2"
 )
 
 // orderedStrategy serves pods whose claims each need one device: for them
@@ -18,8 +19,11 @@ import (
 // its own. Allocate then costs what upstream's costs: first-fit over the
 // sorted devices picks the best-fitting device, and since only the order
 // differs, it allocates exactly when upstream does. It decides unless a
-// selector fails at run time on a device of the node (podNode.uncertain):
-// then the views strategy asks upstream in the node's own order.
+// selector fails at run time on a device of the node (podNode.uncertain),
+// or a firstAvailable request got a later subrequest than counting
+// expects (first-fit in the sorted order gave a device its first choice
+// needed to another claim): then the views strategy decides, with
+// upstream's own order as its last view.
 type orderedStrategy struct{}
 
 func (orderedStrategy) applies(p *podNode) bool { return p.a.simplePod(p.claims) }
@@ -47,6 +51,14 @@ func (orderedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 	}
 	if results == nil {
 		return &Result{Explanation: a.explain(infos, ns, nil, false)}, nil
+	}
+	if ok, _ := a.accept(ns, infos, nil, results, false); !ok {
+		// First-fit over the best-fit order handed a device that a
+		// firstAvailable request's first choice needed to another claim:
+		// the views strategy decides with upstream's own order as its last
+		// view.
+		klog.FromContext(ctx).V(5).Info("Ordered allocation takes a later subrequest than counting expects, trying views", "node", klog.KObj(p.node))
+		return nil, nil
 	}
 	q := a.quality(ns, infos, p.units, results)
 	logAllocated(ctx, p, "ordered", q)
