@@ -42,7 +42,9 @@ const (
 	// allocations consume more of one of its capacities than it has.
 	CapacityExceeded Kind = "CapacityExceeded"
 	// VanishedDevice: an allocation names a device that no ResourceSlice
-	// of the pool's current generation publishes.
+	// of the pool's current generation publishes, even while that
+	// generation is incomplete (the scheduler waits then; see
+	// [Publication.Presence]).
 	VanishedDevice Kind = "VanishedDevice"
 	// PodClaimUnallocated: a pod is bound to a node while one of its
 	// claims is missing or unallocated.
@@ -105,14 +107,51 @@ func deviceKey(d *Device) string {
 	return d.String()
 }
 
-// PublishedDevices maps every device of the newest generation of each pool
-// to whether it allows multiple allocations.
-func PublishedDevices(resourceSlices []*resourceapi.ResourceSlice) map[Device]bool {
-	out := map[Device]bool{}
-	for d, spec := range publishedPools(resourceSlices).devices {
-		out[d] = allowsMultiple(spec)
+// Presence is what a pool's ResourceSlices say about one of its devices.
+type Presence int
+
+const (
+	// DevicePublished: a slice of the newest generation of the device's
+	// pool publishes it.
+	DevicePublished Presence = iota
+	// DevicePending: no slice of the newest generation of the device's
+	// pool publishes it, but that generation is incomplete (fewer of its
+	// slices exist than its resourceSliceCount): the driver is updating
+	// the pool slice by slice, and a slice still to come may publish the
+	// device.
+	DevicePending
+	// DeviceGone: the newest generation of the device's pool is complete
+	// without it, or no slice publishes the pool at all. A driver replaces
+	// a pool's slices by publishing a new generation, so a pool without
+	// slices was removed (its driver or node is gone).
+	DeviceGone
+)
+
+// Publication is what the newest generation of each pool publishes. It is
+// immutable and safe for concurrent use.
+type Publication struct {
+	pools pools
+}
+
+// Publish judges the pools of resourceSlices: a pool's newest generation
+// is complete when as many slices of it exist as its resourceSliceCount,
+// as for the upstream allocator.
+func Publish(resourceSlices []*resourceapi.ResourceSlice) *Publication {
+	return &Publication{pools: publishedPools(resourceSlices)}
+}
+
+// Presence tells whether d is published, may still be published by a slice
+// of an incomplete pool, or is gone. [Find] is stricter: it reports every
+// allocated device that is not DevicePublished as a VanishedDevice, since
+// it judges a cluster at rest.
+func (p *Publication) Presence(d Device) Presence {
+	if _, ok := p.pools.devices[d]; ok {
+		return DevicePublished
 	}
-	return out
+	if complete, ok := p.pools.complete[poolID{d.Driver, d.Pool}]; ok && !complete {
+		return DevicePending
+	}
+	return DeviceGone
 }
 
 func allowsMultiple(d *resourceapi.Device) bool {
@@ -126,15 +165,20 @@ type counterKey struct {
 
 func (k counterKey) String() string { return k.driver + "/" + k.pool + "/" + k.set + "/" + k.name }
 
-// pools is what the newest generation of each pool publishes: its devices
-// and the values of its shared counters.
+type poolID struct{ driver, pool string }
+
+// pools is what the newest generation of each pool publishes: its devices,
+// the values of its shared counters, and whether all its slices exist.
 type pools struct {
 	devices  map[Device]*resourceapi.Device
 	counters map[counterKey]resource.Quantity
+	// complete tells, for every pool that a slice publishes, whether as
+	// many slices of its newest generation exist as the resourceSliceCount
+	// of the first of them (the upstream allocator's test).
+	complete map[poolID]bool
 }
 
 func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
-	type poolID struct{ driver, pool string }
 	newest := map[poolID]int64{}
 	for _, s := range resourceSlices {
 		id := poolID{s.Spec.Driver, s.Spec.Pool.Name}
@@ -142,11 +186,18 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 			newest[id] = s.Spec.Pool.Generation
 		}
 	}
-	out := pools{devices: map[Device]*resourceapi.Device{}, counters: map[counterKey]resource.Quantity{}}
+	out := pools{devices: map[Device]*resourceapi.Device{}, counters: map[counterKey]resource.Quantity{}, complete: map[poolID]bool{}}
+	sliceCount := map[poolID]int64{}
+	seen := map[poolID]int64{}
 	for _, s := range resourceSlices {
-		if s.Spec.Pool.Generation != newest[poolID{s.Spec.Driver, s.Spec.Pool.Name}] {
+		id := poolID{s.Spec.Driver, s.Spec.Pool.Name}
+		if s.Spec.Pool.Generation != newest[id] {
 			continue
 		}
+		if _, ok := sliceCount[id]; !ok {
+			sliceCount[id] = s.Spec.Pool.ResourceSliceCount
+		}
+		seen[id]++
 		for i := range s.Spec.Devices {
 			d := &s.Spec.Devices[i]
 			out.devices[Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}] = d
@@ -159,6 +210,9 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 				}
 			}
 		}
+	}
+	for id, n := range seen {
+		out.complete[id] = n == sliceCount[id]
 	}
 	return out
 }

@@ -127,6 +127,27 @@ func TestInvariantChecker(t *testing.T) {
 				{Kind: VanishedDevice, Device: &Device{driver, "node-gone", "gpu-0"}, Claims: []string{"ns/gone"}},
 			},
 		},
+		"vanished device in an incomplete generation": {
+			state: State{
+				// The driver republishes the pool: the slice with gpu-2 is
+				// still at generation 1, which no longer counts.
+				Slices: []*resourceapi.ResourceSlice{
+					func() *resourceapi.ResourceSlice {
+						s := slice("node-a", 2, devices("gpu-0", "gpu-1")...)
+						s.Spec.Pool.ResourceSliceCount = 2
+						return s
+					}(),
+					func() *resourceapi.ResourceSlice {
+						s := slice("node-a", 1, devices("gpu-2")...)
+						s.Name = "node-a-slice-2"
+						s.Spec.Pool.ResourceSliceCount = 2
+						return s
+					}(),
+				},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")},
+			},
+			want: []Violation{{Kind: VanishedDevice, Device: &Device{driver, "node-a", "gpu-2"}, Claims: []string{"ns/a"}}},
+		},
 		"pod bound with unallocated claims": {
 			state: State{
 				Slices: []*resourceapi.ResourceSlice{nodeA},
@@ -165,6 +186,61 @@ func TestInvariantChecker(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) { expectViolations(t, Find(tc.state), tc.want) })
+	}
+}
+
+// TestPresence: a device missing from the newest generation of its pool is
+// gone only once that generation is complete (as many slices as its
+// resourceSliceCount) or the pool has no slices; while the driver
+// republishes the pool slice by slice, it is pending.
+func TestPresence(t *testing.T) {
+	// poolSlice is slice name of pool "node-a", at generation, one of count.
+	poolSlice := func(name string, generation, count int64, deviceNames ...string) *resourceapi.ResourceSlice {
+		s := slice("node-a", generation, devices(deviceNames...)...)
+		s.Name = name
+		s.Spec.Pool.ResourceSliceCount = count
+		return s
+	}
+	gpu2 := Device{driver, "node-a", "gpu-2"}
+	tests := map[string]struct {
+		slices []*resourceapi.ResourceSlice
+		want   Presence
+	}{
+		"published": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 1, 2, "gpu-0", "gpu-1"), poolSlice("b", 1, 2, "gpu-2")},
+			want:   DevicePublished,
+		},
+		"published by an incomplete generation": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "gpu-2"), poolSlice("b", 1, 2, "gpu-0")},
+			want:   DevicePublished,
+		},
+		"pool republished slice by slice": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "gpu-0", "gpu-1"), poolSlice("b", 1, 2, "gpu-2")},
+			want:   DevicePending,
+		},
+		"first slices of a new pool": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 1, 2, "gpu-0", "gpu-1")},
+			want:   DevicePending,
+		},
+		"complete generation without it": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "gpu-0", "gpu-1"), poolSlice("b", 2, 2, "gpu-3")},
+			want:   DeviceGone,
+		},
+		"only a stale slice has it": {
+			slices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 1, "gpu-0", "gpu-1"), poolSlice("b", 1, 2, "gpu-2")},
+			want:   DeviceGone,
+		},
+		"pool without slices": {
+			slices: []*resourceapi.ResourceSlice{slice("node-b", 1, devices("gpu-2")...)},
+			want:   DeviceGone,
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			if got := Publish(tc.slices).Presence(gpu2); got != tc.want {
+				t.Errorf("presence of %s: got %d, want %d", gpu2, got, tc.want)
+			}
+		})
 	}
 }
 

@@ -27,8 +27,13 @@ import (
 // the allocation's timestamp, makes the allocation unusable: Filter marks
 // the claim unavailable on every node, PostFilter deallocates it, and the
 // next attempt allocates afresh. This is what the stock plugin does. A
-// device that is still waiting for its conditions but no longer published
-// by its driver cannot become ready either, and is treated the same way.
+// device that is still waiting for its conditions but gone from its pool
+// (invariant.DeviceGone: the pool's newest generation is complete without
+// it, or the pool has no slices left) cannot become ready either, and is
+// treated the same way. While the pool's newest generation is incomplete
+// (its driver republishes it slice by slice), a device missing from it is
+// not gone yet, and the wait goes on until bindingTimeout, as for the stock
+// plugin, which does not look for the devices at all.
 
 var (
 	// errBindingFailed: a binding failure condition of an allocated device
@@ -38,46 +43,45 @@ var (
 	// the binding timeout, counted from the allocation's timestamp.
 	errBindingTimeout = errors.New("device binding timed out")
 	// errDeviceVanished: an allocated device whose binding conditions are
-	// not all true is no longer published in a ResourceSlice.
+	// not all true is gone from its pool (invariant.DeviceGone).
 	errDeviceVanished = errors.New("allocated device no longer exists")
 )
 
-// publishedLookup tells whether a device is published: it belongs to the
-// newest generation of its pool in the scheduler's slice cache, as the
-// invariant checker counts devices (no VanishedDevice for it). The slices
-// are listed on the first question only, since most allocations never
-// need it.
+// publishedLookup tells whether a device is published, pending or gone
+// (invariant.Publication.Presence) by the pools in the scheduler's slice
+// cache. The slices are listed on the first question only, since most
+// allocations never need it. Not safe for concurrent use.
 type publishedLookup struct {
-	pl      *TopologyDRA
-	devices map[invariant.Device]bool
-	err     error
+	pl          *TopologyDRA
+	publication *invariant.Publication
+	err         error
 }
 
 func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &publishedLookup{pl: pl} }
 
-func (p *publishedLookup) has(d invariant.Device) (bool, error) {
-	if p.devices == nil && p.err == nil {
+func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {
+	if p.publication == nil && p.err == nil {
 		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 		if err != nil {
 			p.err = fmt.Errorf("list resource slices: %w", err)
 		} else {
-			p.devices = invariant.PublishedDevices(resourceSlices)
+			p.publication = invariant.Publish(resourceSlices)
 		}
 	}
 	if p.err != nil {
-		return false, p.err
+		return invariant.DeviceGone, p.err
 	}
-	_, ok := p.devices[d]
-	return ok, nil
+	return p.publication.Presence(d), nil
 }
 
 // bindingState reports whether an allocated claim's devices are ready to
 // bind (all binding conditions true, or none), and errBindingFailed,
 // errBindingTimeout or errDeviceVanished (wrapped, naming the claim and
-// device) when the allocation can no longer become ready. published tells
-// whether a device exists (asked only for devices that are not ready); nil
-// skips that check. Unallocated claims are not ready.
-func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, published func(invariant.Device) (bool, error)) (bool, error) {
+// device) when the allocation can no longer become ready. presence tells
+// whether a device is published, pending or gone (asked only for devices
+// that are not ready); only a gone device is errDeviceVanished. nil skips
+// that check. Unallocated claims are not ready.
+func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.Time, presence func(invariant.Device) (invariant.Presence, error)) (bool, error) {
 	alloc := claim.Status.Allocation
 	if alloc == nil {
 		return false, nil
@@ -104,13 +108,13 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 				deviceReady = false
 			}
 		}
-		if !deviceReady && published != nil {
-			exists, err := published(invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device})
+		if !deviceReady && presence != nil {
+			p, err := presence(invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device})
 			if err != nil {
 				return false, err
 			}
-			if !exists {
-				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by any ResourceSlice", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
+			if p == invariant.DeviceGone {
+				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by the current ResourceSlices of its pool", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
 			}
 		}
 		ready = ready && deviceReady
@@ -151,14 +155,14 @@ func (u *untimedWaits) since(uid types.UID) (time.Time, bool) {
 func (u *untimedWaits) forget(uid types.UID) { u.m.Delete(uid) }
 
 // bindingFailed reports an allocated claim whose binding failed, timed out
-// or waits for a device that vanished (PreFilter records it; Filter marks
+// or waits for a device that is gone (PreFilter records it; Filter marks
 // the claim unavailable so that PostFilter deallocates it). published is
 // shared by the claims of one cycle.
 func (pl *TopologyDRA) bindingFailed(claim *resourceapi.ResourceClaim, published *publishedLookup) error {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions([]*resourceapi.ResourceClaim{claim}) {
 		return nil
 	}
-	_, err := pl.bindingState(claim, time.Now(), published.has)
+	_, err := pl.bindingState(claim, time.Now(), published.presence)
 	return err
 }
 
@@ -214,7 +218,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 			if latest.Status.Allocation.AllocationTimestamp == nil {
 				pl.untimed.start(latest.UID, start)
 			}
-			ready, err := pl.bindingState(latest, time.Now(), published.has)
+			ready, err := pl.bindingState(latest, time.Now(), published.presence)
 			if err != nil || !ready {
 				return false, err
 			}

@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -34,14 +35,25 @@ func TestBindingState(t *testing.T) {
 		c.Status.Devices = []resourceapi.AllocatedDeviceStatus{st}
 		return c
 	}
+	// poolSlice is slice name of pool d/p, at generation, one of count.
+	poolSlice := func(name string, generation, count int64, devices ...string) *resourceapi.ResourceSlice {
+		s := &resourceapi.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		s.Spec.Driver = "d"
+		s.Spec.Pool = resourceapi.ResourcePool{Name: "p", Generation: generation, ResourceSliceCount: count}
+		for _, d := range devices {
+			s.Spec.Devices = append(s.Spec.Devices, resourceapi.Device{Name: d})
+		}
+		return s
+	}
 	pl := &TopologyDRA{bindingTimeout: 10 * time.Minute}
 	tests := map[string]struct {
 		claim     *resourceapi.ResourceClaim
 		now       time.Time
 		wantReady bool
 		wantErr   error
-		// published, if set, are the devices that exist.
-		published map[invariant.Device]bool
+		// resourceSlices, if not nil, tell which devices are published,
+		// pending or gone.
+		resourceSlices []*resourceapi.ResourceSlice
 	}{
 		"pending, within the timeout": {claim: claim(), now: allocatedAt.Add(time.Minute)},
 		"pending, past the timeout":   {claim: claim(), now: allocatedAt.Add(11 * time.Minute), wantErr: errBindingTimeout},
@@ -50,11 +62,17 @@ func TestBindingState(t *testing.T) {
 		"failure wins over success":   {claim: claim("Attached", "AttachFailed"), now: allocatedAt, wantErr: errBindingFailed},
 		"unallocated":                 {claim: &resourceapi.ResourceClaim{}, now: allocatedAt},
 		"pending, device published": {claim: claim(), now: allocatedAt,
-			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false, {Driver: "d", Pool: "p", Name: "bound"}: false}},
+			resourceSlices: []*resourceapi.ResourceSlice{poolSlice("a", 1, 1, "plain", "bound")}},
 		"pending, device vanished": {claim: claim(), now: allocatedAt,
-			published: map[invariant.Device]bool{{Driver: "d", Pool: "p", Name: "plain"}: false}, wantErr: errDeviceVanished},
+			resourceSlices: []*resourceapi.ResourceSlice{poolSlice("a", 1, 1, "plain")}, wantErr: errDeviceVanished},
+		"pending, device vanished in a complete new generation": {claim: claim(), now: allocatedAt,
+			resourceSlices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "plain"), poolSlice("b", 2, 2), poolSlice("b-old", 1, 2, "bound")}, wantErr: errDeviceVanished},
+		"pending, pool republished slice by slice": {claim: claim(), now: allocatedAt,
+			resourceSlices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "plain"), poolSlice("b", 1, 2, "bound")}},
+		"pending, pool without slices": {claim: claim(), now: allocatedAt,
+			resourceSlices: []*resourceapi.ResourceSlice{}, wantErr: errDeviceVanished},
 		"ready, device vanished since": {claim: claim("Attached"), now: allocatedAt, wantReady: true,
-			published: map[invariant.Device]bool{}},
+			resourceSlices: []*resourceapi.ResourceSlice{}},
 		"no timestamp: no timeout counted": {claim: func() *resourceapi.ResourceClaim {
 			c := claim()
 			c.Status.Allocation.AllocationTimestamp = nil
@@ -63,14 +81,12 @@ func TestBindingState(t *testing.T) {
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
-			var published func(invariant.Device) (bool, error)
-			if tc.published != nil {
-				published = func(d invariant.Device) (bool, error) {
-					_, ok := tc.published[d]
-					return ok, nil
-				}
+			var presence func(invariant.Device) (invariant.Presence, error)
+			if tc.resourceSlices != nil {
+				publication := invariant.Publish(tc.resourceSlices)
+				presence = func(d invariant.Device) (invariant.Presence, error) { return publication.Presence(d), nil }
 			}
-			ready, err := pl.bindingState(tc.claim, tc.now, published)
+			ready, err := pl.bindingState(tc.claim, tc.now, presence)
 			if ready != tc.wantReady || !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
 				t.Errorf("got ready %v, err %v; want ready %v, err %v", ready, err, tc.wantReady, tc.wantErr)
 			}
@@ -174,4 +190,60 @@ func TestBindingTimeoutOfAllocationWithoutTimestamp(t *testing.T) {
 		return !waited, nil
 	})
 	h.tCtx.ExpectNoError(err, "the first wait of a deallocated claim is still recorded")
+}
+
+// TestBindingWaitsThroughPoolUpdate: a claim waits for the binding
+// conditions of a device in the second of the two slices of its pool. The
+// driver republishes the pool slice by slice; while only the first slice
+// is at the new generation, the device is in no slice of it yet, but the
+// pool is incomplete, so the device is not gone: Filter keeps the
+// allocation, and PreBind waits (here until the binding timeout). Once the
+// new generation is complete without the device, it is gone, and Filter
+// refuses the allocation so that PostFilter can release it.
+func TestBindingWaitsThroughPoolUpdate(t *testing.T) {
+	first := testSlice("node-a", 2)
+	first.Spec.Pool.ResourceSliceCount = 2
+	second := testSlice("node-a", 4)
+	second.Name = "node-a-gpus-2"
+	second.Spec.Pool.ResourceSliceCount = 2
+	second.Spec.Devices = second.Spec.Devices[2:]
+	// Without a timestamp, the binding timeout counts from PreBind's first
+	// wait, so the cycles before it see no timeout.
+	c := allocatedOn(testClaim("c", 1), "node-a", "gpu-2")
+	c.Status.Allocation.Devices.Results[0].BindingConditions = []string{"Attached"}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), first, second, c)
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	if !h.pl.features.DeviceBindingAndStatus {
+		t.Fatal("DRADeviceBindingConditions is off in this build's feature defaults")
+	}
+	schedmetrics.Register() // PreBind records the binding-condition metrics.
+	republish := func(s *resourceapi.ResourceSlice, devices ...string) {
+		t.Helper()
+		s.Spec.Pool.Generation = 2
+		s.Spec.Devices = slices.DeleteFunc(s.Spec.Devices, func(d resourceapi.Device) bool { return !slices.Contains(devices, d.Name) })
+		_, err := h.client.ResourceV1().ResourceSlices().Update(h.tCtx, s, metav1.UpdateOptions{})
+		h.tCtx.ExpectNoError(err)
+		err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			cached, err := h.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+			return slices.ContainsFunc(cached, func(c *resourceapi.ResourceSlice) bool {
+				return c.Name == s.Name && c.Spec.Pool.Generation == 2
+			}), err
+		})
+		h.tCtx.ExpectNoError(err, "slice "+s.Name+" at generation 2 in the plugin's slice cache")
+	}
+	pod := testPod("p", "c")
+
+	republish(first, "gpu-0", "gpu-1")
+	cs := h.reserve(pod, "node-a")
+	h.pl.bindingTimeout = 600 * time.Millisecond
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
+		t.Errorf("pool being republished, PreBind: %v, want a wait until the binding timeout", st)
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	h.pl.bindingTimeout = 10 * time.Minute
+
+	republish(second, "gpu-3")
+	if _, st := h.cycle(pod, "node-a"); st["node-a"].IsSuccess() || !strings.Contains(st["node-a"].Message(), "no longer exists") {
+		t.Errorf("pool republished without gpu-2, Filter: %v, want the allocated device gone", st["node-a"])
+	}
 }
