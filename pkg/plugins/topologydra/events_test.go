@@ -2,12 +2,14 @@ package topologydra
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
@@ -246,6 +248,165 @@ func TestFreedDevicesQueueingHint(t *testing.T) {
 
 	// A claim on b freeing all of b's devices is enough too.
 	givesBack("z", fwk.Queue, "all of b")
+}
+
+// TestFreedDevicesQueueingHintAcrossGroups: one request may take devices
+// of several pools and drivers at once: a node's own GPUs and those of a
+// pool that is not local to a node (allNodes, nodeSelector) that admits
+// it, or the devices of two drivers that its class matches. Node a's
+// GPUs (gpu-0, gpu-1) and the devices of pool net (net-0, net-1) or of a
+// second driver on a (nic-0, nic-1) are all held but one; a pod asks for
+// two, so it does not fit on a. Claim gone gives one back; the hint must
+// retry the pod where Filter now passes on a, and only where devices it
+// can use make up its request.
+func TestFreedDevicesQueueingHintAcrossGroups(t *testing.T) {
+	const nicDriver = "nic.test.topodra.io"
+	// pool publishes two devices of driver named prefix-0 and prefix-1:
+	// local to node a (local), for every node (allNodes), for node b
+	// alone (nodeSelector), or per device: the first for every node, the
+	// second for node b.
+	type reach int
+	const (
+		local reach = iota
+		allNodes
+		onlyB
+		perDevice
+	)
+	pool := func(name, driver, prefix string, r reach) *resourceapi.ResourceSlice {
+		s := testSlice("a", 0)
+		s.Name, s.Spec.Driver, s.Spec.Pool.Name = name, driver, name
+		switch r {
+		case allNodes:
+			s.Spec.NodeName, s.Spec.AllNodes = nil, ptr.To(true)
+		case onlyB:
+			s.Spec.NodeName = nil
+			s.Spec.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{
+				{Key: "kubernetes.io/hostname", Operator: v1.NodeSelectorOpIn, Values: []string{"b"}},
+			}}}}
+		}
+		for i := range 2 {
+			s.Spec.Devices = append(s.Spec.Devices, resourceapi.Device{Name: fmt.Sprintf("%s-%d", prefix, i)})
+		}
+		if r == perDevice {
+			s.Spec.NodeName, s.Spec.PerDeviceNodeSelection = nil, ptr.To(true)
+			s.Spec.Devices[0].AllNodes, s.Spec.Devices[1].NodeName = ptr.To(true), ptr.To("b")
+		}
+		return s
+	}
+	// held is a claim allocated devices of driver in pool.
+	held := func(name, driver, pool string, devices ...string) *resourceapi.ResourceClaim {
+		c := allocatedOn(testClaim(name, int64(len(devices))), "a", devices...)
+		for i := range c.Status.Allocation.Devices.Results {
+			c.Status.Allocation.Devices.Results[i].Driver = driver
+			c.Status.Allocation.Devices.Results[i].Pool = pool
+		}
+		return c
+	}
+	// plus adds a device of driver in pool to c's allocation.
+	plus := func(c *resourceapi.ResourceClaim, driver, pool, device string) *resourceapi.ResourceClaim {
+		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results,
+			resourceapi.DeviceRequestAllocationResult{Request: "gpu", Driver: driver, Pool: pool, Device: device})
+		return c
+	}
+	// both is a class whose devices are the GPUs and the NICs.
+	both := testDeviceClass()
+	both.Name = "gpu-or-nic"
+	both.Spec.Selectors[0].CEL.Expression = fmt.Sprintf("device.driver in [%q, %q]", topology.DriverName, nicDriver)
+	want := func(className string) *resourceapi.ResourceClaim {
+		c := testClaim("want", 2)
+		c.Spec.Devices.Requests[0].Exactly.DeviceClassName = className
+		return c
+	}
+	for name, tc := range map[string]struct {
+		objs []runtime.Object
+		// gone gives its devices back.
+		gone string
+		// fits: Filter passes on a once gone's devices are free; the
+		// hint must then be Queue, and QueueSkip otherwise.
+		fits bool
+	}{
+		"GPU of a given back, net-1 free in an allNodes pool": {
+			objs: []runtime.Object{pool("net", topology.DriverName, "net", allNodes), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"), held("gone", topology.DriverName, "a", "gpu-1"),
+				held("n", topology.DriverName, "net", "net-0")},
+			gone: "gone", fits: true,
+		},
+		"net-0 of an allNodes pool given back, gpu-1 of a free": {
+			objs: []runtime.Object{pool("net", topology.DriverName, "net", allNodes), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"),
+				held("gone", topology.DriverName, "net", "net-0"), held("n", topology.DriverName, "net", "net-1")},
+			gone: "gone", fits: true,
+		},
+		"net-0 of a pool with per-device node selection given back, for every node": {
+			objs: []runtime.Object{pool("net", topology.DriverName, "net", perDevice), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"),
+				held("gone", topology.DriverName, "net", "net-0"), held("n", topology.DriverName, "net", "net-1")},
+			gone: "gone", fits: true,
+		},
+		"net-1 of a pool with per-device node selection given back, for node b": {
+			objs: []runtime.Object{pool("net", topology.DriverName, "net", perDevice), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"),
+				held("n", topology.DriverName, "net", "net-0"), held("gone", topology.DriverName, "net", "net-1")},
+			gone: "gone", fits: false,
+		},
+		"GPU of a given back, net-1 free in a pool for node b only": {
+			objs: []runtime.Object{pool("net", topology.DriverName, "net", onlyB), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"), held("gone", topology.DriverName, "a", "gpu-1"),
+				held("n", topology.DriverName, "net", "net-0")},
+			gone: "gone", fits: false,
+		},
+		"a GPU and a NIC given back together, class of both drivers": {
+			objs: []runtime.Object{pool("a-nics", nicDriver, "nic", local), both, want(both.Name),
+				held("x", topology.DriverName, "a", "gpu-0"), held("n", nicDriver, "a-nics", "nic-1"),
+				plus(held("gone", topology.DriverName, "a", "gpu-1"), nicDriver, "a-nics", "nic-0")},
+			gone: "gone", fits: true,
+		},
+		"a NIC given back, class of both drivers, a GPU free": {
+			objs: []runtime.Object{pool("a-nics", nicDriver, "nic", local), both, want(both.Name),
+				held("x", topology.DriverName, "a", "gpu-0"),
+				held("gone", nicDriver, "a-nics", "nic-0"), held("n", nicDriver, "a-nics", "nic-1")},
+			gone: "gone", fits: true,
+		},
+		"a GPU given back, class of GPUs only, NICs free": {
+			objs: []runtime.Object{pool("a-nics", nicDriver, "nic", local), want(testClass),
+				held("x", topology.DriverName, "a", "gpu-0"), held("gone", topology.DriverName, "a", "gpu-1")},
+			gone: "gone", fits: false,
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			objs := append([]runtime.Object{testDeviceClass(), testSlice("a", 2)}, tc.objs...)
+			h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, objs...)
+			for _, obj := range objs {
+				if c, ok := obj.(*resourceapi.ResourceClaim); ok {
+					h.waitForClaim(c.Name, func(*resourceapi.ResourceClaim) bool { return true })
+				}
+			}
+			pod := testPod("p", "want")
+			if _, st := h.cycle(pod, "a"); st["a"].IsSuccess() {
+				t.Fatalf("Filter on a before %s gives its devices back: success, want a misfit", tc.gone)
+			}
+			old := h.apiClaim(tc.gone)
+			freed := old.DeepCopy()
+			freed.Status.Allocation = nil
+			freed, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, freed, metav1.UpdateOptions{})
+			h.tCtx.ExpectNoError(err)
+			// The hint runs before the claim tracker sees the event, and
+			// again (a later event) once it has.
+			wantHint := map[bool]fwk.QueueingHint{true: fwk.Queue, false: fwk.QueueSkip}[tc.fits]
+			if got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed); err != nil || got != wantHint {
+				t.Errorf("hint before the tracker saw %s freed: %v (%v), want %v", tc.gone, got, err, wantHint)
+			}
+			h.waitForClaim(tc.gone, func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+			if _, st := h.cycle(pod, "a"); st["a"].IsSuccess() != tc.fits {
+				t.Fatalf("Filter on a after %s gave its devices back: %v, want success %v", tc.gone, st["a"], tc.fits)
+			}
+			again := old.DeepCopy()
+			again.ResourceVersion += "-again"
+			if got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, again, freed); err != nil || got != wantHint {
+				t.Errorf("hint after the tracker saw %s freed: %v (%v), want %v", tc.gone, got, err, wantHint)
+			}
+		})
+	}
 }
 
 // TestSharedDeviceFreedQueueingHint: a claim gives back its share of a

@@ -1,27 +1,32 @@
 package topologydra
 
 import (
+	"context"
+	"iter"
 	"strconv"
 	"sync"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 )
 
-// freedDevices answers, for one event that gave devices back, how many
-// devices of each driver are free where the devices came from. It serves
-// the queueing hint of every pending pod for that event: the queue asks
-// the hints of its pods one after another, so the counts are kept for the
-// last event only. Safe for concurrent use.
+// freedDevices answers, for one event that gave devices back, which
+// devices are free on the nodes that the devices given back can be used
+// on (see freedSites). It serves the queueing hint of every pending pod
+// for that event: the queue asks the hints of its pods one after another,
+// so the counts are kept for the last event only. Safe for concurrent use.
 type freedDevices struct {
 	mu sync.Mutex
 	// key identifies the event: the claim and its resourceVersion.
-	key  freedKey
-	free map[deviceGroup]int
+	key   freedKey
+	sites *freedSites
 	// cluster counts, per driver, the node-local devices of the cluster
 	// and how many are free, counted as free is; nodes counts them per
 	// node (for the headroom).
@@ -85,6 +90,89 @@ func groupOf(slice *resourceapi.ResourceSlice) deviceGroup {
 	return deviceGroup{driver: slice.Spec.Driver, pool: slice.Spec.Pool.Name}
 }
 
+// freedSites holds, for one event, the nodes that the devices given back
+// can be used on, with the free devices each of them can use: those of
+// its own pools and those of the pools not local to a node that admit it
+// (allNodes, a node selector, or per device), of every driver. Read-only
+// once built, except for the memo; safe for concurrent use.
+type freedSites struct {
+	sites []freedSite
+	// local holds the free devices of each site's own pools.
+	local map[string][]freeDevice
+	// shared holds the free devices of the pools not local to a node, by
+	// the nodes they are for.
+	shared []sharedDevices
+	// sharedGiven: the claim gave back devices of a pool not local to a
+	// node.
+	sharedGiven bool
+
+	mu sync.Mutex
+	// memo holds whether a selector matches a device, for the pods that
+	// ask after one another.
+	memo map[selectorOnDevice]bool
+}
+
+// freedSite is a node that devices given back can be used on. total
+// counts the free devices it can use, of every driver; own counts those
+// of the driver of the claim's devices that has most of them there.
+type freedSite struct {
+	node       string
+	total, own int
+	// shared indexes the entries of freedSites.shared that admit the node.
+	shared []int
+}
+
+// freeDevice is a free device, for matching a pod's selectors.
+type freeDevice struct {
+	driver, pool string
+	device       *resourceapi.Device
+}
+
+// sharedDevices are free devices that the same nodes can use.
+type sharedDevices struct {
+	reach   nodeReach
+	devices []freeDevice
+}
+
+// nodeReach is the node selection of a slice, or of a device in a slice
+// with perDeviceNodeSelection: a node name, all nodes, or a node selector
+// (parsed; nil where it does not parse).
+type nodeReach struct {
+	nodeName string
+	allNodes bool
+	selector *nodeaffinity.NodeSelector
+	// invalid: the node selector did not parse.
+	invalid bool
+}
+
+func reachOf(nodeName *string, allNodes *bool, selector *v1.NodeSelector) nodeReach {
+	r := nodeReach{nodeName: ptr.Deref(nodeName, ""), allNodes: ptr.Deref(allNodes, false)}
+	if selector != nil {
+		sel, err := nodeaffinity.NewNodeSelector(selector)
+		r.selector, r.invalid = sel, err != nil
+	}
+	return r
+}
+
+// admits reports whether the devices reach the named node (node is its
+// object, nil where not known). A node selector that does not parse, or
+// a node that is not known, counts as admitted: the hint errs towards a
+// retry.
+func (r nodeReach) admits(name string, node *v1.Node) bool {
+	switch {
+	case r.nodeName != "":
+		return r.nodeName == name
+	case r.allNodes:
+		return true
+	case r.selector != nil:
+		return node == nil || r.selector.Match(node)
+	}
+	return r.invalid
+}
+
+// selectorOnDevice keys the memo of freedSites.
+type selectorOnDevice struct{ expression, driver, pool, device string }
+
 // smallestRequest is the fewest devices that one request of the pod's
 // claims that are not allocated yet asks for: its exact count, or the
 // smallest count among a firstAvailable request's subrequests. Which
@@ -128,18 +216,27 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 }
 
 // freedEnough reports whether the devices that claim gave back (its
-// allocation before the event) can let pod fit: whether, for a driver and
-// node (or pool, for devices not local to a node) that the claim held
-// devices of, at least as many devices are now free as one of the pod's
-// requests asks for (see smallestRequest), on a node that the pod's
-// required node affinity (node selector and required terms) admits. Free means published and not
-// allocated; devices given back by this or an earlier event count as free
-// while the claim tracker still shows the claim that gave them back
-// holding them (it has not seen that event yet). A claim that held a share
-// of a device (consumable capacity) always says yes. In-flight allocations,
-// taints and shared counters are not subtracted, so the answer errs
-// towards yes. It also says yes
-// whenever it cannot tell. Where smallPodHeadroomPercent keeps devices
+// allocation before the event) can let pod fit: whether, on a node that
+// the claim's devices can be used on (the node of a node-local pool;
+// every node that a pool not local to a node admits) and that the pod's
+// required node affinity (node selector and required terms) admits,
+// enough devices are now free for one of the pod's requests. The devices
+// counted for a node are all those it can use: its own pools' and those
+// of the pools not local to a node that admit it, of every driver. Enough
+// means: as many devices of one driver of the claim's devices as the
+// pod's smallest request asks for (see smallestRequest; which driver
+// serves which request is not known here, so the pod is taken to match
+// them), or else as many devices, of any driver, that one of the pod's
+// requests matches (class and selectors, through the CEL cache) as it
+// asks for: one request may take devices of several pools and drivers.
+// Free means published and not allocated; devices given back by this or
+// an earlier event count as free while the claim tracker still shows the
+// claim that gave them back holding them (it has not seen that event
+// yet). A claim that held a share of a device (consumable capacity)
+// always says yes. In-flight allocations, taints and shared counters are
+// not subtracted, and a selector that fails at run time counts as
+// matching, so the answer errs towards yes. It also says yes whenever it
+// cannot tell. Where smallPodHeadroomPercent keeps devices
 // free against the pod (see headroomWait), it says no while fewer would
 // stay free than the headroom, and yes when this event brings the nodes
 // the pod may use up to it, or whenever they keep it with the pod placed
@@ -168,21 +265,26 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	if !ok {
 		return true
 	}
-	free, ok := pl.freed.count(pl, claim)
+	fs, ok := pl.freed.count(pl, claim)
 	if !ok {
 		return true
 	}
 	// A pod whose headroom Filter counted over only the devices its
 	// requests match (heldBack.narrowed), which the counts per driver
-	// here do not tell apart: devices given back on nodes where its
-	// requests match none change nothing for it; elsewhere a pod the
-	// headroom held back is retried, any other as a pod without a
-	// headroom.
+	// here do not tell apart: devices of its own pools given back on
+	// nodes where its requests match none change nothing for it;
+	// elsewhere a pod the headroom held back is retried, any other as a
+	// pod without a headroom. barren speaks of node-local devices only:
+	// where the claim gave back devices of a pool not local to a node,
+	// no node is barren.
 	barren, narrow := pl.heldBack.narrowed(pod.UID)
+	if fs.sharedGiven {
+		barren = nil
+	}
 	switch {
 	case narrow && pl.heldBack.held(pod.UID):
-		for g := range free {
-			if !barren.Has(g.node) {
+		for _, site := range fs.sites {
+			if !barren.Has(site.node) {
 				return true
 			}
 		}
@@ -196,12 +298,129 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 		}
 	}
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
-	for g, n := range free {
-		if n >= need && !barren.Has(g.node) && pl.mayUse(logger, pod, affinity, g.node) {
+	for i := range fs.sites {
+		site := &fs.sites[i]
+		if site.total < need || barren.Has(site.node) || !pl.mayUse(logger, pod, affinity, site.node) {
+			continue
+		}
+		if site.own >= need || pl.requestMet(logger, pod, fs, site) {
 			return true
 		}
 	}
 	return false
+}
+
+// requestMet reports whether the free devices that site can use make up
+// one of the pod's requests (of its claims that are not allocated yet):
+// as many of them match the request's class and selectors (one
+// subrequest's, for a firstAvailable request) as it asks for. It says
+// yes whenever it cannot tell (a claim or class not there, a selector
+// that does not compile, a request with admin access, which may use
+// allocated devices).
+func (pl *TopologyDRA) requestMet(logger klog.Logger, pod *v1.Pod, fs *freedSites, site *freedSite) bool {
+	claims, err := pl.podClaims(pod)
+	if err != nil {
+		return true
+	}
+	ctx := klog.NewContext(context.Background(), logger)
+	met := func(className string, selectors []resourceapi.DeviceSelector, count int64, admin bool) bool {
+		if admin {
+			return true
+		}
+		class, err := pl.draManager.DeviceClasses().Get(className)
+		if err != nil {
+			return true
+		}
+		var exprs []cel.CompilationResult
+		for _, list := range [][]resourceapi.DeviceSelector{class.Spec.Selectors, selectors} {
+			for _, sel := range list {
+				if sel.CEL == nil {
+					continue
+				}
+				expr := pl.celCache.GetOrCompile(sel.CEL.Expression)
+				if expr.Error != nil {
+					return true
+				}
+				exprs = append(exprs, expr)
+			}
+		}
+		n := int64(0)
+		for d := range fs.devices(site) {
+			if fs.matches(ctx, exprs, d) {
+				if n++; n >= count {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	for _, claim := range claims {
+		if claim.Status.Allocation != nil {
+			continue
+		}
+		for _, r := range claim.Spec.Devices.Requests {
+			switch {
+			case r.Exactly != nil:
+				if met(r.Exactly.DeviceClassName, r.Exactly.Selectors, r.Exactly.Count, ptr.Deref(r.Exactly.AdminAccess, false)) {
+					return true
+				}
+			case len(r.FirstAvailable) > 0:
+				for _, sub := range r.FirstAvailable {
+					if met(sub.DeviceClassName, sub.Selectors, sub.Count, false) {
+						return true
+					}
+				}
+			default:
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// devices yields the free devices that site can use.
+func (fs *freedSites) devices(site *freedSite) iter.Seq[freeDevice] {
+	return func(yield func(freeDevice) bool) {
+		for _, d := range fs.local[site.node] {
+			if !yield(d) {
+				return
+			}
+		}
+		for _, i := range site.shared {
+			for _, d := range fs.shared[i].devices {
+				if !yield(d) {
+					return
+				}
+			}
+		}
+	}
+}
+
+// matches reports whether every one of exprs matches the device; one that
+// fails at run time counts as matching. Results are kept for the event.
+func (fs *freedSites) matches(ctx context.Context, exprs []cel.CompilationResult, d freeDevice) bool {
+	for _, expr := range exprs {
+		key := selectorOnDevice{expression: expr.Expression, driver: d.driver, pool: d.pool, device: d.device.Name}
+		fs.mu.Lock()
+		ok, known := fs.memo[key]
+		fs.mu.Unlock()
+		if !known {
+			matched, _, err := expr.DeviceMatches(ctx, cel.Device{
+				Driver:                   d.driver,
+				AllowMultipleAllocations: d.device.AllowMultipleAllocations,
+				Attributes:               d.device.Attributes,
+				Capacity:                 d.device.Capacity,
+			})
+			ok = matched || err != nil
+			fs.mu.Lock()
+			fs.memo[key] = ok
+			fs.mu.Unlock()
+		}
+		if !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // nodeKnown reports whether the node lister has the named node (true
@@ -229,25 +448,33 @@ func (pl *TopologyDRA) mayUse(logger klog.Logger, pod *v1.Pod, affinity nodeaffi
 	return podMayUseNode(logger, pod, affinity, node, pl.taintOps)
 }
 
-// count returns the free devices per group that claim's allocation used,
-// computing them once per event.
-func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) (map[deviceGroup]int, bool) {
+// count returns the nodes that claim's devices can be used on, with the
+// free devices each can use, computing them once per event. ok is false
+// where it cannot tell: a list failed, or the claim gave back devices of
+// a pool not local to a node and there is no node lister to tell which
+// nodes the pool admits.
+func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) (*freedSites, bool) {
 	key := freedKey{uid: claim.UID, resourceVersion: claim.ResourceVersion}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.free != nil && f.key == key {
-		return f.free, true
+	if f.sites != nil && f.key == key {
+		return f.sites, true
 	}
 	if f.freedBy == nil {
 		f.freedBy = map[structured.DeviceID]release{}
 	}
 	freedPools := map[poolKey]bool{}
+	freedDrivers := map[string]bool{}
+	given := map[structured.DeviceID]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if !takesDevice(r) {
 			continue
 		}
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
-		f.freedBy[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = release{uid: claim.UID, version: claim.ResourceVersion}
+		freedDrivers[r.Driver] = true
+		id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
+		given[id] = true
+		f.freedBy[id] = release{uid: claim.UID, version: claim.ResourceVersion}
 	}
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
@@ -259,14 +486,12 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	// The groups the freed devices belong to, and the newest generation
 	// of every pool (only it counts).
-	groups := map[deviceGroup]bool{}
 	groupOfPool := map[poolKey]deviceGroup{}
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		generation[k] = max(generation[k], s.Spec.Pool.Generation)
 		if freedPools[k] {
-			groups[groupOf(s)] = true
 			groupOfPool[k] = groupOf(s)
 		}
 	}
@@ -279,12 +504,55 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			gave[g]++
 		}
 	}
-	// The pools of those groups: only their devices are counted, so the
-	// cost per event follows the nodes the claim held devices on, not the
-	// cluster, apart from one pass over the slices and the claims.
+	// The sites: the nodes of the node-local pools the claim held devices
+	// of, and every node that a pool not local to a node admits, where the
+	// claim held devices of such a pool.
+	siteNodes := map[string]bool{}
+	var givenReach []nodeReach
+	for _, s := range slices {
+		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
+		g, freed := groupOfPool[k]
+		switch {
+		case !freed || s.Spec.Pool.Generation != generation[k]:
+		case g.node != "":
+			siteNodes[g.node] = true
+		case !ptr.Deref(s.Spec.PerDeviceNodeSelection, false):
+			givenReach = append(givenReach, reachOf(s.Spec.NodeName, s.Spec.AllNodes, s.Spec.NodeSelector))
+		default:
+			for _, d := range s.Spec.Devices {
+				if given[structured.MakeDeviceID(k.driver, k.pool, d.Name)] {
+					givenReach = append(givenReach, reachOf(d.NodeName, d.AllNodes, d.NodeSelector))
+				}
+			}
+		}
+	}
+	sharedGiven := len(givenReach) > 0
+	if sharedGiven {
+		if pl.nodes == nil {
+			return nil, false
+		}
+		all, err := pl.nodes.List(labels.Everything())
+		if err != nil {
+			return nil, false
+		}
+		for _, node := range all {
+			for _, r := range givenReach {
+				if r.admits(node.Name, node) {
+					siteNodes[node.Name] = true
+					break
+				}
+			}
+		}
+	}
+	// The pools counted: the sites' own pools, of every driver, and the
+	// pools not local to a node. So the cost per event follows the nodes
+	// the claim held devices on, not the cluster, apart from one pass over
+	// the slices and the claims (and a pass over the nodes where a pool
+	// not local to a node gave devices back).
 	pools := map[poolKey]bool{}
 	for _, s := range slices {
-		if groups[groupOf(s)] {
+		g := groupOf(s)
+		if g.node == "" || siteNodes[g.node] {
 			pools[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] = true
 		}
 	}
@@ -321,22 +589,57 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			delete(f.freedBy, id) // seen free, or taken again
 		}
 	}
-	free := map[deviceGroup]int{}
+	fs := &freedSites{local: map[string][]freeDevice{}, sharedGiven: sharedGiven, memo: map[selectorOnDevice]bool{}}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		if !pools[k] || s.Spec.Pool.Generation != generation[k] {
 			continue
 		}
 		g := groupOf(s)
-		for _, d := range s.Spec.Devices {
-			if !allocated[deviceKey{k.driver, k.pool, d.Name}] {
-				free[g]++
+		perDevice := g.node == "" && ptr.Deref(s.Spec.PerDeviceNodeSelection, false)
+		var free []freeDevice
+		for i := range s.Spec.Devices {
+			d := &s.Spec.Devices[i]
+			if allocated[deviceKey{k.driver, k.pool, d.Name}] {
+				if _, freed := f.freedBy[structured.MakeDeviceID(k.driver, k.pool, d.Name)]; !freed {
+					continue
+				}
+			}
+			fd := freeDevice{driver: k.driver, pool: k.pool, device: d}
+			if perDevice {
+				fs.shared = append(fs.shared, sharedDevices{reach: reachOf(d.NodeName, d.AllNodes, d.NodeSelector), devices: []freeDevice{fd}})
 				continue
 			}
-			if _, freed := f.freedBy[structured.MakeDeviceID(k.driver, k.pool, d.Name)]; freed {
-				free[g]++
+			free = append(free, fd)
+		}
+		switch {
+		case len(free) == 0:
+		case g.node != "":
+			fs.local[g.node] = append(fs.local[g.node], free...)
+		default:
+			fs.shared = append(fs.shared, sharedDevices{reach: reachOf(s.Spec.NodeName, s.Spec.AllNodes, s.Spec.NodeSelector), devices: free})
+		}
+	}
+	for name := range siteNodes {
+		site := freedSite{node: name}
+		var node *v1.Node
+		if pl.nodes != nil {
+			node, _ = pl.nodes.Get(name)
+		}
+		for i, sd := range fs.shared {
+			if sd.reach.admits(name, node) {
+				site.shared = append(site.shared, i)
 			}
 		}
+		perDriver := map[string]int{}
+		for d := range fs.devices(&site) {
+			perDriver[d.driver]++
+			site.total++
+		}
+		for driver := range freedDrivers {
+			site.own = max(site.own, perDriver[driver])
+		}
+		fs.sites = append(fs.sites, site)
 	}
 	// Every node's devices of each driver, and how many are free, for the
 	// headroom.
@@ -347,8 +650,8 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
 		restricted = pl.anyRestricted(nodes)
 	}
-	f.key, f.free, f.cluster, f.nodes, f.gave, f.restricted = key, free, cluster, nodes, gave, restricted
-	return free, true
+	f.key, f.sites, f.cluster, f.nodes, f.gave, f.restricted = key, fs, cluster, nodes, gave, restricted
+	return fs, true
 }
 
 // takesDevice reports whether an allocation result takes its device from
