@@ -265,7 +265,10 @@ type Agent struct {
 	healthActive bool
 	// unwatched are the GPUs that the health source does not watch while
 	// healthActive, by UUID, with why; nil otherwise.
-	unwatched  discovery.Unwatched
+	unwatched discovery.Unwatched
+	// healthDown says why the health source stopped watching, while it
+	// does not watch; "" otherwise.
+	healthDown string
 	stopHealth context.CancelFunc
 }
 

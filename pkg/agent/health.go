@@ -31,6 +31,7 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 	ctx, cancel := context.WithCancel(a.ctx)
 	a.stopHealth = cancel
 	a.setHealthWatchLocked(false, nil)
+	a.setHealthDownLocked("")
 	a.mutex.Unlock()
 
 	// A watcher that was stopped (ctx canceled under a.mutex) no longer
@@ -61,6 +62,7 @@ func (a *Agent) startHealth(inv *discovery.Inventory) {
 			a.mutex.Lock()
 			if ctx.Err() == nil {
 				a.setHealthWatchLocked(false, nil)
+				a.setHealthDownLocked(err.Error())
 			}
 			a.mutex.Unlock()
 		}
@@ -279,6 +281,8 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 		} else if why, ok := a.unwatched[g.UUID]; ok {
 			h.Health = kubeletplugin.HealthStatusUnknown
 			h.Message = "health not watched: " + why
+		} else if !a.healthActive && a.healthDown != "" {
+			h.Message = "health not watched: " + a.healthDown
 		}
 		report.Devices = append(report.Devices, h)
 	}
@@ -314,6 +318,16 @@ func (a *Agent) setHealthWatchLocked(active bool, unwatched discovery.Unwatched)
 	if a.healthActive != active || !maps.Equal(a.unwatched, unwatched) {
 		a.healthActive = active
 		a.unwatched = unwatched
+		a.healthChangedLocked()
+	}
+}
+
+// setHealthDownLocked records why the health source stopped watching
+// ("" while it watches or starts to), for the message of the devices it
+// leaves Unknown, and wakes up the kubelet health streams if that changed.
+func (a *Agent) setHealthDownLocked(why string) {
+	if a.healthDown != why {
+		a.healthDown = why
 		a.healthChangedLocked()
 	}
 }

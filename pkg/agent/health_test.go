@@ -103,3 +103,31 @@ func TestWatchHealthStatusUnwatched(t *testing.T) {
 		t.Errorf("%s events %q, want one naming %s and why", agent.ReasonHealthPartlyWatched, partly, unwatched)
 	}
 }
+
+// TestWatchHealthStatusNoneWatched: where no GPU's health events can be
+// registered, every GPU is Unknown to the kubelet with a message that
+// names why for each, and no partly-watched Warning is sent.
+func TestWatchHealthStatusNoneWatched(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	for i := range 8 {
+		e.machine.FailEventRegistration(i, nvml.ERROR_NOT_SUPPORTED)
+	}
+	a := e.start(ctx, t)
+	h := waitForHealthReport(ctx, t, a, "a message on gpu-0", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-0"].Message != ""
+	})
+	for name, d := range h {
+		if d.Health != kubeletplugin.HealthStatusUnknown || !strings.Contains(d.Message, "health not watched: device health cannot be watched") ||
+			!strings.Contains(d.Message, "gpu-7: NVML RegisterEvents failed: ERROR_NOT_SUPPORTED") {
+			t.Errorf("%s: %s %q, want Unknown with a message naming why for every GPU", name, d.Health, d.Message)
+		}
+	}
+	for _, ev := range drainEvents(recorder) {
+		if strings.HasPrefix(ev, "Warning "+agent.ReasonHealthPartlyWatched) {
+			t.Errorf("unexpected event %q", ev)
+		}
+	}
+}

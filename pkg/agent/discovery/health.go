@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -11,9 +12,10 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// ErrHealthUnsupported is returned by WatchHealth when no device supports
-// the events that health watching needs.
-var ErrHealthUnsupported = errors.New("no device supports critical XID events")
+// ErrHealthUnsupported is returned (wrapped, with the reasons) by
+// WatchHealth when no device can be watched: none supports the events
+// that health watching needs, or registering for them failed on each.
+var ErrHealthUnsupported = errors.New("device health cannot be watched")
 
 // ApplicationXIDs are XIDs caused by applications (illegal address, page
 // faults, a killed context, …) rather than by the GPU. They do not make a
@@ -85,7 +87,14 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 		nameByUUID[gpu.UUID] = gpu.Name
 	}
 	if len(nameByUUID) == 0 {
-		return ErrHealthUnsupported
+		var reasons []string
+		for _, gpu := range inv.GPUs {
+			reasons = append(reasons, gpu.Name+": "+unwatched[gpu.UUID])
+		}
+		if len(reasons) == 0 {
+			return fmt.Errorf("%w: no GPUs", ErrHealthUnsupported)
+		}
+		return fmt.Errorf("%w: %s", ErrHealthUnsupported, strings.Join(reasons, "; "))
 	}
 	logger.V(2).Info("watching device health", "devices", len(nameByUUID), "unwatched", len(unwatched))
 	watching(unwatched)
