@@ -269,12 +269,15 @@ func TestMatchAttributeConstraint(t *testing.T) {
 	}
 }
 
-// TestDRAExtendedResourceIsReported: a pod that asks for an extended
-// resource backed by a DeviceClass (DRAExtendedResource) must not be bound
-// to a node where only DRA could provide it, because TopologyDRA does not
-// allocate devices for extended resources; the pod says why. A node that
-// offers the resource through a device plugin still takes the pod.
-func TestDRAExtendedResourceIsReported(t *testing.T) {
+// TestDRAExtendedResource: a pod that asks for an extended resource backed
+// by a DeviceClass (DRAExtendedResource) gets, on a node where only DRA
+// provides it, a claim that the scheduler creates: owned by the pod,
+// marked by the extended resource claim annotation, allocated with
+// topology in mind (two GPUs on one PCIe root or NUMA node), and named in
+// the pod's status with the container's request. The implicit name of
+// the class works the same. A node that offers the resource through a
+// device plugin takes the pod without a claim.
+func TestDRAExtendedResource(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "extres")
 	resourceName := v1.ResourceName("example.com/" + e.ns)
@@ -282,25 +285,57 @@ func TestDRAExtendedResourceIsReported(t *testing.T) {
 	class.Spec.ExtendedResourceName = ptr.To(string(resourceName))
 	_, err := cp.Client.ResourceV1().DeviceClasses().Create(tCtx, class, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
-	e.dgxNodes("dra", 1, "256")
+	draNodes := e.dgxNodes("dra", 1, "256")
 	startTopodra(tCtx)
 
-	withResource := func(name, group string, resourceName v1.ResourceName) {
+	withResource := func(name, group string, resourceName v1.ResourceName, n int64) {
 		pod := framework.PodWithClaims(e.ns, name, topodraName)
 		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
-		pod.Spec.Containers[0].Resources.Limits = v1.ResourceList{resourceName: resource.MustParse("1")}
+		pod.Spec.Containers[0].Resources.Limits = v1.ResourceList{resourceName: *resource.NewQuantity(n, resource.DecimalSI)}
 		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
 		tCtx.ExpectNoError(err)
 	}
 	// The class's extendedResourceName, and the implicit name every class has.
 	implicit := v1.ResourceName(resourceapi.ResourceDeviceClassPrefix + class.Name)
-	for pod, name := range map[string]v1.ResourceName{"dra-only": resourceName, "implicit-name": implicit} {
-		withResource(pod, "dra", name)
-		p, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, pod, waitTimeout)
+	for podName, name := range map[string]v1.ResourceName{"dra-only": resourceName, "implicit-name": implicit} {
+		withResource(podName, "dra", name, 2)
+		pod := e.waitScheduled(podName)
+		if pod.Spec.NodeName != draNodes[0] {
+			t.Errorf("pod %s scheduled on %s, want %s", podName, pod.Spec.NodeName, draNodes[0])
+		}
+		// PreBind names the claim in the pod's status before binding.
+		status := pod.Status.ExtendedResourceClaimStatus
+		if status == nil || status.ResourceClaimName == "" {
+			t.Errorf("pod %s: no status.extendedResourceClaimStatus", podName)
+			continue
+		}
+		claim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, status.ResourceClaimName, metav1.GetOptions{})
 		tCtx.ExpectNoError(err)
-		msg := framework.PodScheduledCondition(p).Message
-		if !strings.Contains(msg, "extended resource "+string(name)+" is provided through DRA (device class "+class.Name+")") {
-			t.Errorf("pod %s: condition %q does not explain the DRA-backed extended resource", pod, msg)
+		if claim.Annotations[resourceapi.ExtendedResourceClaimAnnotation] != "true" {
+			t.Errorf("pod %s: claim %s annotations %v", podName, claim.Name, claim.Annotations)
+		}
+		owner := metav1.GetControllerOf(claim)
+		if owner == nil || owner.Kind != "Pod" || owner.UID != pod.UID {
+			t.Errorf("pod %s: claim %s controller %+v, want the pod", podName, claim.Name, owner)
+		}
+		if len(claim.Status.ReservedFor) != 1 || claim.Status.ReservedFor[0].UID != pod.UID {
+			t.Errorf("pod %s: claim %s reservedFor %v", podName, claim.Name, claim.Status.ReservedFor)
+		}
+		devices := framework.AllocatedDevices(claim)
+		// DGX-like GPUs: two per PCIe root, four per NUMA node.
+		if len(devices) != 2 || !sharedDomain(devices, 4) {
+			t.Errorf("pod %s: claim %s allocated %v, want two GPUs of one NUMA node", podName, claim.Name, devices)
+		}
+		if len(claim.Spec.Devices.Requests) != 1 {
+			t.Fatalf("pod %s: claim %s requests %+v, want one", podName, claim.Name, claim.Spec.Devices.Requests)
+		}
+		req := claim.Spec.Devices.Requests[0]
+		if req.Exactly == nil || req.Exactly.DeviceClassName != class.Name || req.Exactly.Count != 2 {
+			t.Errorf("pod %s: claim %s request %+v, want 2 devices of class %s", podName, claim.Name, req, class.Name)
+		}
+		want := []v1.ContainerExtendedResourceRequest{{ContainerName: pod.Spec.Containers[0].Name, ResourceName: string(name), RequestName: req.Name}}
+		if fmt.Sprint(status.RequestMappings) != fmt.Sprint(want) {
+			t.Errorf("pod %s: request mappings %+v, want %+v", podName, status.RequestMappings, want)
 		}
 	}
 
@@ -312,8 +347,12 @@ func TestDRAExtendedResourceIsReported(t *testing.T) {
 	node.Status.Allocatable[resourceName] = resource.MustParse("1")
 	_, err = cp.Client.CoreV1().Nodes().UpdateStatus(tCtx, node, metav1.UpdateOptions{})
 	tCtx.ExpectNoError(err)
-	withResource("device-plugin", "device-plugin", resourceName)
-	if got := e.waitScheduled("device-plugin").Spec.NodeName; got != name {
-		t.Errorf("pod scheduled on %s, want %s", got, name)
+	withResource("device-plugin", "device-plugin", resourceName, 1)
+	pod := e.waitScheduled("device-plugin")
+	if pod.Spec.NodeName != name {
+		t.Errorf("pod scheduled on %s, want %s", pod.Spec.NodeName, name)
+	}
+	if pod.Status.ExtendedResourceClaimStatus != nil {
+		t.Errorf("pod on the device-plugin node has an extended resource claim: %+v", pod.Status.ExtendedResourceClaimStatus)
 	}
 }

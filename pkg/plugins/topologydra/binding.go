@@ -201,6 +201,9 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, pl.bindingTimeout, true, func(context.Context) (bool, error) {
 		published := pl.newPublishedLookup()
 		for i, claim := range s.claims {
+			if s.isExtendedInMemory(i) && s.extended.created == nil {
+				continue // not needed on this node (a device plugin)
+			}
 			latest, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name)
 			if err != nil {
 				return false, fmt.Errorf("claim %s: %w", claim.Name, err)

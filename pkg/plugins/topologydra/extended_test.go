@@ -1,11 +1,20 @@
 package topologydra
 
 import (
+	"errors"
+	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/utils/ptr"
 )
 
@@ -28,5 +37,281 @@ func TestBacks(t *testing.T) {
 		if got := backs(tc.class, tc.name); got != tc.want {
 			t.Errorf("class %s (extendedResourceName %v) backs %s: got %v, want %v", tc.class.Name, ptr.Deref(tc.class.Spec.ExtendedResourceName, ""), tc.name, got, tc.want)
 		}
+	}
+}
+
+// extClass backs example.com/gpu with the harness's GPUs.
+func extClass() *resourceapi.DeviceClass {
+	c := testDeviceClass()
+	c.Spec.ExtendedResourceName = ptr.To("example.com/gpu")
+	return c
+}
+
+// extPod asks for n example.com/gpu in one container "main".
+func extPod(name string, n int64) *v1.Pod {
+	p := testPod(name)
+	p.Spec.Containers = []v1.Container{{Name: "main", Resources: v1.ResourceRequirements{
+		Requests: v1.ResourceList{"example.com/gpu": *resource.NewQuantity(n, resource.DecimalSI)},
+		Limits:   v1.ResourceList{"example.com/gpu": *resource.NewQuantity(n, resource.DecimalSI)},
+	}}}
+	return p
+}
+
+func TestExtendedRequests(t *testing.T) {
+	gpus := func(n int64) v1.ResourceRequirements {
+		return v1.ResourceRequirements{Requests: v1.ResourceList{
+			v1.ResourceCPU: resource.MustParse("1"), "example.com/gpu": *resource.NewQuantity(n, resource.DecimalSI),
+		}}
+	}
+	req := func(name string, n int64) resourceapi.DeviceRequest {
+		return *exactRequest(name, "gpu", n)
+	}
+	m := func(container, request string) v1.ContainerExtendedResourceRequest {
+		return v1.ContainerExtendedResourceRequest{ContainerName: container, ResourceName: "example.com/gpu", RequestName: request}
+	}
+	always := ptr.To(v1.ContainerRestartPolicyAlways)
+	tests := map[string]struct {
+		init, containers []v1.Container
+		wantRequests     []resourceapi.DeviceRequest
+		wantMappings     []v1.ContainerExtendedResourceRequest
+	}{
+		"one container": {
+			containers:   []v1.Container{{Name: "a", Resources: gpus(2)}},
+			wantRequests: []resourceapi.DeviceRequest{req("container-0-request-1", 2)},
+			wantMappings: []v1.ContainerExtendedResourceRequest{m("a", "container-0-request-1")},
+		},
+		"two containers, one without": {
+			containers:   []v1.Container{{Name: "a", Resources: gpus(1)}, {Name: "b"}, {Name: "c", Resources: gpus(3)}},
+			wantRequests: []resourceapi.DeviceRequest{req("container-0-request-1", 1), req("container-2-request-1", 3)},
+			wantMappings: []v1.ContainerExtendedResourceRequest{m("a", "container-0-request-1"), m("c", "container-2-request-1")},
+		},
+		"init container reuses the containers' devices": {
+			init:         []v1.Container{{Name: "i", Resources: gpus(2)}},
+			containers:   []v1.Container{{Name: "a", Resources: gpus(2)}},
+			wantRequests: []resourceapi.DeviceRequest{req("container-1-request-1", 2)},
+			wantMappings: []v1.ContainerExtendedResourceRequest{m("a", "container-1-request-1"), m("i", "container-1-request-1")},
+		},
+		"init containers share one request for what the containers lack": {
+			init:       []v1.Container{{Name: "i0", Resources: gpus(3)}, {Name: "i1", Resources: gpus(4)}},
+			containers: []v1.Container{{Name: "a", Resources: gpus(1)}},
+			wantRequests: []resourceapi.DeviceRequest{
+				req("container-1-request-1", 3), req("container-2-request-1", 1),
+			},
+			wantMappings: []v1.ContainerExtendedResourceRequest{
+				m("a", "container-2-request-1"),
+				m("i0", "container-2-request-1"), m("i0", "container-1-request-1"),
+				m("i1", "container-2-request-1"), m("i1", "container-1-request-1"),
+			},
+		},
+		"a sidecar keeps its own devices, earlier init containers reuse them": {
+			init:         []v1.Container{{Name: "i", Resources: gpus(1)}, {Name: "side", RestartPolicy: always, Resources: gpus(1)}},
+			containers:   []v1.Container{{Name: "a", Resources: gpus(1)}},
+			wantRequests: []resourceapi.DeviceRequest{req("container-1-request-1", 1), req("container-2-request-1", 1)},
+			wantMappings: []v1.ContainerExtendedResourceRequest{
+				m("side", "container-1-request-1"), m("a", "container-2-request-1"), m("i", "container-1-request-1"),
+			},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			pod := &v1.Pod{Spec: v1.PodSpec{InitContainers: tc.init, Containers: tc.containers}}
+			reqs, mappings := extendedRequests(pod, []draExtended{{name: "example.com/gpu", class: "gpu"}})
+			if diff := cmp.Diff(tc.wantRequests, reqs); diff != "" {
+				t.Errorf("requests (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tc.wantMappings, mappings); diff != "" {
+				t.Errorf("mappings (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestExtendedDevicePluginNode: on a node whose allocatable offers the
+// resource (a device plugin), the pod is left to NodeResourcesFit: no
+// allocation, no claim. On a node without it, the claim asks for the
+// devices and Filter allocates an aligned pair.
+func TestExtendedDevicePluginNode(t *testing.T) {
+	plugin := testNode("plugin")
+	plugin.Status.Allocatable = v1.ResourceList{"example.com/gpu": resource.MustParse("4")}
+	h := newHarness(t, []*v1.Node{plugin, testNode("dra")}, extClass(), testSlice("dra", 4))
+	pod := extPod("p", 2)
+	cs, st := h.cycle(pod, "plugin", "dra")
+	for n, s := range st {
+		if !s.IsSuccess() {
+			t.Fatalf("Filter on %s: %v", n, s)
+		}
+	}
+	s, err := getState(cs)
+	h.tCtx.ExpectNoError(err)
+	if s.getResult("plugin") != nil {
+		t.Errorf("allocation on the device-plugin node: %v", s.getResult("plugin"))
+	}
+	res := s.getResult("dra")
+	if res == nil || len(res.Allocations) != 1 {
+		t.Fatalf("allocation on the DRA node: %+v", res)
+	}
+	if got := devicesOf(res.Allocations[0]); len(got) != 2 || !sameRoot(got) {
+		t.Errorf("devices on the DRA node: %v, want a pair on one PCIe root", got)
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "plugin"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "plugin"); !st.IsSuccess() {
+		t.Fatalf("PreBind: %v", st)
+	}
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	if len(claims.Items) != 0 {
+		t.Errorf("claims created for a device-plugin node: %v", claims.Items)
+	}
+}
+
+// sameRoot: testSlice puts gpu-0/1 and gpu-2/3 on one PCIe root each.
+func sameRoot(devices []string) bool {
+	root := func(d string) int { return int(d[len(d)-1]-'0') / 2 }
+	for _, d := range devices {
+		if root(d) != root(devices[0]) {
+			return false
+		}
+	}
+	return true
+}
+
+// TestExtendedPreBind: PreBind creates the claim (owned by the pod, with
+// the annotation, the node's requests), writes its allocation and
+// reservation and names it in the pod's status; Unreserve after that
+// deletes it and releases its devices.
+func TestExtendedPreBind(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	pod := extPod("p", 2)
+	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	pod = created
+	cs := h.reserve(pod, "node-a")
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("PreBind: %v", st)
+	}
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	if len(claims.Items) != 1 {
+		t.Fatalf("want one claim, got %d", len(claims.Items))
+	}
+	claim := claims.Items[0]
+	if !strings.HasPrefix(claim.Name, "p-extended-resources-") {
+		t.Errorf("claim name %q", claim.Name)
+	}
+	if claim.Annotations[resourceapi.ExtendedResourceClaimAnnotation] != "true" {
+		t.Errorf("claim annotations %v", claim.Annotations)
+	}
+	if err := resourceclaim.IsForPod(pod, &claim, false); err != nil {
+		t.Errorf("claim owner: %v", err)
+	}
+	if diff := cmp.Diff([]resourceapi.DeviceRequest{*exactRequest("container-0-request-0", testClass, 2)}, claim.Spec.Devices.Requests); diff != "" {
+		t.Errorf("claim requests (-want +got):\n%s", diff)
+	}
+	if claim.Status.Allocation == nil || len(devicesOf(*claim.Status.Allocation)) != 2 || !sameRoot(devicesOf(*claim.Status.Allocation)) {
+		t.Errorf("claim allocation %+v, want a pair on one PCIe root", claim.Status.Allocation)
+	}
+	if !resourceclaim.IsReservedForPod(pod, &claim, false) {
+		t.Errorf("claim reservedFor %v", claim.Status.ReservedFor)
+	}
+	got, err := h.client.CoreV1().Pods(testNS).Get(h.tCtx, pod.Name, metav1.GetOptions{})
+	h.tCtx.ExpectNoError(err)
+	want := &v1.PodExtendedResourceClaimStatus{ResourceClaimName: claim.Name, RequestMappings: []v1.ContainerExtendedResourceRequest{
+		{ContainerName: "main", ResourceName: "example.com/gpu", RequestName: "container-0-request-0"},
+	}}
+	if diff := cmp.Diff(want, got.Status.ExtendedResourceClaimStatus); diff != "" {
+		t.Errorf("pod status.extendedResourceClaimStatus (-want +got):\n%s", diff)
+	}
+
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if _, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, claim.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("claim after Unreserve: %v, want it deleted", err)
+	}
+	h.waitForClaimGone(claim.Name)
+	// All four devices are free again: a pod for four fits.
+	if _, st := h.cycle(extPod("q", 4), "node-a"); !st["node-a"].IsSuccess() {
+		t.Errorf("Filter of a four-GPU pod after Unreserve: %v", st["node-a"])
+	}
+}
+
+// TestExtendedUnreserveBeforeCreate: Unreserve before PreBind drops the
+// in-flight allocation and creates or deletes nothing.
+func TestExtendedUnreserveBeforeCreate(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	pod := extPod("p", 2)
+	cs := h.reserve(pod, "node-a")
+	if _, st := h.cycle(extPod("q", 4), "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Errorf("a four-GPU pod fits while two GPUs are in flight")
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if _, st := h.cycle(extPod("q", 4), "node-a"); !st["node-a"].IsSuccess() {
+		t.Errorf("Filter of a four-GPU pod after Unreserve: %v", st["node-a"])
+	}
+}
+
+// TestExtendedPatchFailure: a failed pod status write fails PreBind with a
+// message and an event on the pod; Unreserve deletes the claim created.
+func TestExtendedPatchFailure(t *testing.T) {
+	h := newHarnessWith(t, func(h *harness) {
+		h.client.PrependReactor("patch", "pods", func(action cgotesting.Action) (bool, runtime.Object, error) {
+			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "p", errors.New("no"))
+		})
+	}, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	pod := extPod("p", 2)
+	cs := h.reserve(pod, "node-a")
+	st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
+	if st.IsSuccess() || !strings.Contains(st.Message(), "status.extendedResourceClaimStatus") {
+		t.Fatalf("PreBind: %v, want a failure naming the pod status field", st)
+	}
+	select {
+	case ev := <-h.recorder.Events:
+		if !strings.Contains(ev, "FailedExtendedResourceClaim") {
+			t.Errorf("event %q", ev)
+		}
+	default:
+		t.Errorf("no event on the pod")
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	if len(claims.Items) != 0 {
+		t.Errorf("claims after Unreserve: %d, want the created one deleted", len(claims.Items))
+	}
+}
+
+// TestExtendedExistingClaim: a pod whose status names its extended
+// resource claim (written by an earlier PreBind) uses that claim: where it
+// is allocated, on its node only, and no claim is created.
+func TestExtendedExistingClaim(t *testing.T) {
+	pod := extPod("p", 2)
+	claim := allocatedOn(testClaim("p-extended-resources-x", 2), "node-a", "gpu-2", "gpu-3")
+	claim.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: pod.Name, UID: pod.UID, Controller: ptr.To(true)}}
+	claim.Annotations = map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"}
+	claim.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: pod.Name, UID: pod.UID}}
+	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, extClass(), testSlice("node-a", 4), testSlice("node-b", 4), claim)
+	pod.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: claim.Name}
+	cs, st := h.cycle(pod, "node-a", "node-b")
+	if !st["node-a"].IsSuccess() {
+		t.Errorf("Filter on node-a: %v", st["node-a"])
+	}
+	if code(st["node-b"]) != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("Filter on node-b: %v, want the claim's node only", st["node-b"])
+	}
+	s, err := getState(cs)
+	h.tCtx.ExpectNoError(err)
+	if s.extended == nil || s.extended.inMemory || s.claims[s.extended.index].Name != claim.Name || len(s.toAllocate) != 0 {
+		t.Fatalf("extended claim in the cycle: %+v, toAllocate %v", s.extended, s.toAllocate)
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("PreBind: %v", st)
+	}
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	if len(claims.Items) != 1 {
+		t.Errorf("claims: %d, want only the existing one", len(claims.Items))
 	}
 }

@@ -21,9 +21,6 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if err != nil {
 		return internalError(klog.FromContext(ctx), err)
 	}
-	if st := checkExtended(s.extended, nodeInfo); st != nil {
-		return st
-	}
 	node := nodeInfo.Node()
 	for i, sel := range s.availableOnNodes {
 		if sel != nil && !sel.Match(node) {
@@ -42,11 +39,21 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if s.allocator == nil {
 		return nil
 	}
+	var variant *extendedVariant
+	if s.extended != nil && s.extended.inMemory {
+		variant = pl.extendedForNode(s.extended, s.claims[s.extended.index], nodeInfo)
+	}
+	_, claims := s.claimsWith(variant)
+	if len(claims) == 0 {
+		// Only extended resources, all offered by a device plugin here:
+		// NodeResourcesFit counts them.
+		return nil
+	}
 
 	allocCtx, cancel := pl.withFilterTimeout(ctx)
 	defer cancel()
 	start := time.Now()
-	res, err := s.allocator.Allocate(allocCtx, node, s.allocClaims)
+	res, err := s.allocator.Allocate(allocCtx, node, claims)
 	allocationDuration.Observe(time.Since(start).Seconds())
 	if err != nil {
 		var inputErr *allocator.InputError
@@ -68,6 +75,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// expression; the claim gets a warning event, once per cycle.
 		s.reportOnce.Do(func() {
 			for _, index := range s.toAllocate {
+				if s.isExtendedInMemory(index) {
+					continue // not in the API (yet): the pod's status says it
+				}
 				claim := s.claims[index]
 				if claim.Namespace+"/"+claim.Name == inputErr.Claim {
 					pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())

@@ -21,6 +21,7 @@ import (
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/dynamic-resource-allocation/deviceclass/extendedresourcecache"
 	resourceslicetracker "k8s.io/dynamic-resource-allocation/resourceslice/tracker"
 	fwk "k8s.io/kube-scheduler/framework"
 	internalcache "k8s.io/kubernetes/pkg/scheduler/backend/cache"
@@ -90,6 +91,12 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 	claims := assumecache.NewAssumeCache(tCtx.Logger(), factory.Resource().V1().ResourceClaims().Informer(), "resource claim", "", nil)
 	claimsSynced := claims.AddEventHandler(cache.ResourceEventHandlerFuncs{})
 	manager := dynamicresources.NewDRAManager(tCtx, claims, tracker, factory)
+	// The scheduler feeds the manager's extended resource names
+	// (DeviceClassResolver) from the DeviceClass informer.
+	if resolver, ok := manager.DeviceClassResolver().(*extendedresourcecache.ExtendedResourceCache); ok && resolver != nil {
+		_, err := factory.Resource().V1().DeviceClasses().Informer().AddEventHandler(resolver)
+		tCtx.ExpectNoError(err, "register the extended resource cache")
+	}
 	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
 		frameworkruntime.WithClientSet(h.client),
 		frameworkruntime.WithInformerFactory(factory),
@@ -203,8 +210,9 @@ func (h *harness) apiClaim(name string) *resourceapi.ResourceClaim {
 	return c
 }
 
-// versionReactor gives created objects a UID and every write a new resource
-// version, as the API server does; the fake tracker does neither.
+// versionReactor gives created objects a UID (and a name from their
+// generateName) and every write a new resource version, as the API server
+// does; the fake tracker does none of that.
 func versionReactor(tracker cgotesting.ObjectTracker) cgotesting.ReactionFunc {
 	var mu sync.Mutex
 	version := 0
@@ -223,6 +231,9 @@ func versionReactor(tracker cgotesting.ObjectTracker) cgotesting.ReactionFunc {
 		meta, err := metaOf(obj)
 		if err != nil {
 			return false, nil, nil
+		}
+		if action.GetVerb() == "create" && meta.GetName() == "" && meta.GetGenerateName() != "" {
+			meta.SetName(fmt.Sprintf("%s%d", meta.GetGenerateName(), version))
 		}
 		if action.GetVerb() == "create" && meta.GetUID() == "" {
 			meta.SetUID(types.UID(fmt.Sprintf("uid-%s-%s", meta.GetNamespace(), meta.GetName())))

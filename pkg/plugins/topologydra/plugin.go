@@ -4,10 +4,12 @@
 // (pkg/allocator asks the upstream structured allocator), but among all
 // valid allocations it picks the best aligned and best packed one, scores
 // nodes by that quality, and writes the allocation back to the claims.
+// Extended resources backed by DRA get their claim as with the stock plugin
+// (see extended.go).
 //
 // Deliberately not supported (the stock plugin handles them; use the
-// default profile for such pods): extended resources backed by DRA, claims
-// of PodGroups (GenericWorkload), node-allocatable DRA resources.
+// default profile for such pods): claims of PodGroups (GenericWorkload),
+// node-allocatable DRA resources.
 package topologydra
 
 import (

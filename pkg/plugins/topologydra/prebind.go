@@ -38,7 +38,15 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		return nil
 	}
 	bound := false
+	ext := s.extended
 	for i, claim := range s.claims {
+		if s.isExtendedInMemory(i) {
+			if err := pl.bindExtendedClaim(ctx, pod, nodeName, s); err != nil {
+				return internalError(logger, err, "pod", klog.KObj(pod))
+			}
+			bound = bound || ext.created != nil
+			continue
+		}
 		if resourceclaim.IsReservedForPod(pod, claim, false) {
 			continue
 		}
@@ -136,4 +144,38 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 		return claim, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)
 	}
 	return claim, nil
+}
+
+// bindExtendedClaim creates the in-memory extended resource claim for the
+// node (where Filter gave it requests there), writes its allocation and
+// reservation, and names it in the pod's status. The claim created is
+// kept in s.extended.created for Unreserve, which deletes it when a later
+// step fails.
+func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) error {
+	ext := s.extended
+	variant, _ := ext.onNode(nodeName)
+	allocation := s.allocations[ext.index]
+	if variant == nil || allocation == nil {
+		// A device plugin offers the pod's extended resources here.
+		return nil
+	}
+	if ext.created == nil {
+		created, err := pl.createExtendedClaim(ctx, pod, variant)
+		if err != nil {
+			return err
+		}
+		ext.created = created
+	}
+	updated, err := pl.bindClaim(ctx, pod, ext.created, allocation)
+	if err != nil {
+		// Unreserve deletes the claim, whatever the write did.
+		return err
+	}
+	ext.created = updated
+	s.claims[ext.index] = updated
+	// Until the claim cache has the claim, its devices are known only as
+	// the in-flight allocation under the random UID, which stays till then.
+	pl.awaitCached(ctx, updated)
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, true)
+	return pl.patchExtendedStatus(ctx, pod, updated, variant.mappings)
 }

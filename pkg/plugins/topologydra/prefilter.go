@@ -92,29 +92,32 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if err != nil {
 		return nil, internalError(logger, err)
 	}
-	noClaims := func() (*fwk.PreFilterResult, *fwk.Status) {
-		if len(extended) == 0 {
-			return nil, fwk.NewStatus(fwk.Skip)
+	var claims []*resourceapi.ResourceClaim
+	if len(pod.Spec.ResourceClaims) > 0 {
+		claims, err = pl.podClaims(pod)
+		if err != nil {
+			// The claim cache may be behind; a claim event requeues the pod.
+			// Unresolvable, as with the stock plugin: no node can take the
+			// pod, and preempting pods would not change that.
+			return nil, unresolvable(err.Error())
 		}
-		// Filter still has to check the extended resources.
-		cs.Write(stateKey, &stateData{extended: extended, results: map[string]*allocator.Result{}, unavailableClaims: sets.New[int]()})
-		return nil, nil
 	}
-	if len(pod.Spec.ResourceClaims) == 0 {
-		return noClaims()
-	}
-	claims, err := pl.podClaims(pod)
+	extClaim, stored, err := pl.extendedClaimOf(pod, extended)
 	if err != nil {
-		// The claim cache may be behind; a claim event requeues the pod.
-		// Unresolvable, as with the stock plugin: no node can take the
-		// pod, and preempting pods would not change that.
+		// As for the pod's other claims: a claim event requeues the pod.
 		return nil, unresolvable(err.Error())
 	}
+	var ext *extendedClaim
+	if extClaim != nil {
+		ext = &extendedClaim{index: len(claims), resources: extended, inMemory: !stored, pendingUID: extClaim.UID, pod: pod,
+			variants: map[string]*extendedVariant{}, nodes: map[string]*extendedVariant{}}
+		claims = append(claims, extClaim)
+	}
 	if len(claims) == 0 {
-		return noClaims()
+		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	s := &stateData{
-		extended:          extended,
+		extended:          ext,
 		claims:            claims,
 		availableOnNodes:  make([]*nodeaffinity.NodeSelector, len(claims)),
 		unusable:          make([]error, len(claims)),
@@ -156,14 +159,25 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			// now; its claim update requeues us.
 			return nil, unresolvable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
 		}
-		if st := pl.validateClaim(ctx, claim); st != nil {
-			return nil, st
+		inMemory := ext != nil && ext.inMemory && i == ext.index
+		if !inMemory {
+			// The in-memory claim's requests name the classes that the
+			// class resolver found; Filter reports what they match.
+			if st := pl.validateClaim(ctx, claim); st != nil {
+				return nil, st
+			}
 		}
 		s.toAllocate = append(s.toAllocate, i)
 		s.allocClaims = append(s.allocClaims, pl.withOwnedToleration(claim))
 	}
 	if len(s.toAllocate) == 0 {
 		return nil, nil
+	}
+	// The headroom and the drain rule count the devices of the pod's own
+	// claims: the extended resource claim's requests depend on the node.
+	headroomClaims := s.allocClaims
+	if ext != nil && ext.inMemory {
+		headroomClaims = s.allocClaims[:len(s.allocClaims)-1]
 	}
 
 	allocatedState, err := pl.gatherAllocatedState(ctx)
@@ -175,7 +189,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, internalError(logger, fmt.Errorf("list resource slices: %w", err))
 	}
 	var counts []classDevices
-	for _, claim := range s.allocClaims {
+	for _, claim := range headroomClaims {
 		counts = addClaimDevices(counts, claim)
 	}
 	need := mostOfOneClass(counts)
@@ -208,7 +222,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	// counts it as waiting only for the nodes where they make up what it
 	// needs.
 	admit := admittedNodes(pod, nodes, pl.taintOps)
-	devices, matched, err := a.CountDevices(ctx, s.allocClaims, admit)
+	devices, matched, err := a.CountDevices(ctx, headroomClaims, admit)
 	if err != nil || !matched {
 		logger.V(4).Info("Not known which devices the pod's requests match: the headroom counts all of each driver's devices, the drain rule every node the pod may use", "err", err)
 	}

@@ -29,11 +29,14 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	if err != nil {
 		return nil // PreFilter skipped the pod: no claims.
 	}
-	if len(s.toAllocate) == 0 {
+	toAllocate, allocClaims := s.claimsOn(nodeName)
+	if len(toAllocate) == 0 {
+		// Nothing to allocate, or only extended resources that a device
+		// plugin offers on this node.
 		return nil
 	}
 	res := s.getResult(nodeName)
-	if res == nil || len(res.Allocations) != len(s.toAllocate) {
+	if res == nil || len(res.Allocations) != len(toAllocate) {
 		// Filter accepted the node, so this is a bug.
 		return internalError(logger, errors.New("no allocation recorded for the chosen node"), "node", nodeName)
 	}
@@ -45,7 +48,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			return internalError(logger, fmt.Errorf("node %s: %w", nodeName, err))
 		}
 		verifyCtx, cancel := pl.withFilterTimeout(ctx)
-		verified, err := s.allocator.Verify(verifyCtx, nodeInfo.Node(), s.allocClaims, res)
+		verified, err := s.allocator.Verify(verifyCtx, nodeInfo.Node(), allocClaims, res)
 		cancel()
 		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 			// Reserve runs serially: a slow verification must not stall
@@ -70,9 +73,9 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			verifyMismatches.Inc()
 			pl.skipCountingOn(nodeName)
 			logger.Error(nil, "Counted allocation not confirmed by the upstream allocator", "pod", klog.KObj(pod), "node", nodeName,
-				"claims", klog.KObjSlice(s.allocClaims), "counted", klog.Format(res.Allocations), "upstreamFeasible", verified.Allocations != nil)
+				"claims", klog.KObjSlice(allocClaims), "counted", klog.Format(res.Allocations), "upstreamFeasible", verified.Allocations != nil)
 		}
-		if verified.Allocations == nil || len(verified.Allocations) != len(s.toAllocate) {
+		if verified.Allocations == nil || len(verified.Allocations) != len(toAllocate) {
 			// The next attempt allocates this node with upstream directly.
 			// An error, not unschedulable: no cluster event need follow,
 			// so the pod retries after its backoff.
@@ -82,9 +85,13 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	}
 	s.nodeName, s.result = nodeName, res
 	pl.heldBack.forget(pod.UID)
-	for j, index := range s.toAllocate {
+	for j, index := range toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
 		claim := s.claims[index].DeepCopy()
+		if s.isExtendedInMemory(index) {
+			// The node's variant of the claim, under its random UID.
+			claim = allocClaims[j].DeepCopy()
+		}
 		if !slices.Contains(claim.Finalizers, resourceapi.Finalizer) {
 			claim.Finalizers = append(claim.Finalizers, resourceapi.Finalizer)
 		}
@@ -108,8 +115,20 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 	if err != nil {
 		return
 	}
+	ext := s.extended
 	for _, index := range s.toAllocate {
 		claim := s.claims[index]
+		if s.isExtendedInMemory(index) {
+			// In flight under its random UID; once created, deleted below.
+			if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, false) {
+				if ext.created != nil {
+					pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, ext.created.Name)
+				}
+				pl.released.add(pod.UID)
+				logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			}
+			continue
+		}
 		if pl.uncertain.has(claim.UID) {
 			// Its write may be stored: the devices stay taken until the
 			// claim's state is known.
@@ -121,7 +140,19 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		}
 	}
-	for _, claim := range s.claims {
+	if ext != nil && ext.created != nil {
+		// PreBind created it for this attempt; the next one makes its own.
+		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
+			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+		} else {
+			logger.V(5).Info("deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			ext.created = nil
+		}
+	}
+	for i, claim := range s.claims {
+		if s.isExtendedInMemory(i) {
+			continue
+		}
 		if claim.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, claim, false) {
 			continue
 		}

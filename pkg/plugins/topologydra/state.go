@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"errors"
+	"slices"
 	"sync"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -17,9 +18,10 @@ const stateKey fwk.StateKey = Name
 
 // stateData is the plugin's per-pod scheduling cycle state.
 type stateData struct {
-	// extended are the pod's extended resources that DeviceClasses back
-	// (see extended.go). Written by PreFilter, read-only after.
-	extended []draExtended
+	// extended is the pod's extended resource claim, one of claims (see
+	// extended.go); nil when the pod has none. Written by PreFilter; its
+	// own fields say who writes them after.
+	extended *extendedClaim
 
 	// claims are the pod's ResourceClaims in pod.spec.resourceClaims order.
 	// Written by PreFilter; PreBind replaces entries with the updated
@@ -28,7 +30,8 @@ type stateData struct {
 	claims []*resourceapi.ResourceClaim
 
 	// toAllocate are the indexes into claims of the claims that this cycle
-	// allocates (not allocated yet). Written by PreFilter, read-only after.
+	// allocates (not allocated yet); an in-memory extended resource claim
+	// comes last. Written by PreFilter, read-only after.
 	toAllocate []int
 
 	// allocClaims are the claims of toAllocate, in that order, as handed
@@ -137,4 +140,37 @@ func (s *stateData) markUnavailable(index int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.unavailableClaims.Insert(index)
+}
+
+// claimsWith returns the claims to allocate on a node whose variant of the
+// in-memory extended resource claim is v (see extendedForNode), as
+// indexes into claims and as the allocator's claims: toAllocate and
+// allocClaims, with v in place of the in-memory claim, or without it where
+// v is nil. Without an in-memory claim they are toAllocate and
+// allocClaims.
+func (s *stateData) claimsWith(v *extendedVariant) ([]int, []*resourceapi.ResourceClaim) {
+	if s.extended == nil || !s.extended.inMemory {
+		return s.toAllocate, s.allocClaims
+	}
+	last := len(s.toAllocate) - 1
+	if v == nil {
+		return s.toAllocate[:last], s.allocClaims[:last]
+	}
+	return s.toAllocate, append(slices.Clone(s.allocClaims[:last]), v.allocClaim)
+}
+
+// claimsOn is claimsWith for the variant that Filter used on the node.
+func (s *stateData) claimsOn(node string) ([]int, []*resourceapi.ResourceClaim) {
+	var v *extendedVariant
+	if s.extended != nil && s.extended.inMemory {
+		v, _ = s.extended.onNode(node)
+	}
+	return s.claimsWith(v)
+}
+
+// isExtendedInMemory reports whether claims[i] is the extended resource
+// claim that PreFilter built in memory (see extendedClaim), created by
+// PreBind or not.
+func (s *stateData) isExtendedInMemory(i int) bool {
+	return s.extended != nil && s.extended.inMemory && i == s.extended.index
 }
