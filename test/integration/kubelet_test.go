@@ -13,6 +13,8 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/test/utils/ktesting"
@@ -154,6 +156,28 @@ func TestKubeletDRAManagerPrepares(t *testing.T) {
 
 	// 7. Unprepare removes the spec.
 	unprepareOnKubelet(tCtx, manager, pod, specPath)
+
+	// 8. A pod that asks for the GPU as an extended resource (the class's
+	// implicit name; the node's allocatable lacks it, so DRA serves it):
+	// topodra creates the scheduler's claim, and the kubelet prepares it
+	// from the pod's status and hands its GPU to the container.
+	extended := framework.PodWithClaims(e.ns, "extended", topodraName)
+	extended.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "kubelet"}
+	extended.Spec.Containers[0].Resources.Limits = v1.ResourceList{v1.ResourceName(resourceapi.ResourceDeviceClassPrefix + e.class): resource.MustParse("1")}
+	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, extended, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	extended = e.waitScheduled("extended")
+	status := extended.Status.ExtendedResourceClaimStatus
+	if status == nil {
+		tCtx.Fatalf("pod %s has no extended resource claim in its status", extended.Name)
+	}
+	extClaim, err := cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, status.ResourceClaimName, metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	extDevices := framework.AllocatedDevices(extClaim)
+	if len(extDevices) != 1 {
+		tCtx.Fatalf("extended resource claim %s allocated %v, want one GPU", extClaim.Name, extDevices)
+	}
+	prepareOnKubelet(tCtx, manager, extended, cdi.DeviceID(extClaim.UID, extDevices[0]))
 }
 
 // startNodeAgent starts the node agent of nodeName on the shared control
