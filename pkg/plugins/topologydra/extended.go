@@ -449,6 +449,38 @@ func (pl *TopologyDRA) deleteExtendedClaim(ctx context.Context, claim *resourcea
 	return err
 }
 
+// deleteLeftoverExtendedClaims deletes the extended resource claims of
+// earlier attempts that the pod's status does not name: claims with the
+// extended resource annotation whose controller is the pod. PreBind
+// creates one and names it in the pod's status, and Unreserve deletes it
+// when a later step fails; where both the status write and that delete
+// failed, the claim is left allocated and reserved for the pod, holding
+// its devices until the pod is gone. Only called where the pod's status
+// names no claim that exists, so every such claim is left over. A failed
+// delete is logged and tried again at the pod's next attempt; the devices
+// it frees count once the claim cache has seen the delete.
+func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) {
+	logger := klog.FromContext(ctx)
+	claims, err := pl.draManager.ResourceClaims().List()
+	if err != nil {
+		logger.Error(err, "list claims for leftover extended resource claims", "pod", klog.KObj(pod))
+		return
+	}
+	for _, claim := range claims {
+		if claim.Namespace != pod.Namespace || claim.Annotations[resourceapi.ExtendedResourceClaimAnnotation] != "true" || claim.DeletionTimestamp != nil {
+			continue
+		}
+		if owner := metav1.GetControllerOf(claim); owner == nil || owner.UID != pod.UID {
+			continue
+		}
+		if err := pl.deleteExtendedClaim(ctx, claim); err != nil {
+			logger.Error(err, "delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			continue
+		}
+		logger.V(2).Info("Deleted leftover extended resource claim of an earlier attempt", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+	}
+}
+
 // extendedNames lists the resources of mappings, for messages.
 func extendedNames(mappings []v1.ContainerExtendedResourceRequest) string {
 	var names []string

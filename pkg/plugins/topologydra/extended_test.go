@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -313,5 +314,36 @@ func TestExtendedExistingClaim(t *testing.T) {
 	h.tCtx.ExpectNoError(err)
 	if len(claims.Items) != 1 {
 		t.Errorf("claims: %d, want only the existing one", len(claims.Items))
+	}
+}
+
+// TestExtendedLeftoverClaimDeleted: an extended resource claim of an
+// earlier attempt that the pod's status does not name (the status write
+// and Unreserve's delete both failed) is deleted when the pod is tried
+// again, and the pod gets a new claim; another pod's claim stays.
+func TestExtendedLeftoverClaimDeleted(t *testing.T) {
+	pod := extPod("p", 2)
+	extendedOf := func(name string, owner *v1.Pod) *resourceapi.ResourceClaim {
+		c := allocatedOn(testClaim(name, 2), "node-a", "gpu-0", "gpu-1")
+		c.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: owner.Name, UID: owner.UID, Controller: ptr.To(true)}}
+		c.Annotations = map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"}
+		c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: owner.Name, UID: owner.UID}}
+		return c
+	}
+	other := extPod("other", 1)
+	other.UID = "uid-other"
+	leftover, kept := extendedOf("p-extended-resources-old", pod), extendedOf("other-extended-resources-x", other)
+	kept.Status.Allocation.Devices.Results = kept.Status.Allocation.Devices.Results[:1]
+	kept.Status.Allocation.Devices.Results[0].Device = "gpu-3"
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4), leftover, kept)
+	h.cycle(pod, "node-a")
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	var names []string
+	for _, c := range claims.Items {
+		names = append(names, c.Name)
+	}
+	if slices.Contains(names, leftover.Name) || !slices.Contains(names, kept.Name) {
+		t.Errorf("claims after the attempt: %v, want %s deleted and %s kept", names, leftover.Name, kept.Name)
 	}
 }

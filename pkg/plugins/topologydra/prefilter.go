@@ -107,6 +107,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		// As for the pod's other claims: a claim event requeues the pod.
 		return nil, unresolvable(err.Error())
 	}
+	if extClaim != nil && !stored {
+		pl.deleteLeftoverExtendedClaims(ctx, pod)
+	}
 	var ext *extendedClaim
 	if extClaim != nil {
 		ext = &extendedClaim{index: len(claims), resources: extended, inMemory: !stored, pendingUID: extClaim.UID, pod: pod,
