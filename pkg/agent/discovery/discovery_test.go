@@ -745,15 +745,7 @@ func TestWatchHealth(t *testing.T) {
 					t.Fatal("no health event")
 				}
 			}
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("WatchHealth: %v", err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("WatchHealth did not return after cancel")
-			}
+			stopWatch(t, cancel, done)
 		})
 	}
 }
@@ -847,18 +839,25 @@ func TestWatchHealthUnwatched(t *testing.T) {
 			case <-time.After(30 * time.Second):
 				t.Fatal("no health event")
 			}
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("WatchHealth: %v", err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Fatal("WatchHealth did not return after cancel")
-			}
+			stopWatch(t, cancel, done)
 			if len(watched) > 0 {
 				t.Errorf("watching called again with %v", <-watched)
 			}
 		})
+	}
+}
+
+// stopWatch cancels a WatchHealth and checks that it returns without an
+// error.
+func stopWatch(t *testing.T, cancel context.CancelFunc, done <-chan error) {
+	t.Helper()
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("WatchHealth: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("WatchHealth did not return after cancel")
 	}
 }

@@ -179,37 +179,19 @@ type selectorOnDevice struct{ expression, driver, pool, device string }
 // driver serves which request is not known here, so freed devices may
 // help the pod as soon as they leave this many free. ok is false when it
 // cannot say (a claim is not there yet, all its claims are allocated, or
-// a request asks for all matching devices).
+// a request asks for all matching devices or is of a kind it does not know).
 func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 	claims, err := pl.podClaims(pod)
 	if err != nil {
 		return 0, false
 	}
 	need = -1
-	least := func(n int) {
-		if need < 0 || n < need {
-			need = n
+	for alt := range unallocatedRequests(claims) {
+		if alt.all || alt.unknown {
+			return 0, false
 		}
-	}
-	for _, claim := range claims {
-		if claim.Status.Allocation != nil {
-			continue
-		}
-		for _, r := range claim.Spec.Devices.Requests {
-			switch {
-			case r.Exactly != nil:
-				if r.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll {
-					return 0, false
-				}
-				least(int(r.Exactly.Count))
-			case len(r.FirstAvailable) > 0:
-				for _, sub := range r.FirstAvailable {
-					if sub.AllocationMode == resourceapi.DeviceAllocationModeAll {
-						return 0, false
-					}
-					least(int(sub.Count))
-				}
-			}
+		if need < 0 || int(alt.count) < need {
+			need = int(alt.count)
 		}
 	}
 	return need, need >= 0
@@ -354,28 +336,55 @@ func (pl *TopologyDRA) requestMet(logger klog.Logger, pod *v1.Pod, fs *freedSite
 		}
 		return false
 	}
-	for _, claim := range claims {
-		if claim.Status.Allocation != nil {
-			continue
-		}
-		for _, r := range claim.Spec.Devices.Requests {
-			switch {
-			case r.Exactly != nil:
-				if met(r.Exactly.DeviceClassName, r.Exactly.Selectors, r.Exactly.Count, ptr.Deref(r.Exactly.AdminAccess, false)) {
-					return true
-				}
-			case len(r.FirstAvailable) > 0:
-				for _, sub := range r.FirstAvailable {
-					if met(sub.DeviceClassName, sub.Selectors, sub.Count, false) {
-						return true
-					}
-				}
-			default:
-				return true
-			}
+	for alt := range unallocatedRequests(claims) {
+		if alt.unknown || met(alt.className, alt.selectors, alt.count, alt.admin) {
+			return true
 		}
 	}
 	return false
+}
+
+// requestAlternative is a request, or one subrequest of a firstAvailable
+// request, of a claim that is not allocated yet.
+type requestAlternative struct {
+	className string
+	selectors []resourceapi.DeviceSelector
+	count     int64
+	// all: allocationMode All; admin: admin access; unknown: a request
+	// of a kind this package does not know.
+	all, admin, unknown bool
+}
+
+// unallocatedRequests yields the requests of claims that are not
+// allocated yet, each subrequest of a firstAvailable request on its own.
+func unallocatedRequests(claims []*resourceapi.ResourceClaim) iter.Seq[requestAlternative] {
+	return func(yield func(requestAlternative) bool) {
+		for _, claim := range claims {
+			if claim.Status.Allocation != nil {
+				continue
+			}
+			for _, r := range claim.Spec.Devices.Requests {
+				var alts []requestAlternative
+				switch {
+				case r.Exactly != nil:
+					alts = append(alts, requestAlternative{className: r.Exactly.DeviceClassName, selectors: r.Exactly.Selectors, count: r.Exactly.Count,
+						all: r.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll, admin: ptr.Deref(r.Exactly.AdminAccess, false)})
+				case len(r.FirstAvailable) > 0:
+					for _, sub := range r.FirstAvailable {
+						alts = append(alts, requestAlternative{className: sub.DeviceClassName, selectors: sub.Selectors, count: sub.Count,
+							all: sub.AllocationMode == resourceapi.DeviceAllocationModeAll})
+					}
+				default:
+					alts = append(alts, requestAlternative{unknown: true})
+				}
+				for _, alt := range alts {
+					if !yield(alt) {
+						return
+					}
+				}
+			}
+		}
+	}
 }
 
 // devices yields the free devices that site can use.
