@@ -19,7 +19,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	resourcehelper "k8s.io/component-helpers/resource"
-	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	v1helper "k8s.io/kubernetes/pkg/apis/core/v1/helper"
@@ -138,10 +137,10 @@ type extendedClaim struct {
 	index int
 	// resources are the pod's DRA-backed extended resources.
 	resources []draExtended
-	// inMemory is true while the claim exists in this cycle only: built
-	// by PreFilter, to be created by PreBind. False for a claim named in
-	// the pod's status, which the cycle treats like any other claim.
-	inMemory bool
+	// earlier: the pod's status names a claim of an earlier attempt, or
+	// PreFilter found one left over. PreBind then clears the status where
+	// the pod needs no claim.
+	earlier bool
 	// pendingUID is the UID under which Reserve marks the allocation in
 	// flight: the random UID of the claim built by PreFilter.
 	pendingUID types.UID
@@ -173,28 +172,15 @@ type extendedVariant struct {
 }
 
 // extendedClaimOf returns the pod's extended resource claim for PreFilter,
-// and whether it is the one named in the pod's status (else it exists in
-// memory only). It returns nil when the pod has none. A claim that the
-// status names must be the pod's; one that the claim cache does not have
-// (deleted by Unreserve after the status was written) is replaced by a new
-// one.
-func (pl *TopologyDRA) extendedClaimOf(pod *v1.Pod, resources []draExtended) (*resourceapi.ResourceClaim, bool, error) {
-	if status := pod.Status.ExtendedResourceClaimStatus; status != nil && status.ResourceClaimName != "" {
-		claim, err := pl.draManager.ResourceClaims().Get(pod.Namespace, status.ResourceClaimName)
-		switch {
-		case err == nil && claim.DeletionTimestamp != nil:
-			return nil, false, fmt.Errorf("extended resource claim %s/%s is being deleted", pod.Namespace, claim.Name)
-		case err == nil:
-			if err := resourceclaim.IsForPod(pod, claim, false); err != nil {
-				return nil, false, fmt.Errorf("extended resource claim %s/%s named in the pod's status: %w", pod.Namespace, claim.Name, err)
-			}
-			return claim, true, nil
-		case !errors.Is(err, assumecache.ErrNotFound):
-			return nil, false, fmt.Errorf("extended resource claim %s/%s: %w", pod.Namespace, status.ResourceClaimName, err)
-		}
-	}
+// built in memory for this attempt, or nil when the pod has none. A claim
+// of an earlier attempt, named in the pod's status or not, is never
+// reused: its allocation was made for a node and for the resources that
+// node's allocatable lacked, and the claim cache may still show it after
+// Unreserve deleted it. PreFilter deletes it (deleteLeftoverExtendedClaims)
+// and PreBind names the new one in the pod's status.
+func (pl *TopologyDRA) extendedClaimOf(pod *v1.Pod, resources []draExtended) *resourceapi.ResourceClaim {
 	if len(resources) == 0 {
-		return nil, false, nil
+		return nil
 	}
 	return &resourceapi.ResourceClaim{
 		ObjectMeta: metav1.ObjectMeta{
@@ -208,7 +194,7 @@ func (pl *TopologyDRA) extendedClaimOf(pod *v1.Pod, resources []draExtended) (*r
 			Annotations: map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"},
 		},
 		Spec: extendedSpec(pod, resources),
-	}, false, nil
+	}
 }
 
 // extendedSpec is the claim spec for the resources.
@@ -341,6 +327,27 @@ func extendedRequests(pod *v1.Pod, resources []draExtended) ([]resourceapi.Devic
 
 // containerCount is the container's whole-number request of the resource
 // (0: none, or not a whole number).
+// checkExtendedCounts returns an error naming the first container whose
+// request for one of resources is not a whole number of devices that fits
+// an int64 (the API server accepts larger quantities): no claim can ask
+// for it.
+func checkExtendedCounts(pod *v1.Pod, resources []draExtended) error {
+	for _, list := range [][]v1.Container{pod.Spec.InitContainers, pod.Spec.Containers} {
+		for i := range list {
+			for _, r := range resources {
+				q, ok := list[i].Resources.Requests[r.name]
+				if !ok {
+					continue
+				}
+				if n, ok := q.AsInt64(); !ok || n < 0 {
+					return fmt.Errorf("container %s requests %s of extended resource %s (device class %s): not a number of devices a claim can ask for", list[i].Name, q.String(), r.name, r.class)
+				}
+			}
+		}
+	}
+	return nil
+}
+
 func containerCount(c *v1.Container, name v1.ResourceName) int64 {
 	q, ok := c.Resources.Requests[name]
 	if !ok {
@@ -423,6 +430,20 @@ func (pl *TopologyDRA) patchExtendedStatus(ctx context.Context, pod *v1.Pod, cla
 	return nil
 }
 
+// clearExtendedStatus removes status.extendedResourceClaimStatus from the
+// pod: on a node whose device plugins offer all its extended resources,
+// a claim named there by an earlier attempt (deleted since) would make the
+// kubelet refuse the pod and keep those resources from the device plugin.
+func (pl *TopologyDRA) clearExtendedStatus(ctx context.Context, pod *v1.Pod) error {
+	patch := []byte(`{"status":{"extendedResourceClaimStatus":null}}`)
+	if _, err := pl.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
+		err = fmt.Errorf("clear the pod's status.extendedResourceClaimStatus of an earlier attempt: %w", err)
+		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
+		return err
+	}
+	return nil
+}
+
 // deleteExtendedClaim removes the finalizer of a claim that PreBind created
 // and deletes it.
 func (pl *TopologyDRA) deleteExtendedClaim(ctx context.Context, claim *resourceapi.ResourceClaim) error {
@@ -450,21 +471,21 @@ func (pl *TopologyDRA) deleteExtendedClaim(ctx context.Context, claim *resourcea
 }
 
 // deleteLeftoverExtendedClaims deletes the extended resource claims of
-// earlier attempts that the pod's status does not name: claims with the
-// extended resource annotation whose controller is the pod. PreBind
-// creates one and names it in the pod's status, and Unreserve deletes it
-// when a later step fails; where both the status write and that delete
-// failed, the claim is left allocated and reserved for the pod, holding
-// its devices until the pod is gone. Only called where the pod's status
-// names no claim that exists, so every such claim is left over. A failed
-// delete is logged and tried again at the pod's next attempt; the devices
-// it frees count once the claim cache has seen the delete.
-func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) {
+// earlier attempts: claims with the extended resource annotation whose
+// controller is the pod. PreBind creates one and names it in the pod's
+// status, and Unreserve deletes it when a later step fails; one is left
+// where that delete failed, or where the scheduler stopped between
+// PreBind and Bind. Only called for a pod that is being scheduled, so
+// every such claim is left over. A failed delete is logged and tried
+// again at the pod's next attempt; the devices it frees count once the
+// claim cache has seen the delete.
+// It reports whether it found any.
+func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) (found bool) {
 	logger := klog.FromContext(ctx)
 	claims, err := pl.draManager.ResourceClaims().List()
 	if err != nil {
 		logger.Error(err, "list claims for leftover extended resource claims", "pod", klog.KObj(pod))
-		return
+		return false
 	}
 	for _, claim := range claims {
 		if claim.Namespace != pod.Namespace || claim.Annotations[resourceapi.ExtendedResourceClaimAnnotation] != "true" || claim.DeletionTimestamp != nil {
@@ -473,12 +494,14 @@ func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1
 		if owner := metav1.GetControllerOf(claim); owner == nil || owner.UID != pod.UID {
 			continue
 		}
+		found = true
 		if err := pl.deleteExtendedClaim(ctx, claim); err != nil {
 			logger.Error(err, "delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 			continue
 		}
 		logger.V(2).Info("Deleted leftover extended resource claim of an earlier attempt", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 	}
+	return found
 }
 
 // extendedNames lists the resources of mappings, for messages.

@@ -16,6 +16,7 @@ import (
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
 )
 
@@ -281,10 +282,11 @@ func TestExtendedPatchFailure(t *testing.T) {
 	}
 }
 
-// TestExtendedExistingClaim: a pod whose status names its extended
-// resource claim (written by an earlier PreBind) uses that claim: where it
-// is allocated, on its node only, and no claim is created.
-func TestExtendedExistingClaim(t *testing.T) {
+// TestExtendedEarlierClaimReplaced: a claim of an earlier attempt that the
+// pod's status names (allocated on node-a, where binding failed) is not
+// reused: PreFilter deletes it, the pod may go to any node, and PreBind
+// creates a new claim and names it in the status.
+func TestExtendedEarlierClaimReplaced(t *testing.T) {
 	pod := extPod("p", 2)
 	claim := allocatedOn(testClaim("p-extended-resources-x", 2), "node-a", "gpu-2", "gpu-3")
 	claim.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: pod.Name, UID: pod.UID, Controller: ptr.To(true)}}
@@ -292,28 +294,69 @@ func TestExtendedExistingClaim(t *testing.T) {
 	claim.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: pod.Name, UID: pod.UID}}
 	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, extClass(), testSlice("node-a", 4), testSlice("node-b", 4), claim)
 	pod.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: claim.Name}
-	cs, st := h.cycle(pod, "node-a", "node-b")
-	if !st["node-a"].IsSuccess() {
-		t.Errorf("Filter on node-a: %v", st["node-a"])
-	}
-	if code(st["node-b"]) != fwk.UnschedulableAndUnresolvable {
-		t.Errorf("Filter on node-b: %v, want the claim's node only", st["node-b"])
-	}
-	s, err := getState(cs)
+	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
 	h.tCtx.ExpectNoError(err)
-	if s.extended == nil || s.extended.inMemory || s.claims[s.extended.index].Name != claim.Name || len(s.toAllocate) != 0 {
-		t.Fatalf("extended claim in the cycle: %+v, toAllocate %v", s.extended, s.toAllocate)
+	pod = created
+	cs, st := h.cycle(pod, "node-a", "node-b")
+	if !st["node-b"].IsSuccess() {
+		t.Errorf("Filter on node-b: %v, want the pod free to go there", st["node-b"])
 	}
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+	if _, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, claim.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("earlier claim after PreFilter: %v, want it deleted", err)
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-b"); !st.IsSuccess() {
 		t.Fatalf("Reserve: %v", st)
 	}
-	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-b"); !st.IsSuccess() {
 		t.Fatalf("PreBind: %v", st)
 	}
 	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
 	h.tCtx.ExpectNoError(err)
-	if len(claims.Items) != 1 {
-		t.Errorf("claims: %d, want only the existing one", len(claims.Items))
+	if len(claims.Items) != 1 || claims.Items[0].Name == claim.Name {
+		t.Fatalf("claims: %v, want one new claim", claims.Items)
+	}
+	got, err := h.client.CoreV1().Pods(testNS).Get(h.tCtx, pod.Name, metav1.GetOptions{})
+	h.tCtx.ExpectNoError(err)
+	if status := got.Status.ExtendedResourceClaimStatus; status == nil || status.ResourceClaimName != claims.Items[0].Name {
+		t.Errorf("pod status names %+v, want the new claim %s", status, claims.Items[0].Name)
+	}
+}
+
+// TestExtendedStatusClearedOnDevicePluginNode: a pod whose status names
+// the claim of an earlier attempt, placed now on a node whose device
+// plugin offers the resource, gets that status cleared: the kubelet would
+// otherwise look for the deleted claim and not hand the resource to the
+// device plugin.
+func TestExtendedStatusClearedOnDevicePluginNode(t *testing.T) {
+	plugin := testNode("plugin")
+	plugin.Status.Allocatable = v1.ResourceList{"example.com/gpu": resource.MustParse("4")}
+	h := newHarness(t, []*v1.Node{plugin}, extClass())
+	pod := extPod("p", 2)
+	pod.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "p-extended-resources-gone",
+		RequestMappings: []v1.ContainerExtendedResourceRequest{{ContainerName: "main", ResourceName: "example.com/gpu", RequestName: "container-0-request-0"}}}
+	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	pod = created
+	cs := h.reserve(pod, "plugin")
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "plugin"); !st.IsSuccess() {
+		t.Fatalf("PreBind: %v", st)
+	}
+	got, err := h.client.CoreV1().Pods(testNS).Get(h.tCtx, pod.Name, metav1.GetOptions{})
+	h.tCtx.ExpectNoError(err)
+	if got.Status.ExtendedResourceClaimStatus != nil {
+		t.Errorf("pod status.extendedResourceClaimStatus %+v on a device-plugin node, want it cleared", got.Status.ExtendedResourceClaimStatus)
+	}
+}
+
+// TestExtendedCountTooLarge: a request that no claim can ask for (beyond
+// an int64) is refused with a message naming the container.
+func TestExtendedCountTooLarge(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	pod := extPod("p", 1)
+	pod.Spec.Containers[0].Resources.Requests["example.com/gpu"] = resource.MustParse("10E")
+	_, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil)
+	if code(st) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st.Message(), "container main requests 10E") {
+		t.Errorf("PreFilter: %v, want the pod refused naming its container and request", st)
 	}
 }
 

@@ -40,7 +40,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		return nil
 	}
 	var variant *extendedVariant
-	if s.extended != nil && s.extended.inMemory {
+	if s.extended != nil {
 		variant = pl.extendedForNode(s.extended, s.claims[s.extended.index], nodeInfo)
 	}
 	_, claims := s.claimsWith(variant)

@@ -157,6 +157,9 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	allocation := s.allocations[ext.index]
 	if variant == nil || allocation == nil {
 		// A device plugin offers the pod's extended resources here.
+		if ext.earlier {
+			return pl.clearExtendedStatus(ctx, pod)
+		}
 		return nil
 	}
 	if ext.created == nil {

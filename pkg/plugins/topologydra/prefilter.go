@@ -102,17 +102,14 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			return nil, unresolvable(err.Error())
 		}
 	}
-	extClaim, stored, err := pl.extendedClaimOf(pod, extended)
-	if err != nil {
-		// As for the pod's other claims: a claim event requeues the pod.
+	if err := checkExtendedCounts(pod, extended); err != nil {
 		return nil, unresolvable(err.Error())
 	}
-	if extClaim != nil && !stored {
-		pl.deleteLeftoverExtendedClaims(ctx, pod)
-	}
 	var ext *extendedClaim
+	extClaim := pl.extendedClaimOf(pod, extended)
 	if extClaim != nil {
-		ext = &extendedClaim{index: len(claims), resources: extended, inMemory: !stored, pendingUID: extClaim.UID, pod: pod,
+		earlier := pl.deleteLeftoverExtendedClaims(ctx, pod) || pod.Status.ExtendedResourceClaimStatus != nil
+		ext = &extendedClaim{index: len(claims), resources: extended, pendingUID: extClaim.UID, pod: pod, earlier: earlier,
 			variants: map[string]*extendedVariant{}, nodes: map[string]*extendedVariant{}}
 		claims = append(claims, extClaim)
 	}
@@ -162,8 +159,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			// now; its claim update requeues us.
 			return nil, unresolvable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
 		}
-		inMemory := ext != nil && ext.inMemory && i == ext.index
-		if !inMemory {
+		if ext == nil || i != ext.index {
 			// The in-memory claim's requests name the classes that the
 			// class resolver found; Filter reports what they match.
 			if st := pl.validateClaim(ctx, claim); st != nil {
@@ -179,7 +175,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	// The headroom and the drain rule count the devices of the pod's own
 	// claims: the extended resource claim's requests depend on the node.
 	headroomClaims := s.allocClaims
-	if ext != nil && ext.inMemory {
+	if ext != nil {
 		headroomClaims = s.allocClaims[:len(s.allocClaims)-1]
 	}
 

@@ -116,13 +116,28 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		return
 	}
 	ext := s.extended
+	var created string
+	if ext != nil && ext.created != nil {
+		// PreBind created it for this attempt; the next one makes its own.
+		// Deleted before its in-flight allocation is released, so that its
+		// devices do not look free while the API may still hold its
+		// allocation (a write whose reply was lost). Where the delete
+		// fails, the pod's next PreFilter deletes it.
+		created = ext.created.Name
+		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
+			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+		} else {
+			logger.V(5).Info("deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			ext.created = nil
+		}
+	}
 	for _, index := range s.toAllocate {
 		claim := s.claims[index]
 		if s.isExtendedInMemory(index) {
-			// In flight under its random UID; once created, deleted below.
+			// In flight under its random UID.
 			if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, false) {
-				if ext.created != nil {
-					pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, ext.created.Name)
+				if created != "" {
+					pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, created)
 				}
 				pl.released.add(pod.UID)
 				logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
@@ -138,15 +153,6 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 			pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, claim.Name)
 			pl.released.add(pod.UID)
 			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
-		}
-	}
-	if ext != nil && ext.created != nil {
-		// PreBind created it for this attempt; the next one makes its own.
-		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
-			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
-		} else {
-			logger.V(5).Info("deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
-			ext.created = nil
 		}
 	}
 	for i, claim := range s.claims {

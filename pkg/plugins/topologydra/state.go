@@ -149,7 +149,7 @@ func (s *stateData) markUnavailable(index int) {
 // v is nil. Without an in-memory claim they are toAllocate and
 // allocClaims.
 func (s *stateData) claimsWith(v *extendedVariant) ([]int, []*resourceapi.ResourceClaim) {
-	if s.extended == nil || !s.extended.inMemory {
+	if s.extended == nil {
 		return s.toAllocate, s.allocClaims
 	}
 	last := len(s.toAllocate) - 1
@@ -162,7 +162,7 @@ func (s *stateData) claimsWith(v *extendedVariant) ([]int, []*resourceapi.Resour
 // claimsOn is claimsWith for the variant that Filter used on the node.
 func (s *stateData) claimsOn(node string) ([]int, []*resourceapi.ResourceClaim) {
 	var v *extendedVariant
-	if s.extended != nil && s.extended.inMemory {
+	if s.extended != nil {
 		v, _ = s.extended.onNode(node)
 	}
 	return s.claimsWith(v)
@@ -172,5 +172,5 @@ func (s *stateData) claimsOn(node string) ([]int, []*resourceapi.ResourceClaim) 
 // claim that PreFilter built in memory (see extendedClaim), created by
 // PreBind or not.
 func (s *stateData) isExtendedInMemory(i int) bool {
-	return s.extended != nil && s.extended.inMemory && i == s.extended.index
+	return s.extended != nil && i == s.extended.index
 }
