@@ -35,11 +35,10 @@ import (
 // devices are placed with the pod's other claims and with topology in
 // mind:
 //
-//   - PreFilter adds it to the pod's claims: the claim named in the pod's
-//     status.extendedResourceClaimStatus, where one exists (a claim that
-//     an earlier PreBind wrote, used as it is), or else a claim that
-//     exists only in the cycle (inMemoryClaimName, a random UID) with a
-//     request per container and resource (see extendedRequests);
+//   - PreFilter adds it to the pod's claims: a claim that exists only in
+//     the cycle (inMemoryClaimName, a random UID) with a request per
+//     container and resource (see extendedRequests); claims of earlier
+//     attempts are deleted, never reused (deleteLeftoverExtendedClaims);
 //   - Filter hands the allocator, on each node, the requests of the
 //     resources that the node's allocatable lacks; a node that offers them
 //     all through a device plugin gets none of them (NodeResourcesFit
@@ -49,8 +48,10 @@ import (
 //     resourceapi.ExtendedResourceClaimAnnotation), writes its allocation
 //     and reservation like any claim's, and then names it in the pod's
 //     status.extendedResourceClaimStatus;
-//   - Unreserve drops the in-flight allocation and deletes a claim that
-//     PreBind created.
+//   - Unreserve deletes a claim that PreBind created and then drops the
+//     in-flight allocation; where the pod lands on a node whose device
+//     plugins offer all of its resources, PreBind clears a status that an
+//     earlier attempt wrote.
 
 // inMemoryClaimName names the extended resource claim until PreBind creates
 // it. Not a valid object name, so it never matches a claim in the API; the
