@@ -1,11 +1,13 @@
 package allocator
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 
 	"github.com/topodra/topodra/pkg/topology"
@@ -100,6 +102,21 @@ type permutedSlice struct {
 	src   *resourceapi.ResourceSlice
 	perm  []int
 	slice *resourceapi.ResourceSlice
+}
+
+// SelectorsMatch reports whether every one of selectors matches the
+// device at deviceIndex of slice; a selector that fails at run time counts
+// as matching. Results are kept with the allocators' own (per slice
+// version), so evaluating again costs a lookup; a nil Cache evaluates
+// every time. listTypes is the DRAListTypeAttributes feature (it selects
+// the CEL environment). Safe for concurrent use.
+func (c *Cache) SelectorsMatch(ctx context.Context, slice *resourceapi.ResourceSlice, deviceIndex int, listTypes bool, selectors []cel.CompilationResult) bool {
+	var memo *sliceMemo
+	if c != nil {
+		memo = c.forSlice(slice.UID, slice.Generation, listTypes)
+	}
+	matches, _ := selectorsMatch(ctx, memo, slice, deviceIndex, &slice.Spec.Devices[deviceIndex], selectors)
+	return matches
 }
 
 // forSlice returns the memo of one slice, or nil if the slice cannot be

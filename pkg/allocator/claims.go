@@ -307,7 +307,7 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 			memoSlice = d.slice
 			memo = a.cache.forSlice(d.slice.UID, d.slice.Generation, a.features.ListTypeAttributes)
 		}
-		matches, uncertain := a.selectorsMatch(ctx, memo, d.slice, d.deviceIndex, d.device, u.selectors)
+		matches, uncertain := selectorsMatch(ctx, memo, d.slice, d.deviceIndex, d.device, u.selectors)
 		if uncertain {
 			u.uncertn = true
 		}
@@ -333,7 +333,7 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 // time). A selector that fails at run time counts as matching and makes
 // uncertain true: upstream reports such an error when it gets to the
 // device, so counting never rules out what upstream would do.
-func (a *Allocator) selectorsMatch(ctx context.Context, memo *sliceMemo, slice *resourceapi.ResourceSlice, deviceIndex int, device *resourceapi.Device, selectors []cel.CompilationResult) (matches, uncertain bool) {
+func selectorsMatch(ctx context.Context, memo *sliceMemo, slice *resourceapi.ResourceSlice, deviceIndex int, device *resourceapi.Device, selectors []cel.CompilationResult) (matches, uncertain bool) {
 	for _, expr := range selectors {
 		state := memoUnknown
 		if memo != nil {

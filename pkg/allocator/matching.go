@@ -73,7 +73,7 @@ func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.Reso
 					c.Free++
 				}
 				for _, u := range specs {
-					if matches, _ := a.selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
+					if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
 						c.Matching++
 						if free {
 							c.MatchingFree++

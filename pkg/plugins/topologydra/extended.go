@@ -326,8 +326,6 @@ func extendedRequests(pod *v1.Pod, resources []draExtended) ([]resourceapi.Devic
 	return requests, mappings
 }
 
-// containerCount is the container's whole-number request of the resource
-// (0: none, or not a whole number).
 // checkExtendedCounts returns an error naming the first container whose
 // request for one of resources is not a whole number of devices that fits
 // an int64 (the API server accepts larger quantities): no claim can ask
@@ -349,6 +347,8 @@ func checkExtendedCounts(pod *v1.Pod, resources []draExtended) error {
 	return nil
 }
 
+// containerCount is the container's whole-number request of the resource
+// (0: none, or not a whole number).
 func containerCount(c *v1.Container, name v1.ResourceName) int64 {
 	q, ok := c.Resources.Requests[name]
 	if !ok {
@@ -413,32 +413,24 @@ func (pl *TopologyDRA) awaitCached(ctx context.Context, claim *resourceapi.Resou
 	}
 }
 
-// patchExtendedStatus names the claim in the pod's
-// status.extendedResourceClaimStatus. A failure is reported on the pod (a
-// Warning event) and returned.
-func (pl *TopologyDRA) patchExtendedStatus(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, mappings []v1.ContainerExtendedResourceRequest) error {
-	patch, err := json.Marshal(map[string]any{"status": map[string]any{
-		"extendedResourceClaimStatus": v1.PodExtendedResourceClaimStatus{ResourceClaimName: claim.Name, RequestMappings: mappings},
-	}})
+// setExtendedStatus writes the pod's status.extendedResourceClaimStatus:
+// the claim PreBind created and which request serves which container, or
+// nil to remove a status that an earlier attempt wrote (on a node whose
+// device plugins offer all the pod's extended resources, a claim named
+// there, deleted since, would make the kubelet refuse the pod and keep
+// those resources from the device plugin). A failure is reported on the
+// pod (a Warning event) and returned.
+func (pl *TopologyDRA) setExtendedStatus(ctx context.Context, pod *v1.Pod, status *v1.PodExtendedResourceClaimStatus) error {
+	patch, err := json.Marshal(map[string]any{"status": map[string]any{"extendedResourceClaimStatus": status}})
 	if err == nil {
 		_, err = pl.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	}
 	if err != nil {
-		err = fmt.Errorf("name resource claim %s in the pod's status.extendedResourceClaimStatus: %w", claim.Name, err)
-		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
-		return err
-	}
-	return nil
-}
-
-// clearExtendedStatus removes status.extendedResourceClaimStatus from the
-// pod: on a node whose device plugins offer all its extended resources,
-// a claim named there by an earlier attempt (deleted since) would make the
-// kubelet refuse the pod and keep those resources from the device plugin.
-func (pl *TopologyDRA) clearExtendedStatus(ctx context.Context, pod *v1.Pod) error {
-	patch := []byte(`{"status":{"extendedResourceClaimStatus":null}}`)
-	if _, err := pl.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
-		err = fmt.Errorf("clear the pod's status.extendedResourceClaimStatus of an earlier attempt: %w", err)
+		what := "clear the pod's status.extendedResourceClaimStatus of an earlier attempt"
+		if status != nil {
+			what = fmt.Sprintf("name resource claim %s in the pod's status.extendedResourceClaimStatus", status.ResourceClaimName)
+		}
+		err = fmt.Errorf("%s: %w", what, err)
 		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
 		return err
 	}

@@ -158,7 +158,7 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	if variant == nil || allocation == nil {
 		// A device plugin offers the pod's extended resources here.
 		if ext.earlier {
-			return pl.clearExtendedStatus(ctx, pod)
+			return pl.setExtendedStatus(ctx, pod, nil)
 		}
 		return nil
 	}
@@ -180,5 +180,5 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	// the in-flight allocation under the random UID, which stays till then.
 	pl.awaitCached(ctx, updated)
 	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, true)
-	return pl.patchExtendedStatus(ctx, pod, updated, variant.mappings)
+	return pl.setExtendedStatus(ctx, pod, &v1.PodExtendedResourceClaimStatus{ResourceClaimName: updated.Name, RequestMappings: variant.mappings})
 }

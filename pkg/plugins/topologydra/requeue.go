@@ -94,7 +94,7 @@ func groupOf(slice *resourceapi.ResourceSlice) deviceGroup {
 // can be used on, with the free devices each of them can use: those of
 // its own pools and those of the pools not local to a node that admit it
 // (allNodes, a node selector, or per device), of every driver. Read-only
-// once built, except for the memo; safe for concurrent use.
+// once built; safe for concurrent use.
 type freedSites struct {
 	sites []freedSite
 	// local holds the free devices of each site's own pools.
@@ -105,11 +105,6 @@ type freedSites struct {
 	// sharedGiven: the claim gave back devices of a pool not local to a
 	// node.
 	sharedGiven bool
-
-	mu sync.Mutex
-	// memo holds whether a selector matches a device, for the pods that
-	// ask after one another.
-	memo map[selectorOnDevice]bool
 }
 
 // freedSite is a node that devices given back can be used on. total
@@ -122,10 +117,11 @@ type freedSite struct {
 	shared []int
 }
 
-// freeDevice is a free device, for matching a pod's selectors.
+// freeDevice is a free device, for matching a pod's selectors: the
+// device at index of slice.
 type freeDevice struct {
-	driver, pool string
-	device       *resourceapi.Device
+	slice *resourceapi.ResourceSlice
+	index int
 }
 
 // sharedDevices are free devices that the same nodes can use.
@@ -169,9 +165,6 @@ func (r nodeReach) admits(name string, node *v1.Node) bool {
 	}
 	return r.invalid
 }
-
-// selectorOnDevice keys the memo of freedSites.
-type selectorOnDevice struct{ expression, driver, pool, device string }
 
 // smallestRequest is the fewest devices that one request of the pod's
 // claims that are not allocated yet asks for: its exact count, or the
@@ -328,7 +321,7 @@ func (pl *TopologyDRA) requestMet(logger klog.Logger, pod *v1.Pod, fs *freedSite
 		}
 		n := int64(0)
 		for d := range fs.devices(site) {
-			if fs.matches(ctx, exprs, d) {
+			if pl.cache.SelectorsMatch(ctx, d.slice, d.index, pl.features.ListTypeAttributes, exprs) {
 				if n++; n >= count {
 					return true
 				}
@@ -405,32 +398,6 @@ func (fs *freedSites) devices(site *freedSite) iter.Seq[freeDevice] {
 	}
 }
 
-// matches reports whether every one of exprs matches the device; one that
-// fails at run time counts as matching. Results are kept for the event.
-func (fs *freedSites) matches(ctx context.Context, exprs []cel.CompilationResult, d freeDevice) bool {
-	for _, expr := range exprs {
-		key := selectorOnDevice{expression: expr.Expression, driver: d.driver, pool: d.pool, device: d.device.Name}
-		fs.mu.Lock()
-		ok, known := fs.memo[key]
-		fs.mu.Unlock()
-		if !known {
-			matched, _, err := expr.DeviceMatches(ctx, cel.Device{
-				Driver:                   d.driver,
-				AllowMultipleAllocations: d.device.AllowMultipleAllocations,
-				Attributes:               d.device.Attributes,
-				Capacity:                 d.device.Capacity,
-			})
-			ok = matched || err != nil
-			fs.mu.Lock()
-			fs.memo[key] = ok
-			fs.mu.Unlock()
-		}
-		if !ok {
-			return false
-		}
-	}
-	return true
-}
 
 // nodeKnown reports whether the node lister has the named node (true
 // without a lister).
@@ -598,7 +565,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			delete(f.freedBy, id) // seen free, or taken again
 		}
 	}
-	fs := &freedSites{local: map[string][]freeDevice{}, sharedGiven: sharedGiven, memo: map[selectorOnDevice]bool{}}
+	fs := &freedSites{local: map[string][]freeDevice{}, sharedGiven: sharedGiven}
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		if !pools[k] || s.Spec.Pool.Generation != generation[k] {
@@ -614,7 +581,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 					continue
 				}
 			}
-			fd := freeDevice{driver: k.driver, pool: k.pool, device: d}
+			fd := freeDevice{slice: s, index: i}
 			if perDevice {
 				fs.shared = append(fs.shared, sharedDevices{reach: reachOf(d.NodeName, d.AllNodes, d.NodeSelector), devices: []freeDevice{fd}})
 				continue
@@ -642,7 +609,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		}
 		perDriver := map[string]int{}
 		for d := range fs.devices(&site) {
-			perDriver[d.driver]++
+			perDriver[d.slice.Spec.Driver]++
 			site.total++
 		}
 		for driver := range freedDrivers {
