@@ -398,7 +398,6 @@ func (fs *freedSites) devices(site *freedSite) iter.Seq[freeDevice] {
 	}
 }
 
-
 // nodeKnown reports whether the node lister has the named node (true
 // without a lister).
 func (pl *TopologyDRA) nodeKnown(nodeName string) bool {
