@@ -10,6 +10,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
@@ -343,8 +344,8 @@ func TestDRAExtendedResource(t *testing.T) {
 	name := e.ns + "-device-plugin"
 	node, err := framework.CreateReadyNode(tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": "device-plugin"})
 	tCtx.ExpectNoError(err)
-	node.Status.Capacity[resourceName] = resource.MustParse("1")
-	node.Status.Allocatable[resourceName] = resource.MustParse("1")
+	node.Status.Capacity[resourceName] = resource.MustParse("2")
+	node.Status.Allocatable[resourceName] = resource.MustParse("2")
 	_, err = cp.Client.CoreV1().Nodes().UpdateStatus(tCtx, node, metav1.UpdateOptions{})
 	tCtx.ExpectNoError(err)
 	withResource("device-plugin", "device-plugin", resourceName, 1)
@@ -354,5 +355,32 @@ func TestDRAExtendedResource(t *testing.T) {
 	}
 	if pod.Status.ExtendedResourceClaimStatus != nil {
 		t.Errorf("pod on the device-plugin node has an extended resource claim: %+v", pod.Status.ExtendedResourceClaimStatus)
+	}
+
+	// A pod whose status names the claim of an earlier attempt, which the
+	// API server keeps once written, cannot use the device-plugin node: the
+	// kubelet would look for that claim. It waits, and says why.
+	earlier := framework.PodWithClaims(e.ns, "earlier-status", topodraName)
+	earlier.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "device-plugin"}
+	earlier.Spec.Containers[0].Resources.Limits = v1.ResourceList{resourceName: resource.MustParse("1")}
+	earlier.Spec.SchedulingGates = []v1.PodSchedulingGate{{Name: "test.topodra.io/hold"}}
+	earlier, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, earlier, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	gone := "earlier-status-extended-resources-gone"
+	earlier.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: gone, RequestMappings: []v1.ContainerExtendedResourceRequest{
+		{ContainerName: earlier.Spec.Containers[0].Name, ResourceName: string(resourceName), RequestName: "container-0-request-0"}}}
+	_, err = cp.Client.CoreV1().Pods(e.ns).UpdateStatus(tCtx, earlier, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	kept, err := cp.Client.CoreV1().Pods(e.ns).Patch(tCtx, earlier.Name, types.MergePatchType, []byte(`{"status":{"extendedResourceClaimStatus":null}}`), metav1.PatchOptions{}, "status")
+	tCtx.ExpectNoError(err)
+	if kept.Status.ExtendedResourceClaimStatus == nil {
+		t.Errorf("the API server cleared status.extendedResourceClaimStatus; such pods could then use device plugins")
+	}
+	_, err = cp.Client.CoreV1().Pods(e.ns).Patch(tCtx, earlier.Name, types.JSONPatchType, []byte(`[{"op":"remove","path":"/spec/schedulingGates"}]`), metav1.PatchOptions{})
+	tCtx.ExpectNoError(err)
+	pod, err = framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, earlier.Name, waitTimeout)
+	tCtx.ExpectNoError(err)
+	if c := framework.PodScheduledCondition(pod); !strings.Contains(c.Message, gone) {
+		t.Errorf("pod %s: PodScheduled message %q, want it to name claim %s", pod.Name, c.Message, gone)
 	}
 }

@@ -49,9 +49,15 @@ import (
 //     and reservation like any claim's, and then names it in the pod's
 //     status.extendedResourceClaimStatus;
 //   - Unreserve deletes a claim that PreBind created and then drops the
-//     in-flight allocation; where the pod lands on a node whose device
-//     plugins offer all of its resources, PreBind clears a status that an
-//     earlier attempt wrote.
+//     in-flight allocation.
+//
+// Once written, status.extendedResourceClaimStatus stays: the API server
+// puts the old value back when a write leaves it out or sets it to null.
+// The kubelet looks up the claim it names, so a pod whose status names a
+// claim of an earlier attempt (deleted since) cannot run on a node whose
+// device plugins offer all of its extended resources: Filter rejects such
+// nodes (earlierStatusMessage), and PreBind checks the pod as the API has
+// it where an earlier attempt may have written the status unseen.
 
 // inMemoryClaimName names the extended resource claim until PreBind creates
 // it. Not a valid object name, so it never matches a claim in the API; the
@@ -139,8 +145,8 @@ type extendedClaim struct {
 	// resources are the pod's DRA-backed extended resources.
 	resources []draExtended
 	// earlier: the pod's status names a claim of an earlier attempt, or
-	// PreFilter found one left over. PreBind then clears the status where
-	// the pod needs no claim.
+	// PreFilter found one left over. PreBind then checks, on a node that
+	// needs no claim, that the pod's status names none.
 	earlier bool
 	// pendingUID is the UID under which Reserve marks the allocation in
 	// flight: the random UID of the claim built by PreFilter.
@@ -414,25 +420,46 @@ func (pl *TopologyDRA) awaitCached(ctx context.Context, claim *resourceapi.Resou
 }
 
 // setExtendedStatus writes the pod's status.extendedResourceClaimStatus:
-// the claim PreBind created and which request serves which container, or
-// nil to remove a status that an earlier attempt wrote (on a node whose
-// device plugins offer all the pod's extended resources, a claim named
-// there, deleted since, would make the kubelet refuse the pod and keep
-// those resources from the device plugin). A failure is reported on the
-// pod (a Warning event) and returned.
+// the claim PreBind created and which request serves which container. A
+// failure is reported on the pod (a Warning event) and returned.
 func (pl *TopologyDRA) setExtendedStatus(ctx context.Context, pod *v1.Pod, status *v1.PodExtendedResourceClaimStatus) error {
 	patch, err := json.Marshal(map[string]any{"status": map[string]any{"extendedResourceClaimStatus": status}})
 	if err == nil {
 		_, err = pl.client.CoreV1().Pods(pod.Namespace).Patch(ctx, pod.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	}
 	if err != nil {
-		what := "clear the pod's status.extendedResourceClaimStatus of an earlier attempt"
-		if status != nil {
-			what = fmt.Sprintf("name resource claim %s in the pod's status.extendedResourceClaimStatus", status.ResourceClaimName)
-		}
-		err = fmt.Errorf("%s: %w", what, err)
+		err = fmt.Errorf("name resource claim %s in the pod's status.extendedResourceClaimStatus: %w", status.ResourceClaimName, err)
 		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
 		return err
+	}
+	return nil
+}
+
+// earlierStatusMessage says why a node whose device plugins offer all of
+// the pod's extended resources cannot take a pod whose status names the
+// extended resource claim of an earlier attempt; "" where the status
+// names none.
+func earlierStatusMessage(status *v1.PodExtendedResourceClaimStatus) string {
+	if status == nil {
+		return ""
+	}
+	return fmt.Sprintf("the pod's status.extendedResourceClaimStatus names resource claim %s of an earlier attempt, which the API server keeps once written and the kubelet would look up: the pod can only run where DRA provides its extended resources, not where device plugins offer them all", status.ResourceClaimName)
+}
+
+// checkNoEarlierStatus fails where the pod, as the API has it, names the
+// extended resource claim of an earlier attempt in its status: the
+// scheduler's copy may not show a status written by an attempt that
+// failed after writing it.
+func (pl *TopologyDRA) checkNoEarlierStatus(ctx context.Context, pod *v1.Pod) error {
+	latest, err := pl.client.CoreV1().Pods(pod.Namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("read the pod's status.extendedResourceClaimStatus: %w", err)
+	}
+	if latest.UID != pod.UID {
+		return fmt.Errorf("pod %s was replaced", klog.KObj(pod))
+	}
+	if msg := earlierStatusMessage(latest.Status.ExtendedResourceClaimStatus); msg != "" {
+		return errors.New(msg)
 	}
 	return nil
 }

@@ -322,29 +322,61 @@ func TestExtendedEarlierClaimReplaced(t *testing.T) {
 	}
 }
 
-// TestExtendedStatusClearedOnDevicePluginNode: a pod whose status names
-// the claim of an earlier attempt, placed now on a node whose device
-// plugin offers the resource, gets that status cleared: the kubelet would
-// otherwise look for the deleted claim and not hand the resource to the
-// device plugin.
-func TestExtendedStatusClearedOnDevicePluginNode(t *testing.T) {
+// TestExtendedEarlierStatusKeepsPodOffDevicePluginNodes: a pod whose
+// status names the extended resource claim of an earlier attempt (which
+// the API server never lets go and the kubelet looks up) is rejected on a
+// node whose device plugin offers its resources, and gets a new claim on a
+// node where DRA provides them; where the scheduler's copy of the pod does
+// not show the status yet, PreBind on the device-plugin node finds it in
+// the API and fails.
+func TestExtendedEarlierStatusKeepsPodOffDevicePluginNodes(t *testing.T) {
 	plugin := testNode("plugin")
 	plugin.Status.Allocatable = v1.ResourceList{"example.com/gpu": resource.MustParse("4")}
-	h := newHarness(t, []*v1.Node{plugin}, extClass())
-	pod := extPod("p", 2)
-	pod.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "p-extended-resources-gone",
+	h := newHarness(t, []*v1.Node{plugin, testNode("dra")}, extClass(), testSlice("dra", 4))
+	earlier := &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "p-extended-resources-gone",
 		RequestMappings: []v1.ContainerExtendedResourceRequest{{ContainerName: "main", ResourceName: "example.com/gpu", RequestName: "container-0-request-0"}}}
+
+	pod := extPod("p", 2)
+	pod.Status.ExtendedResourceClaimStatus = earlier
 	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
 	h.tCtx.ExpectNoError(err)
 	pod = created
-	cs := h.reserve(pod, "plugin")
-	if st := h.pl.PreBind(h.tCtx, cs, pod, "plugin"); !st.IsSuccess() {
+	cs, st := h.cycle(pod, "plugin", "dra")
+	if code(st["plugin"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["plugin"].Message(), earlier.ResourceClaimName) {
+		t.Errorf("Filter on the device-plugin node: %v, want the node rejected naming claim %s", st["plugin"], earlier.ResourceClaimName)
+	}
+	if !st["dra"].IsSuccess() {
+		t.Fatalf("Filter on the DRA node: %v", st["dra"])
+	}
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "dra"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "dra"); !st.IsSuccess() {
 		t.Fatalf("PreBind: %v", st)
 	}
 	got, err := h.client.CoreV1().Pods(testNS).Get(h.tCtx, pod.Name, metav1.GetOptions{})
 	h.tCtx.ExpectNoError(err)
-	if got.Status.ExtendedResourceClaimStatus != nil {
-		t.Errorf("pod status.extendedResourceClaimStatus %+v on a device-plugin node, want it cleared", got.Status.ExtendedResourceClaimStatus)
+	if got.Status.ExtendedResourceClaimStatus == nil || got.Status.ExtendedResourceClaimStatus.ResourceClaimName == earlier.ResourceClaimName {
+		t.Errorf("pod status.extendedResourceClaimStatus %+v on the DRA node, want the new claim named", got.Status.ExtendedResourceClaimStatus)
+	}
+
+	// The scheduler's copy lacks the status that the API has, and a claim
+	// of the earlier attempt is left over.
+	q := extPod("q", 2)
+	q.UID = "uid-q"
+	q.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "q-extended-resources-old", RequestMappings: earlier.RequestMappings}
+	_, err = h.client.CoreV1().Pods(testNS).Create(h.tCtx, q, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	leftover := testClaim("q-extended-resources-old", 2)
+	leftover.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: q.Name, UID: q.UID, Controller: ptr.To(true)}}
+	leftover.Annotations = map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"}
+	h.create(leftover)
+	h.waitForClaim(leftover.Name, func(*resourceapi.ResourceClaim) bool { return true })
+	seen := q.DeepCopy()
+	seen.Status.ExtendedResourceClaimStatus = nil
+	cs = h.reserve(seen, "plugin")
+	if st := h.pl.PreBind(h.tCtx, cs, seen, "plugin"); st.IsSuccess() || !strings.Contains(st.Message(), "q-extended-resources-old") {
+		t.Errorf("PreBind on the device-plugin node: %v, want a failure naming the claim in the pod's status", st)
 	}
 }
 

@@ -43,6 +43,12 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if s.extended != nil {
 		variant = pl.extendedForNode(s.extended, s.claims[s.extended.index], nodeInfo)
 	}
+	if s.extended != nil && variant == nil {
+		if msg := earlierStatusMessage(pod.Status.ExtendedResourceClaimStatus); msg != "" {
+			// The status stays; no later attempt changes this.
+			return unresolvable(msg)
+		}
+	}
 	_, claims := s.claimsWith(variant)
 	if len(claims) == 0 {
 		// Only extended resources, all offered by a device plugin here:

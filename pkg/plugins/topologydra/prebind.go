@@ -158,7 +158,7 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	if variant == nil || allocation == nil {
 		// A device plugin offers the pod's extended resources here.
 		if ext.earlier {
-			return pl.setExtendedStatus(ctx, pod, nil)
+			return pl.checkNoEarlierStatus(ctx, pod)
 		}
 		return nil
 	}
