@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -105,6 +106,46 @@ func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 	q := testPod("q", "q")
 	if _, st := h.cycle(q, "node-a"); code(st["node-a"]) == fwk.Success {
 		t.Errorf("a 4-GPU pod fits on node-a while claim a holds 2 of its 4 GPUs")
+	}
+}
+
+// TestPreBindRetryAfterUnreserveReservesAgain: PreBind writes claim a and
+// fails on claim b; Unreserve takes the pod out of a's reservedFor while
+// the claim informer lags behind the API. The pod's next attempt must
+// reserve a for the pod again: bound without that reservation, the pod is
+// refused by the kubelet.
+func TestPreBindRetryAfterUnreserveReservesAgain(t *testing.T) {
+	var delay atomic.Int64
+	var refuseB atomic.Bool
+	h := newHarnessWith(t, func(h *harness) { lagClaimWatch(h, &delay) }, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		testClaim("a", 2), testClaim("b", 2))
+	for _, n := range []string{"a", "b"} {
+		h.waitForClaim(n, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	pod := testPod("p", "a", "b")
+	cs := h.reserve(pod, "node-a")
+	delay.Store(int64(2 * time.Second))
+	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		u := action.(cgotesting.UpdateAction)
+		if refuseB.Load() && u.GetSubresource() == "status" && u.GetObject().(*resourceapi.ResourceClaim).Name == "b" {
+			return true, nil, apierrors.NewBadRequest("refused")
+		}
+		return false, nil, nil
+	})
+	refuseB.Store(true)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although writing claim b was refused")
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if r := h.apiClaim("a").Status.ReservedFor; len(r) != 0 {
+		t.Fatalf("claim a still reserved for %v after Unreserve", r)
+	}
+	refuseB.Store(false)
+	cs = h.reserve(pod, "node-a")
+	st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
+	reserved := slices.ContainsFunc(h.apiClaim("a").Status.ReservedFor, func(r resourceapi.ResourceClaimConsumerReference) bool { return r.UID == pod.UID })
+	if st.IsSuccess() && !reserved {
+		t.Errorf("PreBind of the next attempt succeeded, but claim a is not reserved for the pod in the API")
 	}
 }
 

@@ -165,9 +165,18 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		// A strategic merge patch removes just this pod, whatever else
 		// changed in the claim meanwhile.
 		patch := fmt.Sprintf(`{"metadata":{"uid":%q},"status":{"reservedFor":[{"$patch":"delete","uid":%q}]}}`, claim.UID, pod.UID)
-		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Patch(ctx, claim.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status"); err != nil {
+		patched, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Patch(ctx, claim.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status")
+		if err != nil {
 			// The next scheduling attempt of the pod runs Unreserve again.
 			logger.Error(err, "remove pod from claim reservedFor", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			continue
+		}
+		// The claim cache may hold the copy PreBind wrote, reserved for
+		// the pod: the next attempt must see the reservation gone and
+		// write it again, whatever the informer shows by then.
+		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(patched); err != nil {
+			// Only fails when the informer already has a newer object.
+			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(patched), "err", err)
 		}
 	}
 }
