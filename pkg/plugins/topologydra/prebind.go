@@ -64,7 +64,7 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			// later claim fails does not put back the informer's copy,
 			// which may not show the allocation yet (the devices would
 			// look free while the claim holds them).
-			pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(updated.UID, true)
+			pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, true)
 			bound = true
 		}
 	}
@@ -81,7 +81,10 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 // bindClaim writes the allocation (where not nil) and the pod's
 // reservation to the claim, and returns the claim written. On error it
 // returns the claim as of the last write attempted (its resourceVersion is
-// the one that write started from).
+// the one that write started from). Only the claim with claim's UID is
+// written: where the name now belongs to another claim (deleted and
+// created again), it returns an error, and the claim it returns still
+// has claim's UID.
 func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, allocation *resourceapi.AllocationResult) (*resourceapi.ResourceClaim, error) {
 	logger := klog.FromContext(ctx)
 	claims := pl.client.ResourceV1().ResourceClaims(claim.Namespace)
@@ -93,6 +96,10 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 			latest, err := claims.Get(ctx, claim.Name, metav1.GetOptions{})
 			if err != nil {
 				return fmt.Errorf("get claim %s after conflict: %w", claim.Name, err)
+			}
+			if latest.UID != claim.UID {
+				// Its allocation was made for the deleted claim's spec.
+				return fmt.Errorf("claim %s was deleted and created again since it was allocated", claim.Name)
 			}
 			claim = latest
 		}

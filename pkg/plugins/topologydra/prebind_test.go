@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	cgotesting "k8s.io/client-go/testing"
@@ -68,6 +69,114 @@ func loseStatusReplies(h *harness, lose *atomic.Bool, stored bool, err error) {
 		}
 		return true, nil, err
 	})
+}
+
+// preconditionReactor refuses claim updates whose UID or resourceVersion
+// is not the stored claim's with a conflict, as the API server does (the
+// fake tracker does not).
+func preconditionReactor(h *harness) {
+	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		obj := action.(cgotesting.UpdateAction).GetObject().(*resourceapi.ResourceClaim)
+		stored, err := h.client.Tracker().Get(action.GetResource(), obj.Namespace, obj.Name)
+		if err != nil {
+			return false, nil, nil
+		}
+		if s := stored.(*resourceapi.ResourceClaim); s.UID != obj.UID || (obj.ResourceVersion != "" && s.ResourceVersion != obj.ResourceVersion) {
+			return true, nil, apierrors.NewConflict(resourceapi.Resource("resourceclaims"), obj.Name, errors.New("the object has been modified"))
+		}
+		return false, nil, nil
+	})
+}
+
+// recreateClaim deletes the claim in the API and creates it again under
+// the same name, asking for count GPUs, and returns the new claim's UID.
+func (h *harness) recreateClaim(name string, count int64) types.UID {
+	h.tCtx.Helper()
+	h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, name, metav1.DeleteOptions{}), "delete claim "+name)
+	c := testClaim(name, count)
+	c.UID = types.UID("uid-recreated-" + name)
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).Create(h.tCtx, c, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err, "create claim "+name+" again")
+	return c.UID
+}
+
+// TestPreBindClaimRecreated: claim a is deleted and created again (same
+// name, another spec) between Reserve and PreBind. PreBind must not write
+// the allocation made for the deleted claim onto the new one, and its
+// devices must be free again after Unreserve.
+func TestPreBindClaimRecreated(t *testing.T) {
+	h := newHarnessWith(t, preconditionReactor, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		testClaim("a", 1), testClaim("q", 4))
+	h.waitForClaim("a", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := testPod("p", "a")
+	cs := h.reserve(pod, "node-a")
+	oldUID := h.apiClaim("a").UID
+	h.recreateClaim("a", 3)
+	st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
+	if st.IsSuccess() || !strings.Contains(st.Message(), "deleted and created again") {
+		t.Errorf("PreBind after the claim was created again: %v, want an error that says so", st)
+	}
+	if a := h.apiClaim("a"); a.Status.Allocation != nil || len(a.Status.ReservedFor) != 0 {
+		t.Errorf("the new claim a got the deleted claim's allocation %v, reserved for %v", a.Status.Allocation, a.Status.ReservedFor)
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if h.pl.draManager.ResourceClaims().GetPendingAllocation(oldUID) != nil {
+		t.Errorf("the in-flight allocation of the deleted claim is still held after Unreserve")
+	}
+	h.waitForClaim("a", func(c *resourceapi.ResourceClaim) bool { return c.UID != oldUID })
+	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) != fwk.Success {
+		t.Errorf("node-a's GPUs are still taken after the deleted claim's attempt was undone: %v", st["node-a"])
+	}
+}
+
+// TestPreFilterUncertainClaimRecreated: claim c's allocation write has an
+// unknown outcome, and the claim is then deleted and created again while
+// the claim informer lags. The pod's next PreFilter reads the claim: the
+// new claim is not the one written, so the write is settled (the in-flight
+// entry goes) and the attempt fails instead of going on with the deleted
+// claim.
+func TestPreFilterUncertainClaimRecreated(t *testing.T) {
+	var lag atomic.Int64
+	var lose, unreadable atomic.Bool
+	hook := func(h *harness) {
+		lagClaimWatch(h, &lag)
+		preconditionReactor(h)
+		loseStatusReplies(h, &lose, false, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
+		h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+			if unreadable.Load() {
+				return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
+			}
+			return false, nil, nil
+		})
+	}
+	reads := settleReads
+	settleReads.Duration = time.Millisecond
+	t.Cleanup(func() { settleReads = reads })
+	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2))
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := testPod("p", "c")
+	cs := h.reserve(pod, "node-a")
+	oldUID := h.apiClaim("c").UID
+	lag.Store(int64(time.Hour))
+	lose.Store(true)
+	unreadable.Store(true)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although the write failed")
+	}
+	lose.Store(false)
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if !h.pl.uncertain.has(oldUID) {
+		t.Fatal("the write of claim c is not uncertain")
+	}
+	unreadable.Store(false)
+	h.recreateClaim("c", 1)
+	if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil); code(st) != fwk.Error || !strings.Contains(st.Message(), "deleted") {
+		t.Errorf("PreFilter of the pod whose claim was created again: %v, want an error that says the claim was deleted", st)
+	}
+	if h.pl.uncertain.has(oldUID) || h.pl.draManager.ResourceClaims().GetPendingAllocation(oldUID) != nil {
+		t.Errorf("the deleted claim's write is still uncertain, or its in-flight allocation still held")
+	}
 }
 
 // TestPreBindFailureKeepsWrittenClaims: PreBind writes claim a and fails

@@ -170,7 +170,9 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 // settleUncertain settles claim if its write is uncertain: it reads the
 // claim and, where the outcome is known, drops the in-flight entry (taking
 // in the stored claim). It returns the claim to use (the one read where
-// it was stored) and an error where the outcome is still unknown.
+// it was stored) and an error where the outcome is still unknown or the
+// claim is gone (not found, or the name belongs to a claim with another
+// UID): the claim cache has yet to see the deletion.
 func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.ResourceClaim) (*resourceapi.ResourceClaim, error) {
 	if !pl.uncertain.has(claim.UID) {
 		return claim, nil
@@ -180,22 +182,21 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 	if err != nil && !apierrors.IsNotFound(err) {
 		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
 	}
-	if _, ok := pl.uncertain.take(claim.UID); !ok {
-		// Settled meanwhile (an informer event): the claim as read.
-		if err == nil && latest.UID == claim.UID {
+	if err == nil && latest.UID != claim.UID {
+		latest = nil
+	}
+	if _, ok := pl.uncertain.take(claim.UID); ok {
+		if latest != nil && latest.Status.Allocation != nil && allocation != nil {
+			pl.takeInStored(klog.FromContext(ctx), latest)
 			return latest, nil
 		}
-		return claim, nil
+		pl.releaseInFlight(claim.Namespace, claim.Name, claim.UID)
 	}
-	if err == nil && latest.UID == claim.UID && latest.Status.Allocation != nil && allocation != nil {
-		pl.takeInStored(klog.FromContext(ctx), latest)
-		return latest, nil
+	// Settled here, or meanwhile (an informer event): the claim as read.
+	if latest == nil {
+		return nil, fmt.Errorf("claim %s was deleted", claim.Name)
 	}
-	pl.releaseInFlight(claim.Namespace, claim.Name, claim.UID)
-	if err == nil && latest.UID == claim.UID {
-		return latest, nil
-	}
-	return claim, nil
+	return latest, nil
 }
 
 // settleFromInformer settles claim's uncertain write, if any, where the
