@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -17,6 +18,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	cgotesting "k8s.io/client-go/testing"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -289,6 +292,116 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 	}
 	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
 		t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+	}
+}
+
+// ctxClient fails the claim requests whose context is done, before
+// sending them, as a real client does (the fake clientset ignores
+// contexts).
+type ctxClient struct{ kubernetes.Interface }
+
+func (c ctxClient) ResourceV1() resourcev1client.ResourceV1Interface {
+	return ctxResourceV1{c.Interface.ResourceV1()}
+}
+
+type ctxResourceV1 struct {
+	resourcev1client.ResourceV1Interface
+}
+
+func (c ctxResourceV1) ResourceClaims(namespace string) resourcev1client.ResourceClaimInterface {
+	return ctxClaims{c.ResourceV1Interface.ResourceClaims(namespace)}
+}
+
+type ctxClaims struct {
+	resourcev1client.ResourceClaimInterface
+}
+
+func requestErr(ctx context.Context, verb string) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%s \"https://apiserver/apis/resource.k8s.io/v1/...\": %w", verb, err)
+	}
+	return nil
+}
+
+func (c ctxClaims) Get(ctx context.Context, name string, opts metav1.GetOptions) (*resourceapi.ResourceClaim, error) {
+	if err := requestErr(ctx, "Get"); err != nil {
+		return nil, err
+	}
+	return c.ResourceClaimInterface.Get(ctx, name, opts)
+}
+
+func (c ctxClaims) Update(ctx context.Context, claim *resourceapi.ResourceClaim, opts metav1.UpdateOptions) (*resourceapi.ResourceClaim, error) {
+	if err := requestErr(ctx, "Put"); err != nil {
+		return nil, err
+	}
+	return c.ResourceClaimInterface.Update(ctx, claim, opts)
+}
+
+func (c ctxClaims) UpdateStatus(ctx context.Context, claim *resourceapi.ResourceClaim, opts metav1.UpdateOptions) (*resourceapi.ResourceClaim, error) {
+	if err := requestErr(ctx, "Put"); err != nil {
+		return nil, err
+	}
+	return c.ResourceClaimInterface.UpdateStatus(ctx, claim, opts)
+}
+
+func (c ctxClaims) Patch(ctx context.Context, name string, pt types.PatchType, data []byte, opts metav1.PatchOptions, subresources ...string) (*resourceapi.ResourceClaim, error) {
+	if err := requestErr(ctx, "Patch"); err != nil {
+		return nil, err
+	}
+	return c.ResourceClaimInterface.Patch(ctx, name, pt, data, opts, subresources...)
+}
+
+// TestPreBindCancelledSettlesWrite: PreBind's context is cancelled (another
+// plugin's PreBind failed, or the pod was preempted) before claim c's
+// write is sent, or while its reply is awaited after the API stored it.
+// The claim can still be read, so the outcome is known: after Unreserve
+// the devices are free where the write was not stored, and stay taken by
+// the claim (no longer reserved for the pod) where it was.
+func TestPreBindCancelledSettlesWrite(t *testing.T) {
+	for name, stored := range map[string]bool{"not sent": false, "stored, reply lost": true} {
+		t.Run(name, func(t *testing.T) {
+			var lose atomic.Bool
+			var cancelWrite context.CancelFunc
+			hook := func(h *harness) {
+				loseStatusReplies(h, &lose, true, fmt.Errorf("Put \"https://apiserver/apis/resource.k8s.io/v1/...\": %w", context.Canceled))
+				h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					if lose.Load() && action.GetSubresource() == "status" {
+						cancelWrite()
+					}
+					return false, nil, nil
+				})
+			}
+			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+			h.pl.client = ctxClient{h.client}
+			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+			pod := testPod("p", "c")
+			cs := h.reserve(pod, "node-a")
+			uid := h.apiClaim("c").UID
+			ctx, cancel := context.WithCancel(h.tCtx)
+			cancelWrite = cancel
+			if stored {
+				lose.Store(true)
+			} else {
+				cancel()
+			}
+			if st := h.pl.PreBind(ctx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although its context was cancelled")
+			}
+			lose.Store(false)
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			if h.pl.uncertain.has(uid) {
+				t.Errorf("the write of claim c is uncertain although the claim could be read")
+			}
+			c := h.apiClaim("c")
+			if stored != (c.Status.Allocation != nil) || len(c.Status.ReservedFor) != 0 {
+				t.Fatalf("claim c in the API: allocation %v, reserved for %v; want stored=%v, reserved for nobody", c.Status.Allocation, c.Status.ReservedFor, stored)
+			}
+			_, st := h.cycle(testPod("q", "q"), "node-a")
+			if fits := code(st["node-a"]) == fwk.Success; fits == stored {
+				t.Errorf("a 2-GPU pod fits on node-a: %v; want it to fit only where claim c holds no devices in the API (stored=%v)", fits, stored)
+			}
+		})
 	}
 }
 

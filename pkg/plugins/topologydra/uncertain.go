@@ -126,6 +126,12 @@ func (pl *TopologyDRA) readOutcome(ctx context.Context, claim *resourceapi.Resou
 // whose write failed before it leaves the outcome to a later read.
 var settleReads = wait.Backoff{Duration: 100 * time.Millisecond, Factor: 2, Steps: 5}
 
+// settleTimeout bounds PreBind's reads of a claim whose write failed
+// (settleReads). They do not end with PreBind's context: that is
+// cancelled when another plugin's PreBind fails or the pod is preempted,
+// and a write whose outcome no read tells keeps the claim's devices taken.
+const settleTimeout = 10 * time.Second
+
 // settleFailedWrite handles a failed write of claim i's allocation. Where
 // the API shows the claim allocated and reserved for the pod (a timeout
 // may come after the API server stored it), the cycle state, the claim
@@ -144,6 +150,8 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	var outcome writeOutcome
 	var latest *resourceapi.ResourceClaim
 	var readErr error
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	defer cancel()
 	_ = wait.ExponentialBackoffWithContext(ctx, settleReads, func(ctx context.Context) (bool, error) {
 		outcome, latest, readErr = pl.readOutcome(ctx, claim, podUID)
 		return outcome != outcomeUnknown || writeRefused(writeErr), nil
