@@ -26,6 +26,7 @@ import (
 // attributes, the allocator features — so Allocators with different
 // policies may share one Cache without evicting each other's entries.
 // Slices without a UID (objects built in memory) are not cached. Each part
+// (the slice entries, the node entries, the selector results of one slice)
 // is dropped as a whole when it grows past its bound, which bounds memory
 // without bookkeeping in the hot path; ForgetSlice and ForgetNode drop the
 // entries of slice versions and nodes that are gone sooner, from informer
@@ -48,6 +49,11 @@ const (
 	// again. Past the bound the node cache starts over, which costs one
 	// rebuild per node.
 	maxCachedNodes = 50000
+	// maxMemoExprs bounds the selector expressions whose results one
+	// slice entry keeps: claims may each bring selectors of their own.
+	// Past the bound the slice's results start over, which costs one CEL
+	// run per device and expression still in use.
+	maxMemoExprs = 64
 )
 
 type sliceKey struct {
@@ -76,7 +82,9 @@ const (
 
 // sliceMemo is what the cache keeps for one slice (UID and generation).
 type sliceMemo struct {
-	mu     sync.RWMutex
+	mu sync.RWMutex
+	// byExpr holds each device's selector state (memoUnknown…) per
+	// selector expression, for at most maxMemoExprs expressions.
 	byExpr map[string][]uint8
 	// infos maps a policy's attrsKey to the slice's *sliceInfo.
 	infos sync.Map
@@ -155,6 +163,9 @@ func (sm *sliceMemo) set(expr string, deviceIndex, numDevices int, state uint8) 
 	defer sm.mu.Unlock()
 	states := sm.byExpr[expr]
 	if states == nil {
+		if len(sm.byExpr) >= maxMemoExprs {
+			clear(sm.byExpr)
+		}
 		states = make([]uint8, numDevices)
 		sm.byExpr[expr] = states
 	}

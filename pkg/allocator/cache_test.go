@@ -2,6 +2,7 @@ package allocator
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -126,5 +127,40 @@ func TestCacheForgets(t *testing.T) {
 	cache.ForgetNode(nodeName)
 	if cache.node(key) != nil || cache.numNodes.Load() != 0 {
 		t.Errorf("node still cached (%d entries) after it was forgotten", cache.numNodes.Load())
+	}
+}
+
+// TestSelectorMemoBounded: pods whose claims bring selectors of their own
+// (2,000 distinct expressions) on one slice keep at most maxMemoExprs
+// expressions memoised for it, and every allocation still gets the
+// devices its selector picks.
+func TestSelectorMemoBounded(t *testing.T) {
+	const nodeName = "node-0"
+	ctx := quietContext(t)
+	node0 := dgx(nodeName)
+	cache := NewCache()
+	celCache := newCELCache()
+	for i := range 2000 {
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName), ClassLister: defaultClasses,
+			Slices: node0, CELCache: celCache, Cache: cache, Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		root := i % 4
+		expr := fmt.Sprintf(`device.attributes[%q].pcieRoot == "pci%04x:00" && %d >= 0`, "resource.kubernetes.io", root, i)
+		res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim(fmt.Sprintf("c%d", i)).request("gpus", "gpu", 2, expr).obj()})
+		if err != nil || res.Allocations == nil {
+			t.Fatalf("pod %d: %v", i, err)
+		}
+		if got, want := deviceNames(res.Allocations), []string{fmt.Sprintf("gpu-%d", 2*root), fmt.Sprintf("gpu-%d", 2*root+1)}; !slices.Equal(got, want) {
+			t.Fatalf("pod %d, selector %s: got devices %v, want %v", i, expr, got, want)
+		}
+		sm := cache.forSlice(node0[0].UID, node0[0].Generation, allFeatures.ListTypeAttributes)
+		sm.mu.RLock()
+		n := len(sm.byExpr)
+		sm.mu.RUnlock()
+		if n > maxMemoExprs {
+			t.Fatalf("after pod %d the slice memoises %d selector expressions, want at most %d", i, n, maxMemoExprs)
+		}
 	}
 }
