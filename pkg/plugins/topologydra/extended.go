@@ -49,7 +49,9 @@ import (
 //     and reservation like any claim's, and then names it in the pod's
 //     status.extendedResourceClaimStatus;
 //   - Unreserve deletes a claim that PreBind created and then drops the
-//     in-flight allocation.
+//     in-flight allocation (where the delete fails, the allocation stays
+//     in flight until the claim is gone or the informer shows its state,
+//     see uncertainWrites).
 //
 // Once written, status.extendedResourceClaimStatus stays: the API server
 // puts the old value back when a write leaves it out or sets it to null.
@@ -498,7 +500,8 @@ func (pl *TopologyDRA) deleteExtendedClaim(ctx context.Context, claim *resourcea
 // PreBind and Bind. Only called for a pod that is being scheduled, so
 // every such claim is left over. A failed delete is logged and tried
 // again at the pod's next attempt; the devices it frees count once the
-// claim cache has seen the delete.
+// claim cache has seen the delete (an allocation that Unreserve kept in
+// flight for it goes at once).
 // It reports whether it found any.
 func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) (found bool) {
 	logger := klog.FromContext(ctx)
@@ -519,6 +522,8 @@ func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1
 			logger.Error(err, "delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 			continue
 		}
+		// Its allocation, if Unreserve kept it in flight, is gone too.
+		pl.settleGone(claim.UID)
 		logger.V(2).Info("Deleted leftover extended resource claim of an earlier attempt", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 	}
 	return found

@@ -1,10 +1,13 @@
 package topologydra
 
 import (
+	"context"
 	"errors"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	v1 "k8s.io/api/core/v1"
@@ -13,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -249,6 +253,73 @@ func TestExtendedUnreserveBeforeCreate(t *testing.T) {
 	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
 	if _, st := h.cycle(extPod("q", 4), "node-a"); !st["node-a"].IsSuccess() {
 		t.Errorf("Filter of a four-GPU pod after Unreserve: %v", st["node-a"])
+	}
+}
+
+// TestExtendedUnreserveDeleteFails: PreBind creates the extended resource
+// claim, and its allocation write fails without an answer; Unreserve then
+// cannot delete the claim (the API server is unreachable). The claim's
+// devices stay taken while the API may hold its allocation, and are free
+// again once the claim is gone: deleted by the pod's next PreFilter, or
+// by someone else (the garbage collector, after the pod is deleted), as
+// the claim informer shows.
+func TestExtendedUnreserveDeleteFails(t *testing.T) {
+	for name, byPreFilter := range map[string]bool{"deleted by the next PreFilter": true, "deletion seen by the informer": false} {
+		t.Run(name, func(t *testing.T) {
+			var lose, apiDown atomic.Bool
+			hook := func(h *harness) {
+				loseStatusReplies(h, &lose, false, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
+				h.client.PrependReactor("*", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					if apiDown.Load() && action.GetVerb() != "list" && action.GetVerb() != "watch" {
+						return true, nil, apierrors.NewServiceUnavailable("apiserver unreachable")
+					}
+					return false, nil, nil
+				})
+			}
+			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 2))
+			pod := extPod("p", 2)
+			cs := h.reserve(pod, "node-a")
+			lose.Store(true)
+			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although the allocation write failed")
+			}
+			lose.Store(false)
+			s, err := getState(cs)
+			h.tCtx.ExpectNoError(err)
+			created, pendingUID := s.extended.created, s.extended.pendingUID
+			if created == nil {
+				t.Fatal("PreBind did not create the extended resource claim")
+			}
+			apiDown.Store(true)
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			apiDown.Store(false)
+			if _, st := h.cycle(extPod("q", 2), "node-a"); code(st["node-a"]) == fwk.Success {
+				t.Errorf("a 2-GPU pod fits on node-a while the undeleted claim %s may hold both GPUs", created.Name)
+			}
+
+			if byPreFilter {
+				h.waitForClaim(created.Name, func(*resourceapi.ResourceClaim) bool { return true })
+				h.cycle(pod, "node-a")
+				if h.pl.draManager.ResourceClaims().GetPendingAllocation(pendingUID) != nil {
+					t.Errorf("the in-flight allocation of claim %s is still held after the pod's next PreFilter deleted it", created.Name)
+				}
+			} else {
+				h.tCtx.ExpectNoError(h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, created.Name, metav1.DeleteOptions{}))
+				err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+					return h.pl.draManager.ResourceClaims().GetPendingAllocation(pendingUID) == nil, nil
+				})
+				h.tCtx.ExpectNoError(err, "the in-flight allocation of the deleted claim is still held")
+			}
+			if _, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, created.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+				t.Errorf("claim %s: %v, want it deleted", created.Name, err)
+			}
+			if h.pl.uncertain.has(created.UID) {
+				t.Errorf("claim %s is still uncertain after its deletion", created.Name)
+			}
+			if _, st := h.cycle(extPod("q", 2), "node-a"); !st["node-a"].IsSuccess() {
+				t.Errorf("Filter of a 2-GPU pod after claim %s was deleted: %v", created.Name, st["node-a"])
+			}
+		})
 	}
 }
 

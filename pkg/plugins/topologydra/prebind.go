@@ -178,7 +178,10 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	}
 	updated, err := pl.bindClaim(ctx, pod, ext.created, allocation)
 	if err != nil {
-		// Unreserve deletes the claim, whatever the write did.
+		// Unreserve deletes the claim, whatever the write did; where it
+		// cannot, the claim as of the write tells which versions of it
+		// are newer than the write.
+		ext.created = updated
 		return err
 	}
 	ext.created = updated

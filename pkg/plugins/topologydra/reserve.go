@@ -121,19 +121,34 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		// PreBind created it for this attempt; the next one makes its own.
 		// Deleted before its in-flight allocation is released, so that its
 		// devices do not look free while the API may still hold its
-		// allocation (a write whose reply was lost). Where the delete
-		// fails, the pod's next PreFilter deletes it.
+		// allocation (a write whose reply was lost). The allocation still
+		// in flight is uncertain from before the delete: where the delete
+		// fails, it stays until the claim's state is known (the pod's next
+		// PreFilter deletes the claim, or the informer shows it).
 		created = ext.created.Name
+		if pl.draManager.ResourceClaims().GetPendingAllocation(ext.pendingUID) != nil {
+			pl.uncertain.add(ext.created, ext.pendingUID)
+		}
 		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
 			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			// The informer may have shown a newer version of the claim
+			// already, before it was uncertain.
+			if cached, err := pl.draManager.ResourceClaims().Get(ext.created.Namespace, ext.created.Name); err == nil {
+				pl.settleFromInformer(cached)
+			}
 		} else {
 			logger.V(5).Info("deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			pl.uncertain.take(ext.created.UID)
 			ext.created = nil
 		}
 	}
 	for _, index := range s.toAllocate {
 		claim := s.claims[index]
 		if s.isExtendedInMemory(index) {
+			if ext.created != nil && pl.uncertain.has(ext.created.UID) {
+				// Not deleted, and its allocation may be stored.
+				continue
+			}
 			// In flight under its random UID.
 			if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, false) {
 				if created != "" {

@@ -20,11 +20,14 @@ import (
 
 // uncertainWrites holds the claims whose allocation write failed without
 // telling whether the API server stored it (a timeout, a reset
-// connection), and whose state could not be read afterwards either. Their
-// in-flight allocation stays, so that their devices never look free while
-// the claim may hold them: Unreserve keeps it, and it goes only once the
-// claim's state is known, from a read (the next PreFilter of a pod that
-// uses the claim) or from an informer event of the claim. The zero value
+// connection), and whose state could not be read afterwards either, and
+// the extended resource claims that Unreserve could not delete while
+// their allocation may be stored. Their in-flight allocation stays, so
+// that their devices never look free while the claim may hold them:
+// Unreserve keeps it, and it goes only once the claim's state is known,
+// from a read (the next PreFilter of a pod that uses the claim), from the
+// claim's deletion (the pod's next PreFilter deletes a leftover extended
+// resource claim) or from an informer event of the claim. The zero value
 // is ready to use; safe for concurrent use.
 type uncertainWrites struct {
 	mu     sync.Mutex
@@ -32,18 +35,23 @@ type uncertainWrites struct {
 }
 
 // uncertainWrite is a claim whose write is uncertain: the resourceVersion
-// the write started from.
+// the write started from, and the UID under which its allocation is in
+// flight (the claim's own, or the in-memory UID of an extended resource
+// claim).
 type uncertainWrite struct {
 	namespace, name, resourceVersion string
+	pending                          types.UID
 }
 
-func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim) {
+// add records claim (as of the write) with its allocation in flight under
+// pending.
+func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim, pending types.UID) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.claims == nil {
 		u.claims = map[types.UID]uncertainWrite{}
 	}
-	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion}
+	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion, pending}
 	uncertainClaims.Set(float64(len(u.claims)))
 }
 
@@ -158,13 +166,13 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	})
 	switch outcome {
 	case outcomeStored:
-		pl.takeInStored(logger, latest)
+		pl.takeInStored(logger, latest, latest.UID)
 		s.claims[i] = latest
 	case outcomeUnknown:
 		if writeRefused(writeErr) {
 			return
 		}
-		pl.uncertain.add(claim)
+		pl.uncertain.add(claim, claim.UID)
 		// The informer may have shown a newer version of the claim
 		// already, before it was uncertain.
 		if cached, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name); err == nil {
@@ -195,7 +203,7 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 	}
 	if _, ok := pl.uncertain.take(claim.UID); ok {
 		if latest != nil && latest.Status.Allocation != nil && allocation != nil {
-			pl.takeInStored(klog.FromContext(ctx), latest)
+			pl.takeInStored(klog.FromContext(ctx), latest, latest.UID)
 			return latest, nil
 		}
 		pl.releaseInFlight(claim.Namespace, claim.Name, claim.UID)
@@ -215,27 +223,36 @@ func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
 	if !ok || !newerVersion(claim.ResourceVersion, w.resourceVersion) {
 		return
 	}
-	if _, ok := pl.uncertain.take(claim.UID); !ok {
+	w, ok = pl.uncertain.take(claim.UID)
+	if !ok {
 		return
 	}
 	if claim.Status.Allocation != nil {
 		// The claim cache follows the informer through a handler of its
 		// own, which may not have run yet: the allocation goes in first,
 		// so that the devices never look free.
-		pl.takeInStored(klog.Background(), claim)
+		pl.takeInStored(klog.Background(), claim, w.pending)
 		return
 	}
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false)
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false)
+}
+
+// settleGone settles the uncertain write, if any, of a claim that is gone
+// from the API (deleted): an allocation stored went with it.
+func (pl *TopologyDRA) settleGone(uid types.UID) {
+	if w, ok := pl.uncertain.take(uid); ok {
+		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false)
+	}
 }
 
 // takeInStored puts a claim as the API stores it, allocated, into the
-// claim cache and drops its in-flight allocation, as after a write that
-// succeeded.
-func (pl *TopologyDRA) takeInStored(logger klog.Logger, claim *resourceapi.ResourceClaim) {
+// claim cache and drops its in-flight allocation (under pending), as
+// after a write that succeeded.
+func (pl *TopologyDRA) takeInStored(logger klog.Logger, claim *resourceapi.ResourceClaim, pending types.UID) {
 	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
 		logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
 	}
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, true)
+	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(pending, true)
 }
 
 // newerVersion reports whether resourceVersion a is newer than b. Versions
@@ -276,9 +293,7 @@ func (pl *TopologyDRA) claimHandler() cache.ResourceEventHandler {
 				obj = tomb.Obj
 			}
 			if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
-				if _, ok := pl.uncertain.take(claim.UID); ok {
-					pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false)
-				}
+				pl.settleGone(claim.UID)
 				pl.untimed.forget(claim.UID)
 			}
 		},
