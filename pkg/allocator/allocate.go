@@ -58,11 +58,12 @@ func (p *podNode) analysis(ctx context.Context) ([]*claimInfo, bool, error) {
 }
 
 // uncertain reports whether a selector of the pod's claims failed at run
-// time on a device of the node (after analysis). Upstream reports such an
-// error when its search reaches that device, so only upstream's own order
-// on the node answers as the stock plugin does: an order that reaches the
-// device sooner or later, or a view without it, could turn the error into
-// an allocation or the reverse.
+// time on a device of the node, or on another node's device that upstream
+// looks at on this node (nodeState.offNode), after analysis. Upstream
+// reports such an error when its search reaches that device, so only
+// upstream's own order on the node answers as the stock plugin does: an
+// order that reaches the device sooner or later, or a view without it,
+// could turn the error into an allocation or the reverse.
 func (p *podNode) uncertain() bool {
 	for _, u := range p.units {
 		if u.uncertn {

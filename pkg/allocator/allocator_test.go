@@ -458,6 +458,92 @@ func TestSelectorRuntimeErrorLikeUpstream(t *testing.T) {
 	}
 }
 
+// TestSelectorRuntimeErrorOnAnotherNodesDeviceLikeUpstream: a slice with
+// per-device node selection holds devices of node-a and node-b, and a
+// selector fails at run time on node-b's device. Upstream evaluates the
+// selectors on every device of the slice before it checks the device's
+// node, so on node-a it reports the error when its search reaches node-b's
+// device, and allocates when it finds the devices before. topodra answers
+// as upstream does, whether counting may decide or not.
+func TestSelectorRuntimeErrorOnAnotherNodesDeviceLikeUpstream(t *testing.T) {
+	sel := `device.attributes["` + gpuDriver + `"].model == "x"`
+	onNode := func(nodeName, name string, a attrs) resourceapi.Device {
+		d := device(name, a)
+		d.NodeName = ptr.To(nodeName)
+		return d
+	}
+	otherNodes := onNode("node-b", "b0", attrs{}) // no model: the selector fails
+	perDevice := func(devices ...resourceapi.Device) []*resourceapi.ResourceSlice {
+		s := slice("shared", gpuDriver, devices...)
+		s.Spec.NodeName = nil
+		s.Spec.PerDeviceNodeSelection = ptr.To(true)
+		return []*resourceapi.ResourceSlice{s}
+	}
+	a0 := onNode("node-a", "a0", attrs{"model": str("x"), topology.AttrPCIeRoot: str("r0")})
+	a1 := onNode("node-a", "a1", attrs{"model": str("x"), topology.AttrPCIeRoot: str("r0")})
+	testcases := map[string]struct {
+		slices  []*resourceapi.ResourceSlice
+		count   int64 // 0: All
+		wantErr bool
+	}{
+		"one device, the other node's device first":  {slices: perDevice(otherNodes, a0), count: 1, wantErr: true},
+		"two devices, the other node's device first": {slices: perDevice(otherNodes, a0, a1), count: 2, wantErr: true},
+		// Upstream finds a0 before it gets to b0.
+		"one device, the other node's device last": {slices: perDevice(a0, otherNodes), count: 1},
+		// All looks at every device.
+		"all devices, the other node's device last": {slices: perDevice(a0, a1, otherNodes), wantErr: true},
+	}
+	for name, tc := range testcases {
+		for _, counting := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s, counting %v", name, counting), func(t *testing.T) {
+				ctx := quietContext(t)
+				state := allocated(gpuDriver, "none")
+				claims := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", tc.count, sel).obj()}
+				if tc.count == 0 {
+					claims[0].Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+				}
+				opts := Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()}
+				if !counting {
+					opts.SkipCounting = func(string) bool { return true }
+				}
+				a, err := New(ctx, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := a.Allocate(ctx, node("node-a"), claims)
+				if err == nil && res.Unverified {
+					res, err = a.Verify(ctx, node("node-a"), claims, res)
+				}
+				up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
+				if upErr != nil {
+					t.Fatal(upErr)
+				}
+				upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
+				var got []string
+				if res != nil {
+					got = deviceNames(res.Allocations)
+				}
+				t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
+				if (upErr != nil) != tc.wantErr {
+					t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
+				}
+				if (err != nil) != (upErr != nil) {
+					t.Fatalf("topodra error %v, upstream error %v", err, upErr)
+				}
+				if err != nil {
+					if !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), gpuDriver+"/shared/b0") {
+						t.Errorf("error %q is not an input error that names the failing device", err)
+					}
+					return
+				}
+				if !slices.Equal(got, deviceNames(upRes)) {
+					t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
+				}
+			})
+		}
+	}
+}
+
 func TestNewRequiresClassLister(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	if _, err := New(ctx, Options{}); err == nil {

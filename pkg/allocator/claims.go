@@ -41,9 +41,12 @@ type unit struct {
 	free []int
 	// upper counts matching devices that are not in use (or may be shared);
 	// an upper bound for what upstream can allocate.
-	upper   int
-	nMatch  int
-	uncertn bool // some CEL evaluation failed at runtime
+	upper  int
+	nMatch int
+	// uncertn is true if a selector failed at run time on a device of the
+	// node, or on a device of another node that upstream looks at on this
+	// node (nodeState.offNode).
+	uncertn bool
 }
 
 func (u *unitSpec) displayName() string {
@@ -296,7 +299,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	return u, nil
 }
 
-// evaluate fills in matching, free and upper for u.
+// evaluate fills in matching, free, upper and uncertn for u.
 func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 	u.matching = make([]bool, len(ns.devices))
 	var memo *sliceMemo
@@ -326,6 +329,27 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 		}
 		u.free = append(u.free, i)
 	}
+	if !u.uncertn && len(ns.offNode) > 0 {
+		u.uncertn = a.failsOffNode(ctx, ns, u.selectors)
+	}
+}
+
+// failsOffNode reports whether selectors fail at run time on a device of
+// ns.offNode: upstream's search reports that error when it gets to the
+// device, as for the node's own devices.
+func (a *Allocator) failsOffNode(ctx context.Context, ns *nodeState, selectors []cel.CompilationResult) bool {
+	var memo *sliceMemo
+	var memoSlice *resourceapi.ResourceSlice
+	for _, r := range ns.offNode {
+		if r.slice != memoSlice {
+			memoSlice = r.slice
+			memo = a.cache.forSlice(r.slice.UID, r.slice.Generation, a.features.ListTypeAttributes)
+		}
+		if _, uncertain := selectorsMatch(ctx, memo, r.slice, r.index, &r.slice.Spec.Devices[r.index], selectors); uncertain {
+			return true
+		}
+	}
+	return false
 }
 
 // selectorsMatch evaluates selectors on the device at deviceIndex of

@@ -396,7 +396,8 @@ func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) err
 
 // failingSelector returns an *InputError for the first selector of a
 // request (class selectors first) that fails at runtime on a device of the
-// node, nil if none does.
+// node, or on a device of another node that upstream looks at on this node
+// (nodeState.offNode), nil if none does.
 func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *resourceapi.ResourceClaim, request, className string, selectors []resourceapi.DeviceSelector) error {
 	var exprs, origins []string
 	if class, cerr := a.classLister.Get(className); cerr == nil {
@@ -418,17 +419,29 @@ func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *r
 		if compiled.Error != nil {
 			continue // reported by analyzeClaim
 		}
+		fails := func(driver, deviceName string, d *resourceapi.Device) error {
+			_, _, derr := compiled.DeviceMatches(ctx, cel.Device{
+				Driver:                   driver,
+				AllowMultipleAllocations: d.AllowMultipleAllocations,
+				Attributes:               d.Attributes,
+				Capacity:                 d.Capacity,
+			})
+			if derr == nil {
+				return nil
+			}
+			return &InputError{Claim: klog.KObj(claim).String(), Request: request,
+				Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, deviceName), Err: derr}
+		}
 		for i := range ns.devices {
 			d := &ns.devices[i]
-			_, _, derr := compiled.DeviceMatches(ctx, cel.Device{
-				Driver:                   d.driver,
-				AllowMultipleAllocations: d.device.AllowMultipleAllocations,
-				Attributes:               d.device.Attributes,
-				Capacity:                 d.device.Capacity,
-			})
-			if derr != nil {
-				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
-					Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, d.name), Err: derr}
+			if err := fails(d.driver, d.name, d.device); err != nil {
+				return err
+			}
+		}
+		for _, r := range ns.offNode {
+			d := &r.slice.Spec.Devices[r.index]
+			if err := fails(r.slice.Spec.Driver, r.slice.Spec.Driver+"/"+r.slice.Spec.Pool.Name+"/"+d.Name, d); err != nil {
+				return err
 			}
 		}
 	}

@@ -52,10 +52,25 @@ type nodeState struct {
 	// Devices of incomplete and invalid pools are not in devices: upstream
 	// allocates none of them, and views leave their slices as they are.
 	invalid map[string]string
+	// offNode lists the devices of other nodes in the
+	// per-device-node-selection slices that devices come from. Upstream
+	// searches every device of such a slice and evaluates a request's
+	// selectors before it checks the device's node, so a selector that
+	// fails at run time on one of them is upstream's error on this node
+	// too (see Allocator.evaluate). Nil without such slices; never cached,
+	// since such slices make the node's view uncacheable (stampOf).
+	offNode []deviceRef
 	// dom[l][i] numbers the value of attribute l of device i among
 	// domVals[l]; -1 if the device does not have it.
 	dom     [][]int32
 	domVals [][]string
+}
+
+// deviceRef is one device of a slice.
+type deviceRef struct {
+	slice *resourceapi.ResourceSlice
+	// index is the index in slice.Spec.Devices.
+	index int
 }
 
 // nodeStatic is the part of a nodeState that only depends on the node's
@@ -369,22 +384,26 @@ func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.Resource
 }
 
 // appendSliceDevices appends the devices of one slice that upstream may
-// allocate on the node.
+// allocate on the node to ns.devices, and the devices of a
+// per-device-node-selection slice that upstream looks at but that belong
+// to other nodes to ns.offNode.
 func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.ResourceSlice, info *sliceInfo, sliceIndex int) error {
 	perDevice := ptr.Deref(slice.Spec.PerDeviceNodeSelection, false)
 	for j := range slice.Spec.Devices {
 		d := &slice.Spec.Devices[j]
+		if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
+			// Upstream skips it before any selector.
+			continue
+		}
 		if perDevice {
 			match, err := structured.NodeMatches(a.features, ns.node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
 			if err != nil {
 				return fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
 			}
 			if !match {
+				ns.offNode = append(ns.offNode, deviceRef{slice: slice, index: j})
 				continue
 			}
-		}
-		if !a.features.DeviceBindingAndStatus && len(d.BindingConditions) > 0 {
-			continue
 		}
 		ns.devices = append(ns.devices, nodeDevice{
 			id:          info.ids[j],
