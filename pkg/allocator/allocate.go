@@ -11,9 +11,10 @@ import (
 )
 
 // podNode is what Allocate learns about one pod on one node: the node's
-// devices and the analysis of the pod's claims on them. Both are built on
-// first use and then shared by every strategy and fallback of one call. A
-// podNode belongs to one goroutine.
+// devices, the analysis of the pod's claims on them and upstream's answer
+// on the node's slices as they are. Each is built on first use and then
+// shared by every strategy and fallback of one call. A podNode belongs to
+// one goroutine.
 type podNode struct {
 	a      *Allocator
 	node   *v1.Node
@@ -27,6 +28,10 @@ type podNode struct {
 	passthrough bool
 	infosErr    error
 	units       []*unit
+
+	ownAsked bool
+	own      []resourceapi.AllocationResult
+	ownErr   error
 }
 
 // devices returns the node's devices, gathering them on first use.
@@ -55,6 +60,20 @@ func (p *podNode) analysis(ctx context.Context) ([]*claimInfo, bool, error) {
 		}
 	}
 	return p.infos, p.passthrough, p.infosErr
+}
+
+// ownAnswer returns upstream's answer on the node's slices as they are,
+// which is the stock plugin's answer, asking upstream on first use.
+func (p *podNode) ownAnswer(ctx context.Context) ([]resourceapi.AllocationResult, error) {
+	if !p.ownAsked {
+		ns, err := p.devices()
+		if err != nil {
+			return nil, err
+		}
+		p.ownAsked = true
+		p.own, p.ownErr = p.a.upstream(ctx, p.node, p.claims, ns.slices)
+	}
+	return p.own, p.ownErr
 }
 
 // uncertain reports whether a selector of the pod's claims failed at run

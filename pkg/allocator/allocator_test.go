@@ -544,6 +544,63 @@ func TestSelectorRuntimeErrorOnAnotherNodesDeviceLikeUpstream(t *testing.T) {
 	}
 }
 
+// TestAllRequestConstraintLikeUpstream: a claim asks for one GPU and all
+// NICs, which must share the GPU's PCIe root, beside a claim for one more
+// GPU. Upstream picks the claim's GPU first, then adds every NIC and fails
+// with an error where a NIC breaks the constraint, so its order decides
+// between an error and an allocation: topodra fails where upstream's order
+// on the node fails, and allocates where it allocates.
+func TestAllRequestConstraintLikeUpstream(t *testing.T) {
+	onRoot := func(name, root string) resourceapi.Device {
+		return device(name, attrs{topology.AttrPCIeRoot: str(root)})
+	}
+	gpus := slice("node-a", gpuDriver, onRoot("gpu-0", "r0"), onRoot("gpu-1", "r0"), onRoot("gpu-2", "r1"), onRoot("gpu-3", "r1"))
+	testcases := map[string]struct {
+		nicRoot string
+		wantErr bool
+	}{
+		// Upstream takes gpu-0 for the first claim; best fit would take
+		// gpu-2, beside the NIC.
+		"the NIC behind the root upstream takes last":  {nicRoot: "r1", wantErr: true},
+		"the NIC behind the root upstream takes first": {nicRoot: "r0"},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			ctx := quietContext(t)
+			slices := []*resourceapi.ResourceSlice{gpus, slice("node-a", nicDriver, onRoot("nic-0", tc.nicRoot))}
+			withNICs := claim("c1").request("gpu", "gpu", 1).request("nics", "nic", 0).obj()
+			withNICs.Spec.Devices.Requests[1].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+			withNICs.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
+			claims := []*resourceapi.ResourceClaim{withNICs, claim("c2").request("gpu", "gpu", 1).obj()}
+			state := allocated(gpuDriver, "node-a", "gpu-3")
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("node-a"), claims)
+			up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, slices, newCELCache())
+			if upErr != nil {
+				t.Fatal(upErr)
+			}
+			upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
+			var got []string
+			if res != nil {
+				got = deviceNames(res.Allocations)
+			}
+			t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
+			if (upErr != nil) != tc.wantErr {
+				t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
+			}
+			if (err != nil) != (upErr != nil) {
+				t.Fatalf("topodra error %v, upstream error %v", err, upErr)
+			}
+			if err == nil && (res.Allocations == nil) != (upRes == nil) {
+				t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
+			}
+		})
+	}
+}
+
 func TestNewRequiresClassLister(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	if _, err := New(ctx, Options{}); err == nil {

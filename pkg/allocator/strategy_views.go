@@ -15,6 +15,9 @@ import (
 // allocates exactly when upstream does (except for alignment=require). It
 // always decides. Where a selector fails at run time on a device of the
 // node, only the node's own slices are tried (see podNode.uncertain).
+// Where a claim has an All request and constraints, the node's own slices
+// are tried first (see ownOrderDecides), and views only when upstream
+// allocates there.
 type viewsStrategy struct{}
 
 func (viewsStrategy) applies(*podNode) bool { return true }
@@ -47,6 +50,13 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 	if !passthrough && len(a.policy.Attributes) > 0 {
 		groups = buildGroups(infos)
 		if !p.uncertain() {
+			if ownOrderDecides(infos) {
+				if results, err := p.ownAnswer(ctx); err != nil || results == nil {
+					// No view can allocate where upstream's order fails
+					// without an error, and its error is the answer.
+					return a.tryViews(ctx, p, groups, nil)
+				}
+			}
 			var res *Result
 			attempts, res = a.preferredViews(ns, infos, groups, p.units)
 			if res != nil {
@@ -54,9 +64,23 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 			}
 		}
 	}
-	// The node's slices as they are: upstream's own answer.
-	attempts = append(attempts, func() []*resourceapi.ResourceSlice { return ns.slices })
 	return a.tryViews(ctx, p, groups, attempts)
+}
+
+// ownOrderDecides reports whether upstream may fail with an error on the
+// node's slices as they are where it allocates on a view with the same
+// devices in another order. That is the case for a claim with an All
+// request and constraints: every device of the All request must satisfy
+// the claim's constraints, and upstream reports an error where one does
+// not, so the devices it picked before for the claim's other requests,
+// that is the order, decide between an error and an allocation.
+func ownOrderDecides(infos []*claimInfo) bool {
+	for _, info := range infos {
+		if info.hasAll && len(info.claim.Spec.Devices.Constraints) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // preferredViews returns the preferred views for the planned groups, most
@@ -111,31 +135,34 @@ func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*
 	return attempts, nil
 }
 
-// tryViews asks upstream on each view in turn and returns the first
-// acceptable allocation; the last view is the node as it is.
-func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, attempts []viewAttempt) (*Result, error) {
+// tryViews asks upstream on each preferred view in turn and then on the
+// node as it is (p.ownAnswer), and returns the first acceptable
+// allocation.
+func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, preferred []viewAttempt) (*Result, error) {
 	logger := klog.FromContext(ctx)
 	ns, infos := p.ns, p.infos
 	// Preferred views share a time budget: upstream's search can take
 	// exponential time on some inputs, and then only its own answer
 	// (the final view) is worth waiting for.
 	prefCtx := ctx
-	if len(attempts) > 1 {
+	if len(preferred) > 0 {
 		var cancel context.CancelFunc
 		prefCtx, cancel = context.WithTimeout(ctx, preferredViewsBudget)
 		defer cancel()
 	}
 	requireRejected := false
-	for n, view := range attempts {
-		final := n == len(attempts)-1
-		callCtx := ctx
-		if !final {
+	for n := range len(preferred) + 1 {
+		final := n == len(preferred)
+		var results []resourceapi.AllocationResult
+		var err error
+		if final {
+			results, err = p.ownAnswer(ctx)
+		} else {
 			if prefCtx.Err() != nil {
 				continue
 			}
-			callCtx = prefCtx
+			results, err = a.upstream(prefCtx, p.node, p.claims, preferred[n]())
 		}
-		results, err := a.upstream(callCtx, p.node, p.claims, view())
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil, err
@@ -161,7 +188,7 @@ func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, a
 		if !q.Aligned {
 			res.Explanation = a.explainSpan(ns, groups, results)
 		}
-		logger.V(5).Info("View accepted", "node", klog.KObj(p.node), "attempt", n, "of", len(attempts))
+		logger.V(5).Info("View accepted", "node", klog.KObj(p.node), "attempt", n, "of", len(preferred)+1)
 		logAllocated(ctx, p, "views", q)
 		return res, nil
 	}
