@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/reference"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
 
@@ -347,6 +348,60 @@ func TestCleanupStaleClaims(t *testing.T) {
 	}
 	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
 		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
+	}
+}
+
+// TestStaleClaimKeptWhilePodReferencesIt: a prepared claim gone from the
+// API is not dropped after the grace period while a pod on the node names
+// it in any of the places where the kubelet looks for a pod's claims, and
+// is dropped once that pod is gone.
+func TestStaleClaimKeptWhilePodReferencesIt(t *testing.T) {
+	for name, tc := range map[string]struct {
+		spec   v1.PodSpec
+		status v1.PodStatus
+	}{
+		"spec.resourceClaims": {
+			spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: ptr.To("held")}}},
+		},
+		"status.resourceClaimStatuses": {
+			status: v1.PodStatus{ResourceClaimStatuses: []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To("held")}}},
+		},
+		"status.extendedResourceClaimStatus": {
+			status: v1.PodStatus{ExtendedResourceClaimStatus: &v1.PodExtendedResourceClaimStatus{
+				ResourceClaimName: "held",
+				RequestMappings:   []v1.ContainerExtendedResourceRequest{{ContainerName: "main", ResourceName: "example.com/gpu", RequestName: "container-0-request-0"}},
+			}},
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			e := newEnv(t)
+			a := e.start(ctx, t)
+			held := claim("held", gpus("gpus", "gpu-1")...)
+			if err := prepareOne(ctx, t, a, held); err != nil {
+				t.Fatalf("prepare: %v", err)
+			}
+			// The next check of a restarted agent is past the grace period.
+			a.Stop()
+			e.staleClaimGrace = time.Nanosecond
+			a = e.start(ctx, t)
+			tc.spec.NodeName = nodeName
+			pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "runs"}, Spec: tc.spec, Status: tc.status}
+			if _, err := e.client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			for range 2 {
+				if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+					t.Fatalf("pod %s references the claim in %s: removed %v (%v), want none", klog.KObj(pod), name, removed, err)
+				}
+			}
+			if err := e.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if removed, err := a.CleanupStaleClaims(ctx); err != nil || !slices.Equal(removed, []types.UID{held.UID}) {
+				t.Errorf("after its pod is gone: removed %v (%v), want %s", removed, err, held.UID)
+			}
+		})
 	}
 }
 

@@ -100,8 +100,9 @@ const (
 // naming the claim and its GPUs. Once the claim has been gone for
 // Options.StaleClaimGrace (measured from that first check of this agent
 // process) and no Pod bound to this node references it by namespace and
-// name (spec.resourceClaims or status.resourceClaimStatuses), the claim is
-// unprepared (CDI spec and checkpoint entry removed) with a
+// name (spec.resourceClaims, status.resourceClaimStatuses or
+// status.extendedResourceClaimStatus, as the kubelet counts them), the
+// claim is unprepared (CDI spec and checkpoint entry removed) with a
 // ReasonPreparedClaimDropped event; a negative grace never drops it.
 // Errors reading a claim or listing Pods keep the claim. It returns the
 // claims it dropped.
@@ -232,9 +233,9 @@ func claimDevices(c checkpoint.PreparedClaim) string {
 }
 
 // unreferenced returns the claims among uids that no Pod bound to this
-// node references (by namespace and name, in spec.resourceClaims or
-// status.resourceClaimStatuses). It lists the node's Pods in each claim's
-// namespace; on an error it returns what it found so far and the error.
+// node references (by namespace and name, see podReferencesClaim). It
+// lists the node's Pods in each claim's namespace; on an error it returns
+// what it found so far and the error.
 func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, uids []types.UID) ([]types.UID, error) {
 	pods := map[string][]v1.Pod{}
 	var out []types.UID
@@ -266,8 +267,11 @@ func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, uid
 	return out, nil
 }
 
-// podReferencesClaim says whether a pod names the claim in its spec or
-// status.
+// podReferencesClaim says whether a pod names the claim where the kubelet
+// looks for the claims of a pod: spec.resourceClaims,
+// status.resourceClaimStatuses (claims generated from templates) and
+// status.extendedResourceClaimStatus (the claim that the scheduler created
+// for the pod's extended resources).
 func podReferencesClaim(pod *v1.Pod, namespace, name string) bool {
 	if pod.Namespace != namespace {
 		return false
@@ -281,6 +285,9 @@ func podReferencesClaim(pod *v1.Pod, namespace, name string) bool {
 		if ptr.Deref(s.ResourceClaimName, "") == name {
 			return true
 		}
+	}
+	if s := pod.Status.ExtendedResourceClaimStatus; s != nil && s.ResourceClaimName == name {
+		return true
 	}
 	return false
 }
