@@ -234,9 +234,19 @@ type Agent struct {
 	staleMutex sync.Mutex
 	gone       map[types.UID]time.Time
 
-	// prepareMutex serializes Prepare and Unprepare (the helper already
-	// serializes gRPC calls; direct callers like simulators may not).
+	// prepareMutex serializes the changes to prepared claims: Prepare,
+	// Unprepare, CleanupStaleClaims and the boot id check (the helper
+	// already serializes gRPC calls; direct callers like simulators may
+	// not). The checkpoint's Claims and PreviousBoot change only under
+	// it. It is held across CDI spec generation, which calls NVML and can
+	// hang: health handling never takes it.
 	prepareMutex sync.Mutex
+	// checkpointMutex serializes the read-modify-write cycles of the
+	// checkpoint file (see updateCheckpoint). It is held only while the
+	// file is read, changed in memory and written, never across CDI spec
+	// generation or API calls, so that recording a GPU fault does not
+	// wait for a Prepare. Lock order: prepareMutex, then checkpointMutex.
+	checkpointMutex sync.Mutex
 
 	// publishMutex keeps publish calls in order.
 	publishMutex sync.Mutex

@@ -128,32 +128,30 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 		return
 	}
 	logger.Info("devices became unhealthy", "devices", affected, "reason", ev.Reason, "message", ev.Message)
-	a.saveFaults(ctx, added)
+	// The taint first: it is what keeps new pods off the GPUs.
 	if err := a.publish(ctx); err != nil {
 		a.HandleError(ctx, err, "publish health taints")
 	}
+	a.saveFaults(ctx, added)
 	a.reportUnhealthy(ctx, affected, slices.Collect(maps.Keys(added)), ev)
 }
 
 // saveFaults adds faults to the checkpoint, so that a restarted agent
-// still taints those GPUs. A failure is logged: the taint is published
-// all the same.
+// still taints those GPUs. It does not wait for a Prepare or Unprepare
+// (see checkpointMutex). A failure is logged: the taint is published all
+// the same.
 func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.HealthEvent) {
 	if a.store == nil {
 		return
 	}
-	a.prepareMutex.Lock()
-	defer a.prepareMutex.Unlock()
-	cp, err := a.store.Load()
-	if err == nil {
+	err := a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
 		if cp.Faults == nil {
 			cp.Faults = map[string]checkpoint.Fault{}
 		}
 		for uuid, ev := range faults {
 			cp.Faults[uuid] = checkpoint.Fault{Device: ev.Device, Reason: ev.Reason, Message: ev.Message, Time: ev.Time.UTC()}
 		}
-		err = a.store.Save(cp)
-	}
+	})
 	if err != nil {
 		utilruntime.HandleErrorWithContext(ctx, err, "cannot record GPU faults in the checkpoint, a restarted agent will not know them")
 	}
@@ -161,9 +159,7 @@ func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.Heal
 
 // loadFaults takes over the faults recorded in the checkpoint.
 func (a *Agent) loadFaults() error {
-	a.prepareMutex.Lock()
 	cp, err := a.store.Load()
-	a.prepareMutex.Unlock()
 	if err != nil {
 		return err
 	}
@@ -192,9 +188,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 	}
 	var users []string
 	if a.store != nil {
-		a.prepareMutex.Lock()
 		cp, err := a.store.Load()
-		a.prepareMutex.Unlock()
 		if err != nil {
 			a.HandleError(ctx, err, "read the checkpoint to report unhealthy devices")
 		} else {

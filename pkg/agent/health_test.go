@@ -3,16 +3,23 @@ package agent_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
 )
 
 // waitForHealthReport returns, by device name, the first health report
@@ -129,5 +136,99 @@ func TestWatchHealthStatusNoneWatched(t *testing.T) {
 		if strings.HasPrefix(ev, "Warning "+agent.ReasonHealthPartlyWatched) {
 			t.Errorf("unexpected event %q", ev)
 		}
+	}
+}
+
+// blockingGenerator blocks CDI spec generation, as nvcdi does where an
+// NVML call hangs, until release is closed; entered receives a value when
+// a generation starts.
+type blockingGenerator struct {
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *blockingGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	select {
+	case g.entered <- struct{}{}:
+	default:
+	}
+	<-g.release
+	return cdispec.ContainerEdits{}, nil
+}
+
+func (g *blockingGenerator) DeviceEdits(cdi.Device) (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{}, nil
+}
+
+// TestHealthTaintNotDelayedByPrepare: a critical XID on one GPU is
+// published as a health taint while a Prepare of another GPU hangs in CDI
+// spec generation, and the checkpoint ends up with both the fault and the
+// claim.
+func TestHealthTaintNotDelayedByPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	gen := &blockingGenerator{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	e.generator = gen
+	a := e.start(ctx, t)
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gen.release) }) }
+	t.Cleanup(release) // before a.Stop
+	waitForHealthReport(ctx, t, a, "gpu-0 watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-0"].Health == kubeletplugin.HealthStatusHealthy
+	})
+
+	held := claim("held", gpus("gpus", "gpu-0")...)
+	prepared := make(chan error, 1)
+	go func() {
+		res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{held})
+		if err == nil {
+			err = res[held.UID].Err
+		}
+		prepared <- err
+	}()
+	select {
+	case <-gen.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Prepare did not start generating the CDI spec")
+	}
+	if err := e.machine.InjectXID(5, 79); err != nil {
+		t.Fatal(err)
+	}
+	tainted := func(ctx context.Context) (bool, error) {
+		list, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		for _, s := range list.Items {
+			for _, d := range s.Spec.Devices {
+				if d.Name == "gpu-5" && hasTaint(d.Taints, agent.HealthTaintKey) {
+					return true, nil
+				}
+			}
+		}
+		return false, nil
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, tainted); err != nil {
+		t.Fatalf("gpu-5 not tainted while a Prepare of gpu-0 generates its CDI spec: %v", err)
+	}
+
+	release()
+	if err := <-prepared; err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	store, err := checkpoint.New(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The fault may be recorded just after the taint is published.
+	var cp *checkpoint.Checkpoint
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		cp, err = store.Load()
+		return err == nil && cp.Faults[e.machine.UUID(5)].Reason == "xid-79", nil
+	}); err != nil {
+		t.Fatalf("checkpoint %+v (%v), want the fault of gpu-5", cp, err)
+	}
+	if _, ok := cp.Claims[held.UID]; !ok {
+		t.Errorf("checkpoint %+v lacks claim %s", cp, held.Name)
 	}
 }

@@ -110,11 +110,36 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 		logger.V(2).Info("claim prepared", "claim", klog.KObj(claim), "devices", len(prepared.Devices), "new", isNew)
 	}
 	if changed {
-		if err := a.store.Save(cp); err != nil {
+		if err := a.saveClaims(cp); err != nil {
 			return nil, err
 		}
 	}
 	return result, nil
+}
+
+// updateCheckpoint loads the checkpoint, lets update change it and saves
+// it, all under checkpointMutex, so that concurrent updates of different
+// parts (claims, faults) do not overwrite each other.
+func (a *Agent) updateCheckpoint(update func(cp *checkpoint.Checkpoint)) error {
+	a.checkpointMutex.Lock()
+	defer a.checkpointMutex.Unlock()
+	cp, err := a.store.Load()
+	if err != nil {
+		return err
+	}
+	update(cp)
+	return a.store.Save(cp)
+}
+
+// saveClaims writes the prepared claims and what claims held before the
+// last reboot, as cp has them, into the checkpoint; the rest of the file
+// (the GPU faults, which health handling adds without prepareMutex) stays
+// as it is now. The caller holds prepareMutex, so that cp was loaded under
+// it and these fields have not changed in the file since.
+func (a *Agent) saveClaims(cp *checkpoint.Checkpoint) error {
+	return a.updateCheckpoint(func(current *checkpoint.Checkpoint) {
+		current.Claims, current.PreviousBoot = cp.Claims, cp.PreviousBoot
+	})
 }
 
 func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Device {
@@ -389,7 +414,7 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 		result[claim.UID] = nil
 	}
 	if changed {
-		if err := a.store.Save(cp); err != nil {
+		if err := a.saveClaims(cp); err != nil {
 			return nil, err
 		}
 	}

@@ -43,6 +43,8 @@ func (a *Agent) bootID(ctx context.Context) string {
 func (a *Agent) checkBootID(ctx context.Context) error {
 	a.prepareMutex.Lock()
 	defer a.prepareMutex.Unlock()
+	a.checkpointMutex.Lock()
+	defer a.checkpointMutex.Unlock()
 	cp, err := a.store.Load()
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
@@ -193,7 +195,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		removed = append(removed, uid)
 		dropped[uid] = c
 	}
-	if err := a.store.Save(cp); err != nil {
+	if err := a.saveClaims(cp); err != nil {
 		return nil, fmt.Errorf("save checkpoint: %w", err)
 	}
 	for _, uid := range removed {
