@@ -160,7 +160,9 @@ type Options struct {
 	DevicePluginCheck time.Duration
 
 	// RescanInterval is how often devices are rediscovered (default
-	// DefaultRescanInterval); negative disables rescanning.
+	// DefaultRescanInterval); negative disables rescanning. It is also
+	// how often health watching is retried while it does not watch every
+	// GPU (every DefaultRescanInterval where rescanning is disabled).
 	RescanInterval time.Duration
 	// NoGPURetry is the first delay before discovery is retried while it
 	// finds no GPU (default DefaultNoGPURetry); the delay doubles up to
@@ -176,7 +178,8 @@ type Options struct {
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
 	// fails on an unreadable checkpoint; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
-	// unwatched; see also CleanupStaleClaims.
+	// unwatched, a Normal one (ReasonHealthWatched) when a retry watches
+	// them all; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
 
@@ -205,10 +208,14 @@ const (
 	// ReasonCheckpointUnreadable (Warning, at start): the checkpoint of
 	// prepared claims cannot be read (ErrCheckpoint); New fails.
 	ReasonCheckpointUnreadable = "TopodraCheckpointUnreadable"
-	// ReasonHealthPartlyWatched (Warning, when health watching starts):
-	// the health source watches some GPUs but not the ones the event
-	// names; the kubelet gets those as Unknown.
+	// ReasonHealthPartlyWatched (Warning, when health watching starts,
+	// and when a retry watches more GPUs but not all): the health source
+	// watches some GPUs but not the ones the event names; the kubelet
+	// gets those as Unknown.
 	ReasonHealthPartlyWatched = "TopodraHealthPartlyWatched"
+	// ReasonHealthWatched (Normal): a retry of health watching watches
+	// every GPU, after the health of some or all was not watched.
+	ReasonHealthWatched = "TopodraHealthWatched"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -279,7 +286,10 @@ type Agent struct {
 	// healthDown says why the health source stopped watching, while it
 	// does not watch; "" otherwise.
 	healthDown string
-	stopHealth context.CancelFunc
+	// healthRun is the watcher whose state healthActive, unwatched and
+	// healthDown describe; healthRetry is a retry that has not said yet
+	// what it watches (see retryHealth). Either may be nil.
+	healthRun, healthRetry *healthRun
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
@@ -406,6 +416,11 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	if a.health != nil {
 		a.startHealth(inv)
+		retry := opts.RescanInterval
+		if retry < 0 {
+			retry = DefaultRescanInterval
+		}
+		a.wg.Go(func() { a.healthRetryLoop(a.ctx, retry) })
 	}
 	a.wg.Go(func() { a.rescanLoop(a.ctx) })
 	if len(opts.DevicePluginResources) > 0 {

@@ -57,6 +57,8 @@ type env struct {
 	staleClaimGrace time.Duration
 	// ownedTaint is Options.OwnedTaint.
 	ownedTaint bool
+	// rescanInterval is Options.RescanInterval; zero: no rescans.
+	rescanInterval time.Duration
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -123,6 +125,10 @@ func (e *env) options(t *testing.T) agent.Options {
 	if e.generator != nil {
 		generator = e.generator
 	}
+	rescan := time.Duration(-1)
+	if e.rescanInterval != 0 {
+		rescan = e.rescanInterval
+	}
 	return agent.Options{
 		NodeName:       nodeName,
 		KubeClient:     e.client,
@@ -132,7 +138,7 @@ func (e *env) options(t *testing.T) agent.Options {
 		CDIDir:         e.cdiDir,
 		CDIGenerator:   generator,
 		BootIDPath:     e.bootIDFile,
-		RescanInterval: -1,
+		RescanInterval: rescan,
 		Recorder:       e.recorder,
 
 		DevicePluginResources: e.devicePlugin,

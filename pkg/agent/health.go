@@ -20,53 +20,160 @@ import (
 	"github.com/topodra/topodra/pkg/agent/discovery"
 )
 
-// startHealth (re)starts watching the health of inv's devices. A previous
-// watcher is stopped first. Devices count as watched only once the new
-// watcher says which it watches.
+// healthRun is one run of the health source's WatchHealth.
+type healthRun struct {
+	cancel context.CancelFunc
+}
+
+// startHealth (re)starts watching the health of inv's devices. The
+// previous watcher and a pending retry are stopped first. Devices count as
+// watched only once the new watcher says which it watches.
 func (a *Agent) startHealth(inv *discovery.Inventory) {
 	a.mutex.Lock()
-	if a.stopHealth != nil {
-		a.stopHealth()
-	}
+	a.stopHealthLocked()
 	ctx, cancel := context.WithCancel(a.ctx)
-	a.stopHealth = cancel
+	run := &healthRun{cancel: cancel}
+	a.healthRun = run
 	a.setHealthWatchLocked(false, nil)
 	a.setHealthDownLocked("")
 	a.mutex.Unlock()
+	a.runHealth(ctx, run, inv)
+}
 
-	// A watcher that was stopped (ctx canceled under a.mutex) no longer
-	// changes what the agent reports.
+// stopHealthLocked stops the current watcher and a pending retry.
+func (a *Agent) stopHealthLocked() {
+	for _, run := range []*healthRun{a.healthRun, a.healthRetry} {
+		if run != nil {
+			run.cancel()
+		}
+	}
+	a.healthRun, a.healthRetry = nil, nil
+}
+
+// retryHealth starts another watcher of the current devices where the
+// health source does not watch every GPU: it failed, or it left some
+// unwatched. The current watcher keeps running, and what the agent reports
+// stays, until the new one watches: if it watches more GPUs (all that the
+// current one watches, and others), it replaces the current one, otherwise
+// it is stopped. Nothing happens while a retry is pending, while the first
+// watcher has not said what it watches, or without GPUs.
+func (a *Agent) retryHealth() {
+	a.mutex.Lock()
+	inv := a.inventory
+	needed := a.health != nil && a.healthRetry == nil && len(inv.GPUs) > 0 &&
+		(len(a.unwatched) > 0 || (!a.healthActive && a.healthDown != ""))
+	if !needed {
+		a.mutex.Unlock()
+		return
+	}
+	ctx, cancel := context.WithCancel(a.ctx)
+	run := &healthRun{cancel: cancel}
+	a.healthRetry = run
+	a.mutex.Unlock()
+	klog.FromContext(ctx).V(4).Info("retrying to watch device health")
+	a.runHealth(ctx, run, inv)
+}
+
+// healthRetryLoop calls retryHealth every interval.
+func (a *Agent) healthRetryLoop(ctx context.Context, interval time.Duration) {
+	ticker := time.NewTicker(interval)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+			a.retryHealth()
+		}
+	}
+}
+
+// watchesMore says whether a watcher that leaves next unwatched watches
+// every GPU that one leaving current unwatched watches, and more.
+func watchesMore(next, current discovery.Unwatched) bool {
+	if len(next) >= len(current) {
+		return false
+	}
+	for uuid := range next {
+		if _, ok := current[uuid]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// runHealth runs the health source for run (a.healthRun or a.healthRetry)
+// in the background. Only the run that is a.healthRun changes what the
+// agent reports; a pending retry becomes it when it watches more (see
+// retryHealth). A run that was stopped changes nothing.
+func (a *Agent) runHealth(ctx context.Context, run *healthRun, inv *discovery.Inventory) {
+	logger := klog.FromContext(ctx)
 	watching := func(unwatched discovery.Unwatched) {
 		a.mutex.Lock()
-		current := ctx.Err() == nil
-		if current {
+		report, recovered := false, false
+		switch {
+		case a.healthRun == run:
 			a.setHealthWatchLocked(true, unwatched)
+			report = true
+		case a.healthRetry == run && (!a.healthActive || watchesMore(unwatched, a.unwatched)):
+			if a.healthRun != nil {
+				a.healthRun.cancel()
+			}
+			a.healthRun, a.healthRetry = run, nil
+			a.setHealthWatchLocked(true, unwatched)
+			a.setHealthDownLocked("")
+			report, recovered = true, true
+		case a.healthRetry == run:
+			// Watches no more than the current watcher.
+			a.healthRetry = nil
+			run.cancel()
 		}
 		a.mutex.Unlock()
-		if current {
-			a.reportPartlyWatched(inv, unwatched)
+		if !report {
+			return
+		}
+		a.reportPartlyWatched(inv, unwatched)
+		if recovered {
+			logger.Info("watching device health", "devices", len(inv.GPUs)-len(unwatched), "unwatched", len(unwatched))
+			if len(unwatched) == 0 {
+				a.nodeEvent(v1.EventTypeNormal, ReasonHealthWatched, "HealthCheck", "the health of all %d GPUs is watched now", len(inv.GPUs))
+			}
 		}
 	}
 	events := make(chan discovery.HealthEvent)
 	a.wg.Go(func() {
-		logger := klog.FromContext(ctx)
+		defer close(events)
+		defer run.cancel()
 		err := a.health.WatchHealth(ctx, inv, watching, events)
-		if errors.Is(err, discovery.ErrDriverChanged) && ctx.Err() == nil {
-			a.driverChanged(ctx, err)
-		} else if err != nil && ctx.Err() == nil {
-			if errors.Is(err, discovery.ErrHealthUnsupported) {
-				logger.Info("device health reporting is not available", "reason", err.Error())
-			} else {
-				logger.Error(err, "watching device health failed, device health is no longer reported")
-			}
-			a.mutex.Lock()
-			if ctx.Err() == nil {
-				a.setHealthWatchLocked(false, nil)
-				a.setHealthDownLocked(err.Error())
-			}
-			a.mutex.Unlock()
+		if err == nil || ctx.Err() != nil {
+			return
 		}
-		close(events)
+		if errors.Is(err, discovery.ErrDriverChanged) {
+			a.driverChanged(ctx, err)
+			return
+		}
+		a.mutex.Lock()
+		retry := a.healthRetry == run
+		if retry {
+			a.healthRetry = nil
+		}
+		changed := false
+		if a.healthRun == run || (retry && !a.healthActive) {
+			// The current watcher failed, or a retry failed where
+			// nothing watches: devices are Unknown, with this reason.
+			changed = a.healthDown != err.Error()
+			a.setHealthWatchLocked(false, nil)
+			a.setHealthDownLocked(err.Error())
+		}
+		a.mutex.Unlock()
+		switch {
+		case !changed:
+			logger.V(4).Info("watching device health failed again", "err", err.Error())
+		case errors.Is(err, discovery.ErrHealthUnsupported):
+			logger.Info("device health reporting is not available, retrying", "reason", err.Error())
+		default:
+			logger.Error(err, "watching device health failed, device health is not reported until a retry succeeds")
+		}
 	})
 	a.wg.Go(func() {
 		for ev := range events {

@@ -50,37 +50,38 @@ func waitForHealthReport(ctx context.Context, t *testing.T, a *agent.Agent, what
 }
 
 // TestWatchHealthStatusUnwatched: a GPU whose health events cannot be
-// registered is Unknown to the kubelet, with a message that says why, and
-// stays so; the watched GPUs are Healthy until a fault makes one
-// Unhealthy. The Node gets a Warning that names the unwatched GPU.
+// registered is Unknown to the kubelet, with a message that says why, for
+// as long as registering fails (watching is retried every rescan interval,
+// without another Warning); the watched GPUs are Healthy until a fault
+// makes one Unhealthy. The Node gets a Warning that names the unwatched
+// GPU. Once registering succeeds, a retry watches every GPU: the GPU is
+// Healthy, the Node gets a Normal event, and an XID taints it.
 func TestWatchHealthStatusUnwatched(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	recorder := events.NewFakeRecorder(10)
+	recorder := events.NewFakeRecorder(20)
 	e.recorder = recorder
+	e.rescanInterval = 20 * time.Millisecond
 	e.machine.FailEventRegistration(2, nvml.ERROR_UNKNOWN)
 	a := e.start(ctx, t)
 	unwatched := a.Inventory().GPUs[2].Name
 	const wantMessage = "health not watched: NVML RegisterEvents failed: ERROR_UNKNOWN"
 
-	check := func(h map[string]kubeletplugin.DeviceHealth, unhealthy string) {
+	check := func(h map[string]kubeletplugin.DeviceHealth, unwatched, unhealthy string) {
 		t.Helper()
 		if len(h) != 8 {
 			t.Errorf("health of %d devices, want 8: %+v", len(h), h)
 		}
 		for name, d := range h {
-			want := kubeletplugin.HealthStatusHealthy
+			want, msg := kubeletplugin.HealthStatusHealthy, ""
 			switch name {
 			case unwatched:
-				if d.Message != wantMessage {
-					t.Errorf("%s: message %q, want %q", name, d.Message, wantMessage)
-				}
-				want = kubeletplugin.HealthStatusUnknown
+				want, msg = kubeletplugin.HealthStatusUnknown, wantMessage
 			case unhealthy:
-				want = kubeletplugin.HealthStatusUnhealthy
+				want, msg = kubeletplugin.HealthStatusUnhealthy, d.Message
 			}
-			if d.Health != want {
-				t.Errorf("%s: %s, want %s", name, d.Health, want)
+			if d.Health != want || d.Message != msg {
+				t.Errorf("%s: %s %q, want %s %q", name, d.Health, d.Message, want, msg)
 			}
 		}
 	}
@@ -89,7 +90,15 @@ func TestWatchHealthStatusUnwatched(t *testing.T) {
 	h := waitForHealthReport(ctx, t, a, "gpu-0 watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
 		return h["gpu-0"].Health == kubeletplugin.HealthStatusHealthy
 	})
-	check(h, "")
+	check(h, unwatched, "")
+	// Retries that watch no more than the watcher change nothing.
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return e.machine.EventSets() >= 4, nil
+	}); err != nil {
+		t.Fatalf("health watching retried %d times: %v", e.machine.EventSets()-1, err)
+	}
+	h = waitForHealthReport(ctx, t, a, "a report", func(map[string]kubeletplugin.DeviceHealth) bool { return true })
+	check(h, unwatched, "")
 
 	if err := e.machine.InjectXID(3, 79); err != nil {
 		t.Fatal(err)
@@ -98,10 +107,11 @@ func TestWatchHealthStatusUnwatched(t *testing.T) {
 	h = waitForHealthReport(ctx, t, a, faulty+" Unhealthy", func(h map[string]kubeletplugin.DeviceHealth) bool {
 		return h[faulty].Health == kubeletplugin.HealthStatusUnhealthy
 	})
-	check(h, faulty)
+	check(h, unwatched, faulty)
 
+	evs := drainEvents(recorder)
 	var partly []string
-	for _, ev := range drainEvents(recorder) {
+	for _, ev := range evs {
 		if strings.HasPrefix(ev, "Warning "+agent.ReasonHealthPartlyWatched) {
 			partly = append(partly, ev)
 		}
@@ -109,6 +119,89 @@ func TestWatchHealthStatusUnwatched(t *testing.T) {
 	if len(partly) != 1 || !strings.Contains(partly[0], unwatched+" (NVML RegisterEvents failed: ERROR_UNKNOWN)") || !strings.Contains(partly[0], "1 of 8") {
 		t.Errorf("%s events %q, want one naming %s and why", agent.ReasonHealthPartlyWatched, partly, unwatched)
 	}
+
+	e.machine.FailEventRegistration(2, nvml.SUCCESS)
+	h = waitForHealthReport(ctx, t, a, unwatched+" watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h[unwatched].Health == kubeletplugin.HealthStatusHealthy
+	})
+	check(h, "", faulty)
+	if got := expectEventWithPrefix(t, recorder, "Normal "+agent.ReasonHealthWatched); !strings.Contains(got, "all 8 GPUs") {
+		t.Errorf("event %q, want it to name all 8 GPUs", got)
+	}
+	injectXIDOnceWatched(ctx, t, e, 2, 79)
+	waitForHealthTaint(ctx, t, a, unwatched, "xid-79")
+}
+
+// expectEventWithPrefix returns the next event that starts with prefix,
+// skipping others.
+func expectEventWithPrefix(t *testing.T, r *events.FakeRecorder, prefix string) string {
+	t.Helper()
+	deadline := time.After(30 * time.Second)
+	var skipped []string
+	for {
+		select {
+		case ev := <-r.Events:
+			if strings.HasPrefix(ev, prefix) {
+				return ev
+			}
+			skipped = append(skipped, ev)
+		case <-deadline:
+			t.Fatalf("no event %q, got %q", prefix, skipped)
+			return ""
+		}
+	}
+}
+
+// injectXIDOnceWatched injects an XID once the watchers that retries
+// replaced are gone (see mockgpu.Machine.EventSetsOpen).
+func injectXIDOnceWatched(ctx context.Context, t *testing.T, e *env, gpu int, xid uint64) {
+	t.Helper()
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return e.machine.EventSetsOpen() == 1, nil
+	}); err != nil {
+		t.Fatalf("%d NVML event sets open, want the one of the watcher: %v", e.machine.EventSetsOpen(), err)
+	}
+	if err := e.machine.InjectXID(gpu, xid); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestHealthWatchingRetried: where health watching fails for every GPU at
+// start, every GPU is Unknown; once NVML registers the events again, a
+// retry (every rescan interval) watches them, and an XID taints its GPU.
+func TestHealthWatchingRetried(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	e.rescanInterval = 20 * time.Millisecond
+	for i := range 8 {
+		e.machine.FailEventRegistration(i, nvml.ERROR_UNKNOWN)
+	}
+	a := e.start(ctx, t)
+	h := waitForHealthReport(ctx, t, a, "a message on gpu-0", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-0"].Message != ""
+	})
+	for name, d := range h {
+		if d.Health != kubeletplugin.HealthStatusUnknown || !strings.Contains(d.Message, "NVML RegisterEvents failed: ERROR_UNKNOWN") {
+			t.Errorf("%s: %s %q, want Unknown naming the failed call", name, d.Health, d.Message)
+		}
+	}
+
+	for i := range 8 {
+		e.machine.FailEventRegistration(i, nvml.SUCCESS)
+	}
+	waitForHealthReport(ctx, t, a, "every GPU Healthy", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		for _, d := range h {
+			if d.Health != kubeletplugin.HealthStatusHealthy {
+				return false
+			}
+		}
+		return len(h) == 8
+	})
+	expectEventWithPrefix(t, recorder, "Normal "+agent.ReasonHealthWatched)
+	injectXIDOnceWatched(ctx, t, e, 3, 79)
+	waitForHealthTaint(ctx, t, a, a.Inventory().GPUs[3].Name, "xid-79")
 }
 
 // TestWatchHealthStatusNoneWatched: where no GPU's health events can be

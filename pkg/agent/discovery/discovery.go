@@ -69,8 +69,9 @@ type HealthWatcher interface {
 	// canceled, then returns nil. It must not block on a send after ctx
 	// is canceled. It returns an error when health cannot be watched at
 	// all (for example no device supports events); the agent then reports
-	// the devices' health as unknown until it watches again (after the
-	// devices change).
+	// the devices' health as unknown and calls WatchHealth again later,
+	// until a call watches them. Where a call watches only some GPUs, the
+	// agent may run another one beside it, which must not disturb it.
 	//
 	// Once it watches, and before it sends any event, WatchHealth calls
 	// watching exactly once with the GPUs of inv that it does not watch

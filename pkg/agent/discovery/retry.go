@@ -107,8 +107,8 @@ func (l *Lazy) Discover(ctx context.Context) (*Inventory, error) {
 }
 
 // WatchHealth implements [HealthWatcher]. While NVML is not open it
-// returns an error wrapping [ErrHealthUnsupported]; the agent restarts
-// health watching when the devices change. An error wrapping
+// returns an error wrapping [ErrHealthUnsupported]; the agent retries.
+// An error wrapping
 // [ErrDriverChanged] drops the library as Discover does.
 func (l *Lazy) WatchHealth(ctx context.Context, inv *Inventory, watching func(Unwatched), events chan<- HealthEvent) error {
 	l.mutex.Lock()

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing/fstest"
 	"time"
 
@@ -39,6 +40,8 @@ type Machine struct {
 	links    [][]remoteEnd
 	sysfs    fstest.MapFS
 	events   chan nvml.EventData
+	// sets counts the event sets created, openSets those not freed yet.
+	sets, openSets atomic.Int32
 
 	mutex    sync.Mutex
 	linkDown map[[2]int]bool
@@ -196,7 +199,15 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 
 func (m *Machine) newEventSet() (nvml.EventSet, nvml.Return) {
 	set := &nvmlmock.EventSet{}
-	set.FreeFunc = func() nvml.Return { return nvml.SUCCESS }
+	m.sets.Add(1)
+	m.openSets.Add(1)
+	var freed atomic.Bool
+	set.FreeFunc = func() nvml.Return {
+		if !freed.Swap(true) {
+			m.openSets.Add(-1)
+		}
+		return nvml.SUCCESS
+	}
 	set.WaitFunc = func(timeoutMs uint32) (nvml.EventData, nvml.Return) {
 		m.mutex.Lock()
 		lost := m.lost
@@ -215,6 +226,17 @@ func (m *Machine) newEventSet() (nvml.EventSet, nvml.Return) {
 	}
 	return set, nvml.SUCCESS
 }
+
+// EventSets counts the event sets created: health watchers started.
+func (m *Machine) EventSets() int { return int(m.sets.Load()) }
+
+// EventSetsOpen counts the event sets that were created and not freed
+// yet: the health watchers that run, and those that were stopped and have
+// not returned from their last wait. Unlike NVML, which gives every event
+// set registered for a GPU each of its events, the machine hands each
+// injected event to one waiting set: a test that injects an XID after it
+// replaced a watcher waits until the old one is gone.
+func (m *Machine) EventSetsOpen() int { return int(m.openSets.Load()) }
 
 // NVML returns the machine's NVML implementation.
 func (m *Machine) NVML() nvml.Interface { return m.server }
