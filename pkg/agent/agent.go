@@ -32,7 +32,9 @@
 // NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
 // until the node reboots: the fault belongs to the GPU's UUID, stays while
 // the GPU is missing from discovery, and is kept in the checkpoint (where
-// the agent has one) across agent restarts.
+// the agent has one) across agent restarts. While the agent cannot use
+// NVML (see [Agent.NVMLUnusable]) every device carries the NoSchedule taint
+// [NVMLUnusableTaintKey].
 package agent
 
 import (
@@ -50,6 +52,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -58,6 +61,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
@@ -67,6 +71,10 @@ import (
 
 // HealthTaintKey is the device taint that marks a faulty device.
 const HealthTaintKey = topology.DriverName + "/unhealthy"
+
+// NVMLUnusableTaintKey is the device taint on every device while the agent
+// cannot use NVML: such devices cannot be prepared.
+const NVMLUnusableTaintKey = topology.DriverName + "/nvml-unusable"
 
 // DefaultRescanInterval is how often the agent rediscovers devices.
 const DefaultRescanInterval = time.Minute
@@ -197,6 +205,11 @@ const (
 	// upgrade or unload); the agent stops so that its restart loads the
 	// new library.
 	ReasonNVMLReload = "TopodraNVMLReload"
+	// ReasonNVMLUnusable (Warning): discovery fails (NVML cannot be
+	// initialized, see discovery.ErrNVMLUnusable), so GPUs cannot be
+	// prepared; the note names the error. A Normal ReasonGPUsFound
+	// follows once discovery works.
+	ReasonNVMLUnusable = "TopodraNVMLUnusable"
 	// ReasonCDIHookMissing (Warning, at start): the program that the CDI
 	// specs' hooks run is missing on the node (cdi.HookChecker); Prepare
 	// fails for every claim until it is there.
@@ -262,8 +275,14 @@ type Agent struct {
 	mutex     sync.Mutex
 	inventory *discovery.Inventory
 	// noGPU is why the last discovery found no GPU, nil once it found some.
-	noGPU      error
-	discovered bool
+	noGPU error
+	// nvmlUnusable is why discovery fails while the agent runs on the
+	// devices it published before (see New), nil otherwise.
+	nvmlUnusable error
+	// holdPublishing is set while nvmlUnusable and the devices published
+	// before could not be read from the API: nothing is published then.
+	holdPublishing bool
+	discovered     bool
 	// faults are the faulty GPUs by UUID, with Device set to the name
 	// the GPU had when the fault was seen.
 	faults    map[string]discovery.HealthEvent
@@ -299,10 +318,23 @@ var _ kubeletplugin.DRAPlugin = &Agent{}
 // starts rescanning and health watching in the background. Everything stops
 // when ctx is canceled or Stop is called. A node without GPUs (discovery
 // returns discovery.ErrNoGPU: no library, no kernel driver, no device yet)
-// publishes an empty pool, is not Ready, reports it on the Node and retries
-// with backoff (NoGPURetry doubling up to RescanInterval); other discovery
-// errors fail New. With a checkpoint, claims prepared during another boot
-// are dropped before anything else happens.
+// publishes an empty pool, stays Ready, reports it on the Node and retries
+// with backoff (NoGPURetry doubling up to RescanInterval).
+//
+// Other discovery errors (NVML cannot be initialized, as after a driver
+// upgrade without a reboot: discovery.ErrNVMLUnusable) do not fail New:
+// the agent must run so that the kubelet can unprepare the claims of
+// pods that go away. It reports the error on the Node
+// (ReasonNVMLUnusable) and retries with the same backoff. Meanwhile it
+// publishes the devices of its pool as they are in the API (published
+// before it started), each with the NoSchedule taint NVMLUnusableTaintKey:
+// claims allocated before keep their devices, and no new claim gets
+// them; where the slices cannot be read it publishes nothing until they
+// can or discovery works. Prepare refuses claims it has not prepared
+// before, Unprepare works. NVMLUnusable says why.
+//
+// With a checkpoint, claims prepared during another boot are dropped
+// before anything else happens.
 func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NodeName == "" {
 		return nil, errors.New("node name must be set")
@@ -372,7 +404,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	case errors.Is(err, discovery.ErrNoGPU):
 		inv = &discovery.Inventory{}
 	case err != nil:
-		return nil, fmt.Errorf("discover devices: %w", err)
+		err = fmt.Errorf("discover devices: %w", err)
+		published, ok := a.publishedInventory(ctx)
+		inv, a.holdPublishing = published, !ok
 	}
 	a.inventory = inv
 	a.recordDiscovery(ctx, inv, err)
@@ -589,6 +623,7 @@ func (a *Agent) resourcesLocked() resourceslice.DriverResources {
 		Owned:        a.opts.OwnedTaint,
 		OwnedKey:     a.opts.OwnedTaintKey,
 		DevicePlugin: a.devicePlugin != "",
+		NVMLUnusable: a.nvmlUnusable != nil,
 	})
 }
 
@@ -600,6 +635,9 @@ type TaintOptions struct {
 	// DevicePlugin adds the NoSchedule taint DevicePluginTaintKey to
 	// every device.
 	DevicePlugin bool
+	// NVMLUnusable adds the NoSchedule taint NVMLUnusableTaintKey to
+	// every device.
+	NVMLUnusable bool
 }
 
 // BuildResources turns an inventory into the pool that the agent publishes:
@@ -626,6 +664,12 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 				Effect: resourceapi.DeviceTaintEffectNoSchedule,
 			})
 		}
+		if taints.NVMLUnusable {
+			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
+				Key:    NVMLUnusableTaintKey,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+			})
+		}
 		if ev, ok := unhealthy[devices[i].Name]; ok {
 			taint := resourceapi.DeviceTaint{
 				Key:    HealthTaintKey,
@@ -642,11 +686,15 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 }
 
 // publish hands the desired resources to the helper if they changed since
-// the last call.
+// the last call. It publishes nothing while holdPublishing.
 func (a *Agent) publish(ctx context.Context) error {
 	a.publishMutex.Lock()
 	defer a.publishMutex.Unlock()
 	a.mutex.Lock()
+	if a.holdPublishing {
+		a.mutex.Unlock()
+		return nil
+	}
 	resources := a.resourcesLocked()
 	if a.published != nil && apiequality.Semantic.DeepEqual(a.published, &resources) {
 		a.mutex.Unlock()
@@ -690,16 +738,28 @@ func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
 
 // Rescan rediscovers devices now and republishes if anything changed.
 // When NVML lost the kernel driver (discovery.ErrDriverChanged: a driver
-// upgrade or unload) the agent stops (see driverChanged).
+// upgrade or unload) the agent stops (see driverChanged). When NVML cannot
+// be initialized (discovery.ErrNVMLUnusable), or discovery still fails
+// while it could not be, the agent keeps its devices tainted as New
+// describes; other errors keep the last published devices as they are.
 func (a *Agent) Rescan(ctx context.Context) error {
 	logger := klog.FromContext(ctx)
 	inv, err := a.discovery.Discover(ctx)
+	wasUnusable := a.NVMLUnusable() != nil
 	switch {
 	case errors.Is(err, discovery.ErrDriverChanged):
 		a.driverChanged(ctx, err)
 		return fmt.Errorf("discover devices: %w", err)
 	case errors.Is(err, discovery.ErrNoGPU):
 		inv = &discovery.Inventory{}
+	case err != nil && (wasUnusable || errors.Is(err, discovery.ErrNVMLUnusable)):
+		err = fmt.Errorf("discover devices: %w", err)
+		a.recordDiscovery(ctx, nil, err)
+		a.adoptPublished(ctx)
+		if perr := a.publish(ctx); perr != nil {
+			return perr
+		}
+		return err
 	case err != nil:
 		return fmt.Errorf("discover devices: %w", err)
 	}
@@ -707,12 +767,15 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	a.mutex.Lock()
 	old := a.inventory
 	changed := !apiequality.Semantic.DeepEqual(old, inv)
-	restartHealth := changed && !sameUUIDs(old, inv)
+	// After NVML was unusable, the watcher (if any) watched the devices
+	// as published, through a library that may not have worked.
+	restartHealth := (changed && !sameUUIDs(old, inv)) || wasUnusable
 	if changed {
 		a.inventory = inv
 	}
+	a.holdPublishing = false
 	a.mutex.Unlock()
-	if !changed {
+	if !changed && !wasUnusable {
 		return nil
 	}
 	logger.V(2).Info("devices changed")
@@ -721,6 +784,56 @@ func (a *Agent) Rescan(ctx context.Context) error {
 		a.startHealth(inv)
 	}
 	return a.publish(ctx)
+}
+
+// publishedInventory reads the devices of the agent's pool that are in
+// the API (the newest generation of its slices on this node) as an
+// inventory; ok is false where the slices cannot be listed.
+func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventory, ok bool) {
+	list, err := a.opts.KubeClient.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
+		FieldSelector: fields.Set{
+			resourceapi.ResourceSliceSelectorNodeName: a.opts.NodeName,
+			resourceapi.ResourceSliceSelectorDriver:   a.opts.DriverName,
+		}.AsSelector().String(),
+	})
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "cannot read the published devices, publishing nothing until they can be read or discovery works")
+		return &discovery.Inventory{}, false
+	}
+	var generation int64
+	var devices []resourceapi.Device
+	for _, s := range list.Items {
+		if ptr.Deref(s.Spec.NodeName, "") != a.opts.NodeName || s.Spec.Driver != a.opts.DriverName || s.Spec.Pool.Name != a.opts.PoolName {
+			continue
+		}
+		switch {
+		case s.Spec.Pool.Generation > generation:
+			generation, devices = s.Spec.Pool.Generation, slices.Clone(s.Spec.Devices)
+		case s.Spec.Pool.Generation == generation:
+			devices = append(devices, s.Spec.Devices...)
+		}
+	}
+	return discovery.InventoryFromDevices(devices), true
+}
+
+// adoptPublished reads the published devices again while holdPublishing.
+func (a *Agent) adoptPublished(ctx context.Context) {
+	a.mutex.Lock()
+	hold := a.holdPublishing
+	a.mutex.Unlock()
+	if !hold {
+		return
+	}
+	inv, ok := a.publishedInventory(ctx)
+	if !ok {
+		return
+	}
+	a.mutex.Lock()
+	if a.holdPublishing && a.nvmlUnusable != nil {
+		a.inventory, a.holdPublishing = inv, false
+	}
+	a.mutex.Unlock()
+	logDiscovery(klog.FromContext(ctx), inv)
 }
 
 // driverChanged handles discovery.ErrDriverChanged from discovery or
@@ -787,14 +900,15 @@ func sameUUIDs(a, b *discovery.Inventory) bool {
 	return true
 }
 
-// rescanLoop rediscovers every RescanInterval; while no GPU is found it
-// retries sooner, after NoGPURetry, doubling up to RescanInterval, so that
-// a driver that appears after the agent started is picked up quickly.
+// rescanLoop rediscovers every RescanInterval; while no GPU is found or
+// NVML is unusable it retries sooner, after NoGPURetry, doubling up to
+// RescanInterval, so that a driver that appears (or works) after the agent
+// started is picked up quickly.
 func (a *Agent) rescanLoop(ctx context.Context) {
 	retry := a.opts.NoGPURetry
 	for {
 		delay := a.opts.RescanInterval
-		if a.NoGPU() != nil {
+		if a.NoGPU() != nil || a.NVMLUnusable() != nil {
 			delay = retry
 			retry = min(2*retry, max(a.opts.RescanInterval, a.opts.NoGPURetry))
 		} else {
@@ -820,28 +934,54 @@ func (a *Agent) rescanLoop(ctx context.Context) {
 }
 
 // recordDiscovery remembers whether discovery found GPUs (err wraps
-// discovery.ErrNoGPU when it did not) and reports a change in the log and
-// as an event on the Node.
+// discovery.ErrNoGPU when it did not, err is another error when NVML is
+// unusable) and reports a change in the log and as an event on the Node.
 func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, err error) {
 	logger := klog.FromContext(ctx)
-	var noGPU error
-	if errors.Is(err, discovery.ErrNoGPU) {
+	var noGPU, unusable error
+	switch {
+	case errors.Is(err, discovery.ErrNoGPU):
 		noGPU = err
+	case err != nil:
+		unusable = err
 	}
 	a.mutex.Lock()
 	first := !a.discovered
-	prev := a.noGPU
-	a.noGPU, a.discovered = noGPU, true
+	prev, prevUnusable := a.noGPU, a.nvmlUnusable
+	a.noGPU, a.nvmlUnusable, a.discovered = noGPU, unusable, true
+	held, devices := a.holdPublishing, len(a.inventory.GPUs)
 	a.mutex.Unlock()
 
 	switch {
 	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
 		logger.Info("no GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
 		a.nodeEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
-	case noGPU == nil && prev != nil:
+	case unusable != nil && (prevUnusable == nil || prevUnusable.Error() != unusable.Error()):
+		published := fmt.Sprintf("the %d published GPUs stay, tainted %s (NoSchedule)", devices, NVMLUnusableTaintKey)
+		switch {
+		case held:
+			published = "the published GPUs cannot be read from the API and are left as they are"
+		case devices == 0:
+			published = "no GPU was published"
+		}
+		logger.Error(unusable, "cannot use NVML, retrying; GPUs cannot be prepared for new claims, prepared claims can be unprepared", "publishedGPUs", devices, "published", !held)
+		a.nodeEvent(v1.EventTypeWarning, ReasonNVMLUnusable, "Discover",
+			"%s cannot use NVML, retrying: %v; GPUs cannot be prepared for new claims until it can (after a driver upgrade: reboot the node), prepared claims can be unprepared; %s",
+			a.opts.DriverName, unusable, published)
+	case noGPU == nil && unusable == nil && (prev != nil || prevUnusable != nil):
 		logger.Info("GPUs found", "devices", len(inv.GPUs))
 		a.nodeEvent(v1.EventTypeNormal, ReasonGPUsFound, "Discover", "%s found %d GPUs", a.opts.DriverName, len(inv.GPUs))
 	}
+}
+
+// NVMLUnusable returns why the agent cannot discover its devices (an error
+// wrapping discovery.ErrNVMLUnusable where NVML cannot be initialized) while
+// it runs on the devices it published before (see New), nil once
+// discovery works.
+func (a *Agent) NVMLUnusable() error {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	return a.nvmlUnusable
 }
 
 // NoGPU returns why the last discovery found no GPU (an error wrapping

@@ -585,9 +585,10 @@ func TestPublishOnlyWithoutStateCannotPrepare(t *testing.T) {
 func TestBuildResourcesTaints(t *testing.T) {
 	at := time.Date(2026, 11, 30, 1, 2, 3, 400, time.UTC)
 	testcases := map[string]struct {
-		owned     bool
-		unhealthy map[string]discovery.HealthEvent
-		want      map[string][]resourceapi.DeviceTaint
+		owned        bool
+		nvmlUnusable bool
+		unhealthy    map[string]discovery.HealthEvent
+		want         map[string][]resourceapi.DeviceTaint
 	}{
 		"no taints": {},
 		"owned taint on every device": {
@@ -601,6 +602,17 @@ func TestBuildResourcesTaints(t *testing.T) {
 			unhealthy: map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
 			want: map[string][]resourceapi.DeviceTaint{
 				"gpu-1": {{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}}},
+			},
+		},
+		"NVML unusable: every device, beside a health taint": {
+			nvmlUnusable: true,
+			unhealthy:    map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-0": {{Key: agent.NVMLUnusableTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+				"gpu-1": {
+					{Key: agent.NVMLUnusableTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule},
+					{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}},
+				},
 			},
 		},
 		"both": {
@@ -630,7 +642,7 @@ func TestBuildResourcesTaints(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned})
+			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned, NVMLUnusable: tc.nvmlUnusable})
 			if len(res.Pools) != 1 || len(res.Pools["pool"].Slices) != 1 {
 				t.Fatalf("want one pool with one slice, got %+v", res)
 			}

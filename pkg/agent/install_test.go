@@ -30,7 +30,9 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
 )
 
 // TestAgentWaitsForDriver starts an agent on a node whose NVML library is
@@ -853,6 +855,176 @@ func TestAgentStopsForNewDriver(t *testing.T) {
 			}
 		})
 	}
+}
+
+// publishedDevices returns the devices of the slices in the API by name,
+// nil where they cannot be listed.
+func publishedDevices(ctx context.Context, e *env) map[string]resourceapi.Device {
+	list, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil
+	}
+	devices := map[string]resourceapi.Device{}
+	for _, s := range list.Items {
+		for _, d := range s.Spec.Devices {
+			devices[d.Name] = d
+		}
+	}
+	return devices
+}
+
+// waitForPublished waits until the devices in the API are the node's 8
+// GPUs and, if unusable, all carry the NVMLUnusableTaintKey taint, none
+// otherwise; gpu-5 carries the health taint.
+func waitForPublished(ctx context.Context, t *testing.T, e *env, unusable bool) {
+	t.Helper()
+	var devices map[string]resourceapi.Device
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		devices = publishedDevices(ctx, e)
+		if len(devices) != 8 {
+			return false, nil
+		}
+		for name, d := range devices {
+			if hasTaint(d.Taints, agent.NVMLUnusableTaintKey) != unusable || hasTaint(d.Taints, agent.HealthTaintKey) != (name == "gpu-5") {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatalf("published devices %+v, want 8 with taint %s: %v, gpu-5 with %s", devices, agent.NVMLUnusableTaintKey, unusable, agent.HealthTaintKey)
+	}
+}
+
+// TestAgentStartsWithUnusableNVML: an agent whose NVML cannot be
+// initialized (after a driver upgrade without a reboot the library
+// belongs to another driver version than the kernel module) starts all
+// the same, so that the kubelet can unprepare claims. It keeps the devices
+// that were published before, with their health taints and tainted so
+// that no new claim gets them, says why on the Node, refuses to prepare a
+// new claim, prepares a claim that it prepared before again (as after a
+// kubelet restart) and unprepares claims. Once NVML can be initialized it
+// publishes the GPUs without that taint and prepares claims again.
+func TestAgentStartsWithUnusableNVML(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	held := claim("held", gpus("gpus", "gpu-0")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	if err := e.machine.InjectXID(5, 79); err != nil {
+		t.Fatal(err)
+	}
+	// Reported once the fault is in the checkpoint.
+	expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonDeviceUnhealthy)
+	waitForPublished(ctx, t, e, false)
+	a.Stop()
+
+	broken := e.machine.Library("")
+	broken.Break()
+	var lib atomic.Pointer[mockgpu.Library]
+	lib.Store(broken)
+	opts := e.options(t)
+	opts.Discovery = discovery.NewLazy(func() (nvml.Interface, error) { return lib.Load(), nil }, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+	opts.RescanInterval = time.Hour
+	opts.NoGPURetry = 10 * time.Millisecond
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatalf("agent with an unusable NVML does not start, the kubelet cannot unprepare claims: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	if err := a.NVMLUnusable(); !errors.Is(err, discovery.ErrNVMLUnusable) || !errors.Is(err, nvml.ERROR_LIB_RM_VERSION_MISMATCH) {
+		t.Errorf("NVMLUnusable() = %v, want it to wrap ErrNVMLUnusable and ERROR_LIB_RM_VERSION_MISMATCH", err)
+	}
+	if err := a.Ready(); err != nil {
+		t.Errorf("not ready: %v", err)
+	}
+	if got := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonNVMLUnusable); !strings.Contains(got, "ERROR_LIB_RM_VERSION_MISMATCH") || !strings.Contains(got, "8 published GPUs stay") {
+		t.Errorf("event %q, want it to name the NVML error and the published GPUs", got)
+	}
+	waitForPublished(ctx, t, e, true)
+
+	if err := prepareOne(ctx, t, a, claim("new", gpus("gpus", "gpu-1")...)); !errors.Is(err, discovery.ErrNVMLUnusable) {
+		t.Errorf("prepare of a new claim: %v, want an error wrapping ErrNVMLUnusable", err)
+	}
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Errorf("prepare of the prepared claim again: %v", err)
+	}
+	res, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(held)})
+	if err != nil || res[held.UID] != nil {
+		t.Fatalf("unprepare: %v %v", err, res)
+	}
+	store, err := checkpoint.New(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cp, err := store.Load(); err != nil || len(cp.Claims) != 0 {
+		t.Errorf("checkpoint after unprepare: %+v (%v), want no claims", cp, err)
+	}
+
+	lib.Store(e.machine.Library(""))
+	waitForPublished(ctx, t, e, false)
+	expectEventWithPrefix(t, recorder, "Normal "+agent.ReasonGPUsFound)
+	if err := a.NVMLUnusable(); err != nil {
+		t.Errorf("NVMLUnusable() = %v once NVML works", err)
+	}
+	if err := prepareOne(ctx, t, a, claim("new", gpus("gpus", "gpu-1")...)); err != nil {
+		t.Errorf("prepare once NVML works: %v", err)
+	}
+}
+
+// TestUnusableNVMLPublishedDevicesUnreadable: an agent that cannot use
+// NVML and cannot read the devices it published before publishes nothing
+// (an empty pool would withdraw devices that claims hold) until it can
+// read them, then publishes them tainted.
+func TestUnusableNVMLPublishedDevicesUnreadable(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	a := e.start(ctx, t)
+	if err := e.machine.InjectXID(5, 79); err != nil {
+		t.Fatal(err)
+	}
+	waitForHealthTaint(ctx, t, a, "gpu-5", "xid-79")
+	waitForPublished(ctx, t, e, false)
+	a.Stop()
+
+	var listFails atomic.Bool
+	listFails.Store(true)
+	e.client.PrependReactor("list", "resourceslices", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if listFails.Load() {
+			return true, nil, apierrors.NewInternalError(errors.New("etcd unavailable"))
+		}
+		return false, nil, nil
+	})
+	broken := e.machine.Library("")
+	broken.Break()
+	opts := e.options(t)
+	opts.Discovery = discovery.NewLazy(func() (nvml.Interface, error) { return broken, nil }, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+	opts.RescanInterval = time.Hour
+	opts.NoGPURetry = 10 * time.Millisecond
+	// Publishing would wait for the list to work.
+	started := make(chan error, 1)
+	go func() {
+		var err error
+		a, err = agent.New(ctx, opts)
+		started <- err
+	}()
+	select {
+	case err := <-started:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("New blocked: it publishes although the published devices cannot be read")
+	}
+	t.Cleanup(a.Stop)
+	if _, ok := a.PublishStatus(); ok {
+		t.Error("publishing while the published devices cannot be read")
+	}
+	listFails.Store(false)
+	waitForPublished(ctx, t, e, true)
 }
 
 // prepareOne prepares c alone and returns the error of its result; an

@@ -65,7 +65,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // warning event on the claim) until it is unprepared.
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
-// names now names a GPU with another UUID.
+// names now names a GPU with another UUID. While the agent cannot use
+// NVML (NVMLUnusable), a claim that is not prepared yet is refused with
+// an error that wraps why.
 //
 // Per-claim problems are per-claim errors; an unreadable or unwritable
 // checkpoint fails the whole call so that the kubelet retries.
@@ -183,6 +185,9 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 	}
 	if claim.Status.Allocation == nil {
 		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s is not allocated", klog.KObj(claim))
+	}
+	if err := a.NVMLUnusable(); err != nil {
+		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: the agent on node %s cannot use NVML, so it cannot prepare GPUs (it retries; after a driver upgrade, reboot the node): %w", klog.KObj(claim), a.opts.NodeName, err)
 	}
 
 	if err := a.checkConfig(claim); err != nil {

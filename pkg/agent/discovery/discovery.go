@@ -9,15 +9,19 @@
 package discovery
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/deviceattribute"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/utils/ptr"
 )
 
 // ErrNoGPU is returned (wrapped) by discovery when the node has no usable
@@ -25,6 +29,14 @@ import (
 // or NVML reports zero devices. Callers that merely probe a node, like
 // hack/gpu-check.sh, treat it as "nothing here" rather than as a failure.
 var ErrNoGPU = errors.New("no NVIDIA GPU found")
+
+// ErrNVMLUnusable is returned (wrapped, with NVML's return) by [NewNVML],
+// and so by [Lazy]'s Discover, when the NVML library is there but cannot
+// be initialized: ERROR_LIB_RM_VERSION_MISMATCH (the library belongs to
+// another driver version than the loaded kernel module, as after a driver
+// upgrade without a reboot), ERROR_NO_PERMISSION, ERROR_UNKNOWN and the
+// like. Unlike [ErrNoGPU] it does not mean that the node has no GPUs.
+var ErrNVMLUnusable = errors.New("NVML cannot be initialized")
 
 // ErrDriverChanged is returned (wrapped) by discovery and health watching
 // when NVML says that the loaded library can no longer talk to the kernel
@@ -178,6 +190,33 @@ func (inv *Inventory) DriverResources(poolName string) resourceslice.DriverResou
 			poolName: {Slices: []resourceslice.Slice{{Devices: inv.Devices()}}},
 		},
 	}
+}
+
+// InventoryFromDevices rebuilds the inventory whose devices were published
+// (Inventory.DriverResources), for an agent that cannot discover them now:
+// name, UUID, index, minor and bus id come from the attributes that
+// discovery publishes, taints are dropped, and the GPUs are sorted by
+// index. A device without a UUID attribute is left out.
+func InventoryFromDevices(devices []resourceapi.Device) *Inventory {
+	inv := &Inventory{}
+	for _, d := range devices {
+		uuid := d.Attributes[AttrUUID].StringValue
+		if uuid == nil {
+			continue
+		}
+		d := *d.DeepCopy()
+		d.Taints = nil
+		inv.GPUs = append(inv.GPUs, GPU{
+			Name:     d.Name,
+			UUID:     *uuid,
+			Index:    int(ptr.Deref(d.Attributes[AttrIndex].IntValue, 0)),
+			Minor:    int(ptr.Deref(d.Attributes[AttrMinor].IntValue, 0)),
+			PCIBusID: ptr.Deref(d.Attributes[deviceattribute.StandardDeviceAttributePCIBusID].StringValue, ""),
+			Device:   d,
+		})
+	}
+	slices.SortStableFunc(inv.GPUs, func(a, b GPU) int { return cmp.Compare(a.Index, b.Index) })
+	return inv
 }
 
 // DeviceName is the published name of the GPU whose device node is

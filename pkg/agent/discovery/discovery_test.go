@@ -123,6 +123,37 @@ func discover(ctx context.Context, t *testing.T, m *mockgpu.Machine, opts discov
 	return inv
 }
 
+// TestInventoryFromDevices: the inventory rebuilt from the published
+// devices (in another order, with taints) is the discovered one, except
+// for the GPUs that discovery skipped.
+func TestInventoryFromDevices(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Minors that differ from the indices.
+	m.SetMinor(0, 1)
+	m.SetMinor(1, 0)
+	m.SetMIG(5, true)
+	inv := discover(ctx, t, m, discovery.NVMLOptions{})
+	if len(inv.Skipped) != 1 {
+		t.Fatalf("skipped %+v, want the MIG-enabled GPU", inv.Skipped)
+	}
+	devices := inv.Devices()
+	slices.Reverse(devices)
+	devices[0].Taints = []resourceapi.DeviceTaint{{Key: "example.com/taint", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	noUUID := *devices[1].DeepCopy()
+	noUUID.Name = "no-uuid"
+	delete(noUUID.Attributes, discovery.AttrUUID)
+	devices = append(devices, noUUID)
+
+	got := discovery.InventoryFromDevices(devices)
+	if diff := cmp.Diff(inv.GPUs, got.GPUs); diff != "" {
+		t.Errorf("GPUs (-discovered +rebuilt):\n%s", diff)
+	}
+}
+
 func TestDiscoverProfiles(t *testing.T) {
 	type gpu struct {
 		bus, root string
@@ -647,6 +678,9 @@ func TestNoNVML(t *testing.T) {
 		"library missing":   {init: nvml.ERROR_LIBRARY_NOT_FOUND, wantErr: discovery.ErrNoGPU},
 		"driver not loaded": {init: nvml.ERROR_DRIVER_NOT_LOADED, wantErr: discovery.ErrNoGPU},
 		"zero devices":      {init: nvml.SUCCESS, count: 0, wantErr: discovery.ErrNoGPU},
+		// The node has GPUs; NVML cannot use them.
+		"library of another driver version": {init: nvml.ERROR_LIB_RM_VERSION_MISMATCH, wantErr: discovery.ErrNVMLUnusable},
+		"no permission":                     {init: nvml.ERROR_NO_PERMISSION, wantErr: discovery.ErrNVMLUnusable},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -662,6 +696,9 @@ func TestNoNVML(t *testing.T) {
 			}
 			if !errors.Is(err, tc.wantErr) {
 				t.Errorf("want error wrapping %v, got %v", tc.wantErr, err)
+			}
+			if tc.wantErr == discovery.ErrNVMLUnusable && (errors.Is(err, discovery.ErrNoGPU) || errors.Is(err, discovery.ErrDriverChanged)) {
+				t.Errorf("error %v also wraps ErrNoGPU or ErrDriverChanged", err)
 			}
 		})
 	}

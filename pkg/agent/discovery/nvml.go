@@ -87,7 +87,8 @@ var _ Interface = &NVML{}
 var _ HealthWatcher = &NVML{}
 
 // NewNVML initializes NVML. When the library or the kernel driver is missing
-// the error wraps [ErrNoGPU].
+// the error wraps [ErrNoGPU]; when initializing fails otherwise it wraps
+// [ErrNVMLUnusable].
 func NewNVML(opts NVMLOptions) (*NVML, error) {
 	if opts.Lib == nil {
 		return nil, errors.New("NVML library must be set")
@@ -97,7 +98,7 @@ func NewNVML(opts NVMLOptions) (*NVML, error) {
 	case nvml.ERROR_LIBRARY_NOT_FOUND, nvml.ERROR_DRIVER_NOT_LOADED:
 		return nil, fmt.Errorf("%w: initialize NVML: %w", ErrNoGPU, ret)
 	default:
-		return nil, fmt.Errorf("initialize NVML: %w", ret)
+		return nil, fmt.Errorf("%w: initialize NVML: %w", ErrNVMLUnusable, ret)
 	}
 	return &NVML{lib: opts.Lib, sysfs: opts.Sysfs, numaForm: opts.NUMAForm}, nil
 }
