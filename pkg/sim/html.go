@@ -490,5 +490,5 @@ func writeRunTargets(p func(string, ...any), e func(string) string, r *Report) {
 		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict(t))
 	}
 	p("</tbody>\n</table>\n")
-	p("<p class=\"note\">%d of %d met in this run. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", metCount(run), len(run))
+	p("<p class=\"note\">%d of %d met in this run%s. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", metCount(run), applicableCount(run), e(naNote(run, " (", ")")))
 }

@@ -401,7 +401,7 @@ func (r *Report) WriteTable(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "%d of %d met in this run\n", metCount(run), len(run))
+	fmt.Fprintf(out, "%d of %d met in this run%s\n", metCount(run), applicableCount(run), naNote(run, " (", ")"))
 	return nil
 }
 
@@ -411,8 +411,12 @@ func runTargetName(t Target) string {
 	return strings.TrimSuffix(strings.TrimPrefix(t.Measure, "median "), " (sum)")
 }
 
-// verdict is "yes" for a target met, else "no".
+// verdict is "yes" for a target met, "n/a" for one that does not apply,
+// else "no".
 func verdict(t Target) string {
+	if t.NotApplicable {
+		return "n/a"
+	}
 	if t.Met {
 		return "yes"
 	}
@@ -424,6 +428,26 @@ func metCount(ts []Target) int {
 	n := 0
 	for _, t := range ts {
 		if t.Met {
+			n++
+		}
+	}
+	return n
+}
+
+// naNote explains the targets that do not apply, prefix and note in
+// front of suffix; "" if all apply.
+func naNote(ts []Target, prefix, suffix string) string {
+	if applicableCount(ts) == len(ts) {
+		return ""
+	}
+	return prefix + "n/a: no pods of that size, not counted" + suffix
+}
+
+// applicableCount counts the targets that apply (not NotApplicable).
+func applicableCount(ts []Target) int {
+	n := 0
+	for _, t := range ts {
+		if !t.NotApplicable {
 			n++
 		}
 	}

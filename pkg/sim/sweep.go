@@ -146,7 +146,11 @@ func statOf(values []float64) Stat {
 	return Stat{Median: q(0.5), P25: q(0.25), P75: q(0.75), Min: v[0], Max: v[len(v)-1], N: len(v)}
 }
 
+// String is the median and quartiles; "-" for a measure without values.
 func (s Stat) String() string {
+	if s.N == 0 {
+		return "-"
+	}
 	return fmt.Sprintf("%.2f [%.2f-%.2f]", s.Median, s.P25, s.P75)
 }
 
@@ -227,14 +231,20 @@ type Target struct {
 	Topodra string `json:"topodra"`
 	Stock   string `json:"stock"`
 	Met     bool   `json:"met"`
+	// NotApplicable says that the runs give the target nothing to judge:
+	// a target of the waits of pods of one size where one scheduler's
+	// runs or the other's had no such pod. Such a target is not Met and
+	// does not count among the targets; Topodra and Stock say "n/a".
+	NotApplicable bool `json:"notApplicable,omitempty"`
 	// Paired compares the two schedulers run by run, for the measures
 	// of single runs that the target takes the median of; nil for the
 	// others. It does not decide Met.
 	Paired *Paired `json:"paired,omitempty"`
 	// MetInResamples is the share of Resamples bootstrap resamples of the
 	// runs in which the target is met (see metInResamples): how firmly
-	// the runs behind Met decide it. Near 0.5 the verdict is a coin toss
-	// at this number of runs. It does not decide Met.
+	// the runs behind Met decide it, over the resamples in which the
+	// target applies. Near 0.5 the verdict is a coin toss at this number
+	// of runs. It does not decide Met.
 	MetInResamples float64 `json:"metInResamples"`
 }
 
@@ -311,19 +321,30 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 }
 
 // targets checks topodra's summary against stock's; rows are the runs
-// behind both (for the run-by-run comparison).
+// behind both (for the run-by-run comparison). A target of the waits of
+// one size applies only where both schedulers' runs had pods of that
+// size; otherwise it is NotApplicable.
 func targets(t, s SweepSummary, rows []SweepRow) []Target {
 	var out []Target
 	for _, g := range SweepSizes {
 		tw, sw := t.MeanWait[g], s.MeanWait[g]
-		out = append(out, Target{Measure: fmt.Sprintf("median mean wait, %d GPU", g), Want: "<= stock",
-			Topodra: fmt.Sprintf("%.3f", tw.Median), Stock: fmt.Sprintf("%.3f", sw.Median), Met: tw.Median <= sw.Median,
-			Paired: pairedWaits(rows, g)})
+		tg := Target{Measure: fmt.Sprintf("median mean wait, %d GPU", g), Want: "<= stock"}
+		if tw.N == 0 || sw.N == 0 {
+			out = append(out, notApplicable(tg))
+			continue
+		}
+		tg.Topodra, tg.Stock, tg.Met = fmt.Sprintf("%.3f", tw.Median), fmt.Sprintf("%.3f", sw.Median), tw.Median <= sw.Median
+		tg.Paired = pairedWaits(rows, g)
+		out = append(out, tg)
 	}
 	tw, sw := t.MeanWait[8], s.MeanWait[8]
-	out = append(out,
-		Target{Measure: "median mean wait, 8 GPU", Want: "<= 0.5 x stock",
-			Topodra: fmt.Sprintf("%.3f", tw.Median), Stock: fmt.Sprintf("%.3f", sw.Median), Met: tw.Median <= 0.5*sw.Median},
+	ratio := Target{Measure: "median mean wait, 8 GPU", Want: "<= 0.5 x stock"}
+	if tw.N == 0 || sw.N == 0 {
+		ratio = notApplicable(ratio)
+	} else {
+		ratio.Topodra, ratio.Stock, ratio.Met = fmt.Sprintf("%.3f", tw.Median), fmt.Sprintf("%.3f", sw.Median), tw.Median <= 0.5*sw.Median
+	}
+	out = append(out, ratio,
 		Target{Measure: "pods never placed (sum)", Want: "<= stock",
 			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
@@ -334,6 +355,13 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 			Topodra: fmt.Sprintf("%.1f", t.Throughput.Median), Stock: fmt.Sprintf("%.1f", s.Throughput.Median), Met: t.Throughput.Median >= 0.95*s.Throughput.Median},
 	)
 	return out
+}
+
+// notApplicable marks a target that the runs give nothing to judge.
+func notApplicable(t Target) Target {
+	t.NotApplicable, t.Met = true, false
+	t.Topodra, t.Stock = "n/a", "n/a"
+	return t
 }
 
 // SweepOptions configure [Sweep].
@@ -477,8 +505,8 @@ func (rep *SweepReport) summarize(schedulers []string) {
 const Resamples = 1000
 
 // metInResamples checks the targets on n resamples of rows and returns,
-// per target in the order of targets, the share of resamples in which it
-// was met. A run is one scenario, seed and round with the rows of both
+// per target in the order of targets, the share of the resamples in which
+// it applies in which it was met (0 where it applies in none). A run is one scenario, seed and round with the rows of both
 // schedulers, so the schedulers stay paired on the same workloads; each
 // resample draws, within each scenario, as many runs as the scenario has,
 // with replacement, so every resample keeps the sweep's mix of scenarios.
@@ -506,7 +534,7 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 		return nil
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
-	var met []int
+	var met, applied []int
 	sample := make([]SweepRow, 0, len(rows))
 	for range n {
 		sample = sample[:0]
@@ -518,9 +546,13 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 		}
 		ts := targets(summarize(SchedulerTopodra, sample), summarize(SchedulerStock, sample), nil)
 		if met == nil {
-			met = make([]int, len(ts))
+			met, applied = make([]int, len(ts)), make([]int, len(ts))
 		}
 		for i, t := range ts {
+			if t.NotApplicable {
+				continue
+			}
+			applied[i]++
 			if t.Met {
 				met[i]++
 			}
@@ -528,7 +560,9 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 	}
 	out := make([]float64, len(met))
 	for i, m := range met {
-		out[i] = float64(m) / float64(n)
+		if applied[i] > 0 {
+			out[i] = float64(m) / float64(applied[i])
+		}
 	}
 	return out
 }
@@ -664,19 +698,22 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\tmet in resamples\truns where topodra is lower / equal / higher\truns without a wait, topodra / stock\tmean over the runs, topodra / stock\t")
 	for _, t := range r.Targets {
-		paired, zero, mean := "", "", ""
+		paired, zero, mean, resampled := "", "", "", "n/a"
+		if !t.NotApplicable {
+			resampled = fmt.Sprintf("%.0f %%", 100*t.MetInResamples)
+		}
 		if p := t.Paired; p != nil {
 			paired = p.String()
 			zero = fmt.Sprintf("%d / %d", p.ZeroTopodra, p.ZeroStock)
 			mean = fmt.Sprintf("%.3f / %.3f", p.MeanTopodra, p.MeanStock)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%.0f %%\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict(t), 100*t.MetInResamples, paired, zero, mean)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", t.Measure, t.Want, t.Topodra, t.Stock, verdict(t), resampled, paired, zero, mean)
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement within each scenario) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
-	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; the last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", metCount(r.Targets), len(r.Targets), len(r.Rows)/max(1, len(r.Summaries)))
+	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; %sthe last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", metCount(r.Targets), applicableCount(r.Targets), len(r.Rows)/max(1, len(r.Summaries)), naNote(r.Targets, "", "; "))
 	var stuck []string
 	for _, s := range r.Summaries {
 		stuck = append(stuck, fmt.Sprintf("%s %d", s.Scheduler, s.Stuck))

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -60,7 +61,7 @@ func TestRowOf(t *testing.T) {
 }
 
 func TestTargets(t *testing.T) {
-	stat := func(v float64) Stat { return Stat{Median: v} }
+	stat := func(v float64) Stat { return Stat{Median: v, N: 1} }
 	topodra := SweepSummary{Scheduler: SchedulerTopodra, MeanWait: map[int]Stat{1: stat(0), 2: stat(0.1), 4: stat(0.5), 8: stat(1)},
 		Aligned: stat(0.97), Throughput: stat(50), Fit8: 10}
 	stock := SweepSummary{Scheduler: SchedulerStock, MeanWait: map[int]Stat{1: stat(0.1), 2: stat(0.1), 4: stat(1), 8: stat(3)},
@@ -111,7 +112,7 @@ func TestPairedWaits(t *testing.T) {
 			t.Errorf("%d GPU: got %+v, want %+v", g, *got, want)
 		}
 	}
-	stat := func(v float64) Stat { return Stat{Median: v} }
+	stat := func(v float64) Stat { return Stat{Median: v, N: 1} }
 	sum := SweepSummary{MeanWait: map[int]Stat{1: stat(0), 2: stat(0), 4: stat(0), 8: stat(1)}}
 	// Only the waits of each size against stock's compare run by run.
 	for _, tg := range targets(sum, sum, rows) {
@@ -341,6 +342,77 @@ func TestRunTargets(t *testing.T) {
 	}
 	if got := (&Report{Results: []Result{topodra}}).RunTargets(); got != nil {
 		t.Errorf("a run of topodra alone has targets %+v, want none", got)
+	}
+}
+
+// TestTargetsNotApplicable: a size that one scheduler's runs or the
+// other's had no pod of gives its wait targets nothing to judge: they say
+// n/a, are not met and are not counted, in the demo's table, its HTML
+// report and a sweep's summary.
+func TestTargetsNotApplicable(t *testing.T) {
+	// One 1-GPU pod, as manifests/examples/gpu-nic-pair.yaml; stock's
+	// run alone has a 2-GPU pod, so the 2-GPU target does not apply either.
+	topodra := Result{Scheduler: SchedulerTopodra, AlignedFraction: 1, Throughput: 10,
+		WaitByGPUs: map[int]*Wait{1: {Pods: 1}}}
+	stock := Result{Scheduler: SchedulerStock, AlignedFraction: 1, Throughput: 10,
+		WaitByGPUs: map[int]*Wait{1: {Pods: 1}, 2: {Pods: 1, Ticks: 1}}}
+	report := &Report{Seed: 1, Results: []Result{topodra, stock}}
+	var na []string
+	for _, tg := range report.RunTargets() {
+		if tg.NotApplicable {
+			na = append(na, tg.Measure+" "+tg.Want)
+			if tg.Met || tg.Topodra != "n/a" || tg.Stock != "n/a" || tg.Paired != nil {
+				t.Errorf("%s %s: %+v, want not met, n/a and no pairs", tg.Measure, tg.Want, tg)
+			}
+		} else if !tg.Met {
+			t.Errorf("%s %s not met: %+v", tg.Measure, tg.Want, tg)
+		}
+	}
+	want := []string{"median mean wait, 2 GPU <= stock", "median mean wait, 4 GPU <= stock", "median mean wait, 8 GPU <= stock", "median mean wait, 8 GPU <= 0.5 x stock"}
+	if !slices.Equal(na, want) {
+		t.Errorf("targets that do not apply: %q, want %q", na, want)
+	}
+	var out strings.Builder
+	if err := report.WriteTable(&out); err != nil {
+		t.Fatal(err)
+	}
+	if want := "5 of 5 met in this run (n/a: no pods of that size, not counted)"; !strings.Contains(out.String(), want) {
+		t.Errorf("the table lacks %q:\n%s", want, out.String())
+	}
+	if want := regexp.MustCompile(`mean wait, 8 GPU +<= 0.5 x stock +n/a +n/a +n/a`); !want.MatchString(out.String()) {
+		t.Errorf("the table lacks the 8-GPU ratio as n/a:\n%s", out.String())
+	}
+	var page strings.Builder
+	if err := report.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"<th>mean wait, 4 GPU</th><td>&lt;= stock</td><td>n/a</td><td>n/a</td><td>n/a</td>", "5 of 5 met in this run (n/a"} {
+		if !strings.Contains(page.String(), want) {
+			t.Errorf("the HTML report lacks %q", want)
+		}
+	}
+
+	rep := &SweepReport{Scenarios: []Scenario{{Name: "a"}}, Seeds: []int64{1, 2}}
+	for seed := range int64(2) {
+		for _, res := range []Result{topodra, stock} {
+			rep.Rows = append(rep.Rows, rowOf("a", seed+1, 1, &res))
+		}
+	}
+	rep.summarize([]string{SchedulerTopodra, SchedulerStock})
+	for _, tg := range rep.Targets {
+		if tg.NotApplicable && tg.MetInResamples != 0 {
+			t.Errorf("%s %s: met in %.2f of the resamples, want 0 for a target that does not apply", tg.Measure, tg.Want, tg.MetInResamples)
+		}
+	}
+	var summary strings.Builder
+	if err := rep.WriteSummary(&summary); err != nil {
+		t.Fatal(err)
+	}
+	if want := "5 of 5 targets met over 2 runs per scheduler (medians decide; n/a: no pods of that size, not counted; "; !strings.Contains(summary.String(), want) {
+		t.Errorf("the sweep's summary lacks %q:\n%s", want, summary.String())
+	}
+	if want := regexp.MustCompile(`median mean wait, 8 GPU +<= 0.5 x stock +n/a +n/a +n/a +n/a +\n`); !want.MatchString(summary.String()) {
+		t.Errorf("the sweep's summary lacks the 8-GPU ratio as n/a:\n%s", summary.String())
 	}
 }
 
