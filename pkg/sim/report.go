@@ -65,7 +65,8 @@ func (w *Wait) Mean() float64 {
 	return float64(w.Ticks) / float64(w.Pods)
 }
 
-// waitText renders the mean wait per pod size, e.g. "1:0.1 2:0.3 8:5.2".
+// waitText renders the mean wait in ticks per pod size, with two
+// decimals, e.g. "1:0.01 2:0.08 8:5.25".
 func waitText(res Result) string {
 	sizes := make([]int, 0, len(res.WaitByGPUs))
 	for g := range res.WaitByGPUs {
@@ -74,7 +75,7 @@ func waitText(res Result) string {
 	slices.Sort(sizes)
 	parts := make([]string, 0, len(sizes))
 	for _, g := range sizes {
-		parts = append(parts, fmt.Sprintf("%d:%.1f", g, res.WaitByGPUs[g].Mean()))
+		parts = append(parts, fmt.Sprintf("%d:%.2f", g, res.WaitByGPUs[g].Mean()))
 	}
 	return strings.Join(parts, " ")
 }
