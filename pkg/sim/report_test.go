@@ -35,3 +35,25 @@ func TestWaitText(t *testing.T) {
 		t.Errorf("the HTML report lacks %q", want)
 	}
 }
+
+// TestTimelineNote: the HTML report's note on runs that vary names what
+// varies, timing, and not a random choice among equal nodes, which
+// kube-scheduler does not make (it breaks ties at random only for
+// extenders' scores).
+func TestTimelineNote(t *testing.T) {
+	report := &Report{Results: []Result{{Scheduler: SchedulerStock, Timeline: []TickPoint{{Tick: 0, Waiting: 1}, {Tick: 1}}}}}
+	var page strings.Builder
+	if err := report.WriteHTML(&page); err != nil {
+		t.Fatal(err)
+	}
+	_, note, _ := strings.Cut(page.String(), "<h2>Over time</h2>")
+	note, _, _ = strings.Cut(note, "</p>")
+	for _, want := range []string{"Runs vary with timing", "informers lag", "order in which bindings land", "the order in which the parallel Filter calls finish", "does not shuffle equal scores"} {
+		if !strings.Contains(note, want) {
+			t.Errorf("the note lacks %q: %s", want, note)
+		}
+	}
+	if strings.Contains(note, "random") {
+		t.Errorf("the note says that a choice is random: %s", note)
+	}
+}
