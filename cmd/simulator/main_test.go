@@ -62,6 +62,17 @@ func TestBadFlags(t *testing.T) {
 	}
 }
 
+// One bad flag is one message.
+func TestNegativeNodesOneMessage(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	if code := run([]string{"--nodes", "-1"}, &stdout, &stderr); code != 2 {
+		t.Errorf("exit code %d, want 2", code)
+	}
+	if got := stderr.String(); got != "nodes must not be negative, got -1\n" {
+		t.Errorf("stderr %q, want the one message", got)
+	}
+}
+
 func TestHelpExitsZero(t *testing.T) {
 	var stdout, stderr bytes.Buffer
 	if code := run([]string{"--help"}, &stdout, &stderr); code != 0 {

@@ -161,8 +161,11 @@ func (o *Options) setDefaults() {
 func (o Options) Check() error {
 	o.setDefaults()
 	errs := []error{o.validate()}
-	if _, err := PlanNodes(o.Profile, o.Nodes); err != nil {
-		errs = append(errs, err)
+	// A negative node count is validate's to report, once.
+	if o.Nodes >= 0 {
+		if _, err := PlanNodes(o.Profile, o.Nodes); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, c := range []struct {
 		config []byte

@@ -60,3 +60,26 @@ func TestOptionsValidate(t *testing.T) {
 		t.Errorf("ParseSchedulers = %v", got)
 	}
 }
+
+// TestCheckSaysEachProblemOnce: one problem with the options is one
+// message.
+func TestCheckSaysEachProblemOnce(t *testing.T) {
+	tests := map[string]struct {
+		opts Options
+		want string
+	}{
+		"negative nodes":  {opts: Options{Nodes: -1}, want: "nodes must not be negative, got -1"},
+		"unknown profile": {opts: Options{Profile: "dgx-b200"}, want: `unknown machine profile "dgx-b200"`},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			err := tc.opts.Check()
+			if err == nil {
+				t.Fatalf("no error, want %q", tc.want)
+			}
+			if err.Error() != tc.want && !strings.HasPrefix(err.Error(), tc.want+" (") {
+				t.Errorf("Check() = %q, want one message: %q", err, tc.want)
+			}
+		})
+	}
+}
