@@ -307,6 +307,10 @@ func poolSweeps(files []string, jsonPath string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "%s: not a sweep report: %v\n", f, err)
 			return 2
 		}
+		if len(rep.Rows) == 0 {
+			fmt.Fprintf(stderr, "%s: not a sweep report: %s; --pool takes the JSON files of sweeps (--seeds ... --json FILE)\n", f, whatInstead(data))
+			return 2
+		}
 		reports = append(reports, &rep)
 	}
 	rep, err := sim.PoolSweeps(reports)
@@ -316,6 +320,17 @@ func poolSweeps(files []string, jsonPath string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stdout, "pooled %d sweep reports: %d runs\n\n", len(reports), len(rep.Rows))
 	return writeSweep(rep, jsonPath, start, stdout, stderr)
+}
+
+// whatInstead says what a JSON file without a sweep's runs is.
+func whatInstead(data []byte) string {
+	var run struct {
+		Results []json.RawMessage `json:"results"`
+	}
+	if json.Unmarshal(data, &run) == nil && run.Results != nil {
+		return "it is the report of one run (--json without --seeds)"
+	}
+	return "it has no runs"
 }
 
 // writeSweep prints a sweep report's summary and targets, and writes it

@@ -127,6 +127,29 @@ func TestPoolSweeps(t *testing.T) {
 		t.Errorf("pooled report: %d rounds, %d rows, %d targets; want 2, 4 and the targets", pooled.Rounds, len(pooled.Rows), len(pooled.Targets))
 	}
 
+	// The JSON of one run, and of nothing, are not sweeps.
+	one, err := json.Marshal(sim.Report{Seed: 1, Workload: "built-in", Results: []sim.Result{{Scheduler: sim.SchedulerTopodra}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	single, empty := filepath.Join(dir, "single.json"), filepath.Join(dir, "empty.json")
+	if err := os.WriteFile(single, one, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(empty, []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for file, want := range map[string]string{
+		single: single + ": not a sweep report: it is the report of one run (--json without --seeds); --pool takes the JSON files of sweeps (--seeds ... --json FILE)",
+		empty:  empty + ": not a sweep report: it has no runs",
+	} {
+		stdout.Reset()
+		stderr.Reset()
+		if code := run([]string{"--pool", a + "," + file}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), want) {
+			t.Errorf("--pool %s: exit code %d, stderr %q; want 2 and %q", filepath.Base(file), code, stderr.String(), want)
+		}
+	}
+
 	c := write("c.json", "none", 1, 1)
 	stdout.Reset()
 	stderr.Reset()
