@@ -116,8 +116,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		if path == "" {
 			continue
 		}
-		if st, err := os.Stat(filepath.Dir(path)); err != nil || !st.IsDir() {
-			fmt.Fprintf(stderr, "cannot write %s: no directory %s\n", path, filepath.Dir(path))
+		if err := checkOutput(path); err != nil {
+			fmt.Fprintln(stderr, err)
 			return 2
 		}
 	}
@@ -356,6 +356,39 @@ func writeSweep(rep *sim.SweepReport, jsonPath string, start time.Time, stdout, 
 	}
 	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
 	return code
+}
+
+// checkOutput refuses, before anything runs, an output path that could
+// not be written at the end: one in a directory that does not exist, a
+// directory, a file that cannot be opened for writing, or a new file in a
+// directory where none can be created. It leaves nothing behind: an
+// existing file is opened without being truncated, and a new one is
+// tried with a temporary file beside it, removed at once.
+func checkOutput(path string) error {
+	dir := filepath.Dir(path)
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
+		return fmt.Errorf("cannot write %s: no directory %s", path, dir)
+	}
+	st, err := os.Stat(path)
+	switch {
+	case err == nil && st.IsDir():
+		return fmt.Errorf("cannot write %s: it is a directory", path)
+	case err == nil:
+		f, err := os.OpenFile(path, os.O_WRONLY, 0)
+		if err != nil {
+			return fmt.Errorf("cannot write %s: %w", path, err)
+		}
+		return f.Close()
+	case errors.Is(err, os.ErrNotExist):
+		f, err := os.CreateTemp(dir, ".topodra-sim-*")
+		if err != nil {
+			return fmt.Errorf("cannot write %s: %w", path, err)
+		}
+		_ = f.Close()
+		return os.Remove(f.Name())
+	default:
+		return fmt.Errorf("cannot write %s: %w", path, err)
+	}
 }
 
 // writeJSON writes v as indented JSON to path.

@@ -62,6 +62,58 @@ func TestBadFlags(t *testing.T) {
 	}
 }
 
+// An output the run could not write at its end is refused before it
+// starts, and the check leaves nothing behind.
+func TestUnwritableOutput(t *testing.T) {
+	dir := t.TempDir()
+	existing := filepath.Join(dir, "old.json")
+	if err := os.WriteFile(existing, []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// Each case has a second bad flag, refused before anything runs but
+	// after the outputs are checked, so that no case runs the simulation.
+	tests := map[string]struct {
+		args    []string
+		wantErr string
+	}{
+		"report into a directory":       {args: []string{"--report", dir, "--nodes", "-1"}, wantErr: "cannot write " + dir + ": it is a directory"},
+		"json into a directory":         {args: []string{"--json", dir, "--nodes", "-1"}, wantErr: "cannot write " + dir + ": it is a directory"},
+		"sweep's json into a directory": {args: []string{"--seeds", "1", "--scenarios", "nope", "--json", dir}, wantErr: "cannot write " + dir + ": it is a directory"},
+		// A writable file passes the check, untouched: the second bad
+		// flag is refused.
+		"existing file": {args: []string{"--json", existing, "--nodes", "-1"}, wantErr: "nodes must not be negative"},
+		"new file":      {args: []string{"--json", filepath.Join(dir, "new.json"), "--nodes", "-1"}, wantErr: "nodes must not be negative"},
+	}
+	if _, err := os.Stat("/proc/self"); err == nil {
+		// No file can be created in /proc, not even by root.
+		tests["new file where none can be created"] = struct {
+			args    []string
+			wantErr string
+		}{args: []string{"--report", "/proc/out.html", "--nodes", "-1"}, wantErr: "cannot write /proc/out.html: "}
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			if code := run(tc.args, &stdout, &stderr); code != 2 {
+				t.Errorf("exit code %d, want 2", code)
+			}
+			if !strings.Contains(stderr.String(), tc.wantErr) {
+				t.Errorf("stderr %q does not say %q", stderr.String(), tc.wantErr)
+			}
+		})
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 1 || entries[0].Name() != "old.json" {
+		t.Errorf("the checks left %v behind, want only old.json", entries)
+	}
+	if data, err := os.ReadFile(existing); err != nil || string(data) != "kept" {
+		t.Errorf("the existing file reads %q (%v), want it untouched", data, err)
+	}
+}
+
 // One bad flag is one message.
 func TestNegativeNodesOneMessage(t *testing.T) {
 	var stdout, stderr bytes.Buffer
