@@ -26,6 +26,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -37,6 +38,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -51,82 +53,117 @@ func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-func run(args []string, stdout, stderr io.Writer) int {
+// command is what a command line asks for, checked: one run, a sweep
+// (seeds set) or the pooling of sweeps already run (pool set).
+type command struct {
+	// opts are the options of one run, and the base of a sweep's runs.
+	opts       sim.Options
+	reportPath string
+	jsonPath   string
+	logFile    string
+	verbosity  int
+	// seeds, scenarios and rounds make a sweep; each scenario has its
+	// pod count from --pods where that was given.
+	seeds     []int64
+	scenarios []sim.Scenario
+	rounds    int
+	// pool lists the sweep reports to join.
+	pool []string
+}
+
+// errPrinted is a command line error whose message the flag package has
+// printed already.
+var errPrinted = errors.New("bad command line")
+
+// exclusions are the flags that do not apply beside a flag that decides
+// what runs, and why.
+var exclusions = []struct {
+	flag   string
+	others []string
+	why    string
+}{
+	{"seeds", []string{"profile", "nodes", "trace", "seed", "workload", "pin", "checkpoints"},
+		"a sweep runs each scenario's machines and generated workload with each seed (--scenarios picks the scenarios, --pods sizes their workloads) and keeps no snapshots"},
+	{"workload", []string{"trace", "pods", "seed", "host-requests", "pin"},
+		"the pods are those of the file; these shape the generated workload"},
+}
+
+// parse reads and checks a command line; nothing starts. Flags that do
+// not apply to what runs, and values that would be replaced by a default,
+// are refused rather than ignored. The error is flag.ErrHelp after --help,
+// errPrinted where the flag package has said what is wrong.
+func parse(args []string, stderr io.Writer) (*command, error) {
 	fs := flag.NewFlagSet("topodra-sim", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var (
-		opts       sim.Options
+		c          command
 		schedulers string
 		workload   string
-		reportPath string
-		jsonPath   string
-		logFile    string
-		verbosity  int
 		schedCfg   string
 		stockCfg   string
 		seeds      string
 		scenarios  string
-		rounds     int
 		pool       string
 	)
-	fs.IntVar(&opts.Nodes, "nodes", 0, "number of simulated nodes (default: the sum of the --profile mix, or 8)")
+	opts := &c.opts
+	fs.IntVar(&opts.Nodes, "nodes", 0, "number of simulated nodes; 0: the sum of the --profile mix, or 8 for a single profile")
 	fs.StringVar(&opts.Profile, "profile", sim.DefaultProfile, "machine profile, or a mix like dgx-h100=6,pcie-nvlink-pairs=2 (profiles: dgx-h100, pcie-nvlink-pairs, workstation-2gpu); a mix is scaled to --nodes")
-	fs.IntVar(&opts.Pods, "pods", 160, "number of pods of the built-in workload")
-	fs.Int64Var(&opts.Seed, "seed", 1, "seed of the built-in workload")
+	fs.IntVar(&opts.Pods, "pods", 160, "number of pods of the generated workload, 1 or more (with --seeds: of every scenario's, instead of its own)")
+	fs.Int64Var(&opts.Seed, "seed", 1, "seed of the generated workload, 1 or more")
 	fs.StringVar(&schedulers, "schedulers", "topodra,stock", "schedulers to compare, in order: topodra, stock")
-	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of the built-in workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks)")
+	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of a generated workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks); --trace, --pods, --seed, --host-requests and --pin do not apply")
 	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
-	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets")
+	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets; each scenario has its own machines and workload, so --profile, --nodes, --trace, --seed, --workload, --pin and --checkpoints do not apply")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
-	fs.IntVar(&rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")
-	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration); print the medians and targets over all their runs together (with --json, write that report)")
+	fs.IntVar(&c.rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")
+	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration); print the medians and targets over all their runs together (with --json, write that report; no other flag applies)")
 	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.WarmUpPods, "warm-up-pods", sim.DefaultWarmUpPods, "pods of an unmeasured run through each scheduler before the measured ones (once per sweep), so that neither pays for being the first of the process; 0 or less: no warm-up")
-	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report")
-	fs.StringVar(&reportPath, "report", "", "write a self-contained HTML report to this file")
-	fs.StringVar(&jsonPath, "json", "", "write the full results as JSON to this file")
+	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report; 0 or less: none")
+	fs.StringVar(&c.reportPath, "report", "", "write a self-contained HTML report to this file")
+	fs.StringVar(&c.jsonPath, "json", "", "write the full results as JSON to this file")
 	fs.StringVar(&stockCfg, "stock-scheduler-config", "", "KubeSchedulerConfiguration for the stock run instead of the default one (its profile must be named default-scheduler), e.g. a bin-packing NodeResourcesFit")
 	fs.StringVar(&schedCfg, "scheduler-config", "", "KubeSchedulerConfiguration for the topodra run instead of the embedded config/scheduler-config.yaml (its profile must be named topodra-scheduler)")
-	fs.StringVar(&logFile, "log-file", "", "write component logs (apiserver, schedulers, agents) to this file; by default they are discarded")
-	fs.IntVar(&verbosity, "v", 0, "log verbosity for --log-file")
+	fs.StringVar(&c.logFile, "log-file", "", "write component logs (apiserver, schedulers, agents) to this file; by default they are discarded")
+	fs.IntVar(&c.verbosity, "v", 0, "log verbosity for --log-file")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return 0 // --help printed the usage, as asked
+			return nil, err
 		}
-		return 2
+		return nil, errPrinted
 	}
 	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "unexpected arguments: %v\n", fs.Args())
-		return 2
+		return nil, fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
-	if rounds < 1 || (rounds > 1 && seeds == "") {
-		fmt.Fprintf(stderr, "--rounds %d: give --seeds and 1 or more rounds\n", rounds)
-		return 2
+	set := map[string]bool{}
+	var empty []string
+	fs.Visit(func(f *flag.Flag) {
+		set[f.Name] = true
+		if f.Value.String() == "" {
+			empty = append(empty, "--"+f.Name)
+		}
+	})
+	// An empty value would mean the flag's default, or nothing to do.
+	if len(empty) > 0 {
+		return nil, fmt.Errorf("%s: empty; give a value or leave the flag out", strings.Join(empty, ", "))
 	}
-	if scenarios != "" && seeds == "" {
-		fmt.Fprintln(stderr, "--scenarios chooses the scenarios of a sweep: give --seeds too")
-		return 2
+	if err := checkCombination(set, &c, sim.ParseSchedulers(schedulers)); err != nil {
+		return nil, err
 	}
-	if reportPath != "" && seeds != "" {
-		fmt.Fprintln(stderr, "--report is the report of one run; a sweep writes its runs with --json")
-		return 2
-	}
-	for _, path := range []string{reportPath, jsonPath} {
+	for _, path := range []string{c.reportPath, c.jsonPath} {
 		if path == "" {
 			continue
 		}
 		if err := checkOutput(path); err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
+			return nil, err
 		}
 	}
-	if pool != "" {
-		if seeds != "" {
-			fmt.Fprintln(stderr, "--pool joins sweeps already run: give it or --seeds, not both")
-			return 2
+	if set["pool"] {
+		if c.pool = sim.ParseSchedulers(pool); len(c.pool) == 0 {
+			return nil, fmt.Errorf("--pool %q: no files", pool)
 		}
-		return poolSweeps(sim.ParseSchedulers(pool), jsonPath, stdout, stderr)
+		return &c, nil
 	}
 	opts.Schedulers = sim.ParseSchedulers(schedulers)
 	opts.NoHostRequests = !*hostRequests
@@ -139,38 +176,153 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if workload != "" {
 		w, err := sim.LoadWorkload(workload)
 		if err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
+			return nil, err
 		}
 		opts.Workload = w
 		opts.WorkloadName = workload
 	}
 	for _, f := range []struct {
-		path string
-		into *[]byte
-	}{{schedCfg, &opts.SchedulerConfig}, {stockCfg, &opts.StockSchedulerConfig}} {
+		flag, path string
+		into       *[]byte
+	}{{"--scheduler-config", schedCfg, &opts.SchedulerConfig}, {"--stock-scheduler-config", stockCfg, &opts.StockSchedulerConfig}} {
 		if f.path == "" {
 			continue
 		}
 		data, err := os.ReadFile(f.path)
 		if err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
+			return nil, err
+		}
+		if len(bytes.TrimSpace(data)) == 0 {
+			return nil, fmt.Errorf("%s %s: the file is empty; leave the flag out for the default configuration", f.flag, f.path)
 		}
 		*f.into = data
 	}
 	if seeds == "" {
 		if err := opts.Check(); err != nil {
-			fmt.Fprintln(stderr, err)
-			return 2
+			return nil, err
+		}
+		return &c, nil
+	}
+	return &c, c.planSweep(seeds, scenarios, set["pods"])
+}
+
+// checkCombination refuses flags that would be ignored or replaced by what
+// runs: flags beside --pool other than --json, flags that a sweep or a
+// workload file replaces (exclusions), sweep flags without --seeds, a
+// scheduler's configuration without that scheduler, -v without
+// --log-file, and --pods or --seed 0, which would mean their defaults.
+func checkCombination(set map[string]bool, c *command, schedulers []string) error {
+	if set["pool"] {
+		if set["seeds"] {
+			return errors.New("--pool joins sweeps already run: give it or --seeds, not both")
+		}
+		var others []string
+		for name := range set {
+			if name != "pool" && name != "json" {
+				others = append(others, "--"+name)
+			}
+		}
+		if len(others) > 0 {
+			slices.Sort(others)
+			return fmt.Errorf("%s: not with --pool, which joins sweeps already run (only --json applies)", strings.Join(others, ", "))
+		}
+		return nil
+	}
+	if set["rounds"] && (c.rounds < 1 || !set["seeds"]) {
+		return fmt.Errorf("--rounds %d: give --seeds and 1 or more rounds", c.rounds)
+	}
+	if set["scenarios"] && !set["seeds"] {
+		return errors.New("--scenarios chooses the scenarios of a sweep: give --seeds too")
+	}
+	if set["report"] && set["seeds"] {
+		return errors.New("--report is the report of one run; a sweep writes its runs with --json")
+	}
+	for _, ex := range exclusions {
+		if !set[ex.flag] {
+			continue
+		}
+		var others []string
+		for _, o := range ex.others {
+			if set[o] {
+				others = append(others, "--"+o)
+			}
+		}
+		if len(others) > 0 {
+			return fmt.Errorf("%s: not with --%s: %s", strings.Join(others, ", "), ex.flag, ex.why)
 		}
 	}
-	if err := cluster.SetUpLogging(logFile, verbosity); err != nil {
+	if set["scheduler-config"] && !slices.Contains(schedulers, sim.SchedulerTopodra) {
+		return errors.New("--scheduler-config configures the topodra run, and --schedulers has none")
+	}
+	if set["stock-scheduler-config"] && !slices.Contains(schedulers, sim.SchedulerStock) {
+		return errors.New("--stock-scheduler-config configures the stock run, and --schedulers has none")
+	}
+	if set["v"] && !set["log-file"] {
+		return errors.New("-v is the verbosity of the logs in --log-file: give --log-file too")
+	}
+	if set["pods"] && c.opts.Pods == 0 {
+		return errors.New("--pods 0: give 1 or more pods")
+	}
+	if set["seed"] && c.opts.Seed < 1 {
+		return fmt.Errorf("--seed %d: seeds start at 1", c.opts.Seed)
+	}
+	return nil
+}
+
+// planSweep sets the sweep's seeds and scenarios, with withPods the pod
+// count of every scenario's workload, and checks each scenario's options.
+func (c *command) planSweep(seeds, scenarios string, withPods bool) error {
+	var err error
+	if c.seeds, err = sim.ParseSeeds(seeds); err != nil {
+		return err
+	}
+	all := sim.DefaultScenarios()
+	c.scenarios = all
+	if scenarios != "" {
+		c.scenarios = nil
+		for _, name := range sim.ParseSchedulers(scenarios) {
+			i := slices.IndexFunc(all, func(sc sim.Scenario) bool { return sc.Name == name })
+			if i < 0 {
+				return fmt.Errorf("unknown scenario %q", name)
+			}
+			c.scenarios = append(c.scenarios, all[i])
+		}
+	}
+	if withPods {
+		for i := range c.scenarios {
+			c.scenarios[i].Pods = c.opts.Pods
+		}
+	}
+	base := c.opts
+	for _, sc := range c.scenarios {
+		base.Profile, base.Nodes, base.Pods, base.Trace = sc.Profile, sc.Nodes, sc.Pods, sc.Trace
+		if err := base.Check(); err != nil {
+			return fmt.Errorf("scenario %s: %w", sc.Name, err)
+		}
+	}
+	return nil
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	c, err := parse(args, stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return 0 // --help printed the usage, as asked
+	case errors.Is(err, errPrinted):
+		return 2
+	case err != nil:
+		fmt.Fprintln(stderr, err)
+		return 2
+	}
+	if c.pool != nil {
+		return poolSweeps(c.pool, c.jsonPath, stdout, stderr)
+	}
+	if err := cluster.SetUpLogging(c.logFile, c.verbosity); err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}
 	defer klog.Flush()
-	progress, err := quietStderr(logFile)
+	progress, err := quietStderr(c.logFile)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
@@ -178,17 +330,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if progress != nil && stderr == os.Stderr {
 		stderr = progress
 	}
-	opts.Progress = stderr
+	c.opts.Progress = stderr
 
 	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer cancel()
 	start := time.Now()
-	if seeds != "" {
-		podsSet := false
-		fs.Visit(func(f *flag.Flag) { podsSet = podsSet || f.Name == "pods" })
-		return sweep(ctx, opts, seeds, scenarios, rounds, podsSet, jsonPath, stdout, stderr)
+	if c.seeds != nil {
+		return sweep(ctx, c, stdout, stderr)
 	}
-	report, err := sim.Run(ctx, opts)
+	report, err := sim.Run(ctx, c.opts)
 	if err != nil {
 		return failed(ctx, err, stderr)
 	}
@@ -207,19 +357,19 @@ func run(args []string, stdout, stderr io.Writer) int {
 			code = 1
 		}
 	}
-	if reportPath != "" {
-		if err := writeFile(reportPath, report.WriteHTML); err != nil {
+	if c.reportPath != "" {
+		if err := writeFile(c.reportPath, report.WriteHTML); err != nil {
 			fmt.Fprintln(stderr, err)
 			return 1
 		}
-		fmt.Fprintf(stdout, "report: %s\n", reportPath)
+		fmt.Fprintf(stdout, "report: %s\n", c.reportPath)
 	}
-	if jsonPath != "" {
-		if err := writeJSON(jsonPath, report); err != nil {
+	if c.jsonPath != "" {
+		if err := writeJSON(c.jsonPath, report); err != nil {
 			fmt.Fprintln(stderr, err)
 			return 1
 		}
-		fmt.Fprintf(stdout, "json: %s\n", jsonPath)
+		fmt.Fprintf(stdout, "json: %s\n", c.jsonPath)
 	}
 	fmt.Fprintf(stdout, "total wall time %.1fs\n", time.Since(start).Seconds())
 	return code
@@ -236,59 +386,23 @@ func failed(ctx context.Context, err error, stderr io.Writer) int {
 	return 1
 }
 
-// sweep runs the multi-seed sweep; opts.Pods replaces each scenario's pod
-// count when podsSet.
-func sweep(ctx context.Context, opts sim.Options, seeds, scenarios string, rounds int, podsSet bool, jsonPath string, stdout, stderr io.Writer) int {
+// sweep runs the multi-seed sweep of c.
+func sweep(ctx context.Context, c *command, stdout, stderr io.Writer) int {
 	start := time.Now()
-	seedList, err := sim.ParseSeeds(seeds)
+	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: c.seeds, Scenarios: c.scenarios, Rounds: c.rounds, Base: c.opts, Rows: stdout})
 	if err != nil {
-		fmt.Fprintln(stderr, err)
-		return 2
-	}
-	all := sim.DefaultScenarios()
-	chosen := all
-	if scenarios != "" {
-		chosen = nil
-		for _, name := range sim.ParseSchedulers(scenarios) {
-			i := slices.IndexFunc(all, func(sc sim.Scenario) bool { return sc.Name == name })
-			if i < 0 {
-				fmt.Fprintf(stderr, "unknown scenario %q\n", name)
-				return 2
-			}
-			chosen = append(chosen, all[i])
-		}
-	}
-	if podsSet {
-		for i := range chosen {
-			chosen[i].Pods = opts.Pods
-		}
-	}
-	if opts.Workload != nil || opts.Pin {
-		fmt.Fprintln(stderr, "--seeds generates its workloads: --workload and --pin do not apply")
-		return 2
-	}
-	base := opts
-	for _, sc := range chosen {
-		base.Profile, base.Nodes, base.Trace = sc.Profile, sc.Nodes, sc.Trace
-		if err := base.Check(); err != nil {
-			fmt.Fprintf(stderr, "scenario %s: %v\n", sc.Name, err)
-			return 2
-		}
-	}
-	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: seedList, Scenarios: chosen, Rounds: rounds, Base: opts, Rows: stdout})
-	if err != nil {
-		if rep != nil && jsonPath != "" {
+		if rep != nil && c.jsonPath != "" {
 			// The runs before the failure are kept, marked incomplete.
-			if werr := writeJSON(jsonPath, rep); werr != nil {
+			if werr := writeJSON(c.jsonPath, rep); werr != nil {
 				fmt.Fprintln(stderr, werr)
 			} else {
-				fmt.Fprintf(stderr, "json of the %d rows before the failure (incomplete): %s\n", len(rep.Rows), jsonPath)
+				fmt.Fprintf(stderr, "json of the %d rows before the failure (incomplete): %s\n", len(rep.Rows), c.jsonPath)
 			}
 		}
 		return failed(ctx, err, stderr)
 	}
 	fmt.Fprintln(stdout)
-	return writeSweep(rep, jsonPath, start, stdout, stderr)
+	return writeSweep(rep, c.jsonPath, start, stdout, stderr)
 }
 
 // poolSweeps reads sweep reports from files and prints (and, with

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -207,5 +208,105 @@ func TestPoolSweeps(t *testing.T) {
 	stderr.Reset()
 	if code := run([]string{"--pool", a + "," + c}, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "requests") {
 		t.Errorf("reports with different requests: exit code %d, stderr %q; want 2 and the reason", code, stderr.String())
+	}
+}
+
+// Flags that would be ignored, or replaced by a default or by what runs,
+// are refused before anything starts.
+func TestFlagsThatDoNotApply(t *testing.T) {
+	empty := filepath.Join(t.TempDir(), "empty.yaml")
+	if err := os.WriteFile(empty, []byte("\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	const w = "testdata/workload.yaml"
+	tests := map[string]struct {
+		args    []string
+		wantErr string
+	}{
+		"no pods":                        {args: []string{"--pods", "0"}, wantErr: "--pods 0: give 1 or more pods"},
+		"no pods in a sweep":             {args: []string{"--seeds", "1", "--pods", "0"}, wantErr: "--pods 0: give 1 or more pods"},
+		"seed 0":                         {args: []string{"--seed", "0"}, wantErr: "--seed 0: seeds start at 1"},
+		"pool of nothing":                {args: []string{"--pool", ""}, wantErr: "--pool: empty; give a value or leave the flag out"},
+		"pool of commas":                 {args: []string{"--pool", ","}, wantErr: `--pool ",": no files`},
+		"seeds of nothing":               {args: []string{"--seeds", ""}, wantErr: "--seeds: empty"},
+		"empty values":                   {args: []string{"--profile", "", "--trace", ""}, wantErr: "--profile, --trace: empty"},
+		"pool with run flags":            {args: []string{"--pool", "a.json", "--pods", "5", "--nodes", "2", "--json", "x.json"}, wantErr: "--nodes, --pods: not with --pool"},
+		"empty scheduler config":         {args: []string{"--scheduler-config", empty}, wantErr: "--scheduler-config " + empty + ": the file is empty"},
+		"empty stock scheduler config":   {args: []string{"--stock-scheduler-config", empty}, wantErr: "--stock-scheduler-config " + empty + ": the file is empty"},
+		"topodra's config, no topodra":   {args: []string{"--schedulers", "stock", "--scheduler-config", empty}, wantErr: "--scheduler-config configures the topodra run"},
+		"stock's config, no stock":       {args: []string{"--schedulers", "topodra", "--stock-scheduler-config", empty}, wantErr: "--stock-scheduler-config configures the stock run"},
+		"workload and trace":             {args: []string{"--workload", w, "--trace", "poisson"}, wantErr: "--trace: not with --workload"},
+		"workload and the default trace": {args: []string{"--workload", w, "--trace", "builtin"}, wantErr: "--trace: not with --workload"},
+		"workload and pods":              {args: []string{"--workload", w, "--pods", "10"}, wantErr: "--pods: not with --workload"},
+		"workload and host requests":     {args: []string{"--workload", w, "--host-requests=false"}, wantErr: "--host-requests: not with --workload"},
+		"workload and seed":              {args: []string{"--workload", w, "--seed", "3"}, wantErr: "--seed: not with --workload"},
+		"workload and pin":               {args: []string{"--workload", w, "--pin"}, wantErr: "--pin: not with --workload"},
+		"sweep and machines":             {args: []string{"--seeds", "1", "--profile", "dgx-h100", "--nodes", "4"}, wantErr: "--profile, --nodes: not with --seeds"},
+		"sweep and trace":                {args: []string{"--seeds", "1", "--trace", "poisson"}, wantErr: "--trace: not with --seeds"},
+		"sweep and seed":                 {args: []string{"--seeds", "1-2", "--seed", "3"}, wantErr: "--seed: not with --seeds"},
+		"sweep and checkpoints":          {args: []string{"--seeds", "1", "--checkpoints", "2"}, wantErr: "--checkpoints: not with --seeds"},
+		"sweep and workload":             {args: []string{"--seeds", "1", "--workload", w}, wantErr: "--workload: not with --seeds"},
+		"sweep and pin":                  {args: []string{"--seeds", "1", "--pin"}, wantErr: "--pin: not with --seeds"},
+		"one round without seeds":        {args: []string{"--rounds", "1"}, wantErr: "give --seeds"},
+		"verbosity without a log file":   {args: []string{"-v", "4"}, wantErr: "-v is the verbosity of the logs in --log-file"},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			c, err := parse(tc.args, &stderr)
+			if err == nil {
+				t.Fatalf("parsed into %+v, want an error saying %q", c, tc.wantErr)
+			}
+			if !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("error %q does not say %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+// simulatorCommand finds the arguments of "go run ./cmd/simulator ..." in
+// documentation, up to the end of the line, a closing backquote or a
+// comment.
+var simulatorCommand = regexp.MustCompile("go run \\./cmd/simulator((?: +[^ `#\\n]+)*)")
+
+// The commands of the README, docs/placement.md and the Makefile's demo
+// and placement targets parse.
+func TestDocumentedCommands(t *testing.T) {
+	out := t.TempDir()
+	makefile, err := os.ReadFile("../../Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	expand := strings.NewReplacer("$(PLACEMENT_SEEDS)", "1-8", "$(PLACEMENT_ROUNDS)", "3",
+		"$(or $(PLACEMENT_OUT),_out/placement.json)", filepath.Join(out, "placement.json"), "$(PLACEMENT_ARGS)", "", "$(DEMO_ARGS)", "")
+	commands := map[string][]string{}
+	for _, line := range strings.Split(string(makefile), "\n") {
+		if _, args, ok := strings.Cut(line, "$(GO) run ./cmd/simulator"); ok {
+			if args = expand.Replace(args); strings.Contains(args, "$(") {
+				t.Fatalf("Makefile: cannot expand %q", args)
+			}
+			commands["Makefile:"+strings.TrimSpace(line)] = strings.Fields(args)
+		}
+	}
+	for _, doc := range []string{"../../README.md", "../../docs/placement.md"} {
+		data, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range simulatorCommand.FindAllStringSubmatch(string(data), -1) {
+			commands[filepath.Base(doc)+": "+m[0]] = strings.Fields(m[1])
+		}
+	}
+	if len(commands) < 10 {
+		t.Fatalf("found %d documented commands, want the README's and the Makefile's", len(commands))
+	}
+	// The documents' paths are relative to the repository's root.
+	t.Chdir("../..")
+	for name, args := range commands {
+		t.Logf("%s: %q", name, args)
+		var stderr bytes.Buffer
+		if _, err := parse(args, &stderr); err != nil {
+			t.Errorf("%s: %v %s", name, err, stderr.String())
+		}
 	}
 }

@@ -53,9 +53,9 @@ type Options struct {
 	// "dgx-h100=6,pcie-nvlink-pairs=2" (default "dgx-h100=6,pcie-nvlink-pairs=2").
 	// A mix whose counts do not add up to Nodes is scaled to Nodes.
 	Profile string
-	// Pods is the number of pods of the built-in workload (default 160).
+	// Pods is the number of pods of the generated workload (default 160).
 	Pods int
-	// Seed drives the built-in workload (default 1).
+	// Seed drives the generated workload and the warm-up's (default 1).
 	Seed int64
 	// Schedulers to compare, in order (default topodra, stock).
 	Schedulers []string
@@ -67,7 +67,7 @@ type Options struct {
 	// its profile must be named default-scheduler.
 	StockSchedulerConfig []byte
 	// Trace names the generated workload (see Traces; default
-	// TraceBuiltin). Ignored when Workload is set.
+	// TraceBuiltin). With Workload it must be empty or TraceBuiltin.
 	Trace string
 	// Workload, if set, replaces the generated workload; WorkloadName
 	// says where it came from (for the report).
@@ -83,7 +83,8 @@ type Options struct {
 	// kubernetes.io/hostname) chosen by the seed among the nodes where it
 	// fits by count. Then node choice is out of the schedulers' hands and
 	// only device choice differs: runs are reproducible even between two
-	// schedulers that break node-score ties at random. For tests.
+	// schedulers that break node-score ties at random. For tests; not
+	// with Workload or another Trace.
 	Pin bool
 	// Checkpoints is the number of intermediate snapshots of the device
 	// maps (default 3; negative: none).
@@ -220,8 +221,11 @@ func (o *Options) validate() error {
 	if o.Trace != "" && !slices.Contains(Traces(), o.Trace) {
 		errs = append(errs, fmt.Errorf("unknown trace %q (known: %s)", o.Trace, strings.Join(Traces(), ", ")))
 	}
-	if o.Pin && o.Trace != "" && o.Trace != TraceBuiltin {
+	if o.Pin && (o.Workload != nil || o.Trace != "" && o.Trace != TraceBuiltin) {
 		errs = append(errs, fmt.Errorf("pin applies to the %s workload only", TraceBuiltin))
+	}
+	if o.Workload != nil && o.Trace != "" && o.Trace != TraceBuiltin {
+		errs = append(errs, fmt.Errorf("trace %s generates a workload: not with a workload of its own", o.Trace))
 	}
 	seen := map[string]bool{}
 	for _, s := range o.Schedulers {

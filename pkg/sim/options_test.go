@@ -83,3 +83,28 @@ func TestCheckSaysEachProblemOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestWorkloadRefusesGeneratorOptions: a workload of its own is not
+// pinned and not a trace; the options that would not apply are refused.
+func TestWorkloadRefusesGeneratorOptions(t *testing.T) {
+	w := &Workload{}
+	tests := map[string]struct {
+		opts Options
+		want string
+	}{
+		"pin":           {opts: Options{Workload: w, Pin: true}, want: "pin applies to the builtin workload only"},
+		"trace":         {opts: Options{Workload: w, Trace: TracePoisson}, want: "trace poisson generates a workload: not with a workload of its own"},
+		"default trace": {opts: Options{Workload: w, Trace: TraceBuiltin}},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			err := tc.opts.Check()
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("Check() = %v, want no error", err)
+			case tc.want != "" && (err == nil || err.Error() != tc.want):
+				t.Errorf("Check() = %v, want %q", err, tc.want)
+			}
+		})
+	}
+}
