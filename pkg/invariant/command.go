@@ -34,8 +34,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
 
-Checks the DRA allocation invariants of a cluster: no device allocated to two
-claims (unless it allows multiple allocations), no shared counter or shared
+Checks the DRA allocation invariants of a cluster: no device allocated twice
+(unless it allows multiple allocations and each is a share with a share ID),
+no shared counter or shared
 device capacity consumed beyond what its pool publishes, no allocation of a
 device that no ResourceSlice publishes, no pod bound while a claim it uses is
 unallocated or not reserved for it. Exit code 0: none found; 1: violations

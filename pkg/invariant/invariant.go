@@ -1,6 +1,7 @@
 // Package invariant checks the allocation invariants that every DRA
 // scheduler in a cluster must keep together: no device is allocated to two
-// claims (unless it allows multiple allocations), the devices allocated
+// claims (unless it allows multiple allocations and each of them is a
+// share with a share ID), the devices allocated
 // from a pool consume no more of its shared counters than there are
 // (partitionable devices), the shares of a device that allows multiple
 // allocations consume no more of its capacity than it has, no allocation
@@ -29,9 +30,12 @@ import (
 type Kind string
 
 const (
-	// DoubleAllocation: a device that does not allow multiple
-	// allocations is allocated to more than one claim (or twice to one).
-	// Allocations with admin access do not count.
+	// DoubleAllocation: a device is allocated more than once (to two
+	// claims, or twice to one) although it does not allow multiple
+	// allocations, or although one of its allocations has no share ID.
+	// An allocation without a share ID holds the whole device, even on a
+	// device that allows multiple allocations, as for the upstream
+	// allocator. Allocations with admin access do not count.
 	DoubleAllocation Kind = "DoubleAllocation"
 	// CounterExceeded: the devices allocated from a pool (each once,
 	// however many claims share it) consume more of a counter of one of
@@ -219,6 +223,10 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 
 func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Violation {
 	holders := map[Device][]string{}
+	// dedicated counts the results without a ShareID: upstream, such a
+	// result holds the whole device, whether or not it allows multiple
+	// allocations.
+	dedicated := map[Device]int{}
 	consumed := map[Device]map[resourceapi.QualifiedName]resource.Quantity{}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
@@ -230,6 +238,9 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 			}
 			d := Device{r.Driver, r.Pool, r.Device}
 			holders[d] = append(holders[d], c.Namespace+"/"+c.Name)
+			if r.ShareID == nil {
+				dedicated[d]++
+			}
 			for name, q := range r.ConsumedCapacity {
 				if consumed[d] == nil {
 					consumed[d] = map[resourceapi.QualifiedName]resource.Quantity{}
@@ -254,10 +265,16 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 			})
 		}
 		multiple := exists && allowsMultiple(spec)
-		if len(claimNames) > 1 && !multiple {
+		switch {
+		case len(claimNames) > 1 && !multiple:
 			out = append(out, Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s is allocated %d times: %s", d, len(claimNames), strings.Join(claimNames, ", ")),
+			})
+		case len(claimNames) > 1 && dedicated[d] > 0:
+			out = append(out, Violation{
+				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
+				Message: fmt.Sprintf("device %s allows multiple allocations but is allocated %d times, %d of them without a share ID (holding the whole device): %s", d, len(claimNames), dedicated[d], strings.Join(claimNames, ", ")),
 			})
 		}
 		if !exists {

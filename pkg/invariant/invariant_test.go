@@ -87,9 +87,9 @@ func TestInvariantChecker(t *testing.T) {
 				Slices: []*resourceapi.ResourceSlice{nodeA},
 				Claims: []*resourceapi.ResourceClaim{
 					claim("a", "node-a", "uid-a", "gpu-0"),
-					claim("b", "node-a", "uid-b", "gpu-1", "shared"),
-					claim("c", "node-a", "", "shared"),                 // multiple allocations allowed
-					adminAccess(claim("admin", "node-a", "", "gpu-0")), // admin access shares
+					share(claim("b", "node-a", "uid-b", "gpu-1", "shared"), "shared", nil),
+					share(claim("c", "node-a", "", "shared"), "shared", nil), // multiple allocations allowed
+					adminAccess(claim("admin", "node-a", "", "gpu-0")),       // admin access shares
 					claim("pending", "", ""),
 				},
 				Pods: []*v1.Pod{
@@ -289,7 +289,9 @@ func share(c *resourceapi.ResourceClaim, device string, consumed map[resourceapi
 }
 
 // TestSharedResourcesChecker: partitions of one device and shares of a
-// device's capacity are judged as the upstream allocator counts them.
+// device's capacity are judged as the upstream allocator counts them; an
+// allocation without a share ID holds the whole device, even one that
+// allows multiple allocations.
 func TestSharedResourcesChecker(t *testing.T) {
 	pool := partitioned("node-p", 1)
 	bandwidth := func(q string) map[resourceapi.QualifiedName]string {
@@ -335,6 +337,26 @@ func TestSharedResourcesChecker(t *testing.T) {
 				share(claim("b", "node-p", "", "link"), "link", bandwidth("6")),
 				adminAccess(share(claim("admin", "node-p", "", "link"), "link", bandwidth("10"))),
 			}},
+		},
+		"a whole-device allocation of a shareable device": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("whole", "node-p", "", "link"),
+				adminAccess(share(claim("admin", "node-p", "", "link"), "link", bandwidth("10"))),
+			}},
+		},
+		"a whole-device allocation beside a share": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("whole", "node-p", "", "link"),
+				share(claim("part", "node-p", "", "link"), "link", bandwidth("10")),
+			}},
+			want: []Violation{{Kind: DoubleAllocation, Device: &Device{driver, "node-p", "link"}, Claims: []string{"ns/part", "ns/whole"}}},
+		},
+		"two whole-device allocations of a shareable device": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-p", "", "link"),
+				claim("b", "node-p", "", "link"),
+			}},
+			want: []Violation{{Kind: DoubleAllocation, Device: &Device{driver, "node-p", "link"}, Claims: []string{"ns/a", "ns/b"}}},
 		},
 		"shares over the capacity": {
 			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
