@@ -36,13 +36,13 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 Checks the DRA allocation invariants of a cluster: no device allocated twice
 (unless it allows multiple allocations and each is a share with a share ID),
-no shared counter or shared
-device capacity consumed beyond what its pool publishes, no allocation of a
-device that no ResourceSlice publishes, no pod bound while a claim it uses is
-unallocated or not reserved for it. Exit code 0: none found; 1: violations
-(printed); 2: the cluster could not be read. Needs list on resourceslices,
-and get and list on pods and resourceclaims (a pod's violation is confirmed
-by reading the pod and its claims again), in all namespaces.
+no shared counter or shared device capacity consumed beyond what its pool
+publishes, no allocation of a device that no ResourceSlice publishes, no pod
+bound while a claim it uses is unallocated or reserved neither for it nor
+for its PodGroup. Exit code 0: none found; 1: violations (printed); 2: the
+cluster could not be read. Needs list on resourceslices, and get and list on
+pods and resourceclaims (a pod's violation is confirmed by reading the pod
+and its claims again), in all namespaces.
 
 Flags:`)
 		fs.PrintDefaults()

@@ -6,7 +6,7 @@
 // (partitionable devices), the shares of a device that allows multiple
 // allocations consume no more of its capacity than it has, no allocation
 // names a device that no longer exists, and no pod is bound while a claim
-// it uses is unallocated or not reserved for it. Allocations with admin
+// it uses is unallocated or reserved neither for it nor for its PodGroup. Allocations with admin
 // access count for none of these, as for the upstream allocator.
 //
 // [Find] judges a set of objects; [Check] lists them from a cluster. Both
@@ -23,7 +23,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
-	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
 )
 
 // Kind names one kind of violation.
@@ -54,7 +54,11 @@ const (
 	// claims is missing or unallocated.
 	PodClaimUnallocated Kind = "PodClaimUnallocated"
 	// PodClaimNotReserved: a pod is bound to a node while one of its
-	// allocated claims is not reserved for it.
+	// allocated claims is reserved neither for it nor for its PodGroup
+	// (a reservedFor entry of podgroups.scheduling.k8s.io named as
+	// pod.spec.schedulingGroup.podGroupName), as upstream's
+	// resourceclaim.IsReservedForPod judges it with PodGroup
+	// reservations accepted.
 	PodClaimNotReserved Kind = "PodClaimNotReserved"
 )
 
@@ -354,10 +358,10 @@ func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violat
 					Kind: PodClaimUnallocated, Pod: podName, Claims: []string{claimName},
 					Message: fmt.Sprintf("pod %s is bound to %s but its claim %s is not allocated", podName, pod.Spec.NodeName, claimName),
 				})
-			case !reservedFor(c, pod.UID):
+			case !resourceclaim.IsReservedForPod(pod, c, true):
 				out = append(out, Violation{
 					Kind: PodClaimNotReserved, Pod: podName, Claims: []string{claimName},
-					Message: fmt.Sprintf("pod %s is bound to %s but its claim %s is not reserved for it", podName, pod.Spec.NodeName, claimName),
+					Message: fmt.Sprintf("pod %s is bound to %s but its claim %s is reserved neither for it nor for its pod group", podName, pod.Spec.NodeName, claimName),
 				})
 			}
 		}
@@ -393,13 +397,4 @@ func PodClaimNames(pod *v1.Pod) []ClaimRef {
 		out = append(out, ClaimRef{Name: ext.ResourceClaimName})
 	}
 	return out
-}
-
-func reservedFor(c *resourceapi.ResourceClaim, uid types.UID) bool {
-	for _, r := range c.Status.ReservedFor {
-		if r.UID == uid {
-			return true
-		}
-	}
-	return false
 }

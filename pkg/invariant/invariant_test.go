@@ -75,6 +75,18 @@ func pod(name string, uid types.UID, node string, claimNames ...string) *v1.Pod 
 	return p
 }
 
+// reservedForPodGroup reserves c for the PodGroup named podGroup.
+func reservedForPodGroup(c *resourceapi.ResourceClaim, podGroup string) *resourceapi.ResourceClaim {
+	c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{APIGroup: "scheduling.k8s.io", Resource: "podgroups", Name: podGroup, UID: types.UID(podGroup + "-uid")}}
+	return c
+}
+
+// inPodGroup makes p a member of the PodGroup named podGroup.
+func inPodGroup(p *v1.Pod, podGroup string) *v1.Pod {
+	p.Spec.SchedulingGroup = &v1.PodSchedulingGroup{PodGroupName: ptr.To(podGroup)}
+	return p
+}
+
 func TestInvariantChecker(t *testing.T) {
 	multi := resourceapi.Device{Name: "shared", AllowMultipleAllocations: ptr.To(true)}
 	nodeA := slice("node-a", 1, append(devices("gpu-0", "gpu-1", "gpu-2"), multi)...)
@@ -173,6 +185,27 @@ func TestInvariantChecker(t *testing.T) {
 				{Kind: PodClaimUnallocated, Pod: "ns/q", Claims: []string{"ns/missing"}},
 				{Kind: PodClaimUnallocated, Pod: "ns/t"},
 				{Kind: PodClaimUnallocated, Pod: "ns/x", Claims: []string{"ns/pending"}},
+			},
+		},
+		"pods bound with a claim reserved for their pod group": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{reservedForPodGroup(claim("g", "node-a", "", "gpu-0"), "workers")},
+				Pods:   []*v1.Pod{inPodGroup(pod("worker-0", "uid-0", "node-a", "g"), "workers"), inPodGroup(pod("worker-1", "uid-1", "node-a", "g"), "workers")},
+			},
+		},
+		"pod bound with a claim reserved for another pod group": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{reservedForPodGroup(claim("g", "node-a", "", "gpu-0"), "workers")},
+				Pods: []*v1.Pod{
+					inPodGroup(pod("other", "uid-o", "node-a", "g"), "others"),
+					pod("alone", "uid-a", "node-a", "g"),
+				},
+			},
+			want: []Violation{
+				{Kind: PodClaimNotReserved, Pod: "ns/alone", Claims: []string{"ns/g"}},
+				{Kind: PodClaimNotReserved, Pod: "ns/other", Claims: []string{"ns/g"}},
 			},
 		},
 		"pod bound with a claim reserved for another pod": {
