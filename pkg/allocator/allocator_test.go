@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -430,32 +431,47 @@ func TestSelectorRuntimeErrorLikeUpstream(t *testing.T) {
 			ctx := quietContext(t)
 			state := allocated(gpuDriver, "node-a", tc.inUse...)
 			claims := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", tc.count, sel).obj()}
-			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			res, err := a.Allocate(ctx, node("node-a"), claims)
-			up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
-			if upErr != nil {
-				t.Fatal(upErr)
-			}
-			upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
-			var got []string
-			if res != nil {
-				got = deviceNames(res.Allocations)
-			}
-			t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
-			if (upErr != nil) != tc.wantErr {
-				t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
-			}
-			if (err != nil) != (upErr != nil) {
-				t.Fatalf("topodra error %v, upstream error %v", err, upErr)
-			}
-			if err == nil && !slices.Equal(got, deviceNames(upRes)) {
-				t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
-			}
+			allocateLikeUpstream(ctx, t, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()}, claims, tc.wantErr)
 		})
 	}
+}
+
+// allocateLikeUpstream allocates claims on node-a with an Allocator of opts
+// (verifying an unverified result) and with upstream's structured
+// allocator on the same input. It fails the test unless upstream errs
+// exactly when wantErr says, topodra errs exactly when upstream does, and
+// both allocate the same devices where neither errs. It returns topodra's
+// error.
+func allocateLikeUpstream(ctx context.Context, t *testing.T, opts Options, claims []*resourceapi.ResourceClaim, wantErr bool) error {
+	t.Helper()
+	a, err := New(ctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := a.Allocate(ctx, node("node-a"), claims)
+	if err == nil && res.Unverified {
+		res, err = a.Verify(ctx, node("node-a"), claims, res)
+	}
+	up, upErr := structured.NewAllocator(ctx, opts.Features, *opts.AllocatedState, opts.ClassLister, opts.Slices, newCELCache())
+	if upErr != nil {
+		t.Fatal(upErr)
+	}
+	upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
+	var got []string
+	if res != nil {
+		got = deviceNames(res.Allocations)
+	}
+	t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
+	if (upErr != nil) != wantErr {
+		t.Fatalf("upstream error %v; the case expects an error: %v", upErr, wantErr)
+	}
+	if (err != nil) != (upErr != nil) {
+		t.Fatalf("topodra error %v, upstream error %v", err, upErr)
+	}
+	if err == nil && !slices.Equal(got, deviceNames(upRes)) {
+		t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
+	}
+	return err
 }
 
 // TestSelectorRuntimeErrorOnAnotherNodesDeviceLikeUpstream: a slice with
@@ -506,38 +522,10 @@ func TestSelectorRuntimeErrorOnAnotherNodesDeviceLikeUpstream(t *testing.T) {
 				if !counting {
 					opts.SkipCounting = func(string) bool { return true }
 				}
-				a, err := New(ctx, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				res, err := a.Allocate(ctx, node("node-a"), claims)
-				if err == nil && res.Unverified {
-					res, err = a.Verify(ctx, node("node-a"), claims, res)
-				}
-				up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, tc.slices, newCELCache())
-				if upErr != nil {
-					t.Fatal(upErr)
-				}
-				upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
-				var got []string
-				if res != nil {
-					got = deviceNames(res.Allocations)
-				}
-				t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
-				if (upErr != nil) != tc.wantErr {
-					t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
-				}
-				if (err != nil) != (upErr != nil) {
-					t.Fatalf("topodra error %v, upstream error %v", err, upErr)
-				}
-				if err != nil {
+				if err := allocateLikeUpstream(ctx, t, opts, claims, tc.wantErr); err != nil {
 					if !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), gpuDriver+"/shared/b0") {
 						t.Errorf("error %q is not an input error that names the failing device", err)
 					}
-					return
-				}
-				if !slices.Equal(got, deviceNames(upRes)) {
-					t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
 				}
 			})
 		}
@@ -573,30 +561,7 @@ func TestAllRequestConstraintLikeUpstream(t *testing.T) {
 			withNICs.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))}}
 			claims := []*resourceapi.ResourceClaim{withNICs, claim("c2").request("gpu", "gpu", 1).obj()}
 			state := allocated(gpuDriver, "node-a", "gpu-3")
-			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			res, err := a.Allocate(ctx, node("node-a"), claims)
-			up, upErr := structured.NewAllocator(ctx, allFeatures, *state, defaultClasses, slices, newCELCache())
-			if upErr != nil {
-				t.Fatal(upErr)
-			}
-			upRes, upErr := up.Allocate(ctx, node("node-a"), claims)
-			var got []string
-			if res != nil {
-				got = deviceNames(res.Allocations)
-			}
-			t.Logf("topodra: %v, %v; upstream: %v, %v", got, err, deviceNames(upRes), upErr)
-			if (upErr != nil) != tc.wantErr {
-				t.Fatalf("upstream error %v; the case expects an error: %v", upErr, tc.wantErr)
-			}
-			if (err != nil) != (upErr != nil) {
-				t.Fatalf("topodra error %v, upstream error %v", err, upErr)
-			}
-			if err == nil && (res.Allocations == nil) != (upRes == nil) {
-				t.Errorf("topodra allocated %v, upstream %v", got, deviceNames(upRes))
-			}
+			allocateLikeUpstream(ctx, t, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()}, claims, tc.wantErr)
 		})
 	}
 }

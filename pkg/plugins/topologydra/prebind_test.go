@@ -146,16 +146,9 @@ func TestPreFilterUncertainClaimRecreated(t *testing.T) {
 		lagClaimWatch(h, &lag)
 		preconditionReactor(h)
 		loseStatusReplies(h, &lose, false, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
-		h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
-			if unreadable.Load() {
-				return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
-			}
-			return false, nil, nil
-		})
+		unreadableClaims(h, &unreadable)
 	}
-	reads := settleReads
-	settleReads.Duration = time.Millisecond
-	t.Cleanup(func() { settleReads = reads })
+	fastSettleReads(t)
 	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2))
 	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 	pod := testPod("p", "c")
@@ -427,16 +420,9 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			hook := func(h *harness) {
 				lagClaimWatch(h, &lag)
 				loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
-				h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
-					if unreadable.Load() {
-						return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
-					}
-					return false, nil, nil
-				})
+				unreadableClaims(h, &unreadable)
 			}
-			reads := settleReads
-			settleReads.Duration = time.Millisecond
-			t.Cleanup(func() { settleReads = reads })
+			fastSettleReads(t)
 			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
 			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
@@ -506,4 +492,23 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unreadableClaims makes every get of a claim fail as unavailable while
+// unreadable is set.
+func unreadableClaims(h *harness, unreadable *atomic.Bool) {
+	h.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		if unreadable.Load() {
+			return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
+		}
+		return false, nil, nil
+	})
+}
+
+// fastSettleReads shortens the pause between PreBind's reads of a claim
+// whose write failed, for the test.
+func fastSettleReads(t *testing.T) {
+	reads := settleReads
+	settleReads.Duration = time.Millisecond
+	t.Cleanup(func() { settleReads = reads })
 }
