@@ -4,94 +4,246 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/pager"
 )
 
-// Check lists slices, claims and pods of all namespaces and returns the
-// violations among them. The lists are not one snapshot: a pod may be bound
-// or deleted between them. So every pod violation is confirmed by reading
-// the pod and its claims again, and only those that still hold are
-// returned. Device violations come from the claim list alone, which is one
-// consistent read. An error means the cluster could not be read; the
-// violations are then nil.
-func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error) {
-	state, err := List(ctx, client)
-	if err != nil {
-		return nil, err
-	}
-	var out []Violation
-	for _, v := range Find(state) {
-		if v.Pod == "" {
-			out = append(out, v)
-			continue
-		}
-		holds, err := confirm(ctx, client, v)
-		if err != nil {
-			return nil, err
-		}
-		if holds {
-			out = append(out, v)
-		}
-	}
-	return out, nil
+// Defaults of [CheckOptions].
+const (
+	DefaultInterval = time.Second
+	DefaultReads    = 3
+	DefaultPageSize = 500
+)
+
+// CheckOptions tune [CheckWith]. The zero value asks for the defaults.
+type CheckOptions struct {
+	// Interval is the wait before each read after the first. Zero:
+	// DefaultInterval. Must not be negative.
+	Interval time.Duration
+	// Reads is the most times the cluster is read: the first read, one
+	// re-read that confirms its violations, and further re-reads while a
+	// confirmed violation is pending (see [Report.Pending]). Zero:
+	// DefaultReads. Otherwise at least 2.
+	Reads int
+	// PageSize is the most objects one list request asks for. Zero:
+	// DefaultPageSize. Must not be negative.
+	PageSize int64
 }
 
-// List reads the objects the invariants are judged on.
+func (o CheckOptions) withDefaults() (CheckOptions, error) {
+	switch {
+	case o.Interval < 0:
+		return o, fmt.Errorf("interval %s is negative", o.Interval)
+	case o.Reads < 0 || o.Reads == 1:
+		return o, fmt.Errorf("reads is %d, want at least 2", o.Reads)
+	case o.PageSize < 0:
+		return o, fmt.Errorf("page size %d is negative", o.PageSize)
+	}
+	if o.Interval == 0 {
+		o.Interval = DefaultInterval
+	}
+	if o.Reads == 0 {
+		o.Reads = DefaultReads
+	}
+	if o.PageSize == 0 {
+		o.PageSize = DefaultPageSize
+	}
+	return o, nil
+}
+
+// Report is what [CheckWith] found.
+type Report struct {
+	// Violations are those that every read found, sorted as by [Find],
+	// each as the last read found it.
+	Violations []Violation
+	// Pending are violations that every read found but that may be an
+	// artefact of a pool its driver is republishing slice by slice: a
+	// VanishedDevice of a device that is DevicePending at the last read
+	// (see [Publication.Presence]), and a DoubleAllocation of such a
+	// device whose allocations all have a share ID. They are not in
+	// Violations; [Find], judging a cluster at rest, reports them.
+	Pending []Violation
+	// Reads is how many times the cluster was read in full.
+	Reads int
+}
+
+// IncompleteError is the error of [CheckWith] and [Check] when a re-read
+// fails: the violations of the reads before it come with it, but are not
+// confirmed.
+type IncompleteError struct {
+	// Reads is how many reads succeeded before the failed one.
+	Reads int
+	// Err is why the re-read failed.
+	Err error
+}
+
+func (e *IncompleteError) Error() string {
+	return fmt.Sprintf("check incomplete: read %d of the cluster failed, the violations found are not confirmed: %v", e.Reads+1, e.Err)
+}
+
+func (e *IncompleteError) Unwrap() error { return e.Err }
+
+// Check is [CheckWith] with the default options; it returns the confirmed
+// violations and drops the pending ones.
+func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error) {
+	report, err := CheckWith(ctx, client, CheckOptions{})
+	return report.Violations, err
+}
+
+// CheckWith lists slices, claims and pods of all namespaces and returns
+// the violations among them. The lists are not one snapshot, and a
+// cluster changes while it is read: a pod may be bound or deleted between
+// two lists, a claim deallocated, a pool republished. So when the first
+// read finds violations, CheckWith waits opts.Interval and reads again,
+// and reports only the violations that every read found (the same kind,
+// device, counter, pod and claims). While such a violation is pending
+// (see [Report.Pending]) it reads again, up to opts.Reads times in all; a
+// violation still pending at the last read goes to Report.Pending. A
+// first read without violations is the answer, without a wait.
+//
+// An error of the first read, or of opts, comes with an empty Report. An
+// error of a re-read is an [*IncompleteError], and comes with the
+// violations (and pending ones) that every read before it found; they
+// are not confirmed. Cancelling ctx during a wait is such an error too.
+func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptions) (Report, error) {
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return Report{}, fmt.Errorf("check options: %w", err)
+	}
+	var found []finding
+	for read := 1; ; read++ {
+		if read > 1 {
+			if err := wait(ctx, opts.Interval); err != nil {
+				return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
+			}
+		}
+		state, err := list(ctx, client, opts.PageSize)
+		if err != nil {
+			if read == 1 {
+				return Report{}, err
+			}
+			return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
+		}
+		if read == 1 {
+			found = find(state)
+		} else {
+			found = again(found, find(state))
+		}
+		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyPending(found)) {
+			return report(found, read), nil
+		}
+	}
+}
+
+// again returns those of now that before has too.
+func again(before, now []finding) []finding {
+	seen := make(map[string]bool, len(before))
+	for _, f := range before {
+		seen[key(f.Violation)] = true
+	}
+	var out []finding
+	for _, f := range now {
+		if seen[key(f.Violation)] {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// key identifies a violation across reads.
+func key(v Violation) string {
+	return strings.Join([]string{string(v.Kind), deviceKey(v.Device), v.Counter, v.Pod, strings.Join(v.Claims, ",")}, "|")
+}
+
+func anyPending(found []finding) bool {
+	for _, f := range found {
+		if f.pending {
+			return true
+		}
+	}
+	return false
+}
+
+func report(found []finding, reads int) Report {
+	r := Report{Reads: reads}
+	for _, f := range found {
+		if f.pending {
+			r.Pending = append(r.Pending, f.Violation)
+		} else {
+			r.Violations = append(r.Violations, f.Violation)
+		}
+	}
+	return r
+}
+
+func wait(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// List reads the objects the invariants are judged on, each kind in pages
+// of DefaultPageSize objects.
 func List(ctx context.Context, client kubernetes.Interface) (State, error) {
+	return list(ctx, client, DefaultPageSize)
+}
+
+func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (State, error) {
 	var s State
-	pods, err := client.CoreV1().Pods(metav1.NamespaceAll).List(ctx, metav1.ListOptions{})
+	var err error
+	s.Pods, err = listAll[v1.Pod](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.CoreV1().Pods(metav1.NamespaceAll).List(ctx, opts)
+	})
 	if err != nil {
-		return s, fmt.Errorf("list pods: %w", err)
+		return State{}, fmt.Errorf("list pods: %w", err)
 	}
-	claims, err := client.ResourceV1().ResourceClaims(metav1.NamespaceAll).List(ctx, metav1.ListOptions{})
+	s.Claims, err = listAll[resourceapi.ResourceClaim](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.ResourceV1().ResourceClaims(metav1.NamespaceAll).List(ctx, opts)
+	})
 	if err != nil {
-		return s, fmt.Errorf("list resource claims: %w", err)
+		return State{}, fmt.Errorf("list resource claims: %w", err)
 	}
-	resourceSlices, err := client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	s.Slices, err = listAll[resourceapi.ResourceSlice](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.ResourceV1().ResourceSlices().List(ctx, opts)
+	})
 	if err != nil {
-		return s, fmt.Errorf("list resource slices: %w", err)
-	}
-	for i := range pods.Items {
-		s.Pods = append(s.Pods, &pods.Items[i])
-	}
-	for i := range claims.Items {
-		s.Claims = append(s.Claims, &claims.Items[i])
-	}
-	for i := range resourceSlices.Items {
-		s.Slices = append(s.Slices, &resourceSlices.Items[i])
+		return State{}, fmt.Errorf("list resource slices: %w", err)
 	}
 	return s, nil
 }
 
-// confirm reads the pod of a pod violation and its claims again and reports
-// whether the pod still violates an invariant.
-func confirm(ctx context.Context, client kubernetes.Interface, v Violation) (bool, error) {
-	namespace, name, _ := strings.Cut(v.Pod, "/")
-	pod, err := client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return false, nil
-	}
+// listAll lists all objects of one kind in pages of pageSize; a list
+// whose continuation expires is read again in full.
+func listAll[T any](ctx context.Context, pageSize int64, page pager.ListPageFunc) ([]*T, error) {
+	p := pager.New(page)
+	p.PageSize = pageSize
+	obj, _, err := p.List(ctx, metav1.ListOptions{})
 	if err != nil {
-		return false, fmt.Errorf("get pod %s: %w", v.Pod, err)
+		return nil, err
 	}
-	var claims []*resourceapi.ResourceClaim
-	for _, ref := range PodClaimNames(pod) {
-		if ref.Name == "" {
-			continue
+	var out []*T
+	err = meta.EachListItem(obj, func(o runtime.Object) error {
+		item, ok := any(o).(*T)
+		if !ok {
+			return fmt.Errorf("list item is a %T, want a %T", o, item)
 		}
-		c, err := client.ResourceV1().ResourceClaims(namespace).Get(ctx, ref.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			continue
-		}
-		if err != nil {
-			return false, fmt.Errorf("get claim %s/%s: %w", namespace, ref.Name, err)
-		}
-		claims = append(claims, c)
+		out = append(out, item)
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
-	return len(podViolations([]*v1.Pod{pod}, claims)) > 0, nil
+	return out, nil
 }

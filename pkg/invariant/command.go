@@ -3,6 +3,7 @@ package invariant
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 
@@ -18,13 +19,16 @@ const (
 	ExitError      = 2
 )
 
-// Run is the topodra-check command line: it reads the cluster named by
+// Run is the topodra-check command line: it checks the cluster named by
 // --kubeconfig / --context (default: $KUBECONFIG, ~/.kube/config or the
-// in-cluster configuration), prints every violation on stdout (text, or
-// JSON with -o json) and returns ExitViolations if there is one,
-// ExitClean if there is none and ExitError if the cluster could not be
-// read or the flags are wrong (the reason goes to stderr). It takes no
-// positional arguments.
+// in-cluster configuration) with [CheckWith] and its default options,
+// prints every confirmed violation on stdout (text, or JSON with -o json)
+// and returns ExitViolations if there is one and ExitClean if there is
+// none. A pending violation (see [Report.Pending]) is noted on stderr and
+// does not change the exit code. It returns ExitError if the flags are
+// wrong or the cluster could not be read, the reason on stderr; when a
+// re-read failed ([IncompleteError]) it first prints the violations found
+// so far on stdout, unconfirmed. It takes no positional arguments.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := pflag.NewFlagSet("topodra-check", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -39,10 +43,14 @@ Checks the DRA allocation invariants of a cluster: no device allocated twice
 no shared counter or shared device capacity consumed beyond what its pool
 publishes, no allocation of a device that no ResourceSlice publishes, no pod
 bound while a claim it uses is unallocated or reserved neither for it nor
-for its PodGroup. Exit code 0: none found; 1: violations (printed); 2: the
-cluster could not be read. Needs list on resourceslices, and get and list on
-pods and resourceclaims (a pod's violation is confirmed by reading the pod
-and its claims again), in all namespaces.
+for its PodGroup. A violation is reported only if a second read, a second
+later, finds it again; an allocated device missing from a pool that its
+driver is still republishing is noted on stderr, not reported.
+
+Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
+cluster could not be read (the reason on stderr; if a re-read failed, the
+violations found so far are printed, unconfirmed). Needs list on
+resourceslices, pods and resourceclaims in all namespaces.
 
 Flags:`)
 		fs.PrintDefaults()
@@ -74,16 +82,29 @@ Flags:`)
 		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
 		return ExitError
 	}
-	violations, err := Check(ctx, client)
-	if err != nil {
+	return check(ctx, client, CheckOptions{}, *output, stdout, stderr)
+}
+
+// check is Run once the flags are read and the client is made.
+func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, output string, stdout, stderr io.Writer) int {
+	report, err := CheckWith(ctx, client, opts)
+	var incomplete *IncompleteError
+	if err != nil && !errors.As(err, &incomplete) {
 		fmt.Fprintf(stderr, "topodra-check: %v\n", err)
 		return ExitError
 	}
-	if err := write(stdout, *output, violations); err != nil {
-		fmt.Fprintf(stderr, "topodra-check: write: %v\n", err)
+	for _, v := range report.Pending {
+		fmt.Fprintf(stderr, "topodra-check: not reported, its pool is being republished: %s\n", v)
+	}
+	if werr := write(stdout, output, report.Violations); werr != nil {
+		fmt.Fprintf(stderr, "topodra-check: write: %v\n", werr)
 		return ExitError
 	}
-	if len(violations) > 0 {
+	if incomplete != nil {
+		fmt.Fprintf(stderr, "topodra-check: %v\n", incomplete)
+		return ExitError
+	}
+	if len(report.Violations) > 0 {
 		return ExitViolations
 	}
 	return ExitClean

@@ -98,11 +98,37 @@ type State struct {
 // Find returns the violations in s, sorted by kind, then device or
 // counter, then pod. It reads s without modifying it.
 func Find(s State) []Violation {
+	found := find(s)
+	out := make([]Violation, 0, len(found))
+	for _, f := range found {
+		out = append(out, f.Violation)
+	}
+	if len(out) == 0 {
+		return nil
+	}
+	return out
+}
+
+// finding is a violation as [Find] reports it, with whether it may be an
+// artefact of a pool that its driver is republishing.
+type finding struct {
+	Violation
+	// pending is set on a VanishedDevice of a device that is
+	// DevicePending, and on a DoubleAllocation of such a device whose
+	// allocations all have a share ID (the device may allow multiple
+	// allocations, but its spec is in a slice still to come).
+	pending bool
+}
+
+// find returns the violations in s, sorted as by [Find].
+func find(s State) []finding {
 	pools := publishedPools(s.Slices)
-	var out []Violation
+	var out []finding
 	out = append(out, deviceViolations(s.Claims, pools)...)
-	out = append(out, podViolations(s.Pods, s.Claims)...)
-	slices.SortFunc(out, func(a, b Violation) int {
+	for _, v := range podViolations(s.Pods, s.Claims) {
+		out = append(out, finding{Violation: v})
+	}
+	slices.SortFunc(out, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
 	return out
@@ -153,13 +179,7 @@ func Publish(resourceSlices []*resourceapi.ResourceSlice) *Publication {
 // allocated device that is not DevicePublished as a VanishedDevice, since
 // it judges a cluster at rest.
 func (p *Publication) Presence(d Device) Presence {
-	if _, ok := p.pools.devices[d]; ok {
-		return DevicePublished
-	}
-	if complete, ok := p.pools.complete[poolID{d.Driver, d.Pool}]; ok && !complete {
-		return DevicePending
-	}
-	return DeviceGone
+	return p.pools.presence(d)
 }
 
 func allowsMultiple(d *resourceapi.Device) bool {
@@ -184,6 +204,16 @@ type pools struct {
 	// many slices of its newest generation exist as the resourceSliceCount
 	// of the first of them (the upstream allocator's test).
 	complete map[poolID]bool
+}
+
+func (p pools) presence(d Device) Presence {
+	if _, ok := p.devices[d]; ok {
+		return DevicePublished
+	}
+	if complete, ok := p.complete[poolID{d.Driver, d.Pool}]; ok && !complete {
+		return DevicePending
+	}
+	return DeviceGone
 }
 
 func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
@@ -225,7 +255,7 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 	return out
 }
 
-func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Violation {
+func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []finding {
 	holders := map[Device][]string{}
 	// dedicated counts the results without a ShareID: upstream, such a
 	// result holds the whole device, whether or not it allows multiple
@@ -255,31 +285,32 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 			}
 		}
 	}
-	var out []Violation
+	var out []finding
 	counterUse := map[counterKey]resource.Quantity{}
 	counterClaims := map[counterKey][]string{}
 	for d, claimNames := range holders {
 		slices.Sort(claimNames)
 		distinct := slices.Compact(slices.Clone(claimNames))
 		spec, exists := published.devices[d]
+		pending := !exists && published.presence(d) == DevicePending
 		if !exists {
-			out = append(out, Violation{
+			out = append(out, finding{pending: pending, Violation: Violation{
 				Kind: VanishedDevice, Device: &d, Claims: distinct,
 				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(distinct, ", ")),
-			})
+			}})
 		}
 		multiple := exists && allowsMultiple(spec)
 		switch {
 		case len(claimNames) > 1 && !multiple:
-			out = append(out, Violation{
+			out = append(out, finding{pending: pending && dedicated[d] == 0, Violation: Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s is allocated %d times: %s", d, len(claimNames), strings.Join(claimNames, ", ")),
-			})
+			}})
 		case len(claimNames) > 1 && dedicated[d] > 0:
-			out = append(out, Violation{
+			out = append(out, finding{Violation: Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s allows multiple allocations but is allocated %d times, %d of them without a share ID (holding the whole device): %s", d, len(claimNames), dedicated[d], strings.Join(claimNames, ", ")),
-			})
+			}})
 		}
 		if !exists {
 			continue
@@ -288,10 +319,10 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 			for _, name := range slices.Sorted(maps.Keys(consumed[d])) {
 				capacity, ok := spec.Capacity[name]
 				if sum := consumed[d][name]; ok && sum.Cmp(capacity.Value) > 0 {
-					out = append(out, Violation{
+					out = append(out, finding{Violation: Violation{
 						Kind: CapacityExceeded, Device: &d, Claims: distinct,
 						Message: fmt.Sprintf("device %s has %s of %s, but %s consume %s", d, capacity.Value.String(), name, strings.Join(distinct, ", "), sum.String()),
-					})
+					}})
 				}
 			}
 		}
@@ -317,10 +348,10 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []Vi
 		claimNames := counterClaims[k]
 		slices.Sort(claimNames)
 		claimNames = slices.Compact(claimNames)
-		out = append(out, Violation{
+		out = append(out, finding{Violation: Violation{
 			Kind: CounterExceeded, Counter: k.String(), Claims: claimNames,
 			Message: fmt.Sprintf("counter %s of counter set %s in pool %s/%s is %s, but the devices allocated to %s consume %s", k.name, k.set, k.driver, k.pool, limit.String(), strings.Join(claimNames, ", "), used.String()),
-		})
+		}})
 	}
 	return out
 }

@@ -1,0 +1,409 @@
+package invariant
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	clienttesting "k8s.io/client-go/testing"
+	"k8s.io/utils/ptr"
+)
+
+// fakeRead is what one read of a fake cluster sees.
+type fakeRead struct {
+	state State
+	// err, if set, is the error of the read's claim list.
+	err error
+}
+
+// fakeCluster is a client whose n-th read (pods, claims and slices listed
+// in this order) sees reads[n-1], and every later read the last of
+// reads. A list with a limit is served in pages of that size.
+type fakeCluster struct {
+	*fake.Clientset
+	reads []fakeRead
+	// n counts the reads begun: the first pages of the pod list.
+	n int
+	// limits has the limit of every list request, by resource.
+	limits map[string][]int64
+}
+
+func newFakeCluster(reads ...fakeRead) *fakeCluster {
+	c := &fakeCluster{Clientset: fake.NewClientset(), reads: reads, limits: map[string][]int64{}}
+	c.PrependReactor("list", "*", func(a clienttesting.Action) (bool, runtime.Object, error) {
+		opts := a.(clienttesting.ListActionImpl).GetListOptions()
+		resource := a.GetResource().Resource
+		c.limits[resource] = append(c.limits[resource], opts.Limit)
+		if resource == "pods" && opts.Continue == "" {
+			c.n++
+		}
+		read := c.reads[min(c.n, len(c.reads))-1]
+		start, _ := strconv.Atoi(opts.Continue)
+		var items []runtime.Object
+		switch resource {
+		case "pods":
+			for _, p := range read.state.Pods {
+				items = append(items, p)
+			}
+		case "resourceclaims":
+			if read.err != nil {
+				return true, nil, read.err
+			}
+			for _, c := range read.state.Claims {
+				items = append(items, c)
+			}
+		case "resourceslices":
+			for _, s := range read.state.Slices {
+				items = append(items, s)
+			}
+		}
+		end := len(items)
+		var next string
+		if opts.Limit > 0 && start+int(opts.Limit) < end {
+			end = start + int(opts.Limit)
+			next = strconv.Itoa(end)
+		}
+		page := items[min(start, len(items)):end]
+		meta := metav1.ListMeta{Continue: next}
+		switch resource {
+		case "pods":
+			l := &v1.PodList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*v1.Pod))
+			}
+			return true, l, nil
+		case "resourceclaims":
+			l := &resourceapi.ResourceClaimList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*resourceapi.ResourceClaim))
+			}
+			return true, l, nil
+		case "resourceslices":
+			l := &resourceapi.ResourceSliceList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*resourceapi.ResourceSlice))
+			}
+			return true, l, nil
+		}
+		return false, nil, nil
+	})
+	return c
+}
+
+// noGets fails the test for every get request the client saw: re-reads
+// list, so their cost does not grow with the violations found.
+func (c *fakeCluster) noGets(t *testing.T) {
+	t.Helper()
+	for _, a := range c.Actions() {
+		if a.GetVerb() == "get" {
+			t.Errorf("unexpected get of %s", a.GetResource().Resource)
+		}
+	}
+}
+
+// poolSlice is slice name of pool "node-a", at generation, one of count.
+func poolSlice(name string, generation, count int64, devs ...resourceapi.Device) *resourceapi.ResourceSlice {
+	s := slice("node-a", generation, devs...)
+	s.Name = name
+	s.Spec.Pool.ResourceSliceCount = count
+	return s
+}
+
+// withShareID gives every allocation of c a share ID.
+func withShareID(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+	for i := range c.Status.Allocation.Devices.Results {
+		c.Status.Allocation.Devices.Results[i].ShareID = ptr.To(c.UID + "-share")
+	}
+	return c
+}
+
+// TestCheckWith: a violation is reported only if every read finds it;
+// one that may be an artefact of a pool being republished slice by slice
+// is pending while its device is pending, and a failed re-read returns
+// what the reads before it found with an IncompleteError.
+func TestCheckWith(t *testing.T) {
+	gpu2 := &Device{driver, "node-a", "gpu-2"}
+	link := &Device{driver, "node-a", "link"}
+	shared := resourceapi.Device{Name: "link", AllowMultipleAllocations: ptr.To(true)}
+	// The pool node-a of two slices: "first" with gpu-0 and gpu-1,
+	// "second" with gpu-2, gpu-3 and link.
+	complete := []*resourceapi.ResourceSlice{
+		poolSlice("first", 2, 2, devices("gpu-0", "gpu-1")...),
+		poolSlice("second", 2, 2, append(devices("gpu-2", "gpu-3"), shared)...),
+	}
+	// The driver has republished "first" under generation 2, not yet
+	// "second".
+	midRepublish := []*resourceapi.ResourceSlice{
+		poolSlice("first", 2, 2, devices("gpu-0", "gpu-1")...),
+		poolSlice("second", 1, 2, append(devices("gpu-2", "gpu-3"), shared)...),
+	}
+	// The driver has republished the pool without gpu-2 and link.
+	withoutGPU2 := []*resourceapi.ResourceSlice{
+		poolSlice("first", 2, 2, devices("gpu-0", "gpu-1")...),
+		poolSlice("second", 2, 2, devices("gpu-3")...),
+	}
+	onGPU2 := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}
+	twiceOnGPU2 := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2"), claim("b", "node-a", "", "gpu-2")}
+	sharesOfLink := []*resourceapi.ResourceClaim{withShareID(claim("a", "node-a", "", "link")), withShareID(claim("b", "node-a", "", "link"))}
+	unreachable := apierrors.NewServiceUnavailable("etcd is down")
+	bound := pod("p", "p-uid", "node-a", "a")
+	tests := map[string]struct {
+		reads       []fakeRead
+		want        []Violation
+		wantPending []Violation
+		wantReads   int
+		// wantIncomplete: the error is an IncompleteError after
+		// wantReads reads.
+		wantIncomplete bool
+		wantErr        bool
+	}{
+		"clean cluster is read once": {
+			reads:     []fakeRead{{state: State{Slices: complete, Claims: onGPU2}}},
+			wantReads: 1,
+		},
+		"violation found again is reported": {
+			reads:     []fakeRead{{state: State{Slices: complete, Claims: twiceOnGPU2}}},
+			want:      []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
+			wantReads: 2,
+		},
+		"device violation gone at the re-read": {
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: twiceOnGPU2}},
+				{state: State{Slices: complete, Claims: onGPU2}},
+			},
+			wantReads: 2,
+		},
+		"pod violation gone at the re-read": {
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}, Pods: []*v1.Pod{bound}}},
+				{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "p-uid", "gpu-2")}, Pods: []*v1.Pod{bound}}},
+			},
+			wantReads: 2,
+		},
+		"pod violation found again is reported": {
+			reads:     []fakeRead{{state: State{Slices: complete, Claims: onGPU2, Pods: []*v1.Pod{bound}}}},
+			want:      []Violation{{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}}},
+			wantReads: 2,
+		},
+		"device of a slice not yet republished is pending": {
+			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: onGPU2}}},
+			wantPending: []Violation{{Kind: VanishedDevice, Device: gpu2, Claims: []string{"ns/a"}}},
+			wantReads:   DefaultReads,
+		},
+		"republish completes between reads": {
+			reads: []fakeRead{
+				{state: State{Slices: midRepublish, Claims: onGPU2}},
+				{state: State{Slices: complete, Claims: onGPU2}},
+			},
+			wantReads: 2,
+		},
+		"republish completes without the device": {
+			reads: []fakeRead{
+				{state: State{Slices: midRepublish, Claims: onGPU2}},
+				{state: State{Slices: withoutGPU2, Claims: onGPU2}},
+			},
+			want:      []Violation{{Kind: VanishedDevice, Device: gpu2, Claims: []string{"ns/a"}}},
+			wantReads: 2,
+		},
+		"shares of a device of a slice not yet republished are pending": {
+			reads: []fakeRead{{state: State{Slices: midRepublish, Claims: sharesOfLink}}},
+			wantPending: []Violation{
+				{Kind: DoubleAllocation, Device: link, Claims: []string{"ns/a", "ns/b"}},
+				{Kind: VanishedDevice, Device: link, Claims: []string{"ns/a", "ns/b"}},
+			},
+			wantReads: DefaultReads,
+		},
+		"device of a slice not yet republished held twice": {
+			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: twiceOnGPU2}}},
+			want:        []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
+			wantPending: []Violation{{Kind: VanishedDevice, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
+			wantReads:   DefaultReads,
+		},
+		"re-read fails": {
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: twiceOnGPU2}},
+				{err: unreachable},
+			},
+			want:           []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
+			wantReads:      1,
+			wantIncomplete: true,
+		},
+		"first read fails": {
+			reads:   []fakeRead{{err: unreachable}},
+			wantErr: true,
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			client := newFakeCluster(tc.reads...)
+			report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond})
+			var incomplete *IncompleteError
+			switch {
+			case tc.wantIncomplete:
+				if !errors.As(err, &incomplete) || incomplete.Reads != tc.wantReads || !apierrors.IsServiceUnavailable(err) {
+					t.Errorf("error %v, want an IncompleteError after %d reads that wraps the read's error", err, tc.wantReads)
+				}
+			case tc.wantErr:
+				if err == nil || errors.As(err, &incomplete) {
+					t.Errorf("error %v, want one that is not an IncompleteError", err)
+				}
+			case err != nil:
+				t.Fatalf("unexpected error: %v", err)
+			}
+			if !tc.wantErr && report.Reads != tc.wantReads {
+				t.Errorf("%d reads, want %d", report.Reads, tc.wantReads)
+			}
+			expectViolations(t, report.Violations, tc.want)
+			t.Log("pending:")
+			expectViolations(t, report.Pending, tc.wantPending)
+			client.noGets(t)
+		})
+	}
+}
+
+// TestFindIsStrictMidRepublish: Find judges a cluster at rest, and reports
+// an allocated device that the pool's newest generation lacks even while
+// that generation is incomplete.
+func TestFindIsStrictMidRepublish(t *testing.T) {
+	s := State{
+		Slices: []*resourceapi.ResourceSlice{poolSlice("first", 2, 2, devices("gpu-0")...), poolSlice("second", 1, 2, devices("gpu-2")...)},
+		Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")},
+	}
+	expectViolations(t, Find(s), []Violation{{Kind: VanishedDevice, Device: &Device{driver, "node-a", "gpu-2"}, Claims: []string{"ns/a"}}})
+}
+
+// TestCheckReadsInPages: every list asks for pages of the page size, and
+// the objects of every page are judged.
+func TestCheckReadsInPages(t *testing.T) {
+	var s State
+	for i := range 5 {
+		name := strconv.Itoa(i)
+		s.Slices = append(s.Slices, poolSlice("slice-"+name, 1, 5, devices("gpu-"+name)...))
+		s.Claims = append(s.Claims, claim("c-"+name, "node-a", "", "gpu-"+name))
+		s.Pods = append(s.Pods, pod("p-"+name, "", "", "c-"+name))
+	}
+	// On the last page of each list: a pod bound with a claim that
+	// is not reserved for it, which is allocated a device twice.
+	s.Pods[4] = pod("p-4", "p-4-uid", "node-a", "c-4")
+	s.Claims[4] = claim("c-4", "node-a", "", "gpu-4", "gpu-4")
+	client := newFakeCluster(fakeRead{state: s})
+	report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond, PageSize: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu4 := &Device{driver, "node-a", "gpu-4"}
+	expectViolations(t, report.Violations, []Violation{
+		{Kind: DoubleAllocation, Device: gpu4, Claims: []string{"ns/c-4", "ns/c-4"}},
+		{Kind: PodClaimNotReserved, Pod: "ns/p-4", Claims: []string{"ns/c-4"}},
+	})
+	for _, resource := range []string{"pods", "resourceclaims", "resourceslices"} {
+		limits := client.limits[resource]
+		// Two reads of three pages each.
+		if len(limits) != 6 {
+			t.Errorf("%s: %d list requests, want 6 (two reads of three pages)", resource, len(limits))
+		}
+		for _, l := range limits {
+			if l != 2 {
+				t.Errorf("%s: a list request with limit %d, want 2", resource, l)
+			}
+		}
+	}
+}
+
+// TestCheckOptions: options out of range are refused before the cluster
+// is read.
+func TestCheckOptions(t *testing.T) {
+	for name, opts := range map[string]CheckOptions{
+		"negative interval":  {Interval: -time.Second},
+		"one read":           {Reads: 1},
+		"negative page size": {PageSize: -1},
+	} {
+		t.Run(name, func(t *testing.T) {
+			client := newFakeCluster(fakeRead{})
+			if _, err := CheckWith(context.Background(), client, opts); err == nil {
+				t.Error("no error")
+			}
+			if n := len(client.Actions()); n > 0 {
+				t.Errorf("%d requests, want none", n)
+			}
+		})
+	}
+}
+
+// TestCommandCheck: the command prints confirmed violations on stdout,
+// notes pending ones on stderr without changing the exit code, and when a
+// re-read fails prints what it found and exits with ExitError, the reason
+// on stderr.
+func TestCommandCheck(t *testing.T) {
+	twice := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-0"), claim("b", "node-a", "", "gpu-0")}
+	slices := []*resourceapi.ResourceSlice{poolSlice("first", 1, 1, devices("gpu-0")...)}
+	midRepublish := []*resourceapi.ResourceSlice{poolSlice("first", 2, 2, devices("gpu-0")...), poolSlice("second", 1, 2, devices("gpu-2")...)}
+	failed := apierrors.NewInternalError(errors.New("boom"))
+	tests := map[string]struct {
+		reads      []fakeRead
+		wantCode   int
+		wantStdout []string
+		wantStderr []string
+	}{
+		"clean": {
+			reads:      []fakeRead{{state: State{Slices: slices}}},
+			wantCode:   ExitClean,
+			wantStdout: []string{"no violations"},
+		},
+		"violation": {
+			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}},
+			wantCode:   ExitViolations,
+			wantStdout: []string{"DoubleAllocation", "1 violation(s)"},
+		},
+		"pending only": {
+			reads:      []fakeRead{{state: State{Slices: midRepublish, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}}}},
+			wantCode:   ExitClean,
+			wantStdout: []string{"no violations"},
+			wantStderr: []string{"being republished", "VanishedDevice", "gpu-2"},
+		},
+		"re-read fails": {
+			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}, {err: failed}},
+			wantCode:   ExitError,
+			wantStdout: []string{"DoubleAllocation", "1 violation(s)"},
+			wantStderr: []string{"incomplete", "not confirmed", "boom"},
+		},
+		"first read fails": {
+			reads:      []fakeRead{{err: failed}},
+			wantCode:   ExitError,
+			wantStderr: []string{"list resource claims", "boom"},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			code := check(context.Background(), newFakeCluster(tc.reads...), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr)
+			t.Logf("stdout:\n%sstderr:\n%s", stdout.String(), stderr.String())
+			if code != tc.wantCode {
+				t.Errorf("exit code %d, want %d", code, tc.wantCode)
+			}
+			for _, w := range tc.wantStdout {
+				if !strings.Contains(stdout.String(), w) {
+					t.Errorf("stdout does not contain %q", w)
+				}
+			}
+			for _, w := range tc.wantStderr {
+				if !strings.Contains(stderr.String(), w) {
+					t.Errorf("stderr does not contain %q", w)
+				}
+			}
+			if len(tc.wantStderr) == 0 && stderr.Len() > 0 {
+				t.Errorf("stderr %q, want nothing", stderr.String())
+			}
+		})
+	}
+}
