@@ -361,6 +361,34 @@ func TestBadInput(t *testing.T) {
 			classes: classes(class("odd", `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`)),
 			want:    []string{"default/my-claim", "my-request", "device class odd", "noSuchAttribute"},
 		},
+		// A selector of a type newer than this package (an API server
+		// newer than the scheduler): upstream refuses it in a request and
+		// dereferences its nil CEL in a class.
+		"selector-without-cel": {
+			claim: func() *resourceapi.ResourceClaim {
+				c := claim("my-claim").request("my-request", "gpu", 1).obj()
+				c.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{}}
+				return c
+			}(),
+			want: []string{"default/my-claim", "my-request", "selector #0", "does not know"},
+		},
+		"class-selector-without-cel": {
+			claim: claim("my-claim").request("my-request", "newer", 1).obj(),
+			classes: func() classLister {
+				c := class("newer")
+				c.Spec.Selectors = []resourceapi.DeviceSelector{{}}
+				return classes(c)
+			}(),
+			want: []string{"default/my-claim", "my-request", "device class newer: selector #0", "does not know"},
+		},
+		"more-devices-than-a-claim-holds": {
+			claim: claim("my-claim").request("my-request", "gpu", 33).obj(),
+			want:  []string{"default/my-claim", "my-request", "asks for 33 devices", "32"},
+		},
+		"requests-together-more-than-a-claim-holds": {
+			claim: claim("my-claim").request("a", "gpu", 20).request("b", "gpu", 20).obj(),
+			want:  []string{"default/my-claim", "at least 40 devices", "32"},
+		},
 		"bad-annotation": {
 			claim: claim("my-claim").request("my-request", "gpu", 1).annotate(topology.AnnotationAlignment, "always").obj(),
 			want:  []string{"default/my-claim", topology.AnnotationAlignment, "always"},

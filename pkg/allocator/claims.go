@@ -233,14 +233,23 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 		st.requests = append(st.requests, rs)
 	}
 	if claimMin > resourceapi.AllocationResultsMaxSize {
-		// Upstream rejects such claims with an error.
-		st.passthrough = true
+		// Upstream refuses such claims on every node.
+		st.err = &InputError{Claim: klog.KObj(claim).String(),
+			Detail: fmt.Sprintf("its requests ask for at least %d devices, more than the %d a claim can hold", claimMin, resourceapi.AllocationResultsMaxSize)}
 	}
 	return st
 }
 
+// unknownSelector describes a selector without a CEL expression: one of a
+// type added to the API after this package was built. Upstream's allocator
+// refuses such a request selector with an error and dereferences the nil
+// CEL of such a class selector.
+const unknownSelector = "of a type this scheduler does not know (it supports cel)"
+
 // newUnitSpec resolves the class and compiles selectors. It returns nil (and
-// no error) for requests it does not understand.
+// no error) for requests it does not understand, and an *InputError for
+// those no node can satisfy: a missing class, a selector that does not
+// compile or is of an unknown type, more devices than a claim can hold.
 func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
 	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unitSpec, error) {
@@ -259,7 +268,11 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	case resourceapi.DeviceAllocationModeAll:
 		u.all = true
 	case resourceapi.DeviceAllocationModeExactCount, "":
-		if count < 0 || count > resourceapi.AllocationResultsMaxSize {
+		if count > resourceapi.AllocationResultsMaxSize {
+			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
+				Detail: fmt.Sprintf("asks for %d devices, more than the %d a claim can hold", count, resourceapi.AllocationResultsMaxSize)}
+		}
+		if count < 0 {
 			return nil, nil
 		}
 		u.count = int(count)
@@ -276,7 +289,8 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	u.class = class
 	for i, sel := range class.Spec.Selectors {
 		if sel.CEL == nil {
-			return nil, nil
+			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
+				Detail: fmt.Sprintf("device class %s: selector #%d: %s", className, i, unknownSelector)}
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {
@@ -287,7 +301,8 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	}
 	for i, sel := range selectors {
 		if sel.CEL == nil {
-			return nil, nil
+			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
+				Detail: fmt.Sprintf("selector #%d: %s", i, unknownSelector)}
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {

@@ -103,6 +103,28 @@ func TestPreFilter(t *testing.T) {
 			pod:      testPod("p", "c"),
 			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "invalid CEL selector", wantEvent: "InvalidClaim",
 		},
+		// A selector type newer than the scheduler: upstream's allocator
+		// would dereference its nil CEL and take the scheduler down.
+		"class selector of an unknown type": {
+			objs: []runtime.Object{func() *resourceapi.DeviceClass {
+				c := testDeviceClass()
+				c.Spec.Selectors = append(c.Spec.Selectors, resourceapi.DeviceSelector{})
+				return c
+			}(), testSlice("node-a", 2), testClaim("c", 1)},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "is of a type this scheduler does not know", wantEvent: "InvalidClaim",
+		},
+		"more devices than a claim can hold": {
+			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), func() *resourceapi.ResourceClaim {
+				c := testClaim("c", 20)
+				second := *c.Spec.Devices.Requests[0].DeepCopy()
+				second.Name = "more"
+				c.Spec.Devices.Requests = append(c.Spec.Devices.Requests, second)
+				return c
+			}()},
+			pod:      testPod("p", "c"),
+			wantCode: fwk.UnschedulableAndUnresolvable, wantMsg: "ask for at least 40 devices, more than the 32 a claim can hold", wantEvent: "InvalidClaim",
+		},
 		"invalid alignment annotation": {
 			objs: []runtime.Object{testDeviceClass(), testSlice("node-a", 2), func() *resourceapi.ResourceClaim {
 				c := testClaim("c", 1)

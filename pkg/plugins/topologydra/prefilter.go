@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 
@@ -267,8 +268,11 @@ func matchesOn(counts map[string]allocator.DeviceCount) bool {
 func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.ResourceClaim) *fwk.Status {
 	var problems []string
 	checkSelectors := func(request string, selectors []resourceapi.DeviceSelector) {
-		for _, sel := range selectors {
+		for i, sel := range selectors {
 			if sel.CEL == nil {
+				// A selector of a type added to the API after this
+				// scheduler was built (an API server newer than it).
+				problems = append(problems, fmt.Sprintf("request %s: selector #%d is of a type this scheduler does not know (it supports cel)", request, i))
 				continue
 			}
 			if res := pl.celCache.GetOrCompile(sel.CEL.Expression); res.Error != nil {
@@ -310,6 +314,9 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 			problems = append(problems, fmt.Sprintf("request %s: unknown request type", req.Name))
 		}
 	}
+	if n := leastDevices(claim); n > resourceapi.AllocationResultsMaxSize {
+		problems = append(problems, fmt.Sprintf("its requests ask for at least %d devices, more than the %d a claim can hold", n, resourceapi.AllocationResultsMaxSize))
+	}
 	if len(problems) == 0 {
 		return nil
 	}
@@ -320,6 +327,33 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 	// annotations (see isSchedulableAfterClaimChange). A broken spec
 	// needs a new claim.
 	return unresolvable(msg)
+}
+
+// leastDevices is the fewest devices an allocation of claim can hold: the
+// sum over its requests of the exact count, or of the smallest exact count
+// among a request's subrequests (requests for all matching devices count as
+// none, as does a request with such a subrequest).
+func leastDevices(claim *resourceapi.ResourceClaim) int64 {
+	exact := func(mode resourceapi.DeviceAllocationMode, count int64) int64 {
+		if mode == resourceapi.DeviceAllocationModeAll {
+			return 0
+		}
+		return max(count, 1)
+	}
+	var n int64
+	for _, req := range claim.Spec.Devices.Requests {
+		switch {
+		case req.Exactly != nil:
+			n += exact(req.Exactly.AllocationMode, req.Exactly.Count)
+		case len(req.FirstAvailable) > 0:
+			least := int64(math.MaxInt64)
+			for _, sub := range req.FirstAvailable {
+				least = min(least, exact(sub.AllocationMode, sub.Count))
+			}
+			n += least
+		}
+	}
+	return n
 }
 
 // gatherAllocatedState reads allocated and in-flight devices, retrying
