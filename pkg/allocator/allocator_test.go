@@ -383,11 +383,11 @@ func TestBadInput(t *testing.T) {
 		},
 		"more-devices-than-a-claim-holds": {
 			claim: claim("my-claim").request("my-request", "gpu", 33).obj(),
-			want:  []string{"default/my-claim", "my-request", "asks for 33 devices", "32"},
+			want:  []string{"default/my-claim", "my-request", "asks for 33 devices", "exceeds the claim limit of 32"},
 		},
 		"requests-together-more-than-a-claim-holds": {
 			claim: claim("my-claim").request("a", "gpu", 20).request("b", "gpu", 20).obj(),
-			want:  []string{"default/my-claim", "at least 40 devices", "32"},
+			want:  []string{"default/my-claim", "at least 40 devices", "exceeds the claim limit of 32"},
 		},
 		"bad-annotation": {
 			claim: claim("my-claim").request("my-request", "gpu", 1).annotate(topology.AnnotationAlignment, "always").obj(),

@@ -235,7 +235,7 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 	if claimMin > resourceapi.AllocationResultsMaxSize {
 		// Upstream refuses such claims on every node.
 		st.err = &InputError{Claim: klog.KObj(claim).String(),
-			Detail: fmt.Sprintf("its requests ask for at least %d devices, more than the %d a claim can hold", claimMin, resourceapi.AllocationResultsMaxSize)}
+			Detail: fmt.Sprintf("its requests ask for at least %d devices, which exceeds the claim limit of %d", claimMin, resourceapi.AllocationResultsMaxSize)}
 	}
 	return st
 }
@@ -270,7 +270,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	case resourceapi.DeviceAllocationModeExactCount, "":
 		if count > resourceapi.AllocationResultsMaxSize {
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
-				Detail: fmt.Sprintf("asks for %d devices, more than the %d a claim can hold", count, resourceapi.AllocationResultsMaxSize)}
+				Detail: fmt.Sprintf("asks for %d devices, which exceeds the claim limit of %d", count, resourceapi.AllocationResultsMaxSize)}
 		}
 		if count < 0 {
 			return nil, nil

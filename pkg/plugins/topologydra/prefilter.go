@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"strings"
 	"time"
 
@@ -314,9 +313,6 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 			problems = append(problems, fmt.Sprintf("request %s: unknown request type", req.Name))
 		}
 	}
-	if n := leastDevices(claim); n > resourceapi.AllocationResultsMaxSize {
-		problems = append(problems, fmt.Sprintf("its requests ask for at least %d devices, more than the %d a claim can hold", n, resourceapi.AllocationResultsMaxSize))
-	}
 	if len(problems) == 0 {
 		return nil
 	}
@@ -327,33 +323,6 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 	// annotations (see isSchedulableAfterClaimChange). A broken spec
 	// needs a new claim.
 	return unresolvable(msg)
-}
-
-// leastDevices is the fewest devices an allocation of claim can hold: the
-// sum over its requests of the exact count, or of the smallest exact count
-// among a request's subrequests (requests for all matching devices count as
-// none, as does a request with such a subrequest).
-func leastDevices(claim *resourceapi.ResourceClaim) int64 {
-	exact := func(mode resourceapi.DeviceAllocationMode, count int64) int64 {
-		if mode == resourceapi.DeviceAllocationModeAll {
-			return 0
-		}
-		return max(count, 1)
-	}
-	var n int64
-	for _, req := range claim.Spec.Devices.Requests {
-		switch {
-		case req.Exactly != nil:
-			n += exact(req.Exactly.AllocationMode, req.Exactly.Count)
-		case len(req.FirstAvailable) > 0:
-			least := int64(math.MaxInt64)
-			for _, sub := range req.FirstAvailable {
-				least = min(least, exact(sub.AllocationMode, sub.Count))
-			}
-			n += least
-		}
-	}
-	return n
 }
 
 // gatherAllocatedState reads allocated and in-flight devices, retrying
