@@ -243,14 +243,7 @@ func TestFilter(t *testing.T) {
 		if code(st["node-a"]) != fwk.Error || !strings.Contains(st["node-a"].Message(), "ns/c") {
 			t.Errorf("Filter: %v, want Error naming claim ns/c", st["node-a"])
 		}
-		select {
-		case e := <-h.recorder.Events:
-			if !strings.Contains(e, "InvalidClaim") || !strings.Contains(e, "missing") {
-				t.Errorf("event %q, want InvalidClaim naming the expression", e)
-			}
-		default:
-			t.Error("no InvalidClaim event on the claim")
-		}
+		expectInvalidClaimEvent(t, h, "missing")
 	})
 	t.Run("more devices than a claim can hold", func(t *testing.T) {
 		c := testClaim("c", 20)
@@ -264,15 +257,22 @@ func TestFilter(t *testing.T) {
 		if code(st["node-a"]) != fwk.Error || !strings.Contains(st["node-a"].Message(), "at least 40 devices, which exceeds the claim limit of 32") {
 			t.Errorf("Filter: %v, want Error naming the claim limit", st["node-a"])
 		}
-		select {
-		case e := <-h.recorder.Events:
-			if !strings.Contains(e, "InvalidClaim") || !strings.Contains(e, "claim limit") {
-				t.Errorf("event %q, want InvalidClaim naming the claim limit", e)
-			}
-		default:
-			t.Error("no InvalidClaim event on the claim")
-		}
+		expectInvalidClaimEvent(t, h, "claim limit")
 	})
+}
+
+// expectInvalidClaimEvent checks that an InvalidClaim event that says want
+// has been recorded.
+func expectInvalidClaimEvent(t *testing.T, h *harness, want string) {
+	t.Helper()
+	select {
+	case e := <-h.recorder.Events:
+		if !strings.Contains(e, "InvalidClaim") || !strings.Contains(e, want) {
+			t.Errorf("event %q, want InvalidClaim that says %q", e, want)
+		}
+	default:
+		t.Error("no InvalidClaim event on the claim")
+	}
 }
 
 func devicesOf(a resourceapi.AllocationResult) []string {
