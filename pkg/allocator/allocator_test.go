@@ -379,7 +379,7 @@ func TestBadInput(t *testing.T) {
 				c.Spec.Selectors = []resourceapi.DeviceSelector{{}}
 				return classes(c)
 			}(),
-			want: []string{"default/my-claim", "my-request", "device class newer: selector #0", "does not know"},
+			want: []string{"default/my-claim", "my-request", "device class newer: selector #0 is of a type", "does not know"},
 		},
 		"more-devices-than-a-claim-holds": {
 			claim: claim("my-claim").request("my-request", "gpu", 33).obj(),

@@ -240,11 +240,11 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 	return st
 }
 
-// unknownSelector describes a selector without a CEL expression: one of a
+// UnknownSelector describes a selector without a CEL expression: one of a
 // type added to the API after this package was built. Upstream's allocator
 // refuses such a request selector with an error and dereferences the nil
 // CEL of such a class selector.
-const unknownSelector = "of a type this scheduler does not know (it supports cel)"
+const UnknownSelector = "is of a type this scheduler does not know (it supports cel)"
 
 // newUnitSpec resolves the class and compiles selectors. It returns nil (and
 // no error) for requests it does not understand, and an *InputError for
@@ -290,7 +290,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	for i, sel := range class.Spec.Selectors {
 		if sel.CEL == nil {
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
-				Detail: fmt.Sprintf("device class %s: selector #%d: %s", className, i, unknownSelector)}
+				Detail: fmt.Sprintf("device class %s: selector #%d %s", className, i, UnknownSelector)}
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {
@@ -302,7 +302,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	for i, sel := range selectors {
 		if sel.CEL == nil {
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
-				Detail: fmt.Sprintf("selector #%d: %s", i, unknownSelector)}
+				Detail: fmt.Sprintf("selector #%d %s", i, UnknownSelector)}
 		}
 		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
 		if expr.Error != nil {

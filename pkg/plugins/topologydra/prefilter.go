@@ -271,7 +271,7 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 			if sel.CEL == nil {
 				// A selector of a type added to the API after this
 				// scheduler was built (an API server newer than it).
-				problems = append(problems, fmt.Sprintf("request %s: selector #%d is of a type this scheduler does not know (it supports cel)", request, i))
+				problems = append(problems, fmt.Sprintf("request %s: selector #%d %s", request, i, allocator.UnknownSelector))
 				continue
 			}
 			if res := pl.celCache.GetOrCompile(sel.CEL.Expression); res.Error != nil {
