@@ -93,9 +93,13 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 	manager := dynamicresources.NewDRAManager(tCtx, claims, tracker, factory)
 	// The scheduler feeds the manager's extended resource names
 	// (DeviceClassResolver) from the DeviceClass informer.
+	// Setup waits for the cache's handler to have seen the initial
+	// classes, not only for the informer's store.
+	synced := []cache.DoneChecker{tracker.HasSyncedChecker(), claimsSynced.HasSyncedChecker()}
 	if resolver, ok := manager.DeviceClassResolver().(*extendedresourcecache.ExtendedResourceCache); ok && resolver != nil {
-		_, err := factory.Resource().V1().DeviceClasses().Informer().AddEventHandler(resolver)
+		reg, err := factory.Resource().V1().DeviceClasses().Informer().AddEventHandler(resolver)
 		tCtx.ExpectNoError(err, "register the extended resource cache")
+		synced = append(synced, reg.HasSyncedChecker())
 	}
 	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
 		frameworkruntime.WithClientSet(h.client),
@@ -131,7 +135,7 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 		frameworkruntime.WaitForShutdown(fh)
 	})
 	factory.WaitForCacheSync(tCtx.Done())
-	cache.WaitFor(tCtx, "handlers", tracker.HasSyncedChecker(), claimsSynced.HasSyncedChecker(), deliveredSynced.HasSyncedChecker())
+	cache.WaitFor(tCtx, "handlers", append(synced, deliveredSynced.HasSyncedChecker())...)
 	for _, n := range nodes {
 		info := framework.NewNodeInfo()
 		info.SetNode(n)
