@@ -1000,36 +1000,31 @@ func TestQualityOtherDevices(t *testing.T) {
 	}
 }
 
-// TestNICReserveScore: an allocation marked InNICReserve gives up one
-// rank: it scores below every unmarked one of its own rank, ties with an
-// unmarked one a rank looser on room and packing, and still beats one
-// two ranks looser; an allocation of rank 1 keeps its rank (it beats
-// one of rank 0 outside the reserve); it is not lowered when spreading.
+// TestNICReserveScore: an allocation marked InNICReserve scores in the
+// lowest band: below every unmarked allocation of rank 1 or more, however
+// aligned it is itself, level with an unmarked one that shares nothing and
+// has the same room and packing, and above one with less; it is not
+// lowered when spreading.
 func TestNICReserveScore(t *testing.T) {
 	p := DefaultPolicy()
 	best := Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true}
-	sameRank := Quality{Shared: 3, Room: 0, Packing: 0}
-	if p.Score(best) >= p.Score(sameRank) {
-		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 3 outside it", p.Score(best), p.Score(sameRank))
+	if got := p.Rank(best); got != 0 {
+		t.Errorf("rank 3 in the reserve: rank %d, want 0", got)
 	}
-	looser := Quality{Shared: 2, Room: 1, Packing: 1}
-	if p.Score(best) != p.Score(looser) {
-		t.Errorf("rank 3 in the reserve scores %d, rank 2 outside it with the same room and packing %d: want a tie", p.Score(best), p.Score(looser))
+	loosest := Quality{Shared: 1, Room: 0, Packing: 0}
+	if p.Score(best) >= p.Score(loosest) {
+		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 1 outside it", p.Score(best), p.Score(loosest))
 	}
-	emptier := Quality{Shared: 2, Room: 0.7, Packing: 0.2}
-	if p.Score(best) <= p.Score(emptier) {
-		t.Errorf("rank 3 in the reserve (%d) should beat rank 2 outside it with less room and packing (%d)", p.Score(best), p.Score(emptier))
+	nothing := Quality{Shared: 0, Room: 1, Packing: 1}
+	if p.Score(best) != p.Score(nothing) {
+		t.Errorf("rank 3 in the reserve scores %d, rank 0 outside it with the same room and packing %d: want a tie", p.Score(best), p.Score(nothing))
 	}
-	loosest := Quality{Shared: 1, Room: 1, Packing: 1}
-	if p.Score(best) <= p.Score(loosest) {
-		t.Errorf("rank 3 in the reserve scores %d, not above %d of rank 1", p.Score(best), p.Score(loosest))
+	if emptier := (Quality{Shared: 0, Room: 0.7, Packing: 0.2}); p.Score(best) <= p.Score(emptier) {
+		t.Errorf("rank 3 in the reserve (%d) should beat rank 0 outside it with less room and packing (%d)", p.Score(best), p.Score(emptier))
 	}
-	clique := Quality{Shared: 1, Room: 0, Packing: 0, InNICReserve: true}
-	if nothing := (Quality{Shared: 0, Room: 1, Packing: 1}); p.Score(clique) <= p.Score(nothing) {
-		t.Errorf("rank 1 in the reserve scores %d, not above %d of rank 0 outside it", p.Score(clique), p.Score(nothing))
-	}
-	if got := p.Score(Quality{Shared: 0, Room: 1, Packing: 1, InNICReserve: true}); got < 0 || got != p.Score(Quality{Shared: 0, Room: 1, Packing: 1}) {
-		t.Errorf("rank 0 in the reserve scores %d, want as outside it (no rank to give up)", got)
+	draining := Quality{Shared: 2, Room: 1, Packing: 1, InNICReserve: true}
+	if got := p.RankOn(draining, true); got != 0 {
+		t.Errorf("in the reserve on a draining node: rank %d, want 0", got)
 	}
 	plain := best
 	plain.InNICReserve = false

@@ -112,14 +112,18 @@ func (p Policy) Rank(q Quality) int { return p.RankOn(q, false) }
 // RankOn is the alignment rank of an allocation of quality q on a node
 // that is draining or not: q.Shared, lowered (not below 1, and only when
 // the policy packs) by WholeNodeTrade where the allocation breaks up a
-// whole free node, by DrainTrade where the node is draining and by one
-// where it takes devices kept beside free devices of other drivers
-// (q.InNICReserve); then, where q.StrandsNICs, by NICRootTrade (not below
-// 0).
+// whole free node and by DrainTrade where the node is draining; then,
+// where q.StrandsNICs, by NICRootTrade (not below 0). An allocation that
+// takes devices kept beside free devices of other drivers
+// (q.InNICReserve) has rank 0 when the policy packs: it comes after every
+// allocation of rank 1 or more outside the reserve.
 func (p Policy) RankOn(q Quality, draining bool) int {
 	r := q.Shared
 	if !p.Packing {
 		return r
+	}
+	if q.InNICReserve {
+		return 0
 	}
 	trade := 0
 	if q.BreaksNode {
@@ -127,9 +131,6 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 	}
 	if draining {
 		trade += p.DrainTrade
-	}
-	if q.InNICReserve {
-		trade++
 	}
 	if trade > 0 && r > 1 {
 		r = max(1, r-trade)
@@ -166,11 +167,10 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining or not: Score with RankOn(q, draining) as the rank and, on a
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
-// last. An allocation marked q.InNICReserve gives up one rank there, as a
-// trade (not below rank 1): it ties with an allocation one rank looser
-// elsewhere, which room, packing and age then decide, and wins over a
-// looser one; devices that share a clique, a PCIe root or a NUMA node
-// never lose to devices that share nothing for the reserve's sake.
+// last. An allocation marked q.InNICReserve scores in the lowest band
+// (rank 0): any allocation of rank 1 or more outside the reserve wins over
+// it, and room, packing and age decide between it and allocations that
+// share nothing.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {

@@ -774,47 +774,50 @@ func TestGPUNICPodKeepsItsRootOnDrainingNode(t *testing.T) {
 	}
 }
 
-// TestWholeNodePodKeepsCliqueInNICReserve: the reserve never costs an
-// aligned placement its last rank. An 8-GPU pod takes the empty DGX, whose
-// GPUs are all kept beside its free NICs, because there its eight GPUs
-// share the NVSwitch clique; on any of the empty PCIe boxes they would
-// share nothing (were the reserve to drop the DGX to rank 0, all six
-// nodes would tie). The DGX's NIC sits on a PCIe root of its own, so the
-// pod strands no GPU+NIC root (rule 9 stays out of it whatever claims
-// other tests leave behind).
-func TestWholeNodePodKeepsCliqueInNICReserve(t *testing.T) {
+// TestAlignmentKeptWhereEveryNodeIsInNICReserve: where the pod's
+// placement on every node it may go to would take the GPUs kept beside
+// free NICs, nothing is kept for them, and alignment ranks the nodes as
+// ever. Two DGXs with free NICs, four GPUs free on each: on the first a
+// whole NUMA node, on the second two PCIe-root pairs in different NUMA
+// nodes. With nicReservePercent 40 (7 of their 16 GPUs kept, 8 free) a
+// 4-GPU pod takes the reserve on either; it takes the free NUMA node.
+// Were both placements left in the reserve's lowest band, room would
+// choose the second DGX (breaking two free pairs costs less than a free
+// NUMA node).
+func TestAlignmentKeptWhereEveryNodeIsInNICReserve(t *testing.T) {
 	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "nicreserve8")
+	e := newEnv(tCtx, "nicreserveall")
 	e.nicClass()
-	dgx := e.nicsOn(e.node("a", "dgx", framework.DGXLikeGPUs), 8)
-	var boxes []string
-	for i := range 5 {
-		boxes = append(boxes, e.node("a", fmt.Sprintf("pcie-%d", i), pcieNVLinkPairsGPUs))
-	}
-	eight := e.template(8, nil)
-	startTopodra(tCtx)
+	numa := e.withNICs(e.node("a", "numa", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
+	pairs := e.withNICs(e.node("a", "pairs", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-4", "gpu-5"))
+	four := e.template(4, nil)
+	startTopodraEdited(tCtx, "topodra", "nicReservePercent: 5 ", "nicReservePercent: 40 ")
 
-	if node, devices := e.schedule("eight", "a", eight); node != dgx {
-		t.Fatalf("the 8-GPU pod got %v on %s, want the DGX %s (one clique), not a PCIe box %v (nothing shared)", devices, node, dgx, boxes)
+	if node, devices := e.schedule("four", "a", four); node != numa || !sharedDomain(devices, 4) {
+		t.Fatalf("the 4-GPU pod got %v on %s, want the free NUMA node of %s, not the pairs of %s", devices, node, numa, pairs)
 	}
 }
 
-// TestLargePodTakesNICReserveBeforeEmptyNode: the GPUs kept beside free
-// NICs cost a pod one alignment rank, not all of them. A 4-GPU pod takes
-// the free NUMA node of a DGX whose NICs are free, although its GPUs
-// there are the reserve, rather than break up an empty PCIe box (one
-// rank looser, and a whole free node). A 1-GPU pod, as well aligned
-// anywhere, opens the box (TestGPUsBesideNICsLeftForNICPods).
-func TestLargePodTakesNICReserveBeforeEmptyNode(t *testing.T) {
+// TestLargePodLeavesNICReserve: the GPUs kept beside free NICs go to a
+// GPU-only pod only where no node outside them takes it at an alignment
+// rank of 1 or more. A 4-GPU pod opens an empty PCIe box (its NUMA node,
+// rank 1) rather than take the free NUMA node of a DGX whose NICs are
+// free and whose four free GPUs are the reserve; a pod that asks for a
+// GPU and a NIC then starts on the DGX.
+func TestLargePodLeavesNICReserve(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "nicreserve4")
-	e.nicClass()
+	nicClass := e.nicClass()
 	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
 	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
 	four := e.template(4, nil)
+	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
 	startTopodra(tCtx)
 
-	if node, devices := e.schedule("four", "a", four); node != dgx || !sharedDomain(devices, 4) {
-		t.Fatalf("the 4-GPU pod got %v on %s, want the free NUMA node of %s, not the empty PCIe box %s", devices, node, dgx, pcie)
+	if node, devices := e.schedule("four", "a", four); node != pcie || !sharedDomain(devices, 4) {
+		t.Fatalf("the 4-GPU pod got %v on %s, want a NUMA node of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", devices, node, pcie, dgx)
+	}
+	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
+		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
 	}
 }

@@ -59,3 +59,32 @@ func TestNICReserve(t *testing.T) {
 		t.Errorf("0 %%: the reserve is used")
 	}
 }
+
+// TestNICReserveWhereEveryNodeTakesIt: where the pod's allocation on every
+// node it passed Filter on would take the reserve, nothing is kept, so
+// the allocations keep their ranks; one node outside the reserve is
+// enough to keep it.
+func TestNICReserveWhereEveryNodeTakesIt(t *testing.T) {
+	s := &stateData{results: map[string]*allocator.Result{}}
+	var nodes []fwk.NodeInfo
+	add := func(name string, q allocator.Quality) {
+		s.results[name] = &allocator.Result{Quality: q}
+		info := framework.NewNodeInfo()
+		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		nodes = append(nodes, info)
+	}
+	// Two DGXs with free NICs and 4 free GPUs each; the pod takes 4.
+	four := []string{"g0", "g1", "g2", "g3"}
+	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
+	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
+	// 40 % of 16: keep 7 of the 8 free; 4 would be left on either.
+	if r := nicReserveOf(s, nodes, 40); r.keep != 0 || r.takes(s.results["dgx-a"].Quality) {
+		t.Errorf("every node in the reserve: keep %d, want 0 (nothing kept)", r.keep)
+	}
+	// A PCIe box without NICs that can take the pod keeps the reserve.
+	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0, Devices: four})
+	r := nicReserveOf(s, nodes, 40)
+	if r.keep != 7 || !r.takes(s.results["dgx-a"].Quality) || r.takes(s.results["box"].Quality) {
+		t.Errorf("with a node outside the reserve: keep %d (want 7), DGX takes it %v (want true), box %v (want false)", r.keep, r.takes(s.results["dgx-a"].Quality), r.takes(s.results["box"].Quality))
+	}
+}

@@ -147,7 +147,10 @@ type nicReserve struct {
 // devices of a driver the pod does not ask for (allocator.Quality's
 // OtherDevices), the devices matching the pod's requests, and keeps
 // percent of them (rounded up); free counts those not in use on the nodes
-// where such other devices are free (Quality.OtherFree).
+// where such other devices are free (Quality.OtherFree). Where the pod's
+// allocation on every node it passed Filter on would take the reserve,
+// nothing is kept: there is nowhere else to send the pod, and the marks
+// would only hide how well aligned each of those allocations is.
 func nicReserveOf(s *stateData, nodes []fwk.NodeInfo, percent int32) nicReserve {
 	var r nicReserve
 	total := 0
@@ -162,7 +165,15 @@ func nicReserveOf(s *stateData, nodes []fwk.NodeInfo, percent int32) nicReserve 
 		}
 	}
 	r.keep = (total*int(percent) + 99) / 100
-	return r
+	if r.keep == 0 {
+		return r
+	}
+	for _, n := range nodes {
+		if res := s.getResult(n.Node().Name); res != nil && !r.takes(res.Quality) {
+			return r
+		}
+	}
+	return nicReserve{}
 }
 
 // takes reports whether an allocation of quality q uses the reserve: it is
