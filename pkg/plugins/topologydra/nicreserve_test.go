@@ -16,25 +16,19 @@ import (
 // free, and a placement uses the reserve where it leaves fewer free than
 // kept on a node with free other devices.
 func TestNICReserve(t *testing.T) {
-	s := &stateData{results: map[string]*allocator.Result{}}
-	var nodes []fwk.NodeInfo
-	add := func(name string, q allocator.Quality) {
-		s.results[name] = &allocator.Result{Quality: q}
-		info := framework.NewNodeInfo()
-		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
-		nodes = append(nodes, info)
-	}
+	r := &reserveNodes{s: &stateData{results: map[string]*allocator.Result{}}}
+	s, add := r.s, r.add
 	// Two DGXs with NICs, one with all its NICs in use, and a box without.
 	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 6, OtherDevices: 4, OtherFree: 1})
 	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 2, OtherDevices: 4, OtherFree: 0})
 	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0})
 	info := framework.NewNodeInfo()
 	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "no-result"}})
-	nodes = append(nodes, info)
+	nodes := append(r.nodes, info)
 
-	r := nicReserveOf(s, nodes, 12)
-	if r.keep != 2 || r.free != 2 {
-		t.Fatalf("12 %% of 16: keep %d, free %d; want 2, 2", r.keep, r.free)
+	res := nicReserveOf(s, nodes, 12)
+	if res.keep != 2 || res.free != 2 {
+		t.Fatalf("12 %% of 16: keep %d, free %d; want 2, 2", res.keep, res.free)
 	}
 	for _, tc := range []struct {
 		name string
@@ -44,7 +38,7 @@ func TestNICReserve(t *testing.T) {
 		{"last GPUs beside a free NIC", allocator.Quality{OtherFree: 1, Devices: []string{"g"}}, true},
 		{"node without free NICs", allocator.Quality{OtherFree: 0, Devices: []string{"g"}}, false},
 	} {
-		if got := r.takes(tc.q); got != tc.want {
+		if got := res.takes(tc.q); got != tc.want {
 			t.Errorf("%s: takes %v, want %v", tc.name, got, tc.want)
 		}
 	}
@@ -65,26 +59,34 @@ func TestNICReserve(t *testing.T) {
 // the allocations keep their ranks; one node outside the reserve is
 // enough to keep it.
 func TestNICReserveWhereEveryNodeTakesIt(t *testing.T) {
-	s := &stateData{results: map[string]*allocator.Result{}}
-	var nodes []fwk.NodeInfo
-	add := func(name string, q allocator.Quality) {
-		s.results[name] = &allocator.Result{Quality: q}
-		info := framework.NewNodeInfo()
-		info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
-		nodes = append(nodes, info)
-	}
+	n := &reserveNodes{s: &stateData{results: map[string]*allocator.Result{}}}
+	s, add := n.s, n.add
 	// Two DGXs with free NICs and 4 free GPUs each; the pod takes 4.
 	four := []string{"g0", "g1", "g2", "g3"}
 	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
 	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
 	// 40 % of 16: keep 7 of the 8 free; 4 would be left on either.
-	if r := nicReserveOf(s, nodes, 40); r.keep != 0 || r.takes(s.results["dgx-a"].Quality) {
+	if r := nicReserveOf(s, n.nodes, 40); r.keep != 0 || r.takes(s.results["dgx-a"].Quality) {
 		t.Errorf("every node in the reserve: keep %d, want 0 (nothing kept)", r.keep)
 	}
 	// A PCIe box without NICs that can take the pod keeps the reserve.
 	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0, Devices: four})
-	r := nicReserveOf(s, nodes, 40)
+	r := nicReserveOf(s, n.nodes, 40)
 	if r.keep != 7 || !r.takes(s.results["dgx-a"].Quality) || r.takes(s.results["box"].Quality) {
 		t.Errorf("with a node outside the reserve: keep %d (want 7), DGX takes it %v (want true), box %v (want false)", r.keep, r.takes(s.results["dgx-a"].Quality), r.takes(s.results["box"].Quality))
 	}
+}
+
+// reserveNodes holds the nodes of a reserve test and the pod's allocation
+// on each (their results in s).
+type reserveNodes struct {
+	s     *stateData
+	nodes []fwk.NodeInfo
+}
+
+func (r *reserveNodes) add(name string, q allocator.Quality) {
+	r.s.results[name] = &allocator.Result{Quality: q}
+	info := framework.NewNodeInfo()
+	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+	r.nodes = append(r.nodes, info)
 }
