@@ -821,3 +821,25 @@ func TestLargePodLeavesNICReserve(t *testing.T) {
 		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
 	}
 }
+
+// TestPairLeavesNICReserve: a 2-GPU pod opens an empty PCIe box (an
+// NVLink pair) rather than take the last free PCIe-root pair of a DGX
+// whose NICs are free; a pod that asks for a GPU and a NIC then starts on
+// the DGX.
+func TestPairLeavesNICReserve(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve2")
+	nicClass := e.nicClass()
+	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"))
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	two := e.template(2, nil)
+	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("two", "a", two); node != pcie || !sharedDomain(devices, 2) {
+		t.Fatalf("the 2-GPU pod got %v on %s, want an NVLink pair of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", devices, node, pcie, dgx)
+	}
+	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
+		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
+	}
+}
