@@ -798,48 +798,37 @@ func TestAlignmentKeptWhereEveryNodeIsInNICReserve(t *testing.T) {
 	}
 }
 
-// TestLargePodLeavesNICReserve: the GPUs kept beside free NICs go to a
+// TestSmallerPodsLeaveNICReserve: the GPUs kept beside free NICs go to a
 // GPU-only pod only where no node outside them takes it at an alignment
-// rank of 1 or more. A 4-GPU pod opens an empty PCIe box (its NUMA node,
-// rank 1) rather than take the free NUMA node of a DGX whose NICs are
-// free and whose four free GPUs are the reserve; a pod that asks for a
-// GPU and a NIC then starts on the DGX.
-func TestLargePodLeavesNICReserve(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "nicreserve4")
-	nicClass := e.nicClass()
-	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
-	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
-	four := e.template(4, nil)
-	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
-	startTopodra(tCtx)
-
-	if node, devices := e.schedule("four", "a", four); node != pcie || !sharedDomain(devices, 4) {
-		t.Fatalf("the 4-GPU pod got %v on %s, want a NUMA node of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", devices, node, pcie, dgx)
-	}
-	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
-		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
-	}
-}
-
-// TestPairLeavesNICReserve: a 2-GPU pod opens an empty PCIe box (an
-// NVLink pair) rather than take the last free PCIe-root pair of a DGX
-// whose NICs are free; a pod that asks for a GPU and a NIC then starts on
+// rank of 1 or more. A 2-GPU pod opens an empty PCIe box (an NVLink
+// pair) rather than take the last free PCIe-root pair of a DGX whose
+// NICs are free, and a 4-GPU pod its NUMA node rather than the DGX's
+// last free NUMA node; a pod that asks for a GPU and a NIC then starts on
 // the DGX.
-func TestPairLeavesNICReserve(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "nicreserve2")
-	nicClass := e.nicClass()
-	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"))
-	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
-	two := e.template(2, nil)
-	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
-	startTopodra(tCtx)
+func TestSmallerPodsLeaveNICReserve(t *testing.T) {
+	for _, tc := range []struct {
+		gpus int64
+		used []string
+	}{
+		{2, []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"}},
+		{4, []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3"}},
+	} {
+		t.Run(fmt.Sprintf("%d-gpu", tc.gpus), func(t *testing.T) {
+			tCtx := ktesting.Init(t)
+			e := newEnv(tCtx, fmt.Sprintf("nicreserve%d", tc.gpus))
+			nicClass := e.nicClass()
+			dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, tc.used...))
+			pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+			pod := e.template(tc.gpus, nil)
+			gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
+			startTopodra(tCtx)
 
-	if node, devices := e.schedule("two", "a", two); node != pcie || !sharedDomain(devices, 2) {
-		t.Fatalf("the 2-GPU pod got %v on %s, want an NVLink pair of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", devices, node, pcie, dgx)
-	}
-	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
-		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
+			if node, devices := e.schedule("pod", "a", pod); node != pcie || !sharedDomain(devices, int(tc.gpus)) {
+				t.Fatalf("the %d-GPU pod got %v on %s, want an aligned block of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", tc.gpus, devices, node, pcie, dgx)
+			}
+			if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
+				t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
+			}
+		})
 	}
 }
