@@ -16,15 +16,13 @@ import (
 // free, and a placement uses the reserve where it leaves fewer free than
 // kept on a node with free other devices.
 func TestNICReserve(t *testing.T) {
-	r := &reserveNodes{s: &stateData{results: map[string]*allocator.Result{}}}
-	s, add := r.s, r.add
+	n := newReserveNodes()
 	// Two DGXs with NICs, one with all its NICs in use, and a box without.
-	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 6, OtherDevices: 4, OtherFree: 1})
-	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 2, OtherDevices: 4, OtherFree: 0})
-	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0})
-	info := framework.NewNodeInfo()
-	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "no-result"}})
-	nodes := append(r.nodes, info)
+	n.add("dgx-a", &allocator.Quality{NodeDevices: 8, NodeInUse: 6, OtherDevices: 4, OtherFree: 1})
+	n.add("dgx-b", &allocator.Quality{NodeDevices: 8, NodeInUse: 2, OtherDevices: 4, OtherFree: 0})
+	n.add("box", &allocator.Quality{NodeDevices: 8, NodeInUse: 0})
+	n.add("no-result", nil)
+	s, nodes := n.s, n.nodes
 
 	res := nicReserveOf(s, nodes, 12)
 	if res.keep != 2 || res.free != 2 {
@@ -59,18 +57,18 @@ func TestNICReserve(t *testing.T) {
 // the allocations keep their ranks; one node outside the reserve is
 // enough to keep it.
 func TestNICReserveWhereEveryNodeTakesIt(t *testing.T) {
-	n := &reserveNodes{s: &stateData{results: map[string]*allocator.Result{}}}
-	s, add := n.s, n.add
+	n := newReserveNodes()
+	s := n.s
 	// Two DGXs with free NICs and 4 free GPUs each; the pod takes 4.
 	four := []string{"g0", "g1", "g2", "g3"}
-	add("dgx-a", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
-	add("dgx-b", allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
+	n.add("dgx-a", &allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
+	n.add("dgx-b", &allocator.Quality{NodeDevices: 8, NodeInUse: 4, OtherDevices: 4, OtherFree: 4, Devices: four})
 	// 40 % of 16: keep 7 of the 8 free; 4 would be left on either.
 	if r := nicReserveOf(s, n.nodes, 40); r.keep != 0 || r.takes(s.results["dgx-a"].Quality) {
 		t.Errorf("every node in the reserve: keep %d, want 0 (nothing kept)", r.keep)
 	}
 	// A PCIe box without NICs that can take the pod keeps the reserve.
-	add("box", allocator.Quality{NodeDevices: 8, NodeInUse: 0, Devices: four})
+	n.add("box", &allocator.Quality{NodeDevices: 8, NodeInUse: 0, Devices: four})
 	r := nicReserveOf(s, n.nodes, 40)
 	if r.keep != 7 || !r.takes(s.results["dgx-a"].Quality) || r.takes(s.results["box"].Quality) {
 		t.Errorf("with a node outside the reserve: keep %d (want 7), DGX takes it %v (want true), box %v (want false)", r.keep, r.takes(s.results["dgx-a"].Quality), r.takes(s.results["box"].Quality))
@@ -84,8 +82,16 @@ type reserveNodes struct {
 	nodes []fwk.NodeInfo
 }
 
-func (r *reserveNodes) add(name string, q allocator.Quality) {
-	r.s.results[name] = &allocator.Result{Quality: q}
+func newReserveNodes() *reserveNodes {
+	return &reserveNodes{s: &stateData{results: map[string]*allocator.Result{}}}
+}
+
+// add adds a node where the pod's allocation has quality q; nil: a node
+// without a result (Filter rejected the pod there).
+func (r *reserveNodes) add(name string, q *allocator.Quality) {
+	if q != nil {
+		r.s.results[name] = &allocator.Result{Quality: *q}
+	}
 	info := framework.NewNodeInfo()
 	info.SetNode(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
 	r.nodes = append(r.nodes, info)
