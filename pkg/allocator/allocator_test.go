@@ -1000,11 +1000,15 @@ func TestQualityOtherDevices(t *testing.T) {
 	}
 }
 
-// TestNICReserveScore: an allocation marked InNICReserve scores in the
-// lowest band: below every unmarked allocation of rank 1 or more, however
-// aligned it is itself, level with an unmarked one that shares nothing and
-// has the same room and packing, and above one with less; it is not
-// lowered when spreading.
+// TestNICReserveScore: an allocation of fewer than half a whole node's
+// devices marked InNICReserve scores in the lowest band: below every
+// unmarked allocation of rank 1 or more, however aligned it is itself, and
+// below an unmarked one that shares nothing with the same room and
+// packing; among marked allocations the better aligned wins, as it does
+// unmarked; a well aligned one beats an unmarked one that shares nothing
+// and has little room. A larger one gives up one rank: it ties with an
+// unmarked one a rank looser, beats one two ranks looser, and keeps rank 1
+// (it beats one of rank 0). Nothing is lowered when spreading.
 func TestNICReserveScore(t *testing.T) {
 	p := DefaultPolicy()
 	best := Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true}
@@ -1015,13 +1019,45 @@ func TestNICReserveScore(t *testing.T) {
 	if p.Score(best) >= p.Score(loosest) {
 		t.Errorf("rank 3 in the reserve scores %d, not below %d of rank 1 outside it", p.Score(best), p.Score(loosest))
 	}
-	nothing := Quality{Shared: 0, Room: 1, Packing: 1}
-	if p.Score(best) != p.Score(nothing) {
-		t.Errorf("rank 3 in the reserve scores %d, rank 0 outside it with the same room and packing %d: want a tie", p.Score(best), p.Score(nothing))
+	scattered := Quality{Shared: 0, Room: 1, Packing: 1, InNICReserve: true}
+	if nothing := (Quality{Shared: 0, Room: 1, Packing: 1}); p.Score(scattered) >= p.Score(nothing) {
+		t.Errorf("rank 0 in the reserve scores %d, not below %d of rank 0 outside it with the same room and packing", p.Score(scattered), p.Score(nothing))
 	}
 	if emptier := (Quality{Shared: 0, Room: 0.7, Packing: 0.2}); p.Score(best) <= p.Score(emptier) {
 		t.Errorf("rank 3 in the reserve (%d) should beat rank 0 outside it with less room and packing (%d)", p.Score(best), p.Score(emptier))
 	}
+	for _, looser := range []Quality{
+		{Shared: 2, Room: 1, Packing: 1, InNICReserve: true},
+		{Shared: 1, Room: 1, Packing: 1, InNICReserve: true},
+		scattered,
+	} {
+		tight := Quality{Shared: looser.Shared + 1, Room: 0, Packing: 0, InNICReserve: true}
+		if p.Score(tight) <= p.Score(looser) {
+			t.Errorf("in the reserve, rank %d with no room scores %d, not above rank %d with all room (%d)", tight.Shared, p.Score(tight), looser.Shared, p.Score(looser))
+		}
+	}
+
+	four := []string{"a", "b", "c", "d"}
+	numa := Quality{Shared: 2, Room: 1, Packing: 1, InNICReserve: true, Devices: four}
+	if got := p.Rank(numa); got != 1 {
+		t.Errorf("4 devices of rank 2 in the reserve: rank %d, want 1", got)
+	}
+	if looser := (Quality{Shared: 1, Room: 1, Packing: 1, Devices: four}); p.Score(numa) != p.Score(looser) {
+		t.Errorf("4 devices of rank 2 in the reserve score %d, rank 1 outside it with the same room and packing %d: want a tie", p.Score(numa), p.Score(looser))
+	}
+	if rootPairs := (Quality{Shared: 3, Room: 1, Packing: 1, InNICReserve: true, Devices: four}); p.Score(rootPairs) <= p.Score(Quality{Shared: 1, Room: 1, Packing: 1, Devices: four}) {
+		t.Errorf("4 devices of rank 3 in the reserve should beat rank 1 outside it")
+	}
+	clique := Quality{Shared: 1, Room: 0, Packing: 0, InNICReserve: true, Devices: append(four, "e", "f", "g", "h")}
+	if p.Rank(clique) != 1 || p.Score(clique) <= p.Score(Quality{Shared: 0, Room: 1, Packing: 1}) {
+		t.Errorf("8 devices of rank 1 in the reserve: rank %d, score %d; want rank 1, above rank 0 outside it", p.Rank(clique), p.Score(clique))
+	}
+	small := p
+	small.WholeNode = 4
+	if got := small.Rank(Quality{Shared: 2, InNICReserve: true, Devices: []string{"a", "b"}}); got != 1 {
+		t.Errorf("2 devices of rank 2 in the reserve where 4 make a whole node: rank %d, want 1", got)
+	}
+
 	draining := Quality{Shared: 2, Room: 1, Packing: 1, InNICReserve: true}
 	if got := p.RankOn(draining, true); got != 0 {
 		t.Errorf("in the reserve on a draining node: rank %d, want 0", got)

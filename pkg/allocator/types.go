@@ -112,20 +112,25 @@ func (p Policy) Rank(q Quality) int { return p.RankOn(q, false) }
 // RankOn is the alignment rank of an allocation of quality q on a node
 // that is draining or not: q.Shared, lowered (not below 1, and only when
 // the policy packs) by WholeNodeTrade where the allocation breaks up a
-// whole free node and by DrainTrade where the node is draining; then,
-// where q.StrandsNICs, by NICRootTrade (not below 0). An allocation that
-// takes devices kept beside free devices of other drivers
-// (q.InNICReserve) has rank 0 when the policy packs: it comes after every
-// allocation of rank 1 or more outside the reserve.
+// whole free node, by DrainTrade where the node is draining and by one
+// where an allocation of half a whole node's devices or more
+// (WholeNodeSize) takes devices kept beside free devices of other drivers
+// (q.InNICReserve); then, where q.StrandsNICs, by NICRootTrade (not below
+// 0). A smaller allocation in that reserve has rank 0 when the policy
+// packs: it comes after every allocation of rank 1 or more outside the
+// reserve.
 func (p Policy) RankOn(q Quality, draining bool) int {
 	r := q.Shared
 	if !p.Packing {
 		return r
 	}
-	if q.InNICReserve {
-		return 0
-	}
 	trade := 0
+	if q.InNICReserve {
+		if p.smallForReserve(q) {
+			return 0
+		}
+		trade++
+	}
 	if q.BreaksNode {
 		trade += p.WholeNodeTrade
 	}
@@ -139,6 +144,22 @@ func (p Policy) RankOn(q Quality, draining bool) int {
 		r = max(0, r-p.NICRootTrade)
 	}
 	return r
+}
+
+// WholeNodeSize is WholeNode, or its default (WholeNodeBlock) where it is
+// 0.
+func (p Policy) WholeNodeSize() int {
+	if p.WholeNode > 0 {
+		return p.WholeNode
+	}
+	return WholeNodeBlock
+}
+
+// smallForReserve reports whether an allocation of quality q in the NIC
+// reserve scores in the lowest band (fewer than half of WholeNodeSize
+// devices) rather than giving up one rank.
+func (p Policy) smallForReserve(q Quality) bool {
+	return 2*len(q.Devices) < p.WholeNodeSize()
 }
 
 // strands reports whether NICRootTrade applies to q.
@@ -167,11 +188,19 @@ func (p Policy) Score(q Quality) int64 { return p.ScoreOn(q, false) }
 // draining or not: Score with RankOn(q, draining) as the rank and, on a
 // draining node, room 0 (the node is spoken for, as a whole free node
 // is), so that among placements of equal rank the draining node comes
-// last. An allocation marked q.InNICReserve scores in the lowest band
-// (rank 0): any allocation of rank 1 or more outside the reserve wins over
-// it, and room, packing and age decide between it and allocations that
-// share nothing.
+// last. An allocation of fewer than half a whole node's devices marked
+// q.InNICReserve scores in the lowest band (rank 0): the bands of its
+// rank outside the reserve are scaled into that band, so any allocation
+// of rank 1 or more outside the reserve wins over it, and among
+// allocations in the reserve the better aligned wins, as outside it. A
+// larger one gives up one rank there, as a trade (not below rank 1): it
+// ties with an allocation one rank looser elsewhere, which room, packing
+// and age then decide, and wins over a looser one.
 func (p Policy) ScoreOn(q Quality, draining bool) int64 {
+	reserve := p.Packing && q.InNICReserve && p.smallForReserve(q)
+	if reserve {
+		q.InNICReserve = false
+	}
 	wr, wp := p.RoomWeight, p.PackingWeight
 	if wr == 0 && wp == 0 {
 		def := DefaultPolicy()
@@ -197,6 +226,12 @@ func (p Policy) ScoreOn(q Quality, draining bool) int64 {
 	band := 100 / float64(len(p.Attributes)+1)
 	rank := p.RankOn(q, draining)
 	points := band * (float64(rank) + 0.96*tie)
+	if reserve {
+		// The ranks scaled into the lowest band, each tie part a little
+		// smaller than outside it, so that rounding keeps a rank above
+		// the one below it.
+		points = 0.96 * band * (float64(rank) + 0.9*tie) / float64(len(p.Attributes)+1)
+	}
 	score := int64(math.Round(points))
 	return max(0, min(100, score))
 }

@@ -781,9 +781,9 @@ func TestGPUNICPodKeepsItsRootOnDrainingNode(t *testing.T) {
 // whole NUMA node, on the second two PCIe-root pairs in different NUMA
 // nodes. With nicReservePercent 40 (7 of their 16 GPUs kept, 8 free) a
 // 4-GPU pod takes the reserve on either; it takes the free NUMA node.
-// Were both placements left in the reserve's lowest band, room would
-// choose the second DGX (breaking two free pairs costs less than a free
-// NUMA node).
+// Were both placements left in the reserve, each a rank lower (rank 1,
+// where the trade stops), room would choose the second DGX (breaking two
+// free pairs costs less than a free NUMA node).
 func TestAlignmentKeptWhereEveryNodeIsInNICReserve(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "nicreserveall")
@@ -798,37 +798,72 @@ func TestAlignmentKeptWhereEveryNodeIsInNICReserve(t *testing.T) {
 	}
 }
 
-// TestSmallerPodsLeaveNICReserve: the GPUs kept beside free NICs go to a
-// GPU-only pod only where no node outside them takes it at an alignment
-// rank of 1 or more. A 2-GPU pod opens an empty PCIe box (an NVLink
-// pair) rather than take the last free PCIe-root pair of a DGX whose
-// NICs are free, and a 4-GPU pod its NUMA node rather than the DGX's
-// last free NUMA node; a pod that asks for a GPU and a NIC then starts on
-// the DGX.
-func TestSmallerPodsLeaveNICReserve(t *testing.T) {
-	for _, tc := range []struct {
-		gpus int64
-		used []string
-	}{
-		{2, []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"}},
-		{4, []string{"gpu-0", "gpu-1", "gpu-2", "gpu-3"}},
-	} {
-		t.Run(fmt.Sprintf("%d-gpu", tc.gpus), func(t *testing.T) {
-			tCtx := ktesting.Init(t)
-			e := newEnv(tCtx, fmt.Sprintf("nicreserve%d", tc.gpus))
-			nicClass := e.nicClass()
-			dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, tc.used...))
-			pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
-			pod := e.template(tc.gpus, nil)
-			gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
-			startTopodra(tCtx)
+// TestPairLeavesNICReserve: the GPUs kept beside free NICs go to a
+// GPU-only pod of fewer than half a node's GPUs only where no node outside
+// them takes it at an alignment rank of 1 or more. A 2-GPU pod opens an
+// empty PCIe box (an NVLink pair) rather than take the last free PCIe-root
+// pair of a DGX whose NICs are free; a pod that asks for a GPU and a NIC
+// then starts on the DGX.
+func TestPairLeavesNICReserve(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve2")
+	nicClass := e.nicClass()
+	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5"))
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	two := e.template(2, nil)
+	gpuNIC := e.gpuNICTemplate("gpu-nic", nicClass)
+	startTopodra(tCtx)
 
-			if node, devices := e.schedule("pod", "a", pod); node != pcie || !sharedDomain(devices, int(tc.gpus)) {
-				t.Fatalf("the %d-GPU pod got %v on %s, want an aligned block of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", tc.gpus, devices, node, pcie, dgx)
-			}
-			if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
-				t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
-			}
-		})
+	if node, devices := e.schedule("two", "a", two); node != pcie || !sharedDomain(devices, 2) {
+		t.Fatalf("the 2-GPU pod got %v on %s, want an NVLink pair of the empty PCIe box %s: the free GPUs of %s are kept beside its free NICs", devices, node, pcie, dgx)
+	}
+	if node, devices := e.schedule("gpu-nic", "a", gpuNIC); node != dgx || len(devices) != 2 {
+		t.Fatalf("the GPU+NIC pod got %v on %s, want a GPU and a NIC of %s", devices, node, dgx)
+	}
+}
+
+// TestLargePodTakesNICReserveBeforeEmptyNode: the GPUs kept beside free
+// NICs cost a pod of half a node's GPUs or more one alignment rank, not
+// all of them. A 4-GPU pod takes the free NUMA node of a DGX whose NICs
+// are free, although its GPUs there are the reserve, rather than break up
+// an empty PCIe box: a rank lower there, it ties with the box's NUMA node
+// (two NVLink pairs, one rank looser than the DGX's NUMA node inside the
+// NVSwitch clique), and a free NUMA node costs less room than a whole free
+// node.
+func TestLargePodTakesNICReserveBeforeEmptyNode(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve4")
+	e.nicClass()
+	dgx := e.withNICs(e.node("a", "dgx", framework.DGXLikeGPUs, "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
+	pcie := e.node("a", "pcie", pcieNVLinkPairsGPUs)
+	four := e.template(4, nil)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("four", "a", four); node != dgx || !sharedDomain(devices, 4) {
+		t.Fatalf("the 4-GPU pod got %v on %s, want the free NUMA node of %s, not the empty PCIe box %s", devices, node, dgx, pcie)
+	}
+}
+
+// TestWholeNodePodKeepsCliqueInNICReserve: the reserve never costs a
+// whole-node pod's aligned placement its last rank. An 8-GPU pod takes the
+// empty DGX, whose GPUs are all kept beside its free NICs, because there
+// its eight GPUs share the NVSwitch clique; on any of the empty PCIe boxes
+// they would share nothing. The DGX's NIC sits on a PCIe root of its own,
+// so the pod strands no GPU+NIC root (rule 9 stays out of it whatever
+// claims other tests leave behind).
+func TestWholeNodePodKeepsCliqueInNICReserve(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nicreserve8")
+	e.nicClass()
+	dgx := e.nicsOn(e.node("a", "dgx", framework.DGXLikeGPUs), 8)
+	var boxes []string
+	for i := range 5 {
+		boxes = append(boxes, e.node("a", fmt.Sprintf("pcie-%d", i), pcieNVLinkPairsGPUs))
+	}
+	eight := e.template(8, nil)
+	startTopodra(tCtx)
+
+	if node, devices := e.schedule("eight", "a", eight); node != dgx {
+		t.Fatalf("the 8-GPU pod got %v on %s, want the DGX %s (one clique), not a PCIe box %v (nothing shared)", devices, node, dgx, boxes)
 	}
 }

@@ -23,10 +23,7 @@ import (
 // (allocator.Policy.WholeNode, from the wholeNodeDevices arg; its default
 // where the policy has none).
 func (pl *TopologyDRA) wholeNode() int {
-	if pl.policy.WholeNode > 0 {
-		return pl.policy.WholeNode
-	}
-	return allocator.WholeNodeBlock
+	return pl.policy.WholeNodeSize()
 }
 
 // halfNode is the smallest allocation, in devices of one driver, that

@@ -131,11 +131,13 @@ type TopologyDRAArgs struct {
 	// free NIC) hold a number of free devices of the pod's own drivers;
 	// a placement on such a node that would leave fewer of those free
 	// than this share (rounded up) of the pod's own devices on the nodes
-	// with other devices scores in the lowest band, as rank 0
-	// (allocator.Quality.InNICReserve): a pod goes to a node without free
-	// NICs wherever its devices there share a clique, a PCIe root or a
-	// NUMA node, and takes the last GPUs beside free NICs otherwise.
-	// Where the pod's placement on every node it passed Filter on would
+	// with other devices (allocator.Quality.InNICReserve) scores, for a
+	// pod of fewer than half of WholeNodeDevices, in the lowest band, as
+	// rank 0 (better aligned placements in it still first): such a pod
+	// goes to a node without free NICs wherever its devices there share a
+	// clique, a PCIe root or a NUMA node, and takes the last GPUs beside
+	// free NICs otherwise; a larger pod's placement gives up one
+	// alignment rank, never below rank 1 if it had one. Where the pod's placement on every node it passed Filter on would
 	// take them, nothing is kept. Pods that ask for devices of every
 	// driver of a node are not affected. Scoring only. 0: off.
 	NICReservePercent int32
