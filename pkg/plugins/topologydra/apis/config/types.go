@@ -137,9 +137,10 @@ type TopologyDRAArgs struct {
 	// goes to a node without free NICs wherever its devices there share a
 	// clique, a PCIe root or a NUMA node, and takes the last GPUs beside
 	// free NICs otherwise; a larger pod's placement gives up one
-	// alignment rank, never below rank 1 if it had one. Where the pod's placement on every node it passed Filter on would
-	// take them, nothing is kept. Pods that ask for devices of every
-	// driver of a node are not affected. Scoring only. 0: off.
+	// alignment rank, never below rank 1 if it had one. Where the pod's
+	// placement on every node it passed Filter on would take them,
+	// nothing is kept. Pods that ask for devices of every driver of a
+	// node are not affected. Scoring only. 0: off.
 	NICReservePercent int32
 	// Alignment is the default alignment policy: prefer, require or none.
 	Alignment AlignmentPolicy
