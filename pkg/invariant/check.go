@@ -29,8 +29,9 @@ type CheckOptions struct {
 	Interval time.Duration
 	// Reads is the most times the cluster is read: the first read, one
 	// re-read that confirms its violations, and further re-reads while a
-	// confirmed violation is pending (see [Report.Pending]). Zero:
-	// DefaultReads. Otherwise at least 2.
+	// confirmed violation is pending (see [Report.Pending]) or a
+	// StaleReservation, which the cluster's controllers repair on their
+	// own. Zero: DefaultReads. Otherwise at least 2.
 	Reads int
 	// PageSize is the most objects one list request asks for. Zero:
 	// DefaultPageSize. Must not be negative.
@@ -105,8 +106,11 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 // and reports only the violations that every read found (the same kind,
 // device, counter, pod and claims). While such a violation is pending
 // (see [Report.Pending]) it reads again, up to opts.Reads times in all; a
-// violation still pending at the last read goes to Report.Pending. A
-// first read without violations is the answer, without a wait.
+// violation still pending at the last read goes to Report.Pending. So
+// does it while a StaleReservation is found, which is reported only if
+// every one of the opts.Reads reads finds it: the resourceclaim
+// controller repairs it within moments when it runs. A first read without
+// violations is the answer, without a wait.
 //
 // An error of the first read, or of opts, comes with an empty Report. An
 // error of a re-read is an [*IncompleteError], and comes with the
@@ -136,7 +140,7 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 		} else {
 			found = again(found, find(state))
 		}
-		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyPending(found)) {
+		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyUnsettled(found)) {
 			return report(found, read), nil
 		}
 	}
@@ -162,9 +166,12 @@ func key(v Violation) string {
 	return strings.Join([]string{string(v.Kind), deviceKey(v.Device), v.Counter, v.Pod, strings.Join(v.Claims, ",")}, "|")
 }
 
-func anyPending(found []finding) bool {
+// anyUnsettled tells whether a further read may change the verdict on one
+// of found: a pending violation may turn out an artefact of a
+// republication, a repairable one may be repaired.
+func anyUnsettled(found []finding) bool {
 	for _, f := range found {
-		if f.pending {
+		if f.pending || f.repairable {
 			return true
 		}
 	}

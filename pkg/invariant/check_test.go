@@ -153,6 +153,8 @@ func TestCheckWith(t *testing.T) {
 		poolSlice("second", 2, 2, devices("gpu-3")...),
 	}
 	onGPU2 := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}
+	// Reserved for a pod that does not exist.
+	staleOnGPU2 := []*resourceapi.ResourceClaim{claim("a", "node-a", "gone-uid", "gpu-2")}
 	twiceOnGPU2 := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2"), claim("b", "node-a", "", "gpu-2")}
 	sharesOfLink := []*resourceapi.ResourceClaim{withShareID(claim("a", "node-a", "", "link")), withShareID(claim("b", "node-a", "", "link"))}
 	unreachable := apierrors.NewServiceUnavailable("etcd is down")
@@ -194,6 +196,19 @@ func TestCheckWith(t *testing.T) {
 			reads:     []fakeRead{{state: State{Slices: complete, Claims: onGPU2, Pods: []*v1.Pod{bound}}}},
 			want:      []Violation{{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}}},
 			wantReads: 2,
+		},
+		"stale reservation repaired after the first re-read": {
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: staleOnGPU2}},
+				{state: State{Slices: complete, Claims: staleOnGPU2}},
+				{state: State{Slices: complete, Claims: onGPU2}},
+			},
+			wantReads: 3,
+		},
+		"stale reservation through every read is reported": {
+			reads:     []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
+			want:      []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads: DefaultReads,
 		},
 		"device of a slice not yet republished is pending": {
 			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: onGPU2}}},

@@ -43,9 +43,13 @@ Checks the DRA allocation invariants of a cluster: no device allocated twice
 no shared counter or shared device capacity consumed beyond what its pool
 publishes, no allocation of a device that no ResourceSlice publishes, no pod
 bound while a claim it uses is unallocated or reserved neither for it nor
-for its PodGroup. A violation is reported only if a second read, a second
-later, finds it again; an allocated device missing from a pool that its
-driver is still republishing is noted on stderr, not reported.
+for its PodGroup, no claim allocated and reserved only for pods that are
+gone or done (its devices held for no one: the resourceclaim controller of
+kube-controller-manager is not cleaning up). A violation is reported only
+if a second read, a second later, finds it again, and such a claim only
+if a third read, a second after that, does; an allocated device missing
+from a pool that its driver is still republishing is noted on stderr, not
+reported.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the

@@ -23,6 +23,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 )
 
@@ -60,6 +61,15 @@ const (
 	// resourceclaim.IsReservedForPod judges it with PodGroup
 	// reservations accepted.
 	PodClaimNotReserved Kind = "PodClaimNotReserved"
+	// StaleReservation: a claim is allocated and reserved, but only for
+	// pods that are gone (no pod of the claim's namespace has the UID of
+	// the reservation) or done (succeeded or failed, or deleted before
+	// it was bound), so its devices are held for no one. The
+	// resourceclaim controller of kube-controller-manager removes such
+	// reservations and, when none is left, deallocates the claim; the
+	// state lasts only while it is down or failing. A claim reserved for
+	// anything other than pods (a PodGroup) is not judged.
+	StaleReservation Kind = "StaleReservation"
 )
 
 // Device identifies a device the way an allocation result does.
@@ -118,6 +128,9 @@ type finding struct {
 	// allocations all have a share ID (the device may allow multiple
 	// allocations, but its spec is in a slice still to come).
 	pending bool
+	// repairable is set on a StaleReservation: the cluster's own
+	// controller undoes it, so it counts only if it outlasts every read.
+	repairable bool
 }
 
 // find returns the violations in s, sorted as by [Find].
@@ -127,6 +140,9 @@ func find(s State) []finding {
 	out = append(out, deviceViolations(s.Claims, pools)...)
 	for _, v := range podViolations(s.Pods, s.Claims) {
 		out = append(out, finding{Violation: v})
+	}
+	for _, v := range staleReservations(s.Pods, s.Claims) {
+		out = append(out, finding{Violation: v, repairable: true})
 	}
 	slices.SortFunc(out, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
@@ -396,6 +412,60 @@ func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violat
 				})
 			}
 		}
+	}
+	return out
+}
+
+// staleReservations finds the allocated claims whose reservations all name
+// pods that are gone or done, judged as the resourceclaim controller
+// judges them (by UID within the claim's namespace).
+func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violation {
+	type key struct {
+		namespace string
+		uid       types.UID
+	}
+	byUID := make(map[key]*v1.Pod, len(pods))
+	for _, p := range pods {
+		byUID[key{p.Namespace, p.UID}] = p
+	}
+	var out []Violation
+	for _, c := range claims {
+		if c.Status.Allocation == nil || len(c.Status.ReservedFor) == 0 {
+			continue
+		}
+		var stale []string
+		for _, r := range c.Status.ReservedFor {
+			if r.APIGroup != "" || r.Resource != "pods" {
+				stale = nil
+				break
+			}
+			p := byUID[key{c.Namespace, r.UID}]
+			switch {
+			case p == nil:
+				stale = append(stale, fmt.Sprintf("%s/%s (gone)", c.Namespace, r.Name))
+			case p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed:
+				stale = append(stale, fmt.Sprintf("%s/%s (%s)", c.Namespace, r.Name, p.Status.Phase))
+			case p.DeletionTimestamp != nil && p.Spec.NodeName == "":
+				stale = append(stale, fmt.Sprintf("%s/%s (deleted before it was bound)", c.Namespace, r.Name))
+			default:
+				stale = nil
+			}
+			if stale == nil {
+				break
+			}
+		}
+		if stale == nil {
+			continue
+		}
+		name := c.Namespace + "/" + c.Name
+		var devices []string
+		for _, r := range c.Status.Allocation.Devices.Results {
+			devices = append(devices, Device{r.Driver, r.Pool, r.Device}.String())
+		}
+		out = append(out, Violation{
+			Kind: StaleReservation, Claims: []string{name},
+			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, strings.Join(devices, ", "), strings.Join(stale, ", ")),
+		})
 	}
 	return out
 }

@@ -214,7 +214,75 @@ func TestInvariantChecker(t *testing.T) {
 				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "uid-other", "gpu-0")},
 				Pods:   []*v1.Pod{pod("p", "uid-p", "node-a", "a")},
 			},
-			want: []Violation{{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}}},
+			want: []Violation{
+				{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}},
+				// No pod has the UID of the reservation.
+				{Kind: StaleReservation, Claims: []string{"ns/a"}},
+			},
+		},
+		"claims reserved only for pods that will not run": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{
+					claim("deleted", "node-a", "uid-deleted", "gpu-0"),
+					claim("done", "node-a", "uid-done", "gpu-1"),
+					claim("unbound-deleted", "node-a", "uid-unbound", "gpu-2"),
+					// A pod of another namespace with the UID does not
+					// hold the reservation.
+					claim("elsewhere", "node-a", "uid-elsewhere", "shared"),
+				},
+				Pods: []*v1.Pod{
+					func() *v1.Pod {
+						p := pod("done", "uid-done", "node-a", "done")
+						p.Status.Phase = v1.PodSucceeded
+						return p
+					}(),
+					func() *v1.Pod {
+						p := pod("unbound", "uid-unbound", "", "unbound-deleted")
+						p.DeletionTimestamp = &metav1.Time{}
+						return p
+					}(),
+					func() *v1.Pod {
+						p := pod("elsewhere", "uid-elsewhere", "node-a")
+						p.Namespace = "other"
+						return p
+					}(),
+				},
+			},
+			want: []Violation{
+				{Kind: StaleReservation, Claims: []string{"ns/deleted"}},
+				{Kind: StaleReservation, Claims: []string{"ns/done"}},
+				{Kind: StaleReservation, Claims: []string{"ns/elsewhere"}},
+				{Kind: StaleReservation, Claims: []string{"ns/unbound-deleted"}},
+			},
+		},
+		"claims with a reservation that still counts": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{
+					// One of two pods sharing the claim is gone.
+					func() *resourceapi.ResourceClaim {
+						c := claim("shared", "node-a", "uid-gone", "gpu-0")
+						c.Status.ReservedFor = append(c.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: "live", UID: "uid-live"})
+						return c
+					}(),
+					// A PodGroup that no listed object shows is not judged.
+					reservedForPodGroup(claim("group", "node-a", "", "gpu-1"), "workers"),
+					// A pod being deleted on its node still runs.
+					claim("terminating", "node-a", "uid-terminating", "gpu-2"),
+					// Allocated, reserved for no one: the controller
+					// leaves such claims allocated too.
+					claim("unreserved", "node-a", "", "shared"),
+				},
+				Pods: []*v1.Pod{
+					pod("live", "uid-live", "node-a", "shared"),
+					func() *v1.Pod {
+						p := pod("terminating", "uid-terminating", "node-a", "terminating")
+						p.DeletionTimestamp = &metav1.Time{}
+						return p
+					}(),
+				},
+			},
 		},
 	}
 	for name, tc := range tests {

@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"encoding/pem"
@@ -11,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	admissionv1 "k8s.io/api/admission/v1"
 	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
@@ -772,4 +774,77 @@ func TestGenerationChangeMidRun(t *testing.T) {
 	t.Log("slice 1 republished under generation 2")
 	e.expectScheduledAll(onA...)
 	e.expectClean()
+}
+
+// TestStaleReservationFoundUntilClaimControllerRuns: while the
+// resourceclaim controller is down, a pod that topodra placed on a node's
+// only GPU is deleted. Its claim stays allocated and reserved for it, so
+// the next pod cannot have the GPU. The invariant checker, and
+// topodra-check with exit code 1, report the claim as a StaleReservation
+// that names the gone pod; once the controller runs it deallocates the
+// claim, the next pod gets the GPU and the checker finds nothing.
+func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start a control plane of its own")
+	ns, err := framework.CreateNamespace(tCtx, c.Client, "stale")
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	_, err = framework.CreateReadyNode(tCtx, c.Client, "node-0", nil)
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode("node-0", topology.DriverName, framework.DGXLikeGPUs("node-0")[:1]), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	stop, err := c.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: config.SchedulerConfig})
+	tCtx.ExpectNoError(err)
+	t.Cleanup(stop)
+
+	tmpl := framework.ClaimTemplate(ns, "one", "gpu", 1)
+	podWithClaim := func(name string) {
+		t.Helper()
+		_, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: tmpl.Spec.Spec}, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		pod := framework.PodWithClaims(ns, name, topodraName)
+		pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpus", ResourceClaimName: ptr.To(name)}}
+		pod.Spec.Containers[0].Resources.Claims = []v1.ResourceClaim{{Name: "gpus"}}
+		_, err = c.Client.CoreV1().Pods(ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err, "create pod "+name)
+	}
+	podWithClaim("first")
+	_, err = framework.WaitForPodScheduled(tCtx, c.Client, ns, "first", waitTimeout)
+	tCtx.ExpectNoError(err)
+	tCtx.ExpectNoError(c.Client.CoreV1().Pods(ns).Delete(tCtx, "first", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	tCtx.ExpectNoError(wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		_, err := c.Client.CoreV1().Pods(ns).Get(ctx, "first", metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	}), "pod first deleted")
+	podWithClaim("second")
+	_, err = framework.WaitForPodUnschedulable(tCtx, c.Client, ns, "second", waitTimeout)
+	tCtx.ExpectNoError(err, "pod second waits: the deleted pod's claim still holds the GPU")
+
+	violations, err := invariant.Check(tCtx, c.Client)
+	tCtx.ExpectNoError(err)
+	if len(violations) != 1 || violations[0].Kind != invariant.StaleReservation || !slices.Equal(violations[0].Claims, []string{ns + "/first"}) ||
+		!strings.Contains(violations[0].Message, ns+"/first (gone)") {
+		t.Errorf("violations %v, want one StaleReservation of claim %s/first naming its gone pod", violations, ns)
+	}
+	var stdout, stderr bytes.Buffer
+	if code := invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig}, &stdout, &stderr); code != invariant.ExitViolations || !strings.Contains(stdout.String(), "StaleReservation") {
+		t.Errorf("topodra-check: exit %d, want %d with the StaleReservation on stdout; stdout:\n%s\nstderr:\n%s", code, invariant.ExitViolations, stdout.String(), stderr.String())
+	}
+
+	_, err = c.StartClaimController(tCtx)
+	tCtx.ExpectNoError(err)
+	_, err = framework.WaitForPodScheduled(tCtx, c.Client, ns, "second", waitTimeout)
+	tCtx.ExpectNoError(err, "pod second gets the GPU once the controller has deallocated the claim")
+	first, err := c.Client.ResourceV1().ResourceClaims(ns).Get(tCtx, "first", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if first.Status.Allocation != nil || len(first.Status.ReservedFor) != 0 {
+		t.Errorf("claim first: allocation %v, reserved for %v; want neither", first.Status.Allocation, first.Status.ReservedFor)
+	}
+	violations, err = invariant.Check(tCtx, c.Client)
+	tCtx.ExpectNoError(err)
+	for _, v := range violations {
+		t.Errorf("invariant violated after the controller ran: %s", v)
+	}
 }
