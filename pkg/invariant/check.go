@@ -98,8 +98,8 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 	return report.Violations, err
 }
 
-// CheckWith lists slices, claims and pods of all namespaces and returns
-// the violations among them. The lists are not one snapshot, and a
+// CheckWith lists slices, nodes, and the claims and pods of all namespaces
+// and returns the violations among them. The lists are not one snapshot, and a
 // cluster changes while it is read: a pod may be bound or deleted between
 // two lists, a claim deallocated, a pool republished. So when the first
 // read finds violations, CheckWith waits opts.Interval and reads again,
@@ -221,6 +221,12 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 	})
 	if err != nil {
 		return State{}, fmt.Errorf("list resource claims: %w", err)
+	}
+	s.Nodes, err = listAll[v1.Node](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.CoreV1().Nodes().List(ctx, opts)
+	})
+	if err != nil {
+		return State{}, fmt.Errorf("list nodes: %w", err)
 	}
 	s.Slices, err = listAll[resourceapi.ResourceSlice](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.ResourceV1().ResourceSlices().List(ctx, opts)

@@ -66,6 +66,10 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			for _, s := range read.state.Slices {
 				items = append(items, s)
 			}
+		case "nodes":
+			for _, n := range read.state.Nodes {
+				items = append(items, n)
+			}
 		}
 		end := len(items)
 		var next string
@@ -92,6 +96,12 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			l := &resourceapi.ResourceSliceList{ListMeta: meta}
 			for _, o := range page {
 				l.Items = append(l.Items, *o.(*resourceapi.ResourceSlice))
+			}
+			return true, l, nil
+		case "nodes":
+			l := &v1.NodeList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*v1.Node))
 			}
 			return true, l, nil
 		}
@@ -195,6 +205,16 @@ func TestCheckWith(t *testing.T) {
 		"pod violation found again is reported": {
 			reads:     []fakeRead{{state: State{Slices: complete, Claims: onGPU2, Pods: []*v1.Pod{bound}}}},
 			want:      []Violation{{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}}},
+			wantReads: 2,
+		},
+		"pod on another node than its claim's devices is reported": {
+			reads: []fakeRead{{state: State{
+				Slices: complete,
+				Claims: []*resourceapi.ResourceClaim{onNode(claim("a", "node-a", "p-uid", "gpu-2"), "node-a")},
+				Pods:   []*v1.Pod{pod("p", "p-uid", "node-b", "a")},
+				Nodes:  []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}}, {ObjectMeta: metav1.ObjectMeta{Name: "node-b"}}},
+			}}},
+			want:      []Violation{{Kind: PodClaimOnOtherNode, Pod: "ns/p", Claims: []string{"ns/a"}}},
 			wantReads: 2,
 		},
 		"stale reservation repaired after the first re-read": {
@@ -306,11 +326,13 @@ func TestCheckReadsInPages(t *testing.T) {
 		s.Slices = append(s.Slices, poolSlice("slice-"+name, 1, 5, devices("gpu-"+name)...))
 		s.Claims = append(s.Claims, claim("c-"+name, "node-a", "", "gpu-"+name))
 		s.Pods = append(s.Pods, pod("p-"+name, "", "", "c-"+name))
+		s.Nodes = append(s.Nodes, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n-" + name}})
 	}
-	// On the last page of each list: a pod bound with a claim that
-	// is not reserved for it, which is allocated a device twice.
-	s.Pods[4] = pod("p-4", "p-4-uid", "node-a", "c-4")
-	s.Claims[4] = claim("c-4", "node-a", "", "gpu-4", "gpu-4")
+	// On the last page of each list: a pod bound to a node with a claim
+	// that is not reserved for it, which is allocated a device twice and
+	// for another node.
+	s.Pods[4] = pod("p-4", "p-4-uid", "n-4", "c-4")
+	s.Claims[4] = onNode(claim("c-4", "node-a", "", "gpu-4", "gpu-4"), "node-a")
 	client := newFakeCluster(fakeRead{state: s})
 	report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond, PageSize: 2})
 	if err != nil {
@@ -320,8 +342,9 @@ func TestCheckReadsInPages(t *testing.T) {
 	expectViolations(t, report.Violations, []Violation{
 		{Kind: DoubleAllocation, Device: gpu4, Claims: []string{"ns/c-4", "ns/c-4"}},
 		{Kind: PodClaimNotReserved, Pod: "ns/p-4", Claims: []string{"ns/c-4"}},
+		{Kind: PodClaimOnOtherNode, Pod: "ns/p-4", Claims: []string{"ns/c-4"}},
 	})
-	for _, resource := range []string{"pods", "resourceclaims", "resourceslices"} {
+	for _, resource := range []string{"pods", "resourceclaims", "resourceslices", "nodes"} {
 		limits := client.limits[resource]
 		// Two reads of three pages each.
 		if len(limits) != 6 {

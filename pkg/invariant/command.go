@@ -42,8 +42,8 @@ Checks the DRA allocation invariants of a cluster: no device allocated twice
 (unless it allows multiple allocations and each is a share with a share ID),
 no shared counter or shared device capacity consumed beyond what its pool
 publishes, no allocation of a device that no ResourceSlice publishes, no pod
-bound while a claim it uses is unallocated or reserved neither for it nor
-for its PodGroup, no claim allocated and reserved only for pods that are
+bound while a claim it uses is unallocated, reserved neither for it nor
+for its PodGroup, or allocated for another node, no claim allocated and reserved only for pods that are
 gone or done (its devices held for no one: the resourceclaim controller of
 kube-controller-manager is not cleaning up). A violation is reported only
 if a second read, a second later, finds it again, and such a claim only
@@ -54,7 +54,8 @@ reported.
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
 violations found so far are printed, unconfirmed). Needs list on
-resourceslices, pods and resourceclaims in all namespaces.
+resourceslices and nodes, and on pods and resourceclaims in all
+namespaces.
 
 Flags:`)
 		fs.PrintDefaults()

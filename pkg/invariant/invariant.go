@@ -24,6 +24,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 )
 
@@ -61,6 +62,12 @@ const (
 	// resourceclaim.IsReservedForPod judges it with PodGroup
 	// reservations accepted.
 	PodClaimNotReserved Kind = "PodClaimNotReserved"
+	// PodClaimOnOtherNode: a pod is bound to a node that the node
+	// selector of one of its allocated claims (status.allocation.
+	// nodeSelector) does not select, so the claim's devices cannot be
+	// reached from where the pod runs. Pods bound to a node that no
+	// longer exists are not judged.
+	PodClaimOnOtherNode Kind = "PodClaimOnOtherNode"
 	// StaleReservation: a claim is allocated and reserved, but only for
 	// pods that are gone (no pod of the claim's namespace has the UID of
 	// the reservation) or done (succeeded or failed, or deleted before
@@ -103,6 +110,9 @@ type State struct {
 	Slices []*resourceapi.ResourceSlice
 	Claims []*resourceapi.ResourceClaim
 	Pods   []*v1.Pod
+	// Nodes are needed for PodClaimOnOtherNode only: a pod whose node is
+	// not among them is not judged for it.
+	Nodes []*v1.Node
 }
 
 // Find returns the violations in s, sorted by kind, then device or
@@ -138,7 +148,7 @@ func find(s State) []finding {
 	pools := publishedPools(s.Slices)
 	var out []finding
 	out = append(out, deviceViolations(s.Claims, pools)...)
-	for _, v := range podViolations(s.Pods, s.Claims) {
+	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes) {
 		out = append(out, finding{Violation: v})
 	}
 	for _, v := range staleReservations(s.Pods, s.Claims) {
@@ -372,11 +382,15 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 	return out
 }
 
-func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violation {
+func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []*v1.Node) []Violation {
 	type key struct{ namespace, name string }
 	byName := make(map[key]*resourceapi.ResourceClaim, len(claims))
 	for _, c := range claims {
 		byName[key{c.Namespace, c.Name}] = c
+	}
+	nodeByName := make(map[string]*v1.Node, len(nodes))
+	for _, n := range nodes {
+		nodeByName[n.Name] = n
 	}
 	var out []Violation
 	for _, pod := range pods {
@@ -409,6 +423,23 @@ func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violat
 				out = append(out, Violation{
 					Kind: PodClaimNotReserved, Pod: podName, Claims: []string{claimName},
 					Message: fmt.Sprintf("pod %s is bound to %s but its claim %s is reserved neither for it nor for its pod group", podName, pod.Spec.NodeName, claimName),
+				})
+			}
+			if c == nil || c.Status.Allocation == nil || c.Status.Allocation.NodeSelector == nil {
+				continue
+			}
+			node := nodeByName[pod.Spec.NodeName]
+			if node == nil {
+				continue
+			}
+			if selector, err := nodeaffinity.NewNodeSelector(c.Status.Allocation.NodeSelector); err != nil || !selector.Match(node) {
+				why := "does not select it"
+				if err != nil {
+					why = fmt.Sprintf("is invalid (%v)", err)
+				}
+				out = append(out, Violation{
+					Kind: PodClaimOnOtherNode, Pod: podName, Claims: []string{claimName},
+					Message: fmt.Sprintf("pod %s is bound to %s but the node selector of its claim %s's allocation %s: its devices (%s) cannot be reached from there", podName, pod.Spec.NodeName, claimName, why, allocatedDevices(c)),
 				})
 			}
 		}
@@ -458,16 +489,21 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Vi
 			continue
 		}
 		name := c.Namespace + "/" + c.Name
-		var devices []string
-		for _, r := range c.Status.Allocation.Devices.Results {
-			devices = append(devices, Device{r.Driver, r.Pool, r.Device}.String())
-		}
 		out = append(out, Violation{
 			Kind: StaleReservation, Claims: []string{name},
-			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, strings.Join(devices, ", "), strings.Join(stale, ", ")),
+			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, allocatedDevices(c), strings.Join(stale, ", ")),
 		})
 	}
 	return out
+}
+
+// allocatedDevices lists the devices of c's allocation, comma-separated.
+func allocatedDevices(c *resourceapi.ResourceClaim) string {
+	var devices []string
+	for _, r := range c.Status.Allocation.Devices.Results {
+		devices = append(devices, Device{r.Driver, r.Pool, r.Device}.String())
+	}
+	return strings.Join(devices, ", ")
 }
 
 // ClaimRef is one claim a pod uses: PodClaimName is its name in

@@ -58,6 +58,15 @@ func claim(name, pool string, podUID types.UID, deviceNames ...string) *resource
 	return c
 }
 
+// onNode gives c's allocation the node selector that the upstream
+// allocator writes for devices of a node's own slices.
+func onNode(c *resourceapi.ResourceClaim, node string) *resourceapi.ResourceClaim {
+	c.Status.Allocation.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+		MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
+	}}}
+	return c
+}
+
 func adminAccess(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
 	for i := range c.Status.Allocation.Devices.Results {
 		c.Status.Allocation.Devices.Results[i].AdminAccess = ptr.To(true)
@@ -218,6 +227,37 @@ func TestInvariantChecker(t *testing.T) {
 				{Kind: PodClaimNotReserved, Pod: "ns/p", Claims: []string{"ns/a"}},
 				// No pod has the UID of the reservation.
 				{Kind: StaleReservation, Claims: []string{"ns/a"}},
+			},
+		},
+		"pods bound where their claims' devices are not": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA},
+				Claims: []*resourceapi.ResourceClaim{
+					onNode(claim("here", "node-a", "uid-here", "gpu-0"), "node-a"),
+					onNode(claim("there", "node-a", "uid-there", "gpu-1"), "node-a"),
+					onNode(claim("gone-node", "node-a", "uid-gone-node", "gpu-2"), "node-a"),
+					// Network-attached: a node selector on a label.
+					func() *resourceapi.ResourceClaim {
+						c := claim("by-label", "node-a", "uid-by-label", "shared")
+						c.Status.Allocation.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "rack", Operator: v1.NodeSelectorOpIn, Values: []string{"r1"}}}}}}
+						return share(c, "shared", nil)
+					}(),
+				},
+				Pods: []*v1.Pod{
+					pod("here", "uid-here", "node-a", "here"),
+					pod("there", "uid-there", "node-b", "there"),
+					// Its node is gone: not judged.
+					pod("gone-node", "uid-gone-node", "node-gone", "gone-node"),
+					pod("by-label", "uid-by-label", "node-b", "by-label"),
+				},
+				Nodes: []*v1.Node{
+					{ObjectMeta: metav1.ObjectMeta{Name: "node-a", Labels: map[string]string{"rack": "r1"}}},
+					{ObjectMeta: metav1.ObjectMeta{Name: "node-b", Labels: map[string]string{"rack": "r2"}}},
+				},
+			},
+			want: []Violation{
+				{Kind: PodClaimOnOtherNode, Pod: "ns/by-label", Claims: []string{"ns/by-label"}},
+				{Kind: PodClaimOnOtherNode, Pod: "ns/there", Claims: []string{"ns/there"}},
 			},
 		},
 		"claims reserved only for pods that will not run": {

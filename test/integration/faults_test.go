@@ -848,3 +848,58 @@ func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
 		t.Errorf("invariant violated after the controller ran: %s", v)
 	}
 }
+
+// TestPodOnOtherNodeThanItsDevices: a pod bound to one node whose claim is
+// allocated (and reserved for it) with devices of another node, as a
+// faulty writer could leave it, is reported as a PodClaimOnOtherNode; the
+// pod and claim on the same node are not.
+func TestPodOnOtherNodeThanItsDevices(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start a control plane of its own")
+	ns, err := framework.CreateNamespace(tCtx, c.Client, "othernode")
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	for _, node := range []string{"node-0", "node-1"} {
+		_, err = framework.CreateReadyNode(tCtx, c.Client, node, nil)
+		tCtx.ExpectNoError(err)
+		_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node)[:1]), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	tmpl := framework.ClaimTemplate(ns, "one", "gpu", 1)
+	// place binds pod name to podNode with a claim allocated gpu-0 of
+	// deviceNode, written as the upstream allocator writes node-local
+	// allocations.
+	place := func(name, podNode, deviceNode string) {
+		t.Helper()
+		claim, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name}, Spec: tmpl.Spec.Spec}, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		pod := framework.PodWithClaims(ns, name, topodraName)
+		pod.Spec.NodeName = podNode
+		pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpus", ResourceClaimName: ptr.To(name)}}
+		pod.Spec.Containers[0].Resources.Claims = []v1.ResourceClaim{{Name: "gpus"}}
+		pod, err = c.Client.CoreV1().Pods(ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err, "create pod "+name)
+		claim.Status.Allocation = &resourceapi.AllocationResult{
+			Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{{Request: tmpl.Spec.Spec.Devices.Requests[0].Name, Driver: topology.DriverName, Pool: deviceNode, Device: "gpu-0"}}},
+			NodeSelector: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+				MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{deviceNode}}},
+			}}},
+		}
+		claim.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: pod.Name, UID: pod.UID}}
+		_, err = c.Client.ResourceV1().ResourceClaims(ns).UpdateStatus(tCtx, claim, metav1.UpdateOptions{})
+		tCtx.ExpectNoError(err, "write the allocation of "+name)
+	}
+	place("right", "node-0", "node-0")
+	place("wrong", "node-0", "node-1")
+
+	violations, err := invariant.Check(tCtx, c.Client)
+	tCtx.ExpectNoError(err)
+	if len(violations) != 1 || violations[0].Kind != invariant.PodClaimOnOtherNode || violations[0].Pod != ns+"/wrong" || !slices.Equal(violations[0].Claims, []string{ns + "/wrong"}) {
+		t.Errorf("violations %v, want one PodClaimOnOtherNode of pod %s/wrong", violations, ns)
+	}
+	for _, v := range violations {
+		t.Logf("found: %s", v)
+	}
+}
