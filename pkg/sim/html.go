@@ -65,6 +65,12 @@ func (r *Report) WriteHTML(out io.Writer) error {
 	row("empty nodes opened / needlessly", false, openedText)
 	row("free GPUs in whole NUMA nodes (mean over ticks)", false, func(res Result) string { return fmt.Sprintf("%.0f%%", 100*res.FreeInWholeNUMA) })
 	row("pods stuck (fit by count, not bound within 10 s)", false, func(res Result) string { return fmt.Sprint(res.Stuck) })
+	row("invariant violations at the end (topodra-check)", false, func(res Result) string {
+		if res.InvariantViolations < 0 {
+			return "not checked"
+		}
+		return fmt.Sprint(res.InvariantViolations)
+	})
 	row("free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) })

@@ -253,8 +253,14 @@ type Result struct {
 	// reason the simulator does not know.
 	Stuck int `json:"stuckPods,omitempty"`
 	// Errors are inconsistencies found while tracking (allocated devices
-	// that do not exist, double allocation, claims on another node).
+	// that do not exist, double allocation, claims on another node), and
+	// the violations that the invariant checker (pkg/invariant, shipped
+	// as topodra-check) finds in the cluster as the run leaves it.
 	Errors []string `json:"errors,omitempty"`
+	// InvariantViolations is how many violations the invariant checker
+	// found at the end of the run; -1 where it could not read the cluster
+	// (a note says why).
+	InvariantViolations int `json:"invariantViolations"`
 }
 
 // DeviceInfo describes one device for the maps.
@@ -325,6 +331,12 @@ func (r *Report) WriteTable(out io.Writer) error {
 	row("empty nodes opened / needlessly", openedText)
 	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
 	row("pods stuck (fit by count, not bound within 10 s)", func(res Result) string { return fmt.Sprint(res.Stuck) })
+	row("invariant violations at the end (topodra-check)", func(res Result) string {
+		if res.InvariantViolations < 0 {
+			return "not checked"
+		}
+		return fmt.Sprint(res.InvariantViolations)
+	})
 	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
 	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
 	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })

@@ -25,6 +25,7 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/invariant"
 	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/plugins/topologydra"
 	topodrav1 "github.com/topodra/topodra/pkg/plugins/topologydra/apis/config/v1"
@@ -304,6 +305,17 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		res.Fit8 += e.Fit8
 		res.Fit4 += e.Fit4
 		res.FreeGPUs += e.FreeGPUs
+	}
+	// The invariant checker, as topodra-check runs it, on the cluster as
+	// the run leaves it: each violation is an inconsistency of the run.
+	if violations, err := invariant.Check(ctx, client); err != nil {
+		res.InvariantViolations = -1
+		res.Notes = append(res.Notes, fmt.Sprintf("invariant check not done: %v", err))
+	} else {
+		res.InvariantViolations = len(violations)
+		for _, v := range violations {
+			res.Errors = append(res.Errors, "invariant: "+v.String())
+		}
 	}
 	if opts.AfterRun != nil {
 		if err := opts.AfterRun(ctx, client, res); err != nil {

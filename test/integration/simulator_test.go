@@ -104,6 +104,9 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	for _, e := range res.Errors {
 		t.Errorf("%s: tracking found: %s", name, e)
 	}
+	if res.InvariantViolations != 0 {
+		t.Errorf("%s: %d invariant violations at the end of the run, want 0 (checked)", name, res.InvariantViolations)
+	}
 	if res.Pods != pods || res.Placed+res.Pending != pods {
 		t.Errorf("%s: pods %d, placed %d + pending %d, want %d in all", name, res.Pods, res.Placed, res.Pending, pods)
 	}
