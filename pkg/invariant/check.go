@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -73,6 +74,10 @@ type Report struct {
 	Pending []Violation
 	// Reads is how many times the cluster was read in full.
 	Reads int
+	// NotJudged says why a kind of violation was not looked for (at the
+	// last read): nodes that may not be listed leave PodClaimOnOtherNode
+	// unjudged.
+	NotJudged []string
 }
 
 // IncompleteError is the error of [CheckWith] and [Check] when a re-read
@@ -141,7 +146,11 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			found = again(found, find(state))
 		}
 		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyUnsettled(found)) {
-			return report(found, read), nil
+			r := report(found, read)
+			if state.NodesUnread != nil {
+				r.NotJudged = append(r.NotJudged, fmt.Sprintf("%s not looked for: %v", PodClaimOnOtherNode, state.NodesUnread))
+			}
+			return r, nil
 		}
 	}
 }
@@ -225,7 +234,12 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 	s.Nodes, err = listAll[v1.Node](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.CoreV1().Nodes().List(ctx, opts)
 	})
-	if err != nil {
+	switch {
+	case apierrors.IsForbidden(err):
+		// Nodes serve one kind of violation only; without them that
+		// kind is not judged, and the report says so.
+		s.Nodes, s.NodesUnread = nil, fmt.Errorf("list nodes: %w", err)
+	case err != nil:
 		return State{}, fmt.Errorf("list nodes: %w", err)
 	}
 	s.Slices, err = listAll[resourceapi.ResourceSlice](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {

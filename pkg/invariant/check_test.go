@@ -24,6 +24,8 @@ type fakeRead struct {
 	state State
 	// err, if set, is the error of the read's claim list.
 	err error
+	// nodesErr, if set, is the error of the read's node list.
+	nodesErr error
 }
 
 // fakeCluster is a client whose n-th read (pods, claims and slices listed
@@ -67,6 +69,9 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 				items = append(items, s)
 			}
 		case "nodes":
+			if read.nodesErr != nil {
+				return true, nil, read.nodesErr
+			}
 			for _, n := range read.state.Nodes {
 				items = append(items, n)
 			}
@@ -443,5 +448,43 @@ func TestCommandCheck(t *testing.T) {
 				t.Errorf("stderr %q, want nothing", stderr.String())
 			}
 		})
+	}
+}
+
+// TestCheckWithoutNodeList: where nodes may not be listed, the other kinds
+// are still judged and the report, and topodra-check on stderr, say that
+// pods on another node than their claims' devices were not looked for;
+// any other error of the node list fails the read.
+func TestCheckWithoutNodeList(t *testing.T) {
+	slices := []*resourceapi.ResourceSlice{poolSlice("first", 1, 1, devices("gpu-0", "gpu-1")...)}
+	state := State{
+		Slices: slices,
+		Claims: []*resourceapi.ResourceClaim{
+			onNode(claim("a", "node-a", "p-uid", "gpu-0"), "node-a"),
+			claim("b", "node-a", "", "gpu-0"),
+		},
+		Pods: []*v1.Pod{pod("p", "p-uid", "node-b", "a")},
+	}
+	forbidden := apierrors.NewForbidden(v1.Resource("nodes"), "", errors.New("no list on nodes"))
+	client := newFakeCluster(fakeRead{state: state, nodesErr: forbidden})
+	report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectViolations(t, report.Violations, []Violation{{Kind: DoubleAllocation, Device: &Device{driver, "node-a", "gpu-0"}, Claims: []string{"ns/a", "ns/b"}}})
+	if len(report.NotJudged) != 1 || !strings.Contains(report.NotJudged[0], string(PodClaimOnOtherNode)) {
+		t.Errorf("not judged: %q, want one line on %s", report.NotJudged, PodClaimOnOtherNode)
+	}
+
+	var stdout, stderr bytes.Buffer
+	clean := State{Slices: slices}
+	if code := check(context.Background(), newFakeCluster(fakeRead{state: clean, nodesErr: forbidden}), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr); code != ExitClean ||
+		!strings.Contains(stderr.String(), "PodClaimOnOtherNode not looked for") {
+		t.Errorf("topodra-check: exit %d, stderr %q; want %d and a note that %s was not looked for", code, stderr.String(), ExitClean, PodClaimOnOtherNode)
+	}
+
+	unavailable := apierrors.NewServiceUnavailable("etcd is down")
+	if _, err := CheckWith(context.Background(), newFakeCluster(fakeRead{state: state, nodesErr: unavailable}), CheckOptions{Interval: time.Millisecond}); !apierrors.IsServiceUnavailable(err) {
+		t.Errorf("error %v, want the node list's", err)
 	}
 }

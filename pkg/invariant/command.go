@@ -54,8 +54,9 @@ reported.
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
 violations found so far are printed, unconfirmed). Needs list on
-resourceslices and nodes, and on pods and resourceclaims in all
-namespaces.
+resourceslices, and on pods and resourceclaims in all namespaces; without
+list on nodes, pods on another node than their claims' devices are not
+looked for (noted on stderr).
 
 Flags:`)
 		fs.PrintDefaults()
@@ -100,6 +101,9 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 	}
 	for _, v := range report.Pending {
 		fmt.Fprintf(stderr, "topodra-check: not reported, its pool is being republished: %s\n", v)
+	}
+	for _, why := range report.NotJudged {
+		fmt.Fprintf(stderr, "topodra-check: %s\n", why)
 	}
 	if werr := write(stdout, output, report.Violations); werr != nil {
 		fmt.Fprintf(stderr, "topodra-check: write: %v\n", werr)

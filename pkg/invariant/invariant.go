@@ -113,6 +113,8 @@ type State struct {
 	// Nodes are needed for PodClaimOnOtherNode only: a pod whose node is
 	// not among them is not judged for it.
 	Nodes []*v1.Node
+	// NodesUnread, when set, is why Nodes could not be read.
+	NodesUnread error
 }
 
 // Find returns the violations in s, sorted by kind, then device or
