@@ -776,6 +776,26 @@ func TestGenerationChangeMidRun(t *testing.T) {
 	e.expectClean()
 }
 
+// oneGPUNodes starts a control plane of the test's own, without a claim
+// controller or scheduler, with a namespace, the DeviceClass "gpu" and the
+// named nodes, each with one GPU (gpu-0) in its slice.
+func oneGPUNodes(t *testing.T, namespace string, nodes ...string) (ktesting.TContext, *framework.ControlPlane, string) {
+	tCtx := ktesting.Init(t)
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start a control plane of its own")
+	ns, err := framework.CreateNamespace(tCtx, c.Client, namespace)
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	for _, node := range nodes {
+		_, err = framework.CreateReadyNode(tCtx, c.Client, node, nil)
+		tCtx.ExpectNoError(err)
+		_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node)[:1]), metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	return tCtx, c, ns
+}
+
 // TestStaleReservationFoundUntilClaimControllerRuns: while the
 // resourceclaim controller is down, a pod that topodra placed on a node's
 // only GPU is deleted. Its claim stays allocated and reserved for it, so
@@ -784,17 +804,7 @@ func TestGenerationChangeMidRun(t *testing.T) {
 // that names the gone pod; once the controller runs it deallocates the
 // claim, the next pod gets the GPU and the checker finds nothing.
 func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	c, err := framework.Start(t)
-	tCtx.ExpectNoError(err, "start a control plane of its own")
-	ns, err := framework.CreateNamespace(tCtx, c.Client, "stale")
-	tCtx.ExpectNoError(err)
-	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	_, err = framework.CreateReadyNode(tCtx, c.Client, "node-0", nil)
-	tCtx.ExpectNoError(err)
-	_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode("node-0", topology.DriverName, framework.DGXLikeGPUs("node-0")[:1]), metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
+	tCtx, c, ns := oneGPUNodes(t, "stale", "node-0")
 	stop, err := c.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: config.SchedulerConfig})
 	tCtx.ExpectNoError(err)
 	t.Cleanup(stop)
@@ -854,19 +864,7 @@ func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
 // faulty writer could leave it, is reported as a PodClaimOnOtherNode; the
 // pod and claim on the same node are not.
 func TestPodOnOtherNodeThanItsDevices(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	c, err := framework.Start(t)
-	tCtx.ExpectNoError(err, "start a control plane of its own")
-	ns, err := framework.CreateNamespace(tCtx, c.Client, "othernode")
-	tCtx.ExpectNoError(err)
-	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	for _, node := range []string{"node-0", "node-1"} {
-		_, err = framework.CreateReadyNode(tCtx, c.Client, node, nil)
-		tCtx.ExpectNoError(err)
-		_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(node, topology.DriverName, framework.DGXLikeGPUs(node)[:1]), metav1.CreateOptions{})
-		tCtx.ExpectNoError(err)
-	}
+	tCtx, c, ns := oneGPUNodes(t, "othernode", "node-0", "node-1")
 	tmpl := framework.ClaimTemplate(ns, "one", "gpu", 1)
 	// place binds pod name to podNode with a claim allocated gpu-0 of
 	// deviceNode, written as the upstream allocator writes node-local
