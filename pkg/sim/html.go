@@ -491,9 +491,9 @@ func writeRunTargets(p func(string, ...any), e func(string) string, r *Report) {
 	if len(run) == 0 {
 		return
 	}
-	p("<h2>Placement targets in this run alone</h2>\n<table class=\"results\">\n<thead><tr><th>target</th><th>want</th><th>topodra</th><th>stock</th><th>met</th></tr></thead>\n<tbody>\n")
+	p("<h2>Placement targets in this run alone</h2>\n<table class=\"results\">\n<thead><tr><th>target</th><th>want</th><th>topodra</th><th>stock</th><th>met</th><th>behind it, topodra vs stock</th></tr></thead>\n<tbody>\n")
 	for _, t := range run {
-		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict(t))
+		p("<tr><th>%s</th><td>%s</td><td>%s</td><td>%s</td><td>%s</td><td>%s</td></tr>\n", e(runTargetName(t)), e(t.Want), e(t.Topodra), e(t.Stock), verdict(t), e(r.runTargetBasis(t)))
 	}
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">%d of %d met in this run%s. The targets are checked on medians over many runs; here each median is this run's value. Runs vary, and where the small pods' waits are near zero one pod waiting one tick decides a target: the verdict is the multi-seed sweep (<code>make placement</code>, <code>--seeds 1-8</code>).</p>\n", metCount(run), applicableCount(run), e(naNote(run, " (", ")")))

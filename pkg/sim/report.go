@@ -407,15 +407,52 @@ func (r *Report) WriteTable(out io.Writer) error {
 	fmt.Fprintln(out)
 	fmt.Fprintln(out, "placement targets in this run alone (runs vary; the verdict is the multi-seed sweep: --seeds 1-8)")
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\t")
+	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\tbehind it, topodra vs stock\t")
 	for _, t := range run {
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t\n", runTargetName(t), t.Want, t.Topodra, t.Stock, verdict(t))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t\n", runTargetName(t), t.Want, t.Topodra, t.Stock, verdict(t), r.runTargetBasis(t))
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "%d of %d met in this run%s\n", metCount(run), applicableCount(run), naNote(run, " (", ")"))
 	return nil
+}
+
+// runTargetBasis says what a run's value of target t rests on, topodra's
+// against stock's: for a wait, the pod-ticks waited by the pods of that
+// size and how many there were; for alignment, the placements aligned and
+// those that could have been. Empty for the other targets.
+func (r *Report) runTargetBasis(t Target) string {
+	var topodra, stock *Result
+	for i := range r.Results {
+		switch r.Results[i].Scheduler {
+		case SchedulerTopodra:
+			topodra = &r.Results[i]
+		case SchedulerStock:
+			stock = &r.Results[i]
+		}
+	}
+	if topodra == nil || stock == nil || t.NotApplicable {
+		return ""
+	}
+	var gpus int
+	if _, err := fmt.Sscanf(t.Measure, "median mean wait, %d GPU", &gpus); err == nil {
+		tw, sw := topodra.WaitByGPUs[gpus], stock.WaitByGPUs[gpus]
+		if tw == nil || sw == nil {
+			return ""
+		}
+		return fmt.Sprintf("%d vs %d pod-ticks waited by %d vs %d pods", tw.Ticks, sw.Ticks, tw.Pods, sw.Pods)
+	}
+	if t.Measure == "median alignment" {
+		count := func(a Alignment) (int, int) {
+			return a.Clique.Aligned + a.Root.Aligned + a.NUMA.Aligned + a.NICRoot.Aligned,
+				a.Clique.Possible + a.Root.Possible + a.NUMA.Possible + a.NICRoot.Possible
+		}
+		ta, tp := count(topodra.Alignment)
+		sa, sp := count(stock.Alignment)
+		return fmt.Sprintf("%d of %d vs %d of %d aligned where possible", ta, tp, sa, sp)
+	}
+	return ""
 }
 
 // runTargetName names a sweep's target for one run: its median is the
