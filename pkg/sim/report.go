@@ -441,7 +441,7 @@ func (r *Report) runTargetBasis(t Target) string {
 		if tw == nil || sw == nil {
 			return ""
 		}
-		return fmt.Sprintf("%d vs %d pod-ticks waited by %d vs %d pods", tw.Ticks, sw.Ticks, tw.Pods, sw.Pods)
+		return fmt.Sprintf("%d vs %d pod-ticks over %d vs %d pods of the size", tw.Ticks, sw.Ticks, tw.Pods, sw.Pods)
 	}
 	if t.Measure == "median alignment" {
 		count := func(a Alignment) (int, int) {

@@ -330,7 +330,7 @@ func TestRunTargets(t *testing.T) {
 	}
 	for _, want := range []string{"placement targets in this run alone", "mean wait, 2 GPU", "7 of 9 met in this run",
 		// What the 2-GPU miss rests on: three pod-ticks against one.
-		"3 vs 1 pod-ticks waited by 36 vs 36 pods", "94 of 100 vs 60 of 100 aligned where possible"} {
+		"3 vs 1 pod-ticks over 36 vs 36 pods of the size", "94 of 100 vs 60 of 100 aligned where possible"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the table lacks %q:\n%s", want, out.String())
 		}
@@ -339,7 +339,7 @@ func TestRunTargets(t *testing.T) {
 	if err := report.WriteHTML(&page); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"Placement targets in this run alone", "<th>mean wait, 2 GPU</th>", "7 of 9 met in this run", "3 vs 1 pod-ticks waited by 36 vs 36 pods"} {
+	for _, want := range []string{"Placement targets in this run alone", "<th>mean wait, 2 GPU</th>", "7 of 9 met in this run", "3 vs 1 pod-ticks over 36 vs 36 pods of the size"} {
 		if !strings.Contains(page.String(), want) {
 			t.Errorf("the HTML report lacks %q", want)
 		}
