@@ -37,55 +37,17 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		p("<th>%s</th>", e(res.Scheduler))
 	}
 	p("</tr></thead>\n<tbody>\n")
-	row := func(label string, sub bool, cell func(Result) string) {
+	for _, row := range resultRows() {
 		class := ""
-		if sub {
+		if row.sub {
 			class = " class=\"sub\""
 		}
-		p("<tr%s><th>%s</th>", class, e(label))
+		p("<tr%s><th>%s</th>", class, e(row.label))
 		for _, res := range r.Results {
-			p("<td>%s</td>", e(cell(res)))
+			p("<td>%s</td>", e(row.cell(res)))
 		}
 		p("</tr>\n")
 	}
-	row("pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) })
-	row("finished / running at end", true, func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) })
-	row("multi-GPU allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) })
-	row("in one NVLink clique", true, func(res Result) string { return res.Alignment.Clique.String() })
-	row("in one PCIe root", true, func(res Result) string { return res.Alignment.Root.String() })
-	row("in one NUMA node", true, func(res Result) string { return res.Alignment.NUMA.String() })
-	row("GPU+NIC allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) })
-	row("sharing a PCIe root", true, func(res Result) string { return res.Alignment.NICRoot.String() })
-	row("aligned overall", false, func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
-	row("waiting: pod-ticks in all", false, func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
-	row("mean ticks by GPUs per pod", true, waitText)
-	row("GPU-ticks waiting / GPUs idle meanwhile", true, func(res Result) string {
-		return fmt.Sprintf("%d / %d", res.PendingGPUTicks, res.IdleWhileWaiting)
-	})
-	row("empty nodes opened / needlessly", false, openedText)
-	row("free GPUs in whole NUMA nodes (mean over ticks)", false, func(res Result) string { return fmt.Sprintf("%.0f%%", 100*res.FreeInWholeNUMA) })
-	row("pods stuck (fit by count, not bound within 10 s)", false, func(res Result) string { return fmt.Sprint(res.Stuck) })
-	row("invariant violations at the end (topodra-check)", false, func(res Result) string {
-		if res.InvariantViolations < 0 {
-			return "not checked"
-		}
-		return fmt.Sprint(res.InvariantViolations)
-	})
-	row("free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
-	row("more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) })
-	row("more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) })
-	row("throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
-	row("attempt latency p50 / p99", false, func(res Result) string {
-		return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
-	})
-	row("attempts: scheduled / unschedulable", true, func(res Result) string {
-		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
-	})
-	row("scheduler CPU", true, schedulerCPUText)
-	row("create→bind p50 / p99", false, func(res Result) string {
-		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
-	})
-	row("wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
 	p("</tbody>\n</table>\n")
 	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
 

@@ -307,51 +307,16 @@ func (r *Report) WriteTable(out io.Writer) error {
 		header += res.Scheduler + "\t"
 	}
 	fmt.Fprintln(w, header)
-	row := func(label string, cell func(Result) string) {
-		line := label + "\t"
+	for _, row := range resultRows() {
+		line := row.label + "\t"
+		if row.sub {
+			line = "  " + line
+		}
 		for _, res := range r.Results {
-			line += cell(res) + "\t"
+			line += row.cell(res) + "\t"
 		}
 		fmt.Fprintln(w, line)
 	}
-	row("pods placed / pending", func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) })
-	row("  finished / running at end", func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) })
-	row("multi-GPU allocations", func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) })
-	row("  in one NVLink clique", func(res Result) string { return res.Alignment.Clique.String() })
-	row("  in one PCIe root", func(res Result) string { return res.Alignment.Root.String() })
-	row("  in one NUMA node", func(res Result) string { return res.Alignment.NUMA.String() })
-	row("GPU+NIC allocations", func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) })
-	row("  sharing a PCIe root", func(res Result) string { return res.Alignment.NICRoot.String() })
-	row("aligned overall", func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) })
-	row("waiting: pod-ticks in all", func(res Result) string { return fmt.Sprint(res.PendingPodTicks) })
-	row("  mean ticks by GPUs per pod", waitText)
-	row("  GPU-ticks waiting / GPUs idle meanwhile", func(res Result) string {
-		return fmt.Sprintf("%d / %d", res.PendingGPUTicks, res.IdleWhileWaiting)
-	})
-	row("empty nodes opened / needlessly", openedText)
-	row("free GPUs in whole NUMA nodes", func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) })
-	row("pods stuck (fit by count, not bound within 10 s)", func(res Result) string { return fmt.Sprint(res.Stuck) })
-	row("invariant violations at the end (topodra-check)", func(res Result) string {
-		if res.InvariantViolations < 0 {
-			return "not checked"
-		}
-		return fmt.Sprint(res.InvariantViolations)
-	})
-	row("free GPUs at end", func(res Result) string { return fmt.Sprint(res.FreeGPUs) })
-	row("  more 8-GPU jobs fit", func(res Result) string { return fmt.Sprint(res.Fit8) })
-	row("  more 4-GPU NUMA-aligned jobs fit", func(res Result) string { return fmt.Sprint(res.Fit4) })
-	row("throughput (pods/s)", func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) })
-	row("attempt latency p50 / p99", func(res Result) string {
-		return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
-	})
-	row("  attempts: scheduled / unschedulable", func(res Result) string {
-		return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
-	})
-	row("  scheduler CPU", schedulerCPUText)
-	row("create->bind p50 / p99", func(res Result) string {
-		return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
-	})
-	row("wall time", func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) })
 	if err := w.Flush(); err != nil {
 		return err
 	}
@@ -416,6 +381,59 @@ func (r *Report) WriteTable(out io.Writer) error {
 	}
 	fmt.Fprintf(out, "%d of %d met in this run%s\n", metCount(run), applicableCount(run), naNote(run, " (", ")"))
 	return nil
+}
+
+// resultRow is one row of the side-by-side table of a report, in text
+// (WriteTable) and HTML (WriteHTML) alike.
+type resultRow struct {
+	label string
+	// sub rows belong to the row above them (indented, or set apart).
+	sub  bool
+	cell func(Result) string
+}
+
+// resultRows are the rows of the side-by-side table, in order.
+func resultRows() []resultRow {
+	return []resultRow{
+		{"pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) }},
+		{"finished / running at end", true, func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) }},
+		{"multi-GPU allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) }},
+		{"in one NVLink clique", true, func(res Result) string { return res.Alignment.Clique.String() }},
+		{"in one PCIe root", true, func(res Result) string { return res.Alignment.Root.String() }},
+		{"in one NUMA node", true, func(res Result) string { return res.Alignment.NUMA.String() }},
+		{"GPU+NIC allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) }},
+		{"sharing a PCIe root", true, func(res Result) string { return res.Alignment.NICRoot.String() }},
+		{"aligned overall", false, func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) }},
+		{"waiting: pod-ticks in all", false, func(res Result) string { return fmt.Sprint(res.PendingPodTicks) }},
+		{"mean ticks by GPUs per pod", true, waitText},
+		{"GPU-ticks waiting / GPUs idle meanwhile", true, func(res Result) string {
+			return fmt.Sprintf("%d / %d", res.PendingGPUTicks, res.IdleWhileWaiting)
+		}},
+		{"empty nodes opened / needlessly", false, openedText},
+		{"free GPUs in whole NUMA nodes", false, func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) }},
+		{"pods stuck (fit by count, not bound within 10 s)", false, func(res Result) string { return fmt.Sprint(res.Stuck) }},
+		{"invariant violations at the end (topodra-check)", false, func(res Result) string {
+			if res.InvariantViolations < 0 {
+				return "not checked"
+			}
+			return fmt.Sprint(res.InvariantViolations)
+		}},
+		{"free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) }},
+		{"more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) }},
+		{"more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) }},
+		{"throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) }},
+		{"attempt latency p50 / p99", false, func(res Result) string {
+			return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
+		}},
+		{"attempts: scheduled / unschedulable", true, func(res Result) string {
+			return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
+		}},
+		{"scheduler CPU", true, schedulerCPUText},
+		{"create->bind p50 / p99", false, func(res Result) string {
+			return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
+		}},
+		{"wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) }},
+	}
 }
 
 // runTargetBasis says what a run's value of target t rests on, topodra's
