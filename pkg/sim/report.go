@@ -436,20 +436,26 @@ func resultRows() []resultRow {
 	}
 }
 
+// topodraAndStock finds topodra's and stock's item among items (nil for
+// one that is missing), named by scheduler.
+func topodraAndStock[T any](items []T, scheduler func(*T) string) (topodra, stock *T) {
+	for i := range items {
+		switch scheduler(&items[i]) {
+		case SchedulerTopodra:
+			topodra = &items[i]
+		case SchedulerStock:
+			stock = &items[i]
+		}
+	}
+	return topodra, stock
+}
+
 // runTargetBasis says what a run's value of target t rests on, topodra's
 // against stock's: for a wait, the pod-ticks waited by the pods of that
 // size and how many there were; for alignment, the placements aligned and
 // those that could have been. Empty for the other targets.
 func (r *Report) runTargetBasis(t Target) string {
-	var topodra, stock *Result
-	for i := range r.Results {
-		switch r.Results[i].Scheduler {
-		case SchedulerTopodra:
-			topodra = &r.Results[i]
-		case SchedulerStock:
-			stock = &r.Results[i]
-		}
-	}
+	topodra, stock := topodraAndStock(r.Results, func(res *Result) string { return res.Scheduler })
 	if topodra == nil || stock == nil || t.NotApplicable {
 		return ""
 	}

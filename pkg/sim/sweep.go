@@ -483,15 +483,7 @@ func (rep *SweepReport) summarize(schedulers []string) {
 			rep.PerScenario[sc.Name] = append(rep.PerScenario[sc.Name], summarize(s, rows))
 		}
 	}
-	var t, s *SweepSummary
-	for i := range rep.Summaries {
-		switch rep.Summaries[i].Scheduler {
-		case SchedulerTopodra:
-			t = &rep.Summaries[i]
-		case SchedulerStock:
-			s = &rep.Summaries[i]
-		}
-	}
+	t, s := topodraAndStock(rep.Summaries, func(sum *SweepSummary) string { return sum.Scheduler })
 	if t != nil && s != nil {
 		rep.Targets = targets(*t, *s, rep.Rows)
 		for i, share := range metInResamples(rep.Rows, Resamples) {
