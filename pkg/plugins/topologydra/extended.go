@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	v1helper "k8s.io/kubernetes/pkg/apis/core/v1/helper"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 	"k8s.io/utils/ptr"
 )
@@ -394,6 +395,14 @@ func (pl *TopologyDRA) createExtendedClaim(ctx context.Context, pod *v1.Pod, v *
 	claim := v.claim.DeepCopy()
 	claim.Name, claim.UID = "", ""
 	created, err := pl.client.ResourceV1().ResourceClaims(pod.Namespace).Create(ctx, claim, metav1.CreateOptions{})
+	// The stock plugin's counter (registered by the scheduler while
+	// DRAExtendedResource is on), with its labels: the claim has no admin
+	// access and is owned by a Pod.
+	status := "success"
+	if err != nil {
+		status = "failure"
+	}
+	schedmetrics.ResourceClaimCreatesTotal.WithLabelValues(status, "false", "", "Pod").Inc()
 	if err != nil {
 		err = fmt.Errorf("create the resource claim for extended resources %s: %w", extendedNames(v.mappings), err)
 		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())

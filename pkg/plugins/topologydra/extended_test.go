@@ -18,9 +18,11 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
 )
 
@@ -194,8 +196,15 @@ func TestExtendedPreBind(t *testing.T) {
 	h.tCtx.ExpectNoError(err)
 	pod = created
 	cs := h.reserve(pod, "node-a")
+	schedmetrics.Register() // with DRAExtendedResource on, the claim creation counter
+	creates := schedmetrics.ResourceClaimCreatesTotal.WithLabelValues("success", "false", "", "Pod")
+	before, err := testutil.GetCounterMetricValue(creates)
+	h.tCtx.ExpectNoError(err)
 	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
 		t.Fatalf("PreBind: %v", st)
+	}
+	if after, _ := testutil.GetCounterMetricValue(creates); after != before+1 {
+		t.Errorf("dynamic_resource_allocation_resourceclaim_creates_total{status=success}: %v after PreBind, want %v", after, before+1)
 	}
 	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
 	h.tCtx.ExpectNoError(err)
@@ -320,6 +329,37 @@ func TestExtendedUnreserveDeleteFails(t *testing.T) {
 				t.Errorf("Filter of a 2-GPU pod after claim %s was deleted: %v", created.Name, st["node-a"])
 			}
 		})
+	}
+}
+
+// TestExtendedCreateFailure: a refused claim creation fails PreBind with
+// a Warning event on the pod and counts as a failed creation in the stock
+// plugin's counter.
+func TestExtendedCreateFailure(t *testing.T) {
+	h := newHarnessWith(t, func(h *harness) {
+		h.client.PrependReactor("create", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+			return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "", errors.New("quota exceeded"))
+		})
+	}, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	pod := extPod("p", 2)
+	cs := h.reserve(pod, "node-a")
+	schedmetrics.Register() // with DRAExtendedResource on, the claim creation counter
+	failures := schedmetrics.ResourceClaimCreatesTotal.WithLabelValues("failure", "false", "", "Pod")
+	before, err := testutil.GetCounterMetricValue(failures)
+	h.tCtx.ExpectNoError(err)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "quota exceeded") {
+		t.Fatalf("PreBind: %v, want a failure with the API server's reason", st)
+	}
+	if after, _ := testutil.GetCounterMetricValue(failures); after != before+1 {
+		t.Errorf("dynamic_resource_allocation_resourceclaim_creates_total{status=failure}: %v after PreBind, want %v", after, before+1)
+	}
+	select {
+	case ev := <-h.recorder.Events:
+		if !strings.Contains(ev, "FailedExtendedResourceClaim") {
+			t.Errorf("event %q", ev)
+		}
+	default:
+		t.Errorf("no event on the pod")
 	}
 }
 
