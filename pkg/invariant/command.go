@@ -21,7 +21,8 @@ const (
 
 // Run is the topodra-check command line: it checks the cluster named by
 // --kubeconfig / --context (default: $KUBECONFIG, ~/.kube/config or the
-// in-cluster configuration) with [CheckWith] and its default options,
+// in-cluster configuration) with [CheckWith], as many reads and as far
+// apart as --reads and --interval say (default: as [Check]),
 // prints every confirmed violation on stdout (text, or JSON with -o json)
 // and returns ExitViolations if there is one and ExitClean if there is
 // none. A pending violation (see [Report.Pending]) is noted on stderr and
@@ -35,6 +36,8 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kubeconfig := fs.String("kubeconfig", "", "Kubeconfig file. Empty: $KUBECONFIG, ~/.kube/config, or the in-cluster configuration.")
 	kubeContext := fs.String("context", "", "Kubeconfig context. Empty: the current context.")
 	output := fs.StringP("output", "o", "text", "Output format: text or json.")
+	reads := fs.Int("reads", DefaultReads, "The most times the cluster is read: a violation must be found again by the second read, a StaleReservation by every read. At least 2.")
+	interval := fs.Duration("interval", DefaultInterval, "The wait before each read after the first. More than 0.")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
 
@@ -43,13 +46,13 @@ Checks the DRA allocation invariants of a cluster: no device allocated twice
 no shared counter or shared device capacity consumed beyond what its pool
 publishes, no allocation of a device that no ResourceSlice publishes, no pod
 bound while a claim it uses is unallocated, reserved neither for it nor
-for its PodGroup, or allocated for another node, no claim allocated and reserved only for pods that are
-gone or done (its devices held for no one: the resourceclaim controller of
-kube-controller-manager is not cleaning up). A violation is reported only
-if a second read, a second later, finds it again, and such a claim only
-if a third read, a second after that, does; an allocated device missing
-from a pool that its driver is still republishing is noted on stderr, not
-reported.
+for its PodGroup, or allocated for another node, no claim allocated and
+reserved only for pods that are gone or done (its devices held for no one:
+the resourceclaim controller of kube-controller-manager is not cleaning
+up). A violation is reported only if a second read (--interval later)
+finds it again, and such a claim only if every read (--reads) does; an
+allocated device missing from a pool that its driver is still republishing
+is noted on stderr, not reported.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
@@ -72,6 +75,14 @@ Flags:`)
 		fmt.Fprintf(stderr, "topodra-check: takes no arguments, got %q; to check the cluster of a kubeconfig file, use --kubeconfig %s\n", rest, rest[0])
 		return ExitError
 	}
+	if *reads < 2 {
+		fmt.Fprintf(stderr, "topodra-check: --reads must be at least 2 (a read and one that confirms it), not %d\n", *reads)
+		return ExitError
+	}
+	if *interval <= 0 {
+		fmt.Fprintf(stderr, "topodra-check: --interval must be more than 0, not %s\n", *interval)
+		return ExitError
+	}
 	if *output != "text" && *output != "json" {
 		fmt.Fprintf(stderr, "topodra-check: --output must be text or json, not %q\n", *output)
 		return ExitError
@@ -88,7 +99,7 @@ Flags:`)
 		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
 		return ExitError
 	}
-	return check(ctx, client, CheckOptions{}, *output, stdout, stderr)
+	return check(ctx, client, CheckOptions{Reads: *reads, Interval: *interval}, *output, stdout, stderr)
 }
 
 // check is Run once the flags are read and the client is made.

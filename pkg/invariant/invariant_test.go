@@ -567,6 +567,9 @@ func TestRunRejectsBadCommandLine(t *testing.T) {
 		"flag without value":  {args: []string{"--context"}, want: []string{"--context", "--help"}},
 		"positional argument": {args: []string{"other.yaml"}, want: []string{`"other.yaml"`, "--kubeconfig other.yaml"}},
 		"argument after flag": {args: []string{"-o", "json", "other.yaml"}, want: []string{"--kubeconfig other.yaml"}},
+		"one read":            {args: []string{"--reads", "1"}, want: []string{"--reads must be at least 2", "not 1"}},
+		"no interval":         {args: []string{"--interval", "0s"}, want: []string{"--interval must be more than 0", "not 0s"}},
+		"interval not a time": {args: []string{"--interval", "5"}, want: []string{"--interval", "--help"}},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {

@@ -839,7 +839,7 @@ func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
 		t.Errorf("violations %v, want one StaleReservation of claim %s/first naming its gone pod", violations, ns)
 	}
 	var stdout, stderr bytes.Buffer
-	if code := invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig}, &stdout, &stderr); code != invariant.ExitViolations || !strings.Contains(stdout.String(), "StaleReservation") {
+	if code := invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig, "--reads", "4", "--interval", "200ms"}, &stdout, &stderr); code != invariant.ExitViolations || !strings.Contains(stdout.String(), "StaleReservation") {
 		t.Errorf("topodra-check: exit %d, want %d with the StaleReservation on stdout; stdout:\n%s\nstderr:\n%s", code, invariant.ExitViolations, stdout.String(), stderr.String())
 	}
 
