@@ -332,15 +332,36 @@ func TestExtendedUnreserveDeleteFails(t *testing.T) {
 	}
 }
 
+// refusing makes a harness's API refuse every verb request on resource
+// with err.
+func refusing(verb, resource string, err error) func(*harness) {
+	return func(h *harness) {
+		h.client.PrependReactor(verb, resource, func(cgotesting.Action) (bool, runtime.Object, error) {
+			return true, nil, err
+		})
+	}
+}
+
+// expectEvent fails the test unless an event with reason was recorded
+// (the oldest one not yet read).
+func (h *harness) expectEvent(t *testing.T, reason string) {
+	t.Helper()
+	select {
+	case ev := <-h.recorder.Events:
+		if !strings.Contains(ev, reason) {
+			t.Errorf("event %q, want one with reason %s", ev, reason)
+		}
+	default:
+		t.Errorf("no event on the pod, want one with reason %s", reason)
+	}
+}
+
 // TestExtendedCreateFailure: a refused claim creation fails PreBind with
 // a Warning event on the pod and counts as a failed creation in the stock
 // plugin's counter.
 func TestExtendedCreateFailure(t *testing.T) {
-	h := newHarnessWith(t, func(h *harness) {
-		h.client.PrependReactor("create", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
-			return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "", errors.New("quota exceeded"))
-		})
-	}, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	h := newHarnessWith(t, refusing("create", "resourceclaims", apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "", errors.New("quota exceeded"))),
+		[]*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
 	pod := extPod("p", 2)
 	cs := h.reserve(pod, "node-a")
 	schedmetrics.Register() // with DRAExtendedResource on, the claim creation counter
@@ -353,38 +374,21 @@ func TestExtendedCreateFailure(t *testing.T) {
 	if after, _ := testutil.GetCounterMetricValue(failures); after != before+1 {
 		t.Errorf("dynamic_resource_allocation_resourceclaim_creates_total{status=failure}: %v after PreBind, want %v", after, before+1)
 	}
-	select {
-	case ev := <-h.recorder.Events:
-		if !strings.Contains(ev, "FailedExtendedResourceClaim") {
-			t.Errorf("event %q", ev)
-		}
-	default:
-		t.Errorf("no event on the pod")
-	}
+	h.expectEvent(t, "FailedExtendedResourceClaim")
 }
 
 // TestExtendedPatchFailure: a failed pod status write fails PreBind with a
 // message and an event on the pod; Unreserve deletes the claim created.
 func TestExtendedPatchFailure(t *testing.T) {
-	h := newHarnessWith(t, func(h *harness) {
-		h.client.PrependReactor("patch", "pods", func(action cgotesting.Action) (bool, runtime.Object, error) {
-			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "p", errors.New("no"))
-		})
-	}, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
+	h := newHarnessWith(t, refusing("patch", "pods", apierrors.NewForbidden(v1.Resource("pods"), "p", errors.New("no"))),
+		[]*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4))
 	pod := extPod("p", 2)
 	cs := h.reserve(pod, "node-a")
 	st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
 	if st.IsSuccess() || !strings.Contains(st.Message(), "status.extendedResourceClaimStatus") {
 		t.Fatalf("PreBind: %v, want a failure naming the pod status field", st)
 	}
-	select {
-	case ev := <-h.recorder.Events:
-		if !strings.Contains(ev, "FailedExtendedResourceClaim") {
-			t.Errorf("event %q", ev)
-		}
-	default:
-		t.Errorf("no event on the pod")
-	}
+	h.expectEvent(t, "FailedExtendedResourceClaim")
 	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
 	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
 	h.tCtx.ExpectNoError(err)
