@@ -138,10 +138,16 @@ type Alignment struct {
 	NICRoot  Ratio `json:"gpuNICPCIeRoot"`
 }
 
+// Counts sums the aligned and the possible allocations over the four
+// measures.
+func (a Alignment) Counts() (aligned, possible int) {
+	return a.Clique.Aligned + a.Root.Aligned + a.NUMA.Aligned + a.NICRoot.Aligned,
+		a.Clique.Possible + a.Root.Possible + a.NUMA.Possible + a.NICRoot.Possible
+}
+
 // Fraction is all aligned over all possible, across the four measures.
 func (a Alignment) Fraction() float64 {
-	aligned := a.Clique.Aligned + a.Root.Aligned + a.NUMA.Aligned + a.NICRoot.Aligned
-	possible := a.Clique.Possible + a.Root.Possible + a.NUMA.Possible + a.NICRoot.Possible
+	aligned, possible := a.Counts()
 	if possible == 0 {
 		return 1
 	}
@@ -459,21 +465,16 @@ func (r *Report) runTargetBasis(t Target) string {
 	if topodra == nil || stock == nil || t.NotApplicable {
 		return ""
 	}
-	var gpus int
-	if _, err := fmt.Sscanf(t.Measure, "median mean wait, %d GPU", &gpus); err == nil {
-		tw, sw := topodra.WaitByGPUs[gpus], stock.WaitByGPUs[gpus]
+	switch {
+	case t.waitGPUs > 0:
+		tw, sw := topodra.WaitByGPUs[t.waitGPUs], stock.WaitByGPUs[t.waitGPUs]
 		if tw == nil || sw == nil {
 			return ""
 		}
 		return fmt.Sprintf("%d vs %d pod-ticks over %d vs %d pods of the size", tw.Ticks, sw.Ticks, tw.Pods, sw.Pods)
-	}
-	if t.Measure == "median alignment" {
-		count := func(a Alignment) (int, int) {
-			return a.Clique.Aligned + a.Root.Aligned + a.NUMA.Aligned + a.NICRoot.Aligned,
-				a.Clique.Possible + a.Root.Possible + a.NUMA.Possible + a.NICRoot.Possible
-		}
-		ta, tp := count(topodra.Alignment)
-		sa, sp := count(stock.Alignment)
+	case t.alignment:
+		ta, tp := topodra.Alignment.Counts()
+		sa, sp := stock.Alignment.Counts()
 		return fmt.Sprintf("%d of %d vs %d of %d aligned where possible", ta, tp, sa, sp)
 	}
 	return ""
