@@ -461,6 +461,22 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Vi
 	for _, p := range pods {
 		byUID[key{p.Namespace, p.UID}] = p
 	}
+	// why says why reservation r of a claim in namespace no longer holds
+	// the claim's devices; "" where it still does, or is not a pod's.
+	why := func(namespace string, r resourceapi.ResourceClaimConsumerReference) string {
+		if r.APIGroup != "" || r.Resource != "pods" {
+			return ""
+		}
+		switch p := byUID[key{namespace, r.UID}]; {
+		case p == nil:
+			return "gone"
+		case p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed:
+			return string(p.Status.Phase)
+		case p.DeletionTimestamp != nil && p.Spec.NodeName == "":
+			return "deleted before it was bound"
+		}
+		return ""
+	}
 	var out []Violation
 	for _, c := range claims {
 		if c.Status.Allocation == nil || len(c.Status.ReservedFor) == 0 {
@@ -468,24 +484,12 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Vi
 		}
 		var stale []string
 		for _, r := range c.Status.ReservedFor {
-			if r.APIGroup != "" || r.Resource != "pods" {
+			reason := why(c.Namespace, r)
+			if reason == "" {
 				stale = nil
 				break
 			}
-			p := byUID[key{c.Namespace, r.UID}]
-			switch {
-			case p == nil:
-				stale = append(stale, fmt.Sprintf("%s/%s (gone)", c.Namespace, r.Name))
-			case p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed:
-				stale = append(stale, fmt.Sprintf("%s/%s (%s)", c.Namespace, r.Name, p.Status.Phase))
-			case p.DeletionTimestamp != nil && p.Spec.NodeName == "":
-				stale = append(stale, fmt.Sprintf("%s/%s (deleted before it was bound)", c.Namespace, r.Name))
-			default:
-				stale = nil
-			}
-			if stale == nil {
-				break
-			}
+			stale = append(stale, fmt.Sprintf("%s/%s (%s)", c.Namespace, r.Name, reason))
 		}
 		if stale == nil {
 			continue
