@@ -412,7 +412,9 @@ func TestFreedDevicesQueueingHintAcrossGroups(t *testing.T) {
 // TestSharedDeviceFreedQueueingHint: a claim gives back its share of a
 // device that allows multiple allocations while another claim still holds
 // a share. No device becomes free, but capacity does: every pod is
-// requeued. Exclusive devices given back are counted as before.
+// requeued. When an exclusive device is given back, the shared device
+// counts as free beside it, as it does for Filter (its shares do not take
+// it): a pod of two GPUs is requeued, one of three is not.
 func TestSharedDeviceFreedQueueingHint(t *testing.T) {
 	share := func(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
 		for i := range c.Status.Allocation.Devices.Results {
@@ -420,10 +422,12 @@ func TestSharedDeviceFreedQueueingHint(t *testing.T) {
 		}
 		return c
 	}
-	h := newHarness(t, []*v1.Node{testNode("e")}, testDeviceClass(), testSlice("e", 3), testClaim("one", 1), testClaim("two", 2),
+	slice := testSlice("e", 3)
+	slice.Spec.Devices[1].AllowMultipleAllocations = ptr.To(true)
+	h := newHarness(t, []*v1.Node{testNode("e")}, testDeviceClass(), slice, testClaim("one", 1), testClaim("two", 2), testClaim("three", 3),
 		allocatedOn(testClaim("full", 1), "e", "gpu-0"), allocatedOn(testClaim("other", 1), "e", "gpu-2"),
 		share(allocatedOn(testClaim("s1", 1), "e", "gpu-1")), share(allocatedOn(testClaim("s2", 1), "e", "gpu-1")))
-	for _, name := range []string{"one", "two", "full", "other", "s1", "s2"} {
+	for _, name := range []string{"one", "two", "three", "full", "other", "s1", "s2"} {
 		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	for _, tc := range []struct {
@@ -431,7 +435,7 @@ func TestSharedDeviceFreedQueueingHint(t *testing.T) {
 		want       fwk.QueueingHint
 	}{
 		{"s1", "one", fwk.Queue}, {"s1", "two", fwk.Queue},
-		{"full", "one", fwk.Queue}, {"full", "two", fwk.QueueSkip},
+		{"full", "one", fwk.Queue}, {"full", "two", fwk.Queue}, {"full", "three", fwk.QueueSkip},
 	} {
 		c := h.apiClaim(tc.claim)
 		freed := c.DeepCopy()

@@ -173,6 +173,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		nicReservePercent: args.NICReservePercent,
 		taintOps:          fts.EnableTaintTolerationComparisonOperators,
 	}
+	pl.freed.consumableCapacity = features.ConsumableCapacity
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {

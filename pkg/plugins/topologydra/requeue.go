@@ -38,6 +38,9 @@ type freedDevices struct {
 	// devices counted for the headroom is closed to pods that do not
 	// tolerate it: cordoned, or with a NoSchedule or NoExecute taint.
 	restricted bool
+	// consumableCapacity is the scheduler's DRAConsumableCapacity: with
+	// it, shares of a device do not take the device (takesDevice).
+	consumableCapacity bool
 	// freedBy holds the devices given back by earlier events, with the
 	// claim that gave each back: the claim tracker is fed by its own
 	// event handler, so when several claims on one node give devices back
@@ -442,7 +445,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	freedDrivers := map[string]bool{}
 	given := map[structured.DeviceID]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		if !takesDevice(r) {
+		if !f.takesDevice(r) {
 			continue
 		}
 		freedPools[poolKey{driver: r.Driver, pool: r.Pool}] = true
@@ -472,7 +475,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	}
 	gave := map[deviceGroup]int{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		if !takesDevice(r) {
+		if !f.takesDevice(r) {
 			continue
 		}
 		if g, ok := groupOfPool[poolKey{driver: r.Driver, pool: r.Pool}]; ok {
@@ -541,7 +544,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			continue
 		}
 		for _, r := range c.Status.Allocation.Devices.Results {
-			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] || !takesDevice(r) {
+			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] || !f.takesDevice(r) {
 				continue
 			}
 			allocated[deviceKey{r.Driver, r.Pool, r.Device}] = true
@@ -630,10 +633,16 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 }
 
 // takesDevice reports whether an allocation result takes its device from
-// other claims: results with admin access do not (as for the upstream
-// allocator, which does not count them as allocated).
-func takesDevice(r resourceapi.DeviceRequestAllocationResult) bool {
-	return r.AdminAccess == nil || !*r.AdminAccess
+// other claims, as the upstream allocator's state counts it (and so
+// allocator.CountDevices in Filter): results with admin access do not, and
+// with consumable capacity on neither does a share of a device that
+// allows multiple allocations (a result with a share ID), which leaves the
+// device to further shares while capacity lasts.
+func (f *freedDevices) takesDevice(r resourceapi.DeviceRequestAllocationResult) bool {
+	if ptr.Deref(r.AdminAccess, false) {
+		return false
+	}
+	return !f.consumableCapacity || r.ShareID == nil
 }
 
 // anyRestricted reports whether a node of groups is cordoned or carries a
@@ -711,7 +720,7 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 		gave := givers[c.UID]
 		for _, r := range c.Status.Allocation.Devices.Results {
 			i, ok := poolIndex[poolKey{driver: r.Driver, pool: r.Pool}]
-			if !ok || !takesDevice(r) {
+			if !ok || !f.takesDevice(r) {
 				continue
 			}
 			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
