@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -17,10 +18,13 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	cgotesting "k8s.io/client-go/testing"
+	featuregatetesting "k8s.io/component-base/featuregate/testing"
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/features"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
@@ -535,5 +539,51 @@ func TestExtendedLeftoverClaimDeleted(t *testing.T) {
 	}
 	if slices.Contains(names, leftover.Name) || !slices.Contains(names, kept.Name) {
 		t.Errorf("claims after the attempt: %v, want %s deleted and %s kept", names, leftover.Name, kept.Name)
+	}
+}
+
+// TestResizeDeferredPodLeftAlone: with InPlacePodVerticalScalingSchedulerPreemption
+// the scheduler queues a bound pod whose resize is deferred, to find room
+// by preemption. Its claims are in use: PreFilter skips it, so its
+// extended resource claim is not taken for a leftover and deleted, and
+// PostFilter, finding no state, deallocates nothing. Without the feature
+// no such pod is queued, and a pod that carries the condition is handled
+// as any other.
+func TestResizeDeferredPodLeftAlone(t *testing.T) {
+	for _, gate := range []bool{true, false} {
+		t.Run(fmt.Sprintf("feature %v", gate), func(t *testing.T) {
+			featuregatetesting.SetFeatureGatesDuringTest(t, utilfeature.DefaultFeatureGate, featuregatetesting.FeatureOverrides{
+				features.InPlacePodVerticalScaling:                    true,
+				features.InPlacePodVerticalScalingSchedulerPreemption: gate,
+			})
+			pod := extPod("p", 2)
+			pod.Spec.NodeName = "node-a"
+			pod.Status.Conditions = []v1.PodCondition{{Type: v1.PodResizePending, Status: v1.ConditionTrue, Reason: v1.PodReasonDeferred}}
+			inUse := allocatedOn(testClaim("p-extended-resources-old", 2), "node-a", "gpu-0", "gpu-1")
+			inUse.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: pod.Name, UID: pod.UID, Controller: ptr.To(true)}}
+			inUse.Annotations = map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"}
+			inUse.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: pod.Name, UID: pod.UID}}
+			h := newHarness(t, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4), inUse)
+			h.waitForClaim(inUse.Name, func(*resourceapi.ResourceClaim) bool { return true })
+			cs := framework.NewCycleState()
+			_, st := h.pl.PreFilter(h.tCtx, cs, pod, []fwk.NodeInfo{h.nodes["node-a"]})
+			if gate {
+				if st.Code() != fwk.Skip {
+					t.Fatalf("PreFilter: %v, want Skip", st)
+				}
+				if _, st := h.pl.PostFilter(h.tCtx, cs, pod, nil); st.Code() != fwk.Unschedulable {
+					t.Errorf("PostFilter: %v, want Unschedulable", st)
+				}
+			} else if !st.IsSuccess() {
+				t.Fatalf("PreFilter: %v, want success", st)
+			}
+			_, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, inUse.Name, metav1.GetOptions{})
+			switch {
+			case gate && err != nil:
+				t.Errorf("claim in use by the pod: %v, want it kept", err)
+			case !gate && !apierrors.IsNotFound(err):
+				t.Errorf("claim of the pod's earlier attempt without the feature: %v, want it deleted as a leftover", err)
+			}
+		})
 	}
 }

@@ -91,6 +91,11 @@ type TopologyDRA struct {
 	// taintOps is the TaintTolerationComparisonOperators feature: how
 	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
+	// skipResizeDeferred is the InPlacePodVerticalScalingSchedulerPreemption
+	// feature: with it the scheduler queues bound pods whose resize is
+	// deferred, to find room by preemption; their claims are in use and
+	// stay as they are (PreFilter skips them).
+	skipResizeDeferred bool
 	// released holds the pods whose in-flight allocations Unreserve
 	// dropped, for the hint of their binding failure.
 	released releasedPods
@@ -164,14 +169,15 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			EnableConsumableCapacity: features.ConsumableCapacity,
 			EnableListTypeAttributes: features.ListTypeAttributes,
 		}),
-		draManager:        h.SharedDRAManager(),
-		client:            h.ClientSet(),
-		handle:            h,
-		cache:             allocator.NewCache(),
-		bindingTimeout:    time.Duration(args.BindingTimeoutSeconds) * time.Second,
-		headroomPercent:   args.SmallPodHeadroomPercent,
-		nicReservePercent: args.NICReservePercent,
-		taintOps:          fts.EnableTaintTolerationComparisonOperators,
+		draManager:         h.SharedDRAManager(),
+		client:             h.ClientSet(),
+		handle:             h,
+		cache:              allocator.NewCache(),
+		bindingTimeout:     time.Duration(args.BindingTimeoutSeconds) * time.Second,
+		headroomPercent:    args.SmallPodHeadroomPercent,
+		nicReservePercent:  args.NICReservePercent,
+		taintOps:           fts.EnableTaintTolerationComparisonOperators,
+		skipResizeDeferred: fts.EnableInPlacePodVerticalScalingSchedulerPreemption,
 	}
 	pl.freed.consumableCapacity = features.ConsumableCapacity
 	if f := h.SharedInformerFactory(); f != nil {

@@ -11,6 +11,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
+	resourcehelper "k8s.io/component-helpers/resource"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
@@ -85,8 +86,15 @@ func (pl *TopologyDRA) podClaims(pod *v1.Pod) ([]*resourceapi.ResourceClaim, err
 }
 
 // PreFilter gathers the pod's claims, validates them, and builds the
-// per-cycle allocator. Pods without claims are skipped.
+// per-cycle allocator. Pods without claims are skipped, and so are bound
+// pods whose resize is deferred (queued only to find room by preemption,
+// where that feature is on): their claims are allocated and in use, so
+// nothing here may allocate, deallocate or delete them, and Filter and
+// PostFilter, which find no state, leave them alone too.
 func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodes []fwk.NodeInfo) (*fwk.PreFilterResult, *fwk.Status) {
+	if pl.skipResizeDeferred && resourcehelper.IsPodResizeDeferred(pod) {
+		return nil, fwk.NewStatus(fwk.Skip)
+	}
 	logger := klog.FromContext(ctx)
 	extended, err := pl.draExtendedResources(pod)
 	if err != nil {
