@@ -223,6 +223,29 @@ func TestFilter(t *testing.T) {
 			t.Error("the claim was not marked unavailable for PostFilter")
 		}
 	})
+	t.Run("claim allocated on devices that skip node operations", func(t *testing.T) {
+		// Only a node that declares DRAOptionalNodeOperations can use
+		// it, as with the stock plugin.
+		for _, declared := range []bool{false, true} {
+			node := testNode("node-a")
+			if declared {
+				node.Status.DeclaredFeatures = []string{"DRAOptionalNodeOperations"}
+			}
+			c := allocatedOn(testClaim("c", 1), "node-a", "gpu-0")
+			c.Status.Allocation.Devices.Results[0].SkipNodeOperations = []resourceapi.SkipNodeOperation{resourceapi.SkipNodeOperationAll}
+			h := newHarness(t, []*v1.Node{node}, testDeviceClass(), testSlice("node-a", 2), c)
+			cs, st := h.cycle(testPod("p", "c"), "node-a")
+			s, _ := getState(cs)
+			switch {
+			case declared && !st["node-a"].IsSuccess():
+				t.Errorf("Filter on a node that declares the feature: %v, want success", st["node-a"])
+			case !declared && (code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "DRAOptionalNodeOperations")):
+				t.Errorf("Filter on a node without the feature: %v, want UnschedulableAndUnresolvable naming it", st["node-a"])
+			case !declared && !s.unavailableClaims.Has(0):
+				t.Error("the claim was not marked unavailable for PostFilter")
+			}
+		}
+	})
 	t.Run("allocation past the filter timeout", func(t *testing.T) {
 		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 4), testClaim("c", 2))
 		if h.pl.filterTimeout <= 0 {

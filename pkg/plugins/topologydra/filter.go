@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/component-helpers/nodedeclaredfeatures/features/draoptionalnodeoperations"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 
@@ -28,6 +30,10 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			// Only deallocating the claim (PostFilter, or its owner)
 			// changes this.
 			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that this node cannot use", s.claims[i].Name))
+		}
+		if s.needsNodeOperations[i] && !slices.Contains(node.Status.DeclaredFeatures, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate) {
+			s.markUnavailable(i)
+			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need the %s feature that node %s does not declare", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate, node.Name))
 		}
 		if err := s.unusable[i]; err != nil {
 			s.markUnavailable(i)

@@ -125,13 +125,14 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
 	s := &stateData{
-		extended:          ext,
-		claims:            claims,
-		availableOnNodes:  make([]*nodeaffinity.NodeSelector, len(claims)),
-		unusable:          make([]error, len(claims)),
-		results:           map[string]*allocator.Result{},
-		unavailableClaims: sets.New[int](),
-		allocations:       make([]*resourceapi.AllocationResult, len(claims)),
+		extended:            ext,
+		claims:              claims,
+		availableOnNodes:    make([]*nodeaffinity.NodeSelector, len(claims)),
+		unusable:            make([]error, len(claims)),
+		needsNodeOperations: make([]bool, len(claims)),
+		results:             map[string]*allocator.Result{},
+		unavailableClaims:   sets.New[int](),
+		allocations:         make([]*resourceapi.AllocationResult, len(claims)),
 	}
 	cs.Write(stateKey, s)
 
@@ -160,6 +161,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				s.availableOnNodes[i] = ns
 			}
 			s.unusable[i] = pl.bindingFailed(claim, published)
+			s.needsNodeOperations[i] = skipsNodeOperations(claim.Status.Allocation)
 			continue
 		}
 		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
@@ -383,3 +385,15 @@ func (pl *TopologyDRA) withOwnedToleration(claim *resourceapi.ResourceClaim) *re
 // PreFilterExtensions implements fwk.PreFilterPlugin. Pods do not affect
 // device availability, so there is nothing to add or remove.
 func (pl *TopologyDRA) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
+
+// skipsNodeOperations reports whether an allocation has a device result
+// that skips node operations: the kubelet of a node that does not declare
+// the DRAOptionalNodeOperations feature cannot handle it.
+func skipsNodeOperations(allocation *resourceapi.AllocationResult) bool {
+	for _, r := range allocation.Devices.Results {
+		if len(r.SkipNodeOperations) > 0 {
+			return true
+		}
+	}
+	return false
+}

@@ -57,6 +57,13 @@ type stateData struct {
 	// every node and marks the claim for PostFilter.
 	unusable []error
 
+	// needsNodeOperations marks, per claim index, an existing allocation
+	// with a device result that skips node operations
+	// (skipNodeOperations): only nodes that declare the
+	// DRAOptionalNodeOperations feature can use it. Written by PreFilter,
+	// read-only after.
+	needsNodeOperations []bool
+
 	// allocator is built in PreFilter when toAllocate is not empty and used
 	// concurrently by Filter (it is thread-safe).
 	allocator *allocator.Allocator
