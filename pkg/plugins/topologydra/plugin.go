@@ -23,6 +23,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/apimachinery/pkg/util/wait"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -225,6 +226,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 				return nil, fmt.Errorf("watch pod bindings: %w", err)
 			}
 		}
+	}
+	if pl.client != nil {
+		go wait.UntilWithContext(ctx, func(ctx context.Context) { pl.rereadUncertain(ctx, time.Now()) }, uncertainRereadInterval)
 	}
 	warnUnusedArgs(klog.FromContext(ctx), args)
 	if args.OwnedTaintKey != "" {

@@ -512,3 +512,66 @@ func fastSettleReads(t *testing.T) {
 	settleReads.Duration = time.Millisecond
 	t.Cleanup(func() { settleReads = reads })
 }
+
+// TestUncertainWriteSettledWhenNobodyReadsTheClaim: claim c's allocation
+// write has an unknown outcome and the claim cannot be read; then its pod
+// is deleted, so no PreFilter reads the claim again, and the claim does
+// not change, so no informer event settles it. The background re-read
+// settles it once the write is older than the API server's request
+// timeout: not stored, the GPUs are free again; stored, they stay taken.
+// Before that age it leaves the write alone.
+func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
+	for _, stored := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stored %v", stored), func(t *testing.T) {
+			var lag atomic.Int64
+			var lose, unreadable atomic.Bool
+			hook := func(h *harness) {
+				lagClaimWatch(h, &lag)
+				loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
+				unreadableClaims(h, &unreadable)
+			}
+			fastSettleReads(t)
+			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+			pod := testPod("p", "c")
+			cs := h.reserve(pod, "node-a")
+			uid := h.apiClaim("c").UID
+			lag.Store(int64(time.Hour))
+			lose.Store(true)
+			unreadable.Store(true)
+			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although the write failed")
+			}
+			lose.Store(false)
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			if !h.pl.uncertain.has(uid) {
+				t.Fatal("the write of claim c is not uncertain")
+			}
+			q := testPod("q", "q")
+			h.pl.rereadUncertain(h.tCtx, time.Now().Add(2*uncertainRereadAge))
+			if !h.pl.uncertain.has(uid) {
+				t.Fatal("settled while the claim could not be read")
+			}
+			unreadable.Store(false)
+			h.pl.rereadUncertain(h.tCtx, time.Now())
+			if !h.pl.uncertain.has(uid) {
+				t.Fatal("settled before the write was older than the API server's request timeout")
+			}
+			if _, st := h.cycle(q, "node-a"); code(st["node-a"]) == fwk.Success {
+				t.Fatal("a 2-GPU pod fits on node-a while claim c may hold both GPUs")
+			}
+			h.pl.rereadUncertain(h.tCtx, time.Now().Add(2*uncertainRereadAge))
+			if h.pl.uncertain.has(uid) {
+				t.Fatal("the write of claim c is still uncertain after the re-read")
+			}
+			_, st := h.cycle(q, "node-a")
+			switch {
+			case stored && code(st["node-a"]) == fwk.Success:
+				t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+			case !stored && code(st["node-a"]) != fwk.Success:
+				t.Errorf("node-a's GPUs are still taken after claim c was read without an allocation: %v", st["node-a"])
+			}
+		})
+	}
+}

@@ -27,20 +27,23 @@ import (
 // Unreserve keeps it, and it goes only once the claim's state is known,
 // from a read (the next PreFilter of a pod that uses the claim), from the
 // claim's deletion (the pod's next PreFilter deletes a leftover extended
-// resource claim) or from an informer event of the claim. The zero value
-// is ready to use; safe for concurrent use.
+// resource claim), from an informer event of the claim, or, where none of
+// those comes (the pod is gone and the write was not stored, so the claim
+// does not change), from the background re-read (rereadUncertain). The
+// zero value is ready to use; safe for concurrent use.
 type uncertainWrites struct {
 	mu     sync.Mutex
 	claims map[types.UID]uncertainWrite
 }
 
 // uncertainWrite is a claim whose write is uncertain: the resourceVersion
-// the write started from, and the UID under which its allocation is in
+// the write started from, the UID under which its allocation is in
 // flight (the claim's own, or the in-memory UID of an extended resource
-// claim).
+// claim), and when it was recorded.
 type uncertainWrite struct {
 	namespace, name, resourceVersion string
 	pending                          types.UID
+	since                            time.Time
 }
 
 // add records claim (as of the write) with its allocation in flight under
@@ -51,7 +54,7 @@ func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim, pending types.UI
 	if u.claims == nil {
 		u.claims = map[types.UID]uncertainWrite{}
 	}
-	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion, pending}
+	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion, pending, time.Now()}
 	uncertainClaims.Set(float64(len(u.claims)))
 }
 
@@ -77,6 +80,32 @@ func (u *uncertainWrites) take(uid types.UID) (uncertainWrite, bool) {
 		uncertainClaims.Set(float64(len(u.claims)))
 	}
 	return w, ok
+}
+
+// olderThan lists the writes recorded before cutoff, by claim UID.
+func (u *uncertainWrites) olderThan(cutoff time.Time) map[types.UID]uncertainWrite {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	out := map[types.UID]uncertainWrite{}
+	for uid, w := range u.claims {
+		if w.since.Before(cutoff) {
+			out[uid] = w
+		}
+	}
+	return out
+}
+
+// takeIf removes uid where it still records w (not a later write of the
+// same claim) and reports whether it did.
+func (u *uncertainWrites) takeIf(uid types.UID, w uncertainWrite) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if cur, ok := u.claims[uid]; !ok || cur != w {
+		return false
+	}
+	delete(u.claims, uid)
+	uncertainClaims.Set(float64(len(u.claims)))
+	return true
 }
 
 // writeRefused reports whether err proves that the API server did not
@@ -213,6 +242,51 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 		return nil, fmt.Errorf("claim %s was deleted", claim.Name)
 	}
 	return latest, nil
+}
+
+// uncertainRereadAge is how old an uncertain write must be before the
+// background re-read settles it: longer than the API server's default
+// request timeout (60 s), so that the write can no longer be stored
+// after the read.
+const uncertainRereadAge = 2 * time.Minute
+
+// uncertainRereadInterval is how often the background re-read runs.
+const uncertainRereadInterval = time.Minute
+
+// rereadUncertain reads, from the API server, each claim whose write was
+// recorded as uncertain before now less uncertainRereadAge, and settles
+// it where the read succeeds: an allocation stored is taken in, as after
+// a write that succeeded (the claim controller or the pod's next attempt
+// deals with it from there); where there is none, or the claim is gone,
+// its in-flight allocation goes. Without it, a write that was not stored
+// keeps its devices taken for as long as the scheduler runs where the
+// claim does not change and no pod reads it again (its pod deleted).
+// Pods waiting for those devices are retried by the scheduler's periodic
+// flush of unschedulable pods: no claim event marks the release.
+func (pl *TopologyDRA) rereadUncertain(ctx context.Context, now time.Time) {
+	logger := klog.FromContext(ctx)
+	for uid, w := range pl.uncertain.olderThan(now.Add(-uncertainRereadAge)) {
+		latest, err := pl.client.ResourceV1().ResourceClaims(w.namespace).Get(ctx, w.name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			latest = nil
+		case err != nil:
+			logger.V(2).Info("Claim of an allocation write with unknown outcome still cannot be read", "claim", klog.KRef(w.namespace, w.name), "err", err)
+			continue
+		case latest.UID != uid:
+			latest = nil
+		}
+		if !pl.uncertain.takeIf(uid, w) {
+			continue // settled meanwhile, or written again
+		}
+		if latest != nil && latest.Status.Allocation != nil {
+			pl.takeInStored(logger, latest, w.pending)
+			logger.V(2).Info("Allocation write with unknown outcome was stored", "claim", klog.KObj(latest))
+			continue
+		}
+		pl.releaseInFlight(w.namespace, w.name, w.pending)
+		logger.V(2).Info("Allocation write with unknown outcome was not stored: its devices are free again", "claim", klog.KRef(w.namespace, w.name))
+	}
 }
 
 // settleFromInformer settles claim's uncertain write, if any, where the
