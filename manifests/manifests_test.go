@@ -3,6 +3,7 @@ package manifests
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"io/fs"
 	"strings"
 	"testing"
@@ -16,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
+	dracel "k8s.io/dynamic-resource-allocation/cel"
 	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/config"
@@ -263,5 +265,53 @@ func TestSchedulerSurvivesADrain(t *testing.T) {
 			anti.PodAntiAffinity.PreferredDuringSchedulingIgnoredDuringExecution[0].PodAffinityTerm.TopologyKey != v1.LabelHostname {
 			t.Errorf("%s: the scheduler's replicas do not prefer distinct nodes", name)
 		}
+	}
+}
+
+// TestDeviceClassSelectorsNeverFail evaluates the selectors of every
+// shipped DeviceClass against a GPU with all the attributes the agent can
+// publish, one with none of those it may leave out, and another driver's
+// device: none may fail with a runtime error (the upstream allocator turns
+// that into a failed attempt for every pod of the class), and the H100
+// class takes only the H100.
+func TestDeviceClassSelectorsNeverFail(t *testing.T) {
+	str := func(s string) resourceapi.DeviceAttribute { return resourceapi.DeviceAttribute{StringValue: &s} }
+	devices := map[string]dracel.Device{
+		"H100": {Driver: topology.DriverName, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			"productName": str("NVIDIA H100 80GB HBM3"), "uuid": str("GPU-1"),
+		}},
+		"GPU without a product name": {Driver: topology.DriverName, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"uuid": str("GPU-2")}},
+		"A100":                       {Driver: topology.DriverName, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"productName": str("NVIDIA A100-SXM4-80GB")}},
+		"another driver's device":    {Driver: "nic.example.com"},
+	}
+	compiler := dracel.GetCompiler(dracel.Features{EnableConsumableCapacity: true, EnableListTypeAttributes: true})
+	classes := 0
+	for _, obj := range sets(t)["base"] {
+		class, ok := obj.(*resourceapi.DeviceClass)
+		if !ok {
+			continue
+		}
+		classes++
+		for _, sel := range class.Spec.Selectors {
+			if sel.CEL == nil {
+				continue
+			}
+			compiled := compiler.CompileCELExpression(sel.CEL.Expression, dracel.Options{})
+			if compiled.Error != nil {
+				t.Fatalf("class %s: %v", class.Name, compiled.Error)
+			}
+			for name, device := range devices {
+				matches, _, err := compiled.DeviceMatches(context.Background(), device)
+				if err != nil {
+					t.Errorf("class %s on %s: %v", class.Name, name, err)
+				}
+				if want := name == "H100"; class.Name == "h100.gpu.topodra.io" && matches != want {
+					t.Errorf("class %s on %s: matches %v, want %v", class.Name, name, matches, want)
+				}
+			}
+		}
+	}
+	if classes == 0 {
+		t.Fatal("no DeviceClass in the base manifests")
 	}
 }

@@ -46,6 +46,12 @@ func toleration(key string, op resourceapi.DeviceTolerationOperator) resourceapi
 	return t
 }
 
+// withEffect sets the effect of a toleration.
+func withEffect(t resourceapi.DeviceToleration, effect resourceapi.DeviceTaintEffect) resourceapi.DeviceToleration {
+	t.Effect = effect
+	return t
+}
+
 // claimSpec returns a spec with one request; with firstAvailable the
 // tolerations sit on the second subrequest.
 func claimSpec(firstAvailable bool, tolerations ...resourceapi.DeviceToleration) resourceapi.ResourceClaimSpec {
@@ -114,6 +120,10 @@ func TestOwnedTaintPolicy(t *testing.T) {
 			"owned key after another":               {tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"owned key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"empty key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"empty key, NoSchedule":                 {tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoSchedule)}, refused: true},
+			"owned key, NoExecute":                  {tolerations: []resourceapi.DeviceToleration{withEffect(toleration(owned, resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}, refused: true},
+			"empty key, NoExecute":                  {tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}},
+			"empty key, NoExecute, firstAvailable":  {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}},
 			"template, owned key":                   {template: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"template, empty key in firstAvailable": {template: true, firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"no tolerations":                        {},
