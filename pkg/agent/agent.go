@@ -53,6 +53,7 @@ import (
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/validation"
@@ -861,9 +862,16 @@ func (a *Agent) nodeRef() *v1.ObjectReference {
 // noteLengthLimit is the longest event note that the API server accepts.
 const noteLengthLimit = 1024
 
-// nodeEvent records an event on the Node if there is a recorder, its note
-// cut to noteLengthLimit.
+// nodeEvent records an event on the Node (see event).
 func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
+	a.event(a.nodeRef(), eventtype, reason, action, note, args...)
+}
+
+// event records an event on obj if there is a recorder, its note cut to
+// noteLengthLimit: the API server refuses a longer one, and the event
+// would be lost (a claim's devices, listed twice, get there on a node
+// with a long name).
+func (a *Agent) event(obj runtime.Object, eventtype, reason, action, note string, args ...any) {
 	if a.opts.Recorder == nil {
 		return
 	}
@@ -871,7 +879,7 @@ func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
 	if len(note) > noteLengthLimit {
 		note = strings.ToValidUTF8(note[:noteLengthLimit-3], "") + "..."
 	}
-	a.opts.Recorder.Eventf(a.nodeRef(), nil, eventtype, reason, action, "%s", note)
+	a.opts.Recorder.Eventf(obj, nil, eventtype, reason, action, "%s", note)
 }
 
 // checkCDIHook reports at start, in the log and as a Warning event on the

@@ -307,7 +307,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 						continue
 					}
 					ref := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: claim.Namespace, Name: claim.Name, UID: uid}}
-					a.opts.Recorder.Eventf(ref, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+					a.event(ref, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
 						"device %s on node %s is unhealthy (%s); pods using this claim may fail", d.Device, a.opts.NodeName, what)
 					users = append(users, claim.Namespace+"/"+claim.Name)
 					break

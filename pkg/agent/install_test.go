@@ -1045,3 +1045,37 @@ func unprepareOne(ctx context.Context, t *testing.T, a *agent.Agent, c *resource
 		t.Fatalf("unprepare %s: %v", c.Name, err)
 	}
 }
+
+// TestClaimEventNoteLimit: the warning on a claim that was allocated
+// again names its old and new devices; with many devices and long request
+// names that note is longer than the API server accepts (1024 bytes), so
+// it is cut, as on the Node, instead of the event being refused and lost.
+func TestClaimEventNoteLimit(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	request := strings.Repeat("r", 60)
+	at := func(c *resourceapi.ResourceClaim, sec int64) *resourceapi.ResourceClaim {
+		c.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: time.Unix(sec, 0)}
+		return c
+	}
+	all := gpus(request, "gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7")
+	if err := prepareOne(ctx, t, a, at(claim("long", all...), 1000)); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	again := at(claim("long", all...), 2000)
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{again})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res[again.UID]; !errors.Is(r.Err, agent.ErrReallocated) || len(r.Err.Error()) <= 1024 {
+		t.Fatalf("got %+v, want ErrReallocated with a message over 1024 bytes, to be cut in the event", r)
+	}
+	ev := expectEvent(t, recorder)
+	note := strings.TrimPrefix(ev, "Warning "+agent.ReasonReallocated+" ")
+	if note == ev || len(note) > 1024 || !strings.HasSuffix(note, "...") {
+		t.Errorf("event of %d bytes, want a %s note of at most 1024 bytes ending in ...: %q", len(note), agent.ReasonReallocated, ev)
+	}
+}

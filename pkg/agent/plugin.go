@@ -90,13 +90,11 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 		if err != nil {
 			logger.Error(err, "cannot prepare claim", "claim", klog.KObj(claim))
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
-			if a.opts.Recorder != nil {
-				switch {
-				case errors.Is(err, ErrGPUMoved):
-					a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
-				case errors.Is(err, ErrReallocated):
-					a.opts.Recorder.Eventf(claim, nil, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
-				}
+			switch {
+			case errors.Is(err, ErrGPUMoved):
+				a.event(claim, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+			case errors.Is(err, ErrReallocated):
+				a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
 			}
 			continue
 		}
