@@ -243,6 +243,14 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	a.reportUnhealthy(ctx, affected, slices.Collect(maps.Keys(added)), ev)
 }
 
+// fault returns the fault recorded for the GPU with uuid, if any.
+func (a *Agent) fault(uuid string) (discovery.HealthEvent, bool) {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	ev, ok := a.faults[uuid]
+	return ev, ok
+}
+
 // saveFaults adds faults to the checkpoint, so that a restarted agent
 // still taints those GPUs. It does not wait for a Prepare or Unprepare
 // (see checkpointMutex). A failure is logged: the taint is published all

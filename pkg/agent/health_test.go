@@ -2,6 +2,9 @@ package agent_test
 
 import (
 	"context"
+	"errors"
+	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -323,5 +326,49 @@ func TestHealthTaintNotDelayedByPrepare(t *testing.T) {
 	}
 	if _, ok := cp.Claims[held.UID]; !ok {
 		t.Errorf("checkpoint %+v lacks claim %s", cp, held.Name)
+	}
+}
+
+// TestPrepareRefusesFaultyGPU: a claim allocated a GPU after (or just
+// before) it reported a critical XID is refused, with an error and a
+// warning on the claim that name the GPU and the fault, and no CDI spec:
+// its container would start on a broken GPU. A claim prepared before the
+// fault is prepared again (the kubelet does that after it restarts), and
+// a claim with admin access (monitoring) is prepared.
+func TestPrepareRefusesFaultyGPU(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(100)
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	waitForHealthReport(ctx, t, a, "GPUs watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-4"].Health == kubeletplugin.HealthStatusHealthy && h["gpu-5"].Health == kubeletplugin.HealthStatusHealthy
+	})
+	before := claim("before", gpus("gpus", "gpu-4")...)
+	if err := prepareOne(ctx, t, a, before); err != nil {
+		t.Fatalf("prepare before the fault: %v", err)
+	}
+	injectXIDOnceWatched(ctx, t, e, 4, 79)
+	injectXIDOnceWatched(ctx, t, e, 5, 79)
+	waitForHealthTaint(ctx, t, a, "gpu-5", "xid-79")
+	waitForHealthTaint(ctx, t, a, "gpu-4", "xid-79")
+
+	late := claim("late", gpus("gpus", "gpu-5")...)
+	err := prepareOne(ctx, t, a, late)
+	if !errors.Is(err, agent.ErrDeviceUnhealthy) || !strings.Contains(err.Error(), "gpu-5") || !strings.Contains(err.Error(), "xid-79") {
+		t.Errorf("prepare of a claim on the faulty gpu-5: %v, want ErrDeviceUnhealthy naming gpu-5 and xid-79", err)
+	}
+	if entries, _ := os.ReadDir(e.cdiDir); slices.ContainsFunc(entries, func(d os.DirEntry) bool { return strings.Contains(d.Name(), string(late.UID)) }) {
+		t.Error("a CDI spec was written for the refused claim")
+	}
+	if ev := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonUnhealthyDeviceAllocated); !strings.Contains(ev, "gpu-5") {
+		t.Errorf("event %q does not name gpu-5", ev)
+	}
+	if err := prepareOne(ctx, t, a, before); err != nil {
+		t.Errorf("prepare again of the claim prepared before the fault: %v", err)
+	}
+	monitor := claim("monitor", alloc{request: "gpus", device: "gpu-5", admin: true})
+	if err := prepareOne(ctx, t, a, monitor); err != nil {
+		t.Errorf("prepare of an admin-access claim on the faulty gpu-5: %v", err)
 	}
 }

@@ -48,6 +48,19 @@ var ErrReallocated = errors.New("claim was allocated again since it was prepared
 // refused with ErrReallocated.
 const ReasonReallocated = "ClaimReallocatedWhilePrepared"
 
+// ErrDeviceUnhealthy is the per-claim error for a claim that is not
+// prepared yet and was allocated a GPU that reported a critical fault
+// (its health taint came too late to keep the scheduler off it): a new
+// container would start on a GPU known to be broken. Claims prepared
+// before the fault are prepared again as before (the kubelet does that
+// after it restarts), and claims with admin access are prepared (they
+// are how monitoring and diagnostics reach a faulty GPU).
+var ErrDeviceUnhealthy = errors.New("device is unhealthy")
+
+// ReasonUnhealthyDeviceAllocated is the reason of the warning event on a
+// claim that is refused with ErrDeviceUnhealthy.
+const ReasonUnhealthyDeviceAllocated = "UnhealthyDeviceAllocated"
+
 // ErrConfigNotSupported is the per-claim error for a claim that carries
 // opaque device configuration for this driver: the driver defines none, and
 // ignoring it would run the pod with a configuration it did not ask for.
@@ -63,6 +76,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // A prepared claim that has been allocated again since (other devices,
 // or another allocation time) is refused with ErrReallocated (and a
 // warning event on the claim) until it is unprepared.
+// A claim that is not prepared yet and was allocated a GPU that reported
+// a critical fault is refused with ErrDeviceUnhealthy (and a warning event
+// on the claim), unless its result has admin access.
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID. While the agent cannot use
@@ -95,6 +111,8 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 				a.event(claim, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
 			case errors.Is(err, ErrReallocated):
 				a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
+			case errors.Is(err, ErrDeviceUnhealthy):
+				a.event(claim, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
 			}
 			continue
 		}
@@ -219,6 +237,10 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			}
 		}
 		admin := ptr.Deref(r.AdminAccess, false)
+		if fault, ok := a.fault(gpu.UUID); ok && !admin {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
+				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message)
+		}
 		if owner, uid, ok := preparedElsewhere(cp, claim.UID, gpu.UUID, admin); ok {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for claim %s/%s (%s)", klog.KObj(claim), ErrDeviceInUse, r.Device, owner.Namespace, owner.Name, uid)
 		}
