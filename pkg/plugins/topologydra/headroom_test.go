@@ -670,3 +670,40 @@ func TestHeldBackForgetsDeletedPod(t *testing.T) {
 	}
 	h.pl.heldBack.forget(exists.UID)
 }
+
+// TestHeadroomHintForSplitRequests: a pod asks for six GPUs as two
+// requests of three. Filter keeps its headroom (a quarter of 12 % of 64:
+// 2 GPUs on nodes left with two or more), counting the six together, and
+// holds it back from the only node with six free while no other node has
+// two. When a claim gives back one GPU of a node that then has two free,
+// the pod fits: the freed-devices hint judges the headroom for the six,
+// not for one request of three, which that node alone could not take.
+func TestHeadroomHintForSplitRequests(t *testing.T) {
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), withRequest(testClaim("split", 3), "more", testClass, 3)}
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		switch i {
+		case 0:
+			objs = append(objs, allocatedOn(testClaim("two-"+name, 2), name, "gpu-0", "gpu-1"))
+		case 1:
+			objs = append(objs, allocatedOn(testClaim("six-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("one-"+name, 1), name, "gpu-6"))
+		default:
+			objs = append(objs, allocatedOn(testClaim("eight-"+name, 8), name, gpuNames(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	for _, name := range []string{"split", "two-node-0", "one-node-1", "eight-node-7"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	h.pl.headroomPercent = 12
+	pod := testPod("p", "split")
+	if _, st := h.cycle(pod, "node-0"); st["node-0"].IsSuccess() || !strings.Contains(st["node-0"].Message(), "smallPodHeadroomPercent") {
+		t.Fatalf("Filter on node-0 before the release: %v, want held back by the headroom", st["node-0"])
+	}
+	if got := freeingHint(t, h, pod, "one-node-1"); got != fwk.Queue {
+		t.Errorf("one GPU back on node-1, which then has two free: hint %v, want %v", got, fwk.Queue)
+	}
+}

@@ -215,7 +215,9 @@ func (pl *TopologyDRA) smallestRequest(pod *v1.Pod) (need int, ok bool) {
 // not subtracted, and a selector that fails at run time counts as
 // matching, so the answer errs towards yes. It also says yes whenever it
 // cannot tell. Where smallPodHeadroomPercent keeps devices
-// free against the pod (see headroomWait), it says no while fewer would
+// free against the pod (its unallocated claims ask for half a node or
+// more devices of one class in all, as PreFilter counts them; see
+// headroomWait), it says no while fewer would
 // stay free than the headroom, and yes when this event brings the nodes
 // the pod may use up to it, or whenever they keep it with the pod placed
 // if the headroom held the pod back at its latest attempt (heldBack): the
@@ -267,8 +269,16 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 			}
 		}
 		return false
-	case !narrow && pl.headroomPercent > 0 && need >= pl.halfNode():
-		switch pl.headroomWait(logger, pod, claim, need) {
+	case !narrow && pl.headroomPercent > 0:
+		// The headroom is Filter's where the pod's unallocated claims ask
+		// for half a node or more devices of one class (summed over their
+		// requests, as PreFilter counts them), however small each
+		// request is.
+		total, _ := podDevices(pod, pl.draManager.ResourceClaims().Get, true)
+		if total < pl.halfNode() {
+			break
+		}
+		switch pl.headroomWait(logger, pod, claim, total) {
 		case headroomShort:
 			return false
 		case headroomRetry:
