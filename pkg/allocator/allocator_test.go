@@ -1344,3 +1344,37 @@ func TestOneDevicePodKeepsItsFirstChoice(t *testing.T) {
 		t.Errorf("claim c2 got %s on %v, upstream %s on %v; want r/big", got, deviceNames(res.Allocations), want, deviceNames(up))
 	}
 }
+
+// TestOversizedSubrequestPassedOver: a firstAvailable subrequest that asks
+// for more devices than an allocation can hold is passed over for the
+// next one, as upstream does; a claim whose every subrequest asks for too
+// many is refused, as by upstream.
+func TestOversizedSubrequestPassedOver(t *testing.T) {
+	ctx := quietContext(t)
+	firstAvailable := func(counts ...int64) *resourceapi.ResourceClaim {
+		c := claim("c").obj()
+		r := resourceapi.DeviceRequest{Name: "r"}
+		for _, n := range counts {
+			r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
+				Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
+			})
+		}
+		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
+		return c
+	}
+	_, res, up := allocateBoth(ctx, t, "node-a", dgx("node-a"), nil, DefaultPolicy(), []*resourceapi.ResourceClaim{firstAvailable(33, 2)})
+	if up == nil {
+		t.Fatal("upstream allocated nothing")
+	}
+	if res.Allocations == nil || res.Allocations[0].Devices.Results[0].Request != "r/n2" || len(res.Allocations[0].Devices.Results) != 2 {
+		t.Errorf("got %v, want two devices for subrequest r/n2, as upstream's %v", res.Allocations, up)
+	}
+
+	a, err := New(ctx, Options{Features: allFeatures, ClassLister: defaultClasses, Slices: dgx("node-a"), Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{firstAvailable(33, 40)}); !errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), "exceeds the claim limit of 32") {
+		t.Errorf("every subrequest over the limit: %v, want an input error naming the limit", err)
+	}
+}

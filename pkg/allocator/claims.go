@@ -182,6 +182,7 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 	for ri := range claim.Spec.Devices.Requests {
 		req := &claim.Spec.Devices.Requests[ri]
 		rs := requestStatic{name: req.Name}
+		oversized := math.MaxInt
 		switch {
 		case req.Exactly != nil:
 			e := req.Exactly
@@ -208,6 +209,13 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 				if len(sub.DerivedAttributes) > 0 || (sub.Capacity != nil && !a.features.ConsumableCapacity) {
 					st.passthrough = true
 				}
+				if exactCount(sub.AllocationMode) && sub.Count > resourceapi.AllocationResultsMaxSize {
+					// No allocation can hold it: upstream passes over it to
+					// the next subrequest, and refuses the claim only where
+					// every subrequest asks for too many (claimMin).
+					oversized = min(oversized, resourceapi.AllocationResultsMaxSize+1)
+					continue
+				}
 				spec, err := a.newUnitSpec(claim, req.Name, sub.Name, si, sub.DeviceClassName, sub.Selectors, sub.AllocationMode, sub.Count, false, sub.Tolerations)
 				if err != nil {
 					st.err = err
@@ -223,11 +231,11 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 			st.passthrough = true
 			continue
 		}
-		minCount := math.MaxInt
+		minCount := oversized
 		for _, u := range rs.alts {
 			minCount = min(minCount, u.count)
 		}
-		if len(rs.alts) > 0 {
+		if minCount < math.MaxInt {
 			claimMin += minCount
 		}
 		st.requests = append(st.requests, rs)
@@ -433,4 +441,10 @@ func untoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.Devi
 		}
 	}
 	return nil
+}
+
+// exactCount reports whether an allocation mode asks for a count of
+// devices (ExactCount, or unset, which defaults to it).
+func exactCount(mode resourceapi.DeviceAllocationMode) bool {
+	return mode == resourceapi.DeviceAllocationModeExactCount || mode == ""
 }
