@@ -1378,3 +1378,32 @@ func TestOversizedSubrequestPassedOver(t *testing.T) {
 		t.Errorf("every subrequest over the limit: %v, want an input error naming the limit", err)
 	}
 }
+
+// TestAdminAccessSetWithFeatureOff: with DRAAdminAccess off in the
+// scheduler, upstream refuses a request that sets adminAccess, even to
+// false (an API server with the feature on stored it); topodra answers as
+// upstream does, in Filter, not with an unverified allocation that only
+// Reserve would find wrong.
+func TestAdminAccessSetWithFeatureOff(t *testing.T) {
+	ctx := quietContext(t)
+	features := allFeatures
+	features.AdminAccess = false
+	c := claim("c").request("r", "gpu", 1).obj()
+	c.Spec.Devices.Requests[0].Exactly.AdminAccess = ptr.To(false)
+	claims := []*resourceapi.ResourceClaim{c}
+	state := allocated(gpuDriver, "node-a")
+	up, err := structured.NewAllocator(ctx, features, *state, defaultClasses, dgx("node-a"), newCELCache())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := up.Allocate(ctx, node("node-a"), claims); err == nil {
+		t.Fatal("upstream allocated a claim that sets adminAccess with the feature off")
+	}
+	a, err := New(ctx, Options{Features: features, AllocatedState: state, ClassLister: defaultClasses, Slices: dgx("node-a"), CELCache: newCELCache(), Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := a.Allocate(ctx, node("node-a"), claims); err == nil && res.Allocations != nil {
+		t.Errorf("allocated %v (unverified %v), want no allocation, as upstream", deviceNames(res.Allocations), res.Unverified)
+	}
+}

@@ -187,7 +187,9 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 		case req.Exactly != nil:
 			e := req.Exactly
 			if len(e.DerivedAttributes) > 0 || (e.Capacity != nil && !a.features.ConsumableCapacity) ||
-				(ptr.Deref(e.AdminAccess, false) && !a.features.AdminAccess) {
+				(e.AdminAccess != nil && !a.features.AdminAccess) {
+				// With the feature off, upstream refuses a request that
+				// sets adminAccess at all, false included.
 				st.passthrough = true
 			}
 			spec, err := a.newUnitSpec(claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
