@@ -213,7 +213,7 @@ func checkHeadroom(percent int32, whole int, counts headroom, node string, alloc
 // the claim tracker took in the devices given back, and no later event
 // then brings the cluster up to a headroom it already has. PreFilter
 // forgets a pod, Filter records it, Reserve and the pod's deletion forget
-// it. The gauge topodra_headroom_held_pods counts the pods held.
+// it (and its narrow record). The gauge topodra_headroom_held_pods counts the pods held.
 //
 // It also holds the pods whose headroom PreFilter counted over fewer
 // devices of a driver than the node-local devices of that driver on the
@@ -235,13 +235,25 @@ func (h *heldBack) hold(pod *v1.Pod) {
 		return
 	}
 	headroomHeldPods.Inc()
+	if h.gone(pod) {
+		h.done(pod.UID)
+	}
+}
+
+// gone reports whether the lister shows the pod deleted (not there, or
+// its name taken by another pod).
+func (h *heldBack) gone(pod *v1.Pod) bool {
 	if h.lister == nil {
-		return
+		return false
 	}
-	if p, err := h.lister.Pods(pod.Namespace).Get(pod.Name); apierrors.IsNotFound(err) || err == nil && p.UID != pod.UID {
-		h.forget(pod.UID)
-		h.narrow.Delete(pod.UID)
-	}
+	p, err := h.lister.Pods(pod.Namespace).Get(pod.Name)
+	return apierrors.IsNotFound(err) || err == nil && p.UID != pod.UID
+}
+
+// done forgets everything recorded for the pod: it is placed or deleted.
+func (h *heldBack) done(uid types.UID) {
+	h.forget(uid)
+	h.narrow.Delete(uid)
 }
 
 func (h *heldBack) forget(uid types.UID) {
@@ -258,12 +270,16 @@ func (h *heldBack) held(uid types.UID) bool {
 // setNarrow records whether the pod's headroom was counted over only the
 // devices its requests match, where those are fewer than its drivers',
 // and if so the nodes it looked at on which its requests match no device
-// (barren).
-func (h *heldBack) setNarrow(uid types.UID, narrow bool, barren sets.Set[string]) {
-	if narrow {
-		h.narrow.Store(uid, barren)
-	} else {
-		h.narrow.Delete(uid)
+// (barren). Like hold, it drops the record again where the pod's deletion
+// was handled while its attempt ran.
+func (h *heldBack) setNarrow(pod *v1.Pod, narrow bool, barren sets.Set[string]) {
+	if !narrow {
+		h.narrow.Delete(pod.UID)
+		return
+	}
+	h.narrow.Store(pod.UID, barren)
+	if h.gone(pod) {
+		h.narrow.Delete(pod.UID)
 	}
 }
 
@@ -283,8 +299,7 @@ func (h *heldBack) handler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		DeleteFunc: func(obj any) {
 			if pod, ok := deletedPod(obj); ok {
-				h.forget(pod.UID)
-				h.narrow.Delete(pod.UID)
+				h.done(pod.UID)
 			}
 		},
 	}

@@ -12,7 +12,10 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -705,5 +708,32 @@ func TestHeadroomHintForSplitRequests(t *testing.T) {
 	}
 	if got := freeingHint(t, h, pod, "one-node-1"); got != fwk.Queue {
 		t.Errorf("one GPU back on node-1, which then has two free: hint %v, want %v", got, fwk.Queue)
+	}
+}
+
+// TestHeldBackForgetsGonePods: the narrow record of a pod whose deletion
+// was handled while its PreFilter ran is dropped, as its hold is, and
+// Reserve drops both: neither stays for a pod that is gone or placed.
+func TestHeldBackForgetsGonePods(t *testing.T) {
+	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	kept := testPod("kept", "c")
+	if err := indexer.Add(kept); err != nil {
+		t.Fatal(err)
+	}
+	h := &heldBack{lister: corelisters.NewPodLister(indexer)}
+	gone := testPod("gone", "c")
+	gone.UID = "uid-gone"
+	h.setNarrow(gone, true, sets.New("node-a"))
+	if _, narrow := h.narrowed(gone.UID); narrow {
+		t.Error("a deleted pod's narrow headroom is recorded")
+	}
+	h.setNarrow(kept, true, sets.New("node-a"))
+	h.hold(kept)
+	if _, narrow := h.narrowed(kept.UID); !narrow || !h.held(kept.UID) {
+		t.Fatal("a pod that exists is not recorded")
+	}
+	h.done(kept.UID)
+	if _, narrow := h.narrowed(kept.UID); narrow || h.held(kept.UID) {
+		t.Error("a placed pod is still recorded")
 	}
 }

@@ -255,7 +255,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				}
 			}
 		}
-		pl.heldBack.setNarrow(pod.UID, barren != nil, barren)
+		pl.heldBack.setNarrow(pod, barren != nil, barren)
 	}
 	return nil, nil
 }

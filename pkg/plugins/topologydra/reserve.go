@@ -84,7 +84,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		res = verified
 	}
 	s.nodeName, s.result = nodeName, res
-	pl.heldBack.forget(pod.UID)
+	pl.heldBack.done(pod.UID)
 	for j, index := range toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
 		claim := s.claims[index].DeepCopy()
