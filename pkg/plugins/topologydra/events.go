@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"context"
+	"slices"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -21,8 +22,9 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 	return []fwk.ClusterEventWithHint{
 		// Node labels feed allocation node selectors and slice node
 		// selectors; labels, taints and cordons decide which nodes keep a
-		// headroom for the pod (podMayUseNode).
-		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint}, QueueingHintFn: pl.isSchedulableAfterNodeChange},
+		// headroom for the pod (podMayUseNode); a declared feature lets a
+		// node use devices that skip node operations.
+		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Add | fwk.UpdateNodeLabel | fwk.UpdateNodeAllocatable | fwk.UpdateNodeTaint | fwk.UpdateNodeDeclaredFeature}, QueueingHintFn: pl.isSchedulableAfterNodeChange},
 		// Claims: the pod's own claim created or changed, or devices freed.
 		{Event: fwk.ClusterEvent{Resource: fwk.ResourceClaim, ActionType: fwk.Add | fwk.Update | fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterClaimChange},
 		// The claim controller names generated claims in the pod status.
@@ -105,7 +107,8 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 	if oldNode == nil || newNode == nil {
 		return fwk.Queue, nil
 	}
-	if !apiequality.Semantic.DeepEqual(oldNode.Labels, newNode.Labels) || !apiequality.Semantic.DeepEqual(oldNode.Status.Allocatable, newNode.Status.Allocatable) {
+	if !apiequality.Semantic.DeepEqual(oldNode.Labels, newNode.Labels) || !apiequality.Semantic.DeepEqual(oldNode.Status.Allocatable, newNode.Status.Allocatable) ||
+		!slices.Equal(oldNode.Status.DeclaredFeatures, newNode.Status.DeclaredFeatures) {
 		return fwk.Queue, nil
 	}
 	if pl.heldBack.held(pod.UID) {

@@ -534,8 +534,8 @@ func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
 	}
 }
 
-// TestNodeQueueingHint: new nodes, labels and allocatable requeue any
-// pod; a taint or cordon change, and a node or slice deleted, only a pod
+// TestNodeQueueingHint: new nodes, labels, allocatable and declared
+// features requeue any pod; a taint or cordon change, and a node or slice deleted, only a pod
 // the headroom held back.
 func TestNodeQueueingHint(t *testing.T) {
 	pl := &TopologyDRA{}
@@ -558,6 +558,7 @@ func TestNodeQueueingHint(t *testing.T) {
 		{"cordoned", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), pod, fwk.QueueSkip},
 		{"taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}} }), plain, pod, fwk.QueueSkip},
 		{"cordoned, pod held back by the headroom", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), held, fwk.Queue},
+		{"feature declared", plain, node(func(n *v1.Node) { n.Status.DeclaredFeatures = []string{"DRAOptionalNodeOperations"} }), pod, fwk.Queue},
 	} {
 		var oldObj any
 		if tc.old != nil {
