@@ -1144,14 +1144,8 @@ func TestRequireTakesTheFirstAlignedChoice(t *testing.T) {
 		return s
 	}
 	requireClaim := func(counts ...int64) *resourceapi.ResourceClaim {
-		c := claim("c").annotate(topology.AnnotationAlignment, "require").obj()
-		r := resourceapi.DeviceRequest{Name: "r"}
-		for _, n := range counts {
-			r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
-				Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
-			})
-		}
-		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
+		c := firstAvailableClaim(counts...)
+		c.Annotations = map[string]string{topology.AnnotationAlignment: "require"}
 		return c
 	}
 	for name, tc := range map[string]struct {
@@ -1351,17 +1345,7 @@ func TestOneDevicePodKeepsItsFirstChoice(t *testing.T) {
 // many is refused, as by upstream.
 func TestOversizedSubrequestPassedOver(t *testing.T) {
 	ctx := quietContext(t)
-	firstAvailable := func(counts ...int64) *resourceapi.ResourceClaim {
-		c := claim("c").obj()
-		r := resourceapi.DeviceRequest{Name: "r"}
-		for _, n := range counts {
-			r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
-				Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
-			})
-		}
-		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
-		return c
-	}
+	firstAvailable := firstAvailableClaim
 	_, res, up := allocateBoth(ctx, t, "node-a", dgx("node-a"), nil, DefaultPolicy(), []*resourceapi.ResourceClaim{firstAvailable(33, 2)})
 	if up == nil {
 		t.Fatal("upstream allocated nothing")
@@ -1406,4 +1390,18 @@ func TestAdminAccessSetWithFeatureOff(t *testing.T) {
 	if res, err := a.Allocate(ctx, node("node-a"), claims); err == nil && res.Allocations != nil {
 		t.Errorf("allocated %v (unverified %v), want no allocation, as upstream", deviceNames(res.Allocations), res.Unverified)
 	}
+}
+
+// firstAvailableClaim is claim "c" with request "r", whose firstAvailable
+// subrequests "n<count>" ask for counts GPUs of class gpu, in that order.
+func firstAvailableClaim(counts ...int64) *resourceapi.ResourceClaim {
+	c := claim("c").obj()
+	r := resourceapi.DeviceRequest{Name: "r"}
+	for _, n := range counts {
+		r.FirstAvailable = append(r.FirstAvailable, resourceapi.DeviceSubRequest{
+			Name: fmt.Sprintf("n%d", n), DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: n,
+		})
+	}
+	c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
+	return c
 }

@@ -331,23 +331,17 @@ func TestHeadroomHintWithOtherDrivers(t *testing.T) {
 // run before the tracker saw it), a pod that was not held back is not,
 // and neither is the first pod once an attempt found a node for it.
 func TestHeadroomHintRetriesHeldBackPod(t *testing.T) {
-	var nodes []*v1.Node
-	objs := []runtime.Object{testDeviceClass(), testClaim("four", 4)}
-	for i := range 8 {
-		name := fmt.Sprintf("node-%d", i)
-		nodes = append(nodes, testNode(name))
-		objs = append(objs, testSlice(name, 8))
+	nodes, objs := eightNodes(func(i int, name string) []runtime.Object {
 		switch i {
 		case 0:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 4), name, gpuNames(0, 4)...))
+			return []runtime.Object{allocatedOn(testClaim("held-"+name, 4), name, gpuNames(0, 4)...)}
 		case 1:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("pair", 2), name, gpuNames(6, 8)...))
+			return []runtime.Object{allocatedOn(testClaim("held-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("pair", 2), name, gpuNames(6, 8)...)}
 		case 2:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 7), name, gpuNames(0, 7)...), allocatedOn(testClaim("single", 1), name, "gpu-7"))
-		default:
-			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+			return []runtime.Object{allocatedOn(testClaim("held-"+name, 7), name, gpuNames(0, 7)...), allocatedOn(testClaim("single", 1), name, "gpu-7")}
 		}
-	}
+		return []runtime.Object{allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...)}
+	}, testDeviceClass(), testClaim("four", 4))
 	h := newHarness(t, nodes, objs...)
 	h.pl.headroomPercent = 12
 	h.waitForClaim("single", func(*resourceapi.ResourceClaim) bool { return true })
@@ -682,21 +676,15 @@ func TestHeldBackForgetsDeletedPod(t *testing.T) {
 // the pod fits: the freed-devices hint judges the headroom for the six,
 // not for one request of three, which that node alone could not take.
 func TestHeadroomHintForSplitRequests(t *testing.T) {
-	var nodes []*v1.Node
-	objs := []runtime.Object{testDeviceClass(), withRequest(testClaim("split", 3), "more", testClass, 3)}
-	for i := range 8 {
-		name := fmt.Sprintf("node-%d", i)
-		nodes = append(nodes, testNode(name))
-		objs = append(objs, testSlice(name, 8))
+	nodes, objs := eightNodes(func(i int, name string) []runtime.Object {
 		switch i {
 		case 0:
-			objs = append(objs, allocatedOn(testClaim("two-"+name, 2), name, "gpu-0", "gpu-1"))
+			return []runtime.Object{allocatedOn(testClaim("two-"+name, 2), name, "gpu-0", "gpu-1")}
 		case 1:
-			objs = append(objs, allocatedOn(testClaim("six-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("one-"+name, 1), name, "gpu-6"))
-		default:
-			objs = append(objs, allocatedOn(testClaim("eight-"+name, 8), name, gpuNames(0, 8)...))
+			return []runtime.Object{allocatedOn(testClaim("six-"+name, 6), name, gpuNames(0, 6)...), allocatedOn(testClaim("one-"+name, 1), name, "gpu-6")}
 		}
-	}
+		return []runtime.Object{allocatedOn(testClaim("eight-"+name, 8), name, gpuNames(0, 8)...)}
+	}, testDeviceClass(), withRequest(testClaim("split", 3), "more", testClass, 3))
 	h := newHarness(t, nodes, objs...)
 	for _, name := range []string{"split", "two-node-0", "one-node-1", "eight-node-7"} {
 		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
@@ -736,4 +724,18 @@ func TestHeldBackForgetsGonePods(t *testing.T) {
 	if _, narrow := h.narrowed(kept.UID); narrow || h.held(kept.UID) {
 		t.Error("a placed pod is still recorded")
 	}
+}
+
+// eightNodes returns eight nodes node-0 to node-7 of eight GPUs each, and
+// objs with their slices and the claims that held(i, name) allocates on
+// each.
+func eightNodes(held func(i int, name string) []runtime.Object, objs ...runtime.Object) ([]*v1.Node, []runtime.Object) {
+	var nodes []*v1.Node
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		objs = append(objs, held(i, name)...)
+	}
+	return nodes, objs
 }

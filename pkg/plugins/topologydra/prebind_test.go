@@ -415,33 +415,13 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 	} {
 		stored := tc.stored
 		t.Run(name, func(t *testing.T) {
-			var lag atomic.Int64
-			var lose, unreadable atomic.Bool
-			hook := func(h *harness) {
-				lagClaimWatch(h, &lag)
-				loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
-				unreadableClaims(h, &unreadable)
-			}
-			fastSettleReads(t)
-			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
-			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
-			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
-			pod := testPod("p", "c")
-			cs := h.reserve(pod, "node-a")
-			uid := h.apiClaim("c").UID
 			// The claim informer lags far behind (only reads settle c),
 			// or a little.
-			lag.Store(int64(time.Hour))
+			lag := time.Hour
 			if tc.informer {
-				lag.Store(int64(300 * time.Millisecond))
+				lag = 300 * time.Millisecond
 			}
-			lose.Store(true)
-			unreadable.Store(true)
-			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
-				t.Fatal("PreBind succeeded although the write failed")
-			}
-			lose.Store(false)
-			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			h, pod, uid, unreadable := failWriteUnreadable(t, stored, lag)
 			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
 				t.Errorf("a 2-GPU pod fits on node-a while claim c may hold both GPUs")
 			}
@@ -494,6 +474,38 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 	}
 }
 
+// failWriteUnreadable reserves node-a's two GPUs for pod p (claim c; claim
+// q asks for two more) and runs p's PreBind while the claim informer lags
+// by lag, the allocation write's reply is lost (the write stored or not)
+// and claims cannot be read, then Unreserve. It returns the harness, the
+// pod, c's UID and the switch that keeps claims unreadable (still on).
+func failWriteUnreadable(t *testing.T, stored bool, lag time.Duration) (*harness, *v1.Pod, types.UID, *atomic.Bool) {
+	t.Helper()
+	var lagged atomic.Int64
+	var lose, unreadable atomic.Bool
+	hook := func(h *harness) {
+		lagClaimWatch(h, &lagged)
+		loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
+		unreadableClaims(h, &unreadable)
+	}
+	fastSettleReads(t)
+	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := testPod("p", "c")
+	cs := h.reserve(pod, "node-a")
+	uid := h.apiClaim("c").UID
+	lagged.Store(int64(lag))
+	lose.Store(true)
+	unreadable.Store(true)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although the write failed")
+	}
+	lose.Store(false)
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	return h, pod, uid, &unreadable
+}
+
 // unreadableClaims makes every get of a claim fail as unavailable while
 // unreadable is set.
 func unreadableClaims(h *harness, unreadable *atomic.Bool) {
@@ -523,28 +535,7 @@ func fastSettleReads(t *testing.T) {
 func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 	for _, stored := range []bool{false, true} {
 		t.Run(fmt.Sprintf("stored %v", stored), func(t *testing.T) {
-			var lag atomic.Int64
-			var lose, unreadable atomic.Bool
-			hook := func(h *harness) {
-				lagClaimWatch(h, &lag)
-				loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
-				unreadableClaims(h, &unreadable)
-			}
-			fastSettleReads(t)
-			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
-			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
-			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
-			pod := testPod("p", "c")
-			cs := h.reserve(pod, "node-a")
-			uid := h.apiClaim("c").UID
-			lag.Store(int64(time.Hour))
-			lose.Store(true)
-			unreadable.Store(true)
-			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
-				t.Fatal("PreBind succeeded although the write failed")
-			}
-			lose.Store(false)
-			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			h, _, uid, unreadable := failWriteUnreadable(t, stored, time.Hour)
 			if !h.pl.uncertain.has(uid) {
 				t.Fatal("the write of claim c is not uncertain")
 			}
