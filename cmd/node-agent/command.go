@@ -130,14 +130,14 @@ the command line wins.`,
 	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
-	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint.")
+	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint; must not be empty while --owned-taint is on.")
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again; 0 or less disables rescanning (prepared claims and health watching are then retried every "+agent.DefaultRescanInterval.String()+").")
 	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run) keeps its GPUs before the agent drops it; it is dropped only where no pod bound to this node references it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
-	fs.BoolVar(&o.showCDI, "show-cdi", false, "With --dry-run: also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
+	fs.BoolVar(&o.showCDI, "show-cdi", false, "Only with --dry-run (refused without it): also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
 	agentFlags = nil
 	fs.VisitAll(func(f *pflag.Flag) { agentFlags = append(agentFlags, f.Name) })
 	for _, name := range agentFlags {
@@ -234,6 +234,11 @@ func newSource(o *options, nodeName string) (*source, error) {
 		if err != nil {
 			return nil, err
 		}
+		// A driver root that is not there is a mistyped setting, not a
+		// machine without GPUs (which the dry run reports with exit 0).
+		if info, err := os.Stat(root.Path); err != nil || !info.IsDir() {
+			return nil, fmt.Errorf("--driver-root %q (or DRIVER_ROOT; seen here as %s, --container-driver-root): not a directory: %v", o.driverRoot, root.Path, errOrFile(err))
+		}
 		if root, err = root.WithDevRoot("/", o.containerDevRoot); err != nil {
 			return nil, fmt.Errorf("--container-dev-root (or CONTAINER_DEV_ROOT): %w", err)
 		}
@@ -278,6 +283,14 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	}
 	if nodeName == "" {
 		return errors.New("--node-name (or NODE_NAME) is required")
+	}
+	if o.showCDI && !o.dryRun {
+		// Without --dry-run this would start a second agent beside the
+		// node's own, taking over its kubelet sockets.
+		return errors.New("--show-cdi (or SHOW_CDI) needs --dry-run (or DRY_RUN=true)")
+	}
+	if o.ownedTaint && o.ownedTaintKey == "" {
+		return errors.New("--owned-taint-key (or OWNED_TAINT_KEY) is empty while --owned-taint (OWNED_TAINT) is on: set the key topodra-scheduler tolerates (its ownedTaintKey), or turn --owned-taint off")
 	}
 	if o.ownedTaintKey != "" {
 		if err := agent.ValidateTaintKey(o.ownedTaintKey); err != nil {
@@ -536,4 +549,13 @@ func dryRun(ctx context.Context, src *source, o *options, nodeName string, out i
 		return nil
 	}
 	return showPrepared(ctx, src, nodeName, inv, out)
+}
+
+// errOrFile is err, or where it is nil (the path is there but is not a
+// directory) says so.
+func errOrFile(err error) error {
+	if err == nil {
+		return errors.New("it is a file")
+	}
+	return err
 }

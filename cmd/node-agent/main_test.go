@@ -90,15 +90,18 @@ func TestDryRun(t *testing.T) {
 		wantTaints  bool
 		wantErr     string
 	}{
-		"dgx-h100":                  {opts: options{nvml: "mock:dgx-h100"}, wantDevices: 8},
-		"workstation with taint":    {opts: options{nvml: "mock:workstation-2gpu", ownedTaint: true, ownedTaintKey: topology.DefaultTaintKey}, wantDevices: 2, wantTaints: true},
-		"unknown profile":           {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
-		"neither real nor mock":     {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
-		"missing node name outside": {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
-		"invalid owned taint key":   {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
-		"relative device root":      {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
-		"unknown disabled hook":     {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
-		"relative hook path":        {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
+		"dgx-h100":                     {opts: options{nvml: "mock:dgx-h100"}, wantDevices: 8},
+		"workstation with taint":       {opts: options{nvml: "mock:workstation-2gpu", ownedTaint: true, ownedTaintKey: topology.DefaultTaintKey}, wantDevices: 2, wantTaints: true},
+		"unknown profile":              {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
+		"neither real nor mock":        {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
+		"missing node name outside":    {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
+		"invalid owned taint key":      {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
+		"empty owned taint key":        {opts: options{nvml: "mock:dgx-h100", ownedTaint: true}, wantErr: "--owned-taint-key (or OWNED_TAINT_KEY) is empty while --owned-taint"},
+		"missing dry run for show-cdi": {opts: options{nvml: "mock:dgx-h100", nodeName: "node-1", showCDI: true, kubeconfig: "/nonexistent"}, wantErr: "--show-cdi (or SHOW_CDI) needs --dry-run"},
+		"relative device root":         {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
+		"driver root not there":        {opts: options{nvml: "real", driverRoot: "/nonexistent/driver"}, wantErr: `--driver-root "/nonexistent/driver"`},
+		"unknown disabled hook":        {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
+		"relative hook path":           {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
