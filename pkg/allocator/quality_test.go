@@ -166,3 +166,21 @@ func TestQualityCountsPartitionedGPUsAsTaken(t *testing.T) {
 		}
 	}
 }
+
+// TestBlockCost: a whole node costs 1, half a node or more (rounded up)
+// 0.3, a pair or more 0.05, one device nothing, for nodes of eight and
+// of five devices.
+func TestBlockCost(t *testing.T) {
+	for _, tc := range []struct {
+		size, whole int
+		want        float64
+	}{
+		{8, 8, 1}, {4, 8, 0.3}, {3, 8, 0.05}, {2, 8, 0.05}, {1, 8, 0},
+		{5, 5, 1}, {3, 5, 0.3}, {2, 5, 0.05}, {1, 5, 0},
+		{2, 4, 0.3}, {2, 2, 1}, {1, 2, 0},
+	} {
+		if got := BlockCost(tc.size, tc.whole); got != tc.want {
+			t.Errorf("BlockCost(%d, %d) = %v, want %v", tc.size, tc.whole, got, tc.want)
+		}
+	}
+}

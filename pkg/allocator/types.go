@@ -244,14 +244,14 @@ const WholeNodeBlock = 8
 // BlockCost is what breaking up a free aligned block of size devices costs
 // Quality.Room, where whole devices make a whole node (Policy.WholeNode):
 // 1 from whole devices (a whole node for the largest jobs), 0.3 from half
-// of that (on 8-GPU nodes four, a NUMA node), 0.05 for two or more,
+// of that, rounded up (on 8-GPU nodes four, a NUMA node), 0.05 for two or more,
 // nothing for a single device. Larger blocks cost far more, so among
 // placements of one rank a pod goes where it breaks the smallest blocks.
 func BlockCost(size, whole int) float64 {
 	switch {
 	case size >= whole:
 		return 1
-	case size >= max(2, whole/2):
+	case size >= 2 && 2*size >= whole:
 		return 0.3
 	case size >= 2:
 		return 0.05

@@ -27,8 +27,9 @@ func (pl *TopologyDRA) wholeNode() int {
 }
 
 // halfNode is the smallest allocation, in devices of one driver, that
-// leaves a headroom: half a whole node.
-func (pl *TopologyDRA) halfNode() int { return pl.wholeNode() / 2 }
+// leaves a headroom: half a whole node, rounded up (of a node of five,
+// three).
+func (pl *TopologyDRA) halfNode() int { return (pl.wholeNode() + 1) / 2 }
 
 // driverDevices counts one driver's node-local devices on the nodes a pod
 // may use: all of them, the free ones, and the free ones on nodes with at
@@ -166,7 +167,7 @@ func HeadroomFor(percent int32, total, n, whole int) int {
 		return 0
 	case n >= whole:
 		return h
-	case n >= whole/2:
+	case 2*n >= whole:
 		return (h + 3) / 4
 	}
 	return 0

@@ -65,6 +65,13 @@ func TestHeadroomFor(t *testing.T) {
 			t.Errorf("HeadroomFor(%d, %d, %d, 4) = %d, want %d", tc.percent, tc.total, tc.n, got, tc.want)
 		}
 	}
+	// Nodes of three: half a node is two (rounded up), so a 1-GPU pod
+	// keeps none; 12 % of 300 is 36.
+	for _, tc := range []struct{ n, want int }{{3, 36}, {2, 9}, {1, 0}} {
+		if got := HeadroomFor(12, 300, tc.n, 3); got != tc.want {
+			t.Errorf("HeadroomFor(12, 300, %d, 3) = %d, want %d", tc.n, got, tc.want)
+		}
+	}
 }
 
 // TestFilterKeepsHeadroom: on eight nodes of eight GPUs (headroom 8 of 64
