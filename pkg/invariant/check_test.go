@@ -256,12 +256,14 @@ func TestCheckWith(t *testing.T) {
 			wantReads: 2,
 		},
 		"shares of a device of a slice not yet republished are pending": {
-			reads: []fakeRead{{state: State{Slices: midRepublish, Claims: sharesOfLink}}},
-			wantPending: []Violation{
-				{Kind: DoubleAllocation, Device: link, Claims: []string{"ns/a", "ns/b"}},
-				{Kind: VanishedDevice, Device: link, Claims: []string{"ns/a", "ns/b"}},
-			},
-			wantReads: DefaultReads,
+			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: sharesOfLink}}},
+			wantPending: []Violation{{Kind: VanishedDevice, Device: link, Claims: []string{"ns/a", "ns/b"}}},
+			wantReads:   DefaultReads,
+		},
+		"shares of a device republished away: vanished, not held twice": {
+			reads:     []fakeRead{{state: State{Slices: withoutGPU2, Claims: sharesOfLink}}},
+			want:      []Violation{{Kind: VanishedDevice, Device: link, Claims: []string{"ns/a", "ns/b"}}},
+			wantReads: 2,
 		},
 		"device of a slice not yet republished held twice": {
 			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: twiceOnGPU2}}},
