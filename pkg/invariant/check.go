@@ -159,20 +159,23 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 func again(before, now []finding) []finding {
 	seen := make(map[string]bool, len(before))
 	for _, f := range before {
-		seen[key(f.Violation)] = true
+		seen[key(f)] = true
 	}
 	var out []finding
 	for _, f := range now {
-		if seen[key(f.Violation)] {
+		if seen[key(f)] {
 			out = append(out, f)
 		}
 	}
 	return out
 }
 
-// key identifies a violation across reads.
-func key(v Violation) string {
-	return strings.Join([]string{string(v.Kind), deviceKey(v.Device), v.Counter, v.Pod, strings.Join(v.Claims, ",")}, "|")
+// key identifies a violation across reads (see finding.identity).
+func key(f finding) string {
+	if f.identity != "" {
+		return string(f.Kind) + "|" + f.identity
+	}
+	return strings.Join([]string{string(f.Kind), deviceKey(f.Device), f.Counter, f.Pod, strings.Join(f.Claims, ",")}, "|")
 }
 
 // anyUnsettled tells whether a further read may change the verdict on one

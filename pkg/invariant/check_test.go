@@ -230,6 +230,23 @@ func TestCheckWith(t *testing.T) {
 			},
 			wantReads: 3,
 		},
+		"stale reservation for another pod at each read is not reported": {
+			// Pods created between the pod list and the claim list of
+			// each read: the controller would find them.
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "new-1", "gpu-2")}}},
+				{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "new-2", "gpu-2")}}},
+			},
+			wantReads: 2,
+		},
+		"device held twice by other claims at each read is reported": {
+			reads: []fakeRead{
+				{state: State{Slices: complete, Claims: twiceOnGPU2}},
+				{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2"), claim("c", "node-a", "", "gpu-2")}}},
+			},
+			want:      []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/c"}}},
+			wantReads: 2,
+		},
 		"stale reservation through every read is reported": {
 			reads:     []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
 			want:      []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},

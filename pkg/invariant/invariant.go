@@ -136,13 +136,19 @@ func Find(s State) []Violation {
 type finding struct {
 	Violation
 	// pending is set on a VanishedDevice of a device that is
-	// DevicePending, and on a DoubleAllocation of such a device whose
-	// allocations all have a share ID (the device may allow multiple
-	// allocations, but its spec is in a slice still to come).
+	// DevicePending.
 	pending bool
 	// repairable is set on a StaleReservation: the cluster's own
 	// controller undoes it, so it counts only if it outlasts every read.
 	repairable bool
+	// identity is what makes it the same violation in another read,
+	// beside its kind: the device or counter for the device kinds (the
+	// claims involved may change from read to read while the device stays
+	// over-used), the claim and the pods it is reserved for for a
+	// StaleReservation (a claim reserved in each read for another pod
+	// created after the pods were listed is not stale); empty: the
+	// device, counter, pod and claims.
+	identity string
 }
 
 // find returns the violations in s, sorted as by [Find].
@@ -153,9 +159,7 @@ func find(s State) []finding {
 	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes) {
 		out = append(out, finding{Violation: v})
 	}
-	for _, v := range staleReservations(s.Pods, s.Claims) {
-		out = append(out, finding{Violation: v, repairable: true})
-	}
+	out = append(out, staleReservations(s.Pods, s.Claims)...)
 	slices.SortFunc(out, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
@@ -322,7 +326,7 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		spec, exists := published.devices[d]
 		pending := !exists && published.presence(d) == DevicePending
 		if !exists {
-			out = append(out, finding{pending: pending, Violation: Violation{
+			out = append(out, finding{pending: pending, identity: d.String(), Violation: Violation{
 				Kind: VanishedDevice, Device: &d, Claims: distinct,
 				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(distinct, ", ")),
 			}})
@@ -335,12 +339,12 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 			// that allows multiple allocations, so the sharing was
 			// legal; the device is reported as vanished.
 		case len(claimNames) > 1 && !multiple:
-			out = append(out, finding{Violation: Violation{
+			out = append(out, finding{identity: d.String(), Violation: Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s is allocated %d times: %s", d, len(claimNames), strings.Join(claimNames, ", ")),
 			}})
 		case len(claimNames) > 1 && dedicated[d] > 0:
-			out = append(out, finding{Violation: Violation{
+			out = append(out, finding{identity: d.String(), Violation: Violation{
 				Kind: DoubleAllocation, Device: &d, Claims: claimNames,
 				Message: fmt.Sprintf("device %s allows multiple allocations but is allocated %d times, %d of them without a share ID (holding the whole device): %s", d, len(claimNames), dedicated[d], strings.Join(claimNames, ", ")),
 			}})
@@ -352,7 +356,7 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 			for _, name := range slices.Sorted(maps.Keys(consumed[d])) {
 				capacity, ok := spec.Capacity[name]
 				if sum := consumed[d][name]; ok && sum.Cmp(capacity.Value) > 0 {
-					out = append(out, finding{Violation: Violation{
+					out = append(out, finding{identity: d.String() + "|" + string(name), Violation: Violation{
 						Kind: CapacityExceeded, Device: &d, Claims: distinct,
 						Message: fmt.Sprintf("device %s has %s of %s, but %s consume %s", d, capacity.Value.String(), name, strings.Join(distinct, ", "), sum.String()),
 					}})
@@ -381,7 +385,7 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		claimNames := counterClaims[k]
 		slices.Sort(claimNames)
 		claimNames = slices.Compact(claimNames)
-		out = append(out, finding{Violation: Violation{
+		out = append(out, finding{identity: k.String(), Violation: Violation{
 			Kind: CounterExceeded, Counter: k.String(), Claims: claimNames,
 			Message: fmt.Sprintf("counter %s of counter set %s in pool %s/%s is %s, but the devices allocated to %s consume %s", k.name, k.set, k.driver, k.pool, limit.String(), strings.Join(claimNames, ", "), used.String()),
 		}})
@@ -457,7 +461,7 @@ func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []
 // staleReservations finds the allocated claims whose reservations all name
 // pods that are gone or done, judged as the resourceclaim controller
 // judges them (by UID within the claim's namespace).
-func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Violation {
+func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []finding {
 	type key struct {
 		namespace string
 		uid       types.UID
@@ -482,12 +486,12 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Vi
 		}
 		return ""
 	}
-	var out []Violation
+	var out []finding
 	for _, c := range claims {
 		if c.Status.Allocation == nil || len(c.Status.ReservedFor) == 0 {
 			continue
 		}
-		var stale []string
+		var stale, uids []string
 		for _, r := range c.Status.ReservedFor {
 			reason := why(c.Namespace, r)
 			if reason == "" {
@@ -495,15 +499,17 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []Vi
 				break
 			}
 			stale = append(stale, fmt.Sprintf("%s/%s (%s)", c.Namespace, r.Name, reason))
+			uids = append(uids, string(r.UID))
 		}
 		if stale == nil {
 			continue
 		}
 		name := c.Namespace + "/" + c.Name
-		out = append(out, Violation{
+		slices.Sort(uids)
+		out = append(out, finding{repairable: true, identity: name + "|" + strings.Join(uids, ","), Violation: Violation{
 			Kind: StaleReservation, Claims: []string{name},
 			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, allocatedDevices(c), strings.Join(stale, ", ")),
-		})
+		}})
 	}
 	return out
 }
