@@ -531,21 +531,31 @@ type ClaimRef struct {
 	PodClaimName, Name string
 }
 
-// PodClaimNames lists the claims a pod uses.
+// PodClaimNames lists the claims a pod uses. A claim from a template whose
+// status entry names no claim is left out: the API says that generating it
+// was not necessary.
 func PodClaimNames(pod *v1.Pod) []ClaimRef {
 	var out []ClaimRef
 	for _, pc := range pod.Spec.ResourceClaims {
 		ref := ClaimRef{PodClaimName: pc.Name}
+		needed := true
 		if pc.ResourceClaimName != nil {
 			ref.Name = *pc.ResourceClaimName
 		} else {
 			for _, st := range pod.Status.ResourceClaimStatuses {
-				if st.Name == pc.Name && st.ResourceClaimName != nil {
+				if st.Name != pc.Name {
+					continue
+				}
+				if st.ResourceClaimName == nil {
+					needed = false
+				} else {
 					ref.Name = *st.ResourceClaimName
 				}
 			}
 		}
-		out = append(out, ref)
+		if needed {
+			out = append(out, ref)
+		}
 	}
 	if ext := pod.Status.ExtendedResourceClaimStatus; ext != nil && ext.ResourceClaimName != "" {
 		out = append(out, ClaimRef{Name: ext.ResourceClaimName})

@@ -181,6 +181,13 @@ func TestInvariantChecker(t *testing.T) {
 						p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
 						return p
 					}(),
+					// Its status says no claim was needed: not judged.
+					func() *v1.Pod {
+						p := pod("u", "uid-u", "node-a")
+						p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
+						p.Status.ResourceClaimStatuses = []v1.PodResourceClaimStatus{{Name: "gpu"}}
+						return p
+					}(),
 					// The claim of DRA-backed extended resources.
 					func() *v1.Pod {
 						p := pod("x", "uid-x", "node-a")
