@@ -49,6 +49,8 @@ func NewCommand() *cobra.Command {
 	cmd := schedapp.NewSchedulerCommand(RegistryOptions()...)
 	cmd.Use = SchedulerName
 	cmd.Short = "kube-scheduler with topology-aware Dynamic Resource Allocation"
+	// The help prints Long: the upstream text with what topodra adds.
+	cmd.Long = "topodra-scheduler is kube-scheduler with the TopologyDRA plugin, which allocates the devices of pods' ResourceClaims as the stock DynamicResources plugin does and chooses them with NVLink cliques, PCIe roots and NUMA nodes in mind. It runs beside the default scheduler; pods opt in with spec.schedulerName: " + SchedulerName + ". Its profiles come from --config (see config/scheduler-config.yaml).\n\n" + cmd.Long
 	upstreamPreRun := cmd.PersistentPreRunE
 	cmd.PersistentPreRunE = func(c *cobra.Command, args []string) error {
 		if f := c.Flags().Lookup("version"); f != nil && f.Changed && f.Value.String() != "false" {

@@ -27,4 +27,8 @@ func TestCommandHasSchedulerFlags(t *testing.T) {
 			t.Errorf("flag --%s missing", name)
 		}
 	}
+	// --help prints Long.
+	if !strings.HasPrefix(cmd.Long, "topodra-scheduler is kube-scheduler with the TopologyDRA plugin") || !strings.Contains(cmd.Long, "schedulerName: "+SchedulerName) {
+		t.Errorf("Long = %q, want it to say what topodra-scheduler is and how pods use it", cmd.Long)
+	}
 }
