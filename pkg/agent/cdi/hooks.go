@@ -35,7 +35,8 @@ type Hook struct {
 
 // Hooks are the hooks that the nvcdi library built into the agent puts
 // into specs for whole GPUs, in the order of Since. An nvidia-cdi-hook
-// that lacks one fails the creation of every container that gets a GPU.
+// older than 1.18.0 that lacks one fails the creation of every container
+// that gets a GPU; 1.18.0 and later skip a subcommand they lack, warning.
 var Hooks = []Hook{
 	// nvidia-cdi-hook itself first shipped with 1.16.0; before, the same
 	// subcommands were "nvidia-ctk hook".
