@@ -14,8 +14,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
-	corelisters "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -639,7 +637,8 @@ func TestHeadroomLeavesNetworkDevicesOut(t *testing.T) {
 // TestHeldBackForgetsDeletedPod: a pod the headroom holds back is kept,
 // and counted in topodra_headroom_held_pods, while it exists; one deleted
 // while its attempt ran (its deletion handled before Filter held it back)
-// is not.
+// is not; the same for the record of a narrow headroom. Placing the pod
+// forgets both.
 func TestHeldBackForgetsDeletedPod(t *testing.T) {
 	h := newHarness(t, nil)
 	h.pl.heldBack.lister = h.podLister
@@ -672,7 +671,20 @@ func TestHeldBackForgetsDeletedPod(t *testing.T) {
 	if !h.pl.heldBack.held(exists.UID) || heldPods() != before+1 {
 		t.Errorf("a pod in the API: held %v, gauge %v (before %v); want held, +1", h.pl.heldBack.held(exists.UID), heldPods(), before)
 	}
-	h.pl.heldBack.forget(exists.UID)
+	// So is the record of a narrow headroom, which PreFilter writes.
+	h.pl.heldBack.setNarrow(gone, true, sets.New("node-a"))
+	if _, narrow := h.pl.heldBack.narrowed(gone.UID); narrow {
+		t.Error("a pod not in the API: its narrow headroom is recorded")
+	}
+	h.pl.heldBack.setNarrow(exists, true, sets.New("node-a"))
+	if _, narrow := h.pl.heldBack.narrowed(exists.UID); !narrow {
+		t.Error("a pod in the API: its narrow headroom is not recorded")
+	}
+	// Reserve, or the pod's deletion, forgets both.
+	h.pl.heldBack.done(exists.UID)
+	if _, narrow := h.pl.heldBack.narrowed(exists.UID); narrow || h.pl.heldBack.held(exists.UID) || heldPods() != before {
+		t.Errorf("a placed pod: narrow %v, held %v, gauge %v; want neither, gauge %v", narrow, h.pl.heldBack.held(exists.UID), heldPods(), before)
+	}
 }
 
 // TestHeadroomHintForSplitRequests: a pod asks for six GPUs as two
@@ -703,33 +715,6 @@ func TestHeadroomHintForSplitRequests(t *testing.T) {
 	}
 	if got := freeingHint(t, h, pod, "one-node-1"); got != fwk.Queue {
 		t.Errorf("one GPU back on node-1, which then has two free: hint %v, want %v", got, fwk.Queue)
-	}
-}
-
-// TestHeldBackForgetsGonePods: the narrow record of a pod whose deletion
-// was handled while its PreFilter ran is dropped, as its hold is, and
-// Reserve drops both: neither stays for a pod that is gone or placed.
-func TestHeldBackForgetsGonePods(t *testing.T) {
-	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	kept := testPod("kept", "c")
-	if err := indexer.Add(kept); err != nil {
-		t.Fatal(err)
-	}
-	h := &heldBack{lister: corelisters.NewPodLister(indexer)}
-	gone := testPod("gone", "c")
-	gone.UID = "uid-gone"
-	h.setNarrow(gone, true, sets.New("node-a"))
-	if _, narrow := h.narrowed(gone.UID); narrow {
-		t.Error("a deleted pod's narrow headroom is recorded")
-	}
-	h.setNarrow(kept, true, sets.New("node-a"))
-	h.hold(kept)
-	if _, narrow := h.narrowed(kept.UID); !narrow || !h.held(kept.UID) {
-		t.Fatal("a pod that exists is not recorded")
-	}
-	h.done(kept.UID)
-	if _, narrow := h.narrowed(kept.UID); narrow || h.held(kept.UID) {
-		t.Error("a placed pod is still recorded")
 	}
 }
 
