@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -23,6 +24,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/deviceclass/extendedresourcecache"
 	resourceslicetracker "k8s.io/dynamic-resource-allocation/resourceslice/tracker"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	internalcache "k8s.io/kubernetes/pkg/scheduler/backend/cache"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -47,6 +49,8 @@ type harness struct {
 	// podLister is the plugin's pod lister for deleted pods, which the
 	// harness takes out of the plugin (see newHarnessWith).
 	podLister corelisters.PodLister
+	// activated records the pods the plugin moved to the active queue.
+	activated *recordingActivator
 
 	// delivered holds the last version of each claim that the claim
 	// cache's event handlers have been given, nil after a delete. Its
@@ -101,7 +105,9 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 		tCtx.ExpectNoError(err, "register the extended resource cache")
 		synced = append(synced, reg.HasSyncedChecker())
 	}
+	h.activated = &recordingActivator{}
 	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
+		frameworkruntime.WithPodActivator(h.activated),
 		frameworkruntime.WithClientSet(h.client),
 		frameworkruntime.WithInformerFactory(factory),
 		frameworkruntime.WithEventRecorder(h.recorder),
@@ -357,4 +363,26 @@ func (h *harness) draining(pod *v1.Pod, nodes ...string) sets.Set[string] {
 	s, err := getState(cs)
 	h.tCtx.ExpectNoError(err, "cycle state")
 	return s.draining
+}
+
+// recordingActivator is the scheduling queue's PodActivator for the
+// harness: it records the pods it is asked to activate.
+type recordingActivator struct {
+	mu   sync.Mutex
+	pods []string
+}
+
+func (r *recordingActivator) Activate(_ klog.Logger, pods map[string]*v1.Pod) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, p := range pods {
+		r.pods = append(r.pods, p.Namespace+"/"+p.Name)
+	}
+}
+
+// activatedPods returns the pods activated so far.
+func (r *recordingActivator) activatedPods() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.pods)
 }

@@ -92,6 +92,9 @@ type TopologyDRA struct {
 	// taintOps is the TaintTolerationComparisonOperators feature: how
 	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
+	// pods lists the pods the scheduler knows (nil without an informer
+	// factory), for activateWaiting.
+	pods corelisters.PodLister
 	// skipResizeDeferred is the InPlacePodVerticalScalingSchedulerPreemption
 	// feature: with it the scheduler queues bound pods whose resize is
 	// deferred, to find room by preemption; their claims are in use and
@@ -183,6 +186,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	pl.freed.consumableCapacity = features.ConsumableCapacity
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
+		pl.pods = f.Core().V1().Pods().Lister()
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}

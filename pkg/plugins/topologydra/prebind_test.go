@@ -530,8 +530,9 @@ func fastSettleReads(t *testing.T) {
 // is deleted, so no PreFilter reads the claim again, and the claim does
 // not change, so no informer event settles it. The background re-read
 // settles it once the write is older than the API server's request
-// timeout: not stored, the GPUs are free again; stored, they stay taken.
-// Before that age it leaves the write alone.
+// timeout: not stored, the GPUs are free again and the pods that wait for
+// devices are retried (no claim event tells the queue); stored, they stay
+// taken. Before that age it leaves the write alone.
 func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 	for _, stored := range []bool{false, true} {
 		t.Run(fmt.Sprintf("stored %v", stored), func(t *testing.T) {
@@ -540,6 +541,17 @@ func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 				t.Fatal("the write of claim c is not uncertain")
 			}
 			q := testPod("q", "q")
+			// q waits for devices: the release must retry it, as no
+			// claim event will.
+			if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, q, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+				_, err := h.pl.pods.Pods(testNS).Get("q")
+				return err == nil, nil
+			}); err != nil {
+				t.Fatalf("the pod lister never saw pod q: %v", err)
+			}
 			h.pl.rereadUncertain(h.tCtx, time.Now().Add(2*uncertainRereadAge))
 			if !h.pl.uncertain.has(uid) {
 				t.Fatal("settled while the claim could not be read")
@@ -557,11 +569,16 @@ func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 				t.Fatal("the write of claim c is still uncertain after the re-read")
 			}
 			_, st := h.cycle(q, "node-a")
+			activated := h.activated.activatedPods()
 			switch {
 			case stored && code(st["node-a"]) == fwk.Success:
 				t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+			case stored && len(activated) > 0:
+				t.Errorf("pods %v retried although no devices went free", activated)
 			case !stored && code(st["node-a"]) != fwk.Success:
 				t.Errorf("node-a's GPUs are still taken after claim c was read without an allocation: %v", st["node-a"])
+			case !stored && !slices.Contains(activated, "ns/q"):
+				t.Errorf("pods retried: %v, want ns/q, which waits for devices", activated)
 			}
 		})
 	}

@@ -9,9 +9,11 @@ import (
 	"sync"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/cache"
@@ -261,8 +263,8 @@ const uncertainRereadInterval = time.Minute
 // its in-flight allocation goes. Without it, a write that was not stored
 // keeps its devices taken for as long as the scheduler runs where the
 // claim does not change and no pod reads it again (its pod deleted).
-// Pods waiting for those devices are retried by the scheduler's periodic
-// flush of unschedulable pods: no claim event marks the release.
+// Pods waiting for devices are then retried (activateWaiting): no claim
+// event marks the release.
 func (pl *TopologyDRA) rereadUncertain(ctx context.Context, now time.Time) {
 	logger := klog.FromContext(ctx)
 	for uid, w := range pl.uncertain.olderThan(now.Add(-uncertainRereadAge)) {
@@ -308,14 +310,16 @@ func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
 		pl.takeInStored(klog.Background(), claim, w.pending)
 		return
 	}
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false)
+	if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false) {
+		pl.activateWaiting(klog.Background())
+	}
 }
 
 // settleGone settles the uncertain write, if any, of a claim that is gone
 // from the API (deleted): an allocation stored went with it.
 func (pl *TopologyDRA) settleGone(uid types.UID) {
-	if w, ok := pl.uncertain.take(uid); ok {
-		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false)
+	if w, ok := pl.uncertain.take(uid); ok && pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false) {
+		pl.activateWaiting(klog.Background())
 	}
 }
 
@@ -338,11 +342,44 @@ func newerVersion(a, b string) bool {
 	return errA == nil && errB == nil && va > vb
 }
 
-// releaseInFlight drops the in-flight allocation of a claim and puts the
-// informer's copy back into the claim cache.
+// releaseInFlight drops the in-flight allocation of a claim whose write
+// was not stored and puts the informer's copy back into the claim cache.
 func (pl *TopologyDRA) releaseInFlight(namespace, name string, uid types.UID) {
 	if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(uid, false) {
 		pl.draManager.ResourceClaims().AssumedClaimRestore(namespace, name)
+		pl.activateWaiting(klog.Background())
+	}
+}
+
+// activateWaiting moves the pods that wait for devices (not bound, with
+// claims or DRA-backed extended resources) to the scheduler's active
+// queue: the in-flight allocation of a write whose outcome was unknown
+// went, and no cluster event tells the queue that its devices are free.
+// It lists every pod, which this rare event can afford; pods of other
+// schedulers are not in this scheduler's queue, which ignores them.
+func (pl *TopologyDRA) activateWaiting(logger klog.Logger) {
+	if pl.handle == nil || pl.pods == nil {
+		return
+	}
+	pods, err := pl.pods.List(labels.Everything())
+	if err != nil {
+		return
+	}
+	waiting := map[string]*v1.Pod{}
+	for _, p := range pods {
+		if p.Spec.NodeName != "" || p.DeletionTimestamp != nil {
+			continue
+		}
+		if len(p.Spec.ResourceClaims) == 0 {
+			if ext, err := pl.draExtendedResources(p); err != nil || len(ext) == 0 {
+				continue
+			}
+		}
+		waiting[p.Namespace+"/"+p.Name] = p
+	}
+	if len(waiting) > 0 {
+		logger.V(2).Info("Devices of an allocation write with unknown outcome are free again: retrying the pods that wait for devices", "pods", len(waiting))
+		pl.handle.Activate(logger, waiting)
 	}
 }
 
