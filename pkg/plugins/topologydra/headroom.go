@@ -214,7 +214,8 @@ func checkHeadroom(percent int32, whole int, counts headroom, node string, alloc
 // the claim tracker took in the devices given back, and no later event
 // then brings the cluster up to a headroom it already has. PreFilter
 // forgets a pod, Filter records it, Reserve and the pod's deletion forget
-// it (and its narrow record). The gauge topodra_headroom_held_pods counts the pods held.
+// it (and its narrow record). The gauge topodra_headroom_held_pods counts
+// the pods held.
 //
 // It also holds the pods whose headroom PreFilter counted over fewer
 // devices of a driver than the node-local devices of that driver on the
