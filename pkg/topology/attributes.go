@@ -23,8 +23,11 @@ const (
 
 // Attributes published by the topodra node agent.
 const (
-	// AttrNVLinkClique is a string id shared by the GPUs of one node that are
-	// joined by active NVLinks (one connected component of the NVLink graph).
+	// AttrNVLinkClique is a string id shared by GPUs of one node every two
+	// of which are joined by an active NVLink, directly or through the
+	// NVSwitch fabric (a clique of the NVLink graph; where the linked GPUs
+	// are not all joined pairwise, they are split into cliques, largest
+	// first).
 	// In a slice of driver gpu.topodra.io it is published as "nvlinkClique".
 	AttrNVLinkClique resourceapi.QualifiedName = DriverName + "/nvlinkClique"
 )

@@ -301,11 +301,19 @@ func TestUnpublishedGPUJoinsNoClique(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// All three published, a chain: gpu-0 and gpu-2 share no NVLink, so
+	// the first pair is the clique and gpu-2 has none.
 	with := discover(ctx, t, m, discovery.NVMLOptions{})
-	for _, g := range with.GPUs {
-		if _, ok := g.Device.Attributes["nvlinkClique"]; !ok {
-			t.Fatalf("with all three published, %s has no clique", g.Name)
+	clique := func(inv *discovery.Inventory, name string) string {
+		for _, g := range inv.GPUs {
+			if c, ok := g.Device.Attributes["nvlinkClique"]; ok && g.Name == name {
+				return *c.StringValue
+			}
 		}
+		return ""
+	}
+	if c0, c1, c2 := clique(with, "gpu-0"), clique(with, "gpu-1"), clique(with, "gpu-2"); c0 == "" || c0 != c1 || c2 != "" {
+		t.Fatalf("with all three published: cliques %q %q %q, want gpu-0 and gpu-1 in one, gpu-2 in none", c0, c1, c2)
 	}
 	m.SetMIG(1, true)
 	inv := discover(ctx, t, m, discovery.NVMLOptions{})
@@ -409,18 +417,18 @@ func TestDiscoverNVLinkFailures(t *testing.T) {
 
 func TestNVLinkCliques(t *testing.T) {
 	const a, b, c, d = "0000:01:00.0", "0000:02:00.0", "0000:03:00.0", "0000:04:00.0"
-	const sw1, sw2 = "0001:01:00.0", "0001:02:00.0"
-	mesh := func(gpus ...string) []discovery.Link {
-		var links []discovery.Link
-		for _, x := range gpus {
-			for _, y := range gpus {
-				if x != y {
-					links = append(links, discovery.Link{GPU: x, Remote: y})
-				}
-			}
-		}
-		return links
+	// The hybrid cube mesh of a DGX-1 (8 V100s): GPUs 0-3 and 4-7 are
+	// each fully linked, and GPU i to GPU i+4; 0 and 5 share no link.
+	var cube []string
+	for i := range 8 {
+		cube = append(cube, fmt.Sprintf("0000:%02x:00.0", 0x10+i))
 	}
+	cubeLinks := append(meshOf(cube[:4]), meshOf(cube[4:])...)
+	for i := range 4 {
+		cubeLinks = append(cubeLinks, meshOf([]string{cube[i], cube[i+4]})...)
+	}
+	const sw1, sw2 = "0001:01:00.0", "0001:02:00.0"
+	mesh := func(gpus ...string) []discovery.Link { return meshOf(gpus) }
 	testcases := map[string]struct {
 		gpus  []string
 		links []discovery.Link
@@ -434,10 +442,32 @@ func TestNVLinkCliques(t *testing.T) {
 		"switch fabric": {
 			gpus: []string{a, b, c, d},
 			links: []discovery.Link{
+				{GPU: a, Remote: discovery.NVSwitchFabric}, {GPU: b, Remote: discovery.NVSwitchFabric},
+				{GPU: c, Remote: discovery.NVSwitchFabric}, {GPU: d, Remote: discovery.NVSwitchFabric},
+			},
+			groups: [][]string{{a, b, c, d}},
+		},
+		// Switches seen by bus id: b and c share none, so they are not
+		// joined; a, b and d are, on sw1.
+		"switches by bus id": {
+			gpus: []string{a, b, c, d},
+			links: []discovery.Link{
 				{GPU: a, Remote: sw1}, {GPU: a, Remote: sw2}, {GPU: b, Remote: sw1},
 				{GPU: c, Remote: sw2}, {GPU: d, Remote: sw1},
 			},
-			groups: [][]string{{a, b, c, d}},
+			groups: [][]string{{a, b, d}},
+		},
+		// A chain of bridges: a and c have no NVLink between them. The
+		// first pair by bus id is the clique; c is left alone.
+		"chain of bridges": {
+			gpus: []string{a, b, c}, links: append(mesh(a, b), mesh(b, c)...),
+			groups: [][]string{{a, b}},
+		},
+		// A link to a GPU that is not published (it could not be read)
+		// does not join the GPUs on either side of it.
+		"through a GPU that is not published": {
+			gpus:  []string{a, c},
+			links: []discovery.Link{{GPU: a, Remote: b, RemoteIsGPU: true}, {GPU: c, Remote: b, RemoteIsGPU: true}},
 		},
 		"pairs": {
 			gpus: []string{a, b, c, d}, links: append(mesh(a, b), mesh(c, d)...),
@@ -462,6 +492,10 @@ func TestNVLinkCliques(t *testing.T) {
 			links: []discovery.Link{{GPU: c, Remote: a}, {GPU: c, Remote: b}},
 		},
 		"no links": {gpus: []string{a, b}},
+		"hybrid cube mesh": {
+			gpus: cube, links: cubeLinks,
+			groups: [][]string{cube[:4], cube[4:]},
+		},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -897,4 +931,17 @@ func stopWatch(t *testing.T, cancel context.CancelFunc, done <-chan error) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("WatchHealth did not return after cancel")
 	}
+}
+
+// meshOf links every two of gpus directly, seen from both sides.
+func meshOf(gpus []string) []discovery.Link {
+	var links []discovery.Link
+	for _, x := range gpus {
+		for _, y := range gpus {
+			if x != y {
+				links = append(links, discovery.Link{GPU: x, Remote: y, RemoteIsGPU: true})
+			}
+		}
+	}
+	return links
 }

@@ -187,7 +187,8 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 	// NVLink cliques over all published GPUs. GPUs that are not published
 	// (MIG-enabled, or that could not be read) neither anchor a clique nor
 	// join their neighbours into one: NVLink does not pass traffic on
-	// through a GPU.
+	// through a GPU (links to them are left out here where their bus id
+	// is known, and NVLinkCliques ignores links to a GPU it is not given).
 	var busIDs []string
 	var links []Link
 	for _, info := range infos {
@@ -381,7 +382,8 @@ func activeLinks(ctx context.Context, dev nvml.Device, busID string) []Link {
 			logger.V(4).Info("NVLink remote unknown", "pciBusID", busID, "link", l, "err", ret)
 			continue
 		}
-		links = append(links, Link{GPU: busID, Remote: CanonicalPCIBusID(cString(remote.BusId[:]))})
+		links = append(links, Link{GPU: busID, Remote: CanonicalPCIBusID(cString(remote.BusId[:])),
+			RemoteIsGPU: typRet == nvml.SUCCESS && typ == nvml.NVLINK_DEVICE_TYPE_GPU})
 	}
 	return links
 }
