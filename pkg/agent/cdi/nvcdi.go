@@ -67,7 +67,14 @@ type NVCDI struct {
 	mutex sync.Mutex
 	lib   nvml.Interface
 	nvcdi nvcdi.Interface
+	// devs is the device root nvcdi was set up with, which toHost
+	// rewrites: the driver root's /dev once it holds the device nodes,
+	// the node's /dev before.
+	devs devRoots
 }
+
+// devRoots is a device root as the agent and as the node see it.
+type devRoots struct{ path, hostPath string }
 
 var _ Generator = &NVCDI{}
 
@@ -99,23 +106,28 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 	return &NVCDI{opts: opts}, nil
 }
 
-func (g *NVCDI) get() (nvcdi.Interface, error) {
+// get returns nvcdi, set up for the NVML library loaded now and for the
+// device root as the driver root's /dev says now (set up again where
+// either changed), and that device root.
+func (g *NVCDI) get() (nvcdi.Interface, devRoots, error) {
 	lib := g.opts.NVML()
 	if lib == nil {
-		return nil, errors.New("NVML is not loaded")
-	}
-	g.mutex.Lock()
-	defer g.mutex.Unlock()
-	if g.nvcdi != nil && g.lib == lib {
-		return g.nvcdi, nil
+		return nil, devRoots{}, errors.New("NVML is not loaded")
 	}
 	root := g.opts.Root
+	var devs devRoots
+	devs.path, devs.hostPath = root.DevRoots()
+	g.mutex.Lock()
+	defer g.mutex.Unlock()
+	if g.nvcdi != nil && g.lib == lib && g.devs == devs {
+		return g.nvcdi, devs, nil
+	}
 	l, err := nvcdi.New(
 		nvcdi.WithMode(nvcdi.ModeNvml),
 		nvcdi.WithNvmlLib(lib),
 		nvcdi.WithDeviceLib(nvdevice.New(lib)),
 		nvcdi.WithDriverRoot(root.Path),
-		nvcdi.WithDevRoot(root.DevPath()),
+		nvcdi.WithDevRoot(devs.path),
 		nvcdi.WithVendor(Vendor),
 		nvcdi.WithClass(Class),
 		nvcdi.WithNVIDIACDIHookPath(g.opts.HookPath),
@@ -124,17 +136,18 @@ func (g *NVCDI) get() (nvcdi.Interface, error) {
 		nvcdi.WithLogger(nvcdiLogger{g.opts.Logger}),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("set up nvcdi: %w", err)
+		return nil, devRoots{}, fmt.Errorf("set up nvcdi: %w", err)
 	}
-	g.lib, g.nvcdi = lib, l
-	return l, nil
+	g.lib, g.nvcdi, g.devs = lib, l, devs
+	return l, devs, nil
 }
 
-// toHost rewrites the agent-side paths of edits to the node's.
-func (g *NVCDI) toHost(edits cdispec.ContainerEdits) (cdispec.ContainerEdits, error) {
+// toHost rewrites the agent-side paths of edits, which nvcdi found below
+// the driver root and the device root devs, to the node's.
+func (g *NVCDI) toHost(edits cdispec.ContainerEdits, devs devRoots) (cdispec.ContainerEdits, error) {
 	root := g.opts.Root
 	spec := &cdispec.Spec{ContainerEdits: edits}
-	devPath, devHostPath := root.DevPath(), root.DevHostPath()
+	devPath, devHostPath := devs.path, devs.hostPath
 	t := transformroot.NewDriverTransformer(
 		transformroot.WithDriverRoot(root.Path),
 		transformroot.WithTargetDriverRoot(root.HostPath),
@@ -159,15 +172,14 @@ func (g *NVCDI) toHost(edits cdispec.ContainerEdits) (cdispec.ContainerEdits, er
 
 // requireNode fails with [ErrMissingDeviceNode] unless edits list the
 // device node path (as the container sees it).
-func (g *NVCDI) requireNode(edits cdispec.ContainerEdits, path string) error {
+func (g *NVCDI) requireNode(edits cdispec.ContainerEdits, path string, devs devRoots) error {
 	for _, n := range edits.DeviceNodes {
 		if n.Path == path {
 			return nil
 		}
 	}
-	root := g.opts.Root
 	return fmt.Errorf("%w: %s, looked up as %s in the agent's container (%s on the node)",
-		ErrMissingDeviceNode, path, filepath.Join(root.DevPath(), path), filepath.Join(root.DevHostPath(), path))
+		ErrMissingDeviceNode, path, filepath.Join(devs.path, path), filepath.Join(devs.hostPath, path))
 }
 
 // requireHook fails with [ErrHookMissing] where edits run nvidia-cdi-hook
@@ -181,7 +193,7 @@ func (g *NVCDI) requireHook(edits cdispec.ContainerEdits) error {
 
 // CommonEdits implements [Generator].
 func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
-	l, err := g.get()
+	l, devs, err := g.get()
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
@@ -191,11 +203,11 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 	}
 	var common cdispec.ContainerEdits
 	if edits != nil && edits.ContainerEdits != nil {
-		if common, err = g.toHost(*edits.ContainerEdits); err != nil {
+		if common, err = g.toHost(*edits.ContainerEdits, devs); err != nil {
 			return cdispec.ContainerEdits{}, err
 		}
 	}
-	if err := g.requireNode(common, driverroot.ControlDevice); err != nil {
+	if err := g.requireNode(common, driverroot.ControlDevice, devs); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireHook(common); err != nil {
@@ -206,7 +218,7 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 
 // DeviceEdits implements [Generator].
 func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
-	l, err := g.get()
+	l, devs, err := g.get()
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
@@ -217,11 +229,11 @@ func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	if len(specs) == 0 {
 		return cdispec.ContainerEdits{}, fmt.Errorf("nvcdi returned no device for %s", d.UUID)
 	}
-	edits, err := g.toHost(specs[0].ContainerEdits)
+	edits, err := g.toHost(specs[0].ContainerEdits, devs)
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
-	if err := g.requireNode(edits, fmt.Sprintf("/dev/nvidia%d", d.Minor)); err != nil {
+	if err := g.requireNode(edits, fmt.Sprintf("/dev/nvidia%d", d.Minor), devs); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireHook(edits); err != nil {

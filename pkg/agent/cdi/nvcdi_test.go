@@ -260,6 +260,48 @@ func TestNVCDIDeviceNodes(t *testing.T) {
 	}
 }
 
+// TestNVCDIDeviceNodesAppearInDriverRoot: the driver root (the host's /,
+// mounted in the agent's container) has no device nodes at first, so the
+// node's /dev is the device root and nothing can be prepared; then the
+// nodes appear in the driver root's /dev (something ran on the host). The
+// generator takes them from there, and the spec names them by the node's
+// paths, not by the agent's mount points.
+func TestNVCDIDeviceNodesAppearInDriverRoot(t *testing.T) {
+	m, lib := workstation(t)
+	mount := fakeDriverFiles(t)
+	devRoot := t.TempDir()
+	root, err := driverroot.New("/", mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if root, err = root.WithDevRoot("/", devRoot); err != nil {
+		t.Fatal(err)
+	}
+	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := claimSpec(t, m, gen); !errors.Is(err, cdi.ErrMissingDeviceNode) {
+		t.Fatalf("without device nodes: %v, want %v", err, cdi.ErrMissingDeviceNode)
+	}
+	for _, dir := range []string{mount, devRoot} {
+		if _, err := m.WriteDeviceNodes(dir); err != nil {
+			t.Fatal(err)
+		}
+	}
+	spec, err := claimSpec(t, m, gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range allEdits(spec).DeviceNodes {
+		for _, agentPath := range []string{mount, devRoot} {
+			if strings.HasPrefix(n.HostPath, agentPath) || strings.HasPrefix(n.Path, agentPath) {
+				t.Errorf("device node %s names the agent's path %s (host path %s)", n.Path, agentPath, n.HostPath)
+			}
+		}
+	}
+}
+
 func allEdits(spec *cdispec.Spec) cdispec.ContainerEdits {
 	all := spec.ContainerEdits
 	for _, d := range spec.Devices {

@@ -140,6 +140,22 @@ func (r Root) hasDev() bool {
 	return err == nil
 }
 
+// DevRoots is DevPath and DevHostPath from one look at the driver root's
+// /dev: a caller that uses both gets a matching pair.
+func (r Root) DevRoots() (path, hostPath string) {
+	switch {
+	case r.hasDev():
+		return r.Path, r.HostPath
+	case r.DevRoot == "":
+		return "/", "/"
+	}
+	hostPath = r.DevRootHostPath
+	if hostPath == "" {
+		hostPath = "/"
+	}
+	return r.DevRoot, hostPath
+}
+
 // DevPath is the agent-side root below which device nodes (/dev/nvidia0)
 // are found: the driver root if its /dev holds [ControlDevice], otherwise
 // the device root (DevRoot, default "/"). A driver root with an empty
@@ -147,24 +163,14 @@ func (r Root) hasDev() bool {
 // /usr/local/nvidia, or a host installation mounted without its /dev)
 // therefore uses the node's device nodes as the device root has them.
 func (r Root) DevPath() string {
-	if r.hasDev() {
-		return r.Path
-	}
-	if r.DevRoot == "" {
-		return "/"
-	}
-	return r.DevRoot
+	path, _ := r.DevRoots()
+	return path
 }
 
 // DevHostPath is DevPath as the node sees it.
 func (r Root) DevHostPath() string {
-	if r.hasDev() {
-		return r.HostPath
-	}
-	if r.DevRootHostPath == "" {
-		return "/"
-	}
-	return r.DevRootHostPath
+	_, hostPath := r.DevRoots()
+	return hostPath
 }
 
 // ToHost turns an agent-side path below Path into the node's path below
