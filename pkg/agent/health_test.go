@@ -337,10 +337,7 @@ func TestHealthTaintNotDelayedByPrepare(t *testing.T) {
 // a claim with admin access (monitoring) is prepared.
 func TestPrepareRefusesFaultyGPU(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	recorder := events.NewFakeRecorder(100)
-	e.recorder = recorder
-	a := e.start(ctx, t)
+	a, recorder, e := startRecorded(ctx, t, 100)
 	waitForHealthReport(ctx, t, a, "GPUs watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
 		return h["gpu-4"].Health == kubeletplugin.HealthStatusHealthy && h["gpu-5"].Health == kubeletplugin.HealthStatusHealthy
 	})

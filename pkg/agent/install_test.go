@@ -1052,10 +1052,7 @@ func unprepareOne(ctx context.Context, t *testing.T, a *agent.Agent, c *resource
 // it is cut, as on the Node, instead of the event being refused and lost.
 func TestClaimEventNoteLimit(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	recorder := events.NewFakeRecorder(10)
-	e.recorder = recorder
-	a := e.start(ctx, t)
+	a, recorder, _ := startRecorded(ctx, t, 10)
 	request := strings.Repeat("r", 60)
 	at := func(c *resourceapi.ResourceClaim, sec int64) *resourceapi.ResourceClaim {
 		c.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: time.Unix(sec, 0)}
@@ -1078,4 +1075,14 @@ func TestClaimEventNoteLimit(t *testing.T) {
 	if note == ev || len(note) > 1024 || !strings.HasSuffix(note, "...") {
 		t.Errorf("event of %d bytes, want a %s note of at most 1024 bytes ending in ...: %q", len(note), agent.ReasonReallocated, ev)
 	}
+}
+
+// startRecorded starts an agent on a new environment whose events go to a
+// fake recorder of the given buffer size.
+func startRecorded(ctx context.Context, t *testing.T, size int) (*agent.Agent, *events.FakeRecorder, *env) {
+	t.Helper()
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(size)
+	e.recorder = recorder
+	return e.start(ctx, t), recorder, e
 }

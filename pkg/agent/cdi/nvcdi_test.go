@@ -215,17 +215,7 @@ func TestNVCDIDeviceNodes(t *testing.T) {
 					}
 				}
 			}
-			root, err := driverroot.New(tc.driverHost, fakeDriverFiles(t))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if root, err = root.WithDevRoot("/", devRoot); err != nil {
-				t.Fatal(err)
-			}
-			gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }})
-			if err != nil {
-				t.Fatal(err)
-			}
+			gen := generatorWithDevRoot(t, lib, tc.driverHost, fakeDriverFiles(t), devRoot)
 			spec, err := claimSpec(t, m, gen)
 			if tc.wantErr != nil {
 				t.Logf("error: %v", err)
@@ -270,17 +260,7 @@ func TestNVCDIDeviceNodesAppearInDriverRoot(t *testing.T) {
 	m, lib := workstation(t)
 	mount := fakeDriverFiles(t)
 	devRoot := t.TempDir()
-	root, err := driverroot.New("/", mount)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if root, err = root.WithDevRoot("/", devRoot); err != nil {
-		t.Fatal(err)
-	}
-	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }})
-	if err != nil {
-		t.Fatal(err)
-	}
+	gen := generatorWithDevRoot(t, lib, "/", mount, devRoot)
 	if _, err := claimSpec(t, m, gen); !errors.Is(err, cdi.ErrMissingDeviceNode) {
 		t.Fatalf("without device nodes: %v, want %v", err, cdi.ErrMissingDeviceNode)
 	}
@@ -300,6 +280,25 @@ func TestNVCDIDeviceNodesAppearInDriverRoot(t *testing.T) {
 			}
 		}
 	}
+}
+
+// generatorWithDevRoot is an NVCDI generator for a driver root that is
+// driverHost on the node ("" is "/") and mount in the agent's container,
+// with the node's / as device root mounted at devRoot.
+func generatorWithDevRoot(t *testing.T, lib nvml.Interface, driverHost, mount, devRoot string) *cdi.NVCDI {
+	t.Helper()
+	root, err := driverroot.New(driverHost, mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if root, err = root.WithDevRoot("/", devRoot); err != nil {
+		t.Fatal(err)
+	}
+	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return gen
 }
 
 func allEdits(spec *cdispec.Spec) cdispec.ContainerEdits {
