@@ -140,28 +140,7 @@ func TestPreBindClaimRecreated(t *testing.T) {
 // entry goes) and the attempt fails instead of going on with the deleted
 // claim.
 func TestPreFilterUncertainClaimRecreated(t *testing.T) {
-	var lag atomic.Int64
-	var lose, unreadable atomic.Bool
-	hook := func(h *harness) {
-		lagClaimWatch(h, &lag)
-		preconditionReactor(h)
-		loseStatusReplies(h, &lose, false, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
-		unreadableClaims(h, &unreadable)
-	}
-	fastSettleReads(t)
-	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2))
-	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
-	pod := testPod("p", "c")
-	cs := h.reserve(pod, "node-a")
-	oldUID := h.apiClaim("c").UID
-	lag.Store(int64(time.Hour))
-	lose.Store(true)
-	unreadable.Store(true)
-	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
-		t.Fatal("PreBind succeeded although the write failed")
-	}
-	lose.Store(false)
-	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	h, pod, oldUID, unreadable := failWriteUnreadable(t, false, time.Hour, preconditionReactor)
 	if !h.pl.uncertain.has(oldUID) {
 		t.Fatal("the write of claim c is not uncertain")
 	}
@@ -477,14 +456,19 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 // failWriteUnreadable reserves node-a's two GPUs for pod p (claim c; claim
 // q asks for two more) and runs p's PreBind while the claim informer lags
 // by lag, the allocation write's reply is lost (the write stored or not)
-// and claims cannot be read, then Unreserve. It returns the harness, the
-// pod, c's UID and the switch that keeps claims unreadable (still on).
-func failWriteUnreadable(t *testing.T, stored bool, lag time.Duration) (*harness, *v1.Pod, types.UID, *atomic.Bool) {
+// and claims cannot be read, then Unreserve. reactors are installed on
+// the fake API before those that lose the reply and refuse reads. It
+// returns the harness, the pod, c's UID and the switch that keeps claims
+// unreadable (still on).
+func failWriteUnreadable(t *testing.T, stored bool, lag time.Duration, reactors ...func(*harness)) (*harness, *v1.Pod, types.UID, *atomic.Bool) {
 	t.Helper()
 	var lagged atomic.Int64
 	var lose, unreadable atomic.Bool
 	hook := func(h *harness) {
 		lagClaimWatch(h, &lagged)
+		for _, r := range reactors {
+			r(h)
+		}
 		loseStatusReplies(h, &lose, stored, apierrors.NewTimeoutError("request did not complete within requested timeout", 1))
 		unreadableClaims(h, &unreadable)
 	}
