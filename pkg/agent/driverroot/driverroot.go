@@ -140,8 +140,14 @@ func (r Root) hasDev() bool {
 	return err == nil
 }
 
-// DevRoots is DevPath and DevHostPath from one look at the driver root's
-// /dev: a caller that uses both gets a matching pair.
+// DevRoots returns the agent-side root below which device nodes
+// (/dev/nvidia0) are found, and the same root as the node sees it, from
+// one look at the driver root's /dev: the driver root if its /dev holds
+// [ControlDevice], otherwise the device root (DevRoot, default "/"). A
+// driver root with an empty /dev (a driver directory mounted into a VM or
+// container, such as /usr/local/nvidia, or a host installation mounted
+// without its /dev) therefore uses the node's device nodes as the device
+// root has them.
 func (r Root) DevRoots() (path, hostPath string) {
 	switch {
 	case r.hasDev():
@@ -154,23 +160,6 @@ func (r Root) DevRoots() (path, hostPath string) {
 		hostPath = "/"
 	}
 	return r.DevRoot, hostPath
-}
-
-// DevPath is the agent-side root below which device nodes (/dev/nvidia0)
-// are found: the driver root if its /dev holds [ControlDevice], otherwise
-// the device root (DevRoot, default "/"). A driver root with an empty
-// /dev (a driver directory mounted into a VM or container, such as
-// /usr/local/nvidia, or a host installation mounted without its /dev)
-// therefore uses the node's device nodes as the device root has them.
-func (r Root) DevPath() string {
-	path, _ := r.DevRoots()
-	return path
-}
-
-// DevHostPath is DevPath as the node sees it.
-func (r Root) DevHostPath() string {
-	_, hostPath := r.DevRoots()
-	return hostPath
 }
 
 // ToHost turns an agent-side path below Path into the node's path below

@@ -94,20 +94,20 @@ func TestRootPaths(t *testing.T) {
 	if r.HostPath != "/" {
 		t.Errorf("default host path %q, want /", r.HostPath)
 	}
-	if r.DevPath() != "/" || r.DevHostPath() != "/" {
-		t.Errorf("root without /dev: dev paths %s %s, want / /", r.DevPath(), r.DevHostPath())
+	if p, hp := r.DevRoots(); p != "/" || hp != "/" {
+		t.Errorf("root without /dev: dev paths %s %s, want / /", p, hp)
 	}
 	if err := os.Mkdir(filepath.Join(dir, "dev"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if r.DevPath() != "/" || r.DevHostPath() != "/" {
-		t.Errorf("root with an empty /dev: dev paths %s %s, want / /", r.DevPath(), r.DevHostPath())
+	if p, hp := r.DevRoots(); p != "/" || hp != "/" {
+		t.Errorf("root with an empty /dev: dev paths %s %s, want / /", p, hp)
 	}
 	if err := os.WriteFile(filepath.Join(dir, ControlDevice), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if r.DevPath() != dir || r.DevHostPath() != "/" {
-		t.Errorf("root with /dev/nvidiactl: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), dir)
+	if p, hp := r.DevRoots(); p != dir || hp != "/" {
+		t.Errorf("root with /dev/nvidiactl: dev paths %s %s, want %s /", p, hp, dir)
 	}
 	if got := r.ToHost("/etc/passwd"); got != "/etc/passwd" {
 		t.Errorf("path outside the root rewritten to %s", got)
@@ -135,14 +135,15 @@ func TestDevRoot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.DevPath() != devRoot || r.DevHostPath() != "/" {
-		t.Errorf("driver root without /dev: dev paths %s %s, want %s /", r.DevPath(), r.DevHostPath(), devRoot)
+	if p, hp := r.DevRoots(); p != devRoot || hp != "/" {
+		t.Errorf("driver root without /dev: dev paths %s %s, want %s /", p, hp, devRoot)
 	}
 	if r.Path != plain.Path || r.HostPath != plain.HostPath {
 		t.Errorf("WithDevRoot changed the driver root: %+v", r)
 	}
-	if same, _ := plain.WithDevRoot("/srv/devices", ""); same.DevPath() != "/srv/devices" || same.DevHostPath() != "/srv/devices" {
-		t.Errorf("empty container path: dev paths %s %s, want the host path twice", same.DevPath(), same.DevHostPath())
+	same, _ := plain.WithDevRoot("/srv/devices", "")
+	if p, hp := same.DevRoots(); p != "/srv/devices" || hp != "/srv/devices" {
+		t.Errorf("empty container path: dev paths %s %s, want the host path twice", p, hp)
 	}
 	if _, err := plain.WithDevRoot("/", "relative"); err == nil {
 		t.Error("relative device root accepted")
@@ -153,7 +154,7 @@ func TestDevRoot(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(driver, ControlDevice), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if r.DevPath() != driver || r.DevHostPath() != GPUOperatorHostPath {
-		t.Errorf("driver root with /dev/nvidiactl: dev paths %s %s, want %s %s", r.DevPath(), r.DevHostPath(), driver, GPUOperatorHostPath)
+	if p, hp := r.DevRoots(); p != driver || hp != GPUOperatorHostPath {
+		t.Errorf("driver root with /dev/nvidiactl: dev paths %s %s, want %s %s", p, hp, driver, GPUOperatorHostPath)
 	}
 }

@@ -310,17 +310,28 @@ func (pl *TopologyDRA) settleFromInformer(claim *resourceapi.ResourceClaim) {
 		pl.takeInStored(klog.Background(), claim, w.pending)
 		return
 	}
-	if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false) {
-		pl.activateWaiting(klog.Background())
-	}
+	pl.dropInFlight(w.pending, nil)
 }
 
 // settleGone settles the uncertain write, if any, of a claim that is gone
 // from the API (deleted): an allocation stored went with it.
 func (pl *TopologyDRA) settleGone(uid types.UID) {
-	if w, ok := pl.uncertain.take(uid); ok && pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(w.pending, false) {
-		pl.activateWaiting(klog.Background())
+	if w, ok := pl.uncertain.take(uid); ok {
+		pl.dropInFlight(w.pending, nil)
 	}
+}
+
+// dropInFlight drops the in-flight allocation under pending of a write
+// that was not stored and, where there was one, runs then (nil: nothing)
+// and retries the pods waiting for devices.
+func (pl *TopologyDRA) dropInFlight(pending types.UID, then func()) {
+	if !pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(pending, false) {
+		return
+	}
+	if then != nil {
+		then()
+	}
+	pl.activateWaiting(klog.Background())
 }
 
 // takeInStored puts a claim as the API stores it, allocated, into the
@@ -345,10 +356,7 @@ func newerVersion(a, b string) bool {
 // releaseInFlight drops the in-flight allocation of a claim whose write
 // was not stored and puts the informer's copy back into the claim cache.
 func (pl *TopologyDRA) releaseInFlight(namespace, name string, uid types.UID) {
-	if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(uid, false) {
-		pl.draManager.ResourceClaims().AssumedClaimRestore(namespace, name)
-		pl.activateWaiting(klog.Background())
-	}
+	pl.dropInFlight(uid, func() { pl.draManager.ResourceClaims().AssumedClaimRestore(namespace, name) })
 }
 
 // activateWaiting moves the pods that wait for devices (not bound, with
