@@ -133,8 +133,13 @@ func TestOverlays(t *testing.T) {
 				if devVolume == nil || devVolume.HostPath == nil || devVolume.HostPath.Path != "/dev" || devMount == nil {
 					t.Fatal("no host-dev hostPath volume of /dev and mount")
 				}
-				if want := env["CONTAINER_DEV_ROOT"] + "/dev"; !strings.HasPrefix(want, "/") || devMount.MountPath != want || !devMount.ReadOnly {
-					t.Errorf("CONTAINER_DEV_ROOT=%q, the node's /dev mounted read-only %v at %q, want it at %q", env["CONTAINER_DEV_ROOT"], devMount.ReadOnly, devMount.MountPath, want)
+				if want := env["CONTAINER_DEV_ROOT"] + "/dev"; !strings.HasPrefix(want, "/") || devMount.MountPath != want {
+					t.Errorf("CONTAINER_DEV_ROOT=%q, the node's /dev mounted at %q, want it at %q", env["CONTAINER_DEV_ROOT"], devMount.MountPath, want)
+				}
+				// Writable exactly where the agent creates the
+				// nvidia-uvm device nodes (UVM=create, the default).
+				if creates := env["UVM"] == "" || env["UVM"] == "create"; devMount.ReadOnly == creates {
+					t.Errorf("UVM=%q, the node's /dev mounted read-only %v, want read-only %v", env["UVM"], devMount.ReadOnly, !creates)
 				}
 				if rootVolume == nil || rootVolume.HostPath == nil || rootMount == nil {
 					t.Fatal("no driver-root hostPath volume and mount")

@@ -215,6 +215,11 @@ const (
 	// specs' hooks run is missing on the node (cdi.HookChecker); Prepare
 	// fails for every claim until it is there.
 	ReasonCDIHookMissing = "TopodraCDIHookMissing"
+	// ReasonDeviceNodeMissing (Warning, at Prepare): a device node that
+	// every container of a GPU needs (cdi.ErrMissingDeviceNode:
+	// /dev/nvidiactl, the GPU's, those of nvidia-uvm) is missing on the
+	// node; Prepare fails until it is there, and the note says what to do.
+	ReasonDeviceNodeMissing = "TopodraDeviceNodeMissing"
 	// ReasonSliceFieldsDropped (Warning, once per distinct problem): the
 	// API server stored a published ResourceSlice without some of its
 	// fields (a feature gate such as DRADeviceTaints is off).

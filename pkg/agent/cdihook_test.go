@@ -110,3 +110,60 @@ func TestNodeEventNoteLimit(t *testing.T) {
 		t.Errorf("event of %d bytes, want a %s note of at most 1024 bytes ending in ...: %q", len(note), agent.ReasonCDIHookMissing, ev)
 	}
 }
+
+// uvmGenerator fails its common edits as cdi.NVCDI does while the
+// nvidia-uvm module is not loaded, as long as missing is set.
+type uvmGenerator struct {
+	cdi.Generator
+	missing atomic.Bool
+}
+
+var errUVM = fmt.Errorf("%w: /dev/nvidia-uvm and /dev/nvidia-uvm-tools: the nvidia-uvm kernel module is not loaded", cdi.ErrMissingDeviceNode)
+
+func (g *uvmGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	if g.missing.Load() {
+		return cdispec.ContainerEdits{}, errUVM
+	}
+	return g.Generator.CommonEdits()
+}
+
+// TestDeviceNodeMissing: Prepare that fails for a device node missing on
+// the node fails the claim with that error and records a
+// TopodraDeviceNodeMissing Warning on the Node, where the admin looks; once
+// the node has it, the kubelet's next try prepares the claim.
+func TestDeviceNodeMissing(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(10)
+	e.recorder = recorder
+	gen := &uvmGenerator{Generator: cdi.Static{DevRoot: e.devRoot}}
+	gen.missing.Store(true)
+	e.generator = gen
+	a := e.start(ctx, t)
+
+	c := claim("train", gpus("gpus", "gpu-0")...)
+	result, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := result[c.UID].Err; !errors.Is(err, cdi.ErrMissingDeviceNode) {
+		t.Errorf("prepare without nvidia-uvm: %v, want %v", err, errUVM)
+	}
+	if ev := expectEvent(t, recorder); !strings.HasPrefix(ev, "Warning "+agent.ReasonDeviceNodeMissing+" ") || !strings.Contains(ev, errUVM.Error()) {
+		t.Errorf("event %q, want a %s warning with %q", ev, agent.ReasonDeviceNodeMissing, errUVM)
+	}
+
+	gen.missing.Store(false)
+	result, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := result[c.UID].Err; err != nil {
+		t.Errorf("prepare once the device nodes are there: %v", err)
+	}
+	select {
+	case ev := <-recorder.Events:
+		t.Errorf("unexpected event %q", ev)
+	default:
+	}
+}

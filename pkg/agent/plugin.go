@@ -113,6 +113,10 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 				a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
 			case errors.Is(err, ErrDeviceUnhealthy):
 				a.event(claim, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
+			case errors.Is(err, cdi.ErrMissingDeviceNode):
+				// The node's set-up, not the claim's: the admin looks
+				// at the Node; the pod's events carry the error too.
+				a.nodeEvent(v1.EventTypeWarning, ReasonDeviceNodeMissing, "Prepare", "%v", err)
 			}
 			continue
 		}

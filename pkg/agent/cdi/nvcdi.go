@@ -25,9 +25,10 @@ const DefaultHookPath = "/usr/bin/nvidia-cdi-hook"
 
 // ErrMissingDeviceNode is returned (wrapped) by [NVCDI] when a device node
 // that every container of a GPU needs is not in the device root: the GPU's
-// own /dev/nvidia<minor>, or /dev/nvidiactl. nvcdi lists only the device
-// nodes that exist, and a spec without these would start the container
-// without its GPU.
+// own /dev/nvidia<minor>, /dev/nvidiactl, or (see [UVMPolicy]) those of
+// nvidia-uvm. nvcdi lists only the device nodes that exist, and a spec
+// without these would start the container without its GPU, or without
+// CUDA.
 var ErrMissingDeviceNode = errors.New("device node missing")
 
 // NVCDIOptions configure [NewNVCDI].
@@ -48,6 +49,13 @@ type NVCDIOptions struct {
 	// DisabledHooks are left out of the specs (see [ParseDisabledHooks]),
 	// for an nvidia-cdi-hook older than some of the [Hooks].
 	DisabledHooks []nvcdi.HookName
+	// UVM is what the common edits do about the nvidia-uvm device nodes
+	// (see [UVMPolicy]); empty: [UVMOptional].
+	UVM UVMPolicy
+	// ProcDevices is the file in the format of /proc/devices that tells
+	// whether the nvidia-uvm module is loaded; default
+	// [DefaultProcDevices].
+	ProcDevices string
 	// Logger receives nvcdi's messages; default: klog's background logger.
 	Logger klog.Logger
 }
@@ -57,8 +65,9 @@ type NVCDIOptions struct {
 // NVIDIA Container Toolkit produce for a whole GPU, including
 // NVIDIA_VISIBLE_DEVICES=void in the common edits. Paths in the edits are
 // rewritten from the agent's mounts of the driver and device roots to the
-// node's. Edits that lack /dev/nvidiactl (common edits) or the GPU's
-// /dev/nvidia<minor> (device edits) are refused with
+// node's. Edits that lack /dev/nvidiactl (common edits), the nvidia-uvm
+// device nodes (common edits, unless [UVMOptional]; see [UVMPolicy]) or
+// the GPU's /dev/nvidia<minor> (device edits) are refused with
 // [ErrMissingDeviceNode], edits with hooks while nvidia-cdi-hook is
 // missing with [ErrHookMissing].
 type NVCDI struct {
@@ -100,11 +109,23 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 	if _, err := ParseDisabledHooks(names); err != nil {
 		return nil, err
 	}
+	if opts.UVM == "" {
+		opts.UVM = UVMOptional
+	}
+	if _, err := ParseUVMPolicy(string(opts.UVM)); err != nil {
+		return nil, err
+	}
+	if opts.ProcDevices == "" {
+		opts.ProcDevices = DefaultProcDevices
+	}
 	if opts.Logger.GetSink() == nil {
 		opts.Logger = klog.Background()
 	}
 	return &NVCDI{opts: opts}, nil
 }
+
+// UVM returns the nvidia-uvm policy in effect.
+func (g *NVCDI) UVM() UVMPolicy { return g.opts.UVM }
 
 // get returns nvcdi, set up for the NVML library loaded now and for the
 // device root as the driver root's /dev says now (set up again where
@@ -197,6 +218,10 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
+	missingUVM, why, err := g.ensureUVM(devs)
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
 	edits, err := l.GetCommonEdits()
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
@@ -208,6 +233,9 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 		}
 	}
 	if err := g.requireNode(common, driverroot.ControlDevice, devs); err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
+	if err := g.requireUVM(common, missingUVM, why, devs); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireHook(common); err != nil {
