@@ -183,7 +183,8 @@ type Options struct {
 	// (ReasonGPUsFound) when it finds GPUs after that; a Warning
 	// (ReasonCDIHookMissing) at start when CDIGenerator is a
 	// cdi.HookChecker that finds its hook missing; a Warning
-	// (ReasonSliceFieldsDropped) when the API server drops fields of a
+	// (ReasonDeviceNodeMissing) when Prepare fails for a device node
+	// missing on the node; a Warning (ReasonSliceFieldsDropped) when the API server drops fields of a
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
 	// fails on an unreadable checkpoint; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
