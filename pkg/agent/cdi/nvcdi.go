@@ -185,6 +185,17 @@ func (g *NVCDI) toHost(edits cdispec.ContainerEdits, devs devRoots) (cdispec.Con
 			transformroot.WithTargetRoot(filepath.Join(devHostPath, "dev")),
 		), t)
 	}
+	if devPath != "/" {
+		// Paths in the container that nvcdi took from where it found
+		// them below the agent's device root: the links that the
+		// create-symlinks hook makes for the GPU's DRM devices
+		// (/dev/dri/by-path/...) belong in the container's /dev.
+		t = transform.Merge(t, transformroot.New(
+			transformroot.WithRoot(filepath.Join(devPath, "dev")),
+			transformroot.WithTargetRoot("/dev"),
+			transformroot.WithRelativeTo("container"),
+		))
+	}
 	if err := t.Transform(spec); err != nil {
 		return cdispec.ContainerEdits{}, fmt.Errorf("rewrite driver root %s to %s: %w", root.Path, root.HostPath, err)
 	}
