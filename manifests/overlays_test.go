@@ -136,10 +136,10 @@ func TestOverlays(t *testing.T) {
 				if want := env["CONTAINER_DEV_ROOT"] + "/dev"; !strings.HasPrefix(want, "/") || devMount.MountPath != want {
 					t.Errorf("CONTAINER_DEV_ROOT=%q, the node's /dev mounted at %q, want it at %q", env["CONTAINER_DEV_ROOT"], devMount.MountPath, want)
 				}
-				// Writable exactly where the agent creates the
-				// nvidia-uvm device nodes (UVM=create, the default).
-				if creates := env["UVM"] == "" || env["UVM"] == "create"; devMount.ReadOnly == creates {
-					t.Errorf("UVM=%q, the node's /dev mounted read-only %v, want read-only %v", env["UVM"], devMount.ReadOnly, !creates)
+				// Writable exactly where the agent creates missing
+				// device nodes (CREATE_DEVICE_NODES, on by default).
+				if creates := env["CREATE_DEVICE_NODES"] != "false"; devMount.ReadOnly == creates {
+					t.Errorf("CREATE_DEVICE_NODES=%q, the node's /dev mounted read-only %v, want read-only %v", env["CREATE_DEVICE_NODES"], devMount.ReadOnly, !creates)
 				}
 				if rootVolume == nil || rootVolume.HostPath == nil || rootMount == nil {
 					t.Fatal("no driver-root hostPath volume and mount")

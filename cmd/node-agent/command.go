@@ -56,6 +56,7 @@ type options struct {
 	containerHookPath   string
 	disabledCDIHooks    []string
 	uvm                 string
+	createDeviceNodes   bool
 	healthAddress       string
 	sysfsRoot           string
 	kubeletDir          string
@@ -123,7 +124,8 @@ the command line wins.`,
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
 	fs.StringVar(&o.containerHookPath, "container-nvidia-cdi-hook-path", "", "Where --nvidia-cdi-hook-path is visible in this container (the DaemonSet: /driver-root/usr/bin/nvidia-cdi-hook, with the GPU Operator /host/usr/local/nvidia/toolkit/nvidia-cdi-hook). Where it is missing or not executable, the agent logs an error and records a "+agent.ReasonCDIHookMissing+" Warning event on the Node at start, and Prepare of real GPUs fails with what to do, looking again each time. A path that ends with --nvidia-cdi-hook-path has its symbolic links resolved inside the directory before that (the node's root as mounted here). Empty: not checked.")
 	fs.StringSliceVar(&o.disabledCDIHooks, "disabled-cdi-hooks", nil, "nvidia-cdi-hook subcommands to leave out of the CDI specs, for a node whose NVIDIA Container Toolkit is older than they need: "+hookVersions()+"; 'all' leaves out every hook. A container with a GPU fails to start where the node's nvidia-cdi-hook is older than 1.18.0 and lacks a hook of its spec (1.18.0 and later skip such a hook with a warning).")
-	fs.StringVar(&o.uvm, "uvm", string(cdi.UVMCreate), "What Prepare of real GPUs does about /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without which CUDA cannot start in a container (cuInit error 999): 'create' creates them in the device root mounted from the node (see --container-dev-root; not in this container's own /dev) where the nvidia-uvm module is loaded, as nvidia-modprobe does, and otherwise fails as 'require' does; 'require' fails Prepare while they are missing, with what to do on the node in the pod's events and a "+agent.ReasonDeviceNodeMissing+" Warning event on the Node, and the kubelet's next try picks them up once they are there; 'optional' prepares GPUs without them (for containers that do not use CUDA). --dry-run never creates them.")
+	fs.BoolVar(&o.createDeviceNodes, "create-device-nodes", true, "Before Prepare of real GPUs writes a CDI spec, create the NVIDIA device nodes that a GPU's containers need and the node lacks (/dev/nvidiactl, the GPU's /dev/nvidia<minor>, /dev/nvidia-uvm and /dev/nvidia-uvm-tools), where their kernel module is loaded, as nvidia-modprobe does: in the device root mounted from the node (see --container-dev-root; never in this container's own /dev). Without them Prepare fails (see --uvm), saying what to do on the node, in the pod's events and in a "+agent.ReasonDeviceNodeMissing+" Warning event on the Node; the kubelet's next try picks them up once they are there. --dry-run never creates them.")
+	fs.StringVar(&o.uvm, "uvm", string(cdi.UVMRequire), "Whether Prepare of real GPUs requires /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without which CUDA cannot start in a container (cuInit error 999): 'require' fails Prepare while they are missing (where --create-device-nodes could not create them: the nvidia-uvm module is not loaded); 'optional' prepares GPUs without them, for containers that do not use CUDA.")
 	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
 	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
@@ -227,16 +229,11 @@ func newSource(o *options, nodeName string) (*source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): %w", err)
 	}
-	uvm := cdi.UVMCreate
+	uvm := cdi.UVMRequire
 	if o.uvm != "" {
 		if uvm, err = cdi.ParseUVMPolicy(o.uvm); err != nil {
 			return nil, fmt.Errorf("--uvm (or UVM): %w", err)
 		}
-	}
-	if o.dryRun && uvm == cdi.UVMCreate {
-		// A dry run changes nothing on the node: it reports the device
-		// nodes that the agent would create as missing.
-		uvm = cdi.UVMRequire
 	}
 	if o.containerHookPath != "" && !filepath.IsAbs(o.containerHookPath) {
 		return nil, fmt.Errorf("--container-nvidia-cdi-hook-path (or CONTAINER_NVIDIA_CDI_HOOK_PATH) must be absolute, got %q", o.containerHookPath)
@@ -267,6 +264,9 @@ func newSource(o *options, nodeName string) (*source, error) {
 			ContainerHookPath: o.containerHookPath,
 			DisabledHooks:     disabledHooks,
 			UVM:               uvm,
+			// A dry run changes nothing on the node: it reports the
+			// device nodes that the agent would create as missing.
+			CreateDeviceNodes: o.createDeviceNodes && !o.dryRun,
 		})
 		if err != nil {
 			return nil, err

@@ -34,17 +34,17 @@ func TestEnvironmentTwins(t *testing.T) {
 	}{
 		"environment only": {
 			env: map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s", "CONTAINER_DEV_ROOT": "/host",
-				"CONTAINER_NVIDIA_CDI_HOOK_PATH": "/driver-root/usr/bin/nvidia-cdi-hook", "DISABLED_CDI_HOOKS": "update-application-profile,apply-cuda-memory-limits", "UVM": "optional"},
-			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host", uvm: "optional",
+				"CONTAINER_NVIDIA_CDI_HOOK_PATH": "/driver-root/usr/bin/nvidia-cdi-hook", "DISABLED_CDI_HOOKS": "update-application-profile,apply-cuda-memory-limits", "UVM": "optional", "CREATE_DEVICE_NODES": "false"},
+			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host", uvm: "optional", createDeviceNodes: false,
 				containerHookPath: "/driver-root/usr/bin/nvidia-cdi-hook", disabledCDIHooks: []string{"update-application-profile", "apply-cuda-memory-limits"}},
 		},
 		"command line wins": {
 			env:  map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "DISABLED_CDI_HOOKS": "all"},
 			args: []string{"--node-name=flag-node", "--owned-taint=false", "--disabled-cdi-hooks=apply-cuda-memory-limits"},
-			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100", containerDevRoot: "/", disabledCDIHooks: []string{"apply-cuda-memory-limits"}, uvm: "create"},
+			want: options{nodeName: "flag-node", nvml: "mock:dgx-h100", containerDevRoot: "/", disabledCDIHooks: []string{"apply-cuda-memory-limits"}, uvm: "require", createDeviceNodes: true},
 		},
-		"defaults: owned taint on, the container's own /dev, every hook, no hook check, nvidia-uvm created": {
-			want: options{nvml: "real", ownedTaint: true, containerDevRoot: "/", uvm: "create"},
+		"defaults: owned taint on, the container's own /dev, every hook, no hook check, device nodes created, nvidia-uvm required": {
+			want: options{nvml: "real", ownedTaint: true, containerDevRoot: "/", uvm: "require", createDeviceNodes: true},
 		},
 	}
 	for name, tc := range testcases {
@@ -65,8 +65,8 @@ func TestEnvironmentTwins(t *testing.T) {
 			if o.containerHookPath != tc.want.containerHookPath || !slices.Equal(o.disabledCDIHooks, tc.want.disabledCDIHooks) {
 				t.Errorf("got containerHookPath %q disabledCDIHooks %q, want %q %q", o.containerHookPath, o.disabledCDIHooks, tc.want.containerHookPath, tc.want.disabledCDIHooks)
 			}
-			if o.uvm != tc.want.uvm {
-				t.Errorf("got uvm %q, want %q", o.uvm, tc.want.uvm)
+			if o.uvm != tc.want.uvm || o.createDeviceNodes != tc.want.createDeviceNodes {
+				t.Errorf("got uvm %q createDeviceNodes %v, want %q %v", o.uvm, o.createDeviceNodes, tc.want.uvm, tc.want.createDeviceNodes)
 			}
 			if v, ok := tc.env["RESCAN_INTERVAL"]; ok && o.rescanInterval.String() != v {
 				t.Errorf("rescan interval %v, want %s", o.rescanInterval, v)
@@ -105,7 +105,7 @@ func TestDryRun(t *testing.T) {
 		"driver root not there":        {opts: options{nvml: "real", driverRoot: "/nonexistent/driver"}, wantErr: `--driver-root "/nonexistent/driver"`},
 		"unknown disabled hook":        {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
 		"relative hook path":           {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
-		"unknown uvm policy":           {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: create, require, optional`},
+		"unknown uvm policy":           {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: require, optional`},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -271,23 +271,24 @@ func TestRealSourceChecksHook(t *testing.T) {
 	}
 }
 
-// TestRealSourceUVMPolicy: real GPUs get the --uvm policy, except that a
-// dry run, which changes nothing on the node, only requires the device
-// nodes that the agent would create.
-func TestRealSourceUVMPolicy(t *testing.T) {
+// TestRealSourceDeviceNodes: real GPUs get the --uvm policy and
+// --create-device-nodes, except that a dry run, which changes nothing on
+// the node, creates none.
+func TestRealSourceDeviceNodes(t *testing.T) {
 	for name, tc := range map[string]struct {
-		uvm    string
-		dryRun bool
-		want   cdi.UVMPolicy
+		uvm        string
+		create     bool
+		dryRun     bool
+		want       cdi.UVMPolicy
+		wantCreate bool
 	}{
-		"default":             {want: cdi.UVMCreate},
-		"create":              {uvm: "create", want: cdi.UVMCreate},
-		"create in a dry run": {uvm: "create", dryRun: true, want: cdi.UVMRequire},
-		"optional":            {uvm: "optional", dryRun: true, want: cdi.UVMOptional},
-		"require":             {uvm: "require", want: cdi.UVMRequire},
+		"defaults":            {create: true, want: cdi.UVMRequire, wantCreate: true},
+		"create in a dry run": {create: true, dryRun: true, want: cdi.UVMRequire},
+		"optional":            {uvm: "optional", create: true, want: cdi.UVMOptional, wantCreate: true},
+		"require, no create":  {uvm: "require", want: cdi.UVMRequire},
 	} {
 		t.Run(name, func(t *testing.T) {
-			o := options{nvml: "real", driverRoot: "/", containerDriverRoot: t.TempDir(), uvm: tc.uvm, dryRun: tc.dryRun}
+			o := options{nvml: "real", driverRoot: "/", containerDriverRoot: t.TempDir(), uvm: tc.uvm, createDeviceNodes: tc.create, dryRun: tc.dryRun}
 			src, err := newSource(&o, "node-1")
 			if err != nil {
 				t.Fatal(err)
@@ -297,8 +298,8 @@ func TestRealSourceUVMPolicy(t *testing.T) {
 			if !ok {
 				t.Fatalf("generator %T, want *cdi.NVCDI", src.cdi)
 			}
-			if got := gen.UVM(); got != tc.want {
-				t.Errorf("nvidia-uvm policy %q, want %q", got, tc.want)
+			if got, create := gen.UVM(), gen.CreatesDeviceNodes(); got != tc.want || create != tc.wantCreate {
+				t.Errorf("nvidia-uvm policy %q, creates device nodes %v; want %q, %v", got, create, tc.want, tc.wantCreate)
 			}
 		})
 	}

@@ -49,8 +49,15 @@ type NVCDIOptions struct {
 	// DisabledHooks are left out of the specs (see [ParseDisabledHooks]),
 	// for an nvidia-cdi-hook older than some of the [Hooks].
 	DisabledHooks []nvcdi.HookName
-	// UVM is what the common edits do about the nvidia-uvm device nodes
-	// (see [UVMPolicy]); empty: [UVMOptional].
+	// CreateDeviceNodes creates the driver's device nodes that the
+	// containers of a GPU need (/dev/nvidiactl, the GPU's
+	// /dev/nvidia<minor>, /dev/nvidia-uvm and /dev/nvidia-uvm-tools) where
+	// they are missing in a device root mounted from the node (not the
+	// agent's own "/") and their kernel module is loaded, as
+	// nvidia-modprobe does, so that the specs list them.
+	CreateDeviceNodes bool
+	// UVM says whether the common edits require the nvidia-uvm device
+	// nodes (see [UVMPolicy]); empty: [UVMOptional].
 	UVM UVMPolicy
 	// ProcDevices is the file in the format of /proc/devices that tells
 	// whether the nvidia-uvm module is loaded; default
@@ -65,10 +72,11 @@ type NVCDIOptions struct {
 // NVIDIA Container Toolkit produce for a whole GPU, including
 // NVIDIA_VISIBLE_DEVICES=void in the common edits. Paths in the edits are
 // rewritten from the agent's mounts of the driver and device roots to the
-// node's. Edits that lack /dev/nvidiactl (common edits), the nvidia-uvm
-// device nodes (common edits, unless [UVMOptional]; see [UVMPolicy]) or
-// the GPU's /dev/nvidia<minor> (device edits) are refused with
-// [ErrMissingDeviceNode], edits with hooks while nvidia-cdi-hook is
+// node's. Missing device nodes are created first where
+// NVCDIOptions.CreateDeviceNodes allows; edits that still lack
+// /dev/nvidiactl (common edits), the nvidia-uvm device nodes (common
+// edits, with [UVMRequire]) or the GPU's /dev/nvidia<minor> (device edits)
+// are refused with [ErrMissingDeviceNode], edits with hooks while nvidia-cdi-hook is
 // missing with [ErrHookMissing].
 type NVCDI struct {
 	opts NVCDIOptions
@@ -126,6 +134,9 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 
 // UVM returns the nvidia-uvm policy in effect.
 func (g *NVCDI) UVM() UVMPolicy { return g.opts.UVM }
+
+// CreatesDeviceNodes reports whether it creates missing device nodes.
+func (g *NVCDI) CreatesDeviceNodes() bool { return g.opts.CreateDeviceNodes }
 
 // get returns nvcdi, set up for the NVML library loaded now and for the
 // device root as the driver root's /dev says now (set up again where
@@ -202,18 +213,6 @@ func (g *NVCDI) toHost(edits cdispec.ContainerEdits, devs devRoots) (cdispec.Con
 	return spec.ContainerEdits, nil
 }
 
-// requireNode fails with [ErrMissingDeviceNode] unless edits list the
-// device node path (as the container sees it).
-func (g *NVCDI) requireNode(edits cdispec.ContainerEdits, path string, devs devRoots) error {
-	for _, n := range edits.DeviceNodes {
-		if n.Path == path {
-			return nil
-		}
-	}
-	return fmt.Errorf("%w: %s, looked up as %s in the agent's container (%s on the node)",
-		ErrMissingDeviceNode, path, filepath.Join(devs.path, path), filepath.Join(devs.hostPath, path))
-}
-
 // requireHook fails with [ErrHookMissing] where edits run nvidia-cdi-hook
 // and CheckHook finds it missing.
 func (g *NVCDI) requireHook(edits cdispec.ContainerEdits) error {
@@ -229,7 +228,11 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
-	missingUVM, why, err := g.ensureUVM(devs)
+	nodes := []deviceNode{controlNode}
+	if g.opts.CreateDeviceNodes || g.opts.UVM == UVMRequire {
+		nodes = append(nodes, uvmNodes...)
+	}
+	missing, err := g.ensureNodes(devs, nodes)
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
@@ -243,10 +246,11 @@ func (g *NVCDI) CommonEdits() (cdispec.ContainerEdits, error) {
 			return cdispec.ContainerEdits{}, err
 		}
 	}
-	if err := g.requireNode(common, driverroot.ControlDevice, devs); err != nil {
-		return cdispec.ContainerEdits{}, err
+	required := []deviceNode{controlNode}
+	if g.opts.UVM == UVMRequire {
+		required = append(required, uvmNodes...)
 	}
-	if err := g.requireUVM(common, missingUVM, why, devs); err != nil {
+	if err := g.requireNodes(common, required, devs, missing); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireHook(common); err != nil {
@@ -261,6 +265,11 @@ func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
+	node := gpuNode(d.Minor)
+	missing, err := g.ensureNodes(devs, []deviceNode{node})
+	if err != nil {
+		return cdispec.ContainerEdits{}, err
+	}
 	specs, err := l.GetDeviceSpecsByID(d.UUID)
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
@@ -272,7 +281,7 @@ func (g *NVCDI) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	if err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
-	if err := g.requireNode(edits, fmt.Sprintf("/dev/nvidia%d", d.Minor), devs); err != nil {
+	if err := g.requireNodes(edits, []deviceNode{node}, devs, missing); err != nil {
 		return cdispec.ContainerEdits{}, err
 	}
 	if err := g.requireHook(edits); err != nil {

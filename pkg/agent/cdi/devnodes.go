@@ -1,0 +1,230 @@
+package cdi
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
+
+	"github.com/topodra/topodra/pkg/agent/driverroot"
+)
+
+// UVMPolicy says whether [NVCDI] requires /dev/nvidia-uvm and
+// /dev/nvidia-uvm-tools, the device nodes of the nvidia-uvm kernel module.
+// CUDA cannot initialize without them (cuInit fails with error 999 or
+// 100), and they do not exist until something creates them: nvidia-modprobe
+// when CUDA first runs on the host, a udev rule, the GPU Operator, or the
+// agent (NVCDIOptions.CreateDeviceNodes). nvcdi lists only the device nodes
+// that exist, so on a node where CUDA runs only in containers a spec would
+// start every container without them.
+type UVMPolicy string
+
+const (
+	// UVMRequire fails the common edits with [ErrMissingDeviceNode] while
+	// either device node is missing, naming what to do on the node.
+	UVMRequire UVMPolicy = "require"
+	// UVMOptional lists them where they exist and leaves them out
+	// otherwise (nvcdi's own behavior): a container that uses CUDA then
+	// starts and fails in cuInit.
+	UVMOptional UVMPolicy = "optional"
+)
+
+// UVMPolicies lists the valid policies, the default first.
+var UVMPolicies = []UVMPolicy{UVMRequire, UVMOptional}
+
+// ParseUVMPolicy parses a policy name.
+func ParseUVMPolicy(s string) (UVMPolicy, error) {
+	for _, p := range UVMPolicies {
+		if s == string(p) {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("unknown nvidia-uvm policy %q; valid: require, optional", s)
+}
+
+// DefaultProcDevices is where Linux lists the registered device numbers.
+const DefaultProcDevices = "/proc/devices"
+
+// module is a kernel module of the driver whose character device nodes
+// the containers of a GPU need.
+type module struct {
+	// names are the module's character device names in /proc/devices,
+	// any of which says that it is loaded.
+	names []string
+	// remedy is what creates its device nodes on the node.
+	remedy string
+}
+
+var (
+	nvidiaModule = module{
+		names:  []string{"nvidia-frontend", "nvidia"},
+		remedy: "run nvidia-modprobe -c=0 on the node (nvidia-smi does it too), which creates them",
+	}
+	uvmModule = module{
+		names:  []string{"nvidia-uvm"},
+		remedy: "run nvidia-modprobe -u -c=0 on the node, which loads the module and creates them",
+	}
+)
+
+// deviceNode is a device node (its path below the device root) of a
+// module with its minor number.
+type deviceNode struct {
+	path   string
+	module module
+	minor  uint32
+}
+
+// controlMinor is the minor number of /dev/nvidiactl.
+const controlMinor = 255
+
+// gpuNode is the device node of the GPU with the minor number.
+func gpuNode(minor int) deviceNode {
+	return deviceNode{path: fmt.Sprintf("/dev/nvidia%d", minor), module: nvidiaModule, minor: uint32(minor)}
+}
+
+var (
+	controlNode = deviceNode{path: driverroot.ControlDevice, module: nvidiaModule, minor: controlMinor}
+	uvmNodes    = []deviceNode{
+		{path: "/dev/nvidia-uvm", module: uvmModule, minor: 0},
+		{path: "/dev/nvidia-uvm-tools", module: uvmModule, minor: 1},
+	}
+)
+
+// characterMajor returns the major number that the file in the format of
+// /proc/devices lists for one of the character device names; ok is false
+// where it lists none (the module is not loaded).
+func characterMajor(procDevices string, names []string) (major uint32, ok bool, err error) {
+	f, err := os.Open(procDevices)
+	if err != nil {
+		return 0, false, err
+	}
+	defer f.Close()
+	scanner := bufio.NewScanner(f)
+	character := false
+	for scanner.Scan() {
+		line := strings.TrimSpace(scanner.Text())
+		switch {
+		case line == "":
+			continue
+		case strings.HasSuffix(line, ":"):
+			character = line == "Character devices:"
+			continue
+		case !character:
+			continue
+		}
+		number, device, found := strings.Cut(line, " ")
+		if !found || !slices.Contains(names, strings.TrimSpace(device)) {
+			continue
+		}
+		n, err := strconv.ParseUint(number, 10, 32)
+		if err != nil {
+			return 0, false, fmt.Errorf("%s: bad device number in %q", procDevices, line)
+		}
+		return uint32(n), true, nil
+	}
+	return 0, false, scanner.Err()
+}
+
+// missingNodes are device nodes that are not in the device root, with why
+// and what to do; it renders as the part of an error that says so.
+type missingNodes struct {
+	paths []string
+	why   string
+}
+
+func (m missingNodes) has(path string) bool { return slices.Contains(m.paths, path) }
+
+// ensureNodes looks for the device nodes in the device root devs before
+// nvcdi does. Where CreateDeviceNodes is set, the device root is mounted
+// from the node (not the agent's own "/") and a node's module is loaded,
+// it creates the missing ones as nvidia-modprobe does (character devices,
+// the module's major number, mode 0666). It returns those still missing,
+// with why; none where all are there.
+func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, error) {
+	var missing []deviceNode
+	for _, n := range nodes {
+		p := filepath.Join(devs.path, n.path)
+		if _, err := os.Lstat(p); err == nil {
+			continue
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return missingNodes{}, fmt.Errorf("look up %s: %w", p, err)
+		}
+		missing = append(missing, n)
+	}
+	if len(missing) == 0 {
+		return missingNodes{}, nil
+	}
+	var still []string
+	var why []string
+	for _, n := range missing {
+		p := filepath.Join(devs.path, n.path)
+		major, loaded, err := characterMajor(g.opts.ProcDevices, n.module.names)
+		switch {
+		case err != nil:
+			return missingNodes{}, fmt.Errorf("cannot tell whether the kernel module of %s is loaded: %w", n.path, err)
+		case !loaded:
+			why = appendOnce(why, fmt.Sprintf("the %s kernel module is not loaded (%s lists no %s); %s", n.module.names[len(n.module.names)-1], g.opts.ProcDevices, strings.Join(n.module.names, " or "), n.module.remedy))
+		case !g.opts.CreateDeviceNodes:
+			why = appendOnce(why, fmt.Sprintf("its module is loaded (major %d) but nothing created them; %s, or let the agent create them (--create-device-nodes)", major, n.module.remedy))
+		case devs.path == "/":
+			why = appendOnce(why, fmt.Sprintf("its module is loaded (major %d), but the agent does not create device nodes in its own /dev, which in a container is not the node's (mount the node's /dev and set --container-dev-root); %s", major, n.module.remedy))
+		default:
+			err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(major, n.minor)))
+			if err == nil {
+				// Mknod applies the umask; nvidia-modprobe's mode is 0666.
+				err = os.Chmod(p, 0o666)
+			} else if errors.Is(err, unix.EEXIST) {
+				err = nil // created meanwhile (udev)
+			}
+			if err == nil {
+				g.opts.Logger.Info("created a device node of the NVIDIA driver", "path", p, "major", major, "minor", n.minor)
+				continue
+			}
+			why = appendOnce(why, fmt.Sprintf("creating it failed (%v); %s", err, n.module.remedy))
+		}
+		still = append(still, n.path)
+	}
+	return missingNodes{paths: still, why: strings.Join(why, "; ")}, nil
+}
+
+func appendOnce(list []string, s string) []string {
+	if slices.Contains(list, s) {
+		return list
+	}
+	return append(list, s)
+}
+
+// requireNodes fails with [ErrMissingDeviceNode] where edits do not list
+// all the device nodes (their paths in the container), saying why where
+// ensureNodes found them missing.
+func (g *NVCDI) requireNodes(edits cdispec.ContainerEdits, nodes []deviceNode, devs devRoots, missing missingNodes) error {
+	var absent []string
+	uvm := false
+	for _, n := range nodes {
+		if slices.ContainsFunc(edits.DeviceNodes, func(d *cdispec.DeviceNode) bool { return d.Path == n.path }) {
+			continue
+		}
+		absent = append(absent, n.path)
+		uvm = uvm || n.module.names[0] == uvmModule.names[0]
+	}
+	if len(absent) == 0 {
+		return nil
+	}
+	msg := fmt.Sprintf("%s, looked up in %s in the agent's container (%s on the node)",
+		strings.Join(absent, " and "), filepath.Join(devs.path, "dev"), filepath.Join(devs.hostPath, "dev"))
+	if slices.ContainsFunc(absent, missing.has) && missing.why != "" {
+		msg += ": " + missing.why
+	}
+	if uvm {
+		msg += "; CUDA cannot start in a container without the nvidia-uvm device nodes (--uvm=optional prepares GPUs without them)"
+	}
+	return fmt.Errorf("%w: %s", ErrMissingDeviceNode, msg)
+}
