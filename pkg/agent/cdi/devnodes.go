@@ -166,29 +166,31 @@ func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, er
 	var why []string
 	for _, n := range missing {
 		p := filepath.Join(devs.path, n.path)
+		name := n.module.names[len(n.module.names)-1]
 		major, loaded, err := characterMajor(g.opts.ProcDevices, n.module.names)
 		switch {
 		case err != nil:
-			return missingNodes{}, fmt.Errorf("cannot tell whether the kernel module of %s is loaded: %w", n.path, err)
+			return missingNodes{}, fmt.Errorf("cannot tell whether the %s kernel module is loaded: %w", name, err)
 		case !loaded:
-			why = appendOnce(why, fmt.Sprintf("the %s kernel module is not loaded (%s lists no %s); %s", n.module.names[len(n.module.names)-1], g.opts.ProcDevices, strings.Join(n.module.names, " or "), n.module.remedy))
+			why = appendOnce(why, fmt.Sprintf("the %s kernel module is not loaded (%s lists no %s); %s", name, g.opts.ProcDevices, strings.Join(n.module.names, " or "), n.module.remedy))
 		case !g.opts.CreateDeviceNodes:
-			why = appendOnce(why, fmt.Sprintf("its module is loaded (major %d) but nothing created them; %s, or let the agent create them (--create-device-nodes)", major, n.module.remedy))
+			why = appendOnce(why, fmt.Sprintf("the %s module is loaded (major %d) but nothing created its device nodes; %s, or let the agent create them (--create-device-nodes)", name, major, n.module.remedy))
 		case devs.path == "/":
-			why = appendOnce(why, fmt.Sprintf("its module is loaded (major %d), but the agent does not create device nodes in its own /dev, which in a container is not the node's (mount the node's /dev and set --container-dev-root); %s", major, n.module.remedy))
+			why = appendOnce(why, fmt.Sprintf("the %s module is loaded (major %d), but the agent does not create device nodes in its own /dev, which in a container is not the node's (mount the node's /dev and set --container-dev-root); %s", name, major, n.module.remedy))
 		default:
 			err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(major, n.minor)))
-			if err == nil {
+			switch {
+			case errors.Is(err, unix.EEXIST):
+				continue // created meanwhile (udev)
+			case err == nil:
 				// Mknod applies the umask; nvidia-modprobe's mode is 0666.
 				err = os.Chmod(p, 0o666)
-			} else if errors.Is(err, unix.EEXIST) {
-				err = nil // created meanwhile (udev)
 			}
 			if err == nil {
 				g.opts.Logger.Info("created a device node of the NVIDIA driver", "path", p, "major", major, "minor", n.minor)
 				continue
 			}
-			why = appendOnce(why, fmt.Sprintf("creating it failed (%v); %s", err, n.module.remedy))
+			why = appendOnce(why, fmt.Sprintf("creating %s failed (%v); %s", p, err, n.module.remedy))
 		}
 		still = append(still, n.path)
 	}
