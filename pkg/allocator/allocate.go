@@ -3,9 +3,11 @@ package allocator
 import (
 	"context"
 	"errors"
+	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 )
@@ -210,7 +212,57 @@ func (a *Allocator) upstreamFailure(ctx context.Context, p *podNode, err error) 
 	if ctx.Err() == nil && errors.Is(err, structured.ErrFailedAllocationOnNode) {
 		return &Result{Explanation: nodeFailure(p.claims, err)}, nil
 	}
+	if ctx.Err() == nil && refusesAllForPool(err) {
+		// Upstream refuses an All request while a pool of the node is
+		// incomplete or invalid without marking it as this node's
+		// failure; it is one (the pool is this node's), and the other
+		// nodes are still to be tried.
+		ns, _ := p.devices()
+		return &Result{Explanation: allRequestsRefused(p.claims, ns, err)}, nil
+	}
 	return nil, a.explainFatal(ctx, p, err)
+}
+
+// refusesAllForPool reports whether err is upstream's refusal of an
+// allocationMode All request because a resource pool it gathered for the
+// node is being updated (incomplete) or invalid.
+func refusesAllForPool(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "asks for all devices, but resource pool")
+}
+
+// allRequestsRefused explains the refusal of the claims' All requests on a
+// node with incomplete or invalid pools in words that read the same on
+// every such node (the pools are named for the log only); err is
+// upstream's answer, used where the claims have no All request.
+func allRequestsRefused(claims []*resourceapi.ResourceClaim, ns *nodeState, err error) *Explanation {
+	pools := unusablePools(ns)
+	if pools == "" {
+		pools = "; one of the node's resource pools is incomplete or invalid"
+	}
+	var expl Explanation
+	add := func(claim, request string) {
+		expl.Requests = append(expl.Requests, RequestExplanation{
+			Claim: claim, Request: request,
+			Reason:        "asks for all matching devices, which cannot be told while a pool is incomplete or invalid" + pools,
+			UnusablePools: unusablePoolNames(ns),
+		})
+	}
+	for _, claim := range claims {
+		for _, req := range claim.Spec.Devices.Requests {
+			if req.Exactly != nil && req.Exactly.AllocationMode == resourceapi.DeviceAllocationModeAll {
+				add(claim.Name, req.Name)
+			}
+			for _, sub := range req.FirstAvailable {
+				if sub.AllocationMode == resourceapi.DeviceAllocationModeAll {
+					add(claim.Name, resourceclaim.CreateSubRequestRef(req.Name, sub.Name))
+				}
+			}
+		}
+	}
+	if len(expl.Requests) == 0 {
+		return nodeFailure(claims, err)
+	}
+	return &expl
 }
 
 // logAllocated logs a chosen allocation.

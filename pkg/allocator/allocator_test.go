@@ -725,6 +725,49 @@ func TestPoolsLikeUpstream(t *testing.T) {
 	}
 }
 
+// TestAllRequestOnUnusablePool: an allocationMode All request on a node
+// whose pool is incomplete or invalid fails on that node (upstream refuses
+// it there), with an explanation that names no pool; it is not an error,
+// which would end the pod's scheduling cycle on every node.
+func TestAllRequestOnUnusablePool(t *testing.T) {
+	incomplete := dgx("n")
+	incomplete[0].Spec.Pool.ResourceSliceCount = 2
+	duplicate := dgx("n")
+	duplicate[0].Spec.Devices[1].Name = duplicate[0].Spec.Devices[0].Name
+	for name, tc := range map[string]struct {
+		slices []*resourceapi.ResourceSlice
+		want   string
+	}{
+		"incomplete": {incomplete, "resource pools are incomplete"},
+		"invalid":    {duplicate, "invalid resource pools"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			c := claim("c").request("gpus", "gpu", 1).obj()
+			c.Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+			c.Spec.Devices.Requests[0].Exactly.Count = 0
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"), ClassLister: defaultClasses, Slices: tc.slices, Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{c})
+			if err != nil {
+				t.Fatalf("Allocate: %v, want a failure of this node", err)
+			}
+			if res.Allocations != nil {
+				t.Fatalf("allocated %v", deviceNames(res.Allocations))
+			}
+			got := res.Explanation.String()
+			if !strings.Contains(got, "claim c request gpus: asks for all matching devices") || !strings.Contains(got, tc.want) || strings.Contains(got, "gpu.topodra.io/n") {
+				t.Errorf("explanation %q, want the All request and %q, without the node's pool", got, tc.want)
+			}
+			if pools := res.Explanation.Requests[0].UnusablePools; !strings.Contains(pools, gpuDriver+"/n") {
+				t.Errorf("UnusablePools %q, want the pool named for the log", pools)
+			}
+		})
+	}
+}
+
 // TestNodeGenerationLikeUpstream: a driver that publishes one slice per
 // node and moves nodes to a new pool generation one by one leaves a node
 // on the older generation; upstream allocates from it as long as the

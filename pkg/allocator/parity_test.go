@@ -584,7 +584,10 @@ func runParityCase(ctx context.Context, pc *parityCase) (parityOutcome, error) {
 		out.skipped++
 		return out, nil
 	}
-	if errors.Is(upErr, structured.ErrFailedAllocationOnNode) {
+	// A failure of this node only; an All request refused for an
+	// incomplete or invalid pool of the node is one too (Allocate says
+	// so, where upstream's allocator does not mark it).
+	if errors.Is(upErr, structured.ErrFailedAllocationOnNode) || refusesAllForPool(upErr) {
 		upResult, upErr = nil, nil
 	}
 

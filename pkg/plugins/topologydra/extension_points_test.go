@@ -209,6 +209,30 @@ func TestFilter(t *testing.T) {
 			t.Error("a result was recorded for the infeasible node")
 		}
 	})
+	t.Run("all devices where another node's pool is being updated or invalid", func(t *testing.T) {
+		// An All request fails only on the node whose pool upstream
+		// cannot take all devices of: a pool still being published
+		// (one of its two slices) or an invalid one (a device name
+		// twice). The other node is not given up with it.
+		incomplete := testSlice("node-a", 2)
+		incomplete.Spec.Pool.ResourceSliceCount = 2
+		invalid := testSlice("node-a", 2)
+		invalid.Spec.Devices[1].Name = invalid.Spec.Devices[0].Name
+		for name, broken := range map[string]*resourceapi.ResourceSlice{"incomplete": incomplete, "invalid": invalid} {
+			t.Run(name, func(t *testing.T) {
+				c := testClaim("c", 0)
+				c.Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+				h := newHarness(t, nodes, testDeviceClass(), broken, testSlice("node-b", 2), c)
+				_, st := h.cycle(testPod("p", "c"), "node-a", "node-b")
+				if code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "all matching devices") || strings.Contains(st["node-a"].Message(), "node-a") {
+					t.Errorf("Filter(node-a): %v, want UnschedulableAndUnresolvable for this node only, saying why in words that do not name the node", st["node-a"])
+				}
+				if !st["node-b"].IsSuccess() {
+					t.Errorf("Filter(node-b): %v, want success", st["node-b"])
+				}
+			})
+		}
+	})
 	t.Run("claim allocated for another node", func(t *testing.T) {
 		h := newHarness(t, nodes, testDeviceClass(), testSlice("node-b", 2), allocatedOn(testClaim("c", 1), "node-b", "gpu-0"))
 		cs, st := h.cycle(testPod("p", "c"), "node-a", "node-b")
