@@ -53,6 +53,9 @@ func ParseUVMPolicy(s string) (UVMPolicy, error) {
 // DefaultProcDevices is where Linux lists the registered device numbers.
 const DefaultProcDevices = "/proc/devices"
 
+// DefaultDriverParams is where the nvidia module publishes its parameters.
+const DefaultDriverParams = "/proc/driver/nvidia/params"
+
 // module is a kernel module of the driver whose character device nodes
 // the containers of a GPU need.
 type module struct {
@@ -61,12 +64,17 @@ type module struct {
 	names []string
 	// remedy is what creates its device nodes on the node.
 	remedy string
+	// params says whether the driver's parameters (DriverParams) set
+	// the ownership and mode of its device nodes; otherwise root and
+	// 0666.
+	params bool
 }
 
 var (
 	nvidiaModule = module{
 		names:  []string{"nvidia-frontend", "nvidia"},
 		remedy: "run nvidia-modprobe -c=0 on the node (nvidia-smi does it too), which creates them",
+		params: true,
 	}
 	uvmModule = module{
 		names:  []string{"nvidia-uvm"},
@@ -142,59 +150,149 @@ type missingNodes struct {
 
 func (m missingNodes) has(path string) bool { return slices.Contains(m.paths, path) }
 
-// ensureNodes looks for the device nodes in the device root devs before
-// nvcdi does. Where CreateDeviceNodes is set, the device root is mounted
-// from the node (not the agent's own "/") and a node's module is loaded,
-// it creates the missing ones as nvidia-modprobe does (character devices,
-// the module's major number, mode 0666). It returns those still missing,
-// with why; none where all are there.
+// fileParams are the ownership and mode of a module's device nodes, and
+// whether they may be created or changed at all.
+type fileParams struct {
+	uid, gid int
+	mode     uint32
+	modify   bool
+}
+
+// driverFileParams reads the device file parameters of the nvidia module
+// from a file in the format of /proc/driver/nvidia/params ("Name: value"
+// lines); where it cannot be read, or for a module without params, the
+// defaults: root, 0666, modifiable.
+func driverFileParams(path string, m module) fileParams {
+	p := fileParams{mode: 0o666, modify: true}
+	if !m.params {
+		return p
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return p
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		name, value, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		n, err := strconv.ParseUint(strings.TrimSpace(value), 10, 32)
+		if err != nil {
+			continue
+		}
+		switch strings.TrimSpace(name) {
+		case "DeviceFileUID":
+			p.uid = int(n)
+		case "DeviceFileGID":
+			p.gid = int(n)
+		case "DeviceFileMode":
+			p.mode = uint32(n) & 0o7777
+		case "ModifyDeviceFiles", "DeviceFileModify":
+			p.modify = n == 1
+		}
+	}
+	return p
+}
+
+// ensureNodes makes sure of the device nodes in the device root devs
+// before nvcdi looks for them. Where CreateDeviceNodes is set, the device
+// root is mounted from the node (not the agent's own "/") and a node's
+// module is loaded, it does what nvidia-modprobe does: a node that is
+// missing, or is not the character device of the module's major and its
+// minor, is created (again) with the driver's ownership and mode, and
+// /dev/char/<major>:<minor> is linked to it where the device root has
+// /dev/char (the systemd cgroup driver of runc allows a container the
+// devices it finds there, and the NVIDIA devices have no sysfs entry).
+// Otherwise it only looks for them. It returns those still missing, with
+// why; none where all are there.
 func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, error) {
-	var missing []deviceNode
+	create := g.opts.CreateDeviceNodes && devs.path != "/"
+	var still, why []string
 	for _, n := range nodes {
 		p := filepath.Join(devs.path, n.path)
-		if _, err := os.Lstat(p); err == nil {
-			continue
-		} else if !errors.Is(err, fs.ErrNotExist) {
+		var st unix.Stat_t
+		err := unix.Lstat(p, &st)
+		exists := err == nil
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return missingNodes{}, fmt.Errorf("look up %s: %w", p, err)
 		}
-		missing = append(missing, n)
-	}
-	if len(missing) == 0 {
-		return missingNodes{}, nil
-	}
-	var still []string
-	var why []string
-	for _, n := range missing {
-		p := filepath.Join(devs.path, n.path)
+		if exists && !create {
+			continue
+		}
 		name := n.module.names[len(n.module.names)-1]
 		major, loaded, err := characterMajor(g.opts.ProcDevices, n.module.names)
-		switch {
-		case err != nil:
+		if err != nil {
 			return missingNodes{}, fmt.Errorf("cannot tell whether the %s kernel module is loaded: %w", name, err)
+		}
+		params := driverFileParams(g.opts.DriverParams, n.module)
+		dev := unix.Mkdev(major, n.minor)
+		switch {
+		case exists && (!loaded || !params.modify):
+			continue // as it is: nothing to compare it with, or not to be changed
+		case exists && st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == dev:
+			g.linkCharDevice(devs, n, major)
+			continue
 		case !loaded:
 			why = appendOnce(why, fmt.Sprintf("the %s kernel module is not loaded (%s lists no %s); %s", name, g.opts.ProcDevices, strings.Join(n.module.names, " or "), n.module.remedy))
 		case !g.opts.CreateDeviceNodes:
 			why = appendOnce(why, fmt.Sprintf("the %s module is loaded (major %d) but nothing created its device nodes; %s, or let the agent create them (--create-device-nodes)", name, major, n.module.remedy))
 		case devs.path == "/":
 			why = appendOnce(why, fmt.Sprintf("the %s module is loaded (major %d), but the agent does not create device nodes in its own /dev, which in a container is not the node's (mount the node's /dev and set --container-dev-root); %s", name, major, n.module.remedy))
+		case !params.modify:
+			why = appendOnce(why, fmt.Sprintf("the %s module is set not to have its device files created or changed (ModifyDeviceFiles: 0 in %s); create them on the node", name, g.opts.DriverParams))
 		default:
-			err := unix.Mknod(p, unix.S_IFCHR|0o666, int(unix.Mkdev(major, n.minor)))
-			switch {
-			case errors.Is(err, unix.EEXIST):
-				continue // created meanwhile (udev)
-			case err == nil:
-				// Mknod applies the umask; nvidia-modprobe's mode is 0666.
-				err = os.Chmod(p, 0o666)
+			if err := g.makeNode(p, exists, dev, params); err != nil {
+				why = appendOnce(why, fmt.Sprintf("%v; %s", err, n.module.remedy))
+				break
 			}
-			if err == nil {
-				g.opts.Logger.Info("created a device node of the NVIDIA driver", "path", p, "major", major, "minor", n.minor)
-				continue
-			}
-			why = appendOnce(why, fmt.Sprintf("creating %s failed (%v); %s", p, err, n.module.remedy))
+			g.opts.Logger.Info("created a device node of the NVIDIA driver", "path", p, "major", major, "minor", n.minor, "replaced", exists)
+			g.linkCharDevice(devs, n, major)
+			continue
 		}
 		still = append(still, n.path)
 	}
 	return missingNodes{paths: still, why: strings.Join(why, "; ")}, nil
+}
+
+// makeNode creates the character device p (replacing what is there where
+// exists), with the ownership and mode of params.
+func (g *NVCDI) makeNode(p string, exists bool, dev uint64, params fileParams) error {
+	if exists {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("replace %s, which is not the device it should be: %w", p, err)
+		}
+	}
+	err := unix.Mknod(p, unix.S_IFCHR|params.mode, int(dev))
+	if errors.Is(err, unix.EEXIST) {
+		return nil // created meanwhile (udev)
+	}
+	if err != nil {
+		return fmt.Errorf("create %s: %w", p, err)
+	}
+	// Mknod applies the umask.
+	if err := errors.Join(os.Chmod(p, fs.FileMode(params.mode&0o777)), os.Chown(p, params.uid, params.gid)); err != nil {
+		_ = os.Remove(p)
+		return fmt.Errorf("set the mode and owner of %s: %w", p, err)
+	}
+	return nil
+}
+
+// linkCharDevice links /dev/char/<major>:<minor> of the device root to
+// the device node, where the device root has /dev/char; best effort.
+func (g *NVCDI) linkCharDevice(devs devRoots, n deviceNode, major uint32) {
+	dir := filepath.Join(devs.path, "dev", "char")
+	if info, err := os.Stat(dir); err != nil || !info.IsDir() {
+		return
+	}
+	link := filepath.Join(dir, fmt.Sprintf("%d:%d", major, n.minor))
+	target := "../" + strings.TrimPrefix(n.path, "/dev/")
+	if got, err := os.Readlink(link); err == nil && got == target {
+		return
+	}
+	_ = os.Remove(link)
+	if err := os.Symlink(target, link); err != nil && !errors.Is(err, fs.ErrExist) {
+		g.opts.Logger.Error(err, "cannot link the device node in /dev/char; containers may lose it when systemd reloads their device rules", "link", link, "target", target)
+	}
 }
 
 func appendOnce(list []string, s string) []string {

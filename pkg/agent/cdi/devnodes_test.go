@@ -2,8 +2,10 @@ package cdi_test
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -35,12 +37,14 @@ func procDevices(t *testing.T, nvidia, uvm bool) string {
 }
 
 // TestNVCDICreatesDeviceNodes: on a driver root whose /dev lacks some of the
-// device nodes that a GPU's containers need, CreateDeviceNodes creates
-// them where their module is loaded (as nvidia-modprobe would: character
-// devices with the module's major number, mode 0666), and the edits list
-// them; where it cannot or may not, the edits fail with
-// ErrMissingDeviceNode saying what to do on the node, and nothing is
-// created. The nvidia-uvm nodes are required with UVMRequire only.
+// device nodes that a GPU's containers need, or has one that is not the
+// device it should be, CreateDeviceNodes makes them where their module is
+// loaded, as nvidia-modprobe would (character devices with the module's
+// major number, the nvidia module's nodes with the ownership and mode of
+// its parameters, a /dev/char link to each), and the edits list them;
+// where it cannot or may not, the edits fail with ErrMissingDeviceNode
+// saying what to do on the node, and nothing is created. The nvidia-uvm
+// nodes are required with UVMRequire only.
 func TestNVCDICreatesDeviceNodes(t *testing.T) {
 	// Creating a character device with a number needs CAP_MKNOD.
 	probe := filepath.Join(t.TempDir(), "probe")
@@ -49,17 +53,21 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 	type node struct {
 		path         string
 		major, minor uint32
+		mode         uint32
+		gid          uint32
 	}
-	uvm := []node{{"/dev/nvidia-uvm", 510, 0}, {"/dev/nvidia-uvm-tools", 510, 1}}
-	ctl := node{"/dev/nvidiactl", 195, 255}
-	gpu1 := node{"/dev/nvidia1", 195, 1}
+	uvm := []node{{"/dev/nvidia-uvm", 510, 0, 0o666, 0}, {"/dev/nvidia-uvm-tools", 510, 1, 0o666, 0}}
+	ctl := node{"/dev/nvidiactl", 195, 255, 0o666, 0}
+	gpu1 := node{"/dev/nvidia1", 195, 1, 0o666, 0}
+	ctlGroup := node{"/dev/nvidiactl", 195, 255, 0o660, 44}
 	for name, tc := range map[string]struct {
 		create       bool
 		uvm          cdi.UVMPolicy
 		nvidia       bool // the nvidia module is loaded
 		uvmLoaded    bool
-		uvmThere     bool   // the nvidia-uvm nodes exist before
+		uvmThere     bool   // the nvidia-uvm nodes exist before (0:0)
 		removed      []node // of the nodes the driver root has
+		params       string // the nvidia module's parameters
 		wantErr      []string
 		wantCreated  []node
 		wantListed   []string
@@ -67,12 +75,20 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 	}{
 		"create, uvm module loaded": {create: true, uvm: cdi.UVMRequire, nvidia: true, uvmLoaded: true,
 			wantCreated: uvm, wantListed: []string{"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidiactl", "/dev/nvidia1"}},
+		"create, uvm nodes of another major": {create: true, uvm: cdi.UVMRequire, nvidia: true, uvmLoaded: true, uvmThere: true,
+			wantCreated: uvm, wantListed: []string{"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}},
 		"create, uvm module not loaded": {create: true, uvm: cdi.UVMRequire, nvidia: true,
 			wantErr: []string{"/dev/nvidia-uvm and /dev/nvidia-uvm-tools", "nvidia-uvm kernel module is not loaded", "nvidia-modprobe -u -c=0", "--uvm=optional"}},
 		"create, uvm not required, module not loaded": {create: true, uvm: cdi.UVMOptional, nvidia: true,
 			wantUnlisted: []string{"/dev/nvidia-uvm"}},
 		"create, control and GPU nodes missing": {create: true, uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl, gpu1},
 			wantCreated: []node{ctl, gpu1}, wantListed: []string{"/dev/nvidiactl", "/dev/nvidia1"}},
+		"create, the driver's mode and group": {create: true, uvm: cdi.UVMRequire, nvidia: true, uvmLoaded: true, removed: []node{ctl},
+			params:      "Mobile: 4294967295\nModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 44\nDeviceFileMode: 432\n",
+			wantCreated: append([]node{ctlGroup}, uvm...), wantListed: []string{"/dev/nvidiactl", "/dev/nvidia-uvm"}},
+		"create, the driver's files not to be modified": {create: true, uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl},
+			params:  "ModifyDeviceFiles: 0\n",
+			wantErr: []string{"/dev/nvidiactl", "ModifyDeviceFiles: 0"}},
 		"control node missing, not created": {uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl},
 			wantErr: []string{"/dev/nvidiactl, looked up in", "nvidia-modprobe -c=0", "--create-device-nodes"}},
 		"control node missing, module not loaded": {create: true, uvm: cdi.UVMOptional, removed: []node{ctl},
@@ -83,11 +99,14 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 		"optional, not created": {uvm: cdi.UVMOptional, nvidia: true, uvmLoaded: true, wantUnlisted: []string{"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}},
 	} {
 		t.Run(name, func(t *testing.T) {
-			if len(tc.wantCreated) > 0 && !canMknod {
-				t.Skip("cannot create numbered character devices here (no CAP_MKNOD): the nodes the agent creates cannot be checked")
+			if tc.create && !canMknod {
+				t.Skip("cannot create numbered character devices here (no CAP_MKNOD): the mock machine's device nodes are 0:0, and those the agent creates cannot be checked")
 			}
 			m, lib := workstation(t)
 			mountPoint := fakeDriverRoot(t, m)
+			if err := os.Mkdir(filepath.Join(mountPoint, "dev", "char"), 0o755); err != nil {
+				t.Fatal(err)
+			}
 			for _, n := range tc.removed {
 				if err := os.Remove(filepath.Join(mountPoint, n.path)); err != nil {
 					t.Fatal(err)
@@ -106,15 +125,19 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if len(tc.removed) > 0 && tc.removed[0] == ctl {
+			if len(tc.removed) > 0 && tc.removed[0].path == ctl.path {
 				// The driver root's /dev without nvidiactl is not a
 				// device root; the node's /dev is, here the same tree.
 				if root, err = root.WithDevRoot(driverroot.GPUOperatorHostPath, mountPoint); err != nil {
 					t.Fatal(err)
 				}
 			}
+			params := filepath.Join(t.TempDir(), "params")
+			if err := os.WriteFile(params, []byte(tc.params), 0o644); err != nil {
+				t.Fatal(err)
+			}
 			gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib },
-				CreateDeviceNodes: tc.create, UVM: tc.uvm, ProcDevices: procDevices(t, tc.nvidia, tc.uvmLoaded)})
+				CreateDeviceNodes: tc.create, UVM: tc.uvm, ProcDevices: procDevices(t, tc.nvidia, tc.uvmLoaded), DriverParams: params})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -158,22 +181,23 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 					t.Errorf("%s not created: %v", n.path, err)
 					continue
 				}
-				if st.Mode&unix.S_IFMT != unix.S_IFCHR || unix.Major(st.Rdev) != n.major || unix.Minor(st.Rdev) != n.minor || st.Mode&0o777 != 0o666 {
-					t.Errorf("%s: mode %o, device %d:%d; want a character device %d:%d with mode 0666", n.path, st.Mode, unix.Major(st.Rdev), unix.Minor(st.Rdev), n.major, n.minor)
+				if st.Mode&unix.S_IFMT != unix.S_IFCHR || unix.Major(st.Rdev) != n.major || unix.Minor(st.Rdev) != n.minor || st.Mode&0o777 != n.mode || st.Gid != n.gid {
+					t.Errorf("%s: mode %o, group %d, device %d:%d; want a character device %d:%d with mode %o, group %d", n.path, st.Mode, st.Gid, unix.Major(st.Rdev), unix.Minor(st.Rdev), n.major, n.minor, n.mode, n.gid)
+				}
+				link := filepath.Join(mountPoint, "dev", "char", fmt.Sprintf("%d:%d", n.major, n.minor))
+				if target, err := os.Readlink(link); err != nil || target != "../"+strings.TrimPrefix(n.path, "/dev/") {
+					t.Errorf("%s: %q, %v; want a link to ../%s", link, target, err, strings.TrimPrefix(n.path, "/dev/"))
 				}
 			}
-			// Nothing else appeared.
-			for _, n := range append(append([]node{ctl, gpu1}, uvm...), tc.removed...) {
+			// Nothing else appeared or went.
+			for _, n := range append([]node{ctl, gpu1}, uvm...) {
 				if created[n.path] || (tc.uvmThere && strings.Contains(n.path, "uvm")) {
 					continue
 				}
 				_, err := os.Lstat(filepath.Join(mountPoint, n.path))
-				removed := false
-				for _, r := range tc.removed {
-					removed = removed || r == n
-				}
-				if exists := err == nil; exists != (!removed && !strings.Contains(n.path, "uvm")) {
-					t.Errorf("%s exists %v, want %v", n.path, exists, !exists)
+				removed := slices.ContainsFunc(tc.removed, func(r node) bool { return r.path == n.path })
+				if want := !removed && !strings.Contains(n.path, "uvm"); (err == nil) != want {
+					t.Errorf("%s exists %v, want %v", n.path, err == nil, want)
 				}
 			}
 		})

@@ -63,6 +63,11 @@ type NVCDIOptions struct {
 	// whether the nvidia-uvm module is loaded; default
 	// [DefaultProcDevices].
 	ProcDevices string
+	// DriverParams is the file in the format of /proc/driver/nvidia/params
+	// whose DeviceFileUID, DeviceFileGID, DeviceFileMode and
+	// ModifyDeviceFiles say how the nvidia module's device nodes are to be
+	// made; default [DefaultDriverParams].
+	DriverParams string
 	// Logger receives nvcdi's messages; default: klog's background logger.
 	Logger klog.Logger
 }
@@ -125,6 +130,9 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 	}
 	if opts.ProcDevices == "" {
 		opts.ProcDevices = DefaultProcDevices
+	}
+	if opts.DriverParams == "" {
+		opts.DriverParams = DefaultDriverParams
 	}
 	if opts.Logger.GetSink() == nil {
 		opts.Logger = klog.Background()
