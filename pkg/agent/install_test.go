@@ -220,6 +220,60 @@ func TestPrepareRefusesOpaqueConfig(t *testing.T) {
 // Node gets one Warning per claim naming it and its GPU. After the grace
 // period the agent drops such a claim unless a pod on the node references
 // it, or the node's pods cannot be listed. A claim that exists stays.
+// TestCleanupDeallocatedClaim: a prepared claim that the API server still
+// has, with the same UID, but no longer allocated (its pods went and it
+// was given back without the kubelet unpreparing it) keeps its GPU within
+// the grace period, with a TopodraPreparedClaimGone Warning saying so, and
+// is then dropped like a deleted claim, so that the GPU can be prepared
+// for another claim; an allocated claim stays.
+func TestCleanupDeallocatedClaim(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	e.staleClaimGrace = time.Nanosecond
+	a := e.start(ctx, t)
+	kept := claim("kept", gpus("gpus", "gpu-0")...)
+	given := claim("given-back", gpus("gpus", "gpu-1")...)
+	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{kept, given})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for uid, r := range res {
+		if r.Err != nil {
+			t.Fatalf("prepare %s: %v", uid, r.Err)
+		}
+	}
+	deallocated := given.DeepCopy()
+	deallocated.Status.Allocation = nil
+	for _, c := range []*resourceapi.ResourceClaim{kept, deallocated} {
+		if _, err := e.client.ResourceV1().ResourceClaims(c.Namespace).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+		t.Errorf("first check: removed %v (%v), want none", removed, err)
+	}
+	evs := drainEvents(recorder)
+	if len(evs) != 1 || !strings.HasPrefix(evs[0], "Warning "+agent.ReasonPreparedClaimGone) || !strings.Contains(evs[0], "default/given-back") || !strings.Contains(evs[0], "no longer allocated") {
+		t.Errorf("events %q, want one %s naming default/given-back as no longer allocated", evs, agent.ReasonPreparedClaimGone)
+	}
+	removed, err := a.CleanupStaleClaims(ctx)
+	if err != nil || !slices.Equal(removed, []types.UID{given.UID}) {
+		t.Errorf("after the grace period: removed %v (%v), want %s", removed, err, given.UID)
+	}
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("next", gpus("gpus", "gpu-1")...), claim("clash", gpus("gpus", "gpu-0")...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res["uid-next"]; r.Err != nil {
+		t.Errorf("gpu-1 of the dropped claim: %v, want it prepared", r.Err)
+	}
+	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
+		t.Errorf("gpu-0 of an allocated claim: %v, want ErrDeviceInUse", r.Err)
+	}
+}
+
 func TestCleanupStaleClaims(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)

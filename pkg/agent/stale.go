@@ -80,8 +80,9 @@ const DefaultStaleClaimGrace = time.Hour
 // longer has.
 const (
 	// ReasonPreparedClaimGone (Warning, once per claim and agent
-	// process): a prepared claim is gone from the API server while its
-	// GPUs stay reserved for it; the note names the claim and its GPUs.
+	// process): a prepared claim is gone from the API server, or no
+	// longer allocated, while its GPUs stay reserved for it; the note
+	// names the claim, its GPUs and which of the two.
 	ReasonPreparedClaimGone = "TopodraPreparedClaimGone"
 	// ReasonPreparedClaimDropped (Normal): the agent dropped such a claim
 	// after Options.StaleClaimGrace because no Pod on the node references
@@ -92,7 +93,9 @@ const (
 // CleanupStaleClaims checks the prepared claims against the API server.
 //
 // A prepared claim that the API server no longer has (NotFound, or a
-// claim of that name with another UID) keeps its GPUs: the claim
+// claim of that name with another UID), or has without an allocation (its
+// pods went and the claim was given back, but the kubelet did not
+// unprepare it), keeps its GPUs: the claim
 // controller deletes the claim of a force-deleted pod while the pod's
 // containers may still run on the node, and the kubelet unprepares the
 // claim only once they have stopped (retrying while the agent is down).
@@ -146,11 +149,14 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	var expired []types.UID
 	for uid, c := range cp.Claims {
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
+		why := "the API server no longer has it (a force-deleted pod whose containers may still run?)"
 		switch {
 		case apierrors.IsNotFound(err), err == nil && claim.UID != uid:
 		case err != nil:
 			logger.V(2).Info("cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
 			continue
+		case claim.Status.Allocation == nil:
+			why = "it is no longer allocated (its pods went without the kubelet unpreparing it?)"
 		default:
 			delete(a.gone, uid)
 			continue
@@ -158,7 +164,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		since, seen := a.gone[uid]
 		if !seen {
 			a.gone[uid] = now
-			a.claimGone(ctx, uid, c)
+			a.claimGone(ctx, uid, c, why)
 			continue
 		}
 		if grace >= 0 && now.Sub(since) >= grace {
@@ -210,16 +216,16 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 }
 
 // claimGone reports a prepared claim that the API server no longer has.
-func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim) {
+func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string) {
 	devices := claimDevices(c)
-	klog.FromContext(ctx).Info("prepared claim is gone from the API server, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices)
+	klog.FromContext(ctx).Info("prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why)
 	after := fmt.Sprintf("the agent drops it after %v (--stale-claim-grace) once no pod on this node references it", a.opts.StaleClaimGrace)
 	if a.opts.StaleClaimGrace < 0 {
 		after = "the agent never drops it (--stale-claim-grace is negative)"
 	}
 	a.nodeEvent(v1.EventTypeWarning, ReasonPreparedClaimGone, "Unprepare",
-		"claim %s/%s (%s) is prepared with %s but the API server no longer has it (a force-deleted pod whose containers may still run?): these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
-		c.Namespace, c.Name, uid, devices, after)
+		"claim %s/%s (%s) is prepared with %s but %s: these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
+		c.Namespace, c.Name, uid, devices, why, after)
 }
 
 // claimDevices names a prepared claim's GPUs as "gpu-1 (GPU-...), ...".
