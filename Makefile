@@ -34,8 +34,9 @@ integration:
 	$(GO) test $(TEST_FLAGS) ./test/integration/...
 
 # On a GPU node: the checks against the real NVML library of DRIVER_ROOT
-# (default /; /run/nvidia/driver on a GPU Operator node), verbose. They
-# skip, saying why, where there is no GPU; every go test runs them too.
+# (default /; /run/nvidia/driver on a GPU Operator node), verbose. Where
+# there is no GPU they skip, saying why (the dry run's test checks that it
+# says so); every go test runs them too.
 test-gpu:
 	$(GO) test -count=1 -v -run 'RealNVML|RealGPU' ./cmd/node-agent ./pkg/agent/discovery ./test/integration
 
