@@ -196,7 +196,12 @@ type Result struct {
 	Nodes           []NodeEnd `json:"nodes"`
 	Fit8            int       `json:"fit8GPU"`
 	Fit4            int       `json:"fit4GPUNUMAAligned"`
-	FreeGPUs        int       `json:"freeGPUs"`
+	// Fit8Waited is how many of the Fit8 whole-node slots 8-GPU pods that
+	// still wait at the end could take: the room counts as room for more
+	// jobs, but a scheduler that keeps it free while such pods wait (the
+	// headroom for smaller pods) does not give it to them.
+	Fit8Waited int `json:"fit8GPUWhileWaiting,omitempty"`
+	FreeGPUs   int `json:"freeGPUs"`
 	// PendingPodTicks sums, over all pods, the ticks from arrival to
 	// binding (to the end of the run for pods never bound).
 	PendingPodTicks int `json:"pendingPodTicks"`
@@ -425,7 +430,7 @@ func resultRows() []resultRow {
 			return fmt.Sprint(res.InvariantViolations)
 		}},
 		{"free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) }},
-		{"more 8-GPU jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit8) }},
+		{"more 8-GPU jobs fit", true, fit8Text},
 		{"more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) }},
 		{"throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) }},
 		{"attempt latency p50 / p99", false, func(res Result) string {
@@ -607,6 +612,15 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 		out = append(out, e)
 	}
 	return out
+}
+
+// fit8Text is the number of 8-GPU jobs that fit at the end, with how many
+// of those slots 8-GPU pods still waiting could take.
+func fit8Text(res Result) string {
+	if res.Fit8Waited == 0 {
+		return fmt.Sprint(res.Fit8)
+	}
+	return fmt.Sprintf("%d (%d while 8-GPU pods wait)", res.Fit8, res.Fit8Waited)
 }
 
 // SchedulerCPUMsPerPod is the scheduler's CPU time per pod placed, in

@@ -306,6 +306,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		res.Fit4 += e.Fit4
 		res.FreeGPUs += e.FreeGPUs
 	}
+	res.Fit8Waited = min(res.Fit8, tr.pendingWithGPUs(8))
 	// The invariant checker, as topodra-check runs it, on the cluster as
 	// the run leaves it: each violation is an inconsistency of the run.
 	if violations, err := invariant.Check(ctx, client); err != nil {

@@ -82,7 +82,9 @@ type SweepRow struct {
 	MeanWait    map[int]float64 `json:"meanWaitByGPUs"`
 	NeverPlaced int             `json:"neverPlaced"`
 	Fit8        int             `json:"fit8GPU"`
-	Fit4        int             `json:"fit4GPUNUMAAligned"`
+	// Fit8Waited is Result.Fit8Waited.
+	Fit8Waited int `json:"fit8GPUWhileWaiting,omitempty"`
+	Fit4       int `json:"fit4GPUNUMAAligned"`
 	// FreeInWholeNUMA is Result.FreeInWholeNUMA.
 	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
 	Aligned         float64 `json:"alignedFraction"`
@@ -106,7 +108,7 @@ var SweepSizes = []int{1, 2, 4, 8}
 func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
 	row := SweepRow{Scenario: scenario, Seed: seed, Round: round, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
-		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit4: res.Fit4,
+		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit8Waited: res.Fit8Waited, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
 		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck,
 		WaitedBy: res.WaitedBy}
@@ -170,6 +172,7 @@ type SweepSummary struct {
 	Idle        int `json:"idleGPUTicksWhileWaiting"`
 	NeverPlaced int `json:"neverPlaced"`
 	Fit8        int `json:"fit8GPU"`
+	Fit8Waited  int `json:"fit8GPUWhileWaiting,omitempty"`
 	Fit4        int `json:"fit4GPUNUMAAligned"`
 	Errors      int `json:"errors"`
 	Stuck       int `json:"stuckPods,omitempty"`
@@ -179,6 +182,16 @@ type SweepSummary struct {
 	// in neither.
 	WaitedBy   WaitedBy `json:"waitedBy,omitempty"`
 	WaitedRuns WaitedBy `json:"waitedRuns,omitempty"`
+}
+
+// fit8Sum is the 8-GPU jobs that fit at the end, summed, with how many of
+// those slots 8-GPU pods still waiting then could take (see
+// Result.Fit8Waited): the target counts the room, whoever keeps it free.
+func fit8Sum(s SweepSummary) string {
+	if s.Fit8Waited == 0 {
+		return fmt.Sprint(s.Fit8)
+	}
+	return fmt.Sprintf("%d (%d while 8-GPU pods wait)", s.Fit8, s.Fit8Waited)
 }
 
 func summarize(scheduler string, rows []SweepRow) SweepSummary {
@@ -204,6 +217,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Idle += r.Idle
 		s.NeverPlaced += r.NeverPlaced
 		s.Fit8 += r.Fit8
+		s.Fit8Waited += r.Fit8Waited
 		s.Fit4 += r.Fit4
 		s.Errors += r.Errors
 		s.Stuck += r.Stuck
@@ -353,7 +367,7 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 		Target{Measure: "pods never placed (sum)", Want: "<= stock",
 			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
-			Topodra: fmt.Sprint(t.Fit8), Stock: fmt.Sprint(s.Fit8), Met: t.Fit8 >= s.Fit8},
+			Topodra: fit8Sum(t), Stock: fit8Sum(s), Met: t.Fit8 >= s.Fit8},
 		Target{Measure: "median alignment", Want: ">= 95%", alignment: true,
 			Topodra: fmt.Sprintf("%.1f%%", 100*t.Aligned.Median), Stock: fmt.Sprintf("%.1f%%", 100*s.Aligned.Median), Met: t.Aligned.Median >= 0.95},
 		Target{Measure: "median throughput", Want: ">= 0.95 x stock",

@@ -487,6 +487,20 @@ func (t *tracker) expired(tick int, lifetime func(job int) int) []string {
 	return out
 }
 
+// pendingWithGPUs counts the pods not bound that ask for gpus or more
+// GPUs.
+func (t *tracker) pendingWithGPUs(gpus int) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, ps := range t.pods {
+		if !ps.Bound && ps.GPUs >= gpus {
+			n++
+		}
+	}
+	return n
+}
+
 // counts returns placed (ever bound), running and pending pods.
 func (t *tracker) counts() (placed, running, pending int) {
 	t.mu.Lock()

@@ -76,3 +76,44 @@ func TestRetryableSameRoot(t *testing.T) {
 		}
 	}
 }
+
+// TestFit8WhileWaiting: of the whole-node slots free at the end, those
+// that 8-GPU pods still waiting could take are counted and shown beside
+// the slots, in a run's table and summed over a sweep; bound pods and
+// smaller pending pods do not count.
+func TestFit8WhileWaiting(t *testing.T) {
+	tr := newTracker(Namespace)
+	for _, p := range []struct {
+		name  string
+		gpus  int
+		bound bool
+	}{{"big-bound", 8, true}, {"big-waiting", 8, false}, {"huge-waiting", 16, false}, {"small-waiting", 4, false}} {
+		tr.created(&v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: p.name}}, 0, nil, p.gpus)
+		tr.pods[p.name].Bound = p.bound
+	}
+	if got := tr.pendingWithGPUs(8); got != 2 {
+		t.Errorf("pending pods of 8 GPUs or more: %d, want 2", got)
+	}
+	for _, tc := range []struct {
+		res  Result
+		want string
+	}{
+		{Result{Fit8: 3}, "3"},
+		{Result{Fit8: 3, Fit8Waited: 2}, "3 (2 while 8-GPU pods wait)"},
+	} {
+		if got := fit8Text(tc.res); got != tc.want {
+			t.Errorf("fit8Text(%+v) = %q, want %q", tc.res, got, tc.want)
+		}
+	}
+	rows := []SweepRow{
+		{Scheduler: "topodra", Fit8: 2, Fit8Waited: 1},
+		{Scheduler: "topodra", Fit8: 1},
+		{Scheduler: "stock", Fit8: 1},
+	}
+	if got := fit8Sum(summarize("topodra", rows)); got != "3 (1 while 8-GPU pods wait)" {
+		t.Errorf("topodra's sum %q, want 3 (1 while 8-GPU pods wait)", got)
+	}
+	if got := fit8Sum(summarize("stock", rows)); got != "1" {
+		t.Errorf("stock's sum %q, want 1", got)
+	}
+}
