@@ -454,6 +454,7 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 			for _, seed := range opts.Seeds {
 				o := opts.Base
 				o.Profile, o.Nodes, o.Pods, o.Seed, o.Trace = sc.Profile, sc.Nodes, sc.Pods, seed, sc.Trace
+				o.Schedulers = runOrder(schedulers, seed, round)
 				o.Checkpoints = -1
 				// One warm-up per sweep, before its first run.
 				if len(rep.Rows) > 0 {
@@ -484,6 +485,18 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 	rep.summarize(schedulers)
 	rep.WallSeconds = time.Since(start).Seconds()
 	return rep, nil
+}
+
+// runOrder is the order in which the schedulers run the workload of one
+// seed and round: as given where seed and round add up to an even number,
+// reversed otherwise, so that over a sweep each scheduler runs first, and
+// right after the other's run, equally often.
+func runOrder(schedulers []string, seed int64, round int) []string {
+	order := slices.Clone(schedulers)
+	if (seed+int64(round))%2 == 1 {
+		slices.Reverse(order)
+	}
+	return order
 }
 
 // summarize fills the summaries, per scenario and over all rows, of

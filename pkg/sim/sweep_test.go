@@ -446,3 +446,29 @@ func TestNotesShown(t *testing.T) {
 		}
 	}
 }
+
+// TestRunOrder: within a sweep the schedulers take turns at running
+// first, by seed and round, and a single scheduler stays alone.
+func TestRunOrder(t *testing.T) {
+	both := []string{SchedulerTopodra, SchedulerStock}
+	for _, tc := range []struct {
+		seed  int64
+		round int
+		want  []string
+	}{
+		{1, 1, both},
+		{2, 1, []string{SchedulerStock, SchedulerTopodra}},
+		{1, 2, []string{SchedulerStock, SchedulerTopodra}},
+		{2, 2, both},
+	} {
+		if got := runOrder(both, tc.seed, tc.round); !slices.Equal(got, tc.want) {
+			t.Errorf("seed %d round %d: %v, want %v", tc.seed, tc.round, got, tc.want)
+		}
+	}
+	if got := runOrder(both, 2, 1); !slices.Equal(both, []string{SchedulerTopodra, SchedulerStock}) || len(got) != 2 {
+		t.Errorf("the given order was changed: %v", both)
+	}
+	if got := runOrder([]string{SchedulerTopodra}, 2, 1); !slices.Equal(got, []string{SchedulerTopodra}) {
+		t.Errorf("one scheduler: %v", got)
+	}
+}
