@@ -482,6 +482,10 @@ func TestHostileObjects(t *testing.T) {
 		// overLimit: the claim asks for more than AllocationResultsMaxSize
 		// devices.
 		overLimit bool
+		// reason, where set, is the reason topodra gives for not
+		// scheduling the pod where it differs from the stock scheduler's
+		// on purpose; empty: the stock scheduler's.
+		reason string
 	}
 	cases := []hostile{
 		{name: "one-of-1024", group: "big", requests: []resourceapi.DeviceRequest{exact(1)}, devices: 1},
@@ -502,7 +506,9 @@ func TestHostileObjects(t *testing.T) {
 		{name: "many-of-limits-slice", group: "limits", requests: []resourceapi.DeviceRequest{exact(maxResults)}, devices: maxResults},
 		{name: "duplicate-names", group: "duplicates", requests: []resourceapi.DeviceRequest{exact(1)}},
 		{name: "incomplete-pool", group: "incomplete", requests: []resourceapi.DeviceRequest{exact(1)}},
-		{name: "all-of-incomplete-pool", group: "incomplete", requests: []resourceapi.DeviceRequest{all}},
+		// The 1.37 stock plugin ends the cycle with an error here (fixed
+		// upstream later); topodra fails the node only.
+		{name: "all-of-incomplete-pool", group: "incomplete", requests: []resourceapi.DeviceRequest{all}, reason: v1.PodReasonUnschedulable},
 	}
 
 	// One request more than DeviceRequestsMaxSize is the API server's to
@@ -560,8 +566,10 @@ func TestHostileObjects(t *testing.T) {
 				t.Errorf("%s: not scheduled (%s) without a message", c.name, cond.Reason)
 			case stock.Spec.NodeName != "":
 				t.Errorf("%s: the stock scheduler bound it to %s", c.name, stock.Spec.NodeName)
-			case cond.Reason != stockCond.Reason:
+			case c.reason == "" && cond.Reason != stockCond.Reason:
 				t.Errorf("%s: not scheduled as %s (%s), the stock scheduler says %s (%s)", c.name, cond.Reason, cond.Message, stockCond.Reason, stockCond.Message)
+			case c.reason != "" && cond.Reason != c.reason:
+				t.Errorf("%s: not scheduled as %s (%s), want %s", c.name, cond.Reason, cond.Message, c.reason)
 			}
 			if c.overLimit {
 				expectOverLimit(t, c.name, cond)

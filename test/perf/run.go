@@ -340,19 +340,26 @@ func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Wor
 			return nil, fmt.Errorf("write profile: %w", err)
 		}
 	}
+	binds := tr.bindTimes()
+	for _, b := range binds {
+		if !b.After(end) {
+			res.Pods++
+		}
+	}
+	// The scheduler observes an attempt once its binding cycle has
+	// returned, which may be after the binding is seen: wait a little for
+	// the attempts of the pods seen bound.
 	after, err := measure.Gather(legacyregistry.DefaultGatherer, attemptMetric, map[string]string{"profile": profile})
+	for deadline := time.Now().Add(2 * time.Second); err == nil && int(after.Sub(before).Count()) < res.Pods && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		after, err = measure.Gather(legacyregistry.DefaultGatherer, attemptMetric, map[string]string{"profile": profile})
+	}
 	if err != nil {
 		return nil, err
 	}
 	algoAfter, err := measure.Gather(legacyregistry.DefaultGatherer, algorithmMetric, nil)
 	if err != nil {
 		return nil, err
-	}
-	binds := tr.bindTimes()
-	for _, b := range binds {
-		if !b.After(end) {
-			res.Pods++
-		}
 	}
 	res.Seconds = end.Sub(t0).Seconds()
 	if res.Pods > 0 && cpu >= 0 {
