@@ -16,12 +16,24 @@ import (
 	"github.com/topodra/topodra/pkg/agent/cdi"
 )
 
-// hookGenerator is a cdi.HookChecker whose hook is missing while missing
-// is set; edits fail then, as cdi.NVCDI's do.
-type hookGenerator struct {
+// failingGenerator fails its common edits with err while missing is set,
+// as cdi.NVCDI does while something the node needs is missing.
+type failingGenerator struct {
 	cdi.Generator
+	err     error
 	missing atomic.Bool
 }
+
+func (g *failingGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	if g.missing.Load() {
+		return cdispec.ContainerEdits{}, g.err
+	}
+	return g.Generator.CommonEdits()
+}
+
+// hookGenerator is a cdi.HookChecker whose hook is missing while missing
+// is set; edits fail then.
+type hookGenerator struct{ failingGenerator }
 
 var errHook = fmt.Errorf("%w: /usr/bin/nvidia-cdi-hook on the node: no such file; install the NVIDIA Container Toolkit", cdi.ErrHookMissing)
 
@@ -30,13 +42,6 @@ func (g *hookGenerator) CheckHook() error {
 		return errHook
 	}
 	return nil
-}
-
-func (g *hookGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
-	if err := g.CheckHook(); err != nil {
-		return cdispec.ContainerEdits{}, err
-	}
-	return g.Generator.CommonEdits()
 }
 
 // TestCDIHookMissing: a CDI generator whose hook is missing on the node
@@ -49,7 +54,7 @@ func TestCDIHookMissing(t *testing.T) {
 	e := newEnv(t)
 	recorder := events.NewFakeRecorder(10)
 	e.recorder = recorder
-	gen := &hookGenerator{Generator: cdi.Static{DevRoot: e.devRoot}}
+	gen := &hookGenerator{failingGenerator{Generator: cdi.Static{DevRoot: e.devRoot}, err: errHook}}
 	gen.missing.Store(true)
 	e.generator = gen
 	a := e.start(ctx, t)
@@ -111,21 +116,7 @@ func TestNodeEventNoteLimit(t *testing.T) {
 	}
 }
 
-// uvmGenerator fails its common edits as cdi.NVCDI does while the
-// nvidia-uvm module is not loaded, as long as missing is set.
-type uvmGenerator struct {
-	cdi.Generator
-	missing atomic.Bool
-}
-
 var errUVM = fmt.Errorf("%w: /dev/nvidia-uvm and /dev/nvidia-uvm-tools: the nvidia-uvm kernel module is not loaded", cdi.ErrMissingDeviceNode)
-
-func (g *uvmGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
-	if g.missing.Load() {
-		return cdispec.ContainerEdits{}, errUVM
-	}
-	return g.Generator.CommonEdits()
-}
 
 // TestDeviceNodeMissing: Prepare that fails for a device node missing on
 // the node fails the claim with that error and records a
@@ -136,7 +127,7 @@ func TestDeviceNodeMissing(t *testing.T) {
 	e := newEnv(t)
 	recorder := events.NewFakeRecorder(10)
 	e.recorder = recorder
-	gen := &uvmGenerator{Generator: cdi.Static{DevRoot: e.devRoot}}
+	gen := &failingGenerator{Generator: cdi.Static{DevRoot: e.devRoot}, err: errUVM}
 	gen.missing.Store(true)
 	e.generator = gen
 	a := e.start(ctx, t)
