@@ -221,12 +221,13 @@ func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, er
 		}
 		name := n.module.names[len(n.module.names)-1]
 		major, loaded, err := characterMajor(g.opts.ProcDevices, n.module.names)
-		if err != nil {
-			return missingNodes{}, fmt.Errorf("cannot tell whether the %s kernel module is loaded: %w", name, err)
-		}
 		params := driverFileParams(g.opts.DriverParams, n.module)
 		dev := unix.Mkdev(major, n.minor)
 		switch {
+		case err != nil && exists:
+			continue // nothing to compare it with
+		case err != nil:
+			why = appendOnce(why, fmt.Sprintf("cannot tell whether the %s kernel module is loaded (%v); %s", name, err, n.module.remedy))
 		case exists && (!loaded || !params.modify):
 			continue // as it is: nothing to compare it with, or not to be changed
 		case exists && st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == dev:

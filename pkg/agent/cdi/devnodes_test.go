@@ -68,6 +68,7 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 		uvmThere     bool   // the nvidia-uvm nodes exist before (0:0)
 		removed      []node // of the nodes the driver root has
 		params       string // the nvidia module's parameters
+		noDevices    bool   // /proc/devices cannot be read
 		wantErr      []string
 		wantCreated  []node
 		wantListed   []string
@@ -91,6 +92,8 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 			wantErr: []string{"/dev/nvidiactl", "ModifyDeviceFiles: 0"}},
 		"control node missing, not created": {uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl},
 			wantErr: []string{"/dev/nvidiactl, looked up in", "nvidia-modprobe -c=0", "--create-device-nodes"}},
+		"control node missing, /proc/devices unreadable": {create: true, uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl}, noDevices: true,
+			wantErr: []string{"/dev/nvidiactl", "cannot tell whether the nvidia kernel module is loaded", "nvidia-modprobe -c=0"}},
 		"control node missing, module not loaded": {create: true, uvm: cdi.UVMOptional, removed: []node{ctl},
 			wantErr: []string{"/dev/nvidiactl", "the nvidia kernel module is not loaded", "nvidia-frontend or nvidia"}},
 		"require, not created, module loaded": {uvm: cdi.UVMRequire, nvidia: true, uvmLoaded: true,
@@ -136,8 +139,12 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 			if err := os.WriteFile(params, []byte(tc.params), 0o644); err != nil {
 				t.Fatal(err)
 			}
+			devices := procDevices(t, tc.nvidia, tc.uvmLoaded)
+			if tc.noDevices {
+				devices = filepath.Join(t.TempDir(), "no-such-file")
+			}
 			gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{Root: root, NVML: func() nvml.Interface { return lib },
-				CreateDeviceNodes: tc.create, UVM: tc.uvm, ProcDevices: procDevices(t, tc.nvidia, tc.uvmLoaded), DriverParams: params})
+				CreateDeviceNodes: tc.create, UVM: tc.uvm, ProcDevices: devices, DriverParams: params})
 			if err != nil {
 				t.Fatal(err)
 			}

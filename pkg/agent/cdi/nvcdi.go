@@ -60,8 +60,8 @@ type NVCDIOptions struct {
 	// nodes (see [UVMPolicy]); empty: [UVMOptional].
 	UVM UVMPolicy
 	// ProcDevices is the file in the format of /proc/devices that tells
-	// whether the nvidia-uvm module is loaded; default
-	// [DefaultProcDevices].
+	// whether the driver's kernel modules are loaded, and their major
+	// numbers; default [DefaultProcDevices].
 	ProcDevices string
 	// DriverParams is the file in the format of /proc/driver/nvidia/params
 	// whose DeviceFileUID, DeviceFileGID, DeviceFileMode and
