@@ -215,7 +215,8 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	return removed, nil
 }
 
-// claimGone reports a prepared claim that the API server no longer has.
+// claimGone reports a prepared claim that the API server no longer has, or
+// has without an allocation (why says which).
 func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string) {
 	devices := claimDevices(c)
 	klog.FromContext(ctx).Info("prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why)
