@@ -430,7 +430,7 @@ func resultRows() []resultRow {
 			return fmt.Sprint(res.InvariantViolations)
 		}},
 		{"free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) }},
-		{"more 8-GPU jobs fit", true, fit8Text},
+		{"more 8-GPU jobs fit", true, func(res Result) string { return fit8Label(res.Fit8, res.Fit8Waited) }},
 		{"more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) }},
 		{"throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) }},
 		{"attempt latency p50 / p99", false, func(res Result) string {
@@ -614,13 +614,14 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 	return out
 }
 
-// fit8Text is the number of 8-GPU jobs that fit at the end, with how many
-// of those slots 8-GPU pods still waiting could take.
-func fit8Text(res Result) string {
-	if res.Fit8Waited == 0 {
-		return fmt.Sprint(res.Fit8)
+// fit8Label is the number of 8-GPU jobs that fit at the end, with how
+// many of those slots 8-GPU pods still waiting could take (see
+// Result.Fit8Waited).
+func fit8Label(fit, waited int) string {
+	if waited == 0 {
+		return fmt.Sprint(fit)
 	}
-	return fmt.Sprintf("%d (%d while 8-GPU pods wait)", res.Fit8, res.Fit8Waited)
+	return fmt.Sprintf("%d (%d while 8-GPU pods wait)", fit, waited)
 }
 
 // SchedulerCPUMsPerPod is the scheduler's CPU time per pod placed, in

@@ -101,8 +101,8 @@ func TestFit8WhileWaiting(t *testing.T) {
 		{Result{Fit8: 3}, "3"},
 		{Result{Fit8: 3, Fit8Waited: 2}, "3 (2 while 8-GPU pods wait)"},
 	} {
-		if got := fit8Text(tc.res); got != tc.want {
-			t.Errorf("fit8Text(%+v) = %q, want %q", tc.res, got, tc.want)
+		if got := fit8Label(tc.res.Fit8, tc.res.Fit8Waited); got != tc.want {
+			t.Errorf("fit8Label(%d, %d) = %q, want %q", tc.res.Fit8, tc.res.Fit8Waited, got, tc.want)
 		}
 	}
 	rows := []SweepRow{
@@ -110,10 +110,10 @@ func TestFit8WhileWaiting(t *testing.T) {
 		{Scheduler: "topodra", Fit8: 1},
 		{Scheduler: "stock", Fit8: 1},
 	}
-	if got := fit8Sum(summarize("topodra", rows)); got != "3 (1 while 8-GPU pods wait)" {
-		t.Errorf("topodra's sum %q, want 3 (1 while 8-GPU pods wait)", got)
-	}
-	if got := fit8Sum(summarize("stock", rows)); got != "1" {
-		t.Errorf("stock's sum %q, want 1", got)
+	for scheduler, want := range map[string]string{"topodra": "3 (1 while 8-GPU pods wait)", "stock": "1"} {
+		sum := summarize(scheduler, rows)
+		if got := fit8Label(sum.Fit8, sum.Fit8Waited); got != want {
+			t.Errorf("%s's sum %q, want %q", scheduler, got, want)
+		}
 	}
 }

@@ -207,6 +207,24 @@ func driverFileParams(path string, m module) fileParams {
 // why; none where all are there.
 func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, error) {
 	create := g.opts.CreateDeviceNodes && devs.path != "/"
+	// What /proc/devices and the driver's parameters say of a module,
+	// read once per call.
+	type moduleState struct {
+		major  uint32
+		loaded bool
+		err    error
+		params fileParams
+	}
+	modules := map[string]moduleState{}
+	state := func(m module) moduleState {
+		st, ok := modules[m.names[0]]
+		if !ok {
+			st.major, st.loaded, st.err = characterMajor(g.opts.ProcDevices, m.names)
+			st.params = driverFileParams(g.opts.DriverParams, m)
+			modules[m.names[0]] = st
+		}
+		return st
+	}
 	var still, why []string
 	for _, n := range nodes {
 		p := filepath.Join(devs.path, n.path)
@@ -220,8 +238,8 @@ func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, er
 			continue
 		}
 		name := n.module.names[len(n.module.names)-1]
-		major, loaded, err := characterMajor(g.opts.ProcDevices, n.module.names)
-		params := driverFileParams(g.opts.DriverParams, n.module)
+		ms := state(n.module)
+		major, loaded, err, params := ms.major, ms.loaded, ms.err, ms.params
 		dev := unix.Mkdev(major, n.minor)
 		switch {
 		case err != nil && exists:
