@@ -249,6 +249,7 @@ func (g *NVCDI) ensureNodes(devs devRoots, nodes []deviceNode) (missingNodes, er
 		case exists && (!loaded || !params.modify):
 			continue // as it is: nothing to compare it with, or not to be changed
 		case exists && st.Mode&unix.S_IFMT == unix.S_IFCHR && st.Rdev == dev:
+			g.fixOwnerAndMode(p, &st, params)
 			g.linkCharDevice(devs, n, major)
 			continue
 		case !loaded:
@@ -294,6 +295,25 @@ func (g *NVCDI) makeNode(p string, exists bool, dev uint64, params fileParams) e
 		return fmt.Errorf("set the mode and owner of %s: %w", p, err)
 	}
 	return nil
+}
+
+// fixOwnerAndMode gives the existing device node p (stat st) the
+// ownership and mode of params where it has others, as nvidia-modprobe
+// does: a node that another tool created root-only keeps a container
+// that runs as another user from opening it. Best effort: the node is
+// there, and a container that runs as root can use it as it is.
+func (g *NVCDI) fixOwnerAndMode(p string, st *unix.Stat_t, params fileParams) {
+	mode := params.mode & 0o777
+	if st.Mode&0o777 == mode && int(st.Uid) == params.uid && int(st.Gid) == params.gid {
+		return
+	}
+	if err := errors.Join(os.Chmod(p, fs.FileMode(mode)), os.Chown(p, params.uid, params.gid)); err != nil {
+		g.opts.Logger.Error(err, "Device node of the NVIDIA driver has another owner or mode than the driver's; containers that do not run as root may not open it", "path", p,
+			"mode", fmt.Sprintf("%#o", st.Mode&0o777), "uid", st.Uid, "gid", st.Gid, "wantMode", fmt.Sprintf("%#o", mode), "wantUID", params.uid, "wantGID", params.gid)
+		return
+	}
+	g.opts.Logger.Info("set the owner and mode of a device node of the NVIDIA driver to the driver's", "path", p,
+		"mode", fmt.Sprintf("%#o", mode), "uid", params.uid, "gid", params.gid, "was", fmt.Sprintf("%#o %d:%d", st.Mode&0o777, st.Uid, st.Gid))
 }
 
 // linkCharDevice links /dev/char/<major>:<minor> of the device root to

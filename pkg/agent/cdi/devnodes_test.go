@@ -61,12 +61,16 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 	gpu1 := node{"/dev/nvidia1", 195, 1, 0o666, 0}
 	ctlGroup := node{"/dev/nvidiactl", 195, 255, 0o660, 44}
 	for name, tc := range map[string]struct {
-		create       bool
-		uvm          cdi.UVMPolicy
-		nvidia       bool // the nvidia module is loaded
-		uvmLoaded    bool
-		uvmThere     bool   // the nvidia-uvm nodes exist before (0:0)
-		removed      []node // of the nodes the driver root has
+		create    bool
+		uvm       cdi.UVMPolicy
+		nvidia    bool // the nvidia module is loaded
+		uvmLoaded bool
+		uvmThere  bool   // the nvidia-uvm nodes exist before (0:0)
+		removed   []node // of the nodes the driver root has
+		// rootOnly: of the nodes the driver root has, made again with
+		// their right numbers, root-only (0600, root's group)
+		rootOnly     []node
+		wantRootOnly []node // left as they are
 		params       string // the nvidia module's parameters
 		noDevices    bool   // /proc/devices cannot be read
 		wantErr      []string
@@ -90,6 +94,12 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 		"create, the driver's files not to be modified": {create: true, uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl},
 			params:  "ModifyDeviceFiles: 0\n",
 			wantErr: []string{"/dev/nvidiactl", "ModifyDeviceFiles: 0"}},
+		"create, a node of the right number with another owner and mode": {create: true, uvm: cdi.UVMOptional, nvidia: true, rootOnly: []node{ctl, gpu1},
+			params:      "ModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 44\nDeviceFileMode: 432\n",
+			wantCreated: []node{ctlGroup, {"/dev/nvidia1", 195, 1, 0o660, 44}}, wantListed: []string{"/dev/nvidiactl", "/dev/nvidia1"}},
+		"create, another owner and mode, the driver's files not to be modified": {create: true, uvm: cdi.UVMOptional, nvidia: true, rootOnly: []node{ctl},
+			params:       "ModifyDeviceFiles: 0\nDeviceFileGID: 44\nDeviceFileMode: 432\n",
+			wantRootOnly: []node{ctl}, wantListed: []string{"/dev/nvidiactl"}},
 		"control node missing, not created": {uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl},
 			wantErr: []string{"/dev/nvidiactl, looked up in", "nvidia-modprobe -c=0", "--create-device-nodes"}},
 		"control node missing, /proc/devices unreadable": {create: true, uvm: cdi.UVMOptional, nvidia: true, removed: []node{ctl}, noDevices: true,
@@ -112,6 +122,18 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 			}
 			for _, n := range tc.removed {
 				if err := os.Remove(filepath.Join(mountPoint, n.path)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, n := range tc.rootOnly {
+				p := filepath.Join(mountPoint, n.path)
+				if err := os.Remove(p); err != nil {
+					t.Fatal(err)
+				}
+				if err := unix.Mknod(p, unix.S_IFCHR|0o600, int(unix.Mkdev(n.major, n.minor))); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Chmod(p, 0o600); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -194,6 +216,13 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 				link := filepath.Join(mountPoint, "dev", "char", fmt.Sprintf("%d:%d", n.major, n.minor))
 				if target, err := os.Readlink(link); err != nil || target != "../"+strings.TrimPrefix(n.path, "/dev/") {
 					t.Errorf("%s: %q, %v; want a link to ../%s", link, target, err, strings.TrimPrefix(n.path, "/dev/"))
+				}
+			}
+			for _, n := range tc.wantRootOnly {
+				created[n.path] = true
+				var st unix.Stat_t
+				if err := unix.Stat(filepath.Join(mountPoint, n.path), &st); err != nil || st.Mode&0o777 != 0o600 || st.Gid != 0 {
+					t.Errorf("%s: mode %o, group %d, %v; want it left at 0600, group 0", n.path, st.Mode&0o777, st.Gid, err)
 				}
 			}
 			// Nothing else appeared or went.
