@@ -67,6 +67,7 @@ import (
 	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/eventnote"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -865,27 +866,20 @@ func (a *Agent) nodeRef() *v1.ObjectReference {
 	return &v1.ObjectReference{Kind: "Node", Name: a.opts.NodeName, UID: types.UID(a.opts.NodeName)}
 }
 
-// noteLengthLimit is the longest event note that the API server accepts.
-const noteLengthLimit = 1024
-
 // nodeEvent records an event on the Node (see event).
 func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
 	a.event(a.nodeRef(), eventtype, reason, action, note, args...)
 }
 
 // event records an event on obj if there is a recorder, its note cut to
-// noteLengthLimit: the API server refuses a longer one, and the event
+// eventnote.Limit: the API server refuses a longer one, and the event
 // would be lost (a claim's devices, listed twice, get there on a node
 // with a long name).
 func (a *Agent) event(obj runtime.Object, eventtype, reason, action, note string, args ...any) {
 	if a.opts.Recorder == nil {
 		return
 	}
-	note = fmt.Sprintf(note, args...)
-	if len(note) > noteLengthLimit {
-		note = strings.ToValidUTF8(note[:noteLengthLimit-3], "") + "..."
-	}
-	a.opts.Recorder.Eventf(obj, nil, eventtype, reason, action, "%s", note)
+	a.opts.Recorder.Eventf(obj, nil, eventtype, reason, action, "%s", eventnote.Format(note, args...))
 }
 
 // checkCDIHook reports at start, in the log and as a Warning event on the

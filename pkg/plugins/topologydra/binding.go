@@ -194,7 +194,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 		return nil
 	}
 	logger := klog.FromContext(ctx)
-	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
+	pl.event(pod, v1.EventTypeNormal, "BindingConditionsPending", "Scheduling", "waiting for binding conditions of devices on node %s", nodeName)
 	start := time.Now()
 	// bindingTimeout bounds the wait also for allocations without a
 	// timestamp (written by another scheduler or a controller).

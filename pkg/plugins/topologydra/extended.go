@@ -405,7 +405,7 @@ func (pl *TopologyDRA) createExtendedClaim(ctx context.Context, pod *v1.Pod, v *
 	schedmetrics.ResourceClaimCreatesTotal.WithLabelValues(status, "false", "", "Pod").Inc()
 	if err != nil {
 		err = fmt.Errorf("create the resource claim for extended resources %s: %w", extendedNames(v.mappings), err)
-		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
+		pl.event(pod, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
 		return nil, err
 	}
 	klog.FromContext(ctx).V(5).Info("created extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(created))
@@ -440,7 +440,7 @@ func (pl *TopologyDRA) setExtendedStatus(ctx context.Context, pod *v1.Pod, statu
 	}
 	if err != nil {
 		err = fmt.Errorf("name resource claim %s in the pod's status.extendedResourceClaimStatus: %w", status.ResourceClaimName, err)
-		pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
+		pl.event(pod, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
 		return err
 	}
 	return nil

@@ -674,3 +674,26 @@ func TestUnownedDevicesCounted(t *testing.T) {
 		t.Errorf("topodra_unowned_devices_allocated_total went from %v to %v after one owned and one unowned device, want +1", before, got)
 	}
 }
+
+// TestUnschedulableMessageCountsNodes: the pod's condition, which the
+// framework builds from Filter's statuses by counting the nodes that fail
+// alike, reads as a number of nodes and the reason for each group.
+func TestUnschedulableMessageCountsNodes(t *testing.T) {
+	nodes := []*v1.Node{testNode("node-a"), testNode("node-b"), testNode("node-c")}
+	h := newHarness(t, nodes, testDeviceClass(), testSlice("node-a", 1), testSlice("node-b", 1), testSlice("node-c", 3), testClaim("c", 4))
+	pod := testPod("p", "c")
+	_, st := h.cycle(pod, "node-a", "node-b", "node-c")
+	diagnosis := framework.Diagnosis{NodeToStatus: framework.NewDefaultNodeToStatus()}
+	for node, s := range st {
+		if s.IsSuccess() {
+			t.Fatalf("Filter(%s) passed a 4-GPU claim", node)
+		}
+		diagnosis.NodeToStatus.Set(node, s)
+	}
+	got := (&framework.FitError{Pod: pod, NumAllNodes: 3, Diagnosis: diagnosis}).Error()
+	for _, want := range []string{"0/3 nodes are available: 1 node(s) cannot allocate claim c request ", "2 node(s) cannot allocate claim c request "} {
+		if !strings.Contains(got, want) {
+			t.Errorf("pod's message %q does not contain %q", got, want)
+		}
+	}
+}

@@ -33,7 +33,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 		if s.needsNodeOperations[i] && !slices.Contains(node.Status.DeclaredFeatures, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate) {
 			s.markUnavailable(i)
-			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need the %s feature that node %s does not declare", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate, node.Name))
+			// Names no node, so that the pod's message counts the nodes
+			// that fail alike once.
+			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need nodes that declare the %s feature; deleting the pod frees the claim", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate))
 		}
 		if err := s.unusable[i]; err != nil {
 			s.markUnavailable(i)
@@ -92,7 +94,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 				}
 				claim := s.claims[index]
 				if claim.Namespace+"/"+claim.Name == inputErr.Claim {
-					pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
+					pl.event(claim, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", err.Error())
 				}
 			}
 		})
@@ -105,7 +107,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		msg := "cannot allocate all claims"
 		if res.Explanation != nil {
 			if e := res.Explanation.String(); e != "" {
-				msg = e
+				// The framework puts the number of nodes that fail
+				// alike before it: "3 node(s) cannot allocate claim …".
+				msg = "node(s) cannot allocate " + e
 			}
 			// The message names no pool, so that it reads the same on
 			// every node; the log says which pools were left out.
@@ -129,7 +133,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			// the pod is retried when devices are given back.
 			pl.heldBack.hold(pod)
 			s.heldOnce.Do(headroomHolds.Inc)
-			return unresolvable(why)
+			return unresolvable("node(s) fit but are held back: " + why)
 		}
 	}
 	s.setResult(node.Name, res)

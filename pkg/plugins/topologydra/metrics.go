@@ -95,7 +95,7 @@ func (pl *TopologyDRA) recordPlacement(pod *v1.Pod, nodeName string, s *stateDat
 	} else if len(q.Devices) == 1 {
 		where = "single device"
 	}
-	msg := fmt.Sprintf("allocated %s on node %s (%s)", strings.Join(q.Devices, ", "), nodeName, where)
+	msg := fmt.Sprintf("allocated %s on node %s (%s)", devicesByPool(q.Devices), nodeName, where)
 	if why := s.result.Explanation.String(); why != "" && q.Domain == "" && len(q.Devices) > 1 {
 		// Why the devices could not share a domain here.
 		msg += ": " + why
@@ -103,5 +103,33 @@ func (pl *TopologyDRA) recordPlacement(pod *v1.Pod, nodeName string, s *stateDat
 	if s.draining.Has(nodeName) {
 		msg += "; the node was being kept for waiting whole-node pods, and no other node offered as good a placement"
 	}
-	pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeNormal, "DevicesAllocated", "Binding", "%s", msg)
+	pl.event(pod, v1.EventTypeNormal, "DevicesAllocated", "Binding", "%s", msg)
+}
+
+// devicesByPool lists devices named "driver/pool/device" by pool, each
+// pool once: "gpu.topodra.io/node-a: gpu-0, gpu-1; dra.net/node-a:
+// nic-0" (a pool name may hold slashes, driver and device names none).
+// Names without a pool are listed as they are.
+func devicesByPool(devices []string) string {
+	var pools []string
+	byPool := map[string][]string{}
+	for _, d := range devices {
+		pool, name := "", d
+		if i := strings.LastIndex(d, "/"); i > 0 && strings.Contains(d[:i], "/") {
+			pool, name = d[:i], d[i+1:]
+		}
+		if _, ok := byPool[pool]; !ok {
+			pools = append(pools, pool)
+		}
+		byPool[pool] = append(byPool[pool], name)
+	}
+	parts := make([]string, 0, len(pools))
+	for _, pool := range pools {
+		if pool == "" {
+			parts = append(parts, strings.Join(byPool[pool], ", "))
+			continue
+		}
+		parts = append(parts, pool+": "+strings.Join(byPool[pool], ", "))
+	}
+	return strings.Join(parts, "; ")
 }

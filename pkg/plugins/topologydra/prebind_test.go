@@ -171,7 +171,7 @@ func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
 		u := action.(cgotesting.UpdateAction)
 		if u.GetSubresource() == "status" && u.GetObject().(*resourceapi.ResourceClaim).Name == "b" {
-			return true, nil, errors.New("apiserver: timeout")
+			return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "b", errors.New("denied by an admission webhook"))
 		}
 		return false, nil, nil
 	})
@@ -426,6 +426,15 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 				h.tCtx.ExpectNoError(err, "the claim informer's event did not settle claim c")
 			}
 			unreadable.Store(false)
+			if !stored && !tc.informer {
+				// Readable, unchanged since the write: the API server may
+				// still store the write, until the API server's request
+				// timeout has passed.
+				if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil); code(st) != fwk.Error || !strings.Contains(st.Message(), "may still store it") {
+					t.Errorf("PreFilter of the pod while its claim's write may still be stored: %v, want an error that says so", st)
+				}
+				ageUncertain(h.pl, uid, uncertainRereadAge)
+			}
 			cs, st := h.cycle(pod, "node-a")
 			if stored {
 				// c is allocated and reserved for p: nothing to allocate.
@@ -448,6 +457,100 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			}
 			if h.pl.uncertain.has(h.apiClaim("c").UID) {
 				t.Error("claim c is still uncertain after it was read")
+			}
+		})
+	}
+}
+
+// ageUncertain makes the uncertain write of claim uid older by d.
+func ageUncertain(pl *TopologyDRA, uid types.UID, d time.Duration) {
+	pl.uncertain.mu.Lock()
+	defer pl.uncertain.mu.Unlock()
+	w := pl.uncertain.claims[uid]
+	w.since = w.since.Add(-d)
+	pl.uncertain.claims[uid] = w
+}
+
+// TestPreBindWriteNotStoredYet: claim c's allocation write fails with a
+// timeout that the API server has not acted on yet (it may still store
+// the write), and the claim reads as unchanged. PreBind must not take
+// that read for "not stored": it sends the write again from the same
+// resourceVersion, so that at most one of the two is stored, and learns
+// the outcome from that. Either way the claim's devices stay taken, and
+// the first write, landing late, cannot give them to a second claim.
+func TestPreBindWriteNotStoredYet(t *testing.T) {
+	for name, lateFirst := range map[string]bool{
+		"the first write lands after the second":  false,
+		"the first write lands before the second": true,
+	} {
+		t.Run(name, func(t *testing.T) {
+			var first atomic.Pointer[resourceapi.ResourceClaim]
+			var h *harness
+			land := func() error {
+				late := first.Swap(nil)
+				if late == nil {
+					return nil
+				}
+				_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(context.Background(), late, metav1.UpdateOptions{})
+				return err
+			}
+			var writes atomic.Int32
+			hook := func(hh *harness) {
+				h = hh
+				preconditionReactor(hh)
+				hh.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					u := action.(cgotesting.UpdateAction)
+					obj := u.GetObject().(*resourceapi.ResourceClaim)
+					if u.GetSubresource() != "status" || obj.Name != "c" || obj.Status.Allocation == nil {
+						return false, nil, nil
+					}
+					switch writes.Add(1) {
+					case 1:
+						// Kept for later, as an API server still at work
+						// on it after the client gave up.
+						first.Store(obj.DeepCopy())
+						return true, nil, apierrors.NewTimeoutError("request did not complete within requested timeout", 1)
+					case 2:
+						if late := first.Swap(nil); lateFirst && late != nil {
+							// Stored by the API server just before the
+							// second write arrives (straight into the
+							// tracker: the fake client's reactors cannot
+							// call it).
+							late.ResourceVersion = "1000000" // newer than any the harness gave out
+							if err := hh.client.Tracker().Update(action.GetResource(), late, testNS, metav1.UpdateOptions{}); err != nil {
+								return true, nil, err
+							}
+						} else if late != nil {
+							first.Store(late)
+						}
+					}
+					return false, nil, nil
+				})
+			}
+			fastSettleReads(t)
+			h = newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+			pod := testPod("p", "c")
+			cs := h.reserve(pod, "node-a")
+			uid := h.apiClaim("c").UID
+			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although the write timed out")
+			}
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			if h.pl.uncertain.has(uid) {
+				t.Error("the write of claim c is still uncertain, although the second write settled it")
+			}
+			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+				t.Errorf("a 2-GPU pod fits on node-a while claim c's write may still be stored")
+			}
+			// The first write, where it has not landed yet, tries now.
+			if err := land(); !lateFirst && !apierrors.IsConflict(err) {
+				t.Errorf("the first write, landing after the second: %v, want a conflict", err)
+			}
+			c := h.apiClaim("c")
+			if c.Status.Allocation == nil || len(c.Status.ReservedFor) != 0 {
+				t.Errorf("claim c in the API: allocation %v, reserved for %v; want allocated, reserved for nobody after Unreserve", c.Status.Allocation, c.Status.ReservedFor)
 			}
 		})
 	}

@@ -34,7 +34,7 @@ func (pl *TopologyDRA) PreEnqueue(ctx context.Context, pod *v1.Pod) *fwk.Status 
 	if _, err := pl.podClaims(pod); err != nil {
 		var wait *claimWaitError
 		if errors.As(err, &wait) && wait.tellUser {
-			pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedScheduling", "Scheduling", "%s", err.Error())
+			pl.event(pod, v1.EventTypeWarning, "FailedScheduling", "Scheduling", "%s", err.Error())
 		}
 		return unschedulable(err.Error())
 	}
@@ -327,7 +327,7 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 		return nil
 	}
 	msg := fmt.Sprintf("resource claim %s: %s", claim.Name, strings.Join(problems, "; "))
-	pl.handle.EventRecorder().Eventf(claim, nil, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", msg)
+	pl.event(claim, v1.EventTypeWarning, "InvalidClaim", "Scheduling", "%s", msg)
 	// A missing class may be created, a broken class fixed: DeviceClass
 	// events requeue the pod, and so does a change of the claim's topodra
 	// annotations (see isSchedulableAfterClaimChange). A broken spec

@@ -19,6 +19,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/allocator"
+	"github.com/topodra/topodra/pkg/eventnote"
 	"github.com/topodra/topodra/pkg/plugins/topologydra/apis/config"
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -405,5 +406,47 @@ func TestWholeNodeOfFourGPUs(t *testing.T) {
 				t.Errorf("Filter(node-h) for 4 GPUs = %v, want held back by the full headroom: %v", st["node-h"], tc.wantHeld)
 			}
 		})
+	}
+}
+
+// TestPlacementEventFitsTheAPI: the DevicesAllocated event names each
+// pool once, and a longer one is cut to what the API server accepts (it
+// refuses a longer note, and the event would be lost).
+func TestPlacementEventFitsTheAPI(t *testing.T) {
+	node := "ip-10-0-123-45.us-west-2.compute.internal-with-a-longer-suffix"
+	h := newHarness(t, []*v1.Node{testNode(node)})
+	var devices []string
+	for i := range 8 {
+		devices = append(devices, fmt.Sprintf("gpu.topodra.io/%s/gpu-%d", node, i), fmt.Sprintf("dra.net/%s/nic-%d", node, i))
+	}
+	h.pl.recordPlacement(testPod("p"), node, &stateData{result: &allocator.Result{Quality: allocator.Quality{Devices: devices}}})
+	select {
+	case e := <-h.recorder.Events:
+		// The fake recorder writes "<type> <reason> <note>".
+		note := strings.TrimPrefix(e, "Normal DevicesAllocated ")
+		if len(note) > eventnote.Limit {
+			t.Errorf("note of %d bytes (limit %d): %q", len(note), eventnote.Limit, note)
+		}
+		// Each pool once.
+		want := "allocated gpu.topodra.io/" + node + ": gpu-0, gpu-1, gpu-2, gpu-3, gpu-4, gpu-5, gpu-6, gpu-7; dra.net/" + node + ": nic-0, nic-1, nic-2, nic-3, nic-4, nic-5, nic-6, nic-7 on node " + node
+		if !strings.HasPrefix(note, want) {
+			t.Errorf("note %q, want it to start with %q", note, want)
+		}
+	default:
+		t.Fatal("no event")
+	}
+	// However many pools, the note is cut.
+	devices = nil
+	for i := range 40 {
+		devices = append(devices, fmt.Sprintf("gpu.topodra.io/%s-%d/gpu-0", node, i))
+	}
+	h.pl.recordPlacement(testPod("q"), node, &stateData{result: &allocator.Result{Quality: allocator.Quality{Devices: devices}}})
+	select {
+	case e := <-h.recorder.Events:
+		if note := strings.TrimPrefix(e, "Normal DevicesAllocated "); len(note) > eventnote.Limit || !strings.HasSuffix(note, "...") {
+			t.Errorf("note of %d bytes (limit %d), want it cut: %q", len(note), eventnote.Limit, note)
+		}
+	default:
+		t.Fatal("no event")
 	}
 }

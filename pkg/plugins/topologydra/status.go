@@ -3,8 +3,11 @@ package topologydra
 import (
 	"fmt"
 
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/eventnote"
 )
 
 // Every failure goes through one of these helpers.
@@ -23,9 +26,11 @@ func unresolvable(msg string) *fwk.Status {
 }
 
 // internalError: a fault of the scheduler or the API (conflict, lost cache
-// entry); the pod goes to backoff and is retried.
+// entry); the pod goes to backoff and is retried. The framework logs the
+// error with the pod ("Error scheduling pod; retrying"); this adds the
+// plugin's context at V(2).
 func internalError(logger klog.Logger, err error, kv ...any) *fwk.Status {
-	logger.Error(err, "TopologyDRA", kv...)
+	logger.V(2).Info("TopologyDRA failed; the pod is retried after backoff", append([]any{"err", err}, kv...)...)
 	return fwk.AsStatus(fmt.Errorf("%s: %w", Name, err))
 }
 
@@ -37,4 +42,12 @@ func internalError(logger klog.Logger, err error, kv ...any) *fwk.Status {
 func inputError(logger klog.Logger, err error, kv ...any) *fwk.Status {
 	logger.V(2).Info("claim cannot be allocated", append([]any{"err", err}, kv...)...)
 	return fwk.AsStatus(err)
+}
+
+// event records an event on obj through the scheduler's recorder, its
+// note cut to what the API server accepts (eventnote.Limit): a placement
+// of many devices on a node with a long name, or a long CEL expression
+// quoted with its error, would otherwise be refused and lost.
+func (pl *TopologyDRA) event(obj runtime.Object, eventtype, reason, action, note string, args ...any) {
+	pl.handle.EventRecorder().Eventf(obj, nil, eventtype, reason, action, "%s", eventnote.Format(note, args...))
 }

@@ -136,13 +136,20 @@ const (
 	// outcomeStored: the claim is allocated and reserved for the pod.
 	outcomeStored
 	// outcomeNotStored: the claim is gone, replaced, or not allocated
-	// for the pod.
+	// for the pod, at a newer resourceVersion than the write's: the write
+	// can no longer be stored.
 	outcomeNotStored
+	// outcomeNotYet: the claim is not allocated for the pod and still at
+	// the resourceVersion the write started from. Not stored yet: the API
+	// server may still be processing the write (a timeout or a cancelled
+	// request does not stop it there), and it would then store it.
+	outcomeNotYet
 )
 
 // readOutcome reads the claim from the API server (a quorum read) and
-// tells whether the allocation written for podUID is there; latest is the
-// claim read (nil where it is gone).
+// tells whether the allocation written for podUID to claim (as sent: its
+// resourceVersion is the one the write started from) is there; latest is
+// the claim read (nil where it is gone).
 func (pl *TopologyDRA) readOutcome(ctx context.Context, claim *resourceapi.ResourceClaim, podUID types.UID) (writeOutcome, *resourceapi.ResourceClaim, error) {
 	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
 	switch {
@@ -150,15 +157,39 @@ func (pl *TopologyDRA) readOutcome(ctx context.Context, claim *resourceapi.Resou
 		return outcomeNotStored, nil, nil
 	case err != nil:
 		return outcomeUnknown, nil, err
-	case latest.UID != claim.UID || latest.Status.Allocation == nil:
+	case latest.UID != claim.UID:
 		return outcomeNotStored, latest, nil
 	}
-	for _, r := range latest.Status.ReservedFor {
-		if r.Resource == "pods" && r.UID == podUID {
-			return outcomeStored, latest, nil
+	if latest.Status.Allocation != nil {
+		for _, r := range latest.Status.ReservedFor {
+			if r.Resource == "pods" && r.UID == podUID {
+				return outcomeStored, latest, nil
+			}
 		}
 	}
+	if !newerVersion(latest.ResourceVersion, claim.ResourceVersion) {
+		return outcomeNotYet, latest, nil
+	}
 	return outcomeNotStored, latest, nil
+}
+
+// fenceWrite settles a write of claim (as sent) that is not stored yet
+// (outcomeNotYet) by sending it again: the API server stores at most one
+// of two writes from the same resourceVersion. Stored, it returns the
+// claim as stored; a conflict means the first write (or another writer)
+// got there first, which the next read tells; any other error leaves it
+// open. A write that allocated nothing (the finalizer's update, which
+// comes first) is not sent again: whatever becomes of it, no devices are
+// taken.
+func (pl *TopologyDRA) fenceWrite(ctx context.Context, claim *resourceapi.ResourceClaim) (writeOutcome, *resourceapi.ResourceClaim, error) {
+	if claim.Status.Allocation == nil {
+		return outcomeNotStored, nil, nil
+	}
+	stored, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+	if err != nil {
+		return outcomeUnknown, nil, err
+	}
+	return outcomeStored, stored, nil
 }
 
 // settleReads is how often, and how far apart, PreBind reads a claim
@@ -191,16 +222,24 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	var readErr error
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
+	refused := writeRefused(writeErr)
 	_ = wait.ExponentialBackoffWithContext(ctx, settleReads, func(ctx context.Context) (bool, error) {
 		outcome, latest, readErr = pl.readOutcome(ctx, claim, podUID)
-		return outcome != outcomeUnknown || writeRefused(writeErr), nil
+		if outcome == outcomeNotYet {
+			if refused {
+				outcome = outcomeNotStored
+			} else {
+				outcome, latest, readErr = pl.fenceWrite(ctx, claim)
+			}
+		}
+		return outcome != outcomeUnknown || refused, nil
 	})
 	switch outcome {
 	case outcomeStored:
 		pl.takeInStored(logger, latest, latest.UID)
 		s.claims[i] = latest
 	case outcomeUnknown:
-		if writeRefused(writeErr) {
+		if refused {
 			return
 		}
 		pl.uncertain.add(claim, claim.UID)
@@ -231,6 +270,10 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 	}
 	if err == nil && latest.UID != claim.UID {
 		latest = nil
+	}
+	if w, ok := pl.uncertain.get(claim.UID); ok && latest != nil && latest.Status.Allocation == nil &&
+		!newerVersion(latest.ResourceVersion, w.resourceVersion) && time.Since(w.since) < uncertainRereadAge {
+		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the API server may still store it (the claim has not changed since); its devices stay taken until the claim changes or, at the latest, %v after the write", claim.Name, uncertainRereadAge)
 	}
 	if _, ok := pl.uncertain.take(claim.UID); ok {
 		if latest != nil && latest.Status.Allocation != nil && allocation != nil {
