@@ -45,17 +45,50 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 }
 
 // isSchedulableAfterAssignedPodDelete: requeue when the pod is one whose
-// in-flight allocation Unreserve just dropped (a binding failure). A pod
+// in-flight allocation Unreserve just dropped (a binding failure), in
+// this profile (released) or in another profile of the scheduler, which
+// shares the claims in flight but not this plugin's state: there, a pod
+// that may hold devices (claims, or extended resources that a DRA driver
+// may back) and still exists unbound failed its binding cycle. A pod
 // really deleted gives its devices back through claim events, which have
 // hints of their own.
 func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if tomb, ok := oldObj.(cache.DeletedFinalStateUnknown); ok {
 		oldObj = tomb.Obj
 	}
-	if gone, ok := oldObj.(*v1.Pod); ok && pl.released.has(gone.UID) {
+	gone, ok := oldObj.(*v1.Pod)
+	if !ok {
+		return fwk.QueueSkip, nil
+	}
+	if pl.released.has(gone.UID) {
 		return fwk.Queue, nil
 	}
+	if pl.pods != nil && mayHoldDevices(gone) {
+		if now, err := pl.pods.Pods(gone.Namespace).Get(gone.Name); err == nil && now.UID == gone.UID && now.Spec.NodeName == "" && now.DeletionTimestamp == nil {
+			logger.V(5).Info("Pod failed its binding cycle in another profile; its devices in flight are free again", "pod", klog.KObj(pod), "failed", klog.KObj(gone))
+			return fwk.Queue, nil
+		}
+	}
 	return fwk.QueueSkip, nil
+}
+
+// mayHoldDevices reports whether pod may have devices allocated for it:
+// it has claims, or requests extended resources, which a DeviceClass may
+// back.
+func mayHoldDevices(pod *v1.Pod) bool {
+	if len(pod.Spec.ResourceClaims) > 0 {
+		return true
+	}
+	for _, containers := range [][]v1.Container{pod.Spec.InitContainers, pod.Spec.Containers} {
+		for _, c := range containers {
+			for name := range c.Resources.Requests {
+				if isDRAExtendedName(name) {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // isSchedulableAfterRemoval: a node or slice that goes away brings no

@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -717,7 +718,39 @@ func TestBindingFailureRequeues(t *testing.T) {
 	assumed.Spec.NodeName = "node-a"
 	other := testPod("other")
 	other.Spec.NodeName = "node-a"
-	for gone, want := range map[*v1.Pod]fwk.QueueingHint{assumed: fwk.Queue, other: fwk.QueueSkip} {
+	// Pods of another profile, which this plugin instance never reserved:
+	// one that failed its binding cycle (it still exists, unbound) with a
+	// claim, one bound since, and one without claims or extended resources.
+	elsewhere := map[string]*v1.Pod{}
+	for name, claim := range map[string]string{"failed": "one", "bound": "one", "plain": ""} {
+		var p *v1.Pod
+		if claim == "" {
+			p = testPod(name)
+		} else {
+			p = testPod(name, claim)
+		}
+		p.Spec.SchedulerName = "other-profile"
+		if name == "bound" {
+			p.Spec.NodeName = "node-a"
+		}
+		created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, p, metav1.CreateOptions{})
+		h.tCtx.ExpectNoError(err)
+		elsewhere[name] = created
+	}
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		pods, err := h.pl.pods.Pods(testNS).List(labels.Everything())
+		return err == nil && len(pods) >= len(elsewhere), nil
+	})
+	h.tCtx.ExpectNoError(err, "the pod lister never saw the pods")
+	assumedElsewhere := func(name string) *v1.Pod {
+		p := elsewhere[name].DeepCopy()
+		p.Spec.NodeName = "node-a"
+		return p
+	}
+	for gone, want := range map[*v1.Pod]fwk.QueueingHint{
+		assumed: fwk.Queue, other: fwk.QueueSkip,
+		assumedElsewhere("failed"): fwk.Queue, assumedElsewhere("bound"): fwk.QueueSkip, assumedElsewhere("plain"): fwk.QueueSkip,
+	} {
 		if got, err := hintFn(klog.Background(), b, gone, nil); err != nil || got != want {
 			t.Errorf("assigned pod %s deleted, pod b: hint %v (%v), want %v", gone.Name, got, err, want)
 		}
