@@ -139,6 +139,20 @@ func TestCheckpointAfterReboot(t *testing.T) {
 	if err != nil || !errors.Is(res[other.UID].Err, agent.ErrDeviceInUse) {
 		t.Fatalf("same boot: want ErrDeviceInUse, got %v %v", err, res[other.UID].Err)
 	}
+	if msg := res[other.UID].Err.Error(); !strings.Contains(msg, "prepared for claim before ("+string(c.UID)+")") || !strings.Contains(msg, "--stale-claim-grace") {
+		t.Errorf("same namespace: %q does not name claim before and the remedy", msg)
+	}
+	// The message goes to the pod's events: a claim of another namespace
+	// is not named there.
+	elsewhere := claim("elsewhere", gpus("gpus", "gpu-2")...)
+	elsewhere.Namespace = "tenant-b"
+	res, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{elsewhere})
+	if err != nil || !errors.Is(res[elsewhere.UID].Err, agent.ErrDeviceInUse) {
+		t.Fatalf("another namespace: want ErrDeviceInUse, got %v %v", err, res[elsewhere.UID].Err)
+	}
+	if msg := res[elsewhere.UID].Err.Error(); strings.Contains(msg, "claim before") || !strings.Contains(msg, "a claim of another namespace (UID "+string(c.UID)+")") {
+		t.Errorf("another namespace: %q names the other claim, or not by its UID", msg)
+	}
 	a.Stop()
 
 	if err := os.WriteFile(e.bootIDFile, []byte("boot-2\n"), 0o644); err != nil {

@@ -246,7 +246,15 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message)
 		}
 		if owner, uid, ok := preparedElsewhere(cp, claim.UID, gpu.UUID, admin); ok {
-			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for claim %s/%s (%s)", klog.KObj(claim), ErrDeviceInUse, r.Device, owner.Namespace, owner.Name, uid)
+			// The message reaches the pod's events: a claim of another
+			// namespace is named by its UID only (the log names it).
+			other := fmt.Sprintf("claim %s (%s)", owner.Name, uid)
+			if owner.Namespace != claim.Namespace {
+				other = fmt.Sprintf("a claim of another namespace (UID %s)", uid)
+				klog.FromContext(ctx).Info("Device prepared for a claim of another namespace", "claim", klog.KObj(claim), "device", r.Device, "preparedFor", klog.KRef(owner.Namespace, owner.Name), "uid", uid)
+			}
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for %s on node %s; where that claim is gone or no longer allocated, the agent frees the device after --stale-claim-grace (a %s event on the Node), otherwise both claims were allocated the device: run topodra-check",
+				klog.KObj(claim), ErrDeviceInUse, r.Device, other, a.opts.NodeName, ReasonPreparedClaimGone)
 		}
 		if i, ok := byDevice[r.Device]; ok {
 			prepared.Devices[i].Requests = append(prepared.Devices[i].Requests, r.Request)

@@ -104,6 +104,11 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 			reason = fmt.Sprintf("the node has only %s (needs %d)", plural(u.nMatch, "matching device"), re.Needed)
 		case u.upper == 0:
 			reason = fmt.Sprintf("all %s in use (needs %d)", plural(u.nMatch, "matching device")+" are", re.Needed)
+		case u.upper < re.Needed && len(u.free) < u.upper:
+			// Fewer free than it needs even with the tainted ones: the
+			// taints are named too, since they keep devices from the
+			// request once others are given back.
+			reason = fmt.Sprintf("only %s (needs %d), %d of them with untolerated taints (%s)", matchPhrase(u.upper), re.Needed, u.upper-len(u.free), strings.Join(untoleratedKeys(ns, u), ", "))
 		case u.upper < re.Needed:
 			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
 		case len(u.free) < re.Needed:

@@ -170,6 +170,16 @@ func TestExplanationNamesTaints(t *testing.T) {
 	if got := res.Explanation.Requests[0].Reason; got != want {
 		t.Errorf("reason %q, want %q", got, want)
 	}
+	// Asking for more than are not in use, tainted or not: the taints are
+	// named as well, as they keep the devices once others are given back.
+	res, err = a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 4).obj()})
+	if err != nil || res.Allocations != nil || res.Explanation == nil || len(res.Explanation.Requests) != 1 {
+		t.Fatalf("Allocate of 4: %v, %+v; want no allocation with an explanation", err, res)
+	}
+	want = "only 3 free devices match (needs 4), 3 of them with untolerated taints (example.com/broken, gpu.topodra.io/device-plugin)"
+	if got := res.Explanation.Requests[0].Reason; got != want {
+		t.Errorf("reason for 4 %q, want %q", got, want)
+	}
 }
 
 // TestCountDevicesWithPartitions: on a node whose GPUs share their memory
