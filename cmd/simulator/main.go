@@ -38,6 +38,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -113,7 +114,7 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 	fs.StringVar(&schedulers, "schedulers", "topodra,stock", "schedulers to compare, in order: topodra, stock")
 	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of a generated workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks); --trace, --pods, --seed, --host-requests and --pin do not apply")
 	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
-	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8) and the scenarios, and print medians against the placement targets; each scenario has its own machines and workload, so --profile, --nodes, --trace, --seed, --workload, --pin and --checkpoints do not apply")
+	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8; at most "+strconv.Itoa(maxSeeds)+") and the scenarios, and print medians against the placement targets; each scenario has its own machines and workload, so --profile, --nodes, --trace, --seed, --workload, --pin and --checkpoints do not apply")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
 	fs.IntVar(&c.rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")
 	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration); print the medians and targets over all their runs together (with --json, write that report; no other flag applies)")
@@ -148,7 +149,7 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 	if len(empty) > 0 {
 		return nil, fmt.Errorf("%s: empty; give a value or leave the flag out", strings.Join(empty, ", "))
 	}
-	if err := checkCombination(set, &c, sim.ParseSchedulers(schedulers)); err != nil {
+	if err := checkCombination(set, &c, schedulers); err != nil {
 		return nil, err
 	}
 	for _, path := range []string{c.reportPath, c.jsonPath} {
@@ -210,8 +211,9 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 // runs: flags beside --pool other than --json, flags that a sweep or a
 // workload file replaces (exclusions), sweep flags without --seeds, a
 // scheduler's configuration without that scheduler, -v without
-// --log-file, and --pods or --seed 0, which would mean their defaults.
-func checkCombination(set map[string]bool, c *command, schedulers []string) error {
+// --log-file, and --pods or --seed 0, or a --schedulers list of no
+// names, which would mean their defaults.
+func checkCombination(set map[string]bool, c *command, schedulersFlag string) error {
 	if set["pool"] {
 		if set["seeds"] {
 			return errors.New("--pool joins sweeps already run: give it or --seeds, not both")
@@ -227,6 +229,10 @@ func checkCombination(set map[string]bool, c *command, schedulers []string) erro
 			return fmt.Errorf("%s: not with --pool, which joins sweeps already run (only --json applies)", strings.Join(others, ", "))
 		}
 		return nil
+	}
+	schedulers := sim.ParseSchedulers(schedulersFlag)
+	if set["schedulers"] && len(schedulers) == 0 {
+		return fmt.Errorf("--schedulers %q: no schedulers; give %s, %s or both, comma-separated", schedulersFlag, sim.SchedulerTopodra, sim.SchedulerStock)
 	}
 	if set["rounds"] && (c.rounds < 1 || !set["seeds"]) {
 		return fmt.Errorf("--rounds %d: give --seeds and 1 or more rounds", c.rounds)
@@ -269,9 +275,16 @@ func checkCombination(set map[string]bool, c *command, schedulers []string) erro
 	return nil
 }
 
+// maxSeeds is the most seeds a sweep takes: each one is a run of every
+// scenario through each scheduler.
+const maxSeeds = 10000
+
 // planSweep sets the sweep's seeds and scenarios, with withPods the pod
 // count of every scenario's workload, and checks each scenario's options.
 func (c *command) planSweep(seeds, scenarios string, withPods bool) error {
+	if err := checkSeeds(seeds); err != nil {
+		return err
+	}
 	var err error
 	if c.seeds, err = sim.ParseSeeds(seeds); err != nil {
 		return err
@@ -279,11 +292,15 @@ func (c *command) planSweep(seeds, scenarios string, withPods bool) error {
 	all := sim.DefaultScenarios()
 	c.scenarios = all
 	if scenarios != "" {
+		names := sim.ParseSchedulers(scenarios)
+		if len(names) == 0 {
+			return fmt.Errorf("--scenarios %q: no scenarios; give one or more of %s, comma-separated", scenarios, scenarioNames(all))
+		}
 		c.scenarios = nil
-		for _, name := range sim.ParseSchedulers(scenarios) {
+		for _, name := range names {
 			i := slices.IndexFunc(all, func(sc sim.Scenario) bool { return sc.Name == name })
 			if i < 0 {
-				return fmt.Errorf("unknown scenario %q", name)
+				return fmt.Errorf("--scenarios: unknown scenario %q (known: %s)", name, scenarioNames(all))
 			}
 			c.scenarios = append(c.scenarios, all[i])
 		}
@@ -303,6 +320,49 @@ func (c *command) planSweep(seeds, scenarios string, withPods bool) error {
 	return nil
 }
 
+// scenarioNames lists the names of scenarios, comma-separated.
+func scenarioNames(scenarios []sim.Scenario) string {
+	names := make([]string, len(scenarios))
+	for i, sc := range scenarios {
+		names[i] = sc.Name
+	}
+	return strings.Join(names, ", ")
+}
+
+// checkSeeds refuses, before sim.ParseSeeds expands it, a --seeds value
+// of no seeds or of more than maxSeeds: it counts the seeds of the ranges
+// (and single seeds) that parse, and leaves what does not parse to
+// sim.ParseSeeds to refuse.
+func checkSeeds(seeds string) error {
+	if len(sim.ParseSchedulers(seeds)) == 0 {
+		return fmt.Errorf("--seeds %q: no seeds; give seeds 1 or more, or ranges of them, comma-separated (e.g. 1-8)", seeds)
+	}
+	var total int64
+	for _, part := range strings.Split(seeds, ",") {
+		lo, hi, isRange := strings.Cut(strings.TrimSpace(part), "-")
+		a, err := strconv.ParseInt(strings.TrimSpace(lo), 10, 64)
+		if err != nil || a < 1 {
+			continue
+		}
+		b := a
+		if isRange {
+			if b, err = strconv.ParseInt(strings.TrimSpace(hi), 10, 64); err != nil || b < a {
+				continue
+			}
+		}
+		// b-a+1 cannot overflow, a being 1 or more.
+		n := b - a + 1
+		if n > maxSeeds {
+			return fmt.Errorf("--seeds %q: %s is %d seeds; a sweep takes at most %d", seeds, strings.TrimSpace(part), n, maxSeeds)
+		}
+		total += n
+	}
+	if total > maxSeeds {
+		return fmt.Errorf("--seeds %q: %d seeds; a sweep takes at most %d", seeds, total, maxSeeds)
+	}
+	return nil
+}
+
 func run(args []string, stdout, stderr io.Writer) int {
 	c, err := parse(args, stderr)
 	switch {
@@ -311,7 +371,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case errors.Is(err, errPrinted):
 		return 2
 	case err != nil:
-		fmt.Fprintln(stderr, err)
+		fmt.Fprintf(stderr, "topodra-sim: %v\nRun 'topodra-sim --help' for usage.\n", err)
 		return 2
 	}
 	if c.pool != nil {

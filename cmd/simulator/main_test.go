@@ -49,6 +49,10 @@ func TestBadFlags(t *testing.T) {
 		"report of a sweep":    {args: []string{"--seeds", "1", "--report", "x.html"}, wantErr: "--json"},
 		"report into nowhere":  {args: []string{"--report", "testdata/no-such-dir/x.html"}, wantErr: "no directory testdata/no-such-dir"},
 		"json into nowhere":    {args: []string{"--seeds", "1", "--json", "testdata/no-such-dir/x.json"}, wantErr: "no directory"},
+		"too many seeds":       {args: []string{"--seeds", "1-4000000000"}, wantErr: `topodra-sim: --seeds "1-4000000000": 1-4000000000 is 4000000000 seeds; a sweep takes at most 10000`},
+		"largest seed range":   {args: []string{"--seeds", "1-9223372036854775807"}, wantErr: "is 9223372036854775807 seeds; a sweep takes at most 10000"},
+		"seeds over the cap":   {args: []string{"--seeds", "1-6000,10001-16000"}, wantErr: `--seeds "1-6000,10001-16000": 12000 seeds; a sweep takes at most 10000`},
+		"unknown scenario":     {args: []string{"--seeds", "1", "--scenarios", "builtin-8,nope"}, wantErr: `--scenarios: unknown scenario "nope" (known: builtin-8, builtin-16, poisson-8, nic-match-8)`},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -121,7 +125,7 @@ func TestNegativeNodesOneMessage(t *testing.T) {
 	if code := run([]string{"--nodes", "-1"}, &stdout, &stderr); code != 2 {
 		t.Errorf("exit code %d, want 2", code)
 	}
-	if got := stderr.String(); got != "nodes must not be negative, got -1\n" {
+	if got := stderr.String(); got != "topodra-sim: nodes must not be negative, got -1\nRun 'topodra-sim --help' for usage.\n" {
 		t.Errorf("stderr %q, want the one message", got)
 	}
 }
@@ -229,6 +233,10 @@ func TestFlagsThatDoNotApply(t *testing.T) {
 		"pool of nothing":                {args: []string{"--pool", ""}, wantErr: "--pool: empty; give a value or leave the flag out"},
 		"pool of commas":                 {args: []string{"--pool", ","}, wantErr: `--pool ",": no files`},
 		"seeds of nothing":               {args: []string{"--seeds", ""}, wantErr: "--seeds: empty"},
+		"seeds of commas":                {args: []string{"--seeds", ","}, wantErr: `--seeds ",": no seeds; give seeds 1 or more, or ranges of them, comma-separated (e.g. 1-8)`},
+		"schedulers of commas":           {args: []string{"--schedulers", ","}, wantErr: `--schedulers ",": no schedulers; give topodra, stock or both, comma-separated`},
+		"schedulers of blanks":           {args: []string{"--schedulers", " , "}, wantErr: `--schedulers " , ": no schedulers`},
+		"scenarios of commas":            {args: []string{"--seeds", "1", "--scenarios", ","}, wantErr: `--scenarios ",": no scenarios; give one or more of builtin-8, builtin-16, poisson-8, nic-match-8, comma-separated`},
 		"empty values":                   {args: []string{"--profile", "", "--trace", ""}, wantErr: "--profile, --trace: empty"},
 		"pool with run flags":            {args: []string{"--pool", "a.json", "--pods", "5", "--nodes", "2", "--json", "x.json"}, wantErr: "--nodes, --pods: not with --pool"},
 		"empty scheduler config":         {args: []string{"--scheduler-config", empty}, wantErr: "--scheduler-config " + empty + ": the file is empty"},

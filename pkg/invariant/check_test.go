@@ -404,15 +404,17 @@ func TestCheckOptions(t *testing.T) {
 
 // TestCommandCheck: the command prints confirmed violations on stdout,
 // notes pending ones on stderr without changing the exit code, and when a
-// re-read fails prints what it found and exits with ExitError, the reason
-// on stderr.
+// re-read fails prints what it found, marked unconfirmed in text and in
+// JSON, and exits with ExitError, the reason on stderr.
 func TestCommandCheck(t *testing.T) {
 	twice := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-0"), claim("b", "node-a", "", "gpu-0")}
 	slices := []*resourceapi.ResourceSlice{poolSlice("first", 1, 1, devices("gpu-0")...)}
 	midRepublish := []*resourceapi.ResourceSlice{poolSlice("first", 2, 2, devices("gpu-0")...), poolSlice("second", 1, 2, devices("gpu-2")...)}
 	failed := apierrors.NewInternalError(errors.New("boom"))
 	tests := map[string]struct {
-		reads      []fakeRead
+		reads []fakeRead
+		// output is -o; empty: text.
+		output     string
 		wantCode   int
 		wantStdout []string
 		wantStderr []string
@@ -425,7 +427,19 @@ func TestCommandCheck(t *testing.T) {
 		"violation": {
 			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}},
 			wantCode:   ExitViolations,
-			wantStdout: []string{"DoubleAllocation", "1 violation(s)"},
+			wantStdout: []string{"DoubleAllocation", "1 violation(s)\n"},
+		},
+		"violation, json": {
+			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}},
+			output:     "json",
+			wantCode:   ExitViolations,
+			wantStdout: []string{`"kind": "DoubleAllocation"`, `"claims": [`, `"message": "`, `"confirmed": true`},
+		},
+		"clean, json": {
+			reads:      []fakeRead{{state: State{Slices: slices}}},
+			output:     "json",
+			wantCode:   ExitClean,
+			wantStdout: []string{"[]\n"},
 		},
 		"pending only": {
 			reads:      []fakeRead{{state: State{Slices: midRepublish, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}}}},
@@ -436,8 +450,21 @@ func TestCommandCheck(t *testing.T) {
 		"re-read fails": {
 			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}, {err: failed}},
 			wantCode:   ExitError,
-			wantStdout: []string{"DoubleAllocation", "1 violation(s)"},
+			wantStdout: []string{"DoubleAllocation", "1 violation(s), unconfirmed: a re-read failed\n"},
 			wantStderr: []string{"incomplete", "not confirmed", "boom"},
+		},
+		"re-read fails, json": {
+			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}, {err: failed}},
+			output:     "json",
+			wantCode:   ExitError,
+			wantStdout: []string{`"kind": "DoubleAllocation"`, `"confirmed": false`},
+			wantStderr: []string{"incomplete", "not confirmed", "boom"},
+		},
+		"re-read fails with only a pending one": {
+			reads:      []fakeRead{{state: State{Slices: midRepublish, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}}}, {err: failed}},
+			wantCode:   ExitError,
+			wantStdout: []string{"no violations, unconfirmed: a re-read failed\n"},
+			wantStderr: []string{"being republished", "incomplete", "boom"},
 		},
 		"first read fails": {
 			reads:      []fakeRead{{err: failed}},
@@ -448,7 +475,11 @@ func TestCommandCheck(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
-			code := check(context.Background(), newFakeCluster(tc.reads...), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr)
+			output := tc.output
+			if output == "" {
+				output = "text"
+			}
+			code := check(context.Background(), newFakeCluster(tc.reads...), CheckOptions{Interval: time.Millisecond}, output, &stdout, &stderr)
 			t.Logf("stdout:\n%sstderr:\n%s", stdout.String(), stderr.String())
 			if code != tc.wantCode {
 				t.Errorf("exit code %d, want %d", code, tc.wantCode)

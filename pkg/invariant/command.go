@@ -29,7 +29,9 @@ const (
 // does not change the exit code. It returns ExitError if the flags are
 // wrong or the cluster could not be read, the reason on stderr; when a
 // re-read failed ([IncompleteError]) it first prints the violations found
-// so far on stdout, unconfirmed. It takes no positional arguments.
+// so far on stdout, marked unconfirmed (the text ends with
+// "unconfirmed: a re-read failed"; in JSON each violation has
+// "confirmed": false). It takes no positional arguments.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := pflag.NewFlagSet("topodra-check", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -56,7 +58,7 @@ is noted on stderr, not reported.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
-violations found so far are printed, unconfirmed). Needs list on
+violations found so far are printed, marked unconfirmed). Needs list on
 resourceslices, and on pods and resourceclaims in all namespaces; without
 list on nodes, pods on another node than their claims' devices are not
 looked for (noted on stderr).
@@ -116,7 +118,7 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 	for _, why := range report.NotJudged {
 		fmt.Fprintf(stderr, "topodra-check: %s\n", why)
 	}
-	if werr := write(stdout, output, report.Violations); werr != nil {
+	if werr := write(stdout, output, report.Violations, incomplete == nil); werr != nil {
 		fmt.Fprintf(stderr, "topodra-check: write: %v\n", werr)
 		return ExitError
 	}
@@ -130,17 +132,34 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 	return ExitClean
 }
 
-func write(w io.Writer, format string, violations []Violation) error {
+// unconfirmedText ends the text output when a re-read failed.
+const unconfirmedText = ", unconfirmed: a re-read failed"
+
+// jsonViolation is a violation as -o json prints it: its fields, and
+// whether every read found it (false when a re-read failed).
+type jsonViolation struct {
+	Violation
+	Confirmed bool `json:"confirmed"`
+}
+
+// write prints violations as text or, with format json, as a JSON array;
+// confirmed is false when a re-read failed, and the output says so.
+func write(w io.Writer, format string, violations []Violation, confirmed bool) error {
 	if format == "json" {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
-		if violations == nil {
-			violations = []Violation{}
+		out := make([]jsonViolation, len(violations))
+		for i, v := range violations {
+			out[i] = jsonViolation{Violation: v, Confirmed: confirmed}
 		}
-		return enc.Encode(violations)
+		return enc.Encode(out)
+	}
+	suffix := ""
+	if !confirmed {
+		suffix = unconfirmedText
 	}
 	if len(violations) == 0 {
-		_, err := fmt.Fprintln(w, "no violations")
+		_, err := fmt.Fprintf(w, "no violations%s\n", suffix)
 		return err
 	}
 	for _, v := range violations {
@@ -148,6 +167,6 @@ func write(w io.Writer, format string, violations []Violation) error {
 			return err
 		}
 	}
-	_, err := fmt.Fprintf(w, "%d violation(s)\n", len(violations))
+	_, err := fmt.Fprintf(w, "%d violation(s)%s\n", len(violations), suffix)
 	return err
 }

@@ -599,7 +599,7 @@ func TestRunRejectsBadCommandLine(t *testing.T) {
 
 func TestWriteJSON(t *testing.T) {
 	var out bytes.Buffer
-	if err := write(&out, "json", nil); err != nil {
+	if err := write(&out, "json", nil, true); err != nil {
 		t.Fatal(err)
 	}
 	var got []Violation
