@@ -10,6 +10,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 )
 
@@ -84,6 +86,25 @@ func checkHookMount(t *testing.T, ds *appsv1.DaemonSet, c *v1.Container, env map
 	}
 }
 
+// checkUnprivileged: a container that needs no privilege runs without
+// capabilities or privilege escalation, under the runtime's default
+// seccomp profile (set on the pod or the container).
+func checkUnprivileged(t *testing.T, what string, pod *v1.PodSpec, c *v1.Container) {
+	t.Helper()
+	sc := c.SecurityContext
+	if sc == nil || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation || sc.Capabilities == nil ||
+		!slices.Equal(sc.Capabilities.Drop, []v1.Capability{"ALL"}) || len(sc.Capabilities.Add) != 0 {
+		t.Errorf("%s: want allowPrivilegeEscalation false and capabilities {drop: [ALL]}, got %+v", what, sc)
+	}
+	seccomp := pod.SecurityContext != nil && pod.SecurityContext.SeccompProfile != nil && pod.SecurityContext.SeccompProfile.Type == v1.SeccompProfileTypeRuntimeDefault
+	if sc != nil && sc.SeccompProfile != nil {
+		seccomp = sc.SeccompProfile.Type == v1.SeccompProfileTypeRuntimeDefault
+	}
+	if !seccomp {
+		t.Errorf("%s: want seccompProfile RuntimeDefault", what)
+	}
+}
+
 // TestOverlays checks what each install variant must get right: where the
 // driver root comes from, how privileged the agent is, and what every
 // variant shares (probes, tolerations, requests, images, least privilege).
@@ -120,6 +141,9 @@ func TestOverlays(t *testing.T) {
 			privileged := c.SecurityContext != nil && c.SecurityContext.Privileged != nil && *c.SecurityContext.Privileged
 			if privileged != tc.privileged {
 				t.Errorf("privileged %v, want %v", privileged, tc.privileged)
+			}
+			if !tc.privileged {
+				checkUnprivileged(t, "agent", &ds.Spec.Template.Spec, c)
 			}
 			rootVolume, rootMount := volume(ds, "driver-root"), mount(c, "driver-root")
 			devVolume, devMount := volume(ds, "host-dev"), mount(c, "host-dev")
@@ -160,6 +184,29 @@ func TestOverlays(t *testing.T) {
 			}
 
 			// Shared by every variant.
+			// One agent per node, also during a rollout: two would share
+			// the plugin sockets and the checkpoint.
+			if u := ds.Spec.UpdateStrategy; u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil ||
+				u.RollingUpdate.MaxSurge == nil || u.RollingUpdate.MaxSurge.IntValue() != 0 ||
+				u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
+				t.Errorf("agent update strategy %+v, want RollingUpdate with maxUnavailable 1 and maxSurge 0 set", u)
+			}
+			// Namespaced objects in kube-system only: the policies, the
+			// lease and the RoleBindings name it.
+			for _, obj := range objs {
+				if m, err := meta.Accessor(obj); err == nil && m.GetNamespace() != "" && m.GetNamespace() != metav1.NamespaceSystem {
+					t.Errorf("%T %s in namespace %s, want %s", obj, m.GetName(), m.GetNamespace(), metav1.NamespaceSystem)
+				}
+			}
+			deploy, ok := find(objs, func(d *appsv1.Deployment) bool { return d.Name == "topodra-scheduler" })
+			if !ok {
+				t.Fatal("no scheduler Deployment")
+			}
+			checkUnprivileged(t, "scheduler", &deploy.Spec.Template.Spec, &deploy.Spec.Template.Spec.Containers[0])
+			if sc := deploy.Spec.Template.Spec.Containers[0].SecurityContext; sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot ||
+				sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+				t.Error("scheduler may run as root or write its root file system")
+			}
 			kubeletDir := env["KUBELET_DIR"]
 			for _, name := range []string{"plugins", "plugins-registry"} {
 				m, v := mount(c, name), volume(ds, name)
@@ -202,6 +249,18 @@ func TestOverlays(t *testing.T) {
 			}
 			listsPods := false
 			for _, rule := range agentRole.Rules {
+				// Slices: what the kubelet plugin helper's ResourceSlice
+				// controller and the agent call, one object at a time.
+				if slices.Contains(rule.Resources, "resourceslices") {
+					if want := []string{"list", "watch", "create", "update", "delete"}; !slices.Equal(rule.Verbs, want) {
+						t.Errorf("agent may %v resourceslices, want %v", rule.Verbs, want)
+					}
+				}
+				if slices.Contains(rule.Resources, "events") {
+					if want := []string{"create", "patch"}; !slices.Equal(rule.APIGroups, []string{"events.k8s.io"}) || !slices.Equal(rule.Verbs, want) {
+						t.Errorf("agent may %v events of %q, want %v of events.k8s.io only", rule.Verbs, rule.APIGroups, want)
+					}
+				}
 				if !slices.Contains(rule.APIGroups, "") {
 					continue
 				}
