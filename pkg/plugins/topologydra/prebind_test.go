@@ -670,3 +670,60 @@ func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 		})
 	}
 }
+
+// hangingClient's claim reads hang until their context ends, as a read
+// from an API server that does not answer does.
+type hangingClient struct{ kubernetes.Interface }
+
+func (c hangingClient) ResourceV1() resourcev1client.ResourceV1Interface {
+	return hangingResourceV1{c.Interface.ResourceV1()}
+}
+
+type hangingResourceV1 struct {
+	resourcev1client.ResourceV1Interface
+}
+
+func (c hangingResourceV1) ResourceClaims(namespace string) resourcev1client.ResourceClaimInterface {
+	return hangingClaims{c.ResourceV1Interface.ResourceClaims(namespace)}
+}
+
+type hangingClaims struct {
+	resourcev1client.ResourceClaimInterface
+}
+
+func (c hangingClaims) Get(ctx context.Context, name string, opts metav1.GetOptions) (*resourceapi.ResourceClaim, error) {
+	<-ctx.Done()
+	return nil, requestErr(ctx, "Get")
+}
+
+// TestPreFilterReadOfUncertainClaimIsBounded: PreFilter reads a claim
+// whose write is uncertain from the API server on the scheduling cycle;
+// where the API server does not answer, the read ends after
+// preFilterAPITimeout with an error (the pod retries after backoff), and
+// the cycle goes on to other pods.
+func TestPreFilterReadOfUncertainClaimIsBounded(t *testing.T) {
+	h, pod, uid, _ := failWriteUnreadable(t, false, time.Hour)
+	if !h.pl.uncertain.has(uid) {
+		t.Fatal("the write of claim c is not uncertain")
+	}
+	timeout := preFilterAPITimeout
+	preFilterAPITimeout = 100 * time.Millisecond
+	t.Cleanup(func() { preFilterAPITimeout = timeout })
+	h.pl.client = hangingClient{h.client}
+	done := make(chan *fwk.Status, 1)
+	go func() {
+		_, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil)
+		done <- st
+	}()
+	select {
+	case st := <-done:
+		if code(st) != fwk.Error || !strings.Contains(st.Message(), "cannot be read") || !strings.Contains(st.Message(), "deadline exceeded") {
+			t.Errorf("PreFilter: %v, want an error that the claim cannot be read (deadline exceeded)", st)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("PreFilter still waits for the API server after 10 s")
+	}
+	if !h.pl.uncertain.has(uid) {
+		t.Error("the claim's write was settled although the claim was not read")
+	}
+}

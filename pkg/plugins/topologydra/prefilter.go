@@ -116,7 +116,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	var ext *extendedClaim
 	extClaim := pl.extendedClaimOf(pod, extended)
 	if extClaim != nil {
-		earlier := pl.deleteLeftoverExtendedClaims(ctx, pod) || pod.Status.ExtendedResourceClaimStatus != nil
+		apiCtx, cancel := context.WithTimeout(ctx, preFilterAPITimeout)
+		earlier := pl.deleteLeftoverExtendedClaims(apiCtx, pod) || pod.Status.ExtendedResourceClaimStatus != nil
+		cancel()
 		ext = &extendedClaim{index: len(claims), resources: extended, pendingUID: extClaim.UID, pod: pod, earlier: earlier,
 			variants: map[string]*extendedVariant{}, nodes: map[string]*extendedVariant{}}
 		claims = append(claims, extClaim)
@@ -139,7 +141,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	published := pl.newPublishedLookup()
 	for i, claim := range claims {
 		if pl.uncertain.has(claim.UID) {
-			claim, err = pl.settleUncertain(ctx, claim)
+			apiCtx, cancel := context.WithTimeout(ctx, preFilterAPITimeout)
+			claim, err = pl.settleUncertain(apiCtx, claim)
+			cancel()
 			if err != nil {
 				// An error, not unschedulable: the pod retries after its
 				// backoff, and reads the claim again.

@@ -253,6 +253,14 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	}
 }
 
+// preFilterAPITimeout bounds the API requests that PreFilter makes (the
+// read of a claim whose write is uncertain, the deletion of leftover
+// extended resource claims): they run on the scheduling cycle, which no
+// other pod passes meanwhile, and they come up when the API server is in
+// trouble. A request that times out leaves the matter to the pod's next
+// attempt.
+var preFilterAPITimeout = 5 * time.Second
+
 // settleUncertain settles claim if its write is uncertain: it reads the
 // claim and, where the outcome is known, drops the in-flight entry (taking
 // in the stored claim). It returns the claim to use (the one read where
