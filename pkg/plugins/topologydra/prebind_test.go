@@ -21,6 +21,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 )
@@ -725,5 +726,44 @@ func TestPreFilterReadOfUncertainClaimIsBounded(t *testing.T) {
 	}
 	if !h.pl.uncertain.has(uid) {
 		t.Error("the claim's write was settled although the claim was not read")
+	}
+}
+
+// TestStoredClaimNotYetCachedKeepsDevices: a claim whose uncertain write
+// turns out stored is taken into the claim cache and its in-flight
+// allocation dropped; where the cache has not seen the claim yet (an
+// extended resource claim created in PreBind, its informer behind), the
+// in-flight allocation stays until the cache has it, so that its devices
+// never look free.
+func TestStoredClaimNotYetCachedKeepsDevices(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("q", 2))
+	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+	x := allocatedOn(testClaim("x", 2), "node-a", "gpu-0", "gpu-1")
+	x.UID = "uid-x"
+	// In flight as an extended resource claim is before PreBind creates
+	// it: under its in-memory name and a UID of its own.
+	inMemory := x.DeepCopy()
+	inMemory.Name, inMemory.UID = inMemoryClaimName, "in-memory-x"
+	h.tCtx.ExpectNoError(h.pl.draManager.ResourceClaims().SignalClaimPendingAllocation(inMemory.UID, inMemory))
+	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Fatal("a 2-GPU pod fits beside claim x's in-flight allocation")
+	}
+	h.pl.takeInStored(klog.Background(), x, inMemory.UID)
+	if h.pl.draManager.ResourceClaims().GetPendingAllocation(inMemory.UID) == nil {
+		t.Error("the in-flight allocation of claim x went before the claim cache had the claim")
+	}
+	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Error("a 2-GPU pod fits while claim x, not yet in the claim cache, holds both GPUs")
+	}
+	// The informer brings the claim: the in-flight allocation goes, and
+	// the cache's copy holds the GPUs.
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).Create(h.tCtx, x, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return h.pl.draManager.ResourceClaims().GetPendingAllocation(inMemory.UID) == nil, nil
+	})
+	h.tCtx.ExpectNoError(err, "the in-flight allocation of claim x stayed after the cache had the claim")
+	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+		t.Error("a 2-GPU pod fits while claim x holds both GPUs in the API")
 	}
 }

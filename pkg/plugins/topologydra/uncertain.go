@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
+	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 )
 
 // uncertainWrites holds the claims whose allocation write failed without
@@ -387,9 +388,20 @@ func (pl *TopologyDRA) dropInFlight(pending types.UID, then func()) {
 
 // takeInStored puts a claim as the API stores it, allocated, into the
 // claim cache and drops its in-flight allocation (under pending), as
-// after a write that succeeded.
+// after a write that succeeded. Where the claim cache has not seen the
+// claim yet (an extended resource claim created in PreBind, its informer
+// behind), the in-flight allocation is what keeps the devices taken: it
+// goes once the cache has the claim (awaitCached, in the background).
 func (pl *TopologyDRA) takeInStored(logger klog.Logger, claim *resourceapi.ResourceClaim, pending types.UID) {
-	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
+	err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim)
+	if errors.Is(err, assumecache.ErrNotFound) {
+		go func() {
+			pl.awaitCached(klog.NewContext(context.Background(), logger), claim)
+			pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(pending, true)
+		}()
+		return
+	}
+	if err != nil {
 		logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
 	}
 	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(pending, true)
