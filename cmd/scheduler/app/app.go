@@ -53,7 +53,9 @@ func NewCommand() *cobra.Command {
 	cmd.Long = "topodra-scheduler is kube-scheduler with the TopologyDRA plugin, which allocates the devices of pods' ResourceClaims as the stock DynamicResources plugin does and chooses them with NVLink cliques, PCIe roots and NUMA nodes in mind. It runs beside the default scheduler; pods opt in with spec.schedulerName: " + SchedulerName + ". Its profiles come from --config (see config/scheduler-config.yaml).\n\n" + cmd.Long
 	upstreamPreRun := cmd.PersistentPreRunE
 	cmd.PersistentPreRunE = func(c *cobra.Command, args []string) error {
-		if f := c.Flags().Lookup("version"); f != nil && f.Changed && f.Value.String() != "false" {
+		// --version (true) prints topodra's line; --version=raw and a
+		// version override (--version=v1.x.y) are kube-scheduler's.
+		if f := c.Flags().Lookup("version"); f != nil && f.Changed && f.Value.String() == "true" {
 			fmt.Fprintln(c.OutOrStdout(), VersionString())
 			os.Exit(0)
 		}

@@ -10,6 +10,7 @@ import (
 
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/klog/v2"
 	schedapp "k8s.io/kubernetes/cmd/kube-scheduler/app"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
 	"sigs.k8s.io/yaml"
@@ -61,6 +62,9 @@ func TestShippedSchedulerConfigs(t *testing.T) {
 			path := filepath.Join(dir, "config.yaml")
 			if err := os.WriteFile(path, data, 0o644); err != nil {
 				t.Fatal(err)
+			}
+			if err := checkConfigFile(klog.Background(), path); err != nil {
+				t.Fatalf("topodra's own checks refuse the shipped configuration: %v", err)
 			}
 			opts := options.NewOptions()
 			for _, fs := range opts.Flags.FlagSets {

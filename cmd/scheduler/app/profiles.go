@@ -3,6 +3,7 @@ package app
 import (
 	"fmt"
 	"reflect"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -10,6 +11,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/kubernetes/cmd/kube-scheduler/app/options"
 	schedconfig "k8s.io/kubernetes/pkg/scheduler/apis/config"
+	frameworkplugins "k8s.io/kubernetes/pkg/scheduler/framework/plugins"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/feature"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/names"
 
@@ -33,9 +35,22 @@ func checkConfigFile(logger klog.Logger, path string) error {
 	return checkProfiles(logger, cfg.Profiles, feature.NewSchedulerFeaturesFromGates(utilfeature.DefaultFeatureGate))
 }
 
+// knownPlugins names the plugins of topodra-scheduler: kube-scheduler's
+// in-tree ones and topodra's.
+var knownPlugins = func() sets.Set[string] {
+	known := sets.New(topologydra.Name, topologydra.SortName)
+	for name := range frameworkplugins.NewInTreeRegistry() {
+		known.Insert(name)
+	}
+	return known
+}()
+
 // checkProfiles checks, in loaded (defaulted) profiles, what kube-scheduler's
 // own validation leaves out since it does not know TopologyDRA:
 //
+//   - every pluginConfig entry names a plugin of this scheduler: the args
+//     of another name (a misspelt TopologyDRA, say) are kept undecoded and
+//     never read, so a typo would pass for the defaults;
 //   - no profile enables both TopologyDRA and the stock DynamicResources
 //     plugin: both would allocate the pods' claims and write them, and no
 //     pod with a claim would ever bind;
@@ -61,6 +76,16 @@ func checkProfiles(logger klog.Logger, profiles []schedconfig.KubeSchedulerProfi
 				prof.SchedulerName, topologydra.Name, names.DynamicResources, names.DynamicResources, names.DynamicResources)))
 		}
 		for j, pc := range prof.PluginConfig {
+			if !knownPlugins.Has(pc.Name) {
+				msg := "no plugin of this scheduler has that name, so its args would be ignored"
+				for _, known := range sets.List(knownPlugins) {
+					if strings.EqualFold(known, pc.Name) {
+						msg += "; did you mean " + known + "?"
+					}
+				}
+				errs = append(errs, field.Invalid(path.Child("pluginConfig").Index(j).Child("name"), pc.Name, msg))
+				continue
+			}
 			if pc.Name != topologydra.Name {
 				continue
 			}

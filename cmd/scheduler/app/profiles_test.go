@@ -128,6 +128,31 @@ func TestCheckConfigFile(t *testing.T) {
 			wantErr:  []string{`profiles[0].pluginConfig[1].args.topologyAttributes[0]: Invalid value: "pcieRoot"`},
 			wantWarn: `does not enable TopologyDRA`,
 		},
+		"args under a misspelt plugin name": {
+			config: configHeader + `profiles:
+- schedulerName: topodra-scheduler
+  plugins:
+    multiPoint:
+      enabled:
+      - name: TopologyDRA
+      disabled:
+      - name: DynamicResources
+  pluginConfig:
+  - name: TopologyDra
+    args:
+      scoringStrategy: LeastAllocated
+`,
+			wantErr: []string{`profiles[0].pluginConfig[0].name: Invalid value: "TopologyDra"`, "its args would be ignored", "did you mean TopologyDRA?"},
+		},
+		"args under a plugin this scheduler does not have": {
+			config: configHeader + `profiles:
+- schedulerName: topodra-scheduler
+  pluginConfig:
+  - name: NoSuchPlugin
+    args: {}
+`,
+			wantErr: []string{`profiles[0].pluginConfig[0].name: Invalid value: "NoSuchPlugin"`},
+		},
 		"valid args where TopologyDRA is not enabled": {
 			config: configHeader + `profiles:
 - schedulerName: default-scheduler

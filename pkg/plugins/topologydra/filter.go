@@ -113,11 +113,22 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			}
 			// The message names no pool, so that it reads the same on
 			// every node; the log says which pools were left out.
+			// One line per cycle at V(2), not one per node: while a
+			// driver's pools are incomplete on many nodes, each attempt of
+			// each pending pod would log every node.
 			for _, r := range res.Explanation.Requests {
-				if r.UnusablePools != "" {
-					klog.FromContext(ctx).V(2).Info("Resource pools left out", "pod", klog.KObj(pod), "node", klog.KObj(node), "pools", r.UnusablePools)
-					break
+				if r.UnusablePools == "" {
+					continue
 				}
+				logger := klog.FromContext(ctx)
+				first := false
+				s.poolsOnce.Do(func() { first = true })
+				if first {
+					logger.V(2).Info("Resource pools left out (other nodes of this attempt at V(5))", "pod", klog.KObj(pod), "node", klog.KObj(node), "pools", r.UnusablePools)
+				} else {
+					logger.V(5).Info("Resource pools left out", "pod", klog.KObj(pod), "node", klog.KObj(node), "pools", r.UnusablePools)
+				}
+				break
 			}
 		}
 		// More devices may become free or appear (claim and slice events

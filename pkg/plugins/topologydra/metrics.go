@@ -14,16 +14,17 @@ const metricsSubsystem = "topodra"
 
 var (
 	allocationDuration = metrics.NewHistogram(&metrics.HistogramOpts{
-		Subsystem:      metricsSubsystem,
-		Name:           "allocation_duration_seconds",
-		Help:           "Time to find the best allocation of a pod's claims on one node (one Filter call).",
-		Buckets:        metrics.ExponentialBuckets(0.00001, 2, 18),
+		Subsystem: metricsSubsystem,
+		Name:      "allocation_duration_seconds",
+		Help:      "Time to find the best allocation of a pod's claims on one node (one Filter call).",
+		// 10 us to about 10.5 s: up to filterTimeout's default of 10 s.
+		Buckets:        metrics.ExponentialBuckets(0.00001, 2, 21),
 		StabilityLevel: metrics.ALPHA,
 	})
 	placements = metrics.NewCounterVec(&metrics.CounterOpts{
 		Subsystem:      metricsSubsystem,
 		Name:           "placements_total",
-		Help:           "Pods whose claims topodra allocated, by the tightest topology level their devices share (an attribute name, or node).",
+		Help:           "Pods whose claims topodra allocated, by the tightest topology level their devices share (an attribute name, node, or device for a single device).",
 		StabilityLevel: metrics.ALPHA,
 	}, []string{"level"})
 	devicesAllocated = metrics.NewHistogram(&metrics.HistogramOpts{

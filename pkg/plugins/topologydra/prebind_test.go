@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/url"
 	"slices"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -427,17 +430,12 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 				h.tCtx.ExpectNoError(err, "the claim informer's event did not settle claim c")
 			}
 			unreadable.Store(false)
-			if !stored && !tc.informer {
-				// Readable, unchanged since the write: the API server may
-				// still store the write, until the API server's request
-				// timeout has passed.
-				if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil); code(st) != fwk.Error || !strings.Contains(st.Message(), "may still store it") {
-					t.Errorf("PreFilter of the pod while its claim's write may still be stored: %v, want an error that says so", st)
-				}
-				ageUncertain(h.pl, uid, uncertainRereadAge)
-			}
+			// Readable and unchanged since the write, which the API server
+			// may still store: the pod's next attempt sends the write
+			// again, and it is stored.
+			resent := !stored && !tc.informer
 			cs, st := h.cycle(pod, "node-a")
-			if stored {
+			if stored || resent {
 				// c is allocated and reserved for p: nothing to allocate.
 				if !st["node-a"].IsSuccess() {
 					t.Fatalf("Filter of the pod whose allocation was stored: %v", st["node-a"])
@@ -459,17 +457,36 @@ func TestPreBindWriteOutcomeUnreadable(t *testing.T) {
 			if h.pl.uncertain.has(h.apiClaim("c").UID) {
 				t.Error("claim c is still uncertain after it was read")
 			}
+			if c := h.apiClaim("c"); resent && (c.Status.Allocation == nil || len(c.Status.ReservedFor) != 1 || c.Status.ReservedFor[0].UID != pod.UID) {
+				t.Errorf("claim c in the API: allocation %v, reserved for %v; want the write sent again stored, reserved for pod p", c.Status.Allocation, c.Status.ReservedFor)
+			}
 		})
 	}
 }
 
-// ageUncertain makes the uncertain write of claim uid older by d.
-func ageUncertain(pl *TopologyDRA, uid types.UID, d time.Duration) {
-	pl.uncertain.mu.Lock()
-	defer pl.uncertain.mu.Unlock()
-	w := pl.uncertain.claims[uid]
-	w.since = w.since.Add(-d)
-	pl.uncertain.claims[uid] = w
+// TestWriteRefused: only an answer that refuses the write, or a request
+// that never left (no connection could be made), proves a write not
+// stored.
+func TestWriteRefused(t *testing.T) {
+	dial := &url.Error{Op: "Put", URL: "https://apiserver/apis/resource.k8s.io/v1/...", Err: &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}}
+	reset := &url.Error{Op: "Put", URL: "https://apiserver/apis/resource.k8s.io/v1/...", Err: &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}}
+	for name, tc := range map[string]struct {
+		err  error
+		want bool
+	}{
+		"connection refused":  {fmt.Errorf("write allocation: %w", dial), true},
+		"conflict":            {apierrors.NewConflict(resourceapi.Resource("resourceclaims"), "c", errors.New("modified")), true},
+		"forbidden":           {apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "c", errors.New("denied")), true},
+		"connection reset":    {reset, false},
+		"timeout":             {apierrors.NewTimeoutError("request did not complete within requested timeout", 1), false},
+		"server error":        {apierrors.NewInternalError(errors.New("etcd")), false},
+		"context cancelled":   {fmt.Errorf("Put: %w", context.Canceled), false},
+		"service unavailable": {apierrors.NewServiceUnavailable("etcd leader changed"), false},
+	} {
+		if got := writeRefused(tc.err); got != tc.want {
+			t.Errorf("%s: writeRefused(%v) = %v, want %v", name, tc.err, got, tc.want)
+		}
+	}
 }
 
 // TestPreBindWriteNotStoredYet: claim c's allocation write fails with a
@@ -477,12 +494,16 @@ func ageUncertain(pl *TopologyDRA, uid types.UID, d time.Duration) {
 // the write), and the claim reads as unchanged. PreBind must not take
 // that read for "not stored": it sends the write again from the same
 // resourceVersion, so that at most one of the two is stored, and learns
-// the outcome from that. Either way the claim's devices stay taken, and
-// the first write, landing late, cannot give them to a second claim.
+// the outcome from that. Where PreBind's context was cancelled (the
+// scheduler may be stopping), it writes nothing more: the pod's next
+// attempt sends the write again. Either way the claim's devices stay
+// taken, and the first write, landing late, cannot give them to a second
+// claim.
 func TestPreBindWriteNotStoredYet(t *testing.T) {
-	for name, lateFirst := range map[string]bool{
-		"the first write lands after the second":  false,
-		"the first write lands before the second": true,
+	for name, tc := range map[string]struct{ lateFirst, cancelled bool }{
+		"the first write lands after the second":               {},
+		"the first write lands before the second":              {lateFirst: true},
+		"PreBind cancelled, the pod's next attempt settles it": {cancelled: true},
 	} {
 		t.Run(name, func(t *testing.T) {
 			var first atomic.Pointer[resourceapi.ResourceClaim]
@@ -495,6 +516,8 @@ func TestPreBindWriteNotStoredYet(t *testing.T) {
 				_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(context.Background(), late, metav1.UpdateOptions{})
 				return err
 			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
 			var writes atomic.Int32
 			hook := func(hh *harness) {
 				h = hh
@@ -510,9 +533,12 @@ func TestPreBindWriteNotStoredYet(t *testing.T) {
 						// Kept for later, as an API server still at work
 						// on it after the client gave up.
 						first.Store(obj.DeepCopy())
+						if tc.cancelled {
+							cancel()
+						}
 						return true, nil, apierrors.NewTimeoutError("request did not complete within requested timeout", 1)
 					case 2:
-						if late := first.Swap(nil); lateFirst && late != nil {
+						if late := first.Swap(nil); tc.lateFirst && late != nil {
 							// Stored by the API server just before the
 							// second write arrives (straight into the
 							// tracker: the fake client's reactors cannot
@@ -535,23 +561,39 @@ func TestPreBindWriteNotStoredYet(t *testing.T) {
 			pod := testPod("p", "c")
 			cs := h.reserve(pod, "node-a")
 			uid := h.apiClaim("c").UID
-			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+			if st := h.pl.PreBind(ctx, cs, pod, "node-a"); st.IsSuccess() {
 				t.Fatal("PreBind succeeded although the write timed out")
 			}
 			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
-			if h.pl.uncertain.has(uid) {
-				t.Error("the write of claim c is still uncertain, although the second write settled it")
+			if h.pl.uncertain.has(uid) != tc.cancelled {
+				t.Errorf("the write of claim c is uncertain: %v, want %v", h.pl.uncertain.has(uid), tc.cancelled)
 			}
 			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
 				t.Errorf("a 2-GPU pod fits on node-a while claim c's write may still be stored")
 			}
+			reservedFor := 0
+			if tc.cancelled {
+				if writes.Load() != 1 {
+					t.Errorf("%d writes of claim c's allocation, want 1: a cancelled PreBind writes nothing more", writes.Load())
+				}
+				if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil); !st.IsSuccess() {
+					t.Fatalf("PreFilter of the pod's next attempt: %v", st)
+				}
+				if h.pl.uncertain.has(uid) {
+					t.Error("the write of claim c is still uncertain after the pod's next attempt")
+				}
+				reservedFor = 1
+			}
 			// The first write, where it has not landed yet, tries now.
-			if err := land(); !lateFirst && !apierrors.IsConflict(err) {
+			if err := land(); !tc.lateFirst && !apierrors.IsConflict(err) {
 				t.Errorf("the first write, landing after the second: %v, want a conflict", err)
 			}
 			c := h.apiClaim("c")
-			if c.Status.Allocation == nil || len(c.Status.ReservedFor) != 0 {
-				t.Errorf("claim c in the API: allocation %v, reserved for %v; want allocated, reserved for nobody after Unreserve", c.Status.Allocation, c.Status.ReservedFor)
+			if c.Status.Allocation == nil || len(c.Status.ReservedFor) != reservedFor {
+				t.Errorf("claim c in the API: allocation %v, reserved for %v; want allocated, reserved for %d pod(s)", c.Status.Allocation, c.Status.ReservedFor, reservedFor)
+			}
+			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+				t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs")
 			}
 		})
 	}

@@ -127,7 +127,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		// PreFilter deletes the claim, or the informer shows it).
 		created = ext.created.Name
 		if pl.draManager.ResourceClaims().GetPendingAllocation(ext.pendingUID) != nil {
-			pl.uncertain.add(ext.created, ext.pendingUID)
+			pl.uncertain.add(ext.created, ext.pendingUID, nil)
 		}
 		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
 			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))

@@ -74,6 +74,9 @@ type stateData struct {
 	// heldOnce counts the cycle once in headroomHolds, however many
 	// nodes the headroom turned down.
 	heldOnce sync.Once
+	// poolsOnce limits the log of the resource pools a node's allocation
+	// left out to one line per cycle at V(2) (the others at V(5)).
+	poolsOnce sync.Once
 
 	// mu guards results and unavailableClaims, which Filter writes
 	// concurrently for many nodes.

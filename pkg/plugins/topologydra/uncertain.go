@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"strconv"
 	"sync"
@@ -47,18 +48,25 @@ type uncertainWrite struct {
 	namespace, name, resourceVersion string
 	pending                          types.UID
 	since                            time.Time
+	// attempted is the allocation write as sent, where it may be sent
+	// again to settle it (fenceWrite); nil otherwise.
+	attempted *resourceapi.ResourceClaim
 }
 
 // add records claim (as of the write) with its allocation in flight under
-// pending.
-func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim, pending types.UID) {
+// pending; attempted, where not nil, is the write as sent.
+func (u *uncertainWrites) add(claim *resourceapi.ResourceClaim, pending types.UID, attempted *resourceapi.ResourceClaim) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.claims == nil {
 		u.claims = map[types.UID]uncertainWrite{}
 	}
-	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion, pending, time.Now()}
-	uncertainClaims.Set(float64(len(u.claims)))
+	if _, ok := u.claims[claim.UID]; !ok {
+		// Counted up and down, not set: every profile's plugin has a
+		// list of its own.
+		uncertainClaims.Inc()
+	}
+	u.claims[claim.UID] = uncertainWrite{claim.Namespace, claim.Name, claim.ResourceVersion, pending, time.Now(), attempted}
 }
 
 func (u *uncertainWrites) get(uid types.UID) (uncertainWrite, bool) {
@@ -80,7 +88,7 @@ func (u *uncertainWrites) take(uid types.UID) (uncertainWrite, bool) {
 	w, ok := u.claims[uid]
 	if ok {
 		delete(u.claims, uid)
-		uncertainClaims.Set(float64(len(u.claims)))
+		uncertainClaims.Dec()
 	}
 	return w, ok
 }
@@ -107,15 +115,20 @@ func (u *uncertainWrites) takeIf(uid types.UID, w uncertainWrite) bool {
 		return false
 	}
 	delete(u.claims, uid)
-	uncertainClaims.Set(float64(len(u.claims)))
+	uncertainClaims.Dec()
 	return true
 }
 
 // writeRefused reports whether err proves that the API server did not
-// store the write: it answered with a status that refuses the request.
-// Anything else (timeouts, server errors, transport errors) leaves the
-// outcome open.
+// store the write: it answered with a status that refuses the request, or
+// the request was never sent (no connection to the API server could be
+// made). Anything else (timeouts, server errors, other transport errors)
+// leaves the outcome open.
 func writeRefused(err error) bool {
+	var dial *net.OpError
+	if errors.As(err, &dial) && dial.Op == "dial" {
+		return true
+	}
 	var status apierrors.APIStatus
 	if !errors.As(err, &status) {
 		return false
@@ -210,8 +223,13 @@ const settleTimeout = 10 * time.Second
 // write, so that Unreserve removes the reservation and the devices never
 // look free while the claim holds them. Where the error does not prove
 // the write refused and no read tells, the claim is recorded as
-// uncertain (see uncertainWrites). attempted is the claim as of the last
-// write attempted (nil: s.claims[i]).
+// uncertain (see uncertainWrites). A claim that reads as not stored yet
+// (outcomeNotYet) is settled by sending the write again (fenceWrite), but
+// only while PreBind's context is live: a scheduler that is stopping (its
+// lease lost) writes nothing more, and a pod whose PreBind was cancelled
+// otherwise has it sent again at its next attempt (settleUncertain).
+// attempted is the claim as of the last write attempted (nil:
+// s.claims[i]).
 func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, s *stateData, i int, attempted *resourceapi.ResourceClaim, writeErr error) {
 	logger := klog.FromContext(ctx)
 	claim := s.claims[i]
@@ -221,16 +239,23 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	var outcome writeOutcome
 	var latest *resourceapi.ResourceClaim
 	var readErr error
+	live := ctx
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
 	refused := writeRefused(writeErr)
 	_ = wait.ExponentialBackoffWithContext(ctx, settleReads, func(ctx context.Context) (bool, error) {
 		outcome, latest, readErr = pl.readOutcome(ctx, claim, podUID)
 		if outcome == outcomeNotYet {
-			if refused {
+			switch {
+			case refused || claim.Status.Allocation == nil:
+				// Refused, or what may still land allocates nothing (the
+				// finalizer's update, which comes first).
 				outcome = outcomeNotStored
-			} else {
+			case live.Err() == nil:
 				outcome, latest, readErr = pl.fenceWrite(ctx, claim)
+			default:
+				// Not written again from here: open.
+				return true, nil
 			}
 		}
 		return outcome != outcomeUnknown || refused, nil
@@ -239,15 +264,20 @@ func (pl *TopologyDRA) settleFailedWrite(ctx context.Context, podUID types.UID, 
 	case outcomeStored:
 		pl.takeInStored(logger, latest, latest.UID)
 		s.claims[i] = latest
-	case outcomeUnknown:
+	case outcomeUnknown, outcomeNotYet:
 		if refused {
 			return
 		}
-		pl.uncertain.add(claim, claim.UID)
+		pl.uncertain.add(claim, claim.UID, claim.DeepCopy())
 		// The informer may have shown a newer version of the claim
 		// already, before it was uncertain.
 		if cached, err := pl.draManager.ResourceClaims().Get(claim.Namespace, claim.Name); err == nil {
 			pl.settleFromInformer(cached)
+		}
+		if outcome == outcomeNotYet {
+			logger.Error(writeErr, "Allocation write with unknown outcome, not stored yet: its devices stay taken until the pod's next attempt writes it again or the API server can no longer store it",
+				"claim", klog.KObj(claim))
+			return
 		}
 		logger.Error(readErr, "Allocation write with unknown outcome: its devices stay taken until the claim can be read",
 			"claim", klog.KObj(claim), "writeErr", writeErr)
@@ -282,7 +312,39 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 	}
 	if w, ok := pl.uncertain.get(claim.UID); ok && latest != nil && latest.Status.Allocation == nil &&
 		!newerVersion(latest.ResourceVersion, w.resourceVersion) && time.Since(w.since) < uncertainRereadAge {
-		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the API server may still store it (the claim has not changed since); its devices stay taken until the claim changes or, at the latest, %v after the write", claim.Name, uncertainRereadAge)
+		// Unchanged since the write, which the API server may still
+		// store: sending it again settles it (fenceWrite).
+		var fenceErr error
+		if w.attempted != nil {
+			var outcome writeOutcome
+			var stored *resourceapi.ResourceClaim
+			outcome, stored, fenceErr = pl.fenceWrite(ctx, w.attempted)
+			switch {
+			case outcome == outcomeStored:
+				latest = stored
+			case outcome == outcomeNotStored:
+				// It allocated nothing: nothing to wait for.
+				fenceErr = nil
+				w.resourceVersion = ""
+			case apierrors.IsConflict(fenceErr):
+				// The first write, or another writer, got there first.
+				latest, err = pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+				if err != nil && !apierrors.IsNotFound(err) {
+					return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
+				}
+				if err == nil && latest.UID != claim.UID {
+					latest = nil
+				}
+				fenceErr = nil
+			}
+		}
+		if latest != nil && latest.Status.Allocation == nil && w.resourceVersion != "" && !newerVersion(latest.ResourceVersion, w.resourceVersion) {
+			again := ""
+			if fenceErr != nil {
+				again = fmt.Sprintf("; writing it again failed: %v", fenceErr)
+			}
+			return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the API server may still store it (the claim has not changed since%s); its devices stay taken until the claim changes or, at the latest, %v after the write", claim.Name, again, uncertainRereadAge)
+		}
 	}
 	if _, ok := pl.uncertain.take(claim.UID); ok {
 		if latest != nil && latest.Status.Allocation != nil && allocation != nil {
