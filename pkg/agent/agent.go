@@ -543,7 +543,7 @@ func (a *Agent) checkpointUnreadable(ctx context.Context, err error) {
 	if errors.Is(err, checkpoint.ErrUnknownVersion) {
 		todo = "it was written by a newer agent: run that version again (README: \"Unreadable checkpoint\")"
 	}
-	klog.FromContext(ctx).Error(err, "cannot start: the record of prepared claims is unreadable", "path", path, "todo", todo)
+	klog.FromContext(ctx).Error(err, "Cannot start: the record of prepared claims is unreadable", "path", path, "todo", todo)
 	a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "Start",
 		"%s cannot start: %v; no GPU claim can be prepared or unprepared on this node until it is fixed, running containers keep their GPUs; %s",
 		a.opts.DriverName, err, todo)
@@ -575,7 +575,7 @@ func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
 	for _, g := range inv.GPUs {
 		names = append(names, g.Name)
 	}
-	logger.V(2).Info("discovered devices", "devices", names)
+	logger.V(2).Info("Discovered devices", "devices", names)
 	for _, s := range inv.Skipped {
 		logger.Info("GPU not published", "index", s.Index, "uuid", s.UUID, "pciBusID", s.PCIBusID, "reason", s.Reason)
 	}
@@ -711,7 +711,7 @@ func (a *Agent) publish(ctx context.Context) error {
 	a.published = &resources
 	a.mutex.Unlock()
 
-	klog.FromContext(ctx).V(2).Info("publishing devices", "pool", a.opts.PoolName, "devices", len(resources.Pools[a.opts.PoolName].Slices[0].Devices))
+	klog.FromContext(ctx).V(2).Info("Publishing devices", "pool", a.opts.PoolName, "devices", len(resources.Pools[a.opts.PoolName].Slices[0].Devices))
 	if a.helper != nil {
 		if err := a.helper.PublishResources(ctx, resources); err != nil {
 			return fmt.Errorf("publish resources: %w", err)
@@ -786,7 +786,7 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	if !changed && !wasUnusable {
 		return nil
 	}
-	logger.V(2).Info("devices changed")
+	logger.V(2).Info("Devices changed")
 	logDiscovery(logger, inv)
 	if restartHealth && a.health != nil {
 		a.startHealth(inv)
@@ -805,7 +805,7 @@ func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventor
 		}.AsSelector().String(),
 	})
 	if err != nil {
-		klog.FromContext(ctx).Error(err, "cannot read the published devices, publishing nothing until they can be read or discovery works")
+		klog.FromContext(ctx).Error(err, "Cannot read the published devices, publishing nothing until they can be read or discovery works")
 		return &discovery.Inventory{}, false
 	}
 	var generation int64
@@ -962,7 +962,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 
 	switch {
 	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
-		logger.Info("no GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
+		logger.Info("No GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
 		a.nodeEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
 	case unusable != nil && (prevUnusable == nil || prevUnusable.Error() != unusable.Error()):
 		published := fmt.Sprintf("the %d published GPUs stay, tainted %s (NoSchedule)", devices, NVMLUnusableTaintKey)

@@ -70,7 +70,7 @@ func (a *Agent) retryHealth() {
 	run := &healthRun{cancel: cancel}
 	a.healthRetry = run
 	a.mutex.Unlock()
-	klog.FromContext(ctx).V(4).Info("retrying to watch device health")
+	klog.FromContext(ctx).V(4).Info("Retrying to watch device health")
 	a.runHealth(ctx, run, inv)
 }
 
@@ -134,7 +134,7 @@ func (a *Agent) runHealth(ctx context.Context, run *healthRun, inv *discovery.In
 		}
 		a.reportPartlyWatched(inv, unwatched)
 		if recovered {
-			logger.Info("watching device health", "devices", len(inv.GPUs)-len(unwatched), "unwatched", len(unwatched))
+			logger.Info("Watching device health", "devices", len(inv.GPUs)-len(unwatched), "unwatched", len(unwatched))
 			if len(unwatched) == 0 {
 				a.nodeEvent(v1.EventTypeNormal, ReasonHealthWatched, "HealthCheck", "the health of all %d GPUs is watched now", len(inv.GPUs))
 			}
@@ -168,11 +168,11 @@ func (a *Agent) runHealth(ctx context.Context, run *healthRun, inv *discovery.In
 		a.mutex.Unlock()
 		switch {
 		case !changed:
-			logger.V(4).Info("watching device health failed again", "err", err.Error())
+			logger.V(4).Info("Watching device health failed again", "err", err.Error())
 		case errors.Is(err, discovery.ErrHealthUnsupported):
-			logger.Info("device health reporting is not available, retrying", "reason", err.Error())
+			logger.Info("Device health reporting is not available, retrying", "reason", err.Error())
 		default:
-			logger.Error(err, "watching device health failed, device health is not reported until a retry succeeds")
+			logger.Error(err, "Watching device health failed, device health is not reported until a retry succeeds")
 		}
 	})
 	a.wg.Go(func() {
@@ -234,7 +234,7 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	if len(affected) == 0 {
 		return
 	}
-	logger.Info("devices became unhealthy", "devices", affected, "reason", ev.Reason, "message", ev.Message)
+	logger.Info("Devices became unhealthy", "devices", affected, "reason", ev.Reason, "message", ev.Message)
 	// The taint first: it is what keeps new pods off the GPUs.
 	if err := a.publish(ctx); err != nil {
 		a.HandleError(ctx, err, "publish health taints")

@@ -104,7 +104,7 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 	for _, claim := range claims {
 		prepared, isNew, err := a.prepareClaim(ctx, cp, claim)
 		if err != nil {
-			logger.Error(err, "cannot prepare claim", "claim", klog.KObj(claim))
+			logger.Error(err, "Cannot prepare claim", "claim", klog.KObj(claim))
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
 			switch {
 			case errors.Is(err, ErrGPUMoved):
@@ -129,7 +129,7 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 			changed = true
 		}
 		result[claim.UID] = kubeletplugin.PrepareResult{Devices: prepareResultDevices(prepared)}
-		logger.V(2).Info("claim prepared", "claim", klog.KObj(claim), "devices", len(prepared.Devices), "new", isNew)
+		logger.V(2).Info("Claim prepared", "claim", klog.KObj(claim), "devices", len(prepared.Devices), "new", isNew)
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
@@ -199,7 +199,7 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
 				return checkpoint.PreparedClaim{}, false, err
 			}
-			klog.FromContext(ctx).Error(err, "cannot generate the CDI spec of a prepared claim again, keeping the one written before", "claim", klog.KObj(claim))
+			klog.FromContext(ctx).Error(err, "Cannot generate the CDI spec of a prepared claim again, keeping the one written before", "claim", klog.KObj(claim))
 		}
 		return prepared, false, nil
 	}
@@ -442,7 +442,7 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 		if _, ok := cp.Claims[claim.UID]; ok {
 			delete(cp.Claims, claim.UID)
 			changed = true
-			logger.V(2).Info("claim unprepared", "claim", claim.NamespacedName)
+			logger.V(2).Info("Claim unprepared", "claim", claim.NamespacedName)
 		}
 		if _, ok := cp.PreviousBoot[claim.UID]; ok {
 			delete(cp.PreviousBoot, claim.UID)

@@ -27,7 +27,7 @@ func (a *Agent) bootID(ctx context.Context) string {
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
-		klog.FromContext(ctx).Info("cannot read the boot id, prepared claims are kept across reboots", "path", path, "err", err)
+		klog.FromContext(ctx).Info("Cannot read the boot id, prepared claims are kept across reboots", "path", path, "err", err)
 		return ""
 	}
 	return strings.TrimSpace(string(data))
@@ -55,7 +55,7 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	}
 	if cp.BootID != "" {
 		if len(cp.Claims) > 0 {
-			klog.FromContext(ctx).Info("node rebooted since claims were prepared, dropping them", "claims", len(cp.Claims), "oldBootID", cp.BootID, "bootID", boot)
+			klog.FromContext(ctx).Info("Node rebooted since claims were prepared, dropping them", "claims", len(cp.Claims), "oldBootID", cp.BootID, "bootID", boot)
 		}
 		for uid, c := range cp.Claims {
 			if err := a.cdi.DeleteClaimSpec(uid); err != nil {
@@ -133,7 +133,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		case apierrors.IsNotFound(err):
 			forget = append(forget, uid)
 		case err != nil:
-			logger.V(2).Info("cannot check claim prepared before the reboot", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+			logger.V(2).Info("Cannot check claim prepared before the reboot", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
 		case claim.UID != uid || claim.Status.Allocation == nil:
 			forget = append(forget, uid)
 		}
@@ -153,7 +153,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		switch {
 		case apierrors.IsNotFound(err), err == nil && claim.UID != uid:
 		case err != nil:
-			logger.V(2).Info("cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+			logger.V(2).Info("Cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
 			continue
 		case claim.Status.Allocation == nil:
 			why = "it is no longer allocated (its pods went without the kubelet unpreparing it?)"
@@ -173,7 +173,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	}
 	stale, err := a.unreferenced(ctx, cp, expired)
 	if err != nil {
-		logger.Info("cannot list the node's pods, keeping the prepared claims that the API server no longer has", "claims", len(expired), "err", err)
+		logger.Info("Cannot list the node's pods, keeping the prepared claims that the API server no longer has", "claims", len(expired), "err", err)
 	}
 	if len(stale) == 0 && len(forget) == 0 {
 		return nil, nil
@@ -207,7 +207,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	for _, uid := range removed {
 		c := dropped[uid]
 		delete(a.gone, uid)
-		logger.Info("dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
+		logger.Info("Dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
 		a.nodeEvent(v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
 			"dropped claim %s/%s (%s), which the API server no longer has and no pod on this node references, after %v (--stale-claim-grace): %s can be prepared for other claims",
 			c.Namespace, c.Name, uid, grace, claimDevices(c))
@@ -219,7 +219,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 // has without an allocation (why says which).
 func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string) {
 	devices := claimDevices(c)
-	klog.FromContext(ctx).Info("prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why)
+	klog.FromContext(ctx).Info("Prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why)
 	after := fmt.Sprintf("the agent drops it after %v (--stale-claim-grace) once no pod on this node references it", a.opts.StaleClaimGrace)
 	if a.opts.StaleClaimGrace < 0 {
 		after = "the agent never drops it (--stale-claim-grace is negative)"
@@ -264,7 +264,7 @@ func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, uid
 		referenced := false
 		for i := range list {
 			if list[i].Spec.NodeName == a.opts.NodeName && podReferencesClaim(&list[i], c.Namespace, c.Name) {
-				klog.FromContext(ctx).V(2).Info("keeping prepared claim that the API server no longer has: a pod on the node references it", "claim", klog.KRef(c.Namespace, c.Name), "pod", klog.KObj(&list[i]))
+				klog.FromContext(ctx).V(2).Info("Keeping prepared claim that the API server no longer has: a pod on the node references it", "claim", klog.KRef(c.Namespace, c.Name), "pod", klog.KObj(&list[i]))
 				referenced = true
 				break
 			}

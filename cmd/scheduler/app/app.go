@@ -157,7 +157,7 @@ func runScheduler(ctx context.Context, cc *schedulerserverconfig.CompletedConfig
 	// until its own registration is there (or Run has ended).
 	startMu.Lock()
 	configz.Delete(configzName)
-	klog.FromContext(ctx).V(2).Info("starting in-process scheduler", "stock", stock)
+	klog.FromContext(ctx).V(2).Info("Starting in-process scheduler", "stock", stock)
 	done := make(chan error, 1)
 	go func() { done <- schedapp.Run(ctx, cc, sched) }()
 	err := waitRegistered(ctx, done)
@@ -223,7 +223,7 @@ func runElected(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, 
 			}
 			leading = true
 			mu.Unlock()
-			logger.Info("leading, starting to schedule", "identity", le.Lock.Identity())
+			logger.Info("Leading, starting to schedule", "identity", le.Lock.Identity())
 			runCtx, cancel := context.WithCancel(leaseCtx)
 			stopRun := context.AfterFunc(ctx, cancel)
 			err := runScheduler(runCtx, cc, sched, stock)
@@ -238,7 +238,7 @@ func runElected(ctx context.Context, cc *schedulerserverconfig.CompletedConfig, 
 	if err != nil {
 		return fmt.Errorf("create leader elector: %w", err)
 	}
-	logger.V(2).Info("competing for the scheduler lease", "identity", le.Lock.Identity(), "lease", le.Lock.Describe())
+	logger.V(2).Info("Competing for the scheduler lease", "identity", le.Lock.Identity(), "lease", le.Lock.Describe())
 	elector.Run(electCtx)
 	mu.Lock()
 	led := leading

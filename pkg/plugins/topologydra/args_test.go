@@ -305,9 +305,14 @@ func TestNewWarnsAboutArgsWithoutEffect(t *testing.T) {
 		mutate   func(*config.TopologyDRAArgs)
 		wantWarn string
 	}{
-		"defaults":                       {mutate: func(*config.TopologyDRAArgs) {}},
-		"nicRootTrade without pcieRoot":  {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"gpu.topodra.io/nvlinkClique"} }, wantWarn: "nicRootTrade has no effect"},
-		"no nicRootTrade, no pcieRoot":   {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes, a.NICRootTrade = nil, 0 }},
+		"defaults":                      {mutate: func(*config.TopologyDRAArgs) {}},
+		"nicRootTrade without pcieRoot": {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"gpu.topodra.io/nvlinkClique"} }, wantWarn: "nicRootTrade has no effect"},
+		"no nicRootTrade, no pcieRoot": {mutate: func(a *config.TopologyDRAArgs) {
+			a.TopologyAttributes, a.NICRootTrade, a.NICReservePercent = nil, 0, 0
+		}},
+		"nicReservePercent without pcieRoot": {mutate: func(a *config.TopologyDRAArgs) {
+			a.TopologyAttributes, a.NICRootTrade = []string{"gpu.topodra.io/nvlinkClique"}, 0
+		}, wantWarn: "nicReservePercent has no effect"},
 		"nicRootTrade without any attrs": {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = nil }, wantWarn: "resource.kubernetes.io/pcieRoot"},
 	}
 	for name, tc := range tests {

@@ -247,7 +247,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 		for _, c := range s.claims {
 			names = append(names, c.Name)
 		}
-		return inputError(logger, fmt.Errorf("binding conditions of claims %s: %w", strings.Join(names, ", "), err), "pod", klog.KObj(pod), "node", nodeName)
+		return inputError(logger, fmt.Errorf("binding conditions of claims %s: %w", strings.Join(names, ", "), err), "pod", klog.KObj(pod), "node", klog.KRef("", nodeName))
 	}
 	return nil
 }

@@ -408,7 +408,7 @@ func (pl *TopologyDRA) createExtendedClaim(ctx context.Context, pod *v1.Pod, v *
 		pl.event(pod, v1.EventTypeWarning, "FailedExtendedResourceClaim", "Binding", "%s", err.Error())
 		return nil, err
 	}
-	klog.FromContext(ctx).V(5).Info("created extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(created))
+	klog.FromContext(ctx).V(5).Info("Created extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(created))
 	return created, nil
 }
 
@@ -516,7 +516,7 @@ func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1
 	logger := klog.FromContext(ctx)
 	claims, err := pl.draManager.ResourceClaims().List()
 	if err != nil {
-		logger.Error(err, "list claims for leftover extended resource claims", "pod", klog.KObj(pod))
+		logger.Error(err, "List claims for leftover extended resource claims", "pod", klog.KObj(pod))
 		return false
 	}
 	for _, claim := range claims {
@@ -528,7 +528,7 @@ func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1
 		}
 		found = true
 		if err := pl.deleteExtendedClaim(ctx, claim); err != nil {
-			logger.Error(err, "delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			logger.Error(err, "Delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 			continue
 		}
 		// Its allocation, if Unreserve kept it in flight, is gone too.

@@ -290,6 +290,10 @@ func warnUnusedArgs(logger klog.Logger, args *config.TopologyDRAArgs) {
 		logger.Info("Warning: nicRootTrade has no effect, since topologyAttributes lacks "+string(topology.AttrPCIeRoot)+"; add it, or set nicRootTrade to 0",
 			"plugin", Name, "nicRootTrade", args.NICRootTrade, "topologyAttributes", args.TopologyAttributes)
 	}
+	if args.NICReservePercent > 0 && !slices.Contains(args.TopologyAttributes, string(topology.AttrPCIeRoot)) {
+		logger.Info("Warning: nicReservePercent has no effect, since topologyAttributes lacks "+string(topology.AttrPCIeRoot)+"; add it, or set nicReservePercent to 0",
+			"plugin", Name, "nicReservePercent", args.NICReservePercent, "topologyAttributes", args.TopologyAttributes)
+	}
 }
 
 // policyFromArgs is the allocator's preference model for the args. Its

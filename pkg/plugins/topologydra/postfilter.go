@@ -33,7 +33,7 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		claim.Status.ReservedFor = nil
 		claim.Status.Allocation = nil
 		claim.Status.Devices = nil
-		logger.V(2).Info("deallocating claim that no node can use", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+		logger.V(2).Info("Deallocating claim that no node can use", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
 			return nil, internalError(logger, err, "claim", klog.KObj(claim))
 		}

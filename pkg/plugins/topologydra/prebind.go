@@ -144,7 +144,7 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 	if modified {
 		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
 			// Only fails when the informer already has a newer object.
-			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+			logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
 		}
 	}
 	if err != nil {

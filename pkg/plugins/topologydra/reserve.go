@@ -38,7 +38,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	res := s.getResult(nodeName)
 	if res == nil || len(res.Allocations) != len(toAllocate) {
 		// Filter accepted the node, so this is a bug.
-		return internalError(logger, errors.New("no allocation recorded for the chosen node"), "node", nodeName)
+		return internalError(logger, errors.New("no allocation recorded for the chosen node"), "node", klog.KRef("", nodeName))
 	}
 	if res.Unverified {
 		// Filter decided this node by counting; upstream allocates the
@@ -59,7 +59,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			// As in Filter: bad input fails the cycle like a CEL error
 			// there; anything else is a fault. Both retry with backoff.
 			if errors.Is(err, allocator.ErrInvalidInput) {
-				return inputError(logger, err, "pod", klog.KObj(pod), "node", nodeName)
+				return inputError(logger, err, "pod", klog.KObj(pod), "node", klog.KRef("", nodeName))
 			}
 			if ctx.Err() != nil {
 				return fwk.AsStatus(fmt.Errorf("verifying the allocation on node %s: %w", nodeName, context.Cause(ctx)))
@@ -72,7 +72,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			// with upstream directly for a while.
 			verifyMismatches.Inc()
 			pl.skipCountingOn(nodeName)
-			logger.Error(nil, "Counted allocation not confirmed by the upstream allocator", "pod", klog.KObj(pod), "node", nodeName,
+			logger.Error(nil, "Counted allocation not confirmed by the upstream allocator", "pod", klog.KObj(pod), "node", klog.KRef("", nodeName),
 				"claims", klog.KObjSlice(allocClaims), "counted", klog.Format(res.Allocations), "upstreamFeasible", verified.Allocations != nil)
 		}
 		if verified.Allocations == nil || len(verified.Allocations) != len(toAllocate) {
@@ -100,7 +100,7 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 			return internalError(logger, fmt.Errorf("mark allocation of claim %s in flight: %w", claim.Name, err))
 		}
 		s.allocations[index] = allocation
-		logger.V(5).Info("reserved devices", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "node", nodeName, "allocation", klog.Format(allocation))
+		logger.V(5).Info("Reserved devices", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "node", klog.KRef("", nodeName), "allocation", klog.Format(allocation))
 	}
 	return nil
 }
@@ -130,14 +130,14 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 			pl.uncertain.add(ext.created, ext.pendingUID, nil)
 		}
 		if err := pl.deleteExtendedClaim(ctx, ext.created); err != nil {
-			logger.Error(err, "delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			logger.Error(err, "Delete the extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
 			// The informer may have shown a newer version of the claim
 			// already, before it was uncertain.
 			if cached, err := pl.draManager.ResourceClaims().Get(ext.created.Namespace, ext.created.Name); err == nil {
 				pl.settleFromInformer(cached)
 			}
 		} else {
-			logger.V(5).Info("deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
+			logger.V(5).Info("Deleted extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(ext.created))
 			pl.uncertain.take(ext.created.UID)
 			ext.created = nil
 		}
@@ -155,7 +155,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 					pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, created)
 				}
 				pl.released.add(pod.UID)
-				logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+				logger.V(5).Info("Released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 			}
 			continue
 		}
@@ -167,7 +167,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		if pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(claim.UID, false) {
 			pl.draManager.ResourceClaims().AssumedClaimRestore(claim.Namespace, claim.Name)
 			pl.released.add(pod.UID)
-			logger.V(5).Info("released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			logger.V(5).Info("Released in-flight allocation", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 		}
 	}
 	for i, claim := range s.claims {
@@ -183,7 +183,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		patched, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Patch(ctx, claim.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}, "status")
 		if err != nil {
 			// The next scheduling attempt of the pod runs Unreserve again.
-			logger.Error(err, "remove pod from claim reservedFor", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+			logger.Error(err, "Remove pod from claim reservedFor", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 			continue
 		}
 		// The claim cache may hold the copy PreBind wrote, reserved for
@@ -191,7 +191,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		// write it again, whatever the informer shows by then.
 		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(patched); err != nil {
 			// Only fails when the informer already has a newer object.
-			logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(patched), "err", err)
+			logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(patched), "err", err)
 		}
 	}
 }

@@ -40,7 +40,7 @@ func internalError(logger klog.Logger, err error, kv ...any) *fwk.Status {
 // so the pod is not placed on another node where the selector happens not
 // to fail; it goes to backoff and is retried until the claim is fixed.
 func inputError(logger klog.Logger, err error, kv ...any) *fwk.Status {
-	logger.V(2).Info("claim cannot be allocated", append([]any{"err", err}, kv...)...)
+	logger.V(2).Info("Claim cannot be allocated", append([]any{"err", err}, kv...)...)
 	return fwk.AsStatus(err)
 }
 

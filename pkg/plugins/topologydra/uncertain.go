@@ -464,7 +464,7 @@ func (pl *TopologyDRA) takeInStored(logger klog.Logger, claim *resourceapi.Resou
 		return
 	}
 	if err != nil {
-		logger.V(5).Info("claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+		logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
 	}
 	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(pending, true)
 }
