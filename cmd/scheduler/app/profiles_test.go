@@ -31,6 +31,18 @@ const bothDRAPlugins = configHeader + `profiles:
       - name: TopologyDRA
 `
 
+// topodraProfile is a profile that enables TopologyDRA in place of the
+// stock DynamicResources plugin, up to its pluginConfig.
+const topodraProfile = configHeader + `profiles:
+- schedulerName: topodra-scheduler
+  plugins:
+    multiPoint:
+      enabled:
+      - name: TopologyDRA
+      disabled:
+      - name: DynamicResources
+`
+
 func writeConfig(t *testing.T, data string) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "config.yaml")
@@ -98,15 +110,7 @@ func TestCheckConfigFile(t *testing.T) {
 `,
 		},
 		"invalid args where TopologyDRA is enabled": {
-			config: configHeader + `profiles:
-- schedulerName: topodra-scheduler
-  plugins:
-    multiPoint:
-      enabled:
-      - name: TopologyDRA
-      disabled:
-      - name: DynamicResources
-  pluginConfig:
+			config: topodraProfile + `  pluginConfig:
   - name: TopologyDRA
     args:
       ownedTaintKey: "not a valid key!"
@@ -129,15 +133,7 @@ func TestCheckConfigFile(t *testing.T) {
 			wantWarn: `does not enable TopologyDRA`,
 		},
 		"args under a misspelt plugin name": {
-			config: configHeader + `profiles:
-- schedulerName: topodra-scheduler
-  plugins:
-    multiPoint:
-      enabled:
-      - name: TopologyDRA
-      disabled:
-      - name: DynamicResources
-  pluginConfig:
+			config: topodraProfile + `  pluginConfig:
   - name: TopologyDra
     args:
       scoringStrategy: LeastAllocated

@@ -273,23 +273,29 @@ func TestPreBindWriteOutcomeUnknown(t *testing.T) {
 
 // ctxClient fails the claim requests whose context is done, before
 // sending them, as a real client does (the fake clientset ignores
-// contexts).
-type ctxClient struct{ kubernetes.Interface }
+// contexts). With hangGets, claim reads hang until their context ends,
+// as a read from an API server that does not answer does.
+type ctxClient struct {
+	kubernetes.Interface
+	hangGets bool
+}
 
 func (c ctxClient) ResourceV1() resourcev1client.ResourceV1Interface {
-	return ctxResourceV1{c.Interface.ResourceV1()}
+	return ctxResourceV1{c.Interface.ResourceV1(), c.hangGets}
 }
 
 type ctxResourceV1 struct {
 	resourcev1client.ResourceV1Interface
+	hangGets bool
 }
 
 func (c ctxResourceV1) ResourceClaims(namespace string) resourcev1client.ResourceClaimInterface {
-	return ctxClaims{c.ResourceV1Interface.ResourceClaims(namespace)}
+	return ctxClaims{c.ResourceV1Interface.ResourceClaims(namespace), c.hangGets}
 }
 
 type ctxClaims struct {
 	resourcev1client.ResourceClaimInterface
+	hangGets bool
 }
 
 func requestErr(ctx context.Context, verb string) error {
@@ -300,6 +306,9 @@ func requestErr(ctx context.Context, verb string) error {
 }
 
 func (c ctxClaims) Get(ctx context.Context, name string, opts metav1.GetOptions) (*resourceapi.ResourceClaim, error) {
+	if c.hangGets {
+		<-ctx.Done()
+	}
 	if err := requestErr(ctx, "Get"); err != nil {
 		return nil, err
 	}
@@ -348,7 +357,7 @@ func TestPreBindCancelledSettlesWrite(t *testing.T) {
 				})
 			}
 			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
-			h.pl.client = ctxClient{h.client}
+			h.pl.client = ctxClient{Interface: h.client}
 			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
 			pod := testPod("p", "c")
@@ -714,31 +723,6 @@ func TestUncertainWriteSettledWhenNobodyReadsTheClaim(t *testing.T) {
 	}
 }
 
-// hangingClient's claim reads hang until their context ends, as a read
-// from an API server that does not answer does.
-type hangingClient struct{ kubernetes.Interface }
-
-func (c hangingClient) ResourceV1() resourcev1client.ResourceV1Interface {
-	return hangingResourceV1{c.Interface.ResourceV1()}
-}
-
-type hangingResourceV1 struct {
-	resourcev1client.ResourceV1Interface
-}
-
-func (c hangingResourceV1) ResourceClaims(namespace string) resourcev1client.ResourceClaimInterface {
-	return hangingClaims{c.ResourceV1Interface.ResourceClaims(namespace)}
-}
-
-type hangingClaims struct {
-	resourcev1client.ResourceClaimInterface
-}
-
-func (c hangingClaims) Get(ctx context.Context, name string, opts metav1.GetOptions) (*resourceapi.ResourceClaim, error) {
-	<-ctx.Done()
-	return nil, requestErr(ctx, "Get")
-}
-
 // TestPreFilterReadOfUncertainClaimIsBounded: PreFilter reads a claim
 // whose write is uncertain from the API server on the scheduling cycle;
 // where the API server does not answer, the read ends after
@@ -752,7 +736,7 @@ func TestPreFilterReadOfUncertainClaimIsBounded(t *testing.T) {
 	timeout := preFilterAPITimeout
 	preFilterAPITimeout = 100 * time.Millisecond
 	t.Cleanup(func() { preFilterAPITimeout = timeout })
-	h.pl.client = hangingClient{h.client}
+	h.pl.client = ctxClient{Interface: h.client, hangGets: true}
 	done := make(chan *fwk.Status, 1)
 	go func() {
 		_, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil)
