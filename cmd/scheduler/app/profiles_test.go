@@ -82,15 +82,7 @@ func TestCheckConfigFile(t *testing.T) {
 			wantErr: []string{`profiles[1].plugins`, `profile "topodra-scheduler"`},
 		},
 		"DynamicResources enabled again at one extension point": {
-			config: configHeader + `profiles:
-- schedulerName: topodra-scheduler
-  plugins:
-    multiPoint:
-      enabled:
-      - name: TopologyDRA
-      disabled:
-      - name: DynamicResources
-    reserve:
+			config: topodraProfile + `    reserve:
       enabled:
       - name: DynamicResources
 `,
