@@ -303,12 +303,23 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 		return claim, nil
 	}
 	allocation := pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID)
-	latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
+	// read returns the claim as the API has it; nil where it is gone or
+	// replaced by one of another UID.
+	read := func() (*resourceapi.ResourceClaim, error) {
+		latest, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			return nil, nil
+		case err != nil:
+			return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
+		case latest.UID != claim.UID:
+			return nil, nil
+		}
+		return latest, nil
 	}
-	if err == nil && latest.UID != claim.UID {
-		latest = nil
+	latest, err := read()
+	if err != nil {
+		return nil, err
 	}
 	if w, ok := pl.uncertain.get(claim.UID); ok && latest != nil && latest.Status.Allocation == nil &&
 		!newerVersion(latest.ResourceVersion, w.resourceVersion) && time.Since(w.since) < uncertainRereadAge {
@@ -328,12 +339,8 @@ func (pl *TopologyDRA) settleUncertain(ctx context.Context, claim *resourceapi.R
 				w.resourceVersion = ""
 			case apierrors.IsConflict(fenceErr):
 				// The first write, or another writer, got there first.
-				latest, err = pl.client.ResourceV1().ResourceClaims(claim.Namespace).Get(ctx, claim.Name, metav1.GetOptions{})
-				if err != nil && !apierrors.IsNotFound(err) {
-					return nil, fmt.Errorf("an allocation of claim %s was written without a known outcome, and the claim cannot be read: %w", claim.Name, err)
-				}
-				if err == nil && latest.UID != claim.UID {
-					latest = nil
+				if latest, err = read(); err != nil {
+					return nil, err
 				}
 				fenceErr = nil
 			}
