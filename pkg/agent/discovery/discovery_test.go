@@ -766,8 +766,17 @@ func TestWatchHealth(t *testing.T) {
 				return m.InjectXID(2, 94)
 			}, want: discovery.HealthEvent{Device: "gpu-2", Reason: "xid-94", Message: "critical XID 94: contained ECC error"}},
 		},
-		"lost GPU marks every device": {
-			{do: func(m *mockgpu.Machine) error { m.LoseGPU(); return nil }, want: discovery.HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU"}},
+		"lost GPU that NVML cannot name marks every device": {
+			{do: func(m *mockgpu.Machine) error { m.LoseGPU(); return nil }, want: discovery.HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU and cannot say which"}},
+		},
+		"lost GPU is the one that answers as lost": {
+			{do: func(m *mockgpu.Machine) error { m.FallOffBus(5); return nil }, want: discovery.HealthEvent{Device: "gpu-5", Reason: "gpu-lost", Message: "NVML reports the GPU lost (fallen off the bus)"}},
+		},
+		"XID of a GPU that cannot say its UUID is found by its handle": {
+			{do: func(m *mockgpu.Machine) error {
+				m.FailUUID(4, nvml.ERROR_UNKNOWN)
+				return m.InjectXID(4, 79)
+			}, want: discovery.HealthEvent{Device: "gpu-4", Reason: "xid-79", Message: "critical XID 79: GPU has fallen off the bus"}},
 		},
 	}
 	for name, steps := range testcases {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
+	"slices"
 	"strings"
 	"time"
 
@@ -48,8 +50,11 @@ var xidMessages = map[uint64]string{
 const waitTimeout = 1000 * time.Millisecond
 
 // WatchHealth implements [HealthWatcher] with NVML events: a critical XID
-// on a device marks that device unhealthy; an event set reporting
-// ERROR_GPU_IS_LOST marks every device unhealthy (NVML does not say which).
+// on a device marks that device unhealthy. An XID whose device cannot say
+// its UUID any more (a GPU that fell off the bus) is matched to a watched
+// GPU by its handle. An event set reporting ERROR_GPU_IS_LOST, which does
+// not say which GPU, marks the watched GPUs that now answer NVML with
+// ERROR_GPU_IS_LOST; only where none does (NVML cannot tell) every device.
 // When NVML has lost the kernel driver it returns an error wrapping
 // [ErrDriverChanged] instead of waiting on a library that cannot recover.
 // A GPU whose handle cannot be got, that does not support critical XID
@@ -70,9 +75,12 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 	defer set.Free()
 
 	nameByUUID := map[string]string{}
+	// handles are the watched GPUs' NVML handles by UUID: an event's
+	// device is one of them.
+	handles := map[string]nvml.Device{}
 	var unwatched Unwatched
 	for _, gpu := range inv.GPUs {
-		why, err := registerXIDEvents(d.lib, gpu.UUID, set)
+		dev, why, err := registerXIDEvents(d.lib, gpu.UUID, set)
 		if driverChanged(err) {
 			return fmt.Errorf("watch health of %s: %w", gpu.Name, err)
 		}
@@ -85,6 +93,7 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 			continue
 		}
 		nameByUUID[gpu.UUID] = gpu.Name
+		handles[gpu.UUID] = dev
 	}
 	if len(nameByUUID) == 0 {
 		var reasons []string
@@ -116,7 +125,8 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 		}
 	}
 
-	lostReported := false
+	// lostReported are the GPUs reported lost, "" for all of them.
+	lostReported := map[string]bool{}
 	for ctx.Err() == nil {
 		data, ret := set.Wait(uint32(waitTimeout.Milliseconds()))
 		switch ret {
@@ -124,9 +134,20 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 		case nvml.ERROR_TIMEOUT:
 			continue
 		case nvml.ERROR_GPU_IS_LOST:
-			if !lostReported {
-				lostReported = true
-				if !send(HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU", Time: time.Now()}) {
+			lost := lostGPUs(handles)
+			if len(lost) == 0 && !lostReported[""] {
+				logger.Info("NVML reports a lost GPU but no watched GPU answers as lost, marking all devices")
+				lostReported[""] = true
+				if !send(HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU and cannot say which", Time: time.Now()}) {
+					return nil
+				}
+			}
+			for _, uuid := range lost {
+				if lostReported[uuid] {
+					continue
+				}
+				lostReported[uuid] = true
+				if !send(HealthEvent{Device: nameByUUID[uuid], UUID: uuid, Reason: "gpu-lost", Message: "NVML reports the GPU lost (fallen off the bus)", Time: time.Now()}) {
 					return nil
 				}
 			}
@@ -152,18 +173,25 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 			logger.V(4).Info("ignoring application XID", "xid", xid)
 			continue
 		}
-		// Without a device NVML cannot say which GPU failed: all are
-		// suspect. A device we do not publish (MIG-enabled) is ignored.
+		// A device that cannot say its UUID is found by its handle; one
+		// that is neither (or no device) leaves every GPU suspect. A
+		// device we do not publish (MIG-enabled) is ignored.
 		name, uuid := "", ""
 		if data.Device != nil {
 			var ret nvml.Return
 			uuid, ret = data.Device.GetUUID()
-			if ret != nvml.SUCCESS {
-				uuid = ""
-				logger.Info("critical XID on a device without UUID, marking all devices", "xid", xid, "err", ret)
-			} else if name = nameByUUID[uuid]; name == "" {
-				logger.Info("ignoring critical XID on an unpublished device", "xid", xid, "uuid", uuid)
+			switch {
+			case ret != nvml.SUCCESS:
+				if uuid = uuidOfHandle(handles, data.Device); uuid != "" {
+					name = nameByUUID[uuid]
+					break
+				}
+				logger.Info("Critical XID on a device that is not known by its UUID or handle, marking all devices", "xid", xid, "err", ret)
+			case nameByUUID[uuid] == "":
+				logger.Info("Ignoring critical XID on an unpublished device", "xid", xid, "uuid", uuid)
 				continue
+			default:
+				name = nameByUUID[uuid]
 			}
 		}
 		msg := fmt.Sprintf("critical XID %d", xid)
@@ -178,23 +206,56 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 }
 
 // registerXIDEvents registers set for the critical XID events of the GPU
-// with the given UUID. It returns why the GPU cannot be watched, empty
-// when it is, and the NVML return that made it so (nil when it is
-// watched or simply does not support the events).
-func registerXIDEvents(lib nvml.Interface, uuid string, set nvml.EventSet) (string, error) {
+// with the given UUID. It returns the GPU's handle, why the GPU cannot be
+// watched (empty when it is), and the NVML return that made it so (nil
+// when it is watched or simply does not support the events).
+func registerXIDEvents(lib nvml.Interface, uuid string, set nvml.EventSet) (nvml.Device, string, error) {
 	dev, ret := lib.DeviceGetHandleByUUID(uuid)
 	if ret != nvml.SUCCESS {
-		return fmt.Sprintf("NVML DeviceGetHandleByUUID failed: %v", ret), ret
+		return nil, fmt.Sprintf("NVML DeviceGetHandleByUUID failed: %v", ret), ret
 	}
 	supported, ret := dev.GetSupportedEventTypes()
 	if ret != nvml.SUCCESS {
-		return fmt.Sprintf("NVML GetSupportedEventTypes failed: %v", ret), ret
+		return nil, fmt.Sprintf("NVML GetSupportedEventTypes failed: %v", ret), ret
 	}
 	if supported&nvml.EventTypeXidCriticalError == 0 {
-		return "the GPU does not support critical XID events", nil
+		return nil, "the GPU does not support critical XID events", nil
 	}
 	if ret := dev.RegisterEvents(nvml.EventTypeXidCriticalError, set); ret != nvml.SUCCESS {
-		return fmt.Sprintf("NVML RegisterEvents failed: %v", ret), ret
+		return nil, fmt.Sprintf("NVML RegisterEvents failed: %v", ret), ret
 	}
-	return "", nil
+	return dev, "", nil
+}
+
+// lostGPUs returns the UUIDs, in order, of the GPUs among handles that
+// NVML answers with ERROR_GPU_IS_LOST: it does so for every call on a GPU
+// that has fallen off the bus. Two calls are asked, one the driver may
+// answer from what it keeps (the UUID) and one that reads the GPU (its
+// memory use).
+func lostGPUs(handles map[string]nvml.Device) []string {
+	var lost []string
+	for uuid, dev := range handles {
+		_, r1 := dev.GetUUID()
+		_, r2 := dev.GetMemoryInfo()
+		if r1 == nvml.ERROR_GPU_IS_LOST || r2 == nvml.ERROR_GPU_IS_LOST {
+			lost = append(lost, uuid)
+		}
+	}
+	slices.Sort(lost)
+	return lost
+}
+
+// uuidOfHandle returns the UUID under which handles holds dev, "" where
+// none. NVML hands out one handle per GPU for the life of the library, so
+// an event's device is the handle the GPU was registered with.
+func uuidOfHandle(handles map[string]nvml.Device, dev nvml.Device) string {
+	if t := reflect.TypeOf(dev); t == nil || !t.Comparable() {
+		return ""
+	}
+	for uuid, h := range handles {
+		if reflect.TypeOf(h) == reflect.TypeOf(dev) && h == dev {
+			return uuid
+		}
+	}
+	return ""
 }

@@ -46,6 +46,11 @@ type Machine struct {
 	mutex    sync.Mutex
 	linkDown map[[2]int]bool
 	lost     bool
+	// offBus are the GPUs that fell off the bus: every call on them
+	// answers ERROR_GPU_IS_LOST.
+	offBus map[int]bool
+	// uuidFails is what GetUUID returns per GPU index, where it fails.
+	uuidFails map[int]nvml.Return
 	// registerFails is what RegisterEvents returns per GPU index, where
 	// it fails.
 	registerFails map[int]nvml.Return
@@ -82,8 +87,10 @@ func NewFromSpec(spec Spec, opts Options) (*Machine, error) {
 		server:   spec.NewServer(len(spec.GPUs)),
 		events:   make(chan nvml.EventData, eventQueueSize),
 		linkDown: map[[2]int]bool{},
+		offBus:   map[int]bool{},
 
 		registerFails: map[int]nvml.Return{},
+		uuidFails:     map[int]nvml.Return{},
 	}
 	if len(m.server.Devices) != len(spec.GPUs) {
 		return nil, fmt.Errorf("NVML mock server has %d devices, spec has %d GPUs", len(m.server.Devices), len(spec.GPUs))
@@ -184,6 +191,25 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		}
 		return links[link].typ, nvml.SUCCESS
 	}
+	dev.GetUUIDFunc = func() (string, nvml.Return) {
+		m.mutex.Lock()
+		defer m.mutex.Unlock()
+		if m.offBus[i] {
+			return "", nvml.ERROR_GPU_IS_LOST
+		}
+		if ret, ok := m.uuidFails[i]; ok {
+			return "", ret
+		}
+		return dev.UUID, nvml.SUCCESS
+	}
+	dev.GetMemoryInfoFunc = func() (nvml.Memory, nvml.Return) {
+		m.mutex.Lock()
+		defer m.mutex.Unlock()
+		if m.offBus[i] {
+			return nvml.Memory{}, nvml.ERROR_GPU_IS_LOST
+		}
+		return dev.MemoryInfo, nvml.SUCCESS
+	}
 	dev.GetSupportedEventTypesFunc = func() (uint64, nvml.Return) {
 		return nvml.EventTypeXidCriticalError | nvml.EventTypeDoubleBitEccError | nvml.EventTypeSingleBitEccError, nvml.SUCCESS
 	}
@@ -210,7 +236,7 @@ func (m *Machine) newEventSet() (nvml.EventSet, nvml.Return) {
 	}
 	set.WaitFunc = func(timeoutMs uint32) (nvml.EventData, nvml.Return) {
 		m.mutex.Lock()
-		lost := m.lost
+		lost := m.lost || len(m.offBus) > 0
 		m.mutex.Unlock()
 		if lost {
 			return nvml.EventData{}, nvml.ERROR_GPU_IS_LOST
@@ -323,11 +349,33 @@ func (m *Machine) FailEventRegistration(gpu int, ret nvml.Return) {
 	}
 }
 
-// LoseGPU makes event sets report ERROR_GPU_IS_LOST from now on.
+// LoseGPU makes event sets report ERROR_GPU_IS_LOST from now on, while
+// every GPU still answers: NVML cannot say which GPU is lost.
 func (m *Machine) LoseGPU() {
 	m.mutex.Lock()
 	defer m.mutex.Unlock()
 	m.lost = true
+}
+
+// FallOffBus makes a GPU fall off the bus: event sets report
+// ERROR_GPU_IS_LOST from now on, and the GPU's UUID and memory queries
+// answer ERROR_GPU_IS_LOST.
+func (m *Machine) FallOffBus(gpu int) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	m.offBus[gpu] = true
+}
+
+// FailUUID makes NVML's GetUUID return ret for a GPU from now on;
+// nvml.SUCCESS lets it succeed again.
+func (m *Machine) FailUUID(gpu int, ret nvml.Return) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	if ret == nvml.SUCCESS {
+		delete(m.uuidFails, gpu)
+	} else {
+		m.uuidFails[gpu] = ret
+	}
 }
 
 // buildSysfs lays out the part of /sys that deviceattribute reads:
