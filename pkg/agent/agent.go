@@ -293,8 +293,11 @@ type Agent struct {
 	discovered     bool
 	// faults are the faulty GPUs by UUID, with Device set to the name
 	// the GPU had when the fault was seen.
-	faults    map[string]discovery.HealthEvent
-	published *resourceslice.DriverResources
+	faults map[string]discovery.HealthEvent
+	// faultsUnsaved is set while faults holds one that could not be
+	// written to the checkpoint; a retry runs meanwhile.
+	faultsUnsaved bool
+	published     *resourceslice.DriverResources
 	// droppedFields holds the messages of the DroppedFieldsErrors
 	// reported on the Node.
 	droppedFields map[string]bool

@@ -13,6 +13,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 
@@ -251,15 +252,52 @@ func (a *Agent) fault(uuid string) (discovery.HealthEvent, bool) {
 	return ev, ok
 }
 
+// faultSaveRetry is how often the agent tries again to record GPU faults
+// in the checkpoint after writing them failed.
+var faultSaveRetry = 5 * time.Second
+
 // saveFaults adds faults to the checkpoint, so that a restarted agent
 // still taints those GPUs. It does not wait for a Prepare or Unprepare
-// (see checkpointMutex). A failure is logged: the taint is published all
-// the same.
+// (see checkpointMutex). A failure is logged and retried every
+// faultSaveRetry in the background, with every fault known by then, until
+// it succeeds or the agent stops: the taint is published all the same.
 func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.HealthEvent) {
 	if a.store == nil {
 		return
 	}
-	err := a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
+	err := a.writeFaults(faults)
+	if err == nil {
+		return
+	}
+	utilruntime.HandleErrorWithContext(ctx, err, "Cannot record GPU faults in the checkpoint, retrying; an agent restarted meanwhile would not know them")
+	a.mutex.Lock()
+	retrying := a.faultsUnsaved
+	a.faultsUnsaved = true
+	a.mutex.Unlock()
+	if retrying {
+		return
+	}
+	go func() {
+		_ = wait.PollUntilContextCancel(a.ctx, faultSaveRetry, false, func(context.Context) (bool, error) {
+			a.mutex.Lock()
+			all := maps.Clone(a.faults)
+			a.mutex.Unlock()
+			if err := a.writeFaults(all); err != nil {
+				klog.FromContext(ctx).V(2).Info("Recording GPU faults in the checkpoint failed again", "err", err)
+				return false, nil
+			}
+			a.mutex.Lock()
+			a.faultsUnsaved = false
+			a.mutex.Unlock()
+			klog.FromContext(ctx).Info("Recorded GPU faults in the checkpoint", "faults", len(all))
+			return true, nil
+		})
+	}()
+}
+
+// writeFaults adds faults to the checkpoint's.
+func (a *Agent) writeFaults(faults map[string]discovery.HealthEvent) error {
+	return a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
 		if cp.Faults == nil {
 			cp.Faults = map[string]checkpoint.Fault{}
 		}
@@ -267,9 +305,6 @@ func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.Heal
 			cp.Faults[uuid] = checkpoint.Fault{Device: ev.Device, Reason: ev.Reason, Message: ev.Message, Time: ev.Time.UTC()}
 		}
 	})
-	if err != nil {
-		utilruntime.HandleErrorWithContext(ctx, err, "cannot record GPU faults in the checkpoint, a restarted agent will not know them")
-	}
 }
 
 // loadFaults takes over the faults recorded in the checkpoint.
@@ -302,10 +337,15 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 		what += ": " + ev.Message
 	}
 	var users []string
+	var unknown string
 	if a.store != nil {
+		// Reading may fail for a moment (the checkpoint is being written
+		// elsewhere, I/O errors): the events on the claims are lost, the
+		// one on the Node says so. Nothing else depends on it.
 		cp, err := a.store.Load()
 		if err != nil {
-			a.HandleError(ctx, err, "read the checkpoint to report unhealthy devices")
+			utilruntime.HandleErrorWithContext(ctx, err, "Cannot read the checkpoint to find the claims that use unhealthy devices")
+			unknown = fmt.Sprintf("the claims that use them are unknown (the checkpoint could not be read: %v)", err)
 		} else {
 			uids := slices.Sorted(maps.Keys(cp.Claims))
 			for _, uid := range uids {
@@ -324,7 +364,10 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 		}
 	}
 	inUse := "no prepared claim uses them"
-	if len(users) > 0 {
+	switch {
+	case unknown != "":
+		inUse = unknown
+	case len(users) > 0:
 		inUse = "used by claims " + strings.Join(users, ", ")
 	}
 	a.nodeEvent(v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -367,5 +368,61 @@ func TestPrepareRefusesFaultyGPU(t *testing.T) {
 	monitor := claim("monitor", alloc{request: "gpus", device: "gpu-5", admin: true})
 	if err := prepareOne(ctx, t, a, monitor); err != nil {
 		t.Errorf("prepare of an admin-access claim on the faulty gpu-5: %v", err)
+	}
+}
+
+// TestFaultKeptThroughUnreadableCheckpoint: a GPU reports a critical XID
+// while the checkpoint cannot be read. The agent keeps running, taints
+// the GPU, says on the Node that the claims using it are unknown, and
+// records the fault once the checkpoint can be read again, so that a
+// restarted agent still taints the GPU.
+func TestFaultKeptThroughUnreadableCheckpoint(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	a, recorder, e := startRecorded(ctx, t, 100)
+	waitForHealthReport(ctx, t, a, "gpu-2 watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-2"].Health == kubeletplugin.HealthStatusHealthy
+	})
+	held := claim("held", gpus("gpus", "gpu-2")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	path := filepath.Join(e.stateDir, checkpoint.FileName)
+	good, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("{not a checkpoint"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	injectXIDOnceWatched(ctx, t, e, 2, 79)
+	waitForHealthTaint(ctx, t, a, "gpu-2", "xid-79")
+	ev := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonDeviceUnhealthy)
+	if !strings.Contains(ev, "gpu-2") || !strings.Contains(ev, "unknown") {
+		t.Errorf("event %q does not name gpu-2 and say that its claims are unknown", ev)
+	}
+	if err := a.Err(); err != nil {
+		t.Fatalf("the agent stopped: %v", err)
+	}
+
+	if err := os.WriteFile(path, good, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	store, err := checkpoint.New(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cp *checkpoint.Checkpoint
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		cp, err = store.Load()
+		return err == nil && cp.Faults[e.machine.UUID(2)].Reason == "xid-79", nil
+	}); err != nil {
+		t.Fatalf("checkpoint %+v (%v), want the fault of gpu-2", cp, err)
+	}
+	if _, ok := cp.Claims[held.UID]; !ok {
+		t.Errorf("checkpoint %+v lacks claim %s", cp, held.Name)
+	}
+	if err := a.Err(); err != nil {
+		t.Errorf("the agent stopped: %v", err)
 	}
 }
