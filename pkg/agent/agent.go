@@ -262,13 +262,20 @@ type Agent struct {
 	staleMutex sync.Mutex
 	gone       map[types.UID]time.Time
 
-	// prepareMutex serializes the changes to prepared claims: Prepare,
-	// Unprepare, CleanupStaleClaims and the boot id check (the helper
-	// already serializes gRPC calls; direct callers like simulators may
-	// not). The checkpoint's Claims and PreviousBoot change only under
-	// it. It is held across CDI spec generation, which calls NVML and can
-	// hang: health handling never takes it.
+	// claimLocks serialize the Prepare and Unprepare calls of each claim
+	// (the kubelet plugin helper does not serialize calls). A Prepare
+	// holds its claims' locks across CDI spec generation, which calls
+	// NVML and can hang; nothing else waits for it.
+	claimLocks claimLocks
+	// prepareMutex serializes the changes to prepared claims: the
+	// checkpoint's Claims and PreviousBoot change only under it, and it
+	// guards preparing. It is never held across CDI spec generation.
+	// Lock order: a claim's lock, then prepareMutex.
 	prepareMutex sync.Mutex
+	// preparing holds the claims whose Prepare generates their CDI spec
+	// now, with their devices, so that no other claim is prepared with
+	// them meanwhile.
+	preparing map[types.UID]checkpoint.PreparedClaim
 	// checkpointMutex serializes the read-modify-write cycles of the
 	// checkpoint file (see updateCheckpoint). It is held only while the
 	// file is read, changed in memory and written, never across CDI spec
@@ -426,6 +433,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
 	if !opts.PublishOnly {
 		helper, err := kubeletplugin.Start(a.ctx, a,
+			// The agent serializes per claim (claimLocks): a Prepare
+			// that hangs in NVML must not hold up every other call.
+			kubeletplugin.Serialize(false),
 			kubeletplugin.DriverName(opts.DriverName),
 			kubeletplugin.NodeName(opts.NodeName),
 			kubeletplugin.KubeClient(opts.KubeClient),

@@ -426,3 +426,137 @@ func TestFaultKeptThroughUnreadableCheckpoint(t *testing.T) {
 		t.Errorf("the agent stopped: %v", err)
 	}
 }
+
+// hangingGenerator blocks the CDI spec generation of one device, as nvcdi
+// does where an NVML call on a GPU in a bad state hangs, until release is
+// closed; entered receives a value when that generation starts.
+type hangingGenerator struct {
+	device  string
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *hangingGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{}, nil
+}
+
+func (g *hangingGenerator) DeviceEdits(d cdi.Device) (cdispec.ContainerEdits, error) {
+	if d.Name == g.device {
+		select {
+		case g.entered <- struct{}{}:
+		default:
+		}
+		<-g.release
+	}
+	return cdispec.ContainerEdits{}, nil
+}
+
+// TestOtherClaimsNotHeldUpByHungPrepare: while the Prepare of one claim
+// hangs in CDI spec generation, other claims are unprepared and prepared;
+// no other claim is prepared with the hung claim's GPU; a second Prepare
+// of the hung claim gives up with ErrClaimBusy when its caller does; once
+// the generation returns, the claim is prepared.
+func TestOtherClaimsNotHeldUpByHungPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	gen := &hangingGenerator{device: "gpu-0", entered: make(chan struct{}, 1), release: make(chan struct{})}
+	e.generator = gen
+	a := e.start(ctx, t)
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gen.release) }) }
+	t.Cleanup(release) // before a.Stop
+
+	done := claim("done", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, done); err != nil {
+		t.Fatalf("prepare %s: %v", done.Name, err)
+	}
+	hung := claim("hung", gpus("gpus", "gpu-0")...)
+	prepared := make(chan error, 1)
+	go func() {
+		res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{hung})
+		if err == nil {
+			err = res[hung.UID].Err
+		}
+		prepared <- err
+	}()
+	select {
+	case <-gen.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Prepare did not start generating the CDI spec")
+	}
+
+	within := func(what string, call func(ctx context.Context) error) error {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		errs := make(chan error, 1)
+		go func() { errs <- call(ctx) }()
+		select {
+		case err := <-errs:
+			return err
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s waits for the hung Prepare", what)
+			return nil
+		}
+	}
+	if err := within("Unprepare of another claim", func(ctx context.Context) error {
+		res, err := a.UnprepareResourceClaims(ctx, []kubeletplugin.NamespacedObject{ref(done)})
+		if err == nil {
+			err = res[done.UID]
+		}
+		return err
+	}); err != nil {
+		t.Errorf("unprepare %s: %v", done.Name, err)
+	}
+	w, err := cdi.New(e.cdiDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(w.SpecPath(done.UID)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("CDI spec of the unprepared claim: %v, want it removed", err)
+	}
+	prepare := func(c *resourceapi.ResourceClaim) func(ctx context.Context) error {
+		return func(ctx context.Context) error {
+			res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})
+			if err == nil {
+				err = res[c.UID].Err
+			}
+			return err
+		}
+	}
+	other := claim("other", gpus("gpus", "gpu-2")...)
+	if err := within("Prepare of another claim", prepare(other)); err != nil {
+		t.Errorf("prepare %s: %v", other.Name, err)
+	}
+	same := claim("same-gpu", gpus("gpus", "gpu-0")...)
+	if err := within("Prepare of a claim on the hung claim's GPU", prepare(same)); !errors.Is(err, agent.ErrDeviceInUse) {
+		t.Errorf("prepare %s on the GPU being prepared for %s: %v, want ErrDeviceInUse", same.Name, hung.Name, err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = a.PrepareResourceClaims(short, []*resourceapi.ResourceClaim{hung})
+	cancel()
+	if !errors.Is(err, agent.ErrClaimBusy) {
+		t.Errorf("second prepare of %s while the first hangs: %v, want ErrClaimBusy", hung.Name, err)
+	}
+
+	release()
+	if err := <-prepared; err != nil {
+		t.Fatalf("prepare %s: %v", hung.Name, err)
+	}
+	store, err := checkpoint.New(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp, err := store.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, c := range cp.Claims {
+		got = append(got, c.Name)
+	}
+	slices.Sort(got)
+	if want := []string{"hung", "other"}; !slices.Equal(got, want) {
+		t.Errorf("checkpoint has claims %v, want %v", got, want)
+	}
+}

@@ -70,9 +70,10 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // it writes a CDI spec with the claim's GPUs and records the claim in the
 // checkpoint, then returns the CDI device ids. It is idempotent: a claim
 // that is already prepared gets the recorded result, and its CDI spec is
-// generated again (see prepareClaim). A device that is prepared for a different
-// claim is refused with ErrDeviceInUse (unless both use admin access), the
-// DRA driver being the last line of defense against double allocation.
+// generated again (see planClaim). A device that is prepared, or being
+// prepared, for a different claim is refused with ErrDeviceInUse (unless
+// both use admin access), the DRA driver being the last line of defense
+// against double allocation.
 // A prepared claim that has been allocated again since (other devices,
 // or another allocation time) is refused with ErrReallocated (and a
 // warning event on the claim) until it is unprepared.
@@ -85,58 +86,144 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // NVML (NVMLUnusable), a claim that is not prepared yet is refused with
 // an error that wraps why.
 //
+// CDI spec generation calls NVML, which can hang on a GPU in a bad state.
+// It runs holding only the locks of the call's own claims (see
+// claimLocks), so that the Prepare and Unprepare of other claims go on;
+// a call for a claim whose earlier Prepare still generates waits for it
+// until ctx ends, then fails with ErrClaimBusy.
+//
 // Per-claim problems are per-claim errors; an unreadable or unwritable
 // checkpoint fails the whole call so that the kubelet retries.
 func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	if a.store == nil {
 		return nil, ErrNoState
 	}
-	a.prepareMutex.Lock()
-	defer a.prepareMutex.Unlock()
 	logger := klog.FromContext(ctx)
-
-	cp, err := a.store.Load()
+	uids := make([]types.UID, 0, len(claims))
+	for _, c := range claims {
+		uids = append(uids, c.UID)
+	}
+	unlock, err := a.claimLocks.lock(ctx, uids)
 	if err != nil {
 		return nil, err
 	}
+	defer unlock()
+
+	// Check the claims against the checkpoint and reserve the devices of
+	// new ones, so that no other Prepare takes them while the specs are
+	// generated.
+	type plan struct {
+		claim    *resourceapi.ResourceClaim
+		prepared checkpoint.PreparedClaim
+		isNew    bool
+	}
+	var plans []plan
 	result := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
-	changed := false
+	a.prepareMutex.Lock()
+	cp, err := a.store.Load()
+	if err != nil {
+		a.prepareMutex.Unlock()
+		return nil, err
+	}
 	for _, claim := range claims {
-		prepared, isNew, err := a.prepareClaim(ctx, cp, claim)
+		prepared, isNew, err := a.planClaim(ctx, cp, claim)
 		if err != nil {
-			logger.Error(err, "Cannot prepare claim", "claim", klog.KObj(claim))
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
-			switch {
-			case errors.Is(err, ErrGPUMoved):
-				a.event(claim, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
-			case errors.Is(err, ErrReallocated):
-				a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
-			case errors.Is(err, ErrDeviceUnhealthy):
-				a.event(claim, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
-			case errors.Is(err, cdi.ErrMissingDeviceNode):
-				// The node's set-up, not the claim's: the admin looks
-				// at the Node; the pod's events carry the error too.
-				a.nodeEvent(v1.EventTypeWarning, ReasonDeviceNodeMissing, "Prepare", "%v", err)
-			}
 			continue
 		}
 		if isNew {
-			cp.Claims[claim.UID] = prepared
+			a.reserveLocked(claim.UID, prepared)
+		}
+		plans = append(plans, plan{claim: claim, prepared: prepared, isNew: isNew})
+	}
+	a.prepareMutex.Unlock()
+	defer func() {
+		a.prepareMutex.Lock()
+		defer a.prepareMutex.Unlock()
+		for _, p := range plans {
+			if p.isNew {
+				a.releaseLocked(p.claim.UID)
+			}
+		}
+	}()
+
+	// Generate the CDI specs, without the agent-wide lock.
+	for i := range plans {
+		p := &plans[i]
+		if err := a.writeSpec(ctx, p.claim, &p.prepared, p.isNew); err != nil {
+			result[p.claim.UID] = kubeletplugin.PrepareResult{Err: err}
+		}
+	}
+
+	// Record what was prepared.
+	a.prepareMutex.Lock()
+	defer a.prepareMutex.Unlock()
+	cp, err = a.store.Load()
+	if err != nil {
+		return nil, err
+	}
+	changed := false
+	for _, p := range plans {
+		if result[p.claim.UID].Err != nil {
+			continue
+		}
+		if p.isNew {
+			cp.Claims[p.claim.UID] = p.prepared
 			changed = true
 		}
-		if _, ok := cp.PreviousBoot[claim.UID]; ok {
-			delete(cp.PreviousBoot, claim.UID)
+		if _, ok := cp.PreviousBoot[p.claim.UID]; ok {
+			delete(cp.PreviousBoot, p.claim.UID)
 			changed = true
 		}
-		result[claim.UID] = kubeletplugin.PrepareResult{Devices: prepareResultDevices(prepared)}
-		logger.V(2).Info("Claim prepared", "claim", klog.KObj(claim), "devices", len(prepared.Devices), "new", isNew)
+		result[p.claim.UID] = kubeletplugin.PrepareResult{Devices: prepareResultDevices(p.prepared)}
+		logger.V(2).Info("Claim prepared", "claim", klog.KObj(p.claim), "devices", len(p.prepared.Devices), "new", p.isNew)
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
 			return nil, err
 		}
 	}
+	for _, claim := range claims {
+		if err := result[claim.UID].Err; err != nil {
+			a.prepareFailed(ctx, claim, err)
+		}
+	}
 	return result, nil
+}
+
+// prepareFailed logs a claim that could not be prepared and reports it
+// where the user looks: the errors that the claim's own allocation causes
+// on the claim, a node set-up problem on the Node.
+func (a *Agent) prepareFailed(ctx context.Context, claim *resourceapi.ResourceClaim, err error) {
+	klog.FromContext(ctx).Error(err, "Cannot prepare claim", "claim", klog.KObj(claim))
+	switch {
+	case errors.Is(err, ErrGPUMoved):
+		a.event(claim, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+	case errors.Is(err, ErrReallocated):
+		a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
+	case errors.Is(err, ErrDeviceUnhealthy):
+		a.event(claim, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
+	case errors.Is(err, cdi.ErrMissingDeviceNode):
+		// The node's set-up, not the claim's: the admin looks at the
+		// Node; the pod's events carry the error too.
+		a.nodeEvent(v1.EventTypeWarning, ReasonDeviceNodeMissing, "Prepare", "%v", err)
+	}
+}
+
+// reserveLocked marks the GPUs of a claim that is being prepared, so that
+// no other claim is prepared with them meanwhile. The caller holds
+// prepareMutex.
+func (a *Agent) reserveLocked(uid types.UID, prepared checkpoint.PreparedClaim) {
+	if a.preparing == nil {
+		a.preparing = map[types.UID]checkpoint.PreparedClaim{}
+	}
+	a.preparing[uid] = prepared
+}
+
+// releaseLocked drops what reserveLocked marked. The caller holds
+// prepareMutex.
+func (a *Agent) releaseLocked(uid types.UID) {
+	delete(a.preparing, uid)
 }
 
 // updateCheckpoint loads the checkpoint, lets update change it and saves
@@ -177,29 +264,19 @@ func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Dev
 	return devices
 }
 
-// prepareClaim prepares one claim against the loaded checkpoint. isNew
-// reports whether the caller must record the result.
+// planClaim checks one claim against the loaded checkpoint and what other
+// calls are preparing, and returns what it is prepared with (without the
+// CDI device ids of a new claim, which writeSpec adds). isNew reports
+// whether the claim is not prepared yet. The caller holds prepareMutex.
 //
 // A claim that is already prepared gets the same answer as before, as
 // long as its allocation is the one that was prepared (the same devices
 // for the same requests and, where both are known, the same allocation
-// time; otherwise ErrReallocated), and its CDI spec is generated again, so that it names what the node has now:
-// device nodes created since the last Prepare (nvidia-uvm once its module
-// is loaded) get in, and a spec that was lost (/var/run is a tmpfs) is
-// restored. The kubelet prepares a claim again after it restarted. A spec
-// that comes out the same is left alone. Where generating fails, a spec
-// that exists stays and the claim stays prepared, as it was; a missing one
-// fails the claim.
-func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
+// time; otherwise ErrReallocated).
+func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
 	if prepared, ok := cp.Claims[claim.UID]; ok {
 		if err := a.checkReallocated(claim, prepared); err != nil {
 			return checkpoint.PreparedClaim{}, false, err
-		}
-		if _, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared)); err != nil {
-			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
-				return checkpoint.PreparedClaim{}, false, err
-			}
-			klog.FromContext(ctx).Error(err, "Cannot generate the CDI spec of a prepared claim again, keeping the one written before", "claim", klog.KObj(claim))
 		}
 		return prepared, false, nil
 	}
@@ -245,7 +322,7 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message)
 		}
-		if owner, uid, ok := preparedElsewhere(cp, claim.UID, gpu.UUID, admin); ok {
+		if owner, uid, ok := preparedElsewhere(cp, a.preparing, claim.UID, gpu.UUID, admin); ok {
 			// The message reaches the pod's events: a claim of another
 			// namespace is named by its UID only (the log names it).
 			other := fmt.Sprintf("claim %s (%s)", owner.Name, uid)
@@ -270,14 +347,36 @@ func (a *Agent) prepareClaim(ctx context.Context, cp *checkpoint.Checkpoint, cla
 			AdminAccess: admin,
 		})
 	}
-	ids, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(prepared))
+	return prepared, true, nil
+}
+
+// writeSpec writes the CDI spec of a planned claim and, for a new one,
+// adds the CDI device ids to prepared. A prepared claim's spec is
+// generated again, so that it names what the node has now: device nodes
+// created since the last Prepare (nvidia-uvm once its module is loaded)
+// get in, and a spec that was lost (/var/run is a tmpfs) is restored. The
+// kubelet prepares a claim again after it restarted. A spec that comes
+// out the same is left alone. Where generating fails, a spec that exists
+// stays and the claim stays prepared, as it was; a missing one fails the
+// claim.
+func (a *Agent) writeSpec(ctx context.Context, claim *resourceapi.ResourceClaim, prepared *checkpoint.PreparedClaim, isNew bool) error {
+	ids, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(*prepared))
+	if !isNew {
+		if err != nil {
+			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
+				return err
+			}
+			klog.FromContext(ctx).Error(err, "Cannot generate the CDI spec of a prepared claim again, keeping the one written before", "claim", klog.KObj(claim))
+		}
+		return nil
+	}
 	if err != nil {
-		return checkpoint.PreparedClaim{}, false, err
+		return err
 	}
 	for i := range prepared.Devices {
 		prepared.Devices[i].CDIDeviceIDs = []string{ids[prepared.Devices[i].Device]}
 	}
-	return prepared, true, nil
+	return nil
 }
 
 // checkReallocated returns ErrReallocated (wrapped) if the claim's
@@ -380,17 +479,19 @@ func (a *Agent) checkConfig(claim *resourceapi.ResourceClaim) error {
 // changed between the two prepares. A claim with admin access (monitoring)
 // shares the GPU with any other claim, as the scheduler allocates it: only
 // two claims without admin access exclude each other.
-func preparedElsewhere(cp *checkpoint.Checkpoint, self types.UID, uuid string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
+func preparedElsewhere(cp *checkpoint.Checkpoint, preparing map[types.UID]checkpoint.PreparedClaim, self types.UID, uuid string, admin bool) (checkpoint.PreparedClaim, types.UID, bool) {
 	if admin {
 		return checkpoint.PreparedClaim{}, "", false
 	}
-	for uid, other := range cp.Claims {
-		if uid == self {
-			continue
-		}
-		for _, d := range other.Devices {
-			if d.UUID == uuid && !d.AdminAccess {
-				return other, uid, true
+	for _, claims := range []map[types.UID]checkpoint.PreparedClaim{cp.Claims, preparing} {
+		for uid, other := range claims {
+			if uid == self {
+				continue
+			}
+			for _, d := range other.Devices {
+				if d.UUID == uuid && !d.AdminAccess {
+					return other, uid, true
+				}
 			}
 		}
 	}
@@ -424,6 +525,15 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 	if a.store == nil {
 		return nil, ErrNoState
 	}
+	uids := make([]types.UID, 0, len(claims))
+	for _, c := range claims {
+		uids = append(uids, c.UID)
+	}
+	unlock, err := a.claimLocks.lock(ctx, uids)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	a.prepareMutex.Lock()
 	defer a.prepareMutex.Unlock()
 	logger := klog.FromContext(ctx)

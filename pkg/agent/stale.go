@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -178,6 +179,21 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if len(stale) == 0 && len(forget) == 0 {
 		return nil, nil
 	}
+	// A claim that a Prepare or Unprepare works on now is not stale: it
+	// is left for the next check.
+	var unlocks []func()
+	defer func() {
+		for _, unlock := range unlocks {
+			unlock()
+		}
+	}()
+	stale = slices.DeleteFunc(stale, func(uid types.UID) bool {
+		unlock, ok := a.claimLocks.tryLock(uid)
+		if ok {
+			unlocks = append(unlocks, unlock)
+		}
+		return !ok
+	})
 	a.prepareMutex.Lock()
 	defer a.prepareMutex.Unlock()
 	cp, err = a.store.Load()
