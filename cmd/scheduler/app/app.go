@@ -5,12 +5,12 @@
 package app
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"sync"
 	"time"
@@ -265,11 +265,15 @@ func waitRegistered(ctx context.Context, done chan error) error {
 	configz.InstallHandler(mux)
 	ticker := time.NewTicker(5 * time.Millisecond)
 	defer ticker.Stop()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, configz.DefaultConfigzPath, nil)
+	if err != nil {
+		return err
+	}
 	for {
-		rec := httptest.NewRecorder()
-		mux.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, configz.DefaultConfigzPath, nil))
+		rec := &response{}
+		mux.ServeHTTP(rec, req)
 		var registered map[string]json.RawMessage
-		if rec.Code == http.StatusOK && json.Unmarshal(rec.Body.Bytes(), &registered) == nil {
+		if rec.status() == http.StatusOK && json.Unmarshal(rec.body.Bytes(), &registered) == nil {
 			if _, ok := registered[configzName]; ok {
 				return nil
 			}
@@ -283,4 +287,37 @@ func waitRegistered(ctx context.Context, done chan error) error {
 		case <-ticker.C:
 		}
 	}
+}
+
+// response is an http.ResponseWriter that keeps what a handler writes.
+type response struct {
+	header http.Header
+	code   int
+	body   bytes.Buffer
+}
+
+func (r *response) Header() http.Header {
+	if r.header == nil {
+		r.header = http.Header{}
+	}
+	return r.header
+}
+
+func (r *response) WriteHeader(code int) {
+	if r.code == 0 {
+		r.code = code
+	}
+}
+
+func (r *response) Write(b []byte) (int, error) {
+	r.WriteHeader(http.StatusOK)
+	return r.body.Write(b)
+}
+
+// status is the status code written, 200 where none was.
+func (r *response) status() int {
+	if r.code == 0 {
+		return http.StatusOK
+	}
+	return r.code
 }
