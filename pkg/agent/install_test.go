@@ -901,8 +901,10 @@ func TestAgentStopsForNewDriver(t *testing.T) {
 				t.Fatalf("GPUs not published: %v", err)
 			}
 			if !idle {
-				for old.EventSets() == 0 {
-					time.Sleep(time.Millisecond)
+				if err := wait.PollUntilContextTimeout(ctx, time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+					return old.EventSets() > 0, nil
+				}); err != nil {
+					t.Fatalf("health watching did not start: %v", err)
 				}
 			}
 			old.Break()

@@ -88,7 +88,10 @@ func TestChurnNoDoubleAllocation(t *testing.T) {
 	judge := func(round string) []v1.Pod {
 		t.Helper()
 		start := time.Now()
-		pods, pending := settle(ctx, t, cp.Client, ns, 6*time.Second)
+		// Quiet for longer than the scheduler's largest backoff (10 s by
+		// default): a pod that devices were freed for may wait that long
+		// in backoff before its next attempt.
+		pods, pending := settle(ctx, t, cp.Client, ns, 12*time.Second)
 		violations, err := invariant.Check(ctx, cp.Client)
 		if err != nil {
 			t.Fatal(err)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
@@ -50,8 +51,10 @@ func TestLazyReloadsAfterDriverUpgrade(t *testing.T) {
 	go func() {
 		watchDone <- lazy.WatchHealth(watchCtx, inv, func(discovery.Unwatched) {}, make(chan discovery.HealthEvent))
 	}()
-	for old.EventSets() == 0 {
-		time.Sleep(time.Millisecond)
+	if err := wait.PollUntilContextTimeout(ctx, time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return old.EventSets() > 0, nil
+	}); err != nil {
+		t.Fatalf("health watching did not start: %v", err)
 	}
 
 	old.Break()
