@@ -636,10 +636,14 @@ func TestConflictingClaimWrite(t *testing.T) {
 }
 
 // TestAPIServerRestart stops the kube-apiserver while topodra is placing a
-// wave of pods and starts it again on the same etcd; a second wave follows.
-// topodra (its clients unchanged) must bind every pod, each with its
-// claims allocated on its node and reserved for it, no allocated claim may
-// be left without its pod, and the invariant checker must find nothing.
+// wave of pods (as soon as the wave's first claim is allocated) and starts
+// it again on the same etcd, three waves in a row. topodra (its clients
+// unchanged) must bind every pod, each with its claims allocated on its
+// node and reserved for it, no allocated claim may be left without its
+// pod, and the invariant checker must find nothing. The API server drains
+// the requests in flight as it stops, so a wave can be placed completely
+// before it is down; the test fails unless some pod was bound only after
+// a restart.
 func TestAPIServerRestart(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	c, err := framework.Start(t)
@@ -650,7 +654,7 @@ func TestAPIServerRestart(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	_, err = c.Client.ResourceV1().DeviceClasses().Create(tCtx, framework.DeviceClass("gpu", topology.DriverName), metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
-	for i := range 4 {
+	for i := range 6 {
 		name := fmt.Sprintf("node-%d", i)
 		_, err := framework.CreateReadyNode(tCtx, c.Client, name, nil)
 		tCtx.ExpectNoError(err)
@@ -665,7 +669,7 @@ func TestAPIServerRestart(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	t.Cleanup(stop)
 
-	// 20 pods of 1 and 2 GPUs: 30 of the 32 GPUs, so all fit.
+	// 30 pods of 1 and 2 GPUs: 45 of the 48 GPUs, so all fit.
 	var names []string
 	wave := func(w int) {
 		for i := range 10 {
@@ -675,12 +679,29 @@ func TestAPIServerRestart(t *testing.T) {
 			names = append(names, name)
 		}
 	}
-	wave(0)
-	c.StopAPIServer()
-	t.Log("kube-apiserver stopped while the first wave was being placed")
-	tCtx.ExpectNoError(c.StartAPIServer(tCtx), "start the kube-apiserver again")
-	t.Log("kube-apiserver started again on the same etcd")
-	wave(1)
+	// stoppedAt are the times the API server was stopped, by wave.
+	var stoppedAt []time.Time
+	for w := range 3 {
+		watcher, err := c.Client.ResourceV1().ResourceClaims(ns).Watch(tCtx, metav1.ListOptions{})
+		tCtx.ExpectNoError(err)
+		wave(w)
+		allocated := false
+		for ev := range watcher.ResultChan() {
+			if claim, ok := ev.Object.(*resourceapi.ResourceClaim); ok && claim.Status.Allocation != nil && strings.HasPrefix(claim.Name, fmt.Sprintf("w%d-", w)) {
+				allocated = true
+				break
+			}
+		}
+		watcher.Stop()
+		if !allocated {
+			t.Fatalf("the claim watch ended before a claim of wave %d was allocated", w)
+		}
+		stoppedAt = append(stoppedAt, time.Now())
+		c.StopAPIServer()
+		t.Logf("kube-apiserver stopped while wave %d was being placed", w)
+		tCtx.ExpectNoError(c.StartAPIServer(tCtx), "start the kube-apiserver again")
+		t.Log("kube-apiserver started again on the same etcd")
+	}
 
 	bound := map[types.UID]*v1.Pod{}
 	for _, name := range names {
@@ -709,6 +730,22 @@ func TestAPIServerRestart(t *testing.T) {
 	}
 	if allocated != len(names) {
 		t.Errorf("%d claims allocated, want one per pod (%d)", allocated, len(names))
+	}
+	// Some restart came while its wave was being placed: pods of the
+	// wave were bound after it (the condition's time has whole seconds;
+	// a restart takes longer than one).
+	after := make([]int, len(stoppedAt))
+	for _, pod := range bound {
+		cond := framework.PodScheduledCondition(pod)
+		for w, at := range stoppedAt {
+			if strings.HasPrefix(pod.Name, fmt.Sprintf("w%d-", w)) && cond != nil && cond.LastTransitionTime.After(at.Add(time.Second)) {
+				after[w]++
+			}
+		}
+	}
+	t.Logf("pods of each wave bound after its restart: %v", after)
+	if slices.Max(after) == 0 {
+		t.Errorf("every wave was placed completely before the API server stopped: no restart came while pods were being placed")
 	}
 	violations, err := invariant.Check(tCtx, c.Client)
 	tCtx.ExpectNoError(err)

@@ -112,7 +112,7 @@ func TestNVCDICreatesDeviceNodes(t *testing.T) {
 		"optional, not created": {uvm: cdi.UVMOptional, nvidia: true, uvmLoaded: true, wantUnlisted: []string{"/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"}},
 	} {
 		t.Run(name, func(t *testing.T) {
-			if tc.create && !canMknod {
+			if tc.create && !canMknod && (len(tc.wantCreated) > 0 || len(tc.rootOnly) > 0) {
 				t.Skip("cannot create numbered character devices here (no CAP_MKNOD): the mock machine's device nodes are 0:0, and those the agent creates cannot be checked")
 			}
 			m, lib := workstation(t)
