@@ -420,7 +420,7 @@ func (a *Agent) checkReallocated(claim *resourceapi.ResourceClaim, prepared chec
 		}
 		return " allocated at " + t.Format(time.RFC3339)
 	}
-	return fmt.Errorf("claim %s: %w: it is prepared on node %s with %s%s and is now allocated %s%s; the agent keeps the earlier devices until the kubelet unprepares the claim (the pod that used it must be gone), then prepares the new allocation",
+	return fmt.Errorf("claim %s: %w: it is prepared on node %s with %s%s and is now allocated %s%s; the agent keeps the earlier devices until the kubelet unprepares the claim, then prepares the new allocation; the kubelet unprepares a claim only once no pod on the node uses it, so a pod that waits on this error must be deleted (and created again) after the pod that used the earlier allocation is gone",
 		klog.KObj(claim), ErrReallocated, a.opts.NodeName, list(before), at(prepared.AllocatedAt), list(now), at(allocatedAt))
 }
 
