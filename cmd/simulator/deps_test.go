@@ -15,6 +15,7 @@ var forbiddenDeps = []struct {
 	prefix string // or an import path prefix
 }{
 	{pkg: "testing"},
+	{prefix: "testing/"},
 	{pkg: "net/http/httptest"},
 	{prefix: "github.com/topodra/topodra/test/"},
 	{prefix: "k8s.io/kubernetes/test/"},
@@ -43,7 +44,7 @@ func TestForbiddenMatches(t *testing.T) {
 	}{
 		"testing":          {deps: []string{"fmt", "testing"}, want: []string{"testing"}},
 		"httptest":         {deps: []string{"net/http", "net/http/httptest"}, want: []string{"net/http/httptest"}},
-		"testing subpkgs":  {deps: []string{"testing/fstest", "testing/iotest"}},
+		"testing subpkgs":  {deps: []string{"testing/fstest", "testing/iotest"}, want: []string{"testing/fstest", "testing/iotest"}},
 		"own test tree":    {deps: []string{"github.com/topodra/topodra/test/integration/framework"}, want: []string{"github.com/topodra/topodra/test/integration/framework"}},
 		"own product":      {deps: []string{"github.com/topodra/topodra/pkg/cluster"}},
 		"apiserver tester": {deps: []string{"k8s.io/kubernetes/cmd/kube-apiserver/app/testing", "k8s.io/kubernetes/cmd/kube-apiserver/app"}, want: []string{"k8s.io/kubernetes/cmd/kube-apiserver/app/testing"}},

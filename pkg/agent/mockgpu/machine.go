@@ -11,7 +11,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"testing/fstest"
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -38,7 +37,7 @@ type Machine struct {
 	server   *server.Server
 	devices  []*server.Device
 	links    [][]remoteEnd
-	sysfs    fstest.MapFS
+	sysfs    FS
 	events   chan nvml.EventData
 	// sets counts the event sets created, openSets those not freed yet.
 	sets, openSets atomic.Int32
@@ -381,16 +380,16 @@ func (m *Machine) FailUUID(gpu int, ret nvml.Return) {
 // buildSysfs lays out the part of /sys that deviceattribute reads:
 // bus/pci/devices/<bdf> -> ../../../devices/<root>/<port>/<bdf> with
 // numa_node, and devices/system/{node,cpu} with SLIT distances and sockets.
-func buildSysfs(spec Spec) fstest.MapFS {
-	sysfs := fstest.MapFS{}
+func buildSysfs(spec Spec) FS {
+	sysfs := FS{}
 	ports := map[string]int{}
 	addPCI := func(busID, root string, numa int) {
 		ports[root]++
 		domain, rootBus, _ := strings.Cut(strings.TrimPrefix(root, "pci"), ":")
 		port := fmt.Sprintf("%s:%s:%02x.0", domain, rootBus, ports[root])
 		dir := path.Join("devices", root, port, busID)
-		sysfs[path.Join(dir, "numa_node")] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d\n", numa)}
-		sysfs[path.Join("bus/pci/devices", busID)] = &fstest.MapFile{
+		sysfs[path.Join(dir, "numa_node")] = &File{Data: fmt.Appendf(nil, "%d\n", numa)}
+		sysfs[path.Join("bus/pci/devices", busID)] = &File{
 			Data: []byte(path.Join("../../..", dir)),
 			Mode: fs.ModeSymlink,
 		}
@@ -408,17 +407,17 @@ func buildSysfs(spec Spec) fstest.MapFS {
 			dist[i] = fmt.Sprint(d)
 		}
 		nodeDir := fmt.Sprintf("devices/system/node/node%d", node)
-		sysfs[nodeDir+"/distance"] = &fstest.MapFile{Data: []byte(strings.Join(dist, " ") + "\n")}
+		sysfs[nodeDir+"/distance"] = &File{Data: []byte(strings.Join(dist, " ") + "\n")}
 		first := node * cpusPerNode
-		sysfs[nodeDir+"/cpulist"] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d-%d\n", first, first+cpusPerNode-1)}
+		sysfs[nodeDir+"/cpulist"] = &File{Data: fmt.Appendf(nil, "%d-%d\n", first, first+cpusPerNode-1)}
 		socket := 0
 		if node < len(spec.NUMASockets) {
 			socket = spec.NUMASockets[node]
 		}
 		for cpu := first; cpu < first+cpusPerNode; cpu++ {
 			cpuDir := fmt.Sprintf("devices/system/cpu/cpu%d", cpu)
-			sysfs[cpuDir+"/topology/physical_package_id"] = &fstest.MapFile{Data: fmt.Appendf(nil, "%d\n", socket)}
-			sysfs[fmt.Sprintf("%s/node%d", cpuDir, node)] = &fstest.MapFile{Mode: fs.ModeDir | 0o755}
+			sysfs[cpuDir+"/topology/physical_package_id"] = &File{Data: fmt.Appendf(nil, "%d\n", socket)}
+			sysfs[fmt.Sprintf("%s/node%d", cpuDir, node)] = &File{Mode: fs.ModeDir | 0o755}
 		}
 	}
 	return sysfs
@@ -475,7 +474,7 @@ func (m *Machine) WriteDeviceNodes(root string) (numbered bool, err error) {
 }
 
 // WriteFS writes an in-memory tree to disk below root.
-func WriteFS(tree fstest.MapFS, root string) error {
+func WriteFS(tree FS, root string) error {
 	names := make([]string, 0, len(tree))
 	for name := range tree {
 		names = append(names, name)
