@@ -30,6 +30,13 @@ func newBindClock() *bindClock {
 func (c *bindClock) handler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
 		UpdateFunc: func(oldObj, newObj any) {
+			if replaced, ok := replacedPod(oldObj, newObj); ok {
+				c.mu.Lock()
+				delete(c.bound, replaced.UID)
+				c.mu.Unlock()
+				// The new pod is seen for the first time, bound or not.
+				oldObj = &v1.Pod{}
+			}
 			old, ok1 := oldObj.(*v1.Pod)
 			pod, ok2 := newObj.(*v1.Pod)
 			if !ok1 || !ok2 || old.Spec.NodeName != "" || pod.Spec.NodeName == "" || len(pod.Spec.ResourceClaims) == 0 {

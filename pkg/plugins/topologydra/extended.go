@@ -412,11 +412,12 @@ func (pl *TopologyDRA) createExtendedClaim(ctx context.Context, pod *v1.Pod, v *
 	return created, nil
 }
 
-// awaitCached waits (at most extendedClaimCacheTimeout) until the claim
-// cache has the created claim and stores the claim written in it: until
-// then, the claim's devices are known to the scheduler only as the
-// in-flight allocation, which PreBind must keep.
-func (pl *TopologyDRA) awaitCached(ctx context.Context, claim *resourceapi.ResourceClaim) {
+// awaitCached waits (at most extendedClaimCacheTimeout, or until ctx
+// ends) until the claim cache has the created claim and stores the claim
+// written in it, and reports whether it did: until then, the claim's
+// devices are known to the scheduler only as the in-flight allocation,
+// which must stay.
+func (pl *TopologyDRA) awaitCached(ctx context.Context, claim *resourceapi.ResourceClaim) bool {
 	err := wait.PollUntilContextTimeout(ctx, 20*time.Millisecond, extendedClaimCacheTimeout, true, func(context.Context) (bool, error) {
 		err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim)
 		if errors.Is(err, assumecache.ErrNotFound) {
@@ -427,7 +428,9 @@ func (pl *TopologyDRA) awaitCached(ctx context.Context, claim *resourceapi.Resou
 	})
 	if err != nil {
 		klog.FromContext(ctx).V(2).Info("Extended resource claim not in the claim cache in time", "claim", klog.KObj(claim), "err", err)
+		return false
 	}
+	return true
 }
 
 // setExtendedStatus writes the pod's status.extendedResourceClaimStatus:

@@ -295,10 +295,16 @@ func (h *heldBack) narrowed(uid types.UID) (barren sets.Set[string], narrow bool
 	return v.(sets.Set[string]), true
 }
 
-// handler forgets pods when they are deleted, for pods that were being
-// held back when they went (Reserve never ran for them).
+// handler forgets pods when they are deleted (or replaced by a pod of the
+// same name), for pods that were being held back when they went (Reserve
+// never ran for them).
 func (h *heldBack) handler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(oldObj, newObj any) {
+			if old, ok := replacedPod(oldObj, newObj); ok {
+				h.done(old.UID)
+			}
+		},
 		DeleteFunc: func(obj any) {
 			if pod, ok := deletedPod(obj); ok {
 				h.done(pod.UID)

@@ -731,3 +731,37 @@ func eightNodes(held func(i int, name string) []runtime.Object, objs ...runtime.
 	}
 	return nodes, objs
 }
+
+// TestHeldBackForgottenOnceAllocated: a pod the headroom held back whose
+// claim is then allocated by someone else (a claim it shares with a pod
+// placed meanwhile) has nothing left to allocate: its next attempt
+// forgets that it was held back, so the held-pods gauge and the hint do
+// not count it for as long as it runs.
+func TestHeldBackForgottenOnceAllocated(t *testing.T) {
+	nodes, objs := eightNodes(func(i int, name string) []runtime.Object {
+		if i == 0 {
+			return []runtime.Object{allocatedOn(testClaim("held-"+name, 4), name, gpuNames(0, 4)...)}
+		}
+		return []runtime.Object{allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...)}
+	}, testDeviceClass(), testClaim("four", 4))
+	h := newHarness(t, nodes, objs...)
+	h.pl.headroomPercent = 12
+	h.waitForClaim("held-node-7", func(*resourceapi.ResourceClaim) bool { return true })
+
+	pod := testPod("p", "four")
+	if _, st := h.cycle(pod, "node-0"); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
+		t.Fatalf("4 free in all: Filter(node-0) = %v, want the headroom to hold the pod back", st["node-0"])
+	}
+	if !h.pl.heldBack.held(pod.UID) {
+		t.Fatal("the pod is not recorded as held back")
+	}
+	four := h.apiClaim("four")
+	four.Status.Allocation = allocatedOn(testClaim("four", 4), "node-0", gpuNames(4, 8)...).Status.Allocation
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, four, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err, "allocate the claim past the plugin")
+	h.waitForClaim("four", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
+	h.cycle(pod)
+	if h.pl.heldBack.held(pod.UID) {
+		t.Error("the pod is still recorded as held back after an attempt with nothing to allocate")
+	}
+}

@@ -57,14 +57,32 @@ func newPendingIndex() *pendingIndex {
 // handler is the pod informer's event handler that keeps the index.
 func (ix *pendingIndex) handler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { ix.update(obj) },
-		UpdateFunc: func(_, obj any) { ix.update(obj) },
+		AddFunc: func(obj any) { ix.update(obj) },
+		UpdateFunc: func(oldObj, obj any) {
+			if old, ok := replacedPod(oldObj, obj); ok {
+				ix.remove(old)
+			}
+			ix.update(obj)
+		},
 		DeleteFunc: func(obj any) {
 			if pod, ok := deletedPod(obj); ok {
 				ix.remove(pod)
 			}
 		},
 	}
+}
+
+// replacedPod returns the old pod of an informer's update event where the
+// new object is another pod of the same name (a different UID): a pod
+// deleted and created again while the informer listed anew comes as an
+// update, and the old pod's state must go as on its deletion.
+func replacedPod(oldObj, newObj any) (*v1.Pod, bool) {
+	old, ok1 := oldObj.(*v1.Pod)
+	pod, ok2 := newObj.(*v1.Pod)
+	if !ok1 || !ok2 || old.UID == pod.UID {
+		return nil, false
+	}
+	return old, true
 }
 
 // deletedPod is the pod of a pod informer's delete event, whether it

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -397,5 +399,59 @@ func TestPlacedWholeNodePodIsNotWaiting(t *testing.T) {
 	h.reserve(whole, "n1")
 	if d := draining(); d.Len() != 0 {
 		t.Errorf("after the whole-node pod's Reserve: draining %v, want none", sets.List(d))
+	}
+}
+
+// TestReplacedPodForgotten: a pod deleted and created again under its
+// name while the informer lists anew comes as an update with another UID.
+// The pending index, the bind clock and the held-back pods forget the old
+// pod as on its deletion.
+func TestReplacedPodForgotten(t *testing.T) {
+	pod := func(uid, node string) *v1.Pod {
+		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "worker-0", UID: types.UID(uid)}}
+		p.Spec.SchedulerName, p.Spec.NodeName = "s", node
+		p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "c", ResourceClaimName: ptr.To("c")}}
+		return p
+	}
+	old, replacement := pod("uid-1", ""), pod("uid-2", "node-1")
+
+	ix := newPendingIndex()
+	ix.handler().OnAdd(old, false)
+	ix.handler().OnUpdate(old, replacement)
+	ix.mu.Lock()
+	_, stale := ix.pods["s"][old.UID]
+	ix.mu.Unlock()
+	if stale {
+		t.Error("the pending index keeps the replaced pod")
+	}
+
+	clock := newBindClock()
+	clock.handler().OnUpdate(old, pod("uid-1", "node-1"))
+	clock.handler().OnUpdate(pod("uid-1", "node-1"), replacement)
+	if _, ok := clock.boundAt(pod("uid-1", "node-1")); ok {
+		t.Error("the bind clock keeps the replaced pod")
+	}
+	if _, ok := clock.boundAt(replacement); !ok {
+		t.Error("the bind clock has no time for the bound replacement")
+	}
+
+	h := newHarness(t, nil)
+	if _, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, old, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	h.pl.heldBack.lister = h.podLister
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		_, err := h.podLister.Pods(testNS).Get(old.Name)
+		return err == nil, nil
+	}); err != nil {
+		t.Fatalf("the pod lister never saw the pod: %v", err)
+	}
+	h.pl.heldBack.hold(old)
+	if !h.pl.heldBack.held(old.UID) {
+		t.Fatal("the pod is not held back")
+	}
+	h.pl.heldBack.handler().OnUpdate(old, replacement)
+	if h.pl.heldBack.held(old.UID) {
+		t.Error("the held-back pods keep the replaced pod")
 	}
 }

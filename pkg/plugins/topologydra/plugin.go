@@ -119,9 +119,17 @@ type TopologyDRA struct {
 const skipCountingFor = 5 * time.Minute
 
 // skipCountingOn makes Filter allocate the node with the upstream allocator
-// directly for skipCountingFor.
+// directly for skipCountingFor. Entries that expired go at the same time,
+// also of nodes that are never filtered again (deleted).
 func (pl *TopologyDRA) skipCountingOn(node string) {
-	pl.skipCounting.Store(node, time.Now().Add(skipCountingFor))
+	now := time.Now()
+	pl.skipCounting.Range(func(key, until any) bool {
+		if now.After(until.(time.Time)) {
+			pl.skipCounting.CompareAndDelete(key, until)
+		}
+		return true
+	})
+	pl.skipCounting.Store(node, now.Add(skipCountingFor))
 }
 
 // countingSkipped reports whether Filter must not count on the node. Safe

@@ -187,8 +187,12 @@ func (pl *TopologyDRA) bindExtendedClaim(ctx context.Context, pod *v1.Pod, nodeN
 	ext.created = updated
 	s.claims[ext.index] = updated
 	// Until the claim cache has the claim, its devices are known only as
-	// the in-flight allocation under the random UID, which stays till then.
-	pl.awaitCached(ctx, updated)
-	pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, true)
+	// the in-flight allocation under the random UID, which stays till then:
+	// where PreBind ends first (cancelled), a background wait drops it.
+	if pl.awaitCached(ctx, updated) {
+		pl.draManager.ResourceClaims().MaybeRemoveClaimPendingAllocation(ext.pendingUID, true)
+	} else {
+		pl.takeInStored(klog.FromContext(ctx), updated, ext.pendingUID)
+	}
 	return pl.setExtendedStatus(ctx, pod, &v1.PodExtendedResourceClaimStatus{ResourceClaimName: updated.Name, RequestMappings: variant.mappings})
 }

@@ -184,6 +184,10 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		s.allocClaims = append(s.allocClaims, pl.withOwnedToleration(claim))
 	}
 	if len(s.toAllocate) == 0 {
+		// Held back before, its claims allocated since (a claim it
+		// shares with a pod that was placed): the headroom holds it no
+		// longer.
+		pl.heldBack.done(pod.UID)
 		return nil, nil
 	}
 	// The headroom and the drain rule count the devices of the pod's own

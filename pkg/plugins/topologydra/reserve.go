@@ -29,6 +29,8 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	if err != nil {
 		return nil // PreFilter skipped the pod: no claims.
 	}
+	// The pod has a node: the headroom holds it back no longer.
+	pl.heldBack.done(pod.UID)
 	toAllocate, allocClaims := s.claimsOn(nodeName)
 	if len(toAllocate) == 0 {
 		// Nothing to allocate, or only extended resources that a device
@@ -84,7 +86,6 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 		res = verified
 	}
 	s.nodeName, s.result = nodeName, res
-	pl.heldBack.done(pod.UID)
 	for j, index := range toAllocate {
 		allocation := res.Allocations[j].DeepCopy()
 		claim := s.claims[index].DeepCopy()

@@ -531,7 +531,15 @@ func (pl *TopologyDRA) activateWaiting(logger klog.Logger) {
 // are deallocated or deleted.
 func (pl *TopologyDRA) claimHandler() cache.ResourceEventHandler {
 	return cache.ResourceEventHandlerFuncs{
-		UpdateFunc: func(_, obj any) {
+		UpdateFunc: func(oldObj, obj any) {
+			// A claim deleted and created again under its name while the
+			// informer listed anew comes as an update.
+			if old, ok := oldObj.(*resourceapi.ResourceClaim); ok {
+				if claim, ok := obj.(*resourceapi.ResourceClaim); ok && claim.UID != old.UID {
+					pl.settleGone(old.UID)
+					pl.untimed.forget(old.UID)
+				}
+			}
 			if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
 				pl.settleFromInformer(claim)
 				if claim.Status.Allocation == nil {
