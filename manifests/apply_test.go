@@ -166,6 +166,10 @@ func TestAgentOwnNodeOnly(t *testing.T) {
 	changed.Spec.Devices = []resourceapi.Device{{Name: "gpu-0"}}
 	_, err = agentA.ResourceV1().ResourceSlices().Update(ctx, changed, metav1.UpdateOptions{})
 	refused("update another node's slice", err, "those of node node-b")
+	otherPool := framework.SliceForNode("node-a", topology.DriverName, nil)
+	otherPool.Name, otherPool.Spec.Pool.Name = "node-a-posing-as-b", "node-b"
+	_, err = agentA.ResourceV1().ResourceSlices().Create(ctx, otherPool, metav1.CreateOptions{})
+	refused("create a slice of its node in another node's pool", err, "may only write pools named after its node, not pool node-b")
 	clusterWide := framework.SliceForNode("x", topology.DriverName, nil)
 	clusterWide.Name = "cluster-wide"
 	clusterWide.Spec.NodeName = nil
