@@ -1,17 +1,18 @@
 package agent_test
 
 import (
-	"path/filepath"
-
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"golang.org/x/sys/unix"
 	"os"
+	"path/filepath"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -512,18 +513,7 @@ func TestPrepareUnprepare(t *testing.T) {
 						}
 					}
 				}
-				store, err := checkpoint.New(e.stateDir)
-				if err != nil {
-					t.Fatal(err)
-				}
-				cp, err := store.Load()
-				if err != nil {
-					t.Fatal(err)
-				}
-				var got []string
-				for _, c := range cp.Claims {
-					got = append(got, c.Name)
-				}
+				got := preparedNames(t, e)
 				if diff := cmp.Diff(s.wantPrepared, got, cmpSorted); diff != "" {
 					t.Errorf("step %d: prepared claims (-want +got):\n%s", i, diff)
 				}
@@ -819,4 +809,23 @@ func TestOptionsRequired(t *testing.T) {
 			}
 		})
 	}
+}
+
+// preparedNames returns the names of the claims in e's checkpoint, sorted.
+func preparedNames(t *testing.T, e *env) []string {
+	t.Helper()
+	store, err := checkpoint.New(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cp, err := store.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, c := range cp.Claims {
+		names = append(names, c.Name)
+	}
+	slices.Sort(names)
+	return names
 }

@@ -85,3 +85,12 @@ func (l *claimLocks) tryLock(uid types.UID) (func(), bool) {
 		delete(l.held, uid)
 	}, true
 }
+
+// uidsOf returns the UID of each of objs.
+func uidsOf[T any](objs []T, uid func(T) types.UID) []types.UID {
+	uids := make([]types.UID, 0, len(objs))
+	for _, o := range objs {
+		uids = append(uids, uid(o))
+	}
+	return uids
+}

@@ -543,19 +543,7 @@ func TestOtherClaimsNotHeldUpByHungPrepare(t *testing.T) {
 	if err := <-prepared; err != nil {
 		t.Fatalf("prepare %s: %v", hung.Name, err)
 	}
-	store, err := checkpoint.New(e.stateDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cp, err := store.Load()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got []string
-	for _, c := range cp.Claims {
-		got = append(got, c.Name)
-	}
-	slices.Sort(got)
+	got := preparedNames(t, e)
 	if want := []string{"hung", "other"}; !slices.Equal(got, want) {
 		t.Errorf("checkpoint has claims %v, want %v", got, want)
 	}

@@ -99,11 +99,7 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 		return nil, ErrNoState
 	}
 	logger := klog.FromContext(ctx)
-	uids := make([]types.UID, 0, len(claims))
-	for _, c := range claims {
-		uids = append(uids, c.UID)
-	}
-	unlock, err := a.claimLocks.lock(ctx, uids)
+	unlock, err := a.claimLocks.lock(ctx, uidsOf(claims, func(c *resourceapi.ResourceClaim) types.UID { return c.UID }))
 	if err != nil {
 		return nil, err
 	}
@@ -525,11 +521,7 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 	if a.store == nil {
 		return nil, ErrNoState
 	}
-	uids := make([]types.UID, 0, len(claims))
-	for _, c := range claims {
-		uids = append(uids, c.UID)
-	}
-	unlock, err := a.claimLocks.lock(ctx, uids)
+	unlock, err := a.claimLocks.lock(ctx, uidsOf(claims, func(c kubeletplugin.NamespacedObject) types.UID { return c.UID }))
 	if err != nil {
 		return nil, err
 	}
