@@ -286,6 +286,7 @@ type stubDRAManager struct{ fwk.SharedDRAManager }
 func (h stubHandle) SharedDRAManager() fwk.SharedDRAManager                 { return stubDRAManager{} }
 func (h stubHandle) ClientSet() kubernetes.Interface                        { return nil }
 func (h stubHandle) SharedInformerFactory() informers.SharedInformerFactory { return h.factory }
+func (h stubHandle) ProfileName() string                                    { return "stub" }
 
 // newWithLog builds the plugin from args and returns what New logged.
 func newWithLog(t *testing.T, args *config.TopologyDRAArgs) string {

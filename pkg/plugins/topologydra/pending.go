@@ -32,6 +32,9 @@ type pendingIndex struct {
 	// wholeNode is how many devices of one class make a whole node
 	// (wholeNodeDevices); newPendingIndex sets allocator.WholeNodeBlock.
 	wholeNode int
+	// profile, where set, is the only scheduler name whose pods the
+	// index keeps: the others are never asked about.
+	profile string
 }
 
 // pendingPod is an index entry.
@@ -98,6 +101,9 @@ func deletedPod(obj any) (*v1.Pod, bool) {
 func (ix *pendingIndex) update(obj any) {
 	pod, ok := obj.(*v1.Pod)
 	if !ok {
+		return
+	}
+	if ix.profile != "" && pod.Spec.SchedulerName != ix.profile {
 		return
 	}
 	if pod.Spec.NodeName != "" || pod.DeletionTimestamp != nil || len(pod.Spec.ResourceClaims) == 0 || len(pod.Spec.SchedulingGates) > 0 {

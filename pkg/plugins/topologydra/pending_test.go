@@ -55,6 +55,7 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	}
 	nodes := []fwk.NodeInfo{nodeInfo("node-1", "a"), nodeInfo("node-2", "b")}
 	ix := newPendingIndex()
+	ix.profile = "s"
 	h := ix.handler()
 	self := pod("self", "s", "", "small")
 	claimOf("small", 2, false)
@@ -88,8 +89,9 @@ func TestPendingIndexCountsWholeNodePods(t *testing.T) {
 	if got, _ := ix.wholeNodePods(self, get, nodes); got != 1 {
 		t.Errorf("after one was bound and one deleted: %d, want 1", got)
 	}
-	if got, _ := ix.wholeNodePods(pod("x", "other", "", "small"), get, nodes); got != 1 {
-		t.Errorf("for the other scheduler: %d, want 1", got)
+	// The index of profile "s" keeps no pod of another scheduler.
+	if got, _ := ix.wholeNodePods(pod("x", "other", "", "small"), get, nodes); got != 0 {
+		t.Errorf("for the other scheduler: %d, want 0", got)
 	}
 
 	// A waiting pod pinned to other nodes does not count for these.

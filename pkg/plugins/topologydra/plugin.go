@@ -217,6 +217,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			return nil, fmt.Errorf("%s needs the scheduler's informer factory to watch pending pods (wholeNodeTradeWhileWaiting, drainTrade)", Name)
 		}
 		pl.pending = newPendingIndex()
+		pl.pending.profile = h.ProfileName()
 		pl.pending.taintOps = pl.taintOps
 		pl.pending.wholeNode = pl.wholeNode()
 		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(pl.pending.handler()); err != nil {
