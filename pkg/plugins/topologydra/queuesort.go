@@ -3,8 +3,11 @@ package topologydra
 import (
 	"context"
 	"fmt"
+	"sync"
 
+	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 )
 
@@ -22,18 +25,24 @@ const SortName = "DeviceCountSort"
 //
 // Device counts are as in the pending-pod index: per device class, the
 // exact counts and the first subrequest of a firstAvailable request of
-// all the pod's claims, allocated or not (claim specs do not change, so a
-// pod's place in the queue does not either), and of those the largest: a
+// all the pod's claims, allocated or not, and of those the largest: a
 // pod that asks for a GPU and a NIC counts one, as a pod that asks for a
 // GPU does. A pod without claims asks for none. A claim not in the
 // scheduler's claim cache counts as none; PreEnqueue keeps such a pod out
-// of the active queue until the claim is there. Entities that are not
-// single pods (pod groups) count as asking for none.
+// of the active queue until the claim is there. A pod's count, once all
+// its claims were found, is kept until the pod is bound or deleted, so
+// that its place in the queue's heap does not move while it waits (a
+// claim deleted and created again meanwhile would move it). Entities that
+// are not single pods (pod groups) count as asking for none.
 //
 // All profiles of a scheduler share one queue, so every profile must
 // name the same QueueSort plugin.
 type DeviceCountSort struct {
 	claims claimGetter
+	// known holds the counts of pods whose claims were all found, by pod
+	// UID; nil where the scheduler has no informer factory to tell when
+	// pods go (then counts are taken afresh at every comparison).
+	known *sync.Map
 }
 
 var _ fwk.QueueSortPlugin = &DeviceCountSort{}
@@ -44,7 +53,34 @@ func NewSort(_ context.Context, _ runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if m == nil {
 		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", SortName)
 	}
-	return &DeviceCountSort{claims: m.ResourceClaims().Get}, nil
+	s := &DeviceCountSort{claims: m.ResourceClaims().Get}
+	if f := h.SharedInformerFactory(); f != nil {
+		s.known = &sync.Map{}
+		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(s.forgetHandler()); err != nil {
+			return nil, fmt.Errorf("%s: watch pods: %w", SortName, err)
+		}
+	}
+	return s, nil
+}
+
+// forgetHandler drops the kept counts of pods that are bound, deleted or
+// replaced by a pod of the same name.
+func (s *DeviceCountSort) forgetHandler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(oldObj, newObj any) {
+			if old, ok := replacedPod(oldObj, newObj); ok {
+				s.known.Delete(old.UID)
+			}
+			if pod, ok := newObj.(*v1.Pod); ok && pod.Spec.NodeName != "" {
+				s.known.Delete(pod.UID)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if pod, ok := deletedPod(obj); ok {
+				s.known.Delete(pod.UID)
+			}
+		},
+	}
 }
 
 // Name returns the plugin's name.
@@ -67,6 +103,15 @@ func (s *DeviceCountSort) devices(e fwk.QueuedEntityInfo) int {
 	if !ok {
 		return 0
 	}
-	n, _ := podDevices(p.GetPodInfo().GetPod(), s.claims, false)
+	pod := p.GetPodInfo().GetPod()
+	if s.known != nil {
+		if n, ok := s.known.Load(pod.UID); ok {
+			return n.(int)
+		}
+	}
+	n, all := podDevices(pod, s.claims, false)
+	if all && s.known != nil {
+		s.known.Store(pod.UID, n)
+	}
 	return n
 }

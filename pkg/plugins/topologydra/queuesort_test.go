@@ -3,12 +3,15 @@ package topologydra
 import (
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/queuesort"
@@ -115,5 +118,45 @@ func BenchmarkQueueSortLess(b *testing.B) {
 				less(x, y)
 			}
 		})
+	}
+}
+
+// TestDeviceCountSortKeyStaysWhileQueued: a queued pod's device count,
+// once its claims were found, stays while its claim is deleted (its key
+// in the queue's heap must not move), and goes when the pod is bound or
+// deleted.
+func TestDeviceCountSortKeyStaysWhileQueued(t *testing.T) {
+	claims := map[string]*resourceapi.ResourceClaim{"eight": testClaim("eight", 8), "four": testClaim("four", 4)}
+	get := func(_, name string) (*resourceapi.ResourceClaim, error) {
+		if c, ok := claims[name]; ok {
+			return c, nil
+		}
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "resourceclaims"}, name)
+	}
+	queued := func(pod *v1.Pod) fwk.QueuedEntityInfo {
+		pi, err := framework.NewPodInfo(pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &framework.QueuedPodInfo{PodInfo: pi}
+	}
+	big, small := testPod("big", "eight"), testPod("small", "four")
+	sorter := &DeviceCountSort{claims: get, known: &sync.Map{}}
+	if !sorter.Less(queued(small), queued(big)) {
+		t.Fatal("the 4-GPU pod does not go before the 8-GPU pod")
+	}
+	delete(claims, "eight")
+	if !sorter.Less(queued(small), queued(big)) {
+		t.Error("the 8-GPU pod's claim went and it moved before the 4-GPU pod")
+	}
+	bound := big.DeepCopy()
+	bound.Spec.NodeName = "node-a"
+	sorter.forgetHandler().OnUpdate(big, bound)
+	if _, ok := sorter.known.Load(big.UID); ok {
+		t.Error("a bound pod's count is kept")
+	}
+	sorter.forgetHandler().OnDelete(cache.DeletedFinalStateUnknown{Obj: small})
+	if _, ok := sorter.known.Load(small.UID); ok {
+		t.Error("a deleted pod's count is kept")
 	}
 }
