@@ -339,13 +339,7 @@ func (m *Machine) InjectXID(gpu int, xid uint64) error {
 // from now on, so that its health cannot be watched; nvml.SUCCESS lets it
 // succeed again.
 func (m *Machine) FailEventRegistration(gpu int, ret nvml.Return) {
-	m.mutex.Lock()
-	defer m.mutex.Unlock()
-	if ret == nvml.SUCCESS {
-		delete(m.registerFails, gpu)
-	} else {
-		m.registerFails[gpu] = ret
-	}
+	m.setFailure(m.registerFails, gpu, ret)
 }
 
 // LoseGPU makes event sets report ERROR_GPU_IS_LOST from now on, while
@@ -368,12 +362,18 @@ func (m *Machine) FallOffBus(gpu int) {
 // FailUUID makes NVML's GetUUID return ret for a GPU from now on;
 // nvml.SUCCESS lets it succeed again.
 func (m *Machine) FailUUID(gpu int, ret nvml.Return) {
+	m.setFailure(m.uuidFails, gpu, ret)
+}
+
+// setFailure records what a call returns for a GPU in fails (one of the
+// machine's maps), nvml.SUCCESS removing it.
+func (m *Machine) setFailure(fails map[int]nvml.Return, gpu int, ret nvml.Return) {
 	m.mutex.Lock()
 	defer m.mutex.Unlock()
 	if ret == nvml.SUCCESS {
-		delete(m.uuidFails, gpu)
+		delete(fails, gpu)
 	} else {
-		m.uuidFails[gpu] = ret
+		fails[gpu] = ret
 	}
 }
 
