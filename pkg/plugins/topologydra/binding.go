@@ -10,6 +10,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	apimeta "k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -188,7 +189,8 @@ func hasBindingConditions(claims []*resourceapi.ResourceClaim) bool {
 // records upstream's binding-condition metrics. A failure or timeout, or a
 // claim that is deallocated or being deleted meanwhile, fails the attempt
 // with an error (the pod is retried with backoff, and then
-// Filter and PostFilter release the allocation).
+// Filter and PostFilter release the allocation). So does the pod's own
+// deletion: nothing would use the devices it waits for.
 func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) *fwk.Status {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions(s.claims) {
 		return nil
@@ -199,6 +201,11 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	// bindingTimeout bounds the wait also for allocations without a
 	// timestamp (written by another scheduler or a controller).
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, pl.bindingTimeout, true, func(context.Context) (bool, error) {
+		if pl.pods != nil {
+			if current, err := pl.pods.Pods(pod.Namespace).Get(pod.Name); apierrors.IsNotFound(err) || (err == nil && current.UID != pod.UID) {
+				return false, fmt.Errorf("pod %s was deleted while waiting for binding conditions", klog.KObj(pod))
+			}
+		}
 		published := pl.newPublishedLookup()
 		for i, claim := range s.claims {
 			if s.isExtendedInMemory(i) && s.extended.created == nil {

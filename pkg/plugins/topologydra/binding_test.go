@@ -110,7 +110,7 @@ func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
 	if !h.pl.features.DeviceBindingAndStatus {
 		t.Fatal("binding conditions are disabled by the feature gates; this test needs them")
 	}
-	pod := testPod("p", "c")
+	pod := h.createSeen(testPod("p", "c"))
 	cs, _ := h.cycle(pod, "node-a")
 	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
 		t.Fatalf("Reserve: %v", st)
@@ -134,6 +134,41 @@ func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
 	}
 }
 
+// TestPreBindStopsWaitingForDeletedPod: the pod waits in PreBind for the
+// binding conditions of its devices and is deleted meanwhile. PreBind gives
+// up with an error naming the pod, instead of waiting out the binding
+// timeout for devices nothing would use.
+func TestPreBindStopsWaitingForDeletedPod(t *testing.T) {
+	schedmetrics.Register()
+	slice := testSlice("node-a", 2)
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
+		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
+	}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), slice, testClaim("c", 1))
+	if !h.pl.features.DeviceBindingAndStatus {
+		t.Fatal("binding conditions are disabled by the feature gates; this test needs them")
+	}
+	pod := h.createSeen(testPod("p", "c"))
+	cs, _ := h.cycle(pod, "node-a")
+	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("Reserve: %v", st)
+	}
+	done := make(chan *fwk.Status, 1)
+	go func() { done <- h.pl.PreBind(h.tCtx, cs, pod, "node-a") }()
+	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
+	h.tCtx.ExpectNoError(h.client.CoreV1().Pods(testNS).Delete(h.tCtx, pod.Name, metav1.DeleteOptions{}))
+
+	select {
+	case st := <-done:
+		if st.IsSuccess() || !strings.Contains(st.Message(), "was deleted while waiting for binding conditions") {
+			t.Errorf("PreBind: %v, want an error saying that the pod was deleted", st)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("PreBind still waits for the binding conditions of a deleted pod")
+	}
+}
+
 // TestBindingWaitWithoutTimestamp: a claim with binding conditions that
 // another writer allocated without an allocation timestamp, whose driver
 // never reports. PreBind's wait ends after bindingTimeout, as a timeout.
@@ -148,7 +183,7 @@ func TestBindingWaitWithoutTimestamp(t *testing.T) {
 	schedmetrics.Register() // the wait records the binding-condition metrics.
 	h.pl.bindingTimeout = 300 * time.Millisecond
 	s := &stateData{claims: []*resourceapi.ResourceClaim{h.apiClaim("c")}}
-	st := h.pl.waitForBindingConditions(h.tCtx, testPod("p", "c"), "node-a", s)
+	st := h.pl.waitForBindingConditions(h.tCtx, h.createSeen(testPod("p", "c")), "node-a", s)
 	if st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
 		t.Errorf("PreBind's wait: %v, want a binding timeout", st)
 	}
@@ -167,7 +202,7 @@ func TestBindingTimeoutOfAllocationWithoutTimestamp(t *testing.T) {
 	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
 	schedmetrics.Register()
 	h.pl.bindingTimeout = 200 * time.Millisecond
-	pod := testPod("p", "c")
+	pod := h.createSeen(testPod("p", "c"))
 	cs := h.reserve(pod, "node-a")
 	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() || !strings.Contains(st.Message(), "binding timeout") {
 		t.Fatalf("first attempt, PreBind: %v, want a binding timeout", st)
@@ -231,7 +266,7 @@ func TestBindingWaitsThroughPoolUpdate(t *testing.T) {
 		})
 		h.tCtx.ExpectNoError(err, "slice "+s.Name+" at generation 2 in the plugin's slice cache")
 	}
-	pod := testPod("p", "c")
+	pod := h.createSeen(testPod("p", "c"))
 
 	republish(first, "gpu-0", "gpu-1")
 	cs := h.reserve(pod, "node-a")

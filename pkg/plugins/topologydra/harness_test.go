@@ -334,6 +334,20 @@ func testPod(name string, claims ...string) *v1.Pod {
 	return p
 }
 
+// createSeen creates pod in the API and returns it (with the UID the API
+// gave it) once the plugin's pod lister has it.
+func (h *harness) createSeen(pod *v1.Pod) *v1.Pod {
+	h.tCtx.Helper()
+	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err, "create pod "+pod.Name)
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		_, err := h.pl.pods.Pods(testNS).Get(pod.Name)
+		return err == nil, nil
+	})
+	h.tCtx.ExpectNoError(err, "the pod lister never saw pod "+pod.Name)
+	return created
+}
+
 // createPending creates pod in the API and waits until the plugin's
 // pending-pod index has it.
 func (h *harness) createPending(pod *v1.Pod) {
