@@ -290,11 +290,36 @@ func (g *NVCDI) makeNode(p string, exists bool, dev uint64, params fileParams) e
 		return fmt.Errorf("create %s: %w", p, err)
 	}
 	// Mknod applies the umask.
-	if err := errors.Join(os.Chmod(p, fs.FileMode(params.mode&0o777)), os.Chown(p, params.uid, params.gid)); err != nil {
+	if err := setOwnerAndMode(p, dev, params.mode&0o777, params.uid, params.gid); err != nil {
 		_ = os.Remove(p)
 		return fmt.Errorf("set the mode and owner of %s: %w", p, err)
 	}
 	return nil
+}
+
+// setOwnerAndMode gives the character device p, which must be device dev,
+// the mode and owner. It works on the node it opened (without following a
+// link) and checked, so that a link put in its place meanwhile is never
+// followed to another file.
+func setOwnerAndMode(p string, dev uint64, mode uint32, uid, gid int) error {
+	fd, err := unix.Open(p, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFCHR || st.Rdev != dev {
+		return fmt.Errorf("%s is not the character device %d:%d", p, unix.Major(dev), unix.Minor(dev))
+	}
+	if err := unix.Fchownat(fd, "", uid, gid, unix.AT_EMPTY_PATH); err != nil {
+		return err
+	}
+	// chmod has no form for a descriptor opened with O_PATH before Linux
+	// 6.6; the descriptor's /proc link names the very node opened.
+	return unix.Chmod(fmt.Sprintf("/proc/self/fd/%d", fd), mode)
 }
 
 // fixOwnerAndMode gives the existing device node p (stat st) the
@@ -307,7 +332,7 @@ func (g *NVCDI) fixOwnerAndMode(p string, st *unix.Stat_t, params fileParams) {
 	if st.Mode&0o777 == mode && int(st.Uid) == params.uid && int(st.Gid) == params.gid {
 		return
 	}
-	if err := errors.Join(os.Chmod(p, fs.FileMode(mode)), os.Chown(p, params.uid, params.gid)); err != nil {
+	if err := setOwnerAndMode(p, st.Rdev, mode, params.uid, params.gid); err != nil {
 		g.opts.Logger.Error(err, "Device node of the NVIDIA driver has another owner or mode than the driver's; containers that do not run as root may not open it", "path", p,
 			"mode", fmt.Sprintf("%#o", st.Mode&0o777), "uid", st.Uid, "gid", st.Gid, "wantMode", fmt.Sprintf("%#o", mode), "wantUID", params.uid, "wantGID", params.gid)
 		return
@@ -320,8 +345,8 @@ func (g *NVCDI) fixOwnerAndMode(p string, st *unix.Stat_t, params fileParams) {
 // the device node, where the device root has /dev/char; best effort.
 func (g *NVCDI) linkCharDevice(devs devRoots, n deviceNode, major uint32) {
 	dir := filepath.Join(devs.path, "dev", "char")
-	if info, err := os.Stat(dir); err != nil || !info.IsDir() {
-		return
+	if info, err := os.Lstat(dir); err != nil || !info.IsDir() {
+		return // none, or a link that is not followed
 	}
 	link := filepath.Join(dir, fmt.Sprintf("%d:%d", major, n.minor))
 	target := "../" + strings.TrimPrefix(n.path, "/dev/")

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2/ktesting"
 )
 
@@ -58,5 +59,30 @@ func TestCharacterMajor(t *testing.T) {
 	}
 	if _, _, err := characterMajor(filepath.Join(t.TempDir(), "none"), uvmModule.names); err == nil {
 		t.Error("a missing file read as no module loaded")
+	}
+}
+
+// TestSetOwnerAndModeFollowsNoLink: where a link stands in place of a
+// device node, or a file that is not the device, setting the node's owner
+// and mode fails and the file the link names keeps its own.
+func TestSetOwnerAndModeFollowsNoLink(t *testing.T) {
+	dir := t.TempDir()
+	victim := filepath.Join(dir, "victim")
+	if err := os.WriteFile(victim, []byte("secret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "nvidia0")
+	if err := os.Symlink(victim, link); err != nil {
+		t.Fatal(err)
+	}
+	dev := unix.Mkdev(195, 0)
+	if err := setOwnerAndMode(link, dev, 0o666, os.Getuid(), os.Getgid()); err == nil {
+		t.Error("a link in place of the device node was accepted")
+	}
+	if err := setOwnerAndMode(victim, dev, 0o666, os.Getuid(), os.Getgid()); err == nil || !strings.Contains(err.Error(), "is not the character device 195:0") {
+		t.Errorf("a regular file in place of the device node: %v, want a refusal naming the device", err)
+	}
+	if info, err := os.Stat(victim); err != nil || info.Mode().Perm() != 0o600 {
+		t.Errorf("the file the link names: %v, %v; want its mode 0600 kept", info.Mode(), err)
 	}
 }
