@@ -293,6 +293,21 @@ func TestCleanupStaleClaims(t *testing.T) {
 	e := newEnv(t)
 	recorder := events.NewFakeRecorder(20)
 	e.recorder = recorder
+	// The fake client's reactors must not change while the agent uses it:
+	// these fail claim reads and pod lists only while their flag is set.
+	var failing, listFails atomic.Bool
+	e.client.PrependReactor("get", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if failing.Load() {
+			return true, nil, apierrors.NewInternalError(errors.New("etcd unavailable"))
+		}
+		return false, nil, nil
+	})
+	e.client.PrependReactor("list", "pods", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if listFails.Load() {
+			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "", errors.New("no RBAC"))
+		}
+		return false, nil, nil
+	})
 	a := e.start(ctx, t)
 	live := claim("live", gpus("gpus", "gpu-0")...)
 	gone := claim("gone", gpus("gpus", "gpu-1")...)
@@ -316,14 +331,7 @@ func TestCleanupStaleClaims(t *testing.T) {
 		}
 	}
 	// While the API server fails to answer, nothing is stale.
-	var failing atomic.Bool
 	failing.Store(true)
-	e.client.PrependReactor("get", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
-		if failing.Load() {
-			return true, nil, apierrors.NewInternalError(errors.New("etcd unavailable"))
-		}
-		return false, nil, nil
-	})
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 		t.Errorf("with the API failing: removed %v (%v), want none", removed, err)
 	}
@@ -381,14 +389,7 @@ func TestCleanupStaleClaims(t *testing.T) {
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 		t.Errorf("first check after a restart: removed %v (%v), want none", removed, err)
 	}
-	var listFails atomic.Bool
 	listFails.Store(true)
-	e.client.PrependReactor("list", "pods", func(cgotesting.Action) (bool, runtime.Object, error) {
-		if listFails.Load() {
-			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "", errors.New("no RBAC"))
-		}
-		return false, nil, nil
-	})
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 		t.Errorf("pods cannot be listed: removed %v (%v), want none", removed, err)
 	}
