@@ -99,6 +99,30 @@ func TestBindingState(t *testing.T) {
 // must give up with an error that names the claim, instead of binding the
 // pod once the driver confirms, or waiting out the binding timeout.
 func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
+	h, _, done := waitingInPreBind(t)
+	claim := h.apiClaim("c")
+	claim.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).Update(h.tCtx, claim, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	expectPreBindEnds(t, done, "claim c is being deleted")
+}
+
+// TestPreBindStopsWaitingForDeletedPod: the pod waits in PreBind for the
+// binding conditions of its devices and is deleted meanwhile. PreBind gives
+// up with an error naming the pod, instead of waiting out the binding
+// timeout for devices nothing would use.
+func TestPreBindStopsWaitingForDeletedPod(t *testing.T) {
+	h, pod, done := waitingInPreBind(t)
+	h.tCtx.ExpectNoError(h.client.CoreV1().Pods(testNS).Delete(h.tCtx, pod.Name, metav1.DeleteOptions{}))
+	expectPreBindEnds(t, done, "was deleted while waiting for binding conditions")
+}
+
+// waitingInPreBind starts PreBind for pod "p", whose claim "c" got a
+// device with binding conditions that the driver never reports on node-a,
+// and returns once the claim is reserved for the pod (PreBind waits then);
+// done receives PreBind's status.
+func waitingInPreBind(t *testing.T) (*harness, *v1.Pod, <-chan *fwk.Status) {
+	t.Helper()
 	schedmetrics.Register() // PreBind records the binding-condition metrics.
 	slice := testSlice("node-a", 2)
 	for i := range slice.Spec.Devices {
@@ -117,55 +141,21 @@ func TestPreBindStopsWaitingForDeletedClaim(t *testing.T) {
 	}
 	done := make(chan *fwk.Status, 1)
 	go func() { done <- h.pl.PreBind(h.tCtx, cs, pod, "node-a") }()
-
 	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
-	claim := h.apiClaim("c")
-	claim.DeletionTimestamp = &metav1.Time{Time: time.Now()}
-	_, err := h.client.ResourceV1().ResourceClaims(testNS).Update(h.tCtx, claim, metav1.UpdateOptions{})
-	h.tCtx.ExpectNoError(err)
-
-	select {
-	case st := <-done:
-		if st.IsSuccess() || !strings.Contains(st.Message(), "claim c is being deleted") {
-			t.Errorf("PreBind: %v, want an error saying that claim c is being deleted", st)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("PreBind still waits for the binding conditions of a claim that is being deleted")
-	}
+	return h, pod, done
 }
 
-// TestPreBindStopsWaitingForDeletedPod: the pod waits in PreBind for the
-// binding conditions of its devices and is deleted meanwhile. PreBind gives
-// up with an error naming the pod, instead of waiting out the binding
-// timeout for devices nothing would use.
-func TestPreBindStopsWaitingForDeletedPod(t *testing.T) {
-	schedmetrics.Register()
-	slice := testSlice("node-a", 2)
-	for i := range slice.Spec.Devices {
-		slice.Spec.Devices[i].BindsToNode = ptr.To(true)
-		slice.Spec.Devices[i].BindingConditions = []string{"Attached"}
-	}
-	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), slice, testClaim("c", 1))
-	if !h.pl.features.DeviceBindingAndStatus {
-		t.Fatal("binding conditions are disabled by the feature gates; this test needs them")
-	}
-	pod := h.createSeen(testPod("p", "c"))
-	cs, _ := h.cycle(pod, "node-a")
-	if st := h.pl.Reserve(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
-		t.Fatalf("Reserve: %v", st)
-	}
-	done := make(chan *fwk.Status, 1)
-	go func() { done <- h.pl.PreBind(h.tCtx, cs, pod, "node-a") }()
-	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
-	h.tCtx.ExpectNoError(h.client.CoreV1().Pods(testNS).Delete(h.tCtx, pod.Name, metav1.DeleteOptions{}))
-
+// expectPreBindEnds waits for PreBind's status on done and wants an error
+// that contains want.
+func expectPreBindEnds(t *testing.T, done <-chan *fwk.Status, want string) {
+	t.Helper()
 	select {
 	case st := <-done:
-		if st.IsSuccess() || !strings.Contains(st.Message(), "was deleted while waiting for binding conditions") {
-			t.Errorf("PreBind: %v, want an error saying that the pod was deleted", st)
+		if st.IsSuccess() || !strings.Contains(st.Message(), want) {
+			t.Errorf("PreBind: %v, want an error containing %q", st, want)
 		}
 	case <-time.After(30 * time.Second):
-		t.Fatal("PreBind still waits for the binding conditions of a deleted pod")
+		t.Fatalf("PreBind still waits for binding conditions; want it to end with %q", want)
 	}
 }
 
