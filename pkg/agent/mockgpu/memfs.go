@@ -120,27 +120,22 @@ func (t FS) Open(name string) (fs.File, error) {
 }
 
 // Stat implements fs.StatFS.
-func (t FS) Stat(name string) (fs.FileInfo, error) {
-	p, err := t.resolve("stat", name, false)
-	if err != nil {
-		return nil, err
-	}
-	if fi := t.info(p); fi != nil {
-		return fi, nil
-	}
-	return nil, &fs.PathError{Op: "stat", Path: name, Err: fs.ErrNotExist}
-}
+func (t FS) Stat(name string) (fs.FileInfo, error) { return t.stat("stat", name, false) }
 
 // Lstat implements fs.ReadLinkFS.
-func (t FS) Lstat(name string) (fs.FileInfo, error) {
-	p, err := t.resolve("lstat", name, true)
+func (t FS) Lstat(name string) (fs.FileInfo, error) { return t.stat("lstat", name, true) }
+
+// stat is Stat, or Lstat where lstat: what name names, the last link
+// followed or not.
+func (t FS) stat(op, name string, lstat bool) (fs.FileInfo, error) {
+	p, err := t.resolve(op, name, lstat)
 	if err != nil {
 		return nil, err
 	}
 	if fi := t.info(p); fi != nil {
 		return fi, nil
 	}
-	return nil, &fs.PathError{Op: "lstat", Path: name, Err: fs.ErrNotExist}
+	return nil, &fs.PathError{Op: op, Path: name, Err: fs.ErrNotExist}
 }
 
 // ReadLink implements fs.ReadLinkFS.
