@@ -8,6 +8,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -130,10 +131,15 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 }
 
 // isSchedulableAfterNodeChange: a new node, or new labels or allocatable
-// resources, may make any pod schedulable. A changed cordon or taint only
-// changes which nodes keep a headroom for a pod (podMayUseNode): it
-// requeues only the pods the headroom held back, so that the many taint
-// changes of a large cluster do not renew every waiting pod's backoff.
+// resources, may make any pod schedulable. A cordon or taint lifted so
+// that the pod may now use the node (podMayUseNode) requeues it: devices
+// given back there while the node was out of its reach did not
+// (freedEnough), and the plugins that reject a pod for a cordon or taint
+// were not asked where the node was cordoned after the pod's latest
+// attempt. Any other cordon or taint change only changes which nodes keep
+// a headroom for a pod: it requeues only the pods the headroom held back,
+// so that the many taint changes of a large cluster do not renew every
+// waiting pod's backoff.
 func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	oldNode, _ := oldObj.(*v1.Node)
 	newNode, _ := newObj.(*v1.Node)
@@ -145,6 +151,11 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 		return fwk.Queue, nil
 	}
 	if pl.heldBack.held(pod.UID) {
+		return fwk.Queue, nil
+	}
+	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+	if !podMayUseNode(logger, pod, affinity, oldNode, pl.taintOps) && podMayUseNode(logger, pod, affinity, newNode, pl.taintOps) {
+		logger.V(5).Info("Node cordon or taint lifted for the pod", "pod", klog.KObj(pod), "node", klog.KObj(newNode))
 		return fwk.Queue, nil
 	}
 	logger.V(6).Info("Node taints or cordon changed; the pod was not held back by the headroom", "pod", klog.KObj(pod), "node", klog.KObj(newNode))

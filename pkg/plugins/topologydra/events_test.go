@@ -536,12 +536,18 @@ func TestFreedDevicesTakenAgainBySameClaim(t *testing.T) {
 }
 
 // TestNodeQueueingHint: new nodes, labels, allocatable and declared
-// features requeue any pod; a taint or cordon change, and a node or slice deleted, only a pod
-// the headroom held back.
+// features requeue any pod; a cordon or taint lifted so that the pod may
+// use the node requeues it (devices given back there meanwhile did not);
+// any other taint or cordon change, and a node or slice deleted, only a
+// pod the headroom held back.
 func TestNodeQueueingHint(t *testing.T) {
 	pl := &TopologyDRA{}
 	pod, held := testPod("p"), testPod("held")
 	pl.heldBack.hold(held)
+	tolerating := testPod("tolerating")
+	tolerating.Spec.Tolerations = []v1.Toleration{{Key: "k", Operator: v1.TolerationOpExists}}
+	elsewhere := testPod("elsewhere")
+	elsewhere.Spec.NodeSelector = map[string]string{"pool": "other"}
 	node := func(mutate func(*v1.Node)) *v1.Node {
 		n := testNode("n")
 		mutate(n)
@@ -557,7 +563,17 @@ func TestNodeQueueingHint(t *testing.T) {
 		{"node added", nil, plain, pod, fwk.Queue},
 		{"label added", plain, node(func(n *v1.Node) { n.Labels["gpu"] = "h100" }), pod, fwk.Queue},
 		{"cordoned", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), pod, fwk.QueueSkip},
-		{"taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}} }), plain, pod, fwk.QueueSkip},
+		{"taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}} }), plain, pod, fwk.Queue},
+		{"uncordoned", node(func(n *v1.Node) { n.Spec.Unschedulable = true }), plain, pod, fwk.Queue},
+		{"NoExecute taint removed", node(func(n *v1.Node) {
+			n.Spec.Taints = []v1.Taint{{Key: v1.TaintNodeUnreachable, Effect: v1.TaintEffectNoExecute}}
+		}), plain, pod, fwk.Queue},
+		{"one of two taints removed", node(func(n *v1.Node) {
+			n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}, {Key: "j", Effect: v1.TaintEffectNoSchedule}}
+		}), node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "j", Effect: v1.TaintEffectNoSchedule}} }), pod, fwk.QueueSkip},
+		{"tolerated taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectNoSchedule}} }), plain, tolerating, fwk.QueueSkip},
+		{"PreferNoSchedule taint removed", node(func(n *v1.Node) { n.Spec.Taints = []v1.Taint{{Key: "k", Effect: v1.TaintEffectPreferNoSchedule}} }), plain, pod, fwk.QueueSkip},
+		{"uncordoned, node outside the pod's selector", node(func(n *v1.Node) { n.Spec.Unschedulable = true }), plain, elsewhere, fwk.QueueSkip},
 		{"cordoned, pod held back by the headroom", plain, node(func(n *v1.Node) { n.Spec.Unschedulable = true }), held, fwk.Queue},
 		{"feature declared", plain, node(func(n *v1.Node) { n.Status.DeclaredFeatures = []string{"DRAOptionalNodeOperations"} }), pod, fwk.Queue},
 	} {
