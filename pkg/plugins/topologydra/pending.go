@@ -51,6 +51,13 @@ type pendingPod struct {
 	// run there however many devices are free. Nodes it did not look at
 	// (cordoned or tainted then) are judged when asked.
 	unfit sets.Set[string]
+	// invalid is set where the pod's latest attempt found one of its
+	// claims invalid (a missing device class, a selector that does not
+	// compile or fails at run time, a bad annotation, more devices than
+	// an allocation may hold): it cannot run anywhere until the claim or
+	// class is fixed, and no node drains for it. The next attempt that
+	// finds its claims valid clears it (setInvalid).
+	invalid bool
 }
 
 func newPendingIndex() *pendingIndex {
@@ -136,6 +143,16 @@ func (ix *pendingIndex) setUnfit(pod *v1.Pod, nodes sets.Set[string]) {
 	}
 }
 
+// setInvalid records whether the pod's latest attempt found one of its
+// claims invalid (pendingPod.invalid).
+func (ix *pendingIndex) setInvalid(pod *v1.Pod, invalid bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if e := ix.pods[pod.Spec.SchedulerName][pod.UID]; e != nil {
+		e.invalid = invalid
+	}
+}
+
 // unfitNodes names the nodes of examined on which no driver has need or
 // more devices that the pod's requests match (byNode, from
 // allocator.CountDevices over examined).
@@ -173,7 +190,9 @@ func (ix *pendingIndex) remove(pod *v1.Pod) {
 // least one of nodes (podMayUseNode) on which, where their latest
 // PreFilter found it out, their requests match as many devices as they
 // need (not pendingPod.unfit): a pod pinned elsewhere, or one that asks for
-// a GPU model these nodes do not have, waits for other nodes. admitted
+// a GPU model these nodes do not have, waits for other nodes. A pod whose
+// latest attempt found a claim invalid (pendingPod.invalid) waits for
+// nothing here. admitted
 // holds the names of the nodes of nodes that at least one of them may use. claims
 // looks claims up (the scheduler's claim cache); a claim it does not know
 // yet counts as nothing.
@@ -182,7 +201,7 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 	defer ix.mu.Unlock()
 	admitted = sets.New[string]()
 	for uid, e := range ix.pods[pod.Spec.SchedulerName] {
-		if uid == pod.UID {
+		if uid == pod.UID || e.invalid {
 			continue
 		}
 		if e.devices < 0 {

@@ -177,6 +177,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			// The in-memory claim's requests name the classes that the
 			// class resolver found; Filter reports what they match.
 			if st := pl.validateClaim(ctx, claim); st != nil {
+				pl.claimsInvalid(pod, true)
 				return nil, st
 			}
 		}
@@ -249,6 +250,10 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			unfit = unfitNodes(admit, devices, need)
 		}
 		pl.pending.setUnfit(pod, unfit)
+		// More devices than an allocation may hold, say: no node can
+		// take the pod until its claim changes.
+		var inputErr *allocator.InputError
+		pl.claimsInvalid(pod, errors.As(err, &inputErr))
 	}
 	if keepHeadroom && err == nil {
 		local := localPools(slices)
@@ -277,6 +282,15 @@ func matchesOn(counts map[string]allocator.DeviceCount) bool {
 		}
 	}
 	return false
+}
+
+// claimsInvalid records in the pending index, where the profile has one,
+// whether the pod's latest attempt found one of its claims invalid: the
+// drain rule leaves such a pod out (pendingPod.invalid).
+func (pl *TopologyDRA) claimsInvalid(pod *v1.Pod, invalid bool) {
+	if pl.pending != nil {
+		pl.pending.setInvalid(pod, invalid)
+	}
 }
 
 // validateClaim checks what no node can fix: request types, device classes

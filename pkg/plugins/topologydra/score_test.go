@@ -450,3 +450,64 @@ func TestPlacementEventFitsTheAPI(t *testing.T) {
 		t.Fatal("no event")
 	}
 }
+
+// TestInvalidWholeNodePodDrainsNothing: a waiting pod whose claims ask for
+// a whole node but cannot be allocated anywhere until they are fixed (a
+// device class that does not exist, more devices than an allocation may
+// hold, a selector that fails at run time) makes no node drain after its
+// attempt; the attempt after the fix counts it again.
+func TestInvalidWholeNodePodDrainsNothing(t *testing.T) {
+	missingClass := testClaim("missing-class", 8)
+	missingClass.Spec.Devices.Requests[0].Exactly.DeviceClassName = "later"
+	objs := []runtime.Object{testDeviceClass(), testClaim("one", 1),
+		missingClass, testClaim("forty", 40),
+		testClaim("fails-at-run-time", 8, `device.attributes["gpu.topodra.io"].noSuchAttribute == "x"`),
+		allocatedOn(testClaim("on-1", 2), "node-1", "gpu-0", "gpu-1"), allocatedOn(testClaim("on-2", 1), "node-2", "gpu-0")}
+	var nodes []*v1.Node
+	for _, n := range []string{"node-1", "node-2"} {
+		nodes = append(nodes, testNode(n))
+		objs = append(objs, testSlice(n, 8))
+	}
+	h := newHarness(t, nodes, objs...)
+	for _, c := range []string{"one", "missing-class", "forty", "fails-at-run-time", "on-1", "on-2"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	small := testPod("small", "one")
+	all := []fwk.NodeInfo{h.nodes["node-1"], h.nodes["node-2"]}
+	attempt := func(pod *v1.Pod) {
+		t.Helper()
+		cs := framework.NewCycleState()
+		if _, st := h.pl.PreFilter(h.tCtx, cs, pod, all); st.IsSuccess() {
+			for _, n := range all {
+				h.pl.Filter(h.tCtx, cs, pod, n)
+			}
+		}
+	}
+	for _, name := range []string{"missing-class", "forty", "fails-at-run-time"} {
+		pod := testPod("waits-"+name, name)
+		h.createPending(pod)
+		if got := h.draining(small, "node-1", "node-2"); !got.Equal(sets.New("node-2")) {
+			t.Errorf("%s: never tried: draining %v, want node-2 (one GPU in use, against two)", name, sets.List(got))
+		}
+		attempt(pod)
+		if got := h.draining(small, "node-1", "node-2"); got.Len() != 0 {
+			t.Errorf("%s: tried, its claim invalid: draining %v, want none", name, sets.List(got))
+		}
+		if name == "missing-class" {
+			class := testDeviceClass()
+			class.Name = "later"
+			h.create(class)
+			if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+				_, err := h.pl.draManager.DeviceClasses().Get("later")
+				return err == nil, nil
+			}); err != nil {
+				t.Fatalf("device class never seen: %v", err)
+			}
+			attempt(pod)
+			if got := h.draining(small, "node-1", "node-2"); !got.Equal(sets.New("node-2")) {
+				t.Errorf("%s: tried again once the class exists: draining %v, want node-2", name, sets.List(got))
+			}
+		}
+		h.pl.pending.remove(pod)
+	}
+}
