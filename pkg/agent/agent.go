@@ -190,7 +190,8 @@ type Options struct {
 	// fails on an unreadable checkpoint; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
 	// unwatched, a Normal one (ReasonHealthWatched) when a retry watches
-	// them all; see also CleanupStaleClaims.
+	// them all; a Warning (ReasonStateLocked) when New waits for another
+	// agent's lock on StateDir; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
 
@@ -327,6 +328,9 @@ type Agent struct {
 	// healthDown describe; healthRetry is a retry that has not said yet
 	// what it watches (see retryHealth). Either may be nil.
 	healthRun, healthRetry *healthRun
+	// stateLock is the open lock file (see LockFileName) while the agent
+	// holds the lock on StateDir, nil otherwise.
+	stateLock *os.File
 }
 
 var _ kubeletplugin.DRAPlugin = &Agent{}
@@ -351,8 +355,10 @@ var _ kubeletplugin.DRAPlugin = &Agent{}
 // can or discovery works. Prepare refuses claims it has not prepared
 // before, Unprepare works. NVMLUnusable says why.
 //
-// With a checkpoint, claims prepared during another boot are dropped
-// before anything else happens.
+// With a checkpoint (StateDir and CDIDir set), New first takes the lock
+// on StateDir (see LockFileName), waiting, before it does anything else,
+// while another agent holds it, until ctx ends; then claims prepared
+// during another boot are dropped.
 func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NodeName == "" {
 		return nil, errors.New("node name must be set")
@@ -444,6 +450,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		)
 		if err != nil {
 			a.cancel(err)
+			a.unlockState()
 			return nil, fmt.Errorf("start kubelet plugin: %w", err)
 		}
 		a.helper = helper
@@ -507,13 +514,23 @@ func (o *Options) setNames() {
 	}
 }
 
-// openState opens the checkpoint in StateDir and the CDI spec writer on
-// CDIDir (checking, unless PublishOnly, that specs can be written there:
+// openState takes the lock on StateDir (waiting while another agent holds
+// it, see LockFileName), opens the checkpoint there and the CDI spec
+// writer on CDIDir (checking, unless PublishOnly, that specs can be written there:
 // the kubelet's first Prepare must not be what finds out), drops claims prepared during another boot and takes over the GPU
 // faults recorded during this one. It fails on an
 // unreadable checkpoint at once rather than on the first Prepare: the
-// agent must not forget prepared devices.
-func (a *Agent) openState(ctx context.Context) error {
+// agent must not forget prepared devices. Where it fails it does not hold
+// the lock.
+func (a *Agent) openState(ctx context.Context) (err error) {
+	if err := a.lockState(ctx); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			a.unlockState()
+		}
+	}()
 	store, err := checkpoint.New(a.opts.StateDir)
 	if err != nil {
 		return err
@@ -595,9 +612,10 @@ func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
 }
 
 // Stop stops publishing, health watching and the kubelet plugin and waits
-// for background work to finish. Published slices stay in the API (a
-// restarted agent takes them over); they are garbage collected with the
-// Node. Stop may be called more than once.
+// for background work to finish, then releases the lock on StateDir.
+// Published slices stay in the API (a restarted agent takes them over);
+// they are garbage collected with the Node. Stop may be called more than
+// once.
 func (a *Agent) Stop() {
 	a.cancel(errors.New("agent stopped"))
 	a.helper.Stop()
@@ -605,6 +623,7 @@ func (a *Agent) Stop() {
 	a.publisher.Stop()
 	a.publishMutex.Unlock()
 	a.wg.Wait()
+	a.unlockState()
 }
 
 // Done is closed when the agent stops, because its context was canceled,

@@ -1,0 +1,107 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+)
+
+// LockFileName is the file in Options.StateDir on which a running agent
+// holds an exclusive flock(2), from before it reads the checkpoint and
+// starts its kubelet sockets until Stop (or its process ends: the kernel
+// releases the lock of a process that dies). Two agents on one node (a
+// force-deleted agent pod whose container still runs, a rolling update
+// with maxSurge) would otherwise overwrite each other's record of
+// prepared claims, and the one that stops first would remove the other's
+// kubelet sockets. The file holds the host name (in a pod: the pod name)
+// of the agent that holds the lock; its content is informational only.
+const LockFileName = "agent.lock"
+
+// ReasonStateLocked (Warning, at start, once): another agent holds the
+// lock on the state directory (see LockFileName); this one waits for it
+// before it does anything else.
+const ReasonStateLocked = "TopodraStateLocked"
+
+// stateLockRetry is how often a waiting agent tries to take the lock.
+const stateLockRetry = 500 * time.Millisecond
+
+// lockState takes the exclusive lock on LockFileName in StateDir, waiting
+// while another agent holds it, until ctx ends. The first time it has to
+// wait it says so in the log and as a ReasonStateLocked Warning on the
+// Node. The lock is held until unlockState.
+func (a *Agent) lockState(ctx context.Context) error {
+	dir := a.opts.StateDir
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return fmt.Errorf("create state directory %s: %w", dir, err)
+	}
+	path := filepath.Join(dir, LockFileName)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("open lock file %s: %w", path, err)
+	}
+	logger := klog.FromContext(ctx)
+	waited := false
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			_ = f.Close()
+			return fmt.Errorf("lock %s: %w", path, err)
+		}
+		if !waited {
+			waited = true
+			holder := "another agent"
+			if data, err := os.ReadFile(path); err == nil && len(strings.TrimSpace(string(data))) > 0 {
+				holder = fmt.Sprintf("another agent (%s)", strings.TrimSpace(string(data)))
+			}
+			logger.Info("Another node agent holds the state directory, waiting for it to exit", "lockFile", path, "holder", holder)
+			a.nodeEvent(v1.EventTypeWarning, ReasonStateLocked, "Start",
+				"%s waits to start: %s holds %s; two agents on one node would overwrite each other's prepared claims. If it does not exit, find the second agent pod or container on this node (a force-deleted pod, a DaemonSet update with maxSurge: use maxUnavailable) and stop it",
+				a.opts.DriverName, holder, path)
+		}
+		timer := time.NewTimer(stateLockRetry)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			_ = f.Close()
+			return fmt.Errorf("wait for the lock %s held by another agent: %w", path, context.Cause(ctx))
+		case <-timer.C:
+		}
+	}
+	if waited {
+		logger.Info("Took over the state directory", "lockFile", path)
+	}
+	if host, err := os.Hostname(); err == nil && f.Truncate(0) == nil {
+		_, _ = f.WriteAt([]byte(host+"\n"), 0)
+	}
+	a.mutex.Lock()
+	a.stateLock = f
+	a.mutex.Unlock()
+	return nil
+}
+
+// unlockState releases the lock that lockState took, if any. It may be
+// called more than once.
+func (a *Agent) unlockState() {
+	a.mutex.Lock()
+	f := a.stateLock
+	a.stateLock = nil
+	a.mutex.Unlock()
+	if f != nil {
+		// Closing the only descriptor of the open file releases the lock.
+		_ = f.Close()
+	}
+}
