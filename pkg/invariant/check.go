@@ -21,6 +21,12 @@ const (
 	DefaultInterval = time.Second
 	DefaultReads    = 3
 	DefaultPageSize = 500
+	// DefaultStaleAfter outlasts the resourceclaim controller's clean-up
+	// after a burst of finished pods: it writes each claim up to three
+	// times (status, finalizer, deletion of a generated claim) at
+	// kube-controller-manager's default 20 QPS, about 5 minutes for
+	// 2,000 claims.
+	DefaultStaleAfter = 10 * time.Minute
 )
 
 // CheckOptions tune [CheckWith]. The zero value asks for the defaults.
@@ -37,6 +43,16 @@ type CheckOptions struct {
 	// PageSize is the most objects one list request asks for. Zero:
 	// DefaultPageSize. Must not be negative.
 	PageSize int64
+	// StaleAfter is how long the pods of a StaleReservation must have
+	// been done before it is reported; until then it is pending. A pod
+	// that succeeded or failed is done since the time it records (see
+	// podDoneSince), a pod deleted before it was bound since its
+	// deletionTimestamp. A pod that is gone, or records no such time,
+	// is done since the first read that found the reservation: such a
+	// claim is reported only where the reads span StaleAfter. Zero:
+	// DefaultStaleAfter. Negative: none, a StaleReservation is reported
+	// once every read finds it.
+	StaleAfter time.Duration
 }
 
 func (o CheckOptions) withDefaults() (CheckOptions, error) {
@@ -57,6 +73,9 @@ func (o CheckOptions) withDefaults() (CheckOptions, error) {
 	if o.PageSize == 0 {
 		o.PageSize = DefaultPageSize
 	}
+	if o.StaleAfter == 0 {
+		o.StaleAfter = DefaultStaleAfter
+	}
 	return o, nil
 }
 
@@ -65,19 +84,27 @@ type Report struct {
 	// Violations are those that every read found, sorted as by [Find],
 	// each as the last read found it.
 	Violations []Violation
-	// Pending are violations that every read found but that may be an
-	// artefact of a pool its driver is republishing slice by slice: a
-	// VanishedDevice of a device that is DevicePending at the last read
-	// (see [Publication.Presence]), and a DoubleAllocation of such a
-	// device whose allocations all have a share ID. They are not in
+	// Pending are violations that every read found but that the cluster
+	// may yet resolve on its own, each with why: a VanishedDevice of a
+	// device that is DevicePending at the last read (see
+	// [Publication.Presence]: an artefact of a pool its driver is
+	// republishing slice by slice), and a StaleReservation whose pods
+	// have not been done for CheckOptions.StaleAfter. They are not in
 	// Violations; [Find], judging a cluster at rest, reports them.
-	Pending []Violation
+	Pending []PendingViolation
 	// Reads is how many times the cluster was read in full.
 	Reads int
 	// NotJudged says why a kind of violation was not looked for (at the
 	// last read): nodes that may not be listed leave PodClaimOnOtherNode
 	// unjudged.
 	NotJudged []string
+}
+
+// PendingViolation is a violation that [CheckWith] does not report (yet).
+type PendingViolation struct {
+	Violation
+	// Why says, in words, why it is not reported.
+	Why string
 }
 
 // IncompleteError is the error of [CheckWith] and [Check] when a re-read
@@ -113,9 +140,10 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 // (see [Report.Pending]) it reads again, up to opts.Reads times in all; a
 // violation still pending at the last read goes to Report.Pending. So
 // does it while a StaleReservation is found, which is reported only if
-// every one of the opts.Reads reads finds it: the resourceclaim
-// controller repairs it within moments when it runs. A first read without
-// violations is the answer, without a wait.
+// every one of the opts.Reads reads finds it and its pods have been done
+// for opts.StaleAfter at the last read (see [CheckOptions]): the
+// resourceclaim controller repairs it on its own when it runs. A first
+// read without violations is the answer, without a wait.
 //
 // An error of the first read, or of opts, comes with an empty Report. An
 // error of a re-read is an [*IncompleteError], and comes with the
@@ -133,6 +161,7 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 				return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
 			}
 		}
+		readAt := time.Now()
 		state, err := list(ctx, client, opts.PageSize)
 		if err != nil {
 			if read == 1 {
@@ -140,11 +169,16 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			}
 			return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
 		}
-		if read == 1 {
-			found = find(state)
-		} else {
-			found = again(found, find(state))
+		now := find(state)
+		for i := range now {
+			now[i].firstSeen = readAt
 		}
+		if read == 1 {
+			found = now
+		} else {
+			found = again(found, now)
+		}
+		settleStale(found, readAt, opts.StaleAfter)
 		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyUnsettled(found)) {
 			r := report(found, read)
 			if state.NodesUnread != nil {
@@ -155,19 +189,42 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 	}
 }
 
-// again returns those of now that before has too.
+// again returns those of now that before has too, each first seen when
+// before's was.
 func again(before, now []finding) []finding {
-	seen := make(map[string]bool, len(before))
+	seen := make(map[string]time.Time, len(before))
 	for _, f := range before {
-		seen[key(f)] = true
+		seen[key(f)] = f.firstSeen
 	}
 	var out []finding
 	for _, f := range now {
-		if seen[key(f)] {
+		if first, ok := seen[key(f)]; ok {
+			f.firstSeen = first
 			out = append(out, f)
 		}
 	}
 	return out
+}
+
+// settleStale marks pending each StaleReservation of found whose pods
+// have not been done for staleAfter at readAt (see
+// [CheckOptions.StaleAfter]); a negative staleAfter marks none.
+func settleStale(found []finding, readAt time.Time, staleAfter time.Duration) {
+	if staleAfter < 0 {
+		return
+	}
+	for i := range found {
+		f := &found[i]
+		if f.Kind != StaleReservation {
+			continue
+		}
+		switch {
+		case !f.doneSince.IsZero() && readAt.Sub(f.doneSince) < staleAfter:
+			f.pending = fmt.Sprintf("its pods stopped %s ago, less than the stale-after time %s: the resourceclaim controller may still be working through a backlog", readAt.Sub(f.doneSince).Truncate(time.Second), staleAfter)
+		case f.doneSince.IsZero() && readAt.Sub(f.firstSeen) < staleAfter:
+			f.pending = fmt.Sprintf("its pods are gone (or record no finish time) and the reads span %s, less than the stale-after time %s: the resourceclaim controller may still be working through a backlog (to judge it, read for longer: more reads or a longer interval)", readAt.Sub(f.firstSeen).Truncate(time.Millisecond), staleAfter)
+		}
+	}
 }
 
 // key identifies a violation across reads (see finding.identity).
@@ -183,7 +240,7 @@ func key(f finding) string {
 // republication, a repairable one may be repaired.
 func anyUnsettled(found []finding) bool {
 	for _, f := range found {
-		if f.pending || f.repairable {
+		if f.pending != "" || f.repairable {
 			return true
 		}
 	}
@@ -193,8 +250,8 @@ func anyUnsettled(found []finding) bool {
 func report(found []finding, reads int) Report {
 	r := Report{Reads: reads}
 	for _, f := range found {
-		if f.pending {
-			r.Pending = append(r.Pending, f.Violation)
+		if f.pending != "" {
+			r.Pending = append(r.Pending, PendingViolation{Violation: f.Violation, Why: f.pending})
 		} else {
 			r.Violations = append(r.Violations, f.Violation)
 		}

@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	clienttesting "k8s.io/client-go/testing"
 	"k8s.io/utils/ptr"
@@ -174,8 +175,15 @@ func TestCheckWith(t *testing.T) {
 	sharesOfLink := []*resourceapi.ResourceClaim{withShareID(claim("a", "node-a", "", "link")), withShareID(claim("b", "node-a", "", "link"))}
 	unreachable := apierrors.NewServiceUnavailable("etcd is down")
 	bound := pod("p", "p-uid", "node-a", "a")
+	// Reserved for a pod that succeeded at finished.
+	staleOfDone := func(finished time.Time) State {
+		p := finishedPod("done", "done-uid", "node-a", finished, "a")
+		return State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "done-uid", "gpu-2")}, Pods: []*v1.Pod{p}}
+	}
 	tests := map[string]struct {
-		reads       []fakeRead
+		reads []fakeRead
+		// staleAfter is CheckOptions.StaleAfter.
+		staleAfter  time.Duration
 		want        []Violation
 		wantPending []Violation
 		wantReads   int
@@ -247,10 +255,41 @@ func TestCheckWith(t *testing.T) {
 			want:      []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/c"}}},
 			wantReads: 2,
 		},
-		"stale reservation through every read is reported": {
-			reads:     []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
+		"stale reservation of a gone pod through every read is pending": {
+			// The reads span 2 ms, far less than the default StaleAfter:
+			// the pod may have gone just before the first.
+			reads:       []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
+			wantPending: []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads:   DefaultReads,
+		},
+		"stale reservation of a gone pod through reads spanning stale-after is reported": {
+			// Two waits of at least 1 ms each.
+			reads:      []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
+			staleAfter: 2 * time.Millisecond,
+			want:       []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads:  DefaultReads,
+		},
+		"stale reservation without a wait is reported": {
+			reads:      []fakeRead{{state: State{Slices: complete, Claims: staleOnGPU2}}},
+			staleAfter: -1,
+			want:       []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads:  DefaultReads,
+		},
+		"stale reservation of a pod that just succeeded is pending": {
+			reads:       []fakeRead{{state: staleOfDone(time.Now())}},
+			wantPending: []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads:   DefaultReads,
+		},
+		"stale reservation of a pod that succeeded long ago is reported": {
+			reads:     []fakeRead{{state: staleOfDone(time.Now().Add(-2 * DefaultStaleAfter))}},
 			want:      []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
 			wantReads: DefaultReads,
+		},
+		"stale reservation of a pod that succeeded 10 minutes ago, stale after 2 minutes": {
+			reads:      []fakeRead{{state: staleOfDone(time.Now().Add(-10 * time.Minute))}},
+			staleAfter: 2 * time.Minute,
+			want:       []Violation{{Kind: StaleReservation, Claims: []string{"ns/a"}}},
+			wantReads:  DefaultReads,
 		},
 		"device of a slice not yet republished is pending": {
 			reads:       []fakeRead{{state: State{Slices: midRepublish, Claims: onGPU2}}},
@@ -305,7 +344,7 @@ func TestCheckWith(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			client := newFakeCluster(tc.reads...)
-			report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond})
+			report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond, StaleAfter: tc.staleAfter})
 			var incomplete *IncompleteError
 			switch {
 			case tc.wantIncomplete:
@@ -324,8 +363,85 @@ func TestCheckWith(t *testing.T) {
 			}
 			expectViolations(t, report.Violations, tc.want)
 			t.Log("pending:")
-			expectViolations(t, report.Pending, tc.wantPending)
+			expectViolations(t, pendingViolations(t, report.Pending), tc.wantPending)
 			client.noGets(t)
+		})
+	}
+}
+
+// pendingViolations returns the violations of pending, and checks that
+// each says why it is pending.
+func pendingViolations(t *testing.T, pending []PendingViolation) []Violation {
+	t.Helper()
+	var out []Violation
+	for _, p := range pending {
+		t.Logf("pending because %s", p.Why)
+		if p.Why == "" {
+			t.Errorf("pending %s does not say why", p.Kind)
+		}
+		out = append(out, p.Violation)
+	}
+	return out
+}
+
+// finishedPod returns a pod bound to node that succeeded at finished, as
+// its container's state and its Ready condition record it.
+func finishedPod(name string, uid types.UID, node string, finished time.Time, claimNames ...string) *v1.Pod {
+	p := pod(name, uid, node, claimNames...)
+	p.Status.Phase = v1.PodSucceeded
+	p.Status.ContainerStatuses = []v1.ContainerStatus{{Name: "main", State: v1.ContainerState{Terminated: &v1.ContainerStateTerminated{FinishedAt: metav1.NewTime(finished)}}}}
+	p.Status.Conditions = []v1.PodCondition{{Type: v1.PodReady, Status: v1.ConditionFalse, LastTransitionTime: metav1.NewTime(finished)}}
+	return p
+}
+
+// TestPodDoneSince: a pod that succeeded or failed is done since the
+// latest time its containers and conditions record, a pod deleted before
+// it was bound since its deletionTimestamp, and a pod that records none
+// since an unknown time (zero).
+func TestPodDoneSince(t *testing.T) {
+	hourAgo := metav1.NewTime(time.Now().Add(-time.Hour).Truncate(time.Second))
+	minuteAgo := metav1.NewTime(time.Now().Add(-time.Minute).Truncate(time.Second))
+	terminated := func(at metav1.Time) v1.ContainerState {
+		return v1.ContainerState{Terminated: &v1.ContainerStateTerminated{FinishedAt: at}}
+	}
+	tests := map[string]struct {
+		status   v1.PodStatus
+		deletion *metav1.Time
+		want     time.Time
+	}{
+		"containers": {
+			status: v1.PodStatus{Phase: v1.PodSucceeded,
+				InitContainerStatuses: []v1.ContainerStatus{{State: terminated(hourAgo)}},
+				ContainerStatuses:     []v1.ContainerStatus{{State: terminated(minuteAgo)}, {State: terminated(hourAgo)}},
+			},
+			want: minuteAgo.Time,
+		},
+		"a condition changed after the containers": {
+			status: v1.PodStatus{Phase: v1.PodFailed,
+				ContainerStatuses: []v1.ContainerStatus{{State: terminated(hourAgo)}},
+				Conditions:        []v1.PodCondition{{Type: v1.DisruptionTarget, LastTransitionTime: minuteAgo}},
+			},
+			want: minuteAgo.Time,
+		},
+		"conditions only": {
+			status: v1.PodStatus{Phase: v1.PodFailed, Conditions: []v1.PodCondition{{Type: v1.PodReady, LastTransitionTime: hourAgo}}},
+			want:   hourAgo.Time,
+		},
+		"no time recorded": {
+			status: v1.PodStatus{Phase: v1.PodFailed},
+		},
+		"deleted before it was bound": {
+			deletion: &minuteAgo,
+			want:     minuteAgo.Time,
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			p := &v1.Pod{Status: tc.status}
+			p.DeletionTimestamp = tc.deletion
+			if got := podDoneSince(p); !got.Equal(tc.want) {
+				t.Errorf("done since %s, want %s", got, tc.want)
+			}
 		})
 	}
 }
@@ -459,6 +575,16 @@ func TestCommandCheck(t *testing.T) {
 			wantCode:   ExitError,
 			wantStdout: []string{`"kind": "DoubleAllocation"`, `"confirmed": false`},
 			wantStderr: []string{"incomplete", "not confirmed", "boom"},
+		},
+		"stale reservation of a pod that just succeeded": {
+			reads: []fakeRead{{state: State{
+				Slices: slices,
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "done-uid", "gpu-0")},
+				Pods:   []*v1.Pod{finishedPod("done", "done-uid", "node-a", time.Now(), "a")},
+			}}},
+			wantCode:   ExitClean,
+			wantStdout: []string{"no violations"},
+			wantStderr: []string{"not reported, its pods stopped", "less than the stale-after time 10m0s", "StaleReservation", "ns/a"},
 		},
 		"re-read fails with only a pending one": {
 			reads:      []fakeRead{{state: State{Slices: midRepublish, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}}}, {err: failed}},

@@ -40,6 +40,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	output := fs.StringP("output", "o", "text", "Output format: text or json.")
 	reads := fs.Int("reads", DefaultReads, "The most times the cluster is read: a violation must be found again by the second read, a StaleReservation by every read. At least 2.")
 	interval := fs.Duration("interval", DefaultInterval, "The wait before each read after the first. More than 0.")
+	staleAfter := fs.Duration("stale-after", DefaultStaleAfter, "How long the pods of a claim reserved only for pods that are done or gone must have been so before it is reported (StaleReservation); until then it is noted on stderr. A pod that succeeded or failed counts from its containers' latest finishedAt (or its conditions' latest change), a pod deleted before it was bound from its deletionTimestamp; a pod that is gone, or records no such time, from the first read, so such a claim is reported only if the reads span this time (e.g. --reads 7 --interval 2m for 10m). The resourceclaim controller clears reservations at kube-controller-manager's client rate (20 QPS by default), which takes minutes after thousands of pods finish. 0: report once every read finds it.")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
 
@@ -52,9 +53,10 @@ for its PodGroup, or allocated for another node, no claim allocated and
 reserved only for pods that are gone or done (its devices held for no one:
 the resourceclaim controller of kube-controller-manager is not cleaning
 up). A violation is reported only if a second read (--interval later)
-finds it again, and such a claim only if every read (--reads) does; an
-allocated device missing from a pool that its driver is still republishing
-is noted on stderr, not reported.
+finds it again, and such a claim only if every read (--reads) does and its
+pods have been done for --stale-after; an allocated device missing from a
+pool that its driver is still republishing, and such a claim whose pods
+stopped more recently, are noted on stderr, not reported.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
@@ -85,6 +87,10 @@ Flags:`)
 		fmt.Fprintf(stderr, "topodra-check: --interval must be more than 0, not %s\n", *interval)
 		return ExitError
 	}
+	if *staleAfter < 0 {
+		fmt.Fprintf(stderr, "topodra-check: --stale-after must not be negative, not %s\n", *staleAfter)
+		return ExitError
+	}
 	if *output != "text" && *output != "json" {
 		fmt.Fprintf(stderr, "topodra-check: --output must be text or json, not %q\n", *output)
 		return ExitError
@@ -101,7 +107,12 @@ Flags:`)
 		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
 		return ExitError
 	}
-	return check(ctx, client, CheckOptions{Reads: *reads, Interval: *interval}, *output, stdout, stderr)
+	opts := CheckOptions{Reads: *reads, Interval: *interval, StaleAfter: *staleAfter}
+	if *staleAfter == 0 {
+		// CheckOptions asks for no wait with a negative StaleAfter.
+		opts.StaleAfter = -1
+	}
+	return check(ctx, client, opts, *output, stdout, stderr)
 }
 
 // check is Run once the flags are read and the client is made.
@@ -112,8 +123,8 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 		fmt.Fprintf(stderr, "topodra-check: %v\n", err)
 		return ExitError
 	}
-	for _, v := range report.Pending {
-		fmt.Fprintf(stderr, "topodra-check: not reported, its pool is being republished: %s\n", v)
+	for _, p := range report.Pending {
+		fmt.Fprintf(stderr, "topodra-check: not reported, %s: %s\n", p.Why, p.Violation)
 	}
 	for _, why := range report.NotJudged {
 		fmt.Fprintf(stderr, "topodra-check: %s\n", why)

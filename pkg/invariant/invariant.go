@@ -19,10 +19,12 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
@@ -73,9 +75,12 @@ const (
 	// the reservation) or done (succeeded or failed, or deleted before
 	// it was bound), so its devices are held for no one. The
 	// resourceclaim controller of kube-controller-manager removes such
-	// reservations and, when none is left, deallocates the claim; the
-	// state lasts only while it is down or failing. A claim reserved for
-	// anything other than pods (a PodGroup) is not judged.
+	// reservations and, when none is left, deallocates the claim; it does
+	// so at a limited rate (its client's QPS), so after many pods finish
+	// together the state lasts minutes, and longer only while the
+	// controller is down or failing. [CheckWith] reports it only once the
+	// pods have been done for CheckOptions.StaleAfter. A claim reserved
+	// for anything other than pods (a PodGroup) is not judged.
 	StaleReservation Kind = "StaleReservation"
 )
 
@@ -135,12 +140,21 @@ func Find(s State) []Violation {
 // artefact of a pool that its driver is republishing.
 type finding struct {
 	Violation
-	// pending is set on a VanishedDevice of a device that is
-	// DevicePending.
-	pending bool
+	// pending, when set, says why it may yet resolve itself and is not
+	// reported by [CheckWith]: set on a VanishedDevice of a device that
+	// is DevicePending, and by CheckWith on a StaleReservation whose
+	// pods have not been done for CheckOptions.StaleAfter.
+	pending string
 	// repairable is set on a StaleReservation: the cluster's own
 	// controller undoes it, so it counts only if it outlasts every read.
 	repairable bool
+	// doneSince is set on a StaleReservation whose pods all record when
+	// they stopped (see podDoneSince): the latest of those times. Zero
+	// where a pod is gone or records no such time.
+	doneSince time.Time
+	// firstSeen is when the first read that found it began (set by
+	// [CheckWith]).
+	firstSeen time.Time
 	// identity is what makes it the same violation in another read,
 	// beside its kind: the device or counter for the device kinds (the
 	// claims involved may change from read to read while the device stays
@@ -324,7 +338,10 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		slices.Sort(claimNames)
 		distinct := slices.Compact(slices.Clone(claimNames))
 		spec, exists := published.devices[d]
-		pending := !exists && published.presence(d) == DevicePending
+		var pending string
+		if !exists && published.presence(d) == DevicePending {
+			pending = "its pool is being republished"
+		}
 		if !exists {
 			out = append(out, finding{pending: pending, identity: d.String(), Violation: Violation{
 				Kind: VanishedDevice, Device: &d, Claims: distinct,
@@ -472,19 +489,20 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []fi
 	}
 	// why says why reservation r of a claim in namespace no longer holds
 	// the claim's devices; "" where it still does, or is not a pod's.
-	why := func(namespace string, r resourceapi.ResourceClaimConsumerReference) string {
+	// The pod of the reservation, if it is not gone.
+	why := func(namespace string, r resourceapi.ResourceClaimConsumerReference) (string, *v1.Pod) {
 		if r.APIGroup != "" || r.Resource != "pods" {
-			return ""
+			return "", nil
 		}
 		switch p := byUID[key{namespace, r.UID}]; {
 		case p == nil:
-			return "gone"
+			return "gone", nil
 		case p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed:
-			return string(p.Status.Phase)
+			return string(p.Status.Phase), p
 		case p.DeletionTimestamp != nil && p.Spec.NodeName == "":
-			return "deleted before it was bound"
+			return "deleted before it was bound", p
 		}
-		return ""
+		return "", nil
 	}
 	var out []finding
 	for _, c := range claims {
@@ -492,26 +510,74 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []fi
 			continue
 		}
 		var stale, uids []string
+		var since time.Time
+		sinceKnown := true
 		for _, r := range c.Status.ReservedFor {
-			reason := why(c.Namespace, r)
+			reason, p := why(c.Namespace, r)
 			if reason == "" {
 				stale = nil
 				break
 			}
 			stale = append(stale, fmt.Sprintf("%s/%s (%s)", c.Namespace, r.Name, reason))
 			uids = append(uids, string(r.UID))
+			var t time.Time
+			if p != nil {
+				t = podDoneSince(p)
+			}
+			if t.IsZero() {
+				sinceKnown = false
+			} else if t.After(since) {
+				since = t
+			}
 		}
 		if stale == nil {
 			continue
 		}
+		if !sinceKnown {
+			since = time.Time{}
+		}
 		name := c.Namespace + "/" + c.Name
 		slices.Sort(uids)
-		out = append(out, finding{repairable: true, identity: name + "|" + strings.Join(uids, ","), Violation: Violation{
+		out = append(out, finding{repairable: true, doneSince: since, identity: name + "|" + strings.Join(uids, ","), Violation: Violation{
 			Kind: StaleReservation, Claims: []string{name},
 			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, allocatedDevices(c), strings.Join(stale, ", ")),
 		}})
 	}
 	return out
+}
+
+// podDoneSince is when pod p, done (succeeded or failed, or deleted
+// before it was bound), stopped: the latest of its containers' finishedAt
+// and of its conditions' lastTransitionTime for a pod that succeeded or
+// failed (the kubelet turns its Ready condition false as it finishes; a
+// condition that changed later only makes the time later, never
+// earlier), its deletionTimestamp for a pod deleted before it was bound
+// (the API server deletes an unbound pod without a grace period). Zero
+// where p records no such time.
+func podDoneSince(p *v1.Pod) time.Time {
+	if p.Status.Phase != v1.PodSucceeded && p.Status.Phase != v1.PodFailed {
+		if p.DeletionTimestamp != nil {
+			return p.DeletionTimestamp.Time
+		}
+		return time.Time{}
+	}
+	var latest time.Time
+	later := func(t metav1.Time) {
+		if t.After(latest) {
+			latest = t.Time
+		}
+	}
+	for _, statuses := range [][]v1.ContainerStatus{p.Status.InitContainerStatuses, p.Status.ContainerStatuses, p.Status.EphemeralContainerStatuses} {
+		for _, st := range statuses {
+			if st.State.Terminated != nil {
+				later(st.State.Terminated.FinishedAt)
+			}
+		}
+	}
+	for _, c := range p.Status.Conditions {
+		later(c.LastTransitionTime)
+	}
+	return latest
 }
 
 // allocatedDevices lists the devices of c's allocation, comma-separated.
