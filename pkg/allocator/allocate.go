@@ -3,6 +3,7 @@ package allocator
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 
 	v1 "k8s.io/api/core/v1"
@@ -10,6 +11,8 @@ import (
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // podNode is what Allocate learns about one pod on one node: the node's
@@ -144,6 +147,9 @@ func (a *Allocator) run(ctx context.Context, p *podNode, strategies []strategy) 
 		}
 		if res, err := s.allocate(ctx, p); res != nil || err != nil {
 			if res != nil && res.Allocations != nil && p.ns != nil {
+				if expl := a.requireBroken(p.ns, p.infos, res.Allocations); expl != nil {
+					return &Result{Explanation: expl, DevicesConsidered: res.DevicesConsidered}, nil
+				}
 				res.Quality.OtherDevices, res.Quality.OtherFree = a.otherDevices(p.ns, p.units)
 			}
 			return res, err
@@ -295,4 +301,56 @@ func samePerClaim(a, b []resourceapi.AllocationResult) bool {
 		}
 	}
 	return true
+}
+
+// requireBroken explains why results break a claim's alignment=require, or
+// returns nil where they do not: the devices of every claim that requires
+// alignment (with align-with=pod: of all the pod's claims that align with
+// each other, where one of them requires it), two or more, must share a
+// value of one of the policy's topology attributes. The strategies plan
+// for it where they plan a claim; this also holds the claims they leave
+// to upstream as they are (requests for all matching devices, inputs this
+// package does not interpret), whose node is rejected where upstream's
+// devices share no domain.
+func (a *Allocator) requireBroken(ns *nodeState, infos []*claimInfo, results []resourceapi.AllocationResult) *Explanation {
+	var groups [][]int
+	podGroup, podRequires := -1, false
+	for ci, info := range infos {
+		switch {
+		case info.alignPod:
+			if podGroup < 0 {
+				podGroup = len(groups)
+				groups = append(groups, nil)
+			}
+			groups[podGroup] = append(groups[podGroup], ci)
+			podRequires = podRequires || info.mode == AlignmentRequire
+		case info.mode == AlignmentRequire:
+			groups = append(groups, []int{ci})
+		}
+	}
+	for gi, claims := range groups {
+		if gi == podGroup && !podRequires {
+			continue
+		}
+		devs := ns.claimDevices(results, claims)
+		if len(devs) < 2 {
+			continue
+		}
+		if level, _ := a.sharedLevel(ns, devs); level < len(a.policy.Attributes) {
+			continue
+		}
+		names := make([]string, 0, len(a.policy.Attributes))
+		for _, attr := range a.policy.Attributes {
+			names = append(names, topology.ShortName(attr))
+		}
+		expl := &Explanation{}
+		for _, ci := range claims {
+			expl.Requests = append(expl.Requests, RequestExplanation{
+				Claim: infos[ci].claim.Name, Request: "*",
+				Reason: fmt.Sprintf("the devices it can get are not within one %s (alignment=require)", strings.Join(names, " or ")),
+			})
+		}
+		return expl
+	}
+	return nil
 }

@@ -232,6 +232,9 @@ func (p Policy) withDefaults() (Policy, error) {
 	if _, err := ParseAlignmentMode(string(p.Alignment)); err != nil {
 		return p, err
 	}
+	if p.Alignment == AlignmentRequire && len(p.Attributes) == 0 {
+		return p, fmt.Errorf("alignment %s needs topology attributes", AlignmentRequire)
+	}
 	if p.WholeNodeTrade < 0 || p.NICRootTrade < 0 || p.RoomWeight < 0 || p.PackingWeight < 0 || p.AgeWeight < 0 {
 		return p, fmt.Errorf("negative trade or weight (whole-node trade %v, NIC root trade %v, room %v, packing %v, age %v)", p.WholeNodeTrade, p.NICRootTrade, p.RoomWeight, p.PackingWeight, p.AgeWeight)
 	}

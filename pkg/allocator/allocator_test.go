@@ -1448,3 +1448,66 @@ func firstAvailableClaim(counts ...int64) *resourceapi.ResourceClaim {
 	c.Spec.Devices.Requests = []resourceapi.DeviceRequest{r}
 	return c
 }
+
+// TestRequireHoldsForClaimsLeftToUpstream: a claim with alignment=require
+// whose request takes all matching devices, which the planning leaves to
+// upstream as it is, gets a node only where those devices share a domain;
+// under a policy without topology attributes, require is an input error.
+func TestRequireHoldsForClaimsLeftToUpstream(t *testing.T) {
+	ctx := quietContext(t)
+	allOf := func(name string) *resourceapi.ResourceClaim {
+		c := claim(name).request("gpus", "gpu", 0).annotate(topology.AnnotationAlignment, "require").obj()
+		c.Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+		return c
+	}
+	for name, tc := range map[string]struct {
+		slices     []*resourceapi.ResourceSlice
+		claims     []*resourceapi.ResourceClaim
+		wantReject bool
+	}{
+		"all GPUs of a PCIe box share no domain":     {slices: pcieBox("n"), claims: []*resourceapi.ResourceClaim{allOf("c")}, wantReject: true},
+		"all GPUs of a DGX share its NVLink clique":  {slices: dgx("n"), claims: []*resourceapi.ResourceClaim{allOf("c")}},
+		"prefer takes all GPUs of a PCIe box anyway": {slices: pcieBox("n"), claims: []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 0).obj()}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, c := range tc.claims {
+				if r := c.Spec.Devices.Requests[0].Exactly; r.Count == 0 {
+					r.AllocationMode = resourceapi.DeviceAllocationModeAll
+				}
+			}
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"), ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), tc.claims)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.wantReject {
+				if res.Allocations != nil || res.Explanation == nil || !strings.Contains(res.Explanation.String(), "alignment=require") {
+					t.Errorf("got %v (%v), want the node rejected for alignment=require", deviceNames(res.Allocations), res.Explanation)
+				}
+				return
+			}
+			if res.Allocations == nil {
+				t.Fatalf("no allocation: %v", res.Explanation)
+			}
+			if got := len(res.Allocations[0].Devices.Results); got != 8 {
+				t.Errorf("%d devices allocated, want all 8", got)
+			}
+		})
+	}
+	t.Run("no topology attributes", func(t *testing.T) {
+		policy := DefaultPolicy()
+		policy.Attributes = []resourceapi.QualifiedName{}
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"), ClassLister: defaultClasses, Slices: dgx("n"), CELCache: newCELCache(), Policy: policy})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).annotate(topology.AnnotationAlignment, "require").obj()})
+		var inputErr *InputError
+		if !errors.As(err, &inputErr) || !strings.Contains(err.Error(), "topologyAttributes") {
+			t.Errorf("got %v, want an input error that names topologyAttributes", err)
+		}
+	})
+}

@@ -172,6 +172,10 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 	if mode != "" {
 		st.mode = mode
 	}
+	if mode == AlignmentRequire && len(a.policy.Attributes) == 0 {
+		st.err = &InputError{Claim: klog.KObj(claim).String(), Detail: fmt.Sprintf("annotation %s: %s needs topology attributes, and the scheduler profile's topologyAttributes are empty", topology.AnnotationAlignment, AlignmentRequire)}
+		return st
+	}
 	st.alignPod = alignPod
 	for _, c := range claim.Spec.Devices.Constraints {
 		if c.MatchAttribute == nil && c.DistinctAttribute == nil {

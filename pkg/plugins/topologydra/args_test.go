@@ -159,10 +159,13 @@ func TestValidateArgs(t *testing.T) {
 		"attr at the length limits": {mutate: func(a *config.TopologyDRAArgs) {
 			a.TopologyAttributes = []string{strings.Repeat("a", 63) + "/" + strings.Repeat("x", 32)}
 		}},
-		"attr with upper case":             {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"GPU.example.com/NVLink_Clique"} }},
-		"no attrs":                         {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{} }},
-		"bad strategy":                     {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
-		"bad alignment":                    {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"attr with upper case": {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{"GPU.example.com/NVLink_Clique"} }},
+		"no attrs":             {mutate: func(a *config.TopologyDRAArgs) { a.TopologyAttributes = []string{} }},
+		"bad strategy":         {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy = "Random" }, wantErr: "scoringStrategy"},
+		"bad alignment":        {mutate: func(a *config.TopologyDRAArgs) { a.Alignment = "always" }, wantErr: "alignment"},
+		"require without attributes": {mutate: func(a *config.TopologyDRAArgs) {
+			a.Alignment, a.TopologyAttributes = config.AlignmentRequire, []string{}
+		}, wantErr: "needs topologyAttributes"},
 		"zero weights":                     {mutate: func(a *config.TopologyDRAArgs) { a.RoomWeight, a.PackingWeight = 0, 0 }, wantErr: "both be zero"},
 		"spreading without packing weight": {mutate: func(a *config.TopologyDRAArgs) { a.ScoringStrategy, a.PackingWeight = config.LeastAllocated, 0 }},
 		"spreading with packing weight": {mutate: func(a *config.TopologyDRAArgs) {

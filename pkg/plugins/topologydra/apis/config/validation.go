@@ -33,7 +33,11 @@ func ValidateTopologyDRAArgs(path *field.Path, args *TopologyDRAArgs, fts featur
 		errs = append(errs, field.NotSupported(path.Child("scoringStrategy"), args.ScoringStrategy, []ScoringStrategy{MostAllocated, LeastAllocated}))
 	}
 	switch args.Alignment {
-	case AlignmentPrefer, AlignmentRequire, AlignmentNone:
+	case AlignmentRequire:
+		if len(args.TopologyAttributes) == 0 {
+			errs = append(errs, field.Invalid(path.Child("alignment"), args.Alignment, "needs topologyAttributes, which are empty"))
+		}
+	case AlignmentPrefer, AlignmentNone:
 	default:
 		errs = append(errs, field.NotSupported(path.Child("alignment"), args.Alignment, []AlignmentPolicy{AlignmentPrefer, AlignmentRequire, AlignmentNone}))
 	}
