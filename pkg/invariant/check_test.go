@@ -296,6 +296,23 @@ func TestCheckWith(t *testing.T) {
 			wantPending: []Violation{{Kind: VanishedDevice, Device: gpu2, Claims: []string{"ns/a"}}},
 			wantReads:   DefaultReads,
 		},
+		"devices of a pool without slices are pending": {
+			// The kubelet has removed the node's slices (it starts, or
+			// the driver unregistered) or the node was deleted.
+			reads: []fakeRead{{state: State{
+				Slices: []*resourceapi.ResourceSlice{slice("node-b", 1, devices("gpu-0")...)},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2", "gpu-3"), claim("b", "node-a", "", "gpu-0")},
+			}}},
+			wantPending: []Violation{{Kind: UnpublishedPool, Pool: driver + "/node-a", Claims: []string{"ns/a", "ns/b"}}},
+			wantReads:   DefaultReads,
+		},
+		"a pool without slices published again": {
+			reads: []fakeRead{
+				{state: State{Claims: onGPU2}},
+				{state: State{Slices: complete, Claims: onGPU2}},
+			},
+			wantReads: 2,
+		},
 		"republish completes between reads": {
 			reads: []fakeRead{
 				{state: State{Slices: midRepublish, Claims: onGPU2}},
@@ -575,6 +592,12 @@ func TestCommandCheck(t *testing.T) {
 			wantCode:   ExitError,
 			wantStdout: []string{`"kind": "DoubleAllocation"`, `"confirmed": false`},
 			wantStderr: []string{"incomplete", "not confirmed", "boom"},
+		},
+		"devices of a pool without slices": {
+			reads:      []fakeRead{{state: State{Claims: twice}}},
+			wantCode:   ExitViolations,
+			wantStdout: []string{"DoubleAllocation", "1 violation(s)\n"},
+			wantStderr: []string{"not reported, its pool may be published again", "kubelet removes a node's slices", "UnpublishedPool: pool gpu.example.com/node-a has no ResourceSlices, but its devices gpu-0 are allocated to ns/a, ns/b"},
 		},
 		"stale reservation of a pod that just succeeded": {
 			reads: []fakeRead{{state: State{

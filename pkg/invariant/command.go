@@ -54,9 +54,12 @@ reserved only for pods that are gone or done (its devices held for no one:
 the resourceclaim controller of kube-controller-manager is not cleaning
 up). A violation is reported only if a second read (--interval later)
 finds it again, and such a claim only if every read (--reads) does and its
-pods have been done for --stale-after; an allocated device missing from a
-pool that its driver is still republishing, and such a claim whose pods
-stopped more recently, are noted on stderr, not reported.
+pods have been done for --stale-after. Noted on stderr, not reported: an
+allocated device missing from a pool that its driver is still
+republishing, allocated devices of a pool without any ResourceSlice (the
+kubelet removes a node's slices when it starts and when a driver
+unregisters; a deleted Node takes its slices), and such a claim whose pods
+stopped more recently.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the

@@ -52,8 +52,17 @@ const (
 	// VanishedDevice: an allocation names a device that no ResourceSlice
 	// of the pool's current generation publishes, even while that
 	// generation is incomplete (the scheduler waits then; see
-	// [Publication.Presence]).
+	// [Publication.Presence]), in a pool that has slices.
 	VanishedDevice Kind = "VanishedDevice"
+	// UnpublishedPool: allocations name devices of a pool that no
+	// ResourceSlice publishes at all. The kubelet removes a node's slices
+	// when it starts and when a driver has been unregistered for 30 s (a
+	// driver restart or upgrade), and a deleted Node takes its slices
+	// with it: the driver publishes the pool again, or the pods on a
+	// deleted node are deleted and their claims deallocated. So
+	// [CheckWith] never reports it, it notes it as pending; [Find],
+	// judging a cluster at rest, reports it.
+	UnpublishedPool Kind = "UnpublishedPool"
 	// PodClaimUnallocated: a pod is bound to a node while one of its
 	// claims is missing or unallocated.
 	PodClaimUnallocated Kind = "PodClaimUnallocated"
@@ -100,6 +109,8 @@ type Violation struct {
 	// Counter is set for CounterExceeded, as
 	// driver/pool/counterSet/counter.
 	Counter string `json:"counter,omitempty"`
+	// Pool is set for UnpublishedPool, as driver/pool.
+	Pool string `json:"pool,omitempty"`
 	// Claims are the claims involved, as namespace/name, sorted.
 	Claims []string `json:"claims"`
 	// Pod is set for the pod kinds, as namespace/name.
@@ -122,8 +133,8 @@ type State struct {
 	NodesUnread error
 }
 
-// Find returns the violations in s, sorted by kind, then device or
-// counter, then pod. It reads s without modifying it.
+// Find returns the violations in s, sorted by kind, then device, counter
+// or pool, then pod. It reads s without modifying it.
 func Find(s State) []Violation {
 	found := find(s)
 	out := make([]Violation, 0, len(found))
@@ -175,7 +186,7 @@ func find(s State) []finding {
 	}
 	out = append(out, staleReservations(s.Pods, s.Claims)...)
 	slices.SortFunc(out, func(a, b finding) int {
-		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
+		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pool, b.Pool), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
 	return out
 }
@@ -222,8 +233,9 @@ func Publish(resourceSlices []*resourceapi.ResourceSlice) *Publication {
 
 // Presence tells whether d is published, may still be published by a slice
 // of an incomplete pool, or is gone. [Find] is stricter: it reports every
-// allocated device that is not DevicePublished as a VanishedDevice, since
-// it judges a cluster at rest.
+// allocated device that is not DevicePublished, as a VanishedDevice or,
+// where no slice publishes its pool, an UnpublishedPool, since it judges a
+// cluster at rest.
 func (p *Publication) Presence(d Device) Presence {
 	return p.pools.presence(d)
 }
@@ -334,18 +346,27 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 	var out []finding
 	counterUse := map[counterKey]resource.Quantity{}
 	counterClaims := map[counterKey][]string{}
+	// The allocated devices and their claims of each pool without slices.
+	unpublished := map[poolID][]Device{}
+	unpublishedClaims := map[poolID][]string{}
 	for d, claimNames := range holders {
 		slices.Sort(claimNames)
 		distinct := slices.Compact(slices.Clone(claimNames))
 		spec, exists := published.devices[d]
-		var pending string
-		if !exists && published.presence(d) == DevicePending {
-			pending = "its pool is being republished"
-		}
-		if !exists {
+		_, poolPublished := published.complete[poolID{d.Driver, d.Pool}]
+		switch {
+		case !exists && !poolPublished:
+			id := poolID{d.Driver, d.Pool}
+			unpublished[id] = append(unpublished[id], d)
+			unpublishedClaims[id] = append(unpublishedClaims[id], distinct...)
+		case !exists:
+			var pending string
+			if published.presence(d) == DevicePending {
+				pending = "its pool is being republished"
+			}
 			out = append(out, finding{pending: pending, identity: d.String(), Violation: Violation{
 				Kind: VanishedDevice, Device: &d, Claims: distinct,
-				Message: fmt.Sprintf("device %s is allocated to %s but no ResourceSlice publishes it", d, strings.Join(distinct, ", ")),
+				Message: fmt.Sprintf("device %s is allocated to %s but the newest generation of its pool's ResourceSlices does not publish it", d, strings.Join(distinct, ", ")),
 			}})
 		}
 		multiple := exists && allowsMultiple(spec)
@@ -391,6 +412,25 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 				counterClaims[k] = append(counterClaims[k], distinct...)
 			}
 		}
+	}
+	for id, devs := range unpublished {
+		slices.SortFunc(devs, func(a, b Device) int { return cmp.Compare(a.Name, b.Name) })
+		names := make([]string, len(devs))
+		for i, d := range devs {
+			names[i] = d.Name
+		}
+		claimNames := unpublishedClaims[id]
+		slices.Sort(claimNames)
+		claimNames = slices.Compact(claimNames)
+		pool := id.driver + "/" + id.pool
+		out = append(out, finding{
+			pending:  "its pool may be published again or its pods deleted: the kubelet removes a node's slices when it starts and 30 s after a driver unregisters (a driver restart or upgrade), and a deleted Node takes its slices with it",
+			identity: pool,
+			Violation: Violation{
+				Kind: UnpublishedPool, Pool: pool, Claims: claimNames,
+				Message: fmt.Sprintf("pool %s has no ResourceSlices, but its devices %s are allocated to %s", pool, strings.Join(names, ", "), strings.Join(claimNames, ", ")),
+			},
+		})
 	}
 	for k, used := range counterUse {
 		// A counter set that the pool does not publish leaves the pool

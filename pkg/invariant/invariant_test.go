@@ -144,8 +144,10 @@ func TestInvariantChecker(t *testing.T) {
 				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2"), claim("gone", "node-gone", "", "gpu-0")},
 			},
 			want: []Violation{
+				// Find reports a pool without slices too, under its own
+				// kind.
+				{Kind: UnpublishedPool, Pool: driver + "/node-gone", Claims: []string{"ns/gone"}},
 				{Kind: VanishedDevice, Device: &Device{driver, "node-a", "gpu-2"}, Claims: []string{"ns/a"}},
-				{Kind: VanishedDevice, Device: &Device{driver, "node-gone", "gpu-0"}, Claims: []string{"ns/gone"}},
 			},
 		},
 		"vanished device in an incomplete generation": {
@@ -520,8 +522,8 @@ func TestSharedResourcesChecker(t *testing.T) {
 	}
 }
 
-// expectViolations compares violations by kind, device, counter, pod and
-// claims, and checks that each has a message.
+// expectViolations compares violations by kind, device, counter, pool, pod
+// and claims, and checks that each has a message.
 func expectViolations(t *testing.T, got, want []Violation) {
 	t.Helper()
 	for _, v := range got {
@@ -535,9 +537,9 @@ func expectViolations(t *testing.T, got, want []Violation) {
 	}
 	for i, w := range want {
 		g := got[i]
-		if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Counter != w.Counter || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
-			t.Errorf("violation %d: got %s %s %s pod %q claims %v, want %s %s %s pod %q claims %v",
-				i, g.Kind, deviceKey(g.Device), g.Counter, g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Counter, w.Pod, w.Claims)
+		if g.Kind != w.Kind || deviceKey(g.Device) != deviceKey(w.Device) || g.Counter != w.Counter || g.Pool != w.Pool || g.Pod != w.Pod || !slices.Equal(g.Claims, w.Claims) {
+			t.Errorf("violation %d: got %s %s %s %s pod %q claims %v, want %s %s %s %s pod %q claims %v",
+				i, g.Kind, deviceKey(g.Device), g.Counter, g.Pool, g.Pod, g.Claims, w.Kind, deviceKey(w.Device), w.Counter, w.Pool, w.Pod, w.Claims)
 		}
 	}
 }
