@@ -3,6 +3,7 @@ package invariant
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"strconv"
 	"strings"
@@ -647,6 +648,30 @@ func TestCommandCheck(t *testing.T) {
 				t.Errorf("stderr %q, want nothing", stderr.String())
 			}
 		})
+	}
+}
+
+// TestCommandJSONClaimsArray: in -o json, "claims" is an array even for a
+// violation without a claim (a pod bound while its claim from a template
+// was never created), so that a consumer can iterate it.
+func TestCommandJSONClaimsArray(t *testing.T) {
+	p := pod("t", "uid-t", "node-a")
+	p.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To("tmpl")}}
+	var stdout, stderr bytes.Buffer
+	code := check(context.Background(), newFakeCluster(fakeRead{state: State{Pods: []*v1.Pod{p}}}), CheckOptions{Interval: time.Millisecond}, "json", &stdout, &stderr)
+	t.Logf("stdout:\n%sstderr:\n%s", stdout.String(), stderr.String())
+	if code != ExitViolations {
+		t.Errorf("exit code %d, want %d", code, ExitViolations)
+	}
+	var got []map[string]json.RawMessage
+	if err := json.Unmarshal(stdout.Bytes(), &got); err != nil {
+		t.Fatalf("stdout is not a JSON array of objects: %v", err)
+	}
+	if len(got) != 1 {
+		t.Fatalf("%d violations, want 1", len(got))
+	}
+	if claims := string(got[0]["claims"]); claims != "[]" {
+		t.Errorf(`"claims": %s, want []`, claims)
 	}
 }
 

@@ -111,7 +111,8 @@ type Violation struct {
 	Counter string `json:"counter,omitempty"`
 	// Pool is set for UnpublishedPool, as driver/pool.
 	Pool string `json:"pool,omitempty"`
-	// Claims are the claims involved, as namespace/name, sorted.
+	// Claims are the claims involved, as namespace/name, sorted; empty,
+	// never nil (a JSON array), where none exists.
 	Claims []string `json:"claims"`
 	// Pod is set for the pod kinds, as namespace/name.
 	Pod string `json:"pod,omitempty"`
@@ -185,6 +186,11 @@ func find(s State) []finding {
 		out = append(out, finding{Violation: v})
 	}
 	out = append(out, staleReservations(s.Pods, s.Claims)...)
+	for i := range out {
+		if out[i].Claims == nil {
+			out[i].Claims = []string{}
+		}
+	}
 	slices.SortFunc(out, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pool, b.Pool), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
