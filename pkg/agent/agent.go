@@ -222,6 +222,7 @@ const (
 	// every container of a GPU needs (cdi.ErrMissingDeviceNode:
 	// /dev/nvidiactl, the GPU's, those of nvidia-uvm) is missing on the
 	// node; Prepare fails until it is there, and the note says what to do.
+	// The claim is the event's related object.
 	ReasonDeviceNodeMissing = "TopodraDeviceNodeMissing"
 	// ReasonSliceFieldsDropped (Warning, once per distinct problem): the
 	// API server stored a published ResourceSlice without some of its
@@ -900,18 +901,58 @@ func (a *Agent) nodeRef() *v1.ObjectReference {
 
 // nodeEvent records an event on the Node (see event).
 func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
-	a.event(a.nodeRef(), eventtype, reason, action, note, args...)
+	a.event(a.nodeRef(), nil, eventtype, reason, action, note, args...)
 }
 
-// event records an event on obj if there is a recorder, its note cut to
-// eventnote.Limit: the API server refuses a longer one, and the event
-// would be lost (a claim's devices, listed twice, get there on a node
-// with a long name).
-func (a *Agent) event(obj runtime.Object, eventtype, reason, action, note string, args ...any) {
+// The event broadcaster (client-go tools/events) counts an event with the
+// same type, reason, action, regarding and related object as one that it
+// sent in the last minutes as a repetition of that one: the API server
+// gets a higher count and keeps the first event's note. Events about
+// different devices or claims therefore differ in one of these objects,
+// or the later ones would be lost.
+
+// devicesNodeEvent records an event on the Node about some of its devices:
+// the regarding reference's FieldPath names them ("devices{gpu-0,gpu-3}").
+// kubectl describe node finds events by the Node's kind, name and UID, so
+// it lists these too.
+func (a *Agent) devicesNodeEvent(devices []string, eventtype, reason, action, note string, args ...any) {
+	a.event(devicesRef(a.nodeRef(), devices), nil, eventtype, reason, action, note, args...)
+}
+
+// claimNodeEvent records an event on the Node about a claim: the claim is
+// the event's related object.
+func (a *Agent) claimNodeEvent(namespace, name string, uid types.UID, eventtype, reason, action, note string, args ...any) {
+	a.event(a.nodeRef(), claimRef(namespace, name, uid), eventtype, reason, action, note, args...)
+}
+
+// devicesRef returns ref with a FieldPath that names devices.
+func devicesRef(ref *v1.ObjectReference, devices []string) *v1.ObjectReference {
+	if len(devices) > 0 {
+		ref.FieldPath = "devices{" + strings.Join(devices, ",") + "}"
+	}
+	return ref
+}
+
+// claimRef refers to a ResourceClaim.
+func claimRef(namespace, name string, uid types.UID) *v1.ObjectReference {
+	return &v1.ObjectReference{
+		APIVersion: resourceapi.SchemeGroupVersion.String(),
+		Kind:       "ResourceClaim",
+		Namespace:  namespace,
+		Name:       name,
+		UID:        uid,
+	}
+}
+
+// event records an event on regarding (and related, which may be nil) if
+// there is a recorder, its note cut to eventnote.Limit: the API server
+// refuses a longer one, and the event would be lost (a claim's devices,
+// listed twice, get there on a node with a long name).
+func (a *Agent) event(regarding, related runtime.Object, eventtype, reason, action, note string, args ...any) {
 	if a.opts.Recorder == nil {
 		return
 	}
-	a.opts.Recorder.Eventf(obj, nil, eventtype, reason, action, "%s", eventnote.Format(note, args...))
+	a.opts.Recorder.Eventf(regarding, related, eventtype, reason, action, "%s", eventnote.Format(note, args...))
 }
 
 // checkCDIHook reports at start, in the log and as a Warning event on the

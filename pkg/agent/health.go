@@ -10,8 +10,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	resourceapi "k8s.io/api/resource/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -322,7 +320,9 @@ func (a *Agent) loadFaults() error {
 }
 
 // ReasonDeviceUnhealthy is the reason of the warning events on the node and
-// on the prepared claims whose device became unhealthy.
+// on the prepared claims whose device became unhealthy. The FieldPath of
+// their regarding reference names the devices ("devices{gpu-3}"), so that
+// faults of different GPUs are separate events.
 const ReasonDeviceUnhealthy = "DeviceUnhealthy"
 
 // reportUnhealthy tells the users of the devices: a warning event on every
@@ -354,8 +354,8 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 					if !slices.Contains(uuids, d.UUID) {
 						continue
 					}
-					ref := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: claim.Namespace, Name: claim.Name, UID: uid}}
-					a.event(ref, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+					ref := devicesRef(claimRef(claim.Namespace, claim.Name, uid), []string{d.Device})
+					a.event(ref, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
 						"device %s on node %s is unhealthy (%s); pods using this claim may fail", d.Device, a.opts.NodeName, what)
 					users = append(users, claim.Namespace+"/"+claim.Name)
 					break
@@ -370,7 +370,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 	case len(users) > 0:
 		inUse = "used by claims " + strings.Join(users, ", ")
 	}
-	a.nodeEvent(v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
+	a.devicesNodeEvent(devices, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
 		"devices %s are unhealthy (%s), tainted %s; %s", strings.Join(devices, ", "), what, HealthTaintKey, inUse)
 }
 

@@ -194,15 +194,15 @@ func (a *Agent) prepareFailed(ctx context.Context, claim *resourceapi.ResourceCl
 	klog.FromContext(ctx).Error(err, "Cannot prepare claim", "claim", klog.KObj(claim))
 	switch {
 	case errors.Is(err, ErrGPUMoved):
-		a.event(claim, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
+		a.event(claim, nil, v1.EventTypeWarning, ReasonGPUMoved, "Prepare", "%v", err)
 	case errors.Is(err, ErrReallocated):
-		a.event(claim, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
+		a.event(claim, nil, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
 	case errors.Is(err, ErrDeviceUnhealthy):
-		a.event(claim, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
+		a.event(claim, nil, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
 	case errors.Is(err, cdi.ErrMissingDeviceNode):
 		// The node's set-up, not the claim's: the admin looks at the
 		// Node; the pod's events carry the error too.
-		a.nodeEvent(v1.EventTypeWarning, ReasonDeviceNodeMissing, "Prepare", "%v", err)
+		a.claimNodeEvent(claim.Namespace, claim.Name, claim.UID, v1.EventTypeWarning, ReasonDeviceNodeMissing, "Prepare", "claim %s/%s: %v", claim.Namespace, claim.Name, err)
 	}
 }
 

@@ -78,7 +78,7 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 const DefaultStaleClaimGrace = time.Hour
 
 // Event reasons on the Node about prepared claims that the API server no
-// longer has.
+// longer has; the claim is each event's related object.
 const (
 	// ReasonPreparedClaimGone (Warning, once per claim and agent
 	// process): a prepared claim is gone from the API server, or no
@@ -224,7 +224,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		c := dropped[uid]
 		delete(a.gone, uid)
 		logger.Info("Dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
-		a.nodeEvent(v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
+		a.claimNodeEvent(c.Namespace, c.Name, uid, v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
 			"dropped claim %s/%s (%s), which the API server no longer has and no pod on this node references, after %v (--stale-claim-grace): %s can be prepared for other claims",
 			c.Namespace, c.Name, uid, grace, claimDevices(c))
 	}
@@ -240,7 +240,7 @@ func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.Prepa
 	if a.opts.StaleClaimGrace < 0 {
 		after = "the agent never drops it (--stale-claim-grace is negative)"
 	}
-	a.nodeEvent(v1.EventTypeWarning, ReasonPreparedClaimGone, "Unprepare",
+	a.claimNodeEvent(c.Namespace, c.Name, uid, v1.EventTypeWarning, ReasonPreparedClaimGone, "Unprepare",
 		"claim %s/%s (%s) is prepared with %s but %s: these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
 		c.Namespace, c.Name, uid, devices, why, after)
 }
