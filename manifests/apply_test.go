@@ -231,7 +231,7 @@ func TestSchedulerRBAC(t *testing.T) {
 	cp, data := startInstalled(t, ctx)
 	var schedulerConfig string
 	for _, obj := range decodeAllObjects(t, data) {
-		if cm, ok := obj.(*v1.ConfigMap); ok && cm.Name == "topodra-scheduler-config" {
+		if cm, ok := obj.(*v1.ConfigMap); ok && strings.HasPrefix(cm.Name, "topodra-scheduler-config-") {
 			schedulerConfig = cm.Data["scheduler-config.yaml"]
 		}
 	}

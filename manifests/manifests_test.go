@@ -315,3 +315,46 @@ func TestDeviceClassSelectorsNeverFail(t *testing.T) {
 		t.Fatal("no DeviceClass in the base manifests")
 	}
 }
+
+// TestSchedulerConfigRollsOut checks that every install variant mounts the
+// scheduler's configuration from a ConfigMap whose name kustomize derives
+// from its content: a changed configuration then changes the Deployment's
+// pod template, and `kubectl apply -k` rolls the scheduler out.
+func TestSchedulerConfigRollsOut(t *testing.T) {
+	for _, dir := range append([]string{"base"}, overlayDirs()...) {
+		data, err := Render(dir)
+		if err != nil {
+			t.Fatalf("render %s: %v", dir, err)
+		}
+		var configMaps []string
+		var mounted string
+		for _, obj := range decodeAll(t, dir, data) {
+			switch o := obj.(type) {
+			case *v1.ConfigMap:
+				if _, ok := o.Data["scheduler-config.yaml"]; ok {
+					configMaps = append(configMaps, o.Name)
+				}
+			case *appsv1.Deployment:
+				if o.Name != "topodra-scheduler" {
+					continue
+				}
+				for _, vol := range o.Spec.Template.Spec.Volumes {
+					if vol.ConfigMap != nil {
+						mounted = vol.ConfigMap.Name
+					}
+				}
+			}
+		}
+		if len(configMaps) != 1 {
+			t.Errorf("%s: ConfigMaps with a scheduler configuration %v, want one", dir, configMaps)
+			continue
+		}
+		name := configMaps[0]
+		if suffix, ok := strings.CutPrefix(name, "topodra-scheduler-config-"); !ok || suffix == "" {
+			t.Errorf("%s: scheduler configuration in ConfigMap %q, want a name generated from its content (topodra-scheduler-config-<hash>)", dir, name)
+		}
+		if mounted != name {
+			t.Errorf("%s: the scheduler mounts ConfigMap %q, want %q", dir, mounted, name)
+		}
+	}
+}
