@@ -190,7 +190,9 @@ type Options struct {
 	// fails on an unreadable checkpoint; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
 	// unwatched, a Normal one (ReasonHealthWatched) when a retry watches
-	// them all; a Warning (ReasonStateLocked) when New waits for another
+	// them all; a Warning (ReasonGPUNotPublished) when discovery finds
+	// GPUs that it does not publish, a Normal one (ReasonAllGPUsPublished)
+	// when it publishes them all after that; a Warning (ReasonStateLocked) when New waits for another
 	// agent's lock on StateDir; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
@@ -239,6 +241,14 @@ const (
 	// ReasonHealthWatched (Normal): a retry of health watching watches
 	// every GPU, after the health of some or all was not watched.
 	ReasonHealthWatched = "TopodraHealthWatched"
+	// ReasonGPUNotPublished (Warning, once per distinct set): discovery
+	// found GPUs that it does not publish (discovery.Skipped: NVML cannot
+	// read them, or MIG is enabled); the note names each one's NVML
+	// index, PCI bus id and reason.
+	ReasonGPUNotPublished = "TopodraGPUNotPublished"
+	// ReasonAllGPUsPublished (Normal): discovery publishes every GPU it
+	// finds, after a ReasonGPUNotPublished.
+	ReasonAllGPUsPublished = "TopodraAllGPUsPublished"
 )
 
 // Agent is a running node agent. It implements kubeletplugin.DRAPlugin.
@@ -317,6 +327,9 @@ type Agent struct {
 	// unhealthy or healthActive changes: it wakes up the kubelet's health
 	// streams.
 	healthChanged chan struct{}
+	// skipped identifies the GPUs that the last successful discovery
+	// found and does not publish (see skippedKey), "" for none.
+	skipped string
 	// healthActive says whether the health source is watching now.
 	healthActive bool
 	// unwatched are the GPUs that the health source does not watch while
@@ -1053,6 +1066,60 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 		logger.Info("GPUs found", "devices", len(inv.GPUs))
 		a.nodeEvent(v1.EventTypeNormal, ReasonGPUsFound, "Discover", "%s found %d GPUs", a.opts.DriverName, len(inv.GPUs))
 	}
+	if err == nil && inv != nil {
+		a.recordSkipped(ctx, inv)
+	}
+}
+
+// recordSkipped reports the GPUs that a successful discovery found and
+// does not publish, when they differ from those of the discovery before:
+// a ReasonGPUNotPublished Warning on the Node naming them, or a
+// ReasonAllGPUsPublished Normal event once there are none. The log names
+// them at every discovery (logDiscovery).
+func (a *Agent) recordSkipped(ctx context.Context, inv *discovery.Inventory) {
+	key := skippedKey(inv.Skipped)
+	a.mutex.Lock()
+	prev := a.skipped
+	a.skipped = key
+	a.mutex.Unlock()
+	if key == prev {
+		return
+	}
+	if len(inv.Skipped) == 0 {
+		klog.FromContext(ctx).Info("Every GPU that NVML finds is published", "devices", len(inv.GPUs))
+		a.nodeEvent(v1.EventTypeNormal, ReasonAllGPUsPublished, "Discover", "%s publishes every GPU that NVML finds (%d)", a.opts.DriverName, len(inv.GPUs))
+		return
+	}
+	ids := make([]string, 0, len(inv.Skipped))
+	descs := make([]string, 0, len(inv.Skipped))
+	for _, s := range inv.Skipped {
+		id := s.PCIBusID
+		if id == "" {
+			id = fmt.Sprintf("index-%d", s.Index)
+		}
+		ids = append(ids, id)
+		descs = append(descs, fmt.Sprintf("NVML index %d (PCI bus id %s, UUID %s): %s", s.Index, orUnknown(s.PCIBusID), orUnknown(s.UUID), s.Reason))
+	}
+	a.devicesNodeEvent(ids, v1.EventTypeWarning, ReasonGPUNotPublished, "Discover",
+		"%s does not publish %d of the GPUs that NVML finds, no pod can get them: %s; check them with nvidia-smi -q -i <index> (a GPU that fell off the bus needs a reset or a reboot); a GPU that NVML can read again is published at the next rescan",
+		a.opts.DriverName, len(inv.Skipped), strings.Join(descs, "; "))
+}
+
+// skippedKey identifies a set of skipped GPUs, with their reasons.
+func skippedKey(skipped []discovery.Skipped) string {
+	keys := make([]string, 0, len(skipped))
+	for _, s := range skipped {
+		keys = append(keys, fmt.Sprintf("%d/%s/%s/%s", s.Index, s.PCIBusID, s.UUID, s.Reason))
+	}
+	slices.Sort(keys)
+	return strings.Join(keys, "\n")
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "unknown"
+	}
+	return s
 }
 
 // NVMLUnusable returns why the agent cannot discover its devices (an error

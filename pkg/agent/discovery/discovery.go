@@ -138,10 +138,11 @@ type GPU struct {
 	Device resourceapi.Device
 }
 
-// Skipped is a GPU that discovery found but deliberately does not publish
-// as a whole GPU, with the reason. MIG-enabled GPUs end up here: handing one
-// out as a whole GPU would give a pod a device whose memory and SMs belong to
-// MIG instances.
+// Skipped is a GPU that discovery found but does not publish as a whole
+// GPU, with the reason: MIG-enabled GPUs (handing one out as a whole GPU
+// would give a pod a device whose memory and SMs belong to MIG instances)
+// and GPUs that NVML cannot read. UUID and PCIBusID are empty where NVML
+// cannot read them.
 type Skipped struct {
 	UUID     string
 	Index    int

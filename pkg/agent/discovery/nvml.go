@@ -172,8 +172,8 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
 		if err != nil {
-			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: err.Error()})
-			logger.Info("skipping GPU", "index", i, "reason", err.Error())
+			inv.Skipped = append(inv.Skipped, Skipped{Index: i, PCIBusID: pciBusID(dev), Reason: err.Error()})
+			logger.Info("skipping GPU", "index", i, "pciBusID", inv.Skipped[len(inv.Skipped)-1].PCIBusID, "reason", err.Error())
 			continue
 		}
 		if skipped != nil {
@@ -218,6 +218,16 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 	return inv, nil
 }
 
+// pciBusID returns a GPU's canonical PCI bus id, "" where NVML cannot
+// read it.
+func pciBusID(dev nvml.Device) string {
+	pci, ret := dev.GetPciInfo()
+	if ret != nvml.SUCCESS {
+		return ""
+	}
+	return CanonicalPCIBusID(cString(pci.BusId[:]))
+}
+
 // describe reads one GPU. It returns exactly one of info, skipped or err.
 func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string) (*gpuInfo, *Skipped, error) {
 	logger := klog.FromContext(ctx)
@@ -234,11 +244,9 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 	if ret != nvml.SUCCESS {
 		return nil, nil, fmt.Errorf("get minor number: %w", ret)
 	}
-	var busID string
-	if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
-		busID = CanonicalPCIBusID(cString(pci.BusId[:]))
-	} else {
-		logger.V(2).Info("PCI info unavailable", "index", index, "err", ret)
+	busID := pciBusID(dev)
+	if busID == "" {
+		logger.V(2).Info("PCI info unavailable", "index", index)
 	}
 
 	// A GPU in MIG mode is partitioned; publishing it whole would hand out
