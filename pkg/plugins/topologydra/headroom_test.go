@@ -17,6 +17,7 @@ import (
 	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
@@ -589,9 +590,18 @@ func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
 	if got := freeingHint(t, h, other, "held-node-4"); got != fwk.QueueSkip {
 		t.Errorf("h100 pod not held back, an a100 node given back: hint %v, want %v", got, fwk.QueueSkip)
 	}
-	h.pl.heldBack.forget(pod.UID)
+	// Its next attempt ends before the headroom is counted (its claim is
+	// gone from the cache): the headroom holds it back no longer.
+	gone := pod.DeepCopy()
+	gone.Spec.ResourceClaims[0].ResourceClaimName = ptr.To("deleted")
+	if _, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), gone, nil); st.IsSuccess() {
+		t.Fatalf("PreFilter of a pod whose claim is gone: %v, want it unschedulable", st)
+	}
+	if h.pl.heldBack.held(pod.UID) {
+		t.Error("the pod is still held back after an attempt that ended before the headroom")
+	}
 	if got := heldPods(); got != before {
-		t.Errorf("topodra_headroom_held_pods is %v once the pod is forgotten, want %v", got, before)
+		t.Errorf("topodra_headroom_held_pods is %v after that attempt, want %v", got, before)
 	}
 }
 

@@ -95,6 +95,11 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if pl.skipResizeDeferred && resourcehelper.IsPodResizeDeferred(pod) {
 		return nil, fwk.NewStatus(fwk.Skip)
 	}
+	if pl.headroomPercent > 0 {
+		// Held back is what the pod's latest attempt found; this one may
+		// end before it gets to the headroom.
+		pl.heldBack.forget(pod.UID)
+	}
 	logger := klog.FromContext(ctx)
 	extended, err := pl.draExtendedResources(pod)
 	if err != nil {
@@ -212,9 +217,6 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 	need := mostOfOneClass(counts)
 	keepHeadroom := pl.headroomPercent > 0 && need >= pl.halfNode()
-	if pl.headroomPercent > 0 {
-		pl.heldBack.forget(pod.UID)
-	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,
 		AllocatedState: allocatedState,
