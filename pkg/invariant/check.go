@@ -94,9 +94,12 @@ type Report struct {
 	Pending []PendingViolation
 	// Reads is how many times the cluster was read in full.
 	Reads int
-	// NotJudged says why a kind of violation was not looked for (at the
-	// last read): nodes that may not be listed leave PodClaimOnOtherNode
-	// unjudged.
+	// NotJudged says why a kind of violation, or part of one, was not
+	// looked for (at the last read): nodes that may not be listed leave
+	// PodClaimOnOtherNode unjudged, DeviceClasses that may not be listed
+	// the class selectors of AllocationMismatch; a selector that does
+	// not compile or evaluate, and the other parts that
+	// AllocationMismatch leaves unjudged, are named with their claims.
 	NotJudged []string
 }
 
@@ -130,7 +133,7 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 	return report.Violations, err
 }
 
-// CheckWith lists slices, nodes, and the claims and pods of all namespaces
+// CheckWith lists slices, device classes, nodes, and the claims and pods of all namespaces
 // and returns the violations among them. The lists are not one snapshot, and a
 // cluster changes while it is read: a pod may be bound or deleted between
 // two lists, a claim deallocated, a pool republished. So when the first
@@ -154,6 +157,7 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 	if err != nil {
 		return Report{}, fmt.Errorf("check options: %w", err)
 	}
+	j := newJudge(ctx)
 	var found []finding
 	for read := 1; ; read++ {
 		if read > 1 {
@@ -169,7 +173,7 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			}
 			return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
 		}
-		now := find(state)
+		now, notes := find(j, state)
 		for i := range now {
 			now[i].firstSeen = readAt
 		}
@@ -184,6 +188,10 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			if state.NodesUnread != nil {
 				r.NotJudged = append(r.NotJudged, fmt.Sprintf("%s not looked for: %v", PodClaimOnOtherNode, state.NodesUnread))
 			}
+			if state.DeviceClassesUnread != nil {
+				r.NotJudged = append(r.NotJudged, fmt.Sprintf("%s: the selectors of DeviceClasses not checked: %v", AllocationMismatch, state.DeviceClassesUnread))
+			}
+			r.NotJudged = append(r.NotJudged, notes...)
 			return r, nil
 		}
 	}
@@ -307,6 +315,17 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 	})
 	if err != nil {
 		return State{}, fmt.Errorf("list resource slices: %w", err)
+	}
+	s.DeviceClasses, err = listAll[resourceapi.DeviceClass](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.ResourceV1().DeviceClasses().List(ctx, opts)
+	})
+	switch {
+	case apierrors.IsForbidden(err):
+		// Classes serve the class selectors of AllocationMismatch only;
+		// without them those are not judged, and the report says so.
+		s.DeviceClasses, s.DeviceClassesUnread = nil, fmt.Errorf("list device classes: %w", err)
+	case err != nil:
+		return State{}, fmt.Errorf("list device classes: %w", err)
 	}
 	return s, nil
 }

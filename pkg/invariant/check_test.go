@@ -28,11 +28,15 @@ type fakeRead struct {
 	err error
 	// nodesErr, if set, is the error of the read's node list.
 	nodesErr error
+	// classesErr, if set, is the error of the read's device class list.
+	classesErr error
 }
 
 // fakeCluster is a client whose n-th read (pods, claims and slices listed
 // in this order) sees reads[n-1], and every later read the last of
-// reads. A list with a limit is served in pages of that size.
+// reads; a read whose state has no DeviceClasses sees gpuClass, the class
+// of the claims of claim(). A list with a limit is served in pages of
+// that size.
 type fakeCluster struct {
 	*fake.Clientset
 	reads []fakeRead
@@ -77,6 +81,17 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			for _, n := range read.state.Nodes {
 				items = append(items, n)
 			}
+		case "deviceclasses":
+			if read.classesErr != nil {
+				return true, nil, read.classesErr
+			}
+			classes := read.state.DeviceClasses
+			if classes == nil {
+				classes = []*resourceapi.DeviceClass{gpuClass()}
+			}
+			for _, c := range classes {
+				items = append(items, c)
+			}
 		}
 		end := len(items)
 		var next string
@@ -109,6 +124,12 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			l := &v1.NodeList{ListMeta: meta}
 			for _, o := range page {
 				l.Items = append(l.Items, *o.(*v1.Node))
+			}
+			return true, l, nil
+		case "deviceclasses":
+			l := &resourceapi.DeviceClassList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*resourceapi.DeviceClass))
 			}
 			return true, l, nil
 		}
@@ -181,6 +202,13 @@ func TestCheckWith(t *testing.T) {
 		p := finishedPod("done", "done-uid", "node-a", finished, "a")
 		return State{Slices: complete, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "done-uid", "gpu-2")}, Pods: []*v1.Pod{p}}
 	}
+	// Pool node-a with gpu-2 and gpu-3 in the cliques named, and a claim
+	// of both under a matchAttribute constraint on the clique.
+	cliques := func(gpu2, gpu3 string) []*resourceapi.ResourceSlice {
+		return []*resourceapi.ResourceSlice{slice("node-a", 1, gpu("gpu-2", "gpu", gpu2), gpu("gpu-3", "gpu", gpu3))}
+	}
+	oneClique := claim("a", "node-a", "", "gpu-2", "gpu-3")
+	oneClique.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{sameClique()}
 	tests := map[string]struct {
 		reads []fakeRead
 		// staleAfter is CheckOptions.StaleAfter.
@@ -344,6 +372,19 @@ func TestCheckWith(t *testing.T) {
 			want:        []Violation{{Kind: DoubleAllocation, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
 			wantPending: []Violation{{Kind: VanishedDevice, Device: gpu2, Claims: []string{"ns/a", "ns/b"}}},
 			wantReads:   DefaultReads,
+		},
+		"allocation mismatch found again is reported": {
+			reads:     []fakeRead{{state: State{Slices: cliques("a", "b"), Claims: []*resourceapi.ResourceClaim{oneClique}}}},
+			want:      []Violation{{Kind: AllocationMismatch, Claims: []string{"ns/a"}}},
+			wantReads: 2,
+		},
+		"allocation mismatch gone at the re-read": {
+			// The driver republished the attribute.
+			reads: []fakeRead{
+				{state: State{Slices: cliques("a", "b"), Claims: []*resourceapi.ResourceClaim{oneClique}}},
+				{state: State{Slices: cliques("a", "a"), Claims: []*resourceapi.ResourceClaim{oneClique}}},
+			},
+			wantReads: 2,
 		},
 		"re-read fails": {
 			reads: []fakeRead{
@@ -600,6 +641,16 @@ func TestCommandCheck(t *testing.T) {
 			wantStdout: []string{"DoubleAllocation", "1 violation(s)\n"},
 			wantStderr: []string{"not reported, its pool may be published again", "kubelet removes a node's slices", "UnpublishedPool: pool gpu.example.com/node-a has no ResourceSlices, but its devices gpu-0 are allocated to ns/a, ns/b"},
 		},
+		"a selector that fails to evaluate": {
+			reads: []fakeRead{{state: State{Slices: slices, Claims: []*resourceapi.ResourceClaim{func() *resourceapi.ResourceClaim {
+				c := claim("a", "node-a", "", "gpu-0")
+				c.Spec.Devices.Requests[0].Exactly.Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: `device.attributes["` + driver + `"].model == "x"`}}}
+				return c
+			}()}}}},
+			wantCode:   ExitClean,
+			wantStdout: []string{"no violations"},
+			wantStderr: []string{`AllocationMismatch not judged in part for ns/a: selector #0 of request "req" fails on device gpu.example.com/node-a/gpu-0: no such key: model`},
+		},
 		"stale reservation of a pod that just succeeded": {
 			reads: []fakeRead{{state: State{
 				Slices: slices,
@@ -672,6 +723,49 @@ func TestCommandJSONClaimsArray(t *testing.T) {
 	}
 	if claims := string(got[0]["claims"]); claims != "[]" {
 		t.Errorf(`"claims": %s, want []`, claims)
+	}
+}
+
+// TestCheckWithoutClassList: where device classes may not be listed, the
+// selectors of classes are not judged and the report, and topodra-check
+// on stderr, say so; the rest of an allocation is still judged. Any other
+// error of the class list fails the read.
+func TestCheckWithoutClassList(t *testing.T) {
+	slices := []*resourceapi.ResourceSlice{slice("node-a", 1, gpu("gpu-0", "gpu", "a"), gpu("cpu-0", "cpu", "a"))}
+	// cpu-0 is not of the class; claim b has one device too many.
+	notOfClass := claim("a", "node-a", "", "cpu-0")
+	notOfClass.Spec.Devices.Requests[0].Exactly.DeviceClassName = "typed"
+	overCount := claim("b", "node-a", "", "gpu-0", "gpu-0")
+	overCount.Spec.Devices.Requests[0].Exactly.Count = 1
+	overCount.Status.Allocation.Devices.Results[1].AdminAccess = ptr.To(true)
+	classes := []*resourceapi.DeviceClass{deviceClass("typed", `device.attributes["`+driver+`"].type == "gpu"`)}
+	state := State{Slices: slices, Claims: []*resourceapi.ResourceClaim{notOfClass, overCount}, DeviceClasses: classes}
+
+	report, err := CheckWith(context.Background(), newFakeCluster(fakeRead{state: state}), CheckOptions{Interval: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectViolations(t, report.Violations, []Violation{{Kind: AllocationMismatch, Claims: []string{"ns/a"}}, {Kind: AllocationMismatch, Claims: []string{"ns/b"}}})
+
+	forbidden := apierrors.NewForbidden(resourceapi.Resource("deviceclasses"), "", errors.New("no list on deviceclasses"))
+	report, err = CheckWith(context.Background(), newFakeCluster(fakeRead{state: state, classesErr: forbidden}), CheckOptions{Interval: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectViolations(t, report.Violations, []Violation{{Kind: AllocationMismatch, Claims: []string{"ns/b"}}})
+	if len(report.NotJudged) != 1 || !strings.Contains(report.NotJudged[0], "AllocationMismatch: the selectors of DeviceClasses not checked") {
+		t.Errorf("not judged: %q, want one line on the selectors of DeviceClasses", report.NotJudged)
+	}
+
+	var stdout, stderr bytes.Buffer
+	if code := check(context.Background(), newFakeCluster(fakeRead{state: State{Slices: slices}, classesErr: forbidden}), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr); code != ExitClean ||
+		!strings.Contains(stderr.String(), "the selectors of DeviceClasses not checked") || !strings.Contains(stderr.String(), "no list on deviceclasses") {
+		t.Errorf("topodra-check: exit %d, stderr %q; want %d and a note that class selectors were not checked", code, stderr.String(), ExitClean)
+	}
+
+	unavailable := apierrors.NewServiceUnavailable("etcd is down")
+	if _, err := CheckWith(context.Background(), newFakeCluster(fakeRead{state: state, classesErr: unavailable}), CheckOptions{Interval: time.Millisecond}); !apierrors.IsServiceUnavailable(err) {
+		t.Errorf("error %v, want the class list's", err)
 	}
 }
 

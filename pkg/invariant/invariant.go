@@ -5,9 +5,12 @@
 // from a pool consume no more of its shared counters than there are
 // (partitionable devices), the shares of a device that allows multiple
 // allocations consume no more of its capacity than it has, no allocation
-// names a device that no longer exists, and no pod is bound while a claim
-// it uses is unallocated or reserved neither for it nor for its PodGroup. Allocations with admin
-// access count for none of these, as for the upstream allocator.
+// names a device that no longer exists, no pod is bound while a claim
+// it uses is unallocated or reserved neither for it nor for its PodGroup,
+// no claim stays reserved only for pods that will not run, and no claim is
+// allocated devices that its spec does not allow. Allocations with admin
+// access count for none of the device kinds, as for the upstream
+// allocator; they are judged against their claim's spec like any other.
 //
 // [Find] judges a set of objects; [Check] lists them from a cluster. Both
 // are safe for concurrent use.
@@ -15,6 +18,7 @@ package invariant
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"maps"
 	"slices"
@@ -91,6 +95,18 @@ const (
 	// pods have been done for CheckOptions.StaleAfter. A claim reserved
 	// for anything other than pods (a PodGroup) is not judged.
 	StaleReservation Kind = "StaleReservation"
+	// AllocationMismatch: a claim is allocated devices that its spec does
+	// not allow: a result for a request the spec does not have, more or
+	// fewer devices than a request's exact count (or than the count of
+	// the one subrequest of a firstAvailable request that was chosen, or
+	// devices of two of its subrequests), a device that does not match a
+	// selector of its request or of the request's DeviceClass, or
+	// devices of a matchAttribute constraint that lack the attribute or
+	// differ in its type or value. Judged on the devices as the newest
+	// generations of their pools publish them, for claims whose devices
+	// are all published; see allocationMismatches for what is not
+	// judged.
+	AllocationMismatch Kind = "AllocationMismatch"
 )
 
 // Device identifies a device the way an allocation result does.
@@ -132,12 +148,18 @@ type State struct {
 	Nodes []*v1.Node
 	// NodesUnread, when set, is why Nodes could not be read.
 	NodesUnread error
+	// DeviceClasses are needed for AllocationMismatch only, for the
+	// selectors of the classes.
+	DeviceClasses []*resourceapi.DeviceClass
+	// DeviceClassesUnread, when set, is why DeviceClasses could not be
+	// read: the selectors of classes are not judged then.
+	DeviceClassesUnread error
 }
 
 // Find returns the violations in s, sorted by kind, then device, counter
 // or pool, then pod. It reads s without modifying it.
 func Find(s State) []Violation {
-	found := find(s)
+	found, _ := find(newJudge(context.Background()), s)
 	out := make([]Violation, 0, len(found))
 	for _, f := range found {
 		out = append(out, f.Violation)
@@ -177,11 +199,21 @@ type finding struct {
 	identity string
 }
 
-// find returns the violations in s, sorted as by [Find].
-func find(s State) []finding {
+// find returns the violations in s, sorted as by [Find], and what it did
+// not judge beside the kinds that s lacks the objects for (in words).
+func find(j judge, s State) ([]finding, []string) {
 	pools := publishedPools(s.Slices)
 	var out []finding
 	out = append(out, deviceViolations(s.Claims, pools)...)
+	var classes map[string]*resourceapi.DeviceClass
+	if s.DeviceClassesUnread == nil {
+		classes = make(map[string]*resourceapi.DeviceClass, len(s.DeviceClasses))
+		for _, c := range s.DeviceClasses {
+			classes[c.Name] = c
+		}
+	}
+	mismatches, notes := allocationMismatches(j, s.Claims, classes, pools)
+	out = append(out, mismatches...)
 	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes) {
 		out = append(out, finding{Violation: v})
 	}
@@ -194,7 +226,7 @@ func find(s State) []finding {
 	slices.SortFunc(out, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pool, b.Pool), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
-	return out
+	return out, notes
 }
 
 func deviceKey(d *Device) string {

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -41,9 +42,13 @@ func devices(names ...string) []resourceapi.Device {
 }
 
 // claim returns an allocated claim with the devices of pool, reserved for
-// the pod with UID podUID (none if empty).
+// the pod with UID podUID (none if empty). Its spec has one request "req"
+// of class "gpu" for as many devices.
 func claim(name, pool string, podUID types.UID, deviceNames ...string) *resourceapi.ResourceClaim {
-	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name}}
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, CreationTimestamp: claimCreated}}
+	c.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "req", Exactly: &resourceapi.ExactDeviceRequest{
+		DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: int64(max(len(deviceNames), 1)),
+	}}}
 	if len(deviceNames) == 0 {
 		return c
 	}
@@ -608,5 +613,221 @@ func TestWriteJSON(t *testing.T) {
 	var got []Violation
 	if err := json.Unmarshal(out.Bytes(), &got); err != nil || got == nil || len(got) != 0 {
 		t.Errorf("no violations as JSON: %q (%v), want []", out.String(), err)
+	}
+}
+
+// Creation times of gpuClass and of the claims of claim(): the class
+// predates the claims, so its selectors are judged.
+var (
+	classCreated = metav1.NewTime(time.Date(2020, 1, 1, 0, 0, 0, 0, time.UTC))
+	claimCreated = metav1.NewTime(time.Date(2021, 1, 1, 0, 0, 0, 0, time.UTC))
+)
+
+// deviceClass returns a class created at classCreated with the selectors.
+func deviceClass(name string, selectors ...string) *resourceapi.DeviceClass {
+	c := &resourceapi.DeviceClass{ObjectMeta: metav1.ObjectMeta{Name: name, CreationTimestamp: classCreated}}
+	for _, s := range selectors {
+		c.Spec.Selectors = append(c.Spec.Selectors, resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: s}})
+	}
+	return c
+}
+
+// gpuClass is the class "gpu" of the claims of claim(), which every
+// device of driver matches.
+func gpuClass() *resourceapi.DeviceClass {
+	return deviceClass("gpu", `device.driver == "`+driver+`"`)
+}
+
+// gpu returns a device with a type and a clique attribute; a clique that
+// is not a string is published as an int.
+func gpu(name, typ string, clique any) resourceapi.Device {
+	d := resourceapi.Device{Name: name, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+		"type": {StringValue: ptr.To(typ)},
+	}}
+	switch c := clique.(type) {
+	case string:
+		d.Attributes[driver+"/clique"] = resourceapi.DeviceAttribute{StringValue: ptr.To(c)}
+	case int:
+		d.Attributes["clique"] = resourceapi.DeviceAttribute{IntValue: ptr.To(int64(c))}
+	}
+	return d
+}
+
+// exactly is a request of class for count devices, with the selectors.
+func exactly(name, class string, count int64, selectors ...string) resourceapi.DeviceRequest {
+	r := resourceapi.DeviceRequest{Name: name, Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count}}
+	for _, s := range selectors {
+		r.Exactly.Selectors = append(r.Exactly.Selectors, resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: s}})
+	}
+	return r
+}
+
+// sameClique is a matchAttribute constraint on the clique attribute over
+// the requests (all if none).
+func sameClique(requests ...string) resourceapi.DeviceConstraint {
+	return resourceapi.DeviceConstraint{Requests: requests, MatchAttribute: ptr.To(resourceapi.FullyQualifiedName(driver + "/clique"))}
+}
+
+// specClaim returns claim name with the requests and constraints,
+// allocated the devices of pool "node-c" as "request=device" pairs.
+func specClaim(name string, requests []resourceapi.DeviceRequest, constraints []resourceapi.DeviceConstraint, results ...string) *resourceapi.ResourceClaim {
+	c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID(name + "-uid"), CreationTimestamp: claimCreated}}
+	c.Spec.Devices.Requests = requests
+	c.Spec.Devices.Constraints = constraints
+	c.Status.Allocation = &resourceapi.AllocationResult{}
+	for _, r := range results {
+		request, device, _ := strings.Cut(r, "=")
+		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results, resourceapi.DeviceRequestAllocationResult{Request: request, Driver: driver, Pool: "node-c", Device: device})
+	}
+	return c
+}
+
+// TestAllocationMismatch: an allocation is judged against its claim's
+// spec (requests, counts, class and request selectors, matchAttribute
+// constraints) as the upstream allocator allocates; what cannot be judged
+// is no violation.
+func TestAllocationMismatch(t *testing.T) {
+	nodeC := slice("node-c", 1,
+		gpu("gpu-0", "gpu", "a"), gpu("gpu-1", "gpu", "a"), gpu("gpu-2", "gpu", "b"),
+		gpu("gpu-3", "gpu", 1), gpu("gpu-4", "gpu", 1), gpu("gpu-5", "gpu", "1"),
+		gpu("cpu-0", "cpu", "a"), gpu("gpu-6", "gpu", nil))
+	typed := deviceClass("typed", `device.attributes["`+driver+`"].type == "gpu"`)
+	classes := []*resourceapi.DeviceClass{gpuClass(), typed}
+	two := []resourceapi.DeviceRequest{exactly("gpus", "gpu", 2)}
+	cliques := []resourceapi.DeviceConstraint{sameClique()}
+	firstAvailable := []resourceapi.DeviceRequest{{Name: "r", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "big", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2},
+		{Name: "small", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+	}}}
+	mismatch := func(claim string) Violation {
+		return Violation{Kind: AllocationMismatch, Claims: []string{"ns/" + claim}}
+	}
+	tests := map[string]struct {
+		claims  []*resourceapi.ResourceClaim
+		classes []*resourceapi.DeviceClass
+		want    []Violation
+		// wantIn are words the message of the only violation has.
+		wantIn []string
+		// wantNote are words of the only note of what was not judged.
+		wantNote string
+	}{
+		"same clique": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1")},
+		},
+		"two cliques under matchAttribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"constraint #0 matchAttribute " + driver + "/clique", `has string "a"`, `has string "b"`},
+		},
+		"same clique, published without the domain": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, cliques, "gpus=gpu-3", "gpus=gpu-4")},
+		},
+		"same value, another type": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, cliques, "gpus=gpu-3", "gpus=gpu-5")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"has int 1", `has string "1"`},
+		},
+		"a device without the attribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-6")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"gpu-6 does not have the attribute"},
+		},
+		"a constraint on other requests": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", append(slices.Clone(two), exactly("other", "gpu", 1)), []resourceapi.DeviceConstraint{sameClique("other")}, "gpus=gpu-0", "gpus=gpu-2", "other=gpu-1")},
+		},
+		"three devices for a count of two": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, nil, "gpus=gpu-0", "gpus=gpu-1", "gpus=gpu-2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{`request "gpus" has 3 devices, want its count 2`},
+		},
+		"a device for a request the spec does not have": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, nil, "gpus=gpu-0", "gpus=gpu-1", "extra=gpu-2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{`request "extra", which the spec does not have`},
+		},
+		"a device the class does not select": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "typed", 2)}, nil, "gpus=gpu-0", "gpus=cpu-0")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"cpu-0 does not match selector #0 of DeviceClass typed"},
+		},
+		"a device the class does not select, with admin access": {
+			claims: []*resourceapi.ResourceClaim{adminAccess(specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "typed", 1)}, nil, "gpus=cpu-0"))},
+			want:   []Violation{mismatch("c")},
+		},
+		"a device the request does not select": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "gpu", 1, `device.attributes["`+driver+`"].clique == "b"`)}, nil, "gpus=gpu-0")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{`does not match selector #0 of request "gpus"`},
+		},
+		"a class changed since the claim was created": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "typed", 1)}, nil, "gpus=cpu-0")},
+			classes: []*resourceapi.DeviceClass{gpuClass(), func() *resourceapi.DeviceClass {
+				c := typed.DeepCopy()
+				c.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "kubectl", Time: ptr.To(metav1.NewTime(claimCreated.Add(time.Hour)))}}
+				return c
+			}()},
+			wantNote: "for ns/c: DeviceClass typed was changed after the claim was created",
+		},
+		"a missing class": {
+			claims:   []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "deleted", 1)}, nil, "gpus=cpu-0")},
+			wantNote: "DeviceClass deleted does not exist",
+		},
+		"a selector that fails to evaluate": {
+			claims:   []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "gpu", 1, `device.attributes["`+driver+`"].missing == "x"`)}, nil, "gpus=gpu-0")},
+			wantNote: `selector #0 of request "gpus" fails on device ` + driver + "/node-c/gpu-0",
+		},
+		"a selector that does not compile": {
+			claims:   []*resourceapi.ResourceClaim{specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "gpu", 1, `device.nosuchfield`)}, nil, "gpus=gpu-0")},
+			wantNote: `selector #0 of request "gpus" does not compile here`,
+		},
+		"a device of a pool without slices": {
+			claims: []*resourceapi.ResourceClaim{func() *resourceapi.ResourceClaim {
+				c := specClaim("c", two, nil, "gpus=gpu-0")
+				c.Status.Allocation.Devices.Results[0].Pool = "node-gone"
+				return c
+			}()},
+			want: []Violation{{Kind: UnpublishedPool, Pool: driver + "/node-gone", Claims: []string{"ns/c"}}},
+		},
+		"first available, one subrequest": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, nil, "r/small=gpu-0")},
+		},
+		"first available, a subrequest short of its count": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, nil, "r/big=gpu-0")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{`request "r/big" has 1 devices, want its count 2`},
+		},
+		"first available, two subrequests": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, nil, "r/big=gpu-0", "r/big=gpu-1", "r/small=gpu-2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{`request "r" has devices of 2 of its subrequests`},
+		},
+		"first available under a constraint on the parent": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, []resourceapi.DeviceConstraint{sameClique("r")}, "r/big=gpu-0", "r/big=gpu-2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"matchAttribute"},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			state := State{Slices: []*resourceapi.ResourceSlice{nodeC}, Claims: tc.claims, DeviceClasses: classes}
+			if tc.classes != nil {
+				state.DeviceClasses = tc.classes
+			}
+			got := Find(state)
+			expectViolations(t, got, tc.want)
+			_, notes := find(newJudge(context.Background()), state)
+			t.Logf("not judged: %q", notes)
+			switch {
+			case tc.wantNote == "" && len(notes) > 0:
+				t.Errorf("not judged: %q, want all judged", notes)
+			case tc.wantNote != "" && (len(notes) != 1 || !strings.Contains(notes[0], tc.wantNote)):
+				t.Errorf("not judged: %q, want one note with %q", notes, tc.wantNote)
+			}
+			for _, w := range tc.wantIn {
+				if len(got) != 1 || !strings.Contains(got[0].Message, w) {
+					t.Errorf("message does not contain %q", w)
+				}
+			}
+		})
 	}
 }

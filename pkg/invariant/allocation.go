@@ -1,0 +1,313 @@
+package invariant
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/cel"
+)
+
+// celCacheSize is how many compiled selectors a [judge] keeps.
+const celCacheSize = 1000
+
+// judge is what one [Find] or [CheckWith] needs beside the objects: the
+// context of CEL evaluations and the compiled selectors, kept for all
+// its reads.
+type judge struct {
+	ctx context.Context
+	cel *cel.Cache
+}
+
+func newJudge(ctx context.Context) judge {
+	// The features that widen what the API server may have stored:
+	// selectors are compiled as stored expressions, which the API server
+	// has validated already.
+	return judge{ctx: ctx, cel: cel.NewCache(celCacheSize, cel.Features{EnableConsumableCapacity: true, EnableListTypeAttributes: true})}
+}
+
+// requestSpec is a request of a claim's spec, or a subrequest of one of
+// its firstAvailable requests, as its results name it: "req" or
+// "req/sub".
+type requestSpec struct {
+	class     string
+	selectors []resourceapi.DeviceSelector
+	mode      resourceapi.DeviceAllocationMode
+	count     int64
+}
+
+// unjudged gathers why parts of claims were not judged for
+// AllocationMismatch, claims by reason (on one line: a CEL compile error
+// spans several).
+type unjudged map[string][]string
+
+func (u unjudged) add(reason, claim string) {
+	reason = strings.Join(strings.Fields(reason), " ")
+	if !slices.Contains(u[reason], claim) {
+		u[reason] = append(u[reason], claim)
+	}
+}
+
+// notes returns one line per reason, naming up to five of its claims.
+func (u unjudged) notes() []string {
+	var out []string
+	for _, reason := range slices.Sorted(maps.Keys(u)) {
+		claims := u[reason]
+		slices.Sort(claims)
+		named := strings.Join(claims[:min(len(claims), 5)], ", ")
+		if len(claims) > 5 {
+			named += fmt.Sprintf(" and %d more", len(claims)-5)
+		}
+		out = append(out, fmt.Sprintf("%s not judged in part for %s: %s", AllocationMismatch, named, reason))
+	}
+	return out
+}
+
+// allocationMismatches judges every allocated claim whose devices the
+// newest generations of their pools all publish against its spec, as the
+// upstream allocator allocates: every result names a request of the spec
+// (or a subrequest of a firstAvailable request, as "req/sub"), the results
+// of an ExactCount request (or of the one subrequest chosen) are as many
+// as its count, those of an All request at least one, every device
+// matches the selectors of its request's DeviceClass and of its request,
+// and the devices of the requests of a matchAttribute constraint have the
+// attribute with one type and value. Admin access changes none of this.
+//
+// classes are the DeviceClasses by name; nil where they could not be
+// read, and then class selectors are not judged. A class selector is
+// judged only where the class was last changed (its creation or its
+// latest managed-fields entry) before the claim was created: a class
+// changed since may not be the one the allocation was made with. Parts
+// not judged (a selector that does not compile or evaluate, a missing or
+// changed class, a list-valued attribute of a constraint) come back as
+// notes, not violations.
+func allocationMismatches(j judge, claims []*resourceapi.ResourceClaim, classes map[string]*resourceapi.DeviceClass, published pools) ([]finding, []string) {
+	var out []finding
+	skipped := unjudged{}
+	for _, c := range claims {
+		alloc := c.Status.Allocation
+		if alloc == nil || len(alloc.Devices.Results) == 0 {
+			continue
+		}
+		results := alloc.Devices.Results
+		devs := make([]*resourceapi.Device, len(results))
+		allPublished := true
+		for i, r := range results {
+			devs[i] = published.devices[Device{r.Driver, r.Pool, r.Device}]
+			allPublished = allPublished && devs[i] != nil
+		}
+		if !allPublished {
+			// The device kinds judge a device that is not published.
+			continue
+		}
+		name := c.Namespace + "/" + c.Name
+		problems := claimMismatches(j, c, devs, classes, func(reason string) { skipped.add(reason, name) })
+		if len(problems) == 0 {
+			continue
+		}
+		out = append(out, finding{identity: name + "|" + string(c.UID) + "|" + allocatedDevices(c), Violation: Violation{
+			Kind: AllocationMismatch, Claims: []string{name},
+			Message: fmt.Sprintf("claim %s is allocated %s, which its spec does not allow (its devices as published now): %s", name, allocatedDevices(c), strings.Join(problems, "; ")),
+		}})
+	}
+	return out, skipped.notes()
+}
+
+// claimMismatches returns what in the allocation of c breaks its spec;
+// devs are the published devices of its results, in order. skip is told
+// why a part was not judged.
+func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.Device, classes map[string]*resourceapi.DeviceClass, skip func(reason string)) []string {
+	results := c.Status.Allocation.Devices.Results
+	specs := map[string]requestSpec{}
+	for _, r := range c.Spec.Devices.Requests {
+		if e := r.Exactly; e != nil {
+			specs[r.Name] = requestSpec{class: e.DeviceClassName, selectors: e.Selectors, mode: e.AllocationMode, count: e.Count}
+		}
+		for _, sub := range r.FirstAvailable {
+			specs[r.Name+"/"+sub.Name] = requestSpec{class: sub.DeviceClassName, selectors: sub.Selectors, mode: sub.AllocationMode, count: sub.Count}
+		}
+	}
+	var problems []string
+	byRequest := map[string]int{}
+	for i, r := range results {
+		if _, ok := specs[r.Request]; !ok {
+			problems = append(problems, fmt.Sprintf("device %s is allocated for request %q, which the spec does not have", deviceOf(r), r.Request))
+			continue
+		}
+		byRequest[r.Request]++
+		problems = append(problems, selectorMismatches(j, c, r, devs[i], specs[r.Request], classes, skip)...)
+	}
+	for _, r := range c.Spec.Devices.Requests {
+		if r.Exactly != nil {
+			problems = append(problems, countMismatch(r.Name, specs[r.Name], byRequest[r.Name])...)
+			continue
+		}
+		var chosen []string
+		for _, sub := range r.FirstAvailable {
+			if byRequest[r.Name+"/"+sub.Name] > 0 {
+				chosen = append(chosen, r.Name+"/"+sub.Name)
+			}
+		}
+		switch len(chosen) {
+		case 0:
+			problems = append(problems, fmt.Sprintf("request %q has no device", r.Name))
+		case 1:
+			problems = append(problems, countMismatch(chosen[0], specs[chosen[0]], byRequest[chosen[0]])...)
+		default:
+			problems = append(problems, fmt.Sprintf("request %q has devices of %d of its subrequests (%s), want those of one", r.Name, len(chosen), strings.Join(chosen, ", ")))
+		}
+	}
+	for i, constraint := range c.Spec.Devices.Constraints {
+		if constraint.MatchAttribute != nil {
+			problems = append(problems, matchAttributeMismatch(i, constraint, results, devs, skip)...)
+		}
+	}
+	return problems
+}
+
+// countMismatch says whether request (spec) has the wrong number n of
+// results: its count for ExactCount (1 where unset), at least one for All.
+func countMismatch(request string, spec requestSpec, n int) []string {
+	switch spec.mode {
+	case resourceapi.DeviceAllocationModeAll:
+		if n == 0 {
+			return []string{fmt.Sprintf("request %q (allocation mode All) has no device", request)}
+		}
+	default:
+		want := max(spec.count, 1)
+		if int64(n) != want {
+			return []string{fmt.Sprintf("request %q has %d devices, want its count %d", request, n, want)}
+		}
+	}
+	return nil
+}
+
+// selectorMismatches says which selectors of its request's class and of
+// its request (spec) device d of result r does not match.
+func selectorMismatches(j judge, c *resourceapi.ResourceClaim, r resourceapi.DeviceRequestAllocationResult, d *resourceapi.Device, spec requestSpec, classes map[string]*resourceapi.DeviceClass, skip func(string)) []string {
+	var problems []string
+	switch class := classes[spec.class]; {
+	case classes == nil:
+		// Not read; the report says so once.
+	case class == nil:
+		skip(fmt.Sprintf("DeviceClass %s does not exist (deleted since the allocation?), its selectors are not checked", spec.class))
+	case !classChanged(class).Before(c.CreationTimestamp.Time):
+		skip(fmt.Sprintf("DeviceClass %s was changed after the claim was created, its selectors are not checked (the allocation may have been made with the earlier ones)", spec.class))
+	default:
+		problems = append(problems, unmatched(j, r, d, "DeviceClass "+spec.class, class.Spec.Selectors, skip)...)
+	}
+	return append(problems, unmatched(j, r, d, fmt.Sprintf("request %q", r.Request), spec.selectors, skip)...)
+}
+
+// classChanged is when class was last changed, as far as its metadata
+// tells: its creation or its latest managed-fields entry.
+func classChanged(class *resourceapi.DeviceClass) time.Time {
+	last := class.CreationTimestamp.Time
+	for _, f := range class.ManagedFields {
+		if f.Time != nil && f.Time.After(last) {
+			last = f.Time.Time
+		}
+	}
+	return last
+}
+
+// unmatched says which of selectors (of owner) device d of result r does
+// not match, evaluated as the upstream allocator evaluates them.
+func unmatched(j judge, r resourceapi.DeviceRequestAllocationResult, d *resourceapi.Device, owner string, selectors []resourceapi.DeviceSelector, skip func(string)) []string {
+	var problems []string
+	for i, selector := range selectors {
+		if selector.CEL == nil {
+			continue
+		}
+		expr := j.cel.GetOrCompile(selector.CEL.Expression)
+		if expr.Error != nil {
+			skip(fmt.Sprintf("selector #%d of %s does not compile here: %v", i, owner, expr.Error))
+			continue
+		}
+		matches, _, err := expr.DeviceMatches(j.ctx, cel.Device{Driver: r.Driver, AllowMultipleAllocations: d.AllowMultipleAllocations, Attributes: d.Attributes, Capacity: d.Capacity})
+		switch {
+		case err != nil:
+			skip(fmt.Sprintf("selector #%d of %s fails on device %s: %v", i, owner, deviceOf(r), cel.EnhanceRuntimeError(err)))
+		case !matches:
+			problems = append(problems, fmt.Sprintf("device %s does not match selector #%d of %s (%s)", deviceOf(r), i, owner, selector.CEL.Expression))
+		}
+	}
+	return problems
+}
+
+// matchAttributeMismatch says whether the devices of the requests of
+// constraint (the i-th of the claim) lack its attribute or differ in its
+// type or value, judged as the upstream allocator judges it.
+func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []string {
+	attribute := *constraint.MatchAttribute
+	applies := func(request string) bool {
+		if len(constraint.Requests) == 0 || slices.Contains(constraint.Requests, request) {
+			return true
+		}
+		parent, _, sub := strings.Cut(request, "/")
+		return sub && slices.Contains(constraint.Requests, parent)
+	}
+	var first *resourceapi.DeviceAttribute
+	var firstDevice string
+	for k, r := range results {
+		if !applies(r.Request) {
+			continue
+		}
+		value := lookupAttribute(devs[k], r.Driver, attribute)
+		switch {
+		case value == nil:
+			return []string{fmt.Sprintf("constraint #%d matchAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r))}
+		case scalar(*value) == "":
+			skip(fmt.Sprintf("constraint #%d matchAttribute %s has a list value or one of no known type, not checked", i, attribute))
+			return nil
+		case first == nil:
+			first, firstDevice = value, deviceOf(r)
+		case scalar(*value) != scalar(*first):
+			return []string{fmt.Sprintf("constraint #%d matchAttribute %s: device %s has %s, device %s has %s", i, attribute, firstDevice, scalar(*first), deviceOf(r), scalar(*value))}
+		}
+	}
+	return nil
+}
+
+// scalar is a's type and value, as "string \"x\"", or "" where a holds a
+// list or no value of a known type. Two attributes have the same type and
+// value where their scalars are equal (a version compares as its string,
+// which semver 2.0.0 keeps minimal).
+func scalar(a resourceapi.DeviceAttribute) string {
+	switch {
+	case a.IntValue != nil:
+		return fmt.Sprintf("int %d", *a.IntValue)
+	case a.BoolValue != nil:
+		return fmt.Sprintf("bool %t", *a.BoolValue)
+	case a.StringValue != nil:
+		return fmt.Sprintf("string %q", *a.StringValue)
+	case a.VersionValue != nil:
+		return fmt.Sprintf("version %q", *a.VersionValue)
+	}
+	return ""
+}
+
+// lookupAttribute finds the fully qualified attribute name of device d of
+// driver: by its full name, or by its ID where its domain is the driver's
+// name, as the upstream allocator looks it up.
+func lookupAttribute(d *resourceapi.Device, driver string, name resourceapi.FullyQualifiedName) *resourceapi.DeviceAttribute {
+	if a, ok := d.Attributes[resourceapi.QualifiedName(name)]; ok {
+		return &a
+	}
+	domain, id, ok := strings.Cut(string(name), "/")
+	if !ok || domain != driver {
+		return nil
+	}
+	if a, ok := d.Attributes[resourceapi.QualifiedName(id)]; ok {
+		return &a
+	}
+	return nil
+}
+
+func deviceOf(r resourceapi.DeviceRequestAllocationResult) string {
+	return Device{r.Driver, r.Pool, r.Device}.String()
+}
