@@ -16,7 +16,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes/scheme"
 	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/component-base/metrics/testutil"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -631,6 +634,49 @@ func TestPreEnqueueTellsWhy(t *testing.T) {
 	case e := <-h.recorder.Events:
 		t.Errorf("event %q for a claim the controller is creating", e)
 	default:
+	}
+}
+
+// TestPreEnqueueEventNotHiddenByEarlierFailure: events of one object,
+// type, reason and action form one series that keeps its first note. A
+// pod that failed an attempt and now waits for a claim it names gets the
+// claim's note in an event of its own, through a real event broadcaster,
+// not only a count raised on the earlier failure.
+func TestPreEnqueueEventNotHiddenByEarlierFailure(t *testing.T) {
+	h := newHarnessWith(t, func(h *harness) {
+		broadcaster := events.NewBroadcaster(&events.EventSinkImpl{Interface: h.client.EventsV1()})
+		if err := broadcaster.StartRecordingToSinkWithContext(h.tCtx); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(broadcaster.Shutdown)
+		h.eventRecorder = broadcaster.NewRecorder(scheme.Scheme, "topodra-scheduler")
+	}, []*v1.Node{testNode("node-a")}, testDeviceClass())
+	pod := testPod("p", "absent")
+	notes := func() []string {
+		list, err := h.client.EventsV1().Events(testNS).List(h.tCtx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, e := range list.Items {
+			out = append(out, e.Note)
+		}
+		return out
+	}
+	// The scheduler's own event for the pod's earlier attempt.
+	h.pl.handle.EventRecorder().Eventf(pod, nil, v1.EventTypeWarning, "FailedScheduling", "Scheduling", "0/1 nodes are available: 1 node(s) cannot allocate claim")
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return len(notes()) == 1, nil
+	}); err != nil {
+		t.Fatalf("the scheduler's event was never written: %v", notes())
+	}
+	if st := h.pl.PreEnqueue(h.tCtx, pod); code(st) != fwk.Unschedulable {
+		t.Fatalf("PreEnqueue: %v, want Unschedulable", st)
+	}
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return slices.ContainsFunc(notes(), func(n string) bool { return strings.Contains(n, "waiting for resource claim ns/absent") }), nil
+	}); err != nil {
+		t.Errorf("no event says the pod waits for its claim: notes %q", notes())
 	}
 }
 

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -44,8 +45,11 @@ type harness struct {
 	tCtx     ktesting.TContext
 	client   *fake.Clientset
 	recorder *events.FakeRecorder
-	pl       *TopologyDRA
-	nodes    map[string]fwk.NodeInfo
+	// eventRecorder, where a clientHook sets it, records the plugin's
+	// events instead of recorder.
+	eventRecorder events.EventRecorderLogger
+	pl            *TopologyDRA
+	nodes         map[string]fwk.NodeInfo
 	// podLister is the plugin's pod lister for deleted pods, which the
 	// harness takes out of the plugin (see newHarnessWith).
 	podLister corelisters.PodLister
@@ -110,7 +114,7 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 		frameworkruntime.WithPodActivator(h.activated),
 		frameworkruntime.WithClientSet(h.client),
 		frameworkruntime.WithInformerFactory(factory),
-		frameworkruntime.WithEventRecorder(h.recorder),
+		frameworkruntime.WithEventRecorder(cmp.Or[events.EventRecorderLogger](h.eventRecorder, h.recorder)),
 		frameworkruntime.WithSharedDRAManager(manager),
 		frameworkruntime.WithSnapshotSharedLister(internalcache.NewSnapshot(nil, nodes)),
 	)

@@ -34,7 +34,11 @@ func (pl *TopologyDRA) PreEnqueue(ctx context.Context, pod *v1.Pod) *fwk.Status 
 	if _, err := pl.podClaims(pod); err != nil {
 		var wait *claimWaitError
 		if errors.As(err, &wait) && wait.tellUser {
-			pl.event(pod, v1.EventTypeWarning, "FailedScheduling", "Scheduling", "%s", err.Error())
+			// An action of its own: the events of one object, type,
+			// reason and action form one series, which keeps the note of
+			// its first event, and the scheduler's FailedScheduling for
+			// an earlier attempt would hide this one.
+			pl.event(pod, v1.EventTypeWarning, "FailedScheduling", "WaitForResourceClaims", "%s", err.Error())
 		}
 		return unschedulable(err.Error())
 	}
