@@ -869,14 +869,18 @@ func TestStaleReservationFoundUntilClaimControllerRuns(t *testing.T) {
 	_, err = framework.WaitForPodUnschedulable(tCtx, c.Client, ns, "second", waitTimeout)
 	tCtx.ExpectNoError(err, "pod second waits: the deleted pod's claim still holds the GPU")
 
-	violations, err := invariant.Check(tCtx, c.Client)
+	// The pod is gone: with the default --stale-after the checker waits
+	// for its reservation to outlast the controller's usual clean-up;
+	// without a wait it reports it at once.
+	report, err := invariant.CheckWith(tCtx, c.Client, invariant.CheckOptions{StaleAfter: -1})
 	tCtx.ExpectNoError(err)
+	violations := report.Violations
 	if len(violations) != 1 || violations[0].Kind != invariant.StaleReservation || !slices.Equal(violations[0].Claims, []string{ns + "/first"}) ||
 		!strings.Contains(violations[0].Message, ns+"/first (gone)") {
 		t.Errorf("violations %v, want one StaleReservation of claim %s/first naming its gone pod", violations, ns)
 	}
 	var stdout, stderr bytes.Buffer
-	if code := invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig, "--reads", "4", "--interval", "200ms"}, &stdout, &stderr); code != invariant.ExitViolations || !strings.Contains(stdout.String(), "StaleReservation") {
+	if code := invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig, "--reads", "4", "--interval", "200ms", "--stale-after", "0"}, &stdout, &stderr); code != invariant.ExitViolations || !strings.Contains(stdout.String(), "StaleReservation") {
 		t.Errorf("topodra-check: exit %d, want %d with the StaleReservation on stdout; stdout:\n%s\nstderr:\n%s", code, invariant.ExitViolations, stdout.String(), stderr.String())
 	}
 
