@@ -62,6 +62,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent/cdi"
@@ -145,8 +146,13 @@ type Options struct {
 	// longer has keeps its GPUs before the agent drops it, which it does
 	// only where no Pod bound to this node references the claim. Until
 	// then the kubelet unprepares it once its containers are gone. Zero
-	// means DefaultStaleClaimGrace; negative: never dropped.
+	// means DefaultStaleClaimGrace; negative: never dropped. The time a
+	// claim was first found gone is kept in the checkpoint, so that agent
+	// restarts do not start the grace period again.
 	StaleClaimGrace time.Duration
+	// Clock tells the time that StaleClaimGrace is measured in; nil
+	// means the real clock.
+	Clock clock.PassiveClock
 
 	// OwnedTaint publishes the NoSchedule taint OwnedTaintKey on every
 	// device, so that only topodra (which tolerates it) allocates them.
@@ -268,11 +274,11 @@ type Agent struct {
 	// publisher publishes with PublishOnly (nil otherwise).
 	publisher *Publisher
 
-	// staleMutex serializes CleanupStaleClaims and guards gone: when
-	// this process first found each prepared claim gone from the API
-	// server.
-	staleMutex sync.Mutex
-	gone       map[types.UID]time.Time
+	// staleMutex serializes CleanupStaleClaims and guards goneReported:
+	// the prepared claims that this process has reported gone from the
+	// API server (when they were first found gone is in the checkpoint).
+	staleMutex   sync.Mutex
+	goneReported map[types.UID]bool
 
 	// claimLocks serialize the Prepare and Unprepare calls of each claim
 	// (the kubelet plugin helper does not serialize calls). A Prepare
@@ -399,6 +405,9 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.StaleClaimGrace == 0 {
 		opts.StaleClaimGrace = DefaultStaleClaimGrace
 	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
 	if !opts.PublishOnly {
 		if opts.PluginDataDir == "" {
 			opts.PluginDataDir = filepath.Join(kubeletplugin.KubeletPluginsDir, opts.DriverName)
@@ -422,7 +431,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		health:        opts.Health,
 		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
-		gone:          map[types.UID]time.Time{},
+		goneReported:  map[types.UID]bool{},
 		droppedFields: map[string]bool{},
 	}
 	if a.health == nil {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -14,6 +15,9 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 )
+
+// versionField is the version in a checkpoint file.
+var versionField = regexp.MustCompile(`"version":"[^"]*"`)
 
 // TestUnreadableCheckpointReported: an agent whose checkpoint is damaged,
 // or was written in a newer format, does not start, and says so on the
@@ -33,7 +37,7 @@ func TestUnreadableCheckpointReported(t *testing.T) {
 		},
 		"newer format": {
 			damage: func(data string) string {
-				return strings.Replace(data, checkpoint.Version, "checkpoint.gpu.topodra.io/v9", 1)
+				return versionField.ReplaceAllString(data, `"version":"checkpoint.gpu.topodra.io/v9"`)
 			},
 			wantErr: checkpoint.ErrUnknownVersion,
 			want:    []string{"v9", "newer agent", "Unreadable checkpoint"},

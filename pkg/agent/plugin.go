@@ -237,13 +237,19 @@ func (a *Agent) updateCheckpoint(update func(cp *checkpoint.Checkpoint)) error {
 }
 
 // saveClaims writes the prepared claims and what claims held before the
-// last reboot, as cp has them, into the checkpoint; the rest of the file
-// (the GPU faults, which health handling adds without prepareMutex) stays
-// as it is now. The caller holds prepareMutex, so that cp was loaded under
-// it and these fields have not changed in the file since.
+// last reboot, as cp has them, into the checkpoint, and forgets when
+// claims that are no longer prepared were found gone; the rest of the
+// file (the GPU faults, which health handling adds without prepareMutex)
+// stays as it is now. The caller holds prepareMutex, so that cp was loaded
+// under it and these fields have not changed in the file since.
 func (a *Agent) saveClaims(cp *checkpoint.Checkpoint) error {
 	return a.updateCheckpoint(func(current *checkpoint.Checkpoint) {
 		current.Claims, current.PreviousBoot = cp.Claims, cp.PreviousBoot
+		for uid := range current.Gone {
+			if _, ok := current.Claims[uid]; !ok {
+				delete(current.Gone, uid)
+			}
+		}
 	})
 }
 

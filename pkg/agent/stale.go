@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"strings"
@@ -69,6 +70,7 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 		}
 		cp.Claims = map[types.UID]checkpoint.PreparedClaim{}
 		cp.Faults = nil
+		cp.Gone = nil
 	}
 	cp.BootID = boot
 	return a.store.Save(cp)
@@ -83,7 +85,7 @@ const (
 	// ReasonPreparedClaimGone (Warning, once per claim and agent
 	// process): a prepared claim is gone from the API server, or no
 	// longer allocated, while its GPUs stay reserved for it; the note
-	// names the claim, its GPUs and which of the two.
+	// names the claim, its GPUs, which of the two and since when.
 	ReasonPreparedClaimGone = "TopodraPreparedClaimGone"
 	// ReasonPreparedClaimDropped (Normal): the agent dropped such a claim
 	// after Options.StaleClaimGrace because no Pod on the node references
@@ -102,10 +104,12 @@ const (
 // claim only once they have stopped (retrying while the agent is down).
 // Forgetting the claim earlier would let another claim be prepared on
 // GPUs that a running container uses. The first check that finds a claim
-// gone logs it and records a ReasonPreparedClaimGone Warning on the Node
-// naming the claim and its GPUs. Once the claim has been gone for
-// Options.StaleClaimGrace (measured from that first check of this agent
-// process) and no Pod bound to this node references it by namespace and
+// gone records the time in the checkpoint; the first check of each agent
+// process that finds it gone logs it and records a
+// ReasonPreparedClaimGone Warning on the Node naming the claim and its
+// GPUs. Once the claim has been gone for Options.StaleClaimGrace
+// (measured from the time in the checkpoint, so across agent restarts;
+// a claim found in the API server again starts over) and no Pod bound to this node references it by namespace and
 // name (spec.resourceClaims, status.resourceClaimStatuses or
 // status.extendedResourceClaimStatus, as the kubelet counts them), the
 // claim is unprepared (CDI spec and checkpoint entry removed) with a
@@ -139,14 +143,17 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 			forget = append(forget, uid)
 		}
 	}
-	for uid := range a.gone {
+	for uid := range a.goneReported {
 		if _, ok := cp.Claims[uid]; !ok {
 			// Unprepared by the kubelet meanwhile.
-			delete(a.gone, uid)
+			delete(a.goneReported, uid)
 		}
 	}
-	now := time.Now()
+	now := a.opts.Clock.Now().UTC()
 	grace := a.opts.StaleClaimGrace
+	// gone becomes the checkpoint's Gone: the claims found gone now, with
+	// when they were first found gone.
+	gone := map[types.UID]time.Time{}
 	var expired []types.UID
 	for uid, c := range cp.Claims {
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
@@ -155,21 +162,32 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		case apierrors.IsNotFound(err), err == nil && claim.UID != uid:
 		case err != nil:
 			logger.V(2).Info("Cannot check prepared claim", "claim", klog.KRef(c.Namespace, c.Name), "err", err)
+			if since, ok := cp.Gone[uid]; ok {
+				gone[uid] = since
+			}
 			continue
 		case claim.Status.Allocation == nil:
 			why = "it is no longer allocated (its pods went without the kubelet unpreparing it?)"
 		default:
-			delete(a.gone, uid)
+			delete(a.goneReported, uid)
 			continue
 		}
-		since, seen := a.gone[uid]
+		since, seen := cp.Gone[uid]
 		if !seen {
-			a.gone[uid] = now
-			a.claimGone(ctx, uid, c, why)
-			continue
+			since = now
 		}
-		if grace >= 0 && now.Sub(since) >= grace {
+		gone[uid] = since
+		if !a.goneReported[uid] {
+			a.goneReported[uid] = true
+			a.claimGone(ctx, uid, c, why, since)
+		}
+		if seen && grace >= 0 && now.Sub(since) >= grace {
 			expired = append(expired, uid)
+		}
+	}
+	if !maps.EqualFunc(gone, cp.Gone, time.Time.Equal) {
+		if err := a.saveGone(gone); err != nil {
+			return nil, fmt.Errorf("save when prepared claims were found gone: %w", err)
 		}
 	}
 	stale, err := a.unreferenced(ctx, cp, expired)
@@ -222,7 +240,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	}
 	for _, uid := range removed {
 		c := dropped[uid]
-		delete(a.gone, uid)
+		delete(a.goneReported, uid)
 		logger.Info("Dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
 		a.claimNodeEvent(c.Namespace, c.Name, uid, v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
 			"dropped claim %s/%s (%s), which the API server no longer has and no pod on this node references, after %v (--stale-claim-grace): %s can be prepared for other claims",
@@ -231,18 +249,35 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	return removed, nil
 }
 
+// saveGone writes gone as the checkpoint's Gone, leaving out claims that
+// are no longer prepared. The caller holds staleMutex.
+func (a *Agent) saveGone(gone map[types.UID]time.Time) error {
+	return a.updateCheckpoint(func(current *checkpoint.Checkpoint) {
+		current.Gone = nil
+		for uid, since := range gone {
+			if _, ok := current.Claims[uid]; !ok {
+				continue
+			}
+			if current.Gone == nil {
+				current.Gone = map[types.UID]time.Time{}
+			}
+			current.Gone[uid] = since
+		}
+	})
+}
+
 // claimGone reports a prepared claim that the API server no longer has, or
-// has without an allocation (why says which).
-func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string) {
+// has without an allocation (why says which), since the time since.
+func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string, since time.Time) {
 	devices := claimDevices(c)
-	klog.FromContext(ctx).Info("Prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why)
-	after := fmt.Sprintf("the agent drops it after %v (--stale-claim-grace) once no pod on this node references it", a.opts.StaleClaimGrace)
+	klog.FromContext(ctx).Info("Prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why, "since", since)
+	after := fmt.Sprintf("the agent drops it from %s on (%v after that, --stale-claim-grace) once no pod on this node references it", since.Add(a.opts.StaleClaimGrace).Format(time.RFC3339), a.opts.StaleClaimGrace)
 	if a.opts.StaleClaimGrace < 0 {
 		after = "the agent never drops it (--stale-claim-grace is negative)"
 	}
 	a.claimNodeEvent(c.Namespace, c.Name, uid, v1.EventTypeWarning, ReasonPreparedClaimGone, "Unprepare",
-		"claim %s/%s (%s) is prepared with %s but %s: these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
-		c.Namespace, c.Name, uid, devices, why, after)
+		"claim %s/%s (%s) is prepared with %s but %s (found so at %s): these GPUs stay reserved for it until the kubelet unprepares it after its containers stop; %s",
+		c.Namespace, c.Name, uid, devices, why, since.Format(time.RFC3339), after)
 }
 
 // claimDevices names a prepared claim's GPUs as "gpu-1 (GPU-...), ...".

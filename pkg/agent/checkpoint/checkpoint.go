@@ -27,16 +27,24 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// Version identifies the checkpoint format written by this package: v3
-// adds PreviousBoot, Faults and PreparedClaim.AllocatedAt to v2. Agents
-// that read only v2 refuse a v3 file (by its version), so an agent
-// cannot be rolled back across v3 without removing the file (and with it
-// the record of prepared claims).
-const Version = "checkpoint.gpu.topodra.io/v3"
+// Version identifies the newest checkpoint format: v4 adds Gone to v3.
+// [Store.Save] writes a checkpoint with Gone entries as v4 and one without
+// as v3 (its content is then a valid v3 file): agents that read only v3
+// refuse a v4 file (by its version), so an agent can be rolled back to
+// one that reads only v3 except while a prepared claim is recorded as
+// gone.
+//
+// v3 added PreviousBoot, Faults and PreparedClaim.AllocatedAt to v2.
+// Agents that read only v2 refuse a v3 file, so an agent cannot be rolled
+// back across v3 without removing the file (and with it the record of
+// prepared claims).
+const Version = "checkpoint.gpu.topodra.io/v4"
 
-// versionV2 is the format without PreviousBoot, Faults and AllocatedAt;
-// versionV1 the one without BootID. Both are read, never written.
+// versionV3 is the format without Gone, written for checkpoints without
+// it; versionV2 the one without PreviousBoot, Faults and AllocatedAt;
+// versionV1 the one without BootID. Those two are read, never written.
 const (
+	versionV3 = "checkpoint.gpu.topodra.io/v3"
 	versionV2 = "checkpoint.gpu.topodra.io/v2"
 	versionV1 = "checkpoint.gpu.topodra.io/v1"
 )
@@ -56,8 +64,8 @@ var (
 // Checkpoint is the persisted state: prepared claims by UID, what claims
 // held before the last reboot, and the GPU faults seen during this boot.
 //
-// The fields that v3 added are optional: v2 files load without them, and
-// they are left out of the file while empty.
+// The fields that v3 and v4 added are optional: older files load without
+// them, and they are left out of the file while empty.
 type Checkpoint struct {
 	// BootID is the node's boot id (/proc/sys/kernel/random/boot_id) when
 	// the claims were prepared. Prepared state does not survive a reboot
@@ -75,6 +83,12 @@ type Checkpoint struct {
 	// Faults are the GPUs found faulty during this boot, by GPU UUID. A
 	// reboot resets the GPUs and clears them.
 	Faults map[string]Fault `json:"faults,omitempty"`
+	// Gone holds, for prepared claims (keys of Claims) that the API server
+	// no longer has or has without an allocation, when an agent first
+	// found them so, so that the grace period before the agent drops such
+	// a claim does not start again with every agent restart. Written as
+	// v4 (see Version).
+	Gone map[types.UID]time.Time `json:"gone,omitempty"`
 }
 
 // PreparedClaim is one claim that Prepare handled.
@@ -162,7 +176,7 @@ func (s *Store) Load() (*Checkpoint, error) {
 	if err := json.Unmarshal(data, &f); err != nil {
 		return nil, fmt.Errorf("decode checkpoint %s: %w", s.Path(), err)
 	}
-	if f.Version != Version && f.Version != versionV2 && f.Version != versionV1 {
+	if f.Version != Version && f.Version != versionV3 && f.Version != versionV2 && f.Version != versionV1 {
 		return nil, fmt.Errorf("read checkpoint %s: %w %q (want %q)", s.Path(), ErrUnknownVersion, f.Version, Version)
 	}
 	if crc32.ChecksumIEEE(f.Data) != f.Checksum {
@@ -180,7 +194,8 @@ func (s *Store) Load() (*Checkpoint, error) {
 	return cp, nil
 }
 
-// Save replaces the checkpoint atomically.
+// Save replaces the checkpoint atomically, as v4 where cp has Gone
+// entries and as v3 otherwise (see Version).
 func (s *Store) Save(cp *Checkpoint) error {
 	s.mutex.Lock()
 	defer s.mutex.Unlock()
@@ -188,8 +203,12 @@ func (s *Store) Save(cp *Checkpoint) error {
 	if err != nil {
 		return fmt.Errorf("encode checkpoint: %w", err)
 	}
+	version := Version
+	if len(cp.Gone) == 0 {
+		version = versionV3
+	}
 	// Compact on purpose: the checksum covers the exact bytes of Data.
-	out, err := json.Marshal(file{Version: Version, Checksum: crc32.ChecksumIEEE(data), Data: data})
+	out, err := json.Marshal(file{Version: version, Checksum: crc32.ChecksumIEEE(data), Data: data})
 	if err != nil {
 		return fmt.Errorf("encode checkpoint: %w", err)
 	}

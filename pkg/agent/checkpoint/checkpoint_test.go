@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -37,6 +38,10 @@ func TestRoundTrip(t *testing.T) {
 			Claims:       map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")},
 			PreviousBoot: map[types.UID]PreparedClaim{"uid-b": claim("b", "gpu-3")},
 			Faults:       map[string]Fault{"GPU-gpu-5": {Device: "gpu-5", Reason: "xid-48", Message: "double-bit ECC error", Time: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}},
+		},
+		"gone": {
+			Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")},
+			Gone:   map[types.UID]time.Time{"uid-a": time.Date(2026, 1, 2, 3, 4, 5, 6, time.UTC)},
 		},
 	}
 	for name, cp := range testcases {
@@ -79,7 +84,7 @@ func TestLoadRejectsBadFiles(t *testing.T) {
 		wantErr error
 	}{
 		"unknown version": {
-			mutate:  func(d string) string { return strings.Replace(d, Version, "checkpoint.gpu.topodra.io/v99", 1) },
+			mutate:  func(d string) string { return strings.Replace(d, versionV3, "checkpoint.gpu.topodra.io/v99", 1) },
 			wantErr: ErrUnknownVersion,
 		},
 		"flipped content": {
@@ -176,5 +181,56 @@ func TestLoadV2WithoutNewFields(t *testing.T) {
 	}
 	if len(cp.Claims) != 1 || cp.PreviousBoot != nil || cp.Faults != nil {
 		t.Errorf("got %+v", cp)
+	}
+}
+
+// TestVersionWritten: a checkpoint without Gone entries is written as v3,
+// which agents that read only v3 can read (they refuse any other version
+// and unknown fields); one with them as v4.
+func TestVersionWritten(t *testing.T) {
+	testcases := map[string]struct {
+		cp   *Checkpoint
+		want string
+	}{
+		"without gone claims": {
+			cp: &Checkpoint{
+				BootID: "boot-1",
+				Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")},
+				Faults: map[string]Fault{"GPU-gpu-5": {Device: "gpu-5", Reason: "xid-48", Time: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}},
+			},
+			want: versionV3,
+		},
+		"with a gone claim": {
+			cp: &Checkpoint{
+				Claims: map[types.UID]PreparedClaim{"uid-a": claim("a", "gpu-0")},
+				Gone:   map[types.UID]time.Time{"uid-a": time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)},
+			},
+			want: Version,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			s, err := New(t.TempDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Save(tc.cp); err != nil {
+				t.Fatal(err)
+			}
+			data, err := os.ReadFile(s.Path())
+			if err != nil {
+				t.Fatal(err)
+			}
+			var f file
+			if err := json.Unmarshal(data, &f); err != nil {
+				t.Fatal(err)
+			}
+			if f.Version != tc.want {
+				t.Errorf("written as %s, want %s", f.Version, tc.want)
+			}
+			if tc.want == versionV3 && strings.Contains(string(f.Data), `"gone"`) {
+				t.Errorf("v3 file has a gone field: %s", f.Data)
+			}
+		})
 	}
 }
