@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -147,7 +148,7 @@ func (a *Allocator) run(ctx context.Context, p *podNode, strategies []strategy) 
 		}
 		if res, err := s.allocate(ctx, p); res != nil || err != nil {
 			if res != nil && res.Allocations != nil && p.ns != nil {
-				if expl := a.requireBroken(p.ns, p.infos, res.Allocations); expl != nil {
+				if expl := cmp.Or(nodeAllocatableMapped(p.ns, p.claims, res.Allocations), a.requireBroken(p.ns, p.infos, res.Allocations)); expl != nil {
 					return &Result{Explanation: expl, DevicesConsidered: res.DevicesConsidered}, nil
 				}
 				res.Quality.OtherDevices, res.Quality.OtherFree = a.otherDevices(p.ns, p.units)
@@ -351,6 +352,30 @@ func (a *Allocator) requireBroken(ns *nodeState, infos []*claimInfo, results []r
 			})
 		}
 		return expl
+	}
+	return nil
+}
+
+// nodeAllocatableMapped explains why results cannot be used where they
+// hold a device that maps node allocatable resources (CPU, memory: the
+// DRANodeAllocatableResources feature), or returns nil. Such an
+// allocation must be counted against the node's allocatable resources
+// and recorded in the pod's status, which the stock DynamicResources
+// plugin does and this package does not, so the node is rejected rather
+// than overcommitted.
+func nodeAllocatableMapped(ns *nodeState, claims []*resourceapi.ResourceClaim, results []resourceapi.AllocationResult) *Explanation {
+	for ci := range results {
+		for k := range results[ci].Devices.Results {
+			r := &results[ci].Devices.Results[k]
+			i := ns.lookup(r)
+			if i < 0 || len(ns.devices[i].device.NodeAllocatableResources) == 0 {
+				continue
+			}
+			return &Explanation{Requests: []RequestExplanation{{
+				Claim: claims[ci].Name, Request: r.Request,
+				Reason: fmt.Sprintf("device %s maps node allocatable resources, which this profile does not account for: schedule the pod with a profile that runs the DynamicResources plugin", r.Device),
+			}}}
+		}
 	}
 	return nil
 }

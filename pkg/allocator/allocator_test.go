@@ -1511,3 +1511,46 @@ func TestRequireHoldsForClaimsLeftToUpstream(t *testing.T) {
 		}
 	})
 }
+
+// TestNodeAllocatableDeviceRefused: a device that maps node allocatable
+// resources (DRANodeAllocatableResources) is never allocated, since its
+// accounting is the stock plugin's: the node is rejected with a message
+// that says so, while a node whose devices map nothing serves the claim.
+func TestNodeAllocatableDeviceRefused(t *testing.T) {
+	ctx := quietContext(t)
+	mapped := dgx("n")
+	for i := range mapped[0].Spec.Devices {
+		mapped[0].Spec.Devices[i].NodeAllocatableResources = map[v1.ResourceName]resourceapi.NodeAllocatableResource{
+			v1.ResourceMemory: {Overhead: &resourceapi.NodeAllocatableOverhead{PerPod: ptr.To(resource.MustParse("1Gi"))}},
+		}
+	}
+	for name, tc := range map[string]struct {
+		slices     []*resourceapi.ResourceSlice
+		wantReject bool
+	}{
+		"mapped":    {slices: mapped, wantReject: true},
+		"plain DGX": {slices: dgx("n")},
+	} {
+		t.Run(name, func(t *testing.T) {
+			a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"), ClassLister: defaultClasses, Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, claims := range [][]*resourceapi.ResourceClaim{
+				{claim("one").request("gpus", "gpu", 1).obj()},
+				{claim("four").request("gpus", "gpu", 4).obj()},
+			} {
+				res, err := a.Allocate(ctx, node("n"), claims)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := res.Allocations != nil; got == tc.wantReject {
+					t.Errorf("claim %s: allocated %v (%v)", claims[0].Name, deviceNames(res.Allocations), res.Explanation)
+				}
+				if tc.wantReject && !strings.Contains(res.Explanation.String(), "maps node allocatable resources") {
+					t.Errorf("claim %s: explanation %q, want it to name the node allocatable mapping", claims[0].Name, res.Explanation)
+				}
+			}
+		})
+	}
+}
