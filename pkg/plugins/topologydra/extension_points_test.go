@@ -528,18 +528,29 @@ func TestPostFilterDeallocates(t *testing.T) {
 	nodes := []*v1.Node{testNode("node-a")}
 	tests := map[string]struct {
 		reservedFor  []resourceapi.ResourceClaimConsumerReference
+		shared       bool
 		wantDealloc  bool
 		wantMsgMatch string
 	}{
 		"unused allocation no node can use": {wantDealloc: true, wantMsgMatch: "deallocated resource claim c"},
 		"in use by another pod":             {reservedFor: []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "other", UID: "other"}}},
+		// Filter marks every claim the node cannot use, not only the
+		// first: the shared claim before it stays, this one goes.
+		"after a claim in use by another pod": {shared: true, wantDealloc: true, wantMsgMatch: "deallocated resource claim c"},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			claim := allocatedOn(testClaim("c", 1), "node-gone", "gpu-0")
 			claim.Status.ReservedFor = tc.reservedFor
-			h := newHarness(t, nodes, testDeviceClass(), claim)
+			objs := []runtime.Object{testDeviceClass(), claim}
 			pod := testPod("p", "c")
+			if tc.shared {
+				shared := allocatedOn(testClaim("shared", 1), "node-gone", "gpu-1")
+				shared.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "other", UID: "other"}}
+				objs = append(objs, shared)
+				pod = testPod("p", "shared", "c")
+			}
+			h := newHarness(t, nodes, objs...)
 			cs, st := h.cycle(pod, "node-a")
 			if code(st["node-a"]) != fwk.UnschedulableAndUnresolvable {
 				t.Fatalf("Filter: %v", st["node-a"])

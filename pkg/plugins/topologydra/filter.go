@@ -24,25 +24,35 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		return internalError(klog.FromContext(ctx), err)
 	}
 	node := nodeInfo.Node()
+	// Every claim the node cannot use is marked, so that PostFilter may
+	// deallocate one that no other pod uses even where an earlier claim
+	// is shared; the first one's reason is the node's.
+	var unavailable *fwk.Status
 	for i, sel := range s.availableOnNodes {
-		if sel != nil && !sel.Match(node) {
-			s.markUnavailable(i)
+		var msg string
+		switch {
+		case sel != nil && !sel.Match(node):
 			// Only deallocating the claim (PostFilter, or its owner)
 			// changes this.
-			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that this node cannot use", s.claims[i].Name))
-		}
-		if s.needsNodeOperations[i] && !slices.Contains(node.Status.DeclaredFeatures, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate) {
-			s.markUnavailable(i)
+			msg = fmt.Sprintf("resource claim %s is allocated on devices that this node cannot use", s.claims[i].Name)
+		case s.needsNodeOperations[i] && !slices.Contains(node.Status.DeclaredFeatures, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate):
 			// Names no node, so that the pod's message counts the nodes
 			// that fail alike once.
-			return unresolvable(fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need nodes that declare the %s feature; deleting the pod frees the claim", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate))
-		}
-		if err := s.unusable[i]; err != nil {
-			s.markUnavailable(i)
+			msg = fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need nodes that declare the %s feature; deleting the pod frees the claim", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate)
+		case s.unusable[i] != nil:
 			// PostFilter deallocates the claim; the next attempt
 			// allocates afresh.
-			return unresolvable(fmt.Sprintf("resource claim %s cannot be used: %v", s.claims[i].Name, err))
+			msg = fmt.Sprintf("resource claim %s cannot be used: %v", s.claims[i].Name, s.unusable[i])
+		default:
+			continue
 		}
+		s.markUnavailable(i)
+		if unavailable == nil {
+			unavailable = unresolvable(msg)
+		}
+	}
+	if unavailable != nil {
+		return unavailable
 	}
 	if s.allocator == nil {
 		return nil
