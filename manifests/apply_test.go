@@ -8,7 +8,9 @@ import (
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	v1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -312,4 +314,42 @@ func decodeAllObjects(t *testing.T, data []byte) []runtime.Object {
 		}
 	}
 	return out
+}
+
+// TestMetricsReaderRole: the shipped ClusterRole topodra-metrics-reader,
+// bound to a monitoring ServiceAccount, lets it get the scheduler's
+// /metrics, as the API server authorizes it for kube-scheduler's secure
+// port, and nothing else; a ServiceAccount without the binding may not.
+func TestMetricsReaderRole(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp, _ := startInstalled(t, ctx)
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "prometheus-topodra-metrics"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "topodra-metrics-reader"},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "monitoring", Name: "prometheus"}},
+	}
+	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	allowed := func(sa string, attrs authorizationv1.SubjectAccessReviewSpec) bool {
+		t.Helper()
+		attrs.User = "system:serviceaccount:monitoring:" + sa
+		attrs.Groups = []string{"system:serviceaccounts", "system:serviceaccounts:monitoring", "system:authenticated"}
+		review, err := cp.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: attrs}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return review.Status.Allowed
+	}
+	metrics := authorizationv1.SubjectAccessReviewSpec{NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}
+	pods := authorizationv1.SubjectAccessReviewSpec{ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: "list", Resource: "pods"}}
+	if !allowed("prometheus", metrics) {
+		t.Error("the bound ServiceAccount may not get /metrics")
+	}
+	if allowed("prometheus", pods) {
+		t.Error("the bound ServiceAccount may list pods")
+	}
+	if allowed("other", metrics) {
+		t.Error("a ServiceAccount without the binding may get /metrics")
+	}
 }
