@@ -1,7 +1,6 @@
 package app
 
 import (
-	"bytes"
 	"context"
 	"os"
 	"path/filepath"
@@ -27,14 +26,14 @@ import (
 // every profile sorts the queue with DeviceCountSort, and that every
 // configuration gives TopologyDRA's score the same weight.
 func TestShippedSchedulerConfigs(t *testing.T) {
-	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
+	shipped, err := manifests.FS.ReadFile("base/scheduler-config.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
 	configs := map[string][]byte{
-		"config/scheduler-config.yaml":  config.SchedulerConfig,
-		"config/multi-profile.yaml":     config.MultiProfileConfig,
-		"manifests/base/scheduler.yaml": embeddedSchedulerConfig(t, shipped),
+		"config/scheduler-config.yaml":         config.SchedulerConfig,
+		"config/multi-profile.yaml":            config.MultiProfileConfig,
+		"manifests/base/scheduler-config.yaml": shipped,
 	}
 	weights := map[string]int32{}
 	for name, cfg := range configs {
@@ -113,29 +112,4 @@ func TestShippedSchedulerConfigs(t *testing.T) {
 			t.Errorf("%s: TopologyDRA score weight %d, config/scheduler-config.yaml has %d", name, w, weights["config/scheduler-config.yaml"])
 		}
 	}
-}
-
-// embeddedSchedulerConfig returns the scheduler-config.yaml key of the
-// ConfigMap in manifests/base/scheduler.yaml.
-func embeddedSchedulerConfig(t *testing.T, manifest []byte) []byte {
-	t.Helper()
-	for _, doc := range splitDocs(manifest) {
-		var cm struct {
-			Kind string            `json:"kind"`
-			Data map[string]string `json:"data"`
-		}
-		if err := yaml.Unmarshal(doc, &cm); err == nil && cm.Kind == "ConfigMap" && cm.Data["scheduler-config.yaml"] != "" {
-			return []byte(cm.Data["scheduler-config.yaml"])
-		}
-	}
-	t.Fatal("no scheduler configuration in manifests/base/scheduler.yaml")
-	return nil
-}
-
-func splitDocs(data []byte) [][]byte {
-	var out [][]byte
-	for _, doc := range bytes.Split(data, []byte("\n---\n")) {
-		out = append(out, doc)
-	}
-	return out
 }

@@ -53,7 +53,7 @@ func writeConfig(t *testing.T, data string) string {
 }
 
 func TestCheckConfigFile(t *testing.T) {
-	shipped, err := manifests.FS.ReadFile("base/scheduler.yaml")
+	shipped, err := manifests.FS.ReadFile("base/scheduler-config.yaml")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,10 +62,10 @@ func TestCheckConfigFile(t *testing.T) {
 		wantErr  []string
 		wantWarn string
 	}{
-		"config/scheduler-config.yaml":  {config: string(config.SchedulerConfig)},
-		"config/multi-profile.yaml":     {config: string(config.MultiProfileConfig)},
-		"manifests/base/scheduler.yaml": {config: string(embeddedSchedulerConfig(t, shipped))},
-		"no TopologyDRA":                {config: configHeader + "profiles:\n- schedulerName: default-scheduler\n"},
+		"config/scheduler-config.yaml":         {config: string(config.SchedulerConfig)},
+		"config/multi-profile.yaml":            {config: string(config.MultiProfileConfig)},
+		"manifests/base/scheduler-config.yaml": {config: string(shipped)},
+		"no TopologyDRA":                       {config: configHeader + "profiles:\n- schedulerName: default-scheduler\n"},
 		"TopologyDRA beside DynamicResources": {
 			config:  bothDRAPlugins,
 			wantErr: []string{`profiles[0].plugins: Forbidden: profile "topodra-scheduler" enables both TopologyDRA and DynamicResources`, "disable DynamicResources in this profile"},
