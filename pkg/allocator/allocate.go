@@ -364,6 +364,13 @@ func (a *Allocator) requireBroken(ns *nodeState, infos []*claimInfo, results []r
 // plugin does and this package does not, so the node is rejected rather
 // than overcommitted.
 func nodeAllocatableMapped(ns *nodeState, claims []*resourceapi.ResourceClaim, results []resourceapi.AllocationResult) *Explanation {
+	mapped := false
+	for i := range ns.devices {
+		mapped = mapped || len(ns.devices[i].device.NodeAllocatableResources) > 0
+	}
+	if !mapped {
+		return nil
+	}
 	for ci := range results {
 		for k := range results[ci].Devices.Results {
 			r := &results[ci].Devices.Results[k]
