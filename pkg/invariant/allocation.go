@@ -6,7 +6,6 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
@@ -40,8 +39,8 @@ type requestSpec struct {
 	count     int64
 }
 
-// unjudged gathers why parts of claims were not judged for
-// AllocationMismatch, claims by reason (on one line: a CEL compile error
+// unjudged gathers why claims, or parts of them, were not judged for a
+// kind of violation, claims by reason (on one line: a CEL compile error
 // spans several).
 type unjudged map[string][]string
 
@@ -52,8 +51,9 @@ func (u unjudged) add(reason, claim string) {
 	}
 }
 
-// notes returns one line per reason, naming up to five of its claims.
-func (u unjudged) notes() []string {
+// notes returns one line per reason, naming up to five of its claims,
+// each line beginning with prefix.
+func (u unjudged) notes(prefix string) []string {
 	var out []string
 	for _, reason := range slices.Sorted(maps.Keys(u)) {
 		claims := u[reason]
@@ -62,7 +62,7 @@ func (u unjudged) notes() []string {
 		if len(claims) > 5 {
 			named += fmt.Sprintf(" and %d more", len(claims)-5)
 		}
-		out = append(out, fmt.Sprintf("%s not judged in part for %s: %s", AllocationMismatch, named, reason))
+		out = append(out, fmt.Sprintf("%s for %s: %s", prefix, named, reason))
 	}
 	return out
 }
@@ -114,7 +114,7 @@ func allocationMismatches(j judge, claims []*resourceapi.ResourceClaim, classes 
 			Message: fmt.Sprintf("claim %s is allocated %s, which its spec does not allow (its devices as published now): %s", name, allocatedDevices(c), strings.Join(problems, "; ")),
 		}})
 	}
-	return out, skipped.notes()
+	return out, skipped.notes(string(AllocationMismatch) + " not judged in part")
 }
 
 // claimMismatches returns what in the allocation of c breaks its spec;
@@ -195,24 +195,12 @@ func selectorMismatches(j judge, c *resourceapi.ResourceClaim, r resourceapi.Dev
 		// Not read; the report says so once.
 	case class == nil:
 		skip(fmt.Sprintf("DeviceClass %s does not exist (deleted since the allocation?), its selectors are not checked", spec.class))
-	case !classChanged(class).Before(c.CreationTimestamp.Time):
+	case !specChanged(class.ObjectMeta).Before(c.CreationTimestamp.Time):
 		skip(fmt.Sprintf("DeviceClass %s was changed after the claim was created, its selectors are not checked (the allocation may have been made with the earlier ones)", spec.class))
 	default:
 		problems = append(problems, unmatched(j, r, d, "DeviceClass "+spec.class, class.Spec.Selectors, skip)...)
 	}
 	return append(problems, unmatched(j, r, d, fmt.Sprintf("request %q", r.Request), spec.selectors, skip)...)
-}
-
-// classChanged is when class was last changed, as far as its metadata
-// tells: its creation or its latest managed-fields entry.
-func classChanged(class *resourceapi.DeviceClass) time.Time {
-	last := class.CreationTimestamp.Time
-	for _, f := range class.ManagedFields {
-		if f.Time != nil && f.Time.After(last) {
-			last = f.Time.Time
-		}
-	}
-	return last
 }
 
 // unmatched says which of selectors (of owner) device d of result r does

@@ -97,9 +97,12 @@ type Report struct {
 	// NotJudged says why a kind of violation, or part of one, was not
 	// looked for (at the last read): nodes that may not be listed leave
 	// PodClaimOnOtherNode unjudged, DeviceClasses that may not be listed
-	// the class selectors of AllocationMismatch; a selector that does
-	// not compile or evaluate, and the other parts that
-	// AllocationMismatch leaves unjudged, are named with their claims.
+	// the class selectors of AllocationMismatch, DeviceTaintRules that
+	// may not be listed their taints for UntoleratedDeviceTaint; a
+	// selector that does not compile or evaluate, the other parts that
+	// AllocationMismatch leaves unjudged, and untolerated taints whose
+	// age or the allocation's is not recorded, are named with their
+	// claims.
 	NotJudged []string
 }
 
@@ -133,7 +136,7 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 	return report.Violations, err
 }
 
-// CheckWith lists slices, device classes, nodes, and the claims and pods of all namespaces
+// CheckWith lists slices, device classes, device taint rules, nodes, and the claims and pods of all namespaces
 // and returns the violations among them. The lists are not one snapshot, and a
 // cluster changes while it is read: a pod may be bound or deleted between
 // two lists, a claim deallocated, a pool republished. So when the first
@@ -190,6 +193,9 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			}
 			if state.DeviceClassesUnread != nil {
 				r.NotJudged = append(r.NotJudged, fmt.Sprintf("%s: the selectors of DeviceClasses not checked: %v", AllocationMismatch, state.DeviceClassesUnread))
+			}
+			if state.DeviceTaintRulesUnread != nil {
+				r.NotJudged = append(r.NotJudged, fmt.Sprintf("%s: the taints of DeviceTaintRules not checked, only those of ResourceSlices (allow list on devicetaintrules.resource.k8s.io to check them): %v", UntoleratedDeviceTaint, state.DeviceTaintRulesUnread))
 			}
 			r.NotJudged = append(r.NotJudged, notes...)
 			return r, nil
@@ -326,6 +332,19 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 		s.DeviceClasses, s.DeviceClassesUnread = nil, fmt.Errorf("list device classes: %w", err)
 	case err != nil:
 		return State{}, fmt.Errorf("list device classes: %w", err)
+	}
+	s.DeviceTaintRules, err = listAll[resourceapi.DeviceTaintRule](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		return client.ResourceV1().DeviceTaintRules().List(ctx, opts)
+	})
+	switch {
+	case apierrors.IsForbidden(err), apierrors.IsNotFound(err):
+		// Rules serve UntoleratedDeviceTaint only, which still judges
+		// the taints of slices without them; the report says so. Not
+		// found: the API server does not serve resource.k8s.io/v1
+		// DeviceTaintRules (before Kubernetes 1.37).
+		s.DeviceTaintRules, s.DeviceTaintRulesUnread = nil, fmt.Errorf("list device taint rules: %w", err)
+	case err != nil:
+		return State{}, fmt.Errorf("list device taint rules: %w", err)
 	}
 	return s, nil
 }

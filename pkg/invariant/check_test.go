@@ -30,6 +30,9 @@ type fakeRead struct {
 	nodesErr error
 	// classesErr, if set, is the error of the read's device class list.
 	classesErr error
+	// rulesErr, if set, is the error of the read's device taint rule
+	// list.
+	rulesErr error
 }
 
 // fakeCluster is a client whose n-th read (pods, claims and slices listed
@@ -92,6 +95,13 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			for _, c := range classes {
 				items = append(items, c)
 			}
+		case "devicetaintrules":
+			if read.rulesErr != nil {
+				return true, nil, read.rulesErr
+			}
+			for _, r := range read.state.DeviceTaintRules {
+				items = append(items, r)
+			}
 		}
 		end := len(items)
 		var next string
@@ -130,6 +140,12 @@ func newFakeCluster(reads ...fakeRead) *fakeCluster {
 			l := &resourceapi.DeviceClassList{ListMeta: meta}
 			for _, o := range page {
 				l.Items = append(l.Items, *o.(*resourceapi.DeviceClass))
+			}
+			return true, l, nil
+		case "devicetaintrules":
+			l := &resourceapi.DeviceTaintRuleList{ListMeta: meta}
+			for _, o := range page {
+				l.Items = append(l.Items, *o.(*resourceapi.DeviceTaintRule))
 			}
 			return true, l, nil
 		}

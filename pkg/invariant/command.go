@@ -42,7 +42,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	interval := fs.Duration("interval", DefaultInterval, "The wait before each read after the first. More than 0.")
 	staleAfter := fs.Duration("stale-after", DefaultStaleAfter, "How long the pods of a claim reserved only for pods that are done or gone must have been so before it is reported (StaleReservation); until then it is noted on stderr. A pod that succeeded or failed counts from its containers' latest finishedAt (or its conditions' latest change), a pod deleted before it was bound from its deletionTimestamp; a pod that is gone, or records no such time, from the first read, so such a claim is reported only if the reads span this time (e.g. --reads 6 --interval 2m: five waits, 10m). The resourceclaim controller clears reservations at kube-controller-manager's client rate (20 QPS by default), which takes minutes after thousands of pods finish. 0: report once every read finds it.")
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, `Usage: topodra-check [flags]
+		fmt.Fprintf(stderr, `Usage: topodra-check [flags]
 
 Checks the DRA allocation invariants of a cluster: no device allocated twice
 (unless it allows multiple allocations and each is a share with a share ID),
@@ -55,10 +55,13 @@ the resourceclaim controller of kube-controller-manager is not cleaning
 up), no claim allocated devices that its spec does not allow (a request
 it does not have, more or fewer devices than a request's count, a device
 that does not match the selectors of its request or its DeviceClass,
-devices that break a matchAttribute constraint). A violation is reported
-only if a second read (--interval later) finds it again, and such a claim
-reserved for no one only if every read (--reads) does and its pods have
-been done for --stale-after. Noted on stderr, not reported: an allocated
+devices that break a matchAttribute constraint), no device allocated
+although it had, more than %s before the allocation, a NoSchedule or
+NoExecute taint (of its ResourceSlice or of a DeviceTaintRule) that the
+allocation does not tolerate. A violation is reported only if a second
+read (--interval later) finds it again, and such a claim reserved for no
+one only if every read (--reads) does and its pods have been done for
+--stale-after. Noted on stderr, not reported: an allocated
 device missing from a pool that its driver is still republishing,
 allocated devices of a pool without any ResourceSlice (the kubelet
 removes a node's slices when it starts and when a driver unregisters; a
@@ -70,12 +73,15 @@ cluster could not be read (the reason on stderr; if a re-read failed, the
 violations found so far are printed, marked unconfirmed). Needs list on
 resourceslices, and on pods and resourceclaims in all namespaces; without
 list on nodes, pods on another node than their claims' devices are not
-looked for, and without list on deviceclasses the selectors of classes
-are not checked (each noted on stderr). A selector that does not compile
-or evaluate, or a class changed after the claim was created, leaves that
-part of a claim unchecked (noted on stderr).
+looked for, without list on deviceclasses the selectors of classes are
+not checked, and without list on devicetaintrules only the taints of
+ResourceSlices are checked (each noted on stderr). A selector that does
+not compile or evaluate, or a class changed after the claim was created,
+leaves that part of a claim unchecked, and so does an untolerated taint
+where the taint or the allocation records no time (noted on stderr).
 
-Flags:`)
+Flags:
+`, AllocationLag)
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {

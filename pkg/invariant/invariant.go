@@ -8,7 +8,9 @@
 // names a device that no longer exists, no pod is bound while a claim
 // it uses is unallocated or reserved neither for it nor for its PodGroup,
 // no claim stays reserved only for pods that will not run, and no claim is
-// allocated devices that its spec does not allow. Allocations with admin
+// allocated devices that its spec does not allow, and no device is
+// allocated although it had a NoSchedule or NoExecute taint that the
+// allocation does not tolerate. Allocations with admin
 // access count for none of the device kinds, as for the upstream
 // allocator; they are judged against their claim's spec like any other.
 //
@@ -107,6 +109,18 @@ const (
 	// are all published; see allocationMismatches for what is not
 	// judged.
 	AllocationMismatch Kind = "AllocationMismatch"
+	// UntoleratedDeviceTaint: a claim is allocated a device that had,
+	// more than AllocationLag before the allocation's
+	// allocationTimestamp, a NoSchedule or NoExecute taint (of its
+	// ResourceSlice, as the newest generation of its pool publishes it,
+	// or of a DeviceTaintRule that selects it) that the tolerations of
+	// the allocation result do not tolerate. The upstream allocator never
+	// allocates such a device, and topodra keeps other schedulers off its
+	// devices with such a taint: the device may be in use twice.
+	// Allocations with admin access are judged too, as upstream. Not
+	// judged where the allocation or the taint records no time (see
+	// [Report.NotJudged]); a taint added after the allocation is legal.
+	UntoleratedDeviceTaint Kind = "UntoleratedDeviceTaint"
 )
 
 // Device identifies a device the way an allocation result does.
@@ -119,8 +133,8 @@ func (d Device) String() string { return d.Driver + "/" + d.Pool + "/" + d.Name 
 // Violation is one broken invariant.
 type Violation struct {
 	Kind Kind `json:"kind"`
-	// Device is set for DoubleAllocation, CapacityExceeded and
-	// VanishedDevice.
+	// Device is set for DoubleAllocation, CapacityExceeded,
+	// VanishedDevice and UntoleratedDeviceTaint.
 	Device *Device `json:"device,omitempty"`
 	// Counter is set for CounterExceeded, as
 	// driver/pool/counterSet/counter.
@@ -154,6 +168,12 @@ type State struct {
 	// DeviceClassesUnread, when set, is why DeviceClasses could not be
 	// read: the selectors of classes are not judged then.
 	DeviceClassesUnread error
+	// DeviceTaintRules are needed for UntoleratedDeviceTaint only, for
+	// the taints they add.
+	DeviceTaintRules []*resourceapi.DeviceTaintRule
+	// DeviceTaintRulesUnread, when set, is why DeviceTaintRules could not
+	// be read: only the taints of ResourceSlices are judged then.
+	DeviceTaintRulesUnread error
 }
 
 // Find returns the violations in s, sorted by kind, then device, counter
@@ -214,6 +234,9 @@ func find(j judge, s State) ([]finding, []string) {
 	}
 	mismatches, notes := allocationMismatches(j, s.Claims, classes, pools)
 	out = append(out, mismatches...)
+	untolerated, taintNotes := untoleratedTaints(s.Claims, s.DeviceTaintRules, pools)
+	out = append(out, untolerated...)
+	notes = append(notes, taintNotes...)
 	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes) {
 		out = append(out, finding{Violation: v})
 	}
