@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -28,6 +29,9 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/component-base/featuregate"
 	logsapi "k8s.io/component-base/logs/api/v1"
+	"k8s.io/component-base/metrics"
+	"k8s.io/component-base/metrics/legacyregistry"
+	_ "k8s.io/component-base/metrics/prometheus/clientgo" // client-go's metrics (REST requests, work queues) in legacyregistry
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 	"sigs.k8s.io/yaml"
@@ -126,7 +130,7 @@ the command line wins.`,
 	fs.StringSliceVar(&o.disabledCDIHooks, "disabled-cdi-hooks", nil, "nvidia-cdi-hook subcommands to leave out of the CDI specs, for a node whose NVIDIA Container Toolkit is older than they need: "+hookVersions()+"; 'all' leaves out every hook. A container with a GPU fails to start where the node's nvidia-cdi-hook is older than 1.18.0 and lacks a hook of its spec (1.18.0 and later skip such a hook with a warning).")
 	fs.BoolVar(&o.createDeviceNodes, "create-device-nodes", true, "Before Prepare of real GPUs writes a CDI spec, create the NVIDIA device nodes that a GPU's containers need and the node lacks (/dev/nvidiactl, the GPU's /dev/nvidia<minor>, /dev/nvidia-uvm and /dev/nvidia-uvm-tools), where their kernel module is loaded, as nvidia-modprobe does: in the device root mounted from the node (see --container-dev-root; never in this container's own /dev). Without them Prepare fails (see --uvm), saying what to do on the node, in the pod's events and in a "+agent.ReasonDeviceNodeMissing+" Warning event on the Node; the kubelet's next try picks them up once they are there. --dry-run never creates them.")
 	fs.StringVar(&o.uvm, "uvm", string(cdi.UVMRequire), "Whether Prepare of real GPUs requires /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without which CUDA cannot start in a container (cuInit error 999): 'require' fails Prepare while they are missing (where --create-device-nodes could not create them: the nvidia-uvm module is not loaded); 'optional' prepares GPUs without them, for containers that do not use CUDA.")
-	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). Empty disables them.")
+	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). /metrics there serves the agent's metrics (topodra_agent_*) in the Prometheus format. Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
 	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
 	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", "", "Directory of the DRA plugin socket. Empty: <kubelet-dir>/plugins/"+topology.DriverName+".")
@@ -368,7 +372,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return err
 	}
 	if o.healthAddress != "" {
-		stopHealth, err := serveHealth(ctx, o.healthAddress, a)
+		stopHealth, err := serveHealth(ctx, o.healthAddress, a, metricsHandler(a))
 		if err != nil {
 			a.Stop()
 			return err
@@ -489,8 +493,8 @@ type prober interface {
 }
 
 // healthHandler serves /healthz from Live and /readyz from Ready: 200 "ok",
-// or 503 with the reason.
-func healthHandler(p prober) http.Handler {
+// or 503 with the reason; and /metrics from metrics, where that is not nil.
+func healthHandler(p prober, metrics http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	probe := func(check func() error) http.HandlerFunc {
 		return func(w http.ResponseWriter, _ *http.Request) {
@@ -503,16 +507,29 @@ func healthHandler(p prober) http.Handler {
 	}
 	mux.Handle("/healthz", probe(p.Live))
 	mux.Handle("/readyz", probe(p.Ready))
+	if metrics != nil {
+		mux.Handle("/metrics", metrics)
+	}
 	return mux
 }
 
+// metricsHandler serves the metrics of the process (legacyregistry: Go
+// runtime, process, client-go) and those of the agent a
+// (agent.Agent.MetricsCollector), which a registry of its own holds, so
+// that nothing registers an agent's metrics globally.
+func metricsHandler(a *agent.Agent) http.Handler {
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+	return metrics.HandlerFor(prometheus.Gatherers{legacyregistry.DefaultGatherer, registry}, metrics.HandlerOpts{})
+}
+
 // serveHealth listens on address until the returned function is called.
-func serveHealth(ctx context.Context, address string, p prober) (func(), error) {
+func serveHealth(ctx context.Context, address string, p prober, metrics http.Handler) (func(), error) {
 	listener, err := net.Listen("tcp", address)
 	if err != nil {
 		return nil, fmt.Errorf("--health-address: %w", err)
 	}
-	server := &http.Server{Handler: healthHandler(p), ReadHeaderTimeout: 5 * time.Second}
+	server := &http.Server{Handler: healthHandler(p, metrics), ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		if err := server.Serve(listener); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			klog.FromContext(ctx).Error(err, "health endpoint failed")

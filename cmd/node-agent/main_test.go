@@ -326,7 +326,7 @@ func TestHealthEndpoints(t *testing.T) {
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
 			rec := httptest.NewRecorder()
-			healthHandler(tc.prober).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, tc.path, nil))
+			healthHandler(tc.prober, nil).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, tc.path, nil))
 			if rec.Code != tc.wantStatus || !strings.Contains(rec.Body.String(), tc.wantBody) {
 				t.Errorf("status %d body %q, want %d containing %q", rec.Code, rec.Body.String(), tc.wantStatus, tc.wantBody)
 			}

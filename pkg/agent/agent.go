@@ -46,6 +46,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -303,6 +304,14 @@ type Agent struct {
 
 	// publishMutex keeps publish calls in order.
 	publishMutex sync.Mutex
+
+	// preparedClaims and staleClaims are the numbers of prepared claims
+	// and of those found gone (MetricPreparedClaims,
+	// MetricStalePreparedClaims) as the checkpoint had them when it was
+	// last read at start or written; prepareErrors counts the claims
+	// that Prepare did not prepare (MetricPrepareErrors).
+	preparedClaims, staleClaims atomic.Int64
+	prepareErrors               prepareErrorCounts
 
 	// mutex guards the fields below.
 	mutex     sync.Mutex

@@ -94,7 +94,16 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 //
 // Per-claim problems are per-claim errors; an unreadable or unwritable
 // checkpoint fails the whole call so that the kubelet retries.
+//
+// Every claim that it does not prepare counts in MetricPrepareErrors.
 func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	result, err := a.prepareClaims(ctx, claims)
+	a.countPrepareErrors(claims, result, err)
+	return result, err
+}
+
+// prepareClaims is PrepareResourceClaims without the counting.
+func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	if a.store == nil {
 		return nil, ErrNoState
 	}
@@ -233,7 +242,11 @@ func (a *Agent) updateCheckpoint(update func(cp *checkpoint.Checkpoint)) error {
 		return err
 	}
 	update(cp)
-	return a.store.Save(cp)
+	if err := a.store.Save(cp); err != nil {
+		return err
+	}
+	a.recordClaimCounts(cp)
+	return nil
 }
 
 // saveClaims writes the prepared claims and what claims held before the

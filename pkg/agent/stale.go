@@ -53,6 +53,7 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	}
 	boot := a.bootID(ctx)
 	if boot == "" || cp.BootID == boot {
+		a.recordClaimCounts(cp)
 		return nil
 	}
 	if cp.BootID != "" {
@@ -73,7 +74,11 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 		cp.Gone = nil
 	}
 	cp.BootID = boot
-	return a.store.Save(cp)
+	if err := a.store.Save(cp); err != nil {
+		return err
+	}
+	a.recordClaimCounts(cp)
+	return nil
 }
 
 // DefaultStaleClaimGrace is the default of [Options.StaleClaimGrace].

@@ -1,0 +1,228 @@
+package agent
+
+import (
+	"errors"
+	"sync/atomic"
+
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/component-base/metrics"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
+)
+
+// Metric names of [Agent.MetricsCollector]. Every metric is node-local
+// and bounded: no claim, pod or device labels.
+const (
+	// MetricNVMLUsable (gauge) is 0 while the agent cannot use NVML
+	// (see [Agent.NVMLUnusable]), 1 otherwise.
+	MetricNVMLUsable = "topodra_agent_nvml_usable"
+	// MetricGPUs (gauge) counts GPUs by state (label "state", see the
+	// GPUState constants). The states overlap: unhealthy and unwatched
+	// GPUs are published too (unless an unhealthy GPU is missing from
+	// discovery).
+	MetricGPUs = "topodra_agent_gpus"
+	// MetricPreparedClaims (gauge) counts the prepared claims in the
+	// checkpoint.
+	MetricPreparedClaims = "topodra_agent_prepared_claims"
+	// MetricStalePreparedClaims (gauge) counts the prepared claims that
+	// the API server no longer has, or has without an allocation, and
+	// that keep their GPUs until the kubelet unprepares them or
+	// Options.StaleClaimGrace ends (see CleanupStaleClaims).
+	MetricStalePreparedClaims = "topodra_agent_stale_prepared_claims"
+	// MetricPrepareErrors (counter) counts the claims that a Prepare call
+	// did not prepare, by reason (label "reason", see the PrepareError
+	// constants). A call that fails as a whole counts each of its claims.
+	MetricPrepareErrors = "topodra_agent_prepare_errors_total"
+)
+
+// Values of the "state" label of MetricGPUs.
+const (
+	// GPUStatePublished: devices in the pool the agent publishes.
+	GPUStatePublished = "published"
+	// GPUStateUnhealthy: GPUs that reported a critical fault during this
+	// boot; they carry HealthTaintKey.
+	GPUStateUnhealthy = "unhealthy"
+	// GPUStateUnwatched: published GPUs without a fault whose health is
+	// not watched: the kubelet gets their health as Unknown, and an XID
+	// does not taint them.
+	GPUStateUnwatched = "unwatched"
+	// GPUStateNotPublished: GPUs that NVML finds and the agent does not
+	// publish (ReasonGPUNotPublished).
+	GPUStateNotPublished = "not_published"
+)
+
+// Values of the "reason" label of MetricPrepareErrors.
+const (
+	PrepareErrorDeviceInUse       = "device_in_use"       // ErrDeviceInUse
+	PrepareErrorClaimBusy         = "claim_busy"          // ErrClaimBusy
+	PrepareErrorUnhealthyDevice   = "unhealthy_device"    // ErrDeviceUnhealthy
+	PrepareErrorGPUMoved          = "gpu_moved"           // ErrGPUMoved
+	PrepareErrorDeviceNodeMissing = "device_node_missing" // cdi.ErrMissingDeviceNode
+	PrepareErrorOther             = "other"
+)
+
+// prepareErrorReasons are the values of the "reason" label, in the order
+// of Agent.prepareErrors.
+var prepareErrorReasons = [...]string{
+	PrepareErrorDeviceInUse,
+	PrepareErrorClaimBusy,
+	PrepareErrorUnhealthyDevice,
+	PrepareErrorGPUMoved,
+	PrepareErrorDeviceNodeMissing,
+	PrepareErrorOther,
+}
+
+// prepareErrorCounts counts failed claims by the index of their reason in
+// prepareErrorReasons.
+type prepareErrorCounts [len(prepareErrorReasons)]atomic.Uint64
+
+// prepareErrorIndex is the index in prepareErrorReasons of err's reason.
+func prepareErrorIndex(err error) int {
+	var reason string
+	switch {
+	case errors.Is(err, ErrDeviceInUse):
+		reason = PrepareErrorDeviceInUse
+	case errors.Is(err, ErrClaimBusy):
+		reason = PrepareErrorClaimBusy
+	case errors.Is(err, ErrDeviceUnhealthy):
+		reason = PrepareErrorUnhealthyDevice
+	case errors.Is(err, ErrGPUMoved):
+		reason = PrepareErrorGPUMoved
+	case errors.Is(err, cdi.ErrMissingDeviceNode):
+		reason = PrepareErrorDeviceNodeMissing
+	default:
+		reason = PrepareErrorOther
+	}
+	for i, r := range prepareErrorReasons {
+		if r == reason {
+			return i
+		}
+	}
+	return len(prepareErrorReasons) - 1
+}
+
+// countPrepareErrors counts the claims of a Prepare call that were not
+// prepared: all of them where the call failed (err), otherwise those
+// whose result has an error.
+func (a *Agent) countPrepareErrors(claims []*resourceapi.ResourceClaim, result map[types.UID]kubeletplugin.PrepareResult, err error) {
+	for _, claim := range claims {
+		e := err
+		if e == nil {
+			e = result[claim.UID].Err
+		}
+		if e != nil {
+			a.prepareErrors[prepareErrorIndex(e)].Add(1)
+		}
+	}
+}
+
+// recordClaimCounts keeps the number of prepared claims and of those
+// found gone, as the checkpoint cp that was just read or written has them.
+func (a *Agent) recordClaimCounts(cp *checkpoint.Checkpoint) {
+	a.preparedClaims.Store(int64(len(cp.Claims)))
+	gone := 0
+	for uid := range cp.Gone {
+		if _, ok := cp.Claims[uid]; ok {
+			gone++
+		}
+	}
+	a.staleClaims.Store(int64(gone))
+}
+
+// metricsState is what the gauges report, read at once.
+type metricsState struct {
+	nvmlUsable                                    bool
+	published, unhealthy, unwatched, notPublished int
+}
+
+func (a *Agent) readMetricsState() metricsState {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	s := metricsState{
+		nvmlUsable:   a.nvmlUnusable == nil,
+		unhealthy:    len(a.faults),
+		notPublished: len(a.inventory.Skipped),
+	}
+	if !a.holdPublishing {
+		s.published = len(a.inventory.GPUs)
+	}
+	for _, g := range a.inventory.GPUs {
+		if _, faulty := a.faults[g.UUID]; faulty {
+			continue
+		}
+		if _, unwatched := a.unwatched[g.UUID]; a.health == nil || !a.healthActive || unwatched {
+			s.unwatched++
+		}
+	}
+	return s
+}
+
+// MetricsCollector returns a collector of the agent's metrics (the Metric
+// constants), read from the agent's state at each scrape. The metrics
+// carry no node label: register the collector in a registry that serves
+// one agent (the node agent command does, beside the process's
+// legacyregistry), never in a registry that several agents of one
+// process share. Each call returns a new collector.
+func (a *Agent) MetricsCollector() metrics.StableCollector {
+	return &collector{
+		agent: a,
+		nvmlUsable: metrics.NewDesc(MetricNVMLUsable,
+			"1 while the node agent can use NVML, 0 while it cannot: GPUs cannot be prepared for new claims then and carry the "+NVMLUnusableTaintKey+" taint (after a driver upgrade: reboot the node).",
+			nil, nil, metrics.ALPHA, ""),
+		gpus: metrics.NewDesc(MetricGPUs,
+			"GPUs of the node by state: published (in the agent's pool), unhealthy (critical fault during this boot, tainted "+HealthTaintKey+"), unwatched (published, no fault, health not watched: Unknown to the kubelet), not_published (found by NVML, not published). States overlap.",
+			[]string{"state"}, nil, metrics.ALPHA, ""),
+		prepared: metrics.NewDesc(MetricPreparedClaims,
+			"ResourceClaims prepared on the node (in the agent's checkpoint).",
+			nil, nil, metrics.ALPHA, ""),
+		stale: metrics.NewDesc(MetricStalePreparedClaims,
+			"Prepared ResourceClaims that the API server no longer has, or has without an allocation: their GPUs stay reserved until the kubelet unprepares them or --stale-claim-grace ends (see the Node's "+ReasonPreparedClaimGone+" events).",
+			nil, nil, metrics.ALPHA, ""),
+		prepareErrors: metrics.NewDesc(MetricPrepareErrors,
+			"ResourceClaims that a Prepare call did not prepare, by reason: device_in_use, claim_busy, unhealthy_device, gpu_moved, device_node_missing, other. The kubelet retries; the pod's events and the node agent's log say why.",
+			[]string{"reason"}, nil, metrics.ALPHA, ""),
+	}
+}
+
+// collector is the metrics.StableCollector of one Agent.
+type collector struct {
+	metrics.BaseStableCollector
+	agent                                            *Agent
+	nvmlUsable, gpus, prepared, stale, prepareErrors *metrics.Desc
+}
+
+var _ metrics.StableCollector = &collector{}
+
+// DescribeWithStability implements metrics.StableCollector.
+func (c *collector) DescribeWithStability(ch chan<- *metrics.Desc) {
+	for _, d := range []*metrics.Desc{c.nvmlUsable, c.gpus, c.prepared, c.stale, c.prepareErrors} {
+		ch <- d
+	}
+}
+
+// CollectWithStability implements metrics.StableCollector.
+func (c *collector) CollectWithStability(ch chan<- metrics.Metric) {
+	a := c.agent
+	s := a.readMetricsState()
+	usable := 0.0
+	if s.nvmlUsable {
+		usable = 1
+	}
+	ch <- metrics.NewLazyConstMetric(c.nvmlUsable, metrics.GaugeValue, usable)
+	for state, n := range map[string]int{
+		GPUStatePublished:    s.published,
+		GPUStateUnhealthy:    s.unhealthy,
+		GPUStateUnwatched:    s.unwatched,
+		GPUStateNotPublished: s.notPublished,
+	} {
+		ch <- metrics.NewLazyConstMetric(c.gpus, metrics.GaugeValue, float64(n), state)
+	}
+	ch <- metrics.NewLazyConstMetric(c.prepared, metrics.GaugeValue, float64(a.preparedClaims.Load()))
+	ch <- metrics.NewLazyConstMetric(c.stale, metrics.GaugeValue, float64(a.staleClaims.Load()))
+	for i, reason := range prepareErrorReasons {
+		ch <- metrics.NewLazyConstMetric(c.prepareErrors, metrics.CounterValue, float64(a.prepareErrors[i].Load()), reason)
+	}
+}

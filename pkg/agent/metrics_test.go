@@ -1,0 +1,146 @@
+package agent_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/component-base/metrics"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/topodra/topodra/pkg/agent"
+)
+
+// agentMetrics gathers the agent's metrics through a registry of their
+// own, as "name{label="value"}" → value.
+func agentMetrics(t *testing.T, registry metrics.KubeRegistry) map[string]float64 {
+	t.Helper()
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatalf("gather: %v", err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			key := f.GetName()
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, fmt.Sprintf("%s=%q", l.GetName(), l.GetValue()))
+			}
+			if len(labels) > 0 {
+				key += "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.GetGauge() != nil:
+				out[key] = m.GetGauge().GetValue()
+			case m.GetCounter() != nil:
+				out[key] = m.GetCounter().GetValue()
+			}
+		}
+	}
+	return out
+}
+
+// expectMetrics fails unless the metrics have the wanted values, polling
+// for up to 30 s (health faults arrive in the background).
+func expectMetrics(ctx context.Context, t *testing.T, registry metrics.KubeRegistry, want map[string]float64) {
+	t.Helper()
+	var got map[string]float64
+	err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		got = agentMetrics(t, registry)
+		for k, v := range want {
+			if g, ok := got[k]; !ok || g != v {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		var diff []string
+		for _, k := range slices.Sorted(maps.Keys(want)) {
+			if g, ok := got[k]; !ok || g != want[k] {
+				diff = append(diff, fmt.Sprintf("%s = %v (reported: %v), want %v", k, g, ok, want[k]))
+			}
+		}
+		t.Fatalf("metrics: %s", strings.Join(diff, "; "))
+	}
+}
+
+// TestMetrics: the agent's collector reports the GPUs by state, the
+// prepared claims and, by reason, the claims that Prepare refused; a GPU
+// fault moves a GPU to unhealthy.
+func TestMetrics(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	a, _, e := startRecorded(ctx, t, 100)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+	waitForHealthReport(ctx, t, a, "GPUs watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
+		return h["gpu-4"].Health == kubeletplugin.HealthStatusHealthy && h["gpu-5"].Health == kubeletplugin.HealthStatusHealthy
+	})
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricNVMLUsable:                                       1,
+		agent.MetricGPUs + `{state="published"}`:                     8,
+		agent.MetricGPUs + `{state="unhealthy"}`:                     0,
+		agent.MetricGPUs + `{state="unwatched"}`:                     0,
+		agent.MetricGPUs + `{state="not_published"}`:                 0,
+		agent.MetricPreparedClaims:                                   0,
+		agent.MetricStalePreparedClaims:                              0,
+		agent.MetricPrepareErrors + `{reason="device_in_use"}`:       0,
+		agent.MetricPrepareErrors + `{reason="unhealthy_device"}`:    0,
+		agent.MetricPrepareErrors + `{reason="other"}`:               0,
+		agent.MetricPrepareErrors + `{reason="device_node_missing"}`: 0,
+	})
+
+	first := claim("first", gpus("gpus", "gpu-4")...)
+	if err := prepareOne(ctx, t, a, first); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	second := claim("second", gpus("gpus", "gpu-4")...)
+	if err := prepareOne(ctx, t, a, second); !errors.Is(err, agent.ErrDeviceInUse) {
+		t.Fatalf("prepare of a second claim on gpu-4: %v, want ErrDeviceInUse", err)
+	}
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricPreparedClaims:                             1,
+		agent.MetricPrepareErrors + `{reason="device_in_use"}`: 1,
+		agent.MetricPrepareErrors + `{reason="other"}`:         0,
+	})
+
+	injectXIDOnceWatched(ctx, t, e, 5, 79)
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricGPUs + `{state="published"}`: 8,
+		agent.MetricGPUs + `{state="unhealthy"}`: 1,
+	})
+	late := claim("late", gpus("gpus", "gpu-5")...)
+	if err := prepareOne(ctx, t, a, late); !errors.Is(err, agent.ErrDeviceUnhealthy) {
+		t.Fatalf("prepare of a claim on the faulty gpu-5: %v, want ErrDeviceUnhealthy", err)
+	}
+	unprepareOne(ctx, t, a, first)
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricPreparedClaims:                                0,
+		agent.MetricPrepareErrors + `{reason="device_in_use"}`:    1,
+		agent.MetricPrepareErrors + `{reason="unhealthy_device"}`: 1,
+	})
+}
+
+// TestMetricsPerAgent: two agents in one process (a simulator) each
+// report their own values through their own collectors.
+func TestMetricsPerAgent(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	a := newEnv(t).start(ctx, t)
+	b := newEnv(t).start(ctx, t)
+	ra, rb := metrics.NewKubeRegistry(), metrics.NewKubeRegistry()
+	ra.CustomMustRegister(a.MetricsCollector())
+	rb.CustomMustRegister(b.MetricsCollector())
+	if err := prepareOne(ctx, t, a, claim("only-on-a", gpus("gpus", "gpu-0")...)); err != nil {
+		t.Fatal(err)
+	}
+	expectMetrics(ctx, t, ra, map[string]float64{agent.MetricPreparedClaims: 1})
+	expectMetrics(ctx, t, rb, map[string]float64{agent.MetricPreparedClaims: 0})
+}
