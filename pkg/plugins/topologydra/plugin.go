@@ -56,6 +56,10 @@ type TopologyDRA struct {
 	// WholeNodeTradeWhileWaiting nor DrainTrade makes scoring look at
 	// pending pods.
 	pending *pendingIndex
+	// rootPairs holds the claims that need devices of several classes on
+	// one PCIe root; nil without an informer factory (then PreScore lists
+	// the claim cache).
+	rootPairs *rootPairClaims
 	// bindClock times the bindings of pods for AgeWeight; nil without it.
 	bindClock  *bindClock
 	features   structured.Features
@@ -198,6 +202,11 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
+		rootPairs := newRootPairClaims()
+		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(rootPairs.handler()); err != nil {
+			return nil, fmt.Errorf("watch claims: %w", err)
+		}
+		pl.rootPairs = rootPairs
 		if _, err := f.Resource().V1().ResourceSlices().Informer().AddEventHandler(forgetSlices(pl.cache)); err != nil {
 			return nil, fmt.Errorf("watch slices: %w", err)
 		}

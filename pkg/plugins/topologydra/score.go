@@ -6,11 +6,14 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -74,7 +77,7 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 		// node still comes last within its rank.
 		s.scorePolicy.DrainTrade = 0
 	}
-	s.sparesNICs = wholeNode && pl.policy.Packing && pl.policy.NICRootTrade > 0 && nicRootPairsWanted(pl.draManager.ResourceClaims().List)
+	s.sparesNICs = wholeNode && pl.policy.Packing && pl.policy.NICRootTrade > 0 && pl.rootPairsWanted()
 	s.nicReserve = nicReserve{}
 	if pl.policy.Packing && pl.nicReservePercent > 0 {
 		s.nicReserve = nicReserveOf(s, nodes, pl.nicReservePercent)
@@ -106,34 +109,101 @@ func nicRootPairsWanted(list func() ([]*resourceapi.ResourceClaim, error)) bool 
 	if err != nil {
 		return false
 	}
-	for _, c := range claims {
-		for _, con := range c.Spec.Devices.Constraints {
-			if con.MatchAttribute == nil || *con.MatchAttribute != resourceapi.FullyQualifiedName(topology.AttrPCIeRoot) {
+	return slices.ContainsFunc(claims, wantsRootPair)
+}
+
+// wantsRootPair reports whether the claim needs devices of two or more
+// device classes on one PCIe root (see nicRootPairsWanted).
+func wantsRootPair(c *resourceapi.ResourceClaim) bool {
+	for _, con := range c.Spec.Devices.Constraints {
+		if con.MatchAttribute == nil || *con.MatchAttribute != resourceapi.FullyQualifiedName(topology.AttrPCIeRoot) {
+			continue
+		}
+		var class string
+		for _, r := range c.Spec.Devices.Requests {
+			if len(con.Requests) > 0 && !slices.Contains(con.Requests, r.Name) {
 				continue
 			}
-			var class string
-			for _, r := range c.Spec.Devices.Requests {
-				if len(con.Requests) > 0 && !slices.Contains(con.Requests, r.Name) {
-					continue
-				}
-				var classes []string
-				if r.Exactly != nil {
-					classes = append(classes, r.Exactly.DeviceClassName)
-				}
-				for _, sub := range r.FirstAvailable {
-					classes = append(classes, sub.DeviceClassName)
-				}
-				for _, cl := range classes {
-					if class == "" {
-						class = cl
-					} else if cl != class {
-						return true
-					}
+			var classes []string
+			if r.Exactly != nil {
+				classes = append(classes, r.Exactly.DeviceClassName)
+			}
+			for _, sub := range r.FirstAvailable {
+				classes = append(classes, sub.DeviceClassName)
+			}
+			for _, cl := range classes {
+				if class == "" {
+					class = cl
+				} else if cl != class {
+					return true
 				}
 			}
 		}
 	}
 	return false
+}
+
+// rootPairClaims is the set of claims that need devices of several
+// classes on one PCIe root (wantsRootPair), kept by the claim informer's
+// events, so that PreScore need not list every claim of the cluster to
+// know whether there is one. A claim's spec does not change. Safe for
+// concurrent use.
+type rootPairClaims struct {
+	mu   sync.Mutex
+	uids sets.Set[types.UID]
+}
+
+func newRootPairClaims() *rootPairClaims { return &rootPairClaims{uids: sets.New[types.UID]()} }
+
+// any reports whether there is such a claim.
+func (r *rootPairClaims) any() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.uids.Len() > 0
+}
+
+func (r *rootPairClaims) handler() cache.ResourceEventHandler {
+	add := func(obj any) {
+		if c, ok := obj.(*resourceapi.ResourceClaim); ok && wantsRootPair(c) {
+			r.mu.Lock()
+			r.uids.Insert(c.UID)
+			r.mu.Unlock()
+		}
+	}
+	remove := func(obj any) {
+		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = tomb.Obj
+		}
+		if c, ok := obj.(*resourceapi.ResourceClaim); ok {
+			r.mu.Lock()
+			r.uids.Delete(c.UID)
+			r.mu.Unlock()
+		}
+	}
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc: add,
+		UpdateFunc: func(oldObj, obj any) {
+			// Another claim under the name: deleted and created again
+			// while the informer listed anew.
+			if old, ok := oldObj.(*resourceapi.ResourceClaim); ok {
+				if c, ok := obj.(*resourceapi.ResourceClaim); ok && c.UID != old.UID {
+					remove(old)
+				}
+			}
+			add(obj)
+		},
+		DeleteFunc: remove,
+	}
+}
+
+// rootPairsWanted reports whether some claim needs devices of several
+// classes on one PCIe root: from the claim informer's events where the
+// plugin has them, else from the claim cache.
+func (pl *TopologyDRA) rootPairsWanted() bool {
+	if pl.rootPairs != nil {
+		return pl.rootPairs.any()
+	}
+	return nicRootPairsWanted(pl.draManager.ResourceClaims().List)
 }
 
 // nicReserve is, for one pod, how many of the devices of the pod's own

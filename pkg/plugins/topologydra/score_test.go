@@ -123,6 +123,36 @@ func TestNICRootPairsWanted(t *testing.T) {
 	}
 }
 
+// TestRootPairClaimsFollowEvents: the plugin knows from the claim
+// informer's events whether some claim wants a GPU and a NIC on one PCIe
+// root: yes while one exists, no once it is deleted or where claims ask
+// for nothing of the kind.
+func TestRootPairClaimsFollowEvents(t *testing.T) {
+	root := ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))
+	pair := testClaim("pair", 1)
+	nic := pair.Spec.Devices.Requests[0].DeepCopy()
+	nic.Name, nic.Exactly.DeviceClassName = "nic", "nic"
+	pair.Spec.Devices.Requests = append(pair.Spec.Devices.Requests, *nic)
+	pair.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: root}}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testClaim("plain", 1), pair)
+	if h.pl.rootPairs == nil {
+		t.Fatal("the plugin keeps no set of such claims")
+	}
+	wantsPair := func(want bool) {
+		t.Helper()
+		if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			return h.pl.rootPairsWanted() == want, nil
+		}); err != nil {
+			t.Fatalf("root pairs wanted: %v, want %v", !want, want)
+		}
+	}
+	wantsPair(true)
+	if err := h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, "pair", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	wantsPair(false)
+}
+
 // TestWaitingWholeNodePodDrainsThroughScore: PreScore reads the pending
 // whole-node pods and Score applies the drain: with an 8-GPU pod waiting,
 // the node closest to free is draining and a 1-GPU pod scores lower there
