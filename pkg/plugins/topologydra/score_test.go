@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
@@ -125,8 +126,9 @@ func TestNICRootPairsWanted(t *testing.T) {
 
 // TestRootPairClaimsFollowEvents: the plugin knows from the claim
 // informer's events whether some claim wants a GPU and a NIC on one PCIe
-// root: yes while one exists, no once it is deleted or where claims ask
-// for nothing of the kind.
+// root: yes while one exists, no once it is deleted (also as a tombstone,
+// or replaced under its name by another claim) or where claims ask for
+// nothing of the kind.
 func TestRootPairClaimsFollowEvents(t *testing.T) {
 	root := ptr.To(resourceapi.FullyQualifiedName(topology.AttrPCIeRoot))
 	pair := testClaim("pair", 1)
@@ -134,23 +136,39 @@ func TestRootPairClaimsFollowEvents(t *testing.T) {
 	nic.Name, nic.Exactly.DeviceClassName = "nic", "nic"
 	pair.Spec.Devices.Requests = append(pair.Spec.Devices.Requests, *nic)
 	pair.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: root}}
-	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testClaim("plain", 1), pair)
-	if h.pl.rootPairs == nil {
-		t.Fatal("the plugin keeps no set of such claims")
+	pair.UID = "pair-1"
+	plain := testClaim("plain", 1)
+	plain.UID = "plain-1"
+
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), plain, pair)
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return h.pl.rootPairs != nil && h.pl.rootPairsWanted(), nil
+	}); err != nil {
+		t.Fatal("the plugin's claim informer never told it of the claim that wants a root pair")
 	}
-	wantsPair := func(want bool) {
-		t.Helper()
-		if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-			return h.pl.rootPairsWanted() == want, nil
-		}); err != nil {
-			t.Fatalf("root pairs wanted: %v, want %v", !want, want)
+
+	r := newRootPairClaims()
+	events := r.handler()
+	replaced := plain.DeepCopy()
+	replaced.Name = "pair"
+	for _, step := range []struct {
+		what string
+		do   func()
+		want bool
+	}{
+		{"a plain claim added", func() { events.OnAdd(plain, true) }, false},
+		{"a pair claim added", func() { events.OnAdd(pair, true) }, true},
+		{"its status updated", func() { events.OnUpdate(pair, pair.DeepCopy()) }, true},
+		{"replaced under its name by a plain claim", func() { events.OnUpdate(pair, replaced) }, false},
+		{"added again", func() { events.OnAdd(pair, false) }, true},
+		{"deleted as a tombstone", func() { events.OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/pair", Obj: pair}) }, false},
+		{"added, then deleted", func() { events.OnAdd(pair, false); events.OnDelete(pair) }, false},
+	} {
+		step.do()
+		if got := r.any(); got != step.want {
+			t.Errorf("%s: root pairs wanted %v, want %v", step.what, got, step.want)
 		}
 	}
-	wantsPair(true)
-	if err := h.client.ResourceV1().ResourceClaims(testNS).Delete(h.tCtx, "pair", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	wantsPair(false)
 }
 
 // TestWaitingWholeNodePodDrainsThroughScore: PreScore reads the pending
