@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -137,6 +138,9 @@ func (o *Options) progressf(format string, args ...any) {
 // tears the cluster down again (scheduler, agents, claim controller and
 // informers before the apiserver).
 func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workload, sched string) (res *Result, topo []NodeTopology, err error) {
+	// The garbage of the run before (its cluster, scheduler and agents)
+	// is collected now, not while this run is measured.
+	debug.FreeOSMemory()
 	start := time.Now()
 	logger := klog.FromContext(ctx).WithName(sched)
 	ctx, cancel := context.WithCancel(klog.NewContext(ctx, logger))
@@ -254,7 +258,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 	if sched == SchedulerTopodra {
-		percent, whole, err := headroomArgs(schedOpts.Config)
+		percent, whole, err := headroomArgs(schedOpts.Config, schedulerName)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -589,13 +593,16 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 	return nil
 }
 
-// headroomArgs are the largest smallPodHeadroomPercent among the
-// TopologyDRA args of a KubeSchedulerConfiguration's profiles, and that
-// profile's wholeNodeDevices, defaults applied where a profile sets none.
-func headroomArgs(config []byte) (percent int32, whole int, err error) {
+// headroomArgs are the smallPodHeadroomPercent and wholeNodeDevices of
+// the TopologyDRA args of the profile named schedulerName in a
+// KubeSchedulerConfiguration, defaults applied where it sets none (0 and
+// the default where no profile has that name): the pods of the run carry
+// that scheduler name.
+func headroomArgs(config []byte, schedulerName string) (percent int32, whole int, err error) {
 	var cfg struct {
 		Profiles []struct {
-			PluginConfig []struct {
+			SchedulerName string `json:"schedulerName"`
+			PluginConfig  []struct {
 				Name string          `json:"name"`
 				Args json.RawMessage `json:"args"`
 			} `json:"pluginConfig"`
@@ -606,6 +613,9 @@ func headroomArgs(config []byte) (percent int32, whole int, err error) {
 	}
 	whole = topodrav1.DefaultWholeNodeDevices
 	for _, p := range cfg.Profiles {
+		if p.SchedulerName != schedulerName {
+			continue
+		}
 		args := &topodrav1.TopologyDRAArgs{}
 		for _, pc := range p.PluginConfig {
 			if pc.Name == topologydra.Name && len(pc.Args) > 0 {
@@ -615,11 +625,9 @@ func headroomArgs(config []byte) (percent int32, whole int, err error) {
 			}
 		}
 		topodrav1.SetDefaults(args)
-		if *args.SmallPodHeadroomPercent > percent {
-			percent, whole = *args.SmallPodHeadroomPercent, int(*args.WholeNodeDevices)
-		}
+		return *args.SmallPodHeadroomPercent, int(*args.WholeNodeDevices), nil
 	}
-	return percent, whole, nil
+	return 0, whole, nil
 }
 
 // withShortBackoff sets the pod backoff of a KubeSchedulerConfiguration to

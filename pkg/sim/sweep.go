@@ -356,8 +356,10 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 	out = append(out, ratio,
 		Target{Measure: "pods never placed (sum)", Want: "<= stock",
 			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
+		// A whole-node slot that an 8-GPU pod still waits for is no room
+		// for the next one: the target counts the others.
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
-			Topodra: fit8Label(t.Fit8, t.Fit8Waited), Stock: fit8Label(s.Fit8, s.Fit8Waited), Met: t.Fit8 >= s.Fit8},
+			Topodra: fit8Label(t.Fit8, t.Fit8Waited), Stock: fit8Label(s.Fit8, s.Fit8Waited), Met: t.Fit8-t.Fit8Waited >= s.Fit8-s.Fit8Waited},
 		Target{Measure: "median alignment", Want: ">= 95%", alignment: true,
 			Topodra: fmt.Sprintf("%.1f%%", 100*t.Aligned.Median), Stock: fmt.Sprintf("%.1f%%", 100*s.Aligned.Median), Met: t.Aligned.Median >= 0.95},
 		Target{Measure: "median throughput", Want: ">= 0.95 x stock",

@@ -93,7 +93,11 @@ type tracker struct {
 	pods        map[string]*podState
 	claims      map[types.UID]*claimState
 	placements  []Placement
-	errs        []string
+	// placed is the index in placements of each claim's latest
+	// allocation: a claim deallocated and allocated again (PostFilter,
+	// a failed binding) counts once, as placed the last time.
+	placed map[types.UID]int
+	errs   []string
 
 	// inv holds the same devices and who uses them (owner: pod name);
 	// placements are judged on it.
@@ -124,6 +128,7 @@ func newTracker(namespace string) *tracker {
 		nodeLabels:  map[string]labels.Set{},
 		pods:        map[string]*podState{},
 		claims:      map[types.UID]*claimState{},
+		placed:      map[types.UID]int{},
 		inv:         measure.NewInventory(),
 	}
 }
@@ -329,7 +334,12 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		}
 		keys = append(keys, key)
 	}
-	t.placements = append(t.placements, t.judge(claim.Name, pod, keys))
+	if i, ok := t.placed[claim.UID]; ok {
+		t.placements[i] = t.judge(claim.Name, pod, keys)
+	} else {
+		t.placed[claim.UID] = len(t.placements)
+		t.placements = append(t.placements, t.judge(claim.Name, pod, keys))
+	}
 	for _, key := range keys {
 		t.inv.Use(key, pod)
 	}

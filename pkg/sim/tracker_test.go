@@ -2,6 +2,7 @@ package sim
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -115,5 +116,59 @@ func TestFit8WhileWaiting(t *testing.T) {
 		if got := fit8Label(sum.Fit8, sum.Fit8Waited); got != want {
 			t.Errorf("%s's sum %q, want %q", scheduler, got, want)
 		}
+	}
+	// The target counts the slots that no 8-GPU pod waits for.
+	for _, tc := range []struct {
+		topodra, stock SweepRow
+		want           bool
+	}{
+		{SweepRow{Scheduler: "topodra", Fit8: 2, Fit8Waited: 1}, SweepRow{Scheduler: "stock", Fit8: 1}, true},
+		{SweepRow{Scheduler: "topodra", Fit8: 1, Fit8Waited: 1}, SweepRow{Scheduler: "stock", Fit8: 1}, false},
+	} {
+		rows := []SweepRow{tc.topodra, tc.stock}
+		for _, tg := range targets(summarize("topodra", rows), summarize("stock", rows), rows) {
+			if strings.HasPrefix(tg.Measure, "8-GPU jobs that fit") && tg.Met != tc.want {
+				t.Errorf("topodra %d fit (%d while waiting), stock %d: met %v, want %v", tc.topodra.Fit8, tc.topodra.Fit8Waited, tc.stock.Fit8, tg.Met, tc.want)
+			}
+		}
+	}
+}
+
+// TestClaimAllocatedAgainCountsOnce: a claim deallocated and allocated
+// again on another node (PostFilter, a failed binding) counts as one
+// placement, the last one, and the pod bound where that one is is no
+// error.
+func TestClaimAllocatedAgainCountsOnce(t *testing.T) {
+	slice := func(node string) resourceapi.ResourceSlice {
+		return resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: topology.DriverName, NodeName: ptr.To(node), Pool: resourceapi.ResourcePool{Name: node},
+			Devices: []resourceapi.Device{{Name: "gpu-0"}, {Name: "gpu-1"}}}}
+	}
+	tr := newTracker(Namespace)
+	tr.loadDevices([]resourceapi.ResourceSlice{slice("a"), slice("b")}, []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "a"}}, {ObjectMeta: metav1.ObjectMeta{Name: "b"}}})
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: Namespace}, Spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "gpus", ResourceClaimName: ptr.To("c")}}}}
+	tr.created(pod, 0, nil, 2)
+	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: Namespace, UID: "c-1",
+		OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: "p"}}}}
+	allocatedOn := func(node string) *resourceapi.ResourceClaim {
+		c := claim.DeepCopy()
+		c.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+			{Request: "gpus", Driver: topology.DriverName, Pool: node, Device: "gpu-0"},
+			{Request: "gpus", Driver: topology.DriverName, Pool: node, Device: "gpu-1"},
+		}}}
+		return c
+	}
+	tr.onClaim(allocatedOn("a"), false)
+	tr.onClaim(claim, false)
+	tr.onClaim(allocatedOn("b"), false)
+	bound := pod.DeepCopy()
+	bound.Spec.NodeName = "b"
+	tr.onPod(bound, false)
+	res := &Result{}
+	tr.fill(res)
+	if len(res.Placements) != 1 || res.Placements[0].Node != "b" {
+		t.Errorf("placements %+v, want one, on node b", res.Placements)
+	}
+	if len(res.Errors) != 0 {
+		t.Errorf("errors %q, want none", res.Errors)
 	}
 }
