@@ -522,31 +522,33 @@ const Resamples = 1000
 
 // metInResamples checks the targets on n resamples of rows and returns,
 // per target in the order of targets, the share of the resamples in which
-// it applies in which it was met (0 where it applies in none). A run is one scenario, seed and round with the rows of both
-// schedulers, so the schedulers stay paired on the same workloads; each
-// resample draws, within each scenario, as many runs as the scenario has,
-// with replacement, so every resample keeps the sweep's mix of scenarios.
-// The draws come from a fixed seed: the same rows give the same shares.
+// it applies in which it was met (0 where it applies in none). The unit
+// drawn is a workload: one scenario and seed, with every round of it and
+// the rows of both schedulers, so the schedulers stay paired on the same
+// workloads, and the rounds of one seed, which repeat its workload with
+// other timing, are not taken for independent runs. Each resample draws,
+// within each scenario, as many seeds as the scenario has, with
+// replacement, so every resample keeps the sweep's mix of scenarios. The
+// draws come from a fixed seed: the same rows give the same shares.
 func metInResamples(rows []SweepRow, n int) []float64 {
-	type run struct {
+	type workload struct {
 		scenario string
 		seed     int64
-		round    int
 	}
 	var scenarios []string
-	runs := map[string][]run{}
-	byRun := map[run][]SweepRow{}
+	seeds := map[string][]workload{}
+	byWorkload := map[workload][]SweepRow{}
 	for _, r := range rows {
-		k := run{r.Scenario, r.Seed, r.Round}
-		if _, ok := byRun[k]; !ok {
-			if _, ok := runs[r.Scenario]; !ok {
+		k := workload{r.Scenario, r.Seed}
+		if _, ok := byWorkload[k]; !ok {
+			if _, ok := seeds[r.Scenario]; !ok {
 				scenarios = append(scenarios, r.Scenario)
 			}
-			runs[r.Scenario] = append(runs[r.Scenario], k)
+			seeds[r.Scenario] = append(seeds[r.Scenario], k)
 		}
-		byRun[k] = append(byRun[k], r)
+		byWorkload[k] = append(byWorkload[k], r)
 	}
-	if len(byRun) == 0 || n <= 0 {
+	if len(byWorkload) == 0 || n <= 0 {
 		return nil
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -555,9 +557,9 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 	for range n {
 		sample = sample[:0]
 		for _, sc := range scenarios {
-			keys := runs[sc]
+			keys := seeds[sc]
 			for range keys {
-				sample = append(sample, byRun[keys[rng.IntN(len(keys))]]...)
+				sample = append(sample, byWorkload[keys[rng.IntN(len(keys))]]...)
 			}
 		}
 		ts := targets(summarize(SchedulerTopodra, sample), summarize(SchedulerStock, sample), nil)
