@@ -730,7 +730,7 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the runs (scenario, seed and round, both schedulers together, drawn with replacement within each scenario) in which the target is met; near 50 %% the verdict is a coin toss at this number of runs\n", Resamples)
+	fmt.Fprintf(out, "met in resamples: the share of %d resamples of the workloads (scenario and seed, with all their rounds and both schedulers together, drawn with replacement within each scenario) in which the target is met; near 50 %% the verdict is a coin toss at this number of workloads\n", Resamples)
 	fmt.Fprintf(out, "%d of %d targets met over %d runs per scheduler (medians decide; %sthe last three columns look at the runs of the same scenario, seed and round that both schedulers did: compared one by one, those without a wait, the mean)\n", metCount(r.Targets), applicableCount(r.Targets), len(r.Rows)/max(1, len(r.Summaries)), naNote(r.Targets, "", "; "))
 	var stuck []string
 	for _, s := range r.Summaries {
