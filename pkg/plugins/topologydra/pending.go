@@ -223,17 +223,23 @@ func (ix *pendingIndex) wholeNodePods(pod *v1.Pod, claims claimGetter, nodes []f
 
 // admitNodes adds to admitted the names of the nodes that the pod may use
 // (podMayUseNode) and that are not in except, and reports whether there
-// was one.
+// was one. Once it found one, it judges only the nodes not admitted yet:
+// the pods that wait for whole nodes mostly may use the same ones, and
+// PreScore asks about each of them on every attempt.
 func admitNodes(pod *v1.Pod, nodes []fwk.NodeInfo, admitted sets.Set[string], taintOps bool, except sets.Set[string]) bool {
 	affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
 	logger := klog.Background()
 	found := false
 	for _, node := range nodes {
-		if except.Has(node.Node().Name) {
+		if found && admitted.Len() == len(nodes) {
+			break
+		}
+		name := node.Node().Name
+		if except.Has(name) || found && admitted.Has(name) {
 			continue
 		}
 		if podMayUseNode(logger, pod, affinity, node.Node(), taintOps) {
-			admitted.Insert(node.Node().Name)
+			admitted.Insert(name)
 			found = true
 		}
 	}

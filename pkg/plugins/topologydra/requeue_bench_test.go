@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
 )
 
 // BenchmarkFreedDevicesHint measures the queueing hint for a claim that
@@ -69,6 +70,46 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 					hint(old, -1)
 				}
 			})
+		}
+	}
+}
+
+// BenchmarkWholeNodePods measures PreScore's count of the waiting pods
+// that need a whole node (pendingIndex.wholeNodePods): 2,000 pending pods
+// of which 200 ask for 8 GPUs, over 500 nodes, each of them tainted (a GPU
+// node taint the pods tolerate), as PreScore asks it for every attempt.
+func BenchmarkWholeNodePods(b *testing.B) {
+	ix := newPendingIndex()
+	big, small := testClaim("big", 8), testClaim("small", 1)
+	claims := func(_, name string) (*resourceapi.ResourceClaim, error) {
+		if name == "big" {
+			return big, nil
+		}
+		return small, nil
+	}
+	toleration := []v1.Toleration{{Key: "nvidia.com/gpu", Operator: v1.TolerationOpExists}}
+	for i := range 2000 {
+		claim := "small"
+		if i%10 == 0 {
+			claim = "big"
+		}
+		pod := testPod(fmt.Sprintf("p-%d", i), claim)
+		pod.Spec.Tolerations = toleration
+		ix.update(pod)
+	}
+	var nodes []fwk.NodeInfo
+	for n := range 500 {
+		node := testNode(fmt.Sprintf("node-%d", n))
+		node.Spec.Taints = []v1.Taint{{Key: "nvidia.com/gpu", Effect: v1.TaintEffectNoSchedule}}
+		info := framework.NewNodeInfo()
+		info.SetNode(node)
+		nodes = append(nodes, info)
+	}
+	asking := testPod("asking", "small")
+	b.ResetTimer()
+	for range b.N {
+		if n, admitted := ix.wholeNodePods(asking, claims, nodes); n != 200 || admitted.Len() != 500 {
+			b.Fatalf("%d waiting whole-node pods on %d nodes, want 200 on 500", n, admitted.Len())
 		}
 	}
 }
