@@ -195,6 +195,8 @@ type Options struct {
 	// missing on the node; a Warning (ReasonSliceFieldsDropped) when the API server drops fields of a
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
 	// fails on an unreadable checkpoint; a Warning
+	// (ReasonPreparedClaimsRecovered) at start when the checkpoint is
+	// missing and CDIDir holds the specs of prepared claims; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
 	// unwatched, a Normal one (ReasonHealthWatched) when a retry watches
 	// them all; a Warning (ReasonGPUNotPublished) when discovery finds
@@ -549,7 +551,9 @@ func (o *Options) setNames() {
 // openState takes the lock on StateDir (waiting while another agent holds
 // it, see LockFileName), opens the checkpoint there and the CDI spec
 // writer on CDIDir (checking, unless PublishOnly, that specs can be written there:
-// the kubelet's first Prepare must not be what finds out), drops claims prepared during another boot and takes over the GPU
+// the kubelet's first Prepare must not be what finds out), drops claims prepared during another boot, records
+// the claims whose CDI specs exist where the checkpoint is missing (see
+// recoverClaims) and takes over the GPU
 // faults recorded during this one. It fails on an
 // unreadable checkpoint at once rather than on the first Prepare: the
 // agent must not forget prepared devices. Where it fails it does not hold
@@ -591,8 +595,9 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 }
 
 // ErrCheckpoint is returned (wrapped) by New when the checkpoint of
-// prepared claims exists and cannot be read: damaged, or written by an
-// agent with a newer checkpoint format.
+// prepared claims exists and cannot be read (damaged, or written by an
+// agent with a newer checkpoint format), or does not exist while a claim
+// spec in Options.CDIDir cannot be read (wrapping cdi.ErrUnreadableSpec).
 var ErrCheckpoint = errors.New("checkpoint of prepared claims is unreadable")
 
 // checkpointUnreadable reports an unreadable checkpoint in the log and as
@@ -602,8 +607,11 @@ var ErrCheckpoint = errors.New("checkpoint of prepared claims is unreadable")
 func (a *Agent) checkpointUnreadable(ctx context.Context, err error) {
 	path := a.store.Path()
 	todo := "cordon the node, move the file aside, restart the agent and then the kubelet, which prepares the claims of running pods again (README: \"Unreadable checkpoint\")"
-	if errors.Is(err, checkpoint.ErrUnknownVersion) {
+	switch {
+	case errors.Is(err, checkpoint.ErrUnknownVersion):
 		todo = "it was written by a newer agent: run that version again (README: \"Unreadable checkpoint\")"
+	case errors.Is(err, cdi.ErrUnreadableSpec):
+		todo = "the checkpoint is missing, and without the claim's spec the agent cannot tell which GPUs its containers hold: cordon the node, delete the pods on it that use the claim with the UID in the file name (or make sure none does), then remove the file and restart the agent"
 	}
 	klog.FromContext(ctx).Error(err, "Cannot start: the record of prepared claims is unreadable", "path", path, "todo", todo)
 	a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "Start",

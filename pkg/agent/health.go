@@ -354,6 +354,11 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 					if !slices.Contains(uuids, d.UUID) {
 						continue
 					}
+					if isRecovered(claim) {
+						// Its name is unknown: the Node's event names it.
+						users = append(users, "UID "+string(uid))
+						break
+					}
 					ref := devicesRef(claimRef(claim.Namespace, claim.Name, uid), []string{d.Device})
 					a.event(ref, nil, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
 						"device %s on node %s is unhealthy (%s); pods using this claim may fail", d.Device, a.opts.NodeName, what)

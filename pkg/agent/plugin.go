@@ -121,6 +121,9 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 		claim    *resourceapi.ResourceClaim
 		prepared checkpoint.PreparedClaim
 		isNew    bool
+		// adopted: the claim was recovered from its CDI spec and
+		// prepared has the complete record (see adoptRecovered).
+		adopted bool
 	}
 	var plans []plan
 	result := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
@@ -131,6 +134,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 		return nil, err
 	}
 	for _, claim := range claims {
+		before, known := cp.Claims[claim.UID]
 		prepared, isNew, err := a.planClaim(ctx, cp, claim)
 		if err != nil {
 			result[claim.UID] = kubeletplugin.PrepareResult{Err: err}
@@ -139,7 +143,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 		if isNew {
 			a.reserveLocked(claim.UID, prepared)
 		}
-		plans = append(plans, plan{claim: claim, prepared: prepared, isNew: isNew})
+		plans = append(plans, plan{claim: claim, prepared: prepared, isNew: isNew, adopted: known && isRecovered(before)})
 	}
 	a.prepareMutex.Unlock()
 	defer func() {
@@ -172,7 +176,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 		if result[p.claim.UID].Err != nil {
 			continue
 		}
-		if p.isNew {
+		if p.isNew || p.adopted {
 			cp.Claims[p.claim.UID] = p.prepared
 			changed = true
 		}
@@ -287,9 +291,14 @@ func prepareResultDevices(prepared checkpoint.PreparedClaim) []kubeletplugin.Dev
 // A claim that is already prepared gets the same answer as before, as
 // long as its allocation is the one that was prepared (the same devices
 // for the same requests and, where both are known, the same allocation
-// time; otherwise ErrReallocated).
+// time; otherwise ErrReallocated). A claim recovered from its CDI spec
+// gets its record completed (see adoptRecovered).
 func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim *resourceapi.ResourceClaim) (checkpoint.PreparedClaim, bool, error) {
 	if prepared, ok := cp.Claims[claim.UID]; ok {
+		if isRecovered(prepared) {
+			adopted, err := a.adoptRecovered(claim, prepared)
+			return adopted, false, err
+		}
 		if err := a.checkReallocated(claim, prepared); err != nil {
 			return checkpoint.PreparedClaim{}, false, err
 		}
@@ -341,12 +350,17 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 			// The message reaches the pod's events: a claim of another
 			// namespace is named by its UID only (the log names it).
 			other := fmt.Sprintf("claim %s (%s)", owner.Name, uid)
-			if owner.Namespace != claim.Namespace {
+			free := fmt.Sprintf("where that claim is gone or no longer allocated, the agent frees the device after --stale-claim-grace (a %s event on the Node), otherwise both claims were allocated the device: run topodra-check", ReasonPreparedClaimGone)
+			switch {
+			case isRecovered(owner):
+				other = recoveredOwner(uid)
+				free = "the device is free once the kubelet unprepares that claim, after the pods that use it stop"
+			case owner.Namespace != claim.Namespace:
 				other = fmt.Sprintf("a claim of another namespace (UID %s)", uid)
 				klog.FromContext(ctx).Info("Device prepared for a claim of another namespace", "claim", klog.KObj(claim), "device", r.Device, "preparedFor", klog.KRef(owner.Namespace, owner.Name), "uid", uid)
 			}
-			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for %s on node %s; where that claim is gone or no longer allocated, the agent frees the device after --stale-claim-grace (a %s event on the Node), otherwise both claims were allocated the device: run topodra-check",
-				klog.KObj(claim), ErrDeviceInUse, r.Device, other, a.opts.NodeName, ReasonPreparedClaimGone)
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s is prepared for %s on node %s; %s",
+				klog.KObj(claim), ErrDeviceInUse, r.Device, other, a.opts.NodeName, free)
 		}
 		if i, ok := byDevice[r.Device]; ok {
 			prepared.Devices[i].Requests = append(prepared.Devices[i].Requests, r.Request)

@@ -42,6 +42,11 @@ func (a *Agent) bootID(ctx context.Context) string {
 // dropped claim held (device name and GPU UUID) moves to PreviousBoot so
 // that Prepare can refuse a device name that now names another GPU. GPU
 // faults are cleared: a reboot resets the GPUs.
+//
+// Where there is no checkpoint file, the claims whose CDI specs of this
+// boot are in CDIDir are recorded as prepared (see recoverClaims) and the
+// checkpoint is written, so that a later start does not depend on the
+// specs.
 func (a *Agent) checkBootID(ctx context.Context) error {
 	a.prepareMutex.Lock()
 	defer a.prepareMutex.Unlock()
@@ -51,12 +56,16 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrCheckpoint, err)
 	}
+	recovered, err := a.recoverClaims(ctx, cp)
+	if err != nil {
+		return err
+	}
 	boot := a.bootID(ctx)
-	if boot == "" || cp.BootID == boot {
+	if (boot == "" || cp.BootID == boot) && recovered == 0 {
 		a.recordClaimCounts(cp)
 		return nil
 	}
-	if cp.BootID != "" {
+	if boot != "" && cp.BootID != "" && cp.BootID != boot {
 		if len(cp.Claims) > 0 {
 			klog.FromContext(ctx).Info("Node rebooted since claims were prepared, dropping them", "claims", len(cp.Claims), "oldBootID", cp.BootID, "bootID", boot)
 		}
@@ -73,7 +82,9 @@ func (a *Agent) checkBootID(ctx context.Context) error {
 		cp.Faults = nil
 		cp.Gone = nil
 	}
-	cp.BootID = boot
+	if boot != "" {
+		cp.BootID = boot
+	}
 	if err := a.store.Save(cp); err != nil {
 		return err
 	}
@@ -161,6 +172,11 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	gone := map[types.UID]time.Time{}
 	var expired []types.UID
 	for uid, c := range cp.Claims {
+		if isRecovered(c) {
+			// Unnamed: only the kubelet's Prepare or Unprepare
+			// resolves it (see recoverClaims).
+			continue
+		}
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		why := "the API server no longer has it (a force-deleted pod whose containers may still run?)"
 		switch {

@@ -34,6 +34,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
+	"time"
 
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
 	"tags.cncf.io/container-device-interface/pkg/parser"
@@ -259,4 +261,105 @@ func (w *Writer) DeleteClaimSpec(claimUID types.UID) error {
 		return fmt.Errorf("remove CDI spec for claim %s: %w", claimUID, err)
 	}
 	return nil
+}
+
+// ErrUnreadableSpec is returned (wrapped) by [Writer.ClaimSpecs] for a
+// claim spec file of this driver that cannot be read or does not record
+// its claim's GPUs.
+var ErrUnreadableSpec = errors.New("claim CDI spec is unreadable")
+
+// ClaimSpec is what a claim's spec file records about the claim.
+type ClaimSpec struct {
+	// UID is the claim's UID, from the file name.
+	UID types.UID
+	// Path is the spec file.
+	Path string
+	// ModTime is when the file was last written.
+	ModTime time.Time
+	// Devices are the claim's GPUs: the DRA device name and the GPU UUID
+	// of each (from its [DeviceEnv] variable) and the minor number of its
+	// /dev/nvidia<minor> device node, -1 where the spec lists none.
+	Devices []Device
+}
+
+// ClaimSpecs reads the claim spec files in the writer's directory (the
+// files named as [Writer.SpecPath] names them), in the order of their
+// names; other files are not read. A path that does not exist or is not
+// a directory holds none. A claim spec file that cannot be read or parsed, is empty, is of
+// another kind, or lacks a device's name or UUID fails the call with
+// ErrUnreadableSpec.
+func (w *Writer) ClaimSpecs() ([]ClaimSpec, error) {
+	entries, err := os.ReadDir(w.dir)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read CDI directory %s: %w", w.dir, err)
+	}
+	// The names that specName gives.
+	prefix := cdiapi.GenerateSpecName(Vendor, Class) + "_"
+	var out []ClaimSpec
+	for _, e := range entries {
+		name := e.Name()
+		if e.IsDir() || !strings.HasPrefix(name, prefix) || !strings.HasSuffix(name, ".json") {
+			continue
+		}
+		uid := types.UID(strings.TrimSuffix(strings.TrimPrefix(name, prefix), ".json"))
+		spec, err := readClaimSpec(filepath.Join(w.dir, name), uid)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, spec)
+	}
+	return out, nil
+}
+
+// readClaimSpec reads the spec of the claim uid from path.
+func readClaimSpec(path string, uid types.UID) (ClaimSpec, error) {
+	fail := func(format string, args ...any) (ClaimSpec, error) {
+		return ClaimSpec{}, fmt.Errorf("%w: %s: %s", ErrUnreadableSpec, path, fmt.Sprintf(format, args...))
+	}
+	info, err := os.Stat(path)
+	if err != nil {
+		return fail("%v", err)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return fail("%v", err)
+	}
+	spec, err := cdiapi.ParseSpec(data)
+	switch {
+	case err != nil:
+		return fail("%v", err)
+	case spec == nil:
+		return fail("no spec")
+	case spec.Kind != Kind:
+		return fail("kind %q, want %q", spec.Kind, Kind)
+	case len(spec.Devices) == 0:
+		return fail("no device")
+	}
+	out := ClaimSpec{UID: uid, Path: path, ModTime: info.ModTime()}
+	for _, d := range spec.Devices {
+		name, ok := strings.CutPrefix(d.Name, string(uid)+"-")
+		if !ok || name == "" {
+			return fail("device %q is not named after claim %s", d.Name, uid)
+		}
+		dev := Device{Name: name, Minor: -1}
+		for _, env := range d.ContainerEdits.Env {
+			if v, ok := strings.CutPrefix(env, DeviceEnv(name)+"="); ok {
+				dev.UUID = v
+			}
+		}
+		if dev.UUID == "" {
+			return fail("device %s does not set %s to its GPU's UUID", name, DeviceEnv(name))
+		}
+		for _, n := range d.ContainerEdits.DeviceNodes {
+			var minor int
+			if _, err := fmt.Sscanf(n.Path, "/dev/nvidia%d", &minor); err == nil && n.Path == fmt.Sprintf("/dev/nvidia%d", minor) {
+				dev.Minor = minor
+			}
+		}
+		out.Devices = append(out.Devices, dev)
+	}
+	return out, nil
 }

@@ -1,14 +1,18 @@
 package cdi
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
 	"golang.org/x/sys/unix"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
+	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -134,5 +138,73 @@ func TestWriteClaimSpecOnlyOnChange(t *testing.T) {
 	mtime, nodes := written()
 	if mtime.Equal(past) || !slices.Contains(nodes, "/dev/nvidia-uvm") {
 		t.Errorf("spec modified %s with device nodes %v, want it rewritten with /dev/nvidia-uvm", mtime, nodes)
+	}
+}
+
+// nodeGenerator lists /dev/nvidiactl and each GPU's /dev/nvidia<minor>,
+// whether or not they exist.
+type nodeGenerator struct{}
+
+func (nodeGenerator) CommonEdits() (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: "/dev/nvidiactl"}}}, nil
+}
+
+func (nodeGenerator) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
+	return cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: fmt.Sprintf("/dev/nvidia%d", d.Minor)}}}, nil
+}
+
+// TestClaimSpecsReadsWrittenSpecs: what WriteClaimSpec wrote, ClaimSpecs
+// reads back per claim (UID, device names, GPU UUIDs, minor numbers where
+// the spec lists device nodes), leaving other files alone.
+func TestClaimSpecsReadsWrittenSpecs(t *testing.T) {
+	testcases := map[string]struct {
+		generator Generator
+		want      map[types.UID][]Device
+	}{
+		"device nodes": {
+			generator: nodeGenerator{},
+			want: map[types.UID][]Device{
+				"3f2b6c1e-0d4a-4c1b-9a51-7e2f0c9d8a10": {{Name: "gpu-1", UUID: "GPU-b", Minor: 1}, {Name: "gpu-10", UUID: "GPU-k", Minor: 10}},
+				"uid-2":                                {{Name: "gpu-0", UUID: "GPU-a", Minor: 0}},
+			},
+		},
+		"no device nodes": {
+			generator: Static{EnvOnly: true},
+			want:      map[types.UID][]Device{"uid-1": {{Name: "gpu-3", UUID: "GPU-d", Minor: -1}}},
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			w, err := New(dir, WithGenerator(tc.generator))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for uid, devices := range tc.want {
+				if _, err := w.WriteClaimSpec(uid, devices); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.WriteFile(filepath.Join(dir, "nvidia.com-gpu.json"), []byte("{not json"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			specs, err := w.ClaimSpecs()
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := map[types.UID][]Device{}
+			for _, s := range specs {
+				if s.Path != w.SpecPath(s.UID) || s.ModTime.IsZero() {
+					t.Errorf("spec of %s: path %s, modified %v; want %s and a time", s.UID, s.Path, s.ModTime, w.SpecPath(s.UID))
+				}
+				got[s.UID] = s.Devices
+			}
+			for _, devices := range tc.want {
+				slices.SortFunc(devices, func(a, b Device) int { return strings.Compare(a.Name, b.Name) })
+			}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("claim specs (-want +got):\n%s", diff)
+			}
+		})
 	}
 }

@@ -161,7 +161,23 @@ func New(dir string) (*Store, error) {
 // Path is the checkpoint file's path.
 func (s *Store) Path() string { return filepath.Join(s.dir, FileName) }
 
-// Load returns the stored checkpoint; an empty one if there is no file yet.
+// Exists says whether the checkpoint file exists.
+func (s *Store) Exists() (bool, error) {
+	s.mutex.Lock()
+	defer s.mutex.Unlock()
+	_, err := os.Stat(s.Path())
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, fs.ErrNotExist):
+		return false, nil
+	default:
+		return false, fmt.Errorf("check checkpoint %s: %w", s.Path(), err)
+	}
+}
+
+// Load returns the stored checkpoint; an empty one if there is no file yet
+// (see Exists).
 func (s *Store) Load() (*Checkpoint, error) {
 	s.mutex.Lock()
 	defer s.mutex.Unlock()

@@ -234,3 +234,21 @@ func TestVersionWritten(t *testing.T) {
 		})
 	}
 }
+
+// TestExists: a store without a file has none (and Load gives an empty
+// checkpoint); after Save it has one.
+func TestExists(t *testing.T) {
+	s, err := New(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := s.Exists(); err != nil || ok {
+		t.Fatalf("new store: Exists() = %v, %v; want false", ok, err)
+	}
+	if err := s.Save(&Checkpoint{Claims: map[types.UID]PreparedClaim{}}); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := s.Exists(); err != nil || !ok {
+		t.Errorf("after Save: Exists() = %v, %v; want true", ok, err)
+	}
+}
