@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"context"
+	"encoding/json"
 	"iter"
 	"strconv"
 	"sync"
@@ -52,6 +53,58 @@ type freedDevices struct {
 	// of the same claim (allocated the same device again), so there are
 	// never more entries than published devices.
 	freedBy map[structured.DeviceID]release
+	// byReach holds, for the event counted last, the counts of the nodes
+	// that pods with the same node affinity and tolerations may use
+	// (reachKey): the pods waiting for a node mostly have the same, and
+	// judging every node for each of them on every event that gives
+	// devices back is the hint's largest cost on a large cluster.
+	byReach map[string]reachCounts
+}
+
+// reachCounts are driverCounts and spareGained of one reachKey.
+type reachCounts struct {
+	counts map[string]driverDevices
+	gained map[string]int
+}
+
+// reachKey identifies what decides which nodes a pod may use
+// (podMayUseNode): its node selector, its required node affinity and its
+// tolerations. Pods with equal keys may use the same nodes.
+func reachKey(pod *v1.Pod) (string, error) {
+	var required *v1.NodeSelector
+	if a := pod.Spec.Affinity; a != nil && a.NodeAffinity != nil {
+		required = a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution
+	}
+	key, err := json.Marshal(struct {
+		Selector    map[string]string `json:"s,omitempty"`
+		Required    *v1.NodeSelector  `json:"r,omitempty"`
+		Tolerations []v1.Toleration   `json:"t,omitempty"`
+	}{pod.Spec.NodeSelector, required, pod.Spec.Tolerations})
+	return string(key), err
+}
+
+// reachCounts returns driverCounts and spareGained with mayUse, computing
+// them once per event for pods of one reach key.
+func (f *freedDevices) reachCounts(key string, mayUse func(node string) bool) (map[string]driverDevices, map[string]int) {
+	f.mu.Lock()
+	event := f.key
+	c, ok := f.byReach[key]
+	f.mu.Unlock()
+	if ok {
+		return c.counts, c.gained
+	}
+	c = reachCounts{counts: f.driverCounts(mayUse), gained: f.spareGained(mayUse)}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.key != event {
+		// Another event was counted meanwhile: its pods count again.
+		return c.counts, c.gained
+	}
+	if f.byReach == nil {
+		f.byReach = map[string]reachCounts{}
+	}
+	f.byReach[key] = c
+	return c.counts, c.gained
 }
 
 // release is the claim that gave a device back, and the resourceVersion
@@ -639,6 +692,7 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		restricted = pl.anyRestricted(nodes)
 	}
 	f.key, f.sites, f.cluster, f.nodes, f.gave, f.restricted = key, fs, cluster, nodes, gave, restricted
+	f.byReach = nil
 	return fs, true
 }
 
@@ -824,14 +878,20 @@ func (pl *TopologyDRA) headroomWait(logger klog.Logger, pod *v1.Pod, claim *reso
 	// its required node affinity, and cordons and taints where a node has
 	// them.
 	// Without either, every node counts (the cluster's totals).
-	var mayUse func(string) bool
+	var counts map[string]driverDevices
+	var gained map[string]int
 	hasAffinity := pod.Spec.NodeSelector != nil || pod.Spec.Affinity != nil && pod.Spec.Affinity.NodeAffinity != nil
 	if hasAffinity || pl.freed.anyRestricted() {
 		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
-		mayUse = func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
+		mayUse := func(node string) bool { return pl.mayUse(logger, pod, affinity, node) }
+		if key, err := reachKey(pod); err == nil {
+			counts, gained = pl.freed.reachCounts(key, mayUse)
+		} else {
+			counts, gained = pl.freed.driverCounts(mayUse), pl.freed.spareGained(mayUse)
+		}
+	} else {
+		counts, gained = pl.freed.driverCounts(nil), pl.freed.spareGained(nil)
 	}
-	counts := pl.freed.driverCounts(mayUse)
-	gained := pl.freed.spareGained(mayUse)
 	given := map[string]bool{}
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		given[r.Driver] = true

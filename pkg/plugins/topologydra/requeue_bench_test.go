@@ -16,15 +16,25 @@ import (
 // gives devices back, on a cluster of 8-GPU nodes with 7 of every node's
 // GPUs allocated (one claim each): per event (the first pending pod asks
 // and the free devices are counted) and per further pending pod (the
-// counts are reused), without and with the headroom.
+// counts are reused), without and with the headroom; and with the GPU
+// nodes tainted (the pod tolerating it), where the headroom counts only
+// the nodes the pod may use.
 func BenchmarkFreedDevicesHint(b *testing.B) {
-	for _, nodes := range []int{100, 1000} {
+	for _, tc := range []struct {
+		nodes   int
+		tainted bool
+	}{{100, false}, {1000, false}, {1000, true}} {
+		nodes := tc.nodes
 		var nodeObjs []*v1.Node
 		objs := []runtime.Object{testDeviceClass(), testClaim("big", 8)}
 		var held []string
 		for n := range nodes {
 			name := fmt.Sprintf("node-%d", n)
-			nodeObjs = append(nodeObjs, testNode(name))
+			node := testNode(name)
+			if tc.tainted {
+				node.Spec.Taints = []v1.Taint{{Key: "nvidia.com/gpu", Effect: v1.TaintEffectNoSchedule}}
+			}
+			nodeObjs = append(nodeObjs, node)
 			objs = append(objs, testSlice(name, 8))
 			for g := range 7 {
 				claim := fmt.Sprintf("c-%d-%d", n, g)
@@ -43,6 +53,11 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 			claims = append(claims, h.apiClaim(held[i]))
 		}
 		pod := testPod("big", "big")
+		pod.Spec.Tolerations = []v1.Toleration{{Key: "nvidia.com/gpu", Operator: v1.TolerationOpExists}}
+		name := fmt.Sprintf("nodes=%d", nodes)
+		if tc.tainted {
+			name += "/tainted"
+		}
 		hint := func(old *resourceapi.ResourceClaim, event int) {
 			gone := old.DeepCopy()
 			gone.Status.Allocation = nil
@@ -59,12 +74,12 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 		// headroom until the devices given back reach it.
 		for _, percent := range []int32{0, 12} {
 			h.pl.headroomPercent = percent
-			b.Run(fmt.Sprintf("nodes=%d/headroom=%d/event", nodes, percent), func(b *testing.B) {
+			b.Run(fmt.Sprintf("%s/headroom=%d/event", name, percent), func(b *testing.B) {
 				for i := 0; b.Loop(); i++ {
 					hint(claims[i%len(claims)], i)
 				}
 			})
-			b.Run(fmt.Sprintf("nodes=%d/headroom=%d/pod", nodes, percent), func(b *testing.B) {
+			b.Run(fmt.Sprintf("%s/headroom=%d/pod", name, percent), func(b *testing.B) {
 				old := claims[0]
 				for b.Loop() {
 					hint(old, -1)
