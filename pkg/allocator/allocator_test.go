@@ -1213,14 +1213,8 @@ func TestRequireTakesTheFirstAlignedChoice(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tc.wantReject {
-				if res.Allocations != nil || res.Explanation == nil || !strings.Contains(res.Explanation.String(), "alignment=require") {
-					t.Errorf("got %v (%v), want the node rejected for alignment=require", deviceNames(res.Allocations), res.Explanation)
-				}
+			if !expectRequire(t, res, tc.wantReject) {
 				return
-			}
-			if res.Allocations == nil {
-				t.Fatalf("no allocation: %v", res.Explanation)
 			}
 			var subs []string
 			for _, r := range res.Allocations[0].Devices.Results {
@@ -1483,14 +1477,8 @@ func TestRequireHoldsForClaimsLeftToUpstream(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tc.wantReject {
-				if res.Allocations != nil || res.Explanation == nil || !strings.Contains(res.Explanation.String(), "alignment=require") {
-					t.Errorf("got %v (%v), want the node rejected for alignment=require", deviceNames(res.Allocations), res.Explanation)
-				}
+			if !expectRequire(t, res, tc.wantReject) {
 				return
-			}
-			if res.Allocations == nil {
-				t.Fatalf("no allocation: %v", res.Explanation)
 			}
 			if got := len(res.Allocations[0].Devices.Results); got != 8 {
 				t.Errorf("%d devices allocated, want all 8", got)
@@ -1553,4 +1541,21 @@ func TestNodeAllocatableDeviceRefused(t *testing.T) {
 			}
 		})
 	}
+}
+
+// expectRequire checks a Result for alignment=require: with wantReject,
+// that the node is rejected for it; else that there is an allocation. It
+// reports whether the caller should look at the allocation.
+func expectRequire(t *testing.T, res *Result, wantReject bool) bool {
+	t.Helper()
+	if wantReject {
+		if res.Allocations != nil || res.Explanation == nil || !strings.Contains(res.Explanation.String(), "alignment=require") {
+			t.Errorf("got %v (%v), want the node rejected for alignment=require", deviceNames(res.Allocations), res.Explanation)
+		}
+		return false
+	}
+	if res.Allocations == nil {
+		t.Fatalf("no allocation: %v", res.Explanation)
+	}
+	return true
 }
