@@ -79,25 +79,16 @@ var prepareErrorReasons = [...]string{
 // prepareErrorReasons.
 type prepareErrorCounts [len(prepareErrorReasons)]atomic.Uint64
 
+// prepareErrorCauses are the errors behind the reasons of
+// prepareErrorReasons, in its order; the last reason, other, has none.
+var prepareErrorCauses = [len(prepareErrorReasons) - 1]error{
+	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, cdi.ErrMissingDeviceNode,
+}
+
 // prepareErrorIndex is the index in prepareErrorReasons of err's reason.
 func prepareErrorIndex(err error) int {
-	var reason string
-	switch {
-	case errors.Is(err, ErrDeviceInUse):
-		reason = PrepareErrorDeviceInUse
-	case errors.Is(err, ErrClaimBusy):
-		reason = PrepareErrorClaimBusy
-	case errors.Is(err, ErrDeviceUnhealthy):
-		reason = PrepareErrorUnhealthyDevice
-	case errors.Is(err, ErrGPUMoved):
-		reason = PrepareErrorGPUMoved
-	case errors.Is(err, cdi.ErrMissingDeviceNode):
-		reason = PrepareErrorDeviceNodeMissing
-	default:
-		reason = PrepareErrorOther
-	}
-	for i, r := range prepareErrorReasons {
-		if r == reason {
+	for i, cause := range prepareErrorCauses {
+		if errors.Is(err, cause) {
 			return i
 		}
 	}
