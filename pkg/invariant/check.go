@@ -308,13 +308,10 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 	s.Nodes, err = listAll[v1.Node](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.CoreV1().Nodes().List(ctx, opts)
 	})
-	switch {
-	case apierrors.IsForbidden(err):
-		// Nodes serve one kind of violation only; without them that
-		// kind is not judged, and the report says so.
-		s.Nodes, s.NodesUnread = nil, fmt.Errorf("list nodes: %w", err)
-	case err != nil:
-		return State{}, fmt.Errorf("list nodes: %w", err)
+	// Nodes serve one kind of violation only; without them that kind is
+	// not judged, and the report says so.
+	if s.NodesUnread, err = optionalList("nodes", err, false); err != nil {
+		return State{}, err
 	}
 	s.Slices, err = listAll[resourceapi.ResourceSlice](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.ResourceV1().ResourceSlices().List(ctx, opts)
@@ -325,28 +322,37 @@ func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (Sta
 	s.DeviceClasses, err = listAll[resourceapi.DeviceClass](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.ResourceV1().DeviceClasses().List(ctx, opts)
 	})
-	switch {
-	case apierrors.IsForbidden(err):
-		// Classes serve the class selectors of AllocationMismatch only;
-		// without them those are not judged, and the report says so.
-		s.DeviceClasses, s.DeviceClassesUnread = nil, fmt.Errorf("list device classes: %w", err)
-	case err != nil:
-		return State{}, fmt.Errorf("list device classes: %w", err)
+	// Classes serve the class selectors of AllocationMismatch only;
+	// without them those are not judged, and the report says so.
+	if s.DeviceClassesUnread, err = optionalList("device classes", err, false); err != nil {
+		return State{}, err
 	}
 	s.DeviceTaintRules, err = listAll[resourceapi.DeviceTaintRule](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.ResourceV1().DeviceTaintRules().List(ctx, opts)
 	})
-	switch {
-	case apierrors.IsForbidden(err), apierrors.IsNotFound(err):
-		// Rules serve UntoleratedDeviceTaint only, which still judges
-		// the taints of slices without them; the report says so. Not
-		// found: the API server does not serve resource.k8s.io/v1
-		// DeviceTaintRules (before Kubernetes 1.37).
-		s.DeviceTaintRules, s.DeviceTaintRulesUnread = nil, fmt.Errorf("list device taint rules: %w", err)
-	case err != nil:
-		return State{}, fmt.Errorf("list device taint rules: %w", err)
+	// Rules serve UntoleratedDeviceTaint only, which still judges the
+	// taints of slices without them; the report says so. Not found: the
+	// API server does not serve resource.k8s.io/v1 DeviceTaintRules
+	// (before Kubernetes 1.37).
+	if s.DeviceTaintRulesUnread, err = optionalList("device taint rules", err, true); err != nil {
+		return State{}, err
 	}
 	return s, nil
+}
+
+// optionalList sorts the error of listing a kind that the checker can do
+// without: where the list is forbidden (or, with notServed, the kind is
+// not served) it is the kind's unread error, which the report names;
+// any other error is fatal. listAll returns no objects with an error.
+func optionalList(kind string, err error, notServed bool) (unread, fatal error) {
+	switch {
+	case err == nil:
+		return nil, nil
+	case apierrors.IsForbidden(err), notServed && apierrors.IsNotFound(err):
+		return fmt.Errorf("list %s: %w", kind, err), nil
+	default:
+		return nil, fmt.Errorf("list %s: %w", kind, err)
+	}
 }
 
 // listAll lists all objects of one kind in pages of pageSize; a list
