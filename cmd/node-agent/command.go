@@ -74,6 +74,7 @@ type options struct {
 	numaList            bool
 	rescanInterval      time.Duration
 	staleClaimGrace     time.Duration
+	registrationTimeout time.Duration
 	publishOnly         bool
 	dryRun              bool
 	showCDI             bool
@@ -130,11 +131,12 @@ the command line wins.`,
 	fs.StringSliceVar(&o.disabledCDIHooks, "disabled-cdi-hooks", nil, "nvidia-cdi-hook subcommands to leave out of the CDI specs, for a node whose NVIDIA Container Toolkit is older than they need: "+hookVersions()+"; 'all' leaves out every hook. A container with a GPU fails to start where the node's nvidia-cdi-hook is older than 1.18.0 and lacks a hook of its spec (1.18.0 and later skip such a hook with a warning).")
 	fs.BoolVar(&o.createDeviceNodes, "create-device-nodes", true, "Before Prepare of real GPUs writes a CDI spec, create the NVIDIA device nodes that a GPU's containers need and the node lacks (/dev/nvidiactl, the GPU's /dev/nvidia<minor>, /dev/nvidia-uvm and /dev/nvidia-uvm-tools), where their kernel module is loaded, as nvidia-modprobe does: in the device root mounted from the node (see --container-dev-root; never in this container's own /dev). Without them Prepare fails (see --uvm), saying what to do on the node, in the pod's events and in a "+agent.ReasonDeviceNodeMissing+" Warning event on the Node; the kubelet's next try picks them up once they are there. --dry-run never creates them.")
 	fs.StringVar(&o.uvm, "uvm", string(cdi.UVMRequire), "Whether Prepare of real GPUs requires /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without which CUDA cannot start in a container (cuInit error 999): 'require' fails Prepare while they are missing (where --create-device-nodes could not create them: the nvidia-uvm module is not loaded); 'optional' prepares GPUs without them, for containers that do not use CUDA.")
-	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet did not refuse the registration; a node without GPUs is ready (see the Node's TopodraNoGPU events). /metrics there serves the agent's metrics (topodra_agent_*) in the Prometheus format. Empty disables them.")
+	fs.StringVar(&o.healthAddress, "health-address", ":8081", "Address of the HTTP health endpoints /healthz (liveness) and /readyz (readiness): running, and the kubelet registered the plugin (liveness: did not refuse it); a node without GPUs is ready (see the Node's TopodraNoGPU events). /metrics there serves the agent's metrics (topodra_agent_*) in the Prometheus format. Empty disables them.")
 	fs.StringVar(&o.sysfsRoot, "sysfs-root", "/sys", "Host sysfs, read for PCIe roots and NUMA nodes (real NVML only).")
 	fs.StringVar(&o.kubeletDir, "kubelet-dir", defaultKubeletDir, "The kubelet's root directory (--root-dir of the kubelet); some distributions move it. The agent must see it at the same path as the kubelet.")
 	fs.StringVar(&o.pluginDataDir, "plugin-data-dir", "", "Directory of the DRA plugin socket. Empty: <kubelet-dir>/plugins/"+topology.DriverName+".")
 	fs.StringVar(&o.registrarDir, "registrar-dir", "", "The kubelet's plugin registration directory. Empty: <kubelet-dir>/plugins_registry.")
+	fs.DurationVar(&o.registrationTimeout, "registration-timeout", agent.DefaultRegistrationTimeout, "How long the kubelet may take to register the plugin after the agent starts before the agent records a "+agent.ReasonNotRegistered+" Warning on the Node (the kubelet does not look in --registrar-dir, or refuses the plugin); /readyz fails until it registers. 0 or less: no warning.")
 	fs.StringVar(&o.stateDir, "state-dir", "", "Directory of the prepared-claims checkpoint. Empty: --plugin-data-dir.")
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
@@ -363,7 +365,8 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		DevicePluginCheck:     checkInterval(o.rescanInterval),
 		RescanInterval:        rescan(o.rescanInterval),
 		StaleClaimCheck:       checkInterval(o.rescanInterval),
-		StaleClaimGrace:       staleClaimGrace(o.staleClaimGrace),
+		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
+		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 	})
 	if errors.Is(err, agent.ErrCDIDir) {
 		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
@@ -477,9 +480,10 @@ func checkInterval(rescanInterval time.Duration) time.Duration {
 	return rescanInterval
 }
 
-// staleClaimGrace is --stale-claim-grace as Options.StaleClaimGrace: 0
-// or less never drops a claim.
-func staleClaimGrace(d time.Duration) time.Duration {
+// zeroIsNever is a duration flag whose 0 or less means never
+// (--stale-claim-grace, --registration-timeout) as the agent's Options
+// have it: negative, where their 0 is a default.
+func zeroIsNever(d time.Duration) time.Duration {
 	if d <= 0 {
 		return -1
 	}

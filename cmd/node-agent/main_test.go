@@ -351,15 +351,18 @@ func TestStaleClaimGraceFlag(t *testing.T) {
 	if err := cmd.Flags().Parse(nil); err != nil {
 		t.Fatal(err)
 	}
-	if got := staleClaimGrace(o.staleClaimGrace); got != agent.DefaultStaleClaimGrace {
+	if got := zeroIsNever(o.staleClaimGrace); got != agent.DefaultStaleClaimGrace {
 		t.Errorf("default --stale-claim-grace: %v, want %v", got, agent.DefaultStaleClaimGrace)
+	}
+	if got := zeroIsNever(o.registrationTimeout); got != agent.DefaultRegistrationTimeout {
+		t.Errorf("default --registration-timeout: %v, want %v", got, agent.DefaultRegistrationTimeout)
 	}
 	for in, want := range map[time.Duration]time.Duration{
 		2 * time.Hour: 2 * time.Hour,
 		0:             -1,
 		-time.Second:  -1,
 	} {
-		if got := staleClaimGrace(in); got != want {
+		if got := zeroIsNever(in); got != want {
 			t.Errorf("--stale-claim-grace=%v: %v, want %v", in, got, want)
 		}
 	}

@@ -76,6 +76,7 @@ func TestMetricsEndpoint(t *testing.T) {
 		`topodra_agent_gpus{state="not_published"} 0`,
 		"topodra_agent_prepared_claims 0",
 		"topodra_agent_stale_prepared_claims 0",
+		"topodra_agent_kubelet_registered 0",
 		`topodra_agent_prepare_errors_total{reason="device_in_use"} 0`,
 		`topodra_agent_prepare_errors_total{reason="other"} 0`,
 	)

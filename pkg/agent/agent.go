@@ -122,6 +122,12 @@ type Options struct {
 	// RegistrarDir is the kubelet's plugin registry directory; it defaults
 	// to /var/lib/kubelet/plugins_registry. Unused with PublishOnly.
 	RegistrarDir string
+	// RegistrationTimeout is how long the kubelet may take to register
+	// the plugin after New before the agent records a Warning
+	// (ReasonNotRegistered) on the Node; zero means
+	// DefaultRegistrationTimeout, negative never. Until the kubelet
+	// registers the plugin, Ready fails. Unused with PublishOnly.
+	RegistrationTimeout time.Duration
 	// StateDir holds the checkpoint of prepared claims; it defaults to
 	// PluginDataDir. With PublishOnly and no StateDir, Prepare fails.
 	StateDir string
@@ -316,8 +322,10 @@ type Agent struct {
 	prepareErrors               prepareErrorCounts
 
 	// mutex guards the fields below.
-	mutex     sync.Mutex
-	inventory *discovery.Inventory
+	mutex sync.Mutex
+	// registration is what the kubelet said of the plugin's registration.
+	registration registration
+	inventory    *discovery.Inventory
 	// noGPU is why the last discovery found no GPU, nil once it found some.
 	noGPU error
 	// nvmlUnusable is why discovery fails while the agent runs on the
@@ -481,6 +489,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 			kubeletplugin.KubeClient(opts.KubeClient),
 			kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
 			kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
+			kubeletplugin.GRPCInterceptor(a.watchRegistration),
 		)
 		if err != nil {
 			a.cancel(err)
@@ -488,6 +497,12 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 			return nil, fmt.Errorf("start kubelet plugin: %w", err)
 		}
 		a.helper = helper
+		if timeout := opts.RegistrationTimeout; timeout >= 0 {
+			if timeout == 0 {
+				timeout = DefaultRegistrationTimeout
+			}
+			a.wg.Go(func() { a.awaitRegistration(a.ctx, timeout) })
+		}
 	}
 
 	if len(opts.DevicePluginResources) > 0 {
@@ -1166,29 +1181,29 @@ func (a *Agent) NoGPU() error {
 	return a.noGPU
 }
 
-// Ready returns nil when the agent serves: as Live. A node without GPUs
-// (no driver yet, none installed) is ready, with an empty pool, a
-// TopodraNoGPU event on the Node and NoGPU saying why: a DaemonSet's
-// rolling update counts a pod that is not ready as unavailable, so one
-// such node would hold up the update of every other node.
+// Ready returns nil when the agent serves: it is live and, unless it is
+// publish-only, the kubelet has registered the plugin (an agent whose
+// registration directory is not the kubelet's is never ready; see also
+// ReasonNotRegistered). A node without GPUs (no driver yet, none
+// installed) is ready, with an empty pool, a TopodraNoGPU event on the
+// Node and NoGPU saying why: a DaemonSet's rolling update counts a pod
+// that is not ready as unavailable, so one such node would hold up the
+// update of every other node.
 func (a *Agent) Ready() error {
-	return a.Live()
+	if err := a.Err(); err != nil {
+		return err
+	}
+	return a.registrationErr()
 }
 
 // Live returns nil while the agent runs and, unless it is publish-only,
-// the kubelet has not reported a failed registration. It is the agent's
-// liveness.
+// the kubelet has not refused its registration (a refused plugin restarts
+// to register again). It is the agent's liveness.
 func (a *Agent) Live() error {
 	if err := a.Err(); err != nil {
 		return err
 	}
-	if a.helper == nil {
-		return nil
-	}
-	if status := a.helper.RegistrationStatus(); status != nil && !status.PluginRegistered {
-		return fmt.Errorf("kubelet refused plugin registration: %s", status.Error)
-	}
-	return nil
+	return a.registrationRefused()
 }
 
 // HandleError implements kubeletplugin.DRAPlugin: recoverable errors are

@@ -36,6 +36,10 @@ const (
 	// did not prepare, by reason (label "reason", see the PrepareError
 	// constants). A call that fails as a whole counts each of its claims.
 	MetricPrepareErrors = "topodra_agent_prepare_errors_total"
+	// MetricKubeletRegistered (gauge) is 1 once the kubelet has
+	// registered the plugin, 0 before and while it refuses it (see
+	// ReasonNotRegistered); always 0 for a publish-only agent.
+	MetricKubeletRegistered = "topodra_agent_kubelet_registered"
 )
 
 // Values of the "state" label of MetricGPUs.
@@ -175,21 +179,24 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 		prepareErrors: metrics.NewDesc(MetricPrepareErrors,
 			"ResourceClaims that a Prepare call did not prepare, by reason: device_in_use, claim_busy, unhealthy_device, gpu_moved, device_node_missing, other. The kubelet retries; the pod's events and the node agent's log say why.",
 			[]string{"reason"}, nil, metrics.ALPHA, ""),
+		registered: metrics.NewDesc(MetricKubeletRegistered,
+			"1 once the kubelet has registered the node agent's DRA plugin, 0 before and while the kubelet refuses it: pods with claims of the node's GPUs cannot start then (see the Node's "+ReasonNotRegistered+" events).",
+			nil, nil, metrics.ALPHA, ""),
 	}
 }
 
 // collector is the metrics.StableCollector of one Agent.
 type collector struct {
 	metrics.BaseStableCollector
-	agent                                            *Agent
-	nvmlUsable, gpus, prepared, stale, prepareErrors *metrics.Desc
+	agent                                                        *Agent
+	nvmlUsable, gpus, prepared, stale, prepareErrors, registered *metrics.Desc
 }
 
 var _ metrics.StableCollector = &collector{}
 
 // DescribeWithStability implements metrics.StableCollector.
 func (c *collector) DescribeWithStability(ch chan<- *metrics.Desc) {
-	for _, d := range []*metrics.Desc{c.nvmlUsable, c.gpus, c.prepared, c.stale, c.prepareErrors} {
+	for _, d := range []*metrics.Desc{c.nvmlUsable, c.gpus, c.prepared, c.stale, c.prepareErrors, c.registered} {
 		ch <- d
 	}
 }
@@ -216,4 +223,9 @@ func (c *collector) CollectWithStability(ch chan<- metrics.Metric) {
 	for i, reason := range prepareErrorReasons {
 		ch <- metrics.NewLazyConstMetric(c.prepareErrors, metrics.CounterValue, float64(a.prepareErrors[i].Load()), reason)
 	}
+	registered := 0.0
+	if a.Registered() {
+		registered = 1
+	}
+	ch <- metrics.NewLazyConstMetric(c.registered, metrics.GaugeValue, registered)
 }

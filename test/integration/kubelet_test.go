@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/events"
 	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	cdiapi "tags.cncf.io/container-device-interface/pkg/cdi"
@@ -267,4 +269,69 @@ func shortDirs(tCtx ktesting.TContext, prefix string, names ...string) []string 
 		dirs = append(dirs, dir)
 	}
 	return dirs
+}
+
+// TestAgentReadyOnceKubeletRegisters: a node agent that starts before the
+// kubelet watches its registration directory is not ready and, after
+// its registration timeout, warns on the Node; once the kubelet's own
+// plugin manager and DRA manager register it, it is ready and says so.
+func TestAgentReadyOnceKubeletRegisters(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "register")
+	nodeName := e.ns + "-node"
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns})
+	tCtx.ExpectNoError(err)
+	dirs := shortDirs(tCtx, "tr", "p", "r", "k")
+	pluginDir, registryDir, kubeletState := dirs[0], dirs[1], dirs[2]
+
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+	tCtx.ExpectNoError(err)
+	recorder := events.NewFakeRecorder(20)
+	a, err := agent.New(tCtx, agent.Options{
+		NodeName:            nodeName,
+		KubeClient:          cp.Client,
+		Discovery:           disc,
+		PluginDataDir:       pluginDir,
+		RegistrarDir:        registryDir,
+		StateDir:            tCtx.TempDir(),
+		CDIDir:              tCtx.TempDir(),
+		RescanInterval:      -1,
+		RegistrationTimeout: 300 * time.Millisecond,
+		Recorder:            recorder,
+	})
+	tCtx.ExpectNoError(err, "start agent")
+	tCtx.Cleanup(a.Stop)
+	if err := a.Ready(); err == nil {
+		tCtx.Fatal("ready before the kubelet registered the plugin")
+	}
+	waitForEvent(tCtx, recorder, "Warning "+agent.ReasonNotRegistered)
+
+	startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+	err = wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return a.Ready() == nil, nil
+	})
+	if err != nil {
+		tCtx.Fatalf("not ready after the kubelet started: %v", a.Ready())
+	}
+	waitForEvent(tCtx, recorder, "Normal "+agent.ReasonRegistered)
+}
+
+// waitForEvent waits for an event of r that starts with prefix.
+func waitForEvent(tCtx ktesting.TContext, r *events.FakeRecorder, prefix string) {
+	tCtx.Helper()
+	deadline := time.After(30 * time.Second)
+	var seen []string
+	for {
+		select {
+		case ev := <-r.Events:
+			if strings.HasPrefix(ev, prefix) {
+				return
+			}
+			seen = append(seen, ev)
+		case <-deadline:
+			tCtx.Fatalf("no event %q; got %q", prefix, seen)
+		}
+	}
 }
