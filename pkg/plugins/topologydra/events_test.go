@@ -652,14 +652,16 @@ func TestAdminAccessHoldsNoDevices(t *testing.T) {
 
 	slices, err := h.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	h.tCtx.ExpectNoError(err)
-	claims, err := h.pl.draManager.ResourceClaims().List()
+	allocated, err := h.pl.allocatedDevices()
 	h.tCtx.ExpectNoError(err)
 	generation := map[poolKey]int64{}
 	for _, s := range slices {
 		generation[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] = s.Spec.Pool.Generation
 	}
 	h.pl.freed.mu.Lock()
-	nodes, _ := h.pl.freed.countNodes(slices, claims, generation, func(string) bool { return true })
+	_, free, err := h.pl.freed.givenBack(h.pl, allocated)
+	h.tCtx.ExpectNoError(err)
+	nodes, _ := h.pl.freed.countNodes(slices, allocated, free, generation, func(string) bool { return true })
 	h.pl.freed.mu.Unlock()
 	for node, want := range map[string]int{"a": 4, "b": 3} {
 		if got := nodes[deviceGroup{driver: topology.DriverName, node: node}].free; got != want {

@@ -11,7 +11,9 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/dynamic-resource-allocation/api"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
@@ -110,8 +112,9 @@ func (f *freedDevices) reachCounts(key string, mayUse func(node string) bool) (m
 // release is the claim that gave a device back, and the resourceVersion
 // of that claim that still held it.
 type release struct {
-	uid     types.UID
-	version string
+	namespace, name string
+	uid             types.UID
+	version         string
 }
 
 // heldBy reports whether claim, as the claim tracker shows it, is the
@@ -515,13 +518,17 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		freedDrivers[r.Driver] = true
 		id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
 		given[id] = true
-		f.freedBy[id] = release{uid: claim.UID, version: claim.ResourceVersion}
+		f.freedBy[id] = release{namespace: claim.Namespace, name: claim.Name, uid: claim.UID, version: claim.ResourceVersion}
 	}
 	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
 		return nil, false
 	}
-	claims, err := pl.draManager.ResourceClaims().List()
+	allocated, err := pl.allocatedDevices()
+	if err != nil {
+		return nil, false
+	}
+	stillHeld, countFree, err := f.givenBack(pl, allocated)
 	if err != nil {
 		return nil, false
 	}
@@ -597,26 +604,6 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 			pools[poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}] = true
 		}
 	}
-	// Which devices of those pools the tracker shows allocated, and which
-	// claim holds each device given back.
-	type deviceKey struct{ driver, pool, device string }
-	allocated := map[deviceKey]bool{}
-	stillHeld := map[structured.DeviceID]bool{}
-	for _, c := range claims {
-		if c.Status.Allocation == nil {
-			continue
-		}
-		for _, r := range c.Status.Allocation.Devices.Results {
-			if !pools[poolKey{driver: r.Driver, pool: r.Pool}] || !f.takesDevice(r) {
-				continue
-			}
-			allocated[deviceKey{r.Driver, r.Pool, r.Device}] = true
-			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
-			if rel, ok := f.freedBy[id]; ok && rel.heldBy(c) {
-				stillHeld[id] = true
-			}
-		}
-	}
 	for id := range f.freedBy {
 		k := poolKey{driver: id.Driver.String(), pool: id.Pool.String()}
 		if _, published := generation[k]; !published {
@@ -641,10 +628,8 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		var free []freeDevice
 		for i := range s.Spec.Devices {
 			d := &s.Spec.Devices[i]
-			if allocated[deviceKey{k.driver, k.pool, d.Name}] {
-				if _, freed := f.freedBy[structured.MakeDeviceID(k.driver, k.pool, d.Name)]; !freed {
-					continue
-				}
+			if id := structured.MakeDeviceID(k.driver, k.pool, d.Name); allocated.Has(id) && !countFree[id] {
+				continue
 			}
 			fd := freeDevice{slice: s, index: i}
 			if perDevice {
@@ -688,12 +673,100 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 	var cluster map[string]driverDevices
 	restricted := false
 	if pl.headroomPercent > 0 {
-		nodes, cluster = f.countNodes(slices, claims, generation, pl.nodeKnown)
+		nodes, cluster = f.countNodes(slices, allocated, countFree, generation, pl.nodeKnown)
 		restricted = pl.anyRestricted(nodes)
 	}
 	f.key, f.sites, f.cluster, f.nodes, f.gave, f.restricted = key, fs, cluster, nodes, gave, restricted
 	f.byReach = nil
 	return fs, true
+}
+
+// allocatedDevices returns the devices that claims take from others, as
+// the claim tracker counts them (in the informer's claims and the
+// allocations in flight; as takesDevice judges results). The tracker keeps
+// that set as claims change, so that this costs a copy of it, not a pass
+// over every claim. It retries a few times while claims change during
+// the copy.
+func (pl *TopologyDRA) allocatedDevices() (sets.Set[structured.DeviceID], error) {
+	var err error
+	for range 3 {
+		var allocated sets.Set[structured.DeviceID]
+		if allocated, err = pl.draManager.ResourceClaims().ListAllAllocatedDevices(); err == nil {
+			return allocated, nil
+		}
+	}
+	return nil, err
+}
+
+// givenBack sorts the devices of freedBy: stillHeld holds those that the
+// claim tracker still shows held by the claim that gave them back, at the
+// version that gave them back or an older one (see release.heldBy); free
+// holds those that count as free although allocated has them: stillHeld,
+// and those that allocated has only because it has not caught up with
+// the tracker's claims yet (it is fed by the tracker's event handler):
+// no claim the tracker shows holds them. Only where allocated has a
+// device whose claim shows it given back does this list the claims.
+// Caller holds f.mu.
+func (f *freedDevices) givenBack(pl *TopologyDRA, allocated sets.Set[structured.DeviceID]) (stillHeld, free map[structured.DeviceID]bool, err error) {
+	stillHeld = map[structured.DeviceID]bool{}
+	free = map[structured.DeviceID]bool{}
+	type claimRef struct{ namespace, name string }
+	shown := map[claimRef]*resourceapi.ResourceClaim{}
+	var unsure []structured.DeviceID
+	for id, rel := range f.freedBy {
+		ref := claimRef{rel.namespace, rel.name}
+		c, ok := shown[ref]
+		if !ok {
+			c, _ = pl.draManager.ResourceClaims().Get(rel.namespace, rel.name)
+			shown[ref] = c
+		}
+		if c != nil && rel.heldBy(c) && f.holds(c, id) {
+			stillHeld[id] = true
+			free[id] = true
+			continue
+		}
+		if allocated.Has(id) {
+			unsure = append(unsure, id)
+		}
+	}
+	if len(unsure) == 0 {
+		return stillHeld, free, nil
+	}
+	claims, err := pl.draManager.ResourceClaims().List()
+	if err != nil {
+		return nil, nil, err
+	}
+	held := sets.New[structured.DeviceID]()
+	for _, c := range claims {
+		if c.Status.Allocation == nil {
+			continue
+		}
+		for _, r := range c.Status.Allocation.Devices.Results {
+			if f.takesDevice(r) {
+				held.Insert(structured.MakeDeviceID(r.Driver, r.Pool, r.Device))
+			}
+		}
+	}
+	for _, id := range unsure {
+		if !held.Has(id) {
+			free[id] = true
+		}
+	}
+	return stillHeld, free, nil
+}
+
+// holds reports whether claim's allocation takes device id (see
+// takesDevice).
+func (f *freedDevices) holds(claim *resourceapi.ResourceClaim, id structured.DeviceID) bool {
+	if claim.Status.Allocation == nil {
+		return false
+	}
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if f.takesDevice(r) && r.Device == id.Device.String() && r.Pool == id.Pool.String() && r.Driver == id.Driver.String() {
+			return true
+		}
+	}
+	return false
 }
 
 // takesDevice reports whether an allocation result takes its device from
@@ -742,16 +815,18 @@ func (f *freedDevices) anyRestricted() bool {
 
 // countNodes counts every known node's devices of each driver (the newest
 // generation of each node-local pool; slices of nodes that are gone do not
-// count, as they do not for Filter) and how many of them are free
-// (devices given back and not seen yet count as free), and sums them per
+// count, as they do not for Filter) and how many of them are free: not in
+// allocated, or in free (given back, see givenBack). It sums them per
 // driver. Caller holds f.mu.
-func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []*resourceapi.ResourceClaim, generation map[poolKey]int64, known func(string) bool) (map[deviceGroup]driverDevices, map[string]driverDevices) {
-	// Counted in a slice, one entry per node and driver, so that a claim's
-	// device costs one lookup of its pool.
+func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, allocated sets.Set[structured.DeviceID], free map[structured.DeviceID]bool, generation map[poolKey]int64, known func(string) bool) (map[deviceGroup]driverDevices, map[string]driverDevices) {
+	// Counted in a slice, one entry per node and driver, so that an
+	// allocated device costs one lookup of its pool. Pools are keyed by
+	// the interned names a DeviceID holds.
+	type poolID struct{ driver, pool api.UniqueString }
 	var groups []deviceGroup
 	var counts []driverDevices
 	index := make(map[deviceGroup]int, len(slices))
-	poolIndex := make(map[poolKey]int, len(slices))
+	poolIndex := make(map[poolID]int, len(slices))
 	for _, s := range slices {
 		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
 		if s.Spec.NodeName == nil || *s.Spec.NodeName == "" || s.Spec.Pool.Generation != generation[k] || !known(*s.Spec.NodeName) {
@@ -765,39 +840,16 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, claims []
 			groups = append(groups, g)
 			counts = append(counts, driverDevices{})
 		}
-		poolIndex[k] = i
+		poolIndex[poolID{api.MakeUniqueString(k.driver), api.MakeUniqueString(k.pool)}] = i
 		counts[i].total += len(s.Spec.Devices)
 		counts[i].free += len(s.Spec.Devices)
 	}
-	// The claims that gave devices back: only their results are looked up
-	// among the devices given back.
-	givers := map[types.UID]bool{}
-	for _, rel := range f.freedBy {
-		givers[rel.uid] = true
-	}
-	// A device counts once, however many claims share it.
-	taken := map[structured.DeviceID]bool{}
-	for _, c := range claims {
-		if c.Status.Allocation == nil {
+	for id := range allocated {
+		i, ok := poolIndex[poolID{id.Driver, id.Pool}]
+		if !ok || free[id] {
 			continue
 		}
-		gave := givers[c.UID]
-		for _, r := range c.Status.Allocation.Devices.Results {
-			i, ok := poolIndex[poolKey{driver: r.Driver, pool: r.Pool}]
-			if !ok || !f.takesDevice(r) {
-				continue
-			}
-			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
-			if gave {
-				if rel, freed := f.freedBy[id]; freed && rel.heldBy(c) {
-					continue // given back, not seen yet
-				}
-			}
-			if !taken[id] {
-				taken[id] = true
-				counts[i].free--
-			}
-		}
+		counts[i].free--
 	}
 	nodes := make(map[deviceGroup]driverDevices, len(groups))
 	cluster := map[string]driverDevices{}
