@@ -162,8 +162,11 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 		}
 	}
 	for i, constraint := range c.Spec.Devices.Constraints {
-		if constraint.MatchAttribute != nil {
+		switch {
+		case constraint.MatchAttribute != nil:
 			problems = append(problems, matchAttributeMismatch(i, constraint, results, devs, skip)...)
+		case constraint.DistinctAttribute != nil:
+			problems = append(problems, distinctAttributeMismatch(i, constraint, results, devs, skip)...)
 		}
 	}
 	return problems
@@ -232,13 +235,7 @@ func unmatched(j judge, r resourceapi.DeviceRequestAllocationResult, d *resource
 // type or value, judged as the upstream allocator judges it.
 func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []string {
 	attribute := *constraint.MatchAttribute
-	applies := func(request string) bool {
-		if len(constraint.Requests) == 0 || slices.Contains(constraint.Requests, request) {
-			return true
-		}
-		parent, _, sub := strings.Cut(request, "/")
-		return sub && slices.Contains(constraint.Requests, parent)
-	}
+	applies := constraintApplies(constraint)
 	var first *resourceapi.DeviceAttribute
 	var firstDevice string
 	for k, r := range results {
@@ -259,6 +256,49 @@ func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, resu
 		}
 	}
 	return nil
+}
+
+// distinctAttributeMismatch says whether the devices of the requests of
+// constraint (the i-th of the claim) lack its attribute or two of them
+// have the same type and value, judged as the upstream allocator judges
+// it.
+func distinctAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []string {
+	attribute := *constraint.DistinctAttribute
+	applies := constraintApplies(constraint)
+	holder := map[string]string{}
+	for k, r := range results {
+		if !applies(r.Request) {
+			continue
+		}
+		value := lookupAttribute(devs[k], r.Driver, attribute)
+		if value == nil {
+			return []string{fmt.Sprintf("constraint #%d distinctAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r))}
+		}
+		v := scalar(*value)
+		if v == "" {
+			skip(fmt.Sprintf("constraint #%d distinctAttribute %s has a list value or one of no known type, not checked", i, attribute))
+			return nil
+		}
+		if other, ok := holder[v]; ok {
+			return []string{fmt.Sprintf("constraint #%d distinctAttribute %s: devices %s and %s both have %s", i, attribute, other, deviceOf(r), v)}
+		}
+		holder[v] = deviceOf(r)
+	}
+	return nil
+}
+
+// constraintApplies returns whether constraint covers a result of a
+// request (or of a subrequest, "parent/sub"): all where it names none,
+// the requests it names and their subrequests, and the subrequests it
+// names.
+func constraintApplies(constraint resourceapi.DeviceConstraint) func(request string) bool {
+	return func(request string) bool {
+		if len(constraint.Requests) == 0 || slices.Contains(constraint.Requests, request) {
+			return true
+		}
+		parent, _, sub := strings.Cut(request, "/")
+		return sub && slices.Contains(constraint.Requests, parent)
+	}
 }
 
 // scalar is a's type and value, as "string \"x\"", or "" where a holds a

@@ -104,7 +104,8 @@ const (
 	// devices of two of its subrequests), a device that does not match a
 	// selector of its request or of the request's DeviceClass, or
 	// devices of a matchAttribute constraint that lack the attribute or
-	// differ in its type or value. Judged on the devices as the newest
+	// differ in its type or value, or of a distinctAttribute constraint
+	// that lack it or share a type and value. Judged on the devices as the newest
 	// generations of their pools publish them, for claims whose devices
 	// are all published; see allocationMismatches for what is not
 	// judged.

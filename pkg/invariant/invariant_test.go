@@ -683,8 +683,8 @@ func specClaim(name string, requests []resourceapi.DeviceRequest, constraints []
 }
 
 // TestAllocationMismatch: an allocation is judged against its claim's
-// spec (requests, counts, class and request selectors, matchAttribute
-// constraints) as the upstream allocator allocates; what cannot be judged
+// spec (requests, counts, class and request selectors, matchAttribute and
+// distinctAttribute constraints) as the upstream allocator allocates; what cannot be judged
 // is no violation.
 func TestAllocationMismatch(t *testing.T) {
 	nodeC := slice("node-c", 1,
@@ -695,6 +695,7 @@ func TestAllocationMismatch(t *testing.T) {
 	classes := []*resourceapi.DeviceClass{gpuClass(), typed}
 	two := []resourceapi.DeviceRequest{exactly("gpus", "gpu", 2)}
 	cliques := []resourceapi.DeviceConstraint{sameClique()}
+	distinctCliques := []resourceapi.DeviceConstraint{{DistinctAttribute: ptr.To(resourceapi.FullyQualifiedName(driver + "/clique"))}}
 	firstAvailable := []resourceapi.DeviceRequest{{Name: "r", FirstAvailable: []resourceapi.DeviceSubRequest{
 		{Name: "big", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2},
 		{Name: "small", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
@@ -800,6 +801,22 @@ func TestAllocationMismatch(t *testing.T) {
 			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, nil, "r/big=gpu-0", "r/big=gpu-1", "r/small=gpu-2")},
 			want:   []Violation{mismatch("c")},
 			wantIn: []string{`request "r" has devices of 2 of its subrequests`},
+		},
+		"distinct cliques under distinctAttribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, distinctCliques, "gpus=gpu-0", "gpus=gpu-2")},
+		},
+		"one clique twice under distinctAttribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, distinctCliques, "gpus=gpu-0", "gpus=gpu-1")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"constraint #0 distinctAttribute " + driver + "/clique", "gpu-0 and " + driver + "/node-c/gpu-1 both have string \"a\""},
+		},
+		"the same value of two types under distinctAttribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, distinctCliques, "gpus=gpu-3", "gpus=gpu-5")},
+		},
+		"a device without the attribute under distinctAttribute": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", two, distinctCliques, "gpus=gpu-0", "gpus=gpu-6")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"distinctAttribute", "gpu-6 does not have the attribute"},
 		},
 		"first available under a constraint on the parent": {
 			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, []resourceapi.DeviceConstraint{sameClique("r")}, "r/big=gpu-0", "r/big=gpu-2")},
