@@ -25,6 +25,7 @@ import (
 
 	"github.com/topodra/topodra/manifests"
 	"github.com/topodra/topodra/pkg/cluster"
+	"github.com/topodra/topodra/pkg/invariant"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -351,5 +352,66 @@ func TestMetricsReaderRole(t *testing.T) {
 	}
 	if allowed("other", metrics) {
 		t.Error("a ServiceAccount without the binding may get /metrics")
+	}
+}
+
+// TestCheckerRole: topodra-check, run as a ServiceAccount bound to the
+// shipped ClusterRole topodra-checker, reads everything it judges (no
+// part is left unjudged for want of permission) and may change nothing;
+// without the binding it cannot read the cluster.
+func TestCheckerRole(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp, _ := startInstalled(t, ctx)
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "sre-topodra-checker"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "topodra-checker"},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "sre", Name: "checker"}},
+	}
+	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	as := func(sa string) kubernetes.Interface {
+		t.Helper()
+		config := rest.CopyConfig(cp.Config)
+		config.Impersonate = rest.ImpersonationConfig{
+			UserName: "system:serviceaccount:sre:" + sa,
+			Groups:   []string{"system:serviceaccounts", "system:serviceaccounts:sre", "system:authenticated"},
+		}
+		client, err := kubernetes.NewForConfig(config)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return client
+	}
+	opts := invariant.CheckOptions{Reads: 2, Interval: 10 * time.Millisecond}
+	var report invariant.Report
+	// RBAC's authorizer learns of the new binding from its informer.
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		var err error
+		report, err = invariant.CheckWith(ctx, as("checker"), opts)
+		return err == nil, nil
+	})
+	if err != nil {
+		_, err := invariant.CheckWith(ctx, as("checker"), opts)
+		t.Fatalf("checker bound to topodra-checker cannot read the cluster: %v", err)
+	}
+	for _, why := range report.NotJudged {
+		if strings.Contains(why, "forbidden") {
+			t.Errorf("not judged for want of permission: %s", why)
+		}
+	}
+	if _, err := invariant.CheckWith(ctx, as("other"), opts); err == nil {
+		t.Error("a ServiceAccount without the binding read the cluster")
+	}
+	review, err := cp.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
+		User:               "system:serviceaccount:sre:checker",
+		Groups:             []string{"system:serviceaccounts", "system:serviceaccounts:sre", "system:authenticated"},
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: "update", Group: "resource.k8s.io", Resource: "resourceclaims"},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if review.Status.Allowed {
+		t.Error("the checker's role may update resourceclaims")
 	}
 }
