@@ -47,6 +47,11 @@ type Options struct {
 	// by counting but ask upstream directly (for example nodes where
 	// Verify found counting refused). It is called concurrently.
 	SkipCounting func(nodeName string) bool
+	// Parallelize, if set, runs work for the pieces 0 to pieces-1
+	// concurrently and returns when all are done or ctx is done (as the
+	// scheduler framework's Parallelizer.Until does). CountDevices counts
+	// nodes with it. Nil means one after another.
+	Parallelize func(ctx context.Context, pieces int, work func(piece int))
 }
 
 // Allocator finds the best valid allocation of a pod's claims on one node at
@@ -61,6 +66,8 @@ type Allocator struct {
 	policy      Policy
 	// skipCounting: see Options.SkipCounting; nil means never.
 	skipCounting func(nodeName string) bool
+	// parallelize: see Options.Parallelize; nil means one after another.
+	parallelize func(ctx context.Context, pieces int, work func(piece int))
 
 	// inUse holds every device that has any committed allocation: fully
 	// allocated, or shared with consumed capacity.
@@ -167,6 +174,7 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		cache:        cache,
 		policy:       policy,
 		skipCounting: opts.SkipCounting,
+		parallelize:  opts.Parallelize,
 		byNode:       map[string][]*resourceapi.ResourceSlice{},
 		byPool:       map[poolKey][]*resourceapi.ResourceSlice{},
 	}

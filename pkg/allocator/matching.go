@@ -27,7 +27,8 @@ type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 // the claims use fields this package does not interpret: only upstream's
 // allocation can tell then. Like Allocate, it returns an error only for
 // input problems that make the claims unallocatable on every node (an
-// *InputError) and cancellation. Safe for concurrent use.
+// *InputError) and cancellation. It counts the nodes with
+// Options.Parallelize. Safe for concurrent use.
 func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.ResourceClaim, nodes sets.Set[string]) (counts map[string]map[string]DeviceCount, matched bool, err error) {
 	var specs []*unitSpec
 	matched = true
@@ -44,48 +45,70 @@ func (a *Allocator) CountDevices(ctx context.Context, claims []*resourceapi.Reso
 			specs = append(specs, rs.alts...)
 		}
 	}
-	counts = make(map[string]map[string]DeviceCount, len(nodes))
 	newest := func(slice *resourceapi.ResourceSlice) bool {
 		return slice.Spec.Pool.Generation == a.poolGen[poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}]
 	}
-	for node := range nodes {
-		if err := ctx.Err(); err != nil {
-			return nil, false, err
+	names := nodes.UnsortedList()
+	perNode := make([]map[string]DeviceCount, len(names))
+	count := func(i int) {
+		if ctx.Err() == nil {
+			perNode[i] = a.countNode(ctx, names[i], specs, newest)
 		}
-		left := a.countersLeftOn(node, newest)
-		for _, slice := range a.byNode[node] {
-			if !newest(slice) || len(slice.Spec.Devices) == 0 {
-				continue
-			}
-			byDriver := counts[node]
-			if byDriver == nil {
-				byDriver = map[string]DeviceCount{}
-				counts[node] = byDriver
-			}
-			c := byDriver[slice.Spec.Driver]
-			memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
-			ids := a.sliceInfo(slice).ids
-			for i := range slice.Spec.Devices {
-				device := &slice.Spec.Devices[i]
-				free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device))
-				c.Devices++
-				if free {
-					c.Free++
-				}
-				for _, u := range specs {
-					if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
-						c.Matching++
-						if free {
-							c.MatchingFree++
-						}
-						break
-					}
-				}
-			}
-			byDriver[slice.Spec.Driver] = c
+	}
+	if a.parallelize != nil && len(names) > 1 {
+		a.parallelize(ctx, len(names), count)
+	} else {
+		for i := range names {
+			count(i)
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, false, err
+	}
+	counts = make(map[string]map[string]DeviceCount, len(names))
+	for i, name := range names {
+		if perNode[i] != nil {
+			counts[name] = perNode[i]
 		}
 	}
 	return counts, matched, nil
+}
+
+// countNode is CountDevices' count of one node: per driver, nil where the
+// node has no devices. Safe for concurrent use.
+func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpec, newest func(*resourceapi.ResourceSlice) bool) map[string]DeviceCount {
+	var byDriver map[string]DeviceCount
+	left := a.countersLeftOn(node, newest)
+	for _, slice := range a.byNode[node] {
+		if !newest(slice) || len(slice.Spec.Devices) == 0 {
+			continue
+		}
+		if byDriver == nil {
+			byDriver = map[string]DeviceCount{}
+		}
+		c := byDriver[slice.Spec.Driver]
+		memo := a.cache.forSlice(slice.UID, slice.Generation, a.features.ListTypeAttributes)
+		ids := a.sliceInfo(slice).ids
+		for i := range slice.Spec.Devices {
+			device := &slice.Spec.Devices[i]
+			free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device))
+			c.Devices++
+			if free {
+				c.Free++
+			}
+			for _, u := range specs {
+				if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
+					c.Matching++
+					if free {
+						c.MatchingFree++
+					}
+					break
+				}
+			}
+		}
+		byDriver[slice.Spec.Driver] = c
+	}
+	return byDriver
 }
 
 // countersLeftOn returns what the devices in use on node leave of the

@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"testing"
 
-	v1 "k8s.io/api/core/v1"
+	"github.com/google/go-cmp/cmp"
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/utils/ptr"
 )
 
@@ -89,33 +91,94 @@ func TestCountDevices(t *testing.T) {
 }
 
 // BenchmarkCountDevices counts the devices an 8-GPU claim matches on
-// 500 DGX nodes (4,000 GPUs) with the selector cache warm, as the plugin's
-// PreFilter does for a pod that keeps a headroom; each round builds the
-// Allocator as a scheduling cycle does.
+// 500 and 5,000 DGX nodes (8 GPUs each) with the selector cache warm, as
+// the plugin's PreFilter does for a pod that keeps a headroom; each round
+// builds the Allocator as a scheduling cycle does. "parallel" counts with
+// kube-scheduler's default parallelism (16), as the plugin does.
 func BenchmarkCountDevices(b *testing.B) {
 	ctx := context.Background()
+	for _, size := range []int{500, 5000} {
+		slices, names := dgxCluster(size)
+		cache := NewCache()
+		cel := newCELCache()
+		c := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 8).obj()}
+		for _, mode := range []string{"sequential", "parallel"} {
+			var parallelize func(context.Context, int, func(int))
+			if mode == "parallel" {
+				parallelize = parallelSixteen
+			}
+			b.Run(fmt.Sprintf("nodes=%d/%s", size, mode), func(b *testing.B) {
+				for b.Loop() {
+					a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n1", "gpu-1"), ClassLister: defaultClasses, Slices: slices, CELCache: cel, Cache: cache, Policy: DefaultPolicy(), Parallelize: parallelize})
+					if err != nil {
+						b.Fatal(err)
+					}
+					if _, _, err := a.CountDevices(ctx, c, names); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// dgxCluster returns the slices of n DGX nodes, n0 to n<n-1>, and their
+// names.
+func dgxCluster(n int) ([]*resourceapi.ResourceSlice, sets.Set[string]) {
 	var slices []*resourceapi.ResourceSlice
-	var nodes []*v1.Node
-	for i := range 500 {
-		n := fmt.Sprintf("n%d", i)
-		slices = append(slices, dgx(n)...)
-		nodes = append(nodes, node(n))
-	}
 	names := sets.New[string]()
-	for _, n := range nodes {
-		names.Insert(n.Name)
+	for i := range n {
+		name := fmt.Sprintf("n%d", i)
+		slices = append(slices, dgx(name)...)
+		names.Insert(name)
 	}
-	cache := NewCache()
-	cel := newCELCache()
-	c := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 8).obj()}
-	for b.Loop() {
-		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n1", "gpu-1"), ClassLister: defaultClasses, Slices: slices, CELCache: cel, Cache: cache, Policy: DefaultPolicy()})
+	return slices, names
+}
+
+// parallelSixteen runs work on 16 goroutines, as the scheduler framework's
+// Parallelizer does with kube-scheduler's default parallelism (it also
+// records the scheduler's goroutine metrics, which need registering).
+func parallelSixteen(ctx context.Context, pieces int, work func(int)) {
+	workqueue.ParallelizeUntil(ctx, 16, pieces, work)
+}
+
+// TestCountDevicesInParallel: counting the nodes concurrently gives the
+// counts of counting them one after another, with devices allocated on
+// some nodes; a cancelled context is an error, not partial counts.
+func TestCountDevicesInParallel(t *testing.T) {
+	ctx := quietContext(t)
+	slices, names := dgxCluster(200)
+	state := allocated(gpuDriver, "n7", "gpu-0", "gpu-3")
+	for _, id := range []structured.DeviceID{structured.MakeDeviceID(gpuDriver, "n1", "gpu-1"), structured.MakeDeviceID(gpuDriver, "n150", "gpu-7")} {
+		state.AllocatedDevices.Insert(id)
+	}
+	c := []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 4).obj()}
+	count := func(ctx context.Context, parallelize func(context.Context, int, func(int))) (map[string]map[string]DeviceCount, error) {
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: state, ClassLister: defaultClasses, Slices: slices, Policy: DefaultPolicy(), Parallelize: parallelize})
 		if err != nil {
-			b.Fatal(err)
+			t.Fatal(err)
 		}
-		if _, _, err := a.CountDevices(ctx, c, names); err != nil {
-			b.Fatal(err)
-		}
+		counts, _, err := a.CountDevices(ctx, c, names)
+		return counts, err
+	}
+	want, err := count(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := count(ctx, parallelSixteen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("parallel counts differ (-sequential +parallel):\n%s", diff)
+	}
+	if n := got["n7"][gpuDriver]; n.Devices != 8 || n.Free != 6 || n.MatchingFree != 6 {
+		t.Errorf("n7: %+v, want 8 devices, 6 free and matching", n)
+	}
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if counts, err := count(cancelled, parallelSixteen); err == nil {
+		t.Errorf("cancelled: counts of %d nodes, no error", len(counts))
 	}
 }
 

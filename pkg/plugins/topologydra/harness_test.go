@@ -31,6 +31,7 @@ import (
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	frameworkruntime "k8s.io/kubernetes/pkg/scheduler/framework/runtime"
+	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
@@ -110,6 +111,9 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 		synced = append(synced, reg.HasSyncedChecker())
 	}
 	h.activated = &recordingActivator{}
+	// The framework's Parallelizer (PreFilter counts nodes with it)
+	// records the scheduler's metrics, which scheduler.New registers.
+	schedmetrics.Register()
 	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
 		frameworkruntime.WithPodActivator(h.activated),
 		frameworkruntime.WithClientSet(h.client),

@@ -230,6 +230,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		Cache:          pl.cache,
 		Policy:         pl.policy,
 		SkipCounting:   pl.countingSkipped,
+		Parallelize:    pl.parallelize,
 	})
 	if err != nil {
 		return nil, unresolvable(err.Error())
@@ -277,6 +278,19 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		pl.heldBack.setNarrow(pod, barren != nil, barren)
 	}
 	return nil, nil
+}
+
+// parallelize runs work for every piece with the scheduler's parallelism
+// (its configuration's parallelism field), one after another without a
+// framework handle.
+func (pl *TopologyDRA) parallelize(ctx context.Context, pieces int, work func(piece int)) {
+	if pl.handle == nil || pl.handle.Parallelizer() == nil {
+		for i := range pieces {
+			work(i)
+		}
+		return
+	}
+	pl.handle.Parallelizer().Until(ctx, pieces, work, Name)
 }
 
 // matchesOn reports whether the pod's requests match a device of one
