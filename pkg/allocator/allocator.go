@@ -1,11 +1,9 @@
 package allocator
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 
@@ -14,7 +12,6 @@ import (
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 )
 
 // Options configure an Allocator. ClassLister is required; the others have
@@ -73,8 +70,9 @@ type Allocator struct {
 	// allocated, or shared with consumed capacity.
 	inUse sets.Set[structured.DeviceID]
 
-	// Slices indexed once: by node name, the ones without a node name
-	// (node selector, all nodes, per-device selection), and by pool.
+	// Slices indexed once (see sliceIndex; shared with other Allocators,
+	// never changed): by node name, the ones without a node name (node
+	// selector, all nodes, per-device selection), and by pool.
 	byNode map[string][]*resourceapi.ResourceSlice
 	shared []*resourceapi.ResourceSlice
 	byPool map[poolKey][]*resourceapi.ResourceSlice
@@ -175,8 +173,6 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 		policy:       policy,
 		skipCounting: opts.SkipCounting,
 		parallelize:  opts.Parallelize,
-		byNode:       map[string][]*resourceapi.ResourceSlice{},
-		byPool:       map[poolKey][]*resourceapi.ResourceSlice{},
 	}
 	a.stableVariant = stableFeatures.IsSuperset(opts.Features.Set())
 	if opts.AllocatedState != nil {
@@ -193,28 +189,8 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 	for id := range a.state.AggregatedCapacity {
 		a.inUse.Insert(id)
 	}
-	for _, slice := range opts.Slices {
-		if slice == nil {
-			continue
-		}
-		a.numSlices++
-		if name := ptr.Deref(slice.Spec.NodeName, ""); name != "" {
-			a.byNode[name] = append(a.byNode[name], slice)
-		} else {
-			a.shared = append(a.shared, slice)
-		}
-		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
-		a.byPool[key] = append(a.byPool[key], slice)
-	}
-	a.poolGen = make(map[poolKey]int64, len(a.byPool))
-	for key, poolSlices := range a.byPool {
-		slices.SortStableFunc(poolSlices, func(x, y *resourceapi.ResourceSlice) int { return cmp.Compare(x.Name, y.Name) })
-		var generation int64
-		for _, slice := range poolSlices {
-			generation = max(generation, slice.Spec.Pool.Generation)
-		}
-		a.poolGen[key] = generation
-	}
+	idx := cache.sliceIndexOf(opts.Slices)
+	a.byNode, a.shared, a.byPool, a.poolGen, a.numSlices = idx.byNode, idx.shared, idx.byPool, idx.poolGen, idx.numSlices
 	attrNames := make([]string, len(policy.Attributes))
 	for i, attr := range policy.Attributes {
 		attrNames[i] = string(attr)

@@ -1,7 +1,9 @@
 package allocator
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -9,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -36,6 +39,84 @@ type Cache struct {
 	numSlices atomic.Int64
 	nodes     sync.Map // nodeKey -> *nodeStatic
 	numNodes  atomic.Int64
+	// index is the index of the slices of the latest Allocator; the next
+	// one reuses it where its slices are the same objects.
+	index atomic.Pointer[sliceIndex]
+}
+
+// sliceIndex indexes a list of ResourceSlices for New: by node name, the
+// ones without a node name, and by pool (each pool's slices sorted by
+// name), with the newest generation of each pool. It is never changed
+// once built: Allocators of concurrent cycles share it.
+type sliceIndex struct {
+	// of holds the slices indexed. The informers replace an object when
+	// it changes, so the same objects are the same slices.
+	of        map[*resourceapi.ResourceSlice]struct{}
+	byNode    map[string][]*resourceapi.ResourceSlice
+	shared    []*resourceapi.ResourceSlice
+	byPool    map[poolKey][]*resourceapi.ResourceSlice
+	poolGen   map[poolKey]int64
+	numSlices int
+}
+
+// sliceIndexOf returns the index of list (nil entries left out): the
+// cached one where it indexes exactly these objects, otherwise a new one,
+// which it caches.
+func (c *Cache) sliceIndexOf(list []*resourceapi.ResourceSlice) *sliceIndex {
+	if idx := c.index.Load(); idx != nil && idx.indexes(list) {
+		return idx
+	}
+	idx := newSliceIndex(list)
+	c.index.Store(idx)
+	return idx
+}
+
+// indexes reports whether idx is the index of exactly the slices of list,
+// which holds each slice once (as listers return them).
+func (idx *sliceIndex) indexes(list []*resourceapi.ResourceSlice) bool {
+	n := 0
+	for _, slice := range list {
+		if slice == nil {
+			continue
+		}
+		if _, ok := idx.of[slice]; !ok {
+			return false
+		}
+		n++
+	}
+	return n == idx.numSlices
+}
+
+func newSliceIndex(list []*resourceapi.ResourceSlice) *sliceIndex {
+	idx := &sliceIndex{
+		of:     make(map[*resourceapi.ResourceSlice]struct{}, len(list)),
+		byNode: map[string][]*resourceapi.ResourceSlice{},
+		byPool: map[poolKey][]*resourceapi.ResourceSlice{},
+	}
+	for _, slice := range list {
+		if slice == nil {
+			continue
+		}
+		idx.of[slice] = struct{}{}
+		idx.numSlices++
+		if name := ptr.Deref(slice.Spec.NodeName, ""); name != "" {
+			idx.byNode[name] = append(idx.byNode[name], slice)
+		} else {
+			idx.shared = append(idx.shared, slice)
+		}
+		key := poolKey{slice.Spec.Driver, slice.Spec.Pool.Name}
+		idx.byPool[key] = append(idx.byPool[key], slice)
+	}
+	idx.poolGen = make(map[poolKey]int64, len(idx.byPool))
+	for key, poolSlices := range idx.byPool {
+		slices.SortStableFunc(poolSlices, func(x, y *resourceapi.ResourceSlice) int { return cmp.Compare(x.Name, y.Name) })
+		var generation int64
+		for _, slice := range poolSlices {
+			generation = max(generation, slice.Spec.Pool.Generation)
+		}
+		idx.poolGen[key] = generation
+	}
+	return idx
 }
 
 // NewCache returns an empty Cache.

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"reflect"
+	"slices"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -274,3 +277,51 @@ func TestCountDevicesWithPartitions(t *testing.T) {
 		}
 	}
 }
+
+// TestSliceIndexFollowsSlices: Allocators built from the same slice
+// objects share one index; a changed slice (a new object, as informers
+// replace it), a removed or an added one makes the next Allocator index
+// the slices again, and it sees the change.
+func TestSliceIndexFollowsSlices(t *testing.T) {
+	ctx := quietContext(t)
+	list, _ := dgxCluster(3)
+	cache := NewCache()
+	build := func(list []*resourceapi.ResourceSlice) *Allocator {
+		t.Helper()
+		a, err := New(ctx, Options{Features: allFeatures, ClassLister: defaultClasses, Slices: list, Cache: cache, Policy: DefaultPolicy()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a
+	}
+	first := build(list)
+	reordered := []*resourceapi.ResourceSlice{list[2], list[0], list[1]}
+	if again := build(reordered); indexOf(again) != indexOf(first) {
+		t.Error("the same slices, listed in another order, were indexed again")
+	}
+
+	newer := list[1].DeepCopy()
+	newer.Spec.Pool.Generation++
+	newer.Spec.Devices = newer.Spec.Devices[:4]
+	changed := build([]*resourceapi.ResourceSlice{list[0], newer, list[2]})
+	if indexOf(changed) == indexOf(first) {
+		t.Fatal("a changed slice did not make a new index")
+	}
+	if got := changed.poolGen[poolKey{gpuDriver, "n1"}]; got != newer.Spec.Pool.Generation {
+		t.Errorf("pool n1 generation %d, want %d", got, newer.Spec.Pool.Generation)
+	}
+	if got := len(changed.byNode["n1"][0].Spec.Devices); got != 4 {
+		t.Errorf("node n1 has %d devices, want the changed slice's 4", got)
+	}
+
+	if removed := build(list[:2]); len(removed.byNode) != 2 || removed.byNode["n2"] != nil {
+		t.Errorf("a removed slice: nodes %v, want n0 and n1", slices.Collect(maps.Keys(removed.byNode)))
+	}
+	extra, _ := dgxCluster(4)
+	if added := build(append(slices.Clone(list), extra[3])); len(added.byNode) != 4 {
+		t.Errorf("an added slice: %d nodes, want 4", len(added.byNode))
+	}
+}
+
+// indexOf identifies the slice index a was built with (its byNode map).
+func indexOf(a *Allocator) uintptr { return reflect.ValueOf(a.byNode).Pointer() }
