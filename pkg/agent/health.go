@@ -184,16 +184,17 @@ func (a *Agent) runHealth(ctx context.Context, run *healthRun, inv *discovery.In
 // reportPartlyWatched records a ReasonHealthPartlyWatched warning on the
 // Node when the health source watches some of inv's GPUs but not all.
 func (a *Agent) reportPartlyWatched(inv *discovery.Inventory, unwatched discovery.Unwatched) {
-	var names []string
+	var names, devices []string
 	for _, g := range inv.GPUs {
 		if why, ok := unwatched[g.UUID]; ok {
 			names = append(names, fmt.Sprintf("%s (%s)", g.Name, why))
+			devices = append(devices, g.Name)
 		}
 	}
 	if len(names) == 0 || len(names) == len(inv.GPUs) {
 		return
 	}
-	a.nodeEvent(v1.EventTypeWarning, ReasonHealthPartlyWatched, "HealthCheck",
+	a.devicesNodeEvent(devices, v1.EventTypeWarning, ReasonHealthPartlyWatched, "HealthCheck",
 		"the health of %d of %d GPUs is not watched, the kubelet gets it as Unknown and their XIDs do not taint them: %s",
 		len(names), len(inv.GPUs), strings.Join(names, ", "))
 }

@@ -145,7 +145,10 @@ func (a *Agent) awaitRegistration(ctx context.Context, timeout time.Duration) {
 	}
 	socket := a.registrationSocket()
 	klog.FromContext(ctx).Error(nil, "The kubelet has not registered the plugin", "after", timeout, "registrationSocket", socket)
-	a.nodeEvent(v1.EventTypeWarning, ReasonNotRegistered, "Register",
+	// An action of its own: the events.k8s.io broadcaster counts an
+	// event with the same reason and action within minutes as a repeat
+	// and keeps the first note, which would hide a refusal's reason.
+	a.nodeEvent(v1.EventTypeWarning, ReasonNotRegistered, "WaitForRegistration",
 		"the kubelet has not registered %s %s after the agent started: it has not used the registration socket %s. Pods with claims of its devices cannot start on this node. Check that --kubelet-dir is the kubelet's --root-dir (or --registrar-dir its plugins_registry directory) as seen on the node, and that the agent's DaemonSet mounts it at the same path",
 		a.opts.DriverName, timeout, socket)
 }

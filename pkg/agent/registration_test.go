@@ -57,12 +57,7 @@ func TestReadyOnceKubeletRegisters(t *testing.T) {
 		t.Error("Registered() before the kubelet registered the plugin")
 	}
 
-	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close() }()
-	watcher := registerapi.NewRegistrationClient(conn)
+	watcher := pluginWatcher(t, socket)
 	callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	info, err := watcher.GetInfo(callCtx, &registerapi.InfoRequest{})
@@ -127,4 +122,44 @@ func TestPublishOnlyReadyWithoutKubelet(t *testing.T) {
 			t.Errorf("publish-only agent warns: %q", ev)
 		}
 	}
+}
+
+// TestRegistrationEventsKeepTheirNotes: the warning that the kubelet has
+// not registered the plugin and the one with the kubelet's reason for
+// refusing it both reach the API server with their own notes (the events
+// broadcaster would count the second as a repeat of the first, and keep
+// the first note, if they had the same reason and action).
+func TestRegistrationEventsKeepTheirNotes(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	broadcastEvents(ctx, t, e)
+	base := socketDirs(t)
+	opts := e.options(t)
+	opts.PublishOnly = false
+	opts.PluginDataDir = filepath.Join(base, "p")
+	opts.RegistrarDir = filepath.Join(base, "r")
+	opts.RegistrationTimeout = 100 * time.Millisecond
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	waitForStoredEvent(ctx, t, e, agent.ReasonNotRegistered, "Node", "has not registered")
+	watcher := pluginWatcher(t, filepath.Join(opts.RegistrarDir, topology.DriverName+"-reg.sock"))
+	if _, err := watcher.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "no supported version"}); err == nil {
+		t.Error("a refused registration's notification succeeded")
+	}
+	waitForStoredEvent(ctx, t, e, agent.ReasonNotRegistered, "Node", "refused", "no supported version")
+}
+
+// pluginWatcher connects to a registration socket as the kubelet's plugin
+// watcher does.
+func pluginWatcher(t *testing.T, socket string) registerapi.RegistrationClient {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return registerapi.NewRegistrationClient(conn)
 }
