@@ -520,7 +520,13 @@ func naNote(ts []Target, prefix, suffix string) string {
 	if applicableCount(ts) == len(ts) {
 		return ""
 	}
-	return prefix + "n/a: no pods of that size, not counted" + suffix
+	why := "no pods of that size"
+	for _, t := range ts {
+		if t.NotApplicable && t.alignment {
+			why += "; alignment: no claim that could be aligned"
+		}
+	}
+	return prefix + "n/a: " + why + ", not counted" + suffix
 }
 
 // applicableCount counts the targets that apply (not NotApplicable).

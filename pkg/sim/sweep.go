@@ -194,7 +194,11 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		}
 		s.Runs++
 		ticks = append(ticks, float64(r.PodTicks))
-		aligned = append(aligned, r.Aligned)
+		// A run with nothing that could be aligned says nothing of
+		// alignment (its fraction is 1 by convention).
+		if _, possible := r.Alignment.Counts(); possible > 0 {
+			aligned = append(aligned, r.Aligned)
+		}
 		tput = append(tput, r.Throughput)
 		p50 = append(p50, r.AttemptP50Ms)
 		if r.SchedulerCPUMsPerPod >= 0 {
@@ -332,7 +336,8 @@ func pairedWaits(rows []SweepRow, g int) *Paired {
 // targets checks topodra's summary against stock's; rows are the runs
 // behind both (for the run-by-run comparison). A target of the waits of
 // one size applies only where both schedulers' runs had pods of that
-// size; otherwise it is NotApplicable.
+// size, the alignment target only where topodra's runs had a claim that
+// could be aligned; otherwise it is NotApplicable.
 func targets(t, s SweepSummary, rows []SweepRow) []Target {
 	var out []Target
 	for _, g := range SweepSizes {
@@ -353,6 +358,11 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 	} else {
 		ratio.Topodra, ratio.Stock, ratio.Met = fmt.Sprintf("%.3f", tw.Median), fmt.Sprintf("%.3f", sw.Median), tw.Median <= 0.5*sw.Median
 	}
+	alignment := Target{Measure: "median alignment", Want: ">= 95%", alignment: true,
+		Topodra: fmt.Sprintf("%.1f%%", 100*t.Aligned.Median), Stock: fmt.Sprintf("%.1f%%", 100*s.Aligned.Median), Met: t.Aligned.Median >= 0.95}
+	if t.Aligned.N == 0 {
+		alignment = notApplicable(alignment)
+	}
 	out = append(out, ratio,
 		Target{Measure: "pods never placed (sum)", Want: "<= stock",
 			Topodra: fmt.Sprint(t.NeverPlaced), Stock: fmt.Sprint(s.NeverPlaced), Met: t.NeverPlaced <= s.NeverPlaced},
@@ -360,8 +370,7 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 		// for the next one: the target counts the others.
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
 			Topodra: fit8Label(t.Fit8, t.Fit8Waited), Stock: fit8Label(s.Fit8, s.Fit8Waited), Met: t.Fit8-t.Fit8Waited >= s.Fit8-s.Fit8Waited},
-		Target{Measure: "median alignment", Want: ">= 95%", alignment: true,
-			Topodra: fmt.Sprintf("%.1f%%", 100*t.Aligned.Median), Stock: fmt.Sprintf("%.1f%%", 100*s.Aligned.Median), Met: t.Aligned.Median >= 0.95},
+		alignment,
 		Target{Measure: "median throughput", Want: ">= 0.95 x stock",
 			Topodra: fmt.Sprintf("%.1f", t.Throughput.Median), Stock: fmt.Sprintf("%.1f", s.Throughput.Median), Met: t.Throughput.Median >= 0.95*s.Throughput.Median},
 	)
