@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -806,4 +807,56 @@ func TestCacheFollowsSlicesAndNodes(t *testing.T) {
 	waitSize(0, 2, "slice of b deleted")
 	h.tCtx.ExpectNoError(h.client.CoreV1().Nodes().Delete(h.tCtx, "b", metav1.DeleteOptions{}))
 	waitSize(0, 1, "node b deleted")
+}
+
+// TestFreedDeviceTakenAgainForgotten: a device given back on node a and
+// taken again by another claim is forgotten at the next event that gives
+// devices back, wherever that is (here on node b): the claim that gave it
+// back no longer holds it. Remembered, it would make every later event
+// list every claim to tell whether it is taken.
+func TestFreedDeviceTakenAgainForgotten(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 2), testSlice("b", 2), testClaim("big", 2),
+		allocatedOn(testClaim("ga", 1), "a", "gpu-0"), allocatedOn(testClaim("gb", 1), "b", "gpu-0"))
+	for _, name := range []string{"big", "ga", "gb"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	pod := testPod("big", "big")
+	giveBack := func(name string) {
+		t.Helper()
+		old := h.apiClaim(name)
+		freed := old.DeepCopy()
+		freed.Status.Allocation = nil
+		freed, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, freed, metav1.UpdateOptions{})
+		h.tCtx.ExpectNoError(err)
+		h.waitForClaim(name, func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+		_, err = h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, old, freed)
+		h.tCtx.ExpectNoError(err)
+	}
+	// The event of ga comes before the claim tracker has seen it: a/gpu-0
+	// is remembered as given back.
+	ga := h.apiClaim("ga")
+	freed := ga.DeepCopy()
+	freed.Status.Allocation = nil
+	_, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, ga, freed)
+	h.tCtx.ExpectNoError(err)
+	h.pl.freed.mu.Lock()
+	_, remembered := h.pl.freed.freedBy[structured.MakeDeviceID(topology.DriverName, "a", "gpu-0")]
+	h.pl.freed.mu.Unlock()
+	if !remembered {
+		t.Fatal("a/gpu-0, given back by ga before the tracker saw it, is not remembered")
+	}
+	// ga's update reaches the tracker; its event was the one above.
+	_, err = h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, freed, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	h.waitForClaim("ga", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	taker := allocatedOn(testClaim("taker", 1), "a", "gpu-0")
+	_, err = h.client.ResourceV1().ResourceClaims(testNS).Create(h.tCtx, taker, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	h.waitForClaim("taker", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
+	giveBack("gb")
+	h.pl.freed.mu.Lock()
+	defer h.pl.freed.mu.Unlock()
+	if _, ok := h.pl.freed.freedBy[structured.MakeDeviceID(topology.DriverName, "a", "gpu-0")]; ok {
+		t.Error("a/gpu-0, given back by ga and taken by taker, is still remembered as given back")
+	}
 }

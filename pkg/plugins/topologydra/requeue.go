@@ -50,10 +50,10 @@ type freedDevices struct {
 	// at once it may not have seen the earlier ones yet. A device counts
 	// as free while the tracker still shows that claim holding it, at
 	// the version that gave it back or an older one; an entry goes once
-	// an event that counts the devices of its node finds the tracker
-	// showing it free, held by another claim, or held by a newer version
-	// of the same claim (allocated the same device again), so there are
-	// never more entries than published devices.
+	// an event finds the tracker showing that claim no longer holding it
+	// (given back, deleted, or holding it at a newer version: allocated
+	// the same device again), or its pool unpublished, so there are never
+	// more entries than published devices.
 	freedBy map[structured.DeviceID]release
 	// byReach holds, for the event counted last, the counts of the nodes
 	// that pods with the same node affinity and tolerations may use
@@ -609,9 +609,6 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		if _, published := generation[k]; !published {
 			delete(f.freedBy, id) // its pool is gone: nothing to count
 			continue
-		}
-		if !pools[k] {
-			continue // not counted here; checked when its node's devices are
 		}
 		if !stillHeld[id] {
 			delete(f.freedBy, id) // seen free, or taken again
