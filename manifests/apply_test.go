@@ -324,14 +324,7 @@ func decodeAllObjects(t *testing.T, data []byte) []runtime.Object {
 func TestMetricsReaderRole(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	cp, _ := startInstalled(t, ctx)
-	binding := &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "prometheus-topodra-metrics"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "topodra-metrics-reader"},
-		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "monitoring", Name: "prometheus"}},
-	}
-	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	bindClusterRole(ctx, t, cp, "topodra-metrics-reader", "monitoring", "prometheus")
 	allowed := func(sa string, attrs authorizationv1.SubjectAccessReviewSpec) bool {
 		t.Helper()
 		attrs.User = "system:serviceaccount:monitoring:" + sa
@@ -362,14 +355,7 @@ func TestMetricsReaderRole(t *testing.T) {
 func TestCheckerRole(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	cp, _ := startInstalled(t, ctx)
-	binding := &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "sre-topodra-checker"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "topodra-checker"},
-		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: "sre", Name: "checker"}},
-	}
-	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	bindClusterRole(ctx, t, cp, "topodra-checker", "sre", "checker")
 	as := func(sa string) kubernetes.Interface {
 		t.Helper()
 		config := rest.CopyConfig(cp.Config)
@@ -413,5 +399,19 @@ func TestCheckerRole(t *testing.T) {
 	}
 	if review.Status.Allowed {
 		t.Error("the checker's role may update resourceclaims")
+	}
+}
+
+// bindClusterRole binds the ClusterRole role to the ServiceAccount
+// namespace/name, as an admin does for a shipped role.
+func bindClusterRole(ctx context.Context, t *testing.T, cp *framework.ControlPlane, role, namespace, name string) {
+	t.Helper()
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: namespace + "-" + name + "-" + role},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Namespace: namespace, Name: name}},
+	}
+	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -79,20 +79,13 @@ func (a *Agent) watchRegistration(ctx context.Context, req any, info *grpc.Unary
 // the kubelet refused its registration, or has not registered it. Nil
 // once registered, and with PublishOnly.
 func (a *Agent) registrationErr() error {
-	if a.helper == nil {
+	if err := a.registrationRefused(); err != nil {
+		return err
+	}
+	if a.helper == nil || a.Registered() {
 		return nil
 	}
-	a.mutex.Lock()
-	r := a.registration
-	a.mutex.Unlock()
-	switch {
-	case r.registered:
-		return nil
-	case r.seen:
-		return fmt.Errorf("kubelet refused plugin registration: %s", r.refusal)
-	default:
-		return fmt.Errorf("the kubelet has not registered the plugin yet (registration socket %s)", a.registrationSocket())
-	}
+	return fmt.Errorf("the kubelet has not registered the plugin yet (registration socket %s)", a.registrationSocket())
 }
 
 // registrationRefused returns the kubelet's refusal of the latest
