@@ -49,7 +49,8 @@ Checks the DRA allocation invariants of a cluster: no device allocated twice
 no shared counter or shared device capacity consumed beyond what its pool
 publishes, no allocation of a device that no ResourceSlice publishes, no pod
 bound while a claim it uses is unallocated, reserved neither for it nor
-for its PodGroup, or allocated for another node, no claim allocated and
+for its PodGroup, or allocated for another node (by its allocation's node
+selector, or by its devices' own), no claim allocated and
 reserved only for pods that are gone or done (its devices held for no one:
 the resourceclaim controller of kube-controller-manager is not cleaning
 up), no claim allocated devices that its spec does not allow (a request

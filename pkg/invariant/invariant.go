@@ -34,6 +34,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
+	"k8s.io/utils/ptr"
 )
 
 // Kind names one kind of violation.
@@ -81,9 +82,12 @@ const (
 	PodClaimNotReserved Kind = "PodClaimNotReserved"
 	// PodClaimOnOtherNode: a pod is bound to a node that the node
 	// selector of one of its allocated claims (status.allocation.
-	// nodeSelector) does not select, so the claim's devices cannot be
-	// reached from where the pod runs. Pods bound to a node that no
-	// longer exists are not judged.
+	// nodeSelector) does not select, or that an allocated device's own
+	// node selection (its ResourceSlice's nodeName, nodeSelector or
+	// allNodes, or the device's where the slice selects per device) does
+	// not admit, so the claim's devices cannot be reached from where the
+	// pod runs. Pods bound to a node that no longer exists (or all pods,
+	// where nodes may not be listed) are not judged.
 	PodClaimOnOtherNode Kind = "PodClaimOnOtherNode"
 	// StaleReservation: a claim is allocated and reserved, but only for
 	// pods that are gone (no pod of the claim's namespace has the UID of
@@ -238,7 +242,7 @@ func find(j judge, s State) ([]finding, []string) {
 	untolerated, taintNotes := untoleratedTaints(s.Claims, s.DeviceTaintRules, pools)
 	out = append(out, untolerated...)
 	notes = append(notes, taintNotes...)
-	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes) {
+	for _, v := range podViolations(s.Pods, s.Claims, s.Nodes, pools) {
 		out = append(out, finding{Violation: v})
 	}
 	out = append(out, staleReservations(s.Pods, s.Claims)...)
@@ -318,12 +322,43 @@ type poolID struct{ driver, pool string }
 // pools is what the newest generation of each pool publishes: its devices,
 // the values of its shared counters, and whether all its slices exist.
 type pools struct {
-	devices  map[Device]*resourceapi.Device
+	devices map[Device]*resourceapi.Device
+	// reach holds, for every published device, the nodes it can be
+	// used on: its slice's, or its own where its slice selects nodes per
+	// device.
+	reach    map[Device]deviceReach
 	counters map[counterKey]resource.Quantity
 	// complete tells, for every pool that a slice publishes, whether as
 	// many slices of its newest generation exist as the resourceSliceCount
 	// of the first of them (the upstream allocator's test).
 	complete map[poolID]bool
+}
+
+// deviceReach is the node selection of a published device: one node, the
+// nodes a selector selects, or all nodes.
+type deviceReach struct {
+	node     string
+	selector *v1.NodeSelector
+	all      bool
+}
+
+// admits says whether a device of this reach can be used on node, and
+// whether that can be told (a device that selects no node in any way, or
+// an invalid selector, cannot).
+func (r deviceReach) admits(node *v1.Node) (admits, known bool) {
+	switch {
+	case r.all:
+		return true, true
+	case r.node != "":
+		return r.node == node.Name, true
+	case r.selector != nil:
+		selector, err := nodeaffinity.NewNodeSelector(r.selector)
+		if err != nil {
+			return false, false
+		}
+		return selector.Match(node), true
+	}
+	return false, false
 }
 
 func (p pools) presence(d Device) Presence {
@@ -344,7 +379,7 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 			newest[id] = s.Spec.Pool.Generation
 		}
 	}
-	out := pools{devices: map[Device]*resourceapi.Device{}, counters: map[counterKey]resource.Quantity{}, complete: map[poolID]bool{}}
+	out := pools{devices: map[Device]*resourceapi.Device{}, reach: map[Device]deviceReach{}, counters: map[counterKey]resource.Quantity{}, complete: map[poolID]bool{}}
 	sliceCount := map[poolID]int64{}
 	seen := map[poolID]int64{}
 	for _, s := range resourceSlices {
@@ -356,9 +391,16 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 			sliceCount[id] = s.Spec.Pool.ResourceSliceCount
 		}
 		seen[id]++
+		perDevice := ptr.Deref(s.Spec.PerDeviceNodeSelection, false)
 		for i := range s.Spec.Devices {
 			d := &s.Spec.Devices[i]
-			out.devices[Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}] = d
+			id := Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}
+			out.devices[id] = d
+			if perDevice {
+				out.reach[id] = deviceReach{node: ptr.Deref(d.NodeName, ""), selector: d.NodeSelector, all: ptr.Deref(d.AllNodes, false)}
+			} else {
+				out.reach[id] = deviceReach{node: ptr.Deref(s.Spec.NodeName, ""), selector: s.Spec.NodeSelector, all: ptr.Deref(s.Spec.AllNodes, false)}
+			}
 		}
 		for _, set := range s.Spec.SharedCounters {
 			for name, c := range set.Counters {
@@ -512,7 +554,7 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 	return out
 }
 
-func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []*v1.Node) []Violation {
+func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []*v1.Node, published pools) []Violation {
 	type key struct{ namespace, name string }
 	byName := make(map[key]*resourceapi.ResourceClaim, len(claims))
 	for _, c := range claims {
@@ -555,21 +597,44 @@ func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []
 					Message: fmt.Sprintf("pod %s is bound to %s but its claim %s is reserved neither for it nor for its pod group", podName, pod.Spec.NodeName, claimName),
 				})
 			}
-			if c == nil || c.Status.Allocation == nil || c.Status.Allocation.NodeSelector == nil {
+			if c == nil || c.Status.Allocation == nil {
 				continue
 			}
 			node := nodeByName[pod.Spec.NodeName]
 			if node == nil {
-				continue
+				continue // gone, or nodes may not be listed: not judged
 			}
-			if selector, err := nodeaffinity.NewNodeSelector(c.Status.Allocation.NodeSelector); err != nil || !selector.Match(node) {
-				why := "does not select it"
-				if err != nil {
-					why = fmt.Sprintf("is invalid (%v)", err)
+			if c.Status.Allocation.NodeSelector != nil {
+				if selector, err := nodeaffinity.NewNodeSelector(c.Status.Allocation.NodeSelector); err != nil || !selector.Match(node) {
+					why := "does not select it"
+					if err != nil {
+						why = fmt.Sprintf("is invalid (%v)", err)
+					}
+					out = append(out, Violation{
+						Kind: PodClaimOnOtherNode, Pod: podName, Claims: []string{claimName},
+						Message: fmt.Sprintf("pod %s is bound to %s but the node selector of its claim %s's allocation %s: its devices (%s) cannot be reached from there", podName, pod.Spec.NodeName, claimName, why, allocatedDevices(c)),
+					})
+					continue
 				}
+			}
+			// The allocation's node selector may be missing or wider
+			// than its devices' reach: the devices' own node selection,
+			// as published, decides where they can be used.
+			var unreachable []string
+			for _, r := range c.Status.Allocation.Devices.Results {
+				id := Device{r.Driver, r.Pool, r.Device}
+				reach, ok := published.reach[id]
+				if !ok {
+					continue // not published: VanishedDevice or UnpublishedPool
+				}
+				if admits, known := reach.admits(node); known && !admits {
+					unreachable = append(unreachable, id.String())
+				}
+			}
+			if len(unreachable) > 0 {
 				out = append(out, Violation{
 					Kind: PodClaimOnOtherNode, Pod: podName, Claims: []string{claimName},
-					Message: fmt.Sprintf("pod %s is bound to %s but the node selector of its claim %s's allocation %s: its devices (%s) cannot be reached from there", podName, pod.Spec.NodeName, claimName, why, allocatedDevices(c)),
+					Message: fmt.Sprintf("pod %s is bound to %s but devices of its claim %s (%s) are published for other nodes and cannot be reached from there", podName, pod.Spec.NodeName, claimName, strings.Join(unreachable, ", ")),
 				})
 			}
 		}

@@ -274,6 +274,46 @@ func TestInvariantChecker(t *testing.T) {
 				{Kind: PodClaimOnOtherNode, Pod: "ns/there", Claims: []string{"ns/there"}},
 			},
 		},
+		"pods bound where their devices are not published for, without an allocation node selector": {
+			state: State{
+				Slices: []*resourceapi.ResourceSlice{nodeA, func() *resourceapi.ResourceSlice {
+					// Network-attached devices, each with its own nodes.
+					net := slice("net", 1,
+						resourceapi.Device{Name: "net-0", NodeName: ptr.To("node-a")},
+						resourceapi.Device{Name: "net-1", AllNodes: ptr.To(true)},
+						resourceapi.Device{Name: "net-2", NodeSelector: rack("r2")},
+						resourceapi.Device{Name: "net-3", NodeSelector: rack("r1")})
+					net.Spec.NodeName = nil
+					net.Spec.PerDeviceNodeSelection = ptr.To(true)
+					return net
+				}()},
+				Claims: []*resourceapi.ResourceClaim{
+					claim("local-here", "node-a", "uid-local-here", "gpu-1"),
+					claim("local-elsewhere", "node-a", "uid-local-elsewhere", "gpu-0"),
+					claim("net-elsewhere", "net", "uid-net-elsewhere", "net-0"),
+					claim("net-all", "net", "uid-net-all", "net-1"),
+					claim("net-rack", "net", "uid-net-rack", "net-2"),
+					claim("net-other-rack", "net", "uid-net-other-rack", "net-3"),
+				},
+				Pods: []*v1.Pod{
+					pod("local-here", "uid-local-here", "node-a", "local-here"),
+					pod("local-elsewhere", "uid-local-elsewhere", "node-b", "local-elsewhere"),
+					pod("net-elsewhere", "uid-net-elsewhere", "node-b", "net-elsewhere"),
+					pod("net-all", "uid-net-all", "node-b", "net-all"),
+					pod("net-rack", "uid-net-rack", "node-b", "net-rack"),
+					pod("net-other-rack", "uid-net-other-rack", "node-b", "net-other-rack"),
+				},
+				Nodes: []*v1.Node{
+					{ObjectMeta: metav1.ObjectMeta{Name: "node-a", Labels: map[string]string{"rack": "r1"}}},
+					{ObjectMeta: metav1.ObjectMeta{Name: "node-b", Labels: map[string]string{"rack": "r2"}}},
+				},
+			},
+			want: []Violation{
+				{Kind: PodClaimOnOtherNode, Pod: "ns/local-elsewhere", Claims: []string{"ns/local-elsewhere"}},
+				{Kind: PodClaimOnOtherNode, Pod: "ns/net-elsewhere", Claims: []string{"ns/net-elsewhere"}},
+				{Kind: PodClaimOnOtherNode, Pod: "ns/net-other-rack", Claims: []string{"ns/net-other-rack"}},
+			},
+		},
 		"claims reserved only for pods that will not run": {
 			state: State{
 				Slices: []*resourceapi.ResourceSlice{nodeA},
@@ -847,4 +887,9 @@ func TestAllocationMismatch(t *testing.T) {
 			}
 		})
 	}
+}
+
+// rack selects the nodes labelled rack=name.
+func rack(name string) *v1.NodeSelector {
+	return &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "rack", Operator: v1.NodeSelectorOpIn, Values: []string{name}}}}}}
 }
