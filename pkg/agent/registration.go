@@ -57,6 +57,9 @@ func (a *Agent) watchRegistration(ctx context.Context, req any, info *grpc.Unary
 	a.registration.registered = status.PluginRegistered
 	a.registration.refusal = status.Error
 	reported := a.registration.reported
+	if !status.PluginRegistered {
+		a.registration.reported = true
+	}
 	a.mutex.Unlock()
 	logger := klog.FromContext(ctx)
 	switch {
@@ -67,9 +70,6 @@ func (a *Agent) watchRegistration(ctx context.Context, req any, info *grpc.Unary
 		}
 	case !status.PluginRegistered:
 		logger.Error(nil, "The kubelet refused the plugin's registration", "driver", a.opts.DriverName, "reason", status.Error)
-		a.mutex.Lock()
-		a.registration.reported = true
-		a.mutex.Unlock()
 		a.nodeEvent(v1.EventTypeWarning, ReasonNotRegistered, "Register", "the kubelet refused to register %s: %s; pods with claims of its devices cannot start on this node", a.opts.DriverName, status.Error)
 	}
 	return resp, err

@@ -733,19 +733,25 @@ func (f *freedDevices) givenBack(pl *TopologyDRA, allocated sets.Set[structured.
 	if err != nil {
 		return nil, nil, err
 	}
-	held := sets.New[structured.DeviceID]()
+	// Only the results of the unsure devices' pools are looked at.
+	type deviceKey struct{ driver, pool, device string }
+	unsurePools := map[poolKey]bool{}
+	for _, id := range unsure {
+		unsurePools[poolKey{driver: id.Driver.String(), pool: id.Pool.String()}] = true
+	}
+	held := map[deviceKey]bool{}
 	for _, c := range claims {
 		if c.Status.Allocation == nil {
 			continue
 		}
 		for _, r := range c.Status.Allocation.Devices.Results {
-			if f.takesDevice(r) {
-				held.Insert(structured.MakeDeviceID(r.Driver, r.Pool, r.Device))
+			if unsurePools[poolKey{driver: r.Driver, pool: r.Pool}] && f.takesDevice(r) {
+				held[deviceKey{r.Driver, r.Pool, r.Device}] = true
 			}
 		}
 	}
 	for _, id := range unsure {
-		if !held.Has(id) {
+		if !held[deviceKey{id.Driver.String(), id.Pool.String(), id.Device.String()}] {
 			free[id] = true
 		}
 	}
