@@ -143,7 +143,7 @@ the command line wins.`,
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint; must not be empty while --owned-taint is on.")
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
-	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again; 0 or less disables rescanning (prepared claims and health watching are then retried every "+agent.DefaultRescanInterval.String()+").")
+	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again, and to read the Node (see --device-plugin-resources; a Node deleted and created again gets the agent's slices, owned by the new Node); 0 or less disables rescanning (prepared claims, health watching and the Node are then checked every "+agent.DefaultRescanInterval.String()+").")
 	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run), or has without an allocation (given back without the kubelet unpreparing it), keeps its GPUs before the agent drops it; it is dropped only where no pod bound to this node references it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
@@ -362,7 +362,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		OwnedTaint:            o.ownedTaint,
 		OwnedTaintKey:         o.ownedTaintKey,
 		DevicePluginResources: o.devicePlugin,
-		DevicePluginCheck:     checkInterval(o.rescanInterval),
+		NodeCheck:             checkInterval(o.rescanInterval),
 		RescanInterval:        rescan(o.rescanInterval),
 		StaleClaimCheck:       checkInterval(o.rescanInterval),
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),

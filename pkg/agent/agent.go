@@ -174,13 +174,14 @@ type Options struct {
 	// plugin that hands out the same GPUs (a name, or a prefix ending in
 	// "*"; the command's default is DefaultDevicePluginResources): while
 	// the Node's allocatable has any of them, every device carries the
-	// NoSchedule taint DevicePluginTaintKey (see CheckDevicePlugin).
+	// NoSchedule taint DevicePluginTaintKey (see CheckNode).
 	// Empty disables the check.
 	DevicePluginResources []string
-	// DevicePluginCheck is how often the Node is read for
-	// DevicePluginResources after the check at start (default
-	// DefaultRescanInterval).
-	DevicePluginCheck time.Duration
+	// NodeCheck is how often the Node is read after the read at start
+	// (default DefaultRescanInterval): for DevicePluginResources, and
+	// for its UID, which owns the published ResourceSlices (see
+	// CheckNode).
+	NodeCheck time.Duration
 
 	// RescanInterval is how often devices are rediscovered (default
 	// DefaultRescanInterval); negative disables rescanning. It is also
@@ -277,11 +278,15 @@ type Agent struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	wg     sync.WaitGroup
-	// helper is the kubelet plugin helper (nil with PublishOnly); it
-	// publishes through its own ResourceSlice controller.
+	// helper is the kubelet plugin helper (nil with PublishOnly). The
+	// agent publishes through its own publisher, not the helper's, so
+	// that the owner of its slices can follow the Node (see CheckNode).
 	helper *kubeletplugin.Helper
-	// publisher publishes with PublishOnly (nil otherwise).
+	// publisher publishes the devices (nil until the first publish),
+	// with the Node of UID ownerUID as owner of the slices ("": the
+	// controller looks the Node up). Both change under publishMutex.
 	publisher *Publisher
+	ownerUID  types.UID
 
 	// staleMutex serializes CleanupStaleClaims and guards goneReported:
 	// the prepared claims that this process has reported gone from the
@@ -310,7 +315,8 @@ type Agent struct {
 	// wait for a Prepare. Lock order: prepareMutex, then checkpointMutex.
 	checkpointMutex sync.Mutex
 
-	// publishMutex keeps publish calls in order.
+	// publishMutex keeps publish calls in order and guards publisher
+	// and ownerUID.
 	publishMutex sync.Mutex
 
 	// preparedClaims and staleClaims are the numbers of prepared claims
@@ -505,18 +511,24 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		}
 	}
 
+	if opts.NodeCheck <= 0 {
+		opts.NodeCheck = DefaultRescanInterval
+		a.opts.NodeCheck = opts.NodeCheck
+	}
+	// Before the first publish, so that the slices are owned by the Node
+	// as it is now and a node with a device plugin never publishes its
+	// devices untainted; where the Node cannot be read the resourceslice
+	// controller looks it up, and the devices are tainted until it can
+	// be read.
+	node, nodeErr := a.readNode(a.ctx)
+	if nodeErr == nil {
+		a.ownerUID = node.UID
+	}
 	if len(opts.DevicePluginResources) > 0 {
-		if opts.DevicePluginCheck <= 0 {
-			opts.DevicePluginCheck = DefaultRescanInterval
-			a.opts.DevicePluginCheck = opts.DevicePluginCheck
-		}
-		// Before the first publish, so that a node with a device plugin
-		// never publishes its devices untainted; where the Node cannot
-		// be read they are tainted until it can.
-		found, err := a.readDevicePlugin(a.ctx)
-		if err != nil {
-			utilruntime.HandleErrorWithContext(ctx, err, "device plugin check failed at start, publishing the devices tainted until it succeeds")
-			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", err, opts.DriverName, DevicePluginTaintKey)
+		found := devicePlugin(node, opts.DevicePluginResources)
+		if nodeErr != nil {
+			utilruntime.HandleErrorWithContext(ctx, nodeErr, "device plugin check failed at start, publishing the devices tainted until it succeeds")
+			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", nodeErr, opts.DriverName, DevicePluginTaintKey)
 			found = devicePluginUnknown
 		}
 		a.setDevicePlugin(a.ctx, found)
@@ -534,9 +546,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		a.wg.Go(func() { a.healthRetryLoop(a.ctx, retry) })
 	}
 	a.wg.Go(func() { a.rescanLoop(a.ctx) })
-	if len(opts.DevicePluginResources) > 0 {
-		a.wg.Go(func() { a.devicePluginLoop(a.ctx, opts.DevicePluginCheck) })
-	}
+	a.wg.Go(func() { a.nodeLoop(a.ctx, opts.NodeCheck) })
 	if a.store != nil && opts.StaleClaimCheck > 0 {
 		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
 	}
@@ -780,7 +790,7 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 	return resources
 }
 
-// publish hands the desired resources to the helper if they changed since
+// publish hands the desired resources to the publisher if they changed since
 // the last call. It publishes nothing while holdPublishing.
 func (a *Agent) publish(ctx context.Context) error {
 	a.publishMutex.Lock()
@@ -799,19 +809,13 @@ func (a *Agent) publish(ctx context.Context) error {
 	a.mutex.Unlock()
 
 	klog.FromContext(ctx).V(2).Info("Publishing devices", "pool", a.opts.PoolName, "devices", len(resources.Pools[a.opts.PoolName].Slices[0].Devices))
-	if a.helper != nil {
-		if err := a.helper.PublishResources(ctx, resources); err != nil {
-			return fmt.Errorf("publish resources: %w", err)
-		}
-		return nil
-	}
 	if a.publisher != nil {
 		a.publisher.Update(resources)
 		return nil
 	}
-	// Publish-only mode: the same controller that the kubelet plugin
-	// helper would run, started directly and owned by the Node.
-	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, resources, a.checkDroppedFields)
+	// The same controller that the kubelet plugin helper would run,
+	// started directly and owned by the Node.
+	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, a.ownerUID, resources, a.checkDroppedFields)
 	if err != nil {
 		return err
 	}
@@ -819,9 +823,8 @@ func (a *Agent) publish(ctx context.Context) error {
 	return nil
 }
 
-// PublishStatus reports on publishing; ok is false unless the agent runs
-// with PublishOnly (the kubelet plugin helper does not expose its
-// controller).
+// PublishStatus reports on publishing; ok is false until the agent has
+// published.
 func (a *Agent) PublishStatus() (status PublishStatus, ok bool) {
 	a.publishMutex.Lock()
 	defer a.publishMutex.Unlock()

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -57,37 +58,51 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 	return out
 }
 
-// CheckDevicePlugin reads the Node and taints every device with
-// DevicePluginTaintKey while its allocatable has GPUs of a device plugin
-// (Options.DevicePluginResources): the kubelet hands those out to pods
-// that ask for the extended resource, the same GPUs that this agent
-// publishes, so a pod of either kind could get a GPU the other holds. A
-// change is reported on the Node (ReasonDevicePlugin,
-// ReasonDevicePluginGone) and republished. Claims already prepared are
-// left alone. Without DevicePluginResources it does nothing; an error
-// reading the Node keeps the last answer.
-func (a *Agent) CheckDevicePlugin(ctx context.Context) error {
-	if len(a.opts.DevicePluginResources) == 0 {
-		return nil
-	}
-	found, err := a.readDevicePlugin(ctx)
+// CheckNode reads the Node and acts on what changed since the last read:
+//
+//   - Where the Node was deleted and created again (another UID), the
+//     published slices, owned by the old Node, are being (or will be)
+//     deleted by the garbage collector, and a controller that still names
+//     the old Node as owner would create them again only to see them
+//     deleted; the agent publishes under the new Node from then on and
+//     deletes its slices owned by the old one (see followNode).
+//   - While its allocatable has GPUs of a device plugin
+//     (Options.DevicePluginResources), every device is tainted
+//     DevicePluginTaintKey: the kubelet hands those out to pods that ask
+//     for the extended resource, the same GPUs that this agent publishes,
+//     so a pod of either kind could get a GPU the other holds. A change is
+//     reported on the Node (ReasonDevicePlugin, ReasonDevicePluginGone)
+//     and republished. Claims already prepared are left alone.
+//
+// An error reading the Node keeps the last answers.
+func (a *Agent) CheckNode(ctx context.Context) error {
+	node, err := a.readNode(ctx)
 	if err != nil {
 		return err
 	}
-	if !a.setDevicePlugin(ctx, found) {
-		return nil
+	ownerErr := a.followNode(ctx, node)
+	if len(a.opts.DevicePluginResources) == 0 || !a.setDevicePlugin(ctx, devicePlugin(node, a.opts.DevicePluginResources)) {
+		return ownerErr
 	}
-	return a.publish(ctx)
+	return errors.Join(ownerErr, a.publish(ctx))
 }
 
-// readDevicePlugin lists the device plugin's resources that the Node
-// advertises ("name=quantity, ...", empty for none).
-func (a *Agent) readDevicePlugin(ctx context.Context) (string, error) {
+// readNode reads the agent's Node.
+func (a *Agent) readNode(ctx context.Context) (*v1.Node, error) {
 	node, err := a.opts.KubeClient.CoreV1().Nodes().Get(ctx, a.opts.NodeName, metav1.GetOptions{})
 	if err != nil {
-		return "", fmt.Errorf("read node for device plugin resources: %w", err)
+		return nil, fmt.Errorf("read node %s: %w", a.opts.NodeName, err)
 	}
-	return strings.Join(devicePluginResources(node, a.opts.DevicePluginResources), ", "), nil
+	return node, nil
+}
+
+// devicePlugin lists the resources of patterns that node advertises
+// ("name=quantity, ...", empty for none or a nil node).
+func devicePlugin(node *v1.Node, patterns []string) string {
+	if node == nil {
+		return ""
+	}
+	return strings.Join(devicePluginResources(node, patterns), ", ")
 }
 
 // devicePluginUnknown is Agent.devicePlugin while the Node could not be
@@ -122,16 +137,16 @@ func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
 	return true
 }
 
-// devicePluginLoop runs CheckDevicePlugin every interval.
-func (a *Agent) devicePluginLoop(ctx context.Context, interval time.Duration) {
+// nodeLoop runs CheckNode every interval.
+func (a *Agent) nodeLoop(ctx context.Context, interval time.Duration) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-time.After(interval):
 		}
-		if err := a.CheckDevicePlugin(ctx); err != nil && ctx.Err() == nil {
-			utilruntime.HandleErrorWithContext(ctx, err, "device plugin check failed, keeping the last answer")
+		if err := a.CheckNode(ctx); err != nil && ctx.Err() == nil {
+			utilruntime.HandleErrorWithContext(ctx, err, "node check failed, keeping the last answer")
 		}
 	}
 }

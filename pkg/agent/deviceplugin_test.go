@@ -66,7 +66,7 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	}
 
 	setAllocatable(v1.ResourceList{"nvidia.com/gpu": apiresource.MustParse("0"), "example.com/fpga": apiresource.MustParse("1")})
-	if err := a.CheckDevicePlugin(ctx); err != nil {
+	if err := a.CheckNode(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if n, _ := tainted(a); n != 0 {
@@ -83,7 +83,7 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	for _, resource := range []string{"nvidia.com/mig-1g.10gb=7", "nvidia.com/gpu.shared=32"} {
 		name, quantity, _ := strings.Cut(resource, "=")
 		setAllocatable(v1.ResourceList{v1.ResourceName(name): apiresource.MustParse(quantity)})
-		if err := a.CheckDevicePlugin(ctx); err != nil {
+		if err := a.CheckNode(ctx); err != nil {
 			t.Fatal(err)
 		}
 		if n, of := tainted(a); n != of {
@@ -111,7 +111,7 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.CheckDevicePlugin(ctx); err != nil {
+	if err := a.CheckNode(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if n, _ := tainted(a); n != 0 {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync/atomic"
 
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/events"
@@ -127,12 +128,13 @@ type PublishStatus struct {
 // called. Simulators use it for devices without a driver of their own, like
 // mockgpu's NICs; publish-only agents use it for their GPUs.
 func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*Publisher, error) {
-	return publishStatic(ctx, client, driverName, nodeName, resources, nil)
+	return publishStatic(ctx, client, driverName, nodeName, "", resources, nil)
 }
 
-// publishStatic is PublishStatic with onError, if not nil, called after
+// publishStatic is PublishStatic with the Node's UID, if known (otherwise
+// the controller looks it up once), and onError, if not nil, called after
 // each publishing error is logged.
-func publishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources, onError func(context.Context, error)) (*Publisher, error) {
+func publishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, nodeUID types.UID, resources resourceslice.DriverResources, onError func(context.Context, error)) (*Publisher, error) {
 	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", nodeName, "driver", driverName)
 	ctx = klog.NewContext(ctx, klog.LoggerWithName(logger, "ResourceSlice controller"))
 	p := &Publisher{queue: newCountingQueue()}
@@ -140,7 +142,7 @@ func publishStatic(ctx context.Context, client kubernetes.Interface, driverName,
 	p.controller, err = resourceslice.StartController(ctx, resourceslice.Options{
 		DriverName: driverName,
 		KubeClient: client,
-		Owner:      &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: nodeName},
+		Owner:      &resourceslice.Owner{APIVersion: "v1", Kind: "Node", Name: nodeName, UID: nodeUID},
 		Resources:  &resources,
 		Queue:      p.queue,
 		ErrorHandler: func(ctx context.Context, err error, msg string) {

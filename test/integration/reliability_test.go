@@ -12,15 +12,18 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/record"
 	pluginregistrationv1 "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
@@ -769,4 +772,110 @@ func (e *env) limitsNode(group string) (string, qualifiedName, func(device int) 
 	e.tCtx.ExpectNoError(err)
 	e.tCtx.Logf("slice at the limits: %d devices x %d attributes, %d bytes of JSON", len(created.Spec.Devices), len(created.Spec.Devices[0].Attributes), len(data))
 	return name, attr(0), func(device int) string { return value(device, 0) }
+}
+
+// TestAgentFollowsRecreatedNode deletes the agent's Node and creates it
+// again under the same name, as an admin does to re-register a node (the
+// agent's pod survives when the Node is back before the pod garbage
+// collector acts). The slices are owned by the Node's UID: with the old
+// one, the garbage collector deletes them, and a controller that kept it
+// would recreate them only to see them deleted again. The running agent
+// must publish the same devices owned by the new Node, delete the slices
+// owned by the old one (this API server runs no garbage collector), say
+// so on the Node, keep the claim it had prepared, and a new pod must be
+// scheduled onto the node and prepared by the kubelet.
+func TestAgentFollowsRecreatedNode(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "recreated")
+	nodeName := e.ns + "-node"
+	labels := map[string]string{"test": e.ns, "group": "recreated"}
+	oldNode, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, labels)
+	tCtx.ExpectNoError(err)
+
+	dirs := shortDirs(tCtx, "tn", "p", "r", "k", "s", "c")
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
+	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+	tCtx.ExpectNoError(err)
+	recorder := events.NewFakeRecorder(100)
+	a, err := agent.New(tCtx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     cp.Client,
+		Discovery:      disc,
+		PluginDataDir:  pluginDir,
+		RegistrarDir:   registryDir,
+		StateDir:       stateDir,
+		CDIDir:         cdiDir,
+		OwnedTaint:     agent.DefaultOwnedTaint,
+		RescanInterval: -1,
+		NodeCheck:      200 * time.Millisecond,
+		Recorder:       recorder,
+	})
+	tCtx.ExpectNoError(err, "start agent")
+	defer a.Stop()
+	ownedBy := func(s *resourceapi.ResourceSlice, uid types.UID) bool {
+		return len(s.OwnerReferences) == 1 && s.OwnerReferences[0].Kind == "Node" && s.OwnerReferences[0].Name == nodeName && s.OwnerReferences[0].UID == uid
+	}
+	first := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices owned by the Node", func(s *resourceapi.ResourceSlice) bool {
+		return len(s.Spec.Devices) == 8 && ownedBy(s, oldNode.UID)
+	})
+
+	startTopodra(tCtx)
+	template := e.template(1, nil)
+	e.pod("before", topodraName, "recreated", template)
+	before := e.waitScheduled("before")
+	claim := e.onlyClaim(before)
+	prepared := kubeletPrepare(tCtx, manager, before)
+
+	// The Node goes and comes back with another UID.
+	tCtx.ExpectNoError(cp.Client.CoreV1().Nodes().Delete(tCtx, nodeName, metav1.DeleteOptions{}))
+	newNode, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, labels)
+	tCtx.ExpectNoError(err)
+	if newNode.UID == oldNode.UID {
+		t.Fatalf("the recreated Node has the old UID %s", newNode.UID)
+	}
+	waitForEvent(tCtx, recorder, "Normal "+agent.ReasonNodeRecreated)
+	var slices []resourceapi.ResourceSlice
+	tCtx.ExpectNoError(wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		slices, err = nodeSlices(ctx, cp.Client, topology.DriverName, nodeName)
+		if err != nil {
+			return false, err
+		}
+		return len(slices) == 1 && ownedBy(&slices[0], newNode.UID), nil
+	}), "slices owned by the new Node alone; have %s", describeSlices(slices))
+	if slices[0].UID == first.UID {
+		t.Errorf("slice %s owned by the old Node still there", first.Name)
+	}
+	// The API server stamps a taint's time when the slice is created.
+	if diff := cmp.Diff(first.Spec.Devices, slices[0].Spec.Devices, cmpopts.IgnoreFields(resourceapi.DeviceTaint{}, "TimeAdded")); diff != "" {
+		t.Errorf("the devices published under the new Node differ (-before +after):\n%s", diff)
+	}
+
+	// The agent still holds the claim it prepared, and the node takes new
+	// pods through the scheduler and the kubelet.
+	claim, err = cp.Client.ResourceV1().ResourceClaims(e.ns).Get(tCtx, claim.Name, metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if diff := cmp.Diff(prepared, prepareDirect(tCtx, a, claim)); diff != "" {
+		t.Errorf("Prepare after the Node came back answers differently (-before +after):\n%s", diff)
+	}
+	e.pod("after", topodraName, "recreated", template)
+	after := e.waitScheduled("after")
+	kubeletPrepare(tCtx, manager, after)
+
+	// Stable: the agent does not act again on the same Node.
+	time.Sleep(time.Second)
+	now, err := nodeSlices(tCtx, cp.Client, topology.DriverName, nodeName)
+	tCtx.ExpectNoError(err)
+	if len(now) != 1 || now[0].UID != slices[0].UID {
+		t.Errorf("the slices changed again under the same Node: %s", describeSlices(now))
+	}
+	select {
+	case ev := <-recorder.Events:
+		if strings.Contains(ev, agent.ReasonNodeRecreated) {
+			t.Errorf("a second %s event for the same Node: %q", agent.ReasonNodeRecreated, ev)
+		}
+	default:
+	}
 }

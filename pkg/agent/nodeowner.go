@@ -1,0 +1,120 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
+)
+
+// ReasonNodeRecreated (Normal, on the Node): the Node was deleted and
+// created again under the same name; the agent now publishes its devices
+// owned by the new Node.
+const ReasonNodeRecreated = "TopodraNodeRecreated"
+
+// followNode makes the Node as read the owner of the published slices.
+//
+// The slices name the Node by UID in their owner reference, and the
+// resourceslice controller keeps the UID it started with. Once the Node
+// has been deleted and created again, the garbage collector deletes every
+// slice that names the old UID, and a controller that still names it
+// would create them again only to see them deleted: the node's devices
+// would flicker in and out of the API until the agent restarts. So the
+// agent stops that controller, deletes its slices owned by another Node
+// (the garbage collector would, later), and starts a controller owned by
+// the new Node, which publishes the same devices. Claims prepared on the
+// node are not touched.
+func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
+	a.publishMutex.Lock()
+	defer a.publishMutex.Unlock()
+	old := a.ownerUID
+	if node.UID == "" || node.UID == old {
+		return nil
+	}
+	a.ownerUID = node.UID
+	if old == "" || a.publisher == nil {
+		// Nothing published yet under a UID of the agent's own: the
+		// next publish names this Node.
+		return nil
+	}
+	logger := klog.FromContext(ctx)
+	logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
+	a.publisher.Stop()
+	a.publisher = nil
+	deleted, delErr := a.deleteSlicesOwnedByOthers(ctx, node.UID)
+
+	a.mutex.Lock()
+	resources := a.published
+	a.mutex.Unlock()
+	if resources == nil {
+		// publish has not handed anything to a publisher; the next one
+		// starts it.
+		return delErr
+	}
+	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, node.UID, *resources, a.checkDroppedFields)
+	if err != nil {
+		// Publish again at the next change: a.published is what the
+		// new publisher must be given.
+		a.mutex.Lock()
+		a.published = nil
+		a.mutex.Unlock()
+		return errors.Join(delErr, err)
+	}
+	a.publisher = publisher
+	a.nodeEvent(v1.EventTypeNormal, ReasonNodeRecreated, "Publish",
+		"the Node was deleted and created again (UID %s, before %s): %s devices are published owned by the new Node (%d slices owned by the old one deleted)",
+		node.UID, old, a.opts.DriverName, deleted)
+	return delErr
+}
+
+// deleteSlicesOwnedByOthers deletes the agent's slices on its node (its
+// driver, its node name) that a Node other than uid owns, each by its own
+// UID, so that a slice created meanwhile is left alone.
+func (a *Agent) deleteSlicesOwnedByOthers(ctx context.Context, uid types.UID) (int, error) {
+	list, err := a.opts.KubeClient.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
+		FieldSelector: fields.Set{
+			resourceapi.ResourceSliceSelectorNodeName: a.opts.NodeName,
+			resourceapi.ResourceSliceSelectorDriver:   a.opts.DriverName,
+		}.AsSelector().String(),
+	})
+	if err != nil {
+		return 0, fmt.Errorf("list the slices of node %s: %w", a.opts.NodeName, err)
+	}
+	deleted := 0
+	var errs []error
+	for _, slice := range list.Items {
+		if !ownedByOtherNode(&slice, a.opts.NodeName, uid) {
+			continue
+		}
+		err := a.opts.KubeClient.ResourceV1().ResourceSlices().Delete(ctx, slice.Name, metav1.DeleteOptions{
+			Preconditions: &metav1.Preconditions{UID: &slice.UID},
+		})
+		switch {
+		case err == nil:
+			deleted++
+		case apierrors.IsNotFound(err), apierrors.IsConflict(err):
+			// Gone already (the garbage collector), or replaced.
+		default:
+			errs = append(errs, fmt.Errorf("delete slice %s owned by the previous Node: %w", slice.Name, err))
+		}
+	}
+	return deleted, errors.Join(errs...)
+}
+
+// ownedByOtherNode reports whether slice names a Node of nodeName as its
+// owner with another UID than uid.
+func ownedByOtherNode(slice *resourceapi.ResourceSlice, nodeName string, uid types.UID) bool {
+	for _, ref := range slice.OwnerReferences {
+		if ref.APIVersion == "v1" && ref.Kind == "Node" && ref.Name == nodeName && ref.UID != uid {
+			return true
+		}
+	}
+	return false
+}
