@@ -28,6 +28,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -48,6 +50,7 @@ import (
 
 	"github.com/topodra/topodra/pkg/cluster"
 	"github.com/topodra/topodra/pkg/sim"
+	"github.com/topodra/topodra/pkg/version"
 )
 
 func main() {
@@ -117,7 +120,7 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8; at most "+strconv.Itoa(maxSeeds)+") and the scenarios, and print medians against the placement targets; each scenario has its own machines and workload, so --profile, --nodes, --trace, --seed, --workload, --pin and --checkpoints do not apply")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
 	fs.IntVar(&c.rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")
-	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration); print the medians and targets over all their runs together (with --json, write that report; no other flag applies)")
+	fs.StringVar(&pool, "pool", "", "instead of running: comma-separated JSON files written by --seeds --json (of the same build and configuration: the summary warns where their recorded builds or scheduler configurations differ); print the medians and targets over all their runs together (with --json, write that report; no other flag applies)")
 	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.WarmUpPods, "warm-up-pods", sim.DefaultWarmUpPods, "pods of an unmeasured run through each scheduler before the measured ones (once per sweep), so that neither pays for being the first of the process; 0 or less: no warm-up")
@@ -449,7 +452,7 @@ func failed(ctx context.Context, err error, stderr io.Writer) int {
 // sweep runs the multi-seed sweep of c.
 func sweep(ctx context.Context, c *command, stdout, stderr io.Writer) int {
 	start := time.Now()
-	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: c.seeds, Scenarios: c.scenarios, Rounds: c.rounds, Base: c.opts, Rows: stdout})
+	rep, err := sim.Sweep(ctx, sim.SweepOptions{Seeds: c.seeds, Scenarios: c.scenarios, Rounds: c.rounds, Base: c.opts, Rows: stdout, Build: buildID()})
 	if err != nil {
 		if rep != nil && c.jsonPath != "" {
 			// The runs before the failure are kept, marked incomplete.
@@ -463,6 +466,46 @@ func sweep(ctx context.Context, c *command, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintln(stdout)
 	return writeSweep(rep, c.jsonPath, start, stdout, stderr)
+}
+
+// buildID names this program's build for the sweep's report: the version,
+// the commit where the build recorded it (-buildvcs), and the SHA-256 of
+// the executable (the same source built in the same place with the same
+// toolchain gives the same executable), so that --pool can tell reports of
+// different builds apart. Parts that cannot be read are left out.
+func buildID() string {
+	id := version.Version
+	if info, ok := debug.ReadBuildInfo(); ok {
+		var revision, modified string
+		for _, s := range info.Settings {
+			switch s.Key {
+			case "vcs.revision":
+				revision = s.Value
+			case "vcs.modified":
+				modified = s.Value
+			}
+		}
+		if revision != "" {
+			id += "+" + revision[:min(12, len(revision))]
+			if modified == "true" {
+				id += "-dirty"
+			}
+		}
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return id
+	}
+	f, err := os.Open(exe)
+	if err != nil {
+		return id
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return id
+	}
+	return id + " sha256:" + hex.EncodeToString(h.Sum(nil)[:6])
 }
 
 // poolSweeps reads sweep reports from files and prints (and, with

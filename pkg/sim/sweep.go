@@ -2,8 +2,11 @@ package sim
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -401,6 +404,9 @@ type SweepOptions struct {
 	Base Options
 	// Rows, if set, receives one line per run and scheduler as runs end.
 	Rows io.Writer
+	// Build names the build of the program that runs the sweep (see
+	// SweepReport.Build); empty if unknown.
+	Build string
 }
 
 // SweepReport is the outcome of Sweep.
@@ -423,6 +429,39 @@ type SweepReport struct {
 	// Incomplete says which run failed, where the sweep stopped early;
 	// the rows are then those of the runs before it.
 	Incomplete string `json:"incomplete,omitempty"`
+	// Build names the build that ran the sweep (SweepOptions.Build), and
+	// SchedulerConfigs each scheduler's configuration (SchedulerConfigs);
+	// with them PoolSweeps tells whether it pools runs of one policy.
+	// Empty in reports written before they were recorded, and in a pooled
+	// report whose reports differ in them.
+	Build            string            `json:"build,omitempty"`
+	SchedulerConfigs map[string]string `json:"schedulerConfigs,omitempty"`
+	// Mixed lists, in a pooled report, the builds and configurations of
+	// its reports where they are not all the same or not all known.
+	Mixed []string `json:"mixed,omitempty"`
+}
+
+// SchedulerConfigs names the configuration that each of the schedulers
+// runs with under opts: "embedded" or "default" where opts gives none, or
+// the SHA-256 (first 12 hex digits) of the configuration it gives.
+func SchedulerConfigs(opts Options, schedulers []string) map[string]string {
+	digest := func(data []byte, none string) string {
+		if len(data) == 0 {
+			return none
+		}
+		sum := sha256.Sum256(data)
+		return "sha256:" + hex.EncodeToString(sum[:6])
+	}
+	out := map[string]string{}
+	for _, s := range schedulers {
+		switch s {
+		case SchedulerTopodra:
+			out[s] = digest(opts.SchedulerConfig, "embedded")
+		case SchedulerStock:
+			out[s] = digest(opts.StockSchedulerConfig, "default")
+		}
+	}
+	return out
 }
 
 // Sweep runs every scenario with every seed through the schedulers (one
@@ -443,7 +482,8 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 		schedulers = []string{SchedulerTopodra, SchedulerStock}
 	}
 	rounds := max(1, opts.Rounds)
-	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests()}
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests(),
+		Build: opts.Build, SchedulerConfigs: SchedulerConfigs(opts.Base, schedulers)}
 	var rw *tabwriter.Writer
 	if opts.Rows != nil {
 		rw = tabwriter.NewWriter(opts.Rows, 0, 0, 1, ' ', tabwriter.AlignRight)
@@ -600,13 +640,18 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 // report's, so runs are compared run by run only within the report they
 // came from. The reports must agree on the pods' CPU and memory requests;
 // a scenario of the same name must have the same machines and workload.
-// Pool only reports of the same builds and configurations: nothing in a
-// report says which build made it.
+// Reports of different builds or scheduler configurations (or of unknown
+// ones) are pooled too, as their runs may still be comparable, but the
+// pooled report says so in Mixed, and its summary first of all.
 func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 	if len(reports) == 0 {
 		return nil, fmt.Errorf("no sweep reports to pool")
 	}
-	out := &SweepReport{HostRequests: reports[0].HostRequests}
+	out := &SweepReport{HostRequests: reports[0].HostRequests, Build: reports[0].Build, SchedulerConfigs: reports[0].SchedulerConfigs}
+	out.Mixed = mixedProvenance(reports)
+	if len(out.Mixed) > 0 {
+		out.Build, out.SchedulerConfigs = "", nil
+	}
 	scenarios := map[string]Scenario{}
 	var schedulers []string
 	for i, r := range reports {
@@ -649,6 +694,39 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 	slices.Sort(out.Seeds)
 	out.summarize(schedulers)
 	return out, nil
+}
+
+// mixedProvenance describes each report's build and configurations where
+// they are not the same in all reports, or unknown in any; nil otherwise.
+func mixedProvenance(reports []*SweepReport) []string {
+	describe := func(r *SweepReport) string {
+		build := r.Build
+		if build == "" {
+			build = "unknown"
+		}
+		configs := "unknown"
+		if len(r.SchedulerConfigs) > 0 {
+			var parts []string
+			for _, name := range slices.Sorted(maps.Keys(r.SchedulerConfigs)) {
+				parts = append(parts, name+" "+r.SchedulerConfigs[name])
+			}
+			configs = strings.Join(parts, ", ")
+		}
+		return "build " + build + "; configurations: " + configs
+	}
+	first := describe(reports[0])
+	mixed := strings.Contains(first, "unknown")
+	for _, r := range reports[1:] {
+		mixed = mixed || describe(r) != first
+	}
+	if !mixed || len(reports) < 2 {
+		return nil
+	}
+	var out []string
+	for i, r := range reports {
+		out = append(out, fmt.Sprintf("report %d: %s", i+1, describe(r)))
+	}
+	return out
 }
 
 const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t"
@@ -697,6 +775,14 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	if r.Incomplete != "" {
 		fmt.Fprintf(w, "INCOMPLETE: the sweep stopped early (%s); these are the runs before it\n", r.Incomplete)
+	}
+	if len(r.Mixed) > 0 {
+		fmt.Fprintf(w, "POOLED ACROSS BUILDS OR CONFIGURATIONS (or unknown ones): the medians mix policies where these differ\n")
+		for _, m := range r.Mixed {
+			fmt.Fprintf(w, "  %s\n", m)
+		}
+	} else if r.Build != "" {
+		fmt.Fprintf(w, "build %s\n", r.Build)
 	}
 	fmt.Fprintf(w, "pods' CPU and memory requests: %s\n", r.HostRequests)
 	fmt.Fprintf(w, "medians [p25-p75] over the runs (%s); GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed\n", r.runsLine())

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"maps"
 	"regexp"
 	"slices"
 	"strings"
@@ -255,6 +256,65 @@ func TestPoolSweeps(t *testing.T) {
 	}
 	if _, err := PoolSweeps([]*SweepReport{first, {HostRequests: "x"}}); err == nil {
 		t.Error("a report without runs pooled without an error")
+	}
+}
+
+// TestPoolSweepsProvenance: a pool of reports of one build and the same
+// scheduler configurations keeps them; reports of different builds or
+// configurations, or of unknown ones, are pooled with each report's named
+// in Mixed and a warning at the top of the summary.
+func TestPoolSweepsProvenance(t *testing.T) {
+	sc := Scenario{Name: "a", Profile: DefaultProfile, Nodes: 8, Pods: 100, Trace: TraceBuiltin}
+	report := func(build string, configs map[string]string) *SweepReport {
+		return &SweepReport{Scenarios: []Scenario{sc}, Seeds: []int64{1}, HostRequests: "x", Build: build, SchedulerConfigs: configs,
+			Rows: []SweepRow{
+				{Scenario: "a", Seed: 1, Scheduler: SchedulerTopodra, MeanWait: map[int]float64{8: 2}, Aligned: 0.97, Throughput: 50},
+				{Scenario: "a", Seed: 1, Scheduler: SchedulerStock, MeanWait: map[int]float64{8: 6}, Aligned: 0.7, Throughput: 50},
+			}}
+	}
+	configs := SchedulerConfigs(Options{}, []string{SchedulerTopodra, SchedulerStock})
+	if want := map[string]string{SchedulerTopodra: "embedded", SchedulerStock: "default"}; !maps.Equal(configs, want) {
+		t.Errorf("configurations of the defaults %v, want %v", configs, want)
+	}
+	own := SchedulerConfigs(Options{SchedulerConfig: []byte("a"), StockSchedulerConfig: []byte("b")}, []string{SchedulerTopodra, SchedulerStock})
+	if !strings.HasPrefix(own[SchedulerTopodra], "sha256:") || own[SchedulerTopodra] == own[SchedulerStock] {
+		t.Errorf("configurations given %v, want distinct digests", own)
+	}
+	summary := func(r *SweepReport) string {
+		t.Helper()
+		var b strings.Builder
+		if err := r.WriteSummary(&b); err != nil {
+			t.Fatal(err)
+		}
+		return b.String()
+	}
+
+	same, err := PoolSweeps([]*SweepReport{report("v1 sha256:aaa", configs), report("v1 sha256:aaa", configs)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if same.Build != "v1 sha256:aaa" || !maps.Equal(same.SchedulerConfigs, configs) || len(same.Mixed) != 0 {
+		t.Errorf("pool of one build: build %q, configurations %v, mixed %v", same.Build, same.SchedulerConfigs, same.Mixed)
+	}
+	if text := summary(same); strings.Contains(text, "POOLED ACROSS") || !strings.Contains(text, "build v1 sha256:aaa") {
+		t.Errorf("summary of a pool of one build:\n%s", text)
+	}
+
+	for name, second := range map[string]*SweepReport{
+		"another build":         report("v1 sha256:bbb", configs),
+		"another configuration": report("v1 sha256:aaa", own),
+		"an unknown build":      report("", nil),
+	} {
+		mixed, err := PoolSweeps([]*SweepReport{report("v1 sha256:aaa", configs), second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if mixed.Build != "" || mixed.SchedulerConfigs != nil || len(mixed.Mixed) != 2 || !strings.HasPrefix(mixed.Mixed[1], "report 2: build ") {
+			t.Errorf("%s: build %q, configurations %v, mixed %q; want none, none and both reports named", name, mixed.Build, mixed.SchedulerConfigs, mixed.Mixed)
+		}
+		if text := summary(mixed); !strings.Contains(text, "POOLED ACROSS BUILDS OR CONFIGURATIONS") {
+			t.Errorf("%s: the summary does not warn:\n%s", name, text)
+		}
 	}
 }
 
