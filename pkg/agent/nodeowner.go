@@ -35,7 +35,9 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 	a.publishMutex.Lock()
 	defer a.publishMutex.Unlock()
 	old := a.ownerUID
-	if node.UID == "" || node.UID == old {
+	if node.UID == "" || node.UID == old || a.ctx.Err() != nil {
+		// Nothing new, or the agent stops (Stop has stopped the
+		// publisher already).
 		return nil
 	}
 	a.ownerUID = node.UID
