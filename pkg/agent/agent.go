@@ -884,16 +884,21 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	return a.publish(ctx)
 }
 
-// publishedInventory reads the devices of the agent's pool that are in
-// the API (the newest generation of its slices on this node) as an
-// inventory; ok is false where the slices cannot be listed.
-func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventory, ok bool) {
-	list, err := a.opts.KubeClient.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
+// listOwnSlices lists the slices of the agent's driver on its node.
+func (a *Agent) listOwnSlices(ctx context.Context) (*resourceapi.ResourceSliceList, error) {
+	return a.opts.KubeClient.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
 		FieldSelector: fields.Set{
 			resourceapi.ResourceSliceSelectorNodeName: a.opts.NodeName,
 			resourceapi.ResourceSliceSelectorDriver:   a.opts.DriverName,
 		}.AsSelector().String(),
 	})
+}
+
+// publishedInventory reads the devices of the agent's pool that are in
+// the API (the newest generation of its slices on this node) as an
+// inventory; ok is false where the slices cannot be listed.
+func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventory, ok bool) {
+	list, err := a.listOwnSlices(ctx)
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "Cannot read the published devices, publishing nothing until they can be read or discovery works")
 		return &discovery.Inventory{}, false

@@ -9,7 +9,6 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 )
@@ -80,12 +79,7 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 // driver, its node name) that a Node other than uid owns, each by its own
 // UID, so that a slice created meanwhile is left alone.
 func (a *Agent) deleteSlicesOwnedByOthers(ctx context.Context, uid types.UID) (int, error) {
-	list, err := a.opts.KubeClient.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{
-		FieldSelector: fields.Set{
-			resourceapi.ResourceSliceSelectorNodeName: a.opts.NodeName,
-			resourceapi.ResourceSliceSelectorDriver:   a.opts.DriverName,
-		}.AsSelector().String(),
-	})
+	list, err := a.listOwnSlices(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("list the slices of node %s: %w", a.opts.NodeName, err)
 	}

@@ -284,15 +284,8 @@ func TestAgentReadyOnceKubeletRegisters(t *testing.T) {
 	dirs := shortDirs(tCtx, "tr", "p", "r", "k")
 	pluginDir, registryDir, kubeletState := dirs[0], dirs[1], dirs[2]
 
-	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-	tCtx.ExpectNoError(err)
-	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
-	tCtx.ExpectNoError(err)
 	recorder := events.NewFakeRecorder(20)
-	a, err := agent.New(tCtx, agent.Options{
-		NodeName:            nodeName,
-		KubeClient:          cp.Client,
-		Discovery:           disc,
+	a, _ := startMockAgent(tCtx, nodeName, agent.Options{
 		PluginDataDir:       pluginDir,
 		RegistrarDir:        registryDir,
 		StateDir:            tCtx.TempDir(),
@@ -301,7 +294,6 @@ func TestAgentReadyOnceKubeletRegisters(t *testing.T) {
 		RegistrationTimeout: 300 * time.Millisecond,
 		Recorder:            recorder,
 	})
-	tCtx.ExpectNoError(err, "start agent")
 	tCtx.Cleanup(a.Stop)
 	if err := a.Ready(); err == nil {
 		tCtx.Fatal("ready before the kubelet registered the plugin")

@@ -204,14 +204,7 @@ func TestAgentRestartNoChurn(t *testing.T) {
 	// anew; machines of one node name have the same GPUs (UUIDs are seeded
 	// by the node name).
 	startAgent := func() (*agent.Agent, *mockgpu.Machine) {
-		machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-		tCtx.ExpectNoError(err)
-		disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
-		tCtx.ExpectNoError(err)
-		a, err := agent.New(tCtx, agent.Options{
-			NodeName:       nodeName,
-			KubeClient:     cp.Client,
-			Discovery:      disc,
+		return startMockAgent(tCtx, nodeName, agent.Options{
 			PluginDataDir:  pluginDir,
 			RegistrarDir:   registryDir,
 			StateDir:       stateDir,
@@ -219,8 +212,6 @@ func TestAgentRestartNoChurn(t *testing.T) {
 			OwnedTaint:     agent.DefaultOwnedTaint,
 			RescanInterval: -1,
 		})
-		tCtx.ExpectNoError(err, "start agent")
-		return a, machine
 	}
 
 	// 1. The first agent publishes; topodra allocates a pod's GPU from it
@@ -325,6 +316,22 @@ func TestAgentRestartNoChurn(t *testing.T) {
 		t.Errorf("the health taint came as slice %s (uid %s) generation %d, want the original %s (uid %s) generation %d", tainted.Name, tainted.UID, tainted.Spec.Pool.Generation, slice.Name, slice.UID, slice.Spec.Pool.Generation)
 	}
 	e.expectClean()
+}
+
+// startMockAgent starts an agent for nodeName on a mock DGX H100 (the
+// machines of one node name have the same GPUs: their UUIDs are seeded by
+// the name, as a new process opens NVML anew), with opts for all but the
+// node name, the client and the discovery.
+func startMockAgent(tCtx ktesting.TContext, nodeName string, opts agent.Options) (*agent.Agent, *mockgpu.Machine) {
+	tCtx.Helper()
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+	tCtx.ExpectNoError(err)
+	opts.NodeName, opts.KubeClient, opts.Discovery = nodeName, cp.Client, disc
+	a, err := agent.New(tCtx, opts)
+	tCtx.ExpectNoError(err, "start agent")
+	return a, machine
 }
 
 // startKubeletDRA starts the kubelet's DRA manager and plugin manager for a
@@ -795,15 +802,8 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 	dirs := shortDirs(tCtx, "tn", "p", "r", "k", "s", "c")
 	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
 	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
-	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-	tCtx.ExpectNoError(err)
-	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
-	tCtx.ExpectNoError(err)
 	recorder := events.NewFakeRecorder(100)
-	a, err := agent.New(tCtx, agent.Options{
-		NodeName:       nodeName,
-		KubeClient:     cp.Client,
-		Discovery:      disc,
+	a, _ := startMockAgent(tCtx, nodeName, agent.Options{
 		PluginDataDir:  pluginDir,
 		RegistrarDir:   registryDir,
 		StateDir:       stateDir,
@@ -813,7 +813,6 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 		NodeCheck:      200 * time.Millisecond,
 		Recorder:       recorder,
 	})
-	tCtx.ExpectNoError(err, "start agent")
 	defer a.Stop()
 	ownedBy := func(s *resourceapi.ResourceSlice, uid types.UID) bool {
 		return len(s.OwnerReferences) == 1 && s.OwnerReferences[0].Kind == "Node" && s.OwnerReferences[0].Name == nodeName && s.OwnerReferences[0].UID == uid
