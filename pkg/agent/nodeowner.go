@@ -39,35 +39,26 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 		// publisher already).
 		return nil
 	}
-	a.ownerUID = node.UID
-	if old == "" || a.publisher == nil {
+	a.mutex.Lock()
+	resources := a.published
+	a.mutex.Unlock()
+	if old == "" || resources == nil {
 		// Nothing published yet under a UID of the agent's own: the
 		// next publish names this Node.
+		a.ownerUID = node.UID
 		return nil
 	}
 	logger := klog.FromContext(ctx)
 	logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
-	a.publisher.Stop()
+	a.publisher.Stop() // nil after a failed start below: a no-op
 	a.publisher = nil
 	deleted, delErr := a.deleteSlicesOwnedByOthers(ctx, node.UID)
-
-	a.mutex.Lock()
-	resources := a.published
-	a.mutex.Unlock()
-	if resources == nil {
-		// publish has not handed anything to a publisher; the next one
-		// starts it.
-		return delErr
-	}
 	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, node.UID, *resources, a.checkDroppedFields)
 	if err != nil {
-		// Publish again at the next change: a.published is what the
-		// new publisher must be given.
-		a.mutex.Lock()
-		a.published = nil
-		a.mutex.Unlock()
+		// ownerUID stays the old one: the next node check tries again.
 		return errors.Join(delErr, err)
 	}
+	a.ownerUID = node.UID
 	a.publisher = publisher
 	a.nodeEvent(v1.EventTypeNormal, ReasonNodeRecreated, "Publish",
 		"the Node was deleted and created again (UID %s, before %s): %s devices are published owned by the new Node (%d slices owned by the old one deleted)",
