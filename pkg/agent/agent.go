@@ -287,6 +287,9 @@ type Agent struct {
 	// controller looks the Node up). Both change under publishMutex.
 	publisher *Publisher
 	ownerUID  types.UID
+	// nodeCheckNow asks the node loop for a check before its interval
+	// ends (see checkNodeSoon).
+	nodeCheckNow chan struct{}
 
 	// staleMutex serializes CleanupStaleClaims and guards goneReported:
 	// the prepared claims that this process has reported gone from the
@@ -458,6 +461,7 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		healthChanged: make(chan struct{}),
 		goneReported:  map[types.UID]bool{},
 		droppedFields: map[string]bool{},
+		nodeCheckNow:  make(chan struct{}, 1),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {

@@ -58,7 +58,10 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 	return out
 }
 
-// CheckNode reads the Node and acts on what changed since the last read:
+// CheckNode reads the Node and acts on what changed since the last read.
+// The agent calls it at start, every Options.NodeCheck and when the
+// kubelet registers the plugin again (a restarted kubelet; one restarts to
+// register a Node that was deleted):
 //
 //   - Where the Node was deleted and created again (another UID), the
 //     published slices, owned by the old Node, are being (or will be)
@@ -85,6 +88,15 @@ func (a *Agent) CheckNode(ctx context.Context) error {
 		return ownerErr
 	}
 	return errors.Join(ownerErr, a.publish(ctx))
+}
+
+// checkNodeSoon makes the node loop check the Node now rather than at its
+// next interval.
+func (a *Agent) checkNodeSoon() {
+	select {
+	case a.nodeCheckNow <- struct{}{}:
+	default: // a check is asked for already
+	}
 }
 
 // readNode reads the agent's Node.
@@ -137,13 +149,17 @@ func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
 	return true
 }
 
-// nodeLoop runs CheckNode every interval.
+// nodeLoop runs CheckNode every interval, and when checkNodeSoon asks.
 func (a *Agent) nodeLoop(ctx context.Context, interval time.Duration) {
 	for {
+		timer := time.NewTimer(interval)
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return
-		case <-time.After(interval):
+		case <-timer.C:
+		case <-a.nodeCheckNow:
+			timer.Stop()
 		}
 		if err := a.CheckNode(ctx); err != nil && ctx.Err() == nil {
 			utilruntime.HandleErrorWithContext(ctx, err, "node check failed, keeping the last answer")

@@ -61,6 +61,11 @@ func (a *Agent) watchRegistration(ctx context.Context, req any, info *grpc.Unary
 		a.registration.reported = true
 	}
 	a.mutex.Unlock()
+	if status.PluginRegistered && was.seen {
+		// Registered again: the kubelet restarted, which it does to
+		// register a Node that was deleted, so read the Node now.
+		a.checkNodeSoon()
+	}
 	logger := klog.FromContext(ctx)
 	switch {
 	case status.PluginRegistered && !was.registered:

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -337,7 +338,14 @@ func startMockAgent(tCtx ktesting.TContext, nodeName string, opts agent.Options)
 // startKubeletDRA starts the kubelet's DRA manager and plugin manager for a
 // node, watching registryDir for plugins; the test's cleanup stops them.
 func startKubeletDRA(tCtx ktesting.TContext, nodeName, registryDir, stateDir string) *kubeletdra.Manager {
-	ctx, stop := context.WithCancel(tCtx)
+	manager, _ := startStoppableKubeletDRA(tCtx, nodeName, registryDir, stateDir)
+	return manager
+}
+
+// startStoppableKubeletDRA is startKubeletDRA that also returns a function
+// that stops the managers before the test ends, as a kubelet that exits.
+func startStoppableKubeletDRA(tCtx ktesting.TContext, nodeName, registryDir, stateDir string) (*kubeletdra.Manager, func()) {
+	ctx, cancel := context.WithCancel(tCtx)
 	manager, err := kubeletdra.NewManager(tCtx.Logger(), cp.Client, stateDir)
 	tCtx.ExpectNoError(err)
 	getNode := func(ctx context.Context) (*v1.Node, error) {
@@ -348,11 +356,15 @@ func startKubeletDRA(tCtx ktesting.TContext, nodeName, registryDir, stateDir str
 	plugins := pluginmanager.NewPluginManager(registryDir, record.NewFakeRecorder(10))
 	plugins.AddHandler(pluginregistrationv1.DRAPlugin, manager.GetWatcherHandler())
 	go plugins.Run(ctx, sourcesReady, ctx.Done())
-	tCtx.Cleanup(func() {
-		stop()
-		manager.Stop()
-	})
-	return manager
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			manager.Stop()
+		})
+	}
+	tCtx.Cleanup(stop)
+	return manager, stop
 }
 
 // kubeletPrepare has the kubelet prepare a bound pod, retrying while the
@@ -782,15 +794,17 @@ func (e *env) limitsNode(group string) (string, qualifiedName, func(device int) 
 }
 
 // TestAgentFollowsRecreatedNode deletes the agent's Node and creates it
-// again under the same name, as an admin does to re-register a node (the
-// agent's pod survives when the Node is back before the pod garbage
-// collector acts). The slices are owned by the Node's UID: with the old
-// one, the garbage collector deletes them, and a controller that kept it
-// would recreate them only to see them deleted again. The running agent
-// must publish the same devices owned by the new Node, delete the slices
-// owned by the old one (this API server runs no garbage collector), say
-// so on the Node, keep the claim it had prepared, and a new pod must be
-// scheduled onto the node and prepared by the kubelet.
+// again under the same name, and restarts the kubelet, as an admin does
+// to register a node again (the agent's pod survives when the Node is
+// back before the pod garbage collector acts). The slices are owned by
+// the Node's UID: with the old one, the garbage collector deletes them,
+// and a controller that kept it would recreate them only to see them
+// deleted again. The running agent, registered again by the restarted
+// kubelet, must read its Node at once (its periodic check is an hour
+// away), publish the same devices owned by the new Node, delete the
+// slices owned by the old one (this API server runs no garbage
+// collector), say so on the Node, keep the claim it had prepared, and a
+// new pod must be scheduled onto the node and prepared by the kubelet.
 func TestAgentFollowsRecreatedNode(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "recreated")
@@ -801,7 +815,7 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 
 	dirs := shortDirs(tCtx, "tn", "p", "r", "k", "s", "c")
 	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
-	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+	manager, stopKubelet := startStoppableKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 	recorder := events.NewFakeRecorder(100)
 	a, _ := startMockAgent(tCtx, nodeName, agent.Options{
 		PluginDataDir:  pluginDir,
@@ -810,7 +824,7 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 		CDIDir:         cdiDir,
 		OwnedTaint:     agent.DefaultOwnedTaint,
 		RescanInterval: -1,
-		NodeCheck:      200 * time.Millisecond,
+		NodeCheck:      time.Hour,
 		Recorder:       recorder,
 	})
 	defer a.Stop()
@@ -835,6 +849,8 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 	if newNode.UID == oldNode.UID {
 		t.Fatalf("the recreated Node has the old UID %s", newNode.UID)
 	}
+	stopKubelet()
+	manager = startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 	waitForEvent(tCtx, recorder, "Normal "+agent.ReasonNodeRecreated)
 	var slices []resourceapi.ResourceSlice
 	tCtx.ExpectNoError(wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
