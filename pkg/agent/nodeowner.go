@@ -42,11 +42,24 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 	a.mutex.Lock()
 	resources := a.published
 	a.mutex.Unlock()
-	if old == "" || resources == nil {
-		// Nothing published yet under a UID of the agent's own: the
-		// next publish names this Node.
+	if resources == nil {
+		// Nothing published yet: the next publish names this Node.
 		a.ownerUID = node.UID
 		return nil
+	}
+	if old == "" {
+		// The agent could not read the Node when it started publishing,
+		// so the controller looked it up itself: the Node may have been
+		// created again since. The slices say which one it took.
+		stale, err := a.ownSlicesOwnedByOthers(ctx, node.UID)
+		if err != nil {
+			return err // ownerUID stays unknown: the next check looks again
+		}
+		if len(stale) == 0 {
+			a.ownerUID = node.UID
+			return nil
+		}
+		old = "unknown"
 	}
 	logger := klog.FromContext(ctx)
 	logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
@@ -66,20 +79,33 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 	return delErr
 }
 
-// deleteSlicesOwnedByOthers deletes the agent's slices on its node (its
-// driver, its node name) that a Node other than uid owns, each by its own
-// UID, so that a slice created meanwhile is left alone.
-func (a *Agent) deleteSlicesOwnedByOthers(ctx context.Context, uid types.UID) (int, error) {
+// ownSlicesOwnedByOthers lists the agent's slices on its node (its
+// driver, its node name) that a Node other than uid owns.
+func (a *Agent) ownSlicesOwnedByOthers(ctx context.Context, uid types.UID) ([]resourceapi.ResourceSlice, error) {
 	list, err := a.listOwnSlices(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("list the slices of node %s: %w", a.opts.NodeName, err)
+		return nil, fmt.Errorf("list the slices of node %s: %w", a.opts.NodeName, err)
+	}
+	var out []resourceapi.ResourceSlice
+	for _, slice := range list.Items {
+		if ownedByOtherNode(&slice, a.opts.NodeName, uid) {
+			out = append(out, slice)
+		}
+	}
+	return out, nil
+}
+
+// deleteSlicesOwnedByOthers deletes the agent's slices that a Node other
+// than uid owns (see ownSlicesOwnedByOthers), each by its own UID, so
+// that a slice created meanwhile is left alone.
+func (a *Agent) deleteSlicesOwnedByOthers(ctx context.Context, uid types.UID) (int, error) {
+	stale, err := a.ownSlicesOwnedByOthers(ctx, uid)
+	if err != nil {
+		return 0, err
 	}
 	deleted := 0
 	var errs []error
-	for _, slice := range list.Items {
-		if !ownedByOtherNode(&slice, a.opts.NodeName, uid) {
-			continue
-		}
+	for _, slice := range stale {
 		err := a.opts.KubeClient.ResourceV1().ResourceSlices().Delete(ctx, slice.Name, metav1.DeleteOptions{
 			Preconditions: &metav1.Preconditions{UID: &slice.UID},
 		})
