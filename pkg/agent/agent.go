@@ -532,7 +532,10 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		found := devicePlugin(node, opts.DevicePluginResources)
 		if nodeErr != nil {
 			utilruntime.HandleErrorWithContext(ctx, nodeErr, "device plugin check failed at start, publishing the devices tainted until it succeeds")
-			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "Publish", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", nodeErr, opts.DriverName, DevicePluginTaintKey)
+			// An action of its own: the event broadcaster would count a
+			// conflict found later as a repeat of this one, and keep this
+			// note.
+			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "ReadNode", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", nodeErr, opts.DriverName, DevicePluginTaintKey)
 			found = devicePluginUnknown
 		}
 		a.setDevicePlugin(a.ctx, found)
