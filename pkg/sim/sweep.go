@@ -647,10 +647,9 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 	if len(reports) == 0 {
 		return nil, fmt.Errorf("no sweep reports to pool")
 	}
-	out := &SweepReport{HostRequests: reports[0].HostRequests, Build: reports[0].Build, SchedulerConfigs: reports[0].SchedulerConfigs}
-	out.Mixed = mixedProvenance(reports)
-	if len(out.Mixed) > 0 {
-		out.Build, out.SchedulerConfigs = "", nil
+	out := &SweepReport{HostRequests: reports[0].HostRequests, Mixed: mixedProvenance(reports)}
+	if len(out.Mixed) == 0 {
+		out.Build, out.SchedulerConfigs = reports[0].Build, reports[0].SchedulerConfigs
 	}
 	scenarios := map[string]Scenario{}
 	var schedulers []string
@@ -714,10 +713,10 @@ func mixedProvenance(reports []*SweepReport) []string {
 		}
 		return "build " + build + "; configurations: " + configs
 	}
-	first := describe(reports[0])
-	mixed := strings.Contains(first, "unknown")
-	for _, r := range reports[1:] {
-		mixed = mixed || describe(r) != first
+	mixed := false
+	for _, r := range reports {
+		known := r.Build != "" && len(r.SchedulerConfigs) > 0
+		mixed = mixed || !known || describe(r) != describe(reports[0])
 	}
 	if !mixed || len(reports) < 2 {
 		return nil
