@@ -184,12 +184,22 @@ func TestOverlays(t *testing.T) {
 			}
 
 			// Shared by every variant.
-			// One agent per node, also during a rollout: two would share
-			// the plugin sockets and the checkpoint.
+			// A rollout starts the new agent beside the old one, which
+			// needs the pod's UID (sockets of its own): without it two
+			// agents would share the plugin sockets.
 			if u := ds.Spec.UpdateStrategy; u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil ||
-				u.RollingUpdate.MaxSurge == nil || u.RollingUpdate.MaxSurge.IntValue() != 0 ||
-				u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 1 {
-				t.Errorf("agent update strategy %+v, want RollingUpdate with maxUnavailable 1 and maxSurge 0 set", u)
+				u.RollingUpdate.MaxSurge == nil || u.RollingUpdate.MaxSurge.IntValue() != 1 ||
+				u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 0 {
+				t.Errorf("agent update strategy %+v, want RollingUpdate with maxUnavailable 0 and maxSurge 1 set", u)
+			}
+			podUID := false
+			for _, ev := range ds.Spec.Template.Spec.Containers[0].Env {
+				if ev.Name == "POD_UID" && ev.ValueFrom != nil && ev.ValueFrom.FieldRef != nil && ev.ValueFrom.FieldRef.FieldPath == "metadata.uid" {
+					podUID = true
+				}
+			}
+			if !podUID {
+				t.Error("the agent has no POD_UID from metadata.uid: with maxSurge two agents would share the kubelet sockets")
 			}
 			// Namespaced objects in kube-system only: the policies, the
 			// lease and the RoleBindings name it.

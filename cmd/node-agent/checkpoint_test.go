@@ -22,7 +22,7 @@ import (
 
 // TestCheckpointEventSentBeforeExit: when the agent cannot start because
 // its checkpoint is damaged, the Warning event on the Node, naming the
-// file, is in the API server by the time startAgent returns (the command
+// file, is in the API server by the time waitAgent returns (the command
 // exits right after).
 func TestCheckpointEventSentBeforeExit(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
@@ -43,7 +43,7 @@ func TestCheckpointEventSentBeforeExit(t *testing.T) {
 	broadcaster := events.NewBroadcaster(sink)
 	broadcaster.StartRecordingToSink(ctx.Done())
 	defer broadcaster.Shutdown()
-	a, err := startAgent(ctx, sink, agent.Options{
+	a, err := agent.Start(ctx, agent.Options{
 		NodeName:    "node-1",
 		KubeClient:  client,
 		Discovery:   disc,
@@ -52,8 +52,11 @@ func TestCheckpointEventSentBeforeExit(t *testing.T) {
 		CDIDir:      t.TempDir(),
 		Recorder:    broadcaster.NewRecorder(scheme.Scheme, "topodra-node-agent"),
 	})
+	if err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	err = waitAgent(ctx, sink, a)
 	if err == nil {
-		a.Stop()
 		t.Fatal("agent started with a damaged checkpoint")
 	}
 	if !errors.Is(err, agent.ErrCheckpoint) {

@@ -21,6 +21,7 @@ import (
 	"github.com/spf13/pflag"
 
 	eventsv1 "k8s.io/api/events/v1"
+	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -51,6 +52,7 @@ const noGPUMessage = "no NVIDIA GPU here"
 
 type options struct {
 	nodeName            string
+	podUID              string
 	kubeconfig          string
 	nvml                string
 	driverRoot          string
@@ -121,6 +123,7 @@ the command line wins.`,
 	}
 	fs := cmd.Flags()
 	fs.StringVar(&o.nodeName, "node-name", "", "Name of this node; the slices are owned by its Node object. Required except with --dry-run (default there: the host name).")
+	fs.StringVar(&o.podUID, "pod-uid", "", "UID of the agent's pod (the DaemonSet sets it from metadata.uid). With it the agent registers with the kubelet through sockets of its own (kubelet 1.33 or later), so that a rolling update can start the new agent pod beside the old one (maxSurge: 1): the new pod is ready once the kubelet has registered it, takes over the checkpoint of prepared claims when the old pod has exited, and answers the kubelet's calls from then on (calls that come meanwhile wait), so the kubelet never has the driver unregistered and never deletes the node's slices. Empty: the sockets are named by the driver alone, and an update must stop the old pod before it starts the new one (maxSurge: 0).")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Kubeconfig file, for running outside the cluster. Empty: in-cluster configuration.")
 	fs.StringVar(&o.nvml, "nvml", "real", "Where GPUs come from: 'real' (libnvidia-ml) or 'mock:<profile>' with profile one of "+strings.Join(mockgpu.Profiles(), ", ")+".")
 	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container. CDI specs name driver files below it.")
@@ -348,8 +351,9 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	broadcaster := events.NewBroadcaster(sink)
 	broadcaster.StartRecordingToSink(ctx.Done())
 	defer broadcaster.Shutdown()
-	a, err := startAgent(ctx, sink, agent.Options{
+	a, err := agent.Start(ctx, agent.Options{
 		NodeName:              nodeName,
+		RollingUpdateUID:      types.UID(o.podUID),
 		KubeClient:            client,
 		Discovery:             src.discovery,
 		CDIGenerator:          src.cdi,
@@ -368,12 +372,13 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 	})
-	if errors.Is(err, agent.ErrCDIDir) {
-		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
-	}
 	if err != nil {
 		return err
 	}
+	// The endpoints answer while the agent starts: with --pod-uid it is
+	// ready before it has the lock on the state directory, which the
+	// agent it replaces releases only once the rollout sees this one
+	// ready.
 	if o.healthAddress != "" {
 		stopHealth, err := serveHealth(ctx, o.healthAddress, a, metricsHandler(a))
 		if err != nil {
@@ -382,32 +387,40 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 		defer stopHealth()
 	}
-	logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint)
-	<-a.Done()
-	cause := a.Err()
-	a.Stop()
+	select {
+	case <-a.Started():
+		logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint, "podUID", o.podUID)
+	case <-a.Done():
+	}
+	err = waitAgent(ctx, sink, a)
 	if ctx.Err() != nil {
 		logger.Info("shutting down", "reason", context.Cause(ctx))
 		return nil
 	}
-	return cause
+	if errors.Is(err, agent.ErrCDIDir) {
+		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
+	}
+	return err
 }
 
-// startAgent runs agent.New. Where it fails on an unreadable checkpoint
-// it first waits (up to eventFlushTimeout) until the agent's
-// ReasonCheckpointUnreadable event has been sent to the API server: the
-// process exits next, and events are sent in the background.
-func startAgent(ctx context.Context, sink *eventSink, opts agent.Options) (*agent.Agent, error) {
-	a, err := agent.New(ctx, opts)
-	if errors.Is(err, agent.ErrCheckpoint) && opts.Recorder != nil {
+// waitAgent waits until the agent a stops (it failed to start, a fatal
+// error, or ctx ended), stops it and returns why. Where it stopped on an
+// unreadable checkpoint it first waits (up to eventFlushTimeout) until
+// the agent's ReasonCheckpointUnreadable event has been sent to the API
+// server: the process exits next, and events are sent in the background.
+func waitAgent(ctx context.Context, sink *eventSink, a *agent.Agent) error {
+	<-a.Done()
+	cause := a.Err()
+	if errors.Is(cause, agent.ErrCheckpoint) {
 		if !sink.waitFor(ctx, agent.ReasonCheckpointUnreadable, eventFlushTimeout) {
 			klog.FromContext(ctx).Info("the event about the unreadable checkpoint may not have reached the API server", "reason", agent.ReasonCheckpointUnreadable)
 		}
 	}
-	return a, err
+	a.Stop()
+	return cause
 }
 
-// eventFlushTimeout bounds how long startAgent waits for its event.
+// eventFlushTimeout bounds how long waitAgent waits for its event.
 const eventFlushTimeout = 10 * time.Second
 
 // eventSink writes events to the API server (events.k8s.io/v1) and tells

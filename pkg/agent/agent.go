@@ -4,12 +4,22 @@
 //
 // # Running an agent
 //
-// [New] wires everything: discovery, kubeletplugin.Start, health watching,
-// then PublishResources. The agent republishes when discovery reports a
-// change (polled every [Options.RescanInterval]) and when a device becomes
-// unhealthy. Publishing goes through the kubeletplugin helper, which runs
-// the resourceslice controller: a restart with the same devices finds the
-// existing slices equal to the desired ones and changes nothing in the API.
+// [New] wires everything: the lock on the state directory, discovery,
+// kubeletplugin.Start, health watching, then publishing. The agent
+// republishes when discovery reports a change (polled every
+// [Options.RescanInterval]) and when a device becomes unhealthy.
+// Publishing goes through the upstream resourceslice controller, owned by
+// the Node: a restart with the same devices finds the existing slices
+// equal to the desired ones and changes nothing in the API.
+//
+// # Rolling updates
+//
+// With [Options.RollingUpdateUID] (the pod's UID) the kubelet sockets are
+// the pod's own, and [Start] starts them before it waits for the lock that
+// the agent it replaces holds: the kubelet registers the new agent beside
+// the old one, never has the driver unregistered (so it never wipes the
+// node's slices), and sends its calls to the newer agent, which answers
+// them once the old one has exited and it has taken over the checkpoint.
 //
 // # Publish-only mode (simulators)
 //
@@ -122,6 +132,19 @@ type Options struct {
 	// RegistrarDir is the kubelet's plugin registry directory; it defaults
 	// to /var/lib/kubelet/plugins_registry. Unused with PublishOnly.
 	RegistrarDir string
+	// RollingUpdateUID is the UID of the agent's pod. Where it is set
+	// (and not PublishOnly) the agent registers with the kubelet through
+	// sockets of its own (kubeletplugin.RollingUpdate; kubelet 1.33 or
+	// later), so that a new agent pod can run beside the old one during a
+	// DaemonSet rolling update and the kubelet always has a registered
+	// plugin of the driver: [Start] starts the kubelet sockets before it
+	// takes the lock on StateDir, Ready succeeds once the kubelet has
+	// registered them (so that the rollout stops the old pod), and the
+	// kubelet's calls that arrive before the old agent has exited and
+	// this one has started wait for that. Empty: the sockets are named
+	// by the driver alone and start only once the lock is held, so a
+	// second agent must not start before the first has stopped.
+	RollingUpdateUID types.UID
 	// RegistrationTimeout is how long the kubelet may take to register
 	// the plugin after New before the agent records a Warning
 	// (ReasonNotRegistered) on the Node; zero means
@@ -278,6 +301,10 @@ type Agent struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 	wg     sync.WaitGroup
+	// started is closed once start has succeeded, startDone once it has
+	// returned; startErr is why it failed.
+	started, startDone chan struct{}
+	startErr           atomic.Pointer[error]
 	// helper is the kubelet plugin helper (nil with PublishOnly). The
 	// agent publishes through its own publisher, not the helper's, so
 	// that the owner of its slices can follow the Node (see CheckNode).
@@ -404,10 +431,43 @@ var _ kubeletplugin.DRAPlugin = &Agent{}
 // before, Unprepare works. NVMLUnusable says why.
 //
 // With a checkpoint (StateDir and CDIDir set), New first takes the lock
-// on StateDir (see LockFileName), waiting, before it does anything else,
-// while another agent holds it, until ctx ends; then claims prepared
-// during another boot are dropped.
+// on StateDir (see LockFileName), waiting while another agent holds it,
+// until ctx ends; then claims prepared during another boot are dropped.
+//
+// New is [Start] followed by waiting until the agent has started; where
+// starting fails it returns why, with everything stopped.
 func New(ctx context.Context, opts Options) (*Agent, error) {
+	a, err := Start(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-a.started:
+		return a, nil
+	case <-a.Done():
+		select {
+		case <-a.started:
+			// Started, then stopped at once (a fatal error): the
+			// caller sees it through Done and Err, as later.
+			return a, nil
+		default:
+		}
+		err := a.Err()
+		a.Stop()
+		return nil, err
+	}
+}
+
+// Start is [New] without the wait: it checks the options and returns an
+// agent that starts in the background (Started is closed once it has,
+// Done and Err tell where starting fails; Stop stops it either way), so
+// that its health endpoints can answer while it waits for the lock on
+// StateDir. With RollingUpdateUID it first starts the kubelet sockets, and
+// an error doing so is returned. Ready fails until the agent has started,
+// except with RollingUpdateUID, where it succeeds once the kubelet has
+// registered the sockets. The kubelet's calls that arrive before the agent
+// has started wait for it.
+func Start(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.NodeName == "" {
 		return nil, errors.New("node name must be set")
 	}
@@ -433,10 +493,15 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.StaleClaimGrace == 0 {
 		opts.StaleClaimGrace = DefaultStaleClaimGrace
 	}
+	if opts.NodeCheck <= 0 {
+		opts.NodeCheck = DefaultRescanInterval
+	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
 	}
-	if !opts.PublishOnly {
+	if opts.PublishOnly {
+		opts.RollingUpdateUID = ""
+	} else {
 		if opts.PluginDataDir == "" {
 			opts.PluginDataDir = filepath.Join(kubeletplugin.KubeletPluginsDir, opts.DriverName)
 		}
@@ -462,15 +527,55 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		goneReported:  map[types.UID]bool{},
 		droppedFields: map[string]bool{},
 		nodeCheckNow:  make(chan struct{}, 1),
+		started:       make(chan struct{}),
+		startDone:     make(chan struct{}),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
 			a.health = hw
 		}
 	}
+	a.ctx, a.cancel = context.WithCancelCause(ctx)
+	if opts.RollingUpdateUID != "" {
+		if err := a.startHelper(); err != nil {
+			a.cancel(err)
+			return nil, err
+		}
+	}
+	a.wg.Go(func() {
+		defer close(a.startDone)
+		if err := a.start(); err != nil {
+			a.startErr.Store(&err)
+			a.cancel(err)
+			return
+		}
+		close(a.started)
+	})
+	return a, nil
+}
+
+// Started is closed once the agent has started: it holds its state,
+// serves the kubelet (unless PublishOnly) and has published its devices.
+func (a *Agent) Started() <-chan struct{} { return a.started }
+
+// hasStarted says whether Started is closed.
+func (a *Agent) hasStarted() bool {
+	select {
+	case <-a.started:
+		return true
+	default:
+		return false
+	}
+}
+
+// start does what New does after the checks of Start, in a.ctx. Where it
+// fails, Stop releases what it took.
+func (a *Agent) start() error {
+	ctx, opts := a.ctx, a.opts
+	logger := klog.FromContext(ctx)
 	if opts.StateDir != "" && opts.CDIDir != "" {
 		if err := a.openState(ctx); err != nil {
-			return nil, err
+			return err
 		}
 		a.checkCDIHook(ctx)
 	}
@@ -484,47 +589,30 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		published, ok := a.publishedInventory(ctx)
 		inv, a.holdPublishing = published, !ok
 	}
+	a.mutex.Lock()
 	a.inventory = inv
+	a.mutex.Unlock()
 	a.recordDiscovery(ctx, inv, err)
 	logDiscovery(logger, inv)
+	if ctx.Err() != nil {
+		return context.Cause(ctx)
+	}
 
-	a.ctx, a.cancel = context.WithCancelCause(ctx)
+	if !opts.PublishOnly && opts.RollingUpdateUID == "" {
+		if err := a.startHelper(); err != nil {
+			return err
+		}
+	}
 	if !opts.PublishOnly {
-		helper, err := kubeletplugin.Start(a.ctx, a,
-			// The agent serializes per claim (claimLocks): a Prepare
-			// that hangs in NVML must not hold up every other call.
-			kubeletplugin.Serialize(false),
-			kubeletplugin.DriverName(opts.DriverName),
-			kubeletplugin.NodeName(opts.NodeName),
-			kubeletplugin.KubeClient(opts.KubeClient),
-			kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
-			kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
-			kubeletplugin.GRPCInterceptor(a.watchRegistration),
-		)
-		if err != nil {
-			a.cancel(err)
-			a.unlockState()
-			return nil, fmt.Errorf("start kubelet plugin: %w", err)
-		}
-		a.helper = helper
-		if timeout := opts.RegistrationTimeout; timeout >= 0 {
-			if timeout == 0 {
-				timeout = DefaultRegistrationTimeout
-			}
-			a.wg.Go(func() { a.awaitRegistration(a.ctx, timeout) })
-		}
+		a.removeStaleSockets(ctx)
 	}
 
-	if opts.NodeCheck <= 0 {
-		opts.NodeCheck = DefaultRescanInterval
-		a.opts.NodeCheck = opts.NodeCheck
-	}
 	// Before the first publish, so that the slices are owned by the Node
 	// as it is now and a node with a device plugin never publishes its
 	// devices untainted; where the Node cannot be read the resourceslice
 	// controller looks it up, and the devices are tainted until it can
 	// be read.
-	node, nodeErr := a.readNode(a.ctx)
+	node, nodeErr := a.readNode(ctx)
 	if nodeErr == nil {
 		a.ownerUID = node.UID
 	}
@@ -538,11 +626,10 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 			a.nodeEvent(v1.EventTypeWarning, ReasonDevicePlugin, "ReadNode", "cannot read the Node to check for a device plugin that hands out the same GPUs (%v): %s devices are tainted %s (NoSchedule) until it can", nodeErr, opts.DriverName, DevicePluginTaintKey)
 			found = devicePluginUnknown
 		}
-		a.setDevicePlugin(a.ctx, found)
+		a.setDevicePlugin(ctx, found)
 	}
-	if err := a.publish(a.ctx); err != nil {
-		a.Stop()
-		return nil, err
+	if err := a.publish(ctx); err != nil {
+		return err
 	}
 	if a.health != nil {
 		a.startHealth(inv)
@@ -550,14 +637,67 @@ func New(ctx context.Context, opts Options) (*Agent, error) {
 		if retry < 0 {
 			retry = DefaultRescanInterval
 		}
-		a.wg.Go(func() { a.healthRetryLoop(a.ctx, retry) })
+		a.wg.Go(func() { a.healthRetryLoop(ctx, retry) })
 	}
-	a.wg.Go(func() { a.rescanLoop(a.ctx) })
-	a.wg.Go(func() { a.nodeLoop(a.ctx, opts.NodeCheck) })
+	a.wg.Go(func() { a.rescanLoop(ctx) })
+	a.wg.Go(func() { a.nodeLoop(ctx, opts.NodeCheck) })
 	if a.store != nil && opts.StaleClaimCheck > 0 {
-		a.wg.Go(func() { a.staleClaimLoop(a.ctx) })
+		a.wg.Go(func() { a.staleClaimLoop(ctx) })
 	}
-	return a, nil
+	return nil
+}
+
+// startHelper starts the kubelet plugin helper: the registration and DRA
+// sockets, per pod with RollingUpdateUID.
+func (a *Agent) startHelper() error {
+	opts := a.opts
+	helperOpts := []kubeletplugin.Option{
+		// The agent serializes per claim (claimLocks): a Prepare
+		// that hangs in NVML must not hold up every other call.
+		kubeletplugin.Serialize(false),
+		kubeletplugin.DriverName(opts.DriverName),
+		kubeletplugin.NodeName(opts.NodeName),
+		kubeletplugin.KubeClient(opts.KubeClient),
+		kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
+		kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
+		kubeletplugin.GRPCInterceptor(a.watchRegistration),
+	}
+	if opts.RollingUpdateUID != "" {
+		helperOpts = append(helperOpts, kubeletplugin.RollingUpdate(opts.RollingUpdateUID))
+	}
+	helper, err := kubeletplugin.Start(a.ctx, a, helperOpts...)
+	if err != nil {
+		return fmt.Errorf("start kubelet plugin: %w", err)
+	}
+	a.helper = helper
+	if timeout := opts.RegistrationTimeout; timeout >= 0 {
+		if timeout == 0 {
+			timeout = DefaultRegistrationTimeout
+		}
+		a.wg.Go(func() { a.awaitRegistration(a.ctx, timeout) })
+	}
+	return nil
+}
+
+// awaitStart waits until the agent has started, for a call of the kubelet
+// that can come before (with RollingUpdateUID, while the agent waits for
+// the lock on StateDir that the agent it replaces holds).
+func (a *Agent) awaitStart(ctx context.Context) error {
+	if a.hasStarted() {
+		return nil
+	}
+	klog.FromContext(ctx).V(2).Info("The kubelet's call waits until the agent has started")
+	select {
+	case <-a.started:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("the agent has not started yet (it waits for the lock on %s): %w", filepath.Join(a.opts.StateDir, LockFileName), context.Cause(ctx))
+	case <-a.ctx.Done():
+		if a.hasStarted() {
+			return nil
+		}
+		return fmt.Errorf("the agent stopped before it started: %w", a.Err())
+	}
 }
 
 // ValidateTaintKey checks a device taint key as the API server does (a
@@ -690,6 +830,8 @@ func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
 // once.
 func (a *Agent) Stop() {
 	a.cancel(errors.New("agent stopped"))
+	// Starting ends with a.ctx; it sets what is stopped below.
+	<-a.startDone
 	a.helper.Stop()
 	a.publishMutex.Lock()
 	a.publisher.Stop()
@@ -706,6 +848,9 @@ func (a *Agent) Done() <-chan struct{} { return a.ctx.Done() }
 func (a *Agent) Err() error {
 	if a.ctx.Err() == nil {
 		return nil
+	}
+	if err := a.startErr.Load(); err != nil {
+		return *err
 	}
 	return context.Cause(a.ctx)
 }
@@ -1204,11 +1349,26 @@ func (a *Agent) NoGPU() error {
 // Node and NoGPU saying why: a DaemonSet's rolling update counts a pod
 // that is not ready as unavailable, so one such node would hold up the
 // update of every other node.
+//
+// Until the agent has started Ready fails, except with RollingUpdateUID,
+// where the kubelet's registration of its sockets is enough: the rollout
+// stops the agent that this one replaces (and that holds the lock on
+// StateDir) only once this one is ready.
 func (a *Agent) Ready() error {
 	if err := a.Err(); err != nil {
 		return err
 	}
+	if !a.helperStarted() {
+		return errors.New("the agent is starting (the log says what it waits for)")
+	}
 	return a.registrationErr()
+}
+
+// helperStarted says whether a.helper may be read (it is set, or nil
+// for PublishOnly): with RollingUpdateUID from Start on, otherwise once
+// the agent has started.
+func (a *Agent) helperStarted() bool {
+	return a.opts.RollingUpdateUID != "" || a.hasStarted()
 }
 
 // Live returns nil while the agent runs and, unless it is publish-only,

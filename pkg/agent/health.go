@@ -383,6 +383,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 // WatchHealthStatus implements kubeletplugin.DRAPlugin. An agent without a
 // health source (no Options.Health, and a discovery that cannot watch
 // health) returns kubeletplugin.ErrHealthNotSupported at once. Otherwise it
+// waits for the agent to start (see Start), then
 // sends the health of every device now, on every change, and at least
 // every 10 seconds so that the kubelet's data does not go stale. A device
 // is Healthy only while the source watches it and no fault was seen. While
@@ -396,6 +397,10 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
 	if a.health == nil {
 		return kubeletplugin.ErrHealthNotSupported
+	}
+	if a.awaitStart(ctx) != nil {
+		// The stream or the agent ended first.
+		return nil
 	}
 	for {
 		a.mutex.Lock()

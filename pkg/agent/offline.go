@@ -31,7 +31,11 @@ func NewOffline(ctx context.Context, opts Options, inv *discovery.Inventory) (*A
 		inventory:     inv,
 		faults:        map[string]discovery.HealthEvent{},
 		healthChanged: make(chan struct{}),
+		started:       make(chan struct{}),
+		startDone:     make(chan struct{}),
 	}
+	close(a.started)
+	close(a.startDone)
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
 	if err := a.openState(ctx); err != nil {
 		a.cancel(err)

@@ -96,6 +96,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // checkpoint fails the whole call so that the kubelet retries.
 //
 // Every claim that it does not prepare counts in MetricPrepareErrors.
+//
+// A call that comes before the agent has started (see Start) waits for
+// that until ctx ends.
 func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	result, err := a.prepareClaims(ctx, claims)
 	a.countPrepareErrors(claims, result, err)
@@ -104,6 +107,9 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 
 // prepareClaims is PrepareResourceClaims without the counting.
 func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	if err := a.awaitStart(ctx); err != nil {
+		return nil, err
+	}
 	if a.store == nil {
 		return nil, ErrNoState
 	}
@@ -549,8 +555,12 @@ func (a *Agent) cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
 // each claim's CDI spec and checkpoint entries (including what the claim
 // held before the last reboot). Unknown claims are fine (the
 // call is idempotent); their CDI spec is removed anyway in case a crash
-// happened between writing it and recording the claim.
+// happened between writing it and recording the claim. Like Prepare it
+// waits for the agent to start.
 func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	if err := a.awaitStart(ctx); err != nil {
+		return nil, err
+	}
 	if a.store == nil {
 		return nil, ErrNoState
 	}

@@ -96,7 +96,7 @@ func (a *Agent) registrationErr() error {
 // registrationRefused returns the kubelet's refusal of the latest
 // registration, nil if it registered the plugin or has not said yet.
 func (a *Agent) registrationRefused() error {
-	if a.helper == nil {
+	if !a.helperStarted() || a.helper == nil {
 		return nil
 	}
 	a.mutex.Lock()

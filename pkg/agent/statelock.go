@@ -20,15 +20,24 @@ import (
 // releases the lock of a process that dies). Two agents on one node (a
 // force-deleted agent pod whose container still runs, a rolling update
 // with maxSurge) would otherwise overwrite each other's record of
-// prepared claims, and the one that stops first would remove the other's
-// kubelet sockets. The file holds the host name (in a pod: the pod name)
+// prepared claims, and, without Options.RollingUpdateUID, the one that
+// stops first would remove the other's kubelet sockets. The file holds the host name (in a pod: the pod name)
 // of the agent that holds the lock; its content is informational only.
 const LockFileName = "agent.lock"
 
 // ReasonStateLocked (Warning, at start, once): another agent holds the
 // lock on the state directory (see LockFileName); this one waits for it
-// before it does anything else.
+// before it does anything else. With Options.RollingUpdateUID, where the
+// agent it replaces exits once this one is ready, only after it has
+// waited rollingLockPatience.
 const ReasonStateLocked = "TopodraStateLocked"
+
+// rollingLockPatience is how long an agent with Options.RollingUpdateUID
+// waits for the lock before it reports the wait on the Node: the rollout
+// stops the agent it replaces once this one is ready (the kubelet has
+// registered it, and the readiness probe has seen that), and that agent
+// then has its termination grace period to stop.
+const rollingLockPatience = 2 * time.Minute
 
 // stateLockRetry is how often a waiting agent tries to take the lock.
 const stateLockRetry = 500 * time.Millisecond
@@ -48,7 +57,12 @@ func (a *Agent) lockState(ctx context.Context) error {
 		return fmt.Errorf("open lock file %s: %w", path, err)
 	}
 	logger := klog.FromContext(ctx)
-	waited := false
+	waited, reported := false, false
+	var patience time.Duration
+	if a.opts.RollingUpdateUID != "" {
+		patience = rollingLockPatience
+	}
+	var since time.Time
 	for {
 		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
 		if err == nil {
@@ -61,16 +75,27 @@ func (a *Agent) lockState(ctx context.Context) error {
 			_ = f.Close()
 			return fmt.Errorf("lock %s: %w", path, err)
 		}
-		if !waited {
-			waited = true
-			holder := "another agent"
+		holder := func() string {
 			if data, err := os.ReadFile(path); err == nil && len(strings.TrimSpace(string(data))) > 0 {
-				holder = fmt.Sprintf("another agent (%s)", strings.TrimSpace(string(data)))
+				return fmt.Sprintf("another agent (%s)", strings.TrimSpace(string(data)))
 			}
-			logger.Info("Another node agent holds the state directory, waiting for it to exit", "lockFile", path, "holder", holder)
-			a.nodeEvent(v1.EventTypeWarning, ReasonStateLocked, "Start",
-				"%s waits to start: %s holds %s; two agents on one node would overwrite each other's prepared claims. If it does not exit, find the second agent pod or container on this node (a force-deleted pod, a DaemonSet update with maxSurge: use maxUnavailable) and stop it",
-				a.opts.DriverName, holder, path)
+			return "another agent"
+		}
+		if !waited {
+			waited, since = true, time.Now()
+			logger.Info("Another node agent holds the state directory, waiting for it to exit", "lockFile", path, "holder", holder(), "rollingUpdate", a.opts.RollingUpdateUID != "")
+		}
+		if !reported && time.Since(since) >= patience {
+			reported = true
+			if a.opts.RollingUpdateUID != "" {
+				a.nodeEvent(v1.EventTypeWarning, ReasonStateLocked, "Start",
+					"%s waits to start: %s holds %s after %s; two agents on one node would overwrite each other's prepared claims. A rolling update stops the old agent pod once this one is ready: if it does not exit, find the second agent pod or container on this node (a pod stuck terminating, a force-deleted pod whose container still runs) and stop it; the kubelet's calls wait meanwhile",
+					a.opts.DriverName, holder(), path, time.Since(since).Round(time.Second))
+			} else {
+				a.nodeEvent(v1.EventTypeWarning, ReasonStateLocked, "Start",
+					"%s waits to start: %s holds %s; two agents on one node would overwrite each other's prepared claims. If it does not exit, find the second agent pod or container on this node (a force-deleted pod, a DaemonSet update with maxSurge without the agent's POD_UID: use maxUnavailable, or set POD_UID) and stop it",
+					a.opts.DriverName, holder(), path)
+			}
 		}
 		timer := time.NewTimer(stateLockRetry)
 		select {

@@ -16,10 +16,11 @@ import (
 )
 
 // TestSecondAgentWaitsForFirst: a second agent on the same node (same
-// state and socket directories) waits, with a warning on the Node, until
-// the first one stops, and then serves: its registration socket is there,
-// not removed by the first one's stop. One whose context ends while it
-// waits gives up.
+// state and socket directories) waits, with a warning on the Node, live
+// but not ready, until the first one stops, and then serves: its
+// registration socket is there, not removed by the first one's stop. One
+// whose context ends while it waits gives up, and one stopped while it
+// waits stops.
 func TestSecondAgentWaitsForFirst(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
@@ -42,29 +43,51 @@ func TestSecondAgentWaitsForFirst(t *testing.T) {
 	recorder := events.NewFakeRecorder(10)
 	opts := kubeletOptions()
 	opts.Recorder = recorder
-	type started struct {
-		a   *agent.Agent
-		err error
+	second, err := agent.Start(ctx, opts)
+	if err != nil {
+		t.Fatalf("second agent: %v", err)
 	}
-	second := make(chan started, 1)
-	go func() {
-		a, err := agent.New(ctx, opts)
-		second <- started{a, err}
-	}()
+	t.Cleanup(second.Stop)
 	ev := expectEvent(t, recorder)
 	if !strings.Contains(ev, "Warning "+agent.ReasonStateLocked) || !strings.Contains(ev, filepath.Join(e.stateDir, agent.LockFileName)) {
 		t.Errorf("event %q, want a %s warning naming the lock file", ev, agent.ReasonStateLocked)
 	}
 	select {
-	case s := <-second:
-		if s.a != nil {
-			s.a.Stop()
-		}
-		t.Fatalf("second agent started beside the first one (err %v)", s.err)
+	case <-second.Started():
+		t.Fatal("second agent started beside the first one")
+	case <-second.Done():
+		t.Fatalf("second agent stopped while it waits: %v", second.Err())
 	case <-time.After(2 * time.Second):
 	}
 	if _, err := os.Stat(regSocket); err != nil {
 		t.Errorf("first agent's registration socket while the second waits: %v", err)
+	}
+	// Without its pod's UID the waiting agent has no sockets yet: a
+	// rollout must not count it available.
+	if err := second.Ready(); err == nil {
+		t.Error("second agent ready while it waits for the lock")
+	}
+	if err := second.Live(); err != nil {
+		t.Errorf("second agent not live while it waits for the lock: %v", err)
+	}
+
+	// An agent stopped while it waits stops.
+	fourth, err := agent.Start(ctx, kubeletOptions())
+	if err != nil {
+		t.Fatalf("fourth agent: %v", err)
+	}
+	stopped := make(chan struct{})
+	go func() {
+		fourth.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Stop of an agent that waits for the lock did not return")
+	}
+	if fourth.Err() == nil {
+		t.Error("an agent stopped while it waits reports no error")
 	}
 
 	// An agent whose context ends while it waits gives up.
@@ -76,16 +99,13 @@ func TestSecondAgentWaitsForFirst(t *testing.T) {
 	}
 
 	first.Stop()
-	var s started
 	select {
-	case s = <-second:
+	case <-second.Started():
+	case <-second.Done():
+		t.Fatalf("second agent: %v", second.Err())
 	case <-time.After(10 * time.Second):
 		t.Fatal("second agent did not start after the first one stopped")
 	}
-	if s.err != nil {
-		t.Fatalf("second agent: %v", s.err)
-	}
-	defer s.a.Stop()
 	if _, err := os.Stat(regSocket); err != nil {
 		t.Errorf("second agent's registration socket: %v", err)
 	}

@@ -37,7 +37,6 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/cdi"
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
-	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -325,11 +324,7 @@ func TestAgentRestartNoChurn(t *testing.T) {
 // node name, the client and the discovery.
 func startMockAgent(tCtx ktesting.TContext, nodeName string, opts agent.Options) (*agent.Agent, *mockgpu.Machine) {
 	tCtx.Helper()
-	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-	tCtx.ExpectNoError(err)
-	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
-	tCtx.ExpectNoError(err)
-	opts.NodeName, opts.KubeClient, opts.Discovery = nodeName, cp.Client, disc
+	opts, machine := mockAgentOptions(tCtx, nodeName, opts)
 	a, err := agent.New(tCtx, opts)
 	tCtx.ExpectNoError(err, "start agent")
 	return a, machine

@@ -1,0 +1,228 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/tools/events"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/kubernetes/test/utils/ktesting"
+
+	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/discovery"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
+	"github.com/topodra/topodra/pkg/topology"
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// kubeletWipingDelay is how long the kubelet waits after the last plugin
+// of a driver has become unusable before it deletes the driver's slices
+// of the node (the kubelet DRA manager's defaultWipingDelay).
+const kubeletWipingDelay = 30 * time.Second
+
+// TestAgentRollingUpdate replaces a node's agent as a DaemonSet rolling
+// update with maxSurge does, each agent with its pod's UID: the new agent
+// registers with the kubelet while the old one runs and is ready without
+// the lock on the state directory; the kubelet's calls to it wait until
+// the old agent has stopped; then it serves them with the old agent's
+// checkpoint, and the node's slices are never written or wiped, not even
+// after the kubelet's wiping delay.
+func TestAgentRollingUpdate(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "rolling")
+	nodeName := e.ns + "-node"
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "rolling"})
+	tCtx.ExpectNoError(err)
+
+	dirs := shortDirs(tCtx, "tu", "p", "r", "k", "s", "c")
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
+	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+	recorder := events.NewFakeRecorder(100)
+	options := func(podUID types.UID) agent.Options {
+		return agent.Options{
+			RollingUpdateUID: podUID,
+			PluginDataDir:    pluginDir,
+			RegistrarDir:     registryDir,
+			StateDir:         stateDir,
+			CDIDir:           cdiDir,
+			OwnedTaint:       agent.DefaultOwnedTaint,
+			RescanInterval:   -1,
+			Recorder:         recorder,
+		}
+	}
+	oldUID, newUID := types.UID("old-agent-pod"), types.UID("new-agent-pod")
+	oldSocket := filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, oldUID))
+	newSocket := filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, newUID))
+
+	// 1. The old agent publishes; the kubelet prepares a pod through it.
+	old, _ := startMockAgent(tCtx, nodeName, options(oldUID))
+	defer func() { old.Stop() }()
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool {
+		return len(s.Spec.Devices) == 8
+	})
+	if _, err := os.Stat(oldSocket); err != nil {
+		t.Fatalf("the old agent's registration socket: %v", err)
+	}
+	startTopodra(tCtx)
+	template := e.template(1, nil)
+	e.pod("before", topodraName, "rolling", template)
+	before := e.waitScheduled("before")
+	beforeIDs := kubeletPrepare(tCtx, manager, before)
+	cdiWriter, err := cdi.New(cdiDir)
+	tCtx.ExpectNoError(err)
+	beforeSpec := cdiWriter.SpecPath(e.onlyClaim(before).UID)
+
+	list, err := cp.Client.ResourceV1().ResourceSlices().List(tCtx, metav1.ListOptions{FieldSelector: nodeSliceSelector(nodeName)})
+	tCtx.ExpectNoError(err)
+	watcher, err := cp.Client.ResourceV1().ResourceSlices().Watch(tCtx, metav1.ListOptions{FieldSelector: nodeSliceSelector(nodeName), ResourceVersion: list.ResourceVersion})
+	tCtx.ExpectNoError(err)
+	defer watcher.Stop()
+
+	// 2. The new agent starts beside it: its own sockets, registered by
+	// the kubelet, ready, but not started while the old one holds the
+	// lock.
+	newOpts, _ := mockAgentOptions(tCtx, nodeName, options(newUID))
+	replacement, err := agent.Start(tCtx, newOpts)
+	tCtx.ExpectNoError(err, "start the new agent")
+	defer replacement.Stop()
+	var readyErr error
+	if err := wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(context.Context) (bool, error) {
+		readyErr = replacement.Ready()
+		return readyErr == nil, nil
+	}); err != nil {
+		t.Fatalf("the new agent is not ready while the old one runs (a rollout with maxSurge would stall): %v", readyErr)
+	}
+	for _, socket := range []string{oldSocket, newSocket} {
+		if _, err := os.Stat(socket); err != nil {
+			t.Errorf("registration socket while both agents run: %v", err)
+		}
+	}
+	select {
+	case <-replacement.Started():
+		t.Fatal("the new agent started while the old one holds the lock on the state directory")
+	default:
+	}
+
+	// 3. A pod scheduled now: its claim prepared through the new agent
+	// directly waits until the new agent has started.
+	e.pod("during", topodraName, "rolling", template)
+	during := e.waitScheduled("during")
+	duringClaim := e.onlyClaim(during)
+	type answer struct {
+		result kubeletplugin.PrepareResult
+		err    error
+		at     time.Time
+	}
+	direct := make(chan answer, 1)
+	go func() {
+		results, err := replacement.PrepareResourceClaims(tCtx, []*resourceapi.ResourceClaim{duringClaim})
+		direct <- answer{result: results[duringClaim.UID], err: err, at: time.Now()}
+	}()
+	select {
+	case a := <-direct:
+		t.Fatalf("Prepare of the new agent answered before the old agent stopped: %+v", a)
+	case <-time.After(time.Second):
+	}
+
+	// 4. The rollout stops the old agent.
+	old.Stop()
+	stopped := time.Now()
+	select {
+	case <-replacement.Started():
+	case <-time.After(waitTimeout):
+		t.Fatal("the new agent did not start after the old one stopped")
+	}
+	var got answer
+	select {
+	case got = <-direct:
+	case <-time.After(waitTimeout):
+		t.Fatal("the waiting Prepare did not answer after the new agent started")
+	}
+	tCtx.ExpectNoError(got.err, "prepare through the new agent")
+	tCtx.ExpectNoError(got.result.Err, "prepare claim "+duringClaim.Name)
+	if got.at.Before(stopped) {
+		t.Errorf("the waiting Prepare answered %s before the old agent stopped", stopped.Sub(got.at))
+	}
+	t.Logf("the waiting Prepare answered %s after the old agent stopped", got.at.Sub(stopped).Round(time.Millisecond))
+	if _, err := os.Stat(oldSocket); !os.IsNotExist(err) {
+		t.Errorf("the old agent's registration socket is still there after it stopped: %v", err)
+	}
+
+	// 5. The kubelet reaches the new agent: it prepares the waiting pod
+	// (the same devices as the direct call), unprepares the pod that the
+	// old agent prepared, and prepares that pod again with the same ids.
+	var directIDs []string
+	for _, d := range got.result.Devices {
+		directIDs = append(directIDs, d.CDIDeviceIDs...)
+	}
+	if diff := cmp.Diff(directIDs, kubeletPrepare(tCtx, manager, during)); diff != "" {
+		t.Errorf("the kubelet's Prepare answers differently from the direct call (-direct +kubelet):\n%s", diff)
+	}
+	unprepareOnKubelet(tCtx, manager, before, beforeSpec)
+	if diff := cmp.Diff(beforeIDs, kubeletPrepare(tCtx, manager, before)); diff != "" {
+		t.Errorf("the pod prepared by the old agent gets other devices from the new one (-old +new):\n%s", diff)
+	}
+
+	// 6. Nothing was written to the node's slices, and the kubelet, which
+	// always had a usable plugin of the driver, did not wipe them past its
+	// wiping delay.
+	deadline := time.After(time.Until(stopped.Add(kubeletWipingDelay + 3*time.Second)))
+	var changes []string
+watch:
+	for {
+		select {
+		case ev, ok := <-watcher.ResultChan():
+			if !ok {
+				t.Fatalf("slice watch ended; changes so far: %v", changes)
+			}
+			if s, isSlice := ev.Object.(*resourceapi.ResourceSlice); isSlice {
+				changes = append(changes, fmt.Sprintf("%s %s@%s", ev.Type, s.Name, s.ResourceVersion))
+			} else {
+				changes = append(changes, fmt.Sprintf("%s %T", ev.Type, ev.Object))
+			}
+		case <-deadline:
+			break watch
+		}
+	}
+	if len(changes) > 0 {
+		t.Errorf("the node's slices changed during the rolling update: %v", changes)
+	}
+	slices, err := nodeSlices(tCtx, cp.Client, topology.DriverName, nodeName)
+	tCtx.ExpectNoError(err)
+	if len(slices) != 1 || slices[0].UID != slice.UID {
+		t.Errorf("after the rolling update the node has %s, want the original slice %s", describeSlices(slices), slice.Name)
+	}
+
+	// 7. A wait shorter than the patience is not reported on the Node.
+	for len(recorder.Events) > 0 {
+		if ev := <-recorder.Events; strings.Contains(ev, agent.ReasonStateLocked) {
+			t.Errorf("event during a rolling update that took %s: %s", time.Since(stopped), ev)
+		}
+	}
+	e.expectClean()
+}
+
+// mockAgentOptions returns opts for an agent of nodeName on a mock DGX
+// H100, with the node name, the client and the discovery filled in (see
+// startMockAgent).
+func mockAgentOptions(tCtx ktesting.TContext, nodeName string, opts agent.Options) (agent.Options, *mockgpu.Machine) {
+	tCtx.Helper()
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+	tCtx.ExpectNoError(err)
+	opts.NodeName, opts.KubeClient, opts.Discovery = nodeName, cp.Client, disc
+	return opts, machine
+}
