@@ -47,22 +47,31 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 		a.ownerUID = node.UID
 		return nil
 	}
-	if old == "" {
-		// The agent could not read the Node when it started publishing,
-		// so the controller looked it up itself: the Node may have been
-		// created again since. The slices say which one it took.
+	logger := klog.FromContext(ctx)
+	// unknown: the agent could not read the Node when it started
+	// publishing, so the controller looked it up itself, and the Node
+	// may have been created again since. The slices say which one it
+	// took where it has written them; where they name no other Node it
+	// most likely took this one, but it may also have looked up one
+	// deleted since and not written yet. The controller is started again
+	// owned by this Node either way, which writes nothing where the
+	// slices are already its own.
+	unknown := old == ""
+	if unknown {
 		stale, err := a.ownSlicesOwnedByOthers(ctx, node.UID)
 		if err != nil {
 			return err // ownerUID stays unknown: the next check looks again
 		}
-		if len(stale) == 0 {
-			a.ownerUID = node.UID
-			return nil
-		}
 		old = "unknown"
+		if len(stale) == 0 {
+			logger.V(2).Info("Publishing owned by the Node as read now", "uid", node.UID)
+		} else {
+			unknown = false
+		}
 	}
-	logger := klog.FromContext(ctx)
-	logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
+	if !unknown {
+		logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
+	}
 	a.publisher.Stop() // nil after a failed start below: a no-op
 	a.publisher = nil
 	deleted, delErr := a.deleteSlicesOwnedByOthers(ctx, node.UID)
@@ -73,6 +82,9 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 	}
 	a.ownerUID = node.UID
 	a.publisher = publisher
+	if unknown && deleted == 0 {
+		return delErr
+	}
 	a.nodeEvent(v1.EventTypeNormal, ReasonNodeRecreated, "Publish",
 		"the Node was deleted and created again (UID %s, before %s): %s devices are published owned by the new Node (%d slices owned by the old one deleted)",
 		node.UID, old, a.opts.DriverName, deleted)
