@@ -345,6 +345,11 @@ type Agent struct {
 	// wait for a Prepare. Lock order: prepareMutex, then checkpointMutex.
 	checkpointMutex sync.Mutex
 
+	// calls is held for reading by every Prepare and Unprepare while it
+	// runs; Stop takes it for writing before it releases the lock on
+	// StateDir.
+	calls sync.RWMutex
+
 	// publishMutex keeps publish calls in order and guards publisher
 	// and ownerUID.
 	publishMutex sync.Mutex
@@ -824,7 +829,8 @@ func logDiscovery(logger klog.Logger, inv *discovery.Inventory) {
 }
 
 // Stop stops publishing, health watching and the kubelet plugin and waits
-// for background work to finish, then releases the lock on StateDir.
+// for background work and for the Prepare and Unprepare calls still
+// running to finish, then releases the lock on StateDir; later calls fail.
 // Published slices stay in the API (a restarted agent takes them over);
 // they are garbage collected with the Node. Stop may be called more than
 // once.
@@ -837,7 +843,24 @@ func (a *Agent) Stop() {
 	a.publisher.Stop()
 	a.publishMutex.Unlock()
 	a.wg.Wait()
+	// The gRPC server's stop does not wait for the calls it was serving:
+	// those still running must not change the checkpoint once another
+	// agent can have the lock. A call that hangs (in NVML) keeps the
+	// lock until the process is killed, which releases it.
+	a.calls.Lock()
 	a.unlockState()
+	a.calls.Unlock()
+}
+
+// enterCall marks a Prepare or Unprepare as running until the returned
+// function is called (see calls); it fails once the agent stops.
+func (a *Agent) enterCall() (func(), error) {
+	a.calls.RLock()
+	if a.ctx.Err() != nil {
+		a.calls.RUnlock()
+		return nil, fmt.Errorf("the agent is stopping: %w", a.Err())
+	}
+	return a.calls.RUnlock, nil
 }
 
 // Done is closed when the agent stops, because its context was canceled,

@@ -110,6 +110,11 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	if err := a.awaitStart(ctx); err != nil {
 		return nil, err
 	}
+	done, err := a.enterCall()
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	if a.store == nil {
 		return nil, ErrNoState
 	}
@@ -561,6 +566,11 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 	if err := a.awaitStart(ctx); err != nil {
 		return nil, err
 	}
+	done, err := a.enterCall()
+	if err != nil {
+		return nil, err
+	}
+	defer done()
 	if a.store == nil {
 		return nil, ErrNoState
 	}

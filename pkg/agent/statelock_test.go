@@ -5,9 +5,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2/ktesting"
 
@@ -109,4 +112,71 @@ func TestSecondAgentWaitsForFirst(t *testing.T) {
 	if _, err := os.Stat(regSocket); err != nil {
 		t.Errorf("second agent's registration socket: %v", err)
 	}
+}
+
+// TestStopWaitsForRunningPrepare: Stop releases the lock on the state
+// directory only once a Prepare that is still running (its CDI spec
+// generation hangs) has ended, so that another agent that takes the lock
+// never sees the checkpoint change under it; a Prepare after Stop fails.
+func TestStopWaitsForRunningPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	gen := &blockingGenerator{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	e.generator = gen
+	a := e.start(ctx, t)
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(gen.release) }) }
+	t.Cleanup(release) // before a.Stop
+
+	held := claim("held", gpus("gpus", "gpu-0")...)
+	go func() {
+		_, _ = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{held})
+	}()
+	select {
+	case <-gen.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Prepare did not start generating the CDI spec")
+	}
+	stopped := make(chan struct{})
+	go func() {
+		a.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned while a Prepare still runs")
+	case <-time.After(500 * time.Millisecond):
+	}
+	if !locked(t, e.stateDir) {
+		t.Error("the lock on the state directory was released while a Prepare still runs")
+	}
+	release()
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Stop did not return after the Prepare ended")
+	}
+	if locked(t, e.stateDir) {
+		t.Error("the lock on the state directory is still held after Stop")
+	}
+	if _, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim("after", gpus("gpus", "gpu-1")...)}); err == nil {
+		t.Error("Prepare after Stop succeeded")
+	}
+}
+
+// locked says whether another process or descriptor holds the lock on
+// the state directory.
+func locked(t *testing.T, dir string) bool {
+	t.Helper()
+	f, err := os.OpenFile(filepath.Join(dir, agent.LockFileName), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = f.Close() }()
+	err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+	if err == nil {
+		_ = unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		return false
+	}
+	return true
 }
