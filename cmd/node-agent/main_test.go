@@ -34,8 +34,8 @@ func TestEnvironmentTwins(t *testing.T) {
 	}{
 		"environment only": {
 			env: map[string]string{"NODE_NAME": "env-node", "NVML": "mock:dgx-h100", "OWNED_TAINT": "true", "RESCAN_INTERVAL": "5s", "CONTAINER_DEV_ROOT": "/host",
-				"CONTAINER_NVIDIA_CDI_HOOK_PATH": "/driver-root/usr/bin/nvidia-cdi-hook", "DISABLED_CDI_HOOKS": "update-application-profile,apply-cuda-memory-limits", "UVM": "optional", "CREATE_DEVICE_NODES": "false"},
-			want: options{nodeName: "env-node", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host", uvm: "optional", createDeviceNodes: false,
+				"CONTAINER_NVIDIA_CDI_HOOK_PATH": "/driver-root/usr/bin/nvidia-cdi-hook", "DISABLED_CDI_HOOKS": "update-application-profile,apply-cuda-memory-limits", "UVM": "optional", "CREATE_DEVICE_NODES": "false", "POD_UID": "0b6e1a52-agent-pod"},
+			want: options{nodeName: "env-node", podUID: "0b6e1a52-agent-pod", nvml: "mock:dgx-h100", ownedTaint: true, containerDevRoot: "/host", uvm: "optional", createDeviceNodes: false,
 				containerHookPath: "/driver-root/usr/bin/nvidia-cdi-hook", disabledCDIHooks: []string{"update-application-profile", "apply-cuda-memory-limits"}},
 		},
 		"command line wins": {
@@ -64,6 +64,9 @@ func TestEnvironmentTwins(t *testing.T) {
 			}
 			if o.containerHookPath != tc.want.containerHookPath || !slices.Equal(o.disabledCDIHooks, tc.want.disabledCDIHooks) {
 				t.Errorf("got containerHookPath %q disabledCDIHooks %q, want %q %q", o.containerHookPath, o.disabledCDIHooks, tc.want.containerHookPath, tc.want.disabledCDIHooks)
+			}
+			if o.podUID != tc.want.podUID {
+				t.Errorf("got podUID %q, want %q", o.podUID, tc.want.podUID)
 			}
 			if o.uvm != tc.want.uvm || o.createDeviceNodes != tc.want.createDeviceNodes {
 				t.Errorf("got uvm %q createDeviceNodes %v, want %q %v", o.uvm, o.createDeviceNodes, tc.want.uvm, tc.want.createDeviceNodes)
