@@ -372,6 +372,9 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 	})
+	if errors.Is(err, agent.ErrSocketPath) {
+		return fmt.Errorf("--kubelet-dir (or --plugin-data-dir, --registrar-dir): %w", err)
+	}
 	if err != nil {
 		return err
 	}

@@ -519,6 +519,9 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 		if opts.CDIDir == "" {
 			opts.CDIDir = cdi.DefaultDir
 		}
+		if err := checkSocketPaths(&opts); err != nil {
+			return nil, err
+		}
 	}
 	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", opts.NodeName, "driver", opts.DriverName)
 	ctx = klog.NewContext(ctx, logger)
@@ -665,6 +668,7 @@ func (a *Agent) startHelper() error {
 		kubeletplugin.KubeClient(opts.KubeClient),
 		kubeletplugin.PluginDataDirectoryPath(opts.PluginDataDir),
 		kubeletplugin.RegistrarDirectoryPath(opts.RegistrarDir),
+		kubeletplugin.PluginSocket(draSocketName(opts.PluginDataDir, opts.RollingUpdateUID)),
 		kubeletplugin.GRPCInterceptor(a.watchRegistration),
 	}
 	if opts.RollingUpdateUID != "" {

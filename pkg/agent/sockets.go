@@ -2,7 +2,10 @@ package agent
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -10,9 +13,50 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 )
+
+// maxSocketPath is the longest path of a unix socket on Linux (108 bytes
+// with the terminating NUL).
+const maxSocketPath = 107
+
+// draSocketName is the name of the DRA socket in dir: dra.sock, or with
+// a pod UID dra-<uid>.sock where that path fits in a unix socket path and
+// dra-<base64 of 8 bytes of the UID's SHA-256>.sock where it does not.
+func draSocketName(dir string, uid types.UID) string {
+	if uid == "" {
+		return "dra.sock"
+	}
+	if name := "dra-" + string(uid) + ".sock"; len(filepath.Join(dir, name)) <= maxSocketPath {
+		return name
+	}
+	sum := sha256.Sum256([]byte(uid))
+	return "dra-" + base64.RawURLEncoding.EncodeToString(sum[:8]) + ".sock"
+}
+
+// ErrSocketPath is returned (wrapped) by Start where a kubelet socket's
+// path would be too long for a unix socket.
+var ErrSocketPath = errors.New("socket path too long")
+
+// checkSocketPaths fails where the kubelet sockets would not fit in a
+// unix socket path: the kubelet plugin helper would fail with "bind:
+// invalid argument", which does not say what to change.
+func checkSocketPaths(opts *Options) error {
+	dra := filepath.Join(opts.PluginDataDir, draSocketName(opts.PluginDataDir, opts.RollingUpdateUID))
+	if len(dra) > maxSocketPath {
+		return fmt.Errorf("%w: the DRA socket %s is longer than the %d bytes of a unix socket path: choose a shorter plugin data directory", ErrSocketPath, dra, maxSocketPath)
+	}
+	reg := opts.DriverName + "-reg.sock"
+	if opts.RollingUpdateUID != "" {
+		reg = kubeletplugin.RollingUpdateRegistrarSocketFile(opts.RegistrarDir, opts.DriverName, opts.RollingUpdateUID)
+	}
+	if path := filepath.Join(opts.RegistrarDir, reg); len(path) > maxSocketPath {
+		return fmt.Errorf("%w: the registration socket %s is longer than the %d bytes of a unix socket path: choose a shorter registration directory", ErrSocketPath, path, maxSocketPath)
+	}
+	return nil
+}
 
 // socketDialTimeout bounds the connect that tells a served socket from a
 // stale one.
@@ -33,11 +77,10 @@ func (a *Agent) removeStaleSockets(ctx context.Context) {
 	own := map[string]bool{}
 	if uid := a.opts.RollingUpdateUID; uid != "" {
 		own[filepath.Join(a.opts.RegistrarDir, kubeletplugin.RollingUpdateRegistrarSocketFile(a.opts.RegistrarDir, a.opts.DriverName, uid))] = true
-		own[filepath.Join(a.opts.PluginDataDir, "dra-"+string(uid)+".sock")] = true
 	} else {
 		own[filepath.Join(a.opts.RegistrarDir, a.opts.DriverName+"-reg.sock")] = true
-		own[filepath.Join(a.opts.PluginDataDir, "dra.sock")] = true
 	}
+	own[filepath.Join(a.opts.PluginDataDir, draSocketName(a.opts.PluginDataDir, a.opts.RollingUpdateUID))] = true
 	var candidates []string
 	if entries, err := os.ReadDir(a.opts.RegistrarDir); err == nil {
 		for _, e := range entries {

@@ -1,11 +1,14 @@
 package agent_test
 
 import (
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
 
@@ -77,5 +80,58 @@ func TestStaleSocketsRemoved(t *testing.T) {
 		if _, err := os.Lstat(path); err != nil {
 			t.Errorf("%s: %v", path, err)
 		}
+	}
+}
+
+// TestLongSocketPaths: where the pod's UID makes the DRA socket's path
+// too long for a unix socket, the socket is named by a hash of the UID
+// instead (and the agent starts); where even dra.sock does not fit, Start
+// fails naming the path, rather than with the helper's "bind: invalid
+// argument".
+func TestLongSocketPaths(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	base := socketDirs(t)
+	// dir: a directory whose path has length n.
+	dir := func(n int) string {
+		path := filepath.Join(base, "p")
+		path += "/" + strings.Repeat("x", n-len(path)-1)
+		if err := os.MkdirAll(path, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	uid := "f4b3c2a1-0d9e-4f8a-b7c6-d5e4f3a2b1c0"
+	opts := e.options(t)
+	opts.PublishOnly = false
+	opts.PluginDataDir, opts.RegistrarDir = dir(80), filepath.Join(base, "r")
+	opts.RollingUpdateUID = types.UID(uid)
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatalf("agent with a long plugin data directory: %v", err)
+	}
+	defer a.Stop()
+	entries, err := os.ReadDir(opts.PluginDataDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sockets []string
+	for _, entry := range entries {
+		if entry.Type()&os.ModeSocket != 0 {
+			sockets = append(sockets, entry.Name())
+		}
+	}
+	if len(sockets) != 1 || strings.Contains(sockets[0], uid) || len(filepath.Join(opts.PluginDataDir, sockets[0])) > 107 {
+		t.Errorf("DRA sockets %q in a directory of %d bytes, want one named without the UID that fits", sockets, len(opts.PluginDataDir))
+	}
+
+	opts = e.options(t)
+	opts.PublishOnly = false
+	opts.PluginDataDir, opts.RegistrarDir = dir(104), filepath.Join(base, "r")
+	if a, err := agent.Start(ctx, opts); err == nil {
+		a.Stop()
+		t.Error("agent started where its DRA socket cannot be created")
+	} else if !errors.Is(err, agent.ErrSocketPath) || !strings.Contains(err.Error(), opts.PluginDataDir) {
+		t.Errorf("error %v, want ErrSocketPath naming the directory", err)
 	}
 }
