@@ -372,6 +372,13 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 	})
+	if errors.Is(err, agent.ErrCheckpoint) {
+		// With --pod-uid, checked before the agent registers.
+		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
+	}
+	if errors.Is(err, agent.ErrCDIDir) {
+		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
+	}
 	if errors.Is(err, agent.ErrSocketPath) {
 		return fmt.Errorf("--kubelet-dir (or --plugin-data-dir, --registrar-dir): %w", err)
 	}
@@ -415,15 +422,22 @@ func waitAgent(ctx context.Context, sink *eventSink, a *agent.Agent) error {
 	<-a.Done()
 	cause := a.Err()
 	if errors.Is(cause, agent.ErrCheckpoint) {
-		if !sink.waitFor(ctx, agent.ReasonCheckpointUnreadable, eventFlushTimeout) {
-			klog.FromContext(ctx).Info("the event about the unreadable checkpoint may not have reached the API server", "reason", agent.ReasonCheckpointUnreadable)
-		}
+		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
 	}
 	a.Stop()
 	return cause
 }
 
-// eventFlushTimeout bounds how long waitAgent waits for its event.
+// flushEvent waits (up to eventFlushTimeout) until an event with reason
+// has been sent to the API server: the process exits next, and events are
+// sent in the background.
+func flushEvent(ctx context.Context, sink *eventSink, reason string) {
+	if !sink.waitFor(ctx, reason, eventFlushTimeout) {
+		klog.FromContext(ctx).Info("the event may not have reached the API server", "reason", reason)
+	}
+}
+
+// eventFlushTimeout bounds how long flushEvent waits.
 const eventFlushTimeout = 10 * time.Second
 
 // eventSink writes events to the API server (events.k8s.io/v1) and tells

@@ -545,6 +545,10 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	a.ctx, a.cancel = context.WithCancelCause(ctx)
 	if opts.RollingUpdateUID != "" {
+		if err := a.canTakeOver(ctx); err != nil {
+			a.cancel(err)
+			return nil, err
+		}
 		if err := a.startHelper(); err != nil {
 			a.cancel(err)
 			return nil, err
@@ -773,6 +777,31 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 		return err
 	}
 	return a.loadFaults()
+}
+
+// canTakeOver checks, before an agent with RollingUpdateUID registers
+// with the kubelet (which then sends its calls to it, not to the agent
+// it replaces), what it can check without the lock on StateDir: that it
+// can write CDI specs and read the checkpoint as the running agent left
+// it. Where it cannot, Start fails: the pod does not become ready, the
+// rollout stops on this node, and the running agent keeps serving (an
+// agent rolled back to a build that cannot read a newer checkpoint).
+func (a *Agent) canTakeOver(ctx context.Context) error {
+	if a.opts.StateDir == "" || a.opts.CDIDir == "" {
+		return nil
+	}
+	if err := probeDir(a.opts.CDIDir); err != nil {
+		return fmt.Errorf("%w: %s: %w", ErrCDIDir, a.opts.CDIDir, err)
+	}
+	if _, err := checkpoint.Read(a.opts.StateDir); err != nil {
+		err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
+		klog.FromContext(ctx).Error(err, "Cannot take over from the running agent: the record of prepared claims is unreadable", "path", filepath.Join(a.opts.StateDir, checkpoint.FileName))
+		a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "TakeOver",
+			"%s does not take over from the agent that runs on this node: %v; that agent keeps serving, and this pod stays unready, which stops the rollout here. Roll back to the agent that wrote the file, or forward to one that reads it (README: \"Unreadable checkpoint\")",
+			a.opts.DriverName, err)
+		return err
+	}
+	return nil
 }
 
 // ErrCheckpoint is returned (wrapped) by New when the checkpoint of

@@ -9,10 +9,12 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/checkpoint"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -133,5 +135,75 @@ func TestLongSocketPaths(t *testing.T) {
 		t.Error("agent started where its DRA socket cannot be created")
 	} else if !errors.Is(err, agent.ErrSocketPath) || !strings.Contains(err.Error(), opts.PluginDataDir) {
 		t.Errorf("error %v, want ErrSocketPath naming the directory", err)
+	}
+}
+
+// TestNoTakeOverWithoutState: an agent with its pod's UID that cannot read
+// the checkpoint the running agent left (a rollback to a build that
+// cannot read a newer one), or cannot write CDI specs, fails to start
+// before it registers with the kubelet: the kubelet keeps calling the
+// running agent, and the rollout stops at this node's unready pod.
+func TestNoTakeOverWithoutState(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	base := socketDirs(t)
+	registry, plugins := filepath.Join(base, "r"), filepath.Join(base, "p")
+	options := func(uid types.UID) agent.Options {
+		opts := e.options(t)
+		opts.PublishOnly = false
+		opts.PluginDataDir, opts.RegistrarDir = plugins, registry
+		opts.RollingUpdateUID = uid
+		return opts
+	}
+	running, err := agent.New(ctx, options("running-pod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer running.Stop()
+	socket := func(uid types.UID) string {
+		return filepath.Join(registry, kubeletplugin.RollingUpdateRegistrarSocketFile(registry, topology.DriverName, uid))
+	}
+
+	// A CDI directory that cannot be written.
+	file := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := options("no-cdi-pod")
+	opts.CDIDir = file
+	if a, err := agent.Start(ctx, opts); err == nil {
+		a.Stop()
+		t.Error("an agent that cannot write CDI specs started")
+	} else if !errors.Is(err, agent.ErrCDIDir) {
+		t.Errorf("error %v, want ErrCDIDir", err)
+	}
+	if _, err := os.Lstat(socket("no-cdi-pod")); !os.IsNotExist(err) {
+		t.Errorf("registration socket of the agent that cannot write CDI specs: %v", err)
+	}
+
+	// A checkpoint written by a newer agent.
+	if err := os.WriteFile(filepath.Join(e.stateDir, checkpoint.FileName), []byte(`{"version":"v99","checksum":0,"data":{}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	recorder := events.NewFakeRecorder(10)
+	opts = options("rolled-back-pod")
+	opts.Recorder = recorder
+	if a, err := agent.Start(ctx, opts); err == nil {
+		a.Stop()
+		t.Fatal("an agent that cannot read the checkpoint started")
+	} else if !errors.Is(err, agent.ErrCheckpoint) {
+		t.Errorf("error %v, want ErrCheckpoint", err)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonCheckpointUnreadable) || !strings.Contains(ev, "does not take over") {
+		t.Errorf("event %q, want a %s warning that it does not take over", ev, agent.ReasonCheckpointUnreadable)
+	}
+	if _, err := os.Lstat(socket("rolled-back-pod")); !os.IsNotExist(err) {
+		t.Errorf("registration socket of the agent that cannot read the checkpoint: %v", err)
+	}
+	if _, err := os.Lstat(socket("running-pod")); err != nil {
+		t.Errorf("the running agent's registration socket: %v", err)
+	}
+	if err := running.Err(); err != nil {
+		t.Errorf("the running agent stopped: %v", err)
 	}
 }

@@ -176,6 +176,14 @@ func (s *Store) Exists() (bool, error) {
 	}
 }
 
+// Read returns the checkpoint in dir as Load does, without changing
+// anything there (New removes what a crashed Save left): for an agent that
+// checks, before it takes over, that it can read what the running agent
+// writes.
+func Read(dir string) (*Checkpoint, error) {
+	return (&Store{dir: dir}).Load()
+}
+
 // Load returns the stored checkpoint; an empty one if there is no file yet
 // (see Exists).
 func (s *Store) Load() (*Checkpoint, error) {
