@@ -885,9 +885,13 @@ func (a *Agent) Stop() {
 	a.calls.Unlock()
 }
 
-// enterCall marks a Prepare or Unprepare as running until the returned
-// function is called (see calls); it fails once the agent stops.
-func (a *Agent) enterCall() (func(), error) {
+// beginCall starts a Prepare or Unprepare: it waits until the agent has
+// started (see awaitStart), then marks the call as running until the
+// returned function is called (see calls); it fails once the agent stops.
+func (a *Agent) beginCall(ctx context.Context) (func(), error) {
+	if err := a.awaitStart(ctx); err != nil {
+		return nil, err
+	}
 	a.calls.RLock()
 	if a.ctx.Err() != nil {
 		a.calls.RUnlock()

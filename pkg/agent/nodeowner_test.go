@@ -35,13 +35,7 @@ func TestNodeUnreadableAtStartThenRecreated(t *testing.T) {
 			e := newEnv(t)
 			recorder := events.NewFakeRecorder(10)
 			e.recorder = recorder
-			var failed atomic.Bool
-			e.client.PrependReactor("get", "nodes", func(cgotesting.Action) (bool, runtime.Object, error) {
-				if failed.CompareAndSwap(false, true) {
-					return true, nil, apierrors.NewServiceUnavailable("the API server is starting")
-				}
-				return false, nil, nil
-			})
+			failFirstNodeRead(e)
 			a := e.start(ctx, t)
 			owners := ownersOf(ctx, t, e)
 			// The controller looked the Node up itself.
@@ -91,15 +85,10 @@ func TestNodeUnreadableAtStartThenRecreated(t *testing.T) {
 func TestNodeRecreatedBeforeFirstSlice(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	var nodeFailed, blockCreates atomic.Bool
+	var blockCreates atomic.Bool
 	var creates atomic.Int32
 	blockCreates.Store(true)
-	e.client.PrependReactor("get", "nodes", func(cgotesting.Action) (bool, runtime.Object, error) {
-		if nodeFailed.CompareAndSwap(false, true) {
-			return true, nil, apierrors.NewServiceUnavailable("the API server is starting")
-		}
-		return false, nil, nil
-	})
+	failFirstNodeRead(e)
 	e.client.PrependReactor("create", "resourceslices", func(cgotesting.Action) (bool, runtime.Object, error) {
 		creates.Add(1)
 		if blockCreates.Load() {
@@ -157,4 +146,16 @@ func waitForOwner(ctx context.Context, t *testing.T, owners func() []types.UID, 
 	}); err != nil {
 		t.Fatalf("slices owned by %v, want by %s alone", owners(), uid)
 	}
+}
+
+// failFirstNodeRead makes the first read of a Node fail, as while the API
+// server starts.
+func failFirstNodeRead(e *env) {
+	var failed atomic.Bool
+	e.client.PrependReactor("get", "nodes", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if failed.CompareAndSwap(false, true) {
+			return true, nil, apierrors.NewServiceUnavailable("the API server is starting")
+		}
+		return false, nil, nil
+	})
 }

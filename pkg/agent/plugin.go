@@ -107,10 +107,7 @@ func (a *Agent) PrepareResourceClaims(ctx context.Context, claims []*resourceapi
 
 // prepareClaims is PrepareResourceClaims without the counting.
 func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
-	if err := a.awaitStart(ctx); err != nil {
-		return nil, err
-	}
-	done, err := a.enterCall()
+	done, err := a.beginCall(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -563,10 +560,7 @@ func (a *Agent) cdiDevices(prepared checkpoint.PreparedClaim) []cdi.Device {
 // happened between writing it and recording the claim. Like Prepare it
 // waits for the agent to start.
 func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
-	if err := a.awaitStart(ctx); err != nil {
-		return nil, err
-	}
-	done, err := a.enterCall()
+	done, err := a.beginCall(ctx)
 	if err != nil {
 		return nil, err
 	}
