@@ -56,15 +56,7 @@ func TestNodeUnreadableAtStartThenRecreated(t *testing.T) {
 				return
 			}
 
-			if err := e.client.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid-2"}}, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			if err := a.CheckNode(ctx); err != nil {
-				t.Fatal(err)
-			}
+			recreateNodeAndCheck(ctx, t, e, a)
 			if ev := expectEvent(t, recorder); !strings.Contains(ev, "Normal "+agent.ReasonNodeRecreated) || !strings.Contains(ev, "node-uid-2") {
 				t.Errorf("event %q, want %s naming the new UID", ev, agent.ReasonNodeRecreated)
 			}
@@ -103,15 +95,7 @@ func TestNodeRecreatedBeforeFirstSlice(t *testing.T) {
 	}); err != nil {
 		t.Fatal("the controller never tried to write a slice")
 	}
-	if err := e.client.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid-2"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.CheckNode(ctx); err != nil {
-		t.Fatal(err)
-	}
+	recreateNodeAndCheck(ctx, t, e, a)
 	blockCreates.Store(false)
 	owners := ownersOf(ctx, t, e)
 	waitForOwner(ctx, t, owners, "node-uid-2")
@@ -158,4 +142,19 @@ func failFirstNodeRead(e *env) {
 		}
 		return false, nil, nil
 	})
+}
+
+// recreateNodeAndCheck deletes the Node and creates it again with UID
+// node-uid-2, then has the agent check its Node.
+func recreateNodeAndCheck(ctx context.Context, t *testing.T, e *env, a *agent.Agent) {
+	t.Helper()
+	if err := e.client.CoreV1().Nodes().Delete(ctx, nodeName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName, UID: "node-uid-2"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.CheckNode(ctx); err != nil {
+		t.Fatal(err)
+	}
 }
