@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/grpc"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
@@ -111,7 +112,17 @@ func (a *Agent) registrationRefused() error {
 // registrationSocket is the path of the registration socket the kubelet
 // must find.
 func (a *Agent) registrationSocket() string {
-	return filepath.Join(a.opts.RegistrarDir, a.opts.DriverName+"-reg.sock")
+	return filepath.Join(a.opts.RegistrarDir, registrationSocketName(&a.opts))
+}
+
+// registrationSocketName is the name of the registration socket in
+// RegistrarDir, as the kubelet plugin helper names it: by the driver, and
+// with RollingUpdateUID by the pod too.
+func registrationSocketName(opts *Options) string {
+	if opts.RollingUpdateUID != "" {
+		return kubeletplugin.RollingUpdateRegistrarSocketFile(opts.RegistrarDir, opts.DriverName, opts.RollingUpdateUID)
+	}
+	return opts.DriverName + "-reg.sock"
 }
 
 // Registered reports whether the kubelet has registered the plugin (false

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2"
 )
 
@@ -48,11 +47,7 @@ func checkSocketPaths(opts *Options) error {
 	if len(dra) > maxSocketPath {
 		return fmt.Errorf("%w: the DRA socket %s is longer than the %d bytes of a unix socket path: choose a shorter plugin data directory", ErrSocketPath, dra, maxSocketPath)
 	}
-	reg := opts.DriverName + "-reg.sock"
-	if opts.RollingUpdateUID != "" {
-		reg = kubeletplugin.RollingUpdateRegistrarSocketFile(opts.RegistrarDir, opts.DriverName, opts.RollingUpdateUID)
-	}
-	if path := filepath.Join(opts.RegistrarDir, reg); len(path) > maxSocketPath {
+	if path := filepath.Join(opts.RegistrarDir, registrationSocketName(opts)); len(path) > maxSocketPath {
 		return fmt.Errorf("%w: the registration socket %s is longer than the %d bytes of a unix socket path: choose a shorter registration directory", ErrSocketPath, path, maxSocketPath)
 	}
 	return nil
@@ -74,13 +69,10 @@ const socketDialTimeout = time.Second
 // the DRA sockets in PluginDataDir, which belongs to the driver.
 func (a *Agent) removeStaleSockets(ctx context.Context) {
 	logger := klog.FromContext(ctx)
-	own := map[string]bool{}
-	if uid := a.opts.RollingUpdateUID; uid != "" {
-		own[filepath.Join(a.opts.RegistrarDir, kubeletplugin.RollingUpdateRegistrarSocketFile(a.opts.RegistrarDir, a.opts.DriverName, uid))] = true
-	} else {
-		own[filepath.Join(a.opts.RegistrarDir, a.opts.DriverName+"-reg.sock")] = true
+	own := map[string]bool{
+		a.registrationSocket(): true,
+		filepath.Join(a.opts.PluginDataDir, draSocketName(a.opts.PluginDataDir, a.opts.RollingUpdateUID)): true,
 	}
-	own[filepath.Join(a.opts.PluginDataDir, draSocketName(a.opts.PluginDataDir, a.opts.RollingUpdateUID))] = true
 	var candidates []string
 	if entries, err := os.ReadDir(a.opts.RegistrarDir); err == nil {
 		for _, e := range entries {

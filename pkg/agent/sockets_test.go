@@ -74,6 +74,11 @@ func TestStaleSocketsRemoved(t *testing.T) {
 			t.Errorf("stale socket %s not removed: %v", path, err)
 		}
 	}
+	// No kubelet here: not ready, naming the pod's own socket.
+	own := filepath.Join(registry, kubeletplugin.RollingUpdateRegistrarSocketFile(registry, driver, "this-pod"))
+	if err := a.Ready(); err == nil || !strings.Contains(err.Error(), own) {
+		t.Errorf("Ready() = %v, want an error naming the registration socket %s", err, own)
+	}
 	for _, path := range []string{
 		foreign, served, notSocket,
 		filepath.Join(registry, kubeletplugin.RollingUpdateRegistrarSocketFile(registry, driver, "this-pod")),
