@@ -8,9 +8,8 @@ import (
 )
 
 // minAgentStartup is how long the agent's startup probe must let it start
-// before the kubelet restarts it: NVML, discovery, the kubelet sockets and
-// the first Node read come before /healthz answers, and a second agent on
-// the node waits for the first one to exit.
+// before the kubelet restarts it: NVML opens before /healthz answers (the
+// agent's own liveness then fails a later step of its start that hangs).
 const minAgentStartup = 300 * time.Second
 
 // TestAgentStartupProbe: in the base and every overlay, the agent

@@ -305,6 +305,8 @@ type Agent struct {
 	// returned; startErr is why it failed.
 	started, startDone chan struct{}
 	startErr           atomic.Pointer[error]
+	// step is what start does now (nil before it begins).
+	step atomic.Pointer[startStep]
 	// helper is the kubelet plugin helper (nil with PublishOnly). The
 	// agent publishes through its own publisher, not the helper's, so
 	// that the owner of its slices can follow the Node (see CheckNode).
@@ -586,18 +588,22 @@ func (a *Agent) start() error {
 	ctx, opts := a.ctx, a.opts
 	logger := klog.FromContext(ctx)
 	if opts.StateDir != "" && opts.CDIDir != "" {
+		a.setStep("waiting for the lock on "+filepath.Join(opts.StateDir, LockFileName)+" and reading the checkpoint", true)
 		if err := a.openState(ctx); err != nil {
 			return err
 		}
+		a.setStep("checking the CDI hook", false)
 		a.checkCDIHook(ctx)
 	}
 
+	a.setStep("discovering GPUs", false)
 	inv, err := opts.Discovery.Discover(ctx)
 	switch {
 	case errors.Is(err, discovery.ErrNoGPU):
 		inv = &discovery.Inventory{}
 	case err != nil:
 		err = fmt.Errorf("discover devices: %w", err)
+		a.setStep("reading the published devices", false)
 		published, ok := a.publishedInventory(ctx)
 		inv, a.holdPublishing = published, !ok
 	}
@@ -610,6 +616,7 @@ func (a *Agent) start() error {
 		return context.Cause(ctx)
 	}
 
+	a.setStep("starting the kubelet plugin", false)
 	if !opts.PublishOnly && opts.RollingUpdateUID == "" {
 		if err := a.startHelper(); err != nil {
 			return err
@@ -618,6 +625,7 @@ func (a *Agent) start() error {
 	if !opts.PublishOnly {
 		a.removeStaleSockets(ctx)
 	}
+	a.setStep("reading the Node and publishing", false)
 
 	// Before the first publish, so that the slices are owned by the Node
 	// as it is now and a node with a device plugin never publishes its
@@ -690,6 +698,51 @@ func (a *Agent) startHelper() error {
 		a.wg.Go(func() { a.awaitRegistration(a.ctx, timeout) })
 	}
 	return nil
+}
+
+// startStep is a step of start: what it does, since when, and whether it
+// waits for another agent (which may take as long as that agent runs).
+type startStep struct {
+	what      string
+	since     time.Time
+	waitsForA bool
+}
+
+// maxStartStep is how long a step of start may take, other than waiting
+// for another agent, before Live fails: a start that hangs (in NVML) is
+// restarted by the liveness probe, as the startup probe did while the
+// health endpoints came up only after the start.
+var maxStartStep = 5 * time.Minute
+
+// setStep records what start does now.
+func (a *Agent) setStep(what string, waitsForAgent bool) {
+	a.step.Store(&startStep{what: what, since: time.Now(), waitsForA: waitsForAgent})
+}
+
+// startingErr says what the agent does while it has not started, nil
+// once it has.
+func (a *Agent) startingErr() error {
+	if a.hasStarted() {
+		return nil
+	}
+	step := a.step.Load()
+	if step == nil {
+		return errors.New("the agent is starting")
+	}
+	return fmt.Errorf("the agent is starting: %s (for %s)", step.what, time.Since(step.since).Round(time.Second))
+}
+
+// startHung returns an error where a step of start other than waiting for
+// another agent has taken longer than maxStartStep.
+func (a *Agent) startHung() error {
+	if a.hasStarted() {
+		return nil
+	}
+	step := a.step.Load()
+	if step == nil || step.waitsForA || time.Since(step.since) <= maxStartStep {
+		return nil
+	}
+	return fmt.Errorf("the agent has been starting for too long: %s for %s", step.what, time.Since(step.since).Round(time.Second))
 }
 
 // awaitStart waits until the agent has started, for a call of the kubelet
@@ -1419,7 +1472,7 @@ func (a *Agent) Ready() error {
 		return err
 	}
 	if !a.helperStarted() {
-		return errors.New("the agent is starting (the log says what it waits for)")
+		return a.startingErr()
 	}
 	return a.registrationErr()
 }
@@ -1433,9 +1486,15 @@ func (a *Agent) helperStarted() bool {
 
 // Live returns nil while the agent runs and, unless it is publish-only,
 // the kubelet has not refused its registration (a refused plugin restarts
-// to register again). It is the agent's liveness.
+// to register again). It is the agent's liveness. While the agent starts
+// it is live, waiting for another agent as long as that takes, but not
+// where another step (discovery: NVML can hang) has taken longer than
+// five minutes.
 func (a *Agent) Live() error {
 	if err := a.Err(); err != nil {
+		return err
+	}
+	if err := a.startHung(); err != nil {
 		return err
 	}
 	return a.registrationRefused()
