@@ -40,7 +40,7 @@ const ReasonStateLocked = "TopodraStateLocked"
 const rollingLockPatience = 2 * time.Minute
 
 // stateLockRetry is how often a waiting agent tries to take the lock.
-const stateLockRetry = 500 * time.Millisecond
+const stateLockRetry = 100 * time.Millisecond
 
 // lockState takes the exclusive lock on LockFileName in StateDir, waiting
 // while another agent holds it, until ctx ends. The first time it has to
