@@ -38,8 +38,19 @@ const kubeletWipingDelay = 30 * time.Second
 // the lock on the state directory; the kubelet's calls to it wait until
 // the old agent has stopped; then it serves them with the old agent's
 // checkpoint, and the node's slices are never written or wiped, not even
-// after the kubelet's wiping delay.
+// after the kubelet's wiping delay. The old agent runs with its pod's UID,
+// or without (an agent before rolling updates, replaced by the first
+// rollout that sets POD_UID).
 func TestAgentRollingUpdate(t *testing.T) {
+	for name, oldUID := range map[string]types.UID{
+		"old agent with its pod's UID":    "old-agent-pod",
+		"old agent without its pod's UID": "",
+	} {
+		t.Run(name, func(t *testing.T) { testRollingUpdate(t, oldUID) })
+	}
+}
+
+func testRollingUpdate(t *testing.T, oldUID types.UID) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "rolling")
 	nodeName := e.ns + "-node"
@@ -62,8 +73,11 @@ func TestAgentRollingUpdate(t *testing.T) {
 			Recorder:         recorder,
 		}
 	}
-	oldUID, newUID := types.UID("old-agent-pod"), types.UID("new-agent-pod")
-	oldSocket := filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, oldUID))
+	newUID := types.UID("new-agent-pod")
+	oldSocket := filepath.Join(registryDir, topology.DriverName+"-reg.sock")
+	if oldUID != "" {
+		oldSocket = filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, oldUID))
+	}
 	newSocket := filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, newUID))
 
 	// 1. The old agent publishes; the kubelet prepares a pod through it.
