@@ -372,18 +372,8 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 	})
-	if errors.Is(err, agent.ErrCheckpoint) {
-		// With --pod-uid, checked before the agent registers.
-		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
-	}
-	if errors.Is(err, agent.ErrCDIDir) {
-		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
-	}
-	if errors.Is(err, agent.ErrSocketPath) {
-		return fmt.Errorf("--kubelet-dir (or --plugin-data-dir, --registrar-dir): %w", err)
-	}
 	if err != nil {
-		return err
+		return exitError(ctx, sink, err)
 	}
 	// The endpoints answer while the agent starts: with --pod-uid it is
 	// ready before it has the lock on the state directory, which the
@@ -407,25 +397,33 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		logger.Info("shutting down", "reason", context.Cause(ctx))
 		return nil
 	}
-	if errors.Is(err, agent.ErrCDIDir) {
-		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
-	}
 	return err
 }
 
 // waitAgent waits until the agent a stops (it failed to start, a fatal
-// error, or ctx ended), stops it and returns why. Where it stopped on an
-// unreadable checkpoint it first waits (up to eventFlushTimeout) until
-// the agent's ReasonCheckpointUnreadable event has been sent to the API
-// server: the process exits next, and events are sent in the background.
+// error, or ctx ended), stops it and returns why (see exitError).
 func waitAgent(ctx context.Context, sink *eventSink, a *agent.Agent) error {
 	<-a.Done()
 	cause := a.Err()
-	if errors.Is(cause, agent.ErrCheckpoint) {
-		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
-	}
 	a.Stop()
-	return cause
+	return exitError(ctx, sink, cause)
+}
+
+// exitError is the error the command exits with where the agent could
+// not start or stopped: one that a flag causes names the flag. Where the
+// checkpoint is unreadable it first waits (up to eventFlushTimeout) until
+// the agent's ReasonCheckpointUnreadable event has been sent to the API
+// server: the process exits next, and events are sent in the background.
+func exitError(ctx context.Context, sink *eventSink, err error) error {
+	switch {
+	case errors.Is(err, agent.ErrCheckpoint):
+		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
+	case errors.Is(err, agent.ErrCDIDir):
+		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
+	case errors.Is(err, agent.ErrSocketPath):
+		return fmt.Errorf("--kubelet-dir (or --plugin-data-dir, --registrar-dir): %w", err)
+	}
+	return err
 }
 
 // flushEvent waits (up to eventFlushTimeout) until an event with reason

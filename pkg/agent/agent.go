@@ -719,30 +719,37 @@ func (a *Agent) setStep(what string, waitsForAgent bool) {
 	a.step.Store(&startStep{what: what, since: time.Now(), waitsForA: waitsForAgent})
 }
 
-// startingErr says what the agent does while it has not started, nil
-// once it has.
-func (a *Agent) startingErr() error {
+// currentStep returns what start does now and for how long, nil once the
+// agent has started.
+func (a *Agent) currentStep() (*startStep, time.Duration) {
 	if a.hasStarted() {
-		return nil
+		return nil, 0
 	}
 	step := a.step.Load()
 	if step == nil {
-		return errors.New("the agent is starting")
+		return &startStep{what: "checking its options"}, 0
 	}
-	return fmt.Errorf("the agent is starting: %s (for %s)", step.what, time.Since(step.since).Round(time.Second))
+	return step, time.Since(step.since)
+}
+
+// startingErr says what the agent does while it has not started, nil
+// once it has.
+func (a *Agent) startingErr() error {
+	step, took := a.currentStep()
+	if step == nil {
+		return nil
+	}
+	return fmt.Errorf("the agent is starting: %s (for %s)", step.what, took.Round(time.Second))
 }
 
 // startHung returns an error where a step of start other than waiting for
 // another agent has taken longer than maxStartStep.
 func (a *Agent) startHung() error {
-	if a.hasStarted() {
+	step, took := a.currentStep()
+	if step == nil || step.waitsForA || took <= maxStartStep {
 		return nil
 	}
-	step := a.step.Load()
-	if step == nil || step.waitsForA || time.Since(step.since) <= maxStartStep {
-		return nil
-	}
-	return fmt.Errorf("the agent has been starting for too long: %s for %s", step.what, time.Since(step.since).Round(time.Second))
+	return fmt.Errorf("the agent has been starting for too long: %s for %s", step.what, took.Round(time.Second))
 }
 
 // awaitStart waits until the agent has started, for a call of the kubelet
@@ -757,7 +764,10 @@ func (a *Agent) awaitStart(ctx context.Context) error {
 	case <-a.started:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("the agent has not started yet (it waits for the lock on %s): %w", filepath.Join(a.opts.StateDir, LockFileName), context.Cause(ctx))
+		if err := a.startingErr(); err != nil {
+			return fmt.Errorf("%w: %w", err, context.Cause(ctx))
+		}
+		return context.Cause(ctx)
 	case <-a.ctx.Done():
 		if a.hasStarted() {
 			return nil

@@ -257,6 +257,29 @@ func (g *blockingGenerator) DeviceEdits(cdi.Device) (cdispec.ContainerEdits, err
 	return cdispec.ContainerEdits{}, nil
 }
 
+// startBlocked starts e's agent with a blockingGenerator; the returned
+// function releases it, and the test's cleanup does so before it stops
+// the agent.
+func startBlocked(ctx context.Context, t *testing.T, e *env) (*agent.Agent, *blockingGenerator, func()) {
+	t.Helper()
+	gen := &blockingGenerator{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	e.generator = gen
+	a := e.start(ctx, t)
+	release := sync.OnceFunc(func() { close(gen.release) })
+	t.Cleanup(release) // registered after e.start's Stop: runs first
+	return a, gen, release
+}
+
+// awaitEntered waits until a generation has started.
+func (g *blockingGenerator) awaitEntered(t *testing.T) {
+	t.Helper()
+	select {
+	case <-g.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Prepare did not start generating the CDI spec")
+	}
+}
+
 // TestHealthTaintNotDelayedByPrepare: a critical XID on one GPU is
 // published as a health taint while a Prepare of another GPU hangs in CDI
 // spec generation, and the checkpoint ends up with both the fault and the
@@ -264,12 +287,7 @@ func (g *blockingGenerator) DeviceEdits(cdi.Device) (cdispec.ContainerEdits, err
 func TestHealthTaintNotDelayedByPrepare(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	gen := &blockingGenerator{entered: make(chan struct{}, 1), release: make(chan struct{})}
-	e.generator = gen
-	a := e.start(ctx, t)
-	var releaseOnce sync.Once
-	release := func() { releaseOnce.Do(func() { close(gen.release) }) }
-	t.Cleanup(release) // before a.Stop
+	a, gen, release := startBlocked(ctx, t, e)
 	waitForHealthReport(ctx, t, a, "gpu-0 watched", func(h map[string]kubeletplugin.DeviceHealth) bool {
 		return h["gpu-0"].Health == kubeletplugin.HealthStatusHealthy
 	})
@@ -283,11 +301,7 @@ func TestHealthTaintNotDelayedByPrepare(t *testing.T) {
 		}
 		prepared <- err
 	}()
-	select {
-	case <-gen.entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("Prepare did not start generating the CDI spec")
-	}
+	gen.awaitEntered(t)
 	if err := e.machine.InjectXID(5, 79); err != nil {
 		t.Fatal(err)
 	}

@@ -57,12 +57,19 @@ func (a *Agent) lockState(ctx context.Context) error {
 		return fmt.Errorf("open lock file %s: %w", path, err)
 	}
 	logger := klog.FromContext(ctx)
-	waited, reported := false, false
 	var patience time.Duration
 	if a.opts.RollingUpdateUID != "" {
 		patience = rollingLockPatience
 	}
+	holder := func() string {
+		if data, err := os.ReadFile(path); err == nil && len(strings.TrimSpace(string(data))) > 0 {
+			return fmt.Sprintf("another agent (%s)", strings.TrimSpace(string(data)))
+		}
+		return "another agent"
+	}
+	// since is when the agent found the lock held, zero where it was not.
 	var since time.Time
+	reported := false
 	for {
 		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
 		if err == nil {
@@ -75,14 +82,8 @@ func (a *Agent) lockState(ctx context.Context) error {
 			_ = f.Close()
 			return fmt.Errorf("lock %s: %w", path, err)
 		}
-		holder := func() string {
-			if data, err := os.ReadFile(path); err == nil && len(strings.TrimSpace(string(data))) > 0 {
-				return fmt.Sprintf("another agent (%s)", strings.TrimSpace(string(data)))
-			}
-			return "another agent"
-		}
-		if !waited {
-			waited, since = true, time.Now()
+		if since.IsZero() {
+			since = time.Now()
 			logger.Info("Another node agent holds the state directory, waiting for it to exit", "lockFile", path, "holder", holder(), "rollingUpdate", a.opts.RollingUpdateUID != "")
 		}
 		if !reported && time.Since(since) >= patience {
@@ -106,7 +107,7 @@ func (a *Agent) lockState(ctx context.Context) error {
 		case <-timer.C:
 		}
 	}
-	if waited {
+	if !since.IsZero() {
 		logger.Info("Took over the state directory", "lockFile", path)
 	}
 	if host, err := os.Hostname(); err == nil && f.Truncate(0) == nil {

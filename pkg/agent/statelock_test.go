@@ -5,7 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -121,22 +120,13 @@ func TestSecondAgentWaitsForFirst(t *testing.T) {
 func TestStopWaitsForRunningPrepare(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	gen := &blockingGenerator{entered: make(chan struct{}, 1), release: make(chan struct{})}
-	e.generator = gen
-	a := e.start(ctx, t)
-	var releaseOnce sync.Once
-	release := func() { releaseOnce.Do(func() { close(gen.release) }) }
-	t.Cleanup(release) // before a.Stop
+	a, gen, release := startBlocked(ctx, t, e)
 
 	held := claim("held", gpus("gpus", "gpu-0")...)
 	go func() {
 		_, _ = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{held})
 	}()
-	select {
-	case <-gen.entered:
-	case <-time.After(30 * time.Second):
-		t.Fatal("Prepare did not start generating the CDI spec")
-	}
+	gen.awaitEntered(t)
 	stopped := make(chan struct{})
 	go func() {
 		a.Stop()

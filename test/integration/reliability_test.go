@@ -204,14 +204,7 @@ func TestAgentRestartNoChurn(t *testing.T) {
 	// anew; machines of one node name have the same GPUs (UUIDs are seeded
 	// by the node name).
 	startAgent := func() (*agent.Agent, *mockgpu.Machine) {
-		return startMockAgent(tCtx, nodeName, agent.Options{
-			PluginDataDir:  pluginDir,
-			RegistrarDir:   registryDir,
-			StateDir:       stateDir,
-			CDIDir:         cdiDir,
-			OwnedTaint:     agent.DefaultOwnedTaint,
-			RescanInterval: -1,
-		})
+		return startMockAgent(tCtx, nodeName, kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir))
 	}
 
 	// 1. The first agent publishes; topodra allocates a pod's GPU from it
@@ -316,6 +309,21 @@ func TestAgentRestartNoChurn(t *testing.T) {
 		t.Errorf("the health taint came as slice %s (uid %s) generation %d, want the original %s (uid %s) generation %d", tainted.Name, tainted.UID, tainted.Spec.Pool.Generation, slice.Name, slice.UID, slice.Spec.Pool.Generation)
 	}
 	e.expectClean()
+}
+
+// kubeletAgentOptions are the options of an agent that the kubelet
+// reaches through its sockets in pluginDir and registryDir, with its
+// checkpoint in stateDir and CDI specs in cdiDir: owned taint on, no
+// rescans.
+func kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir string) agent.Options {
+	return agent.Options{
+		PluginDataDir:  pluginDir,
+		RegistrarDir:   registryDir,
+		StateDir:       stateDir,
+		CDIDir:         cdiDir,
+		OwnedTaint:     agent.DefaultOwnedTaint,
+		RescanInterval: -1,
+	}
 }
 
 // startMockAgent starts an agent for nodeName on a mock DGX H100 (the
@@ -812,16 +820,9 @@ func TestAgentFollowsRecreatedNode(t *testing.T) {
 	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
 	manager, stopKubelet := startStoppableKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 	recorder := events.NewFakeRecorder(100)
-	a, _ := startMockAgent(tCtx, nodeName, agent.Options{
-		PluginDataDir:  pluginDir,
-		RegistrarDir:   registryDir,
-		StateDir:       stateDir,
-		CDIDir:         cdiDir,
-		OwnedTaint:     agent.DefaultOwnedTaint,
-		RescanInterval: -1,
-		NodeCheck:      time.Hour,
-		Recorder:       recorder,
-	})
+	opts := kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir)
+	opts.NodeCheck, opts.Recorder = time.Hour, recorder
+	a, _ := startMockAgent(tCtx, nodeName, opts)
 	defer a.Stop()
 	ownedBy := func(s *resourceapi.ResourceSlice, uid types.UID) bool {
 		return len(s.OwnerReferences) == 1 && s.OwnerReferences[0].Kind == "Node" && s.OwnerReferences[0].Name == nodeName && s.OwnerReferences[0].UID == uid

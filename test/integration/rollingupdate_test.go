@@ -62,16 +62,9 @@ func testRollingUpdate(t *testing.T, oldUID types.UID) {
 	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
 	recorder := events.NewFakeRecorder(100)
 	options := func(podUID types.UID) agent.Options {
-		return agent.Options{
-			RollingUpdateUID: podUID,
-			PluginDataDir:    pluginDir,
-			RegistrarDir:     registryDir,
-			StateDir:         stateDir,
-			CDIDir:           cdiDir,
-			OwnedTaint:       agent.DefaultOwnedTaint,
-			RescanInterval:   -1,
-			Recorder:         recorder,
-		}
+		opts := kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir)
+		opts.RollingUpdateUID, opts.Recorder = podUID, recorder
+		return opts
 	}
 	newUID := types.UID("new-agent-pod")
 	oldSocket := filepath.Join(registryDir, topology.DriverName+"-reg.sock")
