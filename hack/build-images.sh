@@ -8,7 +8,7 @@
 # manifests' (manifests/base/kustomization.yaml). The workloads pull with
 # the default imagePullPolicy (IfNotPresent): a node that already has a tag
 # keeps its image, so an upgrade needs a tag that was never pushed before
-# (see "Upgrading" in README.md).
+# (see "Upgrading" in docs/install.md).
 # The tag built is the only line on stdout (docker's output goes to stderr):
 #   tag=$(REGISTRY=example.com/me hack/build-images.sh)
 # Extra arguments go to every `docker build`, e.g. --build-arg GO_IMAGE=golang@sha256:...

@@ -277,7 +277,7 @@ func TestFlagsThatDoNotApply(t *testing.T) {
 // comment.
 var simulatorCommand = regexp.MustCompile("go run \\./cmd/simulator((?: +[^ `#\\n]+)*)")
 
-// The commands of the README, docs/placement.md and the Makefile's demo
+// The commands of the README, the documents in docs/ and the Makefile's demo
 // and placement targets parse.
 func TestDocumentedCommands(t *testing.T) {
 	out := t.TempDir()
@@ -296,7 +296,11 @@ func TestDocumentedCommands(t *testing.T) {
 			commands["Makefile:"+strings.TrimSpace(line)] = strings.Fields(args)
 		}
 	}
-	for _, doc := range []string{"../../README.md", "../../docs/placement.md"} {
+	docs, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, doc := range append([]string{"../../README.md"}, docs...) {
 		data, err := os.ReadFile(doc)
 		if err != nil {
 			t.Fatal(err)

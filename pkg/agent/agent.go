@@ -860,7 +860,7 @@ func (a *Agent) canTakeOver(ctx context.Context) error {
 		err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
 		klog.FromContext(ctx).Error(err, "Cannot take over from the running agent: the record of prepared claims is unreadable", "path", filepath.Join(a.opts.StateDir, checkpoint.FileName))
 		a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "TakeOver",
-			"%s does not take over from the agent that runs on this node: %v; that agent keeps serving, and this pod stays unready, which stops the rollout here. Roll back to the agent that wrote the file, or forward to one that reads it (README: \"Unreadable checkpoint\")",
+			"%s does not take over from the agent that runs on this node: %v; that agent keeps serving, and this pod stays unready, which stops the rollout here. Roll back to the agent that wrote the file, or forward to one that reads it (docs/agent.md: \"Unreadable checkpoint\")",
 			a.opts.DriverName, err)
 		return err
 	}
@@ -879,10 +879,10 @@ var ErrCheckpoint = errors.New("checkpoint of prepared claims is unreadable")
 // prepares a GPU that a running container uses for another claim.
 func (a *Agent) checkpointUnreadable(ctx context.Context, err error) {
 	path := a.store.Path()
-	todo := "cordon the node, move the file aside, restart the agent and then the kubelet, which prepares the claims of running pods again (README: \"Unreadable checkpoint\")"
+	todo := "cordon the node, move the file aside, restart the agent and then the kubelet, which prepares the claims of running pods again (docs/agent.md: \"Unreadable checkpoint\")"
 	switch {
 	case errors.Is(err, checkpoint.ErrUnknownVersion):
-		todo = "it was written by a newer agent: run that version again (README: \"Unreadable checkpoint\")"
+		todo = "it was written by a newer agent: run that version again (docs/agent.md: \"Unreadable checkpoint\")"
 	case errors.Is(err, cdi.ErrUnreadableSpec):
 		todo = "the checkpoint is missing, and without the claim's spec the agent cannot tell which GPUs its containers hold: cordon the node, delete the pods on it that use the claim with the UID in the file name (or make sure none does), then remove the file and restart the agent"
 	}

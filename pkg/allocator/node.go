@@ -164,7 +164,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 // their pools, in no particular order. Other nodes' pools are not among
 // them, not even for upstream's stable allocator, which also reads their
 // counter-set slices: an All request fails there while such a pool is
-// incomplete, and not here (a known difference, see the README).
+// incomplete, and not here (a known difference, see docs/scheduler.md).
 func (a *Allocator) nodeSlices(node *v1.Node) (relevant []*resourceapi.ResourceSlice, pools []poolKey, err error) {
 	// Few slices per node: small slices beat maps here.
 	add := func(slice *resourceapi.ResourceSlice) {

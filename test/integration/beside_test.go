@@ -117,7 +117,7 @@ func runBesideDefault(t *testing.T, owned bool) besideResult {
 	var c *framework.ControlPlane
 	if owned {
 		c = startOwnedCluster(t, tCtx)
-		// The README's path for other drivers' devices: the example
+		// docs/install.md's path for other drivers' devices: the example
 		// DeviceTaintRule with the NIC driver's name.
 		rule, err := manifests.FS.ReadFile("examples/owned-nic-taint-rule.yaml")
 		tCtx.ExpectNoError(err)

@@ -134,7 +134,7 @@ func (g *NVCDI) CheckHook() error {
 	return fmt.Errorf("%w: %s on the node (looked up as %s in the agent's container): %v. The CDI specs' hooks run it when a container with a GPU is created, which fails without it: "+
 		"install the NVIDIA Container Toolkit %s or later on the node (%s needs it), "+
 		"or set NVIDIA_CDI_HOOK_PATH (--nvidia-cdi-hook-path) to where nvidia-cdi-hook is, "+
-		"or, for an older nvidia-cdi-hook, set DISABLED_CDI_HOOKS (--disabled-cdi-hooks) to the hooks it lacks (see the README)",
+		"or, for an older nvidia-cdi-hook, set DISABLED_CDI_HOOKS (--disabled-cdi-hooks) to the hooks it lacks (docs/agent.md, \"nvidia-cdi-hook\")",
 		ErrHookMissing, g.opts.HookPath, path, err, version, newest)
 }
 

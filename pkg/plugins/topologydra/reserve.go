@@ -201,7 +201,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 // claims (PreBind) that do not carry the owned taint (ownedTaintKey, in their slice or from a
 // DeviceTaintRule) and logs the first of each driver: the default
 // scheduler does not leave such devices to topodra, so where it runs
-// beside topodra it can hand out the same device (the README's "Other
+// beside topodra it can hand out the same device (docs/install.md, "Other
 // drivers' devices": a DeviceTaintRule per driver owns them). Nothing is
 // counted without an owned taint key.
 func (pl *TopologyDRA) noteUnowned(logger klog.Logger, a *allocator.Allocator, allocations []resourceapi.AllocationResult) {
