@@ -384,6 +384,8 @@ func TestPrepareUnprepare(t *testing.T) {
 	c2 := claim("c", gpus("gpus", "gpu-2")...)
 	admin1 := claim("admin", alloc{request: "monitor", device: "gpu-1", admin: true})
 	admin1b := claim("admin-b", alloc{request: "monitor", device: "gpu-1", admin: true})
+	// One request with admin access and one without, both allocated gpu-1.
+	mixed1 := claim("mixed", alloc{request: "monitor", device: "gpu-1", admin: true}, alloc{request: "work", device: "gpu-1"})
 
 	// step is one call; wantErr maps claim names to the error they must get
 	// (errAny: any error); all other claims must succeed.
@@ -428,6 +430,14 @@ func TestPrepareUnprepare(t *testing.T) {
 			{unprepare: []*resourceapi.ResourceClaim{admin1, admin1b}, wantPrepared: []string{"b"}},
 			{prepare: []*resourceapi.ResourceClaim{admin1}, wantPrepared: []string{"admin", "b"}},
 			{prepare: []*resourceapi.ResourceClaim{a01}, wantErr: map[string]error{"a": agent.ErrDeviceInUse}, wantPrepared: []string{"admin", "b"}},
+		},
+		// A claim holds a device exclusively where any of its results
+		// does, whichever comes first; across a restart too.
+		"admin access and an ordinary request of one claim": {
+			{prepare: []*resourceapi.ResourceClaim{mixed1}, wantPrepared: []string{"mixed"}},
+			{prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"mixed"}},
+			{restart: true, prepare: []*resourceapi.ResourceClaim{b1}, wantErr: map[string]error{"b": agent.ErrDeviceInUse}, wantPrepared: []string{"mixed"}},
+			{prepare: []*resourceapi.ResourceClaim{admin1}, wantPrepared: []string{"admin", "mixed"}},
 		},
 		"unprepare frees the device, twice is fine": {
 			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},

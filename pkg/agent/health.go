@@ -276,7 +276,9 @@ func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.Heal
 	if retrying {
 		return
 	}
-	go func() {
+	// In the agent's wait group, so that Stop does not release the state
+	// lock while a retry may still write the checkpoint.
+	a.wg.Go(func() {
 		_ = wait.PollUntilContextCancel(a.ctx, faultSaveRetry, false, func(context.Context) (bool, error) {
 			a.mutex.Lock()
 			all := maps.Clone(a.faults)
@@ -291,7 +293,7 @@ func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.Heal
 			klog.FromContext(ctx).Info("Recorded GPU faults in the checkpoint", "faults", len(all))
 			return true, nil
 		})
-	}()
+	})
 }
 
 // writeFaults adds faults to the checkpoint's.

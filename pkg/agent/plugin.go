@@ -371,7 +371,12 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 				klog.KObj(claim), ErrDeviceInUse, r.Device, other, a.opts.NodeName, free)
 		}
 		if i, ok := byDevice[r.Device]; ok {
+			// The allocator lets a request with admin access share a
+			// device with any other request, of the same claim too: the
+			// claim holds the device exclusively where any of its results
+			// does.
 			prepared.Devices[i].Requests = append(prepared.Devices[i].Requests, r.Request)
+			prepared.Devices[i].AdminAccess = prepared.Devices[i].AdminAccess && admin
 			continue
 		}
 		byDevice[r.Device] = len(prepared.Devices)

@@ -192,7 +192,9 @@ func (a *Agent) adoptRecovered(claim *resourceapi.ResourceClaim, recovered check
 				continue
 			}
 			if i, ok := seen[r.Device]; ok {
+				// Exclusive where any of the claim's results is (see planClaim).
 				adopted.Devices[i].Requests = append(adopted.Devices[i].Requests, r.Request)
+				adopted.Devices[i].AdminAccess = adopted.Devices[i].AdminAccess && ptr.Deref(r.AdminAccess, false)
 				continue
 			}
 			now = append(now, r.Device)

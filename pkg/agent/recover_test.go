@@ -154,6 +154,24 @@ func TestRecoverPreparedClaims(t *testing.T) {
 	}
 }
 
+// A recovered claim whose request with admin access and ordinary request
+// were both allocated one GPU, adopted when the kubelet prepares it again,
+// still holds that GPU exclusively.
+func TestRecoverAdoptsAdminAndOrdinaryRequest(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	held := claim("held", alloc{request: "monitor", device: "gpu-1", admin: true}, alloc{request: "work", device: "gpu-1"})
+	loseCheckpoint(ctx, t, e, held)
+	a := e.start(ctx, t)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare the recovered claim again: %v", err)
+	}
+	err := prepareOne(ctx, t, a, claim("other", gpus("gpus", "gpu-1")...))
+	if !errors.Is(err, agent.ErrDeviceInUse) || !strings.Contains(err.Error(), "prepared for claim held") {
+		t.Errorf("other claim on gpu-1 after adoption: %v, want ErrDeviceInUse naming claim held", err)
+	}
+}
+
 // devicesByName maps a Prepare result's device names to their CDI ids.
 func devicesByName(r kubeletplugin.PrepareResult) map[string]string {
 	out := map[string]string{}
