@@ -266,8 +266,8 @@ func TestFilter(t *testing.T) {
 			switch {
 			case declared && !st["node-a"].IsSuccess():
 				t.Errorf("Filter on a node that declares the feature: %v, want success", st["node-a"])
-			case !declared && (code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "DRAOptionalNodeOperations")):
-				t.Errorf("Filter on a node without the feature: %v, want UnschedulableAndUnresolvable naming it", st["node-a"])
+			case !declared && (code(st["node-a"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(st["node-a"].Message(), "DRAOptionalNodeOperations") || !strings.Contains(st["node-a"].Message(), "deallocated and allocated again")):
+				t.Errorf("Filter on a node without the feature: %v, want UnschedulableAndUnresolvable naming it and saying what PostFilter does", st["node-a"])
 			case !declared && !s.unavailableClaims.Has(0):
 				t.Error("the claim was not marked unavailable for PostFilter")
 			}

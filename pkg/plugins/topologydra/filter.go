@@ -38,7 +38,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		case s.needsNodeOperations[i] && !slices.Contains(node.Status.DeclaredFeatures, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate):
 			// Names no node, so that the pod's message counts the nodes
 			// that fail alike once.
-			msg = fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need nodes that declare the %s feature; deleting the pod frees the claim", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate)
+			msg = fmt.Sprintf("resource claim %s is allocated on devices that skip node operations, which need nodes that declare the %s feature; where no other pod uses the claim, it is deallocated and allocated again", s.claims[i].Name, draoptionalnodeoperations.DRAOptionalNodeOperationsFeatureGate)
 		case s.unusable[i] != nil:
 			// PostFilter deallocates the claim; the next attempt
 			// allocates afresh.
