@@ -121,8 +121,9 @@ func agentClient(t *testing.T, cp *framework.ControlPlane, node string) kubernet
 }
 
 // TestAgentOwnNodeOnly: with the shipped RBAC and policy, node A's agent
-// writes node A's ResourceSlice and is refused node B's, cluster-wide
-// slices, and everything when its token names no node; it cannot read
+// writes node A's ResourceSlice and is refused node B's, another driver's
+// on node A, cluster-wide slices, and everything when its token names no
+// node; it cannot read
 // Secrets, and Pods only by listing. Other identities are not affected
 // by the policy.
 func TestAgentOwnNodeOnly(t *testing.T) {
@@ -173,6 +174,16 @@ func TestAgentOwnNodeOnly(t *testing.T) {
 	otherPool.Name, otherPool.Spec.Pool.Name = "node-a-posing-as-b", "node-b"
 	_, err = agentA.ResourceV1().ResourceSlices().Create(ctx, otherPool, metav1.CreateOptions{})
 	refused("create a slice of its node in another node's pool", err, "may only write pools named after its node, not pool node-b")
+	otherDriver := framework.SliceForNode("node-a", "gpu.nvidia.com", nil)
+	otherDriver.Name = "node-a-nvidia"
+	_, err = agentA.ResourceV1().ResourceSlices().Create(ctx, otherDriver, metav1.CreateOptions{})
+	refused("create a slice of another driver on its node", err, "may only write slices of driver gpu.topodra.io, not of gpu.nvidia.com")
+	otherDriver, err = cp.Client.ResourceV1().ResourceSlices().Create(ctx, otherDriver, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("admin creates another driver's slice on node A: %v", err)
+	}
+	err = agentA.ResourceV1().ResourceSlices().Delete(ctx, otherDriver.Name, metav1.DeleteOptions{})
+	refused("delete another driver's slice on its node", err, "not of gpu.nvidia.com")
 	clusterWide := framework.SliceForNode("x", topology.DriverName, nil)
 	clusterWide.Name = "cluster-wide"
 	clusterWide.Spec.NodeName = nil

@@ -10,6 +10,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -117,9 +118,10 @@ func TestOverlays(t *testing.T) {
 		hookVolume string
 		privileged bool
 	}{
-		"overlays/host":         {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", privileged: true},
-		"overlays/gpu-operator": {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
-		"overlays/mock":         {nvml: "mock:dgx-h100"},
+		"overlays/host":                     {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", privileged: true},
+		"overlays/gpu-operator":             {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
+		"overlays/mock":                     {nvml: "mock:dgx-h100"},
+		"overlays/gpu-operator-host-driver": {driverRoot: "/", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
 	}
 	for _, o := range Overlays {
 		if _, ok := testcases["overlays/"+o]; !ok {
@@ -191,6 +193,21 @@ func TestOverlays(t *testing.T) {
 				u.RollingUpdate.MaxSurge == nil || u.RollingUpdate.MaxSurge.IntValue() != 1 ||
 				u.RollingUpdate.MaxUnavailable == nil || u.RollingUpdate.MaxUnavailable.IntValue() != 0 {
 				t.Errorf("agent update strategy %+v, want RollingUpdate with maxUnavailable 0 and maxSurge 1 set", u)
+			}
+			// The new agent of a rollout never preempts a workload on a
+			// full node; it waits for room.
+			if name := ds.Spec.Template.Spec.PriorityClassName; name == "" {
+				t.Error("the agent has no priority class")
+			} else {
+				class, ok := find(objs, func(pc *schedulingv1.PriorityClass) bool { return pc.Name == name })
+				switch {
+				case !ok:
+					t.Errorf("priority class %s of the agent is not among the manifests", name)
+				case class.PreemptionPolicy == nil || *class.PreemptionPolicy != v1.PreemptNever:
+					t.Errorf("priority class %s preempts (%v): a surge agent on a full node would evict a workload", name, class.PreemptionPolicy)
+				case class.Value < 1000000000 || class.GlobalDefault:
+					t.Errorf("priority class %s: value %d, global default %v; want the highest a class outside system- may have, not the default", name, class.Value, class.GlobalDefault)
+				}
 			}
 			podUID := false
 			for _, ev := range ds.Spec.Template.Spec.Containers[0].Env {
