@@ -8,10 +8,11 @@ package manifests
 
 import "embed"
 
-// FS holds base/*.yaml, overlays/*/*.yaml and examples/*.yaml.
+// FS holds base/*.yaml, overlays/*/*.yaml, components/*/*.yaml and
+// examples/*.yaml.
 //
-//go:embed base/*.yaml overlays/*/*.yaml examples/*.yaml
+//go:embed base/*.yaml overlays/*/*.yaml components/*/*.yaml examples/*.yaml
 var FS embed.FS
 
 // Overlays are the install variants, each a directory overlays/<name>.
-var Overlays = []string{"host", "gpu-operator", "mock"}
+var Overlays = []string{"host", "gpu-operator", "gpu-operator-host-driver", "mock"}
