@@ -8,11 +8,13 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
 	v1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -424,5 +426,119 @@ func bindClusterRole(ctx context.Context, t *testing.T, cp *framework.ControlPla
 	}
 	if _, err := cp.Client.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAgentSurgeDoesNotPreempt: during a rollout the DaemonSet controller
+// creates each node's new agent pod beside the old one, bound to the node
+// by affinity, and the default scheduler places it. On a node whose CPU a
+// workload requests in full, the new agent of the shipped manifests waits
+// instead of preempting the workload; with system-node-critical, the usual
+// class of node agents, the same pod evicts it.
+func TestAgentSurgeDoesNotPreempt(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp, data := startInstalled(t, ctx)
+	var template *v1.PodTemplateSpec
+	for _, obj := range decodeAllObjects(t, data) {
+		if ds, ok := obj.(*appsv1.DaemonSet); ok && ds.Name == "topodra-node-agent" {
+			template = &ds.Spec.Template
+		}
+	}
+	if template == nil {
+		t.Fatal("no agent DaemonSet in the manifests")
+	}
+	stop, err := cp.StartScheduler(ctx, framework.SchedulerOptions{Name: v1.DefaultSchedulerName, Stock: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+
+	for _, tc := range []struct {
+		priorityClass string
+		wantPreempted bool
+	}{
+		{priorityClass: template.Spec.PriorityClassName},
+		{priorityClass: "system-node-critical", wantPreempted: true},
+	} {
+		t.Run(tc.priorityClass, func(t *testing.T) {
+			node := "full-" + strings.ReplaceAll(tc.priorityClass, "-", "")
+			if _, err := framework.CreateReadyNodeWithCPU(ctx, cp.Client, node, nil, "4"); err != nil {
+				t.Fatal(err)
+			}
+			ns := metav1.NamespaceDefault
+			workload := &v1.Pod{
+				ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: "trainer-" + node},
+				Spec: v1.PodSpec{
+					NodeSelector: map[string]string{"kubernetes.io/hostname": node},
+					Containers: []v1.Container{{Name: "c", Image: "trainer", Resources: v1.ResourceRequirements{
+						Requests: v1.ResourceList{v1.ResourceCPU: resource.MustParse("4")},
+					}}},
+				},
+			}
+			if _, err := cp.Client.CoreV1().Pods(ns).Create(ctx, workload, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := framework.WaitForPodScheduled(ctx, cp.Client, ns, workload.Name, 30*time.Second); err != nil {
+				t.Fatal(err)
+			}
+
+			// The surge pod as the DaemonSet controller makes it: the
+			// template, bound to the node by a required affinity on its
+			// name (the controller also adds tolerations the template
+			// already has).
+			agent := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: metav1.NamespaceSystem, Name: "agent-" + node, Labels: template.Labels}, Spec: *template.Spec.DeepCopy()}
+			agent.Spec.PriorityClassName = tc.priorityClass
+			agent.Spec.Priority, agent.Spec.PreemptionPolicy = nil, nil
+			agent.Spec.Affinity = &v1.Affinity{NodeAffinity: &v1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &v1.NodeSelector{
+				NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchFields: []v1.NodeSelectorRequirement{{
+					Key: metav1.ObjectNameField, Operator: v1.NodeSelectorOpIn, Values: []string{node},
+				}}}},
+			}}}
+			if _, err := cp.Client.CoreV1().Pods(metav1.NamespaceSystem).Create(ctx, agent, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := framework.WaitForPodUnschedulable(ctx, cp.Client, metav1.NamespaceSystem, agent.Name, 30*time.Second); err != nil {
+				t.Fatal(err)
+			}
+			// Preemption, where it happens, follows the failed attempt
+			// at once: the victim is deleted (nothing runs it here, so
+			// it goes at once) or marked.
+			preempted := func() (bool, error) {
+				p, err := cp.Client.CoreV1().Pods(ns).Get(ctx, workload.Name, metav1.GetOptions{})
+				if apierrors.IsNotFound(err) {
+					return true, nil
+				}
+				if err != nil {
+					return false, err
+				}
+				if p.DeletionTimestamp != nil {
+					return true, nil
+				}
+				for _, c := range p.Status.Conditions {
+					if c.Type == v1.DisruptionTarget && c.Status == v1.ConditionTrue {
+						return true, nil
+					}
+				}
+				return false, nil
+			}
+			got := false
+			_ = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 5*time.Second, true, func(ctx context.Context) (bool, error) {
+				var err error
+				got, err = preempted()
+				return got, err
+			})
+			if got != tc.wantPreempted {
+				t.Errorf("agent pod with priority class %s on a full node: workload preempted %v, want %v", tc.priorityClass, got, tc.wantPreempted)
+			}
+			if !tc.wantPreempted {
+				p, err := cp.Client.CoreV1().Pods(metav1.NamespaceSystem).Get(ctx, agent.Name, metav1.GetOptions{})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if p.Spec.NodeName != "" || p.Status.NominatedNodeName != "" {
+					t.Errorf("agent pod bound to %q, nominated for %q; want it pending", p.Spec.NodeName, p.Status.NominatedNodeName)
+				}
+			}
+		})
 	}
 }
