@@ -51,6 +51,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"os"
 	"path/filepath"
 	"slices"
@@ -1241,6 +1242,20 @@ func (a *Agent) nodeEvent(eventtype, reason, action, note string, args ...any) {
 	a.event(a.nodeRef(), nil, eventtype, reason, action, note, args...)
 }
 
+// nodeCauseEvent records an event on the Node whose note says a cause that
+// can change while the reason stays (a driver install: the library
+// missing, then the driver not loaded). Its action is qualified by a hash
+// of the note ("Discover-1f2e3d4c"), so that the event broadcaster, which
+// folds an event into one with the same reason, action and objects sent
+// in the last minutes and keeps that one's note, records each cause with
+// its own note; the same cause sent again still folds.
+func (a *Agent) nodeCauseEvent(eventtype, reason, action, note string, args ...any) {
+	text := eventnote.Format(note, args...)
+	h := fnv.New32a()
+	h.Write([]byte(text))
+	a.event(a.nodeRef(), nil, eventtype, reason, fmt.Sprintf("%s-%08x", action, h.Sum32()), "%s", text)
+}
+
 // The event broadcaster (client-go tools/events) counts an event with the
 // same type, reason, action, regarding and related object as one that it
 // sent in the last minutes as a repetition of that one: the API server
@@ -1373,7 +1388,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	switch {
 	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
 		logger.Info("No GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
-		a.nodeEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
+		a.nodeCauseEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
 	case unusable != nil && (prevUnusable == nil || prevUnusable.Error() != unusable.Error()):
 		published := fmt.Sprintf("the %d published GPUs stay, tainted %s (NoSchedule)", devices, NVMLUnusableTaintKey)
 		switch {
@@ -1383,7 +1398,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 			published = "no GPU was published"
 		}
 		logger.Error(unusable, "cannot use NVML, retrying; GPUs cannot be prepared for new claims, prepared claims can be unprepared", "publishedGPUs", devices, "published", !held)
-		a.nodeEvent(v1.EventTypeWarning, ReasonNVMLUnusable, "Discover",
+		a.nodeCauseEvent(v1.EventTypeWarning, ReasonNVMLUnusable, "Discover",
 			"%s cannot use NVML, retrying: %v; GPUs cannot be prepared for new claims until it can (after a driver upgrade: reboot the node), prepared claims can be unprepared; %s",
 			a.opts.DriverName, unusable, published)
 	case noGPU == nil && unusable == nil && (prev != nil || prevUnusable != nil):
@@ -1553,6 +1568,6 @@ func (a *Agent) checkDroppedFields(_ context.Context, err error) {
 			consequence = fmt.Sprintf("without device taints faulty GPUs lack the health taint %s and stay allocatable", HealthTaintKey)
 		}
 	}
-	a.nodeEvent(v1.EventTypeWarning, ReasonSliceFieldsDropped, "Publish", "the API server dropped fields of the ResourceSlice that %s published (%v): %s; enable the feature gate(s) on the kube-apiserver (and kube-scheduler)",
+	a.nodeCauseEvent(v1.EventTypeWarning, ReasonSliceFieldsDropped, "Publish", "the API server dropped fields of the ResourceSlice that %s published (%v): %s; enable the feature gate(s) on the kube-apiserver (and kube-scheduler)",
 		a.opts.DriverName, dropped, consequence)
 }

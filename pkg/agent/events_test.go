@@ -4,9 +4,11 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	eventsv1 "k8s.io/api/events/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -18,6 +20,7 @@ import (
 
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/cdi"
+	"github.com/topodra/topodra/pkg/agent/discovery"
 )
 
 // broadcastEvents sends the events of e's agent through a real event
@@ -142,4 +145,41 @@ func TestEventsPerDeviceAndClaim(t *testing.T) {
 			checkOnNode(t, waitForStoredEvent(ctx, t, e, agent.ReasonDeviceNodeMissing, "Node", "claim "+c.Namespace+"/"+c.Name))
 		}
 	})
+}
+
+// TestNoGPUEventPerCause: while a driver installs, discovery fails first
+// for want of the library, then for want of the kernel driver; each cause
+// reaches the API server with its own note (the event broadcaster would
+// fold the second into the first and keep the first's note were they the
+// same series), and a cause that repeats folds into its own.
+func TestNoGPUEventPerCause(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	broadcastEvents(ctx, t, e)
+	var opens atomic.Int32
+	lazy := discovery.NewLazy(func() (nvml.Interface, error) {
+		if opens.Add(1) <= 2 {
+			return nil, fmt.Errorf("%w: libnvidia-ml.so.1 not found in driver root /driver-root", discovery.ErrNoGPU)
+		}
+		return nil, fmt.Errorf("%w: NVML: Driver Not Loaded", discovery.ErrNoGPU)
+	}, discovery.NVMLOptions{Sysfs: e.machine.Sysfs()})
+	a, err := agent.New(ctx, agent.Options{
+		NodeName:       nodeName,
+		KubeClient:     e.client,
+		Discovery:      lazy,
+		PublishOnly:    true,
+		Recorder:       e.recorder,
+		RescanInterval: time.Hour,
+		NoGPURetry:     10 * time.Millisecond,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Stop)
+	first := waitForStoredEvent(ctx, t, e, agent.ReasonNoGPU, "Node", "libnvidia-ml.so.1")
+	second := waitForStoredEvent(ctx, t, e, agent.ReasonNoGPU, "Node", "Driver Not Loaded")
+	checkOnNode(t, second)
+	if first.Name == second.Name {
+		t.Errorf("both causes in one event %s", first.Name)
+	}
 }
