@@ -42,6 +42,7 @@ func TestBadFlags(t *testing.T) {
 		"pool and seeds":       {args: []string{"--pool", "a.json", "--seeds", "1"}, wantErr: "not both"},
 		"unknown profile":      {args: []string{"--profile", "nonsense"}, wantErr: "nonsense"},
 		"negative nodes":       {args: []string{"--nodes", "-1"}, wantErr: "nodes must not be negative"},
+		"negative faults":      {args: []string{"--faults", "-1"}, wantErr: "faults must not be negative"},
 		"unknown scheduler":    {args: []string{"--schedulers", "topodra,foo"}, wantErr: `unknown scheduler "foo"`},
 		"unknown trace":        {args: []string{"--trace", "xyz"}, wantErr: `unknown trace "xyz"`},
 		"misnamed profile":     {args: []string{"--scheduler-config", "testdata/misnamed-profile.yaml"}, wantErr: "no profile named topodra-scheduler"},

@@ -37,7 +37,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		p("<th>%s</th>", e(res.Scheduler))
 	}
 	p("</tr></thead>\n<tbody>\n")
-	for _, row := range resultRows() {
+	for _, row := range resultRows(r.Results) {
 		class := ""
 		if row.sub {
 			class = " class=\"sub\""

@@ -108,6 +108,13 @@ type Options struct {
 	// throughput, latency and CPU. Its results are discarded. Default
 	// DefaultWarmUpPods; negative: no warm-up.
 	WarmUpPods int
+	// Faults is the number of faults injected into each measured run:
+	// restarts of the scheduler and of a node's agent in turn, each a few
+	// milliseconds after the pods of a tick (chosen by the seed) were
+	// created, while the scheduler places them. Both schedulers get the
+	// same faults at the same ticks. The invariant checker and the
+	// stuck-pod count say whether the run survived them. 0: none.
+	Faults int
 }
 
 // DefaultWarmUpPods is the default size of the warm-up run.
@@ -217,6 +224,9 @@ func (o *Options) validate() error {
 	}
 	if o.Pods < 0 {
 		errs = append(errs, fmt.Errorf("pods must not be negative, got %d", o.Pods))
+	}
+	if o.Faults < 0 {
+		errs = append(errs, fmt.Errorf("faults must not be negative, got %d", o.Faults))
 	}
 	if o.Trace != "" && !slices.Contains(Traces(), o.Trace) {
 		errs = append(errs, fmt.Errorf("unknown trace %q (known: %s)", o.Trace, strings.Join(Traces(), ", ")))

@@ -69,6 +69,7 @@ func TestCheckSaysEachProblemOnce(t *testing.T) {
 		want string
 	}{
 		"negative nodes":  {opts: Options{Nodes: -1}, want: "nodes must not be negative, got -1"},
+		"negative faults": {opts: Options{Faults: -2}, want: "faults must not be negative, got -2"},
 		"unknown profile": {opts: Options{Profile: "dgx-b200"}, want: `unknown machine profile "dgx-b200"`},
 	}
 	for name, tc := range tests {

@@ -263,6 +263,8 @@ type Result struct {
 	// scheduler did not retry when it could have, or turned down for a
 	// reason the simulator does not know.
 	Stuck int `json:"stuckPods,omitempty"`
+	// Faults are the faults injected into the run (Options.Faults).
+	Faults []Fault `json:"faults,omitempty"`
 	// Errors are inconsistencies found while tracking (allocated devices
 	// that do not exist, double allocation, claims on another node), and
 	// the violations that the invariant checker (pkg/invariant, shipped
@@ -318,7 +320,7 @@ func (r *Report) WriteTable(out io.Writer) error {
 		header += res.Scheduler + "\t"
 	}
 	fmt.Fprintln(w, header)
-	for _, row := range resultRows() {
+	for _, row := range resultRows(r.Results) {
 		line := row.label + "\t"
 		if row.sub {
 			line = "  " + line
@@ -403,9 +405,10 @@ type resultRow struct {
 	cell func(Result) string
 }
 
-// resultRows are the rows of the side-by-side table, in order.
-func resultRows() []resultRow {
-	return []resultRow{
+// resultRows are the rows of the side-by-side table of results, in order;
+// the row of injected faults only where a run had some.
+func resultRows(results []Result) []resultRow {
+	rows := []resultRow{
 		{"pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) }},
 		{"finished / running at end", true, func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) }},
 		{"multi-GPU allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.MultiGPU) }},
@@ -445,6 +448,11 @@ func resultRows() []resultRow {
 		}},
 		{"wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) }},
 	}
+	if slices.ContainsFunc(results, func(res Result) bool { return len(res.Faults) > 0 }) {
+		i := slices.IndexFunc(rows, func(r resultRow) bool { return r.label == "pods stuck (fit by count, not bound within 10 s)" })
+		rows = slices.Insert(rows, i, resultRow{"faults injected", false, faultsText})
+	}
+	return rows
 }
 
 // topodraAndStock finds topodra's and stock's item among items (nil for

@@ -118,7 +118,7 @@ func warmUp(ctx context.Context, opts Options, nodes []NodeSpec) error {
 	}
 	opts.progressf("warm-up: %d pods on %d nodes through %s first, not measured ...", len(workload.Jobs), len(nodes), strings.Join(opts.Schedulers, ", "))
 	o := opts
-	o.Progress, o.AfterRun, o.Checkpoints = nil, nil, -1
+	o.Progress, o.AfterRun, o.Checkpoints, o.Faults = nil, nil, -1, 0
 	for _, sched := range opts.Schedulers {
 		if _, _, err := runOne(ctx, o, nodes, workload, sched); err != nil {
 			return fmt.Errorf("warm-up of %s: %w", sched, err)
@@ -196,7 +196,8 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 			err = errors.Join(err, fmt.Errorf("start agent on %s: %w", nodes[i].Name, agentErrs[i]))
 			continue
 		}
-		cp.AddStop(a.Stop)
+		// The agent running at the end, which a fault may have replaced.
+		cp.AddStop(func() { agents[i].Stop() })
 		wantSlices++
 		if len(a.Machine.NICDevices()) > 0 {
 			wantSlices++
@@ -272,10 +273,14 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	// The scheduler's goroutines carry the pprof label scheduler=<name>,
 	// so that a CPU profile of the run counts the scheduler's own CPU
 	// time (Result.SchedulerCPUSeconds).
-	pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
-		_, err = cp.StartScheduler(ctx, schedOpts)
-	})
-	if err != nil {
+	var stopScheduler func()
+	startScheduler := func(ctx context.Context) (err error) {
+		pprof.Do(ctx, pprof.Labels("scheduler", sched), func(ctx context.Context) {
+			stopScheduler, err = cp.StartScheduler(ctx, schedOpts)
+		})
+		return err
+	}
+	if err := startScheduler(ctx); err != nil {
 		return nil, nil, err
 	}
 	if err := probeScheduler(probeCtx, client, schedulerName, opts.SettleTimeout); err != nil {
@@ -289,8 +294,36 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
 
+	var faults *injector
+	if opts.Faults > 0 {
+		arrivals := make([]int, 0, len(workload.Jobs))
+		for _, j := range workload.Jobs {
+			arrivals = append(arrivals, j.Arrival)
+		}
+		faults = &injector{
+			plan:  planFaults(opts.Faults, opts.Seed, arrivals),
+			nodes: len(nodes),
+			restartScheduler: func(ctx context.Context) error {
+				stopScheduler()
+				return startScheduler(ctx)
+			},
+			restartAgent: func(ctx context.Context, i int) (string, error) {
+				old := agents[i]
+				old.Stop()
+				a, err := agent.StartSimulated(ctx, agent.SimulatedOptions{
+					NodeName: nodes[i].Name, Profile: nodes[i].Profile, KubeClient: client, NICs: true, Machine: old.Machine,
+				})
+				if err != nil {
+					return nodes[i].Name, err
+				}
+				agents[i] = a
+				return nodes[i].Name, nil
+			},
+		}
+	}
+
 	prof := measure.StartCPUProfile()
-	res, err = drive(ctx, opts, workload, tr, client, topo, sched, schedulerName)
+	res, err = drive(ctx, opts, workload, tr, client, topo, sched, schedulerName, faults)
 	cpu, _, _, cpuErr := prof.Stop("scheduler", sched)
 	if err != nil {
 		return nil, nil, err
@@ -347,7 +380,7 @@ func (t *tracker) topology(nodes []NodeSpec) []NodeTopology {
 }
 
 // drive runs the ticks of a workload against a ready cluster.
-func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, client kubernetes.Interface, topo []NodeTopology, sched, schedulerName string) (*Result, error) {
+func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, client kubernetes.Interface, topo []NodeTopology, sched, schedulerName string, faults *injector) (*Result, error) {
 	res := &Result{Scheduler: sched, SchedulerName: schedulerName, Pods: len(workload.Jobs)}
 	ticks := workload.Ticks()
 	checkpoints := map[int]bool{}
@@ -434,6 +467,16 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 					return nil, fmt.Errorf("create pod %s: %w", pod.Name, err)
 				}
 				names = append(names, pod.Name)
+			}
+			if f, err := faults.strike(ctx, tick); err != nil {
+				return nil, err
+			} else if f != nil {
+				res.Faults = append(res.Faults, *f)
+				what := "restarted the scheduler"
+				if f.Kind == FaultAgentRestart {
+					what = "restarted the agent of " + f.Node
+				}
+				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created", sched, tick, what, f.After)
 			}
 			if err := waitFor(fmt.Sprintf("tick %d: %d new pods to be bound or marked unschedulable", tick, len(names)), func() (bool, string) { return tr.settled(names) }); err != nil {
 				return nil, err

@@ -343,3 +343,69 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 		t.Errorf("report has %d maps, want at least %d (the end and checkpoints)", maps, want)
 	}
 }
+
+// TestSimulatorSurvivesFaults runs the small pinned workload of
+// TestSimulator through both schedulers with six faults each: the
+// scheduler restarted three times and a node's agent three times, each a
+// few milliseconds after a tick's pods were created (sim.Options.Faults).
+// Every pod is placed all the same, none is left stuck although it fits,
+// the claims and slices agree with the API, and the invariant checker
+// finds nothing.
+func TestSimulatorSurvivesFaults(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	opts := sim.Options{
+		Nodes:      4,
+		Profile:    "dgx-h100=3,pcie-nvlink-pairs=1",
+		Pods:       40,
+		Seed:       7,
+		Pin:        true,
+		Faults:     6,
+		WarmUpPods: -1,
+		Progress:   testWriter{t},
+		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
+			return checkAgainstAPI(ctx, client, res)
+		},
+	}
+	report, err := sim.Run(tCtx, opts)
+	tCtx.ExpectNoError(err, "simulator run")
+	var table bytes.Buffer
+	tCtx.ExpectNoError(report.WriteTable(&table))
+	t.Logf("report:\n%s", table.String())
+	if !strings.Contains(table.String(), "3 scheduler, 3 agent restarts") {
+		t.Error("the table does not say which faults were injected")
+	}
+
+	totalGPUs := 0
+	for _, n := range report.Nodes {
+		for _, d := range n.Devices {
+			if d.GPU {
+				totalGPUs++
+			}
+		}
+	}
+	var ticks [][]int
+	for _, res := range report.Results {
+		checkCounts(t, res, report.Pods, totalGPUs)
+		if res.Stuck != 0 {
+			t.Errorf("%s: %d pods fit by count and were not bound within the retry wait", res.Scheduler, res.Stuck)
+		}
+		if len(res.Faults) != opts.Faults {
+			t.Fatalf("%s: %d faults injected, want %d: %+v", res.Scheduler, len(res.Faults), opts.Faults, res.Faults)
+		}
+		var at []int
+		for i, f := range res.Faults {
+			want := sim.FaultSchedulerRestart
+			if i%2 == 1 {
+				want = sim.FaultAgentRestart
+			}
+			if f.Kind != want || (f.Kind == sim.FaultAgentRestart) != (f.Node != "") {
+				t.Errorf("%s: fault %d is %+v, want a %s (naming its node for an agent)", res.Scheduler, i, f, want)
+			}
+			at = append(at, f.Tick)
+		}
+		ticks = append(ticks, at)
+	}
+	if len(ticks) == 2 && !slices.Equal(ticks[0], ticks[1]) {
+		t.Errorf("the schedulers got faults at different ticks: %v and %v", ticks[0], ticks[1])
+	}
+}

@@ -1,0 +1,50 @@
+package sim
+
+import (
+	"maps"
+	"slices"
+	"testing"
+)
+
+func TestPlanFaults(t *testing.T) {
+	arrivals := []int{0, 0, 1, 3, 3, 4, 7, 9, 9, 12}
+	distinct := []int{0, 1, 3, 4, 7, 9, 12}
+	for _, n := range []int{0, 1, 4, 7, 20} {
+		p := planFaults(n, 5, arrivals)
+		ticks := slices.Sorted(maps.Keys(p.at))
+		if want := min(n, len(distinct)); len(ticks) != want {
+			t.Errorf("n=%d: faults at %v, want %d", n, ticks, want)
+		}
+		for i, tick := range ticks {
+			if !slices.Contains(distinct, tick) {
+				t.Errorf("n=%d: fault at tick %d, at which no pod arrives", n, tick)
+			}
+			want := FaultSchedulerRestart
+			if i%2 == 1 {
+				want = FaultAgentRestart
+			}
+			if p.at[tick] != want {
+				t.Errorf("n=%d: fault %d (tick %d) is %s, want %s: scheduler and agent in turn", n, i, tick, p.at[tick], want)
+			}
+		}
+		if again := planFaults(n, 5, arrivals); !maps.Equal(again.at, p.at) {
+			t.Errorf("n=%d: the same seed planned %v, then %v", n, p.at, again.at)
+		}
+	}
+}
+
+func TestFaultsRowOnlyWithFaults(t *testing.T) {
+	has := func(rows []resultRow) bool {
+		return slices.ContainsFunc(rows, func(r resultRow) bool { return r.label == "faults injected" })
+	}
+	if has(resultRows([]Result{{}, {}})) {
+		t.Error("a faults row for runs without faults")
+	}
+	res := Result{Faults: []Fault{{Kind: FaultSchedulerRestart}, {Kind: FaultAgentRestart, Node: "n"}, {Kind: FaultSchedulerRestart}}}
+	if !has(resultRows([]Result{{}, res})) {
+		t.Error("no faults row for a run with faults")
+	}
+	if got, want := faultsText(res), "2 scheduler, 1 agent restarts"; got != want {
+		t.Errorf("faultsText = %q, want %q", got, want)
+	}
+}
