@@ -124,7 +124,7 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 	hostRequests := fs.Bool("host-requests", true, "the generated pods request "+sim.HostRequestsText+", as GPU pods do (the nodes have 256 CPUs and 2 TiB); false: no CPU or memory requests, which leaves the stock scheduler's node scores equal, so it takes the first feasible node")
 	fs.BoolVar(&opts.Pin, "pin", false, "pin every pod of the built-in workload to a node (by the seed), so that only device choice differs")
 	fs.IntVar(&opts.WarmUpPods, "warm-up-pods", sim.DefaultWarmUpPods, "pods of an unmeasured run through each scheduler before the measured ones (once per sweep), so that neither pays for being the first of the process; 0 or less: no warm-up")
-	fs.IntVar(&opts.Faults, "faults", 0, "faults to inject into each measured run: restarts of the scheduler and of a node's agent in turn, each while the scheduler places the pods of a tick chosen by the seed (the same for both schedulers); the invariant checker and the stuck pods say whether a run survived them")
+	fs.IntVar(&opts.Faults, "faults", 0, "faults to inject into each measured run: restarts of the scheduler, of a node's agent and of the kube-apiserver in turn, each while the scheduler places the pods of a tick chosen by the seed (the same for both schedulers); the invariant checker and the stuck pods say whether a run survived them")
 	fs.IntVar(&opts.Checkpoints, "checkpoints", 3, "intermediate snapshots of the device maps in the report; 0 or less: none")
 	fs.StringVar(&c.reportPath, "report", "", "write a self-contained HTML report to this file")
 	fs.StringVar(&c.jsonPath, "json", "", "write the full results as JSON to this file")

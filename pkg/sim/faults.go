@@ -17,7 +17,14 @@ const (
 	// FaultAgentRestart stops a node's agent and starts a new one on the
 	// same machine, which takes its ResourceSlices over.
 	FaultAgentRestart = "agent-restart"
+	// FaultAPIServerRestart stops the kube-apiserver and starts it again
+	// on the same etcd: every component loses its connections and
+	// watches meanwhile.
+	FaultAPIServerRestart = "apiserver-restart"
 )
+
+// faultKinds are the kinds of fault, in the order a run's faults take.
+var faultKinds = []string{FaultSchedulerRestart, FaultAgentRestart, FaultAPIServerRestart}
 
 // Fault is one fault injected into a run.
 type Fault struct {
@@ -37,7 +44,7 @@ type faultPlan struct {
 }
 
 // planFaults picks n of the ticks at which pods arrive, by the seed, and
-// gives them scheduler and agent restarts in turn (the scheduler first).
+// gives them the kinds of faultKinds in turn.
 // Both schedulers of a run get the same plan; n beyond the arrival ticks
 // is cut to them.
 func planFaults(n int, seed int64, arrivals []int) *faultPlan {
@@ -52,10 +59,7 @@ func planFaults(n int, seed int64, arrivals []int) *faultPlan {
 	ticks = ticks[:min(n, len(ticks))]
 	slices.Sort(ticks)
 	for i, tick := range ticks {
-		p.at[tick] = FaultSchedulerRestart
-		if i%2 == 1 {
-			p.at[tick] = FaultAgentRestart
-		}
+		p.at[tick] = faultKinds[i%len(faultKinds)]
 	}
 	return p
 }
@@ -67,7 +71,9 @@ type injector struct {
 	restartScheduler func(ctx context.Context) error
 	// restartAgent stops the agent of node i and starts another.
 	restartAgent func(ctx context.Context, i int) (node string, err error)
-	nodes        int
+	// restartAPIServer stops the kube-apiserver and starts it again.
+	restartAPIServer func(ctx context.Context) error
+	nodes            int
 }
 
 // strike injects the fault planned for tick, if any, a few milliseconds
@@ -100,21 +106,20 @@ func (in *injector) strike(ctx context.Context, tick int) (*Fault, error) {
 			return nil, fmt.Errorf("tick %d: restart the agent of %s: %w", tick, name, err)
 		}
 		f.Node = name
+	case FaultAPIServerRestart:
+		if err := in.restartAPIServer(ctx); err != nil {
+			return nil, fmt.Errorf("tick %d: restart the kube-apiserver: %w", tick, err)
+		}
 	}
 	return f, nil
 }
 
-// faultsText sums up a run's faults for the table: "2 scheduler, 1 agent
-// restarts".
+// faultsText sums up a run's faults for the table: "2 scheduler, 1 agent,
+// 1 API server restarts".
 func faultsText(res Result) string {
-	var sched, agents int
+	n := map[string]int{}
 	for _, f := range res.Faults {
-		switch f.Kind {
-		case FaultSchedulerRestart:
-			sched++
-		case FaultAgentRestart:
-			agents++
-		}
+		n[f.Kind]++
 	}
-	return fmt.Sprintf("%d scheduler, %d agent restarts", sched, agents)
+	return fmt.Sprintf("%d scheduler, %d agent, %d API server restarts", n[FaultSchedulerRestart], n[FaultAgentRestart], n[FaultAPIServerRestart])
 }

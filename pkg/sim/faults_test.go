@@ -19,12 +19,9 @@ func TestPlanFaults(t *testing.T) {
 			if !slices.Contains(distinct, tick) {
 				t.Errorf("n=%d: fault at tick %d, at which no pod arrives", n, tick)
 			}
-			want := FaultSchedulerRestart
-			if i%2 == 1 {
-				want = FaultAgentRestart
-			}
+			want := []string{FaultSchedulerRestart, FaultAgentRestart, FaultAPIServerRestart}[i%3]
 			if p.at[tick] != want {
-				t.Errorf("n=%d: fault %d (tick %d) is %s, want %s: scheduler and agent in turn", n, i, tick, p.at[tick], want)
+				t.Errorf("n=%d: fault %d (tick %d) is %s, want %s: scheduler, agent and API server in turn", n, i, tick, p.at[tick], want)
 			}
 		}
 		if again := planFaults(n, 5, arrivals); !maps.Equal(again.at, p.at) {
@@ -40,11 +37,11 @@ func TestFaultsRowOnlyWithFaults(t *testing.T) {
 	if has(resultRows([]Result{{}, {}})) {
 		t.Error("a faults row for runs without faults")
 	}
-	res := Result{Faults: []Fault{{Kind: FaultSchedulerRestart}, {Kind: FaultAgentRestart, Node: "n"}, {Kind: FaultSchedulerRestart}}}
+	res := Result{Faults: []Fault{{Kind: FaultSchedulerRestart}, {Kind: FaultAgentRestart, Node: "n"}, {Kind: FaultSchedulerRestart}, {Kind: FaultAPIServerRestart}}}
 	if !has(resultRows([]Result{{}, res})) {
 		t.Error("no faults row for a run with faults")
 	}
-	if got, want := faultsText(res), "2 scheduler, 1 agent restarts"; got != want {
+	if got, want := faultsText(res), "2 scheduler, 1 agent, 1 API server restarts"; got != want {
 		t.Errorf("faultsText = %q, want %q", got, want)
 	}
 }

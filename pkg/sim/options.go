@@ -109,7 +109,8 @@ type Options struct {
 	// DefaultWarmUpPods; negative: no warm-up.
 	WarmUpPods int
 	// Faults is the number of faults injected into each measured run:
-	// restarts of the scheduler and of a node's agent in turn, each a few
+	// restarts of the scheduler, of a node's agent and of the
+	// kube-apiserver in turn, each a few
 	// milliseconds after the pods of a tick (chosen by the seed) were
 	// created, while the scheduler places them. Both schedulers get the
 	// same faults at the same ticks. The invariant checker and the

@@ -319,6 +319,10 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 				agents[i] = a
 				return nodes[i].Name, nil
 			},
+			restartAPIServer: func(ctx context.Context) error {
+				cp.StopAPIServer()
+				return cp.StartAPIServer(ctx)
+			},
 		}
 	}
 
@@ -473,8 +477,11 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			} else if f != nil {
 				res.Faults = append(res.Faults, *f)
 				what := "restarted the scheduler"
-				if f.Kind == FaultAgentRestart {
+				switch f.Kind {
+				case FaultAgentRestart:
 					what = "restarted the agent of " + f.Node
+				case FaultAPIServerRestart:
+					what = "restarted the kube-apiserver"
 				}
 				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created", sched, tick, what, f.After)
 			}
