@@ -6,10 +6,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
 	"k8s.io/klog/v2/ktesting"
@@ -169,6 +172,51 @@ func TestRecoverAdoptsAdminAndOrdinaryRequest(t *testing.T) {
 	err := prepareOne(ctx, t, a, claim("other", gpus("gpus", "gpu-1")...))
 	if !errors.Is(err, agent.ErrDeviceInUse) || !strings.Contains(err.Error(), "prepared for claim held") {
 		t.Errorf("other claim on gpu-1 after adoption: %v, want ErrDeviceInUse naming claim held", err)
+	}
+}
+
+// A claim recovered from its CDI spec that a reboot moved to the claims of
+// the boot before is not looked up by its empty name (the API server
+// refuses that, and the check would log it again and again): it stays
+// until the kubelet prepares or unprepares it.
+func TestRecoveredClaimOfPreviousBootNotLookedUp(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	var unnamed atomic.Int32
+	e.client.PrependReactor("get", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		if action.(cgotesting.GetAction).GetName() == "" {
+			unnamed.Add(1)
+			return true, nil, errors.New("resource name may not be empty")
+		}
+		return false, nil, nil
+	})
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	loseCheckpoint(ctx, t, e, held)
+	a := e.start(ctx, t) // recovers the claim from its spec
+	a.Stop()
+	if err := os.WriteFile(e.bootIDFile, []byte("boot-2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a = e.start(ctx, t)
+	if _, err := a.CleanupStaleClaims(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := unnamed.Load(); n != 0 {
+		t.Errorf("%d reads of a claim without a name", n)
+	}
+	cp, err := checkpoint.Read(e.stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := cp.PreviousBoot[held.UID]; !ok {
+		t.Fatalf("recovered claim %s not among the previous boot's claims: %+v", held.UID, cp.PreviousBoot)
+	}
+	unprepareOne(ctx, t, a, held)
+	if cp, err = checkpoint.Read(e.stateDir); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := cp.PreviousBoot[held.UID]; ok {
+		t.Errorf("recovered claim %s kept after the kubelet unprepared it", held.UID)
 	}
 }
 

@@ -135,7 +135,8 @@ const (
 //
 // It also forgets what claims held before the last reboot once such a
 // claim is gone or no longer allocated: a later allocation is not the one
-// prepared back then.
+// prepared back then. A claim recovered from its CDI spec has no name to
+// look up: the kubelet's Prepare or Unprepare of it forgets it.
 func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if a.store == nil {
 		return nil, ErrNoState
@@ -149,6 +150,11 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	}
 	var forget []types.UID
 	for uid, c := range cp.PreviousBoot {
+		if isRecovered(c) {
+			// Unnamed, so not to be looked up: the kubelet's Prepare
+			// or Unprepare of the claim after the reboot resolves it.
+			continue
+		}
 		claim, err := a.opts.KubeClient.ResourceV1().ResourceClaims(c.Namespace).Get(ctx, c.Name, metav1.GetOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
