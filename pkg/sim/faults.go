@@ -35,6 +35,10 @@ type Fault struct {
 	// After is how long after the tick's new pods were created the fault
 	// struck: the scheduler was placing them.
 	After time.Duration `json:"afterNs"`
+	// Reconnect is, for a kube-apiserver restart, how long after it was
+	// back the simulator's informer and the scheduler took to watch again
+	// (client-go's backoff).
+	Reconnect time.Duration `json:"reconnectNs,omitempty"`
 }
 
 // faultPlan says which fault strikes at which tick.
@@ -71,8 +75,10 @@ type injector struct {
 	restartScheduler func(ctx context.Context) error
 	// restartAgent stops the agent of node i and starts another.
 	restartAgent func(ctx context.Context, i int) (node string, err error)
-	// restartAPIServer stops the kube-apiserver and starts it again.
-	restartAPIServer func(ctx context.Context) error
+	// restartAPIServer stops the kube-apiserver, starts it again and
+	// waits until the components watch again, which it times; n numbers
+	// the fault.
+	restartAPIServer func(ctx context.Context, n int) (time.Duration, error)
 	nodes            int
 }
 
@@ -107,9 +113,11 @@ func (in *injector) strike(ctx context.Context, tick int) (*Fault, error) {
 		}
 		f.Node = name
 	case FaultAPIServerRestart:
-		if err := in.restartAPIServer(ctx); err != nil {
+		back, err := in.restartAPIServer(ctx, tick)
+		if err != nil {
 			return nil, fmt.Errorf("tick %d: restart the kube-apiserver: %w", tick, err)
 		}
+		f.Reconnect = back
 	}
 	return f, nil
 }

@@ -283,7 +283,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if err := startScheduler(ctx); err != nil {
 		return nil, nil, err
 	}
-	if err := probeScheduler(probeCtx, client, schedulerName, opts.SettleTimeout); err != nil {
+	if err := probeScheduler(probeCtx, client, schedulerName, "probe", opts.SettleTimeout); err != nil {
 		if cause := context.Cause(probeCtx); cause != nil && ctx.Err() == nil {
 			return nil, nil, cause
 		}
@@ -319,9 +319,14 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 				agents[i] = a
 				return nodes[i].Name, nil
 			},
-			restartAPIServer: func(ctx context.Context) error {
+			restartAPIServer: func(ctx context.Context, n int) (time.Duration, error) {
 				cp.StopAPIServer()
-				return cp.StartAPIServer(ctx)
+				if err := cp.StartAPIServer(ctx); err != nil {
+					return 0, err
+				}
+				start := time.Now()
+				err := awaitWatching(ctx, client, tr, schedulerName, n)
+				return time.Since(start), err
 			},
 		}
 	}
@@ -476,14 +481,15 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				return nil, err
 			} else if f != nil {
 				res.Faults = append(res.Faults, *f)
-				what := "restarted the scheduler"
+				what, then := "restarted the scheduler", ""
 				switch f.Kind {
 				case FaultAgentRestart:
 					what = "restarted the agent of " + f.Node
 				case FaultAPIServerRestart:
 					what = "restarted the kube-apiserver"
+					then = fmt.Sprintf("; the simulator's informer and the scheduler watched again %.1fs after it was back", f.Reconnect.Seconds())
 				}
-				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created", sched, tick, what, f.After)
+				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created%s", sched, tick, what, f.After, then)
 			}
 			if err := waitFor(fmt.Sprintf("tick %d: %d new pods to be bound or marked unschedulable", tick, len(names)), func() (bool, string) { return tr.settled(names) }); err != nil {
 				return nil, err
@@ -625,12 +631,12 @@ func (t *tracker) fill(res *Result) {
 // proves that the scheduler started (it runs in process; a bad
 // configuration makes it exit at once) and that its caches are warm before
 // the workload starts.
-func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerName string, timeout time.Duration) error {
+func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerName, name string, timeout time.Duration) error {
 	const ns = "sim-probe"
-	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create namespace: %w", err)
 	}
-	pod := cluster.PodWithClaims(ns, "probe", schedulerName)
+	pod := cluster.PodWithClaims(ns, name, schedulerName)
 	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("create probe pod: %w", err)
 	}
@@ -641,6 +647,38 @@ func probeScheduler(ctx context.Context, client kubernetes.Interface, schedulerN
 		return fmt.Errorf("delete probe pod: %w", err)
 	}
 	return nil
+}
+
+// reconnectTimeout bounds the wait for the simulator's informers and the
+// scheduler to watch again after the kube-apiserver restarted.
+const reconnectTimeout = 3 * time.Minute
+
+// awaitWatching waits, after the kube-apiserver came back, until the
+// simulator's pod informer sees a new pod and the scheduler binds one:
+// client-go's informers retry with a backoff that grows with each failure
+// in a row (to a minute and more after a few restarts), and a tick that
+// went on meanwhile would take the stale view of the simulator, or of the
+// scheduler, for the scheduler's doing. n numbers the wait's pods.
+func awaitWatching(ctx context.Context, client kubernetes.Interface, tr *tracker, schedulerName string, n int) error {
+	name := fmt.Sprintf("%s%d", sentinelPrefix, n)
+	sentinel := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: tr.namespace, Name: name},
+		// No scheduler has this name: the pod is only to be seen.
+		Spec: v1.PodSpec{SchedulerName: "sim-none", Containers: []v1.Container{{Name: "c", Image: "none"}}},
+	}
+	err := wait.PollUntilContextTimeout(ctx, pollInterval, reconnectTimeout, true, func(ctx context.Context) (bool, error) {
+		if _, err := client.CoreV1().Pods(tr.namespace).Create(ctx, sentinel, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return false, nil
+		}
+		return tr.sees(name), nil
+	})
+	if err != nil {
+		return fmt.Errorf("the simulator's pod informer did not see pod %s within %s: %w", name, reconnectTimeout, err)
+	}
+	if err := client.CoreV1().Pods(tr.namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		return fmt.Errorf("delete pod %s: %w", name, err)
+	}
+	return probeScheduler(ctx, client, schedulerName, fmt.Sprintf("probe-%d", n), reconnectTimeout)
 }
 
 // headroomArgs are the smallPodHeadroomPercent and wholeNodeDevices of

@@ -110,6 +110,23 @@ type tracker struct {
 	headroomPercent int32
 	// wholeNode is TopologyDRA's wholeNodeDevices.
 	wholeNode int
+
+	// sentinels are pods of the namespace that are not the workload's,
+	// named sentinelPrefix..., that the pod informer has seen: after a
+	// fault, the simulator creates one and waits for it, to know that
+	// the informer watches again.
+	sentinels map[string]bool
+}
+
+// sentinelPrefix starts the names of the pods by which the simulator
+// finds out that its pod informer watches again.
+const sentinelPrefix = "sim-sentinel-"
+
+// sees reports whether the pod informer has seen the sentinel pod name.
+func (t *tracker) sees(name string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.sentinels[name]
 }
 
 // setHeadroom sets TopologyDRA's smallPodHeadroomPercent and
@@ -130,6 +147,7 @@ func newTracker(namespace string) *tracker {
 		claims:      map[types.UID]*claimState{},
 		placed:      map[types.UID]int{},
 		inv:         measure.NewInventory(),
+		sentinels:   map[string]bool{},
 	}
 }
 
@@ -264,6 +282,9 @@ func (t *tracker) onPod(obj any, deleted bool) {
 	defer t.mu.Unlock()
 	ps := t.pods[pod.Name]
 	if ps == nil {
+		if strings.HasPrefix(pod.Name, sentinelPrefix) && !deleted {
+			t.sentinels[pod.Name] = true
+		}
 		return // not ours
 	}
 	if deleted {

@@ -36,26 +36,11 @@ func (w testWriter) Write(p []byte) (int, error) {
 func TestSimulator(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	const nodes = 4
-	opts := sim.Options{
-		Nodes:   nodes,
-		Profile: "dgx-h100=3,pcie-nvlink-pairs=1",
-		Pods:    40,
-		Seed:    7,
-		Pin:     true,
-		// A small warm-up, to check that it runs and that nothing of it
-		// is counted in the measured runs.
-		WarmUpPods: 6,
-		Progress:   testWriter{t},
-		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
-			return checkAgainstAPI(ctx, client, res)
-		},
-	}
-	report, err := sim.Run(tCtx, opts)
-	tCtx.ExpectNoError(err, "simulator run")
-
-	var table bytes.Buffer
-	tCtx.ExpectNoError(report.WriteTable(&table))
-	t.Logf("report:\n%s", table.String())
+	opts := smallPinned(t)
+	// A small warm-up, to check that it runs and that nothing of it is
+	// counted in the measured runs.
+	opts.WarmUpPods = 6
+	report, _ := runSimulator(tCtx, t, opts)
 
 	if got, want := len(report.Results), 2; got != want {
 		t.Fatalf("got %d results, want %d", got, want)
@@ -63,14 +48,7 @@ func TestSimulator(t *testing.T) {
 	if len(report.Nodes) != nodes {
 		t.Fatalf("report has %d nodes, want %d", len(report.Nodes), nodes)
 	}
-	totalGPUs := 0
-	for _, n := range report.Nodes {
-		for _, d := range n.Devices {
-			if d.GPU {
-				totalGPUs++
-			}
-		}
-	}
+	totalGPUs := countGPUs(report)
 	if report.WarmUpPods != opts.WarmUpPods {
 		t.Errorf("report says warm-up of %d pods, want %d", report.WarmUpPods, opts.WarmUpPods)
 	}
@@ -353,36 +331,14 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 // finds nothing.
 func TestSimulatorSurvivesFaults(t *testing.T) {
 	tCtx := ktesting.Init(t)
-	opts := sim.Options{
-		Nodes:      4,
-		Profile:    "dgx-h100=3,pcie-nvlink-pairs=1",
-		Pods:       40,
-		Seed:       7,
-		Pin:        true,
-		Faults:     3,
-		WarmUpPods: -1,
-		Progress:   testWriter{t},
-		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
-			return checkAgainstAPI(ctx, client, res)
-		},
-	}
-	report, err := sim.Run(tCtx, opts)
-	tCtx.ExpectNoError(err, "simulator run")
-	var table bytes.Buffer
-	tCtx.ExpectNoError(report.WriteTable(&table))
-	t.Logf("report:\n%s", table.String())
-	if !strings.Contains(table.String(), "1 scheduler, 1 agent, 1 API server restarts") {
+	opts := smallPinned(t)
+	opts.Faults, opts.WarmUpPods = 3, -1
+	report, table := runSimulator(tCtx, t, opts)
+	if !strings.Contains(table, "1 scheduler, 1 agent, 1 API server restarts") {
 		t.Error("the table does not say which faults were injected")
 	}
 
-	totalGPUs := 0
-	for _, n := range report.Nodes {
-		for _, d := range n.Devices {
-			if d.GPU {
-				totalGPUs++
-			}
-		}
-	}
+	totalGPUs := countGPUs(report)
 	var ticks [][]int
 	for _, res := range report.Results {
 		checkCounts(t, res, report.Pods, totalGPUs)
@@ -405,4 +361,45 @@ func TestSimulatorSurvivesFaults(t *testing.T) {
 	if len(ticks) == 2 && !slices.Equal(ticks[0], ticks[1]) {
 		t.Errorf("the schedulers got faults at different ticks: %v and %v", ticks[0], ticks[1])
 	}
+}
+
+// smallPinned is the small workload of the simulator's tests: 4 nodes (3
+// DGX H100 with NICs, 1 PCIe box with NVLink pairs), 40 pods pinned to
+// nodes by the seed, through topodra-scheduler and the stock scheduler;
+// each run's claims and slices are checked against the API at its end.
+func smallPinned(t *testing.T) sim.Options {
+	return sim.Options{
+		Nodes:    4,
+		Profile:  "dgx-h100=3,pcie-nvlink-pairs=1",
+		Pods:     40,
+		Seed:     7,
+		Pin:      true,
+		Progress: testWriter{t},
+		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
+			return checkAgainstAPI(ctx, client, res)
+		},
+	}
+}
+
+// runSimulator runs the simulator and logs its table, which it returns.
+func runSimulator(tCtx ktesting.TContext, t *testing.T, opts sim.Options) (*sim.Report, string) {
+	report, err := sim.Run(tCtx, opts)
+	tCtx.ExpectNoError(err, "simulator run")
+	var table bytes.Buffer
+	tCtx.ExpectNoError(report.WriteTable(&table))
+	t.Logf("report:\n%s", table.String())
+	return report, table.String()
+}
+
+// countGPUs counts the GPUs of a report's nodes.
+func countGPUs(report *sim.Report) int {
+	n := 0
+	for _, node := range report.Nodes {
+		for _, d := range node.Devices {
+			if d.GPU {
+				n++
+			}
+		}
+	}
+	return n
 }
