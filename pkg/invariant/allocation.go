@@ -37,6 +37,10 @@ type requestSpec struct {
 	selectors []resourceapi.DeviceSelector
 	mode      resourceapi.DeviceAllocationMode
 	count     int64
+	capacity  *resourceapi.CapacityRequirements
+	// derived are the names of the attributes the request derives
+	// (DRADerivedAttributes).
+	derived []resourceapi.FullyQualifiedName
 }
 
 // unjudged gathers why claims, or parts of them, were not judged for a
@@ -125,10 +129,12 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 	specs := map[string]requestSpec{}
 	for _, r := range c.Spec.Devices.Requests {
 		if e := r.Exactly; e != nil {
-			specs[r.Name] = requestSpec{class: e.DeviceClassName, selectors: e.Selectors, mode: e.AllocationMode, count: e.Count}
+			specs[r.Name] = requestSpec{class: e.DeviceClassName, selectors: e.Selectors, mode: e.AllocationMode, count: e.Count,
+				capacity: e.Capacity, derived: derivedNames(e.DerivedAttributes)}
 		}
 		for _, sub := range r.FirstAvailable {
-			specs[r.Name+"/"+sub.Name] = requestSpec{class: sub.DeviceClassName, selectors: sub.Selectors, mode: sub.AllocationMode, count: sub.Count}
+			specs[r.Name+"/"+sub.Name] = requestSpec{class: sub.DeviceClassName, selectors: sub.Selectors, mode: sub.AllocationMode, count: sub.Count,
+				capacity: sub.Capacity, derived: derivedNames(sub.DerivedAttributes)}
 		}
 	}
 	var problems []string
@@ -140,6 +146,7 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 		}
 		byRequest[r.Request]++
 		problems = append(problems, selectorMismatches(j, c, r, devs[i], specs[r.Request], classes, skip)...)
+		problems = append(problems, capacityMismatches(r, devs[i], specs[r.Request].capacity)...)
 	}
 	for _, r := range c.Spec.Devices.Requests {
 		if r.Exactly != nil {
@@ -162,11 +169,84 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 		}
 	}
 	for i, constraint := range c.Spec.Devices.Constraints {
+		if name, ok := derivedIn(constraint, specs); ok {
+			skip(fmt.Sprintf("constraint #%d is on %s, which a request derives (DRADerivedAttributes), not checked", i, name))
+			continue
+		}
 		switch {
 		case constraint.MatchAttribute != nil:
 			problems = append(problems, matchAttributeMismatch(i, constraint, results, devs, skip)...)
 		case constraint.DistinctAttribute != nil:
 			problems = append(problems, distinctAttributeMismatch(i, constraint, results, devs, skip)...)
+		}
+	}
+	return problems
+}
+
+// derivedNames lists the names of derived attributes.
+func derivedNames(attrs []resourceapi.DeviceDerivedAttribute) []resourceapi.FullyQualifiedName {
+	var names []resourceapi.FullyQualifiedName
+	for _, a := range attrs {
+		names = append(names, resourceapi.FullyQualifiedName(a.Name))
+	}
+	return names
+}
+
+// derivedIn reports the attribute of constraint where one of the requests
+// it covers derives an attribute of that name: the upstream allocator
+// then compares the values the request's expression computes, which the
+// checker does not evaluate.
+func derivedIn(constraint resourceapi.DeviceConstraint, specs map[string]requestSpec) (resourceapi.FullyQualifiedName, bool) {
+	var name resourceapi.FullyQualifiedName
+	switch {
+	case constraint.MatchAttribute != nil:
+		name = *constraint.MatchAttribute
+	case constraint.DistinctAttribute != nil:
+		name = *constraint.DistinctAttribute
+	default:
+		return "", false
+	}
+	applies := constraintApplies(constraint)
+	for request, spec := range specs {
+		if applies(request) && slices.Contains(spec.derived, name) {
+			return name, true
+		}
+	}
+	return "", false
+}
+
+// capacityMismatches says where device d of result r cannot give what its
+// request asks of its capacity (DRAConsumableCapacity): the device lacks a
+// capacity asked for, has less of it than asked, or, for a share of a
+// device that allows multiple allocations, the share records less
+// consumed than asked. Like the upstream allocator it takes a request's
+// amount as the least that is consumed (a request policy may round it
+// up, never down).
+func capacityMismatches(r resourceapi.DeviceRequestAllocationResult, d *resourceapi.Device, asked *resourceapi.CapacityRequirements) []string {
+	if asked == nil {
+		return nil
+	}
+	var problems []string
+	for _, name := range slices.Sorted(maps.Keys(asked.Requests)) {
+		want := asked.Requests[name]
+		has, ok := d.Capacity[name]
+		switch {
+		case !ok:
+			problems = append(problems, fmt.Sprintf("device %s has no capacity %s, which request %q asks for", deviceOf(r), name, r.Request))
+			continue
+		case has.Value.Cmp(want) < 0:
+			problems = append(problems, fmt.Sprintf("device %s has %s of capacity %s, request %q asks for %s", deviceOf(r), has.Value.String(), name, r.Request, want.String()))
+			continue
+		}
+		if r.ShareID == nil {
+			continue
+		}
+		if consumed, ok := r.ConsumedCapacity[name]; !ok || consumed.Cmp(want) < 0 {
+			recorded := "none"
+			if ok {
+				recorded = consumed.String()
+			}
+			problems = append(problems, fmt.Sprintf("the share %s of device %s records %s of capacity %s consumed, request %q asks for %s", *r.ShareID, deviceOf(r), recorded, name, r.Request, want.String()))
 		}
 	}
 	return problems

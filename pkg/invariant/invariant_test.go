@@ -693,6 +693,15 @@ func gpu(name, typ string, clique any) resourceapi.Device {
 	return d
 }
 
+// withCapacity gives d the capacity name of amount.
+func withCapacity(d resourceapi.Device, name, amount string) resourceapi.Device {
+	if d.Capacity == nil {
+		d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{}
+	}
+	d.Capacity[resourceapi.QualifiedName(name)] = resourceapi.DeviceCapacity{Value: resource.MustParse(amount)}
+	return d
+}
+
 // exactly is a request of class for count devices, with the selectors.
 func exactly(name, class string, count int64, selectors ...string) resourceapi.DeviceRequest {
 	r := resourceapi.DeviceRequest{Name: name, Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: class, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: count}}
@@ -730,7 +739,12 @@ func TestAllocationMismatch(t *testing.T) {
 	nodeC := slice("node-c", 1,
 		gpu("gpu-0", "gpu", "a"), gpu("gpu-1", "gpu", "a"), gpu("gpu-2", "gpu", "b"),
 		gpu("gpu-3", "gpu", 1), gpu("gpu-4", "gpu", 1), gpu("gpu-5", "gpu", "1"),
-		gpu("cpu-0", "cpu", "a"), gpu("gpu-6", "gpu", nil))
+		gpu("cpu-0", "cpu", "a"), gpu("gpu-6", "gpu", nil), withCapacity(gpu("gpu-7", "gpu", "c"), "memory", "40Gi"),
+		func() resourceapi.Device {
+			d := withCapacity(gpu("link-0", "gpu", "c"), "bandwidth", "10")
+			d.AllowMultipleAllocations = ptr.To(true)
+			return d
+		}())
 	typed := deviceClass("typed", `device.attributes["`+driver+`"].type == "gpu"`)
 	classes := []*resourceapi.DeviceClass{gpuClass(), typed}
 	two := []resourceapi.DeviceRequest{exactly("gpus", "gpu", 2)}
@@ -742,6 +756,30 @@ func TestAllocationMismatch(t *testing.T) {
 	}}}
 	mismatch := func(claim string) Violation {
 		return Violation{Kind: AllocationMismatch, Claims: []string{"ns/" + claim}}
+	}
+	// asking is one request for a GPU with capacity name: amount.
+	asking := func(name, amount string) []resourceapi.DeviceRequest {
+		r := exactly("gpus", "gpu", 1)
+		r.Exactly.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{resourceapi.QualifiedName(name): resource.MustParse(amount)}}
+		return []resourceapi.DeviceRequest{r}
+	}
+	// share is claim c allocated a share of link-0 that records consumed
+	// of its bandwidth (none where empty).
+	share := func(c *resourceapi.ResourceClaim, consumed string) *resourceapi.ResourceClaim {
+		r := &c.Status.Allocation.Devices.Results[0]
+		r.ShareID = ptr.To(types.UID("share-1"))
+		if consumed != "" {
+			r.ConsumedCapacity = map[resourceapi.QualifiedName]resource.Quantity{"bandwidth": resource.MustParse(consumed)}
+		}
+		return c
+	}
+	// derivedClique is two GPUs whose request derives the clique
+	// attribute that the constraint names.
+	derivedClique := func() []resourceapi.DeviceRequest {
+		r := slices.Clone(two)
+		r[0].Exactly = r[0].Exactly.DeepCopy()
+		r[0].Exactly.DerivedAttributes = []resourceapi.DeviceDerivedAttribute{{Name: driver + "/clique", Expression: `"same"`}}
+		return r
 	}
 	tests := map[string]struct {
 		claims  []*resourceapi.ResourceClaim
@@ -857,6 +895,36 @@ func TestAllocationMismatch(t *testing.T) {
 			claims: []*resourceapi.ResourceClaim{specClaim("c", two, distinctCliques, "gpus=gpu-0", "gpus=gpu-6")},
 			want:   []Violation{mismatch("c")},
 			wantIn: []string{"distinctAttribute", "gpu-6 does not have the attribute"},
+		},
+		"capacity the device has": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", asking("memory", "40Gi"), nil, "gpus=gpu-7")},
+		},
+		"more capacity than the device has": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", asking("memory", "80Gi"), nil, "gpus=gpu-7")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"gpu-7 has 40Gi of capacity memory, request \"gpus\" asks for 80Gi"},
+		},
+		"a capacity the device does not have": {
+			claims: []*resourceapi.ResourceClaim{specClaim("c", asking("memory", "1Gi"), nil, "gpus=gpu-0")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"gpu-0 has no capacity memory"},
+		},
+		"a share that records what it asks": {
+			claims: []*resourceapi.ResourceClaim{share(specClaim("c", asking("bandwidth", "4"), nil, "gpus=link-0"), "4")},
+		},
+		"a share that records less than it asks": {
+			claims: []*resourceapi.ResourceClaim{share(specClaim("c", asking("bandwidth", "4"), nil, "gpus=link-0"), "2")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"the share share-1 of device " + driver + "/node-c/link-0 records 2 of capacity bandwidth consumed, request \"gpus\" asks for 4"},
+		},
+		"a share that records nothing of what it asks": {
+			claims: []*resourceapi.ResourceClaim{share(specClaim("c", asking("bandwidth", "4"), nil, "gpus=link-0"), "")},
+			want:   []Violation{mismatch("c")},
+			wantIn: []string{"records none of capacity bandwidth"},
+		},
+		"a constraint on an attribute the request derives": {
+			claims:   []*resourceapi.ResourceClaim{specClaim("c", derivedClique(), cliques, "gpus=gpu-0", "gpus=gpu-2")},
+			wantNote: "constraint #0 is on " + driver + "/clique, which a request derives",
 		},
 		"first available under a constraint on the parent": {
 			claims: []*resourceapi.ResourceClaim{specClaim("c", firstAvailable, []resourceapi.DeviceConstraint{sameClique("r")}, "r/big=gpu-0", "r/big=gpu-2")},
