@@ -53,6 +53,14 @@ const (
 	// the pool's shared counter sets than the set holds: two partitions
 	// of one physical device are allocated that do not fit in it together.
 	CounterExceeded Kind = "CounterExceeded"
+	// IncompatiblePartitions: devices allocated from one shared counter
+	// set of a pool declare compatibility groups that do not go
+	// together (DRADeviceCompatibilityGroups): as for the upstream
+	// allocator, such devices may be allocated together only where every
+	// one declares none, or all declare groups and some group is common
+	// to them all. Partitions of two layouts of one physical device are
+	// allocated.
+	IncompatiblePartitions Kind = "IncompatiblePartitions"
 	// CapacityExceeded: the allocations of a device that allows multiple
 	// allocations consume more of one of its capacities than it has.
 	CapacityExceeded Kind = "CapacityExceeded"
@@ -142,7 +150,8 @@ type Violation struct {
 	// VanishedDevice and UntoleratedDeviceTaint.
 	Device *Device `json:"device,omitempty"`
 	// Counter is set for CounterExceeded, as
-	// driver/pool/counterSet/counter.
+	// driver/pool/counterSet/counter, and for IncompatiblePartitions, as
+	// driver/pool/counterSet.
 	Counter string `json:"counter,omitempty"`
 	// Pool is set for UnpublishedPool, as driver/pool.
 	Pool string `json:"pool,omitempty"`
@@ -450,6 +459,14 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 	var out []finding
 	counterUse := map[counterKey]resource.Quantity{}
 	counterClaims := map[counterKey][]string{}
+	// The allocated devices that consume each counter set (counterKey
+	// without a counter name), with their compatibility groups.
+	type member struct {
+		device Device
+		groups []string
+		claims []string
+	}
+	setMembers := map[counterKey][]member{}
 	// The allocated devices and their claims of each pool without slices.
 	unpublished := map[poolID][]Device{}
 	unpublishedClaims := map[poolID][]string{}
@@ -508,6 +525,8 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		// A device consumes its counters once, however many claims
 		// share it.
 		for _, consumption := range spec.ConsumesCounters {
+			set := counterKey{d.Driver, d.Pool, consumption.CounterSet, ""}
+			setMembers[set] = append(setMembers[set], member{d, consumption.CompatibilityGroups, distinct})
 			for name, c := range consumption.Counters {
 				k := counterKey{d.Driver, d.Pool, consumption.CounterSet, name}
 				sum := counterUse[k]
@@ -536,6 +555,28 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 			},
 		})
 	}
+	for set, members := range setMembers {
+		if len(members) < 2 || compatible(members, func(m member) []string { return m.groups }) {
+			continue
+		}
+		slices.SortFunc(members, func(a, b member) int { return cmp.Compare(a.device.Name, b.device.Name) })
+		var parts, claimNames []string
+		for _, m := range members {
+			groups := "no groups"
+			if len(m.groups) > 0 {
+				groups = "groups " + strings.Join(m.groups, ",")
+			}
+			parts = append(parts, fmt.Sprintf("%s (%s)", m.device.Name, groups))
+			claimNames = append(claimNames, m.claims...)
+		}
+		slices.Sort(claimNames)
+		claimNames = slices.Compact(claimNames)
+		id := set.driver + "/" + set.pool + "/" + set.set
+		out = append(out, finding{identity: id, Violation: Violation{
+			Kind: IncompatiblePartitions, Counter: id, Claims: claimNames,
+			Message: fmt.Sprintf("devices %s of pool %s/%s consume counter set %s together, but their compatibility groups do not go together (allocated to %s)", strings.Join(parts, ", "), set.driver, set.pool, set.set, strings.Join(claimNames, ", ")),
+		}})
+	}
 	for k, used := range counterUse {
 		// A counter set that the pool does not publish leaves the pool
 		// unusable for the allocator; nothing is over-consumed then.
@@ -552,6 +593,32 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		}})
 	}
 	return out
+}
+
+// compatible reports whether devices that consume one counter set may be
+// allocated together by their compatibility groups (groups of each), as
+// the upstream allocator decides: all declare none, or all declare some
+// and one group is common to all of them.
+func compatible[T any](members []T, groups func(T) []string) bool {
+	if len(members) == 0 {
+		return true
+	}
+	common := slices.Clone(groups(members[0]))
+	allNone := len(common) == 0
+	for _, m := range members[1:] {
+		g := groups(m)
+		switch {
+		case (len(g) == 0) != allNone:
+			return false
+		case allNone:
+			continue
+		}
+		common = slices.DeleteFunc(common, func(name string) bool { return !slices.Contains(g, name) })
+		if len(common) == 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func podViolations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim, nodes []*v1.Node, published pools) []Violation {

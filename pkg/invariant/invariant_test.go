@@ -489,6 +489,23 @@ func share(c *resourceapi.ResourceClaim, device string, consumed map[resourceapi
 // allows multiple allocations.
 func TestSharedResourcesChecker(t *testing.T) {
 	pool := partitioned("node-p", 1)
+	// layouts is a pool whose partitions of counter set gpu-0 declare
+	// compatibility groups (a layout each, or both, or none).
+	layouts := func() *resourceapi.ResourceSlice {
+		part := func(name string, groups ...string) resourceapi.Device {
+			return resourceapi.Device{Name: name, ConsumesCounters: []resourceapi.DeviceCounterConsumption{{
+				CounterSet: "gpu-0", CompatibilityGroups: groups,
+				Counters: map[string]resourceapi.Counter{"memory": {Value: resource.MustParse("10Gi")}},
+			}}}
+		}
+		s := slice("node-g", 1, part("p-a", "layout-a"), part("p-a2", "layout-a"), part("p-b", "layout-b"),
+			part("p-ab", "layout-a", "layout-b"), part("p-none"), part("p-none2"))
+		s.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-0", Counters: map[string]resourceapi.Counter{"memory": {Value: resource.MustParse("80Gi")}}}}
+		return s
+	}()
+	incompatible := func(claims ...string) Violation {
+		return Violation{Kind: IncompatiblePartitions, Counter: driver + "/node-g/gpu-0", Claims: claims}
+	}
 	bandwidth := func(q string) map[resourceapi.QualifiedName]string {
 		return map[resourceapi.QualifiedName]string{"bandwidth": q, "ports": "1"}
 	}
@@ -525,6 +542,39 @@ func TestSharedResourcesChecker(t *testing.T) {
 				Claims: []*resourceapi.ResourceClaim{claim("a", "node-p", "", "gpu-0-1g-0"), claim("b", "node-p", "", "gpu-0-2g-0")},
 			},
 			want: []Violation{{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/memory", Claims: []string{"ns/a", "ns/b"}}},
+		},
+		"partitions of one layout": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-a"), claim("b", "node-g", "", "p-a2", "p-ab"),
+			}},
+		},
+		"partitions without groups": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-none"), claim("b", "node-g", "", "p-none2"),
+			}},
+		},
+		"partitions of two layouts": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-a"), claim("b", "node-g", "", "p-b"),
+			}},
+			want: []Violation{incompatible("ns/a", "ns/b")},
+		},
+		"a partition without groups beside one with": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-none", "p-ab"),
+			}},
+			want: []Violation{incompatible("ns/a")},
+		},
+		"partitions each compatible with the next, with no group common to all": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-a"), claim("b", "node-g", "", "p-ab"), claim("c", "node-g", "", "p-b"),
+			}},
+			want: []Violation{incompatible("ns/a", "ns/b", "ns/c")},
+		},
+		"partitions of another layout with admin access": {
+			state: State{Slices: []*resourceapi.ResourceSlice{layouts}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-g", "", "p-a"), adminAccess(claim("admin", "node-g", "", "p-b")),
+			}},
 		},
 		"shares within the capacity": {
 			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
