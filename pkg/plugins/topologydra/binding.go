@@ -110,11 +110,10 @@ func (pl *TopologyDRA) bindingState(claim *resourceapi.ResourceClaim, now time.T
 			}
 		}
 		if !deviceReady && presence != nil {
-			p, err := presence(invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device})
-			if err != nil {
-				return false, err
-			}
-			if p == invariant.DeviceGone {
+			// Where the slices cannot be read the device is not known
+			// to be gone: the claim keeps its allocation and waits on
+			// (the binding timeout still bounds the wait).
+			if p, err := presence(invariant.Device{Driver: r.Driver, Pool: r.Pool, Name: r.Device}); err == nil && p == invariant.DeviceGone {
 				return false, fmt.Errorf("%w: claim %s, device %s/%s/%s is not published by the current ResourceSlices of its pool", errDeviceVanished, claim.Name, r.Driver, r.Pool, r.Device)
 			}
 		}

@@ -54,6 +54,8 @@ func TestBindingState(t *testing.T) {
 		// resourceSlices, if not nil, tell which devices are published,
 		// pending or gone.
 		resourceSlices []*resourceapi.ResourceSlice
+		// presenceErr, if set, is the error of reading the slices.
+		presenceErr error
 	}{
 		"pending, within the timeout": {claim: claim(), now: allocatedAt.Add(time.Minute)},
 		"pending, past the timeout":   {claim: claim(), now: allocatedAt.Add(11 * time.Minute), wantErr: errBindingTimeout},
@@ -71,6 +73,7 @@ func TestBindingState(t *testing.T) {
 			resourceSlices: []*resourceapi.ResourceSlice{poolSlice("a", 2, 2, "plain"), poolSlice("b", 1, 2, "bound")}},
 		"pending, pool without slices": {claim: claim(), now: allocatedAt,
 			resourceSlices: []*resourceapi.ResourceSlice{}, wantErr: errDeviceVanished},
+		"pending, slices unreadable": {claim: claim(), now: allocatedAt, presenceErr: errors.New("list resource slices: cache not synced")},
 		"ready, device vanished since": {claim: claim("Attached"), now: allocatedAt, wantReady: true,
 			resourceSlices: []*resourceapi.ResourceSlice{}},
 		"no timestamp: no timeout counted": {claim: func() *resourceapi.ResourceClaim {
@@ -82,7 +85,10 @@ func TestBindingState(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			var presence func(invariant.Device) (invariant.Presence, error)
-			if tc.resourceSlices != nil {
+			switch {
+			case tc.presenceErr != nil:
+				presence = func(invariant.Device) (invariant.Presence, error) { return invariant.DeviceGone, tc.presenceErr }
+			case tc.resourceSlices != nil:
 				publication := invariant.Publish(tc.resourceSlices)
 				presence = func(d invariant.Device) (invariant.Presence, error) { return publication.Presence(d), nil }
 			}
