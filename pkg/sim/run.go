@@ -196,8 +196,13 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 			err = errors.Join(err, fmt.Errorf("start agent on %s: %w", nodes[i].Name, agentErrs[i]))
 			continue
 		}
-		// The agent running at the end, which a fault may have replaced.
-		cp.AddStop(func() { agents[i].Stop() })
+		// The agent running at the end, which a fault may have replaced
+		// (none where its restart failed).
+		cp.AddStop(func() {
+			if agents[i] != nil {
+				agents[i].Stop()
+			}
+		})
 		wantSlices++
 		if len(a.Machine.NICDevices()) > 0 {
 			wantSlices++
@@ -310,6 +315,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 			restartAgent: func(ctx context.Context, i int) (string, error) {
 				old := agents[i]
 				old.Stop()
+				agents[i] = nil
 				a, err := agent.StartSimulated(ctx, agent.SimulatedOptions{
 					NodeName: nodes[i].Name, Profile: nodes[i].Profile, KubeClient: client, NICs: true, Machine: old.Machine,
 				})
