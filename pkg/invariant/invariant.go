@@ -556,7 +556,11 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		})
 	}
 	for set, members := range setMembers {
-		if len(members) < 2 || compatible(members, func(m member) []string { return m.groups }) {
+		groups := make([][]string, len(members))
+		for i, m := range members {
+			groups[i] = m.groups
+		}
+		if compatible(groups) {
 			continue
 		}
 		slices.SortFunc(members, func(a, b member) int { return cmp.Compare(a.device.Name, b.device.Name) })
@@ -596,17 +600,16 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 }
 
 // compatible reports whether devices that consume one counter set may be
-// allocated together by their compatibility groups (groups of each), as
-// the upstream allocator decides: all declare none, or all declare some
-// and one group is common to all of them.
-func compatible[T any](members []T, groups func(T) []string) bool {
-	if len(members) == 0 {
+// allocated together by their compatibility groups (one list per device),
+// as the upstream allocator decides: all declare none, or all declare
+// some and one group is common to all of them.
+func compatible(groups [][]string) bool {
+	if len(groups) == 0 {
 		return true
 	}
-	common := slices.Clone(groups(members[0]))
+	common := slices.Clone(groups[0])
 	allNone := len(common) == 0
-	for _, m := range members[1:] {
-		g := groups(m)
+	for _, g := range groups[1:] {
 		switch {
 		case (len(g) == 0) != allNone:
 			return false

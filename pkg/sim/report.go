@@ -408,6 +408,10 @@ type resultRow struct {
 // resultRows are the rows of the side-by-side table of results, in order;
 // the row of injected faults only where a run had some.
 func resultRows(results []Result) []resultRow {
+	var faults []resultRow
+	if slices.ContainsFunc(results, func(res Result) bool { return len(res.Faults) > 0 }) {
+		faults = []resultRow{{"faults injected", false, faultsText}}
+	}
 	rows := []resultRow{
 		{"pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) }},
 		{"finished / running at end", true, func(res Result) string { return fmt.Sprintf("%d / %d", res.Finished, res.RunningAtEnd) }},
@@ -425,6 +429,9 @@ func resultRows(results []Result) []resultRow {
 		}},
 		{"empty nodes opened / needlessly", false, openedText},
 		{"free GPUs in whole NUMA nodes", false, func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) }},
+	}
+	rows = append(rows, faults...)
+	rows = append(rows, []resultRow{
 		{"pods stuck (fit by count, not bound within 10 s)", false, func(res Result) string { return fmt.Sprint(res.Stuck) }},
 		{"invariant violations at the end (topodra-check)", false, func(res Result) string {
 			if res.InvariantViolations < 0 {
@@ -447,11 +454,7 @@ func resultRows(results []Result) []resultRow {
 			return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
 		}},
 		{"wall time", false, func(res Result) string { return fmt.Sprintf("%.1f s", res.WallSeconds) }},
-	}
-	if slices.ContainsFunc(results, func(res Result) bool { return len(res.Faults) > 0 }) {
-		i := slices.IndexFunc(rows, func(r resultRow) bool { return r.label == "pods stuck (fit by count, not bound within 10 s)" })
-		rows = slices.Insert(rows, i, resultRow{"faults injected", false, faultsText})
-	}
+	}...)
 	return rows
 }
 
