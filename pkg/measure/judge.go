@@ -83,17 +83,50 @@ func (c *Count) add(d *Device) {
 // DomainID names one domain: a value of a level on a node.
 type DomainID struct{ Node, Value string }
 
-// Inventory is the cluster's devices and who uses each of them. It is not
+// Inventory is the cluster's devices, who uses each of them and which are
+// unhealthy. An unhealthy device is never free, whoever uses it. It is not
 // safe for concurrent use; trackers guard it with their own lock.
 type Inventory struct {
-	devices map[string]*Device
-	nodes   map[string][]*Device // in the order added
-	owner   map[string]string    // device key -> owner
+	devices   map[string]*Device
+	nodes     map[string][]*Device // in the order added
+	owner     map[string]string    // device key -> owner
+	unhealthy map[string]bool
 }
 
 // NewInventory returns an empty inventory.
 func NewInventory() *Inventory {
-	return &Inventory{devices: map[string]*Device{}, nodes: map[string][]*Device{}, owner: map[string]string{}}
+	return &Inventory{devices: map[string]*Device{}, nodes: map[string][]*Device{}, owner: map[string]string{}, unhealthy: map[string]bool{}}
+}
+
+// SetUnhealthy records whether a device is unhealthy (tainted, so that no
+// new allocation may take it).
+func (inv *Inventory) SetUnhealthy(key string, unhealthy bool) {
+	if unhealthy {
+		inv.unhealthy[key] = true
+	} else {
+		delete(inv.unhealthy, key)
+	}
+}
+
+// Unhealthy reports whether a device is unhealthy.
+func (inv *Inventory) Unhealthy(key string) bool {
+	return inv.unhealthy[key]
+}
+
+// Available reports whether a device could be allocated now: healthy and
+// used by nobody.
+func (inv *Inventory) Available(key string) bool {
+	_, used := inv.owner[key]
+	return !used && !inv.unhealthy[key]
+}
+
+// free reports whether d counts as free in scope.
+func (inv *Inventory) free(d *Device, scope Scope) bool {
+	if inv.unhealthy[d.Key] {
+		return false
+	}
+	owner, used := inv.owner[d.Key]
+	return !used || (scope.Owner != "" && owner == scope.Owner)
 }
 
 // Add adds a device. Adding a key that is there already does nothing.
@@ -175,7 +208,7 @@ func (inv *Inventory) Free(level Level, scope Scope) map[DomainID]Count {
 			continue
 		}
 		for _, d := range devs {
-			if owner, used := inv.owner[d.Key]; used && (scope.Owner == "" || owner != scope.Owner) {
+			if !inv.free(d, scope) {
 				continue
 			}
 			if v := d.Domain(level); v != "" {
@@ -194,7 +227,7 @@ func (inv *Inventory) Free(level Level, scope Scope) map[DomainID]Count {
 func (inv *Inventory) FreeNames(level Level, id DomainID, scope Scope) []string {
 	var out []string
 	for _, d := range inv.nodes[id.Node] {
-		if owner, used := inv.owner[d.Key]; used && (scope.Owner == "" || owner != scope.Owner) {
+		if !inv.free(d, scope) {
 			continue
 		}
 		if d.Domain(level) == id.Value {
@@ -204,11 +237,15 @@ func (inv *Inventory) FreeNames(level Level, id DomainID, scope Scope) []string 
 	return out
 }
 
-// Fits reports whether some domain of level, empty, could hold want.
+// Fits reports whether some domain of level, empty, could hold want with
+// its healthy devices.
 func (inv *Inventory) Fits(level Level, want Count) bool {
 	capacity := map[DomainID]Count{}
 	for node, devs := range inv.nodes {
 		for _, d := range devs {
+			if inv.unhealthy[d.Key] {
+				continue
+			}
 			if v := d.Domain(level); v != "" {
 				id := DomainID{Node: node, Value: v}
 				c := capacity[id]

@@ -24,11 +24,12 @@ func twoNodes() *Inventory {
 
 func TestJudge(t *testing.T) {
 	tests := map[string]struct {
-		used  map[string]string // device key -> owner, before the allocation
-		keys  []string
-		level Level
-		scope Scope
-		want  Verdict
+		used      map[string]string // device key -> owner, before the allocation
+		unhealthy []string
+		keys      []string
+		level     Level
+		scope     Scope
+		want      Verdict
 	}{
 		"aligned pair": {
 			keys: []string{"a/g0", "a/g1"}, level: LevelPCIeRoot,
@@ -74,6 +75,18 @@ func TestJudge(t *testing.T) {
 			keys: []string{"a/g0", "a/g3"}, level: LevelNode,
 			want: Verdict{Aligned: true, Possible: true, Option: DomainID{"a", "a"}},
 		},
+		"an unhealthy device is not free": {
+			used:      map[string]string{"a/g3": "x", "b/g0": "x", "b/g3": "x"},
+			unhealthy: []string{"a/g0"},
+			keys:      []string{"a/g1", "a/g2"}, level: LevelPCIeRoot,
+			want: Verdict{},
+		},
+		"an unhealthy device of the owner's earlier claim is not free": {
+			used:      map[string]string{"a/g0": "pod", "a/g3": "x", "b/g0": "x", "b/g3": "x"},
+			unhealthy: []string{"a/g0"},
+			keys:      []string{"a/g1", "a/g2"}, level: LevelPCIeRoot, scope: Scope{Owner: "pod"},
+			want: Verdict{},
+		},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -82,6 +95,9 @@ func TestJudge(t *testing.T) {
 				if _, conflict := inv.Use(key, owner); conflict {
 					t.Fatalf("setup: %s used twice", key)
 				}
+			}
+			for _, key := range tc.unhealthy {
+				inv.SetUnhealthy(key, true)
 			}
 			if got := inv.Judge(tc.keys, tc.level, tc.scope); got != tc.want {
 				t.Errorf("Judge(%v, %v) = %+v, want %+v", tc.keys, tc.level, got, tc.want)
@@ -130,5 +146,39 @@ func TestUseReleaseAndFreeNames(t *testing.T) {
 	}
 	if got := inv.Free(LevelNUMA, Scope{})[DomainID{"a", "0"}]; got != (Count{GPUs: 4, NICs: 2}) {
 		t.Errorf("free in a/numa 0 after release: %+v", got)
+	}
+}
+
+func TestUnhealthy(t *testing.T) {
+	inv := twoNodes()
+	inv.SetUnhealthy("a/g1", true)
+	if inv.Available("a/g1") || !inv.Unhealthy("a/g1") {
+		t.Error("an unhealthy device is available")
+	}
+	if got := inv.Free(LevelPCIeRoot, Scope{})[DomainID{"a", "r0"}]; got != (Count{GPUs: 1, NICs: 1}) {
+		t.Errorf("free in a/r0 with g1 unhealthy: %+v, want 1 GPU, 1 NIC", got)
+	}
+	if got := inv.FreeNames(LevelPCIeRoot, DomainID{"a", "r0"}, Scope{}); len(got) != 2 || got[0] != "g0" || got[1] != "n0" {
+		t.Errorf("free names in a/r0 with g1 unhealthy: %v, want [g0 n0]", got)
+	}
+	for _, key := range []string{"b/g1", "a/g2", "b/g2"} {
+		inv.SetUnhealthy(key, true)
+	}
+	if inv.Fits(LevelPCIeRoot, Count{GPUs: 2}) {
+		t.Error("2 GPUs fit a root, though every root has an unhealthy GPU")
+	}
+	if !inv.Fits(LevelNUMA, Count{GPUs: 2}) || inv.Fits(LevelNUMA, Count{GPUs: 3}) {
+		t.Error("NUMA nodes of 2 healthy GPUs: 2 GPUs should fit, 3 not")
+	}
+	inv.Use("a/g0", "p")
+	if inv.Available("a/g0") {
+		t.Error("a used device is available")
+	}
+	inv.SetUnhealthy("a/g1", false)
+	if !inv.Available("a/g1") {
+		t.Error("a device healthy again is not available")
+	}
+	if !inv.Available("a/g3") {
+		t.Error("a healthy free device is not available")
 	}
 }

@@ -21,17 +21,33 @@ const (
 	// on the same etcd: every component loses its connections and
 	// watches meanwhile.
 	FaultAPIServerRestart = "apiserver-restart"
+	// FaultGPUXID makes a healthy GPU of a node report a critical XID
+	// through NVML: its agent taints it, the scheduler must not allocate
+	// it from then on, and it stays unhealthy for the rest of the run
+	// (the pod that uses it runs on, as under a NoSchedule taint).
+	FaultGPUXID = "gpu-xid"
 )
 
 // faultKinds are the kinds of fault, in the order a run's faults take.
-var faultKinds = []string{FaultSchedulerRestart, FaultAgentRestart, FaultAPIServerRestart}
+var faultKinds = []string{FaultSchedulerRestart, FaultAgentRestart, FaultGPUXID, FaultAPIServerRestart}
+
+// faultXIDs are the critical XIDs that FaultGPUXID picks from.
+var faultXIDs = []uint64{48, 74, 79, 94, 95, 119}
 
 // Fault is one fault injected into a run.
 type Fault struct {
 	Tick int    `json:"tick"`
 	Kind string `json:"kind"`
-	// Node is the node whose agent restarted; empty for the scheduler.
+	// Node is the node whose agent restarted or whose GPU failed; empty
+	// for the scheduler and the kube-apiserver.
 	Node string `json:"node,omitempty"`
+	// Device and XID are, for a GPU fault, the device that failed and
+	// the XID it reported; Tainted is how long after the XID the
+	// simulator saw the device's taint in its ResourceSlice. Device is
+	// empty where the node had no healthy GPU left.
+	Device  string        `json:"device,omitempty"`
+	XID     uint64        `json:"xid,omitempty"`
+	Tainted time.Duration `json:"taintedNs,omitempty"`
 	// After is how long after the tick's new pods were created the fault
 	// struck: the scheduler was placing them.
 	After time.Duration `json:"afterNs"`
@@ -79,7 +95,12 @@ type injector struct {
 	// waits until the components watch again, which it times; n numbers
 	// the fault.
 	restartAPIServer func(ctx context.Context, n int) (time.Duration, error)
-	nodes            int
+	// failGPU makes the GPU of node i that pick chooses among its
+	// healthy ones (pick(n) is in [0, n)) report xid, and waits until
+	// its taint is published; device is empty where the node has no
+	// healthy GPU.
+	failGPU func(ctx context.Context, i int, pick func(n int) int, xid uint64) (node, device string, tainted time.Duration, err error)
+	nodes   int
 }
 
 // strike injects the fault planned for tick, if any, a few milliseconds
@@ -95,6 +116,10 @@ func (in *injector) strike(ctx context.Context, tick int) (*Fault, error) {
 	}
 	after := time.Duration(in.plan.rng.IntN(30)) * time.Millisecond
 	node := in.plan.rng.IntN(max(in.nodes, 1))
+	// Drawn for every fault, so that the draws of later faults do not
+	// depend on which GPUs are left healthy.
+	gpuDraw := in.plan.rng.Uint64()
+	xid := faultXIDs[in.plan.rng.IntN(len(faultXIDs))]
 	select {
 	case <-ctx.Done():
 		return nil, ctx.Err()
@@ -118,16 +143,37 @@ func (in *injector) strike(ctx context.Context, tick int) (*Fault, error) {
 			return nil, fmt.Errorf("tick %d: restart the kube-apiserver: %w", tick, err)
 		}
 		f.Reconnect = back
+	case FaultGPUXID:
+		pick := func(n int) int { return int(gpuDraw % uint64(n)) }
+		name, device, tainted, err := in.failGPU(ctx, node, pick, xid)
+		if err != nil {
+			return nil, fmt.Errorf("tick %d: XID %d on a GPU of %s: %w", tick, xid, name, err)
+		}
+		f.Node, f.Device, f.Tainted = name, device, tainted
+		if device != "" {
+			f.XID = xid
+		}
 	}
 	return f, nil
 }
 
 // faultsText sums up a run's faults for the table: "2 scheduler, 1 agent,
-// 1 API server restarts".
+// 1 API server restarts; 1 GPU XID".
 func faultsText(res Result) string {
 	n := map[string]int{}
+	xids := 0
 	for _, f := range res.Faults {
 		n[f.Kind]++
+		if f.Kind == FaultGPUXID && f.Device != "" {
+			xids++
+		}
 	}
-	return fmt.Sprintf("%d scheduler, %d agent, %d API server restarts", n[FaultSchedulerRestart], n[FaultAgentRestart], n[FaultAPIServerRestart])
+	text := fmt.Sprintf("%d scheduler, %d agent, %d API server restarts", n[FaultSchedulerRestart], n[FaultAgentRestart], n[FaultAPIServerRestart])
+	if n[FaultGPUXID] > 0 {
+		text += fmt.Sprintf("; %d GPU XID", xids)
+		if xids != 1 {
+			text += "s"
+		}
+	}
+	return text
 }

@@ -19,9 +19,9 @@ func TestPlanFaults(t *testing.T) {
 			if !slices.Contains(distinct, tick) {
 				t.Errorf("n=%d: fault at tick %d, at which no pod arrives", n, tick)
 			}
-			want := []string{FaultSchedulerRestart, FaultAgentRestart, FaultAPIServerRestart}[i%3]
+			want := []string{FaultSchedulerRestart, FaultAgentRestart, FaultGPUXID, FaultAPIServerRestart}[i%4]
 			if p.at[tick] != want {
-				t.Errorf("n=%d: fault %d (tick %d) is %s, want %s: scheduler, agent and API server in turn", n, i, tick, p.at[tick], want)
+				t.Errorf("n=%d: fault %d (tick %d) is %s, want %s: scheduler, agent, GPU and API server in turn", n, i, tick, p.at[tick], want)
 			}
 		}
 		if again := planFaults(n, 5, arrivals); !maps.Equal(again.at, p.at) {
@@ -43,5 +43,19 @@ func TestFaultsRowOnlyWithFaults(t *testing.T) {
 	}
 	if got, want := faultsText(res), "2 scheduler, 1 agent, 1 API server restarts"; got != want {
 		t.Errorf("faultsText = %q, want %q", got, want)
+	}
+	tainted := func(rows []resultRow) bool {
+		return slices.ContainsFunc(rows, func(r resultRow) bool { return r.label == "allocations of a tainted GPU" })
+	}
+	if tainted(resultRows([]Result{{}, res})) {
+		t.Error("a row of tainted allocations for runs without GPU faults")
+	}
+	// A GPU fault that found no healthy GPU is no XID.
+	res.Faults = append(res.Faults, Fault{Kind: FaultGPUXID, Node: "n", Device: "d", XID: 79}, Fault{Kind: FaultGPUXID, Node: "n"})
+	if got, want := faultsText(res), "2 scheduler, 1 agent, 1 API server restarts; 1 GPU XID"; got != want {
+		t.Errorf("faultsText = %q, want %q", got, want)
+	}
+	if !tainted(resultRows([]Result{{}, res})) {
+		t.Error("no row of tainted allocations for a run with GPU faults")
 	}
 }

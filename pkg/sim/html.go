@@ -109,7 +109,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		labels = append([]string{"end"}, slices.Delete(labels, i, i+1)...)
 	}
 	colors := podColors(r)
-	p("<h2>GPU maps</h2>\n<p class=\"note\">Each box is a node: NUMA nodes (outer), PCIe roots (inner), GPUs (squares, colored by pod; gray dashed = free) and NICs (small, after a root's GPUs). Colored bars under GPUs join the members of an NVLink clique (a DGX H100 is one clique of 8 through NVSwitch; the PCIe machine has bridged pairs). Hover a device for its pod.</p>\n")
+	p("<h2>GPU maps</h2>\n<p class=\"note\">Each box is a node: NUMA nodes (outer), PCIe roots (inner), GPUs (squares, colored by pod; gray dashed = free; a red frame: unhealthy, tainted by a GPU fault) and NICs (small, after a root's GPUs). Colored bars under GPUs join the members of an NVLink clique (a DGX H100 is one clique of 8 through NVSwitch; the PCIe machine has bridged pairs). Hover a device for its pod.</p>\n")
 	for _, label := range labels {
 		title := "at the end"
 		if label != "end" {
@@ -127,7 +127,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 			if snap != nil {
 				for _, n := range r.Nodes {
 					p("<div class=\"node\"><div class=\"node-title\">%s <span>%s</span></div>\n", e(n.Node), e(n.Profile))
-					writeNodeSVG(w, res.Scheduler, label, n, snap.Used, colors)
+					writeNodeSVG(w, res.Scheduler, label, n, snap.Used, snap.Unhealthy, colors)
 					p("</div>\n")
 				}
 			}
@@ -226,7 +226,7 @@ const (
 	cliqueGap float64 = 8
 )
 
-func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used map[string]string, colors map[string]string) {
+func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used, unhealthy map[string]string, colors map[string]string) {
 	e := html.EscapeString
 	// Group: NUMA -> root -> devices, in first-seen order (devices are
 	// sorted GPUs first by index, then NICs).
@@ -283,16 +283,21 @@ func writeNodeSVG(w io.Writer, scheduler, snapshot string, n NodeTopology, used 
 					wdt = nicW
 				}
 				pod, busy := used[d.Key]
-				fill, stroke, dash := "#eceff3", "#9aa3af", " stroke-dasharray=\"3,2\""
+				fill, stroke, attrs := "#eceff3", "#9aa3af", " stroke-dasharray=\"3,2\""
 				if busy {
-					fill, stroke, dash = colors[pod], "#2d3440", ""
+					fill, stroke, attrs = colors[pod], "#2d3440", ""
 				}
 				tip := d.Name + ": free"
 				if busy {
 					tip = d.Name + ": " + pod
 				}
+				if taint, ok := unhealthy[d.Key]; ok {
+					// Unhealthy: a red frame, used or not.
+					stroke, attrs = "#c0392b", " stroke-width=\"2.5\""
+					tip += ", unhealthy (" + taint + ")"
+				}
 				b("<g class=\"device\" data-device=\"%s\" data-pod=\"%s\"><title>%s</title>", e(d.Name), e(pod), e(tip))
-				b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"3\" fill=\"%s\" stroke=\"%s\"%s/>", x, devTop, wdt, gpuSize, fill, stroke, dash)
+				b("<rect x=\"%.0f\" y=\"%.0f\" width=\"%.0f\" height=\"%.0f\" rx=\"3\" fill=\"%s\" stroke=\"%s\"%s/>", x, devTop, wdt, gpuSize, fill, stroke, attrs)
 				if d.GPU {
 					b("<text x=\"%.0f\" y=\"%.0f\" font-size=\"9\" text-anchor=\"middle\" fill=\"#1d2430\">%s</text>", x+wdt/2, devTop+10, e(strings.TrimPrefix(d.Name, "gpu-")))
 					if busy {

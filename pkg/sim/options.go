@@ -109,12 +109,13 @@ type Options struct {
 	// DefaultWarmUpPods; negative: no warm-up.
 	WarmUpPods int
 	// Faults is the number of faults injected into each measured run:
-	// restarts of the scheduler, of a node's agent and of the
-	// kube-apiserver in turn, each a few
-	// milliseconds after the pods of a tick (chosen by the seed) were
-	// created, while the scheduler places them. Both schedulers get the
-	// same faults at the same ticks. The invariant checker and the
-	// stuck-pod count say whether the run survived them. 0: none.
+	// restarts of the scheduler and of a node's agent, a critical XID on
+	// a GPU and a restart of the kube-apiserver in turn (see the Fault*
+	// kinds), each a few milliseconds after the pods of a tick (chosen
+	// by the seed) were created, while the scheduler places them. Both
+	// schedulers get the same faults at the same ticks, nodes and GPUs.
+	// The invariant checker, the stuck-pod count and the allocations of
+	// tainted GPUs say whether the run survived them. 0: none.
 	Faults int
 }
 

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"text/tabwriter"
+	"time"
 )
 
 // Placement is one allocated claim, rated against the free devices just
@@ -49,6 +50,9 @@ type Snapshot struct {
 	Label string            `json:"label"`
 	Tick  int               `json:"tick"`
 	Used  map[string]string `json:"used"`
+	// Unhealthy are the devices with a NoSchedule or NoExecute taint (a
+	// GPU fault): key -> the taints' key=value.
+	Unhealthy map[string]string `json:"unhealthy,omitempty"`
 }
 
 // Wait is how long pods of one size waited, in ticks.
@@ -167,6 +171,9 @@ type NodeEnd struct {
 	// fit inside one NUMA node each.
 	Fit8 int `json:"fit8GPU"`
 	Fit4 int `json:"fit4GPUNUMAAligned"`
+	// Unhealthy counts the GPUs with a NoSchedule or NoExecute taint,
+	// which are not free (used or not).
+	Unhealthy int `json:"unhealthyGPUs,omitempty"`
 }
 
 // TickPoint is the state of a run at the end of one tick.
@@ -265,6 +272,13 @@ type Result struct {
 	Stuck int `json:"stuckPods,omitempty"`
 	// Faults are the faults injected into the run (Options.Faults).
 	Faults []Fault `json:"faults,omitempty"`
+	// TaintedAllocations describe the allocations of devices that had a
+	// NoSchedule or NoExecute taint when the simulator saw the
+	// allocation, with how long it had seen the taint: a scheduler whose
+	// view of the slices lags (its watch broken by an API server restart,
+	// say) may make them; the node's agent then refuses to prepare the
+	// claim, which the simulator, without kubelets, does not model.
+	TaintedAllocations []TaintedAllocation `json:"taintedAllocations,omitempty"`
 	// Errors are inconsistencies found while tracking (allocated devices
 	// that do not exist, double allocation, claims on another node), and
 	// the violations that the invariant checker (pkg/invariant, shipped
@@ -274,6 +288,24 @@ type Result struct {
 	// found at the end of the run; -1 where it could not read the cluster
 	// (a note says why).
 	InvariantViolations int `json:"invariantViolations"`
+}
+
+// TaintedAllocation is an allocation of a device that had a NoSchedule or
+// NoExecute taint when the simulator saw the allocation.
+type TaintedAllocation struct {
+	Claim  string `json:"claim"`
+	Pod    string `json:"pod"`
+	Device string `json:"device"`
+	// Taint is the device's taints, key=value.
+	Taint string `json:"taint"`
+	// After is how long the simulator had seen the taint: an allocation
+	// that the scheduler picked before the taint reached it and wrote
+	// after shows a few milliseconds.
+	After time.Duration `json:"afterNs"`
+}
+
+func (a TaintedAllocation) String() string {
+	return fmt.Sprintf("claim %s of pod %s: %s allocated %s after the simulator saw its taint %s", a.Claim, a.Pod, a.Device, a.After.Round(time.Millisecond), a.Taint)
 }
 
 // DeviceInfo describes one device for the maps.
@@ -349,6 +381,9 @@ func (r *Report) WriteTable(out io.Writer) error {
 			if i < len(res.Nodes) {
 				e := res.Nodes[i]
 				line += fmt.Sprintf("%d / %d / %d / %d", e.FreeGPUs, e.LargestBlock, e.Fit8, e.Fit4)
+				if e.Unhealthy > 0 {
+					line += fmt.Sprintf(" (%d unhealthy)", e.Unhealthy)
+				}
 			}
 			line += "\t"
 		}
@@ -411,6 +446,11 @@ func resultRows(results []Result) []resultRow {
 	var faults []resultRow
 	if slices.ContainsFunc(results, func(res Result) bool { return len(res.Faults) > 0 }) {
 		faults = []resultRow{{"faults injected", false, faultsText}}
+	}
+	if slices.ContainsFunc(results, func(res Result) bool {
+		return len(res.TaintedAllocations) > 0 || slices.ContainsFunc(res.Faults, func(f Fault) bool { return f.Kind == FaultGPUXID })
+	}) {
+		faults = append(faults, resultRow{"allocations of a tainted GPU", true, func(res Result) string { return fmt.Sprint(len(res.TaintedAllocations)) }})
 	}
 	rows := []resultRow{
 		{"pods placed / pending", false, func(res Result) string { return fmt.Sprintf("%d / %d", res.Placed, res.Pending) }},
@@ -612,6 +652,10 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 				continue
 			}
 			e.GPUs++
+			if _, unhealthy := snap.Unhealthy[d.Key]; unhealthy {
+				e.Unhealthy++
+				continue
+			}
 			if _, used := snap.Used[d.Key]; used {
 				continue
 			}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"runtime/debug"
 	"runtime/pprof"
 	"slices"
@@ -181,12 +182,25 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	}
 	agents := make([]*agent.Simulated, len(nodes))
 	agentErrs := make([]error, len(nodes))
+	// With faults, each agent keeps a checkpoint, as a deployed one does,
+	// so that a GPU fault outlives a restart of its agent; the cluster's
+	// directory goes when the cluster stops.
+	stateRoot := ""
+	if opts.Faults > 0 {
+		stateRoot = filepath.Join(cp.Dir, "agents")
+	}
+	agentOptions := func(i int, m *mockgpu.Machine) agent.SimulatedOptions {
+		o := agent.SimulatedOptions{NodeName: nodes[i].Name, Profile: nodes[i].Profile, KubeClient: client, NICs: true, Machine: m}
+		if stateRoot != "" {
+			o.StateDir = filepath.Join(stateRoot, nodes[i].Name, "state")
+			o.CDIDir = filepath.Join(stateRoot, nodes[i].Name, "cdi")
+		}
+		return o
+	}
 	var wg sync.WaitGroup
-	for i, n := range nodes {
+	for i := range nodes {
 		wg.Go(func() {
-			agents[i], agentErrs[i] = agent.StartSimulated(ctx, agent.SimulatedOptions{
-				NodeName: n.Name, Profile: n.Profile, KubeClient: client, NICs: true,
-			})
+			agents[i], agentErrs[i] = agent.StartSimulated(ctx, agentOptions(i, nil))
 		})
 	}
 	wg.Wait()
@@ -316,14 +330,44 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 				old := agents[i]
 				old.Stop()
 				agents[i] = nil
-				a, err := agent.StartSimulated(ctx, agent.SimulatedOptions{
-					NodeName: nodes[i].Name, Profile: nodes[i].Profile, KubeClient: client, NICs: true, Machine: old.Machine,
-				})
+				a, err := agent.StartSimulated(ctx, agentOptions(i, old.Machine))
 				if err != nil {
 					return nodes[i].Name, err
 				}
 				agents[i] = a
 				return nodes[i].Name, nil
+			},
+			failGPU: func(ctx context.Context, i int, pick func(int) int, xid uint64) (string, string, time.Duration, error) {
+				node := nodes[i].Name
+				healthy := tr.healthyGPUs(node)
+				if len(healthy) == 0 {
+					return node, "", 0, nil
+				}
+				uuid := healthy[pick(len(healthy))]
+				m := agents[i].Machine
+				gpu := -1
+				for j := range m.Spec().GPUs {
+					if m.UUID(j) == uuid {
+						gpu = j
+					}
+				}
+				if gpu < 0 {
+					return node, "", 0, fmt.Errorf("no GPU of the machine has UUID %s", uuid)
+				}
+				start := time.Now()
+				if err := m.InjectXID(gpu, xid); err != nil {
+					return node, "", 0, err
+				}
+				var key string
+				err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, opts.SettleTimeout, true, func(context.Context) (bool, error) {
+					var tainted bool
+					key, tainted = tr.taintedGPU(node, uuid)
+					return tainted, nil
+				})
+				if err != nil {
+					return node, key, 0, fmt.Errorf("the taint of GPU %s was not published within %s: %w", uuid, opts.SettleTimeout, err)
+				}
+				return node, key, time.Since(start), nil
 			},
 			restartAPIServer: func(ctx context.Context, n int) (time.Duration, error) {
 				cp.StopAPIServer()
@@ -494,6 +538,12 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 				case FaultAPIServerRestart:
 					what = "restarted the kube-apiserver"
 					then = fmt.Sprintf("; the simulator's informer and the scheduler watched again %.1fs after it was back", f.Reconnect.Seconds())
+				case FaultGPUXID:
+					what = "found no healthy GPU on " + f.Node + " for an XID"
+					if f.Device != "" {
+						what = fmt.Sprintf("made %s report XID %d", f.Device, f.XID)
+						then = fmt.Sprintf("; its taint was published %s later", f.Tainted.Round(time.Millisecond))
+					}
 				}
 				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created%s", sched, tick, what, f.After, then)
 			}
@@ -631,6 +681,10 @@ func (t *tracker) fill(res *Result) {
 	}
 	res.AlignedFraction = res.Alignment.Fraction()
 	res.Errors = slices.Clone(t.errs)
+	res.TaintedAllocations = slices.Clone(t.taintedAllocations)
+	for _, a := range t.taintedAllocations {
+		res.Notes = append(res.Notes, "allocated a tainted GPU (its agent would not prepare it): "+a.String())
+	}
 }
 
 // probeScheduler waits until the scheduler binds a pod without claims. It

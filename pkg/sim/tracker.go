@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/measure"
 	"github.com/topodra/topodra/pkg/topology"
@@ -36,6 +37,8 @@ type device struct {
 	NUMA   string
 	Root   string
 	Clique string
+	// UUID is the GPU's uuid attribute; empty for NICs.
+	UUID string
 }
 
 // podState is what the tracker knows about one workload pod.
@@ -111,11 +114,26 @@ type tracker struct {
 	// wholeNode is TopologyDRA's wholeNodeDevices.
 	wholeNode int
 
+	// tainted is, for each device that has a NoSchedule or NoExecute
+	// taint in its ResourceSlice, when the tracker saw the taint and its
+	// key=value; such a device is unhealthy in inv and counts as free
+	// nowhere.
+	tainted map[string]seenTaint
+	// taintedAllocations describe the allocations of devices that were
+	// tainted when the tracker saw the allocation.
+	taintedAllocations []TaintedAllocation
+
 	// sentinels are pods of the namespace that are not the workload's,
 	// named sentinelPrefix..., that the pod informer has seen: after a
 	// fault, the simulator creates one and waits for it, to know that
 	// the informer watches again.
 	sentinels map[string]bool
+}
+
+// seenTaint is a device taint as the tracker saw it.
+type seenTaint struct {
+	Since time.Time
+	What  string
 }
 
 // sentinelPrefix starts the names of the pods by which the simulator
@@ -147,6 +165,7 @@ func newTracker(namespace string) *tracker {
 		claims:      map[types.UID]*claimState{},
 		placed:      map[types.UID]int{},
 		inv:         measure.NewInventory(),
+		tainted:     map[string]seenTaint{},
 		sentinels:   map[string]bool{},
 	}
 }
@@ -182,6 +201,9 @@ func (t *tracker) loadDevices(slices_ []resourceapi.ResourceSlice, nodes []*v1.N
 			if a, ok := topology.LookupAttribute(driver, d.Attributes, topology.AttrNVLinkClique); ok {
 				dev.Clique, _ = topology.DomainValue(a)
 			}
+			if a, ok := d.Attributes[discovery.AttrUUID]; ok && dev.GPU && a.StringValue != nil {
+				dev.UUID = *a.StringValue
+			}
 			t.devices[dev.Key] = dev
 			t.nodeDevices[dev.Node] = append(t.nodeDevices[dev.Node], dev)
 		}
@@ -214,12 +236,19 @@ func nameIndex(name string) int {
 	return n
 }
 
-// start runs pod and claim informers for the namespace until ctx ends and
-// waits for their caches to sync.
+// start runs pod and claim informers for the namespace and a ResourceSlice
+// informer until ctx ends and waits for their caches to sync.
 func (t *tracker) start(ctx context.Context, client kubernetes.Interface) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithNamespace(t.namespace))
 	podInformer := factory.Core().V1().Pods().Informer()
 	claimInformer := factory.Resource().V1().ResourceClaims().Informer()
+	sliceInformer := factory.Resource().V1().ResourceSlices().Informer()
+	if _, err := sliceInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    t.onSlice,
+		UpdateFunc: func(_, obj any) { t.onSlice(obj) },
+	}); err != nil {
+		return err
+	}
 	if _, err := podInformer.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { t.onPod(obj, false) },
 		UpdateFunc: func(_, obj any) { t.onPod(obj, false) },
@@ -319,6 +348,67 @@ func claimPod(claim *resourceapi.ResourceClaim) string {
 	return ""
 }
 
+// onSlice follows the taints of the devices of a ResourceSlice: a device
+// with a NoSchedule or NoExecute taint (the agent's health taint, say) is
+// unhealthy until a later version of its slice has none. A deleted slice
+// changes nothing: its devices are not published meanwhile, and its
+// agent publishes them again.
+func (t *tracker) onSlice(obj any) {
+	slice, ok := obj.(*resourceapi.ResourceSlice)
+	if !ok {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range slice.Spec.Devices {
+		d := &slice.Spec.Devices[i]
+		key := slice.Spec.Driver + "/" + slice.Spec.Pool.Name + "/" + d.Name
+		if t.devices[key] == nil {
+			continue
+		}
+		var what []string
+		for _, taint := range d.Taints {
+			if taint.Effect == resourceapi.DeviceTaintEffectNoSchedule || taint.Effect == resourceapi.DeviceTaintEffectNoExecute {
+				what = append(what, taint.Key+"="+taint.Value)
+			}
+		}
+		switch {
+		case len(what) == 0:
+			delete(t.tainted, key)
+		case !t.inv.Unhealthy(key):
+			t.tainted[key] = seenTaint{Since: time.Now(), What: strings.Join(what, ",")}
+		}
+		t.inv.SetUnhealthy(key, len(what) > 0)
+	}
+}
+
+// healthyGPUs lists the UUIDs of the GPUs of a node that have no taint,
+// in the order of their names' indexes.
+func (t *tracker) healthyGPUs(node string) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for _, d := range t.nodeDevices[node] {
+		if d.GPU && d.UUID != "" && !t.inv.Unhealthy(d.Key) {
+			out = append(out, d.UUID)
+		}
+	}
+	return out
+}
+
+// taintedGPU returns the key of the GPU with uuid on node and whether the
+// tracker has seen a taint on it.
+func (t *tracker) taintedGPU(node, uuid string) (string, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, d := range t.nodeDevices[node] {
+		if d.GPU && d.UUID == uuid {
+			return d.Key, t.inv.Unhealthy(d.Key)
+		}
+	}
+	return "", false
+}
+
 func (t *tracker) onClaim(obj any, deleted bool) {
 	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = tomb.Obj
@@ -352,6 +442,9 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		}
 		if other, used := t.inv.Owner(key); used {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
+		}
+		if seen, ok := t.tainted[key]; ok {
+			t.taintedAllocations = append(t.taintedAllocations, TaintedAllocation{Claim: claim.Name, Pod: pod, Device: key, Taint: seen.What, After: time.Since(seen.Since)})
 		}
 		keys = append(keys, key)
 	}
@@ -556,6 +649,12 @@ func (t *tracker) snapshot(label string) Snapshot {
 	defer t.mu.Unlock()
 	snap := Snapshot{Label: label, Tick: t.tick, Used: map[string]string{}}
 	maps.Copy(snap.Used, t.inv.Owners())
+	for key, seen := range t.tainted {
+		if snap.Unhealthy == nil {
+			snap.Unhealthy = map[string]string{}
+		}
+		snap.Unhealthy[key] = seen.What
+	}
 	return snap
 }
 
@@ -659,7 +758,7 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 	for node, devs := range t.nodeDevices {
 		f := &free{}
 		for _, d := range devs {
-			if _, used := t.inv.Owner(d.Key); used {
+			if !t.inv.Available(d.Key) {
 				continue
 			}
 			if d.GPU {

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/topology"
 )
 
@@ -170,5 +172,83 @@ func TestClaimAllocatedAgainCountsOnce(t *testing.T) {
 	}
 	if len(res.Errors) != 0 {
 		t.Errorf("errors %q, want none", res.Errors)
+	}
+}
+
+// TestTrackerFollowsTaints: a device whose slice gains a NoSchedule taint
+// is free nowhere (retryable pods, snapshots, the end state) until its
+// slice has none again, and a claim allocated it meanwhile is recorded
+// with the taint; a NoSchedule taint on a used device keeps it unhealthy
+// after its pod releases it.
+func TestTrackerFollowsTaints(t *testing.T) {
+	gpu := func(i int, taints ...resourceapi.DeviceTaint) resourceapi.Device {
+		return resourceapi.Device{Name: fmt.Sprintf("gpu-%d", i), Taints: taints, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			discovery.AttrUUID: {StringValue: ptr.To(fmt.Sprintf("GPU-%d", i))},
+		}}
+	}
+	slice := func(devs ...resourceapi.Device) *resourceapi.ResourceSlice {
+		return &resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: topology.DriverName, NodeName: ptr.To("n"), Pool: resourceapi.ResourcePool{Name: "n"}, Devices: devs}}
+	}
+	health := resourceapi.DeviceTaint{Key: "gpu.topodra.io/unhealthy", Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule}
+	noEffect := resourceapi.DeviceTaint{Key: "example.com/note", Effect: "None"}
+	tr := newTracker(Namespace)
+	tr.loadDevices([]resourceapi.ResourceSlice{*slice(gpu(0), gpu(1))}, []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n"}}})
+	topo := tr.topology([]NodeSpec{{Name: "n"}})
+	key0 := topology.DriverName + "/n/gpu-0"
+
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p"}}
+	tr.created(pod, 0, &demand{GPUs: 2}, 2)
+	if got := tr.retryable(nil); !slices.Equal(got, []string{"p"}) {
+		t.Fatalf("retryable with both GPUs healthy: %v, want [p]", got)
+	}
+
+	tr.onSlice(slice(gpu(0, health), gpu(1, noEffect)))
+	if got := tr.healthyGPUs("n"); !slices.Equal(got, []string{"GPU-1"}) {
+		t.Errorf("healthy GPUs with gpu-0 tainted: %v, want [GPU-1] (a taint without effect counts for nothing)", got)
+	}
+	if k, tainted := tr.taintedGPU("n", "GPU-0"); k != key0 || !tainted {
+		t.Errorf("taintedGPU(GPU-0) = %q, %v; want %q, true", k, tainted, key0)
+	}
+	if got := tr.retryable(nil); len(got) != 0 {
+		t.Errorf("retryable with one of two GPUs tainted: %v, want none", got)
+	}
+	end := nodeEnds(topo, tr.snapshot("end"))
+	if len(end) != 1 || end[0].FreeGPUs != 1 || end[0].Unhealthy != 1 {
+		t.Errorf("end state %+v, want 1 free GPU, 1 unhealthy", end)
+	}
+
+	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: Namespace, UID: "c-1", OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: "q"}}},
+		Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+			{Request: "gpus", Driver: topology.DriverName, Pool: "n", Device: "gpu-0"},
+			{Request: "gpus", Driver: topology.DriverName, Pool: "n", Device: "gpu-1"},
+		}}}}}
+	tr.onClaim(claim, false)
+	res := &Result{}
+	tr.fill(res)
+	if len(res.TaintedAllocations) != 1 || res.TaintedAllocations[0].Device != key0 || res.TaintedAllocations[0].Taint != "gpu.topodra.io/unhealthy=xid-79" {
+		t.Errorf("tainted allocations %+v, want gpu-0's with its taint", res.TaintedAllocations)
+	}
+	if !slices.ContainsFunc(res.Notes, func(n string) bool {
+		return strings.Contains(n, "allocated a tainted GPU") && strings.Contains(n, key0)
+	}) {
+		t.Errorf("notes %q name no tainted allocation of %s", res.Notes, key0)
+	}
+
+	// Released, the tainted GPU stays unhealthy; the other is free.
+	tr.onClaim(claim, true)
+	end = nodeEnds(topo, tr.snapshot("end"))
+	if end[0].FreeGPUs != 1 || end[0].Unhealthy != 1 {
+		t.Errorf("after release: %+v, want 1 free GPU, 1 unhealthy", end)
+	}
+	// A slice without the taint: both healthy again.
+	tr.onSlice(slice(gpu(0), gpu(1)))
+	if got := tr.healthyGPUs("n"); !slices.Equal(got, []string{"GPU-0", "GPU-1"}) {
+		t.Errorf("healthy GPUs after the taint went: %v", got)
+	}
+	if got := tr.retryable(nil); !slices.Equal(got, []string{"p"}) {
+		t.Errorf("retryable after the taint went: %v, want [p]", got)
+	}
+	if snap := tr.snapshot("x"); len(snap.Unhealthy) != 0 {
+		t.Errorf("snapshot's unhealthy devices %v, want none", snap.Unhealthy)
 	}
 }

@@ -188,7 +188,7 @@ func (t *tracker) fitsWithHeadroom(selector labels.Selector, gpus int) bool {
 				continue
 			}
 			c.all++
-			if _, used := t.inv.Owner(d.Key); !used {
+			if t.inv.Available(d.Key) {
 				c.free++
 			}
 		}

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/net/html"
 	resourceapi "k8s.io/api/resource/v1"
@@ -88,8 +89,11 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if res.Pods != pods || res.Placed+res.Pending != pods {
 		t.Errorf("%s: pods %d, placed %d + pending %d, want %d in all", name, res.Pods, res.Placed, res.Pending, pods)
 	}
-	// Pinned pods go where they fit by count: nothing may stay pending.
-	if res.Pending != 0 {
+	// Pinned pods go where they fit by count: nothing may stay pending,
+	// unless a GPU failed (a pod pinned to its node may not fit any
+	// more; the run's stuck pods say whether one that fits was left).
+	gpuFaults := slices.ContainsFunc(res.Faults, func(f sim.Fault) bool { return f.Kind == sim.FaultGPUXID })
+	if res.Pending != 0 && !gpuFaults {
 		t.Errorf("%s: %d pods pending with a pinned workload that fits: %v", name, res.Pending, res.PendingPods)
 	}
 	if res.Finished+res.RunningAtEnd != res.Placed {
@@ -129,14 +133,19 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 		t.Errorf("%s: GPU+NIC: aligned %d, possible %d, total %d", name, a.NICRoot.Aligned, a.NICRoot.Possible, a.GPUNIC)
 	}
 	end := res.Snapshots[len(res.Snapshots)-1]
-	usedGPUs := 0
+	usedGPUs, unhealthyFree := 0, 0
 	for key := range end.Used {
 		if strings.HasPrefix(key, "gpu.topodra.io/") {
 			usedGPUs++
 		}
 	}
-	if res.FreeGPUs+usedGPUs != totalGPUs {
-		t.Errorf("%s: free %d + used %d GPUs at the end != %d", name, res.FreeGPUs, usedGPUs, totalGPUs)
+	for key := range end.Unhealthy {
+		if _, used := end.Used[key]; !used && strings.HasPrefix(key, "gpu.topodra.io/") {
+			unhealthyFree++
+		}
+	}
+	if res.FreeGPUs+usedGPUs+unhealthyFree != totalGPUs {
+		t.Errorf("%s: free %d + used %d + unused unhealthy %d GPUs at the end != %d", name, res.FreeGPUs, usedGPUs, unhealthyFree, totalGPUs)
 	}
 	fit8, fit4 := 0, 0
 	for _, n := range res.Nodes {
@@ -323,23 +332,25 @@ func checkHTML(t *testing.T, page []byte, report *sim.Report) {
 }
 
 // TestSimulatorSurvivesFaults runs the small pinned workload of
-// TestSimulator through both schedulers with three faults each: the
-// scheduler, a node's agent and the kube-apiserver restarted, each a few
-// milliseconds after a tick's pods were created (sim.Options.Faults).
-// Every pod is placed all the same, none is left stuck although it fits,
-// the claims and slices agree with the API, and the invariant checker
-// finds nothing.
+// TestSimulator through both schedulers with four faults each: the
+// scheduler and a node's agent restarted, a critical XID on a GPU, and
+// the kube-apiserver restarted, each a few milliseconds after a tick's
+// pods were created (sim.Options.Faults). No pod is left stuck although
+// it fits (every pod is placed but those pinned to the failed GPU's node
+// that no longer fit there), the failed GPU is tainted to the end and no
+// claim is allocated it once the scheduler could know, the claims and
+// slices agree with the API, and the invariant checker finds nothing.
 func TestSimulatorSurvivesFaults(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	opts := smallPinned(t)
-	opts.Faults, opts.WarmUpPods = 3, -1
+	opts.Faults, opts.WarmUpPods = 4, -1
 	report, table := runSimulator(tCtx, t, opts)
-	if !strings.Contains(table, "1 scheduler, 1 agent, 1 API server restarts") {
+	if !strings.Contains(table, "1 scheduler, 1 agent, 1 API server restarts; 1 GPU XID") {
 		t.Error("the table does not say which faults were injected")
 	}
 
 	totalGPUs := countGPUs(report)
-	var ticks [][]int
+	var ticks [][]string
 	for _, res := range report.Results {
 		checkCounts(t, res, report.Pods, totalGPUs)
 		if res.Stuck != 0 {
@@ -348,18 +359,38 @@ func TestSimulatorSurvivesFaults(t *testing.T) {
 		if len(res.Faults) != opts.Faults {
 			t.Fatalf("%s: %d faults injected, want %d: %+v", res.Scheduler, len(res.Faults), opts.Faults, res.Faults)
 		}
-		var at []int
+		var at []string
 		for i, f := range res.Faults {
-			want := []string{sim.FaultSchedulerRestart, sim.FaultAgentRestart, sim.FaultAPIServerRestart}[i%3]
-			if f.Kind != want || (f.Kind == sim.FaultAgentRestart) != (f.Node != "") {
-				t.Errorf("%s: fault %d is %+v, want a %s (naming its node for an agent)", res.Scheduler, i, f, want)
+			want := []string{sim.FaultSchedulerRestart, sim.FaultAgentRestart, sim.FaultGPUXID, sim.FaultAPIServerRestart}[i%4]
+			if f.Kind != want || (f.Kind == sim.FaultAgentRestart || f.Kind == sim.FaultGPUXID) != (f.Node != "") {
+				t.Errorf("%s: fault %d is %+v, want a %s (naming its node for an agent or a GPU)", res.Scheduler, i, f, want)
 			}
-			at = append(at, f.Tick)
+			at = append(at, fmt.Sprintf("%d %s %s", f.Tick, f.Node, f.Device))
+			if f.Kind != sim.FaultGPUXID {
+				continue
+			}
+			// The GPU's taint is published, stays to the end, and no
+			// claim is allocated the GPU once the scheduler could know
+			// (an allocation picked before the taint reached the
+			// scheduler is written a few milliseconds later).
+			if f.Device == "" || f.XID == 0 || f.Tainted <= 0 {
+				t.Errorf("%s: GPU fault %+v: want a device, its XID and when its taint was seen", res.Scheduler, f)
+			}
+			if _, ok := res.Snapshots[len(res.Snapshots)-1].Unhealthy[f.Device]; !ok {
+				t.Errorf("%s: %s is not unhealthy at the end of the run", res.Scheduler, f.Device)
+			}
+		}
+		for _, a := range res.TaintedAllocations {
+			if a.After > time.Second {
+				t.Errorf("%s: %s", res.Scheduler, a)
+			} else {
+				t.Logf("%s: an allocation raced with its taint: %s", res.Scheduler, a)
+			}
 		}
 		ticks = append(ticks, at)
 	}
 	if len(ticks) == 2 && !slices.Equal(ticks[0], ticks[1]) {
-		t.Errorf("the schedulers got faults at different ticks: %v and %v", ticks[0], ticks[1])
+		t.Errorf("the schedulers got different faults (tick, node, device): %v and %v", ticks[0], ticks[1])
 	}
 }
 
