@@ -382,6 +382,9 @@ type Agent struct {
 	// faults are the faulty GPUs by UUID, with Device set to the name
 	// the GPU had when the fault was seen.
 	faults map[string]discovery.HealthEvent
+	// clearFaultsSeen is the value of the Node's ClearFaultsAnnotation at
+	// the last Node check, so that a value is reported once.
+	clearFaultsSeen string
 	// faultsUnsaved is set while faults holds one that could not be
 	// written to the checkpoint; a retry runs meanwhile.
 	faultsUnsaved bool
@@ -636,6 +639,7 @@ func (a *Agent) start() error {
 	node, nodeErr := a.readNode(ctx)
 	if nodeErr == nil {
 		a.ownerUID = node.UID
+		a.clearFaults(ctx, node)
 	}
 	if len(opts.DevicePluginResources) > 0 {
 		found := devicePlugin(node, opts.DevicePluginResources)

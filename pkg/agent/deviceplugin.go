@@ -76,6 +76,8 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 //     so a pod of either kind could get a GPU the other holds. A change is
 //     reported on the Node (ReasonDevicePlugin, ReasonDevicePluginGone)
 //     and republished. Claims already prepared are left alone.
+//   - GPU faults that its ClearFaultsAnnotation clears are forgotten and
+//     their health taints removed.
 //
 // An error reading the Node keeps the last answers.
 func (a *Agent) CheckNode(ctx context.Context) error {
@@ -84,7 +86,11 @@ func (a *Agent) CheckNode(ctx context.Context) error {
 		return err
 	}
 	ownerErr := a.followNode(ctx, node)
-	if len(a.opts.DevicePluginResources) == 0 || !a.setDevicePlugin(ctx, devicePlugin(node, a.opts.DevicePluginResources)) {
+	changed := a.clearFaults(ctx, node)
+	if len(a.opts.DevicePluginResources) > 0 && a.setDevicePlugin(ctx, devicePlugin(node, a.opts.DevicePluginResources)) {
+		changed = true
+	}
+	if !changed {
 		return ownerErr
 	}
 	return errors.Join(ownerErr, a.publish(ctx))
