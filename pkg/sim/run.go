@@ -358,14 +358,17 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 				if err := m.InjectXID(gpu, xid); err != nil {
 					return node, "", 0, err
 				}
+				// The agent publishes the taint at once; after a
+				// kube-apiserver restart the agent's slice controller or
+				// the simulator's slice informer may still be backing off.
 				var key string
-				err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, opts.SettleTimeout, true, func(context.Context) (bool, error) {
+				err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, reconnectTimeout, true, func(context.Context) (bool, error) {
 					var tainted bool
 					key, tainted = tr.taintedGPU(node, uuid)
 					return tainted, nil
 				})
 				if err != nil {
-					return node, key, 0, fmt.Errorf("the taint of GPU %s was not published within %s: %w", uuid, opts.SettleTimeout, err)
+					return node, key, 0, fmt.Errorf("the simulator did not see the taint of GPU %s within %s: %w", uuid, reconnectTimeout, err)
 				}
 				return node, key, time.Since(start), nil
 			},
@@ -542,7 +545,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 					what = "found no healthy GPU on " + f.Node + " for an XID"
 					if f.Device != "" {
 						what = fmt.Sprintf("made %s report XID %d", f.Device, f.XID)
-						then = fmt.Sprintf("; its taint was published %s later", f.Tainted.Round(time.Millisecond))
+						then = fmt.Sprintf("; the simulator saw its taint %s later", f.Tainted.Round(time.Millisecond))
 					}
 				}
 				opts.progressf("[%s] tick %d: %s %s after the tick's pods were created%s", sched, tick, what, f.After, then)
