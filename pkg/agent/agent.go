@@ -40,7 +40,8 @@
 // devices, topodra tolerates its own taint. A device
 // that NVML reports as faulty (critical XID, lost GPU) carries the
 // NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
-// until the node reboots: the fault belongs to the GPU's UUID, stays while
+// until the node reboots or [ClearFaultsAnnotation] clears it: the fault
+// belongs to the GPU's UUID, stays while
 // the GPU is missing from discovery, and is kept in the checkpoint (where
 // the agent has one) across agent restarts. While the agent cannot use
 // NVML (see [Agent.NVMLUnusable]) every device carries the NoSchedule taint
@@ -382,9 +383,15 @@ type Agent struct {
 	// faults are the faulty GPUs by UUID, with Device set to the name
 	// the GPU had when the fault was seen.
 	faults map[string]discovery.HealthEvent
-	// clearFaultsSeen is the value of the Node's ClearFaultsAnnotation at
-	// the last Node check, so that a value is reported once.
-	clearFaultsSeen string
+	// faultLast is, for a fault reported again, when it was last
+	// reported (see markUnhealthy).
+	faultLast map[string]time.Time
+	// faultsCleared are the UUIDs whose faults ClearFaultsAnnotation
+	// cleared and that the checkpoint may still hold (see writeFaults).
+	faultsCleared map[string]struct{}
+	// clearAnnotation is the ClearFaultsAnnotation at the last Node check, so
+	// that a value is reported once (see clearFaults).
+	clearAnnotation clearFaultsState
 	// faultsUnsaved is set while faults holds one that could not be
 	// written to the checkpoint; a retry runs meanwhile.
 	faultsUnsaved bool
@@ -537,6 +544,8 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 		discovery:     opts.Discovery,
 		health:        opts.Health,
 		faults:        map[string]discovery.HealthEvent{},
+		faultLast:     map[string]time.Time{},
+		faultsCleared: map[string]struct{}{},
 		healthChanged: make(chan struct{}),
 		goneReported:  map[types.UID]bool{},
 		droppedFields: map[string]bool{},

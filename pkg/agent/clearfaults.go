@@ -11,23 +11,24 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
-	"github.com/topodra/topodra/pkg/agent/checkpoint"
+	"github.com/topodra/topodra/pkg/agent/discovery"
 )
 
 // ClearFaultsAnnotation on the agent's Node lets an admin put GPUs back in
 // service whose faults were dealt with without a reboot (a GPU reset with
 // nvidia-smi, say). Its value is an RFC 3339 time, optionally followed by
-// a space and a comma-separated list of device names (gpu-3) or GPU UUIDs:
-// the faults of those GPUs (of every GPU without a list) recorded before
-// that time are cleared at the agent's next Node check (at start, then
-// every Options.NodeCheck): the health taint goes, the kubelet gets the
-// GPU as Healthy again (where its health is watched), the checkpoint
-// forgets the fault and the Node gets a ReasonFaultsCleared event. A fault
-// recorded after the time stays, so the annotation may stay too. A value
-// that cannot be read, a time more than maxClearAhead ahead of the
-// agent's clock, or a list entry that names no GPU of the node clears
-// nothing of its own and gets a ReasonClearFaultsRefused Warning on the
-// Node.
+// a space and a comma-separated list of GPUs, each a device name as the
+// node publishes it now (gpu-3) or a GPU UUID: the faults of those GPUs
+// (of every GPU without a list) last reported before that time are
+// cleared at the agent's next Node check (at start, then every
+// Options.NodeCheck): the health taint goes, the kubelet gets the GPU as
+// Healthy again (where its health is watched), the checkpoint forgets the
+// fault and the Node gets a ReasonFaultsCleared event. A fault reported
+// (again) after the time stays, so the annotation may stay too. A value
+// that cannot be read, a time ahead of the agent's clock (it would clear
+// faults still to come), a list entry that names no GPU of the node, and
+// a value that clears no fault get a ReasonClearFaultsRefused Warning on
+// the Node, once per value while the agent runs.
 const ClearFaultsAnnotation = "gpu.topodra.io/clear-faults"
 
 const (
@@ -35,15 +36,10 @@ const (
 	// GPU faults that ClearFaultsAnnotation cleared.
 	ReasonFaultsCleared = "TopodraFaultsCleared"
 	// ReasonClearFaultsRefused is the Warning event on the Node for a
-	// ClearFaultsAnnotation that the agent cannot follow.
+	// ClearFaultsAnnotation that the agent cannot follow, or that clears
+	// nothing.
 	ReasonClearFaultsRefused = "TopodraClearFaultsRefused"
 )
-
-// maxClearAhead is how far ahead of the agent's clock the time of
-// ClearFaultsAnnotation may be (clocks differ a little between the admin's
-// machine and the node): a time to come would clear faults that have not
-// happened yet, turning health tainting off until then.
-const maxClearAhead = time.Minute
 
 // clearRequest is a parsed ClearFaultsAnnotation.
 type clearRequest struct {
@@ -62,8 +58,8 @@ func parseClearFaults(value string, now time.Time) (clearRequest, error) {
 	if err != nil {
 		return clearRequest{}, fmt.Errorf("the time: %w", err)
 	}
-	if before.After(now.Add(maxClearAhead)) {
-		return clearRequest{}, fmt.Errorf("the time %s is ahead of the node's clock (%s): it would clear faults that have not happened yet", fields[0], now.UTC().Format(time.RFC3339))
+	if before.After(now) {
+		return clearRequest{}, fmt.Errorf("the time %s is ahead of the node's clock (%s): it would clear faults still to come; give the time of the reset", fields[0], now.UTC().Format(time.RFC3339))
 	}
 	req := clearRequest{before: before}
 	if len(fields) == 2 {
@@ -77,86 +73,153 @@ func parseClearFaults(value string, now time.Time) (clearRequest, error) {
 	return req, nil
 }
 
+// clearFaultsState is what the agent remembers of ClearFaultsAnnotation
+// between Node checks.
+type clearFaultsState struct {
+	// seen: the annotation was there at the last check, with value.
+	seen  bool
+	value string
+	// refused: value was refused (an error, not a GPU list), and stays so
+	// until it changes, even once its time has passed.
+	refused bool
+}
+
 // clearFaults follows the node's ClearFaultsAnnotation (see there) and
-// reports whether it cleared a fault. An annotation value is reported
-// (refused, or naming GPUs unknown) once until it changes.
+// reports whether it cleared a fault; the caller publishes.
 func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 	value, ok := node.Annotations[ClearFaultsAnnotation]
 	a.mutex.Lock()
-	reported := a.clearFaultsSeen == value
-	a.clearFaultsSeen = value
+	prev := a.clearAnnotation
+	reported := prev.seen && prev.value == value
+	a.clearAnnotation = clearFaultsState{seen: ok, value: value, refused: reported && prev.refused}
 	a.mutex.Unlock()
-	if !ok {
+	if !ok || reported && prev.refused {
 		return false
 	}
 	logger := klog.FromContext(ctx)
+	refuse := func(format string, args ...any) {
+		if reported {
+			return
+		}
+		note := fmt.Sprintf(format, args...)
+		logger.Info("Not clearing GPU faults as the node's annotation asks", "annotation", ClearFaultsAnnotation, "value", value, "why", note)
+		a.nodeCauseEvent(v1.EventTypeWarning, ReasonClearFaultsRefused, "ClearFaults", "annotation %s=%q: %s", ClearFaultsAnnotation, value, note)
+	}
 	req, err := parseClearFaults(value, time.Now())
 	if err != nil {
-		if !reported {
-			logger.Error(err, "Cannot follow the node's annotation, no GPU fault cleared", "annotation", ClearFaultsAnnotation, "value", value)
-			a.nodeCauseEvent(v1.EventTypeWarning, ReasonClearFaultsRefused, "ClearFaults",
-				"annotation %s=%q: %v; no GPU fault cleared", ClearFaultsAnnotation, value, err)
-		}
+		a.mutex.Lock()
+		a.clearAnnotation.refused = true
+		a.mutex.Unlock()
+		refuse("%v; no GPU fault cleared", err)
 		return false
 	}
 
 	a.mutex.Lock()
-	// A GPU is known by its name or UUID, discovered or (missing from
-	// discovery) recorded with a fault.
-	known := map[string]bool{}
-	if a.inventory != nil {
-		for _, g := range a.inventory.GPUs {
-			known[g.Name], known[g.UUID] = true, true
-		}
-	}
+	targets, unknown := a.resolveGPUsLocked(req.gpus)
+	var cleared, kept []string
 	for uuid, f := range a.faults {
-		known[uuid], known[f.Device] = true, true
-	}
-	var unknown []string
-	for _, gpu := range req.gpus {
-		if !known[gpu] {
-			unknown = append(unknown, gpu)
-		}
-	}
-	var cleared []string // "gpu-3 (xid-48 at ...)"
-	var uuids []string
-	for uuid, f := range a.faults {
-		if !f.Time.Before(req.before) {
+		if targets != nil && !targets[uuid] {
 			continue
 		}
-		if len(req.gpus) > 0 && !slices.Contains(req.gpus, uuid) && !slices.Contains(req.gpus, f.Device) {
+		what := a.describeFaultLocked(uuid, f)
+		if !a.lastReportLocked(uuid).Before(req.before) {
+			kept = append(kept, what)
 			continue
 		}
 		delete(a.faults, uuid)
-		uuids = append(uuids, uuid)
-		cleared = append(cleared, fmt.Sprintf("%s %s (%s at %s)", f.Device, uuid, f.Reason, f.Time.UTC().Format(time.RFC3339)))
+		delete(a.faultLast, uuid)
+		a.faultsCleared[uuid] = struct{}{}
+		cleared = append(cleared, what)
 	}
 	if len(cleared) > 0 {
 		a.healthChangedLocked()
 	}
 	a.mutex.Unlock()
+	slices.Sort(cleared)
+	slices.Sort(kept)
 
-	if len(unknown) > 0 && !reported {
-		logger.Info("The node's annotation names GPUs this node does not have", "annotation", ClearFaultsAnnotation, "gpus", unknown)
-		a.nodeCauseEvent(v1.EventTypeWarning, ReasonClearFaultsRefused, "ClearFaults",
-			"annotation %s=%q names no GPU of this node: %s (device names such as gpu-3, or GPU UUIDs)", ClearFaultsAnnotation, value, strings.Join(unknown, ", "))
+	if len(unknown) > 0 {
+		refuse("names no GPU of this node: %s (device names as published now, such as gpu-3, or GPU UUIDs)", strings.Join(unknown, ", "))
 	}
 	if len(cleared) == 0 {
+		if len(unknown) == 0 {
+			why := "no GPU it names has a fault"
+			if len(kept) > 0 {
+				why = "every fault it names was reported at or after " + req.before.UTC().Format(time.RFC3339) + ": " + strings.Join(kept, "; ")
+			}
+			refuse("no GPU fault cleared: %s", why)
+		}
 		return false
 	}
-	slices.Sort(cleared)
-	logger.Info("Cleared GPU faults as the node's annotation asks", "annotation", ClearFaultsAnnotation, "value", value, "faults", cleared)
-	if a.store != nil {
-		if err := a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
-			for _, uuid := range uuids {
-				delete(cp.Faults, uuid)
-			}
-		}); err != nil {
-			// The annotation clears them again after a restart.
-			logger.Error(err, "Cannot remove the cleared GPU faults from the checkpoint; a restarted agent clears them again while the annotation stays")
-		}
+	logger.Info("Clearing GPU faults as the node's annotation asks", "annotation", ClearFaultsAnnotation, "value", value, "faults", cleared)
+	a.saveFaults(ctx)
+	published := "they are no longer tainted " + HealthTaintKey
+	if err := a.publish(ctx); err != nil {
+		a.HandleError(ctx, err, "publish after clearing GPU faults")
+		published = fmt.Sprintf("their %s taints go once the agent can publish (%v)", HealthTaintKey, err)
 	}
 	a.nodeEvent(v1.EventTypeNormal, ReasonFaultsCleared, "ClearFaults",
-		"GPU faults cleared as annotation %s=%q asks, the GPUs are no longer tainted %s: %s", ClearFaultsAnnotation, value, HealthTaintKey, strings.Join(cleared, "; "))
+		"GPU faults cleared as annotation %s=%q asks, %s: %s", ClearFaultsAnnotation, value, published, strings.Join(cleared, "; "))
 	return true
+}
+
+// resolveGPUsLocked turns the GPUs of a ClearFaultsAnnotation into UUIDs
+// (nil for no list: every GPU) and lists the entries that name none. A
+// device name is the name a discovered GPU has now; a GPU missing from
+// discovery with a fault is also known by the name it had when the fault
+// was seen, unless a discovered GPU has that name now. UUIDs match without
+// regard to case.
+func (a *Agent) resolveGPUsLocked(gpus []string) (map[string]bool, []string) {
+	if len(gpus) == 0 {
+		return nil, nil
+	}
+	byName := map[string]string{}
+	var uuids []string
+	if a.inventory != nil {
+		for _, g := range a.inventory.GPUs {
+			byName[g.Name] = g.UUID
+			uuids = append(uuids, g.UUID)
+		}
+	}
+	for uuid, f := range a.faults {
+		if !slices.Contains(uuids, uuid) {
+			uuids = append(uuids, uuid)
+			if _, taken := byName[f.Device]; !taken {
+				byName[f.Device] = uuid
+			}
+		}
+	}
+	targets := map[string]bool{}
+	var unknown []string
+	for _, gpu := range gpus {
+		if uuid, ok := byName[gpu]; ok {
+			targets[uuid] = true
+			continue
+		}
+		if i := slices.IndexFunc(uuids, func(u string) bool { return strings.EqualFold(u, gpu) }); i >= 0 {
+			targets[uuids[i]] = true
+			continue
+		}
+		unknown = append(unknown, gpu)
+	}
+	return targets, unknown
+}
+
+// describeFaultLocked names a fault for the Node's events: "gpu-3
+// GPU-… (xid-48 at …)", with the name the GPU had when the fault was seen
+// where it has another now, and the latest report where there was one.
+func (a *Agent) describeFaultLocked(uuid string, f discovery.HealthEvent) string {
+	name := f.Device
+	if a.inventory != nil {
+		for _, g := range a.inventory.GPUs {
+			if g.UUID == uuid && g.Name != f.Device {
+				name = g.Name + " (" + f.Device + " at the fault)"
+			}
+		}
+	}
+	when := f.Time.UTC().Format(time.RFC3339Nano)
+	if last := a.lastReportLocked(uuid); last.After(f.Time) {
+		when += ", last " + last.UTC().Format(time.RFC3339Nano)
+	}
+	return fmt.Sprintf("%s %s (%s at %s)", name, uuid, f.Reason, when)
 }

@@ -202,14 +202,17 @@ func (a *Agent) reportPartlyWatched(inv *discovery.Inventory, unwatched discover
 // markUnhealthy records a fault under the GPU's UUID (the event's UUID, or
 // the GPU that has the event's device name now; all GPUs for an event
 // without either), keeps it in the checkpoint, republishes with a health
-// taint and wakes up the kubelet health streams.
+// taint and wakes up the kubelet health streams. A fault reported again
+// for a GPU already faulty keeps its first reason and time (the taint's)
+// and records the time of the latest report, which ClearFaultsAnnotation
+// goes by.
 func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	logger := klog.FromContext(ctx)
 	if ev.Time.IsZero() {
 		ev.Time = time.Now()
 	}
 	a.mutex.Lock()
-	var affected []string
+	var affected, again []string
 	added := map[string]discovery.HealthEvent{}
 	for _, g := range a.inventory.GPUs {
 		switch {
@@ -219,11 +222,17 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 			continue
 		}
 		if _, already := a.faults[g.UUID]; already {
+			if ev.Time.After(a.lastReportLocked(g.UUID)) {
+				a.faultLast[g.UUID] = ev.Time
+				again = append(again, g.Name)
+			}
 			continue
 		}
 		fault := ev
 		fault.Device, fault.UUID = g.Name, g.UUID
 		a.faults[g.UUID] = fault
+		delete(a.faultLast, g.UUID)
+		delete(a.faultsCleared, g.UUID)
 		added[g.UUID] = fault
 		affected = append(affected, g.Name)
 	}
@@ -231,6 +240,12 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 		a.healthChangedLocked()
 	}
 	a.mutex.Unlock()
+	if len(again) > 0 {
+		logger.V(2).Info("Fault reported again on unhealthy devices", "devices", again, "reason", ev.Reason, "message", ev.Message)
+		if len(affected) == 0 {
+			a.saveFaults(ctx)
+		}
+	}
 	if len(affected) == 0 {
 		return
 	}
@@ -239,8 +254,18 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	if err := a.publish(ctx); err != nil {
 		a.HandleError(ctx, err, "publish health taints")
 	}
-	a.saveFaults(ctx, added)
+	a.saveFaults(ctx)
 	a.reportUnhealthy(ctx, affected, slices.Collect(maps.Keys(added)), ev)
+}
+
+// lastReportLocked is when the fault of the GPU with uuid was last
+// reported: its time, or the time of a later report of the same GPU.
+func (a *Agent) lastReportLocked(uuid string) time.Time {
+	t := a.faults[uuid].Time
+	if last, ok := a.faultLast[uuid]; ok && last.After(t) {
+		return last
+	}
+	return t
 }
 
 // fault returns the fault recorded for the GPU with uuid, if any.
@@ -255,20 +280,21 @@ func (a *Agent) fault(uuid string) (discovery.HealthEvent, bool) {
 // in the checkpoint after writing them failed.
 var faultSaveRetry = 5 * time.Second
 
-// saveFaults adds faults to the checkpoint, so that a restarted agent
-// still taints those GPUs. It does not wait for a Prepare or Unprepare
-// (see checkpointMutex). A failure is logged and retried every
-// faultSaveRetry in the background, with every fault known by then, until
-// it succeeds or the agent stops: the taint is published all the same.
-func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.HealthEvent) {
+// saveFaults brings the checkpoint's faults up to date (see writeFaults),
+// so that a restarted agent still taints those GPUs and no longer taints
+// those cleared. It does not wait for a Prepare or Unprepare (see
+// checkpointMutex). A failure is logged and retried every faultSaveRetry
+// in the background until it succeeds or the agent stops: the taint is
+// published (or removed) all the same.
+func (a *Agent) saveFaults(ctx context.Context) {
 	if a.store == nil {
 		return
 	}
-	err := a.writeFaults(faults)
+	err := a.writeFaults()
 	if err == nil {
 		return
 	}
-	utilruntime.HandleErrorWithContext(ctx, err, "Cannot record GPU faults in the checkpoint, retrying; an agent restarted meanwhile would not know them")
+	utilruntime.HandleErrorWithContext(ctx, err, "Cannot record GPU faults in the checkpoint, retrying; an agent restarted meanwhile would not know them, or taint GPUs whose faults were cleared")
 	a.mutex.Lock()
 	retrying := a.faultsUnsaved
 	a.faultsUnsaved = true
@@ -280,35 +306,57 @@ func (a *Agent) saveFaults(ctx context.Context, faults map[string]discovery.Heal
 	// lock while a retry may still write the checkpoint.
 	a.wg.Go(func() {
 		_ = wait.PollUntilContextCancel(a.ctx, faultSaveRetry, false, func(context.Context) (bool, error) {
-			a.mutex.Lock()
-			all := maps.Clone(a.faults)
-			a.mutex.Unlock()
-			if err := a.writeFaults(all); err != nil {
+			if err := a.writeFaults(); err != nil {
 				klog.FromContext(ctx).V(2).Info("Recording GPU faults in the checkpoint failed again", "err", err)
 				return false, nil
 			}
 			a.mutex.Lock()
 			a.faultsUnsaved = false
+			n := len(a.faults)
 			a.mutex.Unlock()
-			klog.FromContext(ctx).Info("Recorded GPU faults in the checkpoint", "faults", len(all))
+			klog.FromContext(ctx).Info("Recorded GPU faults in the checkpoint", "faults", n)
 			return true, nil
 		})
 	})
 }
 
-// writeFaults adds faults to the checkpoint's.
-func (a *Agent) writeFaults(faults map[string]discovery.HealthEvent) error {
-	return a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
-		if cp.Faults == nil {
+// writeFaults writes the agent's faults into the checkpoint, each with the
+// time of its latest report, and removes those cleared since the last
+// write. Faults that only the checkpoint has (it could not be read when
+// the agent started) stay. The faults are read under the checkpoint's
+// lock, so that writes that race write the latest state last.
+func (a *Agent) writeFaults() error {
+	var removed []string
+	err := a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
+		a.mutex.Lock()
+		defer a.mutex.Unlock()
+		removed = removed[:0]
+		for uuid := range a.faultsCleared {
+			delete(cp.Faults, uuid)
+			removed = append(removed, uuid)
+		}
+		if cp.Faults == nil && len(a.faults) > 0 {
 			cp.Faults = map[string]checkpoint.Fault{}
 		}
-		for uuid, ev := range faults {
-			cp.Faults[uuid] = checkpoint.Fault{Device: ev.Device, Reason: ev.Reason, Message: ev.Message, Time: ev.Time.UTC()}
+		for uuid, ev := range a.faults {
+			cp.Faults[uuid] = checkpoint.Fault{Device: ev.Device, Reason: ev.Reason, Message: ev.Message, Time: a.lastReportLocked(uuid).UTC()}
 		}
 	})
+	if err != nil {
+		return err
+	}
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	for _, uuid := range removed {
+		if _, again := a.faults[uuid]; !again {
+			delete(a.faultsCleared, uuid)
+		}
+	}
+	return nil
 }
 
-// loadFaults takes over the faults recorded in the checkpoint.
+// loadFaults takes over the faults recorded in the checkpoint; a fault's
+// time is that of its latest report before the restart.
 func (a *Agent) loadFaults() error {
 	cp, err := a.store.Load()
 	if err != nil {
@@ -379,7 +427,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 		inUse = "used by claims " + strings.Join(users, ", ")
 	}
 	a.devicesNodeEvent(devices, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
-		"devices %s are unhealthy (%s), tainted %s; %s", strings.Join(devices, ", "), what, HealthTaintKey, inUse)
+		"devices %s are unhealthy (%s), tainted %s until the node reboots or the annotation %s clears the fault after a GPU reset; %s", strings.Join(devices, ", "), what, HealthTaintKey, ClearFaultsAnnotation, inUse)
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin. An agent without a

@@ -351,8 +351,8 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		}
 		admin := ptr.Deref(r.AdminAccess, false)
 		if fault, ok := a.fault(gpu.UUID); ok && !admin {
-			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
-				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message)
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots or the Node annotation %s clears the fault after a GPU reset; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
+				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message, ClearFaultsAnnotation)
 		}
 		if owner, uid, ok := preparedElsewhere(cp, a.preparing, claim.UID, gpu.UUID, admin); ok {
 			// The message reaches the pod's events: a claim of another

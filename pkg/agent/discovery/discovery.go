@@ -148,6 +148,9 @@ type Skipped struct {
 	Index    int
 	PCIBusID string
 	Reason   string
+	// Lost: NVML answers ERROR_GPU_IS_LOST for the GPU (it fell off the
+	// bus).
+	Lost bool
 }
 
 // Inventory is the result of one discovery run. GPUs are sorted by index.

@@ -830,6 +830,86 @@ func TestWatchHealth(t *testing.T) {
 	}
 }
 
+// TestWatchHealthLostGPUs: a GPU that discovery found lost (fallen off
+// the bus before the watcher started, say at a rescan) explains NVML's
+// ERROR_GPU_IS_LOST: the watched GPUs, which answer, are not marked. A
+// watched GPU that NVML answers as lost is reported again every
+// LostReportInterval while it stays lost.
+func TestWatchHealthLostGPUs(t *testing.T) {
+	interval := discovery.LostReportInterval
+	discovery.LostReportInterval = 300 * time.Millisecond
+	t.Cleanup(func() { discovery.LostReportInterval = interval })
+	watch := func(t *testing.T, ctx context.Context, m *mockgpu.Machine) (*discovery.Inventory, chan discovery.HealthEvent, func()) {
+		t.Helper()
+		ctx, cancel := context.WithCancel(ctx)
+		d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		inv, err := d.Discover(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		events := make(chan discovery.HealthEvent, 10)
+		done := make(chan error)
+		go func() { done <- d.WatchHealth(ctx, inv, func(discovery.Unwatched) {}, events) }()
+		return inv, events, func() { stopWatch(t, cancel, done) }
+	}
+	next := func(t *testing.T, events chan discovery.HealthEvent) discovery.HealthEvent {
+		t.Helper()
+		select {
+		case ev := <-events:
+			return ev
+		case <-time.After(30 * time.Second):
+			t.Fatal("no health event")
+			return discovery.HealthEvent{}
+		}
+	}
+
+	t.Run("lost before the watcher started", func(t *testing.T) {
+		_, ctx := ktesting.NewTestContext(t)
+		m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.FallOffBus(5)
+		inv, events, stop := watch(t, ctx, m)
+		defer stop()
+		if inv.GPU("gpu-5") != nil || !slices.ContainsFunc(inv.Skipped, func(s discovery.Skipped) bool { return s.Index == 5 && s.Lost }) {
+			t.Fatalf("discovery: gpu-5 %v, skipped %+v; want GPU 5 skipped as lost", inv.GPU("gpu-5") != nil, inv.Skipped)
+		}
+		// Several waits of the event set answer ERROR_GPU_IS_LOST
+		// meanwhile.
+		time.Sleep(3 * time.Second)
+		select {
+		case ev := <-events:
+			t.Errorf("event %+v, want none: the lost GPU is known and not published", ev)
+		default:
+		}
+	})
+
+	t.Run("lost while watched, reported again", func(t *testing.T) {
+		_, ctx := ktesting.NewTestContext(t)
+		m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, events, stop := watch(t, ctx, m)
+		defer stop()
+		m.FallOffBus(5)
+		first := next(t, events)
+		second := next(t, events)
+		for _, ev := range []discovery.HealthEvent{first, second} {
+			if ev.Device != "gpu-5" || ev.Reason != "gpu-lost" {
+				t.Errorf("event %+v, want gpu-5 lost", ev)
+			}
+		}
+		if gap := second.Time.Sub(first.Time); gap < discovery.LostReportInterval {
+			t.Errorf("reported again after %v, want %v or more", gap, discovery.LostReportInterval)
+		}
+	})
+}
+
 // TestWatchHealthUnwatched: a GPU whose events cannot be registered is
 // named to watching with the failed call, the others are watched; where
 // no GPU can be watched WatchHealth fails without calling watching.

@@ -45,6 +45,10 @@ var xidMessages = map[uint64]string{
 	120: "GSP error",
 }
 
+// LostReportInterval is how often a watcher reports again a GPU that
+// NVML still answers as lost.
+var LostReportInterval = time.Minute
+
 // waitTimeout bounds one wait on the NVML event set so that cancellation
 // is noticed promptly.
 const waitTimeout = 1000 * time.Millisecond
@@ -125,8 +129,23 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 		}
 	}
 
-	// lostReported are the GPUs reported lost, "" for all of them.
-	lostReported := map[string]bool{}
+	// A GPU that discovery found lost is not published and not watched:
+	// the event set's ERROR_GPU_IS_LOST is about it, not about the GPUs
+	// watched, while none of those answers as lost.
+	knownLost := slices.ContainsFunc(inv.Skipped, func(s Skipped) bool { return s.Lost })
+	loggedKnownLost := false
+	// lostReported is when each GPU was last reported lost, "" for all of
+	// them; while NVML says so it is reported again every
+	// LostReportInterval (the agent dedups), so that a fault cleared
+	// while the GPU is still lost comes back.
+	lostReported := map[string]time.Time{}
+	due := func(uuid string) bool {
+		if time.Since(lostReported[uuid]) < LostReportInterval {
+			return false
+		}
+		lostReported[uuid] = time.Now()
+		return true
+	}
 	for ctx.Err() == nil {
 		data, ret := set.Wait(uint32(waitTimeout.Milliseconds()))
 		switch ret {
@@ -135,18 +154,23 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 			continue
 		case nvml.ERROR_GPU_IS_LOST:
 			lost := lostGPUs(handles)
-			if len(lost) == 0 && !lostReported[""] {
+			switch {
+			case len(lost) > 0:
+			case knownLost:
+				if !loggedKnownLost {
+					loggedKnownLost = true
+					logger.Info("NVML reports a lost GPU: one that discovery found lost and that is not published; the watched GPUs answer")
+				}
+			case due(""):
 				logger.Info("NVML reports a lost GPU but no watched GPU answers as lost, marking all devices")
-				lostReported[""] = true
 				if !send(HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU and cannot say which", Time: time.Now()}) {
 					return nil
 				}
 			}
 			for _, uuid := range lost {
-				if lostReported[uuid] {
+				if !due(uuid) {
 					continue
 				}
-				lostReported[uuid] = true
 				if !send(HealthEvent{Device: nameByUUID[uuid], UUID: uuid, Reason: "gpu-lost", Message: "NVML reports the GPU lost (fallen off the bus)", Time: time.Now()}) {
 					return nil
 				}

@@ -163,7 +163,7 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 		if ret != nvml.SUCCESS {
 			// A lost GPU still counts but cannot be opened: report it,
 			// publish the others.
-			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: fmt.Sprintf("get device handle: %v", ret)})
+			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: fmt.Sprintf("get device handle: %v", ret), Lost: ret == nvml.ERROR_GPU_IS_LOST})
 			logger.Info("skipping GPU", "index", i, "reason", inv.Skipped[len(inv.Skipped)-1].Reason)
 			continue
 		}
@@ -172,7 +172,7 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
 		if err != nil {
-			inv.Skipped = append(inv.Skipped, Skipped{Index: i, PCIBusID: pciBusID(dev), Reason: err.Error()})
+			inv.Skipped = append(inv.Skipped, Skipped{Index: i, PCIBusID: pciBusID(dev), Reason: err.Error(), Lost: errors.Is(err, nvml.ERROR_GPU_IS_LOST)})
 			logger.Info("skipping GPU", "index", i, "pciBusID", inv.Skipped[len(inv.Skipped)-1].PCIBusID, "reason", err.Error())
 			continue
 		}
