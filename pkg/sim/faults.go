@@ -55,6 +55,10 @@ type Fault struct {
 	// back the simulator's informer and the scheduler took to watch again
 	// (client-go's backoff).
 	Reconnect time.Duration `json:"reconnectNs,omitempty"`
+	// Took is how long injecting the fault took, from its strike to the
+	// components' recovery that the simulator waits for (a restart, the
+	// taint seen, the watches back): the run's throughput leaves it out.
+	Took time.Duration `json:"tookNs"`
 }
 
 // faultPlan says which fault strikes at which tick.
@@ -126,6 +130,8 @@ func (in *injector) strike(ctx context.Context, tick int) (*Fault, error) {
 	case <-time.After(after):
 	}
 	f := &Fault{Tick: tick, Kind: kind, After: after}
+	start := time.Now()
+	defer func() { f.Took = time.Since(start) }()
 	switch kind {
 	case FaultSchedulerRestart:
 		if err := in.restartScheduler(ctx); err != nil {

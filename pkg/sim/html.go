@@ -86,7 +86,11 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		for _, res := range r.Results {
 			if i < len(res.Nodes) {
 				ne := res.Nodes[i]
-				p("<td>%d free &middot; block %d &middot; 8-GPU %d &middot; 4-GPU %d</td>", ne.FreeGPUs, ne.LargestBlock, ne.Fit8, ne.Fit4)
+				unhealthy := ""
+				if ne.Unhealthy > 0 {
+					unhealthy = fmt.Sprintf(" &middot; %d unhealthy", ne.Unhealthy)
+				}
+				p("<td>%d free &middot; block %d &middot; 8-GPU %d &middot; 4-GPU %d%s</td>", ne.FreeGPUs, ne.LargestBlock, ne.Fit8, ne.Fit4, unhealthy)
 			} else {
 				p("<td></td>")
 			}
@@ -94,7 +98,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		p("</tr>\n")
 	}
 	p("</tbody>\n</table>\n")
-	p("<p class=\"note\">block: most free GPUs sharing one NUMA node and NVLink clique; 4-GPU: jobs that fit inside one NUMA node.</p>\n")
+	p("<p class=\"note\">block: most free GPUs sharing one NUMA node and NVLink clique; 4-GPU: jobs that fit inside one NUMA node; unhealthy: GPUs tainted by a fault, free or not, which count as free nowhere.</p>\n")
 
 	// Maps: the end first, then the checkpoints, schedulers side by side.
 	labels := []string{}

@@ -181,11 +181,12 @@ type TickPoint struct {
 	Tick int `json:"tick"`
 	// Waiting counts the pods created and not bound.
 	Waiting int `json:"waiting"`
-	// FreeNodes counts the nodes with GPUs of which none is in use;
+	// FreeNodes counts the nodes with GPUs of which all are free;
 	// FreeNUMA the whole free NUMA nodes of 4 GPUs (NodeEnd.Fit4 summed).
 	FreeNodes int `json:"freeNodes"`
 	FreeNUMA  int `json:"freeNUMANodes"`
-	// FreeGPUs counts the GPUs not in use.
+	// FreeGPUs counts the free GPUs: neither in use nor unhealthy (a
+	// node with an unhealthy GPU is never whole).
 	FreeGPUs int `json:"freeGPUs"`
 }
 
@@ -418,7 +419,11 @@ func (r *Report) WriteTable(out io.Writer) error {
 		return nil
 	}
 	fmt.Fprintln(out)
-	fmt.Fprintln(out, "placement targets in this run alone (runs vary; the verdict is the multi-seed sweep: --seeds 1-8)")
+	if slices.ContainsFunc(r.Results, func(res Result) bool { return len(res.Faults) > 0 }) {
+		fmt.Fprintln(out, "placement targets in this run alone, under faults (a restarted scheduler starts without its predecessor's state; throughput leaves out the time the faults took, latency does not): not a placement verdict")
+	} else {
+		fmt.Fprintln(out, "placement targets in this run alone (runs vary; the verdict is the multi-seed sweep: --seeds 1-8)")
+	}
 	w = tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(w, "target\twant\ttopodra\tstock\tmet\tbehind it, topodra vs stock\t")
 	for _, t := range run {

@@ -309,6 +309,8 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 		return nil, nil, err
 	}
 	// Attempts are counted from here: the probe pod is not the workload's.
+	// (The probe pods after kube-apiserver restarts are counted, one
+	// attempt each: the workload's pods are attempted meanwhile.)
 	before := readAttempts(schedulerName)
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
@@ -362,15 +364,16 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 				// kube-apiserver restart the agent's slice controller or
 				// the simulator's slice informer may still be backing off.
 				var key string
+				var seen time.Time
 				err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, reconnectTimeout, true, func(context.Context) (bool, error) {
 					var tainted bool
-					key, tainted = tr.taintedGPU(node, uuid)
+					key, tainted, seen = tr.taintedGPU(node, uuid)
 					return tainted, nil
 				})
 				if err != nil {
 					return node, key, 0, fmt.Errorf("the simulator did not see the taint of GPU %s within %s: %w", uuid, reconnectTimeout, err)
 				}
-				return node, key, time.Since(start), nil
+				return node, key, seen.Sub(start), nil
 			},
 			restartAPIServer: func(ctx context.Context, n int) (time.Duration, error) {
 				cp.StopAPIServer()
@@ -533,6 +536,9 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			if f, err := faults.strike(ctx, tick); err != nil {
 				return nil, err
 			} else if f != nil {
+				// Throughput counts the scheduler's time, not the
+				// injector's: a restart, a wait for watches.
+				t0 = t0.Add(f.Took)
 				res.Faults = append(res.Faults, *f)
 				what, then := "restarted the scheduler", ""
 				switch f.Kind {

@@ -101,6 +101,8 @@ type SweepRow struct {
 	Errors               int     `json:"errors"`
 	// Stuck is Result.Stuck.
 	Stuck int `json:"stuckPods,omitempty"`
+	// Tainted counts Result.TaintedAllocations.
+	Tainted int `json:"taintedAllocations,omitempty"`
 	// WaitedBy is Result.WaitedBy.
 	WaitedBy WaitedBy `json:"waitedBy,omitempty"`
 }
@@ -114,7 +116,7 @@ func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
 		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit8Waited: res.Fit8Waited, Fit4: res.Fit4,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
 		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck,
-		WaitedBy: res.WaitedBy}
+		Tainted: len(res.TaintedAllocations), WaitedBy: res.WaitedBy}
 	for _, g := range SweepSizes {
 		if w := res.WaitByGPUs[g]; w != nil && w.Pods > 0 {
 			row.MeanWait[g] = w.Mean()
@@ -179,6 +181,7 @@ type SweepSummary struct {
 	Fit4        int `json:"fit4GPUNUMAAligned"`
 	Errors      int `json:"errors"`
 	Stuck       int `json:"stuckPods,omitempty"`
+	Tainted     int `json:"taintedAllocations,omitempty"`
 	// WaitedBy sums the runs' pods that waited by size and cause;
 	// WaitedRuns counts the runs in which a pod of that size waited for
 	// that cause. Runs of sweeps written before causes were recorded count
@@ -218,6 +221,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Fit4 += r.Fit4
 		s.Errors += r.Errors
 		s.Stuck += r.Stuck
+		s.Tainted += r.Tainted
 		for size, causes := range r.WaitedBy {
 			for cause, n := range causes {
 				if n > 0 {
@@ -423,6 +427,9 @@ type SweepReport struct {
 	// HostRequests says what the pods request besides devices
 	// (Report.HostRequests).
 	HostRequests string `json:"hostRequests"`
+	// Faults is how many faults each run had injected (Options.Faults);
+	// PoolSweeps pools only reports with the same number.
+	Faults int `json:"faults,omitempty"`
 	// Targets compare topodra with stock over all rows; empty unless both ran.
 	Targets     []Target `json:"targets,omitempty"`
 	WallSeconds float64  `json:"wallSeconds"`
@@ -482,7 +489,7 @@ func Sweep(ctx context.Context, opts SweepOptions) (*SweepReport, error) {
 		schedulers = []string{SchedulerTopodra, SchedulerStock}
 	}
 	rounds := max(1, opts.Rounds)
-	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests(),
+	rep := &SweepReport{Scenarios: opts.Scenarios, Seeds: opts.Seeds, Rounds: rounds, HostRequests: opts.Base.hostRequests(), Faults: opts.Base.Faults,
 		Build: opts.Build, SchedulerConfigs: SchedulerConfigs(opts.Base, schedulers)}
 	var rw *tabwriter.Writer
 	if opts.Rows != nil {
@@ -638,7 +645,8 @@ func metInResamples(rows []SweepRow, n int) []float64 {
 // summarizes them again, so that the medians and targets are taken over
 // all their runs. Each report's rounds are numbered after the previous
 // report's, so runs are compared run by run only within the report they
-// came from. The reports must agree on the pods' CPU and memory requests;
+// came from. The reports must agree on the pods' CPU and memory requests
+// and on the faults injected into each run;
 // a scenario of the same name must have the same machines and workload.
 // Reports of different builds or scheduler configurations (or of unknown
 // ones) are pooled too, as their runs may still be comparable, but the
@@ -647,7 +655,7 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 	if len(reports) == 0 {
 		return nil, fmt.Errorf("no sweep reports to pool")
 	}
-	out := &SweepReport{HostRequests: reports[0].HostRequests, Mixed: mixedProvenance(reports)}
+	out := &SweepReport{HostRequests: reports[0].HostRequests, Faults: reports[0].Faults, Mixed: mixedProvenance(reports)}
 	if len(out.Mixed) == 0 {
 		out.Build, out.SchedulerConfigs = reports[0].Build, reports[0].SchedulerConfigs
 	}
@@ -659,6 +667,9 @@ func PoolSweeps(reports []*SweepReport) (*SweepReport, error) {
 		}
 		if r.HostRequests != out.HostRequests {
 			return nil, fmt.Errorf("sweep report %d: pods' requests %q, but report 1 has %q", i+1, r.HostRequests, out.HostRequests)
+		}
+		if r.Faults != out.Faults {
+			return nil, fmt.Errorf("sweep report %d: %d faults injected into each run, but report 1 has %d", i+1, r.Faults, out.Faults)
 		}
 		for _, sc := range r.Scenarios {
 			if prev, ok := scenarios[sc.Name]; ok && prev != sc {
@@ -831,6 +842,13 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 		stuck = append(stuck, fmt.Sprintf("%s %d", s.Scheduler, s.Stuck))
 	}
 	fmt.Fprintf(out, "pods that fit by free device count but were not bound within %s of the devices being freed, summed over the runs: %s\n", retryTimeout, strings.Join(stuck, ", "))
+	if r.Faults > 0 {
+		var tainted []string
+		for _, s := range r.Summaries {
+			tainted = append(tainted, fmt.Sprintf("%s %d", s.Scheduler, s.Tainted))
+		}
+		fmt.Fprintf(out, "%d faults injected into each run (--faults): waiting, placement and throughput are under faults, not a placement verdict; allocations of a GPU already tainted, summed over the runs: %s\n", r.Faults, strings.Join(tainted, ", "))
+	}
 	return nil
 }
 

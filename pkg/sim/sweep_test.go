@@ -229,6 +229,18 @@ func TestPoolSweeps(t *testing.T) {
 	if want := "summed over the runs: topodra 3, stock 0"; !strings.Contains(text.String(), want) {
 		t.Errorf("summary does not say %q:\n%s", want, text.String())
 	}
+	if strings.Contains(text.String(), "faults injected") {
+		t.Errorf("summary of a sweep without faults speaks of faults:\n%s", text.String())
+	}
+	faulted := *pooled
+	faulted.Faults = 4
+	text.Reset()
+	if err := faulted.WriteSummary(&text); err != nil {
+		t.Fatal(err)
+	}
+	if want := "4 faults injected into each run"; !strings.Contains(text.String(), want) {
+		t.Errorf("summary of a sweep with faults does not say %q:\n%s", want, text.String())
+	}
 	if len(pooled.PerScenario["a"]) != 2 || len(pooled.Targets) == 0 {
 		t.Errorf("per scenario %v, %d targets; want both schedulers and the targets", pooled.PerScenario, len(pooled.Targets))
 	}
@@ -245,6 +257,11 @@ func TestPoolSweeps(t *testing.T) {
 	other.HostRequests = "none"
 	if _, err := PoolSweeps([]*SweepReport{first, &other}); err == nil || !strings.Contains(err.Error(), "requests") {
 		t.Errorf("reports with different pod requests pooled: %v", err)
+	}
+	other = *second
+	other.Faults = 4
+	if _, err := PoolSweeps([]*SweepReport{first, &other}); err == nil || !strings.Contains(err.Error(), "faults") {
+		t.Errorf("a sweep with faults pooled with one without: %v", err)
 	}
 	other = *second
 	other.Scenarios = []Scenario{{Name: "a", Profile: DefaultProfile, Nodes: 16, Pods: 100, Trace: TraceBuiltin}}

@@ -130,10 +130,12 @@ type tracker struct {
 	sentinels map[string]bool
 }
 
-// seenTaint is a device taint as the tracker saw it.
+// seenTaint is a device taint as the tracker saw it: when, the taints'
+// key=value, and the resourceVersion of the slice that first had it.
 type seenTaint struct {
 	Since time.Time
 	What  string
+	RV    uint64
 }
 
 // sentinelPrefix starts the names of the pods by which the simulator
@@ -372,14 +374,31 @@ func (t *tracker) onSlice(obj any) {
 				what = append(what, taint.Key+"="+taint.Value)
 			}
 		}
-		switch {
+		switch seen, ok := t.tainted[key]; {
 		case len(what) == 0:
 			delete(t.tainted, key)
-		case !t.inv.Unhealthy(key):
-			t.tainted[key] = seenTaint{Since: time.Now(), What: strings.Join(what, ",")}
+		case !ok:
+			rv, _ := strconv.ParseUint(slice.ResourceVersion, 10, 64)
+			t.tainted[key] = seenTaint{Since: time.Now(), What: strings.Join(what, ","), RV: rv}
+		default:
+			seen.What = strings.Join(what, ",")
+			t.tainted[key] = seen
 		}
 		t.inv.SetUnhealthy(key, len(what) > 0)
 	}
+}
+
+// allocatedAfter reports whether the claim's allocation was written after
+// the slice version that first had the taint: both come from one etcd,
+// whose resourceVersions grow with every write. Where either cannot be
+// read, the order in which the informers delivered them decides (the
+// claim came later).
+func allocatedAfter(claim *resourceapi.ResourceClaim, seen seenTaint) bool {
+	rv, err := strconv.ParseUint(claim.ResourceVersion, 10, 64)
+	if err != nil || seen.RV == 0 {
+		return true
+	}
+	return rv > seen.RV
 }
 
 // healthyGPUs lists the UUIDs of the GPUs of a node that have no taint,
@@ -396,17 +415,18 @@ func (t *tracker) healthyGPUs(node string) []string {
 	return out
 }
 
-// taintedGPU returns the key of the GPU with uuid on node and whether the
-// tracker has seen a taint on it.
-func (t *tracker) taintedGPU(node, uuid string) (string, bool) {
+// taintedGPU returns the key of the GPU with uuid on node, whether the
+// tracker has seen a taint on it, and when it first saw it.
+func (t *tracker) taintedGPU(node, uuid string) (string, bool, time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, d := range t.nodeDevices[node] {
 		if d.GPU && d.UUID == uuid {
-			return d.Key, t.inv.Unhealthy(d.Key)
+			seen, ok := t.tainted[d.Key]
+			return d.Key, ok, seen.Since
 		}
 	}
-	return "", false
+	return "", false, time.Time{}
 }
 
 func (t *tracker) onClaim(obj any, deleted bool) {
@@ -430,7 +450,21 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		return
 	}
 	if cs != nil {
-		return // already recorded
+		var now []string
+		for _, r := range claim.Status.Allocation.Devices.Results {
+			if key := r.Driver + "/" + r.Pool + "/" + r.Device; t.devices[key] != nil {
+				now = append(now, key)
+			}
+		}
+		if slices.Equal(now, cs.Devices) {
+			return // already recorded
+		}
+		// Allocated anew while the informer did not watch (after an API
+		// server restart): its deallocation was never seen.
+		for _, key := range cs.Devices {
+			t.inv.Release(key)
+		}
+		delete(t.claims, claim.UID)
 	}
 	pod := claimPod(claim)
 	var keys []string
@@ -443,7 +477,7 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		if other, used := t.inv.Owner(key); used {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
 		}
-		if seen, ok := t.tainted[key]; ok {
+		if seen, ok := t.tainted[key]; ok && allocatedAfter(claim, seen) {
 			t.taintedAllocations = append(t.taintedAllocations, TaintedAllocation{Claim: claim.Name, Pod: pod, Device: key, Taint: seen.What, After: time.Since(seen.Since)})
 		}
 		keys = append(keys, key)

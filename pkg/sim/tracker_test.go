@@ -177,9 +177,9 @@ func TestClaimAllocatedAgainCountsOnce(t *testing.T) {
 
 // TestTrackerFollowsTaints: a device whose slice gains a NoSchedule taint
 // is free nowhere (retryable pods, snapshots, the end state) until its
-// slice has none again, and a claim allocated it meanwhile is recorded
-// with the taint; a NoSchedule taint on a used device keeps it unhealthy
-// after its pod releases it.
+// slice has none again, and a claim allocated it meanwhile (written after
+// the slice, by resourceVersion) is recorded with the taint; a NoSchedule
+// taint on a used device keeps it unhealthy after its pod releases it.
 func TestTrackerFollowsTaints(t *testing.T) {
 	gpu := func(i int, taints ...resourceapi.DeviceTaint) resourceapi.Device {
 		return resourceapi.Device{Name: fmt.Sprintf("gpu-%d", i), Taints: taints, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
@@ -202,12 +202,14 @@ func TestTrackerFollowsTaints(t *testing.T) {
 		t.Fatalf("retryable with both GPUs healthy: %v, want [p]", got)
 	}
 
-	tr.onSlice(slice(gpu(0, health), gpu(1, noEffect)))
+	tainted := slice(gpu(0, health), gpu(1, noEffect))
+	tainted.ResourceVersion = "100"
+	tr.onSlice(tainted)
 	if got := tr.healthyGPUs("n"); !slices.Equal(got, []string{"GPU-1"}) {
 		t.Errorf("healthy GPUs with gpu-0 tainted: %v, want [GPU-1] (a taint without effect counts for nothing)", got)
 	}
-	if k, tainted := tr.taintedGPU("n", "GPU-0"); k != key0 || !tainted {
-		t.Errorf("taintedGPU(GPU-0) = %q, %v; want %q, true", k, tainted, key0)
+	if k, tainted, since := tr.taintedGPU("n", "GPU-0"); k != key0 || !tainted || since.IsZero() {
+		t.Errorf("taintedGPU(GPU-0) = %q, %v, %v; want %q, true, when it was seen", k, tainted, since, key0)
 	}
 	if got := tr.retryable(nil); len(got) != 0 {
 		t.Errorf("retryable with one of two GPUs tainted: %v, want none", got)
@@ -222,6 +224,16 @@ func TestTrackerFollowsTaints(t *testing.T) {
 			{Request: "gpus", Driver: topology.DriverName, Pool: "n", Device: "gpu-0"},
 			{Request: "gpus", Driver: topology.DriverName, Pool: "n", Device: "gpu-1"},
 		}}}}}
+	// Written before the taint (delivered after it): not counted.
+	claim.ResourceVersion = "90"
+	tr.onClaim(claim, false)
+	before := &Result{}
+	tr.fill(before)
+	if len(before.TaintedAllocations) != 0 {
+		t.Errorf("an allocation written before the taint counted as tainted: %+v", before.TaintedAllocations)
+	}
+	tr.onClaim(claim, true)
+	claim.ResourceVersion = "110"
 	tr.onClaim(claim, false)
 	res := &Result{}
 	tr.fill(res)
@@ -250,5 +262,34 @@ func TestTrackerFollowsTaints(t *testing.T) {
 	}
 	if snap := tr.snapshot("x"); len(snap.Unhealthy) != 0 {
 		t.Errorf("snapshot's unhealthy devices %v, want none", snap.Unhealthy)
+	}
+}
+
+// TestClaimAllocatedAnewUnseen: a claim that the informer sees allocated
+// to other devices without having seen its deallocation (a watch gap)
+// releases the devices it had and takes the new ones.
+func TestClaimAllocatedAnewUnseen(t *testing.T) {
+	tr := newTracker(Namespace)
+	tr.loadDevices([]resourceapi.ResourceSlice{{Spec: resourceapi.ResourceSliceSpec{Driver: topology.DriverName, NodeName: ptr.To("n"), Pool: resourceapi.ResourcePool{Name: "n"},
+		Devices: []resourceapi.Device{{Name: "gpu-0"}, {Name: "gpu-1"}}}}}, []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n"}}})
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: Namespace}}
+	tr.created(pod, 0, nil, 1)
+	claim := func(device string) *resourceapi.ResourceClaim {
+		return &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: Namespace, UID: "c-1", OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: "p"}}},
+			Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+				{Request: "gpu", Driver: topology.DriverName, Pool: "n", Device: device},
+			}}}}}
+	}
+	tr.onClaim(claim("gpu-0"), false)
+	tr.onClaim(claim("gpu-0"), false)
+	tr.onClaim(claim("gpu-1"), false)
+	key := func(d string) string { return topology.DriverName + "/n/" + d }
+	if !tr.inv.Available(key("gpu-0")) || tr.inv.Available(key("gpu-1")) {
+		t.Errorf("gpu-0 available %v, gpu-1 available %v; want gpu-0 released, gpu-1 used", tr.inv.Available(key("gpu-0")), tr.inv.Available(key("gpu-1")))
+	}
+	res := &Result{}
+	tr.fill(res)
+	if len(res.Placements) != 1 || len(res.Placements[0].GPUs) != 1 || res.Placements[0].GPUs[0] != "gpu-1" || len(res.Errors) != 0 {
+		t.Errorf("placements %+v, errors %q; want one placement on gpu-1, no error", res.Placements, res.Errors)
 	}
 }
