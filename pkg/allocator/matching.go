@@ -8,10 +8,11 @@ import (
 )
 
 // DeviceCount counts one driver's devices on one node: all of them
-// (Devices) and the free ones (Free: without an allocation, and with the
-// shared counters they consume not used up), and of them those that a
-// pod's requests match (Matching) and the free ones among those
-// (MatchingFree).
+// (Devices) and the free ones (Free: without an allocation, with the
+// shared counters they consume not used up, and without a NoSchedule or
+// NoExecute taint that none of the pod's requests tolerates), and of them
+// those that a pod's requests match (Matching) and the free ones among
+// those that the matching request tolerates (MatchingFree).
 type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 
 // CountDevices counts, per node of nodes and per driver, the devices of
@@ -19,8 +20,9 @@ type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 // of each pool; not network-attached devices), and of them those that
 // match the class and selectors of some request of claims, counting every
 // subrequest of a firstAvailable request, each with how many are free: not
-// allocated, and not blocked by shared counters that allocated devices
-// used up (a GPU with an allocated partition). A device on which a
+// allocated, not blocked by shared counters that allocated devices used
+// up (a GPU with an allocated partition), and not tainted beyond what the
+// requests tolerate (see DeviceCount). A device on which a
 // selector failed at run time counts as matching. It works on slices, through the selector cache, without
 // gathering the nodes: pool rules (incomplete or invalid pools) are not
 // applied. matched is false, and Matching and MatchingFree are 0, where
@@ -91,7 +93,7 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 		ids := a.sliceInfo(slice).ids
 		for i := range slice.Spec.Devices {
 			device := &slice.Spec.Devices[i]
-			free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device))
+			free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device)) && a.toleratedBySome(device, specs)
 			c.Devices++
 			if free {
 				c.Free++
@@ -99,7 +101,7 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 			for _, u := range specs {
 				if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
 					c.Matching++
-					if free {
+					if free && !(a.features.DeviceTaints && taintPrevents(device, u.tolerations)) {
 						c.MatchingFree++
 					}
 					break
@@ -109,6 +111,23 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 		byDriver[slice.Spec.Driver] = c
 	}
 	return byDriver
+}
+
+// toleratedBySome reports whether some request of specs tolerates the
+// device's NoSchedule and NoExecute taints (true without requests, or
+// where device taints are off): a device with a taint that no request
+// tolerates, such as a health taint, is not free for the count, as the
+// smaller pods that a headroom keeps it for could not have it either.
+func (a *Allocator) toleratedBySome(device *resourceapi.Device, specs []*unitSpec) bool {
+	if !a.features.DeviceTaints || len(specs) == 0 || len(device.Taints) == 0 {
+		return true
+	}
+	for _, u := range specs {
+		if !taintPrevents(device, u.tolerations) {
+			return true
+		}
+	}
+	return false
 }
 
 // countersLeftOn returns what the devices in use on node leave of the

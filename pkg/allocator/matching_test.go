@@ -93,6 +93,43 @@ func TestCountDevices(t *testing.T) {
 	}
 }
 
+// TestCountDevicesTainted: a device with a NoSchedule or NoExecute taint
+// that no request of the pod tolerates (a health taint) is not free; one
+// whose taint a request tolerates (the owned taint) is, for the request
+// that tolerates it.
+func TestCountDevicesTainted(t *testing.T) {
+	ctx := quietContext(t)
+	gpus := []resourceapi.Device{device("gpu-0", nil), device("gpu-1", nil), device("gpu-2", nil), device("gpu-3", nil)}
+	gpus[1].Taints = []resourceapi.DeviceTaint{{Key: "example.com/unhealthy", Value: "xid-48", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	gpus[2].Taints = []resourceapi.DeviceTaint{{Key: "example.com/owned", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	gpus[3].Taints = []resourceapi.DeviceTaint{{Key: "example.com/note", Effect: resourceapi.DeviceTaintEffectNone}}
+	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n"),
+		ClassLister: defaultClasses, Slices: []*resourceapi.ResourceSlice{slice("n", gpuDriver, gpus...)}, CELCache: newCELCache(), Policy: DefaultPolicy()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owned := claim("owned").request("gpu", "gpu", 1).obj()
+	owned.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Key: "example.com/owned", Operator: resourceapi.DeviceTolerationOpExists}}
+	for name, tc := range map[string]struct {
+		claims []*resourceapi.ResourceClaim
+		want   DeviceCount
+	}{
+		"no toleration":         {claims: []*resourceapi.ResourceClaim{claim("plain").request("gpu", "gpu", 1).obj()}, want: DeviceCount{Devices: 4, Free: 2, Matching: 4, MatchingFree: 2}},
+		"owned taint tolerated": {claims: []*resourceapi.ResourceClaim{owned}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
+		"one of two requests":   {claims: []*resourceapi.ResourceClaim{owned, claim("nic").request("nic", "nic", 1).obj()}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			got, _, err := a.CountDevices(ctx, tc.claims, sets.New("n"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got["n"][gpuDriver] != tc.want {
+				t.Errorf("CountDevices = %+v, want %+v", got["n"][gpuDriver], tc.want)
+			}
+		})
+	}
+}
+
 // BenchmarkCountDevices counts the devices an 8-GPU claim matches on
 // 500 and 5,000 DGX nodes (8 GPUs each) with the selector cache warm, as
 // the plugin's PreFilter does for a pod that keeps a headroom; each round
