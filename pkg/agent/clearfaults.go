@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
@@ -25,10 +27,12 @@ import (
 // Healthy again (where its health is watched), the checkpoint forgets the
 // fault and the Node gets a ReasonFaultsCleared event. A fault reported
 // (again) after the time stays, so the annotation may stay too. A value
-// that cannot be read, a time ahead of the agent's clock (it would clear
-// faults still to come), a list entry that names no GPU of the node, and
-// a value that clears no fault get a ReasonClearFaultsRefused Warning on
-// the Node, once per value while the agent runs.
+// that cannot be read, a time ahead of when the value was set (as the
+// Node's managed fields record it; else ahead of the agent's clock: it
+// would clear faults still to come), a list entry that names no GPU of
+// the node, and a value that clears no fault get a
+// ReasonClearFaultsRefused Warning on the Node, once per value while the
+// agent runs.
 const ClearFaultsAnnotation = "gpu.topodra.io/clear-faults"
 
 const (
@@ -48,7 +52,26 @@ type clearRequest struct {
 	gpus []string
 }
 
-// parseClearFaults reads a ClearFaultsAnnotation value.
+// annotationSetAt returns when the annotation key of obj was last set, as
+// its managed fields record it (whole seconds): the time of the field
+// manager whose fields own the key. False where no entry owns it (managed
+// fields stripped, or the entry has no time).
+func annotationSetAt(obj metav1.Object, key string) (time.Time, bool) {
+	owns := []byte(`"f:` + key + `"`)
+	var at time.Time
+	for _, entry := range obj.GetManagedFields() {
+		if entry.FieldsV1 == nil || entry.Time == nil || !bytes.Contains(entry.FieldsV1.Raw, owns) {
+			continue
+		}
+		if entry.Time.After(at) {
+			at = entry.Time.Time
+		}
+	}
+	return at, !at.IsZero()
+}
+
+// parseClearFaults reads a ClearFaultsAnnotation value; its time must not
+// be after now, the time the value was set where that is known.
 func parseClearFaults(value string, now time.Time) (clearRequest, error) {
 	fields := strings.Fields(value)
 	if len(fields) == 0 || len(fields) > 2 {
@@ -59,7 +82,7 @@ func parseClearFaults(value string, now time.Time) (clearRequest, error) {
 		return clearRequest{}, fmt.Errorf("the time: %w", err)
 	}
 	if before.After(now) {
-		return clearRequest{}, fmt.Errorf("the time %s is ahead of the node's clock (%s): it would clear faults still to come; give the time of the reset", fields[0], now.UTC().Format(time.RFC3339))
+		return clearRequest{}, fmt.Errorf("the time %s is ahead of when the annotation was set (%s, by the API server's or the node's clock): it would clear faults still to come; give the time of the reset", fields[0], now.UTC().Format(time.RFC3339))
 	}
 	req := clearRequest{before: before}
 	if len(fields) == 2 {
@@ -105,7 +128,13 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 		logger.Info("Not clearing GPU faults as the node's annotation asks", "annotation", ClearFaultsAnnotation, "value", value, "why", note)
 		a.nodeCauseEvent(v1.EventTypeWarning, ReasonClearFaultsRefused, "ClearFaults", "annotation %s=%q: %s", ClearFaultsAnnotation, value, note)
 	}
-	req, err := parseClearFaults(value, time.Now())
+	// A time ahead of when the value was set stays refused after an
+	// agent restart too, once it has passed.
+	limit := time.Now()
+	if at, ok := annotationSetAt(node, ClearFaultsAnnotation); ok && at.Before(limit) {
+		limit = at
+	}
+	req, err := parseClearFaults(value, limit)
 	if err != nil {
 		a.mutex.Lock()
 		a.clearAnnotation.refused = true

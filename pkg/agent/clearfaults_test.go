@@ -110,7 +110,7 @@ func oneEvent(t *testing.T, what string, evs []string, prefix string, want []str
 // forgets the fault (a restarted agent does not taint it again) and the
 // Node gets a Normal event naming it. A fault reported after the time,
 // first or again, stays while the annotation does, across restarts. A
-// value that cannot be read, a time ahead of the node's clock (refused
+// value that cannot be read, a time after the annotation was set (refused
 // for as long as the value stays), a GPU the node does not have and a
 // value that clears nothing clear nothing and get one Warning each.
 func TestClearFaultsAnnotation(t *testing.T) {
@@ -128,7 +128,7 @@ func TestClearFaultsAnnotation(t *testing.T) {
 	aheadTime := time.Now().Truncate(time.Second).Add(2 * time.Second)
 	ahead := aheadTime.UTC().Format(time.RFC3339)
 	c.annotate(ahead)
-	oneEvent(t, "a time ahead", c.check(a), refused, []string{fmt.Sprintf("%s=%q", agent.ClearFaultsAnnotation, ahead), "ahead of the node's clock"})
+	oneEvent(t, "a time ahead", c.check(a), refused, []string{fmt.Sprintf("%s=%q", agent.ClearFaultsAnnotation, ahead), "ahead of when the annotation was set"})
 	time.Sleep(time.Until(aheadTime.Add(time.Second)))
 	if evs := c.check(a); len(evs) != 0 {
 		t.Errorf("a refused value whose time has passed: events %q, want none", evs)
@@ -285,3 +285,4 @@ func drain(r *events.FakeRecorder) []string {
 		}
 	}
 }
+
