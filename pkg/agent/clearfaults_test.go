@@ -285,4 +285,3 @@ func drain(r *events.FakeRecorder) []string {
 		}
 	}
 }
-
