@@ -64,11 +64,12 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, p
 	if pl.released.has(gone.UID) {
 		return fwk.Queue, nil
 	}
-	if pl.pods != nil && mayHoldDevices(gone) {
-		if now, err := pl.pods.Pods(gone.Namespace).Get(gone.Name); err == nil && now.UID == gone.UID && now.Spec.NodeName == "" && now.DeletionTimestamp == nil {
-			logger.V(5).Info("Pod failed its binding cycle in another profile; its devices in flight are free again", "pod", klog.KObj(pod), "failed", klog.KObj(gone))
-			return fwk.Queue, nil
-		}
+	if pl.pods != nil && mayHoldDevices(gone) && pl.podDeleteMemo.get(gone, gone, func() bool {
+		now, err := pl.pods.Pods(gone.Namespace).Get(gone.Name)
+		return err == nil && now.UID == gone.UID && now.Spec.NodeName == "" && now.DeletionTimestamp == nil
+	}) {
+		logger.V(5).Info("Pod failed its binding cycle in another profile; its devices in flight are free again", "pod", klog.KObj(pod), "failed", klog.KObj(gone))
+		return fwk.Queue, nil
 	}
 	return fwk.QueueSkip, nil
 }
@@ -146,8 +147,10 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 	if oldNode == nil || newNode == nil {
 		return fwk.Queue, nil
 	}
-	if !apiequality.Semantic.DeepEqual(oldNode.Labels, newNode.Labels) || !apiequality.Semantic.DeepEqual(oldNode.Status.Allocatable, newNode.Status.Allocatable) ||
-		!slices.Equal(oldNode.Status.DeclaredFeatures, newNode.Status.DeclaredFeatures) {
+	if pl.nodeEventMemo.get(oldNode, newNode, func() bool {
+		return !apiequality.Semantic.DeepEqual(oldNode.Labels, newNode.Labels) || !apiequality.Semantic.DeepEqual(oldNode.Status.Allocatable, newNode.Status.Allocatable) ||
+			!slices.Equal(oldNode.Status.DeclaredFeatures, newNode.Status.DeclaredFeatures)
+	}) {
 		return fwk.Queue, nil
 	}
 	if pl.heldBack.held(pod.UID) {
@@ -217,7 +220,9 @@ func (pl *TopologyDRA) isSchedulableAfterPodUpdate(logger klog.Logger, pod *v1.P
 func (pl *TopologyDRA) isSchedulableAfterSliceChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	oldSlice, _ := oldObj.(*resourceapi.ResourceSlice)
 	newSlice, _ := newObj.(*resourceapi.ResourceSlice)
-	if oldSlice != nil && newSlice != nil && apiequality.Semantic.DeepEqual(&oldSlice.Spec, &newSlice.Spec) {
+	if oldSlice != nil && newSlice != nil && pl.sliceEventMemo.get(oldSlice, newSlice, func() bool {
+		return apiequality.Semantic.DeepEqual(&oldSlice.Spec, &newSlice.Spec)
+	}) {
 		return fwk.QueueSkip, nil
 	}
 	return fwk.Queue, nil

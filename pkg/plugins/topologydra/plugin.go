@@ -47,6 +47,11 @@ const Name = "TopologyDRA"
 
 // TopologyDRA is the plugin. All fields are set in New and read-only after.
 type TopologyDRA struct {
+	// The pod-independent parts of queueing hints, once per event.
+	nodeEventMemo  eventMemo[corev1.Node]
+	sliceEventMemo eventMemo[resourceapi.ResourceSlice]
+	podDeleteMemo  eventMemo[corev1.Pod]
+
 	args   config.TopologyDRAArgs
 	policy allocator.Policy
 	// waitingPolicy is policy with WholeNodeTradeWhileWaiting: it ranks
