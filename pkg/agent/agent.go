@@ -387,8 +387,13 @@ type Agent struct {
 	// reported (see markUnhealthy).
 	faultLast map[string]time.Time
 	// faultsCleared are the UUIDs whose faults ClearFaultsAnnotation
-	// cleared and that the checkpoint may still hold (see writeFaults).
-	faultsCleared map[string]struct{}
+	// cleared and that the checkpoint may still hold, each with the
+	// clearGen of its clear (see writeFaults).
+	faultsCleared map[string]uint64
+	clearGen      uint64
+	// created is when New made the agent: a ClearFaultsAnnotation set
+	// before it that clears nothing was reported by an agent before.
+	created time.Time
 	// clearAnnotation is the ClearFaultsAnnotation at the last Node check, so
 	// that a value is reported once (see clearFaults).
 	clearAnnotation clearFaultsState
@@ -545,7 +550,8 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 		health:        opts.Health,
 		faults:        map[string]discovery.HealthEvent{},
 		faultLast:     map[string]time.Time{},
-		faultsCleared: map[string]struct{}{},
+		faultsCleared: map[string]uint64{},
+		created:       time.Now(),
 		healthChanged: make(chan struct{}),
 		goneReported:  map[types.UID]bool{},
 		droppedFields: map[string]bool{},
@@ -648,7 +654,6 @@ func (a *Agent) start() error {
 	node, nodeErr := a.readNode(ctx)
 	if nodeErr == nil {
 		a.ownerUID = node.UID
-		a.clearFaults(ctx, node)
 	}
 	if len(opts.DevicePluginResources) > 0 {
 		found := devicePlugin(node, opts.DevicePluginResources)
@@ -661,6 +666,10 @@ func (a *Agent) start() error {
 			found = devicePluginUnknown
 		}
 		a.setDevicePlugin(ctx, found)
+	}
+	// After the device plugin check: a clear publishes.
+	if nodeErr == nil {
+		a.clearFaults(ctx, node)
 	}
 	if err := a.publish(ctx); err != nil {
 		return err

@@ -157,7 +157,8 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 		}
 		delete(a.faults, uuid)
 		delete(a.faultLast, uuid)
-		a.faultsCleared[uuid] = struct{}{}
+		a.clearGen++
+		a.faultsCleared[uuid] = a.clearGen
 		cleared = append(cleared, what)
 	}
 	if len(cleared) > 0 {
@@ -171,7 +172,9 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 		refuse("names no GPU of this node: %s (device names as published now, such as gpu-3, or GPU UUIDs)", strings.Join(unknown, ", "))
 	}
 	if len(cleared) == 0 {
-		if len(unknown) == 0 {
+		// An annotation left in place after its clear, read by an agent
+		// started since, clears nothing: an agent before said what it did.
+		if at, ok := annotationSetAt(node, ClearFaultsAnnotation); len(unknown) == 0 && !(ok && at.Before(a.created)) {
 			why := "no GPU it names has a fault"
 			if len(kept) > 0 {
 				why = "every fault it names was reported at or after " + req.before.UTC().Format(time.RFC3339) + ": " + strings.Join(kept, "; ")

@@ -205,7 +205,9 @@ func (a *Agent) reportPartlyWatched(inv *discovery.Inventory, unwatched discover
 // taint and wakes up the kubelet health streams. A fault reported again
 // for a GPU already faulty keeps its first reason and time (the taint's)
 // and records the time of the latest report, which ClearFaultsAnnotation
-// goes by.
+// goes by. The checkpoint records the latest report's time as the
+// fault's: a restarted agent takes that for the fault's time (and the
+// taint's timeAdded).
 func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 	logger := klog.FromContext(ctx)
 	if ev.Time.IsZero() {
@@ -326,14 +328,14 @@ func (a *Agent) saveFaults(ctx context.Context) {
 // the agent started) stay. The faults are read under the checkpoint's
 // lock, so that writes that race write the latest state last.
 func (a *Agent) writeFaults() error {
-	var removed []string
+	removed := map[string]uint64{}
 	err := a.updateCheckpoint(func(cp *checkpoint.Checkpoint) {
 		a.mutex.Lock()
 		defer a.mutex.Unlock()
-		removed = removed[:0]
-		for uuid := range a.faultsCleared {
+		clear(removed)
+		for uuid, gen := range a.faultsCleared {
 			delete(cp.Faults, uuid)
-			removed = append(removed, uuid)
+			removed[uuid] = gen
 		}
 		if cp.Faults == nil && len(a.faults) > 0 {
 			cp.Faults = map[string]checkpoint.Fault{}
@@ -345,10 +347,12 @@ func (a *Agent) writeFaults() error {
 	if err != nil {
 		return err
 	}
+	// A clear made while this write ran (a newer clearGen) is written by
+	// the next.
 	a.mutex.Lock()
 	defer a.mutex.Unlock()
-	for _, uuid := range removed {
-		if _, again := a.faults[uuid]; !again {
+	for uuid, gen := range removed {
+		if a.faultsCleared[uuid] == gen {
 			delete(a.faultsCleared, uuid)
 		}
 	}

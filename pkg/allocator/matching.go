@@ -10,9 +10,10 @@ import (
 // DeviceCount counts one driver's devices on one node: all of them
 // (Devices) and the free ones (Free: without an allocation, with the
 // shared counters they consume not used up, and without a NoSchedule or
-// NoExecute taint that none of the pod's requests tolerates), and of them
-// those that a pod's requests match (Matching) and the free ones among
-// those that the matching request tolerates (MatchingFree).
+// NoExecute taint that the pod's request that matches the device does not
+// tolerate; without any where none matches), and of them those that a
+// pod's requests match (Matching) and the free ones among those
+// (MatchingFree).
 type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 
 // CountDevices counts, per node of nodes and per driver, the devices of
@@ -93,18 +94,22 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 		ids := a.sliceInfo(slice).ids
 		for i := range slice.Spec.Devices {
 			device := &slice.Spec.Devices[i]
-			free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device)) && a.toleratedBySome(device, specs)
+			var match *unitSpec
+			for _, u := range specs {
+				if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
+					match = u
+					break
+				}
+			}
+			free := !a.deviceInUse(ids[i]) && (left == nil || !left.exceeded(slice.Spec.Driver, slice.Spec.Pool.Name, device)) && a.tolerated(device, match)
 			c.Devices++
 			if free {
 				c.Free++
 			}
-			for _, u := range specs {
-				if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
-					c.Matching++
-					if free && !(a.features.DeviceTaints && taintPrevents(device, u.tolerations)) {
-						c.MatchingFree++
-					}
-					break
+			if match != nil {
+				c.Matching++
+				if free {
+					c.MatchingFree++
 				}
 			}
 		}
@@ -113,21 +118,21 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 	return byDriver
 }
 
-// toleratedBySome reports whether some request of specs tolerates the
-// device's NoSchedule and NoExecute taints (true without requests, or
-// where device taints are off): a device with a taint that no request
-// tolerates, such as a health taint, is not free for the count, as the
-// smaller pods that a headroom keeps it for could not have it either.
-func (a *Allocator) toleratedBySome(device *resourceapi.Device, specs []*unitSpec) bool {
-	if !a.features.DeviceTaints || len(specs) == 0 || len(device.Taints) == 0 {
+// tolerated reports whether the device's NoSchedule and NoExecute taints
+// are tolerated by match, the pod's request that matches the device; a
+// device that no request matches counts as tolerated only without such
+// taints. A device with a taint that the pod could not have, such as a
+// health taint, is not free for the count: the smaller pods that a
+// headroom keeps devices for could not have it either. Without device
+// taints (the feature off) every device is.
+func (a *Allocator) tolerated(device *resourceapi.Device, match *unitSpec) bool {
+	if !a.features.DeviceTaints || len(device.Taints) == 0 {
 		return true
 	}
-	for _, u := range specs {
-		if !taintPrevents(device, u.tolerations) {
-			return true
-		}
+	if match == nil {
+		return !taintPrevents(device, nil)
 	}
-	return false
+	return !taintPrevents(device, match.tolerations)
 }
 
 // countersLeftOn returns what the devices in use on node leave of the

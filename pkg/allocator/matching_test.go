@@ -94,9 +94,9 @@ func TestCountDevices(t *testing.T) {
 }
 
 // TestCountDevicesTainted: a device with a NoSchedule or NoExecute taint
-// that no request of the pod tolerates (a health taint) is not free; one
-// whose taint a request tolerates (the owned taint) is, for the request
-// that tolerates it.
+// that the pod's request matching it does not tolerate (a health taint)
+// is not free, whatever a request for other devices tolerates; one whose
+// taint that request tolerates (the owned taint) is.
 func TestCountDevicesTainted(t *testing.T) {
 	ctx := quietContext(t)
 	gpus := []resourceapi.Device{device("gpu-0", nil), device("gpu-1", nil), device("gpu-2", nil), device("gpu-3", nil)}
@@ -108,15 +108,18 @@ func TestCountDevicesTainted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	tolerant := claim("nic").request("nic", "nic", 1).obj()
+	tolerant.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Operator: resourceapi.DeviceTolerationOpExists}}
 	owned := claim("owned").request("gpu", "gpu", 1).obj()
 	owned.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Key: "example.com/owned", Operator: resourceapi.DeviceTolerationOpExists}}
 	for name, tc := range map[string]struct {
 		claims []*resourceapi.ResourceClaim
 		want   DeviceCount
 	}{
-		"no toleration":         {claims: []*resourceapi.ResourceClaim{claim("plain").request("gpu", "gpu", 1).obj()}, want: DeviceCount{Devices: 4, Free: 2, Matching: 4, MatchingFree: 2}},
-		"owned taint tolerated": {claims: []*resourceapi.ResourceClaim{owned}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
-		"one of two requests":   {claims: []*resourceapi.ResourceClaim{owned, claim("nic").request("nic", "nic", 1).obj()}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
+		"no toleration":                            {claims: []*resourceapi.ResourceClaim{claim("plain").request("gpu", "gpu", 1).obj()}, want: DeviceCount{Devices: 4, Free: 2, Matching: 4, MatchingFree: 2}},
+		"owned taint tolerated":                    {claims: []*resourceapi.ResourceClaim{owned}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
+		"one of two requests":                      {claims: []*resourceapi.ResourceClaim{owned, claim("nic").request("nic", "nic", 1).obj()}, want: DeviceCount{Devices: 4, Free: 3, Matching: 4, MatchingFree: 3}},
+		"a request of another class tolerates all": {claims: []*resourceapi.ResourceClaim{claim("plain").request("gpu", "gpu", 1).obj(), tolerant}, want: DeviceCount{Devices: 4, Free: 2, Matching: 4, MatchingFree: 2}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			got, _, err := a.CountDevices(ctx, tc.claims, sets.New("n"))

@@ -129,11 +129,15 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 		}
 	}
 
-	// A GPU that discovery found lost is not published and not watched:
-	// the event set's ERROR_GPU_IS_LOST is about it, not about the GPUs
-	// watched, while none of those answers as lost.
-	knownLost := slices.ContainsFunc(inv.Skipped, func(s Skipped) bool { return s.Lost })
-	loggedKnownLost := false
+	// A GPU that discovery found lost (fell off the bus before this
+	// watcher started) is not published and not watched; NVML may answer
+	// every wait of the event set with ERROR_GPU_IS_LOST from then on, so
+	// that the watched GPUs' XIDs cannot be received: they are marked
+	// (all of them), as for a lost GPU that NVML cannot name.
+	lostMessage := "NVML reports a lost GPU and cannot say which"
+	if slices.ContainsFunc(inv.Skipped, func(s Skipped) bool { return s.Lost }) {
+		lostMessage = "NVML reports a lost GPU, one that discovery found lost and does not publish; the XIDs of the others may not be received until the node reboots"
+	}
 	// lostReported is when each GPU was last reported lost, "" for all of
 	// them; while NVML says so it is reported again every
 	// LostReportInterval (the agent dedups), so that a fault cleared
@@ -154,16 +158,9 @@ func (d *NVML) watchHealth(ctx context.Context, inv *Inventory, watching func(Un
 			continue
 		case nvml.ERROR_GPU_IS_LOST:
 			lost := lostGPUs(handles)
-			switch {
-			case len(lost) > 0:
-			case knownLost:
-				if !loggedKnownLost {
-					loggedKnownLost = true
-					logger.Info("NVML reports a lost GPU: one that discovery found lost and that is not published; the watched GPUs answer")
-				}
-			case due(""):
-				logger.Info("NVML reports a lost GPU but no watched GPU answers as lost, marking all devices")
-				if !send(HealthEvent{Reason: "gpu-lost", Message: "NVML reports a lost GPU and cannot say which", Time: time.Now()}) {
+			if len(lost) == 0 && due("") {
+				logger.Info("NVML reports a lost GPU but no watched GPU answers as lost, marking all devices", "why", lostMessage)
+				if !send(HealthEvent{Reason: "gpu-lost", Message: lostMessage, Time: time.Now()}) {
 					return nil
 				}
 			}

@@ -45,7 +45,9 @@ import (
 // Name is the plugin name used in scheduler configuration.
 const Name = "TopologyDRA"
 
-// TopologyDRA is the plugin. All fields are set in New and read-only after.
+// TopologyDRA is the plugin. Its fields are set in New; those whose state
+// changes later (the memos, trackers and sets) are safe for concurrent
+// use.
 type TopologyDRA struct {
 	// The pod-independent parts of queueing hints, once per event.
 	nodeEventMemo  eventMemo[corev1.Node]
