@@ -56,12 +56,12 @@ func (c *clearEnv) annotate(value string) {
 // that it recorded (a fault's own events may still come in meanwhile).
 func (c *clearEnv) check(a *agent.Agent) []string {
 	c.t.Helper()
-	drain(c.recorder)
+	drainEvents(c.recorder)
 	if err := a.CheckNode(c.ctx); err != nil {
 		c.t.Fatal(err)
 	}
 	var out []string
-	for _, ev := range drain(c.recorder) {
+	for _, ev := range drainEvents(c.recorder) {
 		if strings.Contains(ev, agent.ReasonFaultsCleared) || strings.Contains(ev, agent.ReasonClearFaultsRefused) {
 			out = append(out, ev)
 		}
@@ -280,15 +280,3 @@ func TestClearFaultsKeptWhileCheckpointUnwritable(t *testing.T) {
 	c.taints(a, map[string]string{"gpu-5": ""})
 }
 
-// drain returns the events recorded so far.
-func drain(r *events.FakeRecorder) []string {
-	var out []string
-	for {
-		select {
-		case ev := <-r.Events:
-			out = append(out, ev)
-		default:
-			return out
-		}
-	}
-}
