@@ -279,4 +279,3 @@ func TestClearFaultsKeptWhileCheckpointUnwritable(t *testing.T) {
 	a = c.start(c.ctx, t)
 	c.taints(a, map[string]string{"gpu-5": ""})
 }
-
