@@ -41,6 +41,11 @@ type freedDevices struct {
 	// devices counted for the headroom is closed to pods that do not
 	// tolerate it: cordoned, or with a NoSchedule or NoExecute taint.
 	restricted bool
+	// countLater, where set, counts cluster, nodes and restricted for
+	// the event counted last: only a pod that the headroom may hold back
+	// needs them (see nodeCountsLocked), and counting every node's
+	// devices is most of an event's cost on a large cluster.
+	countLater func()
 	// consumableCapacity is the scheduler's DRAConsumableCapacity: with
 	// it, shares of a device do not take the device (takesDevice).
 	consumableCapacity bool
@@ -665,15 +670,15 @@ func (f *freedDevices) count(pl *TopologyDRA, claim *resourceapi.ResourceClaim) 
 		fs.sites = append(fs.sites, site)
 	}
 	// Every node's devices of each driver, and how many are free, for the
-	// headroom.
-	var nodes map[deviceGroup]driverDevices
-	var cluster map[string]driverDevices
-	restricted := false
+	// headroom: counted when a pod first asks for them.
+	f.key, f.sites, f.cluster, f.nodes, f.gave, f.restricted = key, fs, nil, nil, gave, false
+	f.countLater = nil
 	if pl.headroomPercent > 0 {
-		nodes, cluster = f.countNodes(slices, allocated, countFree, generation, pl.nodeKnown)
-		restricted = pl.anyRestricted(nodes)
+		f.countLater = func() {
+			f.nodes, f.cluster = f.countNodes(slices, allocated, countFree, generation, pl.nodeKnown)
+			f.restricted = pl.anyRestricted(f.nodes)
+		}
 	}
-	f.key, f.sites, f.cluster, f.nodes, f.gave, f.restricted = key, fs, cluster, nodes, gave, restricted
 	f.byReach = nil
 	return fs, true
 }
@@ -813,7 +818,17 @@ func (pl *TopologyDRA) anyRestricted(groups map[deviceGroup]driverDevices) bool 
 func (f *freedDevices) anyRestricted() bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.nodeCountsLocked()
 	return f.restricted
+}
+
+// nodeCountsLocked counts cluster, nodes and restricted of the last event
+// where they are not counted yet. Caller holds f.mu.
+func (f *freedDevices) nodeCountsLocked() {
+	if f.countLater != nil {
+		f.countLater()
+		f.countLater = nil
+	}
 }
 
 // countNodes counts every known node's devices of each driver (the newest
@@ -873,6 +888,7 @@ func (f *freedDevices) countNodes(slices []*resourceapi.ResourceSlice, allocated
 func (f *freedDevices) driverCounts(mayUse func(node string) bool) map[string]driverDevices {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.nodeCountsLocked()
 	if mayUse == nil {
 		return f.cluster
 	}
@@ -895,6 +911,7 @@ func (f *freedDevices) driverCounts(mayUse func(node string) bool) map[string]dr
 func (f *freedDevices) spareGained(mayUse func(node string) bool) map[string]int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.nodeCountsLocked()
 	out := map[string]int{}
 	for g, n := range f.gave {
 		c, ok := f.nodes[g]

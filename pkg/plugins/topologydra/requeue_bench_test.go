@@ -16,7 +16,8 @@ import (
 // gives devices back, on a cluster of 8-GPU nodes with 7 of every node's
 // GPUs allocated (one claim each): per event (the first pending pod asks
 // and the free devices are counted) and per further pending pod (the
-// counts are reused), without and with the headroom; and with the GPU
+// counts are reused), without and with the headroom, and per event for a
+// pod of one GPU, which the headroom does not concern; and with the GPU
 // nodes tainted (the pod tolerating it), where the headroom counts only
 // the nodes the pod may use.
 func BenchmarkFreedDevicesHint(b *testing.B) {
@@ -26,7 +27,7 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 	}{{100, false}, {1000, false}, {1000, true}} {
 		nodes := tc.nodes
 		var nodeObjs []*v1.Node
-		objs := []runtime.Object{testDeviceClass(), testClaim("big", 8)}
+		objs := []runtime.Object{testDeviceClass(), testClaim("big", 8), testClaim("small", 1)}
 		var held []string
 		for n := range nodes {
 			name := fmt.Sprintf("node-%d", n)
@@ -83,6 +84,22 @@ func BenchmarkFreedDevicesHint(b *testing.B) {
 				old := claims[0]
 				for b.Loop() {
 					hint(old, -1)
+				}
+			})
+			// A pod the headroom does not concern (one GPU): the
+			// per-node counts are not needed.
+			b.Run(fmt.Sprintf("%s/headroom=%d/event/small-pod", name, percent), func(b *testing.B) {
+				small := testPod("small", "small")
+				small.Spec.Tolerations = pod.Spec.Tolerations
+				for i := 0; b.Loop(); i++ {
+					old := claims[i%len(claims)]
+					gone := old.DeepCopy()
+					gone.Status.Allocation = nil
+					old = old.DeepCopy()
+					old.ResourceVersion = fmt.Sprintf("%s-small-%d-%d", old.ResourceVersion, h.pl.headroomPercent, i)
+					if got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), small, old, gone); err != nil || got != fwk.Queue {
+						b.Fatalf("hint = %v, %v; want Queue (2 of 8 GPUs free)", got, err)
+					}
 				}
 			})
 		}
