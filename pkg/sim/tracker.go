@@ -449,14 +449,17 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		}
 		return
 	}
-	if cs != nil {
-		var now []string
-		for _, r := range claim.Status.Allocation.Devices.Results {
-			if key := r.Driver + "/" + r.Pool + "/" + r.Device; t.devices[key] != nil {
-				now = append(now, key)
-			}
+	// The allocated devices that exist, and those that do not.
+	var keys, missing []string
+	for _, r := range claim.Status.Allocation.Devices.Results {
+		if key := r.Driver + "/" + r.Pool + "/" + r.Device; t.devices[key] != nil {
+			keys = append(keys, key)
+		} else {
+			missing = append(missing, key)
 		}
-		if slices.Equal(now, cs.Devices) {
+	}
+	if cs != nil {
+		if slices.Equal(keys, cs.Devices) {
 			return // already recorded
 		}
 		// Allocated anew while the informer did not watch (after an API
@@ -467,20 +470,16 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		delete(t.claims, claim.UID)
 	}
 	pod := claimPod(claim)
-	var keys []string
-	for _, r := range claim.Status.Allocation.Devices.Results {
-		key := r.Driver + "/" + r.Pool + "/" + r.Device
-		if t.devices[key] == nil {
-			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: allocated device %s does not exist", claim.Name, pod, key))
-			continue
-		}
+	for _, key := range missing {
+		t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: allocated device %s does not exist", claim.Name, pod, key))
+	}
+	for _, key := range keys {
 		if other, used := t.inv.Owner(key); used {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
 		}
 		if seen, ok := t.tainted[key]; ok && allocatedAfter(claim, seen) {
 			t.taintedAllocations = append(t.taintedAllocations, TaintedAllocation{Claim: claim.Name, Pod: pod, Device: key, Taint: seen.What, After: time.Since(seen.Since)})
 		}
-		keys = append(keys, key)
 	}
 	if i, ok := t.placed[claim.UID]; ok {
 		t.placements[i] = t.judge(claim.Name, pod, keys)
