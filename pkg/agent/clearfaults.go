@@ -107,9 +107,9 @@ type clearFaultsState struct {
 	refused bool
 }
 
-// clearFaults follows the node's ClearFaultsAnnotation (see there) and
-// reports whether it cleared a fault; the caller publishes.
-func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
+// clearFaults follows the node's ClearFaultsAnnotation (see there); where
+// it clears a fault it saves the checkpoint's faults and publishes.
+func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) {
 	value, ok := node.Annotations[ClearFaultsAnnotation]
 	a.mutex.Lock()
 	prev := a.clearAnnotation
@@ -117,7 +117,7 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 	a.clearAnnotation = clearFaultsState{seen: ok, value: value, refused: reported && prev.refused}
 	a.mutex.Unlock()
 	if !ok || reported && prev.refused {
-		return false
+		return
 	}
 	logger := klog.FromContext(ctx)
 	refuse := func(format string, args ...any) {
@@ -130,9 +130,10 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 	}
 	// A time ahead of when the value was set stays refused after an
 	// agent restart too, once it has passed.
+	setAt, setKnown := annotationSetAt(node, ClearFaultsAnnotation)
 	limit := time.Now()
-	if at, ok := annotationSetAt(node, ClearFaultsAnnotation); ok && at.Before(limit) {
-		limit = at
+	if setKnown && setAt.Before(limit) {
+		limit = setAt
 	}
 	req, err := parseClearFaults(value, limit)
 	if err != nil {
@@ -140,7 +141,7 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 		a.clearAnnotation.refused = true
 		a.mutex.Unlock()
 		refuse("%v; no GPU fault cleared", err)
-		return false
+		return
 	}
 
 	a.mutex.Lock()
@@ -174,14 +175,14 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 	if len(cleared) == 0 {
 		// An annotation left in place after its clear, read by an agent
 		// started since, clears nothing: an agent before said what it did.
-		if at, ok := annotationSetAt(node, ClearFaultsAnnotation); len(unknown) == 0 && !(ok && at.Before(a.created)) {
+		if len(unknown) == 0 && !(setKnown && setAt.Before(a.created)) {
 			why := "no GPU it names has a fault"
 			if len(kept) > 0 {
 				why = "every fault it names was reported at or after " + req.before.UTC().Format(time.RFC3339) + ": " + strings.Join(kept, "; ")
 			}
 			refuse("no GPU fault cleared: %s", why)
 		}
-		return false
+		return
 	}
 	logger.Info("Clearing GPU faults as the node's annotation asks", "annotation", ClearFaultsAnnotation, "value", value, "faults", cleared)
 	a.saveFaults(ctx)
@@ -192,7 +193,6 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) bool {
 	}
 	a.nodeEvent(v1.EventTypeNormal, ReasonFaultsCleared, "ClearFaults",
 		"GPU faults cleared as annotation %s=%q asks, %s: %s", ClearFaultsAnnotation, value, published, strings.Join(cleared, "; "))
-	return true
 }
 
 // resolveGPUsLocked turns the GPUs of a ClearFaultsAnnotation into UUIDs

@@ -77,7 +77,7 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 //     reported on the Node (ReasonDevicePlugin, ReasonDevicePluginGone)
 //     and republished. Claims already prepared are left alone.
 //   - GPU faults that its ClearFaultsAnnotation clears are forgotten and
-//     their health taints removed.
+//     their health taints removed (clearFaults publishes).
 //
 // An error reading the Node keeps the last answers.
 func (a *Agent) CheckNode(ctx context.Context) error {
@@ -86,11 +86,10 @@ func (a *Agent) CheckNode(ctx context.Context) error {
 		return err
 	}
 	ownerErr := a.followNode(ctx, node)
-	changed := a.clearFaults(ctx, node)
-	if len(a.opts.DevicePluginResources) > 0 && a.setDevicePlugin(ctx, devicePlugin(node, a.opts.DevicePluginResources)) {
-		changed = true
-	}
-	if !changed {
+	pluginChanged := len(a.opts.DevicePluginResources) > 0 && a.setDevicePlugin(ctx, devicePlugin(node, a.opts.DevicePluginResources))
+	// After the device plugin check, as at start: a clear publishes.
+	a.clearFaults(ctx, node)
+	if !pluginChanged {
 		return ownerErr
 	}
 	return errors.Join(ownerErr, a.publish(ctx))
