@@ -782,24 +782,13 @@ func TestWatchHealth(t *testing.T) {
 	for name, steps := range testcases {
 		t.Run(name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
-			ctx, cancel := context.WithCancel(ctx)
 			m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
 			if err != nil {
 				t.Fatal(err)
 			}
 			m.SetMIG(7, true)
-			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			inv, err := d.Discover(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			events := make(chan discovery.HealthEvent)
-			done := make(chan error)
 			watched := make(chan discovery.Unwatched, 1)
-			go func() { done <- d.WatchHealth(ctx, inv, func(u discovery.Unwatched) { watched <- u }, events) }()
+			inv, events, stop := watchMachine(ctx, t, m, func(u discovery.Unwatched) { watched <- u }, 0)
 			select {
 			case u := <-watched:
 				if len(u) != 0 {
@@ -825,9 +814,29 @@ func TestWatchHealth(t *testing.T) {
 					t.Fatal("no health event")
 				}
 			}
-			stopWatch(t, cancel, done)
+			stop()
 		})
 	}
+}
+
+// watchMachine discovers the GPUs of m and watches their health in the
+// background, with watching and an events channel of the given buffer;
+// stop ends the watch and checks how it ended.
+func watchMachine(ctx context.Context, t *testing.T, m *mockgpu.Machine, watching func(discovery.Unwatched), buffer int) (*discovery.Inventory, chan discovery.HealthEvent, func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := d.Discover(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := make(chan discovery.HealthEvent, buffer)
+	done := make(chan error)
+	go func() { done <- d.WatchHealth(ctx, inv, watching, events) }()
+	return inv, events, func() { stopWatch(t, cancel, done) }
 }
 
 // TestWatchHealthLostGPUs: where discovery found a GPU lost (fallen off
@@ -840,22 +849,6 @@ func TestWatchHealthLostGPUs(t *testing.T) {
 	interval := discovery.LostReportInterval
 	discovery.LostReportInterval = 300 * time.Millisecond
 	t.Cleanup(func() { discovery.LostReportInterval = interval })
-	watch := func(t *testing.T, ctx context.Context, m *mockgpu.Machine) (*discovery.Inventory, chan discovery.HealthEvent, func()) {
-		t.Helper()
-		ctx, cancel := context.WithCancel(ctx)
-		d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		inv, err := d.Discover(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		events := make(chan discovery.HealthEvent, 10)
-		done := make(chan error)
-		go func() { done <- d.WatchHealth(ctx, inv, func(discovery.Unwatched) {}, events) }()
-		return inv, events, func() { stopWatch(t, cancel, done) }
-	}
 	next := func(t *testing.T, events chan discovery.HealthEvent) discovery.HealthEvent {
 		t.Helper()
 		select {
@@ -874,7 +867,7 @@ func TestWatchHealthLostGPUs(t *testing.T) {
 			t.Fatal(err)
 		}
 		m.FallOffBus(5)
-		inv, events, stop := watch(t, ctx, m)
+		inv, events, stop := watchMachine(ctx, t, m, func(discovery.Unwatched) {}, 10)
 		defer stop()
 		if inv.GPU("gpu-5") != nil || !slices.ContainsFunc(inv.Skipped, func(s discovery.Skipped) bool { return s.Index == 5 && s.Lost }) {
 			t.Fatalf("discovery: gpu-5 %v, skipped %+v; want GPU 5 skipped as lost", inv.GPU("gpu-5") != nil, inv.Skipped)
@@ -890,7 +883,7 @@ func TestWatchHealthLostGPUs(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, events, stop := watch(t, ctx, m)
+		_, events, stop := watchMachine(ctx, t, m, func(discovery.Unwatched) {}, 10)
 		defer stop()
 		m.FallOffBus(5)
 		first := next(t, events)
