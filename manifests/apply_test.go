@@ -350,8 +350,11 @@ func TestMetricsReaderRole(t *testing.T) {
 	}
 	metrics := authorizationv1.SubjectAccessReviewSpec{NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}
 	pods := authorizationv1.SubjectAccessReviewSpec{ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: "list", Resource: "pods"}}
-	if !allowed("prometheus", metrics) {
-		t.Error("the bound ServiceAccount may not get /metrics")
+	// RBAC's authorizer learns of the new binding from its informer.
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return allowed("prometheus", metrics), nil
+	}); err != nil {
+		t.Fatal("the bound ServiceAccount may not get /metrics")
 	}
 	if allowed("prometheus", pods) {
 		t.Error("the bound ServiceAccount may list pods")
