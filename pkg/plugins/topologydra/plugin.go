@@ -98,6 +98,9 @@ type TopologyDRA struct {
 	// heldBack holds the pods the headroom held back at their latest
 	// attempt, for the freed-devices hint.
 	heldBack heldBack
+	// nodeSets interns the sets of node names recorded for pending pods
+	// (unfit nodes, nodes a narrow headroom's requests match nothing on).
+	nodeSets nodeSets
 	// nicReservePercent is args.NICReservePercent (see nicReserveOf).
 	nicReservePercent int32
 	// taintOps is the TaintTolerationComparisonOperators feature: how

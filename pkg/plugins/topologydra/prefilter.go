@@ -254,7 +254,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if wholeNode {
 		var unfit sets.Set[string]
 		if matched {
-			unfit = unfitNodes(admit, devices, need)
+			unfit = pl.nodeSets.intern(unfitNodes(admit, devices, need))
 		}
 		pl.pending.setUnfit(pod, unfit)
 		// More devices than an allocation may hold, say: no node can
@@ -274,6 +274,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 					barren.Insert(node)
 				}
 			}
+			barren = pl.nodeSets.intern(barren)
 		}
 		pl.heldBack.setNarrow(pod, barren != nil, barren)
 	}
