@@ -424,12 +424,12 @@ func selectorsMatch(ctx context.Context, memo *sliceMemo, slice *resourceapi.Res
 // taintPrevents reports whether a NoSchedule or NoExecute taint on the
 // device is not tolerated.
 func taintPrevents(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) bool {
-	return untoleratedTaint(device, tolerations) != nil
+	return UntoleratedTaint(device, tolerations) != nil
 }
 
-// untoleratedTaint returns the device's first NoSchedule or NoExecute
+// UntoleratedTaint returns the device's first NoSchedule or NoExecute
 // taint that tolerations do not tolerate, nil if there is none.
-func untoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) *resourceapi.DeviceTaint {
+func UntoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.DeviceToleration) *resourceapi.DeviceTaint {
 	for i := range device.Taints {
 		taint := &device.Taints[i]
 		if taint.Effect != resourceapi.DeviceTaintEffectNoSchedule && taint.Effect != resourceapi.DeviceTaintEffectNoExecute {

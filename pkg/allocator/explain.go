@@ -138,7 +138,7 @@ func untoleratedKeys(ns *nodeState, u *unit) []string {
 		if !u.matching[i] || ns.inUse[i] && !ptr.Deref(ns.devices[i].device.AllowMultipleAllocations, false) && !u.admin {
 			continue
 		}
-		if t := untoleratedTaint(ns.devices[i].device, u.tolerations); t != nil {
+		if t := UntoleratedTaint(ns.devices[i].device, u.tolerations); t != nil {
 			keys.Insert(t.Key)
 		}
 	}

@@ -37,6 +37,9 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 	if err != nil {
 		return nil
 	}
+	if err := pl.taintedSinceListed(s); err != nil {
+		return internalError(logger, err, "pod", klog.KObj(pod))
+	}
 	bound := false
 	ext := s.extended
 	for i, claim := range s.claims {

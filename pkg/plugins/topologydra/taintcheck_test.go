@@ -1,0 +1,108 @@
+package topologydra
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	fwk "k8s.io/kube-scheduler/framework"
+)
+
+// TestPreBindRefusesDeviceTaintedSinceChosen: a device gets a NoSchedule
+// taint (a GPU's health taint) between the cycle that chose it and
+// PreBind. PreBind writes nothing and fails, so the pod is scheduled
+// again and gets another device; a taint on a device not chosen, or one
+// the claim tolerates, changes nothing.
+func TestPreBindRefusesDeviceTaintedSinceChosen(t *testing.T) {
+	const node, key = "node-a", "gpu.topodra.io/unhealthy"
+	tolerating := testClaim("tolerating", 1)
+	tolerating.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Key: key, Operator: resourceapi.DeviceTolerationOpExists}}
+	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), testSlice(node, 8), testClaim("one", 1), testClaim("two", 1), tolerating)
+	for _, c := range []string{"one", "two", "tolerating"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	chosen := func(cs fwk.CycleState) string {
+		t.Helper()
+		s, err := getState(cs)
+		if err != nil || len(s.allocations) != 1 || s.allocations[0] == nil || len(s.allocations[0].Devices.Results) != 1 {
+			t.Fatalf("cycle state %v, %v: want one allocation of one device", s, err)
+		}
+		return s.allocations[0].Devices.Results[0].Device
+	}
+	// taint gives device the health taint in the API and waits until the
+	// scheduler's slices show it.
+	taint := func(device string) {
+		t.Helper()
+		slice, err := h.client.ResourceV1().ResourceSlices().Get(h.tCtx, node+"-gpus", metav1.GetOptions{})
+		h.tCtx.ExpectNoError(err, "get slice")
+		for i := range slice.Spec.Devices {
+			if slice.Spec.Devices[i].Name == device {
+				slice.Spec.Devices[i].Taints = append(slice.Spec.Devices[i].Taints, resourceapi.DeviceTaint{Key: key, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule})
+			}
+		}
+		_, err = h.client.ResourceV1().ResourceSlices().Update(h.tCtx, slice, metav1.UpdateOptions{})
+		h.tCtx.ExpectNoError(err, "taint "+device)
+		err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			listed, err := h.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+			if err != nil {
+				return false, nil
+			}
+			for _, s := range listed {
+				for _, d := range s.Spec.Devices {
+					if d.Name == device && len(d.Taints) > 0 {
+						return true, nil
+					}
+				}
+			}
+			return false, nil
+		})
+		h.tCtx.ExpectNoError(err, "the slice tracker never showed the taint of "+device)
+	}
+	other := func(device string) string {
+		if device == "gpu-0" {
+			return "gpu-1"
+		}
+		return "gpu-0"
+	}
+
+	first := testPod("first", "one")
+	cs := h.reserve(first, node)
+	firstDevice := chosen(cs)
+	taint(other(firstDevice))
+	if st := h.pl.PreBind(h.tCtx, cs, first, node); !st.IsSuccess() {
+		t.Fatalf("PreBind after a device not chosen was tainted: %v", st)
+	}
+
+	second := testPod("second", "two")
+	cs = h.reserve(second, node)
+	device := chosen(cs)
+	taint(device)
+	st := h.pl.PreBind(h.tCtx, cs, second, node)
+	if st.IsSuccess() || !strings.Contains(st.Message(), device) || !strings.Contains(st.Message(), key+"=xid-79:NoSchedule") {
+		t.Fatalf("PreBind after the chosen device %s was tainted: %v; want a failure naming the device and the taint", device, st)
+	}
+	if c := h.apiClaim("two"); c.Status.Allocation != nil || len(c.Status.ReservedFor) != 0 {
+		t.Fatalf("claim two written although its device was tainted: %+v", c.Status)
+	}
+	h.pl.Unreserve(h.tCtx, cs, second, node)
+	cs = h.reserve(second, node)
+	if again := chosen(cs); again == device {
+		t.Fatalf("the next attempt chose the tainted device %s again", device)
+	}
+	if st := h.pl.PreBind(h.tCtx, cs, second, node); !st.IsSuccess() {
+		t.Fatalf("PreBind of the next attempt: %v", st)
+	}
+
+	// A taint the claim tolerates.
+	third := testPod("third", "tolerating")
+	cs = h.reserve(third, node)
+	taint(chosen(cs))
+	if st := h.pl.PreBind(h.tCtx, cs, third, node); !st.IsSuccess() {
+		t.Fatalf("PreBind after the chosen device got a taint the claim tolerates: %v", st)
+	}
+}
