@@ -21,6 +21,7 @@ import (
 	"github.com/spf13/pflag"
 
 	eventsv1 "k8s.io/api/events/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
@@ -72,6 +73,7 @@ type options struct {
 	cdiDir              string
 	ownedTaint          bool
 	ownedTaintKey       string
+	unhealthyEffect     string
 	devicePlugin        []string
 	numaList            bool
 	rescanInterval      time.Duration
@@ -144,6 +146,7 @@ the command line wins.`,
 	fs.StringVar(&o.cdiDir, "cdi-dir", cdi.DefaultDir, "Directory for the per-claim CDI specs; the container runtime must read it.")
 	fs.BoolVar(&o.ownedTaint, "owned-taint", agent.DefaultOwnedTaint, "Taint every published device with NoSchedule --owned-taint-key, so that only topodra-scheduler (which tolerates it) allocates them and the default scheduler leaves them alone. --owned-taint=false lets both schedulers hand out the same GPUs, and they double-book them: only for clusters where topodra-scheduler is the only scheduler that allocates this driver's devices.")
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint; must not be empty while --owned-taint is on.")
+	fs.StringVar(&o.unhealthyEffect, "unhealthy-taint-effect", string(resourceapi.DeviceTaintEffectNoSchedule), "Effect of the "+agent.HealthTaintKey+" taint of a GPU that reported a critical XID or fell off the bus: NoSchedule keeps new allocations off it and leaves the pods that use it alone; NoExecute also has kube-controller-manager's device taint eviction controller evict every pod whose claim holds the GPU (running, or bound and not started because the agent refuses to prepare a faulty GPU), so that its controller creates it again on healthy GPUs. Where NVML cannot tell which GPU is lost, every GPU of the node is tainted, and with NoExecute every pod using one is evicted.")
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again, and to read the Node (see --device-plugin-resources; a Node deleted and created again gets the agent's slices, owned by the new Node); 0 or less disables rescanning (prepared claims, health watching and the Node are then checked every "+agent.DefaultRescanInterval.String()+").")
@@ -320,6 +323,11 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 			return fmt.Errorf("--owned-taint-key (or OWNED_TAINT_KEY): %w", err)
 		}
 	}
+	if o.unhealthyEffect != "" {
+		if err := agent.ValidateUnhealthyTaintEffect(resourceapi.DeviceTaintEffect(o.unhealthyEffect)); err != nil {
+			return fmt.Errorf("--unhealthy-taint-effect (or UNHEALTHY_TAINT_EFFECT): %w", err)
+		}
+	}
 
 	src, err := newSource(o, nodeName)
 	if err == nil {
@@ -365,6 +373,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		CDIDir:                o.cdiDir,
 		OwnedTaint:            o.ownedTaint,
 		OwnedTaintKey:         o.ownedTaintKey,
+		UnhealthyTaintEffect:  resourceapi.DeviceTaintEffect(o.unhealthyEffect),
 		DevicePluginResources: o.devicePlugin,
 		NodeCheck:             checkInterval(o.rescanInterval),
 		RescanInterval:        rescan(o.rescanInterval),

@@ -39,7 +39,9 @@
 // [Options.OwnedTaintKey]: the default scheduler does not allocate these
 // devices, topodra tolerates its own taint. A device
 // that NVML reports as faulty (critical XID, lost GPU) carries the
-// NoSchedule taint [HealthTaintKey] with the reason ("xid-79") as value
+// taint [HealthTaintKey] with the reason ("xid-79") as value and the
+// effect [Options.UnhealthyTaintEffect] (NoSchedule by default; NoExecute
+// has the device taint eviction controller evict the pods that use it)
 // until the node reboots or [ClearFaultsAnnotation] clears it: the fault
 // belongs to the GPU's UUID, stays while
 // the GPU is missing from discovery, and is kept in the checkpoint (where
@@ -49,6 +51,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -194,6 +197,14 @@ type Options struct {
 	// OwnedTaintKey defaults to topology.DefaultTaintKey; New refuses a
 	// key that is not a qualified name.
 	OwnedTaintKey string
+	// UnhealthyTaintEffect is the effect of the health taint
+	// (HealthTaintKey) of a faulty GPU: NoSchedule (the default where
+	// empty) keeps new allocations off it and leaves the pods that use it
+	// alone; NoExecute also has the device taint eviction controller of
+	// kube-controller-manager evict them (pods whose claims do not
+	// tolerate the taint), running or not yet started, so that their
+	// controllers create them again elsewhere. New refuses other effects.
+	UnhealthyTaintEffect resourceapi.DeviceTaintEffect
 
 	// DevicePluginResources name the extended resources of a device
 	// plugin that hands out the same GPUs (a name, or a prefix ending in
@@ -506,6 +517,12 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	if err := ValidateTaintKey(opts.OwnedTaintKey); err != nil {
 		return nil, fmt.Errorf("owned taint key: %w", err)
+	}
+	if opts.UnhealthyTaintEffect == "" {
+		opts.UnhealthyTaintEffect = resourceapi.DeviceTaintEffectNoSchedule
+	}
+	if err := ValidateUnhealthyTaintEffect(opts.UnhealthyTaintEffect); err != nil {
+		return nil, err
 	}
 	if opts.RescanInterval == 0 {
 		opts.RescanInterval = DefaultRescanInterval
@@ -1027,6 +1044,7 @@ func (a *Agent) resourcesLocked() resourceslice.DriverResources {
 		OwnedKey:     a.opts.OwnedTaintKey,
 		DevicePlugin: a.devicePlugin != "",
 		NVMLUnusable: a.nvmlUnusable != nil,
+		Unhealthy:    a.opts.UnhealthyTaintEffect,
 	})
 }
 
@@ -1041,6 +1059,18 @@ type TaintOptions struct {
 	// NVMLUnusable adds the NoSchedule taint NVMLUnusableTaintKey to
 	// every device.
 	NVMLUnusable bool
+	// Unhealthy is the effect of the health taint; empty: NoSchedule.
+	Unhealthy resourceapi.DeviceTaintEffect
+}
+
+// ValidateUnhealthyTaintEffect accepts the effects the health taint may
+// have: NoSchedule and NoExecute.
+func ValidateUnhealthyTaintEffect(effect resourceapi.DeviceTaintEffect) error {
+	switch effect {
+	case resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute:
+		return nil
+	}
+	return fmt.Errorf("unhealthy taint effect %q: want %s or %s", effect, resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute)
 }
 
 // BuildResources turns an inventory into the pool that the agent publishes:
@@ -1077,7 +1107,7 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 			taint := resourceapi.DeviceTaint{
 				Key:    HealthTaintKey,
 				Value:  ev.Reason,
-				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+				Effect: cmp.Or(taints.Unhealthy, resourceapi.DeviceTaintEffectNoSchedule),
 			}
 			if !ev.Time.IsZero() {
 				taint.TimeAdded = &metav1.Time{Time: ev.Time.Truncate(time.Second)}

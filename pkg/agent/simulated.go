@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync/atomic"
 
+	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
 	"k8s.io/client-go/kubernetes"
@@ -33,6 +34,8 @@ type SimulatedOptions struct {
 	KubeClient kubernetes.Interface
 	// OwnedTaint: see [Options.OwnedTaint].
 	OwnedTaint bool
+	// UnhealthyTaintEffect: see [Options.UnhealthyTaintEffect].
+	UnhealthyTaintEffect resourceapi.DeviceTaintEffect
 	// NICs also publishes the machine's simulated NICs under driver
 	// mockgpu.NICDriverName, in a pool named after the node.
 	NICs bool
@@ -84,6 +87,8 @@ func StartSimulated(ctx context.Context, opts SimulatedOptions) (*Simulated, err
 		CDIDir:      opts.CDIDir,
 		OwnedTaint:  opts.OwnedTaint,
 		Recorder:    opts.Recorder,
+
+		UnhealthyTaintEffect: opts.UnhealthyTaintEffect,
 	})
 	if err != nil {
 		return nil, err

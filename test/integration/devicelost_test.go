@@ -5,7 +5,9 @@ import (
 	"strings"
 	"testing"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/events"
@@ -135,4 +137,101 @@ func TestDeviceLostGetsNoAllocations(t *testing.T) {
 		}
 	}
 	e.expectClean()
+}
+
+// TestUnhealthyNoExecuteEvicts: with --unhealthy-taint-effect=NoExecute
+// the health taint of a GPU that reports an XID has kube-controller-
+// manager's device taint eviction controller evict the pod whose claim
+// holds it (whether the agent prepared it or not); a pod on another GPU
+// of the node stays.
+func TestUnhealthyNoExecuteEvicts(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "evict")
+	nodeName := e.ns + "-g-0"
+	_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "g"}, "256")
+	tCtx.ExpectNoError(err)
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	sim, err := agent.StartSimulated(tCtx, agent.SimulatedOptions{
+		NodeName: nodeName, Machine: machine, KubeClient: cp.Client, OwnedTaint: true,
+		StateDir: t.TempDir(), CDIDir: t.TempDir(), UnhealthyTaintEffect: resourceapi.DeviceTaintEffectNoExecute,
+	})
+	tCtx.ExpectNoError(err)
+	defer sim.Stop()
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.Devices) == 8 })
+	startTopodra(tCtx)
+	defer cp.StartDeviceTaintEvictionController(tCtx)()
+
+	e.pod("failing", topodraName, "g", e.template(1, nil))
+	e.pod("other", topodraName, "g", e.template(1, nil))
+	failing := e.waitScheduled("failing")
+	e.waitScheduled("other")
+	claims, err := framework.PodClaims(tCtx, cp.Client, failing)
+	tCtx.ExpectNoError(err)
+	if _, err := sim.Agent.PrepareResourceClaims(tCtx, claims); err != nil {
+		tCtx.Fatalf("prepare: %v", err)
+	}
+	devices := framework.AllocatedDevices(claims[0])
+	if len(devices) != 1 {
+		tCtx.Fatalf("pod failing has devices %v", devices)
+	}
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(*resourceapi.ResourceSlice) bool { return true })
+	index := -1
+	for _, d := range slice.Spec.Devices {
+		if d.Name == devices[0] && d.Attributes["index"].IntValue != nil {
+			index = int(*d.Attributes["index"].IntValue)
+		}
+	}
+	if index < 0 {
+		tCtx.Fatalf("device %s has no index attribute", devices[0])
+	}
+	tCtx.ExpectNoError(machine.InjectXID(index, 79))
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "NoExecute health taint on "+devices[0], func(s *resourceapi.ResourceSlice) bool {
+		for _, d := range s.Spec.Devices {
+			for _, taint := range d.Taints {
+				if d.Name == devices[0] && taint.Key == agent.HealthTaintKey && taint.Effect == resourceapi.DeviceTaintEffectNoExecute {
+					return true
+				}
+			}
+		}
+		return false
+	})
+	// Without a kubelet an evicted pod stays Terminating: the eviction
+	// is its deletion with the DisruptionTarget condition.
+	var evicted *v1.Pod
+	err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "failing", metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		if err != nil || pod.DeletionTimestamp == nil {
+			return false, nil
+		}
+		evicted = pod
+		return true, nil
+	})
+	tCtx.ExpectNoError(err, "the pod on the failed GPU was not evicted")
+	if evicted != nil {
+		found := false
+		for _, c := range evicted.Status.Conditions {
+			if c.Type == v1.DisruptionTarget && c.Status == v1.ConditionTrue {
+				t.Logf("pod failing: %s: %s", c.Reason, c.Message)
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("the evicted pod has no DisruptionTarget condition: %+v", evicted.Status.Conditions)
+		}
+	}
+	other, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "other", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if other.DeletionTimestamp != nil {
+		t.Errorf("the pod on a healthy GPU was evicted too")
+	}
+	for _, name := range []string{"failing", "other"} {
+		err := cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+		if err != nil && !apierrors.IsNotFound(err) {
+			tCtx.Fatalf("delete pod %s: %v", name, err)
+		}
+	}
 }
