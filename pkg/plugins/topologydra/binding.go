@@ -51,28 +51,46 @@ var (
 // publishedLookup tells whether a device is published, pending or gone
 // (invariant.Publication.Presence) by the pools in the scheduler's slice
 // cache. The slices are listed on the first question only, since most
-// allocations never need it. Not safe for concurrent use.
+// allocations never need it, and only the pools asked about are judged
+// (a pool's answer depends on its own slices alone): PreBind asks on
+// every poll while it waits for binding conditions. Not safe for
+// concurrent use.
 type publishedLookup struct {
-	pl          *TopologyDRA
-	publication *invariant.Publication
-	err         error
+	pl     *TopologyDRA
+	slices []*resourceapi.ResourceSlice
+	err    error
+	// byPool holds the publication of each pool asked about.
+	byPool map[poolKey]*invariant.Publication
 }
 
 func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &publishedLookup{pl: pl} }
 
 func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {
-	if p.publication == nil && p.err == nil {
+	if p.slices == nil && p.err == nil {
 		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 		if err != nil {
 			p.err = fmt.Errorf("list resource slices: %w", err)
 		} else {
-			p.publication = invariant.Publish(resourceSlices)
+			p.slices = resourceSlices
+			p.byPool = map[poolKey]*invariant.Publication{}
 		}
 	}
 	if p.err != nil {
 		return invariant.DeviceGone, p.err
 	}
-	return p.publication.Presence(d), nil
+	k := poolKey{driver: d.Driver, pool: d.Pool}
+	publication, ok := p.byPool[k]
+	if !ok {
+		var own []*resourceapi.ResourceSlice
+		for _, s := range p.slices {
+			if s.Spec.Driver == k.driver && s.Spec.Pool.Name == k.pool {
+				own = append(own, s)
+			}
+		}
+		publication = invariant.Publish(own)
+		p.byPool[k] = publication
+	}
+	return publication.Presence(d), nil
 }
 
 // bindingState reports whether an allocated claim's devices are ready to

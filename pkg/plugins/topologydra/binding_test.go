@@ -3,6 +3,7 @@ package topologydra
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -11,12 +12,14 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	fwk "k8s.io/kube-scheduler/framework"
 	schedmetrics "k8s.io/kubernetes/pkg/scheduler/metrics"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/invariant"
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 func TestBindingState(t *testing.T) {
@@ -276,5 +279,25 @@ func TestBindingWaitsThroughPoolUpdate(t *testing.T) {
 	republish(second, "gpu-3")
 	if _, st := h.cycle(pod, "node-a"); st["node-a"].IsSuccess() || !strings.Contains(st["node-a"].Message(), "no longer exists") {
 		t.Errorf("pool republished without gpu-2, Filter: %v, want the allocated device gone", st["node-a"])
+	}
+}
+
+// BenchmarkBindingPresence measures one poll's question of PreBind's wait
+// for binding conditions, whether a device not ready yet is still
+// published, on 1,000 nodes of 8 GPUs: a lookup per poll, one question.
+func BenchmarkBindingPresence(b *testing.B) {
+	var nodes []*v1.Node
+	var objs []runtime.Object
+	for n := range 1000 {
+		name := fmt.Sprintf("node-%d", n)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+	}
+	h := newHarness(b, nodes, objs...)
+	device := invariant.Device{Driver: topology.DriverName, Pool: "node-500", Name: "gpu-3"}
+	for b.Loop() {
+		if p, err := h.pl.newPublishedLookup().presence(device); err != nil || p != invariant.DevicePublished {
+			b.Fatalf("presence of %v = %v, %v; want published", device, p, err)
+		}
 	}
 }
