@@ -587,6 +587,7 @@ func TestBuildResourcesTaints(t *testing.T) {
 	testcases := map[string]struct {
 		owned        bool
 		nvmlUnusable bool
+		effect       resourceapi.DeviceTaintEffect
 		unhealthy    map[string]discovery.HealthEvent
 		want         map[string][]resourceapi.DeviceTaint
 	}{
@@ -602,6 +603,18 @@ func TestBuildResourcesTaints(t *testing.T) {
 			unhealthy: map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
 			want: map[string][]resourceapi.DeviceTaint{
 				"gpu-1": {{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}}},
+			},
+		},
+		"health taint NoExecute, the owned taint NoSchedule": {
+			owned:     true,
+			effect:    resourceapi.DeviceTaintEffectNoExecute,
+			unhealthy: map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-0": {{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+				"gpu-1": {
+					{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule},
+					{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoExecute, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}},
+				},
 			},
 		},
 		"NVML unusable: every device, beside a health taint": {
@@ -642,7 +655,7 @@ func TestBuildResourcesTaints(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned, NVMLUnusable: tc.nvmlUnusable})
+			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned, NVMLUnusable: tc.nvmlUnusable, Unhealthy: tc.effect})
 			if len(res.Pools) != 1 || len(res.Pools["pool"].Slices) != 1 {
 				t.Fatalf("want one pool with one slice, got %+v", res)
 			}

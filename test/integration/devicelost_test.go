@@ -214,13 +214,13 @@ func TestUnhealthyNoExecuteEvicts(t *testing.T) {
 	if evicted != nil {
 		found := false
 		for _, c := range evicted.Status.Conditions {
-			if c.Type == v1.DisruptionTarget && c.Status == v1.ConditionTrue {
+			if c.Type == v1.DisruptionTarget && c.Status == v1.ConditionTrue && c.Reason == "DeletionByDeviceTaintManager" {
 				t.Logf("pod failing: %s: %s", c.Reason, c.Message)
 				found = true
 			}
 		}
 		if !found {
-			t.Errorf("the evicted pod has no DisruptionTarget condition: %+v", evicted.Status.Conditions)
+			t.Errorf("the evicted pod has no DisruptionTarget condition of the device taint eviction controller: %+v", evicted.Status.Conditions)
 		}
 	}
 	other, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "other", metav1.GetOptions{})

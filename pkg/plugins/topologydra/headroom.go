@@ -272,8 +272,9 @@ func (h *heldBack) held(uid types.UID) bool {
 // setNarrow records whether the pod's headroom was counted over only the
 // devices its requests match, where those are fewer than its drivers',
 // and if so the nodes it looked at on which its requests match no device
-// (barren). Like hold, it drops the record again where the pod's deletion
-// was handled while its attempt ran.
+// (barren, shared with other pods by nodeSets.intern: never changed). Like
+// hold, it drops the record again where the pod's deletion was handled
+// while its attempt ran.
 func (h *heldBack) setNarrow(pod *v1.Pod, narrow bool, barren sets.Set[string]) {
 	if !narrow {
 		h.narrow.Delete(pod.UID)

@@ -49,7 +49,8 @@ type pendingPod struct {
 	// devices of every driver than it needs, as its latest PreFilter
 	// found them among the nodes it could use then (setUnfit): it cannot
 	// run there however many devices are free. Nodes it did not look at
-	// (cordoned or tainted then) are judged when asked.
+	// (cordoned or tainted then) are judged when asked. Shared with other
+	// pods (nodeSets.intern): never changed.
 	unfit sets.Set[string]
 	// invalid is set where the pod's latest attempt found one of its
 	// claims invalid (a missing device class, a selector that does not

@@ -25,7 +25,9 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 	if !pl.features.DeviceTaints {
 		return nil
 	}
-	chosen := map[structured.DeviceID]*resourceapi.DeviceRequestAllocationResult{}
+	// A device that allows multiple allocations may be in several
+	// results, each with its request's tolerations.
+	chosen := map[structured.DeviceID][]*resourceapi.DeviceRequestAllocationResult{}
 	pools := map[poolKey]int64{}
 	for _, alloc := range s.allocations {
 		if alloc == nil {
@@ -33,7 +35,8 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 		}
 		for i := range alloc.Devices.Results {
 			r := &alloc.Devices.Results[i]
-			chosen[structured.MakeDeviceID(r.Driver, r.Pool, r.Device)] = r
+			id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
+			chosen[id] = append(chosen[id], r)
 			pools[poolKey{driver: r.Driver, pool: r.Pool}] = 0
 		}
 	}
@@ -58,13 +61,11 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 		}
 		for i := range slice.Spec.Devices {
 			d := &slice.Spec.Devices[i]
-			r, ok := chosen[structured.MakeDeviceID(k.driver, k.pool, d.Name)]
-			if !ok {
-				continue
-			}
-			if t := allocator.UntoleratedTaint(d, r.Tolerations); t != nil {
-				return fmt.Errorf("device %s/%s/%s, chosen for request %s, got the taint %s=%s:%s since this pod's devices were chosen; the pod is scheduled again without it",
-					r.Driver, r.Pool, r.Device, r.Request, t.Key, t.Value, t.Effect)
+			for _, r := range chosen[structured.MakeDeviceID(k.driver, k.pool, d.Name)] {
+				if t := allocator.UntoleratedTaint(d, r.Tolerations); t != nil {
+					return fmt.Errorf("device %s/%s/%s, chosen for request %s, got the taint %s=%s:%s since this pod's devices were chosen; the pod is scheduled again without it",
+						r.Driver, r.Pool, r.Device, r.Request, t.Key, t.Value, t.Effect)
+				}
 			}
 		}
 	}

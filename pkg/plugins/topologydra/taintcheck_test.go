@@ -11,6 +11,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	fwk "k8s.io/kube-scheduler/framework"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // TestPreBindRefusesDeviceTaintedSinceChosen: a device gets a NoSchedule
@@ -22,7 +24,14 @@ func TestPreBindRefusesDeviceTaintedSinceChosen(t *testing.T) {
 	const node, key = "node-a", "gpu.topodra.io/unhealthy"
 	tolerating := testClaim("tolerating", 1)
 	tolerating.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Key: key, Operator: resourceapi.DeviceTolerationOpExists}}
-	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), testSlice(node, 8), testClaim("one", 1), testClaim("two", 1), tolerating)
+	// The devices carry the owned taint, as the agent publishes them: the
+	// results' tolerations must hold the owned toleration, or PreBind
+	// would refuse every allocation.
+	slice := testSlice(node, 8)
+	for i := range slice.Spec.Devices {
+		slice.Spec.Devices[i].Taints = []resourceapi.DeviceTaint{{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	}
+	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), slice, testClaim("one", 1), testClaim("two", 1), tolerating)
 	for _, c := range []string{"one", "two", "tolerating"} {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
@@ -54,8 +63,10 @@ func TestPreBindRefusesDeviceTaintedSinceChosen(t *testing.T) {
 			}
 			for _, s := range listed {
 				for _, d := range s.Spec.Devices {
-					if d.Name == device && len(d.Taints) > 0 {
-						return true, nil
+					for _, taint := range d.Taints {
+						if d.Name == device && taint.Key == key {
+							return true, nil
+						}
 					}
 				}
 			}
