@@ -28,9 +28,17 @@ func (c *Cluster) StartClaimController(ctx context.Context) (func(), error) {
 		cancel()
 		return nil, fmt.Errorf("create resourceclaim controller: %w", err)
 	}
+	return c.runController(ctx, cancel, factory, func() { ctrl.Run(klog.NewContext(ctx, logger), 5) }), nil
+}
+
+// runController starts factory and run, which runs a controller until ctx
+// (which cancel ends) is done, and returns the function that stops it:
+// it ends ctx, waits until run has returned and shuts the factory down;
+// it may be called more than once, and Stop calls it.
+func (c *Cluster) runController(ctx context.Context, cancel context.CancelFunc, factory informers.SharedInformerFactory, run func()) func() {
 	factory.Start(ctx.Done())
 	var wg sync.WaitGroup
-	wg.Go(func() { ctrl.Run(klog.NewContext(ctx, logger), 5) })
+	wg.Go(run)
 	var once sync.Once
 	stop := func() {
 		once.Do(func() {
@@ -40,5 +48,5 @@ func (c *Cluster) StartClaimController(ctx context.Context) (func(), error) {
 		})
 	}
 	c.AddStop(stop)
-	return stop, nil
+	return stop
 }

@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"context"
-	"sync"
 
 	"k8s.io/client-go/informers"
 	"k8s.io/klog/v2"
@@ -26,21 +25,9 @@ func (c *Cluster) StartDeviceTaintEvictionController(ctx context.Context) func()
 		factory.Resource().V1().DeviceTaintRules(),
 		factory.Resource().V1().DeviceClasses(),
 		"device-taint-eviction-controller")
-	factory.Start(ctx.Done())
-	var wg sync.WaitGroup
-	wg.Go(func() {
+	return c.runController(ctx, cancel, factory, func() {
 		if err := ctrl.Run(klog.NewContext(ctx, logger), 2); err != nil && ctx.Err() == nil {
 			logger.Error(err, "Device taint eviction controller stopped")
 		}
 	})
-	var once sync.Once
-	stop := func() {
-		once.Do(func() {
-			cancel()
-			wg.Wait()
-			factory.Shutdown()
-		})
-	}
-	c.AddStop(stop)
-	return stop
 }

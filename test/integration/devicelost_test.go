@@ -28,59 +28,19 @@ import (
 func TestDeviceLostGetsNoAllocations(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "lost")
-	nodeName := e.ns + "-g-0"
-	_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "g"}, "256")
-	tCtx.ExpectNoError(err)
 	broadcaster := events.NewEventBroadcasterAdapter(cp.Client)
 	broadcaster.StartRecordingToSink(tCtx.Done())
 	defer broadcaster.Shutdown()
-	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-	tCtx.ExpectNoError(err)
-	sim, err := agent.StartSimulated(tCtx, agent.SimulatedOptions{
-		NodeName: nodeName, Machine: machine, KubeClient: cp.Client, OwnedTaint: true,
-		StateDir: t.TempDir(), CDIDir: t.TempDir(), Recorder: broadcaster.NewRecorder("topodra-node-agent"),
-	})
-	tCtx.ExpectNoError(err)
-	defer sim.Stop()
-	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.Devices) == 8 })
+	node := startAgentNode(tCtx, t, e, agent.SimulatedOptions{Recorder: broadcaster.NewRecorder("topodra-node-agent")})
+	defer node.sim.Stop()
 	startTopodra(tCtx)
 
 	// A running pod with one GPU, prepared by the agent.
 	e.pod("running", topodraName, "g", e.template(1, nil))
-	running := e.waitScheduled("running")
-	claims, err := framework.PodClaims(tCtx, cp.Client, running)
-	tCtx.ExpectNoError(err)
-	if _, err := sim.Agent.PrepareResourceClaims(tCtx, claims); err != nil {
-		tCtx.Fatalf("prepare: %v", err)
-	}
-	devices := framework.AllocatedDevices(claims[0])
-	if len(devices) != 1 {
-		tCtx.Fatalf("running pod has devices %v", devices)
-	}
-	lost := devices[0]
-	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(*resourceapi.ResourceSlice) bool { return true })
-	index := -1
-	for _, d := range slice.Spec.Devices {
-		if d.Name == lost && d.Attributes["index"].IntValue != nil {
-			index = int(*d.Attributes["index"].IntValue)
-		}
-	}
-	if index < 0 {
-		tCtx.Fatalf("device %s has no index attribute", lost)
-	}
+	claims, lost := node.prepare(tCtx, e.waitScheduled("running"))
 
 	// The GPU fails.
-	tCtx.ExpectNoError(machine.InjectXID(index, 79))
-	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "health taint on "+lost, func(s *resourceapi.ResourceSlice) bool {
-		for _, d := range s.Spec.Devices {
-			for _, taint := range d.Taints {
-				if d.Name == lost && taint.Key == agent.HealthTaintKey {
-					return true
-				}
-			}
-		}
-		return false
-	})
+	node.fail(tCtx, t, lost, resourceapi.DeviceTaintEffectNoSchedule)
 	waitEvent := func(kind, name string) {
 		t.Helper()
 		err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
@@ -99,7 +59,7 @@ func TestDeviceLostGetsNoAllocations(t *testing.T) {
 		tCtx.ExpectNoError(err, "no %s event on %s %s", agent.ReasonDeviceUnhealthy, kind, name)
 	}
 	waitEvent("ResourceClaim", claims[0].Name)
-	waitEvent("Node", nodeName)
+	waitEvent("Node", node.name)
 
 	// The claim is released (deallocated by the claim controller; the
 	// test cluster runs no garbage collector to delete it); the failed GPU
@@ -147,18 +107,8 @@ func TestDeviceLostGetsNoAllocations(t *testing.T) {
 func TestUnhealthyNoExecuteEvicts(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "evict")
-	nodeName := e.ns + "-g-0"
-	_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "g"}, "256")
-	tCtx.ExpectNoError(err)
-	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
-	tCtx.ExpectNoError(err)
-	sim, err := agent.StartSimulated(tCtx, agent.SimulatedOptions{
-		NodeName: nodeName, Machine: machine, KubeClient: cp.Client, OwnedTaint: true,
-		StateDir: t.TempDir(), CDIDir: t.TempDir(), UnhealthyTaintEffect: resourceapi.DeviceTaintEffectNoExecute,
-	})
-	tCtx.ExpectNoError(err)
-	defer sim.Stop()
-	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.Devices) == 8 })
+	node := startAgentNode(tCtx, t, e, agent.SimulatedOptions{UnhealthyTaintEffect: resourceapi.DeviceTaintEffectNoExecute})
+	defer node.sim.Stop()
 	startTopodra(tCtx)
 	defer cp.StartDeviceTaintEvictionController(tCtx)()
 
@@ -166,40 +116,13 @@ func TestUnhealthyNoExecuteEvicts(t *testing.T) {
 	e.pod("other", topodraName, "g", e.template(1, nil))
 	failing := e.waitScheduled("failing")
 	e.waitScheduled("other")
-	claims, err := framework.PodClaims(tCtx, cp.Client, failing)
-	tCtx.ExpectNoError(err)
-	if _, err := sim.Agent.PrepareResourceClaims(tCtx, claims); err != nil {
-		tCtx.Fatalf("prepare: %v", err)
-	}
-	devices := framework.AllocatedDevices(claims[0])
-	if len(devices) != 1 {
-		tCtx.Fatalf("pod failing has devices %v", devices)
-	}
-	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(*resourceapi.ResourceSlice) bool { return true })
-	index := -1
-	for _, d := range slice.Spec.Devices {
-		if d.Name == devices[0] && d.Attributes["index"].IntValue != nil {
-			index = int(*d.Attributes["index"].IntValue)
-		}
-	}
-	if index < 0 {
-		tCtx.Fatalf("device %s has no index attribute", devices[0])
-	}
-	tCtx.ExpectNoError(machine.InjectXID(index, 79))
-	waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "NoExecute health taint on "+devices[0], func(s *resourceapi.ResourceSlice) bool {
-		for _, d := range s.Spec.Devices {
-			for _, taint := range d.Taints {
-				if d.Name == devices[0] && taint.Key == agent.HealthTaintKey && taint.Effect == resourceapi.DeviceTaintEffectNoExecute {
-					return true
-				}
-			}
-		}
-		return false
-	})
+	_, device := node.prepare(tCtx, failing)
+	node.fail(tCtx, t, device, resourceapi.DeviceTaintEffectNoExecute)
+
 	// Without a kubelet an evicted pod stays Terminating: the eviction
 	// is its deletion with the DisruptionTarget condition.
 	var evicted *v1.Pod
-	err = wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(tCtx, framework.PollInterval, waitTimeout, true, func(ctx context.Context) (bool, error) {
 		pod, err := cp.Client.CoreV1().Pods(e.ns).Get(ctx, "failing", metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			return true, nil
@@ -234,4 +157,72 @@ func TestUnhealthyNoExecuteEvicts(t *testing.T) {
 			tCtx.Fatalf("delete pod %s: %v", name, err)
 		}
 	}
+}
+
+// agentNode is a node of group "g" of an env with a simulated DGX H100
+// whose agent publishes its 8 GPUs (owned taint on) and can prepare claims.
+type agentNode struct {
+	name    string
+	machine *mockgpu.Machine
+	sim     *agent.Simulated
+}
+
+// startAgentNode creates the node and starts its agent with opts (node
+// name, machine, client, owned taint and directories filled in), and
+// waits for its slice. The caller stops the agent (sim.Stop).
+func startAgentNode(tCtx ktesting.TContext, t *testing.T, e *env, opts agent.SimulatedOptions) *agentNode {
+	t.Helper()
+	name := e.ns + "-g-0"
+	_, err := framework.CreateReadyNodeWithCPU(tCtx, cp.Client, name, map[string]string{"test": e.ns, "group": "g"}, "256")
+	tCtx.ExpectNoError(err)
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: name})
+	tCtx.ExpectNoError(err)
+	opts.NodeName, opts.Machine, opts.KubeClient, opts.OwnedTaint = name, machine, cp.Client, true
+	opts.StateDir, opts.CDIDir = t.TempDir(), t.TempDir()
+	sim, err := agent.StartSimulated(tCtx, opts)
+	tCtx.ExpectNoError(err)
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, name, "8 devices", func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.Devices) == 8 })
+	return &agentNode{name: name, machine: machine, sim: sim}
+}
+
+// prepare has the agent prepare the claims of a scheduled pod that holds
+// one GPU, and returns them and the GPU.
+func (n *agentNode) prepare(tCtx ktesting.TContext, pod *v1.Pod) ([]*resourceapi.ResourceClaim, string) {
+	claims, err := framework.PodClaims(tCtx, cp.Client, pod)
+	tCtx.ExpectNoError(err)
+	if _, err := n.sim.Agent.PrepareResourceClaims(tCtx, claims); err != nil {
+		tCtx.Fatalf("prepare: %v", err)
+	}
+	devices := framework.AllocatedDevices(claims[0])
+	if len(devices) != 1 {
+		tCtx.Fatalf("pod %s has devices %v, want one", pod.Name, devices)
+	}
+	return claims, devices[0]
+}
+
+// fail makes the GPU published as device report XID 79 and waits until
+// its slice shows the health taint with effect.
+func (n *agentNode) fail(tCtx ktesting.TContext, t *testing.T, device string, effect resourceapi.DeviceTaintEffect) {
+	t.Helper()
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, n.name, "8 devices", func(*resourceapi.ResourceSlice) bool { return true })
+	index := -1
+	for _, d := range slice.Spec.Devices {
+		if d.Name == device && d.Attributes["index"].IntValue != nil {
+			index = int(*d.Attributes["index"].IntValue)
+		}
+	}
+	if index < 0 {
+		tCtx.Fatalf("device %s has no index attribute", device)
+	}
+	tCtx.ExpectNoError(n.machine.InjectXID(index, 79))
+	waitForSlice(tCtx, t, cp.Client, topology.DriverName, n.name, string(effect)+" health taint on "+device, func(s *resourceapi.ResourceSlice) bool {
+		for _, d := range s.Spec.Devices {
+			for _, taint := range d.Taints {
+				if d.Name == device && taint.Key == agent.HealthTaintKey && taint.Effect == effect {
+					return true
+				}
+			}
+		}
+		return false
+	})
 }
