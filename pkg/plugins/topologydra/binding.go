@@ -65,7 +65,9 @@ type publishedLookup struct {
 
 func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &publishedLookup{pl: pl} }
 
-func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {
+// list returns the scheduler's slices, with DeviceTaintRules applied,
+// listed on the first call.
+func (p *publishedLookup) list() ([]*resourceapi.ResourceSlice, error) {
 	if p.slices == nil && p.err == nil {
 		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 		if err != nil {
@@ -75,8 +77,12 @@ func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, erro
 			p.byPool = map[poolKey]*invariant.Publication{}
 		}
 	}
-	if p.err != nil {
-		return invariant.DeviceGone, p.err
+	return p.slices, p.err
+}
+
+func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {
+	if _, err := p.list(); err != nil {
+		return invariant.DeviceGone, err
 	}
 	k := poolKey{driver: d.Driver, pool: d.Pool}
 	publication, ok := p.byPool[k]
@@ -244,6 +250,13 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 			s.claims[i] = latest
 			if latest.Status.Allocation.AllocationTimestamp == nil {
 				pl.untimed.start(latest.UID, start)
+			}
+			// A device that got a taint its allocation does not tolerate
+			// while the pod waits (a GPU's health taint) must not be bound
+			// to the pod, whatever its driver reports: the next attempt
+			// deallocates the claim (taintedAllocation).
+			if err := pl.taintedAllocation(pod, latest, published); err != nil {
+				return false, fmt.Errorf("claim %s: %w", latest.Name, err)
 			}
 			ready, err := pl.bindingState(latest, time.Now(), published.presence)
 			if err != nil || !ready {

@@ -126,6 +126,21 @@ func TestPreBindStopsWaitingForDeletedPod(t *testing.T) {
 	expectPreBindEnds(t, done, "was deleted while waiting for binding conditions")
 }
 
+// TestPreBindStopsWaitingForTaintedDevice: the pod waits in PreBind for
+// the binding conditions of its device, which gets a health taint
+// meanwhile. PreBind gives up with an error naming the device and the
+// taint, instead of binding the pod to it once the driver confirms.
+func TestPreBindStopsWaitingForTaintedDevice(t *testing.T) {
+	h, _, done := waitingInPreBind(t)
+	alloc := h.apiClaim("c").Status.Allocation
+	if alloc == nil || len(alloc.Devices.Results) != 1 {
+		t.Fatalf("claim c allocated %v, want one device", alloc)
+	}
+	device := alloc.Devices.Results[0].Device
+	h.taintDevice("node-a", device, healthKey)
+	expectPreBindEnds(t, done, device+" has the taint "+healthKey+"=xid-79:NoSchedule")
+}
+
 // waitingInPreBind starts PreBind for pod "p", whose claim "c" got a
 // device with binding conditions that the driver never reports on node-a,
 // and returns once the claim is reserved for the pod (PreBind waits then);

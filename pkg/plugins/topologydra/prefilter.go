@@ -174,6 +174,9 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 				s.availableOnNodes[i] = ns
 			}
 			s.unusable[i] = pl.bindingFailed(claim, published)
+			if s.unusable[i] == nil {
+				s.unusable[i] = pl.taintedAllocation(pod, claim, published)
+			}
 			s.needsNodeOperations[i] = skipsNodeOperations(claim.Status.Allocation)
 			continue
 		}
