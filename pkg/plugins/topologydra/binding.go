@@ -46,53 +46,62 @@ var (
 	// errDeviceVanished: an allocated device whose binding conditions are
 	// not all true is gone from its pool (invariant.DeviceGone).
 	errDeviceVanished = errors.New("allocated device no longer exists")
+	// errDeviceTainted: an allocated device has a NoSchedule or NoExecute
+	// taint that its allocation does not tolerate (taintedAllocation).
+	errDeviceTainted = errors.New("allocated device is tainted")
 )
 
 // publishedLookup tells whether a device is published, pending or gone
 // (invariant.Publication.Presence) by the pools in the scheduler's slice
-// cache. The slices are listed on the first question only, since most
-// allocations never need it, and only the pools asked about are judged
-// (a pool's answer depends on its own slices alone): PreBind asks on
-// every poll while it waits for binding conditions. Not safe for
-// concurrent use.
+// cache, and which slices a pool has. The slices are listed on the first
+// question only, since most allocations never need it, and grouped by
+// pool; only the pools asked about are judged (a pool's answer depends on
+// its own slices alone): PreBind asks on every poll while it waits for
+// binding conditions. Not safe for concurrent use.
 type publishedLookup struct {
-	pl     *TopologyDRA
-	slices []*resourceapi.ResourceSlice
-	err    error
+	pl  *TopologyDRA
+	err error
+	// pools holds the slices of each pool, once listed.
+	pools map[poolKey][]*resourceapi.ResourceSlice
 	// byPool holds the publication of each pool asked about.
 	byPool map[poolKey]*invariant.Publication
 }
 
 func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &publishedLookup{pl: pl} }
 
-// list returns the scheduler's slices, with DeviceTaintRules applied,
-// listed on the first call.
-func (p *publishedLookup) list() ([]*resourceapi.ResourceSlice, error) {
-	if p.slices == nil && p.err == nil {
+// poolSlices returns the slices of pool k among the scheduler's slices,
+// with DeviceTaintRules applied, listed on the first call.
+func (p *publishedLookup) poolSlices(k poolKey) ([]*resourceapi.ResourceSlice, error) {
+	if p.pools == nil && p.err == nil {
 		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 		if err != nil {
 			p.err = fmt.Errorf("list resource slices: %w", err)
 		} else {
-			p.slices = resourceSlices
+			p.pools = groupByPool(resourceSlices)
 			p.byPool = map[poolKey]*invariant.Publication{}
 		}
 	}
-	return p.slices, p.err
+	return p.pools[k], p.err
+}
+
+// groupByPool returns slices grouped by their pool.
+func groupByPool(slices []*resourceapi.ResourceSlice) map[poolKey][]*resourceapi.ResourceSlice {
+	pools := map[poolKey][]*resourceapi.ResourceSlice{}
+	for _, s := range slices {
+		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
+		pools[k] = append(pools[k], s)
+	}
+	return pools
 }
 
 func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {
-	if _, err := p.list(); err != nil {
+	k := poolKey{driver: d.Driver, pool: d.Pool}
+	own, err := p.poolSlices(k)
+	if err != nil {
 		return invariant.DeviceGone, err
 	}
-	k := poolKey{driver: d.Driver, pool: d.Pool}
 	publication, ok := p.byPool[k]
 	if !ok {
-		var own []*resourceapi.ResourceSlice
-		for _, s := range p.slices {
-			if s.Spec.Driver == k.driver && s.Spec.Pool.Name == k.pool {
-				own = append(own, s)
-			}
-		}
 		publication = invariant.Publish(own)
 		p.byPool[k] = publication
 	}
@@ -271,7 +280,7 @@ func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod
 	status := schedmetrics.BindingConditionsStatusSuccess
 	switch {
 	case err == nil:
-	case errors.Is(err, errBindingFailed), errors.Is(err, errDeviceVanished):
+	case errors.Is(err, errBindingFailed), errors.Is(err, errDeviceVanished), errors.Is(err, errDeviceTainted):
 		status = schedmetrics.BindingConditionsStatusFailed
 	case errors.Is(err, errBindingTimeout):
 		status = schedmetrics.BindingConditionsStatusTimeout

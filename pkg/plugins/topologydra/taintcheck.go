@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"fmt"
+	"slices"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -35,32 +36,37 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 	if len(results) == 0 {
 		return nil
 	}
-	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	listed, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 	if err != nil {
 		return nil
 	}
-	if r, t := untoleratedDevice(results, slices); t != nil {
+	pools := groupByPool(listed)
+	slicesOf := func(k poolKey) ([]*resourceapi.ResourceSlice, error) { return pools[k], nil }
+	if r, t := untoleratedDevice(results, slicesOf, nil); t != nil {
 		return fmt.Errorf("device %s/%s/%s, chosen for request %s, got the taint %s=%s:%s since this pod's devices were chosen; the pod is scheduled again without it",
 			r.Driver, r.Pool, r.Device, r.Request, t.Key, t.Value, t.Effect)
 	}
 	return nil
 }
 
-// taintedAllocation returns an error naming a device of an allocated claim
-// of pod, which no other pod has reserved, that the scheduler's slices show
-// with a NoSchedule or NoExecute taint that its result does not tolerate:
-// the pod is not bound yet (PreFilter), so it would start on a device that
-// its driver may refuse to prepare, such as a GPU that reported a fault
-// after the allocation was written and before the pod was bound (its
-// binding failed, or it waited for binding conditions). PreFilter records
-// it as the claim's reason to be unusable: Filter turns every node down,
-// and PostFilter deallocates the claim, so that the next attempt
-// allocates it afresh. A claim that another pod has reserved is left as
-// it is, as the stock plugin leaves every allocation. Nil without device
-// taints, where the slices cannot be listed, or where there is no such
+// taintedAllocation returns an error (errDeviceTainted) naming a device
+// of an allocated claim of pod, a pod not bound yet, which no other pod
+// has reserved, that the scheduler's slices show with a NoSchedule or
+// NoExecute taint that neither its result nor topodra's owned toleration
+// tolerates: the pod would start on a device that its driver may refuse
+// to prepare, such as a GPU that reported a fault after the allocation was
+// written and before the pod was bound (its binding failed, or it waited
+// for binding conditions). The owned taint is not such a taint: every
+// device topodra owns carries it, also for allocations that other writers
+// made or that tolerate an earlier owned key. PreFilter records the error
+// as the claim's reason to be unusable: Filter turns every node down, and
+// PostFilter deallocates the claim, so that the next attempt allocates it
+// afresh. A claim that another pod has reserved is left as it is, as the
+// stock plugin leaves every allocation. Nil without device taints, for a
+// bound pod, where the slices cannot be listed, or where there is no such
 // device.
 func (pl *TopologyDRA) taintedAllocation(pod *v1.Pod, claim *resourceapi.ResourceClaim, published *publishedLookup) error {
-	if !pl.features.DeviceTaints || claim.Status.Allocation == nil {
+	if !pl.features.DeviceTaints || claim.Status.Allocation == nil || pod.Spec.NodeName != "" {
 		return nil
 	}
 	for _, r := range claim.Status.ReservedFor {
@@ -68,15 +74,16 @@ func (pl *TopologyDRA) taintedAllocation(pod *v1.Pod, claim *resourceapi.Resourc
 			return nil
 		}
 	}
-	slices, err := published.list()
-	if err != nil {
+	var extra []resourceapi.DeviceToleration
+	if pl.ownedToleration != nil {
+		extra = append(extra, *pl.ownedToleration)
+	}
+	r, t := untoleratedDevice(appendResults(nil, claim.Status.Allocation), published.poolSlices, extra)
+	if t == nil {
 		return nil
 	}
-	if r, t := untoleratedDevice(appendResults(nil, claim.Status.Allocation), slices); t != nil {
-		return fmt.Errorf("its device %s/%s/%s has the taint %s=%s:%s, which its allocation does not tolerate; the claim is deallocated and allocated again",
-			r.Driver, r.Pool, r.Device, t.Key, t.Value, t.Effect)
-	}
-	return nil
+	return fmt.Errorf("%w: %s/%s/%s has the taint %s=%s:%s, which its allocation does not tolerate; the claim is deallocated and allocated again",
+		errDeviceTainted, r.Driver, r.Pool, r.Device, t.Key, t.Value, t.Effect)
 }
 
 // appendResults appends the results of alloc to results.
@@ -88,36 +95,45 @@ func appendResults(results []*resourceapi.DeviceRequestAllocationResult, alloc *
 }
 
 // untoleratedDevice returns a result of results whose device, in the
-// newest generation of its pool among slices, has a NoSchedule or
-// NoExecute taint that the result's tolerations do not tolerate, and that
-// taint; nil, nil where there is none. A device that allows multiple
-// allocations may be in several results, each with its request's
-// tolerations: each is judged.
-func untoleratedDevice(results []*resourceapi.DeviceRequestAllocationResult, slices []*resourceapi.ResourceSlice) (*resourceapi.DeviceRequestAllocationResult, *resourceapi.DeviceTaint) {
+// newest generation of its pool (slicesOf lists a pool's slices), has a
+// NoSchedule or NoExecute taint that neither the result's tolerations nor
+// extra tolerate, and that taint; nil, nil where there is none or the
+// slices cannot be listed. A device that allows multiple allocations may
+// be in several results, each with its request's tolerations: each is
+// judged.
+func untoleratedDevice(results []*resourceapi.DeviceRequestAllocationResult, slicesOf func(poolKey) ([]*resourceapi.ResourceSlice, error), extra []resourceapi.DeviceToleration) (*resourceapi.DeviceRequestAllocationResult, *resourceapi.DeviceTaint) {
 	chosen := map[structured.DeviceID][]*resourceapi.DeviceRequestAllocationResult{}
-	pools := map[poolKey]int64{}
+	pools := map[poolKey]bool{}
 	for _, r := range results {
 		id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
 		chosen[id] = append(chosen[id], r)
-		pools[poolKey{driver: r.Driver, pool: r.Pool}] = 0
+		pools[poolKey{driver: r.Driver, pool: r.Pool}] = true
 	}
-	// Only the newest generation of a pool counts, as for the allocator.
-	for _, slice := range slices {
-		k := poolKey{driver: slice.Spec.Driver, pool: slice.Spec.Pool.Name}
-		if g, ok := pools[k]; ok && slice.Spec.Pool.Generation > g {
-			pools[k] = slice.Spec.Pool.Generation
+	for k := range pools {
+		own, err := slicesOf(k)
+		if err != nil {
+			return nil, nil
 		}
-	}
-	for _, slice := range slices {
-		k := poolKey{driver: slice.Spec.Driver, pool: slice.Spec.Pool.Name}
-		if g, ok := pools[k]; !ok || slice.Spec.Pool.Generation != g {
-			continue
+		// Only the newest generation of a pool counts, as for the
+		// allocator.
+		var newest int64
+		for _, slice := range own {
+			newest = max(newest, slice.Spec.Pool.Generation)
 		}
-		for i := range slice.Spec.Devices {
-			d := &slice.Spec.Devices[i]
-			for _, r := range chosen[structured.MakeDeviceID(k.driver, k.pool, d.Name)] {
-				if t := allocator.UntoleratedTaint(d, r.Tolerations); t != nil {
-					return r, t
+		for _, slice := range own {
+			if slice.Spec.Pool.Generation != newest {
+				continue
+			}
+			for i := range slice.Spec.Devices {
+				d := &slice.Spec.Devices[i]
+				for _, r := range chosen[structured.MakeDeviceID(k.driver, k.pool, d.Name)] {
+					tolerations := r.Tolerations
+					if len(extra) > 0 {
+						tolerations = append(slices.Clone(r.Tolerations), extra...)
+					}
+					if t := allocator.UntoleratedTaint(d, tolerations); t != nil {
+						return r, t
+					}
 				}
 			}
 		}

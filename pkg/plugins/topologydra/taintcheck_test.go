@@ -137,11 +137,14 @@ func (h *harness) taintDevice(node, device, key string) {
 // binding failed), and the device got a health taint meanwhile. The
 // pod's next attempt finds the claim unusable on every node and
 // PostFilter deallocates it, so that the attempt after allocates a
-// healthy device. A claim that another pod has reserved is left alone.
+// healthy device. A claim that another pod has reserved is left alone,
+// and so is an allocation by another writer whose results do not
+// tolerate the owned taint, which every device carries.
 func TestAllocationTaintedBeforeBind(t *testing.T) {
 	const node = "node-a"
-	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), ownedSlice(node, 8), testClaim("solo", 1), testClaim("shared", 1))
-	for _, c := range []string{"solo", "shared"} {
+	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), ownedSlice(node, 8), testClaim("solo", 1), testClaim("shared", 1),
+		allocatedOn(testClaim("elsewhere", 1), node, "gpu-7"))
+	for _, c := range []string{"solo", "shared", "elsewhere"} {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	written := func(claim string, pod *v1.Pod) string {
@@ -153,6 +156,11 @@ func TestAllocationTaintedBeforeBind(t *testing.T) {
 		}
 		h.waitForClaim(claim, func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
 		return device
+	}
+
+	// Allocated by another writer, without the owned toleration.
+	if _, st := h.cycle(testPod("elsewhere", "elsewhere"), node); !st[node].IsSuccess() {
+		t.Fatalf("Filter of a pod whose claim another writer allocated on an owned device: %v; want the allocation used", st[node])
 	}
 
 	solo := testPod("solo", "solo")
