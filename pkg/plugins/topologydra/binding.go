@@ -54,14 +54,15 @@ var (
 // publishedLookup tells whether a device is published, pending or gone
 // (invariant.Publication.Presence) by the pools in the scheduler's slice
 // cache, and which slices a pool has. The slices are listed on the first
-// question only, since most allocations never need it, and grouped by
-// pool; only the pools asked about are judged (a pool's answer depends on
-// its own slices alone): PreBind asks on every poll while it waits for
+// question only, since most allocations never need it, and only the pools
+// asked about are picked out and judged (a pool's answer depends on its
+// own slices alone): PreBind asks on every poll while it waits for
 // binding conditions. Not safe for concurrent use.
 type publishedLookup struct {
-	pl  *TopologyDRA
-	err error
-	// pools holds the slices of each pool, once listed.
+	pl     *TopologyDRA
+	slices []*resourceapi.ResourceSlice
+	err    error
+	// pools holds the slices of each pool asked about.
 	pools map[poolKey][]*resourceapi.ResourceSlice
 	// byPool holds the publication of each pool asked about.
 	byPool map[poolKey]*invariant.Publication
@@ -72,26 +73,29 @@ func (pl *TopologyDRA) newPublishedLookup() *publishedLookup { return &published
 // poolSlices returns the slices of pool k among the scheduler's slices,
 // with DeviceTaintRules applied, listed on the first call.
 func (p *publishedLookup) poolSlices(k poolKey) ([]*resourceapi.ResourceSlice, error) {
-	if p.pools == nil && p.err == nil {
+	if p.slices == nil && p.err == nil {
 		resourceSlices, err := p.pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
 		if err != nil {
 			p.err = fmt.Errorf("list resource slices: %w", err)
 		} else {
-			p.pools = groupByPool(resourceSlices)
+			p.slices = resourceSlices
+			p.pools = map[poolKey][]*resourceapi.ResourceSlice{}
 			p.byPool = map[poolKey]*invariant.Publication{}
 		}
 	}
-	return p.pools[k], p.err
-}
-
-// groupByPool returns slices grouped by their pool.
-func groupByPool(slices []*resourceapi.ResourceSlice) map[poolKey][]*resourceapi.ResourceSlice {
-	pools := map[poolKey][]*resourceapi.ResourceSlice{}
-	for _, s := range slices {
-		k := poolKey{driver: s.Spec.Driver, pool: s.Spec.Pool.Name}
-		pools[k] = append(pools[k], s)
+	if p.err != nil {
+		return nil, p.err
 	}
-	return pools
+	own, ok := p.pools[k]
+	if !ok {
+		for _, s := range p.slices {
+			if s.Spec.Driver == k.driver && s.Spec.Pool.Name == k.pool {
+				own = append(own, s)
+			}
+		}
+		p.pools[k] = own
+	}
+	return own, nil
 }
 
 func (p *publishedLookup) presence(d invariant.Device) (invariant.Presence, error) {

@@ -36,13 +36,7 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 	if len(results) == 0 {
 		return nil
 	}
-	listed, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
-	if err != nil {
-		return nil
-	}
-	pools := groupByPool(listed)
-	slicesOf := func(k poolKey) ([]*resourceapi.ResourceSlice, error) { return pools[k], nil }
-	if r, t := untoleratedDevice(results, slicesOf, nil); t != nil {
+	if r, t := untoleratedDevice(results, pl.newPublishedLookup().poolSlices, nil); t != nil {
 		return fmt.Errorf("device %s/%s/%s, chosen for request %s, got the taint %s=%s:%s since this pod's devices were chosen; the pod is scheduled again without it",
 			r.Driver, r.Pool, r.Device, r.Request, t.Key, t.Value, t.Effect)
 	}
