@@ -6,6 +6,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/dynamic-resource-allocation/structured"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -45,7 +46,7 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 
 // taintedAllocation returns an error (errDeviceTainted) naming a device
 // of an allocated claim of pod, a pod not bound yet, which no other pod
-// has reserved, that the scheduler's slices show with a NoSchedule or
+// uses (inUseBy), that the scheduler's slices show with a NoSchedule or
 // NoExecute taint that neither its result nor topodra's owned toleration
 // tolerates: the pod would start on a device that its driver may refuse
 // to prepare, such as a GPU that reported a fault after the allocation was
@@ -55,16 +56,18 @@ func (pl *TopologyDRA) taintedSinceListed(s *stateData) error {
 // made or that tolerate an earlier owned key. PreFilter records the error
 // as the claim's reason to be unusable: Filter turns every node down, and
 // PostFilter deallocates the claim, so that the next attempt allocates it
-// afresh. A claim that another pod has reserved is left as it is, as the
-// stock plugin leaves every allocation. Nil without device taints, for a
-// bound pod, where the slices cannot be listed, or where there is no such
+// afresh, once no other pod has it reserved (pods that wait for the
+// claim's binding conditions with this one end their waits on the same
+// taint). A claim that another pod uses is left as it is, as the stock
+// plugin leaves every allocation. Nil without device taints, for a bound
+// pod, where the slices cannot be listed, or where there is no such
 // device.
 func (pl *TopologyDRA) taintedAllocation(pod *v1.Pod, claim *resourceapi.ResourceClaim, published *publishedLookup) error {
 	if !pl.features.DeviceTaints || claim.Status.Allocation == nil || pod.Spec.NodeName != "" {
 		return nil
 	}
 	for _, r := range claim.Status.ReservedFor {
-		if r.UID != pod.UID {
+		if r.UID != pod.UID && pl.inUseBy(claim.Namespace, r) {
 			return nil
 		}
 	}
@@ -78,6 +81,24 @@ func (pl *TopologyDRA) taintedAllocation(pod *v1.Pod, claim *resourceapi.Resourc
 	}
 	return fmt.Errorf("%w: %s/%s/%s has the taint %s=%s:%s, which its allocation does not tolerate; the claim is deallocated and allocated again",
 		errDeviceTainted, r.Driver, r.Pool, r.Device, t.Key, t.Value, t.Effect)
+}
+
+// inUseBy reports whether the consumer of a reservation of a claim in
+// namespace may be using the claim: any consumer but a pod that the
+// scheduler's pod lister shows not bound to a node, gone, or replaced by
+// another pod of its name. Without a pod lister every consumer may.
+func (pl *TopologyDRA) inUseBy(namespace string, r resourceapi.ResourceClaimConsumerReference) bool {
+	if pl.pods == nil || r.APIGroup != "" || r.Resource != "pods" {
+		return true
+	}
+	p, err := pl.pods.Pods(namespace).Get(r.Name)
+	switch {
+	case apierrors.IsNotFound(err):
+		return false
+	case err != nil:
+		return true
+	}
+	return p.UID == r.UID && p.Spec.NodeName != ""
 }
 
 // appendResults appends the results of alloc to results.

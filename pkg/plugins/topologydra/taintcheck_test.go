@@ -137,14 +137,16 @@ func (h *harness) taintDevice(node, device, key string) {
 // binding failed), and the device got a health taint meanwhile. The
 // pod's next attempt finds the claim unusable on every node and
 // PostFilter deallocates it, so that the attempt after allocates a
-// healthy device. A claim that another pod has reserved is left alone,
+// healthy device. A claim that a bound pod has reserved is left alone,
 // and so is an allocation by another writer whose results do not
-// tolerate the owned taint, which every device carries.
+// tolerate the owned taint, which every device carries. A claim that an
+// unbound pod has reserved is unusable, but stays allocated until that
+// pod's reservation is gone.
 func TestAllocationTaintedBeforeBind(t *testing.T) {
 	const node = "node-a"
 	h := newHarness(t, []*v1.Node{testNode(node)}, testDeviceClass(), ownedSlice(node, 8), testClaim("solo", 1), testClaim("shared", 1),
-		allocatedOn(testClaim("elsewhere", 1), node, "gpu-7"))
-	for _, c := range []string{"solo", "shared", "elsewhere"} {
+		testClaim("pair", 1), allocatedOn(testClaim("elsewhere", 1), node, "gpu-7"))
+	for _, c := range []string{"solo", "shared", "pair", "elsewhere"} {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	written := func(claim string, pod *v1.Pod) string {
@@ -184,11 +186,37 @@ func TestAllocationTaintedBeforeBind(t *testing.T) {
 		t.Errorf("the next attempt chose the tainted device %s again", device)
 	}
 
-	// Shared: the claim is reserved for a pod placed before.
-	first, second := testPod("first", "shared"), testPod("second", "shared")
+	// Shared: the claim is reserved for a pod placed before, bound.
+	first := h.createSeen(testPod("first", "shared"))
 	device = written("shared", first)
+	first.Spec.NodeName = node
+	_, err := h.client.CoreV1().Pods(testNS).Update(h.tCtx, first, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err, "bind pod first")
+	err = wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		p, err := h.pl.pods.Pods(testNS).Get("first")
+		return err == nil && p.Spec.NodeName == node, nil
+	})
+	h.tCtx.ExpectNoError(err, "the pod lister never saw pod first bound")
 	h.taintDevice(node, device, healthKey)
-	if _, st := h.cycle(second, node); !st[node].IsSuccess() {
-		t.Errorf("Filter of a pod sharing a claim that another pod has reserved, its device tainted since: %v; want the claim left as it is", st[node])
+	if _, st := h.cycle(testPod("second", "shared"), node); !st[node].IsSuccess() {
+		t.Errorf("Filter of a pod sharing a claim that a bound pod has reserved, its device tainted since: %v; want the claim left as it is", st[node])
+	}
+
+	// Shared with a pod that is not bound either (both waited for the
+	// claim's binding conditions, say): the claim is unusable, and
+	// PostFilter leaves it until that pod's reservation is gone.
+	waiting := h.createSeen(testPod("waiting", "pair"))
+	device = written("pair", waiting)
+	h.taintDevice(node, device, healthKey)
+	partner := testPod("partner", "pair")
+	cs, st = h.cycle(partner, node)
+	if st[node].IsSuccess() || !strings.Contains(st[node].Message(), device) {
+		t.Fatalf("Filter of a pod sharing a claim that an unbound pod has reserved, its device tainted since: %v; want the node turned down naming the device", st[node])
+	}
+	if _, pst := h.pl.PostFilter(h.tCtx, cs, partner, nil); strings.Contains(pst.Message(), "deallocated") {
+		t.Fatalf("PostFilter deallocated a claim reserved for another pod: %v", pst)
+	}
+	if c := h.apiClaim("pair"); c.Status.Allocation == nil {
+		t.Fatalf("claim pair deallocated while reserved for pod waiting")
 	}
 }
