@@ -157,21 +157,20 @@ func checkOwnership(t *testing.T, path string, objs []runtime.Object, want strin
 					continue
 				}
 				sawPolicy = true
-				if o.Spec.ParamKind == nil || o.Spec.ParamKind.Kind != "ConfigMap" {
-					t.Errorf("%s: policy %s takes no ConfigMap parameter", path, o.Name)
+				if o.Spec.ParamKind != nil {
+					t.Errorf("%s: policy %s takes a parameter: without it the API server would refuse every claim it matches", path, o.Name)
+				}
+				if got := policyOwnedKey(o); got != want {
+					t.Errorf("%s: policy %s refuses tolerations of %q, want %q", path, o.Name, got, want)
 				}
 				for _, v := range o.Spec.Validations {
 					if strings.Contains(v.Expression, want) {
-						t.Errorf("%s: policy %s hard-codes %s instead of reading the parameter", path, o.Name, want)
+						t.Errorf("%s: policy %s hard-codes %s in a validation instead of reading variables.ownedKey", path, o.Name, want)
 					}
 				}
 			case *admissionv1.ValidatingAdmissionPolicyBinding:
-				if o.Spec.PolicyName != "topodra-owned-taint" {
-					continue
-				}
-				if o.Spec.ParamRef == nil || o.Spec.ParamRef.Name != "topodra-ownership" || o.Spec.ParamRef.ParameterNotFoundAction == nil ||
-					*o.Spec.ParamRef.ParameterNotFoundAction != admissionv1.DenyAction {
-					t.Errorf("%s: binding %s must read ConfigMap topodra-ownership and deny without it", path, o.Name)
+				if o.Spec.PolicyName == "topodra-owned-taint" && o.Spec.ParamRef != nil {
+					t.Errorf("%s: binding %s names a parameter: without it the API server would refuse every claim the policy matches", path, o.Name)
 				}
 			}
 		}
@@ -182,6 +181,68 @@ func checkOwnership(t *testing.T, path string, objs []runtime.Object, want strin
 	for what, saw := range map[string]bool{"ConfigMap topodra-ownership": sawConfigMap, "agent DaemonSet": sawAgent, "DeviceTaintRule for driver " + topology.DriverName: sawRule, "admission policy topodra-owned-taint": sawPolicy} {
 		if !saw {
 			t.Errorf("%s: no %s", path, what)
+		}
+	}
+}
+
+// policyOwnedKey returns the key that the claim policy's ownedKey variable
+// holds: its expression is the key as a CEL string literal in single
+// quotes (kustomize's replacement writes between them); "" where the
+// variable is missing or not such a literal.
+func policyOwnedKey(p *admissionv1.ValidatingAdmissionPolicy) string {
+	for _, v := range p.Spec.Variables {
+		if v.Name != "ownedKey" {
+			continue
+		}
+		e := strings.TrimSpace(v.Expression)
+		if len(e) >= 2 && e[0] == '\'' && e[len(e)-1] == '\'' && !strings.ContainsAny(e[1:len(e)-1], "'\\") {
+			return e[1 : len(e)-1]
+		}
+	}
+	return ""
+}
+
+// TestOwnedKeyCopiedFromConfigMap changes the key in ConfigMap
+// topodra-ownership alone and checks that the rendered claim policy and
+// the GPUs' DeviceTaintRule follow it, in the base and in every overlay.
+func TestOwnedKeyCopiedFromConfigMap(t *testing.T) {
+	const other = "example.com/other-owner"
+	edit := func(p string, data []byte) []byte {
+		if p != "base/ownership.yaml" {
+			return data
+		}
+		line := "ownedTaintKey: " + topology.DefaultTaintKey
+		if !bytes.Contains(data, []byte(line)) {
+			t.Fatalf("%s has no line %q", p, line)
+		}
+		return bytes.Replace(data, []byte(line), []byte("ownedTaintKey: "+other), 1)
+	}
+	for _, dir := range append([]string{"base"}, overlayDirs()...) {
+		data, err := renderEdited(dir, edit)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var sawPolicy, sawRule bool
+		for _, obj := range decodeAll(t, dir, data) {
+			switch o := obj.(type) {
+			case *admissionv1.ValidatingAdmissionPolicy:
+				if o.Name == "topodra-owned-taint" {
+					sawPolicy = true
+					if got := policyOwnedKey(o); got != other {
+						t.Errorf("%s: policy refuses tolerations of %q, want %q from the ConfigMap", dir, got, other)
+					}
+				}
+			case *resourceapi.DeviceTaintRule:
+				if o.Name == "topodra-owns-gpu.topodra.io" {
+					sawRule = true
+					if o.Spec.Taint.Key != other {
+						t.Errorf("%s: DeviceTaintRule taints %q, want %q from the ConfigMap", dir, o.Spec.Taint.Key, other)
+					}
+				}
+			}
+		}
+		if !sawPolicy || !sawRule {
+			t.Errorf("%s: rendered policy %v, rule %v; want both", dir, sawPolicy, sawRule)
 		}
 	}
 }

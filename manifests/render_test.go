@@ -13,6 +13,13 @@ import (
 // kustomize's default options, as `kubectl kustomize` does, and returns the
 // multi-document YAML.
 func Render(dir string) ([]byte, error) {
+	return renderEdited(dir, nil)
+}
+
+// renderEdited renders dir as Render does, from copies of the files that
+// edit (where not nil) may change first: it gets each file's path, such as
+// "base/ownership.yaml", and returns the content to use.
+func renderEdited(dir string, edit func(path string, data []byte) []byte) ([]byte, error) {
 	memFS := filesys.MakeFsInMemory()
 	err := fs.WalkDir(FS, ".", func(p string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
@@ -21,6 +28,9 @@ func Render(dir string) ([]byte, error) {
 		data, err := FS.ReadFile(p)
 		if err != nil {
 			return err
+		}
+		if edit != nil {
+			data = edit(p, data)
 		}
 		if err := memFS.MkdirAll(path.Dir("/" + p)); err != nil {
 			return err

@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"strings"
@@ -196,12 +197,15 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	tCtx.ExpectNoError(writeStatus(allocated.Name, allocate), "allocation of a claim tolerating another key")
 
-	// The key follows the parameter.
-	cm, err := c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Get(tCtx, "topodra-ownership", metav1.GetOptions{})
+	// The policy with another key, as kustomize writes it where the
+	// ConfigMap names that key (manifests.TestOwnedKeyCopiedFromConfigMap).
+	policy, err := manifests.FS.ReadFile("base/admission-policy.yaml")
 	tCtx.ExpectNoError(err)
-	cm.Data["ownedTaintKey"] = other
-	_, err = c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Update(tCtx, cm, metav1.UpdateOptions{})
-	tCtx.ExpectNoError(err)
+	literal := "'" + owned + "'"
+	if !bytes.Contains(policy, []byte(literal)) {
+		t.Fatalf("base/admission-policy.yaml does not hold the key as %s", literal)
+	}
+	tCtx.ExpectNoError(c.Apply(tCtx, bytes.ReplaceAll(policy, []byte(literal), []byte("'"+other+"'")), nil), "apply the policy with key "+other)
 	waitRefused(other)
 	run(other)
 	if err := create(false, claimSpec(false, toleration(owned, resourceapi.DeviceTolerationOpExists))); err != nil {
@@ -259,16 +263,29 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		t.Errorf("the finalizer of a claim that tolerates the owned key cannot be removed: %v", err)
 	}
 
-	// Without its parameter the policy fails closed.
+	// The policy takes no parameter: without ConfigMap topodra-ownership
+	// (deleted by hand, or first by `kubectl delete -k`) it goes on
+	// checking claims, and admits those of other drivers.
 	tCtx.ExpectNoError(c.Client.CoreV1().ConfigMaps(metav1.NamespaceSystem).Delete(tCtx, "topodra-ownership", metav1.DeleteOptions{}))
-	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
-		return create(false, claimSpec(false)) != nil, nil
-	})
-	tCtx.ExpectNoError(err, "without ConfigMap topodra-ownership, claims are still admitted")
-	if err := update(preexisting.Name, addFinalizer); err == nil {
-		t.Error("without ConfigMap topodra-ownership, the allocation finalizer was added")
+	// The API server's informer for parameters would see the deletion
+	// within this time; a policy that read the ConfigMap would refuse.
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		if err := create(false, claimSpec(false)); err != nil {
+			t.Fatalf("without ConfigMap topodra-ownership, a claim without tolerations is refused: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
-	if err := writeStatus("status-write", func(claim *resourceapi.ResourceClaim) { claim.Status.Allocation = nil }); err == nil {
-		t.Error("without ConfigMap topodra-ownership, a claim's status was written")
+	if err := create(false, claimSpec(false, toleration(other, resourceapi.DeviceTolerationOpExists))); err == nil {
+		t.Error("without ConfigMap topodra-ownership, a claim tolerating the owned key was admitted")
+	}
+	if err := update(preexisting.Name, addFinalizer); err == nil {
+		t.Error("without ConfigMap topodra-ownership, the allocation finalizer was added to a claim tolerating the owned key")
+	}
+	if err := writeStatus("status-write", func(claim *resourceapi.ResourceClaim) { claim.Status.Allocation = nil }); err != nil {
+		t.Errorf("without ConfigMap topodra-ownership, a claim's allocation could not be given back: %v", err)
+	}
+	if err := writeStatus("status-write", allocate); err != nil {
+		t.Errorf("without ConfigMap topodra-ownership, a claim without tolerations could not be allocated: %v", err)
 	}
 }
