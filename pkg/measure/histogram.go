@@ -144,6 +144,12 @@ func (h Histogram) Count() float64 {
 	return h.Counts[len(h.Counts)-1]
 }
 
+// Above is the number of samples above b, where b is one of the bounds
+// (otherwise: above the largest bound below b).
+func (h Histogram) Above(b float64) float64 {
+	return h.Count() - h.countAt(b)
+}
+
 // Quantile estimates the q-quantile like PromQL's histogram_quantile: it
 // finds the bucket that holds rank q·Count and interpolates linearly
 // within it (the first bucket starts at 0). A quantile in the +Inf bucket

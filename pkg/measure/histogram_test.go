@@ -81,6 +81,16 @@ func TestGatherByAndSub(t *testing.T) {
 	if got := scheduled.Quantile(0.5); got != 6 {
 		t.Errorf("median between readings: %v, want 6", got)
 	}
+	// Above a bound: both new samples are over 4; none is over 8, and
+	// above 5, not a bound, counts from the bound below it.
+	for b, want := range map[float64]float64{2: 2, 4: 2, 5: 2, 8: 0, 0: 2} {
+		if got := scheduled.Above(b); got != want {
+			t.Errorf("Above(%v) between readings: %v, want %v", b, got, want)
+		}
+	}
+	if got := after["scheduled"].Above(1); got != 2 {
+		t.Errorf("Above(1): %v, want 2 (0.5 is not above 1)", got)
+	}
 	// A series that did not exist before: Sub of an empty histogram.
 	if got := after["error"].Sub(before["error"]).Count(); got != 1 {
 		t.Errorf("errors between readings: %v, want 1", got)

@@ -44,6 +44,19 @@ func TestFaultsRowOnlyWithFaults(t *testing.T) {
 	if got, want := faultsText(res), "2 scheduler, 1 agent, 1 API server restarts"; got != want {
 		t.Errorf("faultsText = %q, want %q", got, want)
 	}
+	// Slow attempts: counted under faults only, right below the latency
+	// they explain.
+	slowRow := func(rows []resultRow) int {
+		return slices.IndexFunc(rows, func(r resultRow) bool { return r.label == "successful attempts over 4 s" })
+	}
+	if slowRow(resultRows([]Result{{}, {}})) >= 0 {
+		t.Error("a row of slow attempts for runs without faults")
+	}
+	res.SlowAttempts = 6
+	rows := resultRows([]Result{{}, res})
+	if i := slowRow(rows); i < 1 || rows[i-1].label != "attempt latency p50 / p99" || !rows[i].sub || rows[i].cell(res) != "6" {
+		t.Errorf("the row of slow attempts is at %d (after %q) or says the wrong count", i, rows[max(i-1, 0)].label)
+	}
 	tainted := func(rows []resultRow) bool {
 		return slices.ContainsFunc(rows, func(r resultRow) bool { return r.label == "allocations of a tainted GPU" })
 	}

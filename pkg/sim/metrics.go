@@ -40,6 +40,18 @@ func (a attempts) quantile(q float64) float64 {
 	return measure.ZeroIfNaN(a["scheduled"].Quantile(q))
 }
 
+// slowAttemptSeconds is the bound of the attempt histogram (buckets of
+// 1 ms doubling) above which an attempt counts as slow: past 4 s. A
+// kube-apiserver that is shutting down answers requests with 429 and
+// Retry-After: 5, which client-go honours, so a binding cycle that meets a
+// restart of the API server takes more than 5 s.
+const slowAttemptSeconds = 4.096
+
+// slow counts the successful attempts over slowAttemptSeconds.
+func (a attempts) slow() int {
+	return int(a["scheduled"].Above(slowAttemptSeconds))
+}
+
 // byResult counts the attempts by result.
 func (a attempts) byResult() map[string]uint64 {
 	out := map[string]uint64{}

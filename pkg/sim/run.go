@@ -401,6 +401,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	att := readAttempts(schedulerName).since(before)
 	res.AttemptP50Ms = 1000 * att.quantile(0.50)
 	res.AttemptP99Ms = 1000 * att.quantile(0.99)
+	res.SlowAttempts = att.slow()
 	res.Attempts = att.byResult()
 	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
 	for _, e := range res.Nodes {
