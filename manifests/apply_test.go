@@ -78,6 +78,7 @@ func TestManifestsApply(t *testing.T) {
 			t.Errorf("apply overlay %s: %v", o, err)
 		}
 	}
+	checkClaimPolicy(t, ctx, cp.Client)
 	examples, err := fs.Glob(manifests.FS, "examples/*.yaml")
 	if err != nil {
 		t.Fatal(err)
@@ -97,6 +98,40 @@ func TestManifestsApply(t *testing.T) {
 		}); err != nil {
 			t.Errorf("apply %s: %v", path, err)
 		}
+	}
+}
+
+// checkClaimPolicy checks the claim policy as rendered and applied: a
+// claim that tolerates the owned key, which kustomize copied into the
+// policy, is refused (the policy takes effect asynchronously), and one
+// without tolerations is admitted.
+func checkClaimPolicy(t *testing.T, ctx context.Context, client kubernetes.Interface) {
+	t.Helper()
+	claim := func(name string, tolerations ...resourceapi.DeviceToleration) *resourceapi.ResourceClaim {
+		return &resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: metav1.NamespaceDefault},
+			Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+				Name: "gpu",
+				Exactly: &resourceapi.ExactDeviceRequest{
+					DeviceClassName: topology.DriverName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+					Tolerations: tolerations,
+				},
+			}}}},
+		}
+	}
+	owned := resourceapi.DeviceToleration{Key: topology.DefaultTaintKey, Operator: resourceapi.DeviceTolerationOpExists}
+	var lastErr error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, lastErr = client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).Create(ctx, claim("owned-toleration", owned), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return lastErr != nil, nil
+	})
+	if err != nil {
+		t.Errorf("the rendered claim policy never refused a claim tolerating %s", topology.DefaultTaintKey)
+	} else if !apierrors.IsForbidden(lastErr) || !strings.Contains(lastErr.Error(), "topodra-scheduler") {
+		t.Errorf("a claim tolerating %s: refused, but not by the claim policy: %v", topology.DefaultTaintKey, lastErr)
+	}
+	if _, err := client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).Create(ctx, claim("plain"), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+		t.Errorf("the rendered claim policy refuses a claim without tolerations: %v", err)
 	}
 }
 

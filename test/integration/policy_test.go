@@ -76,7 +76,8 @@ func claimSpec(firstAvailable bool, tolerations ...resourceapi.DeviceToleration)
 
 // TestOwnedTaintPolicy applies the shipped admission policy to a real API
 // server and checks what it refuses and admits, in claims and templates,
-// and that it follows the configured key.
+// with the shipped key and with another one written into the policy, and
+// that it needs no ConfigMap to do so.
 func TestOwnedTaintPolicy(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	c := startOwnedCluster(t, tCtx)
@@ -97,7 +98,7 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		return err
 	}
 	// waitRefused polls until a claim tolerating key is refused: a policy
-	// and a change of its parameter take effect asynchronously.
+	// and a change of it take effect asynchronously.
 	waitRefused := func(key string) {
 		tCtx.Helper()
 		err := wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
