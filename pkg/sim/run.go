@@ -514,8 +514,12 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 			if err != nil {
 				for _, name := range last {
 					stuck[name] = true
-					res.Notes = append(res.Notes, fmt.Sprintf("tick %d: pod %s fits by free device count but was not scheduled within %s", tick, name, retryTimeout))
-					opts.progressf("[%s] tick %d: pod %s fits by free device count but was not scheduled within %s", sched, tick, name, retryTimeout)
+					note := fmt.Sprintf("tick %d: pod %s fits by free device count but was not scheduled within %s", tick, name, retryTimeout)
+					if word := tr.lastWord(name); word != "" {
+						note += "; " + word
+					}
+					res.Notes = append(res.Notes, note)
+					opts.progressf("[%s] %s", sched, note)
 				}
 			}
 		}

@@ -54,9 +54,12 @@ type podState struct {
 	BoundTick     int
 	Node          string
 	Unschedulable bool
-	Message       string
-	Deleting      bool
-	Gone          bool
+	// Message is the scheduler's latest reason for not placing the pod
+	// (its PodScheduled condition), MessageAt when the simulator saw it.
+	Message   string
+	MessageAt time.Time
+	Deleting  bool
+	Gone      bool
 	// Demand is what the pod's claims ask for, when that is simple enough
 	// to check against free device counts (see demandOf).
 	Demand *demand
@@ -331,6 +334,9 @@ func (t *tracker) onPod(obj any, deleted bool) {
 	for _, c := range pod.Status.Conditions {
 		if c.Type == v1.PodScheduled && c.Status == v1.ConditionFalse && c.Reason == v1.PodReasonUnschedulable {
 			ps.Unschedulable = true
+			if c.Message != ps.Message || ps.MessageAt.IsZero() {
+				ps.MessageAt = now
+			}
 			ps.Message = c.Message
 		}
 	}
@@ -834,6 +840,19 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// lastWord says what the scheduler last said of a pod it has not placed
+// (its PodScheduled condition's message) and how long ago the simulator
+// saw that; "" where it said nothing.
+func (t *tracker) lastWord(name string) string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps := t.pods[name]
+	if ps == nil || ps.Message == "" {
+		return ""
+	}
+	return fmt.Sprintf("the scheduler said %s ago: %s", time.Since(ps.MessageAt).Round(100*time.Millisecond), ps.Message)
 }
 
 // boundWithClaims reports whether every named pod that is bound has all its

@@ -175,6 +175,29 @@ func TestClaimAllocatedAgainCountsOnce(t *testing.T) {
 	}
 }
 
+// TestLastWord: the scheduler's latest reason for not placing a pod is
+// kept for the notes on stuck pods, and nothing is said of a pod it said
+// nothing of.
+func TestLastWord(t *testing.T) {
+	tr := newTracker(Namespace)
+	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: Namespace}}
+	tr.created(pod, 0, nil, 0)
+	if got := tr.lastWord("p"); got != "" {
+		t.Errorf("lastWord before any condition: %q, want none", got)
+	}
+	for _, msg := range []string{"0/2 nodes are available: first", "0/2 nodes are available: keeping 8 of the 64 devices free"} {
+		p := pod.DeepCopy()
+		p.Status.Conditions = []v1.PodCondition{{Type: v1.PodScheduled, Status: v1.ConditionFalse, Reason: v1.PodReasonUnschedulable, Message: msg}}
+		tr.onPod(p, false)
+	}
+	if got := tr.lastWord("p"); !strings.Contains(got, "keeping 8 of the 64 devices free") || !strings.HasPrefix(got, "the scheduler said ") {
+		t.Errorf("lastWord = %q, want the latest message", got)
+	}
+	if got := tr.lastWord("other"); got != "" {
+		t.Errorf("lastWord of a pod not tracked: %q", got)
+	}
+}
+
 // TestTrackerFollowsTaints: a device whose slice gains a NoSchedule taint
 // is free nowhere (retryable pods, snapshots, the end state) until its
 // slice has none again, and a claim allocated it meanwhile (written after
