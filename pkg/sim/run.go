@@ -694,7 +694,7 @@ func (t *tracker) fill(res *Result) {
 		}
 	}
 	res.AlignedFraction = res.Alignment.Fraction()
-	res.Errors = slices.Clone(t.errs)
+	res.Errors = append(slices.Clone(t.errs), t.conflictErrors()...)
 	res.TaintedAllocations = slices.Clone(t.taintedAllocations)
 	for _, a := range t.taintedAllocations {
 		res.Notes = append(res.Notes, "allocated a tainted GPU (its agent would not prepare it): "+a.String())

@@ -104,6 +104,14 @@ type tracker struct {
 	// a failed binding) counts once, as placed the last time.
 	placed map[types.UID]int
 	errs   []string
+	// conflicts are devices that a claim was seen allocated while
+	// another pod's claim still held them here, by device key. After the
+	// claim informer lists anew (it lost its watch), it delivers the
+	// claims it lists before the deletions it missed, so a device given
+	// back and allocated again meanwhile looks held twice until the
+	// deletion comes; a conflict that the earlier holder's release then
+	// explains goes (see release), the others are double allocations.
+	conflicts map[string]conflict
 
 	// inv holds the same devices and who uses them (owner: pod name);
 	// placements are judged on it.
@@ -131,6 +139,13 @@ type tracker struct {
 	// fault, the simulator creates one and waits for it, to know that
 	// the informer watches again.
 	sentinels map[string]bool
+}
+
+// conflict is a device seen allocated to claim (of pod) while pod other
+// held it, and the resourceVersion of claim that allocated it.
+type conflict struct {
+	claim, pod, other string
+	version           uint64
 }
 
 // seenTaint is a device taint as the tracker saw it: when, the taints'
@@ -169,6 +184,7 @@ func newTracker(namespace string) *tracker {
 		pods:        map[string]*podState{},
 		claims:      map[types.UID]*claimState{},
 		placed:      map[types.UID]int{},
+		conflicts:   map[string]conflict{},
 		inv:         measure.NewInventory(),
 		tainted:     map[string]seenTaint{},
 		sentinels:   map[string]bool{},
@@ -436,6 +452,9 @@ func (t *tracker) taintedGPU(node, uuid string) (string, bool, time.Time) {
 }
 
 func (t *tracker) onClaim(obj any, deleted bool) {
+	// A deletion that the informer missed while it did not watch: when
+	// the claim went, relative to other claims' allocations, is unknown.
+	_, missed := obj.(cache.DeletedFinalStateUnknown)
 	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = tomb.Obj
 	}
@@ -443,14 +462,13 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 	if !ok {
 		return
 	}
+	version, _ := strconv.ParseUint(claim.ResourceVersion, 10, 64)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	cs := t.claims[claim.UID]
 	if deleted || claim.Status.Allocation == nil {
 		if cs != nil {
-			for _, key := range cs.Devices {
-				t.inv.Release(key)
-			}
+			t.release(cs, version, missed)
 			delete(t.claims, claim.UID)
 		}
 		return
@@ -469,10 +487,9 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 			return // already recorded
 		}
 		// Allocated anew while the informer did not watch (after an API
-		// server restart): its deallocation was never seen.
-		for _, key := range cs.Devices {
-			t.inv.Release(key)
-		}
+		// server restart): its deallocation, at a version unknown, was
+		// never seen.
+		t.release(cs, version, true)
 		delete(t.claims, claim.UID)
 	}
 	pod := claimPod(claim)
@@ -481,7 +498,7 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 	}
 	for _, key := range keys {
 		if other, used := t.inv.Owner(key); used {
-			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", claim.Name, pod, key, other))
+			t.conflicts[key] = conflict{claim: claim.Name, pod: pod, other: other, version: version}
 		}
 		if seen, ok := t.tainted[key]; ok && allocatedAfter(claim, seen) {
 			t.taintedAllocations = append(t.taintedAllocations, TaintedAllocation{Claim: claim.Name, Pod: pod, Device: key, Taint: seen.What, After: time.Since(seen.Since)})
@@ -497,6 +514,35 @@ func (t *tracker) onClaim(obj any, deleted bool) {
 		t.inv.Use(key, pod)
 	}
 	t.claims[claim.UID] = &claimState{Pod: pod, Devices: keys}
+}
+
+// release gives back the devices of a claim (cs) that was deallocated or
+// deleted at resourceVersion version, or at a version unknown (missed). A
+// device that another pod's claim was seen allocating meanwhile stays
+// that pod's: where the claim gave it back before that allocation, or
+// when is unknown, the two were seen out of order and hold no conflict.
+// Caller holds mu.
+func (t *tracker) release(cs *claimState, version uint64, missed bool) {
+	for _, key := range cs.Devices {
+		owner, used := t.inv.Owner(key)
+		if !used || owner == cs.Pod {
+			t.inv.Release(key)
+			continue
+		}
+		if c, ok := t.conflicts[key]; ok && c.other == cs.Pod && (missed || version < c.version) {
+			delete(t.conflicts, key)
+		}
+	}
+}
+
+// conflictErrors describes the devices held twice. Caller holds mu.
+func (t *tracker) conflictErrors() []string {
+	var out []string
+	for key, c := range t.conflicts {
+		out = append(out, fmt.Sprintf("claim %s of pod %s: device %s is already allocated to pod %s", c.claim, c.pod, key, c.other))
+	}
+	slices.Sort(out)
+	return out
 }
 
 // judge rates an allocation against the state just before it. Caller holds

@@ -9,6 +9,8 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
@@ -196,6 +198,68 @@ func TestLastWord(t *testing.T) {
 	if got := tr.lastWord("other"); got != "" {
 		t.Errorf("lastWord of a pod not tracked: %q", got)
 	}
+}
+
+// TestClaimsSeenOutOfOrder: after the claim informer lists anew, a claim
+// that took a device given back meanwhile can come before the deletion
+// or deallocation of the claim that held it. The device stays the new
+// holder's (it used to be freed by the late deletion, and pods looked
+// stuck on devices in use), and no double allocation is reported; one
+// whose holder gave it back only after the second allocation is.
+func TestClaimsSeenOutOfOrder(t *testing.T) {
+	slice := resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: topology.DriverName, NodeName: ptr.To("n"), Pool: resourceapi.ResourcePool{Name: "n"},
+		Devices: []resourceapi.Device{{Name: "gpu-0"}, {Name: "gpu-1"}}}}
+	const key = topology.DriverName + "/n/gpu-0"
+	claim := func(pod, version string, allocated bool) *resourceapi.ResourceClaim {
+		c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: pod + "-gpu", Namespace: Namespace, UID: types.UID(pod), ResourceVersion: version,
+			OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: pod}}}}
+		if allocated {
+			c.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{Results: []resourceapi.DeviceRequestAllocationResult{
+				{Request: "gpu", Driver: topology.DriverName, Pool: "n", Device: "gpu-0"},
+			}}}
+		}
+		return c
+	}
+	setup := func() *tracker {
+		tr := newTracker(Namespace)
+		tr.loadDevices([]resourceapi.ResourceSlice{slice}, []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n"}}})
+		for _, pod := range []string{"a", "b"} {
+			tr.created(&v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: pod, Namespace: Namespace}}, 0, nil, 1)
+		}
+		tr.onClaim(claim("a", "10", true), false)
+		return tr
+	}
+	check := func(name string, tr *tracker, wantErrors int) {
+		t.Helper()
+		if owner, used := tr.inv.Owner(key); !used || owner != "b" {
+			t.Errorf("%s: gpu-0 held by %q (%v), want b's", name, owner, used)
+		}
+		res := &Result{}
+		tr.fill(res)
+		if len(res.Errors) != wantErrors {
+			t.Errorf("%s: errors %q, want %d", name, res.Errors, wantErrors)
+		}
+	}
+
+	tr := setup()
+	tr.onClaim(claim("b", "30", true), false)
+	tr.onClaim(cache.DeletedFinalStateUnknown{Key: Namespace + "/a-gpu", Obj: claim("a", "10", true)}, true)
+	check("deletion missed, delivered after the new allocation", tr, 0)
+
+	tr = setup()
+	tr.onClaim(claim("b", "30", true), false)
+	tr.onClaim(claim("a", "20", false), false)
+	check("deallocated before the new allocation, delivered after it", tr, 0)
+
+	tr = setup()
+	tr.onClaim(claim("b", "30", true), false)
+	tr.onClaim(claim("a", "40", false), false)
+	check("deallocated after the new allocation: held twice meanwhile", tr, 1)
+
+	tr = setup()
+	tr.onClaim(claim("a", "20", false), false)
+	tr.onClaim(claim("b", "30", true), false)
+	check("in order", tr, 0)
 }
 
 // TestTrackerFollowsTaints: a device whose slice gains a NoSchedule taint
