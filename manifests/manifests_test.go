@@ -106,8 +106,10 @@ func TestOwnedTaintKeyAgrees(t *testing.T) {
 			checkOwnership(t, path, objs, want, !strings.HasPrefix(path, "examples/"))
 		})
 	}
-	if got := schedulerOwnedKey(t, config.SchedulerConfig); got != want {
-		t.Errorf("config/scheduler-config.yaml: ownedTaintKey %q, want %q", got, want)
+	for name, data := range map[string][]byte{"config/scheduler-config.yaml": config.SchedulerConfig, "config/multi-profile.yaml": config.MultiProfileConfig} {
+		if got := schedulerOwnedKey(t, data); got != want {
+			t.Errorf("%s: ownedTaintKey %q, want %q", name, got, want)
+		}
 	}
 }
 
