@@ -695,6 +695,9 @@ func (t *tracker) fill(res *Result) {
 	}
 	res.AlignedFraction = res.Alignment.Fraction()
 	res.Errors = append(slices.Clone(t.errs), t.conflictErrors()...)
+	if t.reordered > 0 {
+		res.Notes = append(res.Notes, fmt.Sprintf("%d devices were seen allocated again before the claim that held them was seen giving them back (the claim informer listed anew after it lost its watch): no conflict", t.reordered))
+	}
 	res.TaintedAllocations = slices.Clone(t.taintedAllocations)
 	for _, a := range t.taintedAllocations {
 		res.Notes = append(res.Notes, "allocated a tainted GPU (its agent would not prepare it): "+a.String())

@@ -112,6 +112,8 @@ type tracker struct {
 	// deletion comes; a conflict that the earlier holder's release then
 	// explains goes (see release), the others are double allocations.
 	conflicts map[string]conflict
+	// reordered counts the conflicts that a release explained.
+	reordered int
 
 	// inv holds the same devices and who uses them (owner: pod name);
 	// placements are judged on it.
@@ -531,6 +533,7 @@ func (t *tracker) release(cs *claimState, version uint64, missed bool) {
 		}
 		if c, ok := t.conflicts[key]; ok && c.other == cs.Pod && (missed || version < c.version) {
 			delete(t.conflicts, key)
+			t.reordered++
 		}
 	}
 }

@@ -245,6 +245,9 @@ func TestClaimsSeenOutOfOrder(t *testing.T) {
 	tr.onClaim(claim("b", "30", true), false)
 	tr.onClaim(cache.DeletedFinalStateUnknown{Key: Namespace + "/a-gpu", Obj: claim("a", "10", true)}, true)
 	check("deletion missed, delivered after the new allocation", tr, 0)
+	if tr.reordered != 1 {
+		t.Errorf("reordered = %d, want 1", tr.reordered)
+	}
 
 	tr = setup()
 	tr.onClaim(claim("b", "30", true), false)
