@@ -71,9 +71,13 @@ type TopologyDRA struct {
 	bindClock  *bindClock
 	features   structured.Features
 	draManager fwk.SharedDRAManager
-	client     kubernetes.Interface
-	handle     fwk.Handle
-	celCache   *cel.Cache
+	// holders keeps the devices that the DRA manager's set of allocated
+	// devices lost although a claim holds them (see deviceHolders); nil
+	// without a claim informer.
+	holders  *deviceHolders
+	client   kubernetes.Interface
+	handle   fwk.Handle
+	celCache *cel.Cache
 	// cache keeps the allocator's per-slice and per-node data across
 	// scheduling cycles of this profile.
 	cache *allocator.Cache
@@ -212,6 +216,11 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
+		holders := newDeviceHolders(klog.FromContext(ctx))
+		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(holders.handler()); err != nil {
+			return nil, fmt.Errorf("watch claims: %w", err)
+		}
+		pl.holders = holders
 		rootPairs := newRootPairClaims()
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(rootPairs.handler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)

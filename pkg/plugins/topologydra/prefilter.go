@@ -395,6 +395,9 @@ func (pl *TopologyDRA) gatherAllocatedState(ctx context.Context) (*structured.Al
 		state = s
 		return true, nil
 	})
+	if err == nil && pl.holders != nil {
+		pl.holders.restore(state.AllocatedDevices)
+	}
 	if err != nil {
 		if lastErr != nil {
 			return nil, lastErr

@@ -694,6 +694,9 @@ func (pl *TopologyDRA) allocatedDevices() (sets.Set[structured.DeviceID], error)
 	for range 3 {
 		var allocated sets.Set[structured.DeviceID]
 		if allocated, err = pl.draManager.ResourceClaims().ListAllAllocatedDevices(); err == nil {
+			if pl.holders != nil {
+				pl.holders.restore(allocated)
+			}
 			return allocated, nil
 		}
 	}
