@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"slices"
 	"sync"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -13,44 +14,66 @@ import (
 )
 
 // deviceHolders keeps the devices that the scheduler's set of allocated
-// devices lost although a claim holds them.
+// devices may lack although a claim holds them.
 //
 // That set (the DRA manager's, which the stock plugin uses too) adds a
-// claim's devices when the claim is seen allocated and removes them when
-// it is seen deallocated or deleted, whoever else holds them. When the
-// claim informer lists anew after it lost its watch, it delivers the
-// claims of the list in the list's order: a claim that was allocated a
+// claim's devices when the claim is seen allocated, removes them when it
+// is seen deallocated or deleted, whoever else holds them, and ignores a
+// claim seen allocated other devices than before. When the claim informer
+// lists anew after it lost its watch, it delivers the claims of the list
+// in the list's order, each as it is now: a claim that was allocated a
 // device after another claim gave it back can come first, and the late
-// deallocation then removes the device from the set while the first
-// claim holds it. A scheduler whose informer missed both (a standby
-// replica, while the leader gave the device back and allocated it again)
-// would count the device free and could allocate it a second time.
+// deallocation then removes the device while the first claim holds it;
+// a claim deallocated and allocated again meanwhile comes as one change
+// from its old devices to its new ones. A scheduler whose informer missed
+// such changes (a standby replica, while the leader gave devices back and
+// allocated them again) would count devices in use as free.
 //
-// deviceHolders follows the claim informer too, with the holder of each
-// dedicated device (results with admin access or a share ID hold none, as
-// for the set). A release by a claim that no longer holds the device
-// records it as held again; restore puts such devices back into a copy
-// of the set while their holder holds them. Safe for concurrent use.
+// deviceHolders follows the same informer, on its own listener, with the
+// claim that holds each dedicated device (results with admin access, and
+// shares where DRAConsumableCapacity is on, hold none, as for the set);
+// restore puts every device a claim holds into a copy of the set, so it
+// does not matter which listener is ahead. Taking a device another claim
+// holds, giving back one that another claim took, and a claim going from
+// some devices straight to others are logged at level 2. Safe for
+// concurrent use.
 type deviceHolders struct {
-	logger    klog.Logger
-	mu        sync.Mutex
-	holder    map[structured.DeviceID]types.UID
-	heldAgain sets.Set[structured.DeviceID]
+	logger             klog.Logger
+	consumableCapacity bool
+
+	mu sync.Mutex
+	// holder is the claim that holds each device.
+	holder map[structured.DeviceID]types.UID
+	// claims holds, by the informer's key (namespace/name), each
+	// allocated claim's UID and devices: a deletion whose last state the
+	// informer lost gives back what was recorded.
+	claims map[string]heldClaim
 }
 
-func newDeviceHolders(logger klog.Logger) *deviceHolders {
-	return &deviceHolders{logger: logger, holder: map[structured.DeviceID]types.UID{}, heldAgain: sets.New[structured.DeviceID]()}
+// heldClaim is a claim's UID and the dedicated devices it holds.
+type heldClaim struct {
+	uid     types.UID
+	devices []structured.DeviceID
 }
 
-// heldDevices lists the dedicated devices of a claim's allocation; none
-// where it is not allocated.
-func heldDevices(claim *resourceapi.ResourceClaim) []structured.DeviceID {
+func newDeviceHolders(logger klog.Logger, consumableCapacity bool) *deviceHolders {
+	return &deviceHolders{
+		logger:             logger,
+		consumableCapacity: consumableCapacity,
+		holder:             map[structured.DeviceID]types.UID{},
+		claims:             map[string]heldClaim{},
+	}
+}
+
+// heldDevices lists the dedicated devices of a claim's allocation, as
+// the scheduler's set counts them; none where it is not allocated.
+func (h *deviceHolders) heldDevices(claim *resourceapi.ResourceClaim) []structured.DeviceID {
 	if claim == nil || claim.Status.Allocation == nil {
 		return nil
 	}
 	var out []structured.DeviceID
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		if ptr.Deref(r.AdminAccess, false) || r.ShareID != nil {
+		if ptr.Deref(r.AdminAccess, false) || h.consumableCapacity && r.ShareID != nil {
 			continue
 		}
 		out = append(out, structured.MakeDeviceID(r.Driver, r.Pool, r.Device))
@@ -58,49 +81,79 @@ func heldDevices(claim *resourceapi.ResourceClaim) []structured.DeviceID {
 	return out
 }
 
-// track takes in a claim seen changed from old to claim (either nil: seen
-// added, or deleted).
-func (h *deviceHolders) track(old, claim *resourceapi.ResourceClaim) {
-	before, after := heldDevices(old), heldDevices(claim)
-	if len(before) == 0 && len(after) == 0 {
-		return
+// set takes in the claim under key as the informer shows it now; nil:
+// deleted.
+func (h *deviceHolders) set(key string, claim *resourceapi.ResourceClaim) {
+	var now heldClaim
+	if claim != nil {
+		now = heldClaim{uid: claim.UID, devices: h.heldDevices(claim)}
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	now := sets.New(after...)
-	for _, id := range before {
-		if now.Has(id) && old.UID == claim.UID {
-			continue
-		}
-		switch holder, ok := h.holder[id]; {
-		case !ok:
-		case holder == old.UID:
-			delete(h.holder, id)
-		default:
-			// Another claim was seen taking the device before this one
-			// was seen giving it back.
-			h.heldAgain.Insert(id)
-			h.logger.V(2).Info("Device given back by a claim after another claim was seen holding it (claims seen out of order after the claim informer listed anew): it stays allocated",
-				"device", id, "claim", klog.KObj(old), "holder", holder)
+	before, had := h.claims[key]
+	if !had && len(now.devices) == 0 {
+		return
+	}
+	same := had && before.uid == now.uid
+	kept := sets.New[structured.DeviceID]()
+	if same {
+		kept.Insert(now.devices...)
+	}
+	for _, id := range before.devices {
+		if !kept.Has(id) {
+			h.giveBack(id, before.uid, key)
 		}
 	}
-	for _, id := range after {
-		h.holder[id] = claim.UID
+	// The same claim seen going from some devices straight to others:
+	// the scheduler's set ignores that change.
+	switched := same && len(before.devices) > 0 && !slices.Equal(before.devices, now.devices)
+	held := sets.New(before.devices...)
+	for _, id := range now.devices {
+		if same && held.Has(id) {
+			continue
+		}
+		h.take(id, now.uid, key, switched)
+	}
+	if len(now.devices) == 0 {
+		delete(h.claims, key)
+	} else {
+		h.claims[key] = now
+	}
+}
+
+// take records that claim uid (key) holds id. Caller holds mu.
+func (h *deviceHolders) take(id structured.DeviceID, uid types.UID, key string, switched bool) {
+	if other, ok := h.holder[id]; ok && other != uid {
+		h.logger.V(2).Info("Device seen taken by a claim while another claim held it (claims seen out of order after the claim informer listed anew, or allocated twice): it stays allocated while either holds it",
+			"device", id, "claim", key, "holder", other)
+	} else if switched {
+		h.logger.V(2).Info("Claim seen allocated other devices without being seen deallocated (the claim informer listed anew): its new devices stay allocated",
+			"device", id, "claim", key)
+	}
+	h.holder[id] = uid
+}
+
+// giveBack records that claim uid (key) no longer holds id. Caller holds
+// mu.
+func (h *deviceHolders) giveBack(id structured.DeviceID, uid types.UID, key string) {
+	switch other, ok := h.holder[id]; {
+	case !ok:
+	case other == uid:
+		delete(h.holder, id)
+	default:
+		h.logger.V(2).Info("Device given back by a claim after another claim was seen taking it (claims seen out of order after the claim informer listed anew): it stays allocated",
+			"device", id, "claim", key, "holder", other)
 	}
 }
 
 // restore adds to allocated (a copy of the scheduler's set of allocated
-// devices) the devices recorded as held again whose holder still holds
-// them, and forgets the others; it returns how many it added.
+// devices) every device that a claim holds and the set lacks; it returns
+// how many it added.
 func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID]) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	added := 0
-	for id := range h.heldAgain {
-		if _, held := h.holder[id]; !held {
-			h.heldAgain.Delete(id)
-			continue
-		}
+	for id := range h.holder {
 		if !allocated.Has(id) {
 			allocated.Insert(id)
 			added++
@@ -109,32 +162,24 @@ func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID]) int {
 	return added
 }
 
-// handler feeds track from the claim informer.
+// handler feeds set from the claim informer.
 func (h *deviceHolders) handler() cache.ResourceEventHandler {
-	claimOf := func(obj any) *resourceapi.ResourceClaim {
-		if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = tomb.Obj
+	update := func(obj any, deleted bool) {
+		key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+		if err != nil {
+			return
 		}
-		claim, _ := obj.(*resourceapi.ResourceClaim)
-		return claim
+		if deleted {
+			h.set(key, nil)
+			return
+		}
+		if claim, ok := obj.(*resourceapi.ResourceClaim); ok {
+			h.set(key, claim)
+		}
 	}
 	return cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) {
-			if claim := claimOf(obj); claim != nil {
-				h.track(nil, claim)
-			}
-		},
-		UpdateFunc: func(oldObj, obj any) {
-			old, claim := claimOf(oldObj), claimOf(obj)
-			if claim == nil {
-				return
-			}
-			h.track(old, claim)
-		},
-		DeleteFunc: func(obj any) {
-			if claim := claimOf(obj); claim != nil {
-				h.track(claim, nil)
-			}
-		},
+		AddFunc:    func(obj any) { update(obj, false) },
+		UpdateFunc: func(_, obj any) { update(obj, false) },
+		DeleteFunc: func(obj any) { update(obj, true) },
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -21,6 +22,8 @@ import (
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // holderClaim is claim name (UID uid-<name>) at resourceVersion rv,
@@ -37,51 +40,75 @@ func holderClaim(name, rv string, allocated bool) *resourceapi.ResourceClaim {
 
 var deviceX = structured.MakeDeviceID("d", "p", "x")
 
-// TestDeviceHoldersRestore: a device given back by a claim after another
-// claim was seen taking it is put back into a copy of the allocated set
-// while that claim holds it, and forgotten once it gives it back; in
-// order, nothing is put back. Admin access and shares hold nothing.
+// TestDeviceHoldersRestore: whatever order the claims are seen in, a copy
+// of the scheduler's set gets back every device a claim holds, and none
+// that no claim holds: in order, out of order, a deletion whose last state
+// the informer lost, a claim seen going straight to other devices, and a
+// listener behind the set's. Admin access holds nothing, nor does a share
+// with DRAConsumableCapacity on.
 func TestDeviceHoldersRestore(t *testing.T) {
 	logger, _ := ktesting.NewTestContext(t)
 	a, aFree, b, bFree := holderClaim("a", "10", true), holderClaim("a", "20", false), holderClaim("b", "30", true), holderClaim("b", "40", false)
-
-	h := newDeviceHolders(logger)
-	h.track(nil, a)
-	h.track(nil, b) // b seen taking x before a is seen giving it back
-	h.track(a, aFree)
-	if got := h.restore(sets.New[structured.DeviceID]()); got != 1 {
-		t.Errorf("out of order: restored %d, want x", got)
+	restored := func(h *deviceHolders, in ...structured.DeviceID) sets.Set[structured.DeviceID] {
+		set := sets.New(in...)
+		h.restore(set)
+		return set
 	}
-	if got := h.restore(sets.New(deviceX)); got != 0 {
-		t.Errorf("x already in the set: restored %d, want 0", got)
-	}
-	h.track(b, bFree)
-	if got := h.restore(sets.New[structured.DeviceID]()); got != 0 || h.heldAgain.Len() != 0 {
-		t.Errorf("after b gave x back: restored %d, held again %v; want none", got, h.heldAgain)
+	check := func(name string, got sets.Set[structured.DeviceID], want ...structured.DeviceID) {
+		t.Helper()
+		if !got.Equal(sets.New(want...)) {
+			t.Errorf("%s: restored set %v, want %v", name, got.UnsortedList(), want)
+		}
 	}
 
-	h = newDeviceHolders(logger)
-	h.track(nil, a)
-	h.track(a, aFree)
-	h.track(nil, b)
-	h.track(aFree, nil) // a deleted after it was seen deallocated
-	if got := h.restore(sets.New[structured.DeviceID]()); got != 0 {
-		t.Errorf("in order: restored %d, want 0", got)
-	}
+	h := newDeviceHolders(logger, false)
+	h.set("ns/a", a)
+	h.set("ns/b", b) // b seen taking x before a is seen giving it back
+	h.set("ns/a", aFree)
+	check("out of order", restored(h), deviceX)
+	h.set("ns/b", bFree)
+	check("after b gave x back", restored(h))
 
-	h = newDeviceHolders(logger)
-	h.track(nil, b)
-	h.track(a, nil) // a's deletion, missed, after b: its last state held x
-	if got := h.restore(sets.New[structured.DeviceID]()); got != 1 {
-		t.Errorf("deletion after b: restored %d, want x", got)
-	}
+	h = newDeviceHolders(logger, false)
+	h.set("ns/a", a)
+	h.set("ns/a", aFree)
+	h.set("ns/b", b)
+	h.set("ns/a", nil)
+	h.set("ns/b", nil)
+	check("in order, then both deleted", restored(h))
 
-	admin := holderClaim("admin", "50", true)
+	// A deletion missed while not watching, delivered without its last
+	// state: what was recorded under the key goes.
+	h = newDeviceHolders(logger, false)
+	h.set("ns/b", b)
+	h.handler().OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/b"})
+	check("tombstone without its object", restored(h))
+
+	// Listener behind: the set already lost x (b took it, a gave it
+	// back), deviceHolders has seen only a.
+	h = newDeviceHolders(logger, false)
+	h.set("ns/a", a)
+	check("listener behind the set's", restored(h), deviceX)
+
+	// a deallocated and allocated device y meanwhile, seen as one change:
+	// the set ignores it and keeps x.
+	y := structured.MakeDeviceID("d", "p", "y")
+	aOnY := holderClaim("a", "50", true)
+	aOnY.Status.Allocation.Devices.Results[0].Device = "y"
+	h = newDeviceHolders(logger, false)
+	h.set("ns/a", a)
+	h.set("ns/a", aOnY)
+	check("switched to y", restored(h, deviceX), deviceX, y)
+
+	admin := holderClaim("admin", "60", true)
 	admin.Status.Allocation.Devices.Results[0].AdminAccess = ptr.To(true)
-	shared := holderClaim("shared", "60", true)
+	shared := holderClaim("shared", "70", true)
 	shared.Status.Allocation.Devices.Results[0].ShareID = ptr.To(types.UID("s"))
-	if got := len(heldDevices(admin)) + len(heldDevices(shared)); got != 0 {
-		t.Errorf("admin access and a share hold %d devices, want 0", got)
+	if got := len(newDeviceHolders(logger, true).heldDevices(admin)) + len(newDeviceHolders(logger, true).heldDevices(shared)); got != 0 {
+		t.Errorf("admin access and a share (consumable capacity on) hold %d devices, want 0", got)
+	}
+	if got := len(newDeviceHolders(logger, false).heldDevices(shared)); got != 1 {
+		t.Errorf("a share with consumable capacity off holds %d devices, want 1, as for the scheduler's set", got)
 	}
 }
 
@@ -128,7 +155,7 @@ func TestRelistKeepsDeviceAllocated(t *testing.T) {
 	informer := cache.NewSharedIndexInformer(noWatchList{lw}, &resourceapi.ResourceClaim{}, 0, cache.Indexers{})
 	claims := assumecache.NewAssumeCache(logger, informer, "ResourceClaim", "", nil)
 	manager := dynamicresources.NewDRAManager(ctx, claims, nil, informers.NewSharedInformerFactory(fake.NewClientset(), 0))
-	holders := newDeviceHolders(logger)
+	holders := newDeviceHolders(logger, false)
 	if _, err := informer.AddEventHandler(holders.handler()); err != nil {
 		t.Fatal(err)
 	}
@@ -162,15 +189,53 @@ func TestRelistKeepsDeviceAllocated(t *testing.T) {
 		obj, ok, _ := informer.GetStore().GetByKey("ns/zzz-a")
 		return ok && obj.(*resourceapi.ResourceClaim).Status.Allocation == nil && len(informer.GetStore().List()) == 2
 	})
-	// Both handlers have run once the DRA manager's set lost x and the
-	// holders recorded it.
+	// Both handlers have run once the DRA manager's set lost x and
+	// aaa-b holds it in deviceHolders.
 	poll("handlers ran", func() bool {
 		up, _ := allocated()
 		holders.mu.Lock()
 		defer holders.mu.Unlock()
-		return !up.Has(deviceX) && holders.heldAgain.Has(deviceX)
+		return !up.Has(deviceX) && holders.holder[deviceX] == "uid-aaa-b" && len(holders.claims) == 1
 	})
 	if _, gathered := allocated(); !gathered.Has(deviceX) {
 		t.Errorf("gathered state %v lacks x, which aaa-b holds", gathered)
+	}
+}
+
+// TestDeviceHoldersWired: the plugin that New builds follows the claim
+// informer's holders, and both the state PreFilter allocates from and the
+// freed-devices hint's count have a held device that the scheduler's set
+// lacks.
+func TestDeviceHoldersWired(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("n1")}, testDeviceClass(), testSlice("n1", 4))
+	h.create(allocatedOn(testClaim("held", 1), "n1", "gpu-0"))
+	held := structured.MakeDeviceID(topology.DriverName, "n1", "gpu-0")
+	if err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		h.pl.holders.mu.Lock()
+		defer h.pl.holders.mu.Unlock()
+		_, ok := h.pl.holders.holder[held]
+		return ok, nil
+	}); err != nil {
+		t.Fatalf("the claim informer's allocated claim never reached the plugin's holders: %v", err)
+	}
+	// A claim that only deviceHolders has seen stands for one the
+	// scheduler's set lost.
+	ghost := allocatedOn(testClaim("ghost", 1), "n1", "gpu-1")
+	ghost.UID = "ghost"
+	h.pl.holders.set(testNS+"/ghost", ghost)
+	lost := structured.MakeDeviceID(topology.DriverName, "n1", "gpu-1")
+	state, err := h.pl.gatherAllocatedState(h.tCtx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !state.AllocatedDevices.Has(lost) || !state.AllocatedDevices.Has(held) {
+		t.Errorf("PreFilter's allocated devices %v lack gpu-1 or gpu-0", state.AllocatedDevices.UnsortedList())
+	}
+	allocated, err := h.pl.allocatedDevices()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !allocated.Has(lost) {
+		t.Errorf("the hint's allocated devices %v lack gpu-1", allocated.UnsortedList())
 	}
 }

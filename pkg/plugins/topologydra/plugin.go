@@ -216,7 +216,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
-		holders := newDeviceHolders(klog.FromContext(ctx))
+		holders := newDeviceHolders(klog.FromContext(ctx), features.ConsumableCapacity)
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(holders.handler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}
