@@ -31,23 +31,34 @@ import (
 //
 // deviceHolders follows the same informer, on its own listener, with the
 // claim that holds each dedicated device (results with admin access, and
-// shares where DRAConsumableCapacity is on, hold none, as for the set);
-// restore puts every device a claim holds into a copy of the set, so it
-// does not matter which listener is ahead. Taking a device another claim
-// holds, giving back one that another claim took, and a claim going from
-// some devices straight to others are logged at level 2. Safe for
-// concurrent use.
+// shares where DRAConsumableCapacity is on, hold none, as for the set).
+// restore puts a device that the set lacks back into a copy of it where
+// the claim recorded as its holder holds it as the scheduler's claim
+// cache shows the claim now, the cache the set is fed from: where this
+// listener is behind a release, the cache's claim no longer holds the
+// device and it stays free. Where this listener is behind both a claim's
+// taking of a device and the release that the set then applied to it,
+// the device stays free until this listener catches up. Taking a device
+// another claim holds, giving back one that another claim took, and a
+// claim going from some devices straight to others are logged at level 2.
+// Safe for concurrent use.
 type deviceHolders struct {
 	logger             klog.Logger
 	consumableCapacity bool
 
 	mu sync.Mutex
 	// holder is the claim that holds each device.
-	holder map[structured.DeviceID]types.UID
+	holder map[structured.DeviceID]holderRef
 	// claims holds, by the informer's key (namespace/name), each
 	// allocated claim's UID and devices: a deletion whose last state the
 	// informer lost gives back what was recorded.
 	claims map[string]heldClaim
+}
+
+// holderRef names the claim that holds a device.
+type holderRef struct {
+	uid             types.UID
+	namespace, name string
 }
 
 // heldClaim is a claim's UID and the dedicated devices it holds.
@@ -60,7 +71,7 @@ func newDeviceHolders(logger klog.Logger, consumableCapacity bool) *deviceHolder
 	return &deviceHolders{
 		logger:             logger,
 		consumableCapacity: consumableCapacity,
-		holder:             map[structured.DeviceID]types.UID{},
+		holder:             map[structured.DeviceID]holderRef{},
 		claims:             map[string]heldClaim{},
 	}
 }
@@ -112,7 +123,7 @@ func (h *deviceHolders) set(key string, claim *resourceapi.ResourceClaim) {
 		if same && held.Has(id) {
 			continue
 		}
-		h.take(id, now.uid, key, switched)
+		h.take(id, holderRef{uid: now.uid, namespace: claim.Namespace, name: claim.Name}, key, switched)
 	}
 	if len(now.devices) == 0 {
 		delete(h.claims, key)
@@ -121,16 +132,16 @@ func (h *deviceHolders) set(key string, claim *resourceapi.ResourceClaim) {
 	}
 }
 
-// take records that claim uid (key) holds id. Caller holds mu.
-func (h *deviceHolders) take(id structured.DeviceID, uid types.UID, key string, switched bool) {
-	if other, ok := h.holder[id]; ok && other != uid {
+// take records that claim ref (key) holds id. Caller holds mu.
+func (h *deviceHolders) take(id structured.DeviceID, ref holderRef, key string, switched bool) {
+	if other, ok := h.holder[id]; ok && other.uid != ref.uid {
 		h.logger.V(2).Info("Device seen taken by a claim while another claim held it (claims seen out of order after the claim informer listed anew, or allocated twice): it stays allocated while either holds it",
-			"device", id, "claim", key, "holder", other)
+			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	} else if switched {
 		h.logger.V(2).Info("Claim seen allocated other devices without being seen deallocated (the claim informer listed anew): its new devices stay allocated",
 			"device", id, "claim", key)
 	}
-	h.holder[id] = uid
+	h.holder[id] = ref
 }
 
 // giveBack records that claim uid (key) no longer holds id. Caller holds
@@ -138,26 +149,32 @@ func (h *deviceHolders) take(id structured.DeviceID, uid types.UID, key string, 
 func (h *deviceHolders) giveBack(id structured.DeviceID, uid types.UID, key string) {
 	switch other, ok := h.holder[id]; {
 	case !ok:
-	case other == uid:
+	case other.uid == uid:
 		delete(h.holder, id)
 	default:
 		h.logger.V(2).Info("Device given back by a claim after another claim was seen taking it (claims seen out of order after the claim informer listed anew): it stays allocated",
-			"device", id, "claim", key, "holder", other)
+			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	}
 }
 
 // restore adds to allocated (a copy of the scheduler's set of allocated
-// devices) every device that a claim holds and the set lacks; it returns
-// how many it added.
-func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID]) int {
+// devices) each device the set lacks that its recorded holder holds as
+// get (the scheduler's claim cache) shows the claim now; it returns how
+// many it added.
+func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID], get func(namespace, name string) (*resourceapi.ResourceClaim, error)) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	added := 0
-	for id := range h.holder {
-		if !allocated.Has(id) {
-			allocated.Insert(id)
-			added++
+	for id, ref := range h.holder {
+		if allocated.Has(id) {
+			continue
 		}
+		claim, err := get(ref.namespace, ref.name)
+		if err != nil || claim.UID != ref.uid || !slices.Contains(h.heldDevices(claim), id) {
+			continue
+		}
+		allocated.Insert(id)
+		added++
 	}
 	return added
 }

@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -19,6 +20,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
+	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework/plugins/dynamicresources"
 	"k8s.io/kubernetes/pkg/scheduler/util/assumecache"
 	"k8s.io/utils/ptr"
@@ -40,18 +42,29 @@ func holderClaim(name, rv string, allocated bool) *resourceapi.ResourceClaim {
 
 var deviceX = structured.MakeDeviceID("d", "p", "x")
 
-// TestDeviceHoldersRestore: whatever order the claims are seen in, a copy
-// of the scheduler's set gets back every device a claim holds, and none
-// that no claim holds: in order, out of order, a deletion whose last state
-// the informer lost, a claim seen going straight to other devices, and a
-// listener behind the set's. Admin access holds nothing, nor does a share
-// with DRAConsumableCapacity on.
+// TestDeviceHoldersRestore: a device that the scheduler's set lacks is
+// put back where its recorded holder holds it in the claim cache's view,
+// whatever order the claims were seen in (out of order, a claim seen
+// going straight to other devices), and not where this listener is behind
+// a release that the view has (the device is free), nor once the holder
+// gave it back or was deleted, even as a tombstone without its object.
+// Admin access holds nothing, nor does a share with DRAConsumableCapacity
+// on.
 func TestDeviceHoldersRestore(t *testing.T) {
 	logger, _ := ktesting.NewTestContext(t)
 	a, aFree, b, bFree := holderClaim("a", "10", true), holderClaim("a", "20", false), holderClaim("b", "30", true), holderClaim("b", "40", false)
-	restored := func(h *deviceHolders, in ...structured.DeviceID) sets.Set[structured.DeviceID] {
+	restored := func(h *deviceHolders, view []*resourceapi.ResourceClaim, in ...structured.DeviceID) sets.Set[structured.DeviceID] {
+		byName := map[string]*resourceapi.ResourceClaim{}
+		for _, c := range view {
+			byName[c.Namespace+"/"+c.Name] = c
+		}
 		set := sets.New(in...)
-		h.restore(set)
+		h.restore(set, func(namespace, name string) (*resourceapi.ResourceClaim, error) {
+			if c, ok := byName[namespace+"/"+name]; ok {
+				return c, nil
+			}
+			return nil, apierrors.NewNotFound(resourceapi.Resource("resourceclaims"), name)
+		})
 		return set
 	}
 	check := func(name string, got sets.Set[structured.DeviceID], want ...structured.DeviceID) {
@@ -65,9 +78,9 @@ func TestDeviceHoldersRestore(t *testing.T) {
 	h.set("ns/a", a)
 	h.set("ns/b", b) // b seen taking x before a is seen giving it back
 	h.set("ns/a", aFree)
-	check("out of order", restored(h), deviceX)
+	check("out of order", restored(h, []*resourceapi.ResourceClaim{aFree, b}), deviceX)
 	h.set("ns/b", bFree)
-	check("after b gave x back", restored(h))
+	check("after b gave x back", restored(h, []*resourceapi.ResourceClaim{aFree, bFree}))
 
 	h = newDeviceHolders(logger, false)
 	h.set("ns/a", a)
@@ -75,20 +88,20 @@ func TestDeviceHoldersRestore(t *testing.T) {
 	h.set("ns/b", b)
 	h.set("ns/a", nil)
 	h.set("ns/b", nil)
-	check("in order, then both deleted", restored(h))
+	check("in order, then both deleted", restored(h, nil))
 
 	// A deletion missed while not watching, delivered without its last
 	// state: what was recorded under the key goes.
 	h = newDeviceHolders(logger, false)
 	h.set("ns/b", b)
 	h.handler().OnDelete(cache.DeletedFinalStateUnknown{Key: "ns/b"})
-	check("tombstone without its object", restored(h))
+	check("tombstone without its object", restored(h, []*resourceapi.ResourceClaim{b}))
 
-	// Listener behind: the set already lost x (b took it, a gave it
-	// back), deviceHolders has seen only a.
+	// This listener is behind a release that the claim cache has: x is
+	// free, and a pod waiting for it must get it.
 	h = newDeviceHolders(logger, false)
 	h.set("ns/a", a)
-	check("listener behind the set's", restored(h), deviceX)
+	check("listener behind a release", restored(h, []*resourceapi.ResourceClaim{aFree}))
 
 	// a deallocated and allocated device y meanwhile, seen as one change:
 	// the set ignores it and keeps x.
@@ -98,7 +111,7 @@ func TestDeviceHoldersRestore(t *testing.T) {
 	h = newDeviceHolders(logger, false)
 	h.set("ns/a", a)
 	h.set("ns/a", aOnY)
-	check("switched to y", restored(h, deviceX), deviceX, y)
+	check("switched to y", restored(h, []*resourceapi.ResourceClaim{aOnY}, deviceX), deviceX, y)
 
 	admin := holderClaim("admin", "60", true)
 	admin.Status.Allocation.Devices.Results[0].AdminAccess = ptr.To(true)
@@ -195,17 +208,47 @@ func TestRelistKeepsDeviceAllocated(t *testing.T) {
 		up, _ := allocated()
 		holders.mu.Lock()
 		defer holders.mu.Unlock()
-		return !up.Has(deviceX) && holders.holder[deviceX] == "uid-aaa-b" && len(holders.claims) == 1
+		return !up.Has(deviceX) && holders.holder[deviceX].uid == "uid-aaa-b" && len(holders.claims) == 1
 	})
 	if _, gathered := allocated(); !gathered.Has(deviceX) {
 		t.Errorf("gathered state %v lacks x, which aaa-b holds", gathered)
 	}
 }
 
+// lossyClaims is the scheduler's claim tracker with one device missing
+// from its allocated devices, as after the relist flaw.
+type lossyClaims struct {
+	fwk.ResourceClaimTracker
+	lose structured.DeviceID
+}
+
+func (l lossyClaims) GatherAllocatedState() (*structured.AllocatedState, error) {
+	s, err := l.ResourceClaimTracker.GatherAllocatedState()
+	if err == nil {
+		s.AllocatedDevices.Delete(l.lose)
+	}
+	return s, err
+}
+
+func (l lossyClaims) ListAllAllocatedDevices() (sets.Set[structured.DeviceID], error) {
+	s, err := l.ResourceClaimTracker.ListAllAllocatedDevices()
+	if err == nil {
+		s.Delete(l.lose)
+	}
+	return s, err
+}
+
+type lossyManager struct {
+	fwk.SharedDRAManager
+	claims lossyClaims
+}
+
+func (l lossyManager) ResourceClaims() fwk.ResourceClaimTracker { return l.claims }
+
 // TestDeviceHoldersWired: the plugin that New builds follows the claim
 // informer's holders, and both the state PreFilter allocates from and the
-// freed-devices hint's count have a held device that the scheduler's set
-// lacks.
+// freed-devices hint's count get back a held device that the scheduler's
+// set lost.
 func TestDeviceHoldersWired(t *testing.T) {
 	h := newHarness(t, []*v1.Node{testNode("n1")}, testDeviceClass(), testSlice("n1", 4))
 	h.create(allocatedOn(testClaim("held", 1), "n1", "gpu-0"))
@@ -214,28 +257,24 @@ func TestDeviceHoldersWired(t *testing.T) {
 		h.pl.holders.mu.Lock()
 		defer h.pl.holders.mu.Unlock()
 		_, ok := h.pl.holders.holder[held]
-		return ok, nil
+		_, cached := h.pl.draManager.ResourceClaims().Get(testNS, "held")
+		return ok && cached == nil, nil
 	}); err != nil {
-		t.Fatalf("the claim informer's allocated claim never reached the plugin's holders: %v", err)
+		t.Fatalf("the claim informer's allocated claim never reached the plugin's holders and the claim cache: %v", err)
 	}
-	// A claim that only deviceHolders has seen stands for one the
-	// scheduler's set lost.
-	ghost := allocatedOn(testClaim("ghost", 1), "n1", "gpu-1")
-	ghost.UID = "ghost"
-	h.pl.holders.set(testNS+"/ghost", ghost)
-	lost := structured.MakeDeviceID(topology.DriverName, "n1", "gpu-1")
+	h.pl.draManager = lossyManager{SharedDRAManager: h.pl.draManager, claims: lossyClaims{ResourceClaimTracker: h.pl.draManager.ResourceClaims(), lose: held}}
 	state, err := h.pl.gatherAllocatedState(h.tCtx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !state.AllocatedDevices.Has(lost) || !state.AllocatedDevices.Has(held) {
-		t.Errorf("PreFilter's allocated devices %v lack gpu-1 or gpu-0", state.AllocatedDevices.UnsortedList())
+	if !state.AllocatedDevices.Has(held) {
+		t.Errorf("PreFilter's allocated devices %v lack gpu-0", state.AllocatedDevices.UnsortedList())
 	}
 	allocated, err := h.pl.allocatedDevices()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !allocated.Has(lost) {
-		t.Errorf("the hint's allocated devices %v lack gpu-1", allocated.UnsortedList())
+	if !allocated.Has(held) {
+		t.Errorf("the hint's allocated devices %v lack gpu-0", allocated.UnsortedList())
 	}
 }

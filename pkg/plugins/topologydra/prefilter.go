@@ -396,7 +396,7 @@ func (pl *TopologyDRA) gatherAllocatedState(ctx context.Context) (*structured.Al
 		return true, nil
 	})
 	if err == nil && pl.holders != nil {
-		pl.holders.restore(state.AllocatedDevices)
+		pl.holders.restore(state.AllocatedDevices, pl.draManager.ResourceClaims().Get)
 	}
 	if err != nil {
 		if lastErr != nil {

@@ -695,7 +695,7 @@ func (pl *TopologyDRA) allocatedDevices() (sets.Set[structured.DeviceID], error)
 		var allocated sets.Set[structured.DeviceID]
 		if allocated, err = pl.draManager.ResourceClaims().ListAllAllocatedDevices(); err == nil {
 			if pl.holders != nil {
-				pl.holders.restore(allocated)
+				pl.holders.restore(allocated, pl.draManager.ResourceClaims().Get)
 			}
 			return allocated, nil
 		}
