@@ -10,7 +10,6 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 )
 
 // deviceHolders keeps the devices that the scheduler's set of allocated
@@ -32,16 +31,17 @@ import (
 // deviceHolders follows the same informer, on its own listener, with the
 // claim that holds each dedicated device (results with admin access, and
 // shares where DRAConsumableCapacity is on, hold none, as for the set).
-// restore puts a device that the set lacks back into a copy of it where
-// the claim recorded as its holder holds it as the scheduler's claim
-// cache shows the claim now, the cache the set is fed from: where this
-// listener is behind a release, the cache's claim no longer holds the
-// device and it stays free. Where this listener is behind both a claim's
-// taking of a device and the release that the set then applied to it,
-// the device stays free until this listener catches up. Taking a device
-// another claim holds, giving back one that another claim took, and a
-// claim going from some devices straight to others are logged at level 2.
-// Safe for concurrent use.
+// Both listeners see the informer's events in one order, so the set can
+// lose a device in use only where this listener sees a device taken while
+// another claim holds it, given back by a claim that no longer holds it,
+// or taken by a claim going from some devices straight to others. Such a
+// device becomes a suspect, logged at level 2; restore puts a suspect that
+// the set lacks back into a copy of it where its recorded holder holds it
+// as the scheduler's claim cache (the cache the set is fed from) shows
+// the claim now: where this listener is behind a release, the device
+// stays free. Where this listener is behind both a claim's taking of a
+// device and the release that the set then applied to it, the device
+// stays free until this listener catches up. Safe for concurrent use.
 type deviceHolders struct {
 	logger             klog.Logger
 	consumableCapacity bool
@@ -53,6 +53,8 @@ type deviceHolders struct {
 	// allocated claim's UID and devices: a deletion whose last state the
 	// informer lost gives back what was recorded.
 	claims map[string]heldClaim
+	// suspects are the devices the set may have lost (see above).
+	suspects sets.Set[structured.DeviceID]
 }
 
 // holderRef names the claim that holds a device.
@@ -73,18 +75,20 @@ func newDeviceHolders(logger klog.Logger, consumableCapacity bool) *deviceHolder
 		consumableCapacity: consumableCapacity,
 		holder:             map[structured.DeviceID]holderRef{},
 		claims:             map[string]heldClaim{},
+		suspects:           sets.New[structured.DeviceID](),
 	}
 }
 
-// heldDevices lists the dedicated devices of a claim's allocation, as
-// the scheduler's set counts them; none where it is not allocated.
+// heldDevices lists the devices that a claim's allocation takes
+// (takesDevice), as the scheduler's set counts them; none where it is not
+// allocated.
 func (h *deviceHolders) heldDevices(claim *resourceapi.ResourceClaim) []structured.DeviceID {
 	if claim == nil || claim.Status.Allocation == nil {
 		return nil
 	}
 	var out []structured.DeviceID
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		if ptr.Deref(r.AdminAccess, false) || h.consumableCapacity && r.ShareID != nil {
+		if !takesDevice(r, h.consumableCapacity) {
 			continue
 		}
 		out = append(out, structured.MakeDeviceID(r.Driver, r.Pool, r.Device))
@@ -135,9 +139,11 @@ func (h *deviceHolders) set(key string, claim *resourceapi.ResourceClaim) {
 // take records that claim ref (key) holds id. Caller holds mu.
 func (h *deviceHolders) take(id structured.DeviceID, ref holderRef, key string, switched bool) {
 	if other, ok := h.holder[id]; ok && other.uid != ref.uid {
+		h.suspects.Insert(id)
 		h.logger.V(2).Info("Device seen taken by a claim while another claim held it (claims seen out of order after the claim informer listed anew, or allocated twice): it stays allocated while either holds it",
 			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	} else if switched {
+		h.suspects.Insert(id)
 		h.logger.V(2).Info("Claim seen allocated other devices without being seen deallocated (the claim informer listed anew): its new devices stay allocated",
 			"device", id, "claim", key)
 	}
@@ -152,20 +158,26 @@ func (h *deviceHolders) giveBack(id structured.DeviceID, uid types.UID, key stri
 	case other.uid == uid:
 		delete(h.holder, id)
 	default:
+		h.suspects.Insert(id)
 		h.logger.V(2).Info("Device given back by a claim after another claim was seen taking it (claims seen out of order after the claim informer listed anew): it stays allocated",
 			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	}
 }
 
 // restore adds to allocated (a copy of the scheduler's set of allocated
-// devices) each device the set lacks that its recorded holder holds as
-// get (the scheduler's claim cache) shows the claim now; it returns how
-// many it added.
+// devices) each suspect the set lacks that its recorded holder holds as
+// get (the scheduler's claim cache) shows the claim now, and forgets the
+// suspects no claim holds any longer; it returns how many it added.
 func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID], get func(namespace, name string) (*resourceapi.ResourceClaim, error)) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	added := 0
-	for id, ref := range h.holder {
+	for id := range h.suspects {
+		ref, held := h.holder[id]
+		if !held {
+			h.suspects.Delete(id)
+			continue
+		}
 		if allocated.Has(id) {
 			continue
 		}

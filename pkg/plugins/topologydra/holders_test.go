@@ -262,6 +262,10 @@ func TestDeviceHoldersWired(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("the claim informer's allocated claim never reached the plugin's holders and the claim cache: %v", err)
 	}
+	// As after claims seen out of order: gpu-0 is a suspect.
+	h.pl.holders.mu.Lock()
+	h.pl.holders.suspects.Insert(held)
+	h.pl.holders.mu.Unlock()
 	h.pl.draManager = lossyManager{SharedDRAManager: h.pl.draManager, claims: lossyClaims{ResourceClaimTracker: h.pl.draManager.ResourceClaims(), lose: held}}
 	state, err := h.pl.gatherAllocatedState(h.tCtx)
 	if err != nil {

@@ -787,10 +787,16 @@ func (f *freedDevices) holds(claim *resourceapi.ResourceClaim, id structured.Dev
 // allows multiple allocations (a result with a share ID), which leaves the
 // device to further shares while capacity lasts.
 func (f *freedDevices) takesDevice(r resourceapi.DeviceRequestAllocationResult) bool {
+	return takesDevice(r, f.consumableCapacity)
+}
+
+// takesDevice is freedDevices.takesDevice with DRAConsumableCapacity
+// given.
+func takesDevice(r resourceapi.DeviceRequestAllocationResult, consumableCapacity bool) bool {
 	if ptr.Deref(r.AdminAccess, false) {
 		return false
 	}
-	return !f.consumableCapacity || r.ShareID == nil
+	return !consumableCapacity || r.ShareID == nil
 }
 
 // anyRestricted reports whether a node of groups is cordoned or carries a
