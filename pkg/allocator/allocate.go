@@ -204,7 +204,7 @@ func (a *Allocator) Verify(ctx context.Context, node *v1.Node, claims []*resourc
 
 // upstream runs the upstream allocator on a view of the node.
 func (a *Allocator) upstream(ctx context.Context, node *v1.Node, claims []*resourceapi.ResourceClaim, view []*resourceapi.ResourceSlice) ([]resourceapi.AllocationResult, error) {
-	alloc, err := structured.NewAllocator(ctx, a.features, a.state, a.classLister, view, a.celCache)
+	alloc, err := structured.NewAllocator(ctx, a.features, a.stateFor(view), a.classLister, view, a.celCache)
 	if err != nil {
 		return nil, err
 	}

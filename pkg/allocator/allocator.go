@@ -69,6 +69,9 @@ type Allocator struct {
 	// inUse holds every device that has any committed allocation: fully
 	// allocated, or shared with consumed capacity.
 	inUse sets.Set[structured.DeviceID]
+	// freed and taken adjust state.AllocatedDevices for a trial run (see
+	// Adjusted); nil for the cycle's own Allocator.
+	freed, taken sets.Set[structured.DeviceID]
 
 	// Slices indexed once (see sliceIndex; shared with other Allocators,
 	// never changed): by node name, the ones without a node name (node
@@ -202,6 +205,61 @@ func New(ctx context.Context, opts Options) (*Allocator, error) {
 	}
 	klog.FromContext(ctx).V(5).Info("Indexed resource slices", "slices", len(opts.Slices), "nodes", len(a.byNode), "pools", len(a.byPool))
 	return a, nil
+}
+
+// Adjusted returns an Allocator of the same cycle that takes the devices in
+// freed as not allocated and those in taken as allocated (either may be
+// nil): preemption's trial runs ask whether a pod would fit with some pods
+// gone, or with a nominated pod placed. Only devices allocated whole can
+// be freed; a device with allocated shares stays in use. Allocations with
+// nothing freed are valid as they are; allocations with devices freed are
+// answers to the trial only. It is cheap: the slice index, caches and
+// policy are shared, and the adjustment is looked up per device.
+func (a *Allocator) Adjusted(freed, taken sets.Set[structured.DeviceID]) *Allocator {
+	return &Allocator{
+		features:      a.features,
+		state:         a.state,
+		classLister:   a.classLister,
+		celCache:      a.celCache,
+		cache:         a.cache,
+		policy:        a.policy,
+		skipCounting:  a.skipCounting,
+		parallelize:   a.parallelize,
+		inUse:         a.inUse,
+		freed:         freed,
+		taken:         taken,
+		byNode:        a.byNode,
+		shared:        a.shared,
+		byPool:        a.byPool,
+		poolGen:       a.poolGen,
+		stableVariant: a.stableVariant,
+		attrsKey:      a.attrsKey,
+		orderKey:      a.orderKey,
+		numSlices:     a.numSlices,
+	}
+}
+
+// adjusted reports whether the Allocator is a trial run's (see Adjusted).
+func (a *Allocator) adjusted() bool { return a.freed != nil || a.taken != nil }
+
+// stateFor returns the allocated state that upstream sees on view: the
+// cycle's, adjusted where the Allocator is (its devices restricted to the
+// view's, which are the only ones upstream looks up).
+func (a *Allocator) stateFor(view []*resourceapi.ResourceSlice) structured.AllocatedState {
+	if !a.adjusted() {
+		return a.state
+	}
+	state := a.state
+	state.AllocatedDevices = sets.New[structured.DeviceID]()
+	for _, slice := range view {
+		for i := range slice.Spec.Devices {
+			id := structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, slice.Spec.Devices[i].Name)
+			if a.taken.Has(id) || a.state.AllocatedDevices.Has(id) && !a.freed.Has(id) {
+				state.AllocatedDevices.Insert(id)
+			}
+		}
+	}
+	return state
 }
 
 // withDefaults fills in the defaults of a Policy and checks it.

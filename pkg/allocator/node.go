@@ -344,7 +344,10 @@ func (left countersLeft) exceeded(driver, pool string, d *resourceapi.Device) bo
 
 // deviceInUse reports whether a device has a committed or in-flight allocation.
 func (a *Allocator) deviceInUse(id structured.DeviceID) bool {
-	return a.state.AllocatedDevices.Has(id) || (len(a.inUse) > 0 && a.inUse.Has(id))
+	if len(a.inUse) > 0 && a.inUse.Has(id) || a.taken.Has(id) {
+		return true
+	}
+	return a.state.AllocatedDevices.Has(id) && !a.freed.Has(id)
 }
 
 // buildDevices collects the devices of the node's view that upstream may

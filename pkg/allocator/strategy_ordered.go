@@ -26,7 +26,9 @@ import (
 // upstream's own order as its last view.
 type orderedStrategy struct{}
 
-func (orderedStrategy) applies(p *podNode) bool { return p.a.simplePod(p.claims) }
+// An adjusted Allocator's trial runs leave it out: its view spans every
+// pool of the cluster, built once per Allocator.
+func (orderedStrategy) applies(p *podNode) bool { return !p.a.adjusted() && p.a.simplePod(p.claims) }
 
 func (orderedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) {
 	a := p.a

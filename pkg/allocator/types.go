@@ -416,6 +416,24 @@ type RequestExplanation struct {
 	UnusablePools string
 }
 
+// Freeable reports whether giving back allocated devices could make the
+// claims fit on the node: every request explained has as many matching
+// devices as it needs, and some of them are in use. An explanation without
+// counts (a pool the node cannot use) is not freeable; a nil one is.
+func (e *Explanation) Freeable() bool {
+	if e == nil || len(e.Requests) == 0 {
+		return true
+	}
+	inUse := false
+	for _, r := range e.Requests {
+		if r.Needed == 0 || r.Matching < r.Needed {
+			return false
+		}
+		inUse = inUse || r.Free < r.Matching
+	}
+	return inUse
+}
+
 // String returns one short user-facing sentence that does not mention the
 // node, e.g. "claim gpu-claim request gpus: only 1 free device matches (needs 2)".
 func (e *Explanation) String() string {
