@@ -357,7 +357,7 @@ func TestReserveVerifyFails(t *testing.T) {
 	h.waitForClaim("late", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
 	second, _ := h.cycle(pod)
 	s2, _ := getState(second)
-	s2.setResult("node-a", res)
+	s2.setResult("node-a", res, false)
 
 	st2 := h.pl.Reserve(h.tCtx, second, pod, "node-a")
 	if code(st2) != fwk.Error || !strings.Contains(st2.Message(), "not confirmed by the upstream allocator") {

@@ -77,7 +77,11 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	allocCtx, cancel := pl.withFilterTimeout(ctx)
 	defer cancel()
 	start := time.Now()
-	res, err := s.allocator.Allocate(allocCtx, node, claims)
+	a, trial, freed := s.allocator, trialOf(cs, false), false
+	if trial != nil {
+		a, freed = pl.trialAllocator(allocCtx, s, trial, node)
+	}
+	res, err := a.Allocate(allocCtx, node, claims)
 	allocationDuration.Observe(time.Since(start).Seconds())
 	if err != nil {
 		var inputErr *allocator.InputError
@@ -143,22 +147,33 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			}
 		}
 		// More devices may become free or appear (claim and slice events
-		// requeue the pod). Unresolvable, as with the stock plugin:
-		// preempting pods frees no devices in preemption's trial runs
-		// (their claims stay allocated), so trying costs an allocation
-		// per candidate node and evicts nothing.
+		// requeue the pod). Where devices the pod could use are in use,
+		// preemption may free some: its trials run Filter with
+		// lower-priority pods removed (see trialData). The stock plugin
+		// says unresolvable here, so it never preempts for devices.
+		if res.Explanation.Freeable() {
+			return unschedulable(msg)
+		}
 		return unresolvable(msg)
 	}
 	if s.headroom.drivers != nil {
+		// A trial counts the free devices as PreFilter did, without
+		// those it freed: the headroom it keeps is no less than the
+		// pod's attempt after the eviction finds, so preemption never
+		// evicts pods for a placement that the headroom then holds back.
 		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
-			pl.heldBack.hold(pod)
-			s.heldOnce.Do(headroomHolds.Inc)
+			if trial == nil {
+				pl.heldBack.hold(pod)
+				s.heldOnce.Do(headroomHolds.Inc)
+			}
 			return unresolvable("node(s) fit but are held back: " + why)
 		}
 	}
-	s.setResult(node.Name, res)
+	if !freed {
+		s.setResult(node.Name, res, trial != nil)
+	}
 	return nil
 }
 

@@ -431,10 +431,6 @@ func (pl *TopologyDRA) withOwnedToleration(claim *resourceapi.ResourceClaim) *re
 	return claim
 }
 
-// PreFilterExtensions implements fwk.PreFilterPlugin. Pods do not affect
-// device availability, so there is nothing to add or remove.
-func (pl *TopologyDRA) PreFilterExtensions() fwk.PreFilterExtensions { return nil }
-
 // skipsNodeOperations reports whether an allocation has a device result
 // that skips node operations: the kubelet of a node that does not declare
 // the DRAOptionalNodeOperations feature cannot handle it.

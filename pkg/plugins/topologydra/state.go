@@ -8,6 +8,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -85,6 +86,9 @@ type stateData struct {
 	// (feasible nodes only). Read by PreScore, Score and Reserve after
 	// Filter is done.
 	results map[string]*allocator.Result
+	// pinned are the nodes whose result was found with the pods nominated
+	// to them added; Filter without them keeps it (see trialData).
+	pinned sets.Set[string]
 	// unavailableClaims are indexes of allocated claims whose allocation
 	// does not fit some node; PostFilter may deallocate them.
 	unavailableClaims sets.Set[int]
@@ -113,13 +117,19 @@ type stateData struct {
 	// PreScore, read by Score.
 	choiceLevels int
 
+	// released are the devices of claims that no pod uses any more (see
+	// releasedDevices), read on the first trial that frees devices.
+	releasedOnce sync.Once
+	released     sets.Set[structured.DeviceID]
+
 	// nodeName and result are the node Reserve picked and its result.
 	nodeName string
 	result   *allocator.Result
 }
 
 // Clone implements fwk.StateData. The state is only written by this
-// plugin's own extension points of one cycle, so sharing is safe.
+// plugin's own extension points of one cycle, so sharing is safe; what a
+// trial of preemption changes is kept apart (trialData).
 func (s *stateData) Clone() fwk.StateData { return s }
 
 func getState(cs fwk.CycleState) (*stateData, error) {
@@ -134,10 +144,22 @@ func getState(cs fwk.CycleState) (*stateData, error) {
 	return s, nil
 }
 
-func (s *stateData) setResult(node string, r *allocator.Result) {
+// setResult keeps the node's result; pinned says it was found with the
+// pods nominated to the node added, and a result found without them does
+// not replace it.
+func (s *stateData) setResult(node string, r *allocator.Result, pinned bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !pinned && s.pinned.Has(node) {
+		return
+	}
 	s.results[node] = r
+	if pinned {
+		if s.pinned == nil {
+			s.pinned = sets.New[string]()
+		}
+		s.pinned.Insert(node)
+	}
 }
 
 func (s *stateData) getResult(node string) *allocator.Result {

@@ -1,0 +1,174 @@
+package topologydra
+
+import (
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework"
+)
+
+// reservedFor reserves claim for pod.
+func reservedFor(claim *resourceapi.ResourceClaim, pod *v1.Pod) *resourceapi.ResourceClaim {
+	claim.Status.ReservedFor = append(claim.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: pod.Name, UID: pod.UID})
+	return claim
+}
+
+func podInfo(t *testing.T, pod *v1.Pod) fwk.PodInfo {
+	t.Helper()
+	pi, err := framework.NewPodInfo(pod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pi
+}
+
+func devicesOfResult(s *stateData, node string) []string {
+	res := s.getResult(node)
+	if res == nil {
+		return nil
+	}
+	var out []string
+	for _, a := range res.Allocations {
+		for _, r := range a.Devices.Results {
+			out = append(out, r.Device)
+		}
+	}
+	return out
+}
+
+// TestPreemptionTrials: Filter in preemption's trials. A node's four GPUs
+// are held by a victim's claim (two), by a claim whose pod is gone (one,
+// not deallocated yet) and by a running pod's claim (one). The pod needs
+// one GPU: it fails with a status that lets preemption try; it fits in the
+// trial that removes the victim, and in the one that gives the victim
+// back too, on the gone pod's GPU; the trials' results are not kept for
+// Reserve.
+func TestPreemptionTrials(t *testing.T) {
+	victim := testPod("victim", "victim-claim")
+	victim.Spec.NodeName = "node-a"
+	other := testPod("other", "other-claim")
+	other.Spec.NodeName = "node-a"
+	gone := testPod("gone")
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		reservedFor(allocatedOn(testClaim("victim-claim", 2), "node-a", "gpu-0", "gpu-1"), victim),
+		reservedFor(allocatedOn(testClaim("gone-claim", 1), "node-a", "gpu-2"), gone),
+		testClaim("want", 1))
+	victim = h.createSeen(victim)
+	other = h.createSeen(other)
+	h.create(reservedFor(allocatedOn(testClaim("other-claim", 1), "node-a", "gpu-3"), other))
+	h.waitForClaim("other-claim", func(*resourceapi.ResourceClaim) bool { return true })
+	// The victim's claim names the pod's API UID.
+	claim := h.apiClaim("victim-claim")
+	claim.Status.ReservedFor[0].UID = victim.UID
+	if _, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, claim, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	h.waitForClaim("victim-claim", func(c *resourceapi.ResourceClaim) bool { return c.Status.ReservedFor[0].UID == victim.UID })
+
+	pod := testPod("p", "want")
+	cs, st := h.cycle(pod, "node-a")
+	if st["node-a"].Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
+	}
+	s, _ := getState(cs)
+
+	trial := cs.Clone()
+	if st := h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, victim), h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatal(st)
+	}
+	if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatalf("victim removed: %v", st)
+	}
+	if got := devicesOfResult(s, "node-a"); got != nil {
+		t.Errorf("a trial's result was kept: %v", got)
+	}
+	if st := h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, victim), h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatal(st)
+	}
+	// Reprieved: what is left is the gone pod's GPU, which its claim
+	// gives back once the claim controller gets to it.
+	if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Errorf("victim given back, the gone pod's GPU freed: %v", st)
+	}
+	// A trial that removes a pod without claims frees nothing of its
+	// own, and the gone pod's GPU only in a trial that removes pods.
+	if st := h.pl.Filter(h.tCtx, cs, pod, h.nodes["node-a"]); st.Code() != fwk.Unschedulable {
+		t.Errorf("the cycle's own state after the trials: %v", st)
+	}
+	if got := devicesOfResult(s, "node-a"); got != nil {
+		t.Errorf("a trial's result was kept: %v", got)
+	}
+
+	// Without a pod lister the gone pod's claim cannot be told from one
+	// in use: the reprieved trial fails.
+	h.pl.pods = nil
+	cs, _ = h.cycle(pod, "node-a")
+	trial = cs.Clone()
+	h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, victim), h.nodes["node-a"])
+	h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, victim), h.nodes["node-a"])
+	if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); st.Code() != fwk.Unschedulable {
+		t.Errorf("victim given back, the gone pod's claim counted as in use: %v", st)
+	}
+}
+
+// TestNominatedPodKeepsItsDevices: a pod nominated to the node (higher
+// priority, not bound, its claim not allocated) takes in Filter's first
+// pass the devices it would get; the scheduled pod's result of that pass
+// is the one Reserve uses, also after the pass without it.
+func TestNominatedPodKeepsItsDevices(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		allocatedOn(testClaim("held", 2), "node-a", "gpu-0", "gpu-1"),
+		testClaim("nominated-claim", 1), testClaim("want", 1), testClaim("want-two", 2))
+	nominated := testPod("nominated", "nominated-claim")
+	nominated.UID = types.UID("pod-nominated")
+
+	// Without the nominated pod the pod gets this device.
+	_, _ = h.cycle(testPod("alone", "want"), "node-a")
+	cs, st := h.cycle(testPod("alone", "want"), "node-a")
+	if !st["node-a"].IsSuccess() {
+		t.Fatal(st["node-a"])
+	}
+	s, _ := getState(cs)
+	alone := devicesOfResult(s, "node-a")
+
+	pod := testPod("p", "want")
+	cs = framework.NewCycleState()
+	if _, st := h.pl.PreFilter(h.tCtx, cs, pod, []fwk.NodeInfo{h.nodes["node-a"]}); !st.IsSuccess() {
+		t.Fatal(st)
+	}
+	s, _ = getState(cs)
+	first := cs.Clone()
+	if st := h.pl.AddPod(h.tCtx, first, pod, podInfo(t, nominated), h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatal(st)
+	}
+	if st := h.pl.Filter(h.tCtx, first, pod, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatalf("first pass: %v", st)
+	}
+	if st := h.pl.Filter(h.tCtx, cs, pod, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatalf("second pass: %v", st)
+	}
+	got := devicesOfResult(s, "node-a")
+	if len(got) != 1 || len(alone) != 1 || got[0] == alone[0] {
+		t.Errorf("with a pod nominated: %v, alone: %v; want the device the nominated pod does not get", got, alone)
+	}
+
+	// Two GPUs left and the nominated pod takes one: a pod that needs two
+	// does not fit in the first pass.
+	two := testPod("two", "want-two")
+	cs = framework.NewCycleState()
+	if _, st := h.pl.PreFilter(h.tCtx, cs, two, []fwk.NodeInfo{h.nodes["node-a"]}); !st.IsSuccess() {
+		t.Fatal(st)
+	}
+	first = cs.Clone()
+	h.pl.AddPod(h.tCtx, first, two, podInfo(t, nominated), h.nodes["node-a"])
+	if st := h.pl.Filter(h.tCtx, first, two, h.nodes["node-a"]); st.IsSuccess() {
+		t.Errorf("two GPUs with one of the two free kept for the nominated pod: fits")
+	}
+	if st := h.pl.Filter(h.tCtx, cs, two, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Errorf("without the nominated pod: %v", st)
+	}
+}

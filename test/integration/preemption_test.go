@@ -1,0 +1,124 @@
+package integration
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/kubernetes/test/utils/ktesting"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/test/integration/framework"
+)
+
+// TestPreemptionFreesDevices: a DGX node whose 8 GPUs two low-priority
+// pods hold, 4 each. A high-priority pod that needs 4 GPUs preempts
+// exactly one of them (the stock plugin never preempts for devices: its
+// trials free none), and gets the victim's GPUs once the victim is gone.
+// After the victim is deleted, its claim keeps its allocation until the
+// claim controller gives it back; the preemptor's attempts meanwhile must
+// not take the other pod for a victim too.
+func TestPreemptionFreesDevices(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "preempt")
+	node := e.dgxNodes("g", 1, "256")[0]
+	four := e.template(4, nil)
+	startTopodra(tCtx)
+
+	low := map[string][]string{}
+	for _, name := range []string{"low-a", "low-b"} {
+		e.pod(name, topodraName, "g", four)
+		low[name] = e.devicesOf(e.waitScheduled(name))
+	}
+	tCtx.Logf("low-priority pods hold %v", low)
+
+	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
+	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(func() {
+		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
+	})
+	important := framework.PodWithClaims(e.ns, "important", topodraName, four)
+	important.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
+	important.Spec.PriorityClassName = high.Name
+	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, important, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+
+	// One victim; without a kubelet its deletion does not finish by
+	// itself, so the test finishes it, as a kubelet would.
+	var victim string
+	deadline := time.Now().Add(waitTimeout)
+	for victim == "" {
+		if time.Now().After(deadline) {
+			p, _ := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "important", metav1.GetOptions{})
+			tCtx.Fatalf("no low-priority pod was preempted; important pod: %+v", framework.PodScheduledCondition(p))
+		}
+		for name := range low {
+			p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, name, metav1.GetOptions{})
+			tCtx.ExpectNoError(err)
+			if p.DeletionTimestamp != nil {
+				victim = name
+			}
+		}
+		time.Sleep(framework.PollInterval)
+	}
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, victim, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	scheduled := e.waitScheduled("important")
+	got := e.devicesOf(scheduled)
+	tCtx.Logf("victim %s; important pod on %s with %v", victim, scheduled.Spec.NodeName, got)
+	if scheduled.Spec.NodeName != node || !slices.Equal(got, low[victim]) {
+		tCtx.Errorf("important pod got %v on %s, want the victim's %v on %s", got, scheduled.Spec.NodeName, low[victim], node)
+	}
+
+	// The other pod runs on: no second victim, now or a little later.
+	time.Sleep(2 * time.Second)
+	for name := range low {
+		if name == victim {
+			continue
+		}
+		p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, name, metav1.GetOptions{})
+		tCtx.ExpectNoError(err)
+		if p.DeletionTimestamp != nil || hasDisruptionTarget(p) {
+			tCtx.Errorf("pod %s was preempted too (conditions %+v)", name, p.Status.Conditions)
+		}
+	}
+}
+
+// TestNoPreemptionWithoutRoom: the high-priority pod needs more GPUs than
+// the node has; preemption evicts nobody for it.
+func TestNoPreemptionWithoutRoom(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nopreempt")
+	e.dgxNodes("g", 1, "256")
+	four := e.template(4, nil)
+	startTopodra(tCtx)
+	e.pod("low", topodraName, "g", four)
+	e.waitScheduled("low")
+
+	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
+	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	tCtx.Cleanup(func() {
+		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
+	})
+	nine := framework.PodWithClaims(e.ns, "nine", topodraName, e.template(9, nil))
+	nine.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
+	nine.Spec.PriorityClassName = high.Name
+	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, nine, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	_, err = framework.WaitForPod(tCtx, cp.Client, e.ns, "nine", waitTimeout, "unschedulable", func(p *v1.Pod) (bool, error) {
+		c := framework.PodScheduledCondition(p)
+		return c != nil && c.Reason == v1.PodReasonUnschedulable, nil
+	})
+	tCtx.ExpectNoError(err)
+	time.Sleep(2 * time.Second)
+	p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "low", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if p.DeletionTimestamp != nil || hasDisruptionTarget(p) {
+		tCtx.Errorf("pod low was preempted for a pod that cannot fit")
+	}
+}
