@@ -239,6 +239,22 @@ func (a *Allocator) Adjusted(freed, taken sets.Set[structured.DeviceID]) *Alloca
 	}
 }
 
+// AnyOnNode reports whether one of ids is a device of a slice published for
+// the node by name.
+func (a *Allocator) AnyOnNode(node string, ids sets.Set[structured.DeviceID]) bool {
+	if len(ids) == 0 {
+		return false
+	}
+	for _, slice := range a.byNode[node] {
+		for i := range slice.Spec.Devices {
+			if ids.Has(structured.MakeDeviceID(slice.Spec.Driver, slice.Spec.Pool.Name, slice.Spec.Devices[i].Name)) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // adjusted reports whether the Allocator is a trial run's (see Adjusted).
 func (a *Allocator) adjusted() bool { return a.freed != nil || a.taken != nil }
 

@@ -147,11 +147,12 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			}
 		}
 		// More devices may become free or appear (claim and slice events
-		// requeue the pod). Where devices the pod could use are in use,
-		// preemption may free some: its trials run Filter with
-		// lower-priority pods removed (see trialData). The stock plugin
-		// says unresolvable here, so it never preempts for devices.
-		if res.Explanation.Freeable() {
+		// requeue the pod). Where devices the pod could use are in use
+		// and a pod of lower priority holds claims, preemption may free
+		// some: its trials run Filter with lower-priority pods removed
+		// (see trialData). The stock plugin says unresolvable here, so it
+		// never preempts for devices.
+		if res.Explanation.Freeable() && pl.mayPreempt(pod) {
 			return unschedulable(msg)
 		}
 		return unresolvable(msg)

@@ -13,7 +13,11 @@ import (
 // claims is allocated on devices no node can use (e.g. a previous attempt
 // allocated it and the node is gone) and no other pod uses that claim, the
 // allocation is removed so the next attempt can allocate afresh. One claim
-// per attempt, like the stock plugin.
+// per attempt, like the stock plugin. Otherwise, for a pod nominated to a
+// node where claims of pods that are gone still hold devices (its
+// preemption's victims, see trialData), it keeps the nomination and ends
+// PostFilter, so that DefaultPreemption does not look for more victims
+// while those devices are given back.
 func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -38,6 +42,15 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 			return nil, internalError(logger, err, "claim", klog.KObj(claim))
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
+	}
+	if nominated := pod.Status.NominatedNodeName; nominated != "" && s.allocator != nil && s.allocator.AnyOnNode(nominated, s.releasedDevices(pl)) {
+		// The pod's victims are gone and their claims not given back
+		// yet: it waits for them on its node, and DefaultPreemption,
+		// which a success ends, evicts nobody more meanwhile. A claim
+		// event requeues the pod.
+		logger.V(2).Info("Waiting for the devices of pods that are gone to be given back on the nominated node", "pod", klog.KObj(pod), "node", nominated)
+		return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: nominated, NominatingMode: fwk.ModeOverride}},
+			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for devices of pods that are gone to be given back")
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
 }

@@ -4,12 +4,15 @@ import (
 	"context"
 	"maps"
 	"slices"
+	"sync"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/client-go/tools/cache"
+	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
@@ -279,4 +282,80 @@ func (pl *TopologyDRA) unused(claim *resourceapi.ResourceClaim) bool {
 	}
 	owner := metav1.GetControllerOf(claim)
 	return owner != nil && owner.APIVersion == "v1" && owner.Kind == "Pod" && gone(owner.Name, owner.UID)
+}
+
+// claimPriorities counts the bound pods with claims per priority.
+// Preemption finds victims for a pod only among pods of lower priority,
+// and each of its tries costs a copy of the cycle state and of the node
+// per candidate node: Filter lets it try only for a pod that such a pod
+// could make room for (see mayPreempt).
+type claimPriorities struct {
+	mu    sync.Mutex
+	pods  map[types.UID]int32
+	count map[int32]int
+}
+
+func newClaimPriorities() *claimPriorities {
+	return &claimPriorities{pods: map[types.UID]int32{}, count: map[int32]int{}}
+}
+
+// set records pod, or forgets it where it is not bound, is done or has no
+// claims (deleted: forget).
+func (c *claimPriorities) set(pod *v1.Pod, deleted bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old, ok := c.pods[pod.UID]; ok {
+		delete(c.pods, pod.UID)
+		if c.count[old]--; c.count[old] == 0 {
+			delete(c.count, old)
+		}
+	}
+	if deleted || pod.Spec.NodeName == "" || !usesClaims(pod) || pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
+		return
+	}
+	prio := corev1helpers.PodPriority(pod)
+	c.pods[pod.UID] = prio
+	c.count[prio]++
+}
+
+// lowerThan reports whether a bound pod with claims has a priority lower
+// than prio; true for a nil tracker (no informer: let preemption try).
+func (c *claimPriorities) lowerThan(prio int32) bool {
+	if c == nil {
+		return true
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for p := range c.count {
+		if p < prio {
+			return true
+		}
+	}
+	return false
+}
+
+func (c *claimPriorities) handler() cache.ResourceEventHandler {
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { c.update(obj, false) },
+		UpdateFunc: func(_, obj any) { c.update(obj, false) },
+		DeleteFunc: func(obj any) { c.update(obj, true) },
+	}
+}
+
+func (c *claimPriorities) update(obj any, deleted bool) {
+	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = tomb.Obj
+	}
+	if pod, ok := obj.(*v1.Pod); ok {
+		c.set(pod, deleted)
+	}
+}
+
+// mayPreempt reports whether preemption could make room for pod's
+// devices: it may preempt, and a pod of lower priority holds claims.
+func (pl *TopologyDRA) mayPreempt(pod *v1.Pod) bool {
+	if pod.Spec.PreemptionPolicy != nil && *pod.Spec.PreemptionPolicy == v1.PreemptNever {
+		return false
+	}
+	return pl.priorities.lowerThan(corev1helpers.PodPriority(pod))
 }

@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
+	"k8s.io/utils/ptr"
 )
 
 // reservedFor reserves claim for pod.
@@ -43,7 +44,8 @@ func devicesOfResult(s *stateData, node string) []string {
 // TestPreemptionTrials: Filter in preemption's trials. A node's four GPUs
 // are held by a victim's claim (two), by a claim whose pod is gone (one,
 // not deallocated yet) and by a running pod's claim (one). The pod needs
-// one GPU: it fails with a status that lets preemption try; it fits in the
+// one GPU: it fails with a status that lets preemption try where it has a
+// higher priority than the pods holding claims; it fits in the
 // trial that removes the victim, and in the one that gives the victim
 // back too, on the gone pod's GPU; the trials' results are not kept for
 // Reserve.
@@ -69,7 +71,13 @@ func TestPreemptionTrials(t *testing.T) {
 	}
 	h.waitForClaim("victim-claim", func(c *resourceapi.ResourceClaim) bool { return c.Status.ReservedFor[0].UID == victim.UID })
 
+	// Of the pods' priority: preemption finds no victim, and is not
+	// asked to try.
 	pod := testPod("p", "want")
+	if _, st := h.cycle(pod, "node-a"); st["node-a"].Code() != fwk.UnschedulableAndUnresolvable {
+		t.Errorf("full node, no pod of lower priority: %v, want UnschedulableAndUnresolvable", st["node-a"])
+	}
+	pod.Spec.Priority = ptr.To[int32](100)
 	cs, st := h.cycle(pod, "node-a")
 	if st["node-a"].Code() != fwk.Unschedulable {
 		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
@@ -170,5 +178,41 @@ func TestNominatedPodKeepsItsDevices(t *testing.T) {
 	}
 	if st := h.pl.Filter(h.tCtx, cs, two, h.nodes["node-a"]); !st.IsSuccess() {
 		t.Errorf("without the nominated pod: %v", st)
+	}
+}
+
+// TestPostFilterWaitsForVictimsDevices: a pod nominated to a node where a
+// claim of a pod that is gone still holds a GPU keeps its nomination, and
+// PostFilter ends there (DefaultPreemption evicts nobody more); nominated
+// elsewhere, or with the claim's pod still there, it does not.
+func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
+	gone := testPod("gone")
+	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, testDeviceClass(), testSlice("node-a", 2), testSlice("node-b", 2),
+		reservedFor(allocatedOn(testClaim("gone-claim", 1), "node-a", "gpu-0"), gone),
+		allocatedOn(testClaim("held", 1), "node-a", "gpu-1"),
+		allocatedOn(testClaim("held-b", 2), "node-b", "gpu-0", "gpu-1"),
+		testClaim("want", 2))
+	for _, tc := range []struct {
+		nominated string
+		wait      bool
+	}{{"node-a", true}, {"node-b", false}, {"", false}} {
+		pod := testPod("p", "want")
+		pod.Status.NominatedNodeName = tc.nominated
+		cs, _ := h.cycle(pod, "node-a", "node-b")
+		res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+		if tc.wait != st.IsSuccess() {
+			t.Errorf("nominated to %q: PostFilter %v, want success %v", tc.nominated, st, tc.wait)
+		}
+		if tc.wait && (res == nil || res.NominatingInfo == nil || res.NominatedNodeName != tc.nominated) {
+			t.Errorf("nominated to %q: result %+v, want the nomination kept", tc.nominated, res)
+		}
+	}
+	// The claim's pod exists: its claim is in use.
+	h.createSeen(gone)
+	pod := testPod("p", "want")
+	pod.Status.NominatedNodeName = "node-a"
+	cs, _ := h.cycle(pod, "node-a", "node-b")
+	if _, st := h.pl.PostFilter(h.tCtx, cs, pod, nil); st.IsSuccess() {
+		t.Errorf("the claim's pod exists: PostFilter %v, want unschedulable", st)
 	}
 }
