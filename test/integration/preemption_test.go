@@ -18,7 +18,8 @@ import (
 // TestPreemptionFreesDevices: a DGX node whose 8 GPUs two low-priority
 // pods hold, 4 each. A high-priority pod that needs 4 GPUs preempts
 // exactly one of them (the stock plugin never preempts for devices: its
-// trials free none), and gets the victim's GPUs once the victim is gone.
+// trials free none), and gets the victim's GPUs once the victim is gone,
+// not a third low-priority pod that waits for GPUs.
 // After the victim is deleted, its claim keeps its allocation until the
 // claim controller gives it back; the preemptor's attempts meanwhile must
 // not take the other pod for a victim too.
@@ -35,6 +36,9 @@ func TestPreemptionFreesDevices(t *testing.T) {
 		low[name] = e.devicesOf(e.waitScheduled(name))
 	}
 	tCtx.Logf("low-priority pods hold %v", low)
+	// A third waits for GPUs at the victims' priority: the room made by
+	// preemption is not its.
+	e.pod("low-c", topodraName, "g", four)
 
 	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
 	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
@@ -74,8 +78,14 @@ func TestPreemptionFreesDevices(t *testing.T) {
 		tCtx.Errorf("important pod got %v on %s, want the victim's %v on %s", got, scheduled.Spec.NodeName, low[victim], node)
 	}
 
-	// The other pod runs on: no second victim, now or a little later.
+	// The other pod runs on: no second victim, now or a little later;
+	// the waiting pod still waits.
 	time.Sleep(2 * time.Second)
+	waiting, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "low-c", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if waiting.Spec.NodeName != "" {
+		tCtx.Errorf("waiting low-priority pod bound to %s, want still pending", waiting.Spec.NodeName)
+	}
 	for name := range low {
 		if name == victim {
 			continue
