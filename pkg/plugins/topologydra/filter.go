@@ -79,7 +79,13 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	start := time.Now()
 	a, trial, freed := s.allocator, trialOf(cs, false), false
 	if trial != nil {
-		a, freed = pl.trialAllocator(allocCtx, s, trial, node)
+		var waiting *v1.Pod
+		a, freed, waiting = pl.trialAllocator(allocCtx, s, trial, node)
+		if waiting != nil {
+			// Names no node, so that the pod's message counts the nodes
+			// that fail alike once.
+			return unschedulable("node(s) keep devices for a pod of the same or higher priority nominated to them")
+		}
 	}
 	res, err := a.Allocate(allocCtx, node, claims)
 	allocationDuration.Observe(time.Since(start).Seconds())
@@ -148,11 +154,11 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 		// More devices may become free or appear (claim and slice events
 		// requeue the pod). Where devices the pod could use are in use
-		// and a pod of lower priority holds claims, preemption may free
-		// some: its trials run Filter with lower-priority pods removed
-		// (see trialData). The stock plugin says unresolvable here, so it
-		// never preempts for devices.
-		if res.Explanation.Freeable() && pl.mayPreempt(pod) {
+		// and a pod of lower priority on the node holds claims,
+		// preemption may free some: its trials run Filter with
+		// lower-priority pods removed (see trialData). The stock plugin
+		// says unresolvable here, so it never preempts for devices.
+		if res.Explanation.Freeable() && mayPreempt(pod, nodeInfo) {
 			return unschedulable(msg)
 		}
 		return unresolvable(msg)
@@ -165,7 +171,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
-			if trial == nil {
+			if !freed {
 				pl.heldBack.hold(pod)
 				s.heldOnce.Do(headroomHolds.Inc)
 			}

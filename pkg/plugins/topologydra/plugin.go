@@ -110,9 +110,6 @@ type TopologyDRA struct {
 	// taintOps is the TaintTolerationComparisonOperators feature: how
 	// podMayUseNode matches a pod's tolerations.
 	taintOps bool
-	// priorities counts the bound pods with claims per priority (nil
-	// without an informer factory), for mayPreempt.
-	priorities *claimPriorities
 	// pods lists the pods the scheduler knows (nil without an informer
 	// factory), for activateWaiting.
 	pods corelisters.PodLister
@@ -216,11 +213,6 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
 		pl.pods = f.Core().V1().Pods().Lister()
-		priorities := newClaimPriorities()
-		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(priorities.handler()); err != nil {
-			return nil, fmt.Errorf("watch pods: %w", err)
-		}
-		pl.priorities = priorities
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}

@@ -14,10 +14,10 @@ import (
 // allocated it and the node is gone) and no other pod uses that claim, the
 // allocation is removed so the next attempt can allocate afresh. One claim
 // per attempt, like the stock plugin. Otherwise, for a pod nominated to a
-// node where claims of pods that are gone still hold devices (its
-// preemption's victims, see trialData), it keeps the nomination and ends
-// PostFilter, so that DefaultPreemption does not look for more victims
-// while those devices are given back.
+// node where it fits once claims of pods that are gone give their devices
+// back (its preemption's victims, see trialData), it keeps the nomination
+// and ends PostFilter, so that DefaultPreemption does not look for more
+// victims while those devices are given back.
 func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -43,7 +43,7 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
 	}
-	if nominated := pod.Status.NominatedNodeName; nominated != "" && s.allocator != nil && s.allocator.AnyOnNode(nominated, s.releasedDevices(pl)) {
+	if nominated := pod.Status.NominatedNodeName; nominated != "" && pl.fitsOnceGone(ctx, s, nominated) {
 		// The pod's victims are gone and their claims not given back
 		// yet: it waits for them on its node, and DefaultPreemption,
 		// which a success ends, evicts nobody more meanwhile. A claim
@@ -53,4 +53,27 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for devices of pods that are gone to be given back")
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
+}
+
+// fitsOnceGone reports whether the pod's claims fit on the node once the
+// claims of pods that no longer exist are given back there, and not as
+// the node is.
+func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, nodeName string) bool {
+	if s.allocator == nil || pl.handle == nil || pl.handle.SnapshotSharedLister() == nil {
+		return false
+	}
+	gone := s.leaving(pl).allGone()
+	if !s.allocator.AnyOnNode(nodeName, gone) {
+		return false
+	}
+	nodeInfo, err := pl.handle.SnapshotSharedLister().NodeInfos().Get(nodeName)
+	if err != nil {
+		return false
+	}
+	_, claims := s.claimsOn(nodeName)
+	if len(claims) == 0 {
+		return false
+	}
+	res, err := s.allocator.Adjusted(gone, nil).Allocate(ctx, nodeInfo.Node(), claims)
+	return err == nil && res.Allocations != nil
 }

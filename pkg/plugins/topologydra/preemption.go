@@ -4,14 +4,12 @@ import (
 	"context"
 	"maps"
 	"slices"
-	"sync"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
-	"k8s.io/client-go/tools/cache"
 	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/dynamic-resource-allocation/structured"
@@ -140,45 +138,72 @@ func usesClaims(pod *v1.Pod) bool {
 
 // trialAllocator returns the cycle's Allocator adjusted to the trial on
 // node, and whether it is preemption's trial (its results may use freed
-// devices: they are not valid allocations).
-func (pl *TopologyDRA) trialAllocator(ctx context.Context, s *stateData, t *trialData, node *v1.Node) (*allocator.Allocator, bool) {
+// devices: they are not valid allocations). Where a pod nominated to the
+// node does not fit on it even with the devices of pods that are leaving
+// counted as free, it names that pod instead: the room it waits for is
+// kept, as the scheduler keeps a nominated pod's CPU and memory where
+// they exceed what the node has free.
+func (pl *TopologyDRA) trialAllocator(ctx context.Context, s *stateData, t *trialData, node *v1.Node) (*allocator.Allocator, bool, *v1.Pod) {
+	// The pod's own claims are never freed: a claim that it shares with
+	// a victim stays allocated, and its other claims cannot have its
+	// devices.
+	own := sets.New[types.UID]()
+	for _, claim := range s.claims {
+		own.Insert(claim.UID)
+	}
+	leaving := s.leaving(pl)
 	var freed sets.Set[structured.DeviceID]
 	if t.preempting {
 		freed = sets.New[structured.DeviceID]()
 		for _, pod := range t.removed {
 			for _, name := range claimNames(pod) {
 				claim, err := pl.draManager.ResourceClaims().Get(pod.Namespace, name)
-				if err != nil || claim.Status.Allocation == nil || !reservedOnlyFor(claim, t.removed) {
+				if err != nil || claim.Status.Allocation == nil || own.Has(claim.UID) || !reservedOnlyFor(claim, t.removed) {
 					continue
 				}
 				pl.addTaken(freed, claim.Status.Allocation)
 			}
 		}
-		freed = freed.Union(s.releasedDevices(pl))
+		for uid, devices := range leaving.gone {
+			if !own.Has(uid) {
+				freed = freed.Union(devices)
+			}
+		}
 	}
 	taken := sets.New[structured.DeviceID]()
 	a := s.allocator.Adjusted(freed, taken)
-	own := sets.New[types.UID]()
-	for _, claim := range s.claims {
-		own.Insert(claim.UID)
+	if len(t.added) == 0 {
+		return a, t.preempting, nil
 	}
+	// Nominated pods are placed first, on what is free once the pods that
+	// are leaving (preemption's victims, terminating or gone) are gone.
+	// Both Allocators look taken up per call, so each pod sees the
+	// devices of those before it as allocated.
+	nominatedFreed := sets.New[structured.DeviceID]().Union(freed)
+	for uid, devices := range leaving.leaving {
+		if !own.Has(uid) {
+			nominatedFreed = nominatedFreed.Union(devices)
+		}
+	}
+	nominated := s.allocator.Adjusted(nominatedFreed, taken)
 	for _, pod := range t.added {
 		claims := pl.unallocatedClaims(pod, own)
 		if len(claims) == 0 {
 			continue
 		}
-		// The adjusted Allocator looks taken up per call, so each added
-		// pod sees the devices of those before it as allocated.
-		res, err := a.Allocate(ctx, node, claims)
-		if err != nil || res.Allocations == nil {
-			klog.FromContext(ctx).V(5).Info("Nominated pod's claims do not fit the node in this trial", "pod", klog.KObj(pod), "node", klog.KObj(node), "err", err)
+		res, err := nominated.Allocate(ctx, node, claims)
+		if err != nil {
+			klog.FromContext(ctx).V(5).Info("Nominated pod's claims cannot be allocated, not keeping room for them", "pod", klog.KObj(pod), "node", klog.KObj(node), "err", err)
 			continue
+		}
+		if res.Allocations == nil {
+			return a, t.preempting, pod
 		}
 		for i := range res.Allocations {
 			pl.addTaken(taken, &res.Allocations[i])
 		}
 	}
-	return a, freed != nil
+	return a, t.preempting, nil
 }
 
 // addTaken adds the devices that an allocation takes whole to set.
@@ -242,11 +267,19 @@ func (pl *TopologyDRA) unallocatedClaims(pod *v1.Pod, own sets.Set[types.UID]) [
 	return out
 }
 
-// releasedDevices returns the devices taken whole by allocated claims that
-// no pod uses any more, read once per cycle (see trialData).
-func (s *stateData) releasedDevices(pl *TopologyDRA) sets.Set[structured.DeviceID] {
-	s.releasedOnce.Do(func() {
-		s.released = sets.New[structured.DeviceID]()
+// leavingSets are the devices taken whole by allocated claims whose pods
+// are leaving, per claim UID: gone, where every pod of the claim no
+// longer exists (the claim controller is about to give it back), and
+// leaving, where every pod of the claim is gone or terminating.
+type leavingSets struct {
+	gone, leaving map[types.UID]sets.Set[structured.DeviceID]
+}
+
+// leaving returns the claims whose pods are leaving, read once per cycle
+// (see trialData); empty without a pod lister.
+func (s *stateData) leaving(pl *TopologyDRA) leavingSets {
+	s.leavingOnce.Do(func() {
+		s.leavingSets = leavingSets{gone: map[types.UID]sets.Set[structured.DeviceID]{}, leaving: map[types.UID]sets.Set[structured.DeviceID]{}}
 		if pl.pods == nil {
 			return
 		}
@@ -255,107 +288,81 @@ func (s *stateData) releasedDevices(pl *TopologyDRA) sets.Set[structured.DeviceI
 			return
 		}
 		for _, claim := range claims {
-			if claim.Status.Allocation != nil && pl.unused(claim) {
-				pl.addTaken(s.released, claim.Status.Allocation)
+			if claim.Status.Allocation == nil {
+				continue
+			}
+			gone, leaving := pl.podsLeaving(claim)
+			if !leaving {
+				continue
+			}
+			devices := sets.New[structured.DeviceID]()
+			pl.addTaken(devices, claim.Status.Allocation)
+			s.leavingSets.leaving[claim.UID] = devices
+			if gone {
+				s.leavingSets.gone[claim.UID] = devices
 			}
 		}
 	})
-	return s.released
+	return s.leavingSets
 }
 
-// unused reports whether an allocated claim waits only to be
-// deallocated or deleted by the claim controller: it is reserved only for
-// pods that no longer exist, or for no pod while the pod it was made for
-// no longer exists.
-func (pl *TopologyDRA) unused(claim *resourceapi.ResourceClaim) bool {
-	gone := func(name string, uid types.UID) bool {
-		pod, err := pl.pods.Pods(claim.Namespace).Get(name)
-		return err != nil || pod.UID != uid
+// allGone returns the devices of the claims whose pods are all gone.
+func (l leavingSets) allGone() sets.Set[structured.DeviceID] {
+	out := sets.New[structured.DeviceID]()
+	for _, devices := range l.gone {
+		out = out.Union(devices)
 	}
+	return out
+}
+
+// podsLeaving reports whether every pod of an allocated claim is gone
+// (gone), and whether each is gone or terminating (leaving). The pods of
+// a claim are those it is reserved for, or, reserved for none, the pod it
+// was made for; a claim with neither is in use by nobody that leaves.
+func (pl *TopologyDRA) podsLeaving(claim *resourceapi.ResourceClaim) (gone, leaving bool) {
+	var refs []metav1.OwnerReference
 	for _, c := range claim.Status.ReservedFor {
-		if c.APIGroup != "" || c.Resource != "pods" || !gone(c.Name, c.UID) {
-			return false
+		if c.APIGroup != "" || c.Resource != "pods" {
+			return false, false
+		}
+		refs = append(refs, metav1.OwnerReference{Name: c.Name, UID: c.UID})
+	}
+	if len(refs) == 0 {
+		owner := metav1.GetControllerOf(claim)
+		if owner == nil || owner.APIVersion != "v1" || owner.Kind != "Pod" {
+			return false, false
+		}
+		refs = append(refs, *owner)
+	}
+	gone, leaving = true, true
+	for _, ref := range refs {
+		pod, err := pl.pods.Pods(claim.Namespace).Get(ref.Name)
+		switch {
+		case err != nil || pod.UID != ref.UID:
+		case pod.DeletionTimestamp != nil:
+			gone = false
+		default:
+			return false, false
 		}
 	}
-	if len(claim.Status.ReservedFor) > 0 {
-		return true
-	}
-	owner := metav1.GetControllerOf(claim)
-	return owner != nil && owner.APIVersion == "v1" && owner.Kind == "Pod" && gone(owner.Name, owner.UID)
+	return gone, leaving
 }
 
-// claimPriorities counts the bound pods with claims per priority.
-// Preemption finds victims for a pod only among pods of lower priority,
-// and each of its tries costs a copy of the cycle state and of the node
-// per candidate node: Filter lets it try only for a pod that such a pod
-// could make room for (see mayPreempt).
-type claimPriorities struct {
-	mu    sync.Mutex
-	pods  map[types.UID]int32
-	count map[int32]int
-}
-
-func newClaimPriorities() *claimPriorities {
-	return &claimPriorities{pods: map[types.UID]int32{}, count: map[int32]int{}}
-}
-
-// set records pod, or forgets it where it is not bound, is done or has no
-// claims (deleted: forget).
-func (c *claimPriorities) set(pod *v1.Pod, deleted bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if old, ok := c.pods[pod.UID]; ok {
-		delete(c.pods, pod.UID)
-		if c.count[old]--; c.count[old] == 0 {
-			delete(c.count, old)
-		}
-	}
-	if deleted || pod.Spec.NodeName == "" || !usesClaims(pod) || pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed {
-		return
+// mayPreempt reports whether preemption could make room for pod's devices
+// on the node: the pod may preempt, and a pod of lower priority there
+// holds claims. Each of preemption's tries costs a copy of the cycle state
+// and of the node per candidate node, so Filter lets it try only there. A
+// pod of a scheduling group is left out: the group's preemption removes
+// its victims without RemovePod, so its trials would free no devices.
+func mayPreempt(pod *v1.Pod, nodeInfo fwk.NodeInfo) bool {
+	if pod.Spec.PreemptionPolicy != nil && *pod.Spec.PreemptionPolicy == v1.PreemptNever || pod.Spec.SchedulingGroup != nil {
+		return false
 	}
 	prio := corev1helpers.PodPriority(pod)
-	c.pods[pod.UID] = prio
-	c.count[prio]++
-}
-
-// lowerThan reports whether a bound pod with claims has a priority lower
-// than prio; true for a nil tracker (no informer: let preemption try).
-func (c *claimPriorities) lowerThan(prio int32) bool {
-	if c == nil {
-		return true
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for p := range c.count {
-		if p < prio {
+	for _, pi := range nodeInfo.GetPods() {
+		if p := pi.GetPod(); corev1helpers.PodPriority(p) < prio && usesClaims(p) {
 			return true
 		}
 	}
 	return false
-}
-
-func (c *claimPriorities) handler() cache.ResourceEventHandler {
-	return cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { c.update(obj, false) },
-		UpdateFunc: func(_, obj any) { c.update(obj, false) },
-		DeleteFunc: func(obj any) { c.update(obj, true) },
-	}
-}
-
-func (c *claimPriorities) update(obj any, deleted bool) {
-	if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-		obj = tomb.Obj
-	}
-	if pod, ok := obj.(*v1.Pod); ok {
-		c.set(pod, deleted)
-	}
-}
-
-// mayPreempt reports whether preemption could make room for pod's
-// devices: it may preempt, and a pod of lower priority holds claims.
-func (pl *TopologyDRA) mayPreempt(pod *v1.Pod) bool {
-	if pod.Spec.PreemptionPolicy != nil && *pod.Spec.PreemptionPolicy == v1.PreemptNever {
-		return false
-	}
-	return pl.priorities.lowerThan(corev1helpers.PodPriority(pod))
 }

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -70,9 +71,11 @@ func TestPreemptionTrials(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.waitForClaim("victim-claim", func(c *resourceapi.ResourceClaim) bool { return c.Status.ReservedFor[0].UID == victim.UID })
+	h.nodes["node-a"].AddPodInfo(podInfo(t, victim))
+	h.nodes["node-a"].AddPodInfo(podInfo(t, other))
 
-	// Of the pods' priority: preemption finds no victim, and is not
-	// asked to try.
+	// Of the priority of the node's pods: preemption finds no victim
+	// there, and is not asked to try.
 	pod := testPod("p", "want")
 	if _, st := h.cycle(pod, "node-a"); st["node-a"].Code() != fwk.UnschedulableAndUnresolvable {
 		t.Errorf("full node, no pod of lower priority: %v, want UnschedulableAndUnresolvable", st["node-a"])
@@ -181,30 +184,31 @@ func TestNominatedPodKeepsItsDevices(t *testing.T) {
 	}
 }
 
-// TestPostFilterWaitsForVictimsDevices: a pod nominated to a node where a
-// claim of a pod that is gone still holds a GPU keeps its nomination, and
-// PostFilter ends there (DefaultPreemption evicts nobody more); nominated
-// elsewhere, or with the claim's pod still there, it does not.
+// TestPostFilterWaitsForVictimsDevices: a pod nominated to a node where it
+// fits once a claim of a pod that is gone gives its GPU back keeps its
+// nomination, and PostFilter ends there (DefaultPreemption evicts nobody
+// more). Nominated elsewhere, needing more than that frees, or with the
+// claim's pod still there, it does not.
 func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 	gone := testPod("gone")
 	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, testDeviceClass(), testSlice("node-a", 2), testSlice("node-b", 2),
 		reservedFor(allocatedOn(testClaim("gone-claim", 1), "node-a", "gpu-0"), gone),
 		allocatedOn(testClaim("held", 1), "node-a", "gpu-1"),
 		allocatedOn(testClaim("held-b", 2), "node-b", "gpu-0", "gpu-1"),
-		testClaim("want", 2))
+		testClaim("want", 1), testClaim("want-two", 2))
 	for _, tc := range []struct {
-		nominated string
-		wait      bool
-	}{{"node-a", true}, {"node-b", false}, {"", false}} {
-		pod := testPod("p", "want")
+		claim, nominated string
+		wait             bool
+	}{{"want", "node-a", true}, {"want", "node-b", false}, {"want", "", false}, {"want-two", "node-a", false}} {
+		pod := testPod("p", tc.claim)
 		pod.Status.NominatedNodeName = tc.nominated
 		cs, _ := h.cycle(pod, "node-a", "node-b")
 		res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
 		if tc.wait != st.IsSuccess() {
-			t.Errorf("nominated to %q: PostFilter %v, want success %v", tc.nominated, st, tc.wait)
+			t.Errorf("%s nominated to %q: PostFilter %v, want success %v", tc.claim, tc.nominated, st, tc.wait)
 		}
 		if tc.wait && (res == nil || res.NominatingInfo == nil || res.NominatedNodeName != tc.nominated) {
-			t.Errorf("nominated to %q: result %+v, want the nomination kept", tc.nominated, res)
+			t.Errorf("%s nominated to %q: result %+v, want the nomination kept", tc.claim, tc.nominated, res)
 		}
 	}
 	// The claim's pod exists: its claim is in use.
@@ -214,5 +218,75 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 	cs, _ := h.cycle(pod, "node-a", "node-b")
 	if _, st := h.pl.PostFilter(h.tCtx, cs, pod, nil); st.IsSuccess() {
 		t.Errorf("the claim's pod exists: PostFilter %v, want unschedulable", st)
+	}
+}
+
+// TestTrialKeepsSharedClaim: the pod shares an allocated claim with a
+// victim. A trial that removes the victim does not free that claim (the
+// pod keeps using it, so its other claims cannot have its GPUs); a trial
+// that removes the other pod frees that one's.
+func TestTrialKeepsSharedClaim(t *testing.T) {
+	v, v2 := testPod("v", "shared"), testPod("v2", "held")
+	v.Spec.NodeName, v2.Spec.NodeName = "node-a", "node-a"
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2))
+	v, v2 = h.createSeen(v), h.createSeen(v2)
+	h.create(reservedFor(allocatedOn(testClaim("shared", 2), "node-a", "gpu-0", "gpu-1"), v))
+	h.create(reservedFor(allocatedOn(testClaim("held", 2), "node-a", "gpu-2", "gpu-3"), v2))
+	h.waitForClaim("shared", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("held", func(*resourceapi.ResourceClaim) bool { return true })
+	h.nodes["node-a"].AddPodInfo(podInfo(t, v))
+	h.nodes["node-a"].AddPodInfo(podInfo(t, v2))
+
+	pod := testPod("p", "shared", "want")
+	pod.Spec.Priority = ptr.To[int32](100)
+	cs, st := h.cycle(pod, "node-a")
+	if st["node-a"].Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable", st["node-a"])
+	}
+	for victim, fits := range map[*v1.Pod]bool{v: false, v2: true} {
+		trial := cs.Clone()
+		h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, victim), h.nodes["node-a"])
+		if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); st.IsSuccess() != fits {
+			t.Errorf("%s removed: %v, want fits %v", victim.Name, st, fits)
+		}
+	}
+}
+
+// TestNominatedRoomCountsLeavingPods: the pod nominated to a node waits
+// for a terminating pod's GPU there (its preemption's victim). Its room is
+// counted with that GPU free, so it does not take more of the free GPUs
+// than it needs beside it; a nominated pod that does not fit even then
+// keeps the whole node from pods of its priority or lower.
+func TestNominatedRoomCountsLeavingPods(t *testing.T) {
+	leaving := testPod("leaving", "leaving-claim")
+	leaving.Spec.NodeName = "node-a"
+	leaving.DeletionTimestamp = ptr.To(metav1.Now())
+	leaving.Finalizers = []string{"test/keep"}
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		testClaim("nominated-two", 2), testClaim("nominated-five", 5), testClaim("want-two", 2))
+	leaving = h.createSeen(leaving)
+	h.create(reservedFor(allocatedOn(testClaim("leaving-claim", 1), "node-a", "gpu-0"), leaving))
+	h.waitForClaim("leaving-claim", func(*resourceapi.ResourceClaim) bool { return true })
+
+	filterWith := func(nominated *v1.Pod) *fwk.Status {
+		t.Helper()
+		pod := testPod("p", "want-two")
+		cs := framework.NewCycleState()
+		if _, st := h.pl.PreFilter(h.tCtx, cs, pod, []fwk.NodeInfo{h.nodes["node-a"]}); !st.IsSuccess() {
+			t.Fatal(st)
+		}
+		first := cs.Clone()
+		h.pl.AddPod(h.tCtx, first, pod, podInfo(t, nominated), h.nodes["node-a"])
+		return h.pl.Filter(h.tCtx, first, pod, h.nodes["node-a"])
+	}
+	// Two for the nominated pod, gpu-0 among them once it is free: two
+	// of gpu-1..3 stay for the pod.
+	two := testPod("nominated", "nominated-two")
+	if st := filterWith(two); !st.IsSuccess() {
+		t.Errorf("nominated pod of two GPUs, one of them leaving: %v, want the pod to fit", st)
+	}
+	five := testPod("nominated", "nominated-five")
+	if st := filterWith(five); st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "nominated") {
+		t.Errorf("nominated pod that does not fit: %v, want Unschedulable naming the nominated pod's room", st)
 	}
 }

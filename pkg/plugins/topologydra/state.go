@@ -8,7 +8,6 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
-	"k8s.io/dynamic-resource-allocation/structured"
 	fwk "k8s.io/kube-scheduler/framework"
 
 	"github.com/topodra/topodra/pkg/allocator"
@@ -117,10 +116,10 @@ type stateData struct {
 	// PreScore, read by Score.
 	choiceLevels int
 
-	// released are the devices of claims that no pod uses any more (see
-	// releasedDevices), read on the first trial that frees devices.
-	releasedOnce sync.Once
-	released     sets.Set[structured.DeviceID]
+	// leavingSets are the devices of claims whose pods are leaving (see
+	// leaving), read on the first trial that needs them.
+	leavingOnce sync.Once
+	leavingSets leavingSets
 
 	// nodeName and result are the node Reserve picked and its result.
 	nodeName string
