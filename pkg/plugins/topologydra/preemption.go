@@ -35,15 +35,18 @@ import (
 // are the trials'), and Filter then allocates with an Allocator adjusted
 // to them (see trialAllocator):
 //   - A removed pod frees the devices its claims take whole, where every
-//     consumer of the claim is removed too. In preemption's trials, also
-//     after every victim was given back, so do the claims whose
-//     consumers are all gone from the API but which are not deallocated
-//     yet (see releasedDevices): the victims of an earlier preemption,
-//     whose devices the claim controller is about to give back. Without
-//     them, the preemptor's next attempt, after the victims are gone and
-//     before their devices are, would evict more pods.
+//     consumer of the claim is removed too and the pod being scheduled
+//     does not use the claim. In preemption's trials, also after every
+//     victim was given back, so do the claims whose pods are all gone
+//     but which are not deallocated yet (see leaving): the victims of an
+//     earlier preemption, whose devices the claim controller is about to
+//     give back. Without them, the preemptor's next attempt, after the
+//     victims are gone and before their devices are, would evict more
+//     pods (PostFilter also keeps such a preemptor's nomination).
 //   - An added pod that is not bound takes the devices that its claims not
-//     yet allocated would get on the node first.
+//     yet allocated get on the node first, with the devices of pods that
+//     are leaving (terminating or gone) counted as free; where they do not
+//     fit even so, the node is kept for it.
 //
 // Results of preemption's trials are never kept for Reserve. A
 // result with only nominated pods added is a valid allocation, and wins
