@@ -52,7 +52,13 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 // that may hold devices (claims, or extended resources that a DRA driver
 // may back) and still exists unbound failed its binding cycle. A pod
 // really deleted gives its devices back through claim events, which have
-// hints of their own.
+// hints of their own, except to a preemptor: a pod nominated to the
+// deleted pod's node is requeued too. While its preemption runs, the
+// scheduling queue looks only at pod deletions for it (DefaultPreemption's
+// PreEnqueue gates it), so claim events that come before the preemption
+// ends do not requeue it; its next attempt waits for the victims'
+// devices where they are not given back yet (see PostFilter), and claim
+// events requeue it from then on.
 func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if tomb, ok := oldObj.(cache.DeletedFinalStateUnknown); ok {
 		oldObj = tomb.Obj
@@ -62,6 +68,10 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, p
 		return fwk.QueueSkip, nil
 	}
 	if pl.released.has(gone.UID) {
+		return fwk.Queue, nil
+	}
+	if nominated := pod.Status.NominatedNodeName; nominated != "" && gone.Spec.NodeName == nominated && mayHoldDevices(gone) {
+		logger.V(5).Info("Pod on the node the pod is nominated to deleted: requeued", "pod", klog.KObj(pod), "deleted", klog.KObj(gone))
 		return fwk.Queue, nil
 	}
 	if pl.pods != nil && mayHoldDevices(gone) && pl.podDeleteMemo.get(gone, gone, func() bool {

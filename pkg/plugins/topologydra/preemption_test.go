@@ -8,6 +8,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
 	"k8s.io/utils/ptr"
@@ -288,5 +289,64 @@ func TestNominatedRoomCountsLeavingPods(t *testing.T) {
 	five := testPod("nominated", "nominated-five")
 	if st := filterWith(five); st.Code() != fwk.Unschedulable || !strings.Contains(st.Message(), "nominated") {
 		t.Errorf("nominated pod that does not fit: %v, want Unschedulable naming the nominated pod's room", st)
+	}
+}
+
+// TestPreemptorRequeued: a pod nominated to a node (a preemptor) is
+// requeued when a pod with claims on that node is deleted (while its
+// preemption runs, the queue looks only at pod deletions for it) and when
+// a claim gives devices back there, whatever the counts say; other pods
+// are not.
+func TestPreemptorRequeued(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
+		testClaim("big", 4),
+		allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1"),
+		allocatedOn(testClaim("y", 1), "a", "gpu-2"))
+	for _, name := range []string{"big", "x", "y"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	nominatedTo := func(node string) *v1.Pod {
+		p := testPod("big", "big")
+		p.Status.NominatedNodeName = node
+		return p
+	}
+	// y gives gpu-2 back: two free on a, the pod needs four.
+	y := h.apiClaim("y")
+	deallocated := y.DeepCopy()
+	deallocated.Status.Allocation = nil
+	deallocated.ResourceVersion += "-next"
+	for node, want := range map[string]fwk.QueueingHint{"": fwk.QueueSkip, "b": fwk.QueueSkip, "a": fwk.Queue} {
+		got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), nominatedTo(node), y, deallocated)
+		if err != nil || got != want {
+			t.Errorf("claim hint, nominated to %q: %v %v, want %v", node, got, err, want)
+		}
+	}
+	// A victim with claims deleted on a.
+	victim := testPod("victim", "x")
+	victim.Spec.NodeName = "a"
+	for node, want := range map[string]fwk.QueueingHint{"": fwk.QueueSkip, "b": fwk.QueueSkip, "a": fwk.Queue} {
+		got, err := h.pl.isSchedulableAfterAssignedPodDelete(klog.Background(), nominatedTo(node), victim, nil)
+		if err != nil || got != want {
+			t.Errorf("pod delete hint, nominated to %q: %v %v, want %v", node, got, err, want)
+		}
+	}
+}
+
+// TestNominatedPodNotHeldBack: the headroom holds a large pod back, but
+// not once it is nominated to the node (it preempted pods for that room,
+// and others may have taken free devices elsewhere since).
+func TestNominatedPodNotHeldBack(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
+		testClaim("four", 4), allocatedOn(testClaim("full", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
+	h.waitForClaim("full", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("four", func(*resourceapi.ResourceClaim) bool { return true })
+	h.pl.headroomPercent = 100
+	pod := testPod("p", "four")
+	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
+		t.Fatalf("not nominated: %v, want held back by the headroom", st["a"])
+	}
+	pod.Status.NominatedNodeName = "a"
+	if _, st := h.cycle(pod, "a"); !st["a"].IsSuccess() {
+		t.Errorf("nominated to a: %v, want it to fit", st["a"])
 	}
 }

@@ -310,6 +310,16 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	if !ok {
 		return true
 	}
+	if nominated := pod.Status.NominatedNodeName; nominated != "" {
+		// A preemptor waits for its victims' devices on the node it is
+		// nominated to: their release is what it waits for, whatever
+		// the counts below say (its trial judged the node).
+		for _, site := range fs.sites {
+			if site.node == nominated {
+				return true
+			}
+		}
+	}
 	// A pod whose headroom Filter counted over only the devices its
 	// requests match (heldBack.narrowed), which the counts per driver
 	// here do not tell apart: devices of its own pools given back on
