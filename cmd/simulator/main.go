@@ -6,7 +6,7 @@
 //
 //	go run ./cmd/simulator [--nodes 8] [--profile dgx-h100=6,pcie-nvlink-pairs=2]
 //	    [--pods 160] [--seed 1] [--schedulers topodra,stock]
-//	    [--trace builtin|poisson|nic-match]
+//	    [--trace builtin|poisson|nic-match|urgent]
 //	    [--workload FILE] [--report out.html] [--json out.json]
 //
 // With --seeds (e.g. 1-8) it runs a sweep instead: every scenario (the
@@ -115,8 +115,8 @@ func parse(args []string, stderr io.Writer) (*command, error) {
 	fs.IntVar(&opts.Pods, "pods", 160, "number of pods of the generated workload, 1 or more (with --seeds: of every scenario's, instead of its own)")
 	fs.Int64Var(&opts.Seed, "seed", 1, "seed of the generated workload, 1 or more")
 	fs.StringVar(&schedulers, "schedulers", "topodra,stock", "schedulers to compare, in order: topodra, stock")
-	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods and ResourceClaimTemplates to run instead of a generated workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks); --trace, --pods, --seed, --host-requests and --pin do not apply")
-	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) or nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot)")
+	fs.StringVar(&workload, "workload", "", "Kubernetes YAML with Pods, ResourceClaimTemplates and PriorityClasses to run instead of a generated workload (pod annotations "+sim.AnnotationArrival+" and "+sim.AnnotationLifetime+", in ticks); --trace, --pods, --seed, --host-requests and --pin do not apply")
+	fs.StringVar(&opts.Trace, "trace", sim.TraceBuiltin, "generated workload: builtin, poisson (Poisson arrivals, lifetimes that grow with size) nic-match (also GPU+NIC pods with a hard matchAttribute on pcieRoot), or urgent (like poisson, a quarter of the 4- and 8-GPU jobs of a higher priority, which may preempt the others)")
 	fs.StringVar(&seeds, "seeds", "", "run a sweep over these seeds (e.g. 1-8; at most "+strconv.Itoa(maxSeeds)+") and the scenarios, and print medians against the placement targets; each scenario has its own machines and workload, so --profile, --nodes, --trace, --seed, --workload, --pin and --checkpoints do not apply")
 	fs.StringVar(&scenarios, "scenarios", "", "with --seeds: the scenarios to run, comma-separated (default all: builtin-8, builtin-16, poisson-8, nic-match-8)")
 	fs.IntVar(&c.rounds, "rounds", 1, "with --seeds: run every scenario and seed this many times; the medians and targets are taken over all the runs")

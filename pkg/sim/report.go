@@ -7,6 +7,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	v1 "k8s.io/api/core/v1"
 )
 
 // Placement is one allocated claim, rated against the free devices just
@@ -272,6 +274,14 @@ type Result struct {
 	// Notes are observations worth a look, like pods that fit by count
 	// but stayed pending.
 	Notes []string `json:"notes,omitempty"`
+	// PrioritizedWait is the wait of the pods of a priority above 0 (nil:
+	// none), counted as WaitByGPUs.
+	PrioritizedWait *Wait `json:"prioritizedWait,omitempty"`
+	// Evicted counts the pods that someone else than the simulator
+	// deleted, by the reason of their DisruptionTarget condition
+	// (PreemptionByScheduler for preemption); the simulator finished
+	// their deletion, and they do not come back.
+	Evicted map[string]int `json:"evicted,omitempty"`
 	// Stuck counts the pods that fit by count after devices were freed
 	// and were not bound within the retry wait (each once): pods the
 	// scheduler did not retry when it could have, or turned down for a
@@ -480,6 +490,16 @@ func resultRows(results []Result) []resultRow {
 		}},
 		{"empty nodes opened / needlessly", false, openedText},
 		{"free GPUs in whole NUMA nodes", false, func(res Result) string { return fmt.Sprintf("%.0f%% (mean over ticks)", 100*res.FreeInWholeNUMA) }},
+	}
+	if slices.ContainsFunc(results, func(res Result) bool { return res.PrioritizedWait != nil || len(res.Evicted) > 0 }) {
+		rows = append(rows,
+			resultRow{"mean ticks waiting, pods of higher priority", true, func(res Result) string {
+				if res.PrioritizedWait == nil {
+					return "none"
+				}
+				return fmt.Sprintf("%.2f (%d pods)", res.PrioritizedWait.Mean(), res.PrioritizedWait.Pods)
+			}},
+			resultRow{"pods evicted (preempted)", true, evictedText})
 	}
 	rows = append(rows, faults...)
 	rows = append(rows, []resultRow{
@@ -720,4 +740,17 @@ func schedulerCPUText(res Result) string {
 		return fmt.Sprintf("%.2f s, %.1f ms per pod placed", res.SchedulerCPUSeconds, per)
 	}
 	return fmt.Sprintf("%.2f s", res.SchedulerCPUSeconds)
+}
+
+// evictedText says how many pods were evicted, and of those how many by
+// preemption.
+func evictedText(res Result) string {
+	n := 0
+	for _, c := range res.Evicted {
+		n += c
+	}
+	if n == 0 {
+		return "0"
+	}
+	return fmt.Sprintf("%d (%d by preemption)", n, res.Evicted[v1.PodReasonPreemptionByScheduler])
 }

@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -243,6 +244,13 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: Namespace}}, metav1.CreateOptions{}); err != nil {
 		return nil, nil, fmt.Errorf("create namespace: %w", err)
 	}
+	for _, pc := range workload.PriorityClasses {
+		pc = pc.DeepCopy()
+		pc.ResourceVersion = ""
+		if _, err := client.SchedulingV1().PriorityClasses().Create(ctx, pc, metav1.CreateOptions{}); err != nil {
+			return nil, nil, fmt.Errorf("create PriorityClass %s: %w", pc.Name, err)
+		}
+	}
 	for _, tmpl := range workload.Templates {
 		tmpl = tmpl.DeepCopy()
 		tmpl.Namespace = Namespace
@@ -484,20 +492,51 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		return nil
 	}
 
+	// finish deletes pods at once and waits until their claims are
+	// released.
+	finish := func(when string, gone []string) error {
+		if len(gone) == 0 {
+			return nil
+		}
+		for _, name := range gone {
+			err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+			if err != nil && !apierrors.IsNotFound(err) {
+				return fmt.Errorf("delete pod %s: %w", name, err)
+			}
+		}
+		return waitFor(fmt.Sprintf("%s: %d finished pods to release their devices", when, len(gone)), func() (bool, string) { return tr.released(gone) })
+	}
+
+	// Pods that the scheduler evicts (preemption) go at once, as their
+	// kubelet would make them go, whatever the simulator waits for.
+	kubeletCtx, stopKubelet := context.WithCancel(ctx)
+	kubeletDone := make(chan struct{})
+	go func() {
+		defer close(kubeletDone)
+		wait.UntilWithContext(kubeletCtx, func(ctx context.Context) {
+			for _, name := range tr.evicted() {
+				if err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil && !apierrors.IsNotFound(err) {
+					tr.undoEvicted(name)
+				}
+			}
+		}, pollInterval)
+	}()
+	defer func() {
+		stopKubelet()
+		<-kubeletDone
+	}()
+
 	for tick := range ticks {
 		tr.setTick(tick)
 		// Departures: delete pods whose lifetime is over and wait until
 		// their claims are released, so that arrivals see the freed devices.
-		if gone := tr.expired(tick, lifetime); len(gone) > 0 {
-			for _, name := range gone {
-				err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
-				if err != nil && !apierrors.IsNotFound(err) {
-					return nil, fmt.Errorf("delete pod %s: %w", name, err)
-				}
-			}
-			if err := waitFor(fmt.Sprintf("tick %d: %d finished pods to release their devices", tick, len(gone)), func() (bool, string) { return tr.released(gone) }); err != nil {
-				return nil, err
-			}
+		if err := finish(fmt.Sprintf("tick %d", tick), tr.expired(tick, lifetime)); err != nil {
+			return nil, err
+		}
+		// Pods evicted since the last tick are gone with their devices
+		// before pending pods are judged.
+		if err := waitFor(fmt.Sprintf("tick %d: evicted pods to release their devices", tick), func() (bool, string) { return tr.released(tr.evictedPods()) }); err != nil {
+			return nil, err
 		}
 		// Pending pods that now fit by count: give the scheduler the chance
 		// a real cluster would give it (ticks stand for minutes) before new
@@ -602,6 +641,16 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		}
 	}
 	res.Stuck = len(stuck)
+	// The end state is taken once the pods evicted are gone and their
+	// devices given back.
+	stopKubelet()
+	<-kubeletDone
+	if err := finish("end", tr.evicted()); err != nil {
+		return nil, err
+	}
+	if err := waitFor("the end: evicted pods to release their devices", func() (bool, string) { return tr.released(tr.evictedPods()) }); err != nil {
+		return nil, err
+	}
 	res.Snapshots = append(res.Snapshots, tr.snapshot("end"))
 	if blockTicks > 0 {
 		res.FreeInWholeNUMA = blockShare / float64(blockTicks)
@@ -673,6 +722,19 @@ func (t *tracker) fill(res *Result) {
 		}
 		res.PendingPodTicks += wait
 		res.PendingGPUTicks += wait * gpus
+		if ps.Priority > 0 {
+			if res.PrioritizedWait == nil {
+				res.PrioritizedWait = &Wait{}
+			}
+			res.PrioritizedWait.Pods++
+			res.PrioritizedWait.Ticks += wait
+		}
+		if ps.Evicted {
+			if res.Evicted == nil {
+				res.Evicted = map[string]int{}
+			}
+			res.Evicted[cmp.Or(ps.EvictedBy, "unknown")]++
+		}
 	}
 	res.LatencySamples = len(latencies)
 	res.LatencyP50Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.50))

@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
 )
 
 func TestParseSeeds(t *testing.T) {
@@ -132,7 +134,7 @@ func TestGenerateTraceIsSeeded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, trace := range []string{TracePoisson, TraceNICMatch} {
+	for _, trace := range []string{TracePoisson, TraceNICMatch, TraceUrgent} {
 		a, err := GenerateTrace(trace, 2, 80, nodes)
 		if err != nil {
 			t.Fatal(err)
@@ -157,6 +159,22 @@ func TestGenerateTraceIsSeeded(t *testing.T) {
 		}
 		if trace == TraceNICMatch && constrained == 0 {
 			t.Errorf("%s: no template with a matchAttribute constraint", trace)
+		}
+		urgent := 0
+		for _, j := range a.Jobs {
+			if j.Pod.Spec.PriorityClassName == UrgentClass {
+				urgent++
+				if gpus := gpusAsked(j.Pod, templatesByName(a.Templates)); gpus < 4 {
+					t.Errorf("%s: urgent pod %s asks for %d GPUs, want 4 or 8", trace, j.Pod.Name, gpus)
+				}
+			}
+		}
+		hasClass := len(a.PriorityClasses) == 1 && a.PriorityClasses[0].Name == UrgentClass && a.PriorityClasses[0].Value == UrgentPriority
+		if trace == TraceUrgent && (urgent == 0 || !hasClass) {
+			t.Errorf("%s: %d urgent pods, priority classes %v; want some, and the class", trace, urgent, a.PriorityClasses)
+		}
+		if trace != TraceUrgent && (urgent > 0 || len(a.PriorityClasses) > 0) {
+			t.Errorf("%s: %d urgent pods, %d priority classes; want none", trace, urgent, len(a.PriorityClasses))
 		}
 	}
 }
@@ -581,4 +599,12 @@ func TestRunOrder(t *testing.T) {
 	if got := runOrder([]string{SchedulerTopodra}, 2, 1); !slices.Equal(got, []string{SchedulerTopodra}) {
 		t.Errorf("one scheduler: %v", got)
 	}
+}
+
+func templatesByName(ts []*resourceapi.ResourceClaimTemplate) map[string]*resourceapi.ResourceClaimTemplate {
+	out := map[string]*resourceapi.ResourceClaimTemplate{}
+	for _, t := range ts {
+		out[t.Name] = t
+	}
+	return out
 }

@@ -7,6 +7,8 @@ import (
 	"slices"
 
 	resourceapi "k8s.io/api/resource/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -26,10 +28,22 @@ const (
 	// resource.kubernetes.io/pcieRoot (GPUDirect RDMA), which only the
 	// PCIe roots of machines with NICs can satisfy.
 	TraceNICMatch = "nic-match"
+	// TraceUrgent: like TracePoisson, but a quarter of the 4- and 8-GPU
+	// jobs are urgent: PriorityClass UrgentClass, above the others, so
+	// that a scheduler may preempt them for it. A preempted pod ends (a
+	// batch system that does not retry it).
+	TraceUrgent = "urgent"
+)
+
+// UrgentClass is the PriorityClass of TraceUrgent's urgent jobs, and
+// UrgentPriority its value.
+const (
+	UrgentClass          = "sim-urgent"
+	UrgentPriority int32 = 1000
 )
 
 // Traces lists the workload names Options.Trace accepts.
-func Traces() []string { return []string{TraceBuiltin, TracePoisson, TraceNICMatch} }
+func Traces() []string { return []string{TraceBuiltin, TracePoisson, TraceNICMatch, TraceUrgent} }
 
 // traceKind is one shape of a generated trace.
 type traceKind struct {
@@ -38,6 +52,8 @@ type traceKind struct {
 	match bool
 	// minLife, maxLife bound the lifetime in ticks.
 	minLife, maxLife int
+	// urgent: the pod has PriorityClass UrgentClass.
+	urgent bool
 }
 
 func traceKinds(trace string) []traceKind {
@@ -53,6 +69,17 @@ func traceKinds(trace string) []traceKind {
 			k("job-2g", "gpu-2", 2, 0, 25, false),
 			k("job-4g", "gpu-4", 4, 0, 20, false),
 			k("job-8g", "gpu-8", 8, 0, 13, false),
+			k("rdma-1g", "gpu-1-nic-1", 1, 1, 10, false),
+		}
+	case TraceUrgent:
+		urgent := func(kind traceKind) traceKind { kind.urgent = true; return kind }
+		return []traceKind{
+			k("job-1g", "gpu-1", 1, 0, 32, false),
+			k("job-2g", "gpu-2", 2, 0, 25, false),
+			k("job-4g", "gpu-4", 4, 0, 15, false),
+			urgent(k("urgent-4g", "gpu-4", 4, 0, 5, false)),
+			k("job-8g", "gpu-8", 8, 0, 10, false),
+			urgent(k("urgent-8g", "gpu-8", 8, 0, 3, false)),
 			k("rdma-1g", "gpu-1-nic-1", 1, 1, 10, false),
 		}
 	case TraceNICMatch:
@@ -120,7 +147,18 @@ func GenerateTrace(trace string, seed int64, pods int, nodes []NodeSpec) (*Workl
 		}
 		name := fmt.Sprintf("%s-%03d", kind.prefix, counts[kind.prefix])
 		counts[kind.prefix]++
-		w.Jobs = append(w.Jobs, Job{Pod: builtinPod(name, kind.jobKind, life), Arrival: int(math.Floor(at)), Lifetime: life})
+		pod := builtinPod(name, kind.jobKind, life)
+		if kind.urgent {
+			pod.Spec.PriorityClassName = UrgentClass
+		}
+		w.Jobs = append(w.Jobs, Job{Pod: pod, Arrival: int(math.Floor(at)), Lifetime: life})
+	}
+	if slices.ContainsFunc(kinds, func(k traceKind) bool { return k.urgent }) {
+		w.PriorityClasses = []*schedulingv1.PriorityClass{{
+			ObjectMeta:  metav1.ObjectMeta{Name: UrgentClass},
+			Value:       UrgentPriority,
+			Description: "urgent jobs of the simulator's urgent trace: they may preempt the others",
+		}}
 	}
 	return w, nil
 }

@@ -60,6 +60,17 @@ type podState struct {
 	MessageAt time.Time
 	Deleting  bool
 	Gone      bool
+	// Priority is the pod's priority (from its PriorityClass, as the API
+	// server set it).
+	Priority int32
+	// Nominated is the node the scheduler nominated the pod to (it
+	// preempted pods there); empty for the others.
+	Nominated string
+	// Evicted is set when someone else than the simulator deleted the
+	// pod (the scheduler's preemption); EvictedBy is the reason of its
+	// DisruptionTarget condition, where it has one.
+	Evicted   bool
+	EvictedBy string
 	// Demand is what the pod's claims ask for, when that is simple enough
 	// to check against free device counts (see demandOf).
 	Demand *demand
@@ -338,6 +349,18 @@ func (t *tracker) onPod(obj any, deleted bool) {
 			t.sentinels[pod.Name] = true
 		}
 		return // not ours
+	}
+	if pod.Spec.Priority != nil {
+		ps.Priority = *pod.Spec.Priority
+	}
+	ps.Nominated = pod.Status.NominatedNodeName
+	if (pod.DeletionTimestamp != nil || deleted) && !ps.Deleting && !ps.Evicted {
+		ps.Evicted = true
+		for _, c := range pod.Status.Conditions {
+			if c.Type == v1.DisruptionTarget && c.Status == v1.ConditionTrue {
+				ps.EvictedBy = c.Reason
+			}
+		}
 	}
 	if deleted {
 		ps.Gone = true
@@ -684,6 +707,46 @@ func (t *tracker) allocatedClaims(pod string) int {
 	return n
 }
 
+// evicted returns the pods that someone else deleted (preemption) and
+// that are not gone yet; they are marked as being deleted by the
+// simulator, which finishes their deletion as a kubelet would.
+func (t *tracker) evicted() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for _, ps := range t.pods {
+		if ps.Evicted && !ps.Deleting && !ps.Gone {
+			ps.Deleting = true
+			out = append(out, ps.Name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// undoEvicted lets evicted return the pod again (its deletion failed).
+func (t *tracker) undoEvicted(name string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps := t.pods[name]; ps != nil && ps.Evicted {
+		ps.Deleting = false
+	}
+}
+
+// evictedPods returns every pod that someone else deleted.
+func (t *tracker) evictedPods() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for _, ps := range t.pods {
+		if ps.Evicted {
+			out = append(out, ps.Name)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // expired returns the bound pods whose lifetime ends at or before tick.
 func (t *tracker) expired(tick int, lifetime func(job int) int) []string {
 	t.mu.Lock()
@@ -837,7 +900,8 @@ func demandOf(pod *v1.Pod, templates map[string]*resourceapi.ResourceClaimTempla
 // needs them on one PCIe root, some root of such a node), leaving out skip.
 // Any scheduler that is correct must bind these once it retries them;
 // a pod that needs half a node or more counts only if the headroom stays
-// free.
+// free. A pod nominated to a node (it preempted pods there) is listed
+// too: it must be bound once its victims are gone.
 func (t *tracker) retryable(skip map[string]bool) []string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -860,7 +924,16 @@ func (t *tracker) retryable(skip map[string]bool) []string {
 	var out []string
 	var rootFree map[measure.DomainID]measure.Count // per PCIe root, computed once needed
 	for _, ps := range t.pods {
-		if ps.Bound || ps.Gone || ps.Demand == nil || skip[ps.Name] {
+		if ps.Bound || ps.Gone || skip[ps.Name] {
+			continue
+		}
+		if ps.Nominated != "" {
+			// It preempted pods for room on that node: it is placed
+			// once they are gone, whatever the counts say now.
+			out = append(out, ps.Name)
+			continue
+		}
+		if ps.Demand == nil {
 			continue
 		}
 		selector := labels.SelectorFromSet(ps.NodeSelector)

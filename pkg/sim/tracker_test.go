@@ -200,6 +200,46 @@ func TestLastWord(t *testing.T) {
 	}
 }
 
+// TestEvictedPods: a pod that someone else deletes (the scheduler's
+// preemption) is evicted, with the reason of its DisruptionTarget
+// condition; evicted returns it once, to be deleted as its kubelet would;
+// a pod the simulator deletes itself is not evicted.
+func TestEvictedPods(t *testing.T) {
+	tr := newTracker(Namespace)
+	for _, name := range []string{"victim", "done"} {
+		tr.created(&v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: Namespace}}, 0, nil, 4)
+		bound := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: Namespace}, Spec: v1.PodSpec{NodeName: "n", Priority: ptr.To[int32](0)}}
+		tr.onPod(bound, false)
+	}
+	if got := tr.expired(5, func(int) int { return 1 }); !slices.Equal(got, []string{"done", "victim"}) {
+		t.Fatalf("expired: %v", got)
+	}
+	// Undo "victim": only "done" is the simulator's own deletion.
+	tr.pods["victim"].Deleting = false
+	for _, name := range []string{"victim", "done"} {
+		p := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: Namespace, DeletionTimestamp: ptr.To(metav1.Now())}, Spec: v1.PodSpec{NodeName: "n"}}
+		p.Status.Conditions = []v1.PodCondition{{Type: v1.DisruptionTarget, Status: v1.ConditionTrue, Reason: v1.PodReasonPreemptionByScheduler}}
+		tr.onPod(p, false)
+	}
+	if got := tr.evicted(); !slices.Equal(got, []string{"victim"}) {
+		t.Errorf("evicted: %v, want the victim only", got)
+	}
+	if got := tr.evicted(); len(got) != 0 {
+		t.Errorf("evicted again: %v, want nothing (being deleted)", got)
+	}
+	if got := tr.evictedPods(); !slices.Equal(got, []string{"victim"}) {
+		t.Errorf("evictedPods: %v", got)
+	}
+	res := &Result{}
+	tr.fill(res)
+	if res.Evicted[v1.PodReasonPreemptionByScheduler] != 1 || len(res.Evicted) != 1 {
+		t.Errorf("result evicted: %v", res.Evicted)
+	}
+	if got := evictedText(*res); got != "1 (1 by preemption)" {
+		t.Errorf("report: %q", got)
+	}
+}
+
 // TestClaimsSeenOutOfOrder: after the claim informer lists anew, a claim
 // that took a device given back meanwhile can come before the deletion
 // or deallocation of the claim that held it. The device stays the new

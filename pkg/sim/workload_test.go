@@ -125,11 +125,18 @@ spec:
   - name: gpus
     resourceClaimTemplateName: two-gpus
 ---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata:
+  name: urgent
+value: 1000
+---
 apiVersion: v1
 kind: Pod
 metadata:
   name: next
 spec:
+  priorityClassName: urgent
   containers:
   - name: c
     image: registry.k8s.io/pause:3.10
@@ -138,8 +145,8 @@ spec:
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(w.Templates) != 1 || len(w.Jobs) != 2 {
-		t.Fatalf("got %d templates and %d jobs", len(w.Templates), len(w.Jobs))
+	if len(w.Templates) != 1 || len(w.Jobs) != 2 || len(w.PriorityClasses) != 1 {
+		t.Fatalf("got %d templates, %d priority classes and %d jobs", len(w.Templates), len(w.PriorityClasses), len(w.Jobs))
 	}
 	if j := w.Jobs[0]; j.Pod.Name != "late" || j.Arrival != 5 || j.Lifetime != 3 {
 		t.Errorf("first job %s arrival %d lifetime %d", j.Pod.Name, j.Arrival, j.Lifetime)
@@ -156,6 +163,8 @@ spec:
 		"bad lifetime":     {doc: "apiVersion: v1\nkind: Pod\nmetadata: {name: p, annotations: {sim.topodra.io/lifetime: \"0\"}}\nspec:\n  containers: [{name: c, image: x}]\n", wantErr: "must be an integer >= 1"},
 		"other kind":       {doc: "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n", wantErr: "is not supported"},
 		"no pods":          {doc: "# nothing\n", wantErr: "no pods"},
+		"missing class":    {doc: "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  priorityClassName: nope\n  containers: [{name: c, image: x}]\n", wantErr: "PriorityClass nope is not in the file"},
+		"priority":         {doc: "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  priority: 5\n  containers: [{name: c, image: x}]\n", wantErr: "set priorityClassName, not priority"},
 	}
 	for name, tc := range bad {
 		t.Run(name, func(t *testing.T) {

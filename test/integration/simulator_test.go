@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/net/html"
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -433,4 +434,71 @@ func countGPUs(report *sim.Report) int {
 		}
 	}
 	return n
+}
+
+// TestSimulatorPreemption: one DGX node, two long 4-GPU jobs, then an
+// urgent 4-GPU job of a higher PriorityClass. Through topodra the urgent
+// job preempts one of the others (by preemption, once) and runs; through
+// the stock scheduler, which never preempts for devices, it waits to the
+// end and nothing is evicted. Both runs end consistent with the API.
+func TestSimulatorPreemption(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	pod := func(name string, arrival int, class string) string {
+		doc := fmt.Sprintf(`---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: %s
+  annotations: {sim.topodra.io/arrival: "%d"}
+spec:
+  terminationGracePeriodSeconds: 0
+  containers: [{name: c, image: registry.k8s.io/pause:3.10, resources: {claims: [{name: gpus}]}}]
+  resourceClaims: [{name: gpus, resourceClaimTemplateName: four-gpus}]
+`, name, arrival)
+		if class != "" {
+			doc += "  priorityClassName: " + class + "\n"
+		}
+		return doc
+	}
+	yaml := `apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: four-gpus}
+spec:
+  spec:
+    devices:
+      requests: [{name: gpu, exactly: {deviceClassName: gpu.topodra.io, count: 4}}]
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {name: urgent}
+value: 1000
+` + pod("low-a", 0, "") + pod("low-b", 0, "") + pod("urgent", 2, "urgent")
+	w, err := sim.ParseWorkload([]byte(yaml))
+	tCtx.ExpectNoError(err)
+	w.Drain = 3
+	report, _ := runSimulator(tCtx, t, sim.Options{
+		Nodes: 1, Profile: "dgx-h100", Workload: w, WarmUpPods: -1, Progress: testWriter{t},
+		AfterRun: func(ctx context.Context, client kubernetes.Interface, res *sim.Result) error {
+			return checkAgainstAPI(ctx, client, res)
+		},
+	})
+	for _, res := range report.Results {
+		for _, e := range res.Errors {
+			t.Errorf("%s: tracking found: %s", res.Scheduler, e)
+		}
+		if res.InvariantViolations != 0 || res.Stuck != 0 {
+			t.Errorf("%s: %d invariant violations, %d stuck pods", res.Scheduler, res.InvariantViolations, res.Stuck)
+		}
+		_, urgentPending := res.PendingPods["urgent"]
+		switch res.Scheduler {
+		case sim.SchedulerTopodra:
+			if res.Evicted[v1.PodReasonPreemptionByScheduler] != 1 || urgentPending || res.RunningAtEnd != 2 {
+				t.Errorf("topodra: evicted %v, urgent pending %v, running at end %d; want one preempted, the urgent job and one other running", res.Evicted, urgentPending, res.RunningAtEnd)
+			}
+		case sim.SchedulerStock:
+			if len(res.Evicted) != 0 || !urgentPending {
+				t.Errorf("stock: evicted %v, urgent pending %v; want nothing evicted and the urgent job waiting", res.Evicted, urgentPending)
+			}
+		}
+	}
 }

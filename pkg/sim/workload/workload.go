@@ -1,6 +1,7 @@
 // Package workload reads the simulator's workload files: Kubernetes YAML
-// (or JSON) documents with Pods and ResourceClaimTemplates, the pods
-// annotated with their arrival and lifetime in ticks.
+// (or JSON) documents with Pods, ResourceClaimTemplates and
+// PriorityClasses, the pods annotated with their arrival and lifetime in
+// ticks.
 package workload
 
 import (
@@ -15,6 +16,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 )
@@ -46,7 +48,10 @@ type Job struct {
 // ticks.
 type Workload struct {
 	Templates []*resourceapi.ResourceClaimTemplate
-	Jobs      []Job
+	// PriorityClasses are created with the templates; a pod may name only
+	// these (priorityClassName).
+	PriorityClasses []*schedulingv1.PriorityClass
+	Jobs            []Job
 	// Drain is how many ticks the run goes on after the last arrival,
 	// with finished pods leaving and pending pods still being scheduled.
 	Drain int
@@ -62,7 +67,8 @@ func (w *Workload) Ticks() int {
 }
 
 // Load reads a workload file: Kubernetes YAML (or JSON) documents,
-// each a Pod or a ResourceClaimTemplate (a v1 List of them works too).
+// each a Pod, a ResourceClaimTemplate or a PriorityClass (a v1 List of
+// them works too).
 // Pods take their arrival and lifetime from AnnotationArrival and
 // AnnotationLifetime. Every claim of a pod must come from a template in the
 // file (resourceClaimTemplateName), since each run uses a fresh cluster.
@@ -91,6 +97,8 @@ func Parse(data []byte) (*Workload, error) {
 			pods = append(pods, o)
 		case *resourceapi.ResourceClaimTemplate:
 			w.Templates = append(w.Templates, o)
+		case *schedulingv1.PriorityClass:
+			w.PriorityClasses = append(w.PriorityClasses, o)
 		case *v1.List:
 			for _, item := range o.Items {
 				inner, _, err := decoder.Decode(item.Raw, nil, nil)
@@ -102,7 +110,7 @@ func Parse(data []byte) (*Workload, error) {
 				}
 			}
 		default:
-			return fmt.Errorf("document %d: %T is not supported (only Pods and resource.k8s.io/v1 ResourceClaimTemplates)", doc, obj)
+			return fmt.Errorf("document %d: %T is not supported (only Pods, resource.k8s.io/v1 ResourceClaimTemplates and scheduling.k8s.io/v1 PriorityClasses)", doc, obj)
 		}
 		return nil
 	}
@@ -138,6 +146,16 @@ func Parse(data []byte) (*Workload, error) {
 		}
 		templates[t.Name] = true
 	}
+	classes := map[string]bool{}
+	for _, c := range w.PriorityClasses {
+		if c.Name == "" {
+			return nil, errors.New("a PriorityClass has no name")
+		}
+		if classes[c.Name] {
+			return nil, fmt.Errorf("PriorityClass %s defined twice", c.Name)
+		}
+		classes[c.Name] = true
+	}
 	names := map[string]bool{}
 	next := 0
 	for _, p := range pods {
@@ -148,6 +166,12 @@ func Parse(data []byte) (*Workload, error) {
 			return nil, fmt.Errorf("pod %s defined twice", p.Name)
 		}
 		names[p.Name] = true
+		if c := p.Spec.PriorityClassName; c != "" && !classes[c] {
+			return nil, fmt.Errorf("pod %s: PriorityClass %s is not in the file", p.Name, c)
+		}
+		if p.Spec.Priority != nil {
+			return nil, fmt.Errorf("pod %s: set priorityClassName, not priority", p.Name)
+		}
 		for _, c := range p.Spec.ResourceClaims {
 			switch {
 			case c.ResourceClaimTemplateName == nil:
