@@ -10,6 +10,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
@@ -230,4 +231,17 @@ func (e *env) waitReserved(podName string, cond func(*resourceapi.ResourceClaim)
 	})
 	e.tCtx.ExpectNoError(err, "claim of pod "+podName+" allocated and reserved")
 	return claim
+}
+
+// highPriority creates the PriorityClass <namespace>-high (value 1000),
+// deleted when the test ends, and returns its name.
+func (e *env) highPriority() string {
+	e.tCtx.Helper()
+	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
+	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(e.tCtx, high, metav1.CreateOptions{})
+	e.tCtx.ExpectNoError(err)
+	e.tCtx.Cleanup(func() {
+		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
+	})
+	return high.Name
 }

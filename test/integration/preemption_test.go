@@ -1,13 +1,11 @@
 package integration
 
 import (
-	"context"
 	"slices"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	schedulingv1 "k8s.io/api/scheduling/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/kubernetes/test/utils/ktesting"
 	"k8s.io/utils/ptr"
@@ -40,16 +38,11 @@ func TestPreemptionFreesDevices(t *testing.T) {
 	// preemption is not its.
 	e.pod("low-c", topodraName, "g", four)
 
-	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
-	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(func() {
-		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
-	})
+	high := e.highPriority()
 	important := framework.PodWithClaims(e.ns, "important", topodraName, four)
 	important.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
-	important.Spec.PriorityClassName = high.Name
-	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, important, metav1.CreateOptions{})
+	important.Spec.PriorityClassName = high
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, important, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
 
 	// One victim; without a kubelet its deletion does not finish by
@@ -109,16 +102,11 @@ func TestNoPreemptionWithoutRoom(t *testing.T) {
 	e.pod("low", topodraName, "g", four)
 	e.waitScheduled("low")
 
-	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
-	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(func() {
-		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
-	})
+	high := e.highPriority()
 	nine := framework.PodWithClaims(e.ns, "nine", topodraName, e.template(9, nil))
 	nine.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
-	nine.Spec.PriorityClassName = high.Name
-	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, nine, metav1.CreateOptions{})
+	nine.Spec.PriorityClassName = high
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, nine, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
 	_, err = framework.WaitForPod(tCtx, cp.Client, e.ns, "nine", waitTimeout, "unschedulable", func(p *v1.Pod) (bool, error) {
 		c := framework.PodScheduledCondition(p)

@@ -10,7 +10,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	schedulingv1 "k8s.io/api/scheduling/v1"
 	apiresource "k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -99,12 +98,7 @@ func TestPostFilterDeallocatesBeforePreemption(t *testing.T) {
 	nodes := e.dgxNodes("g", 2, "4")
 	full := nodes[0]
 
-	high := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: e.ns + "-high"}, Value: 1000}
-	_, err := cp.Client.SchedulingV1().PriorityClasses().Create(tCtx, high, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	tCtx.Cleanup(func() {
-		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
-	})
+	high := e.highPriority()
 
 	// Low-priority work that uses all of the first node's CPU.
 	low := &v1.Pod{
@@ -116,7 +110,7 @@ func TestPostFilterDeallocatesBeforePreemption(t *testing.T) {
 			}}},
 		},
 	}
-	_, err = cp.Client.CoreV1().Pods(e.ns).Create(tCtx, low, metav1.CreateOptions{})
+	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, low, metav1.CreateOptions{})
 	tCtx.ExpectNoError(err)
 
 	// The claim, allocated on the full node and reserved for nobody.
@@ -132,7 +126,7 @@ func TestPostFilterDeallocatesBeforePreemption(t *testing.T) {
 		ObjectMeta: metav1.ObjectMeta{Namespace: e.ns, Name: "important"},
 		Spec: v1.PodSpec{
 			SchedulerName:     topodraName,
-			PriorityClassName: high.Name,
+			PriorityClassName: high,
 			NodeSelector:      map[string]string{"test": e.ns, "group": "g"},
 			ResourceClaims:    []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: ptr.To("idle")}},
 			Containers: []v1.Container{{Name: "c", Image: "busybox", Resources: v1.ResourceRequirements{
