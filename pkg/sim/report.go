@@ -194,12 +194,14 @@ type TickPoint struct {
 
 // Result is the outcome of one scheduler's run.
 type Result struct {
-	Scheduler       string    `json:"scheduler"`
-	SchedulerName   string    `json:"schedulerName"`
-	Pods            int       `json:"pods"`
-	Placed          int       `json:"placed"`
-	Pending         int       `json:"pending"`
-	RunningAtEnd    int       `json:"runningAtEnd"`
+	Scheduler     string `json:"scheduler"`
+	SchedulerName string `json:"schedulerName"`
+	Pods          int    `json:"pods"`
+	Placed        int    `json:"placed"`
+	Pending       int    `json:"pending"`
+	RunningAtEnd  int    `json:"runningAtEnd"`
+	// Finished counts the placed pods that ran their lifetime (evicted
+	// pods are counted in Evicted).
 	Finished        int       `json:"finished"`
 	Alignment       Alignment `json:"alignment"`
 	AlignedFraction float64   `json:"alignedFraction"`

@@ -685,9 +685,12 @@ func (t *tracker) fill(res *Result) {
 		switch {
 		case ps.Bound:
 			res.Placed++
-			if ps.Gone {
+			switch {
+			case ps.Evicted:
+				// Counted in Evicted below.
+			case ps.Gone:
 				res.Finished++
-			} else {
+			default:
 				res.RunningAtEnd++
 			}
 			if ps.BoundTick == ps.CreatedTick {

@@ -97,8 +97,12 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if res.Pending != 0 && !gpuFaults {
 		t.Errorf("%s: %d pods pending with a pinned workload that fits: %v", name, res.Pending, res.PendingPods)
 	}
-	if res.Finished+res.RunningAtEnd != res.Placed {
-		t.Errorf("%s: finished %d + running %d != placed %d", name, res.Finished, res.RunningAtEnd, res.Placed)
+	evicted := 0
+	for _, n := range res.Evicted {
+		evicted += n
+	}
+	if res.Finished+res.RunningAtEnd+evicted != res.Placed {
+		t.Errorf("%s: finished %d + running %d + evicted %d != placed %d", name, res.Finished, res.RunningAtEnd, evicted, res.Placed)
 	}
 	// Every pod of the built-in workload has one claim: one placement per
 	// placed pod.
@@ -492,7 +496,7 @@ value: 1000
 		_, urgentPending := res.PendingPods["urgent"]
 		switch res.Scheduler {
 		case sim.SchedulerTopodra:
-			if res.Evicted[v1.PodReasonPreemptionByScheduler] != 1 || urgentPending || res.RunningAtEnd != 2 {
+			if res.Evicted[v1.PodReasonPreemptionByScheduler] != 1 || urgentPending || res.RunningAtEnd != 2 || res.Finished != 0 {
 				t.Errorf("topodra: evicted %v, urgent pending %v, running at end %d; want one preempted, the urgent job and one other running", res.Evicted, urgentPending, res.RunningAtEnd)
 			}
 		case sim.SchedulerStock:

@@ -163,14 +163,15 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 		return unresolvable(msg)
 	}
-	if s.headroom.drivers != nil && (trial != nil || pod.Status.NominatedNodeName == "") {
-		// A trial counts the free devices as PreFilter did, without
-		// those it freed: preemption evicts no pods for a placement that
-		// the headroom holds back at the time. A pod nominated to a node
-		// (a preemptor, after its victims were evicted) is not held back
-		// any more: other pods may have taken free devices elsewhere
-		// since its trial, and the room it made by evicting pods would
-		// then stay kept for it and unused.
+	if s.headroom.drivers != nil && (freed || pod.Status.NominatedNodeName != node.Name) {
+		// A preemption trial counts the free devices as PreFilter did,
+		// without those it freed: preemption evicts no pods for a
+		// placement that the headroom holds back at the time. On the
+		// node a pod is nominated to (a preemptor, after its victims
+		// were evicted) it is not held back any more: other pods may
+		// have taken free devices elsewhere since its trial, and the
+		// room it made by evicting pods would then stay kept for it and
+		// unused. Elsewhere the headroom applies to it as to any pod.
 		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.

@@ -62,7 +62,7 @@ func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, nodeName 
 	if s.allocator == nil || pl.handle == nil || pl.handle.SnapshotSharedLister() == nil {
 		return false
 	}
-	gone := s.leaving(pl).allGone()
+	gone := s.leaving(pl).allGone(s.claims)
 	if !s.allocator.AnyOnNode(nodeName, gone) {
 		return false
 	}

@@ -309,11 +309,14 @@ func (s *stateData) leaving(pl *TopologyDRA) leavingSets {
 	return s.leavingSets
 }
 
-// allGone returns the devices of the claims whose pods are all gone.
-func (l leavingSets) allGone() sets.Set[structured.DeviceID] {
+// allGone returns the devices of the claims whose pods are all gone, but
+// for the claims of own (the pod's: it keeps using them).
+func (l leavingSets) allGone(own []*resourceapi.ResourceClaim) sets.Set[structured.DeviceID] {
 	out := sets.New[structured.DeviceID]()
-	for _, devices := range l.gone {
-		out = out.Union(devices)
+	for uid, devices := range l.gone {
+		if !slices.ContainsFunc(own, func(c *resourceapi.ResourceClaim) bool { return c.UID == uid }) {
+			out = out.Union(devices)
+		}
 	}
 	return out
 }

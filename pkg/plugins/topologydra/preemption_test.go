@@ -333,8 +333,9 @@ func TestPreemptorRequeued(t *testing.T) {
 }
 
 // TestNominatedPodNotHeldBack: the headroom holds a large pod back, but
-// not once it is nominated to the node (it preempted pods for that room,
-// and others may have taken free devices elsewhere since).
+// not on the node it is nominated to (it preempted pods for that room,
+// and others may have taken free devices elsewhere since), also in the
+// pass with other nominated pods added; on other nodes it does.
 func TestNominatedPodNotHeldBack(t *testing.T) {
 	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
 		testClaim("four", 4), allocatedOn(testClaim("full", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
@@ -346,7 +347,20 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 		t.Fatalf("not nominated: %v, want held back by the headroom", st["a"])
 	}
 	pod.Status.NominatedNodeName = "a"
-	if _, st := h.cycle(pod, "a"); !st["a"].IsSuccess() {
+	cs, st := h.cycle(pod, "a")
+	if !st["a"].IsSuccess() {
 		t.Errorf("nominated to a: %v, want it to fit", st["a"])
+	}
+	// Also in the framework's first pass, with another pod nominated to
+	// the node added (one whose claims cannot be read takes nothing).
+	first := cs.Clone()
+	h.pl.AddPod(h.tCtx, first, pod, podInfo(t, testPod("other", "nope")), h.nodes["a"])
+	if st := h.pl.Filter(h.tCtx, first, pod, h.nodes["a"]); !st.IsSuccess() {
+		t.Errorf("nominated to a, another pod nominated there too: %v, want it to fit", st)
+	}
+	// Nominated elsewhere, the headroom applies here as to any pod.
+	pod.Status.NominatedNodeName = "b"
+	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
+		t.Errorf("nominated to b: %v on a, want held back by the headroom", st["a"])
 	}
 }
