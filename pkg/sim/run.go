@@ -492,19 +492,18 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		return nil
 	}
 
-	// finish deletes pods at once and waits until their claims are
-	// released.
-	finish := func(when string, gone []string) error {
-		if len(gone) == 0 {
-			return nil
+	// deletePod deletes a pod at once; one already gone is no error.
+	deletePod := func(ctx context.Context, name string) error {
+		err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete pod %s: %w", name, err)
 		}
-		for _, name := range gone {
-			err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
-			if err != nil && !apierrors.IsNotFound(err) {
-				return fmt.Errorf("delete pod %s: %w", name, err)
-			}
-		}
-		return waitFor(fmt.Sprintf("%s: %d finished pods to release their devices", when, len(gone)), func() (bool, string) { return tr.released(gone) })
+		return nil
+	}
+	// evictedGone waits until the pods evicted so far are gone and their
+	// claims released.
+	evictedGone := func(when string) error {
+		return waitFor(when+": evicted pods to release their devices", func() (bool, string) { return tr.released(tr.evictedPods()) })
 	}
 
 	// Pods that the scheduler evicts (preemption) go at once, as their
@@ -515,7 +514,7 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		defer close(kubeletDone)
 		wait.UntilWithContext(kubeletCtx, func(ctx context.Context) {
 			for _, name := range tr.evicted() {
-				if err := client.CoreV1().Pods(Namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil && !apierrors.IsNotFound(err) {
+				if deletePod(ctx, name) != nil {
 					tr.undoEvicted(name)
 				}
 			}
@@ -530,12 +529,19 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 		tr.setTick(tick)
 		// Departures: delete pods whose lifetime is over and wait until
 		// their claims are released, so that arrivals see the freed devices.
-		if err := finish(fmt.Sprintf("tick %d", tick), tr.expired(tick, lifetime)); err != nil {
-			return nil, err
+		if gone := tr.expired(tick, lifetime); len(gone) > 0 {
+			for _, name := range gone {
+				if err := deletePod(ctx, name); err != nil {
+					return nil, err
+				}
+			}
+			if err := waitFor(fmt.Sprintf("tick %d: %d finished pods to release their devices", tick, len(gone)), func() (bool, string) { return tr.released(gone) }); err != nil {
+				return nil, err
+			}
 		}
 		// Pods evicted since the last tick are gone with their devices
 		// before pending pods are judged.
-		if err := waitFor(fmt.Sprintf("tick %d: evicted pods to release their devices", tick), func() (bool, string) { return tr.released(tr.evictedPods()) }); err != nil {
+		if err := evictedGone(fmt.Sprintf("tick %d", tick)); err != nil {
 			return nil, err
 		}
 		// Pending pods that now fit by count: give the scheduler the chance
@@ -645,10 +651,12 @@ func drive(ctx context.Context, opts Options, workload *Workload, tr *tracker, c
 	// devices given back.
 	stopKubelet()
 	<-kubeletDone
-	if err := finish("end", tr.evicted()); err != nil {
-		return nil, err
+	for _, name := range tr.evicted() {
+		if err := deletePod(ctx, name); err != nil {
+			return nil, err
+		}
 	}
-	if err := waitFor("the end: evicted pods to release their devices", func() (bool, string) { return tr.released(tr.evictedPods()) }); err != nil {
+	if err := evictedGone("the end"); err != nil {
 		return nil, err
 	}
 	res.Snapshots = append(res.Snapshots, tr.snapshot("end"))

@@ -5,6 +5,8 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/sets"
+	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 )
@@ -62,7 +64,8 @@ func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, nodeName 
 	if s.allocator == nil || pl.handle == nil || pl.handle.SnapshotSharedLister() == nil {
 		return false
 	}
-	gone := s.leaving(pl).allGone(s.claims)
+	gone := sets.New[structured.DeviceID]()
+	addAllBut(gone, s.leaving(pl).gone, s.claimUIDs())
 	if !s.allocator.AnyOnNode(nodeName, gone) {
 		return false
 	}

@@ -150,10 +150,7 @@ func (pl *TopologyDRA) trialAllocator(ctx context.Context, s *stateData, t *tria
 	// The pod's own claims are never freed: a claim that it shares with
 	// a victim stays allocated, and its other claims cannot have its
 	// devices.
-	own := sets.New[types.UID]()
-	for _, claim := range s.claims {
-		own.Insert(claim.UID)
-	}
+	own := s.claimUIDs()
 	leaving := s.leaving(pl)
 	var freed sets.Set[structured.DeviceID]
 	if t.preempting {
@@ -167,11 +164,7 @@ func (pl *TopologyDRA) trialAllocator(ctx context.Context, s *stateData, t *tria
 				pl.addTaken(freed, claim.Status.Allocation)
 			}
 		}
-		for uid, devices := range leaving.gone {
-			if !own.Has(uid) {
-				freed = freed.Union(devices)
-			}
-		}
+		addAllBut(freed, leaving.gone, own)
 	}
 	taken := sets.New[structured.DeviceID]()
 	a := s.allocator.Adjusted(freed, taken)
@@ -183,11 +176,7 @@ func (pl *TopologyDRA) trialAllocator(ctx context.Context, s *stateData, t *tria
 	// Both Allocators look taken up per call, so each pod sees the
 	// devices of those before it as allocated.
 	nominatedFreed := sets.New[structured.DeviceID]().Union(freed)
-	for uid, devices := range leaving.leaving {
-		if !own.Has(uid) {
-			nominatedFreed = nominatedFreed.Union(devices)
-		}
-	}
+	addAllBut(nominatedFreed, leaving.leaving, own)
 	nominated := s.allocator.Adjusted(nominatedFreed, taken)
 	for _, pod := range t.added {
 		claims := pl.unallocatedClaims(pod, own)
@@ -309,16 +298,25 @@ func (s *stateData) leaving(pl *TopologyDRA) leavingSets {
 	return s.leavingSets
 }
 
-// allGone returns the devices of the claims whose pods are all gone, but
-// for the claims of own (the pod's: it keeps using them).
-func (l leavingSets) allGone(own []*resourceapi.ResourceClaim) sets.Set[structured.DeviceID] {
-	out := sets.New[structured.DeviceID]()
-	for uid, devices := range l.gone {
-		if !slices.ContainsFunc(own, func(c *resourceapi.ResourceClaim) bool { return c.UID == uid }) {
-			out = out.Union(devices)
+// addAllBut adds to set the devices of every claim of perClaim but those
+// in own.
+func addAllBut(set sets.Set[structured.DeviceID], perClaim map[types.UID]sets.Set[structured.DeviceID], own sets.Set[types.UID]) {
+	for uid, devices := range perClaim {
+		if !own.Has(uid) {
+			for id := range devices {
+				set.Insert(id)
+			}
 		}
 	}
-	return out
+}
+
+// claimUIDs returns the UIDs of the pod's claims.
+func (s *stateData) claimUIDs() sets.Set[types.UID] {
+	own := sets.New[types.UID]()
+	for _, claim := range s.claims {
+		own.Insert(claim.UID)
+	}
+	return own
 }
 
 // podsLeaving reports whether every pod of an allocated claim is gone
