@@ -78,7 +78,7 @@ func TestChurnNoDoubleAllocation(t *testing.T) {
 	create := func(templates []string) {
 		t.Helper()
 		err := parallel(ctx, len(templates), 16, func(ctx context.Context, i int) error {
-			_, err := cp.Client.CoreV1().Pods(ns).Create(ctx, newPod(ns, "topodra-scheduler", templates[i]), metav1.CreateOptions{})
+			_, err := cp.Client.CoreV1().Pods(ns).Create(ctx, w.newPod(ns, "topodra-scheduler", templates[i]), metav1.CreateOptions{})
 			return err
 		})
 		if err != nil {

@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	schedulingv1 "k8s.io/api/scheduling/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -174,6 +175,15 @@ func setUpCluster(ctx context.Context, client kubernetes.Interface, w *Workload)
 	if err != nil {
 		return fmt.Errorf("create nodes: %w", err)
 	}
+	if w.PriorityClass != "" {
+		if w.PriorityClass != HighPriority {
+			return fmt.Errorf("priority class %q: the harness creates only %q", w.PriorityClass, HighPriority)
+		}
+		pc := &schedulingv1.PriorityClass{ObjectMeta: metav1.ObjectMeta{Name: HighPriority}, Value: highPriorityValue}
+		if _, err := client.SchedulingV1().PriorityClasses().Create(ctx, pc, metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("create priority class: %w", err)
+		}
+	}
 	if w.InitClaims == 0 {
 		return nil
 	}
@@ -298,9 +308,20 @@ func createTemplates(ctx context.Context, client kubernetes.Interface, namespace
 	return nil
 }
 
-// newPod is a measured pod: one claim from template, for schedulerName.
-func newPod(namespace, schedulerName, template string) *v1.Pod {
+// newPod is a measured pod: one claim from template, for schedulerName,
+// of the workload's priority class.
+func (w *Workload) newPod(namespace, schedulerName, template string) *v1.Pod {
 	pod := framework.PodWithClaims(namespace, "", schedulerName, template)
 	pod.GenerateName = "test-dra-"
+	pod.Spec.PriorityClassName = w.PriorityClass
+	return pod
+}
+
+// backgroundPod is a pod of the workload's background: priority 0, and
+// gone at once when deleted (an evicted pod waits for no kubelet).
+func backgroundPod(namespace, schedulerName, template string) *v1.Pod {
+	pod := framework.PodWithClaims(namespace, "", schedulerName, template)
+	pod.GenerateName = "background-"
+	pod.Spec.TerminationGracePeriodSeconds = ptr.To[int64](0)
 	return pod
 }

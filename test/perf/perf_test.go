@@ -10,11 +10,12 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// TestSmoke runs a tiny version of three workloads (a burst on upstream's
-// device shape, a steady state with matchAttribute, and the GPU+NIC
-// topology shape) through both schedulers: the harness works end to end
-// and the report is complete. It asserts no timing; `go run ./test/perf/cmd
-// --nodes 2 --steady-duration 1s` runs every workload at this size.
+// TestSmoke runs a tiny version of four workloads (a burst on upstream's
+// device shape, a steady state with matchAttribute, the GPU+NIC topology
+// shape, and pods that fit only by preemption) through both schedulers:
+// the harness works end to end and the report is complete. It asserts no
+// timing; `go run ./test/perf/cmd --nodes 2 --steady-duration 1s` runs
+// every workload at this size.
 func TestSmoke(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts control planes")
@@ -23,7 +24,8 @@ func TestSmoke(t *testing.T) {
 	var progress bytes.Buffer
 	opts := Options{Progress: &progress, Logger: klog.Background()}
 	for _, w := range Workloads(2, time.Second) {
-		if !strings.HasPrefix(w.Name, "claim-template/") && !strings.HasPrefix(w.Name, "match_") && !strings.HasPrefix(w.Name, "gpu-nic/") {
+		preempt := strings.HasPrefix(w.Name, "preempt-")
+		if !strings.HasPrefix(w.Name, "claim-template/") && !strings.HasPrefix(w.Name, "match_") && !strings.HasPrefix(w.Name, "gpu-nic/") && !preempt {
 			continue
 		}
 		w.Stall = 5 * time.Second
@@ -35,6 +37,14 @@ func TestSmoke(t *testing.T) {
 			t.Fatalf("%s: want one result for topodra then stock, got %+v", w.Name, res)
 		}
 		for _, r := range res {
+			if preempt && r.Scheduler == Stock {
+				// The stock plugin reports missing devices as
+				// unresolvable, so DefaultPreemption evicts nobody.
+				if r.Pods != 0 || r.Unscheduled != w.podCount() {
+					t.Errorf("%s/%s: %d pods bound and %d unscheduled, want none bound: the stock plugin does not preempt for devices", w.Name, r.Scheduler, r.Pods, r.Unscheduled)
+				}
+				continue
+			}
 			if r.Pods == 0 || r.PodsPerSecond <= 0 || r.Seconds <= 0 {
 				t.Errorf("%s/%s: no pods measured: %+v", w.Name, r.Scheduler, r)
 			}
@@ -57,8 +67,8 @@ func TestSmoke(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("table:\n%s", table.String())
-	if rows := strings.Count(table.String(), "\n"); rows != 2+3 {
-		t.Errorf("table has %d lines, want header, separator and 3 rows", rows)
+	if rows := strings.Count(table.String(), "\n"); rows != 2+4 {
+		t.Errorf("table has %d lines, want header, separator and 4 rows", rows)
 	}
 
 	var js bytes.Buffer

@@ -303,6 +303,14 @@ func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Wor
 	if err := warmUp(ctx, client, profile, sched); err != nil {
 		return nil, err
 	}
+	background := ns + "-background"
+	if len(w.Background) > 0 {
+		start := time.Now()
+		if err := runBackground(ctx, client, background, profile, w); err != nil {
+			return nil, err
+		}
+		opts.progressf("%s: %s: %d background pods bound in %.1fs", w.Name, sched, len(shuffled(w.Background)), time.Since(start).Seconds())
+	}
 
 	before, err := measure.Gather(legacyregistry.DefaultGatherer, attemptMetric, map[string]string{"profile": profile})
 	if err != nil {
@@ -396,6 +404,11 @@ func runScheduler(ctx context.Context, opts Options, cp *cluster.Cluster, w *Wor
 	if err := drain(ctx, client, ns); err != nil {
 		return nil, err
 	}
+	if len(w.Background) > 0 {
+		if err := drain(ctx, client, background); err != nil {
+			return nil, err
+		}
+	}
 	sanitize(res)
 	return res, nil
 }
@@ -441,7 +454,7 @@ func runBurst(ctx context.Context, client kubernetes.Interface, ns, profile stri
 	templates := w.podTemplates()
 	start = time.Now()
 	err = parallel(ctx, len(templates), 16, func(ctx context.Context, i int) error {
-		_, err := client.CoreV1().Pods(ns).Create(ctx, newPod(ns, profile, templates[i]), metav1.CreateOptions{})
+		_, err := client.CoreV1().Pods(ns).Create(ctx, w.newPod(ns, profile, templates[i]), metav1.CreateOptions{})
 		if err != nil {
 			return fmt.Errorf("create pod: %w", err)
 		}
@@ -472,12 +485,51 @@ func runBurst(ctx context.Context, client kubernetes.Interface, ns, profile stri
 	return start, end, nil
 }
 
+// runBackground creates the workload's background pods in namespace and
+// waits until all are bound: the state the measured pods start from.
+func runBackground(ctx context.Context, client kubernetes.Interface, namespace, profile string, w *Workload) error {
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}}, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create namespace: %w", err)
+	}
+	if err := createTemplates(ctx, client, namespace, w); err != nil {
+		return err
+	}
+	templates := shuffled(w.Background)
+	err := parallel(ctx, len(templates), 16, func(ctx context.Context, i int) error {
+		if _, err := client.CoreV1().Pods(namespace).Create(ctx, backgroundPod(namespace, profile, templates[i]), metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("create background pod: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	bound := 0
+	err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 5*time.Minute, true, func(ctx context.Context) (bool, error) {
+		pods, err := client.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		bound = 0
+		for _, p := range pods.Items {
+			if p.Spec.NodeName != "" {
+				bound++
+			}
+		}
+		return bound == len(templates), nil
+	})
+	if err != nil {
+		return fmt.Errorf("background: %d of %d pods bound: %w", bound, len(templates), err)
+	}
+	return nil
+}
+
 // runSteady keeps w.Pods pods pending for w.Duration: each bound pod is
 // deleted (its generated claim goes with it) and replaced by a new one,
 // like upstream's createPodsOp with steadyState.
 func runSteady(ctx context.Context, client kubernetes.Interface, ns, profile string, w *Workload, bound <-chan *v1.Pod) (start, end time.Time, err error) {
 	create := func(ctx context.Context) error {
-		_, err := client.CoreV1().Pods(ns).Create(ctx, newPod(ns, profile, w.Templates[0].Name), metav1.CreateOptions{})
+		_, err := client.CoreV1().Pods(ns).Create(ctx, w.newPod(ns, profile, w.Templates[0].Name), metav1.CreateOptions{})
 		return err
 	}
 	start = time.Now()

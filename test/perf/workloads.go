@@ -94,6 +94,15 @@ type Workload struct {
 	// Aligned says whether placement alignment is measured (topology
 	// shapes).
 	Aligned bool
+	// Background pods are scheduled by the scheduler under test before the
+	// measured pods are created, in a namespace of their own, at the
+	// default priority (0), and are not measured. They are deleted at
+	// once when evicted (grace period 0: no kubelet runs here).
+	Background []Mix
+	// PriorityClass of the measured pods, "" for none. HighPriority is
+	// the one the harness creates (value 1000): measured pods of it
+	// outrank the background pods and may preempt them.
+	PriorityClass string
 }
 
 const (
@@ -109,6 +118,10 @@ const (
 	// spells it resource.kubernetes.io/pciRoot, we use the standard name
 	// so that topodra sees the domains.
 	pcieRoot = "resource.kubernetes.io/pcieRoot"
+
+	// HighPriority is the PriorityClass of measured pods that preempt.
+	HighPriority      = "perf-high"
+	highPriorityValue = 1000
 )
 
 // Workloads returns the benchmark set. nodes is 500 for `make bench` and
@@ -175,6 +188,22 @@ func Workloads(nodes int, steady time.Duration) []Workload {
 			}}},
 			Stall: stall, Aligned: true,
 		},
+		{
+			// Every GPU taken by 4-GPU pods of priority 0, then pods of
+			// higher priority that fit only by evicting them: 4 of 5
+			// ask for 4 GPUs (one victim each), 1 of 5 for 8 (two).
+			// The stock plugin never preempts for devices, so under it
+			// they all stay pending.
+			Name: "preempt-4-8gpu/" + n, Shape: ShapeDGX, Nodes: nodes,
+			Background: []Mix{{Template: "gpu-2", Pods: 4 * nodes}},
+			Mode:       Burst, PriorityClass: HighPriority,
+			Templates: gpuTemplates,
+			Mix: []Mix{
+				{Template: "gpu-4", Pods: scale(40)},
+				{Template: "gpu-8", Pods: scale(10)},
+			},
+			Stall: stall, Aligned: true,
+		},
 	}
 }
 
@@ -200,8 +229,14 @@ func (w *Workload) podTemplates() []string {
 		}
 		return out
 	}
+	return shuffled(w.Mix)
+}
+
+// shuffled returns the template of each pod of mix, in a deterministic
+// shuffled order.
+func shuffled(mix []Mix) []string {
 	var out []string
-	for _, m := range w.Mix {
+	for _, m := range mix {
 		for range m.Pods {
 			out = append(out, m.Template)
 		}

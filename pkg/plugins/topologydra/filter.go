@@ -163,15 +163,17 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 		return unresolvable(msg)
 	}
-	if s.headroom.drivers != nil && (freed || pod.Status.NominatedNodeName != node.Name) {
-		// A preemption trial counts the free devices as PreFilter did,
-		// without those it freed: preemption evicts no pods for a
-		// placement that the headroom holds back at the time. On the
-		// node a pod is nominated to (a preemptor, after its victims
-		// were evicted) it is not held back any more: other pods may
-		// have taken free devices elsewhere since its trial, and the
-		// room it made by evicting pods would then stay kept for it and
-		// unused. Elsewhere the headroom applies to it as to any pod.
+	if freed && !trial.keepsAlignment(res.Quality) {
+		return unschedulable("node(s) would give the pod less aligned devices with the pods preemption removed given back")
+	}
+	if s.headroom.drivers != nil && !(canPreempt(pod) && pod.Status.NominatedNodeName == node.Name) {
+		// PreFilter counted no headroom for a pod that may preempt a
+		// pod holding claims, so this is a pod that does not (its
+		// preemption's trials, for other resources, free no devices).
+		// On the node a preemptor is nominated to it is not held back
+		// either, even where no pod of lower priority holds claims any
+		// more (it evicted the last ones): the room it made would stay
+		// kept for it and unused.
 		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.

@@ -226,6 +226,10 @@ func checkHeadroom(percent int32, whole int, counts headroom, node string, alloc
 // The zero value is ready; safe for concurrent use.
 type heldBack struct {
 	pods, narrow sync.Map
+	// outranking holds the pods that the headroom did not apply to at
+	// their latest attempt because they may preempt a pod of lower
+	// priority that holds claims (see PreFilter).
+	outranking sync.Map
 	// lister lists the scheduler's pods (nil: not known); hold checks that
 	// the pod still exists, since its deletion may have been handled
 	// while its attempt ran.
@@ -256,6 +260,28 @@ func (h *heldBack) gone(pod *v1.Pod) bool {
 func (h *heldBack) done(uid types.UID) {
 	h.forget(uid)
 	h.narrow.Delete(uid)
+	h.outranking.Delete(uid)
+}
+
+// setOutranks records whether the headroom spared the pod at this attempt
+// because it may preempt (see outranksHolder). Like hold, it drops the
+// record again where the pod's deletion was handled while its attempt
+// ran.
+func (h *heldBack) setOutranks(pod *v1.Pod, outranks bool) {
+	if !outranks {
+		h.outranking.Delete(pod.UID)
+		return
+	}
+	h.outranking.Store(pod.UID, struct{}{})
+	if h.gone(pod) {
+		h.outranking.Delete(pod.UID)
+	}
+}
+
+// outranks reports what setOutranks recorded last.
+func (h *heldBack) outranks(uid types.UID) bool {
+	_, ok := h.outranking.Load(uid)
+	return ok
 }
 
 func (h *heldBack) forget(uid types.UID) {

@@ -775,3 +775,71 @@ func TestHeldBackForgottenOnceAllocated(t *testing.T) {
 		t.Error("the pod is still recorded as held back after an attempt with nothing to allocate")
 	}
 }
+
+// TestHeadroomSparesPodThatMayPreempt: on 8 nodes of 8 GPUs, node-0 free
+// and the others held, the headroom (8 of 64) holds an 8-GPU pod back. It
+// does not hold back a pod that may preempt a pod of lower priority
+// holding claims: that pod would evict pods instead, and on a full
+// cluster the headroom would keep it from preempting at all. A pod of
+// the same priority as every holder, or one that may not preempt, is held
+// back as before. The freed-devices hint retries the pod it spared when a
+// node is given back, where the headroom would have called the cluster
+// short.
+func TestHeadroomSparesPodThatMayPreempt(t *testing.T) {
+	var nodes []*v1.Node
+	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
+	for i := range 8 {
+		name := fmt.Sprintf("node-%d", i)
+		nodes = append(nodes, testNode(name))
+		objs = append(objs, testSlice(name, 8))
+		if i > 0 {
+			objs = append(objs, allocatedOn(testClaim("held-"+name, 8), name, gpuNames(0, 8)...))
+		}
+	}
+	h := newHarness(t, nodes, objs...)
+	h.waitForClaim("eight", func(*resourceapi.ResourceClaim) bool { return true })
+	h.waitForClaim("held-node-7", func(*resourceapi.ResourceClaim) bool { return true })
+	h.pl.headroomPercent = 12
+	low := testPod("low", "held-node-5")
+	low.Spec.NodeName = "node-5"
+	h.nodes["node-5"].AddPodInfo(podInfo(t, low))
+
+	never := testPod("never", "eight")
+	never.Spec.Priority = ptr.To[int32](100)
+	never.Spec.PreemptionPolicy = ptr.To(v1.PreemptNever)
+	group := testPod("group", "eight")
+	group.Spec.Priority = ptr.To[int32](100)
+	group.Spec.SchedulingGroup = &v1.PodSchedulingGroup{}
+	high := testPod("high", "eight")
+	high.Spec.Priority = ptr.To[int32](100)
+	for _, tc := range []struct {
+		name     string
+		pod      *v1.Pod
+		heldBack bool
+	}{
+		{"same priority as every holder", testPod("same", "eight"), true},
+		{"higher priority, preemptionPolicy Never", never, true},
+		{"higher priority, in a scheduling group", group, true},
+		{"higher priority", high, false},
+	} {
+		_, st := h.cycle(tc.pod, "node-0")
+		if held := strings.Contains(st["node-0"].Message(), "held back"); held != tc.heldBack || !held && !st["node-0"].IsSuccess() {
+			t.Errorf("%s: Filter(node-0) = %v, want held back = %v", tc.name, st["node-0"], tc.heldBack)
+		}
+		if got := h.pl.heldBack.outranks(tc.pod.UID); got == tc.heldBack {
+			t.Errorf("%s: recorded as outranking = %v", tc.name, got)
+		}
+	}
+
+	// node-0 taken meanwhile, node-3 given back: 8 free, short of the
+	// headroom with the pod placed.
+	h.pl.headroomPercent = 12
+	h.create(allocatedOn(testClaim("took-node-0", 8), "node-0", gpuNames(0, 8)...))
+	h.waitForClaim("took-node-0", func(*resourceapi.ResourceClaim) bool { return true })
+	if got := freeingHint(t, h, testPod("same", "eight"), "held-node-3"); got != fwk.QueueSkip {
+		t.Errorf("pod held back by the headroom, a node given back: hint %v, want %v", got, fwk.QueueSkip)
+	}
+	if got := freeingHint(t, h, high, "held-node-3"); got != fwk.Queue {
+		t.Errorf("pod spared by the headroom, a node given back: hint %v, want %v", got, fwk.Queue)
+	}
+}

@@ -47,6 +47,11 @@ import (
 //     yet allocated get on the node first, with the devices of pods that
 //     are leaving (terminating or gone) counted as free; where they do not
 //     fit even so, the node is kept for it.
+//   - A victim is given back only where the pod's devices stay as aligned
+//     as at the trial's first fit, with every pod of lower priority
+//     removed: the victims chosen free an aligned placement where the
+//     node has one, as topodra would place the pod on free devices,
+//     which may take a victim more than the fewest that make the pod fit.
 //
 // Results of preemption's trials are never kept for Reserve. A
 // result with only nominated pods added is a valid allocation, and wins
@@ -67,12 +72,30 @@ type trialData struct {
 	// preempting is set once a pod was removed: the trial is
 	// preemption's, also after every pod removed was given back.
 	preempting bool
+	// aligned is the quality of the pod's devices at the trial's first
+	// fit in preemption's trial (keepsAlignment).
+	aligned *allocator.Quality
+}
+
+// keepsAlignment reports whether a fit of quality q in preemption's trial
+// is as aligned as the trial's first fit, which it records: its devices
+// share as many of the policy's attributes (Quality.Shared) and, where
+// they share as many, span no more domains. Preemption
+// removes every pod of lower priority before its first Filter and then
+// gives them back one at a time while the pod still fits, so the first fit
+// is the best the node can give the pod.
+func (t *trialData) keepsAlignment(q allocator.Quality) bool {
+	if t.aligned == nil {
+		t.aligned = &q
+		return true
+	}
+	return q.Shared > t.aligned.Shared || q.Shared == t.aligned.Shared && q.DomainsSpanned <= t.aligned.DomainsSpanned
 }
 
 // Clone implements fwk.StateData: each copy of the cycle state is a trial
 // of its own.
 func (t *trialData) Clone() fwk.StateData {
-	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting}
+	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting, aligned: t.aligned}
 }
 
 // trialOf returns the trial recorded in cs, creating it where create is
@@ -353,18 +376,43 @@ func (pl *TopologyDRA) podsLeaving(claim *resourceapi.ResourceClaim) (gone, leav
 }
 
 // mayPreempt reports whether preemption could make room for pod's devices
-// on the node: the pod may preempt, and a pod of lower priority there
-// holds claims. Each of preemption's tries costs a copy of the cycle state
-// and of the node per candidate node, so Filter lets it try only there. A
-// pod of a scheduling group is left out: the group's preemption removes
-// its victims without RemovePod, so its trials would free no devices.
+// on the node: the pod may preempt (canPreempt), and a pod of lower
+// priority there holds claims. Each of preemption's tries costs a copy of
+// the cycle state and of the node per candidate node, so Filter lets it
+// try only there.
 func mayPreempt(pod *v1.Pod, nodeInfo fwk.NodeInfo) bool {
-	if pod.Spec.PreemptionPolicy != nil && *pod.Spec.PreemptionPolicy == v1.PreemptNever || pod.Spec.SchedulingGroup != nil {
+	return canPreempt(pod) && lowerHolder(corev1helpers.PodPriority(pod), nodeInfo)
+}
+
+// canPreempt reports whether the pod may preempt pods for devices: its
+// preemptionPolicy is not Never, and it is not in a scheduling group (the
+// group's preemption removes its victims without RemovePod, so its trials
+// would free no devices).
+func canPreempt(pod *v1.Pod) bool {
+	return (pod.Spec.PreemptionPolicy == nil || *pod.Spec.PreemptionPolicy != v1.PreemptNever) && pod.Spec.SchedulingGroup == nil
+}
+
+// lowerHolder reports whether a pod of priority below prio holds claims
+// on the node.
+func lowerHolder(prio int32, nodeInfo fwk.NodeInfo) bool {
+	for _, pi := range nodeInfo.GetPods() {
+		if p := pi.GetPod(); corev1helpers.PodPriority(p) < prio && usesClaims(p) {
+			return true
+		}
+	}
+	return false
+}
+
+// outranksHolder reports whether the pod may preempt a pod that holds
+// claims on one of nodes. It stops at the first such pod; where there is
+// none it looks at every pod of nodes.
+func outranksHolder(pod *v1.Pod, nodes []fwk.NodeInfo) bool {
+	if !canPreempt(pod) {
 		return false
 	}
 	prio := corev1helpers.PodPriority(pod)
-	for _, pi := range nodeInfo.GetPods() {
-		if p := pi.GetPod(); corev1helpers.PodPriority(p) < prio && usesClaims(p) {
+	for _, n := range nodes {
+		if lowerHolder(prio, n) {
 			return true
 		}
 	}

@@ -1,6 +1,7 @@
 package topologydra
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -335,7 +336,8 @@ func TestPreemptorRequeued(t *testing.T) {
 // TestNominatedPodNotHeldBack: the headroom holds a large pod back, but
 // not on the node it is nominated to (it preempted pods for that room,
 // and others may have taken free devices elsewhere since), also in the
-// pass with other nominated pods added; on other nodes it does.
+// pass with other nominated pods added; on other nodes it does, and so it
+// does for a pod that may not preempt.
 func TestNominatedPodNotHeldBack(t *testing.T) {
 	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
 		testClaim("four", 4), allocatedOn(testClaim("full", 4), "b", "gpu-0", "gpu-1", "gpu-2", "gpu-3"))
@@ -362,5 +364,60 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 	pod.Status.NominatedNodeName = "b"
 	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
 		t.Errorf("nominated to b: %v on a, want held back by the headroom", st["a"])
+	}
+	// A pod that may not preempt made no room: a nomination it carries
+	// is stale, and the headroom applies on that node too.
+	pod.Status.NominatedNodeName = "a"
+	pod.Spec.PreemptionPolicy = ptr.To(v1.PreemptNever)
+	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
+		t.Errorf("preemptionPolicy Never, nominated to a: %v, want held back by the headroom", st["a"])
+	}
+}
+
+// TestPreemptionKeepsAlignment: in preemption's trials a victim is given
+// back only where the pod's devices stay as aligned as with every pod of
+// lower priority removed. Four 1-GPU pods hold a node's GPUs, two on each
+// PCIe root; a pod of 2 GPUs gets a root of its own with all of them
+// removed. Given back in preemption's order, the first still leaves a
+// root free; the second (on the other root) would leave one GPU free on
+// each: the pod fits, but not on one root, so that pod stays a victim;
+// the third then leaves a root free again, and the fourth leaves too
+// little.
+func TestPreemptionKeepsAlignment(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2))
+	var victims []*v1.Pod
+	for i, dev := range []string{"gpu-0", "gpu-2", "gpu-1", "gpu-3"} {
+		name := fmt.Sprintf("v%d", i)
+		v := testPod(name, name+"-claim")
+		v.Spec.NodeName = "node-a"
+		v = h.createSeen(v)
+		h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
+		h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
+		h.nodes["node-a"].AddPodInfo(podInfo(t, v))
+		victims = append(victims, v)
+	}
+	pod := testPod("p", "want")
+	pod.Spec.Priority = ptr.To[int32](100)
+	cs, st := h.cycle(pod, "node-a")
+	if st["node-a"].Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
+	}
+	trial := cs.Clone()
+	for _, v := range victims {
+		h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+	}
+	if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
+		t.Fatalf("all removed: %v", st)
+	}
+	for i, want := range []bool{true, false, true, false} {
+		v := victims[i]
+		h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+		st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"])
+		if st.IsSuccess() != want {
+			t.Errorf("%s given back: %v, want fits = %v", v.Name, st, want)
+		}
+		if !st.IsSuccess() {
+			h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+		}
 	}
 }

@@ -224,6 +224,17 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 	need := mostOfOneClass(counts)
 	keepHeadroom := pl.headroomPercent > 0 && need >= pl.halfNode()
+	if keepHeadroom {
+		// The headroom keeps devices free for smaller pods that may
+		// come. A pod that may preempt a pod of lower priority holding
+		// claims is not held back for them: it would take devices by
+		// evicting pods instead, so free devices would turn into
+		// evictions, and where none are free the headroom would keep it
+		// from preempting at all.
+		outranks := outranksHolder(pod, nodes)
+		pl.heldBack.setOutranks(pod, outranks)
+		keepHeadroom = !outranks
+	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,
 		AllocatedState: allocatedState,

@@ -340,11 +340,12 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 			}
 		}
 		return false
-	case !narrow && pl.headroomPercent > 0:
+	case !narrow && pl.headroomPercent > 0 && !pl.heldBack.outranks(pod.UID):
 		// The headroom is Filter's where the pod's unallocated claims ask
 		// for half a node or more devices of one class (summed over their
 		// requests, as PreFilter counts them), however small each
-		// request is.
+		// request is, unless the pod may preempt (PreFilter said so at
+		// its latest attempt).
 		total, _ := podDevices(pod, pl.draManager.ResourceClaims().Get, true)
 		if total < pl.halfNode() {
 			break
