@@ -1,7 +1,9 @@
 package integration
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -118,5 +120,70 @@ func TestNoPreemptionWithoutRoom(t *testing.T) {
 	tCtx.ExpectNoError(err)
 	if p.DeletionTimestamp != nil || hasDisruptionTarget(p) {
 		tCtx.Errorf("pod low was preempted for a pod that cannot fit")
+	}
+}
+
+// TestPreemptionOnFullCluster: 8 DGX nodes, every GPU held by 2-GPU pods
+// of priority 0, with smallPodHeadroomPercent at its default. Pods of
+// higher priority that need 4 and then 8 GPUs preempt: the headroom,
+// which nothing free could satisfy, does not hold back a pod that may
+// preempt. Each evicts the fewest pods that free an aligned placement:
+// the 4-GPU pod two pods of one NUMA node, and gets that NUMA node; the
+// 8-GPU pod the four pods of one node.
+func TestPreemptionOnFullCluster(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "preemptfull")
+	e.dgxNodes("g", 8, "256")
+	two := e.template(2, nil)
+	startTopodra(tCtx)
+
+	var low []string
+	for i := range 32 {
+		name := fmt.Sprintf("low-%d", i)
+		pod := framework.PodWithClaims(e.ns, name, topodraName, two)
+		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
+		// Evicted pods go at once: no kubelet runs here.
+		pod.Spec.TerminationGracePeriodSeconds = ptr.To[int64](0)
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		low = append(low, name)
+	}
+	for _, name := range low {
+		e.waitScheduled(name)
+	}
+
+	high := e.highPriority()
+	left := len(low)
+	for _, tc := range []struct {
+		name    string
+		gpus    int64
+		victims int
+	}{
+		{"important-4", 4, 2},
+		{"important-8", 8, 4},
+	} {
+		pod := framework.PodWithClaims(e.ns, tc.name, topodraName, e.template(tc.gpus, nil))
+		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
+		pod.Spec.PriorityClassName = high
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+		scheduled := e.waitScheduled(tc.name)
+		got := e.devicesOf(scheduled)
+		pods, err := cp.Client.CoreV1().Pods(e.ns).List(tCtx, metav1.ListOptions{})
+		tCtx.ExpectNoError(err)
+		remaining := 0
+		for _, p := range pods.Items {
+			if strings.HasPrefix(p.Name, "low-") {
+				remaining++
+			}
+		}
+		tCtx.Logf("%s on %s with %v; %d low-priority pods evicted", tc.name, scheduled.Spec.NodeName, got, left-remaining)
+		if len(got) != int(tc.gpus) || !sharedDomain(got, 4) && tc.gpus == 4 {
+			tCtx.Errorf("%s got %v, want %d GPUs of one NUMA node", tc.name, got, tc.gpus)
+		}
+		if left-remaining != tc.victims {
+			tCtx.Errorf("%s: %d pods evicted, want %d", tc.name, left-remaining, tc.victims)
+		}
+		left = remaining
 	}
 }
