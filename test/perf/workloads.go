@@ -189,9 +189,10 @@ func Workloads(nodes int, steady time.Duration) []Workload {
 			Stall: stall, Aligned: true,
 		},
 		{
-			// Every GPU taken by 4-GPU pods of priority 0, then pods of
-			// higher priority that fit only by evicting them: 4 of 5
-			// ask for 4 GPUs (one victim each), 1 of 5 for 8 (two).
+			// Every GPU taken by 2-GPU pods of priority 0 (2-GPU pods,
+			// as the headroom holds back none), then pods of higher
+			// priority that fit only by evicting them: 4 of 5 ask for
+			// 4 GPUs (two victims each), 1 of 5 for 8 (four).
 			// The stock plugin never preempts for devices, so under it
 			// they all stay pending.
 			Name: "preempt-4-8gpu/" + n, Shape: ShapeDGX, Nodes: nodes,

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -170,6 +171,8 @@ func (h *harness) create(obj runtime.Object) {
 		_, err = h.client.ResourceV1().DeviceClasses().Create(h.tCtx, o, metav1.CreateOptions{})
 	case *v1.Node:
 		_, err = h.client.CoreV1().Nodes().Create(h.tCtx, o, metav1.CreateOptions{})
+	case *policyv1.PodDisruptionBudget:
+		_, err = h.client.PolicyV1().PodDisruptionBudgets(o.Namespace).Create(h.tCtx, o, metav1.CreateOptions{})
 	default:
 		err = fmt.Errorf("unsupported object %T", obj)
 	}

@@ -776,19 +776,20 @@ func TestHeldBackForgottenOnceAllocated(t *testing.T) {
 	}
 }
 
-// TestHeadroomSparesPodThatMayPreempt: on 8 nodes of 8 GPUs, node-0 free
-// and the others held, the headroom (8 of 64) holds an 8-GPU pod back. It
+// TestHeadroomSparesPodThatMayPreempt: on 9 nodes of 8 GPUs, node-0 free
+// and the others held, the headroom (9 of 72) holds an 8-GPU pod back. It
 // does not hold back a pod that may preempt a pod of lower priority
 // holding claims: that pod would evict pods instead, and on a full
 // cluster the headroom would keep it from preempting at all. A pod of
-// the same priority as every holder, or one that may not preempt, is held
-// back as before. The freed-devices hint retries the pod it spared when a
-// node is given back, where the headroom would have called the cluster
-// short.
+// the same priority as every holder, one that may not preempt, and one
+// that may not use the holder's node (its headroom then 8 of the other
+// 64) are held back as before. The freed-devices hint retries the pod it
+// spared when a node is given back, where the headroom would have called
+// the cluster short.
 func TestHeadroomSparesPodThatMayPreempt(t *testing.T) {
 	var nodes []*v1.Node
 	objs := []runtime.Object{testDeviceClass(), testClaim("eight", 8)}
-	for i := range 8 {
+	for i := range 9 {
 		name := fmt.Sprintf("node-%d", i)
 		nodes = append(nodes, testNode(name))
 		objs = append(objs, testSlice(name, 8))
@@ -812,6 +813,11 @@ func TestHeadroomSparesPodThatMayPreempt(t *testing.T) {
 	group.Spec.SchedulingGroup = &v1.PodSchedulingGroup{}
 	high := testPod("high", "eight")
 	high.Spec.Priority = ptr.To[int32](100)
+	elsewhere := testPod("elsewhere", "eight")
+	elsewhere.Spec.Priority = ptr.To[int32](100)
+	elsewhere.Spec.Affinity = &v1.Affinity{NodeAffinity: &v1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &v1.NodeSelector{
+		NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "kubernetes.io/hostname", Operator: v1.NodeSelectorOpNotIn, Values: []string{"node-5"}}}}},
+	}}}
 	for _, tc := range []struct {
 		name     string
 		pod      *v1.Pod
@@ -820,6 +826,7 @@ func TestHeadroomSparesPodThatMayPreempt(t *testing.T) {
 		{"same priority as every holder", testPod("same", "eight"), true},
 		{"higher priority, preemptionPolicy Never", never, true},
 		{"higher priority, in a scheduling group", group, true},
+		{"higher priority, the holder on a node it may not use", elsewhere, true},
 		{"higher priority", high, false},
 	} {
 		_, st := h.cycle(tc.pod, "node-0")
@@ -833,7 +840,6 @@ func TestHeadroomSparesPodThatMayPreempt(t *testing.T) {
 
 	// node-0 taken meanwhile, node-3 given back: 8 free, short of the
 	// headroom with the pod placed.
-	h.pl.headroomPercent = 12
 	h.create(allocatedOn(testClaim("took-node-0", 8), "node-0", gpuNames(0, 8)...))
 	h.waitForClaim("took-node-0", func(*resourceapi.ResourceClaim) bool { return true })
 	if got := freeingHint(t, h, testPod("same", "eight"), "held-node-3"); got != fwk.QueueSkip {

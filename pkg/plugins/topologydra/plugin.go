@@ -27,6 +27,7 @@ import (
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	policylisters "k8s.io/client-go/listers/policy/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
@@ -113,6 +114,9 @@ type TopologyDRA struct {
 	// pods lists the pods the scheduler knows (nil without an informer
 	// factory), for activateWaiting.
 	pods corelisters.PodLister
+	// pdbs lists PodDisruptionBudgets (nil: not known): preemption does
+	// not evict a pod they cover for alignment alone.
+	pdbs policylisters.PodDisruptionBudgetLister
 	// skipResizeDeferred is the InPlacePodVerticalScalingSchedulerPreemption
 	// feature: with it the scheduler queues bound pods whose resize is
 	// deferred, to find room by preemption; their claims are in use and
@@ -213,6 +217,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	if f := h.SharedInformerFactory(); f != nil {
 		pl.nodes = f.Core().V1().Nodes().Lister()
 		pl.pods = f.Core().V1().Pods().Lister()
+		pl.pdbs = f.Policy().V1().PodDisruptionBudgets().Lister()
 		if _, err := f.Resource().V1().ResourceClaims().Informer().AddEventHandler(pl.claimHandler()); err != nil {
 			return nil, fmt.Errorf("watch claims: %w", err)
 		}

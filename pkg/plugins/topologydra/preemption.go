@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
@@ -48,10 +49,12 @@ import (
 //     are leaving (terminating or gone) counted as free; where they do not
 //     fit even so, the node is kept for it.
 //   - A victim is given back only where the pod's devices stay as aligned
-//     as at the trial's first fit, with every pod of lower priority
-//     removed: the victims chosen free an aligned placement where the
-//     node has one, as topodra would place the pod on free devices,
-//     which may take a victim more than the fewest that make the pod fit.
+//     as at the trial's first fit, with every candidate victim removed:
+//     the victims chosen free an aligned placement where the node has
+//     one, as topodra would place the pod on free devices, which may take
+//     a victim more than the fewest that make the pod fit. A victim that
+//     a PodDisruptionBudget covers is never evicted for alignment alone
+//     (see keepsAlignment).
 //
 // Results of preemption's trials are never kept for Reserve. A
 // result with only nominated pods added is a valid allocation, and wins
@@ -72,30 +75,44 @@ type trialData struct {
 	// preempting is set once a pod was removed: the trial is
 	// preemption's, also after every pod removed was given back.
 	preempting bool
-	// aligned is the quality of the pod's devices at the trial's first
-	// fit in preemption's trial (keepsAlignment).
+	// aligned is the alignment that preemption's trial keeps for the pod
+	// (keepsAlignment); never changed in place, so copies may share it.
 	aligned *allocator.Quality
+	// reprieved is the pod with claims that AddPod gave back last, nil
+	// after any other AddPod or RemovePod.
+	reprieved *v1.Pod
 }
 
-// keepsAlignment reports whether a fit of quality q in preemption's trial
-// is as aligned as the trial's first fit, which it records: its devices
-// share as many of the policy's attributes (Quality.Shared) and, where
-// they share as many, span no more domains. Preemption
-// removes every pod of lower priority before its first Filter and then
-// gives them back one at a time while the pod still fits, so the first fit
-// is the best the node can give the pod.
-func (t *trialData) keepsAlignment(q allocator.Quality) bool {
+// keepsAlignment reports whether a fit of quality q in preemption's trial,
+// without nominated pods added, is as aligned as the trial keeps: its
+// devices share as many of the policy's attributes (Quality.Shared) and,
+// where they share as many, span no more domains. The first such fit sets
+// it: DefaultPreemption removes every candidate victim before its first
+// Filter and then gives them back one at a time, keeping each whose
+// return still lets the pod pass, so the first fit is the best the node
+// can give the pod. Where the pod given back is protected (a
+// PodDisruptionBudget covers it), a less aligned fit is accepted and
+// becomes what the trial keeps: preemption would otherwise evict that pod
+// for alignment alone, and upstream tries such pods first.
+func (t *trialData) keepsAlignment(q allocator.Quality, protected bool) bool {
 	if t.aligned == nil {
 		t.aligned = &q
 		return true
 	}
-	return q.Shared > t.aligned.Shared || q.Shared == t.aligned.Shared && q.DomainsSpanned <= t.aligned.DomainsSpanned
+	if q.Shared > t.aligned.Shared || q.Shared == t.aligned.Shared && q.DomainsSpanned <= t.aligned.DomainsSpanned {
+		return true
+	}
+	if !protected {
+		return false
+	}
+	t.aligned = &q
+	return true
 }
 
 // Clone implements fwk.StateData: each copy of the cycle state is a trial
 // of its own.
 func (t *trialData) Clone() fwk.StateData {
-	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting, aligned: t.aligned}
+	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting, aligned: t.aligned, reprieved: t.reprieved}
 }
 
 // trialOf returns the trial recorded in cs, creating it where create is
@@ -125,11 +142,16 @@ func (pl *TopologyDRA) PreFilterExtensions() fwk.PreFilterExtensions { return pl
 func (pl *TopologyDRA) AddPod(_ context.Context, cs fwk.CycleState, _ *v1.Pod, podInfoToAdd fwk.PodInfo, _ fwk.NodeInfo) *fwk.Status {
 	pod := podInfoToAdd.GetPod()
 	if !usesClaims(pod) {
+		if t := trialOf(cs, false); t != nil {
+			t.reprieved = nil
+		}
 		return nil
 	}
 	t := trialOf(cs, true)
+	t.reprieved = nil
 	if _, ok := t.removed[pod.UID]; ok {
 		delete(t.removed, pod.UID)
+		t.reprieved = pod
 		return nil
 	}
 	if pod.Spec.NodeName != "" {
@@ -147,6 +169,7 @@ func (pl *TopologyDRA) RemovePod(_ context.Context, cs fwk.CycleState, _ *v1.Pod
 		return nil
 	}
 	t := trialOf(cs, true)
+	t.reprieved = nil
 	if i := slices.IndexFunc(t.added, func(p *v1.Pod) bool { return p.UID == pod.UID }); i >= 0 {
 		t.added = slices.Delete(t.added, i, i+1)
 		return nil
@@ -389,7 +412,36 @@ func mayPreempt(pod *v1.Pod, nodeInfo fwk.NodeInfo) bool {
 // group's preemption removes its victims without RemovePod, so its trials
 // would free no devices).
 func canPreempt(pod *v1.Pod) bool {
-	return (pod.Spec.PreemptionPolicy == nil || *pod.Spec.PreemptionPolicy != v1.PreemptNever) && pod.Spec.SchedulingGroup == nil
+	return preemptionAllowed(pod) && pod.Spec.SchedulingGroup == nil
+}
+
+// preemptionAllowed reports whether the pod's preemptionPolicy is not
+// Never: it, or its scheduling group, may have preempted pods.
+func preemptionAllowed(pod *v1.Pod) bool {
+	return pod.Spec.PreemptionPolicy == nil || *pod.Spec.PreemptionPolicy != v1.PreemptNever
+}
+
+// protected reports whether a PodDisruptionBudget with a selector covers
+// the pod (as DefaultPreemption reads them, an empty selector covers
+// none). nil, and budgets that cannot be listed, say no.
+func (pl *TopologyDRA) protected(pod *v1.Pod) bool {
+	if pod == nil || pl.pdbs == nil {
+		return false
+	}
+	pdbs, err := pl.pdbs.PodDisruptionBudgets(pod.Namespace).List(labels.Everything())
+	if err != nil {
+		return false
+	}
+	for _, pdb := range pdbs {
+		selector, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+		if err != nil || selector.Empty() {
+			continue
+		}
+		if selector.Matches(labels.Set(pod.Labels)) {
+			return true
+		}
+	}
+	return false
 }
 
 // lowerHolder reports whether a pod of priority below prio holds claims
@@ -404,15 +456,15 @@ func lowerHolder(prio int32, nodeInfo fwk.NodeInfo) bool {
 }
 
 // outranksHolder reports whether the pod may preempt a pod that holds
-// claims on one of nodes. It stops at the first such pod; where there is
-// none it looks at every pod of nodes.
-func outranksHolder(pod *v1.Pod, nodes []fwk.NodeInfo) bool {
+// claims on one of nodes that admit has. It stops at the first such pod;
+// where there is none it looks at every pod of those nodes.
+func outranksHolder(pod *v1.Pod, nodes []fwk.NodeInfo, admit sets.Set[string]) bool {
 	if !canPreempt(pod) {
 		return false
 	}
 	prio := corev1helpers.PodPriority(pod)
 	for _, n := range nodes {
-		if lowerHolder(prio, n) {
+		if node := n.Node(); node != nil && admit.Has(node.Name) && lowerHolder(prio, n) {
 			return true
 		}
 	}

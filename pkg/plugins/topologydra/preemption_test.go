@@ -1,14 +1,18 @@
 package topologydra
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -365,8 +369,9 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
 		t.Errorf("nominated to b: %v on a, want held back by the headroom", st["a"])
 	}
-	// A pod that may not preempt made no room: a nomination it carries
-	// is stale, and the headroom applies on that node too.
+	// A pod with preemptionPolicy Never made no room by preempting (a
+	// nomination it carries was set for another reason, or is stale):
+	// the headroom applies on that node too.
 	pod.Status.NominatedNodeName = "a"
 	pod.Spec.PreemptionPolicy = ptr.To(v1.PreemptNever)
 	if _, st := h.cycle(pod, "a"); !strings.Contains(st["a"].Message(), "held back") {
@@ -375,49 +380,134 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 }
 
 // TestPreemptionKeepsAlignment: in preemption's trials a victim is given
-// back only where the pod's devices stay as aligned as with every pod of
-// lower priority removed. Four 1-GPU pods hold a node's GPUs, two on each
-// PCIe root; a pod of 2 GPUs gets a root of its own with all of them
+// back only where the pod's devices stay as aligned as with every
+// candidate victim removed. Four 1-GPU pods hold a node's GPUs, two on
+// each PCIe root; a pod of 2 GPUs gets a root of its own with all of them
 // removed. Given back in preemption's order, the first still leaves a
 // root free; the second (on the other root) would leave one GPU free on
 // each: the pod fits, but not on one root, so that pod stays a victim;
 // the third then leaves a root free again, and the fourth leaves too
-// little.
+// little. Where a PodDisruptionBudget covers the second, it is not evicted
+// for alignment: it stays, and the two that would leave too little go.
+// The framework's pass with a nominated pod added, which takes the free
+// root, fits less aligned and still passes.
 func TestPreemptionKeepsAlignment(t *testing.T) {
-	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2))
-	var victims []*v1.Pod
-	for i, dev := range []string{"gpu-0", "gpu-2", "gpu-1", "gpu-3"} {
-		name := fmt.Sprintf("v%d", i)
-		v := testPod(name, name+"-claim")
-		v.Spec.NodeName = "node-a"
-		v = h.createSeen(v)
-		h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
-		h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
-		h.nodes["node-a"].AddPodInfo(podInfo(t, v))
-		victims = append(victims, v)
-	}
-	pod := testPod("p", "want")
-	pod.Spec.Priority = ptr.To[int32](100)
-	cs, st := h.cycle(pod, "node-a")
-	if st["node-a"].Code() != fwk.Unschedulable {
-		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
-	}
-	trial := cs.Clone()
-	for _, v := range victims {
-		h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
-	}
-	if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
-		t.Fatalf("all removed: %v", st)
-	}
-	for i, want := range []bool{true, false, true, false} {
-		v := victims[i]
-		h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
-		st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"])
-		if st.IsSuccess() != want {
-			t.Errorf("%s given back: %v, want fits = %v", v.Name, st, want)
+	setup := func(t *testing.T) (*harness, *v1.Pod, []*v1.Pod, fwk.CycleState) {
+		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2), testClaim("nominated-claim", 2))
+		var victims []*v1.Pod
+		for i, dev := range []string{"gpu-0", "gpu-2", "gpu-1", "gpu-3"} {
+			name := fmt.Sprintf("v%d", i)
+			v := testPod(name, name+"-claim")
+			v.Labels = map[string]string{"app": name}
+			v.Spec.NodeName = "node-a"
+			v = h.createSeen(v)
+			h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
+			h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
+			h.nodes["node-a"].AddPodInfo(podInfo(t, v))
+			victims = append(victims, v)
 		}
-		if !st.IsSuccess() {
+		pod := testPod("p", "want")
+		pod.Spec.Priority = ptr.To[int32](100)
+		cs, st := h.cycle(pod, "node-a")
+		if st["node-a"].Code() != fwk.Unschedulable {
+			t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
+		}
+		trial := cs.Clone()
+		for _, v := range victims {
 			h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
 		}
+		if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
+			t.Fatalf("all removed: %v", st)
+		}
+		return h, pod, victims, trial
 	}
+	// reprieve gives the victims back in order, as DefaultPreemption does,
+	// and checks which ones the pod still fits with.
+	reprieve := func(t *testing.T, h *harness, pod *v1.Pod, victims []*v1.Pod, trial fwk.CycleState, fits []bool) {
+		for i, want := range fits {
+			v := victims[i]
+			h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+			st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"])
+			if st.IsSuccess() != want {
+				t.Errorf("%s given back: %v, want fits = %v", v.Name, st, want)
+			}
+			if !st.IsSuccess() {
+				h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+			}
+		}
+	}
+
+	t.Run("no budget", func(t *testing.T) {
+		h, pod, victims, trial := setup(t)
+		reprieve(t, h, pod, victims, trial, []bool{true, false, true, false})
+	})
+	t.Run("budget covers the second", func(t *testing.T) {
+		h, pod, victims, trial := setup(t)
+		h.create(&policyv1.PodDisruptionBudget{
+			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "keep-v1"},
+			Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "v1"}}},
+		})
+		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			return h.pl.protected(victims[1]), nil
+		})
+		if err != nil {
+			t.Fatal("the budget never covered v1")
+		}
+		if h.pl.protected(victims[0]) {
+			t.Fatal("the budget covers v0 too")
+		}
+		reprieve(t, h, pod, victims, trial, []bool{true, true, false, false})
+	})
+	t.Run("nominated pod added", func(t *testing.T) {
+		// Six GPUs on three roots; gpu-0 and gpu-4 are held by a pod
+		// that is no victim. With the victims removed the pod alone
+		// gets root pci-1; in the framework's first pass, with a pod
+		// nominated to the node added, the nominated pod gets pci-1 and
+		// the pod gpu-1 and gpu-5: less aligned, and still a fit, also
+		// after a victim without claims is given back.
+		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 6),
+			allocatedOn(testClaim("kept", 2), "node-a", "gpu-0", "gpu-4"), testClaim("want", 2), testClaim("nominated-claim", 2))
+		h.waitForClaim("kept", func(*resourceapi.ResourceClaim) bool { return true })
+		noClaims := testPod("no-claims")
+		noClaims.Spec.NodeName = "node-a"
+		victims := []*v1.Pod{h.createSeen(noClaims)}
+		for i, dev := range []string{"gpu-2", "gpu-3", "gpu-1", "gpu-5"} {
+			name := fmt.Sprintf("v%d", i)
+			v := testPod(name, name+"-claim")
+			v.Spec.NodeName = "node-a"
+			v = h.createSeen(v)
+			h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
+			h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
+			victims = append(victims, v)
+		}
+		for _, v := range victims {
+			h.nodes["node-a"].AddPodInfo(podInfo(t, v))
+		}
+		pod := testPod("p", "want")
+		pod.Spec.Priority = ptr.To[int32](100)
+		nominated := testPod("nominated", "nominated-claim")
+		nominated.Spec.Priority = ptr.To[int32](100)
+		cs, st := h.cycle(pod, "node-a")
+		if st["node-a"].Code() != fwk.Unschedulable {
+			t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
+		}
+		trial := cs.Clone()
+		for _, v := range victims {
+			h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+		}
+		// Both passes, as the framework runs them.
+		passes := func(round string) {
+			first := trial.Clone()
+			h.pl.AddPod(h.tCtx, first, pod, podInfo(t, nominated), h.nodes["node-a"])
+			if st := h.pl.Filter(h.tCtx, first, pod, h.nodes["node-a"]); !st.IsSuccess() {
+				t.Errorf("%s, with the nominated pod: %v", round, st)
+			}
+			if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
+				t.Errorf("%s, without it: %v", round, st)
+			}
+		}
+		passes("all removed")
+		h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, noClaims), h.nodes["node-a"])
+		passes("the pod without claims given back")
+	})
 }

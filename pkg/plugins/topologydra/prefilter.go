@@ -224,17 +224,6 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	}
 	need := mostOfOneClass(counts)
 	keepHeadroom := pl.headroomPercent > 0 && need >= pl.halfNode()
-	if keepHeadroom {
-		// The headroom keeps devices free for smaller pods that may
-		// come. A pod that may preempt a pod of lower priority holding
-		// claims is not held back for them: it would take devices by
-		// evicting pods instead, so free devices would turn into
-		// evictions, and where none are free the headroom would keep it
-		// from preempting at all.
-		outranks := outranksHolder(pod, nodes)
-		pl.heldBack.setOutranks(pod, outranks)
-		keepHeadroom = !outranks
-	}
 	a, err := allocator.New(ctx, allocator.Options{
 		Features:       pl.features,
 		AllocatedState: allocatedState,
@@ -256,11 +245,25 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	if !keepHeadroom && !wholeNode {
 		return nil, nil
 	}
+	admit := admittedNodes(pod, nodes, pl.taintOps)
+	if keepHeadroom {
+		// The headroom keeps devices free for smaller pods that may
+		// come. A pod that may preempt a pod of lower priority holding
+		// claims on a node it may use is not held back for them: it
+		// would take devices by evicting pods instead, so free devices
+		// would turn into evictions, and where none are free the
+		// headroom would keep it from preempting at all.
+		outranks := outranksHolder(pod, nodes, admit)
+		pl.heldBack.setOutranks(pod, outranks)
+		keepHeadroom = !outranks
+		if !keepHeadroom && !wholeNode {
+			return nil, nil
+		}
+	}
 	// The devices on the nodes the pod may use, and those its requests
 	// match: its headroom is kept among the latter, and the drain rule
 	// counts it as waiting only for the nodes where they make up what it
 	// needs.
-	admit := admittedNodes(pod, nodes, pl.taintOps)
 	devices, matched, err := a.CountDevices(ctx, headroomClaims, admit)
 	if err != nil || !matched {
 		logger.V(4).Info("Not known which devices the pod's requests match: the headroom counts all of each driver's devices, the drain rule every node the pod may use", "err", err)
