@@ -79,6 +79,7 @@ func TestManifestsApply(t *testing.T) {
 		}
 	}
 	checkClaimPolicy(t, ctx, cp.Client)
+	checkDefaultSchedulerPolicy(t, ctx, cp)
 	examples, err := fs.Glob(manifests.FS, "examples/*.yaml")
 	if err != nil {
 		t.Fatal(err)
@@ -132,6 +133,57 @@ func checkClaimPolicy(t *testing.T, ctx context.Context, client kubernetes.Inter
 	}
 	if _, err := client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).Create(ctx, claim("plain"), metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
 		t.Errorf("the rendered claim policy refuses a claim without tolerations: %v", err)
+	}
+}
+
+// checkDefaultSchedulerPolicy checks the default-scheduler policy as
+// rendered and applied: the default scheduler's user may not write an
+// allocation with a device of driver gpu.topodra.io (the policy takes
+// effect asynchronously), and may write one of another driver; an admin
+// may write either.
+func checkDefaultSchedulerPolicy(t *testing.T, ctx context.Context, cp *framework.ControlPlane) {
+	t.Helper()
+	cfg := rest.CopyConfig(cp.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: "system:kube-scheduler", Groups: []string{"system:authenticated"}}
+	defaultScheduler, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim, err := cp.Client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).Create(ctx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "allocated-by-default-scheduler", Namespace: metav1.NamespaceDefault},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{
+			Name: "gpu",
+			Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: topology.DriverName, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			},
+		}}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	allocated := func(driver string) *resourceapi.ResourceClaim {
+		c := claim.DeepCopy()
+		c.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+			Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: driver, Pool: "node-a", Device: "gpu-0"}},
+		}}
+		return c
+	}
+	dryRun := metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}}
+	var lastErr error
+	err = wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, lastErr = defaultScheduler.ResourceV1().ResourceClaims(metav1.NamespaceDefault).UpdateStatus(ctx, allocated(topology.DriverName), dryRun)
+		return lastErr != nil, nil
+	})
+	if err != nil {
+		t.Errorf("the rendered default-scheduler policy never refused the default scheduler an allocation of %s", topology.DriverName)
+	} else if !apierrors.IsForbidden(lastErr) || !strings.Contains(lastErr.Error(), "set spec.schedulerName: topodra-scheduler") {
+		t.Errorf("the default scheduler's allocation of %s: refused, but not by the policy: %v", topology.DriverName, lastErr)
+	}
+	if _, err := defaultScheduler.ResourceV1().ResourceClaims(metav1.NamespaceDefault).UpdateStatus(ctx, allocated("nic.example.com"), dryRun); err != nil {
+		t.Errorf("the default scheduler's allocation of another driver's device: %v", err)
+	}
+	if _, err := cp.Client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).UpdateStatus(ctx, allocated(topology.DriverName), dryRun); err != nil {
+		t.Errorf("an admin's allocation of %s: %v", topology.DriverName, err)
 	}
 }
 

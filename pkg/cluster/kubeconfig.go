@@ -14,6 +14,12 @@ import (
 // "topodra", user "admin", with cfg's CA, TLS server name, token and client
 // certificate, where set.
 func WriteKubeconfig(cfg *rest.Config, path string) error {
+	return writeKubeconfigAs(cfg, path, "")
+}
+
+// writeKubeconfigAs is WriteKubeconfig, with the admin impersonating user
+// (in group system:authenticated) where user is not empty.
+func writeKubeconfigAs(cfg *rest.Config, path, user string) error {
 	kc := clientcmdapi.NewConfig()
 	kc.Clusters["topodra"] = &clientcmdapi.Cluster{
 		Server:                   cfg.Host,
@@ -25,6 +31,10 @@ func WriteKubeconfig(cfg *rest.Config, path string) error {
 		Token:                 cfg.BearerToken,
 		ClientCertificateData: cfg.TLSClientConfig.CertData,
 		ClientKeyData:         cfg.TLSClientConfig.KeyData,
+	}
+	if user != "" {
+		kc.AuthInfos["admin"].Impersonate = user
+		kc.AuthInfos["admin"].ImpersonateGroups = []string{"system:authenticated"}
 	}
 	kc.Contexts["topodra"] = &clientcmdapi.Context{Cluster: "topodra", AuthInfo: "admin"}
 	kc.CurrentContext = "topodra"

@@ -34,6 +34,12 @@ type SchedulerOptions struct {
 	// group that elects a leader through a Lease. Nil means leader
 	// election off.
 	LeaderElection *LeaderElection
+	// User, when set, is the user the scheduler acts as (the admin
+	// impersonates it, in group system:authenticated): to see what the
+	// API server lets that identity do, such as system:kube-scheduler,
+	// the default scheduler's. The control plane's authorizer must let
+	// it do the rest.
+	User string
 	// OnFailure, when set, is called with the error of a scheduler that
 	// stopped on its own (a bad configuration, the API unreachable), not
 	// when it is stopped.
@@ -86,7 +92,7 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 	if name == "" {
 		name = "scheduler"
 	}
-	path, err := c.writeSchedulerConfig(name, config, opts.LeaderElection)
+	path, err := c.writeSchedulerConfig(name, config, opts.LeaderElection, opts.User)
 	if err != nil {
 		return nil, err
 	}
@@ -129,7 +135,7 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 // writeSchedulerConfig fills in the client connection and leader election
 // (off when election is nil) of a KubeSchedulerConfiguration and writes it
 // to a file.
-func (c *Cluster) writeSchedulerConfig(name string, config []byte, election *LeaderElection) (string, error) {
+func (c *Cluster) writeSchedulerConfig(name string, config []byte, election *LeaderElection, user string) (string, error) {
 	var obj map[string]any
 	if err := yaml.Unmarshal(config, &obj); err != nil {
 		return "", fmt.Errorf("parse scheduler config: %w", err)
@@ -139,6 +145,13 @@ func (c *Cluster) writeSchedulerConfig(name string, config []byte, election *Lea
 		conn = map[string]any{}
 	}
 	conn["kubeconfig"] = c.Kubeconfig
+	if user != "" {
+		kubeconfig := filepath.Join(c.Dir, name+"-kubeconfig")
+		if err := writeKubeconfigAs(c.Config, kubeconfig, user); err != nil {
+			return "", err
+		}
+		conn["kubeconfig"] = kubeconfig
+	}
 	conn["qps"] = 5000
 	conn["burst"] = 10000
 	obj["clientConnection"] = conn

@@ -53,7 +53,7 @@ func TestWriteSchedulerConfigLeaderElection(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			c := &Cluster{Dir: t.TempDir(), Kubeconfig: "/kubeconfig"}
-			path, err := c.writeSchedulerConfig("sched", []byte(tc.config), tc.election)
+			path, err := c.writeSchedulerConfig("sched", []byte(tc.config), tc.election, "")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -72,7 +72,7 @@ func TestWriteSchedulerConfigLeaderElection(t *testing.T) {
 		})
 	}
 	c := &Cluster{Dir: t.TempDir()}
-	if _, err := c.writeSchedulerConfig("sched", []byte(DefaultStockConfig), &LeaderElection{Name: "lease"}); err == nil {
+	if _, err := c.writeSchedulerConfig("sched", []byte(DefaultStockConfig), &LeaderElection{Name: "lease"}, ""); err == nil {
 		t.Error("a lease without a namespace was accepted")
 	}
 }

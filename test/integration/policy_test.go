@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
+	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/manifests"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
@@ -23,7 +24,7 @@ import (
 // startOwnedCluster starts a control plane of its own (the policy and the
 // DeviceTaintRules are cluster-wide) and applies the shipped ownership
 // manifests: ConfigMap topodra-ownership, the DeviceTaintRule for the GPUs,
-// the admission policy and its binding.
+// the claim policy and the default-scheduler policy with their bindings.
 func startOwnedCluster(t *testing.T, tCtx ktesting.TContext) *framework.ControlPlane {
 	c, err := framework.Start(t)
 	tCtx.ExpectNoError(err, "start control plane")
@@ -31,7 +32,7 @@ func startOwnedCluster(t *testing.T, tCtx ktesting.TContext) *framework.ControlP
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		tCtx.ExpectNoError(err)
 	}
-	for _, file := range []string{"base/deviceclasses.yaml", "base/ownership.yaml", "base/admission-policy.yaml"} {
+	for _, file := range []string{"base/deviceclasses.yaml", "base/ownership.yaml", "base/admission-policy.yaml", "base/default-scheduler-policy.yaml"} {
 		data, err := manifests.FS.ReadFile(file)
 		tCtx.ExpectNoError(err)
 		tCtx.ExpectNoError(c.Apply(tCtx, data, nil), "apply "+file)
@@ -289,4 +290,76 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	if err := writeStatus("status-write", allocate); err != nil {
 		t.Errorf("without ConfigMap topodra-ownership, a claim without tolerations could not be allocated: %v", err)
 	}
+}
+
+// TestDefaultSchedulerMayNotAllocateGPUs: where the owned taint is missing
+// (the API server drops device taints while DRADeviceTaints is off, or an
+// agent runs without it), the shipped policy topodra-default-scheduler
+// still keeps the default kube-scheduler, acting as its user
+// system:kube-scheduler, from allocating topodra's GPUs: its pod stays
+// pending with a condition that says which scheduler to use, and its claim
+// stays unallocated. topodra-scheduler, beside it, places a pod on the
+// same GPUs.
+func TestDefaultSchedulerMayNotAllocateGPUs(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	c, err := framework.Start(t)
+	tCtx.ExpectNoError(err, "start control plane")
+	_, err = c.Client.CoreV1().Namespaces().Create(tCtx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: metav1.NamespaceSystem}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		tCtx.ExpectNoError(err)
+	}
+	// No ownership.yaml: its DeviceTaintRule would taint the GPUs.
+	for _, file := range []string{"base/deviceclasses.yaml", "base/admission-policy.yaml", "base/default-scheduler-policy.yaml"} {
+		data, err := manifests.FS.ReadFile(file)
+		tCtx.ExpectNoError(err)
+		tCtx.ExpectNoError(c.Apply(tCtx, data, nil), "apply "+file)
+	}
+	ns, err := framework.CreateNamespace(tCtx, c.Client, "writer")
+	tCtx.ExpectNoError(err)
+	_, err = framework.CreateReadyNode(tCtx, c.Client, "gpu-node", nil)
+	tCtx.ExpectNoError(err)
+	_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode("gpu-node", topology.DriverName, framework.DGXLikeGPUs("gpu-node")), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	_, err = c.StartClaimController(tCtx)
+	tCtx.ExpectNoError(err)
+	_, err = c.StartScheduler(tCtx, framework.SchedulerOptions{Name: "default", Stock: true, User: "system:kube-scheduler"})
+	tCtx.ExpectNoError(err)
+
+	claimFor := func(name string) {
+		_, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec:       claimSpec(false),
+		}, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	podFor := func(name, scheduler, claim string) {
+		pod := framework.PodWithClaims(ns, name, scheduler)
+		pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &claim}}
+		_, err := c.Client.CoreV1().Pods(ns).Create(tCtx, pod, metav1.CreateOptions{})
+		tCtx.ExpectNoError(err)
+	}
+	claimFor("for-default")
+	podFor("default", "default-scheduler", "for-default")
+	_, err = framework.WaitForPod(tCtx, c.Client, ns, "default", waitTimeout, "refused by the policy", func(p *v1.Pod) (bool, error) {
+		cond := framework.PodScheduledCondition(p)
+		return cond != nil && strings.Contains(cond.Message, "set spec.schedulerName: topodra-scheduler"), nil
+	})
+	tCtx.ExpectNoError(err)
+	claim, err := c.Client.ResourceV1().ResourceClaims(ns).Get(tCtx, "for-default", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if claim.Status.Allocation != nil {
+		tCtx.Errorf("the default scheduler's claim got allocated: %+v", claim.Status.Allocation)
+	}
+	pod, err := c.Client.CoreV1().Pods(ns).Get(tCtx, "default", metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	if pod.Spec.NodeName != "" {
+		tCtx.Errorf("the default scheduler's pod bound to %s", pod.Spec.NodeName)
+	}
+
+	_, err = c.StartScheduler(tCtx, framework.SchedulerOptions{Name: "topodra", Config: config.SchedulerConfig})
+	tCtx.ExpectNoError(err)
+	claimFor("for-topodra")
+	podFor("topodra", topodraName, "for-topodra")
+	_, err = framework.WaitForPodScheduled(tCtx, c.Client, ns, "topodra", waitTimeout)
+	tCtx.ExpectNoError(err)
 }
