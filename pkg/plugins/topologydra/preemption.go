@@ -91,10 +91,11 @@ type trialData struct {
 // Filter and then gives them back one at a time, keeping each whose
 // return still lets the pod pass, so the first fit is the best the node
 // can give the pod. Where the pod given back is protected (a
-// PodDisruptionBudget covers it), a less aligned fit is accepted and
-// becomes what the trial keeps: preemption would otherwise evict that pod
-// for alignment alone, and upstream tries such pods first.
-func (t *trialData) keepsAlignment(q allocator.Quality, protected bool) bool {
+// PodDisruptionBudget covers it; asked only for a less aligned fit), a
+// less aligned fit is accepted and becomes what the trial keeps:
+// preemption would otherwise evict that pod for alignment alone, and
+// upstream tries such pods first.
+func (t *trialData) keepsAlignment(q allocator.Quality, protected func() bool) bool {
 	if t.aligned == nil {
 		t.aligned = &q
 		return true
@@ -102,7 +103,7 @@ func (t *trialData) keepsAlignment(q allocator.Quality, protected bool) bool {
 	if q.Shared > t.aligned.Shared || q.Shared == t.aligned.Shared && q.DomainsSpanned <= t.aligned.DomainsSpanned {
 		return true
 	}
-	if !protected {
+	if !protected() {
 		return false
 	}
 	t.aligned = &q
