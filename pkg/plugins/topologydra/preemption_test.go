@@ -379,6 +379,42 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 	}
 }
 
+// victimsHolding creates, per device of node-a, a pod bound there (label
+// app=<its name>) with a 1-GPU claim of that device reserved for it, in
+// the API and in the node's info.
+func victimsHolding(t *testing.T, h *harness, devices ...string) []*v1.Pod {
+	t.Helper()
+	var victims []*v1.Pod
+	for i, dev := range devices {
+		name := fmt.Sprintf("v%d", i)
+		v := testPod(name, name+"-claim")
+		v.Labels = map[string]string{"app": name}
+		v.Spec.NodeName = "node-a"
+		v = h.createSeen(v)
+		h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
+		h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
+		h.nodes["node-a"].AddPodInfo(podInfo(t, v))
+		victims = append(victims, v)
+	}
+	return victims
+}
+
+// trialWithout runs pod's cycle on node-a, where it must be Unschedulable
+// (preemption may help), and returns a copy of the cycle state with the
+// victims removed: preemption's trial, before its first Filter.
+func trialWithout(t *testing.T, h *harness, pod *v1.Pod, victims []*v1.Pod) fwk.CycleState {
+	t.Helper()
+	cs, st := h.cycle(pod, "node-a")
+	if st["node-a"].Code() != fwk.Unschedulable {
+		t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
+	}
+	trial := cs.Clone()
+	for _, v := range victims {
+		h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
+	}
+	return trial
+}
+
 // TestPreemptionKeepsAlignment: in preemption's trials a victim is given
 // back only where the pod's devices stay as aligned as with every
 // candidate victim removed. Four 1-GPU pods hold a node's GPUs, two on
@@ -393,29 +429,11 @@ func TestNominatedPodNotHeldBack(t *testing.T) {
 // root, fits less aligned and still passes.
 func TestPreemptionKeepsAlignment(t *testing.T) {
 	setup := func(t *testing.T) (*harness, *v1.Pod, []*v1.Pod, fwk.CycleState) {
-		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2), testClaim("nominated-claim", 2))
-		var victims []*v1.Pod
-		for i, dev := range []string{"gpu-0", "gpu-2", "gpu-1", "gpu-3"} {
-			name := fmt.Sprintf("v%d", i)
-			v := testPod(name, name+"-claim")
-			v.Labels = map[string]string{"app": name}
-			v.Spec.NodeName = "node-a"
-			v = h.createSeen(v)
-			h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
-			h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
-			h.nodes["node-a"].AddPodInfo(podInfo(t, v))
-			victims = append(victims, v)
-		}
+		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4), testClaim("want", 2))
+		victims := victimsHolding(t, h, "gpu-0", "gpu-2", "gpu-1", "gpu-3")
 		pod := testPod("p", "want")
 		pod.Spec.Priority = ptr.To[int32](100)
-		cs, st := h.cycle(pod, "node-a")
-		if st["node-a"].Code() != fwk.Unschedulable {
-			t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
-		}
-		trial := cs.Clone()
-		for _, v := range victims {
-			h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
-		}
+		trial := trialWithout(t, h, pod, victims)
 		if st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"]); !st.IsSuccess() {
 			t.Fatalf("all removed: %v", st)
 		}
@@ -470,31 +488,14 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 		h.waitForClaim("kept", func(*resourceapi.ResourceClaim) bool { return true })
 		noClaims := testPod("no-claims")
 		noClaims.Spec.NodeName = "node-a"
-		victims := []*v1.Pod{h.createSeen(noClaims)}
-		for i, dev := range []string{"gpu-2", "gpu-3", "gpu-1", "gpu-5"} {
-			name := fmt.Sprintf("v%d", i)
-			v := testPod(name, name+"-claim")
-			v.Spec.NodeName = "node-a"
-			v = h.createSeen(v)
-			h.create(reservedFor(allocatedOn(testClaim(name+"-claim", 1), "node-a", dev), v))
-			h.waitForClaim(name+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
-			victims = append(victims, v)
-		}
-		for _, v := range victims {
-			h.nodes["node-a"].AddPodInfo(podInfo(t, v))
-		}
+		noClaims = h.createSeen(noClaims)
+		h.nodes["node-a"].AddPodInfo(podInfo(t, noClaims))
+		victims := append([]*v1.Pod{noClaims}, victimsHolding(t, h, "gpu-2", "gpu-3", "gpu-1", "gpu-5")...)
 		pod := testPod("p", "want")
 		pod.Spec.Priority = ptr.To[int32](100)
 		nominated := testPod("nominated", "nominated-claim")
 		nominated.Spec.Priority = ptr.To[int32](100)
-		cs, st := h.cycle(pod, "node-a")
-		if st["node-a"].Code() != fwk.Unschedulable {
-			t.Fatalf("full node: %v, want Unschedulable (preemption may help)", st["node-a"])
-		}
-		trial := cs.Clone()
-		for _, v := range victims {
-			h.pl.RemovePod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
-		}
+		trial := trialWithout(t, h, pod, victims)
 		// Both passes, as the framework runs them.
 		passes := func(round string) {
 			first := trial.Clone()
