@@ -255,6 +255,19 @@ func (a *Allocator) AnyOnNode(node string, ids sets.Set[structured.DeviceID]) bo
 	return false
 }
 
+// NodesOf returns the nodes whose node-local slices publish any of ids.
+func (a *Allocator) NodesOf(ids sets.Set[structured.DeviceID]) sets.Set[string] {
+	out := sets.New[string]()
+	for id := range ids {
+		for _, slice := range a.byPool[poolKey{id.Driver.String(), id.Pool.String()}] {
+			if slice.Spec.NodeName != nil && *slice.Spec.NodeName != "" {
+				out.Insert(*slice.Spec.NodeName)
+			}
+		}
+	}
+	return out
+}
+
 // adjusted reports whether the Allocator is a trial run's (see Adjusted).
 func (a *Allocator) adjusted() bool { return a.freed != nil || a.taken != nil }
 

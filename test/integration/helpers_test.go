@@ -85,8 +85,17 @@ func (e *env) createTemplate(tmpl *resourceapi.ResourceClaimTemplate) string {
 // pod creates a pod for the scheduler, pinned to the node group, with one
 // claim per template.
 func (e *env) pod(name, scheduler, group string, templates ...string) *v1.Pod {
+	return e.podEdited(name, scheduler, group, nil, templates...)
+}
+
+// podEdited is pod, with edit (if not nil) applied before the pod is
+// created.
+func (e *env) podEdited(name, scheduler, group string, edit func(*v1.Pod), templates ...string) *v1.Pod {
 	pod := framework.PodWithClaims(e.ns, name, scheduler, templates...)
 	pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": group}
+	if edit != nil {
+		edit(pod)
+	}
 	created, err := cp.Client.CoreV1().Pods(e.ns).Create(e.tCtx, pod, metav1.CreateOptions{})
 	e.tCtx.ExpectNoError(err, "create pod "+name)
 	return created
@@ -243,5 +252,16 @@ func (e *env) highPriority() string {
 	e.tCtx.Cleanup(func() {
 		_ = cp.Client.SchedulingV1().PriorityClasses().Delete(context.Background(), high.Name, metav1.DeleteOptions{})
 	})
+	// The API server's Priority admission reads classes from its own
+	// informer: wait until it knows this one.
+	probe := &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "priority-probe", Namespace: e.ns},
+		Spec:       v1.PodSpec{PriorityClassName: high.Name, Containers: []v1.Container{{Name: "c", Image: "probe"}}},
+	}
+	err = wait.PollUntilContextTimeout(e.tCtx, 50*time.Millisecond, waitTimeout, true, func(ctx context.Context) (bool, error) {
+		_, err := cp.Client.CoreV1().Pods(e.ns).Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err == nil, nil
+	})
+	e.tCtx.ExpectNoError(err, "the API server never admitted a pod of PriorityClass "+high.Name)
 	return high.Name
 }

@@ -13,6 +13,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
 	"github.com/topodra/topodra/config"
@@ -316,6 +318,24 @@ func TestDefaultSchedulerMayNotAllocateGPUs(t *testing.T) {
 	}
 	ns, err := framework.CreateNamespace(tCtx, c.Client, "writer")
 	tCtx.ExpectNoError(err)
+	// The policy takes effect asynchronously: wait until it refuses the
+	// default scheduler's user an allocation (a dry run).
+	cfg := rest.CopyConfig(c.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: "system:kube-scheduler"}
+	asDefault, err := kubernetes.NewForConfig(cfg)
+	tCtx.ExpectNoError(err)
+	probe, err := c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "probe"}, Spec: claimSpec(false),
+	}, metav1.CreateOptions{})
+	tCtx.ExpectNoError(err)
+	probe.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+		Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: topology.DriverName, Pool: "gpu-node", Device: "gpu-0"}},
+	}}
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := asDefault.ResourceV1().ResourceClaims(ns).UpdateStatus(ctx, probe, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+		return apierrors.IsForbidden(err), nil
+	})
+	tCtx.ExpectNoError(err, "the default-scheduler policy never took effect")
 	_, err = framework.CreateReadyNode(tCtx, c.Client, "gpu-node", nil)
 	tCtx.ExpectNoError(err)
 	_, err = c.Client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode("gpu-node", topology.DriverName, framework.DGXLikeGPUs("gpu-node")), metav1.CreateOptions{})

@@ -2,8 +2,8 @@ package integration
 
 import (
 	"fmt"
+	"maps"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -41,11 +41,7 @@ func TestPreemptionFreesDevices(t *testing.T) {
 	e.pod("low-c", topodraName, "g", four)
 
 	high := e.highPriority()
-	important := framework.PodWithClaims(e.ns, "important", topodraName, four)
-	important.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
-	important.Spec.PriorityClassName = high
-	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, important, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
+	e.podEdited("important", topodraName, "g", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, four)
 
 	// One victim; without a kubelet its deletion does not finish by
 	// itself, so the test finishes it, as a kubelet would.
@@ -105,12 +101,8 @@ func TestNoPreemptionWithoutRoom(t *testing.T) {
 	e.waitScheduled("low")
 
 	high := e.highPriority()
-	nine := framework.PodWithClaims(e.ns, "nine", topodraName, e.template(9, nil))
-	nine.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
-	nine.Spec.PriorityClassName = high
-	_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, nine, metav1.CreateOptions{})
-	tCtx.ExpectNoError(err)
-	_, err = framework.WaitForPod(tCtx, cp.Client, e.ns, "nine", waitTimeout, "unschedulable", func(p *v1.Pod) (bool, error) {
+	e.podEdited("nine", topodraName, "g", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(9, nil))
+	_, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "nine", waitTimeout, "unschedulable", func(p *v1.Pod) (bool, error) {
 		c := framework.PodScheduledCondition(p)
 		return c != nil && c.Reason == v1.PodReasonUnschedulable, nil
 	})
@@ -140,20 +132,18 @@ func TestPreemptionOnFullCluster(t *testing.T) {
 	var low []string
 	for i := range 32 {
 		name := fmt.Sprintf("low-%d", i)
-		pod := framework.PodWithClaims(e.ns, name, topodraName, two)
-		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
 		// Evicted pods go at once: no kubelet runs here.
-		pod.Spec.TerminationGracePeriodSeconds = ptr.To[int64](0)
-		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
-		tCtx.ExpectNoError(err)
+		e.podEdited(name, topodraName, "g", func(p *v1.Pod) { p.Spec.TerminationGracePeriodSeconds = ptr.To[int64](0) }, two)
 		low = append(low, name)
 	}
+	// Where each low-priority pod runs, and on which GPUs.
+	placed := map[string]string{}
 	for _, name := range low {
-		e.waitScheduled(name)
+		pod := e.waitScheduled(name)
+		placed[name] = fmt.Sprintf("%s %v", pod.Spec.NodeName, e.devicesOf(pod))
 	}
 
 	high := e.highPriority()
-	left := len(low)
 	for _, tc := range []struct {
 		name    string
 		gpus    int64
@@ -162,28 +152,24 @@ func TestPreemptionOnFullCluster(t *testing.T) {
 		{"important-4", 4, 2},
 		{"important-8", 8, 4},
 	} {
-		pod := framework.PodWithClaims(e.ns, tc.name, topodraName, e.template(tc.gpus, nil))
-		pod.Spec.NodeSelector = map[string]string{"test": e.ns, "group": "g"}
-		pod.Spec.PriorityClassName = high
-		_, err := cp.Client.CoreV1().Pods(e.ns).Create(tCtx, pod, metav1.CreateOptions{})
-		tCtx.ExpectNoError(err)
+		e.podEdited(tc.name, topodraName, "g", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(tc.gpus, nil))
 		scheduled := e.waitScheduled(tc.name)
 		got := e.devicesOf(scheduled)
 		pods, err := cp.Client.CoreV1().Pods(e.ns).List(tCtx, metav1.ListOptions{})
 		tCtx.ExpectNoError(err)
-		remaining := 0
+		evicted := maps.Clone(placed)
 		for _, p := range pods.Items {
-			if strings.HasPrefix(p.Name, "low-") {
-				remaining++
-			}
+			delete(evicted, p.Name)
 		}
-		tCtx.Logf("%s on %s with %v; %d low-priority pods evicted", tc.name, scheduled.Spec.NodeName, got, left-remaining)
+		for name := range evicted {
+			delete(placed, name)
+		}
+		tCtx.Logf("%s on %s with %v; evicted: %v", tc.name, scheduled.Spec.NodeName, got, evicted)
 		if len(got) != int(tc.gpus) || !sharedDomain(got, 4) && tc.gpus == 4 {
 			tCtx.Errorf("%s got %v, want %d GPUs of one NUMA node", tc.name, got, tc.gpus)
 		}
-		if left-remaining != tc.victims {
-			tCtx.Errorf("%s: %d pods evicted, want %d", tc.name, left-remaining, tc.victims)
+		if len(evicted) != tc.victims {
+			tCtx.Errorf("%s: %d pods evicted, want %d", tc.name, len(evicted), tc.victims)
 		}
-		left = remaining
 	}
 }

@@ -57,6 +57,8 @@ type harness struct {
 	podLister corelisters.PodLister
 	// activated records the pods the plugin moved to the active queue.
 	activated *recordingActivator
+	// nominator is the scheduler's record of nominations.
+	nominator *nominator
 
 	// delivered holds the last version of each claim that the claim
 	// cache's event handlers have been given, nil after a delete. Its
@@ -112,11 +114,13 @@ func newHarnessWith(t testing.TB, clientHook func(*harness), nodes []*v1.Node, o
 		synced = append(synced, reg.HasSyncedChecker())
 	}
 	h.activated = &recordingActivator{}
+	h.nominator = &nominator{}
 	// The framework's Parallelizer (PreFilter counts nodes with it)
 	// records the scheduler's metrics, which scheduler.New registers.
 	schedmetrics.Register()
 	fh, err := frameworkruntime.NewFramework(tCtx, nil, nil,
 		frameworkruntime.WithPodActivator(h.activated),
+		frameworkruntime.WithPodNominator(h.nominator),
 		frameworkruntime.WithClientSet(h.client),
 		frameworkruntime.WithInformerFactory(factory),
 		frameworkruntime.WithEventRecorder(cmp.Or[events.EventRecorderLogger](h.eventRecorder, h.recorder)),
@@ -410,4 +414,39 @@ func (r *recordingActivator) activatedPods() []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return slices.Clone(r.pods)
+}
+
+// nominator is the scheduler's record of nominations (fwk.PodNominator),
+// which the scheduling queue keeps; tests fill it with AddNominatedPod.
+type nominator struct {
+	mu     sync.Mutex
+	byNode map[string][]fwk.PodInfo
+}
+
+func (n *nominator) AddNominatedPod(_ klog.Logger, pi fwk.PodInfo, ni *fwk.NominatingInfo) {
+	n.DeleteNominatedPodIfExists(pi.GetPod())
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.byNode == nil {
+		n.byNode = map[string][]fwk.PodInfo{}
+	}
+	if ni != nil && ni.NominatedNodeName != "" {
+		n.byNode[ni.NominatedNodeName] = append(n.byNode[ni.NominatedNodeName], pi)
+	}
+}
+
+func (n *nominator) DeleteNominatedPodIfExists(pod *v1.Pod) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for node, pods := range n.byNode {
+		n.byNode[node] = slices.DeleteFunc(pods, func(pi fwk.PodInfo) bool { return pi.GetPod().UID == pod.UID })
+	}
+}
+
+func (n *nominator) UpdateNominatedPod(_ klog.Logger, _ *v1.Pod, _ fwk.PodInfo) {}
+
+func (n *nominator) NominatedPodsForNode(node string) []fwk.PodInfo {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return slices.Clone(n.byNode[node])
 }

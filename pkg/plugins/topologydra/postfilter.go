@@ -16,10 +16,10 @@ import (
 // allocated it and the node is gone) and no other pod uses that claim, the
 // allocation is removed so the next attempt can allocate afresh. One claim
 // per attempt, like the stock plugin. Otherwise, for a pod nominated to a
-// node where it fits once claims of pods that are gone give their devices
-// back (its preemption's victims, see trialData), it keeps the nomination
-// and ends PostFilter, so that DefaultPreemption does not look for more
-// victims while those devices are given back.
+// node (see nominatedTo) where it fits once claims of pods that are gone
+// give their devices back (its preemption's victims, see trialData), it
+// keeps the nomination and ends PostFilter, so that DefaultPreemption does
+// not look for more victims while those devices are given back.
 func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -45,7 +45,7 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
 	}
-	if nominated := pod.Status.NominatedNodeName; nominated != "" && pl.fitsOnceGone(ctx, s, nominated) {
+	if nominated := pl.nominatedTo(pod, s); nominated != "" && pl.fitsOnceGone(ctx, s, nominated) {
 		// The pod's victims are gone and their claims not given back
 		// yet: it waits for them on its node, and DefaultPreemption,
 		// which a success ends, evicts nobody more meanwhile. A claim
@@ -55,6 +55,29 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for devices of pods that are gone to be given back")
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
+}
+
+// nominatedTo returns the node the pod is nominated to: its status says,
+// or, until the scheduler's write of that comes back, the scheduler's own
+// record of nominations does. A preemptor is retried as soon as its last
+// victim is deleted, which may come first; without this it would evict
+// more pods elsewhere meanwhile. The record is looked up only on the nodes
+// where claims of pods that are gone hold devices, the only nodes where
+// PostFilter waits.
+func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, s *stateData) string {
+	if pod.Status.NominatedNodeName != "" || !preemptionAllowed(pod) || s.allocator == nil || pl.handle == nil {
+		return pod.Status.NominatedNodeName
+	}
+	gone := sets.New[structured.DeviceID]()
+	addAllBut(gone, s.leaving(pl).gone, s.claimUIDs())
+	for node := range s.allocator.NodesOf(gone) {
+		for _, pi := range pl.handle.NominatedPodsForNode(node) {
+			if pi.GetPod().UID == pod.UID {
+				return node
+			}
+		}
+	}
+	return ""
 }
 
 // fitsOnceGone reports whether the pod's claims fit on the node once the

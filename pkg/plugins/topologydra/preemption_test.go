@@ -193,8 +193,9 @@ func TestNominatedPodKeepsItsDevices(t *testing.T) {
 // TestPostFilterWaitsForVictimsDevices: a pod nominated to a node where it
 // fits once a claim of a pod that is gone gives its GPU back keeps its
 // nomination, and PostFilter ends there (DefaultPreemption evicts nobody
-// more). Nominated elsewhere, needing more than that frees, or with the
-// claim's pod still there, it does not.
+// more), also where only the scheduler's record of nominations has it yet.
+// Nominated elsewhere, needing more than that frees, or with the claim's
+// pod still there, it does not.
 func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 	gone := testPod("gone")
 	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, testDeviceClass(), testSlice("node-a", 2), testSlice("node-b", 2),
@@ -216,6 +217,17 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 		if tc.wait && (res == nil || res.NominatingInfo == nil || res.NominatedNodeName != tc.nominated) {
 			t.Errorf("%s nominated to %q: result %+v, want the nomination kept", tc.claim, tc.nominated, res)
 		}
+	}
+	// Nominated in the scheduler's record, before its status says so.
+	for node, wait := range map[string]bool{"node-a": true, "node-b": false} {
+		pod := testPod("p", "want")
+		h.nominator.AddNominatedPod(klog.Background(), podInfo(t, pod), &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride})
+		cs, _ := h.cycle(pod, "node-a", "node-b")
+		res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+		if wait != st.IsSuccess() || wait && (res == nil || res.NominatingInfo == nil || res.NominatedNodeName != node) {
+			t.Errorf("nominated to %s in the scheduler's record only: PostFilter %+v %v, want success %v with the nomination kept", node, res, st, wait)
+		}
+		h.nominator.DeleteNominatedPodIfExists(pod)
 	}
 	// The claim's pod exists: its claim is in use.
 	h.createSeen(gone)
