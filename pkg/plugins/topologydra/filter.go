@@ -163,10 +163,15 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 		return unresolvable(msg)
 	}
-	if freed && len(trial.added) == 0 && !trial.keepsAlignment(res.Quality, func() bool { return pl.protected(trial.reprieved) }) {
-		// Only in the pass without nominated pods, the framework's last:
-		// with them added, a fit may be less aligned for their sake.
-		return unschedulable("node(s) would give the pod less aligned devices with the pods preemption removed given back")
+	if freed && len(trial.added) == 0 {
+		// Only in the pass without nominated pods that take devices, the
+		// framework's last: with them added, a fit may be less aligned
+		// for their sake.
+		keeps := trial.keepsAlignment(res.Quality, func() bool { return pl.protected(trial.reprieved) })
+		trial.reprieved = nil
+		if !keeps {
+			return unschedulable("node(s) would give the pod less aligned devices with the pods preemption removed given back")
+		}
 	}
 	if s.headroom.drivers != nil && !(preemptionAllowed(pod) && pod.Status.NominatedNodeName == node.Name) {
 		// PreFilter counted no headroom for a pod that may preempt a

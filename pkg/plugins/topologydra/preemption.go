@@ -52,9 +52,9 @@ import (
 //     as at the trial's first fit, with every candidate victim removed:
 //     the victims chosen free an aligned placement where the node has
 //     one, as topodra would place the pod on free devices, which may take
-//     a victim more than the fewest that make the pod fit. A victim that
-//     a PodDisruptionBudget covers is never evicted for alignment alone
-//     (see keepsAlignment).
+//     a victim more than the fewest that make the pod fit. A victim whose
+//     eviction would violate a PodDisruptionBudget is never evicted for
+//     alignment alone (see keepsAlignment).
 //
 // Results of preemption's trials are never kept for Reserve. A
 // result with only nominated pods added is a valid allocation, and wins
@@ -78,9 +78,10 @@ type trialData struct {
 	// aligned is the alignment that preemption's trial keeps for the pod
 	// (keepsAlignment); never changed in place, so copies may share it.
 	aligned *allocator.Quality
-	// reprieved is the pod with claims that AddPod gave back last, nil
-	// after any other AddPod or RemovePod.
-	reprieved *v1.Pod
+	// reprieved are the pods with claims that AddPod gave back since the
+	// last RemovePod or check of keepsAlignment (the pods of one victim:
+	// a pod group's are given back together).
+	reprieved []*v1.Pod
 }
 
 // keepsAlignment reports whether a fit of quality q in preemption's trial,
@@ -90,11 +91,12 @@ type trialData struct {
 // it: DefaultPreemption removes every candidate victim before its first
 // Filter and then gives them back one at a time, keeping each whose
 // return still lets the pod pass, so the first fit is the best the node
-// can give the pod. Where the pod given back is protected (a
-// PodDisruptionBudget covers it; asked only for a less aligned fit), a
+// can give the pod. Where a pod given back is protected (its eviction would
+// violate a PodDisruptionBudget; asked only for a less aligned fit), a
 // less aligned fit is accepted and becomes what the trial keeps:
-// preemption would otherwise evict that pod for alignment alone, and
-// upstream tries such pods first.
+// preemption would otherwise evict that pod for alignment alone.
+// DefaultPreemption gives such pods back before the others, so what the
+// trial keeps is lowered before it judges them.
 func (t *trialData) keepsAlignment(q allocator.Quality, protected func() bool) bool {
 	if t.aligned == nil {
 		t.aligned = &q
@@ -113,7 +115,7 @@ func (t *trialData) keepsAlignment(q allocator.Quality, protected func() bool) b
 // Clone implements fwk.StateData: each copy of the cycle state is a trial
 // of its own.
 func (t *trialData) Clone() fwk.StateData {
-	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting, aligned: t.aligned, reprieved: t.reprieved}
+	return &trialData{removed: maps.Clone(t.removed), added: slices.Clone(t.added), preempting: t.preempting, aligned: t.aligned, reprieved: slices.Clone(t.reprieved)}
 }
 
 // trialOf returns the trial recorded in cs, creating it where create is
@@ -143,16 +145,12 @@ func (pl *TopologyDRA) PreFilterExtensions() fwk.PreFilterExtensions { return pl
 func (pl *TopologyDRA) AddPod(_ context.Context, cs fwk.CycleState, _ *v1.Pod, podInfoToAdd fwk.PodInfo, _ fwk.NodeInfo) *fwk.Status {
 	pod := podInfoToAdd.GetPod()
 	if !usesClaims(pod) {
-		if t := trialOf(cs, false); t != nil {
-			t.reprieved = nil
-		}
 		return nil
 	}
 	t := trialOf(cs, true)
-	t.reprieved = nil
 	if _, ok := t.removed[pod.UID]; ok {
 		delete(t.removed, pod.UID)
-		t.reprieved = pod
+		t.reprieved = append(t.reprieved, pod)
 		return nil
 	}
 	if pod.Spec.NodeName != "" {
@@ -422,24 +420,32 @@ func preemptionAllowed(pod *v1.Pod) bool {
 	return pod.Spec.PreemptionPolicy == nil || *pod.Spec.PreemptionPolicy != v1.PreemptNever
 }
 
-// protected reports whether a PodDisruptionBudget with a selector covers
-// the pod (as DefaultPreemption reads them, an empty selector covers
-// none). nil, and budgets that cannot be listed, say no.
-func (pl *TopologyDRA) protected(pod *v1.Pod) bool {
-	if pod == nil || pl.pdbs == nil {
+// protected reports whether evicting one of pods would violate a
+// PodDisruptionBudget, as DefaultPreemption judges a victim: a budget of
+// its namespace selects it (an empty selector selects nothing, and a pod
+// without labels is never selected), allows no disruption, and has not
+// counted the pod as disrupted already. Budgets that cannot be listed
+// say no.
+func (pl *TopologyDRA) protected(pods []*v1.Pod) bool {
+	if pl.pdbs == nil {
 		return false
 	}
-	pdbs, err := pl.pdbs.PodDisruptionBudgets(pod.Namespace).List(labels.Everything())
-	if err != nil {
-		return false
-	}
-	for _, pdb := range pdbs {
-		selector, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
-		if err != nil || selector.Empty() {
+	for _, pod := range pods {
+		if len(pod.Labels) == 0 {
 			continue
 		}
-		if selector.Matches(labels.Set(pod.Labels)) {
-			return true
+		pdbs, err := pl.pdbs.PodDisruptionBudgets(pod.Namespace).List(labels.Everything())
+		if err != nil {
+			continue
+		}
+		for _, pdb := range pdbs {
+			selector, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+			if err != nil || selector.Empty() || !selector.Matches(labels.Set(pod.Labels)) {
+				continue
+			}
+			if _, disrupted := pdb.Status.DisruptedPods[pod.Name]; pdb.Status.DisruptionsAllowed <= 0 && !disrupted {
+				return true
+			}
 		}
 	}
 	return false

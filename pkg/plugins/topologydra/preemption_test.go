@@ -452,12 +452,22 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 		return h, pod, victims, trial
 	}
 	// reprieve gives the victims back in order, as DefaultPreemption does,
-	// and checks which ones the pod still fits with.
+	// and checks which ones the pod still fits with. Each Filter runs in
+	// the framework's two passes, the first on a copy with a pod nominated
+	// to the node that takes no devices (it has no claims), the second,
+	// where the first passed, without it.
 	reprieve := func(t *testing.T, h *harness, pod *v1.Pod, victims []*v1.Pod, trial fwk.CycleState, fits []bool) {
+		noDevices := testPod("no-devices")
+		noDevices.Spec.Priority = ptr.To[int32](100)
 		for i, want := range fits {
 			v := victims[i]
 			h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, v), h.nodes["node-a"])
-			st := h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"])
+			first := trial.Clone()
+			h.pl.AddPod(h.tCtx, first, pod, podInfo(t, noDevices), h.nodes["node-a"])
+			st := h.pl.Filter(h.tCtx, first, pod, h.nodes["node-a"])
+			if st.IsSuccess() {
+				st = h.pl.Filter(h.tCtx, trial, pod, h.nodes["node-a"])
+			}
 			if st.IsSuccess() != want {
 				t.Errorf("%s given back: %v, want fits = %v", v.Name, st, want)
 			}
@@ -478,15 +488,34 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 			Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "v1"}}},
 		})
 		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-			return h.pl.protected(victims[1]), nil
+			return h.pl.protected(victims[1:2]), nil
 		})
 		if err != nil {
 			t.Fatal("the budget never covered v1")
 		}
-		if h.pl.protected(victims[0]) {
+		if h.pl.protected(victims[:1]) {
 			t.Fatal("the budget covers v0 too")
 		}
 		reprieve(t, h, pod, victims, trial, []bool{true, true, false, false})
+	})
+	t.Run("budget that allows a disruption", func(t *testing.T) {
+		h, pod, victims, trial := setup(t)
+		h.create(&policyv1.PodDisruptionBudget{
+			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "keep-v1"},
+			Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "v1"}}},
+			Status:     policyv1.PodDisruptionBudgetStatus{DisruptionsAllowed: 1},
+		})
+		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			pdb, err := h.pl.pdbs.PodDisruptionBudgets(testNS).Get("keep-v1")
+			return err == nil && pdb != nil, nil
+		})
+		if err != nil {
+			t.Fatal("the budget never showed up")
+		}
+		if h.pl.protected(victims[1:2]) {
+			t.Fatal("evicting v1 counts as violating a budget that allows a disruption")
+		}
+		reprieve(t, h, pod, victims, trial, []bool{true, false, true, false})
 	})
 	t.Run("nominated pod added", func(t *testing.T) {
 		// Six GPUs on three roots; gpu-0 and gpu-4 are held by a pod
