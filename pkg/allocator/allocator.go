@@ -255,6 +255,19 @@ func (a *Allocator) AnyOnNode(node string, ids sets.Set[structured.DeviceID]) bo
 	return false
 }
 
+// ReleasedSince returns the devices this Allocator counts as allocated
+// (its AllocatedState, without adjustments) that now, a later state of
+// the cluster, does not.
+func (a *Allocator) ReleasedSince(now sets.Set[structured.DeviceID]) sets.Set[structured.DeviceID] {
+	out := sets.New[structured.DeviceID]()
+	for id := range a.state.AllocatedDevices {
+		if !now.Has(id) {
+			out.Insert(id)
+		}
+	}
+	return out
+}
+
 // NodesOf returns the nodes whose node-local slices publish any of ids.
 func (a *Allocator) NodesOf(ids sets.Set[structured.DeviceID]) sets.Set[string] {
 	out := sets.New[string]()

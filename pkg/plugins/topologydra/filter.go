@@ -172,6 +172,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		if !keeps {
 			return unschedulable("node(s) would give the pod less aligned devices with the pods preemption removed given back")
 		}
+		pl.lastTrialFit.Store(time.Now().UnixNano())
 	}
 	if s.headroom.drivers != nil && !(preemptionAllowed(pod) && pod.Status.NominatedNodeName == node.Name) {
 		// PreFilter counted no headroom for a pod that may preempt a

@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -117,6 +118,9 @@ type TopologyDRA struct {
 	// pdbs lists PodDisruptionBudgets (nil: not known): preemption does
 	// not evict a pod they cover for alignment alone.
 	pdbs policylisters.PodDisruptionBudgetLister
+	// lastTrialFit is when (Unix nanoseconds) a pod last fit in a
+	// preemption trial; 0 never (see mayBeNominated).
+	lastTrialFit atomic.Int64
 	// skipResizeDeferred is the InPlacePodVerticalScalingSchedulerPreemption
 	// feature: with it the scheduler queues bound pods whose resize is
 	// deferred, to find room by preemption; their claims are in use and

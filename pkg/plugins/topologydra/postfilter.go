@@ -2,6 +2,7 @@ package topologydra
 
 import (
 	"context"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -45,7 +46,11 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
 	}
-	if nominated := pl.nominatedTo(pod, s); nominated != "" && pl.fitsOnceGone(ctx, s, nominated) {
+	if s.allocator == nil || pl.handle == nil || !pl.mayBeNominated(pod) {
+		return nil, fwk.NewStatus(fwk.Unschedulable)
+	}
+	freeing := pl.freeing(ctx, s)
+	if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" && pl.fitsOnceGone(ctx, s, freeing, nominated) {
 		// The pod's victims are gone and their claims not given back
 		// yet: it waits for them on its node, and DefaultPreemption,
 		// which a success ends, evicts nobody more meanwhile. A claim
@@ -57,20 +62,35 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 	return nil, fwk.NewStatus(fwk.Unschedulable)
 }
 
+// nominationWindow is how long after a preemption trial in which a pod fit
+// a pod whose status names no node may be nominated in the scheduler's
+// record only (see nominatedTo): the time from a nomination to its
+// write-back, with a wide margin.
+const nominationWindow = 2 * time.Minute
+
+// mayBeNominated reports whether the pod may be nominated to a node: its
+// status says so, or it may preempt and a preemption trial found room for
+// a pod within nominationWindow. Otherwise PostFilter skips counting the
+// devices being given back, which costs a pass over the claims.
+func (pl *TopologyDRA) mayBeNominated(pod *v1.Pod) bool {
+	if pod.Status.NominatedNodeName != "" {
+		return true
+	}
+	last := pl.lastTrialFit.Load()
+	return preemptionAllowed(pod) && last != 0 && time.Since(time.Unix(0, last)) < nominationWindow
+}
+
 // nominatedTo returns the node the pod is nominated to: its status says,
 // or, until the scheduler's write of that comes back, the scheduler's own
 // record of nominations does. A preemptor is retried as soon as its last
 // victim is deleted, which may come first; without this it would evict
 // more pods elsewhere meanwhile. The record is looked up only on the nodes
-// where claims of pods that are gone hold devices, the only nodes where
-// PostFilter waits.
-func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, s *stateData) string {
-	if pod.Status.NominatedNodeName != "" || !preemptionAllowed(pod) || s.allocator == nil || pl.handle == nil {
+// of freeing (see freeing), the only nodes where PostFilter waits.
+func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, freeing sets.Set[structured.DeviceID], s *stateData) string {
+	if pod.Status.NominatedNodeName != "" || !preemptionAllowed(pod) {
 		return pod.Status.NominatedNodeName
 	}
-	gone := sets.New[structured.DeviceID]()
-	addAllBut(gone, s.leaving(pl).gone, s.claimUIDs())
-	for node := range s.allocator.NodesOf(gone) {
+	for node := range s.allocator.NodesOf(freeing) {
 		for _, pi := range pl.handle.NominatedPodsForNode(node) {
 			if pi.GetPod().UID == pod.UID {
 				return node
@@ -80,16 +100,28 @@ func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, s *stateData) string {
 	return ""
 }
 
-// fitsOnceGone reports whether the pod's claims fit on the node once the
-// claims of pods that no longer exist are given back there, and not as
-// the node is.
-func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, nodeName string) bool {
-	if s.allocator == nil || pl.handle == nil || pl.handle.SnapshotSharedLister() == nil {
-		return false
+// freeing returns the devices that are being given back: those of claims
+// of pods that no longer exist (not the pod's own claims), and those of
+// claims given back since the cycle's allocator was built. The claim
+// controller releases a preemption's victims' claims one by one, and the
+// pod may be retried in between: counted as in use by the cycle, they
+// are neither allocated now nor claims of pods that are gone.
+func (pl *TopologyDRA) freeing(ctx context.Context, s *stateData) sets.Set[structured.DeviceID] {
+	freeing := sets.New[structured.DeviceID]()
+	addAllBut(freeing, s.leaving(pl).gone, s.claimUIDs())
+	if now, err := pl.gatherAllocatedState(ctx); err == nil {
+		for id := range s.allocator.ReleasedSince(now.AllocatedDevices) {
+			freeing.Insert(id)
+		}
 	}
-	gone := sets.New[structured.DeviceID]()
-	addAllBut(gone, s.leaving(pl).gone, s.claimUIDs())
-	if !s.allocator.AnyOnNode(nodeName, gone) {
+	return freeing
+}
+
+// fitsOnceGone reports whether the pod's claims fit on the node once the
+// devices of freeing are free there, and not as the node was when the
+// cycle began.
+func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, freeing sets.Set[structured.DeviceID], nodeName string) bool {
+	if pl.handle.SnapshotSharedLister() == nil || !s.allocator.AnyOnNode(nodeName, freeing) {
 		return false
 	}
 	nodeInfo, err := pl.handle.SnapshotSharedLister().NodeInfos().Get(nodeName)
@@ -100,6 +132,6 @@ func (pl *TopologyDRA) fitsOnceGone(ctx context.Context, s *stateData, nodeName 
 	if len(claims) == 0 {
 		return false
 	}
-	res, err := s.allocator.Adjusted(gone, nil).Allocate(ctx, nodeInfo.Node(), claims)
+	res, err := s.allocator.Adjusted(freeing, nil).Allocate(ctx, nodeInfo.Node(), claims)
 	return err == nil && res.Allocations != nil
 }

@@ -218,7 +218,17 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 			t.Errorf("%s nominated to %q: result %+v, want the nomination kept", tc.claim, tc.nominated, res)
 		}
 	}
-	// Nominated in the scheduler's record, before its status says so.
+	// Nominated in the scheduler's record, before its status says so: the
+	// record is read within nominationWindow of a preemption trial in
+	// which a pod fit.
+	pod := testPod("p", "want")
+	h.nominator.AddNominatedPod(klog.Background(), podInfo(t, pod), &fwk.NominatingInfo{NominatedNodeName: "node-a", NominatingMode: fwk.ModeOverride})
+	cs, _ := h.cycle(pod, "node-a", "node-b")
+	if _, st := h.pl.PostFilter(h.tCtx, cs, pod, nil); st.IsSuccess() {
+		t.Errorf("nominated in the scheduler's record only, no preemption trial: PostFilter %v, want unschedulable", st)
+	}
+	h.nominator.DeleteNominatedPodIfExists(pod)
+	h.pl.lastTrialFit.Store(time.Now().UnixNano())
 	for node, wait := range map[string]bool{"node-a": true, "node-b": false} {
 		pod := testPod("p", "want")
 		h.nominator.AddNominatedPod(klog.Background(), podInfo(t, pod), &fwk.NominatingInfo{NominatedNodeName: node, NominatingMode: fwk.ModeOverride})
@@ -231,9 +241,9 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 	}
 	// The claim's pod exists: its claim is in use.
 	h.createSeen(gone)
-	pod := testPod("p", "want")
+	pod = testPod("p", "want")
 	pod.Status.NominatedNodeName = "node-a"
-	cs, _ := h.cycle(pod, "node-a", "node-b")
+	cs, _ = h.cycle(pod, "node-a", "node-b")
 	if _, st := h.pl.PostFilter(h.tCtx, cs, pod, nil); st.IsSuccess() {
 		t.Errorf("the claim's pod exists: PostFilter %v, want unschedulable", st)
 	}
@@ -552,4 +562,33 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 		h.pl.AddPod(h.tCtx, trial, pod, podInfo(t, noClaims), h.nodes["node-a"])
 		passes("the pod without claims given back")
 	})
+}
+
+// TestPostFilterCountsClaimsReleasedSinceTheCycle: the claim controller
+// gives the victims' claims back one by one, and a preemptor may be
+// retried in between. Its cycle began with both of a node's GPUs held by
+// claims of pods that are gone; by PostFilter one claim is deallocated
+// (neither allocated any more nor a claim of a gone pod), the other not
+// yet. The pod, nominated there, fits once the second is given back, and
+// keeps its nomination.
+func TestPostFilterCountsClaimsReleasedSinceTheCycle(t *testing.T) {
+	gone, gone2 := testPod("gone"), testPod("gone2")
+	h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2),
+		reservedFor(allocatedOn(testClaim("gone-claim", 1), "node-a", "gpu-0"), gone),
+		reservedFor(allocatedOn(testClaim("gone2-claim", 1), "node-a", "gpu-1"), gone2),
+		testClaim("want-two", 2))
+	h.waitForClaim("gone2-claim", func(*resourceapi.ResourceClaim) bool { return true })
+	pod := testPod("p", "want-two")
+	pod.Status.NominatedNodeName = "node-a"
+	cs, _ := h.cycle(pod, "node-a")
+	claim := h.apiClaim("gone2-claim")
+	claim.Status.Allocation, claim.Status.ReservedFor = nil, nil
+	if _, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, claim, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	h.waitForClaim("gone2-claim", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+	if !st.IsSuccess() || res == nil || res.NominatingInfo == nil || res.NominatedNodeName != "node-a" {
+		t.Errorf("one claim given back since the cycle began, the other's pod gone: PostFilter %+v %v, want the nomination kept", res, st)
+	}
 }
