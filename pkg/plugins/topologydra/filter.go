@@ -172,7 +172,11 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		if !keeps {
 			return unschedulable("node(s) would give the pod less aligned devices with the pods preemption removed given back")
 		}
-		pl.lastTrialFit.Store(time.Now().UnixNano())
+		// Once a second at most: preemption's dry runs run in parallel,
+		// one Filter per candidate node and victim given back.
+		if now := time.Now().UnixNano(); now-pl.lastTrialFit.Load() > int64(time.Second) {
+			pl.lastTrialFit.Store(now)
+		}
 	}
 	if s.headroom.drivers != nil && !(preemptionAllowed(pod) && pod.Status.NominatedNodeName == node.Name) {
 		// PreFilter counted no headroom for a pod that may preempt a

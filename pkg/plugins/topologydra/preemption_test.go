@@ -491,17 +491,28 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 		h, pod, victims, trial := setup(t)
 		reprieve(t, h, pod, victims, trial, []bool{true, false, true, false})
 	})
-	t.Run("budget covers the second", func(t *testing.T) {
-		h, pod, victims, trial := setup(t)
+	// budgetForV1 creates a PodDisruptionBudget that selects v1 and allows
+	// that many disruptions, and waits until the plugin lists it.
+	budgetForV1 := func(t *testing.T, h *harness, allowed int32) {
 		h.create(&policyv1.PodDisruptionBudget{
 			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "keep-v1"},
 			Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "v1"}}},
+			Status:     policyv1.PodDisruptionBudgetStatus{DisruptionsAllowed: allowed},
 		})
 		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-			return h.pl.protected(victims[1:2]), nil
+			_, err := h.pl.pdbs.PodDisruptionBudgets(testNS).Get("keep-v1")
+			return err == nil, nil
 		})
 		if err != nil {
-			t.Fatal("the budget never covered v1")
+			t.Fatal("the plugin never listed the budget")
+		}
+	}
+
+	t.Run("budget covers the second", func(t *testing.T) {
+		h, pod, victims, trial := setup(t)
+		budgetForV1(t, h, 0)
+		if !h.pl.protected(victims[1:2]) {
+			t.Fatal("evicting v1 does not count as violating its budget")
 		}
 		if h.pl.protected(victims[:1]) {
 			t.Fatal("the budget covers v0 too")
@@ -510,18 +521,7 @@ func TestPreemptionKeepsAlignment(t *testing.T) {
 	})
 	t.Run("budget that allows a disruption", func(t *testing.T) {
 		h, pod, victims, trial := setup(t)
-		h.create(&policyv1.PodDisruptionBudget{
-			ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "keep-v1"},
-			Spec:       policyv1.PodDisruptionBudgetSpec{Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": "v1"}}},
-			Status:     policyv1.PodDisruptionBudgetStatus{DisruptionsAllowed: 1},
-		})
-		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
-			pdb, err := h.pl.pdbs.PodDisruptionBudgets(testNS).Get("keep-v1")
-			return err == nil && pdb != nil, nil
-		})
-		if err != nil {
-			t.Fatal("the budget never showed up")
-		}
+		budgetForV1(t, h, 1)
 		if h.pl.protected(victims[1:2]) {
 			t.Fatal("evicting v1 counts as violating a budget that allows a disruption")
 		}
