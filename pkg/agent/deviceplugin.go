@@ -75,7 +75,8 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 //     for the extended resource, the same GPUs that this agent publishes,
 //     so a pod of either kind could get a GPU the other holds. A change is
 //     reported on the Node (ReasonDevicePlugin, ReasonDevicePluginGone)
-//     and republished. Claims already prepared are left alone.
+//     and republished. Claims already prepared are left alone; new ones
+//     are refused (ErrDevicePluginConflict).
 //   - GPU faults that its ClearFaultsAnnotation clears are forgotten and
 //     their health taints removed (clearFaults publishes).
 //
@@ -152,6 +153,18 @@ func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
 		a.nodeEvent(v1.EventTypeNormal, ReasonDevicePluginGone, "Publish", "the node no longer advertises GPUs of a device plugin: %s devices are no longer tainted %s", a.opts.DriverName, DevicePluginTaintKey)
 	}
 	return true
+}
+
+// devicePluginFound lists the device plugin's resources that the Node was
+// last read to advertise; "" where it advertises none, or while it could
+// not be read yet.
+func (a *Agent) devicePluginFound() string {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	if a.devicePlugin == devicePluginUnknown {
+		return ""
+	}
+	return a.devicePlugin
 }
 
 // nodeLoop runs CheckNode every interval, and when checkNodeSoon asks.

@@ -1,6 +1,7 @@
 package agent_test
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
@@ -60,9 +61,17 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePlugin) || !strings.Contains(ev, "nvidia.com/gpu=8") || strings.Contains(ev, "fpga") {
 		t.Errorf("event %q, want a %s warning naming nvidia.com/gpu=8 only", ev, agent.ReasonDevicePlugin)
 	}
-	c := claim("before", gpus("gpus", "gpu-0")...)
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
-		t.Fatalf("prepare: %v %v", err, res[c.UID].Err)
+	// A claim allocated a GPU while the device plugin hands it out too is
+	// refused, with a warning on the claim; one with admin access is not.
+	during := claim("during", gpus("gpus", "gpu-0")...)
+	if err := prepareOne(ctx, t, a, during); !errors.Is(err, agent.ErrDevicePluginConflict) || !strings.Contains(err.Error(), "nvidia.com/gpu=8") {
+		t.Errorf("prepare while the node advertises nvidia.com/gpu=8: %v, want ErrDevicePluginConflict naming it", err)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePluginAllocated) || !strings.Contains(ev, "gpu-0") {
+		t.Errorf("event %q, want a %s warning naming gpu-0", ev, agent.ReasonDevicePluginAllocated)
+	}
+	if err := prepareOne(ctx, t, a, claim("admin", alloc{request: "gpus", device: "gpu-1", admin: true})); err != nil {
+		t.Errorf("prepare of an admin-access claim while the node advertises nvidia.com/gpu=8: %v", err)
 	}
 
 	setAllocatable(v1.ResourceList{"nvidia.com/gpu": apiresource.MustParse("0"), "example.com/fpga": apiresource.MustParse("1")})
@@ -75,8 +84,8 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Normal "+agent.ReasonDevicePluginGone) {
 		t.Errorf("event %q, want %s", ev, agent.ReasonDevicePluginGone)
 	}
-	if res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c}); err != nil || res[c.UID].Err != nil {
-		t.Errorf("the claim prepared before: %v %v", err, res[c.UID].Err)
+	if err := prepareOne(ctx, t, a, during); err != nil {
+		t.Errorf("prepare once the device plugin is gone: %v", err)
 	}
 
 	// MIG devices, and time-slicing with renamed resources.
@@ -92,6 +101,15 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 		if ev := expectEvent(t, recorder); !strings.Contains(ev, resource) {
 			t.Errorf("event %q, want it to name %s", ev, resource)
 		}
+		// A claim prepared before the device plugin came is prepared
+		// again as before; a new one is refused.
+		if err := prepareOne(ctx, t, a, during); err != nil {
+			t.Errorf("node with %s: prepare again of the claim prepared before: %v", resource, err)
+		}
+		if err := prepareOne(ctx, t, a, claim("new-"+name, gpus("gpus", "gpu-2")...)); !errors.Is(err, agent.ErrDevicePluginConflict) {
+			t.Errorf("node with %s: prepare of a new claim: %v, want ErrDevicePluginConflict", resource, err)
+		}
+		expectEvent(t, recorder)
 	}
 
 	// A Node that cannot be read at start: tainted until it can, with a

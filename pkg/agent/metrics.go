@@ -64,6 +64,7 @@ const (
 	PrepareErrorClaimBusy         = "claim_busy"          // ErrClaimBusy
 	PrepareErrorUnhealthyDevice   = "unhealthy_device"    // ErrDeviceUnhealthy
 	PrepareErrorGPUMoved          = "gpu_moved"           // ErrGPUMoved
+	PrepareErrorDevicePlugin      = "device_plugin"       // ErrDevicePluginConflict
 	PrepareErrorDeviceNodeMissing = "device_node_missing" // cdi.ErrMissingDeviceNode
 	PrepareErrorOther             = "other"
 )
@@ -75,6 +76,7 @@ var prepareErrorReasons = [...]string{
 	PrepareErrorClaimBusy,
 	PrepareErrorUnhealthyDevice,
 	PrepareErrorGPUMoved,
+	PrepareErrorDevicePlugin,
 	PrepareErrorDeviceNodeMissing,
 	PrepareErrorOther,
 }
@@ -86,7 +88,7 @@ type prepareErrorCounts [len(prepareErrorReasons)]atomic.Uint64
 // prepareErrorCauses are the errors behind the reasons of
 // prepareErrorReasons, in its order; the last reason, other, has none.
 var prepareErrorCauses = [len(prepareErrorReasons) - 1]error{
-	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, cdi.ErrMissingDeviceNode,
+	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, ErrDevicePluginConflict, cdi.ErrMissingDeviceNode,
 }
 
 // prepareErrorIndex is the index in prepareErrorReasons of err's reason.

@@ -61,6 +61,18 @@ var ErrDeviceUnhealthy = errors.New("device is unhealthy")
 // claim that is refused with ErrDeviceUnhealthy.
 const ReasonUnhealthyDeviceAllocated = "UnhealthyDeviceAllocated"
 
+// ErrDevicePluginConflict is the per-claim error for a claim that is not
+// prepared yet while the Node advertises GPUs of a device plugin (see
+// CheckNode): the kubelet hands those GPUs to pods that ask for the
+// extended resource as well, so a new container could share a GPU with
+// one of them. Claims prepared before are prepared again as before, and
+// claims with admin access are prepared.
+var ErrDevicePluginConflict = errors.New("the node's device plugin hands out the same GPUs")
+
+// ReasonDevicePluginAllocated is the reason of the warning event on a
+// claim that is refused with ErrDevicePluginConflict.
+const ReasonDevicePluginAllocated = "DevicePluginGPUAllocated"
+
 // ErrConfigNotSupported is the per-claim error for a claim that carries
 // opaque device configuration for this driver: the driver defines none, and
 // ignoring it would run the pod with a configuration it did not ask for.
@@ -80,6 +92,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // A claim that is not prepared yet and was allocated a GPU that reported
 // a critical fault is refused with ErrDeviceUnhealthy (and a warning event
 // on the claim), unless its result has admin access.
+// Likewise, while the Node advertises GPUs of a device plugin, a claim
+// that is not prepared yet is refused with ErrDevicePluginConflict (and a
+// warning event on the claim), unless its result has admin access.
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID. While the agent cannot use
@@ -220,6 +235,8 @@ func (a *Agent) prepareFailed(ctx context.Context, claim *resourceapi.ResourceCl
 		a.event(claim, nil, v1.EventTypeWarning, ReasonReallocated, "Prepare", "%v", err)
 	case errors.Is(err, ErrDeviceUnhealthy):
 		a.event(claim, nil, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
+	case errors.Is(err, ErrDevicePluginConflict):
+		a.event(claim, nil, v1.EventTypeWarning, ReasonDevicePluginAllocated, "Prepare", "%v", err)
 	case errors.Is(err, cdi.ErrMissingDeviceNode):
 		// The node's set-up, not the claim's: the admin looks at the
 		// Node; the pod's events carry the error too.
@@ -323,6 +340,7 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		return checkpoint.PreparedClaim{}, false, err
 	}
 	inv := a.Inventory()
+	devicePlugin := a.devicePluginFound()
 	prepared := checkpoint.PreparedClaim{Namespace: claim.Namespace, Name: claim.Name}
 	if ts := claim.Status.Allocation.AllocationTimestamp; ts != nil {
 		prepared.AllocatedAt = ptr.To(ts.UTC().Truncate(time.Second))
@@ -353,6 +371,10 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		if fault, ok := a.fault(gpu.UUID); ok && !admin {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots or the Node annotation %s clears the fault after a GPU reset; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message, ClearFaultsAnnotation)
+		}
+		if devicePlugin != "" && !admin {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: node %s advertises %s from a device plugin, which the kubelet hands out to pods that ask for it, %s (GPU %s) included; disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false), then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",
+				klog.KObj(claim), ErrDevicePluginConflict, a.opts.NodeName, devicePlugin, r.Device, gpu.UUID)
 		}
 		if owner, uid, ok := preparedElsewhere(cp, a.preparing, claim.UID, gpu.UUID, admin); ok {
 			// The message reaches the pod's events: a claim of another

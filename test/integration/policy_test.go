@@ -2,6 +2,7 @@ package integration
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"strings"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/topodra/topodra/config"
 	"github.com/topodra/topodra/manifests"
+	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -116,7 +118,13 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		tolerations              []resourceapi.DeviceToleration
 		noRequests               bool
 		refused                  bool
+		// says is what the refusal must say; "topodra-scheduler" where
+		// empty.
+		says string
 	}
+	devicePlugin := toleration(agent.DevicePluginTaintKey, resourceapi.DeviceTolerationOpExists)
+	const disable = "disable the device plugin on that node"
+
 	cases := func(owned string) map[string]testCase {
 		return map[string]testCase{
 			"owned key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
@@ -137,6 +145,10 @@ func TestOwnedTaintPolicy(t *testing.T) {
 			"other taint":                           {tolerations: []resourceapi.DeviceToleration{toleration("gpu.topodra.io/unhealthy", resourceapi.DeviceTolerationOpExists)}},
 			"other taint in firstAvailable":         {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpEqual)}},
 			"template, other taint":                 {template: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists)}},
+			"device-plugin key":                     {tolerations: []resourceapi.DeviceToleration{devicePlugin}, refused: true, says: disable},
+			"device-plugin key, Equal":              {tolerations: []resourceapi.DeviceToleration{toleration(agent.DevicePluginTaintKey, resourceapi.DeviceTolerationOpEqual)}, refused: true, says: disable},
+			"device-plugin key in firstAvailable":   {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), devicePlugin}, refused: true, says: disable},
+			"template, device-plugin key":           {template: true, tolerations: []resourceapi.DeviceToleration{devicePlugin}, refused: true, says: disable},
 		}
 	}
 	run := func(owned string) {
@@ -152,7 +164,7 @@ func TestOwnedTaintPolicy(t *testing.T) {
 				t.Errorf("key %s, %s: admitted, want refused", owned, name)
 			case tc.refused && !(apierrors.IsForbidden(err) || apierrors.IsInvalid(err)):
 				t.Errorf("key %s, %s: refused with an unexpected error: %v", owned, name, err)
-			case tc.refused && !strings.Contains(err.Error(), "topodra-scheduler"):
+			case tc.refused && !strings.Contains(err.Error(), cmp.Or(tc.says, "topodra-scheduler")):
 				t.Errorf("key %s, %s: the refusal does not tell the user what to do: %v", owned, name, err)
 			case !tc.refused && err != nil:
 				t.Errorf("key %s, %s: refused, want admitted: %v", owned, name, err)
@@ -291,6 +303,31 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	}
 	if err := writeStatus("status-write", allocate); err != nil {
 		t.Errorf("without ConfigMap topodra-ownership, a claim without tolerations could not be allocated: %v", err)
+	}
+
+	// A claim that tolerated the device-plugin taint before the policy
+	// refused it: no scheduler may allocate it.
+	dpLiteral := "'" + agent.DevicePluginTaintKey + "'"
+	if !bytes.Contains(policy, []byte(dpLiteral)) {
+		t.Fatalf("base/admission-policy.yaml does not hold the device-plugin key as %s", dpLiteral)
+	}
+	tCtx.ExpectNoError(c.Apply(tCtx, bytes.ReplaceAll(policy, []byte(dpLiteral), []byte("'example.com/none'")), nil), "apply the policy without the device-plugin key")
+	var before *resourceapi.ResourceClaim
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		before, err = c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: "device-plugin-before", Finalizers: []string{resourceapi.Finalizer}},
+			Spec:       claimSpec(false, devicePlugin),
+		}, metav1.CreateOptions{})
+		return err == nil, nil
+	})
+	tCtx.ExpectNoError(err, "a claim tolerating the device-plugin key was never admitted by a policy without that key")
+	tCtx.ExpectNoError(c.Apply(tCtx, policy, nil), "apply the shipped policy again")
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return create(false, claimSpec(false, devicePlugin)) != nil, nil
+	})
+	tCtx.ExpectNoError(err, "the shipped policy never refused the device-plugin key again")
+	if err := writeStatus(before.Name, allocate); err == nil || !strings.Contains(err.Error(), "allocate it") || !strings.Contains(err.Error(), disable) {
+		t.Errorf("an allocation of a claim that tolerates the device-plugin key: %v, want refused", err)
 	}
 }
 
