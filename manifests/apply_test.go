@@ -80,6 +80,7 @@ func TestManifestsApply(t *testing.T) {
 	}
 	checkClaimPolicy(t, ctx, cp.Client)
 	checkDefaultSchedulerPolicy(t, ctx, cp)
+	checkAgentPriorityPolicy(t, ctx, cp.Client)
 	examples, err := fs.Glob(manifests.FS, "examples/*.yaml")
 	if err != nil {
 		t.Fatal(err)
@@ -184,6 +185,50 @@ func checkDefaultSchedulerPolicy(t *testing.T, ctx context.Context, cp *framewor
 	}
 	if _, err := cp.Client.ResourceV1().ResourceClaims(metav1.NamespaceDefault).UpdateStatus(ctx, allocated(topology.DriverName), dryRun); err != nil {
 		t.Errorf("an admin's allocation of %s: %v", topology.DriverName, err)
+	}
+}
+
+// checkAgentPriorityPolicy checks the agent's PriorityClass policy as
+// rendered and applied: a pod of class topodra-node-agent outside
+// kube-system, or there under another service account, is refused (the
+// policy takes effect asynchronously); the agent's own pod, and pods of
+// other classes, are admitted.
+func checkAgentPriorityPolicy(t *testing.T, ctx context.Context, client kubernetes.Interface) {
+	t.Helper()
+	const class = "topodra-node-agent"
+	pod := func(namespace, serviceAccount, priorityClass string) *v1.Pod {
+		return &v1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: "priority-" + namespace + "-" + serviceAccount, Namespace: namespace},
+			Spec: v1.PodSpec{
+				ServiceAccountName: serviceAccount,
+				PriorityClassName:  priorityClass,
+				Containers:         []v1.Container{{Name: "c", Image: "busybox"}},
+			},
+		}
+	}
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+	create := func(p *v1.Pod) error {
+		_, err := client.CoreV1().Pods(p.Namespace).Create(ctx, p, dryRun)
+		return err
+	}
+	var lastErr error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		lastErr = create(pod(metav1.NamespaceDefault, "default", class))
+		return lastErr != nil, nil
+	})
+	if err != nil {
+		t.Errorf("the rendered agent priority policy never refused a workload of class %s", class)
+	} else if !apierrors.IsForbidden(lastErr) || !strings.Contains(lastErr.Error(), "use a PriorityClass of your own") {
+		t.Errorf("a workload of class %s: refused, but not by the policy: %v", class, lastErr)
+	}
+	if err := create(pod(metav1.NamespaceSystem, "default", class)); !apierrors.IsForbidden(err) {
+		t.Errorf("a pod of class %s in kube-system under another service account: %v, want refused", class, err)
+	}
+	if err := create(pod(metav1.NamespaceSystem, class, class)); err != nil {
+		t.Errorf("the agent's pod: %v", err)
+	}
+	if err := create(pod(metav1.NamespaceDefault, "default", "")); err != nil {
+		t.Errorf("a pod without a PriorityClass: %v", err)
 	}
 }
 
