@@ -87,6 +87,30 @@ func checkHookMount(t *testing.T, ds *appsv1.DaemonSet, c *v1.Container, env map
 	}
 }
 
+// operatorToolkitConfig is where the GPU Operator's toolkit keeps its
+// configuration on the node.
+const operatorToolkitConfig = "/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml"
+
+// onNode is the node's path that the container sees at containerPath,
+// through the hostPath mount with the longest mount path that holds it;
+// "" where none does.
+func onNode(ds *appsv1.DaemonSet, c *v1.Container, containerPath string) string {
+	var through *v1.VolumeMount
+	for i, m := range c.VolumeMounts {
+		if strings.HasPrefix(containerPath, strings.TrimSuffix(m.MountPath, "/")+"/") && (through == nil || len(m.MountPath) > len(through.MountPath)) {
+			through = &c.VolumeMounts[i]
+		}
+	}
+	if through == nil {
+		return ""
+	}
+	v := volume(ds, through.Name)
+	if v == nil || v.HostPath == nil {
+		return ""
+	}
+	return path.Join(v.HostPath.Path, strings.TrimPrefix(containerPath, through.MountPath))
+}
+
 // checkUnprivileged: a container that needs no privilege runs without
 // capabilities or privilege escalation, under the runtime's default
 // seccomp profile (set on the pod or the container).
@@ -116,12 +140,15 @@ func TestOverlays(t *testing.T) {
 		hook       string
 		// hookVolume is the volume through which the agent sees hook.
 		hookVolume string
-		privileged bool
+		// toolkitConfig is where the agent's CONTAINER_TOOLKIT_CONFIG is
+		// on the node: the toolkit's configuration.
+		toolkitConfig string
+		privileged    bool
 	}{
-		"overlays/host":                     {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", privileged: true},
-		"overlays/gpu-operator":             {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
+		"overlays/host":                     {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", toolkitConfig: "/etc/nvidia-container-runtime/config.toml", privileged: true},
+		"overlays/gpu-operator":             {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", toolkitConfig: operatorToolkitConfig, privileged: true},
 		"overlays/mock":                     {nvml: "mock:dgx-h100"},
-		"overlays/gpu-operator-host-driver": {driverRoot: "/", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", privileged: true},
+		"overlays/gpu-operator-host-driver": {driverRoot: "/", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", toolkitConfig: operatorToolkitConfig, privileged: true},
 	}
 	for _, o := range Overlays {
 		if _, ok := testcases["overlays/"+o]; !ok {
@@ -183,6 +210,9 @@ func TestOverlays(t *testing.T) {
 					t.Errorf("NVIDIA_CDI_HOOK_PATH=%q, want %q", env["NVIDIA_CDI_HOOK_PATH"], tc.hook)
 				}
 				checkHookMount(t, ds, c, env, tc.hookVolume)
+				if got := onNode(ds, c, env["CONTAINER_TOOLKIT_CONFIG"]); got != tc.toolkitConfig {
+					t.Errorf("CONTAINER_TOOLKIT_CONFIG=%q is the node's %q, want %q", env["CONTAINER_TOOLKIT_CONFIG"], got, tc.toolkitConfig)
+				}
 			}
 
 			// Shared by every variant.

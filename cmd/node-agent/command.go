@@ -61,6 +61,7 @@ type options struct {
 	containerDevRoot    string
 	cdiHookPath         string
 	containerHookPath   string
+	toolkitConfig       string
 	disabledCDIHooks    []string
 	uvm                 string
 	createDeviceNodes   bool
@@ -133,6 +134,7 @@ the command line wins.`,
 	fs.StringVar(&o.containerDevRoot, "container-dev-root", "/", "Where the node's /dev is found in this container, as <dir>/dev, for a --driver-root whose dev/ has no nvidiactl (a driver installed on the host, a driver directory without device nodes); CDI specs name the device nodes found there by the node's /dev. '/' is this container's own /dev, which holds only the device nodes that existed when the container started. The DaemonSet mounts the node's /dev at /host/dev and sets /host.")
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
 	fs.StringVar(&o.containerHookPath, "container-nvidia-cdi-hook-path", "", "Where --nvidia-cdi-hook-path is visible in this container (the DaemonSet: /driver-root/usr/bin/nvidia-cdi-hook, with the GPU Operator /host/usr/local/nvidia/toolkit/nvidia-cdi-hook). Where it is missing or not executable, the agent logs an error and records a "+agent.ReasonCDIHookMissing+" Warning event on the Node at start, and Prepare of real GPUs fails with what to do, looking again each time. A path that ends with --nvidia-cdi-hook-path has its symbolic links resolved inside the directory before that (the node's root as mounted here). Empty: not checked.")
+	fs.StringVar(&o.toolkitConfig, "container-toolkit-config", "", "Where the node's NVIDIA Container Toolkit configuration (config.toml) is visible in this container (the DaemonSet: /driver-root/etc/nvidia-container-runtime/config.toml, with the GPU Operator's toolkit /host/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml). Where it leaves "+agent.VisibleDevicesEnvKey+" true (or out), which lets any pod that sets NVIDIA_VISIBLE_DEVICES reach every GPU where nvidia-container-runtime runs it, the agent logs it and records a "+agent.ReasonVisibleDevicesEnvAccepted+" Warning event on the Node at start. A missing file is not checked. Empty: not checked.")
 	fs.StringSliceVar(&o.disabledCDIHooks, "disabled-cdi-hooks", nil, "nvidia-cdi-hook subcommands to leave out of the CDI specs, for a node whose NVIDIA Container Toolkit is older than they need: "+hookVersions()+"; 'all' leaves out every hook. A container with a GPU fails to start where the node's nvidia-cdi-hook is older than 1.18.0 and lacks a hook of its spec (1.18.0 and later skip such a hook with a warning).")
 	fs.BoolVar(&o.createDeviceNodes, "create-device-nodes", true, "Before Prepare of real GPUs writes a CDI spec, create the NVIDIA device nodes that a GPU's containers need and the node lacks (/dev/nvidiactl, the GPU's /dev/nvidia<minor>, /dev/nvidia-uvm and /dev/nvidia-uvm-tools), where their kernel module is loaded, as nvidia-modprobe does: in the device root mounted from the node (see --container-dev-root; never in this container's own /dev). Without them Prepare fails (see --uvm), saying what to do on the node, in the pod's events and in a "+agent.ReasonDeviceNodeMissing+" Warning event on the Node; the kubelet's next try picks them up once they are there. --dry-run never creates them.")
 	fs.StringVar(&o.uvm, "uvm", string(cdi.UVMRequire), "Whether Prepare of real GPUs requires /dev/nvidia-uvm and /dev/nvidia-uvm-tools, without which CUDA cannot start in a container (cuInit error 999): 'require' fails Prepare while they are missing (where --create-device-nodes could not create them: the nvidia-uvm module is not loaded); 'optional' prepares GPUs without them, for containers that do not use CUDA.")
@@ -249,6 +251,9 @@ func newSource(o *options, nodeName string) (*source, error) {
 	}
 	if o.containerHookPath != "" && !filepath.IsAbs(o.containerHookPath) {
 		return nil, fmt.Errorf("--container-nvidia-cdi-hook-path (or CONTAINER_NVIDIA_CDI_HOOK_PATH) must be absolute, got %q", o.containerHookPath)
+	}
+	if o.toolkitConfig != "" && !filepath.IsAbs(o.toolkitConfig) {
+		return nil, fmt.Errorf("--container-toolkit-config (or CONTAINER_TOOLKIT_CONFIG) must be absolute, got %q", o.toolkitConfig)
 	}
 	switch {
 	case o.nvml == "real":
@@ -380,6 +385,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimCheck:       checkInterval(o.rescanInterval),
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
+		ToolkitConfig:         o.toolkitConfig,
 	})
 	if err != nil {
 		return exitError(ctx, sink, err)

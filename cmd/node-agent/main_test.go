@@ -108,6 +108,7 @@ func TestDryRun(t *testing.T) {
 		"driver root not there":        {opts: options{nvml: "real", driverRoot: "/nonexistent/driver"}, wantErr: `--driver-root "/nonexistent/driver"`},
 		"unknown disabled hook":        {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
 		"relative hook path":           {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
+		"relative toolkit config":      {opts: options{nvml: "mock:dgx-h100", toolkitConfig: "driver-root/etc/nvidia-container-runtime/config.toml"}, wantErr: "--container-toolkit-config"},
 		"unknown uvm policy":           {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: require, optional`},
 		"unknown unhealthy effect":     {opts: options{nvml: "mock:dgx-h100", unhealthyEffect: "Evict"}, wantErr: `--unhealthy-taint-effect (or UNHEALTHY_TAINT_EFFECT): unhealthy taint effect "Evict": want NoSchedule or NoExecute`},
 	}

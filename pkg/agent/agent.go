@@ -229,11 +229,18 @@ type Options struct {
 	// RescanInterval. Retrying happens even when rescanning is disabled.
 	NoGPURetry time.Duration
 
+	// ToolkitConfig is where the node's NVIDIA Container Toolkit
+	// configuration (config.toml) is visible to the agent, checked at
+	// start (see ReasonVisibleDevicesEnvAccepted); empty: not checked.
+	ToolkitConfig string
+
 	// Recorder, if set, receives events about the Node: a Warning
 	// (reason ReasonNoGPU) when discovery finds no GPU, a Normal one
 	// (ReasonGPUsFound) when it finds GPUs after that; a Warning
 	// (ReasonCDIHookMissing) at start when CDIGenerator is a
 	// cdi.HookChecker that finds its hook missing; a Warning
+	// (ReasonVisibleDevicesEnvAccepted) at start when ToolkitConfig lets
+	// unprivileged containers choose GPUs; a Warning
 	// (ReasonDeviceNodeMissing) when Prepare fails for a device node
 	// missing on the node; a Warning (ReasonSliceFieldsDropped) when the API server drops fields of a
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
@@ -630,6 +637,7 @@ func (a *Agent) start() error {
 		}
 		a.setStep("checking the CDI hook", false)
 		a.checkCDIHook(ctx)
+		a.checkToolkitConfig(ctx)
 	}
 
 	a.setStep("discovering GPUs", false)

@@ -60,6 +60,8 @@ type env struct {
 	ownedTaint bool
 	// rescanInterval is Options.RescanInterval; zero: no rescans.
 	rescanInterval time.Duration
+	// toolkitConfig is Options.ToolkitConfig.
+	toolkitConfig string
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -145,6 +147,7 @@ func (e *env) options(t *testing.T) agent.Options {
 		DevicePluginResources: e.devicePlugin,
 		StaleClaimGrace:       e.staleClaimGrace,
 		OwnedTaint:            e.ownedTaint,
+		ToolkitConfig:         e.toolkitConfig,
 	}
 }
 
