@@ -123,8 +123,9 @@ var (
 // need one) on node. It is safe for concurrent use.
 //
 // It returns (nil, err) only for problems that make the claims unallocatable
-// on every node: an invalid CEL expression, an unknown DeviceClass, an
-// invalid topodra annotation (these are *InputError, which wraps
+// on every node: an unknown DeviceClass, an invalid topodra annotation, a
+// CEL selector that does not compile or fails at run time where upstream's
+// search on the node evaluates it (these are *InputError, which wraps
 // ErrInvalidInput and names the claim, request and expression or class),
 // whatever upstream considers fatal, and cancellation of ctx. Otherwise the
 // Result is non-nil; Result.Allocations is nil when the claims do not fit

@@ -24,8 +24,10 @@ type unitSpec struct {
 	count            int
 	admin            bool
 	class            *resourceapi.DeviceClass
-	selectors        []cel.CompilationResult
-	tolerations      []resourceapi.DeviceToleration
+	// selectors are the class's selectors, then the request's, compiled;
+	// one that does not compile keeps its error (see selectorsMatch).
+	selectors   []cel.CompilationResult
+	tolerations []resourceapi.DeviceToleration
 }
 
 // unit is a unitSpec evaluated on one node.
@@ -43,9 +45,11 @@ type unit struct {
 	// an upper bound for what upstream can allocate.
 	upper  int
 	nMatch int
-	// uncertn is true if a selector failed at run time on a device of the
-	// node, or on a device of another node that upstream looks at on this
-	// node (nodeState.offNode).
+	// uncertn is true where upstream may report an error when its search
+	// reaches a device that the unit may match: a selector that fails at
+	// run time or does not compile, on a device of the node or on a device
+	// of another node that upstream looks at on this node
+	// (nodeState.offNode).
 	uncertn bool
 }
 
@@ -261,9 +265,12 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 const UnknownSelector = "is of a type this scheduler does not know (it supports cel)"
 
 // newUnitSpec resolves the class and compiles selectors. It returns nil (and
-// no error) for requests it does not understand, and an *InputError for
-// those no node can satisfy: a missing class, a selector that does not
-// compile or is of an unknown type, more devices than a claim can hold.
+// no error) for requests it does not understand, and an
+// *InputError for those no node can satisfy: a missing class, a selector
+// of an unknown type, more devices than a claim can hold. A selector that
+// does not compile is kept with its error: upstream compiles a selector
+// when its search first evaluates it on a device, and a subrequest it never
+// gets to cannot fail (see selectorsMatch and explainFatal).
 func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
 	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unitSpec, error) {
@@ -306,24 +313,14 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
 				Detail: fmt.Sprintf("device class %s: selector #%d %s", className, i, UnknownSelector)}
 		}
-		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
-		if expr.Error != nil {
-			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
-				Detail: fmt.Sprintf("device class %s: selector #%d: CEL expression `%s`", className, i, sel.CEL.Expression), Err: expr.Error}
-		}
-		u.selectors = append(u.selectors, expr)
+		u.selectors = append(u.selectors, a.celCache.GetOrCompile(sel.CEL.Expression))
 	}
 	for i, sel := range selectors {
 		if sel.CEL == nil {
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
 				Detail: fmt.Sprintf("selector #%d %s", i, UnknownSelector)}
 		}
-		expr := a.celCache.GetOrCompile(sel.CEL.Expression)
-		if expr.Error != nil {
-			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
-				Detail: fmt.Sprintf("selector #%d: CEL expression `%s`", i, sel.CEL.Expression), Err: expr.Error}
-		}
-		u.selectors = append(u.selectors, expr)
+		u.selectors = append(u.selectors, a.celCache.GetOrCompile(sel.CEL.Expression))
 	}
 	return u, nil
 }
@@ -363,9 +360,9 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 	}
 }
 
-// failsOffNode reports whether selectors fail at run time on a device of
-// ns.offNode: upstream's search reports that error when it gets to the
-// device, as for the node's own devices.
+// failsOffNode reports whether selectors fail (at run time, or to compile)
+// on a device of ns.offNode: upstream's search reports that error when it
+// gets to the device, as for the node's own devices.
 func (a *Allocator) failsOffNode(ctx context.Context, ns *nodeState, selectors []cel.CompilationResult) bool {
 	var memo *sliceMemo
 	var memoSlice *resourceapi.ResourceSlice
@@ -382,12 +379,17 @@ func (a *Allocator) failsOffNode(ctx context.Context, ns *nodeState, selectors [
 }
 
 // selectorsMatch evaluates selectors on the device at deviceIndex of
-// slice, through memo (the slice's cached results; nil evaluates every
-// time). A selector that fails at run time counts as matching and makes
-// uncertain true: upstream reports such an error when it gets to the
-// device, so counting never rules out what upstream would do.
+// slice, in order, through memo (the slice's cached results; nil evaluates
+// every time). A selector that fails at run time or does not compile
+// counts as matching and makes uncertain true: upstream reports either
+// error when it gets to the device, so counting never rules out what
+// upstream would do.
 func selectorsMatch(ctx context.Context, memo *sliceMemo, slice *resourceapi.ResourceSlice, deviceIndex int, device *resourceapi.Device, selectors []cel.CompilationResult) (matches, uncertain bool) {
 	for _, expr := range selectors {
+		if expr.Error != nil {
+			uncertain = true
+			continue
+		}
 		state := memoUnknown
 		if memo != nil {
 			state = memo.get(expr.Expression, deviceIndex)

@@ -368,12 +368,13 @@ func displayValue(key string) string {
 }
 
 // explainFatal turns a fatal error of the upstream allocator into one that
-// names what the user has to fix. Upstream reports a CEL runtime error with
-// the claim and the index of the selector only; this finds the request, the
-// expression (of the request or of its class) and a device of the node it
-// fails on, and returns an *InputError. It runs only on the error path.
-// Errors it cannot attribute, failures of this node only and cancellation
-// are returned as they are.
+// names what the user has to fix. Upstream reports a CEL error with the
+// claim (or class) and the index of the selector only; this finds the
+// request and the expression (of the request or of its class), with a
+// device of the node it fails on for a runtime error, and returns an
+// *InputError. It runs only on the error path. Errors it cannot
+// attribute, failures of this node only and cancellation are returned as
+// they are.
 func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) error {
 	if err == nil || ctx.Err() != nil || errors.Is(err, structured.ErrFailedAllocationOnNode) {
 		return err
@@ -382,15 +383,17 @@ func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) err
 	if gerr != nil {
 		return err
 	}
+	// Upstream's words for a selector that does not compile.
+	compile := strings.Contains(err.Error(), "CEL compile error")
 	for _, claim := range p.claims {
 		for _, req := range claim.Spec.Devices.Requests {
 			if req.Exactly != nil {
-				if e := a.failingSelector(ctx, ns, claim, req.Name, req.Exactly.DeviceClassName, req.Exactly.Selectors); e != nil {
+				if e := a.failingSelector(ctx, ns, claim, req.Name, req.Exactly.DeviceClassName, req.Exactly.Selectors, compile, err); e != nil {
 					return e
 				}
 			}
 			for _, sub := range req.FirstAvailable {
-				if e := a.failingSelector(ctx, ns, claim, resourceclaim.CreateSubRequestRef(req.Name, sub.Name), sub.DeviceClassName, sub.Selectors); e != nil {
+				if e := a.failingSelector(ctx, ns, claim, resourceclaim.CreateSubRequestRef(req.Name, sub.Name), sub.DeviceClassName, sub.Selectors, compile, err); e != nil {
 					return e
 				}
 			}
@@ -400,29 +403,40 @@ func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) err
 }
 
 // failingSelector returns an *InputError for the first selector of a
-// request (class selectors first) that fails at runtime on a device of the
-// node, or on a device of another node that upstream looks at on this node
-// (nodeState.offNode), nil if none does.
-func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *resourceapi.ResourceClaim, request, className string, selectors []resourceapi.DeviceSelector) error {
-	var exprs, origins []string
+// request (class selectors first) that explains err: with compile, one
+// that does not compile with the error that err quotes; otherwise one that
+// fails at run time on a device of the node, or on a device of another
+// node that upstream looks at on this node (nodeState.offNode). Nil if
+// none does.
+func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *resourceapi.ResourceClaim, request, className string, selectors []resourceapi.DeviceSelector, compile bool, err error) error {
+	var exprs, origins, indexed []string
 	if class, cerr := a.classLister.Get(className); cerr == nil {
-		for _, sel := range class.Spec.Selectors {
+		for i, sel := range class.Spec.Selectors {
 			if sel.CEL != nil {
 				exprs = append(exprs, sel.CEL.Expression)
 				origins = append(origins, "device class "+className+" selector")
+				indexed = append(indexed, fmt.Sprintf("device class %s: selector #%d", className, i))
 			}
 		}
 	}
-	for _, sel := range selectors {
+	for i, sel := range selectors {
 		if sel.CEL != nil {
 			exprs = append(exprs, sel.CEL.Expression)
 			origins = append(origins, "selector")
+			indexed = append(indexed, fmt.Sprintf("selector #%d", i))
 		}
 	}
 	for k, expr := range exprs {
 		compiled := a.celCache.GetOrCompile(expr)
+		if compile {
+			if compiled.Error != nil && strings.Contains(err.Error(), compiled.Error.Error()) {
+				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
+					Detail: fmt.Sprintf("%s: CEL expression `%s`", indexed[k], expr), Err: compiled.Error}
+			}
+			continue
+		}
 		if compiled.Error != nil {
-			continue // reported by analyzeClaim
+			continue
 		}
 		fails := func(driver, deviceName string, d *resourceapi.Device) error {
 			_, _, derr := compiled.DeviceMatches(ctx, cel.Device{

@@ -23,8 +23,8 @@ type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 // subrequest of a firstAvailable request, each with how many are free: not
 // allocated, not blocked by shared counters that allocated devices used
 // up (a GPU with an allocated partition), and not tainted beyond what the
-// requests tolerate (see DeviceCount). A device on which a
-// selector failed at run time counts as matching. It works on slices, through the selector cache, without
+// requests tolerate (see DeviceCount). A device counts as matching where
+// a selector fails on it at run time or does not compile. It works on slices, through the selector cache, without
 // gathering the nodes: pool rules (incomplete or invalid pools) are not
 // applied. matched is false, and Matching and MatchingFree are 0, where
 // the claims use fields this package does not interpret: only upstream's
