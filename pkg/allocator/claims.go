@@ -49,7 +49,8 @@ type unit struct {
 	// reaches a device that the unit may match: a selector that fails at
 	// run time or does not compile, on a device of the node or on a device
 	// of another node that upstream looks at on this node
-	// (nodeState.offNode).
+	// (nodeState.offNode); a device whose node selection upstream cannot
+	// evaluate (nodeState.unsure).
 	uncertn bool
 }
 
@@ -355,23 +356,33 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 		}
 		u.free = append(u.free, i)
 	}
-	if !u.uncertn && len(ns.offNode) > 0 {
+	if !u.uncertn && (len(ns.offNode) > 0 || len(ns.unsure) > 0) {
 		u.uncertn = a.failsOffNode(ctx, ns, u.selectors)
 	}
 }
 
 // failsOffNode reports whether selectors fail (at run time, or to compile)
-// on a device of ns.offNode: upstream's search reports that error when it
-// gets to the device, as for the node's own devices.
+// on a device of ns.offNode, or may match a device of ns.unsure: upstream's
+// search evaluates the selectors on such a device when it gets to it, and
+// then the device's node selection, and reports the error of either.
 func (a *Allocator) failsOffNode(ctx context.Context, ns *nodeState, selectors []cel.CompilationResult) bool {
 	var memo *sliceMemo
 	var memoSlice *resourceapi.ResourceSlice
-	for _, r := range ns.offNode {
+	fails := func(r deviceRef, unsure bool) bool {
 		if r.slice != memoSlice {
 			memoSlice = r.slice
 			memo = a.cache.forSlice(r.slice.UID, r.slice.Generation, a.features.ListTypeAttributes)
 		}
-		if _, uncertain := selectorsMatch(ctx, memo, r.slice, r.index, &r.slice.Spec.Devices[r.index], selectors); uncertain {
+		matches, uncertain := selectorsMatch(ctx, memo, r.slice, r.index, &r.slice.Spec.Devices[r.index], selectors)
+		return uncertain || unsure && matches
+	}
+	for _, r := range ns.offNode {
+		if fails(r, false) {
+			return true
+		}
+	}
+	for _, r := range ns.unsure {
+		if fails(r, true) {
 			return true
 		}
 	}

@@ -402,12 +402,13 @@ func (a *Allocator) explainFatal(ctx context.Context, p *podNode, err error) err
 	return err
 }
 
-// failingSelector returns an *InputError for the first selector of a
-// request (class selectors first) that explains err: with compile, one
-// that does not compile with the error that err quotes; otherwise one that
-// fails at run time on a device of the node, or on a device of another
-// node that upstream looks at on this node (nodeState.offNode). Nil if
-// none does.
+// failingSelector returns an *InputError for a selector of a request
+// (class selectors first) that explains err: with compile, the first that
+// does not compile with the error that err quotes; otherwise the first
+// that fails at run time on a device of the node, or on another device
+// that upstream looks at on this node (nodeState.offNode,
+// nodeState.unsure), where the selectors before it match the device. Nil
+// if none does.
 func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *resourceapi.ResourceClaim, request, className string, selectors []resourceapi.DeviceSelector, compile bool, err error) error {
 	var exprs, origins, indexed []string
 	if class, cerr := a.classLister.Get(className); cerr == nil {
@@ -426,42 +427,49 @@ func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *r
 			indexed = append(indexed, fmt.Sprintf("selector #%d", i))
 		}
 	}
-	for k, expr := range exprs {
-		compiled := a.celCache.GetOrCompile(expr)
-		if compile {
-			if compiled.Error != nil && strings.Contains(err.Error(), compiled.Error.Error()) {
+	if compile {
+		for k, expr := range exprs {
+			if compiled := a.celCache.GetOrCompile(expr); compiled.Error != nil && strings.Contains(err.Error(), compiled.Error.Error()) {
 				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
 					Detail: fmt.Sprintf("%s: CEL expression `%s`", indexed[k], expr), Err: compiled.Error}
 			}
-			continue
 		}
-		if compiled.Error != nil {
-			continue
-		}
-		fails := func(driver, deviceName string, d *resourceapi.Device) error {
-			_, _, derr := compiled.DeviceMatches(ctx, cel.Device{
+		return nil
+	}
+	// Upstream evaluates a device's selectors in order, up to the first
+	// that does not match or fails.
+	fails := func(driver, deviceName string, d *resourceapi.Device) error {
+		for k, expr := range exprs {
+			compiled := a.celCache.GetOrCompile(expr)
+			if compiled.Error != nil {
+				return nil
+			}
+			matches, _, derr := compiled.DeviceMatches(ctx, cel.Device{
 				Driver:                   driver,
 				AllowMultipleAllocations: d.AllowMultipleAllocations,
 				Attributes:               d.Attributes,
 				Capacity:                 d.Capacity,
 			})
-			if derr == nil {
+			if derr != nil {
+				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
+					Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, deviceName), Err: derr}
+			}
+			if !matches {
 				return nil
 			}
-			return &InputError{Claim: klog.KObj(claim).String(), Request: request,
-				Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, deviceName), Err: derr}
 		}
-		for i := range ns.devices {
-			d := &ns.devices[i]
-			if err := fails(d.driver, d.name, d.device); err != nil {
-				return err
-			}
+		return nil
+	}
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if err := fails(d.driver, d.name, d.device); err != nil {
+			return err
 		}
-		for _, r := range ns.offNode {
-			d := &r.slice.Spec.Devices[r.index]
-			if err := fails(r.slice.Spec.Driver, r.slice.Spec.Driver+"/"+r.slice.Spec.Pool.Name+"/"+d.Name, d); err != nil {
-				return err
-			}
+	}
+	for _, r := range slices.Concat(ns.offNode, ns.unsure) {
+		d := &r.slice.Spec.Devices[r.index]
+		if err := fails(r.slice.Spec.Driver, r.slice.Spec.Driver+"/"+r.slice.Spec.Pool.Name+"/"+d.Name, d); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -60,6 +60,14 @@ type nodeState struct {
 	// too (see Allocator.evaluate). Nil without such slices; never cached,
 	// since such slices make the node's view uncacheable (stampOf).
 	offNode []deviceRef
+	// unsure lists the devices of per-device-node-selection slices whose
+	// node selection upstream cannot evaluate (a node selector it fails to
+	// parse). Upstream evaluates it, and reports that error, only where its
+	// search selects such a device for a request; so the device is in
+	// neither devices nor offNode, and a request that may match it leaves
+	// the decision to upstream's own order (see Allocator.evaluate). Nil
+	// without such devices; never cached, like offNode.
+	unsure []deviceRef
 	// dom[l][i] numbers the value of attribute l of device i among
 	// domVals[l]; -1 if the device does not have it.
 	dom     [][]int32
@@ -149,9 +157,7 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 		ns.fillInUse(a)
 		return ns, nil
 	}
-	if err := a.buildDevices(ns, relevant, pools); err != nil {
-		return nil, err
-	}
+	a.buildDevices(ns, relevant, pools)
 	if cacheable {
 		a.cache.storeNode(key, &nodeStatic{stamp: stamp, slices: slices.Clone(ns.slices),
 			devices: ns.devices, incomplete: ns.incomplete, invalid: ns.invalid, dom: ns.dom, domVals: ns.domVals})
@@ -178,6 +184,11 @@ func (a *Allocator) nodeSlices(node *v1.Node) (relevant []*resourceapi.ResourceS
 		add(slice)
 	}
 	for _, slice := range a.shared {
+		if a.ignoredSlice(slice) {
+			// Upstream skips it before node selection, which then cannot
+			// fail.
+			continue
+		}
 		switch {
 		case ptr.Deref(slice.Spec.AllNodes, false) || slice.Spec.NodeSelector != nil:
 			match, err := structured.NodeMatches(a.features, node, "", ptr.Deref(slice.Spec.AllNodes, false), slice.Spec.NodeSelector)
@@ -352,7 +363,7 @@ func (a *Allocator) deviceInUse(id structured.DeviceID) bool {
 
 // buildDevices collects the devices of the node's view that upstream may
 // allocate on the node.
-func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.ResourceSlice, pools []poolKey) error {
+func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.ResourceSlice, pools []poolKey) {
 	n := 0
 	for _, slice := range relevant {
 		n += len(slice.Spec.Devices)
@@ -378,22 +389,20 @@ func (a *Allocator) buildDevices(ns *nodeState, relevant []*resourceapi.Resource
 					// devices): upstream allocates no devices from here.
 					continue
 				}
-				if err := a.appendSliceDevices(ns, slice, a.sliceInfo(slice), start+i); err != nil {
-					return err
-				}
+				a.appendSliceDevices(ns, slice, a.sliceInfo(slice), start+i)
 			}
 		}
 		start += len(poolSlices)
 	}
 	ns.numberNodeDomains(len(a.policy.Attributes))
-	return nil
 }
 
 // appendSliceDevices appends the devices of one slice that upstream may
 // allocate on the node to ns.devices, and the devices of a
 // per-device-node-selection slice that upstream looks at but that belong
-// to other nodes to ns.offNode.
-func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.ResourceSlice, info *sliceInfo, sliceIndex int) error {
+// to other nodes to ns.offNode, or to ns.unsure where their node selection
+// fails.
+func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.ResourceSlice, info *sliceInfo, sliceIndex int) {
 	perDevice := ptr.Deref(slice.Spec.PerDeviceNodeSelection, false)
 	for j := range slice.Spec.Devices {
 		d := &slice.Spec.Devices[j]
@@ -404,7 +413,8 @@ func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.Resourc
 		if perDevice {
 			match, err := structured.NodeMatches(a.features, ns.node, ptr.Deref(d.NodeName, ""), ptr.Deref(d.AllNodes, false), d.NodeSelector)
 			if err != nil {
-				return fmt.Errorf("node selection of device %s in slice %s: %w", d.Name, slice.Name, err)
+				ns.unsure = append(ns.unsure, deviceRef{slice: slice, index: j})
+				continue
 			}
 			if !match {
 				ns.offNode = append(ns.offNode, deviceRef{slice: slice, index: j})
@@ -422,7 +432,37 @@ func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.Resourc
 			coords:      info.coords[j],
 		})
 	}
-	return nil
+}
+
+// unsureNodeSelection reports whether the slice selects nodes per device
+// and a device's node selector cannot be parsed (on any node). Upstream
+// reports that error where it gets to the device before a device of the
+// node, in the slice's order: views of such a slice must not move the
+// device forward (nodeState.unsure).
+func (a *Allocator) unsureNodeSelection(slice *resourceapi.ResourceSlice) bool {
+	if !ptr.Deref(slice.Spec.PerDeviceNodeSelection, false) {
+		return false
+	}
+	for j := range slice.Spec.Devices {
+		d := &slice.Spec.Devices[j]
+		if d.NodeSelector == nil || ptr.Deref(d.NodeName, "") != "" || ptr.Deref(d.AllNodes, false) {
+			continue
+		}
+		if _, err := structured.NodeMatches(a.features, &v1.Node{}, "", false, d.NodeSelector); err != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// isUnsure reports whether device j of slice is in ns.unsure.
+func (ns *nodeState) isUnsure(slice *resourceapi.ResourceSlice, j int) bool {
+	for _, r := range ns.unsure {
+		if r.slice == slice && r.index == j {
+			return true
+		}
+	}
+	return false
 }
 
 // sliceInfo returns the per-device data of a slice for the policy's

@@ -187,7 +187,7 @@ func (a *Allocator) appendOrderedPool(view []*resourceapi.ResourceSlice, key poo
 		n := len(slice.Spec.Devices)
 		inUse := sc.inUse[offset : offset+n]
 		offset += n
-		if n < 2 {
+		if n < 2 || a.unsureNodeSelection(slice) {
 			view = append(view, slice)
 			continue
 		}

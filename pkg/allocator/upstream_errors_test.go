@@ -6,7 +6,12 @@ import (
 	"strings"
 	"testing"
 
+	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/utils/ptr"
+
+	"github.com/topodra/topodra/pkg/topology"
 )
 
 // These tests cover inputs on which upstream's allocator reports an error
@@ -96,6 +101,93 @@ func TestUncompilableSelectorFailsOnlyWhereUpstreamEvaluatesIt(t *testing.T) {
 				res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{claim("other").request("r", "gpu", 1).obj()})
 				if err != nil || res.Allocations == nil {
 					t.Errorf("another pod after the error: %v, %+v", err, res)
+				}
+			})
+		})
+	}
+}
+
+// perDeviceSlice returns a per-device-node-selection slice of the GPU
+// driver with the given devices.
+func perDeviceSlice(devices ...resourceapi.Device) *resourceapi.ResourceSlice {
+	s := slice("shared", gpuDriver, devices...)
+	s.Spec.NodeName = nil
+	s.Spec.Pool.Name = "shared"
+	s.Spec.PerDeviceNodeSelection = ptr.To(true)
+	return s
+}
+
+// TestUnparsableDeviceNodeSelectorFailsOnlyWhereUpstreamReachesIt: in a
+// per-device-node-selection slice, upstream checks a device's own node
+// selector only when its search selects the device for a request, and
+// not at all in a slice it ignores (partitionable devices off). A node
+// selector it cannot parse fails the node only there, and a view of the
+// node that topodra prefers or verifies with must not move it before the
+// node's devices.
+func TestUnparsableDeviceNodeSelectorFailsOnlyWhereUpstreamReachesIt(t *testing.T) {
+	unparsable := &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{
+		{Key: "gen", Operator: v1.NodeSelectorOpGt, Values: []string{"abc"}}}}}}
+	everywhere := func(name string) resourceapi.Device {
+		d := device(name, attrs{topology.AttrPCIeRoot: str("pci0"), "model": str("a")})
+		d.AllNodes = ptr.To(true)
+		return d
+	}
+	good, good2 := everywhere("pd-0"), everywhere("pd-2")
+	// Alone in its PCIe root: best fit sorts it first.
+	bad := device("pd-1", attrs{topology.AttrPCIeRoot: str("pci1")})
+	bad.NodeSelector = unparsable
+	nic := slice("node-a", nicDriver, device("nic-0", attrs{topology.AttrPCIeRoot: str("pci0")}))
+	noPartitions := allFeatures
+	noPartitions.PartitionableDevices = false
+	testcases := map[string]struct {
+		slices   []*resourceapi.ResourceSlice
+		features structured.Features
+		class    string
+		count    int64
+		selector string
+		wantErr  bool
+		// inputErr is what an *InputError must name; "": any error.
+		inputErr string
+	}{
+		"device found before the unparsable one": {slices: []*resourceapi.ResourceSlice{perDeviceSlice(good, good2, bad), nic}, class: "gpu", count: 1},
+		"request that does not match it":         {slices: []*resourceapi.ResourceSlice{perDeviceSlice(good, good2, bad), nic}, class: "nic", count: 1},
+		"search gets to it":                      {slices: []*resourceapi.ResourceSlice{perDeviceSlice(good, good2, bad), nic}, class: "gpu", count: 3, wantErr: true},
+		"selector fails on it": {slices: []*resourceapi.ResourceSlice{perDeviceSlice(good, good2, bad), nic}, class: "gpu", count: 3,
+			selector: `device.attributes["` + gpuDriver + `"].model == "a"`, wantErr: true, inputErr: gpuDriver + "/shared/pd-1"},
+		"unparsable device first":                     {slices: []*resourceapi.ResourceSlice{perDeviceSlice(bad, good), nic}, class: "gpu", count: 1, wantErr: true},
+		"slice ignored without partitionable devices": {slices: []*resourceapi.ResourceSlice{perDeviceSlice(bad), nic}, features: noPartitions, class: "nic", count: 1},
+		"ignored slice, its driver's request":         {slices: []*resourceapi.ResourceSlice{perDeviceSlice(bad), nic}, features: noPartitions, class: "gpu", count: 1},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			features := allFeatures
+			if tc.features != (structured.Features{}) {
+				features = tc.features
+			}
+			opts := Options{Features: features, AllocatedState: allocated(gpuDriver, "none"), ClassLister: defaultClasses,
+				Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()}
+			withCounting(t, opts, func(t *testing.T, opts Options) {
+				ctx := quietContext(t)
+				var selectors []string
+				if tc.selector != "" {
+					selectors = append(selectors, tc.selector)
+				}
+				claims := []*resourceapi.ResourceClaim{claim("c").request("r", tc.class, tc.count, selectors...).obj()}
+				err := allocateLikeUpstream(ctx, t, opts, claims, tc.wantErr)
+				if tc.inputErr != "" && (!errors.Is(err, ErrInvalidInput) || !strings.Contains(err.Error(), tc.inputErr)) {
+					t.Errorf("error %q is not an input error that names %s", err, tc.inputErr)
+				}
+				// Upstream confirms a counted allocation as it is.
+				a, err := New(ctx, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := a.Allocate(ctx, node("node-a"), claims)
+				if err != nil || !res.Unverified {
+					return
+				}
+				if v, err := a.Verify(ctx, node("node-a"), claims, res); err != nil || v.CountingRefused {
+					t.Errorf("upstream refused the counted allocation %v: %v", deviceNames(res.Allocations), err)
 				}
 			})
 		})

@@ -83,13 +83,16 @@ func (p *planner) viewFor(pl *plan, kind viewKind) []*resourceapi.ResourceSlice 
 		}
 		if r.to-r.from < len(slice.Spec.Devices) {
 			// Devices for other nodes (per-device node selection) stay,
-			// after this node's.
+			// after this node's; those whose node selection fails do not
+			// (nodeState.unsure), since upstream never allocates them
+			// and would report their error where it finds no device of
+			// the node before them.
 			onNode := make([]bool, len(slice.Spec.Devices))
 			for i := r.from; i < r.to; i++ {
 				onNode[ns.devices[i].deviceIndex] = true
 			}
 			for j := range slice.Spec.Devices {
-				if !onNode[j] {
+				if !onNode[j] && !ns.isUnsure(slice, j) {
 					newDevices = append(newDevices, slice.Spec.Devices[j])
 				}
 			}
@@ -251,7 +254,8 @@ func (p *planner) exclusions(pl *plan) []bool {
 // that pools stay complete; devices that consume counters; devices of
 // incomplete or invalid pools, of other generations and of other nodes,
 // which upstream does not allocate), so that no pool turns valid or
-// complete in the view.
+// complete in the view; devices whose node selection fails
+// (nodeState.unsure) are hidden too.
 func chosenOnly(ns *nodeState, allocations []resourceapi.AllocationResult) []*resourceapi.ResourceSlice {
 	rank := map[[3]string]int{}
 	for _, alloc := range allocations {
@@ -269,6 +273,11 @@ func chosenOnly(ns *nodeState, allocations []resourceapi.AllocationResult) []*re
 			d := &ns.devices[i]
 			_, chosen := rank[[3]string{d.driver, slice.Spec.Pool.Name, d.device.Name}]
 			hidden[d.deviceIndex] = !chosen && len(d.device.ConsumesCounters) == 0
+		}
+		for _, u := range ns.unsure {
+			if u.slice == slice {
+				hidden[u.index] = true
+			}
 		}
 		devices := make([]resourceapi.Device, 0, len(slice.Spec.Devices))
 		for j := range slice.Spec.Devices {
