@@ -220,7 +220,7 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 				if len(sub.DerivedAttributes) > 0 || (sub.Capacity != nil && !a.features.ConsumableCapacity) {
 					st.passthrough = true
 				}
-				if exactCount(sub.AllocationMode) && sub.Count > resourceapi.AllocationResultsMaxSize {
+				if sub.AllocationMode == resourceapi.DeviceAllocationModeExactCount && sub.Count > resourceapi.AllocationResultsMaxSize {
 					// No allocation can hold it: upstream passes over it to
 					// the next subrequest, and refuses the claim only where
 					// every subrequest asks for too many (claimMin).
@@ -266,7 +266,8 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 const UnknownSelector = "is of a type this scheduler does not know (it supports cel)"
 
 // newUnitSpec resolves the class and compiles selectors. It returns nil (and
-// no error) for requests it does not understand, and an
+// no error) for requests it does not understand (an allocation mode other
+// than ExactCount and All, unset included: upstream refuses those), and an
 // *InputError for those no node can satisfy: a missing class, a selector
 // of an unknown type, more devices than a claim can hold. A selector that
 // does not compile is kept with its error: upstream compiles a selector
@@ -289,7 +290,7 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	switch mode {
 	case resourceapi.DeviceAllocationModeAll:
 		u.all = true
-	case resourceapi.DeviceAllocationModeExactCount, "":
+	case resourceapi.DeviceAllocationModeExactCount:
 		if count > resourceapi.AllocationResultsMaxSize {
 			return nil, &InputError{Claim: klog.KObj(claim).String(), Request: display,
 				Detail: fmt.Sprintf("asks for %d devices, which exceeds the claim limit of %d", count, resourceapi.AllocationResultsMaxSize)}
@@ -298,9 +299,6 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 			return nil, nil
 		}
 		u.count = int(count)
-		if mode == "" && count == 0 {
-			u.count = 1
-		}
 	default:
 		return nil, nil
 	}
@@ -460,10 +458,4 @@ func UntoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.Devi
 		}
 	}
 	return nil
-}
-
-// exactCount reports whether an allocation mode asks for a count of
-// devices (ExactCount, or unset, which defaults to it).
-func exactCount(mode resourceapi.DeviceAllocationMode) bool {
-	return mode == resourceapi.DeviceAllocationModeExactCount || mode == ""
 }

@@ -193,3 +193,33 @@ func TestUnparsableDeviceNodeSelectorFailsOnlyWhereUpstreamReachesIt(t *testing.
 		})
 	}
 }
+
+// TestUnsetAllocationModeIsUpstreamsError: a request whose allocation mode
+// is unset (an object that the API server did not default) is refused by
+// upstream on every node; topodra does not read it as ExactCount, and
+// reports upstream's error from Allocate (not from Verify, later).
+func TestUnsetAllocationModeIsUpstreamsError(t *testing.T) {
+	exact := claim("c").request("r", "gpu", 1).obj()
+	exact.Spec.Devices.Requests[0].Exactly.AllocationMode = ""
+	prioritized := firstAvailableClaim(1, 2)
+	prioritized.Spec.Devices.Requests[0].FirstAvailable[1].AllocationMode = ""
+	for name, c := range map[string]*resourceapi.ResourceClaim{"exact": exact, "later subrequest": prioritized} {
+		t.Run(name, func(t *testing.T) {
+			opts := Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "none"), ClassLister: defaultClasses,
+				Slices: dgx("node-a"), CELCache: newCELCache(), Policy: DefaultPolicy()}
+			withCounting(t, opts, func(t *testing.T, opts Options) {
+				ctx := quietContext(t)
+				claims := []*resourceapi.ResourceClaim{c}
+				allocateLikeUpstream(ctx, t, opts, claims, true)
+				a, err := New(ctx, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := a.Allocate(ctx, node("node-a"), claims)
+				if err == nil || !strings.Contains(err.Error(), "unsupported count mode") {
+					t.Errorf("Allocate: %v, %+v; want upstream's error", err, res)
+				}
+			})
+		})
+	}
+}
