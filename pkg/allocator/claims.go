@@ -6,6 +6,7 @@ import (
 	"math"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
@@ -28,6 +29,9 @@ type unitSpec struct {
 	// one that does not compile keeps its error (see selectorsMatch).
 	selectors   []cel.CompilationResult
 	tolerations []resourceapi.DeviceToleration
+	// capacity is what the request asks of each device's consumable
+	// capacity; nil if nothing.
+	capacity *resourceapi.CapacityRequirements
 }
 
 // unit is a unitSpec evaluated on one node.
@@ -50,7 +54,8 @@ type unit struct {
 	// run time or does not compile, on a device of the node or on a device
 	// of another node that upstream looks at on this node
 	// (nodeState.offNode); a device whose node selection upstream cannot
-	// evaluate (nodeState.unsure).
+	// evaluate (nodeState.unsure); a device whose capacity upstream's
+	// capacity check rejects with an error (capacityCheckFails).
 	uncertn bool
 }
 
@@ -201,7 +206,7 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 				// sets adminAccess at all, false included.
 				st.passthrough = true
 			}
-			spec, err := a.newUnitSpec(claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations)
+			spec, err := a.newUnitSpec(claim, req.Name, "", 0, e.DeviceClassName, e.Selectors, e.AllocationMode, e.Count, ptr.Deref(e.AdminAccess, false), e.Tolerations, e.Capacity)
 			if err != nil {
 				st.err = err
 				return st
@@ -227,7 +232,7 @@ func (a *Allocator) analyzeClaim(claim *resourceapi.ResourceClaim) *claimStatic 
 					oversized = min(oversized, resourceapi.AllocationResultsMaxSize+1)
 					continue
 				}
-				spec, err := a.newUnitSpec(claim, req.Name, sub.Name, si, sub.DeviceClassName, sub.Selectors, sub.AllocationMode, sub.Count, false, sub.Tolerations)
+				spec, err := a.newUnitSpec(claim, req.Name, sub.Name, si, sub.DeviceClassName, sub.Selectors, sub.AllocationMode, sub.Count, false, sub.Tolerations, sub.Capacity)
 				if err != nil {
 					st.err = err
 					return st
@@ -275,13 +280,15 @@ const UnknownSelector = "is of a type this scheduler does not know (it supports 
 // gets to cannot fail (see selectorsMatch and explainFatal).
 func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 	requestName, subName string, subIndex int, className string, selectors []resourceapi.DeviceSelector,
-	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration) (*unitSpec, error) {
+	mode resourceapi.DeviceAllocationMode, count int64, admin bool, tolerations []resourceapi.DeviceToleration,
+	capacity *resourceapi.CapacityRequirements) (*unitSpec, error) {
 	u := &unitSpec{
 		request:     requestName,
 		subName:     subName,
 		subIndex:    subIndex,
 		admin:       admin,
 		tolerations: tolerations,
+		capacity:    capacity,
 	}
 	display := u.displayName()
 	if className == "" {
@@ -341,6 +348,13 @@ func (a *Allocator) evaluate(ctx context.Context, ns *nodeState, u *unit) {
 		}
 		if !matches {
 			continue
+		}
+		if a.features.ConsumableCapacity {
+			fails := d.capacityFails
+			if u.capacity != nil {
+				fails = len(d.device.Capacity) > 0 && capacityCheckFails(u.capacity, d.device.Capacity)
+			}
+			u.uncertn = u.uncertn || fails
 		}
 		u.matching[i] = true
 		u.nMatch++
@@ -458,4 +472,65 @@ func UntoleratedTaint(device *resourceapi.Device, tolerations []resourceapi.Devi
 		}
 	}
 	return nil
+}
+
+// capacityCheckFails reports whether upstream's capacity check, which runs
+// with consumable capacity enabled on every device that its search selects
+// for a request, may reject the device with an error instead of passing
+// over it: where the capacity the device would give the request is
+// negative (a stored value from before stricter validation), or where a
+// request rounded up to a capacity's valid range may not be representable.
+// It errs towards true for values far beyond any real capacity; false means
+// the check returns without an error.
+func capacityCheckFails(request *resourceapi.CapacityRequirements, capacity map[resourceapi.QualifiedName]resourceapi.DeviceCapacity) bool {
+	if request != nil {
+		for name := range request.Requests {
+			if _, ok := capacity[name]; !ok {
+				// Upstream passes over a device that lacks a requested
+				// capacity before it computes any.
+				return false
+			}
+		}
+	}
+	for name, c := range capacity {
+		requested, ok := resource.Quantity{}, false
+		if request != nil {
+			requested, ok = request.Requests[name]
+		}
+		if !ok {
+			given := c.Value
+			if c.RequestPolicy != nil && c.RequestPolicy.Default != nil {
+				given = *c.RequestPolicy.Default
+			}
+			if given.Sign() < 0 {
+				return true
+			}
+			continue
+		}
+		if requested.Sign() < 0 {
+			return true
+		}
+		// Rounded up to a valid value, or to a step of a valid range: no
+		// less than requested, so only the arithmetic of a range with a
+		// step can fail.
+		if c.RequestPolicy == nil || c.RequestPolicy.ValidRange == nil || c.RequestPolicy.ValidRange.Min == nil {
+			continue
+		}
+		r := c.RequestPolicy.ValidRange
+		if r.Min.Sign() < 0 {
+			return true
+		}
+		if r.Step != nil && requested.Cmp(*r.Min) >= 0 &&
+			(!rangeSafe(requested) || !rangeSafe(*r.Min) || !rangeSafe(*r.Step) || r.Step.Sign() <= 0 ||
+				requested.Cmp(*resource.NewMilliQuantity(requested.MilliValue(), requested.Format)) != 0) {
+			return true
+		}
+	}
+	return false
+}
+
+// rangeSafe reports whether q is a quantity with which rounding up to a
+// step of a valid range stays far within int64, in units or thousandths.
+func rangeSafe(q resource.Quantity) bool {
+	return q.Sign() >= 0 && q.CmpInt64(1<<40) <= 0
 }

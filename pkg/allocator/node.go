@@ -27,6 +27,9 @@ type nodeDevice struct {
 	deviceIndex int
 	device      *resourceapi.Device
 	coords      topology.Coordinates
+	// capacityFails is capacityCheckFails for a request without capacity
+	// requests.
+	capacityFails bool
 }
 
 // nodeState is what Allocate knows about one node's devices.
@@ -430,6 +433,9 @@ func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.Resourc
 			deviceIndex: j,
 			device:      d,
 			coords:      info.coords[j],
+			// Computed where the node's devices are gathered, which the
+			// node cache keeps.
+			capacityFails: len(d.Capacity) > 0 && capacityCheckFails(nil, d.Capacity),
 		})
 	}
 }

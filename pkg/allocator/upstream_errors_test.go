@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/utils/ptr"
 
@@ -220,6 +221,107 @@ func TestUnsetAllocationModeIsUpstreamsError(t *testing.T) {
 					t.Errorf("Allocate: %v, %+v; want upstream's error", err, res)
 				}
 			})
+		})
+	}
+}
+
+// TestCapacityErrorOnlyWhereUpstreamReachesIt: with consumable capacity,
+// upstream checks the capacity of every device its search selects, and a
+// capacity it cannot use (a negative value stored before stricter
+// validation) is an error there. topodra's preferred order may get to
+// such a device before upstream's does; it allocates where upstream does
+// and fails where upstream fails.
+func TestCapacityErrorOnlyWhereUpstreamReachesIt(t *testing.T) {
+	negative := resource.MustParse("-1")
+	gpus := func(badIndex int) []*resourceapi.ResourceSlice {
+		var devs []resourceapi.Device
+		for i, root := range []string{"pci0", "pci1", "pci1", "pci0"} {
+			d := device(fmt.Sprintf("gpu-%d", i), attrs{topology.AttrPCIeRoot: str(root)})
+			if i == badIndex {
+				d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"mem": {Value: negative}}
+			}
+			devs = append(devs, d)
+		}
+		return []*resourceapi.ResourceSlice{slice("node-a", gpuDriver, devs...)}
+	}
+	testcases := map[string]struct {
+		slices  []*resourceapi.ResourceSlice
+		inUse   []string
+		count   int64
+		wantErr bool
+	}{
+		// Best fit prefers gpu-1, the last free device of pci1.
+		"preferred device, upstream finds another first": {slices: gpus(1), inUse: []string{"gpu-2"}, count: 1},
+		"upstream's first device":                        {slices: gpus(0), inUse: []string{"gpu-2"}, count: 1, wantErr: true},
+		"two devices, upstream gets to it":               {slices: gpus(1), count: 2, wantErr: true},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			opts := Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "node-a", tc.inUse...), ClassLister: defaultClasses,
+				Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()}
+			withCounting(t, opts, func(t *testing.T, opts Options) {
+				claims := []*resourceapi.ResourceClaim{claim("c").request("r", "gpu", tc.count).obj()}
+				allocateLikeUpstream(quietContext(t), t, opts, claims, tc.wantErr)
+			})
+		})
+	}
+}
+
+// TestCapacityCheckFailsWhereUpstreamErrs: capacityCheckFails is true for
+// every device and request on which upstream's capacity check reports an
+// error (upstream allocates the one device or errs), and false for
+// ordinary capacities.
+func TestCapacityCheckFailsWhereUpstreamErrs(t *testing.T) {
+	q := resource.MustParse
+	qp := func(s string) *resource.Quantity { v := q(s); return &v }
+	rangePolicy := func(min, step string) *resourceapi.CapacityRequestPolicy {
+		p := &resourceapi.CapacityRequestPolicy{ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: qp(min)}}
+		if step != "" {
+			p.ValidRange.Step = qp(step)
+		}
+		return p
+	}
+	testcases := map[string]struct {
+		capacity resourceapi.DeviceCapacity
+		request  string // "": none
+		want     bool
+	}{
+		"plain":                               {capacity: resourceapi.DeviceCapacity{Value: q("80Gi")}},
+		"plain, requested":                    {capacity: resourceapi.DeviceCapacity{Value: q("80Gi")}, request: "10Gi"},
+		"negative value":                      {capacity: resourceapi.DeviceCapacity{Value: q("-1")}, want: true},
+		"negative value, requested":           {capacity: resourceapi.DeviceCapacity{Value: q("-1")}, request: "1"},
+		"negative default":                    {capacity: resourceapi.DeviceCapacity{Value: q("10"), RequestPolicy: &resourceapi.CapacityRequestPolicy{Default: qp("-1")}}, want: true},
+		"negative request":                    {capacity: resourceapi.DeviceCapacity{Value: q("10")}, request: "-1", want: true},
+		"range with step":                     {capacity: resourceapi.DeviceCapacity{Value: q("100"), RequestPolicy: rangePolicy("10", "10")}, request: "15"},
+		"range, request past int64":           {capacity: resourceapi.DeviceCapacity{Value: q("100"), RequestPolicy: rangePolicy("10", "10")}, request: "10e18", want: true},
+		"fractional range, sub-milli request": {capacity: resourceapi.DeviceCapacity{Value: q("100"), RequestPolicy: rangePolicy("0.5", "0.5")}, request: "1.0001", want: true},
+		"valid values":                        {capacity: resourceapi.DeviceCapacity{Value: q("100"), RequestPolicy: &resourceapi.CapacityRequestPolicy{ValidValues: []resource.Quantity{q("10"), q("50")}}}, request: "20"},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			ctx := quietContext(t)
+			d := device("gpu-0", attrs{})
+			d.AllowMultipleAllocations = ptr.To(true)
+			d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"mem": tc.capacity}
+			c := claim("c").request("r", "gpu", 1).obj()
+			var request *resourceapi.CapacityRequirements
+			if tc.request != "" {
+				request = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{"mem": q(tc.request)}}
+				c.Spec.Devices.Requests[0].Exactly.Capacity = request
+			}
+			up, err := structured.NewAllocator(ctx, allFeatures, *allocated(gpuDriver, "none"), defaultClasses, []*resourceapi.ResourceSlice{slice("node-a", gpuDriver, d)}, newCELCache())
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, upErr := up.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{c})
+			got := capacityCheckFails(request, d.Capacity)
+			t.Logf("upstream error: %v", upErr)
+			if upErr != nil && !got {
+				t.Errorf("upstream errs, capacityCheckFails is false")
+			}
+			if got != tc.want {
+				t.Errorf("capacityCheckFails = %v, want %v", got, tc.want)
+			}
 		})
 	}
 }
