@@ -70,6 +70,12 @@ func (pc *parityCase) describe() string {
 			if len(d.Taints) > 0 {
 				fmt.Fprintf(&b, "tainted ")
 			}
+			if d.NodeName != nil {
+				fmt.Fprintf(&b, "node=%s ", *d.NodeName)
+			}
+			if d.NodeSelector != nil {
+				fmt.Fprintf(&b, "nodeSelector=%v ", d.NodeSelector.NodeSelectorTerms[0].MatchExpressions)
+			}
 			for _, c := range d.ConsumesCounters {
 				fmt.Fprintf(&b, "counters=%s%v ", c.CounterSet, c.CompatibilityGroups)
 			}
@@ -87,7 +93,7 @@ func (pc *parityCase) describe() string {
 				fmt.Fprintf(&b, " %s(%s %s x%d sel=%d admin=%v tol=%d)", r.Name, r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count, len(r.Exactly.Selectors), ptr.Deref(r.Exactly.AdminAccess, false), len(r.Exactly.Tolerations))
 			}
 			for _, s := range r.FirstAvailable {
-				fmt.Fprintf(&b, " %s/%s(%s x%d)", r.Name, s.Name, s.DeviceClassName, s.Count)
+				fmt.Fprintf(&b, " %s/%s(%s %s x%d sel=%d)", r.Name, s.Name, s.DeviceClassName, s.AllocationMode, s.Count, len(s.Selectors))
 			}
 		}
 		b.WriteString("\n")
@@ -318,11 +324,22 @@ func genCase(rnd *rand.Rand) *parityCase {
 		s.Spec.PerDeviceNodeSelection = ptr.To(true)
 		addDevices(s, 2+rnd.IntN(4), "pd-")
 		for j := range s.Spec.Devices {
-			switch rnd.IntN(3) {
-			case 0:
+			switch rnd.IntN(8) {
+			case 0, 1:
 				s.Spec.Devices[j].NodeName = ptr.To("node-a")
-			case 1:
+			case 2, 3:
 				s.Spec.Devices[j].NodeName = ptr.To("node-b")
+			case 4:
+				// The device's own node selector: node-a's zone or not.
+				pc.kinds = append(pc.kinds, "device node selector")
+				s.Spec.Devices[j].NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "zone", Operator: v1.NodeSelectorOpIn, Values: []string{"z1"}}}}}}
+				if rnd.IntN(5) == 0 && !stable {
+					// One that cannot be parsed: upstream fails where it
+					// gets to the device (which depends on the order of
+					// pools, a map's for the stable allocator).
+					pc.kinds = append(pc.kinds, "unparsable device node selector")
+					s.Spec.Devices[j].NodeSelector.NodeSelectorTerms[0].MatchExpressions[0] = v1.NodeSelectorRequirement{Key: "zone", Operator: v1.NodeSelectorOpGt, Values: []string{"z1"}}
+				}
 			default:
 				s.Spec.Devices[j].AllNodes = ptr.To(true)
 			}
@@ -381,6 +398,13 @@ func genCase(rnd *rand.Rand) *parityCase {
 						AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: int64(2 - si + rnd.IntN(2)),
 					})
 				}
+				if rnd.IntN(5) == 0 && !stable {
+					// Upstream compiles it only where its search gets to
+					// the later subrequest (which depends on the order of
+					// pools, as above).
+					pc.kinds = append(pc.kinds, "uncompilable later subrequest")
+					r.FirstAvailable[1].Selectors = []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: `device.attributes["` + gpuDriver + `"].nosuchfunc()`}}}
+				}
 				b.c.Spec.Devices.Requests = append(b.c.Spec.Devices.Requests, r)
 				continue
 			}
@@ -392,6 +416,11 @@ func genCase(rnd *rand.Rand) *parityCase {
 			if rnd.IntN(12) == 0 && !stable {
 				r.AllocationMode = resourceapi.DeviceAllocationModeAll
 				r.Count = 0
+			}
+			if rnd.IntN(60) == 0 {
+				// An object that the API server did not default.
+				pc.kinds = append(pc.kinds, "unset allocation mode")
+				r.AllocationMode = ""
 			}
 			if rnd.IntN(4) == 0 {
 				r.Tolerations = []resourceapi.DeviceToleration{{Key: "health", Operator: resourceapi.DeviceTolerationOpExists}}
@@ -692,7 +721,8 @@ func TestParityWithUpstream(t *testing.T) {
 	t.Logf("slowest topodra Allocate: case %d, %v; %d shared (consumable capacity) devices allocated; %d counted allocations confirmed by Verify", slowestCase, slowest, total.shared, total.verified)
 	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, total.feasible, total.improved, total.countedMatch, total.infeasible, total.matchInfeasible, total.bothErr, total.skipped)
 	t.Logf("cases by kind: %v", kinds)
-	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes"} {
+	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes",
+		"uncompilable later subrequest", "device node selector", "unparsable device node selector", "unset allocation mode"} {
 		if kinds[k] == 0 {
 			t.Errorf("the generator made no case of kind %q", k)
 		}
