@@ -618,6 +618,56 @@ func TestScorePrefersFirstChoice(t *testing.T) {
 	}
 }
 
+// TestLaterSubrequestsSelectorNeedNotCompile: as upstream compiles a
+// selector only when its search gets to it, a claim whose later
+// subrequest has a selector that does not compile (a CEL function newer
+// than the scheduler, say) is allocated by its first subrequest where that
+// fits; where it does not, the pod is unschedulable with a message and a
+// warning on the claim that name the expression.
+func TestLaterSubrequestsSelectorNeedNotCompile(t *testing.T) {
+	const broken = `device.attributes["gpu.topodra.io"].model.newerFunction()`
+	claim := func(firstCount int64) *resourceapi.ResourceClaim {
+		c := testClaim("c", 1)
+		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{{
+			Name: "gpu",
+			FirstAvailable: []resourceapi.DeviceSubRequest{
+				{Name: "two", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: firstCount},
+				{Name: "newer", DeviceClassName: testClass, AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+					Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: broken}}}},
+			},
+		}}
+		return c
+	}
+	t.Run("first fits", func(t *testing.T) {
+		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), claim(2))
+		pod := h.createSeen(testPod("p", "c"))
+		cs := h.reserve(pod, "node-a")
+		if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+			t.Fatalf("PreBind: %v", st)
+		}
+		c, err := h.client.ResourceV1().ResourceClaims(testNS).Get(h.tCtx, "c", metav1.GetOptions{})
+		h.tCtx.ExpectNoError(err)
+		if got := c.Status.Allocation; got == nil || len(got.Devices.Results) != 2 || got.Devices.Results[0].Request != "gpu/two" {
+			t.Errorf("allocation %+v, want two devices for gpu/two", got)
+		}
+	})
+	t.Run("first does not fit", func(t *testing.T) {
+		h := newHarness(t, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), claim(4))
+		_, st := h.cycle(testPod("p", "c"), "node-a")
+		if st["node-a"].IsSuccess() || !strings.Contains(st["node-a"].Message(), broken) {
+			t.Errorf("Filter: %v, want a failure that names %s", st["node-a"], broken)
+		}
+		select {
+		case e := <-h.recorder.Events:
+			if !strings.Contains(e, "Warning") || !strings.Contains(e, broken) {
+				t.Errorf("event %q, want a warning naming the selector", e)
+			}
+		default:
+			t.Error("no event on the claim")
+		}
+	})
+}
+
 // TestPreEnqueueTellsWhy: a pod held out of the queue for a claim it
 // names that does not exist gets a warning event saying so (no
 // scheduling attempt runs, so nothing else would); a pod whose template

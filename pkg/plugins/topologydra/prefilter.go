@@ -336,7 +336,12 @@ func (pl *TopologyDRA) claimsInvalid(pod *v1.Pod, invalid bool) {
 // (the returned status) and as a warning event on the claim.
 func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.ResourceClaim) *fwk.Status {
 	var problems []string
-	checkSelectors := func(request string, selectors []resourceapi.DeviceSelector) {
+	// compile: a selector that does not compile is a problem of the
+	// claim. For subrequests it is not: upstream compiles a selector only
+	// when its search gets to it, so a claim may be allocated by an
+	// earlier subrequest, and the allocator reports the error where the
+	// search does get there.
+	checkSelectors := func(request string, selectors []resourceapi.DeviceSelector, compile bool) {
 		for i, sel := range selectors {
 			if sel.CEL == nil {
 				// A selector of a type added to the API after this
@@ -344,18 +349,21 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 				problems = append(problems, fmt.Sprintf("request %s: selector #%d %s", request, i, allocator.UnknownSelector))
 				continue
 			}
+			if !compile {
+				continue
+			}
 			if res := pl.celCache.GetOrCompile(sel.CEL.Expression); res.Error != nil {
 				problems = append(problems, fmt.Sprintf("request %s: invalid CEL selector %q: %v", request, sel.CEL.Expression, res.Error))
 			}
 		}
 	}
-	checkClass := func(request, className string) {
+	checkClass := func(request, className string, compile bool) {
 		class, err := pl.draManager.DeviceClasses().Get(className)
 		if err != nil {
 			problems = append(problems, fmt.Sprintf("request %s: device class %s does not exist", request, className))
 			return
 		}
-		checkSelectors(request+" (class "+className+")", class.Spec.Selectors)
+		checkSelectors(request+" (class "+className+")", class.Spec.Selectors, compile)
 	}
 	var annotationErr *allocator.InputError
 	if _, _, err := allocator.ClaimAnnotations(claim); errors.As(err, &annotationErr) {
@@ -368,16 +376,16 @@ func (pl *TopologyDRA) validateClaim(ctx context.Context, claim *resourceapi.Res
 	for _, req := range claim.Spec.Devices.Requests {
 		switch {
 		case req.Exactly != nil:
-			checkClass(req.Name, req.Exactly.DeviceClassName)
-			checkSelectors(req.Name, req.Exactly.Selectors)
+			checkClass(req.Name, req.Exactly.DeviceClassName, true)
+			checkSelectors(req.Name, req.Exactly.Selectors, true)
 		case len(req.FirstAvailable) > 0:
 			if !pl.features.PrioritizedList {
 				problems = append(problems, fmt.Sprintf("request %s: has subrequests, but the DRAPrioritizedList feature is disabled", req.Name))
 			}
 			for _, sub := range req.FirstAvailable {
 				name := resourceclaim.CreateSubRequestRef(req.Name, sub.Name)
-				checkClass(name, sub.DeviceClassName)
-				checkSelectors(name, sub.Selectors)
+				checkClass(name, sub.DeviceClassName, false)
+				checkSelectors(name, sub.Selectors, false)
 			}
 		default:
 			problems = append(problems, fmt.Sprintf("request %s: unknown request type", req.Name))
