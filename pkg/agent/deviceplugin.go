@@ -76,7 +76,8 @@ func devicePluginResources(node *v1.Node, patterns []string) []string {
 //     so a pod of either kind could get a GPU the other holds. A change is
 //     reported on the Node (ReasonDevicePlugin, ReasonDevicePluginGone)
 //     and republished. Claims already prepared are left alone; new ones
-//     are refused (ErrDevicePluginConflict).
+//     are refused (ErrDevicePluginConflict), as while the Node could not
+//     be read yet.
 //   - GPU faults that its ClearFaultsAnnotation clears are forgotten and
 //     their health taints removed (clearFaults publishes).
 //
@@ -156,14 +157,11 @@ func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
 }
 
 // devicePluginFound lists the device plugin's resources that the Node was
-// last read to advertise; "" where it advertises none, or while it could
-// not be read yet.
+// last read to advertise: "" where it advertises none, devicePluginUnknown
+// while it could not be read yet.
 func (a *Agent) devicePluginFound() string {
 	a.mutex.Lock()
 	defer a.mutex.Unlock()
-	if a.devicePlugin == devicePluginUnknown {
-		return ""
-	}
 	return a.devicePlugin
 }
 

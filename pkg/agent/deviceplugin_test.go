@@ -126,6 +126,15 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePlugin) || !strings.Contains(ev, "cannot read the Node") {
 		t.Errorf("event %q, want a %s warning that the Node cannot be read", ev, agent.ReasonDevicePlugin)
 	}
+	// Not known whether a device plugin hands out the GPUs: a new claim
+	// waits until it is.
+	unread := claim("unread", gpus("gpus", "gpu-3")...)
+	if err := prepareOne(ctx, t, a, unread); !errors.Is(err, agent.ErrDevicePluginConflict) || !strings.Contains(err.Error(), "could not read Node") {
+		t.Errorf("prepare while the Node cannot be read: %v, want ErrDevicePluginConflict saying so", err)
+	}
+	if ev := expectEvent(t, recorder); !strings.Contains(ev, "Warning "+agent.ReasonDevicePluginAllocated) {
+		t.Errorf("event %q, want a %s warning", ev, agent.ReasonDevicePluginAllocated)
+	}
 	if _, err := e.client.CoreV1().Nodes().Create(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -134,6 +143,9 @@ func TestDevicePluginTaintsDevices(t *testing.T) {
 	}
 	if n, _ := tainted(a); n != 0 {
 		t.Errorf("Node readable, no device plugin: %d devices still tainted", n)
+	}
+	if err := prepareOne(ctx, t, a, unread); err != nil {
+		t.Errorf("prepare once the Node is read, without a device plugin: %v", err)
 	}
 	select {
 	case ev := <-recorder.Events:

@@ -63,10 +63,11 @@ const ReasonUnhealthyDeviceAllocated = "UnhealthyDeviceAllocated"
 
 // ErrDevicePluginConflict is the per-claim error for a claim that is not
 // prepared yet while the Node advertises GPUs of a device plugin (see
-// CheckNode): the kubelet hands those GPUs to pods that ask for the
-// extended resource as well, so a new container could share a GPU with
-// one of them. Claims prepared before are prepared again as before, and
-// claims with admin access are prepared.
+// CheckNode), or could not be read yet: the kubelet hands those GPUs to
+// pods that ask for the extended resource as well, so a new container
+// could share a GPU with one of them. Claims prepared before (in this
+// boot) are prepared again as before, and claims with admin access are
+// prepared.
 var ErrDevicePluginConflict = errors.New("the node's device plugin hands out the same GPUs")
 
 // ReasonDevicePluginAllocated is the reason of the warning event on a
@@ -92,9 +93,10 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // A claim that is not prepared yet and was allocated a GPU that reported
 // a critical fault is refused with ErrDeviceUnhealthy (and a warning event
 // on the claim), unless its result has admin access.
-// Likewise, while the Node advertises GPUs of a device plugin, a claim
-// that is not prepared yet is refused with ErrDevicePluginConflict (and a
-// warning event on the claim), unless its result has admin access.
+// Likewise, while the Node advertises GPUs of a device plugin, or could
+// not be read yet, a claim that is not prepared yet is refused with
+// ErrDevicePluginConflict (and a warning event on the claim), unless its
+// result has admin access.
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID. While the agent cannot use
@@ -371,6 +373,11 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		if fault, ok := a.fault(gpu.UUID); ok && !admin {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots or the Node annotation %s clears the fault after a GPU reset; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message, ClearFaultsAnnotation)
+		}
+		if devicePlugin == devicePluginUnknown && !admin {
+			a.checkNodeSoon()
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: the agent could not read Node %s yet, so it does not know whether a device plugin there hands out %s (GPU %s) too; it reads the Node again now, and the kubelet retries",
+				klog.KObj(claim), ErrDevicePluginConflict, a.opts.NodeName, r.Device, gpu.UUID)
 		}
 		if devicePlugin != "" && !admin {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: node %s advertises %s from a device plugin, which the kubelet hands out to pods that ask for it, %s (GPU %s) included; disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false), then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",

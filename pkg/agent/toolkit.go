@@ -52,8 +52,9 @@ func visibleDevicesEnvAccepted(path string) (bool, error) {
 // that lets unprivileged containers choose their GPUs through
 // NVIDIA_VISIBLE_DEVICES: topodra's CDI specs do not need it, and it lets
 // any pod reach GPUs that claims hold. A missing file says nothing (the
-// node may not run nvidia-container-runtime, and without it the variable
-// does nothing); an unreadable one is logged.
+// node may have no toolkit; one installed without its configuration takes
+// the setting as true, which this does not see); an unreadable one is
+// logged.
 func (a *Agent) checkToolkitConfig(ctx context.Context) {
 	path := a.opts.ToolkitConfig
 	if path == "" {
