@@ -27,7 +27,9 @@ type unitSpec struct {
 	class            *resourceapi.DeviceClass
 	// selectors are the class's selectors, then the request's, compiled;
 	// one that does not compile keeps its error (see selectorsMatch).
-	selectors   []cel.CompilationResult
+	selectors []cel.CompilationResult
+	// uncompiled is set where one of selectors does not compile.
+	uncompiled  bool
 	tolerations []resourceapi.DeviceToleration
 	// capacity is what the request asks of each device's consumable
 	// capacity; nil if nothing.
@@ -327,6 +329,9 @@ func (a *Allocator) newUnitSpec(claim *resourceapi.ResourceClaim,
 				Detail: fmt.Sprintf("selector #%d %s", i, UnknownSelector)}
 		}
 		u.selectors = append(u.selectors, a.celCache.GetOrCompile(sel.CEL.Expression))
+	}
+	for _, expr := range u.selectors {
+		u.uncompiled = u.uncompiled || expr.Error != nil
 	}
 	return u, nil
 }

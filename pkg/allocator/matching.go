@@ -24,7 +24,10 @@ type DeviceCount struct{ Devices, Free, Matching, MatchingFree int }
 // allocated, not blocked by shared counters that allocated devices used
 // up (a GPU with an allocated partition), and not tainted beyond what the
 // requests tolerate (see DeviceCount). A device counts as matching where
-// a selector fails on it at run time or does not compile. It works on slices, through the selector cache, without
+// a selector fails on it at run time; a request (or subrequest) with a
+// selector that does not compile matches no device, since upstream
+// allocates none for it: it reports the error on the first device that
+// the selector is evaluated on. It works on slices, through the selector cache, without
 // gathering the nodes: pool rules (incomplete or invalid pools) are not
 // applied. matched is false, and Matching and MatchingFree are 0, where
 // the claims use fields this package does not interpret: only upstream's
@@ -96,6 +99,9 @@ func (a *Allocator) countNode(ctx context.Context, node string, specs []*unitSpe
 			device := &slice.Spec.Devices[i]
 			var match *unitSpec
 			for _, u := range specs {
+				if u.uncompiled {
+					continue
+				}
 				if matches, _ := selectorsMatch(ctx, memo, slice, i, device, u.selectors); matches {
 					match = u
 					break

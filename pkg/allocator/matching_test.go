@@ -44,8 +44,14 @@ func TestCountDevices(t *testing.T) {
 		slice("n", nicDriver, device("nic-0", nil), device("nic-1", nil)),
 		network,
 	}
+	const broken = `device.attributes["x"].nosuchfunc()`
+	classes := classes(
+		class("gpu", `device.driver == "`+gpuDriver+`"`),
+		class("nic", `device.driver == "`+nicDriver+`"`),
+		class("broken", broken),
+	)
 	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "n", "gpu-1", "gpu-5"),
-		ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
+		ClassLister: classes, Slices: slices, CELCache: newCELCache(), Policy: DefaultPolicy()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,6 +61,11 @@ func TestCountDevices(t *testing.T) {
 	firstAvailable.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: []resourceapi.DeviceSubRequest{
 		{Name: "h100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: h100}}}},
 		{Name: "a100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 2, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: a100}}}},
+	}}}
+	brokenLater := claim("later").obj()
+	brokenLater.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: []resourceapi.DeviceSubRequest{
+		{Name: "h100", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 4, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: h100}}}},
+		{Name: "newer", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1, Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: broken}}}},
 	}}}
 	constrained := claim("k").request("gpu", "gpu", 1).obj()
 	constrained.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{}} // neither match nor distinct: not interpreted here
@@ -75,6 +86,11 @@ func TestCountDevices(t *testing.T) {
 		"two claims": {claims: []*resourceapi.ResourceClaim{claim("h").request("gpu", "gpu", 4, h100).obj(), claim("n").request("nic", "nic", 1).obj()},
 			want: map[string]DeviceCount{gpuDriver: gpu(4, 3), nicDriver: nic(2, 2)}, wantMatched: true},
 		"not interpreted": {claims: []*resourceapi.ResourceClaim{constrained}, want: map[string]DeviceCount{gpuDriver: gpu(0, 0), nicDriver: nic(0, 0)}},
+		// Upstream allocates nothing for a request whose selector does
+		// not compile: it fails on the first device it evaluates it on.
+		"selector does not compile":         {claims: []*resourceapi.ResourceClaim{claim("b").request("gpu", "gpu", 1, broken).obj()}, want: map[string]DeviceCount{gpuDriver: gpu(0, 0), nicDriver: nic(0, 0)}, wantMatched: true},
+		"class selector does not compile":   {claims: []*resourceapi.ResourceClaim{claim("bc").request("gpu", "broken", 1).obj()}, want: map[string]DeviceCount{gpuDriver: gpu(0, 0), nicDriver: nic(0, 0)}, wantMatched: true},
+		"later subrequest does not compile": {claims: []*resourceapi.ResourceClaim{brokenLater}, want: map[string]DeviceCount{gpuDriver: gpu(4, 3), nicDriver: nic(0, 0)}, wantMatched: true},
 	} {
 		t.Run(name, func(t *testing.T) {
 			got, matched, err := a.CountDevices(ctx, tc.claims, sets.New("n", "fabric"))
