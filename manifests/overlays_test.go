@@ -216,6 +216,14 @@ func TestOverlays(t *testing.T) {
 			}
 
 			// Shared by every variant.
+			// A read-only root: the agent writes only to the node's
+			// directories it mounts, and to /tmp.
+			if sc := c.SecurityContext; sc == nil || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+				t.Error("the agent's root file system is writable")
+			}
+			if m, v := mount(c, "tmp"), volume(ds, "tmp"); m == nil || m.MountPath != "/tmp" || v == nil || v.EmptyDir == nil {
+				t.Error("the agent has no emptyDir at /tmp")
+			}
 			// A rollout starts the new agent beside the old one, which
 			// needs the pod's UID (sockets of its own): without it two
 			// agents would share the plugin sockets.
