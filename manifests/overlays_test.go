@@ -69,12 +69,7 @@ func checkHookMount(t *testing.T, ds *appsv1.DaemonSet, c *v1.Container, env map
 	if !strings.HasSuffix(containerHook, hook) {
 		t.Errorf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q does not end with NVIDIA_CDI_HOOK_PATH=%q", containerHook, hook)
 	}
-	var through *v1.VolumeMount
-	for i, m := range c.VolumeMounts {
-		if strings.HasPrefix(containerHook, strings.TrimSuffix(m.MountPath, "/")+"/") && (through == nil || len(m.MountPath) > len(through.MountPath)) {
-			through = &c.VolumeMounts[i]
-		}
-	}
+	through := mountOf(c, containerHook)
 	if through == nil {
 		t.Fatalf("CONTAINER_NVIDIA_CDI_HOOK_PATH=%q is on no mount", containerHook)
 	}
@@ -91,16 +86,22 @@ func checkHookMount(t *testing.T, ds *appsv1.DaemonSet, c *v1.Container, env map
 // configuration on the node.
 const operatorToolkitConfig = "/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml"
 
-// onNode is the node's path that the container sees at containerPath,
-// through the hostPath mount with the longest mount path that holds it;
-// "" where none does.
-func onNode(ds *appsv1.DaemonSet, c *v1.Container, containerPath string) string {
+// mountOf is the container's mount with the longest mount path that holds
+// containerPath; nil where none does.
+func mountOf(c *v1.Container, containerPath string) *v1.VolumeMount {
 	var through *v1.VolumeMount
 	for i, m := range c.VolumeMounts {
 		if strings.HasPrefix(containerPath, strings.TrimSuffix(m.MountPath, "/")+"/") && (through == nil || len(m.MountPath) > len(through.MountPath)) {
 			through = &c.VolumeMounts[i]
 		}
 	}
+	return through
+}
+
+// onNode is the node's path that the container sees at containerPath,
+// through a hostPath mount (mountOf); "" where there is none.
+func onNode(ds *appsv1.DaemonSet, c *v1.Container, containerPath string) string {
+	through := mountOf(c, containerPath)
 	if through == nil {
 		return ""
 	}
