@@ -334,9 +334,11 @@ func TestAgentOwnNodeOnly(t *testing.T) {
 	if !apierrors.IsForbidden(err) {
 		t.Errorf("agent lists Secrets: %v, want Forbidden", err)
 	}
-	// Pods: listed by node (stale claim check), nothing else.
-	if _, err := agentA.CoreV1().Pods(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=node-a"}); err != nil {
-		t.Errorf("agent lists its node's pods: %v", err)
+	// Pods: not readable at all, not even its own node's (the kubelet's
+	// PodResources API tells it which claims the node's containers use).
+	_, err = agentA.CoreV1().Pods(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=node-a"})
+	if !apierrors.IsForbidden(err) {
+		t.Errorf("agent lists its node's pods: %v, want Forbidden", err)
 	}
 	_, err = agentA.CoreV1().Pods(metav1.NamespaceDefault).Get(ctx, "any", metav1.GetOptions{})
 	if !apierrors.IsForbidden(err) {

@@ -225,6 +225,18 @@ func TestOverlays(t *testing.T) {
 			if m, v := mount(c, "tmp"), volume(ds, "tmp"); m == nil || m.MountPath != "/tmp" || v == nil || v.EmptyDir == nil {
 				t.Error("the agent has no emptyDir at /tmp")
 			}
+			// The kubelet's PodResources API, which tells the agent
+			// which claims the node's containers use (the stale claim
+			// check), at POD_RESOURCES_SOCKET or the flag's default
+			// below KUBELET_DIR.
+			kubeletSocket := path.Join(env["KUBELET_DIR"], "pod-resources", "kubelet.sock")
+			socket := env["POD_RESOURCES_SOCKET"]
+			if socket == "" {
+				socket = kubeletSocket
+			}
+			if got := onNode(ds, c, socket); env["KUBELET_DIR"] == "" || got != kubeletSocket {
+				t.Errorf("the agent's PodResources socket %q is the node's %q, want the kubelet's (KUBELET_DIR=%q)", socket, got, env["KUBELET_DIR"])
+			}
 			// A rollout starts the new agent beside the old one, which
 			// needs the pod's UID (sockets of its own): without it two
 			// agents would share the plugin sockets.
@@ -313,7 +325,6 @@ func TestOverlays(t *testing.T) {
 			if !ok {
 				t.Fatal("no agent ClusterRole")
 			}
-			listsPods := false
 			for _, rule := range agentRole.Rules {
 				// Slices: what the kubelet plugin helper's ResourceSlice
 				// controller and the agent call, one object at a time.
@@ -332,18 +343,10 @@ func TestOverlays(t *testing.T) {
 				}
 				for _, r := range rule.Resources {
 					switch r {
-					case "pods":
-						listsPods = slices.Equal(rule.Verbs, []string{"list"})
-						if !listsPods {
-							t.Errorf("agent may %v pods, want only list (by spec.nodeName)", rule.Verbs)
-						}
-					case "secrets", "pods/exec", "*":
+					case "pods", "secrets", "pods/exec", "*":
 						t.Errorf("agent may %v %s", rule.Verbs, r)
 					}
 				}
-			}
-			if !listsPods {
-				t.Error("agent may not list pods: prepared claims gone from the API are never dropped")
 			}
 			role, ok := find(objs, func(r *rbacv1.Role) bool { return r.Name == "topodra-scheduler-leases" })
 			if !ok {

@@ -62,6 +62,7 @@ type options struct {
 	cdiHookPath         string
 	containerHookPath   string
 	toolkitConfig       string
+	podResourcesSocket  string
 	disabledCDIHooks    []string
 	uvm                 string
 	createDeviceNodes   bool
@@ -152,7 +153,8 @@ the command line wins.`,
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again, and to read the Node (see --device-plugin-resources; a Node deleted and created again gets the agent's slices, owned by the new Node); 0 or less disables rescanning (prepared claims, health watching and the Node are then checked every "+agent.DefaultRescanInterval.String()+").")
-	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run), or has without an allocation (given back without the kubelet unpreparing it), keeps its GPUs before the agent drops it; it is dropped only where no pod bound to this node references it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
+	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run), or has without an allocation (given back without the kubelet unpreparing it), keeps its GPUs before the agent drops it; it is dropped only once the kubelet (--pod-resources-socket) has reported, in two checks in a row, no container on this node using it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
+	fs.StringVar(&o.podResourcesSocket, "pod-resources-socket", "", "The kubelet's PodResources API socket, which the agent asks which ResourceClaims the containers on this node use before it drops a prepared claim (see --stale-claim-grace); where it cannot be reached, no claim is dropped. With it the agent needs no permission to read pods. Empty: <kubelet-dir>/pod-resources/kubelet.sock.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
 	fs.BoolVar(&o.showCDI, "show-cdi", false, "Only with --dry-run (refused without it): also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
@@ -215,6 +217,14 @@ func (o *options) pluginDir() string {
 	return filepath.Join(o.kubeletDir, "plugins", topology.DriverName)
 }
 
+// podResources is --pod-resources-socket, defaulted from --kubelet-dir.
+func (o *options) podResources() string {
+	if o.podResourcesSocket != "" {
+		return o.podResourcesSocket
+	}
+	return filepath.Join(o.kubeletDir, "pod-resources", "kubelet.sock")
+}
+
 // registryDir is --registrar-dir, defaulted from --kubelet-dir.
 func (o *options) registryDir() string {
 	if o.registrarDir != "" {
@@ -254,6 +264,9 @@ func newSource(o *options, nodeName string) (*source, error) {
 	}
 	if o.toolkitConfig != "" && !filepath.IsAbs(o.toolkitConfig) {
 		return nil, fmt.Errorf("--container-toolkit-config (or CONTAINER_TOOLKIT_CONFIG) must be absolute, got %q", o.toolkitConfig)
+	}
+	if o.podResourcesSocket != "" && !filepath.IsAbs(o.podResourcesSocket) {
+		return nil, fmt.Errorf("--pod-resources-socket (or POD_RESOURCES_SOCKET) must be absolute, got %q", o.podResourcesSocket)
 	}
 	switch {
 	case o.nvml == "real":
@@ -386,6 +399,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		StaleClaimGrace:       zeroIsNever(o.staleClaimGrace),
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 		ToolkitConfig:         o.toolkitConfig,
+		PodResourcesSocket:    o.podResources(),
 	})
 	if err != nil {
 		return exitError(ctx, sink, err)

@@ -96,21 +96,22 @@ func TestDryRun(t *testing.T) {
 		wantTaints  bool
 		wantErr     string
 	}{
-		"dgx-h100":                     {opts: options{nvml: "mock:dgx-h100"}, wantDevices: 8},
-		"workstation with taint":       {opts: options{nvml: "mock:workstation-2gpu", ownedTaint: true, ownedTaintKey: topology.DefaultTaintKey}, wantDevices: 2, wantTaints: true},
-		"unknown profile":              {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
-		"neither real nor mock":        {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
-		"missing node name outside":    {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
-		"invalid owned taint key":      {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
-		"empty owned taint key":        {opts: options{nvml: "mock:dgx-h100", ownedTaint: true}, wantErr: "--owned-taint-key (or OWNED_TAINT_KEY) is empty while --owned-taint"},
-		"missing dry run for show-cdi": {opts: options{nvml: "mock:dgx-h100", nodeName: "node-1", showCDI: true, kubeconfig: "/nonexistent"}, wantErr: "--show-cdi (or SHOW_CDI) needs --dry-run"},
-		"relative device root":         {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
-		"driver root not there":        {opts: options{nvml: "real", driverRoot: "/nonexistent/driver"}, wantErr: `--driver-root "/nonexistent/driver"`},
-		"unknown disabled hook":        {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
-		"relative hook path":           {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
-		"relative toolkit config":      {opts: options{nvml: "mock:dgx-h100", toolkitConfig: "driver-root/etc/nvidia-container-runtime/config.toml"}, wantErr: "--container-toolkit-config"},
-		"unknown uvm policy":           {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: require, optional`},
-		"unknown unhealthy effect":     {opts: options{nvml: "mock:dgx-h100", unhealthyEffect: "Evict"}, wantErr: `--unhealthy-taint-effect (or UNHEALTHY_TAINT_EFFECT): unhealthy taint effect "Evict": want NoSchedule or NoExecute`},
+		"dgx-h100":                      {opts: options{nvml: "mock:dgx-h100"}, wantDevices: 8},
+		"workstation with taint":        {opts: options{nvml: "mock:workstation-2gpu", ownedTaint: true, ownedTaintKey: topology.DefaultTaintKey}, wantDevices: 2, wantTaints: true},
+		"unknown profile":               {opts: options{nvml: "mock:nope"}, wantErr: "unknown machine profile"},
+		"neither real nor mock":         {opts: options{nvml: "fake"}, wantErr: "--nvml must be"},
+		"missing node name outside":     {opts: options{nvml: "mock:dgx-h100"}, wantErr: "--node-name"},
+		"invalid owned taint key":       {opts: options{nvml: "mock:dgx-h100", ownedTaint: true, ownedTaintKey: "gpu.topodra.io/not a key"}, wantErr: "--owned-taint-key"},
+		"empty owned taint key":         {opts: options{nvml: "mock:dgx-h100", ownedTaint: true}, wantErr: "--owned-taint-key (or OWNED_TAINT_KEY) is empty while --owned-taint"},
+		"missing dry run for show-cdi":  {opts: options{nvml: "mock:dgx-h100", nodeName: "node-1", showCDI: true, kubeconfig: "/nonexistent"}, wantErr: "--show-cdi (or SHOW_CDI) needs --dry-run"},
+		"relative device root":          {opts: options{nvml: "real", containerDevRoot: "host"}, wantErr: "--container-dev-root"},
+		"driver root not there":         {opts: options{nvml: "real", driverRoot: "/nonexistent/driver"}, wantErr: `--driver-root "/nonexistent/driver"`},
+		"unknown disabled hook":         {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
+		"relative hook path":            {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
+		"relative toolkit config":       {opts: options{nvml: "mock:dgx-h100", toolkitConfig: "driver-root/etc/nvidia-container-runtime/config.toml"}, wantErr: "--container-toolkit-config"},
+		"relative pod resources socket": {opts: options{nvml: "mock:dgx-h100", podResourcesSocket: "pod-resources/kubelet.sock"}, wantErr: "--pod-resources-socket (or POD_RESOURCES_SOCKET) must be absolute"},
+		"unknown uvm policy":            {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: require, optional`},
+		"unknown unhealthy effect":      {opts: options{nvml: "mock:dgx-h100", unhealthyEffect: "Evict"}, wantErr: `--unhealthy-taint-effect (or UNHEALTHY_TAINT_EFFECT): unhealthy taint effect "Evict": want NoSchedule or NoExecute`},
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
@@ -418,5 +419,27 @@ func TestPositionalArgumentsRefused(t *testing.T) {
 	err := cmd.Execute()
 	if err == nil || !strings.Contains(err.Error(), `"publish-only"`) {
 		t.Errorf("got %v, want an error naming the stray argument", err)
+	}
+}
+
+// TestPodResourcesSocketFlag: the kubelet's PodResources socket is below
+// --kubelet-dir unless --pod-resources-socket names it; the default is the
+// agent's own default for the kubelet's default directory.
+func TestPodResourcesSocketFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{want: agent.DefaultPodResourcesSocket},
+		{args: []string{"--kubelet-dir=/var/lib/k0s/kubelet"}, want: "/var/lib/k0s/kubelet/pod-resources/kubelet.sock"},
+		{args: []string{"--kubelet-dir=/var/lib/k0s/kubelet", "--pod-resources-socket=/run/pr.sock"}, want: "/run/pr.sock"},
+	} {
+		cmd, o := newCommandWithOptions()
+		if err := cmd.Flags().Parse(tc.args); err != nil {
+			t.Fatal(err)
+		}
+		if got := o.podResources(); got != tc.want {
+			t.Errorf("%v: PodResources socket %q, want %q", tc.args, got, tc.want)
+		}
 	}
 }

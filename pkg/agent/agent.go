@@ -72,6 +72,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/events"
@@ -179,12 +180,18 @@ type Options struct {
 	StaleClaimCheck time.Duration
 	// StaleClaimGrace is how long a prepared claim that the API server no
 	// longer has keeps its GPUs before the agent drops it, which it does
-	// only where no Pod bound to this node references the claim. Until
-	// then the kubelet unprepares it once its containers are gone. Zero
+	// only where the kubelet reports no container on the node using the
+	// claim (see CleanupStaleClaims). Until then the kubelet unprepares it
+	// once its containers are gone. Zero
 	// means DefaultStaleClaimGrace; negative: never dropped. The time a
 	// claim was first found gone is kept in the checkpoint, so that agent
 	// restarts do not start the grace period again.
 	StaleClaimGrace time.Duration
+	// PodResourcesSocket is the kubelet's PodResources API (a unix
+	// socket), which tells the stale-claim check which claims the
+	// containers on the node use; where it cannot be reached, no claim is
+	// dropped. Default DefaultPodResourcesSocket.
+	PodResourcesSocket string
 	// Clock tells the time that StaleClaimGrace is measured in; nil
 	// means the real clock.
 	Clock clock.PassiveClock
@@ -345,6 +352,9 @@ type Agent struct {
 	// API server (when they were first found gone is in the checkpoint).
 	staleMutex   sync.Mutex
 	goneReported map[types.UID]bool
+	// unusedBefore, guarded by staleMutex, holds the claims past their
+	// grace period that the kubelet reported unused in the last check.
+	unusedBefore sets.Set[types.UID]
 
 	// claimLocks serialize the Prepare and Unprepare calls of each claim
 	// (the kubelet plugin helper does not serialize calls). A Prepare
@@ -539,6 +549,9 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	if opts.StaleClaimGrace == 0 {
 		opts.StaleClaimGrace = DefaultStaleClaimGrace
+	}
+	if opts.PodResourcesSocket == "" {
+		opts.PodResourcesSocket = DefaultPodResourcesSocket
 	}
 	if opts.NodeCheck <= 0 {
 		opts.NodeCheck = DefaultRescanInterval

@@ -62,6 +62,8 @@ type env struct {
 	rescanInterval time.Duration
 	// toolkitConfig is Options.ToolkitConfig.
 	toolkitConfig string
+	// kubelet serves the PodResources API at Options.PodResourcesSocket.
+	kubelet *fakeKubelet
 }
 
 // fakeDevRoot makes a tree with the device nodes of an 8-GPU machine whose
@@ -103,6 +105,7 @@ func newEnv(t *testing.T) *env {
 		devRoot:    devRoot,
 		devNodes:   devNodes,
 		bootIDFile: bootID,
+		kubelet:    startFakeKubelet(t),
 	}
 }
 
@@ -148,6 +151,7 @@ func (e *env) options(t *testing.T) agent.Options {
 		StaleClaimGrace:       e.staleClaimGrace,
 		OwnedTaint:            e.ownedTaint,
 		ToolkitConfig:         e.toolkitConfig,
+		PodResourcesSocket:    e.kubelet.socket,
 	}
 }
 

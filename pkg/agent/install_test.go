@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -25,9 +27,7 @@ import (
 	"k8s.io/client-go/tools/events"
 	"k8s.io/client-go/tools/reference"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
-	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
-	"k8s.io/utils/ptr"
 
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
@@ -228,12 +228,6 @@ func TestPrepareRefusesOpaqueConfig(t *testing.T) {
 	}
 }
 
-// TestCleanupStaleClaims: a prepared claim that was deleted from the API
-// (or recreated under the same name) keeps its GPU, as its pod's
-// containers may still run: another claim on that GPU is refused, and the
-// Node gets one Warning per claim naming it and its GPU. After the grace
-// period the agent drops such a claim unless a pod on the node references
-// it, or the node's pods cannot be listed. A claim that exists stays.
 // TestCleanupDeallocatedClaim: a prepared claim that the API server still
 // has, with the same UID, but no longer allocated (its pods went and it
 // was given back without the kubelet unpreparing it) keeps its GPU within
@@ -288,23 +282,24 @@ func TestCleanupDeallocatedClaim(t *testing.T) {
 	}
 }
 
+// TestCleanupStaleClaims: a prepared claim that was deleted from the API
+// (or recreated under the same name) keeps its GPU, as its pod's
+// containers may still run: another claim on that GPU is refused, and the
+// Node gets one Warning per claim naming it and its GPU. After the grace
+// period the agent drops such a claim once the kubelet has reported it
+// unused in two checks in a row, not while a container on the node uses
+// it or the kubelet cannot be reached. A claim that exists stays.
 func TestCleanupStaleClaims(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
 	recorder := events.NewFakeRecorder(20)
 	e.recorder = recorder
 	// The fake client's reactors must not change while the agent uses it:
-	// these fail claim reads and pod lists only while their flag is set.
-	var failing, listFails atomic.Bool
+	// this one fails claim reads only while its flag is set.
+	var failing atomic.Bool
 	e.client.PrependReactor("get", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
 		if failing.Load() {
 			return true, nil, apierrors.NewInternalError(errors.New("etcd unavailable"))
-		}
-		return false, nil, nil
-	})
-	e.client.PrependReactor("list", "pods", func(cgotesting.Action) (bool, runtime.Object, error) {
-		if listFails.Load() {
-			return true, nil, apierrors.NewForbidden(v1.Resource("pods"), "", errors.New("no RBAC"))
 		}
 		return false, nil, nil
 	})
@@ -369,38 +364,36 @@ func TestCleanupStaleClaims(t *testing.T) {
 	}
 
 	// After the grace period (here 1ns, counted from the checks before
-	// the agent restarted): a pod on the node that references "gone"
-	// keeps it, one on another node does not keep "recreated".
+	// the agent restarted): a container on the node that uses "gone"
+	// keeps it; "recreated" goes once the kubelet has reported it unused
+	// twice, a check in which it cannot be reached not counting.
 	a.Stop()
 	e.staleClaimGrace = time.Nanosecond
 	a = e.start(ctx, t)
-	pod := func(name, node, claimName string) *v1.Pod {
-		return &v1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: name},
-			Spec:       v1.PodSpec{NodeName: node},
-			Status:     v1.PodStatus{ResourceClaimStatuses: []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To(claimName)}}},
+	e.kubelet.run("default", "here", "gone")
+	for _, step := range []struct {
+		what string
+		err  error
+		want []types.UID
+	}{
+		{what: "kubelet unreachable", err: status.Error(codes.Unavailable, "connection refused")},
+		{what: "first check the kubelet answers"},
+		{what: "kubelet unreachable again", err: status.Error(codes.Unavailable, "connection refused")},
+		{what: "first check the kubelet answers again"},
+		{what: "second check the kubelet answers", want: []types.UID{recreated.UID}},
+	} {
+		e.kubelet.fail(step.err)
+		if removed, err := a.CleanupStaleClaims(ctx); err != nil || !slices.Equal(removed, step.want) {
+			t.Errorf("%s: removed %v (%v), want %v", step.what, removed, err, step.want)
 		}
 	}
-	for _, p := range []*v1.Pod{pod("here", nodeName, "gone"), pod("elsewhere", "node-2", "recreated")} {
-		if _, err := e.client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	listFails.Store(true)
+	e.kubelet.stop("default", "here")
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
-		t.Errorf("pods cannot be listed: removed %v (%v), want none", removed, err)
+		t.Errorf("first check after its pod is gone: removed %v (%v), want none", removed, err)
 	}
-	listFails.Store(false)
 	removed, err := a.CleanupStaleClaims(ctx)
-	if err != nil || !slices.Equal(removed, []types.UID{recreated.UID}) {
-		t.Errorf("after the grace period: removed %v (%v), want %s only", removed, err, recreated.UID)
-	}
-	if err := e.client.CoreV1().Pods("default").Delete(ctx, "here", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	removed, err = a.CleanupStaleClaims(ctx)
 	if err != nil || !slices.Equal(removed, []types.UID{gone.UID}) {
-		t.Errorf("after its pod is gone: removed %v (%v), want %s", removed, err, gone.UID)
+		t.Errorf("second check after its pod is gone: removed %v (%v), want %s", removed, err, gone.UID)
 	}
 	evs = drainEvents(recorder)
 	if n := countPrefix(evs, "Normal "+agent.ReasonPreparedClaimDropped); n != 2 {
@@ -416,60 +409,6 @@ func TestCleanupStaleClaims(t *testing.T) {
 	}
 	if r := res["uid-clash"]; !errors.Is(r.Err, agent.ErrDeviceInUse) {
 		t.Errorf("gpu-0 of a live claim: %v, want ErrDeviceInUse", r.Err)
-	}
-}
-
-// TestStaleClaimKeptWhilePodReferencesIt: a prepared claim gone from the
-// API is not dropped after the grace period while a pod on the node names
-// it in any of the places where the kubelet looks for a pod's claims, and
-// is dropped once that pod is gone.
-func TestStaleClaimKeptWhilePodReferencesIt(t *testing.T) {
-	for name, tc := range map[string]struct {
-		spec   v1.PodSpec
-		status v1.PodStatus
-	}{
-		"spec.resourceClaims": {
-			spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: ptr.To("held")}}},
-		},
-		"status.resourceClaimStatuses": {
-			status: v1.PodStatus{ResourceClaimStatuses: []v1.PodResourceClaimStatus{{Name: "gpu", ResourceClaimName: ptr.To("held")}}},
-		},
-		"status.extendedResourceClaimStatus": {
-			status: v1.PodStatus{ExtendedResourceClaimStatus: &v1.PodExtendedResourceClaimStatus{
-				ResourceClaimName: "held",
-				RequestMappings:   []v1.ContainerExtendedResourceRequest{{ContainerName: "main", ResourceName: "example.com/gpu", RequestName: "container-0-request-0"}},
-			}},
-		},
-	} {
-		t.Run(name, func(t *testing.T) {
-			_, ctx := ktesting.NewTestContext(t)
-			e := newEnv(t)
-			a := e.start(ctx, t)
-			held := claim("held", gpus("gpus", "gpu-1")...)
-			if err := prepareOne(ctx, t, a, held); err != nil {
-				t.Fatalf("prepare: %v", err)
-			}
-			// The next check of a restarted agent is past the grace period.
-			a.Stop()
-			e.staleClaimGrace = time.Nanosecond
-			a = e.start(ctx, t)
-			tc.spec.NodeName = nodeName
-			pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "runs"}, Spec: tc.spec, Status: tc.status}
-			if _, err := e.client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			for range 2 {
-				if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
-					t.Fatalf("pod %s references the claim in %s: removed %v (%v), want none", klog.KObj(pod), name, removed, err)
-				}
-			}
-			if err := e.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			if removed, err := a.CleanupStaleClaims(ctx); err != nil || !slices.Equal(removed, []types.UID{held.UID}) {
-				t.Errorf("after its pod is gone: removed %v (%v), want %s", removed, err, held.UID)
-			}
-		})
 	}
 }
 

@@ -9,14 +9,17 @@ import (
 	"strings"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
 	"github.com/topodra/topodra/pkg/agent/checkpoint"
 )
@@ -104,8 +107,9 @@ const (
 	// names the claim, its GPUs, which of the two and since when.
 	ReasonPreparedClaimGone = "TopodraPreparedClaimGone"
 	// ReasonPreparedClaimDropped (Normal): the agent dropped such a claim
-	// after Options.StaleClaimGrace because no Pod on the node references
-	// it; its GPUs can be prepared for other claims.
+	// after Options.StaleClaimGrace because the kubelet reports no
+	// container on the node using it; its GPUs can be prepared for other
+	// claims.
 	ReasonPreparedClaimDropped = "TopodraPreparedClaimDropped"
 )
 
@@ -125,13 +129,13 @@ const (
 // ReasonPreparedClaimGone Warning on the Node naming the claim and its
 // GPUs. Once the claim has been gone for Options.StaleClaimGrace
 // (measured from the time in the checkpoint, so across agent restarts;
-// a claim found in the API server again starts over) and no Pod bound to this node references it by namespace and
-// name (spec.resourceClaims, status.resourceClaimStatuses or
-// status.extendedResourceClaimStatus, as the kubelet counts them), the
-// claim is unprepared (CDI spec and checkpoint entry removed) with a
+// a claim found in the API server again starts over) and the kubelet's
+// PodResources API has reported, in two checks in a row, no container on
+// the node using a claim of its namespace and name, the claim is
+// unprepared (CDI spec and checkpoint entry removed) with a
 // ReasonPreparedClaimDropped event; a negative grace never drops it.
-// Errors reading a claim or listing Pods keep the claim. It returns the
-// claims it dropped.
+// Errors reading a claim or reaching the kubelet keep the claim. It
+// returns the claims it dropped.
 //
 // It also forgets what claims held before the last reboot once such a
 // claim is gone or no longer allocated: a later allocation is not the one
@@ -176,7 +180,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	// gone becomes the checkpoint's Gone: the claims found gone now, with
 	// when they were first found gone.
 	gone := map[types.UID]time.Time{}
-	var expired []types.UID
+	var goneNow, expired []types.UID
 	for uid, c := range cp.Claims {
 		if isRecovered(c) {
 			// Unnamed: only the kubelet's Prepare or Unprepare
@@ -204,6 +208,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 			since = now
 		}
 		gone[uid] = since
+		goneNow = append(goneNow, uid)
 		if !a.goneReported[uid] {
 			a.goneReported[uid] = true
 			a.claimGone(ctx, uid, c, why, since)
@@ -217,9 +222,18 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 			return nil, fmt.Errorf("save when prepared claims were found gone: %w", err)
 		}
 	}
-	stale, err := a.unreferenced(ctx, cp, expired)
+	var stale []types.UID
+	if grace < 0 {
+		goneNow = nil
+	}
+	unused, err := a.unreferenced(ctx, cp, goneNow)
 	if err != nil {
-		logger.Info("Cannot list the node's pods, keeping the prepared claims that the API server no longer has", "claims", len(expired), "err", err)
+		logger.Info("Cannot ask the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
+	}
+	for _, uid := range expired {
+		if unused.Has(uid) {
+			stale = append(stale, uid)
+		}
 	}
 	if len(stale) == 0 && len(forget) == 0 {
 		return nil, nil
@@ -268,9 +282,9 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	for _, uid := range removed {
 		c := dropped[uid]
 		delete(a.goneReported, uid)
-		logger.Info("Dropped prepared claim that the API server no longer has and no pod on the node references", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
+		logger.Info("Dropped prepared claim that the API server no longer has and no container on the node uses", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", claimDevices(c), "grace", grace)
 		a.claimNodeEvent(c.Namespace, c.Name, uid, v1.EventTypeNormal, ReasonPreparedClaimDropped, "Unprepare",
-			"dropped claim %s/%s (%s), which the API server no longer has and no pod on this node references, after %v (--stale-claim-grace): %s can be prepared for other claims",
+			"dropped claim %s/%s (%s), which the API server no longer has and the kubelet reports no container on this node using, after %v (--stale-claim-grace): %s can be prepared for other claims",
 			c.Namespace, c.Name, uid, grace, claimDevices(c))
 	}
 	return removed, nil
@@ -298,7 +312,7 @@ func (a *Agent) saveGone(gone map[types.UID]time.Time) error {
 func (a *Agent) claimGone(ctx context.Context, uid types.UID, c checkpoint.PreparedClaim, why string, since time.Time) {
 	devices := claimDevices(c)
 	klog.FromContext(ctx).Info("Prepared claim is gone from the API server or no longer allocated, keeping its GPUs reserved until the kubelet unprepares it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid, "devices", devices, "why", why, "since", since)
-	after := fmt.Sprintf("the agent drops it from %s on (%v after that, --stale-claim-grace) once no pod on this node references it", since.Add(a.opts.StaleClaimGrace).Format(time.RFC3339), a.opts.StaleClaimGrace)
+	after := fmt.Sprintf("the agent drops it from %s on (%v after that, --stale-claim-grace) once the kubelet reports no container on this node using it", since.Add(a.opts.StaleClaimGrace).Format(time.RFC3339), a.opts.StaleClaimGrace)
 	if a.opts.StaleClaimGrace < 0 {
 		after = "the agent never drops it (--stale-claim-grace is negative)"
 	}
@@ -319,64 +333,85 @@ func claimDevices(c checkpoint.PreparedClaim) string {
 	return strings.Join(names, ", ")
 }
 
-// unreferenced returns the claims among uids that no Pod bound to this
-// node references (by namespace and name, see podReferencesClaim). It
-// lists the node's Pods in each claim's namespace; on an error it returns
-// what it found so far and the error.
-func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, uids []types.UID) ([]types.UID, error) {
-	pods := map[string][]v1.Pod{}
-	var out []types.UID
-	for _, uid := range uids {
+// DefaultPodResourcesSocket is the default of [Options.PodResourcesSocket]:
+// where the kubelet serves its PodResources API.
+const DefaultPodResourcesSocket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+const (
+	// podResourcesTimeout bounds one List call to the kubelet.
+	podResourcesTimeout = 10 * time.Second
+	// podResourcesMaxMessage is the largest List answer read, as the
+	// kubelet's own client allows.
+	podResourcesMaxMessage = 16 << 20
+)
+
+// unreferenced returns the claims among gone (the prepared claims found
+// gone from the API server in this check) that the kubelet reports no
+// container of an active pod on this node using, in this check and in the
+// one before (see claimsInUse). Two checks in a row are needed because a
+// kubelet that has just started lists no pods until it has read them from
+// the API server. A check that cannot reach the kubelet returns the error
+// and no claim, and the next check starts over. The caller holds
+// staleMutex.
+func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gone []types.UID) (sets.Set[types.UID], error) {
+	before := a.unusedBefore
+	a.unusedBefore = nil
+	if len(gone) == 0 {
+		return nil, nil
+	}
+	used, err := a.claimsInUse(ctx)
+	if err != nil {
+		return nil, err
+	}
+	logger := klog.FromContext(ctx)
+	unused := sets.New[types.UID]()
+	twice := sets.New[types.UID]()
+	for _, uid := range gone {
 		c := cp.Claims[uid]
-		list, ok := pods[c.Namespace]
-		if !ok {
-			l, err := a.opts.KubeClient.CoreV1().Pods(c.Namespace).List(ctx, metav1.ListOptions{
-				FieldSelector: fields.OneTermEqualSelector("spec.nodeName", a.opts.NodeName).String(),
-			})
-			if err != nil {
-				return out, fmt.Errorf("list pods of node %s in namespace %s: %w", a.opts.NodeName, c.Namespace, err)
-			}
-			list = l.Items
-			pods[c.Namespace] = list
+		if used.Has(types.NamespacedName{Namespace: c.Namespace, Name: c.Name}) {
+			logger.V(2).Info("Keeping prepared claim that the API server no longer has: the kubelet reports a container on the node using it", "claim", klog.KRef(c.Namespace, c.Name), "uid", uid)
+			continue
 		}
-		referenced := false
-		for i := range list {
-			if list[i].Spec.NodeName == a.opts.NodeName && podReferencesClaim(&list[i], c.Namespace, c.Name) {
-				klog.FromContext(ctx).V(2).Info("Keeping prepared claim that the API server no longer has: a pod on the node references it", "claim", klog.KRef(c.Namespace, c.Name), "pod", klog.KObj(&list[i]))
-				referenced = true
-				break
-			}
-		}
-		if !referenced {
-			out = append(out, uid)
+		unused.Insert(uid)
+		if before.Has(uid) {
+			twice.Insert(uid)
 		}
 	}
-	return out, nil
+	a.unusedBefore = unused
+	return twice, nil
 }
 
-// podReferencesClaim says whether a pod names the claim where the kubelet
-// looks for the claims of a pod: spec.resourceClaims,
-// status.resourceClaimStatuses (claims generated from templates) and
-// status.extendedResourceClaimStatus (the claim that the scheduler created
-// for the pod's extended resources).
-func podReferencesClaim(pod *v1.Pod, namespace, name string) bool {
-	if pod.Namespace != namespace {
-		return false
+// claimsInUse asks the kubelet, through the List call of its PodResources
+// API at Options.PodResourcesSocket, which ResourceClaims (namespace and
+// name) the containers of the node's active pods use. The kubelet lists
+// the claims of regular containers and restartable init containers that
+// it has prepared, the claim it prepared for a pod's extended resources
+// included; a claim that only an init container uses, or that no
+// container names, is not listed.
+func (a *Agent) claimsInUse(ctx context.Context) (sets.Set[types.NamespacedName], error) {
+	socket := a.opts.PodResourcesSocket
+	conn, err := grpc.NewClient("unix://"+socket,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(podResourcesMaxMessage)))
+	if err != nil {
+		return nil, fmt.Errorf("connect to the kubelet's PodResources API at %s: %w", socket, err)
 	}
-	for _, rc := range pod.Spec.ResourceClaims {
-		if ptr.Deref(rc.ResourceClaimName, "") == name {
-			return true
+	defer func() { _ = conn.Close() }()
+	ctx, cancel := context.WithTimeout(ctx, podResourcesTimeout)
+	defer cancel()
+	resp, err := podresourcesv1.NewPodResourcesListerClient(conn).List(ctx, &podresourcesv1.ListPodResourcesRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("list the node's pods through the kubelet's PodResources API at %s: %w", socket, err)
+	}
+	used := sets.New[types.NamespacedName]()
+	for _, pod := range resp.GetPodResources() {
+		for _, container := range pod.GetContainers() {
+			for _, r := range container.GetDynamicResources() {
+				used.Insert(types.NamespacedName{Namespace: r.GetClaimNamespace(), Name: r.GetClaimName()})
+			}
 		}
 	}
-	for _, s := range pod.Status.ResourceClaimStatuses {
-		if ptr.Deref(s.ResourceClaimName, "") == name {
-			return true
-		}
-	}
-	if s := pod.Status.ExtendedResourceClaimStatus; s != nil && s.ResourceClaimName == name {
-		return true
-	}
-	return false
+	return used, nil
 }
 
 func (a *Agent) staleClaimLoop(ctx context.Context) {

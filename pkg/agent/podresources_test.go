@@ -1,0 +1,187 @@
+package agent_test
+
+import (
+	"context"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2/ktesting"
+	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+	"github.com/topodra/topodra/pkg/agent"
+)
+
+// fakeKubelet serves the List call of the kubelet's PodResources API on a
+// unix socket, as a kubelet answers it for its active pods: each pod it
+// runs has one container that uses the claims (of the pod's namespace)
+// given to run.
+type fakeKubelet struct {
+	podresourcesv1.UnimplementedPodResourcesListerServer
+	socket string
+
+	mutex sync.Mutex
+	pods  map[types.NamespacedName][]string
+	err   error
+	lists int
+}
+
+func startFakeKubelet(t *testing.T) *fakeKubelet {
+	t.Helper()
+	// A short directory: unix socket paths are limited to about 108 bytes.
+	dir, err := os.MkdirTemp("", "kpr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	k := &fakeKubelet{socket: filepath.Join(dir, "kubelet.sock"), pods: map[types.NamespacedName][]string{}}
+	l, err := net.Listen("unix", k.socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	podresourcesv1.RegisterPodResourcesListerServer(srv, k)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	return k
+}
+
+func (k *fakeKubelet) List(context.Context, *podresourcesv1.ListPodResourcesRequest) (*podresourcesv1.ListPodResourcesResponse, error) {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	k.lists++
+	if k.err != nil {
+		return nil, k.err
+	}
+	resp := &podresourcesv1.ListPodResourcesResponse{}
+	for pod, claims := range k.pods {
+		container := &podresourcesv1.ContainerResources{Name: "main"}
+		for _, c := range claims {
+			container.DynamicResources = append(container.DynamicResources, &podresourcesv1.DynamicResource{ClaimName: c, ClaimNamespace: pod.Namespace})
+		}
+		resp.PodResources = append(resp.PodResources, &podresourcesv1.PodResources{
+			Name: pod.Name, Namespace: pod.Namespace, Containers: []*podresourcesv1.ContainerResources{container},
+		})
+	}
+	return resp, nil
+}
+
+// run lists the pod, whose container uses claims.
+func (k *fakeKubelet) run(namespace, pod string, claims ...string) {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	k.pods[types.NamespacedName{Namespace: namespace, Name: pod}] = claims
+}
+
+// stop no longer lists the pod.
+func (k *fakeKubelet) stop(namespace, pod string) {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	delete(k.pods, types.NamespacedName{Namespace: namespace, Name: pod})
+}
+
+// fail has List fail with err; nil: answer again.
+func (k *fakeKubelet) fail(err error) {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	k.err = err
+}
+
+// restart stands for a kubelet that has just started: it lists no pods
+// until run is called for them again.
+func (k *fakeKubelet) restart() {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	clear(k.pods)
+	k.err = nil
+}
+
+func (k *fakeKubelet) listCalls() int {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	return k.lists
+}
+
+// TestStaleClaimKeptWhileKubeletReportsItUsed: a prepared claim that the
+// API server no longer has is dropped after its grace period only once the
+// kubelet's PodResources API has reported, in two checks in a row, no
+// container on the node using it. A container using a claim of the same
+// name in another namespace does not keep it; a kubelet that cannot be
+// reached, or that has just started and lists no pods yet, keeps it.
+func TestStaleClaimKeptWhileKubeletReportsItUsed(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.staleClaimGrace = time.Nanosecond
+	a := e.start(ctx, t)
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	e.kubelet.run("default", "trainer", "other", "held")
+	e.kubelet.run("team-b", "lookalike", "held")
+	check := func(what string, want ...types.UID) {
+		t.Helper()
+		removed, err := a.CleanupStaleClaims(ctx)
+		if err != nil || !slices.Equal(removed, want) {
+			t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
+		}
+	}
+	for range 3 {
+		check("a container uses it")
+	}
+	if n := e.kubelet.listCalls(); n != 3 {
+		t.Errorf("the kubelet was asked %d times in three checks, want 3", n)
+	}
+
+	// The kubelet restarts: unreachable, then it lists no pods until it
+	// has read them, then the trainer again.
+	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
+	check("kubelet unreachable")
+	e.kubelet.restart()
+	check("kubelet just started, lists no pods")
+	e.kubelet.run("default", "trainer", "held")
+	e.kubelet.run("team-b", "lookalike", "held")
+	check("the started kubelet lists its pods")
+
+	// The trainer is gone; the pod in team-b does not keep the claim.
+	e.kubelet.stop("default", "trainer")
+	check("first check that finds it unused")
+	check("second check that finds it unused", held.UID)
+	if err := prepareOne(ctx, t, a, claim("next", gpus("gpus", "gpu-1")...)); err != nil {
+		t.Errorf("gpu-1 after its claim was dropped: %v", err)
+	}
+}
+
+// TestStaleClaimKeptWithoutKubelet: where the kubelet's PodResources API
+// is not there (no socket), a prepared claim that the API server no longer
+// has is never dropped, and the checks go on without an error.
+func TestStaleClaimKeptWithoutKubelet(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.staleClaimGrace = time.Nanosecond
+	opts := e.options(t)
+	opts.PodResourcesSocket = filepath.Join(t.TempDir(), "kubelet.sock")
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	for range 3 {
+		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+			t.Fatalf("no kubelet: removed %v (%v), want none", removed, err)
+		}
+	}
+}
