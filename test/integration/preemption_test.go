@@ -173,3 +173,53 @@ func TestPreemptionOnFullCluster(t *testing.T) {
 		}
 	}
 }
+
+// TestHeldBackPodGoesOnceALowerPodHoldsDevices: on eight DGX nodes (the
+// headroom keeps 8 of the 64 GPUs free), node 0 empty and 4 GPUs free on
+// node 1, every other GPU held by claims without pods. A high-priority
+// 8-GPU pod waits: on node 0 it would leave 4 free. Then a pod of lower
+// priority takes 2 GPUs. The headroom does not hold back a pod that may
+// preempt a lower pod holding devices, so the allocation of that pod's
+// claim retries the 8-GPU pod at once, and it starts on node 0 (long
+// before the scheduler would retry it on its own, after 5 minutes).
+func TestHeldBackPodGoesOnceALowerPodHoldsDevices(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "heldlower")
+	nodes := e.dgxNodes("h", 8, "256")
+	gpus := func(from, to int) []string {
+		var out []string
+		for i := from; i < to; i++ {
+			out = append(out, fmt.Sprintf("gpu-%d", i))
+		}
+		return out
+	}
+	e.preallocate("half", nodes[1], gpus(0, 4)...)
+	for _, n := range nodes[2:] {
+		e.preallocate("all-"+n, n, gpus(0, 8)...)
+	}
+	startTopodra(tCtx)
+
+	high := e.highPriority()
+	e.podEdited("whole", topodraName, "h", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(8, nil))
+	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+	tCtx.ExpectNoError(err)
+	// Past the scheduler's initial backoff (1 s).
+	time.Sleep(1500 * time.Millisecond)
+
+	e.pod("small", topodraName, "h", e.template(2, nil))
+	if got := e.waitScheduled("small").Spec.NodeName; got != nodes[1] {
+		t.Errorf("the 2-GPU pod went to %s, want %s (best fit)", got, nodes[1])
+	}
+	scheduled, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "whole", 20*time.Second, "scheduled", func(p *v1.Pod) (bool, error) {
+		return p.Spec.NodeName != "", nil
+	})
+	if err != nil {
+		tCtx.Fatalf("the 8-GPU pod was not retried once a lower pod held devices: %v", err)
+	}
+	if scheduled.Spec.NodeName != nodes[0] {
+		t.Errorf("the 8-GPU pod went to %s, want the empty %s", scheduled.Spec.NodeName, nodes[0])
+	}
+	if p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "small", metav1.GetOptions{}); err != nil || p.DeletionTimestamp != nil {
+		t.Errorf("the 2-GPU pod was preempted (%v), though node 0 was free", err)
+	}
+}

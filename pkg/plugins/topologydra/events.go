@@ -8,6 +8,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/client-go/tools/cache"
+	corev1helpers "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
@@ -116,7 +117,8 @@ func (pl *TopologyDRA) isSchedulableAfterRemoval(logger klog.Logger, pod *v1.Pod
 // isSchedulableAfterClaimChange: requeue when one of the pod's claims
 // appears or its status changes, or when a claim gives devices back
 // (deallocated or deleted while allocated) and they may let the pod fit
-// (hintForFreed).
+// (hintForFreed), or when a claim is allocated for a pod that the pod
+// may preempt while the headroom held it back (lowerHolderArrived).
 func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if _, ok := oldObj.(cache.DeletedFinalStateUnknown); ok && newObj == nil {
 		return fwk.Queue, nil
@@ -133,6 +135,9 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 		return pl.hintForFreed(logger, pod, oldClaim), nil
 	}
 	if !pl.usesClaim(pod, newClaim) {
+		if pl.lowerHolderArrived(logger, pod, oldClaim, newClaim) {
+			return fwk.Queue, nil
+		}
 		return fwk.QueueSkip, nil
 	}
 	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) || topodraAnnotationsChanged(oldClaim, newClaim) {
@@ -173,6 +178,37 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 	}
 	logger.V(6).Info("Node taints or cordon changed; the pod was not held back by the headroom", "pod", klog.KObj(pod), "node", klog.KObj(newNode))
 	return fwk.QueueSkip, nil
+}
+
+// lowerHolderArrived reports whether another pod's claim has just been
+// reserved for a pod of lower priority than pod, where the headroom held
+// pod back at its latest attempt because it could preempt no pod holding
+// claims then (see PreFilter and outranksHolder). Such a pod is not held
+// back once a holder it may preempt exists, so its next attempt may
+// preempt; without this hint it would wait for another event. The node
+// of the new holder is not checked: a pod held back waits for half a
+// node or more, so such pods are few, and the attempt this causes either
+// preempts or ends their being held back with a lower holder in place.
+func (pl *TopologyDRA) lowerHolderArrived(logger klog.Logger, pod *v1.Pod, oldClaim, newClaim *resourceapi.ResourceClaim) bool {
+	if newClaim.Status.Allocation == nil || !pl.heldBack.held(pod.UID) || pl.heldBack.outranks(pod.UID) || !canPreempt(pod) || pl.heldBack.lister == nil {
+		return false
+	}
+	prio := corev1helpers.PodPriority(pod)
+	for _, ref := range newClaim.Status.ReservedFor {
+		if ref.APIGroup != "" || ref.Resource != "pods" {
+			continue
+		}
+		if oldClaim != nil && slices.ContainsFunc(oldClaim.Status.ReservedFor, func(old resourceapi.ResourceClaimConsumerReference) bool { return old.UID == ref.UID }) {
+			continue
+		}
+		holder, err := pl.heldBack.lister.Pods(newClaim.Namespace).Get(ref.Name)
+		if err != nil || holder.UID != ref.UID || corev1helpers.PodPriority(holder) >= prio {
+			continue
+		}
+		logger.V(5).Info("Claim reserved for a pod of lower priority, which the pod held back by the headroom may preempt", "pod", klog.KObj(pod), "claim", klog.KObj(newClaim), "holder", klog.KObj(holder))
+		return true
+	}
+	return false
 }
 
 // topodraAnnotationsChanged reports whether the annotations through which

@@ -13,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -858,5 +860,80 @@ func TestFreedDeviceTakenAgainForgotten(t *testing.T) {
 	defer h.pl.freed.mu.Unlock()
 	if _, ok := h.pl.freed.freedBy[structured.MakeDeviceID(topology.DriverName, "a", "gpu-0")]; ok {
 		t.Error("a/gpu-0, given back by ga and taken by taker, is still remembered as given back")
+	}
+}
+
+// TestLowerHolderRequeuesHeldBackPod: a claim newly reserved for a pod of
+// lower priority requeues a pod that the headroom held back while it could
+// preempt no holder, so that it may preempt at once; nothing else does.
+func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
+	withPriority := func(p *v1.Pod, prio int32) *v1.Pod {
+		p.Spec.Priority = ptr.To(prio)
+		return p
+	}
+	held := withPriority(testPod("held"), 100)
+	never := withPriority(testPod("never"), 100)
+	never.Spec.PreemptionPolicy = ptr.To(v1.PreemptNever)
+	outranking := withPriority(testPod("outranking"), 100)
+	free := withPriority(testPod("free"), 100)
+	low, equal, high := withPriority(testPod("low"), 10), withPriority(testPod("equal"), 100), withPriority(testPod("high"), 200)
+	recreated := withPriority(testPod("recreated"), 10)
+
+	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	for _, p := range []*v1.Pod{held, never, outranking, free, low, equal, high, recreated} {
+		if err := indexer.Add(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pl := &TopologyDRA{}
+	pl.heldBack.lister = corelisters.NewPodLister(indexer)
+	for _, p := range []*v1.Pod{held, never, outranking} {
+		pl.heldBack.hold(p)
+	}
+	pl.heldBack.setOutranks(outranking, true)
+
+	claim := func(allocated bool, holders ...*v1.Pod) *resourceapi.ResourceClaim {
+		c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "theirs"}}
+		if allocated {
+			c.Status.Allocation = &resourceapi.AllocationResult{}
+		}
+		for _, h := range holders {
+			c.Status.ReservedFor = append(c.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: h.Name, UID: h.UID})
+		}
+		return c
+	}
+	stale := claim(true)
+	stale.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: recreated.Name, UID: "an-earlier-pod"}}
+	for _, tc := range []struct {
+		name     string
+		pod      *v1.Pod
+		old, new *resourceapi.ResourceClaim
+		want     fwk.QueueingHint
+	}{
+		{name: "allocated for a lower pod", pod: held, old: claim(false), new: claim(true, low), want: fwk.Queue},
+		{name: "created allocated for a lower pod", pod: held, new: claim(true, low), want: fwk.Queue},
+		{name: "a lower pod joins a shared claim", pod: held, old: claim(true, high), new: claim(true, high, low), want: fwk.Queue},
+		{name: "allocated for a pod of equal priority", pod: held, old: claim(false), new: claim(true, equal), want: fwk.QueueSkip},
+		{name: "allocated for a higher pod", pod: held, old: claim(false), new: claim(true, high), want: fwk.QueueSkip},
+		{name: "the lower holder was there before", pod: held, old: claim(true, low), new: claim(true, low, high), want: fwk.QueueSkip},
+		{name: "reserved, not allocated", pod: held, old: claim(false), new: claim(false, low), want: fwk.QueueSkip},
+		{name: "holder's name now another pod's", pod: held, old: claim(false), new: stale, want: fwk.QueueSkip},
+		{name: "pod may not preempt", pod: never, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
+		{name: "pod was not held back", pod: free, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
+		{name: "pod outranked a holder already", pod: outranking, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var oldObj any
+			if tc.old != nil {
+				oldObj = tc.old
+			}
+			got, err := pl.isSchedulableAfterClaimChange(klog.Background(), tc.pod, oldObj, tc.new)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got != tc.want {
+				t.Errorf("hint = %v, want %v", got, tc.want)
+			}
+		})
 	}
 }
