@@ -260,14 +260,17 @@ func TestOverlays(t *testing.T) {
 					t.Errorf("priority class %s: value %d, global default %v; want the highest a class outside system- may have, not the default", name, class.Value, class.GlobalDefault)
 				}
 			}
-			podUID := false
+			fromPod := map[string]string{}
 			for _, ev := range ds.Spec.Template.Spec.Containers[0].Env {
-				if ev.Name == "POD_UID" && ev.ValueFrom != nil && ev.ValueFrom.FieldRef != nil && ev.ValueFrom.FieldRef.FieldPath == "metadata.uid" {
-					podUID = true
+				if ev.ValueFrom != nil && ev.ValueFrom.FieldRef != nil {
+					fromPod[ev.Name] = ev.ValueFrom.FieldRef.FieldPath
 				}
 			}
-			if !podUID {
+			if fromPod["POD_UID"] != "metadata.uid" {
 				t.Error("the agent has no POD_UID from metadata.uid: with maxSurge two agents would share the kubelet sockets")
+			}
+			if fromPod["POD_NAME"] != "metadata.name" || fromPod["POD_NAMESPACE"] != "metadata.namespace" {
+				t.Error("the agent has no POD_NAME and POD_NAMESPACE from its pod's metadata: it would trust a kubelet that has not read the node's pods yet")
 			}
 			// Namespaced objects in kube-system only: the policies, the
 			// lease and the RoleBindings name it.

@@ -63,6 +63,8 @@ type options struct {
 	containerHookPath   string
 	toolkitConfig       string
 	podResourcesSocket  string
+	podName             string
+	podNamespace        string
 	disabledCDIHooks    []string
 	uvm                 string
 	createDeviceNodes   bool
@@ -155,6 +157,8 @@ the command line wins.`,
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again, and to read the Node (see --device-plugin-resources; a Node deleted and created again gets the agent's slices, owned by the new Node); 0 or less disables rescanning (prepared claims, health watching and the Node are then checked every "+agent.DefaultRescanInterval.String()+").")
 	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run), or has without an allocation (given back without the kubelet unpreparing it), keeps its GPUs before the agent drops it; it is dropped only once the kubelet (--pod-resources-socket) has reported, in two checks in a row, no container on this node using it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
 	fs.StringVar(&o.podResourcesSocket, "pod-resources-socket", "", "The kubelet's PodResources API socket, which the agent asks which ResourceClaims the containers on this node use before it drops a prepared claim (see --stale-claim-grace); where it cannot be reached, no claim is dropped. With it the agent needs no permission to read pods. Empty: <kubelet-dir>/pod-resources/kubelet.sock.")
+	fs.StringVar(&o.podName, "pod-name", "", "Name of the agent's pod (the DaemonSet sets it from metadata.name), with --pod-namespace: the agent trusts the kubelet's PodResources API (--pod-resources-socket) only once it lists this pod, so that a kubelet that has just started and not read the node's pods yet cannot have a prepared claim dropped. Empty: not checked.")
+	fs.StringVar(&o.podNamespace, "pod-namespace", "", "Namespace of the agent's pod (the DaemonSet sets it from metadata.namespace); see --pod-name.")
 	fs.BoolVar(&o.publishOnly, "publish-only", false, "Only publish ResourceSlices; do not register with the kubelet or serve Prepare/Unprepare (no sockets needed).")
 	fs.BoolVar(&o.dryRun, "dry-run", false, "Discover GPUs, print the ResourceSlice that would be published as YAML and exit; needs no cluster. Prints '"+noGPUMessage+"' and exits 0 where there is no GPU.")
 	fs.BoolVar(&o.showCDI, "show-cdi", false, "Only with --dry-run (refused without it): also prepare a claim for all published GPUs as the kubelet has the agent prepare it (in a temporary checkpoint and CDI directory), print the CDI spec written for it and what a container gets when a runtime applies it (environment, mounts of driver libraries and binaries, device nodes, hooks), then unprepare it. Nothing outside the temporary directory is written.")
@@ -264,6 +268,9 @@ func newSource(o *options, nodeName string) (*source, error) {
 	}
 	if o.toolkitConfig != "" && !filepath.IsAbs(o.toolkitConfig) {
 		return nil, fmt.Errorf("--container-toolkit-config (or CONTAINER_TOOLKIT_CONFIG) must be absolute, got %q", o.toolkitConfig)
+	}
+	if (o.podName == "") != (o.podNamespace == "") {
+		return nil, fmt.Errorf("--pod-name (or POD_NAME) and --pod-namespace (or POD_NAMESPACE) go together, got %q and %q", o.podName, o.podNamespace)
 	}
 	if o.podResourcesSocket != "" && !filepath.IsAbs(o.podResourcesSocket) {
 		return nil, fmt.Errorf("--pod-resources-socket (or POD_RESOURCES_SOCKET) must be absolute, got %q", o.podResourcesSocket)
@@ -400,6 +407,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		RegistrationTimeout:   zeroIsNever(o.registrationTimeout),
 		ToolkitConfig:         o.toolkitConfig,
 		PodResourcesSocket:    o.podResources(),
+		Pod:                   types.NamespacedName{Namespace: o.podNamespace, Name: o.podName},
 	})
 	if err != nil {
 		return exitError(ctx, sink, err)

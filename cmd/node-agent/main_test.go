@@ -109,6 +109,7 @@ func TestDryRun(t *testing.T) {
 		"unknown disabled hook":         {opts: options{nvml: "mock:dgx-h100", disabledCDIHooks: []string{"update-application-profiles"}}, wantErr: `--disabled-cdi-hooks (or DISABLED_CDI_HOOKS): unknown CDI hook "update-application-profiles"; valid: create-symlinks,`},
 		"relative hook path":            {opts: options{nvml: "mock:dgx-h100", containerHookPath: "driver-root/usr/bin/nvidia-cdi-hook"}, wantErr: "--container-nvidia-cdi-hook-path"},
 		"relative toolkit config":       {opts: options{nvml: "mock:dgx-h100", toolkitConfig: "driver-root/etc/nvidia-container-runtime/config.toml"}, wantErr: "--container-toolkit-config"},
+		"pod name without namespace":    {opts: options{nvml: "mock:dgx-h100", podName: "topodra-node-agent-x7k2p"}, wantErr: "--pod-name (or POD_NAME) and --pod-namespace (or POD_NAMESPACE) go together"},
 		"relative pod resources socket": {opts: options{nvml: "mock:dgx-h100", podResourcesSocket: "pod-resources/kubelet.sock"}, wantErr: "--pod-resources-socket (or POD_RESOURCES_SOCKET) must be absolute"},
 		"unknown uvm policy":            {opts: options{nvml: "mock:dgx-h100", uvm: "always"}, wantErr: `--uvm (or UVM): unknown nvidia-uvm policy "always"; valid: require, optional`},
 		"unknown unhealthy effect":      {opts: options{nvml: "mock:dgx-h100", unhealthyEffect: "Evict"}, wantErr: `--unhealthy-taint-effect (or UNHEALTHY_TAINT_EFFECT): unhealthy taint effect "Evict": want NoSchedule or NoExecute`},

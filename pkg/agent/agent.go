@@ -192,6 +192,10 @@ type Options struct {
 	// containers on the node use; where it cannot be reached, no claim is
 	// dropped. Default DefaultPodResourcesSocket.
 	PodResourcesSocket string
+	// Pod is the agent's own pod, where it runs in one: the stale-claim
+	// check trusts an answer of the kubelet's PodResources API only where
+	// it lists this pod (see CleanupStaleClaims). Empty: not checked.
+	Pod types.NamespacedName
 	// Clock tells the time that StaleClaimGrace is measured in; nil
 	// means the real clock.
 	Clock clock.PassiveClock
@@ -355,6 +359,10 @@ type Agent struct {
 	// unusedBefore, guarded by staleMutex, holds the claims past their
 	// grace period that the kubelet reported unused in the last check.
 	unusedBefore sets.Set[types.UID]
+	// podResourcesReported, guarded by staleMutex: a
+	// ReasonPodResourcesUnavailable event was recorded and no check has
+	// reached the kubelet since.
+	podResourcesReported bool
 
 	// claimLocks serialize the Prepare and Unprepare calls of each claim
 	// (the kubelet plugin helper does not serialize calls). A Prepare

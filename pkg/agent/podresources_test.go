@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2/ktesting"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
@@ -184,4 +186,81 @@ func TestStaleClaimKeptWithoutKubelet(t *testing.T) {
 			t.Fatalf("no kubelet: removed %v (%v), want none", removed, err)
 		}
 	}
+}
+
+// TestStaleClaimNeedsKubeletToListAgentPod: where the agent knows its own
+// pod, an answer of the kubelet that does not list it (a kubelet that has
+// not read the node's pods yet, however long that takes) never counts
+// towards dropping a claim.
+func TestStaleClaimNeedsKubeletToListAgentPod(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.staleClaimGrace = time.Nanosecond
+	opts := e.options(t)
+	opts.Pod = types.NamespacedName{Namespace: "kube-system", Name: "topodra-node-agent-x7k2p"}
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	check := func(what string, want ...types.UID) {
+		t.Helper()
+		removed, err := a.CleanupStaleClaims(ctx)
+		if err != nil || !slices.Equal(removed, want) {
+			t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
+		}
+	}
+	for range 4 {
+		check("the kubelet lists no pods")
+	}
+	e.kubelet.run("kube-system", "topodra-node-agent-other")
+	check("the kubelet lists another agent's pod only")
+	e.kubelet.run("kube-system", "topodra-node-agent-x7k2p")
+	check("the kubelet lists the agent's pod, once")
+	check("twice", held.UID)
+}
+
+// TestPodResourcesUnavailableEvent: a claim past its grace period that is
+// kept because the kubelet cannot be asked gets a Warning on the Node
+// naming the socket, once until a check reaches the kubelet again.
+func TestPodResourcesUnavailableEvent(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	e.staleClaimGrace = time.Nanosecond
+	a := e.start(ctx, t)
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	e.kubelet.run("default", "trainer", "held")
+	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
+	unavailable := func(what string, want int) {
+		t.Helper()
+		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
+			t.Fatalf("%s: removed %v (%v), want none", what, removed, err)
+		}
+		evs := drainEvents(recorder)
+		got := countPrefix(evs, "Warning "+agent.ReasonPodResourcesUnavailable)
+		if got != want {
+			t.Errorf("%s: events %q, want %d %s", what, evs, want, agent.ReasonPodResourcesUnavailable)
+		}
+		for _, ev := range evs {
+			if strings.HasPrefix(ev, "Warning "+agent.ReasonPodResourcesUnavailable) && !strings.Contains(ev, e.kubelet.socket) {
+				t.Errorf("%s: event %q does not name the socket %s", what, ev, e.kubelet.socket)
+			}
+		}
+	}
+	unavailable("within the grace period", 0)
+	unavailable("past the grace period", 1)
+	unavailable("again", 0)
+	e.kubelet.fail(nil)
+	unavailable("the kubelet answers", 0)
+	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
+	unavailable("unavailable once more", 1)
 }

@@ -111,6 +111,12 @@ const (
 	// container on the node using it; its GPUs can be prepared for other
 	// claims.
 	ReasonPreparedClaimDropped = "TopodraPreparedClaimDropped"
+	// ReasonPodResourcesUnavailable (Warning, once until a check reaches
+	// the kubelet again): a prepared claim is past its grace period but
+	// the kubelet's PodResources API cannot be asked which claims the
+	// node's containers use, so it is kept; the note names the socket and
+	// the error.
+	ReasonPodResourcesUnavailable = "TopodraPodResourcesUnavailable"
 )
 
 // CleanupStaleClaims checks the prepared claims against the API server.
@@ -219,6 +225,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	}
 	if !maps.EqualFunc(gone, cp.Gone, time.Time.Equal) {
 		if err := a.saveGone(gone); err != nil {
+			a.unusedBefore = nil
 			return nil, fmt.Errorf("save when prepared claims were found gone: %w", err)
 		}
 	}
@@ -227,8 +234,19 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 		goneNow = nil
 	}
 	unused, err := a.unreferenced(ctx, cp, goneNow)
-	if err != nil {
+	switch {
+	case err != nil && len(expired) > 0:
+		logger.Error(err, "Cannot ask the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has past their grace period", "claims", len(expired))
+		if !a.podResourcesReported {
+			a.podResourcesReported = true
+			a.nodeEvent(v1.EventTypeWarning, ReasonPodResourcesUnavailable, "Unprepare",
+				"%d prepared claims that the API server no longer has are past --stale-claim-grace, but the agent cannot ask the kubelet which claims the node's containers use (--pod-resources-socket %s), so it keeps them and their GPUs: %v",
+				len(expired), a.opts.PodResourcesSocket, err)
+		}
+	case err != nil:
 		logger.Info("Cannot ask the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
+	case len(goneNow) > 0:
+		a.podResourcesReported = false
 	}
 	for _, uid := range expired {
 		if unused.Has(uid) {
@@ -350,9 +368,10 @@ const (
 // container of an active pod on this node using, in this check and in the
 // one before (see claimsInUse). Two checks in a row are needed because a
 // kubelet that has just started lists no pods until it has read them from
-// the API server. A check that cannot reach the kubelet returns the error
-// and no claim, and the next check starts over. The caller holds
-// staleMutex.
+// the API server; where the agent knows its own pod (Options.Pod), an
+// answer that does not list it does not count either. A check that
+// cannot reach the kubelet returns the error and no claim, and the next
+// check starts over. The caller holds staleMutex.
 func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gone []types.UID) (sets.Set[types.UID], error) {
 	before := a.unusedBefore
 	a.unusedBefore = nil
@@ -387,7 +406,11 @@ func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gon
 // the claims of regular containers and restartable init containers that
 // it has prepared, the claim it prepared for a pod's extended resources
 // included; a claim that only an init container uses, or that no
-// container names, is not listed.
+// container names, is not listed, and nor is any claim of a container one
+// of whose claims the kubelet does not have prepared. Where Options.Pod
+// is set, an answer that does not list that pod is an error: the kubelet
+// has not read the node's pods from the API server yet, which it does
+// all at once.
 func (a *Agent) claimsInUse(ctx context.Context) (sets.Set[types.NamespacedName], error) {
 	socket := a.opts.PodResourcesSocket
 	conn, err := grpc.NewClient("unix://"+socket,
@@ -404,12 +427,19 @@ func (a *Agent) claimsInUse(ctx context.Context) (sets.Set[types.NamespacedName]
 		return nil, fmt.Errorf("list the node's pods through the kubelet's PodResources API at %s: %w", socket, err)
 	}
 	used := sets.New[types.NamespacedName]()
+	self := a.opts.Pod.Name == ""
 	for _, pod := range resp.GetPodResources() {
+		if pod.GetNamespace() == a.opts.Pod.Namespace && pod.GetName() == a.opts.Pod.Name {
+			self = true
+		}
 		for _, container := range pod.GetContainers() {
 			for _, r := range container.GetDynamicResources() {
 				used.Insert(types.NamespacedName{Namespace: r.GetClaimNamespace(), Name: r.GetClaimName()})
 			}
 		}
+	}
+	if !self {
+		return nil, fmt.Errorf("the kubelet's PodResources API at %s does not list this agent's pod %s yet: the kubelet has not read the node's pods", socket, a.opts.Pod)
 	}
 	return used, nil
 }

@@ -140,7 +140,8 @@ func allocatedClaim(namespace, name, node, device string) *resourceapi.ResourceC
 // servePodResources serves the kubelet's PodResources API (its own server)
 // on a socket in dir until the test ends: the pods that active holds, with
 // the claims that the kubelet's DRA manager has prepared for their
-// containers, as the kubelet's container manager reports them.
+// containers. The glue between the two (draResources) is the test's, as
+// the kubelet's container manager has it.
 func servePodResources(tCtx ktesting.TContext, dir string, active *activePods, manager *kubeletdra.Manager) string {
 	tCtx.Helper()
 	socket := filepath.Join(dir, "kubelet.sock")
