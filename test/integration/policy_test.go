@@ -129,7 +129,7 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		return map[string]testCase{
 			"owned key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"owned key, Equal":                      {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpEqual)}, refused: true},
-			"empty key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"empty key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true, says: "an empty key tolerates every taint of its effect, " + agent.DevicePluginTaintKey},
 			"owned key after another":               {tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"owned key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"empty key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
