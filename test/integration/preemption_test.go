@@ -223,3 +223,42 @@ func TestHeldBackPodGoesOnceALowerPodHoldsDevices(t *testing.T) {
 		t.Errorf("the 2-GPU pod was preempted (%v), though node 0 was free", err)
 	}
 }
+
+// TestPodKeptOffForNomineeGoesWhenNomineeDeleted: a DGX node whose GPUs
+// three low-priority pods hold, 2 each, 2 free. A high-priority 8-GPU pod
+// preempts them and is nominated to the node (the victims' deletion does
+// not finish: no kubelet). A 2-GPU pod of low priority then finds the 2
+// free GPUs kept for the nominee. Once the nominee is deleted, the
+// scheduler requeues it at once and it takes them.
+func TestPodKeptOffForNomineeGoesWhenNomineeDeleted(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "nominee")
+	node := e.dgxNodes("g", 1, "256")[0]
+	two := e.template(2, nil)
+	startTopodra(tCtx)
+	for _, name := range []string{"low-a", "low-b", "low-c"} {
+		e.pod(name, topodraName, "g", two)
+		e.waitScheduled(name)
+	}
+	high := e.highPriority()
+	e.podEdited("nominee", topodraName, "g", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(8, nil))
+	_, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "nominee", waitTimeout, "nominated", func(p *v1.Pod) (bool, error) {
+		return p.Status.NominatedNodeName == node, nil
+	})
+	tCtx.ExpectNoError(err)
+
+	e.pod("waiting", topodraName, "g", two)
+	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
+	tCtx.ExpectNoError(err)
+	tCtx.Logf("the 2-GPU pod waits: %s", framework.PodScheduledCondition(pod).Message)
+	// Past the scheduler's initial backoff (1 s).
+	time.Sleep(1500 * time.Millisecond)
+	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "nominee", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	scheduled, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "waiting", 20*time.Second, "scheduled", func(p *v1.Pod) (bool, error) {
+		return p.Spec.NodeName != "", nil
+	})
+	if err != nil {
+		tCtx.Fatalf("the 2-GPU pod was not retried once the nominated pod was deleted: %v", err)
+	}
+	tCtx.Logf("the 2-GPU pod got %v on %s", e.devicesOf(scheduled), scheduled.Spec.NodeName)
+}

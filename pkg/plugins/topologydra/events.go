@@ -59,7 +59,10 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 // PreEnqueue gates it), so claim events that come before the preemption
 // ends do not requeue it; its next attempt waits for the victims'
 // devices where they are not given back yet (see PostFilter), and claim
-// events requeue it from then on.
+// events requeue it from then on. The scheduler also sends this event, to
+// pods of the same or lower priority only, for a pending pod nominated to
+// a node that is deleted or nominated elsewhere: Filter kept devices for
+// it there (trialAllocator), so a pod that may hold devices requeues them.
 func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if tomb, ok := oldObj.(cache.DeletedFinalStateUnknown); ok {
 		oldObj = tomb.Obj
@@ -69,6 +72,10 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, p
 		return fwk.QueueSkip, nil
 	}
 	if pl.released.has(gone.UID) {
+		return fwk.Queue, nil
+	}
+	if gone.Spec.NodeName == "" && gone.Status.NominatedNodeName != "" && mayHoldDevices(gone) {
+		logger.V(5).Info("Pod nominated to a node deleted or nominated elsewhere: the devices kept for it there are free for others", "pod", klog.KObj(pod), "nominated", klog.KObj(gone), "node", gone.Status.NominatedNodeName)
 		return fwk.Queue, nil
 	}
 	if nominated := pod.Status.NominatedNodeName; nominated != "" && gone.Spec.NodeName == nominated && mayHoldDevices(gone) {

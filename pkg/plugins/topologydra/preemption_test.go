@@ -359,6 +359,35 @@ func TestPreemptorRequeued(t *testing.T) {
 	}
 }
 
+// TestNominationReleasedRequeues: a pending pod nominated to a node that
+// is deleted or nominated elsewhere (the scheduler sends its old object as
+// an assigned pod's deletion, to pods of the same or lower priority)
+// requeues the pods that Filter kept off that node for it, where it may
+// hold devices; a pending pod without a nomination does not.
+func TestNominationReleasedRequeues(t *testing.T) {
+	pl := &TopologyDRA{}
+	waiting := testPod("waiting", "two")
+	nominated := func(node string, claims ...string) *v1.Pod {
+		p := testPod("preemptor", claims...)
+		p.Status.NominatedNodeName = node
+		return p
+	}
+	for _, tc := range []struct {
+		name string
+		gone *v1.Pod
+		want fwk.QueueingHint
+	}{
+		{name: "nominated, with claims", gone: nominated("a", "eight"), want: fwk.Queue},
+		{name: "nominated, without claims or extended resources", gone: nominated("a"), want: fwk.QueueSkip},
+		{name: "not nominated", gone: nominated("", "eight"), want: fwk.QueueSkip},
+	} {
+		got, err := pl.isSchedulableAfterAssignedPodDelete(klog.Background(), waiting, tc.gone, nil)
+		if err != nil || got != tc.want {
+			t.Errorf("%s: %v %v, want %v", tc.name, got, err, tc.want)
+		}
+	}
+}
+
 // TestNominatedPodNotHeldBack: the headroom holds a large pod back, but
 // not on the node it is nominated to (it preempted pods for that room,
 // and others may have taken free devices elsewhere since), also in the
