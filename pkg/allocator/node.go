@@ -174,6 +174,8 @@ func (a *Allocator) gatherNode(node *v1.Node) (*nodeState, error) {
 // them, not even for upstream's stable allocator, which also reads their
 // counter-set slices: an All request fails there while such a pool is
 // incomplete, and not here (a known difference, see docs/scheduler.md).
+// For the stable allocator, a counter-set slice whose node selector cannot
+// be parsed selects every node, as upstream reads it everywhere.
 func (a *Allocator) nodeSlices(node *v1.Node) (relevant []*resourceapi.ResourceSlice, pools []poolKey, err error) {
 	// Few slices per node: small slices beat maps here.
 	add := func(slice *resourceapi.ResourceSlice) {
@@ -195,6 +197,11 @@ func (a *Allocator) nodeSlices(node *v1.Node) (relevant []*resourceapi.ResourceS
 		switch {
 		case ptr.Deref(slice.Spec.AllNodes, false) || slice.Spec.NodeSelector != nil:
 			match, err := structured.NodeMatches(a.features, node, "", ptr.Deref(slice.Spec.AllNodes, false), slice.Spec.NodeSelector)
+			if err != nil && a.stableVariant && len(slice.Spec.SharedCounters) > 0 {
+				// The stable allocator reads counter sets on every node
+				// without node selection, which cannot fail there.
+				match, err = true, nil
+			}
 			if err != nil {
 				return nil, nil, fmt.Errorf("node selection of slice %s: %w", slice.Name, err)
 			}

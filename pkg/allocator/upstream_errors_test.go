@@ -325,3 +325,94 @@ func TestCapacityCheckFailsWhereUpstreamErrs(t *testing.T) {
 		})
 	}
 }
+
+// stableOnly enables only what upstream's "stable" allocator implements,
+// so that NewAllocator picks it.
+var stableOnly = structured.Features{AdminAccess: true, PrioritizedList: true, PartitionableDevices: true, DeviceTaints: true}
+
+// TestUnparsableCounterSetSliceSelectorLikeUpstream: upstream's stable
+// allocator reads every slice with shared counters, on every node, without
+// looking at its node selection, so a node selector there that it cannot
+// parse fails nothing; the other allocators select such a slice by node
+// like any other, and the node selector fails every node.
+func TestUnparsableCounterSetSliceSelectorLikeUpstream(t *testing.T) {
+	unparsable := &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{
+		{Key: "gen", Operator: v1.NodeSelectorOpGt, Values: []string{"abc"}}}}}}
+	counterSet := func(pool string, count int64) *resourceapi.ResourceSlice {
+		s := slice(pool, gpuDriver)
+		s.Name += "-counters"
+		s.Spec.NodeName = nil
+		s.Spec.NodeSelector = unparsable
+		s.Spec.Pool.ResourceSliceCount = count
+		s.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("80")}}}}
+		return s
+	}
+	// node-a's GPU pool: a whole GPU and a partition that consumes the
+	// pool's counters.
+	partitioned := func() []*resourceapi.ResourceSlice {
+		whole := device("gpu-0", attrs{topology.AttrPCIeRoot: str("pci0")})
+		part := device("gpu-0-p0", attrs{topology.AttrPCIeRoot: str("pci0")})
+		part.ConsumesCounters = []resourceapi.DeviceCounterConsumption{{CounterSet: "mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse("40")}}}}
+		devices := slice("node-a", gpuDriver, whole, part)
+		devices.Spec.Pool.ResourceSliceCount = 2
+		return []*resourceapi.ResourceSlice{devices, counterSet("node-a", 2)}
+	}
+	// node-a's plain GPU pool and a pool of counter sets only.
+	counterSetPool := func(count int64) []*resourceapi.ResourceSlice {
+		return append(plainGPUs("node-a", 2), counterSet("elsewhere", count))
+	}
+	testcases := map[string]struct {
+		slices   []*resourceapi.ResourceSlice
+		features structured.Features
+		count    int64 // 0: All
+		wantErr  bool
+		// refused: upstream refuses the All request for an incomplete
+		// pool, which topodra reports as the node's failure.
+		refused bool
+	}{
+		"stable, the node's pool":                     {slices: partitioned(), features: stableOnly, count: 2},
+		"stable, a pool of counter sets":              {slices: counterSetPool(1), features: stableOnly, count: 1},
+		"stable, incomplete pool of counter sets":     {slices: counterSetPool(2), features: stableOnly, count: 1},
+		"stable, all devices":                         {slices: counterSetPool(1), features: stableOnly},
+		"stable, all devices, incomplete pool":        {slices: counterSetPool(2), features: stableOnly, refused: true},
+		"stable, without partitionable devices":       {slices: counterSetPool(1), features: structured.Features{AdminAccess: true, PrioritizedList: true, DeviceTaints: true}, count: 1},
+		"other allocators, the node's pool":           {slices: partitioned(), features: allFeatures, count: 1, wantErr: true},
+		"other allocators, a pool of counter sets":    {slices: counterSetPool(1), features: allFeatures, count: 1, wantErr: true},
+		"other allocators, partitionable devices off": {slices: counterSetPool(1), features: func() structured.Features { f := allFeatures; f.PartitionableDevices = false; return f }(), count: 1},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			opts := Options{Features: tc.features, AllocatedState: allocated(gpuDriver, "none"), ClassLister: defaultClasses,
+				Slices: tc.slices, CELCache: newCELCache(), Policy: DefaultPolicy()}
+			withCounting(t, opts, func(t *testing.T, opts Options) {
+				c := claim("c").request("r", "gpu", tc.count).obj()
+				if tc.count == 0 {
+					c.Spec.Devices.Requests[0].Exactly.AllocationMode = resourceapi.DeviceAllocationModeAll
+				}
+				if tc.refused {
+					ctx := quietContext(t)
+					up, err := structured.NewAllocator(ctx, opts.Features, *opts.AllocatedState, opts.ClassLister, opts.Slices, newCELCache())
+					if err != nil {
+						t.Fatal(err)
+					}
+					if _, err := up.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{c}); !refusesAllForPool(err) {
+						t.Fatalf("upstream: %v; the case expects a refusal for the pool", err)
+					}
+					a, err := New(ctx, opts)
+					if err != nil {
+						t.Fatal(err)
+					}
+					res, err := a.Allocate(ctx, node("node-a"), []*resourceapi.ResourceClaim{c})
+					if err != nil {
+						t.Fatalf("topodra: %v; want no allocation on the node, without error", err)
+					}
+					if res.Allocations != nil {
+						t.Errorf("topodra allocates %v; want no allocation on the node", deviceNames(res.Allocations))
+					}
+					return
+				}
+				allocateLikeUpstream(quietContext(t), t, opts, []*resourceapi.ResourceClaim{c}, tc.wantErr)
+			})
+		})
+	}
+}
