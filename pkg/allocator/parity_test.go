@@ -79,6 +79,22 @@ func (pc *parityCase) describe() string {
 			for _, c := range d.ConsumesCounters {
 				fmt.Fprintf(&b, "counters=%s%v ", c.CounterSet, c.CompatibilityGroups)
 			}
+			if ptr.Deref(d.AllowMultipleAllocations, false) {
+				fmt.Fprintf(&b, "shareable ")
+			}
+			capNames := make([]string, 0, len(d.Capacity))
+			for name := range d.Capacity {
+				capNames = append(capNames, string(name))
+			}
+			sort.Strings(capNames)
+			for _, name := range capNames {
+				c := d.Capacity[resourceapi.QualifiedName(name)]
+				fmt.Fprintf(&b, "capacity %s=%s", name, c.Value.String())
+				if c.RequestPolicy != nil && c.RequestPolicy.Default != nil {
+					fmt.Fprintf(&b, "(default %s)", c.RequestPolicy.Default.String())
+				}
+				b.WriteString(" ")
+			}
 			b.WriteString("}")
 		}
 		b.WriteString("\n")
@@ -90,7 +106,13 @@ func (pc *parityCase) describe() string {
 		fmt.Fprintf(&b, "claim %s annotations=%v constraints=%d:", c.Name, c.Annotations, len(c.Spec.Devices.Constraints))
 		for _, r := range c.Spec.Devices.Requests {
 			if r.Exactly != nil {
-				fmt.Fprintf(&b, " %s(%s %s x%d sel=%d admin=%v tol=%d)", r.Name, r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count, len(r.Exactly.Selectors), ptr.Deref(r.Exactly.AdminAccess, false), len(r.Exactly.Tolerations))
+				fmt.Fprintf(&b, " %s(%s %s x%d sel=%d admin=%v tol=%d", r.Name, r.Exactly.DeviceClassName, r.Exactly.AllocationMode, r.Exactly.Count, len(r.Exactly.Selectors), ptr.Deref(r.Exactly.AdminAccess, false), len(r.Exactly.Tolerations))
+				if r.Exactly.Capacity != nil {
+					for name, q := range r.Exactly.Capacity.Requests {
+						fmt.Fprintf(&b, " capacity %s=%s", name, q.String())
+					}
+				}
+				b.WriteString(")")
 			}
 			for _, s := range r.FirstAvailable {
 				fmt.Fprintf(&b, " %s/%s(%s %s x%d sel=%d)", r.Name, s.Name, s.DeviceClassName, s.AllocationMode, s.Count, len(s.Selectors))
@@ -141,6 +163,8 @@ func genCase(rnd *rand.Rand) *parityCase {
 		pc.policy.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode, topology.AttrPCIeRoot}
 	}
 	listAttrs := false
+	// Some cases have devices with negative capacities.
+	negativeCapacity := rnd.IntN(8) == 0
 	uid := 0
 	newSlice := func(name, driver, pool string, nodeName string, gen, count int64) *resourceapi.ResourceSlice {
 		uid++
@@ -189,6 +213,22 @@ func genCase(rnd *rand.Rand) *parityCase {
 			d.AllowMultipleAllocations = ptr.To(true)
 			d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"bandwidth": {Value: resource.MustParse("100")}}
 		}
+		if negativeCapacity && rnd.IntN(6) == 0 {
+			// A negative capacity, stored before stricter validation:
+			// with consumable capacity, upstream's capacity check fails
+			// on the device where its search selects it.
+			pc.kinds = append(pc.kinds, "negative capacity")
+			name := resourceapi.QualifiedName([]string{"bandwidth", "mem"}[rnd.IntN(2)])
+			c := resourceapi.DeviceCapacity{Value: resource.MustParse("-1")}
+			if rnd.IntN(3) == 0 {
+				// A negative default, for requests that ask for none.
+				c = resourceapi.DeviceCapacity{Value: resource.MustParse("100"), RequestPolicy: &resourceapi.CapacityRequestPolicy{Default: ptr.To(resource.MustParse("-10"))}}
+			}
+			if d.Capacity == nil {
+				d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{}
+			}
+			d.Capacity[name] = c
+		}
 		return d
 	}
 	shareable := sets.New[structured.DeviceID]()
@@ -225,6 +265,13 @@ func genCase(rnd *rand.Rand) *parityCase {
 		count++
 		cs := newSlice("a-gpu-counters", gpuDriver, "node-a", "node-a", 2, count)
 		cs.Spec.SharedCounters = []resourceapi.CounterSet{{Name: "gpu-mem", Counters: map[string]resourceapi.Counter{"mem": {Value: resource.MustParse(fmt.Sprintf("%d", 80+rnd.IntN(80)))}}}}
+		if rnd.IntN(10) == 0 {
+			// A node selector that cannot be parsed: the stable
+			// allocator never parses it, the others fail every node.
+			pc.kinds = append(pc.kinds, "unparsable counter-set node selector")
+			cs.Spec.NodeName = nil
+			cs.Spec.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{Key: "zone", Operator: v1.NodeSelectorOpGt, Values: []string{"z1"}}}}}}
+		}
 		pc.slices = append(pc.slices, cs)
 		if invalidKind == 1 {
 			// A second counter set of the same name.
@@ -352,6 +399,9 @@ func genCase(rnd *rand.Rand) *parityCase {
 	}
 	if slices.Contains(pc.kinds, "compatibility groups") && !pc.features.CompatibilityGroups {
 		pc.kinds = append(pc.kinds, "compatibility groups, feature off")
+	}
+	if slices.Contains(pc.kinds, "negative capacity") && pc.features.ConsumableCapacity {
+		pc.kinds = append(pc.kinds, "negative capacity, consumable capacity")
 	}
 	if slices.ContainsFunc(pc.slices, func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.SharedCounters) > 0 }) && !pc.features.PartitionableDevices {
 		pc.kinds = append(pc.kinds, "counter sets, feature off")
@@ -722,7 +772,8 @@ func TestParityWithUpstream(t *testing.T) {
 	t.Logf("%d cases: %d feasible (%d with other devices than upstream, %d with matchAttribute decided by counting), %d infeasible (%d for matchAttribute by counting), %d errors on both sides, %d skipped (upstream took over 1s)", *parityCases, total.feasible, total.improved, total.countedMatch, total.infeasible, total.matchInfeasible, total.bothErr, total.skipped)
 	t.Logf("cases by kind: %v", kinds)
 	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes",
-		"uncompilable later subrequest", "device node selector", "unparsable device node selector", "unset allocation mode"} {
+		"uncompilable later subrequest", "device node selector", "unparsable device node selector", "unset allocation mode",
+		"unparsable counter-set node selector", "negative capacity", "negative capacity, consumable capacity"} {
 		if kinds[k] == 0 {
 			t.Errorf("the generator made no case of kind %q", k)
 		}
