@@ -93,6 +93,9 @@ func (pc *parityCase) describe() string {
 				if c.RequestPolicy != nil && c.RequestPolicy.Default != nil {
 					fmt.Fprintf(&b, "(default %s)", c.RequestPolicy.Default.String())
 				}
+				if c.RequestPolicy != nil && len(c.RequestPolicy.ValidValues) > 0 {
+					fmt.Fprintf(&b, "(valid %v)", c.RequestPolicy.ValidValues)
+				}
 				b.WriteString(" ")
 			}
 			b.WriteString("}")
@@ -163,8 +166,8 @@ func genCase(rnd *rand.Rand) *parityCase {
 		pc.policy.Attributes = []resourceapi.QualifiedName{topology.AttrNUMANode, topology.AttrPCIeRoot}
 	}
 	listAttrs := false
-	// Some cases have devices with negative capacities.
-	negativeCapacity := rnd.IntN(8) == 0
+	// Some cases have devices with odd capacities.
+	oddCapacities := rnd.IntN(8) == 0
 	uid := 0
 	newSlice := func(name, driver, pool string, nodeName string, gen, count int64) *resourceapi.ResourceSlice {
 		uid++
@@ -213,16 +216,29 @@ func genCase(rnd *rand.Rand) *parityCase {
 			d.AllowMultipleAllocations = ptr.To(true)
 			d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"bandwidth": {Value: resource.MustParse("100")}}
 		}
-		if negativeCapacity && rnd.IntN(6) == 0 {
-			// A negative capacity, stored before stricter validation:
-			// with consumable capacity, upstream's capacity check fails
-			// on the device where its search selects it.
-			pc.kinds = append(pc.kinds, "negative capacity")
+		if oddCapacities && rnd.IntN(6) == 0 {
+			// Capacities that objects stored before stricter validation
+			// may have.
 			name := resourceapi.QualifiedName([]string{"bandwidth", "mem"}[rnd.IntN(2)])
-			c := resourceapi.DeviceCapacity{Value: resource.MustParse("-1")}
-			if rnd.IntN(3) == 0 {
+			var c resourceapi.DeviceCapacity
+			switch rnd.IntN(4) {
+			case 0, 1:
+				// A negative value: with consumable capacity, upstream's
+				// capacity check fails on the device where its search
+				// selects it.
+				pc.kinds = append(pc.kinds, "negative capacity")
+				c = resourceapi.DeviceCapacity{Value: resource.MustParse("-1")}
+			case 2:
 				// A negative default, for requests that ask for none.
+				pc.kinds = append(pc.kinds, "negative capacity")
 				c = resourceapi.DeviceCapacity{Value: resource.MustParse("100"), RequestPolicy: &resourceapi.CapacityRequestPolicy{Default: ptr.To(resource.MustParse("-10"))}}
+			case 3:
+				// A request policy that the value breaks, also on a
+				// device that may not be shared: upstream's capacity
+				// check passes over the device for requests that ask
+				// for none.
+				pc.kinds = append(pc.kinds, "capacity request policy")
+				c = resourceapi.DeviceCapacity{Value: resource.MustParse("100"), RequestPolicy: &resourceapi.CapacityRequestPolicy{ValidValues: []resource.Quantity{resource.MustParse("10")}}}
 			}
 			if d.Capacity == nil {
 				d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{}
@@ -402,6 +418,9 @@ func genCase(rnd *rand.Rand) *parityCase {
 	}
 	if slices.Contains(pc.kinds, "negative capacity") && pc.features.ConsumableCapacity {
 		pc.kinds = append(pc.kinds, "negative capacity, consumable capacity")
+	}
+	if slices.Contains(pc.kinds, "capacity request policy") && pc.features.ConsumableCapacity {
+		pc.kinds = append(pc.kinds, "capacity request policy, consumable capacity")
 	}
 	if slices.ContainsFunc(pc.slices, func(s *resourceapi.ResourceSlice) bool { return len(s.Spec.SharedCounters) > 0 }) && !pc.features.PartitionableDevices {
 		pc.kinds = append(pc.kinds, "counter sets, feature off")
@@ -773,7 +792,7 @@ func TestParityWithUpstream(t *testing.T) {
 	t.Logf("cases by kind: %v", kinds)
 	for _, k := range []string{"stable allocator", "duplicate counter set", "missing counter set", "missing counter", "compatibility groups, feature off", "counter sets, feature off", "generation per node", "firstAvailable", "list-type attributes",
 		"uncompilable later subrequest", "device node selector", "unparsable device node selector", "unset allocation mode",
-		"unparsable counter-set node selector", "negative capacity", "negative capacity, consumable capacity"} {
+		"unparsable counter-set node selector", "negative capacity", "negative capacity, consumable capacity", "capacity request policy, consumable capacity"} {
 		if kinds[k] == 0 {
 			t.Errorf("the generator made no case of kind %q", k)
 		}

@@ -94,7 +94,10 @@ func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 // matchAttribute constraints; ok is false where counting is not exact:
 // All mode, several alternatives, capacity requests, derived attributes,
 // admin access, CEL runtime errors, or matching devices that are shared,
-// consume counters or have binding conditions.
+// consume counters, have binding conditions or have a capacity with a
+// request policy (upstream's capacity check passes over a device whose
+// policy the capacity it would consume breaks; API validation allows
+// policies only on shared devices).
 func exactUnits(ns *nodeState, claims []*resourceapi.ResourceClaim, infos []*claimInfo) (units []*unit, constrained []int, ok bool) {
 	for ci, info := range infos {
 		if info.hasAll {
@@ -127,7 +130,7 @@ func exactUnits(ns *nodeState, claims []*resourceapi.ResourceClaim, infos []*cla
 				continue
 			}
 			d := ns.devices[i].device
-			if len(d.ConsumesCounters) > 0 || ptr.Deref(d.AllowMultipleAllocations, false) || len(d.BindingConditions) > 0 {
+			if len(d.ConsumesCounters) > 0 || ptr.Deref(d.AllowMultipleAllocations, false) || len(d.BindingConditions) > 0 || hasRequestPolicy(d) {
 				return nil, nil, false
 			}
 			// Devices of slices that skip node operations are allocatable
@@ -304,4 +307,15 @@ func countedPlan(p *planner, infos []*claimInfo, nUnits int) ([]resourceapi.Allo
 		}
 	}
 	return results, p.groups, true
+}
+
+// hasRequestPolicy reports whether a capacity of the device has a request
+// policy.
+func hasRequestPolicy(d *resourceapi.Device) bool {
+	for _, c := range d.Capacity {
+		if c.RequestPolicy != nil {
+			return true
+		}
+	}
+	return false
 }

@@ -416,3 +416,62 @@ func TestUnparsableCounterSetSliceSelectorLikeUpstream(t *testing.T) {
 		})
 	}
 }
+
+// TestCapacityRequestPolicyOfUnshareableDevice: with consumable capacity,
+// upstream's capacity check passes over a device without an error where
+// the capacity that a request without capacity requests would consume
+// breaks the capacity's request policy or exceeds its value. API
+// validation allows request policies only on devices that allow multiple
+// allocations, which counting leaves to upstream; a stored device that
+// has one all the same is left to upstream too, so that Verify confirms
+// what Allocate chose.
+func TestCapacityRequestPolicyOfUnshareableDevice(t *testing.T) {
+	qp := func(s string) *resource.Quantity { return ptr.To(resource.MustParse(s)) }
+	gpus := func(c resourceapi.DeviceCapacity) []*resourceapi.ResourceSlice {
+		var devs []resourceapi.Device
+		for i, root := range []string{"pci0", "pci1", "pci1", "pci0"} {
+			d := device(fmt.Sprintf("gpu-%d", i), attrs{topology.AttrPCIeRoot: str(root)})
+			if i == 0 {
+				// Counting picks it for one device.
+				d.Capacity = map[resourceapi.QualifiedName]resourceapi.DeviceCapacity{"mem": c}
+			}
+			devs = append(devs, d)
+		}
+		return []*resourceapi.ResourceSlice{slice("node-a", gpuDriver, devs...)}
+	}
+	testcases := map[string]struct {
+		capacity resourceapi.DeviceCapacity
+		count    int64
+	}{
+		"value not a valid value": {capacity: resourceapi.DeviceCapacity{Value: resource.MustParse("80"),
+			RequestPolicy: &resourceapi.CapacityRequestPolicy{ValidValues: []resource.Quantity{resource.MustParse("10")}}}, count: 1},
+		"value beyond the valid range": {capacity: resourceapi.DeviceCapacity{Value: resource.MustParse("80"),
+			RequestPolicy: &resourceapi.CapacityRequestPolicy{ValidRange: &resourceapi.CapacityRequestPolicyRange{Min: qp("10"), Max: qp("40")}}}, count: 1},
+		"default beyond the value": {capacity: resourceapi.DeviceCapacity{Value: resource.MustParse("80"),
+			RequestPolicy: &resourceapi.CapacityRequestPolicy{Default: qp("100")}}, count: 1},
+		"three devices": {capacity: resourceapi.DeviceCapacity{Value: resource.MustParse("80"),
+			RequestPolicy: &resourceapi.CapacityRequestPolicy{Default: qp("100")}}, count: 3},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			opts := Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, "node-a", "gpu-2"), ClassLister: defaultClasses,
+				Slices: gpus(tc.capacity), CELCache: newCELCache(), Policy: DefaultPolicy()}
+			withCounting(t, opts, func(t *testing.T, opts Options) {
+				ctx := quietContext(t)
+				claims := []*resourceapi.ResourceClaim{claim("c").request("r", "gpu", tc.count).obj()}
+				allocateLikeUpstream(ctx, t, opts, claims, false)
+				a, err := New(ctx, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				res, err := a.Allocate(ctx, node("node-a"), claims)
+				if err != nil || !res.Unverified {
+					return
+				}
+				if v, err := a.Verify(ctx, node("node-a"), claims, res); err != nil || v.CountingRefused {
+					t.Errorf("upstream refused the counted allocation %v: %v", deviceNames(res.Allocations), err)
+				}
+			})
+		})
+	}
+}
