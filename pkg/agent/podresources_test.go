@@ -132,10 +132,7 @@ func TestStaleClaimKeptWhileKubeletReportsItUsed(t *testing.T) {
 	e.kubelet.run("team-b", "lookalike", "held")
 	check := func(what string, want ...types.UID) {
 		t.Helper()
-		removed, err := a.CleanupStaleClaims(ctx)
-		if err != nil || !slices.Equal(removed, want) {
-			t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
-		}
+		checkRemoved(ctx, t, a, what, want...)
 	}
 	for range 3 {
 		check("a container uses it")
@@ -209,10 +206,7 @@ func TestStaleClaimNeedsKubeletToListAgentPod(t *testing.T) {
 	}
 	check := func(what string, want ...types.UID) {
 		t.Helper()
-		removed, err := a.CleanupStaleClaims(ctx)
-		if err != nil || !slices.Equal(removed, want) {
-			t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
-		}
+		checkRemoved(ctx, t, a, what, want...)
 	}
 	for range 4 {
 		check("the kubelet lists no pods")
@@ -263,4 +257,14 @@ func TestPodResourcesUnavailableEvent(t *testing.T) {
 	unavailable("the kubelet answers", 0)
 	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
 	unavailable("unavailable once more", 1)
+}
+
+// checkRemoved runs a stale-claim check and fails the test unless it
+// drops exactly want.
+func checkRemoved(ctx context.Context, t *testing.T, a *agent.Agent, what string, want ...types.UID) {
+	t.Helper()
+	removed, err := a.CleanupStaleClaims(ctx)
+	if err != nil || !slices.Equal(removed, want) {
+		t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
+	}
 }

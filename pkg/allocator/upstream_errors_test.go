@@ -1,6 +1,7 @@
 package allocator
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -179,17 +180,7 @@ func TestUnparsableDeviceNodeSelectorFailsOnlyWhereUpstreamReachesIt(t *testing.
 					t.Errorf("error %q is not an input error that names %s", err, tc.inputErr)
 				}
 				// Upstream confirms a counted allocation as it is.
-				a, err := New(ctx, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				res, err := a.Allocate(ctx, node("node-a"), claims)
-				if err != nil || !res.Unverified {
-					return
-				}
-				if v, err := a.Verify(ctx, node("node-a"), claims, res); err != nil || v.CountingRefused {
-					t.Errorf("upstream refused the counted allocation %v: %v", deviceNames(res.Allocations), err)
-				}
+				countedConfirmed(ctx, t, opts, claims)
 			})
 		})
 	}
@@ -460,18 +451,25 @@ func TestCapacityRequestPolicyOfUnshareableDevice(t *testing.T) {
 				ctx := quietContext(t)
 				claims := []*resourceapi.ResourceClaim{claim("c").request("r", "gpu", tc.count).obj()}
 				allocateLikeUpstream(ctx, t, opts, claims, false)
-				a, err := New(ctx, opts)
-				if err != nil {
-					t.Fatal(err)
-				}
-				res, err := a.Allocate(ctx, node("node-a"), claims)
-				if err != nil || !res.Unverified {
-					return
-				}
-				if v, err := a.Verify(ctx, node("node-a"), claims, res); err != nil || v.CountingRefused {
-					t.Errorf("upstream refused the counted allocation %v: %v", deviceNames(res.Allocations), err)
-				}
+				countedConfirmed(ctx, t, opts, claims)
 			})
 		})
+	}
+}
+
+// countedConfirmed checks that upstream's allocator, through Verify,
+// confirms an allocation that counting makes on node-a as it is.
+func countedConfirmed(ctx context.Context, t *testing.T, opts Options, claims []*resourceapi.ResourceClaim) {
+	t.Helper()
+	a, err := New(ctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := a.Allocate(ctx, node("node-a"), claims)
+	if err != nil || !res.Unverified {
+		return
+	}
+	if v, err := a.Verify(ctx, node("node-a"), claims, res); err != nil || v.CountingRefused {
+		t.Errorf("upstream refused the counted allocation %v: %v", deviceNames(res.Allocations), err)
 	}
 }

@@ -562,6 +562,15 @@ func TestHeadroomCountsNodesWithRoom(t *testing.T) {
 		"16 are free, 15 of them on nodes with 2 or more free, and this pod needs 8, which would leave fewer than 8 there", "one-2")
 }
 
+// gpuRange names the GPUs gpu-from to gpu-(to-1) of a DGX-like node.
+func gpuRange(from, to int) []string {
+	var out []string
+	for i := from; i < to; i++ {
+		out = append(out, fmt.Sprintf("gpu-%d", i))
+	}
+	return out
+}
+
 // heldGPUs is a claim holding GPUs from..to-1 of the node with that index.
 type heldGPUs struct {
 	claim          string
@@ -576,18 +585,11 @@ func heldByHeadroom(t *testing.T, ns string, held []heldGPUs, message, giveBack 
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, ns)
 	nodes := e.dgxNodes("h", 8, "256")
-	gpus := func(from, to int) []string {
-		var out []string
-		for i := from; i < to; i++ {
-			out = append(out, fmt.Sprintf("gpu-%d", i))
-		}
-		return out
-	}
 	for _, h := range held {
-		e.preallocate(h.claim, nodes[h.node], gpus(h.from, h.to)...)
+		e.preallocate(h.claim, nodes[h.node], gpuRange(h.from, h.to)...)
 	}
 	for _, n := range nodes[3:] {
-		e.preallocate("all-"+n, n, gpus(0, 8)...)
+		e.preallocate("all-"+n, n, gpuRange(0, 8)...)
 	}
 	startTopodra(tCtx)
 

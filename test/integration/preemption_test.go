@@ -186,16 +186,9 @@ func TestHeldBackPodGoesOnceALowerPodHoldsDevices(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "heldlower")
 	nodes := e.dgxNodes("h", 8, "256")
-	gpus := func(from, to int) []string {
-		var out []string
-		for i := from; i < to; i++ {
-			out = append(out, fmt.Sprintf("gpu-%d", i))
-		}
-		return out
-	}
-	e.preallocate("half", nodes[1], gpus(0, 4)...)
+	e.preallocate("half", nodes[1], gpuRange(0, 4)...)
 	for _, n := range nodes[2:] {
-		e.preallocate("all-"+n, n, gpus(0, 8)...)
+		e.preallocate("all-"+n, n, gpuRange(0, 8)...)
 	}
 	startTopodra(tCtx)
 
