@@ -192,12 +192,14 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 // pod back at its latest attempt because it could preempt no pod holding
 // claims then (see PreFilter and outranksHolder). Such a pod is not held
 // back once a holder it may preempt exists, so its next attempt may
-// preempt; without this hint it would wait for another event. The node
-// of the new holder is not checked: a pod held back waits for half a
-// node or more, so such pods are few, and the attempt this causes either
-// preempts or ends their being held back with a lower holder in place.
+// preempt; without this hint it would wait for another event. Where the
+// allocation names its node, the pod must be able to use that node (its
+// node affinity, taints and cordon).
 func (pl *TopologyDRA) lowerHolderArrived(logger klog.Logger, pod *v1.Pod, oldClaim, newClaim *resourceapi.ResourceClaim) bool {
 	if newClaim.Status.Allocation == nil || !pl.heldBack.held(pod.UID) || pl.heldBack.outranks(pod.UID) || !canPreempt(pod) || pl.heldBack.lister == nil {
+		return false
+	}
+	if node := allocationNode(newClaim.Status.Allocation); node != "" && !pl.mayUse(logger, pod, nodeaffinity.GetRequiredNodeAffinity(pod), node) {
 		return false
 	}
 	prio := corev1helpers.PodPriority(pod)
@@ -216,6 +218,25 @@ func (pl *TopologyDRA) lowerHolderArrived(logger klog.Logger, pod *v1.Pod, oldCl
 		return true
 	}
 	return false
+}
+
+// allocationNode is the node an allocation is for where its node selector
+// names exactly one node by name, as the allocators write it for devices
+// of a node; "" otherwise.
+func allocationNode(alloc *resourceapi.AllocationResult) string {
+	sel := alloc.NodeSelector
+	if sel == nil || len(sel.NodeSelectorTerms) != 1 {
+		return ""
+	}
+	term := sel.NodeSelectorTerms[0]
+	if len(term.MatchExpressions) != 0 || len(term.MatchFields) != 1 {
+		return ""
+	}
+	f := term.MatchFields[0]
+	if f.Key != "metadata.name" || f.Operator != v1.NodeSelectorOpIn || len(f.Values) != 1 {
+		return ""
+	}
+	return f.Values[0]
 }
 
 // topodraAnnotationsChanged reports whether the annotations through which

@@ -885,7 +885,15 @@ func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	pl := &TopologyDRA{}
+	nodes := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	cordoned := testNode("cordoned")
+	cordoned.Spec.Unschedulable = true
+	for _, n := range []*v1.Node{testNode("open"), cordoned} {
+		if err := nodes.Add(n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pl := &TopologyDRA{nodes: corelisters.NewNodeLister(nodes)}
 	pl.heldBack.lister = corelisters.NewPodLister(indexer)
 	for _, p := range []*v1.Pod{held, never, outranking} {
 		pl.heldBack.hold(p)
@@ -902,6 +910,12 @@ func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 		}
 		return c
 	}
+	on := func(c *resourceapi.ResourceClaim, node string) *resourceapi.ResourceClaim {
+		c.Status.Allocation.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
+			MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
+		}}}
+		return c
+	}
 	stale := claim(true)
 	stale.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: recreated.Name, UID: "an-earlier-pod"}}
 	for _, tc := range []struct {
@@ -913,6 +927,8 @@ func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 		{name: "allocated for a lower pod", pod: held, old: claim(false), new: claim(true, low), want: fwk.Queue},
 		{name: "created allocated for a lower pod", pod: held, new: claim(true, low), want: fwk.Queue},
 		{name: "a lower pod joins a shared claim", pod: held, old: claim(true, high), new: claim(true, high, low), want: fwk.Queue},
+		{name: "allocated for a lower pod on a node the pod may use", pod: held, old: claim(false), new: on(claim(true, low), "open"), want: fwk.Queue},
+		{name: "allocated for a lower pod on a cordoned node", pod: held, old: claim(false), new: on(claim(true, low), "cordoned"), want: fwk.QueueSkip},
 		{name: "allocated for a pod of equal priority", pod: held, old: claim(false), new: claim(true, equal), want: fwk.QueueSkip},
 		{name: "allocated for a higher pod", pod: held, old: claim(false), new: claim(true, high), want: fwk.QueueSkip},
 		{name: "the lower holder was there before", pod: held, old: claim(true, low), new: claim(true, low, high), want: fwk.QueueSkip},
