@@ -44,7 +44,8 @@ var registryOptions []schedapp.Option
 // NewCommand returns the topodra-scheduler command. It is the upstream
 // kube-scheduler command with topodra's plugins registered; --version prints
 // the topodra version and the kube-scheduler version it is built on. It
-// refuses to start from a configuration that checkProfiles refuses.
+// refuses to start from a configuration that checkProfiles refuses, and
+// with leader election that checkElection refuses.
 func NewCommand() *cobra.Command {
 	cmd := schedapp.NewSchedulerCommand(RegistryOptions()...)
 	cmd.Use = SchedulerName
@@ -65,11 +66,15 @@ func NewCommand() *cobra.Command {
 	// leaves out (checkProfiles) before the upstream command sets the
 	// scheduler up from it; the feature gates are set by then.
 	upstreamRun := cmd.RunE
+	cmd.Flags().Bool(AllowUnelectedFlag, false, "Run with leader election off (leaderElection.leaderElect: false or --leader-elect=false). Only where exactly one instance of "+SchedulerName+" ever runs: replicas without leader election hand out the same devices twice.")
 	cmd.RunE = func(c *cobra.Command, args []string) error {
 		if f := c.Flags().Lookup("config"); f != nil {
 			if err := checkConfigFile(klog.Background(), f.Value.String()); err != nil {
 				return err
 			}
+		}
+		if err := checkElection(klog.Background(), c.Flags()); err != nil {
+			return err
 		}
 		return upstreamRun(c, args)
 	}

@@ -3,6 +3,7 @@ package app
 import (
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/util/sets"
@@ -56,7 +57,15 @@ var knownPlugins = func() sets.Set[string] {
 //     pod with a claim would ever bind;
 //   - every TopologyDRA pluginConfig entry is valid under the feature gates
 //     fts, whether its profile enables TopologyDRA or not, as kube-scheduler
-//     validates the args of its own plugins.
+//     validates the args of its own plugins;
+//   - a profile that enables TopologyDRA runs it at PreFilter, Filter,
+//     Reserve and PreBind (requiredPoints), and at PreScore wherever it
+//     scores: without them a pod is bound with its claims unallocated,
+//     devices in flight are never released, or Filter and Score fail for
+//     want of PreFilter's and PreScore's state. A profile that runs it
+//     without PostFilter, or after DefaultPreemption there, is logged as a
+//     warning: its preemptors do not keep their nominations while their
+//     victims' devices come back, and preemption may evict more pods.
 //
 // Args in a profile that does not enable TopologyDRA have no effect; that
 // is logged as a warning, not refused, since kube-scheduler accepts args of
@@ -74,6 +83,9 @@ func checkProfiles(logger klog.Logger, profiles []schedconfig.KubeSchedulerProfi
 			errs = append(errs, field.Forbidden(path.Child("plugins"), fmt.Sprintf(
 				"profile %q enables both %s and %s, which would both allocate the pods' claims (no pod with a claim would bind); disable %s in this profile: plugins: {multiPoint: {disabled: [{name: %s}]}}",
 				prof.SchedulerName, topologydra.Name, names.DynamicResources, names.DynamicResources, names.DynamicResources)))
+		}
+		if enabled.Has(topologydra.Name) {
+			errs = append(errs, checkPoints(logger, path, prof)...)
 		}
 		for j, pc := range prof.PluginConfig {
 			if !knownPlugins.Has(pc.Name) {
@@ -126,6 +138,74 @@ func enabledPlugins(plugins *schedconfig.Plugins) sets.Set[string] {
 		}
 		for _, p := range set.Enabled {
 			out.Insert(p.Name)
+		}
+	}
+	return out
+}
+
+// requiredPoints are the extension points at which a profile that runs
+// TopologyDRA at all must run it.
+var requiredPoints = []string{"PreFilter", "Filter", "Reserve", "PreBind"}
+
+// checkPoints checks at which extension points prof runs TopologyDRA (see
+// checkProfiles).
+func checkPoints(logger klog.Logger, path *field.Path, prof *schedconfig.KubeSchedulerProfile) field.ErrorList {
+	var missing []string
+	for _, point := range requiredPoints {
+		if !runsAt(prof.Plugins, point, topologydra.Name) {
+			missing = append(missing, point)
+		}
+	}
+	if runsAt(prof.Plugins, "Score", topologydra.Name) && !runsAt(prof.Plugins, "PreScore", topologydra.Name) {
+		missing = append(missing, "PreScore")
+	}
+	var errs field.ErrorList
+	if len(missing) > 0 {
+		errs = append(errs, field.Forbidden(path.Child("plugins"), fmt.Sprintf(
+			"profile %q runs %s, but not at %s: it must run at PreFilter, Filter, Reserve and PreBind together (and at PreScore where it scores), or pods are bound with their claims unallocated and devices in flight are never released; enable it under multiPoint and do not disable it at these extension points",
+			prof.SchedulerName, topologydra.Name, strings.Join(missing, ", "))))
+	}
+	post := pointOrder(prof.Plugins, "PostFilter")
+	switch self, preemption := slices.Index(post, topologydra.Name), slices.Index(post, names.DefaultPreemption); {
+	case self < 0:
+		logger.Info("Warning: "+topologydra.Name+" does not run at PostFilter: its preemptors do not keep their nominations while their victims' devices come back, and preemption may evict more pods than needed",
+			"profile", prof.SchedulerName)
+	case preemption >= 0 && preemption < self:
+		logger.Info("Warning: "+topologydra.Name+" runs after "+names.DefaultPreemption+" at PostFilter: list it under postFilter.enabled (as config/scheduler-config.yaml does), or preemption may evict pods before it keeps a preemptor's nomination",
+			"profile", prof.SchedulerName)
+	}
+	return errs
+}
+
+// runsAt reports whether the framework runs the plugin name at the
+// extension point (a field of schedconfig.Plugins): it is enabled there,
+// or under multiPoint and not disabled there by name or by "*".
+func runsAt(plugins *schedconfig.Plugins, point, name string) bool {
+	return slices.Contains(pointOrder(plugins, point), name)
+}
+
+// pointOrder lists the plugins that the framework runs at the extension
+// point, in its order: those enabled there, then those of multiPoint that
+// are not disabled there by name or by "*".
+func pointOrder(plugins *schedconfig.Plugins, point string) []string {
+	if plugins == nil {
+		return nil
+	}
+	set := reflect.ValueOf(plugins).Elem().FieldByName(point).Interface().(schedconfig.PluginSet)
+	var out []string
+	for _, p := range set.Enabled {
+		out = append(out, p.Name)
+	}
+	disabled := sets.New[string]()
+	for _, p := range set.Disabled {
+		disabled.Insert(p.Name)
+	}
+	if disabled.Has("*") {
+		return out
+	}
+	for _, p := range plugins.MultiPoint.Enabled {
+		if !disabled.Has(p.Name) && !slices.Contains(out, p.Name) {
+			out = append(out, p.Name)
 		}
 	}
 	return out

@@ -32,7 +32,8 @@ const bothDRAPlugins = configHeader + `profiles:
 `
 
 // topodraProfile is a profile that enables TopologyDRA in place of the
-// stock DynamicResources plugin, up to its pluginConfig.
+// stock DynamicResources plugin, first at PostFilter, up to its
+// pluginConfig.
 const topodraProfile = configHeader + `profiles:
 - schedulerName: topodra-scheduler
   plugins:
@@ -41,6 +42,9 @@ const topodraProfile = configHeader + `profiles:
       - name: TopologyDRA
       disabled:
       - name: DynamicResources
+    postFilter:
+      enabled:
+      - name: TopologyDRA
 `
 
 func writeConfig(t *testing.T, data string) string {
@@ -67,8 +71,9 @@ func TestCheckConfigFile(t *testing.T) {
 		"manifests/base/scheduler-config.yaml": {config: string(shipped)},
 		"no TopologyDRA":                       {config: configHeader + "profiles:\n- schedulerName: default-scheduler\n"},
 		"TopologyDRA beside DynamicResources": {
-			config:  bothDRAPlugins,
-			wantErr: []string{`profiles[0].plugins: Forbidden: profile "topodra-scheduler" enables both TopologyDRA and DynamicResources`, "disable DynamicResources in this profile"},
+			config:   bothDRAPlugins,
+			wantErr:  []string{`profiles[0].plugins: Forbidden: profile "topodra-scheduler" enables both TopologyDRA and DynamicResources`, "disable DynamicResources in this profile"},
+			wantWarn: "runs after DefaultPreemption",
 		},
 		"the second profile enables both": {
 			config: configHeader + `profiles:
@@ -79,7 +84,62 @@ func TestCheckConfigFile(t *testing.T) {
       enabled:
       - name: TopologyDRA
 `,
-			wantErr: []string{`profiles[1].plugins`, `profile "topodra-scheduler"`},
+			wantErr:  []string{`profiles[1].plugins`, `profile "topodra-scheduler"`},
+			wantWarn: "does not run at PostFilter",
+		},
+		"TopologyDRA at Filter only": {
+			config: configHeader + `profiles:
+- schedulerName: topodra-scheduler
+  plugins:
+    filter:
+      enabled:
+      - name: TopologyDRA
+    multiPoint:
+      disabled:
+      - name: DynamicResources
+`,
+			wantErr:  []string{`profile "topodra-scheduler" runs TopologyDRA, but not at PreFilter, Reserve, PreBind:`, "enable it under multiPoint"},
+			wantWarn: "does not run at PostFilter",
+		},
+		"every PreBind plugin disabled": {
+			config: topodraProfile + `    preBind:
+      disabled:
+      - name: "*"
+`,
+			wantErr: []string{"but not at PreBind:"},
+		},
+		"TopologyDRA disabled at Reserve": {
+			config: topodraProfile + `    reserve:
+      disabled:
+      - name: TopologyDRA
+`,
+			wantErr: []string{"but not at Reserve:"},
+		},
+		"scores without PreScore": {
+			config: topodraProfile + `    preScore:
+      disabled:
+      - name: TopologyDRA
+`,
+			wantErr: []string{"but not at PreScore:"},
+		},
+		"every Reserve plugin disabled, TopologyDRA enabled there": {
+			config: topodraProfile + `    reserve:
+      enabled:
+      - name: TopologyDRA
+      disabled:
+      - name: "*"
+`,
+		},
+		"TopologyDRA under multiPoint only": {
+			config:   strings.TrimSuffix(topodraProfile, "    postFilter:\n      enabled:\n      - name: TopologyDRA\n"),
+			wantWarn: "TopologyDRA runs after DefaultPreemption at PostFilter",
+		},
+		"TopologyDRA disabled at PostFilter": {
+			config: strings.TrimSuffix(topodraProfile, "    postFilter:\n      enabled:\n      - name: TopologyDRA\n") + `    postFilter:
+      disabled:
+      - name: TopologyDRA
+`,
+			wantWarn: "TopologyDRA does not run at PostFilter",
 		},
 		"DynamicResources enabled again at one extension point": {
 			config: topodraProfile + `    reserve:
