@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -178,42 +179,53 @@ func TestPreemptionOnFullCluster(t *testing.T) {
 // headroom keeps 8 of the 64 GPUs free), node 0 empty and 4 GPUs free on
 // node 1, every other GPU held by claims without pods. A high-priority
 // 8-GPU pod waits: on node 0 it would leave 4 free. Then a pod of lower
-// priority takes 2 GPUs. The headroom does not hold back a pod that may
-// preempt a lower pod holding devices, so the allocation of that pod's
-// claim retries the 8-GPU pod at once, and it starts on node 0 (long
-// before the scheduler would retry it on its own, after 5 minutes).
+// priority takes 2 GPUs of node 1, placed by topodra or by the default
+// scheduler. The headroom does not hold back a pod that may preempt a
+// lower pod holding devices, so that pod's binding retries the 8-GPU pod
+// at once, and it starts on node 0 (long before the scheduler would retry
+// it on its own, after 5 minutes).
 func TestHeldBackPodGoesOnceALowerPodHoldsDevices(t *testing.T) {
-	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "heldlower")
-	nodes := e.dgxNodes("h", 8, "256")
-	e.preallocate("half", nodes[1], gpuRange(0, 4)...)
-	for _, n := range nodes[2:] {
-		e.preallocate("all-"+n, n, gpuRange(0, 8)...)
-	}
-	startTopodra(tCtx)
+	for name, scheduler := range map[string]string{"topodra": topodraName, "default scheduler": stockName} {
+		t.Run(name, func(t *testing.T) {
+			tCtx := ktesting.Init(t)
+			e := newEnv(tCtx, "heldlower")
+			nodes := e.dgxNodes("h", 8, "256")
+			e.preallocate("half", nodes[1], gpuRange(0, 4)...)
+			for _, n := range nodes[2:] {
+				e.preallocate("all-"+n, n, gpuRange(0, 8)...)
+			}
+			startTopodra(tCtx)
+			if scheduler == stockName {
+				startStock(tCtx)
+			}
 
-	high := e.highPriority()
-	e.podEdited("whole", topodraName, "h", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(8, nil))
-	_, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
-	tCtx.ExpectNoError(err)
-	// Past the scheduler's initial backoff (1 s).
-	time.Sleep(1500 * time.Millisecond)
+			high := e.highPriority()
+			e.podEdited("whole", topodraName, "h", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, e.template(8, nil))
+			pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "whole", waitTimeout)
+			tCtx.ExpectNoError(err)
+			if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "held back") {
+				t.Fatalf("the 8-GPU pod waits with %q, want it held back by the headroom", msg)
+			}
+			// Past the scheduler's initial backoff (1 s).
+			time.Sleep(1500 * time.Millisecond)
 
-	e.pod("small", topodraName, "h", e.template(2, nil))
-	if got := e.waitScheduled("small").Spec.NodeName; got != nodes[1] {
-		t.Errorf("the 2-GPU pod went to %s, want %s (best fit)", got, nodes[1])
-	}
-	scheduled, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "whole", 20*time.Second, "scheduled", func(p *v1.Pod) (bool, error) {
-		return p.Spec.NodeName != "", nil
-	})
-	if err != nil {
-		tCtx.Fatalf("the 8-GPU pod was not retried once a lower pod held devices: %v", err)
-	}
-	if scheduled.Spec.NodeName != nodes[0] {
-		t.Errorf("the 8-GPU pod went to %s, want the empty %s", scheduled.Spec.NodeName, nodes[0])
-	}
-	if p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "small", metav1.GetOptions{}); err != nil || p.DeletionTimestamp != nil {
-		t.Errorf("the 2-GPU pod was preempted (%v), though node 0 was free", err)
+			e.podEdited("small", scheduler, "h", func(p *v1.Pod) { p.Spec.NodeSelector["kubernetes.io/hostname"] = nodes[1] }, e.template(2, nil))
+			if got := e.waitScheduled("small").Spec.NodeName; got != nodes[1] {
+				t.Errorf("the 2-GPU pod went to %s, want %s", got, nodes[1])
+			}
+			scheduled, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "whole", 20*time.Second, "scheduled", func(p *v1.Pod) (bool, error) {
+				return p.Spec.NodeName != "", nil
+			})
+			if err != nil {
+				tCtx.Fatalf("the 8-GPU pod was not retried once a lower pod held devices: %v", err)
+			}
+			if scheduled.Spec.NodeName != nodes[0] {
+				t.Errorf("the 8-GPU pod went to %s, want the empty %s", scheduled.Spec.NodeName, nodes[0])
+			}
+			if p, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "small", metav1.GetOptions{}); err != nil || p.DeletionTimestamp != nil {
+				t.Errorf("the 2-GPU pod was preempted (%v), though node 0 was free", err)
+			}
+		})
 	}
 }
 
@@ -243,7 +255,9 @@ func TestPodKeptOffForNomineeGoesWhenNomineeDeleted(t *testing.T) {
 	e.pod("waiting", topodraName, "g", two)
 	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "waiting", waitTimeout)
 	tCtx.ExpectNoError(err)
-	tCtx.Logf("the 2-GPU pod waits: %s", framework.PodScheduledCondition(pod).Message)
+	if msg := framework.PodScheduledCondition(pod).Message; !strings.Contains(msg, "in use") {
+		t.Fatalf("the 2-GPU pod waits with %q, want the devices in use (kept for the nominated pod)", msg)
+	}
 	// Past the scheduler's initial backoff (1 s).
 	time.Sleep(1500 * time.Millisecond)
 	tCtx.ExpectNoError(cp.Client.CoreV1().Pods(e.ns).Delete(tCtx, "nominee", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))

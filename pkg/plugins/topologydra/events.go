@@ -39,6 +39,9 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 		// pod deleted: the devices its in-flight allocation held are free
 		// again, with no claim event where nothing reached the API.
 		{Event: fwk.ClusterEvent{Resource: fwk.AssignedPod, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterAssignedPodDelete},
+		// A pod of lower priority that holds claims bound to a node: a
+		// pod the headroom held back may preempt it now.
+		{Event: fwk.ClusterEvent{Resource: fwk.AssignedPod, ActionType: fwk.Add}, QueueingHintFn: pl.isSchedulableAfterAssignedPodAdd},
 		// Nodes and slices that go away lower the headroom kept for the
 		// pods it held back.
 		{Event: fwk.ClusterEvent{Resource: fwk.Node, ActionType: fwk.Delete}, QueueingHintFn: pl.isSchedulableAfterRemoval},
@@ -59,10 +62,12 @@ func (pl *TopologyDRA) EventsToRegister(context.Context) ([]fwk.ClusterEventWith
 // PreEnqueue gates it), so claim events that come before the preemption
 // ends do not requeue it; its next attempt waits for the victims'
 // devices where they are not given back yet (see PostFilter), and claim
-// events requeue it from then on. The scheduler also sends this event, to
-// pods of the same or lower priority only, for a pending pod nominated to
-// a node that is deleted or nominated elsewhere: Filter kept devices for
-// it there (trialAllocator), so a pod that may hold devices requeues them.
+// events requeue it from then on. The scheduler also sends this event
+// with the old object of a pending pod that was nominated to a node and
+// is deleted, or whose nomination moves or is cleared (to pods of the same
+// or lower priority, as the pods kept off the node for it are): Filter
+// kept devices there for such a pod where it holds claims
+// (trialAllocator), so it requeues the pod.
 func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if tomb, ok := oldObj.(cache.DeletedFinalStateUnknown); ok {
 		oldObj = tomb.Obj
@@ -74,7 +79,7 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, p
 	if pl.released.has(gone.UID) {
 		return fwk.Queue, nil
 	}
-	if gone.Spec.NodeName == "" && gone.Status.NominatedNodeName != "" && mayHoldDevices(gone) {
+	if gone.Spec.NodeName == "" && gone.Status.NominatedNodeName != "" && usesClaims(gone) {
 		logger.V(5).Info("Pod nominated to a node deleted or nominated elsewhere: the devices kept for it there are free for others", "pod", klog.KObj(pod), "nominated", klog.KObj(gone), "node", gone.Status.NominatedNodeName)
 		return fwk.Queue, nil
 	}
@@ -124,8 +129,7 @@ func (pl *TopologyDRA) isSchedulableAfterRemoval(logger klog.Logger, pod *v1.Pod
 // isSchedulableAfterClaimChange: requeue when one of the pod's claims
 // appears or its status changes, or when a claim gives devices back
 // (deallocated or deleted while allocated) and they may let the pod fit
-// (hintForFreed), or when a claim is allocated for a pod that the pod
-// may preempt while the headroom held it back (lowerHolderArrived).
+// (hintForFreed).
 func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
 	if _, ok := oldObj.(cache.DeletedFinalStateUnknown); ok && newObj == nil {
 		return fwk.Queue, nil
@@ -142,9 +146,6 @@ func (pl *TopologyDRA) isSchedulableAfterClaimChange(logger klog.Logger, pod *v1
 		return pl.hintForFreed(logger, pod, oldClaim), nil
 	}
 	if !pl.usesClaim(pod, newClaim) {
-		if pl.lowerHolderArrived(logger, pod, oldClaim, newClaim) {
-			return fwk.Queue, nil
-		}
 		return fwk.QueueSkip, nil
 	}
 	if oldClaim == nil || !apiequality.Semantic.DeepEqual(&oldClaim.Status, &newClaim.Status) || topodraAnnotationsChanged(oldClaim, newClaim) {
@@ -187,56 +188,28 @@ func (pl *TopologyDRA) isSchedulableAfterNodeChange(logger klog.Logger, pod *v1.
 	return fwk.QueueSkip, nil
 }
 
-// lowerHolderArrived reports whether another pod's claim has just been
-// reserved for a pod of lower priority than pod, where the headroom held
-// pod back at its latest attempt because it could preempt no pod holding
-// claims then (see PreFilter and outranksHolder). Such a pod is not held
-// back once a holder it may preempt exists, so its next attempt may
-// preempt; without this hint it would wait for another event. Where the
-// allocation names its node, the pod must be able to use that node (its
-// node affinity, taints and cordon).
-func (pl *TopologyDRA) lowerHolderArrived(logger klog.Logger, pod *v1.Pod, oldClaim, newClaim *resourceapi.ResourceClaim) bool {
-	if newClaim.Status.Allocation == nil || !pl.heldBack.held(pod.UID) || pl.heldBack.outranks(pod.UID) || !canPreempt(pod) || pl.heldBack.lister == nil {
-		return false
+// isSchedulableAfterAssignedPodAdd: requeue a pod that the headroom held
+// back at its latest attempt because it could preempt no pod holding
+// claims then (see PreFilter and outranksHolder), when a pod of lower
+// priority that holds claims is bound to a node the pod may use (its node
+// affinity, taints and cordon): the headroom no longer holds it back, so
+// its next attempt may preempt. The bound pod is in the scheduler's cache
+// when this event comes, whichever scheduler placed it, as PreFilter's
+// look for a lower holder needs. Any other pod's binding is skipped after
+// one lookup of the pod's record.
+func (pl *TopologyDRA) isSchedulableAfterAssignedPodAdd(logger klog.Logger, pod *v1.Pod, oldObj, newObj any) (fwk.QueueingHint, error) {
+	if !pl.heldBack.held(pod.UID) || pl.heldBack.outranks(pod.UID) || !canPreempt(pod) {
+		return fwk.QueueSkip, nil
 	}
-	if node := allocationNode(newClaim.Status.Allocation); node != "" && !pl.mayUse(logger, pod, nodeaffinity.GetRequiredNodeAffinity(pod), node) {
-		return false
+	holder, ok := newObj.(*v1.Pod)
+	if !ok || holder.Spec.NodeName == "" || corev1helpers.PodPriority(holder) >= corev1helpers.PodPriority(pod) || !usesClaims(holder) {
+		return fwk.QueueSkip, nil
 	}
-	prio := corev1helpers.PodPriority(pod)
-	for _, ref := range newClaim.Status.ReservedFor {
-		if ref.APIGroup != "" || ref.Resource != "pods" {
-			continue
-		}
-		if oldClaim != nil && slices.ContainsFunc(oldClaim.Status.ReservedFor, func(old resourceapi.ResourceClaimConsumerReference) bool { return old.UID == ref.UID }) {
-			continue
-		}
-		holder, err := pl.heldBack.lister.Pods(newClaim.Namespace).Get(ref.Name)
-		if err != nil || holder.UID != ref.UID || corev1helpers.PodPriority(holder) >= prio {
-			continue
-		}
-		logger.V(5).Info("Claim reserved for a pod of lower priority, which the pod held back by the headroom may preempt", "pod", klog.KObj(pod), "claim", klog.KObj(newClaim), "holder", klog.KObj(holder))
-		return true
+	if !pl.mayUse(logger, pod, nodeaffinity.GetRequiredNodeAffinity(pod), holder.Spec.NodeName) {
+		return fwk.QueueSkip, nil
 	}
-	return false
-}
-
-// allocationNode is the node an allocation is for where its node selector
-// names exactly one node by name, as the allocators write it for devices
-// of a node; "" otherwise.
-func allocationNode(alloc *resourceapi.AllocationResult) string {
-	sel := alloc.NodeSelector
-	if sel == nil || len(sel.NodeSelectorTerms) != 1 {
-		return ""
-	}
-	term := sel.NodeSelectorTerms[0]
-	if len(term.MatchExpressions) != 0 || len(term.MatchFields) != 1 {
-		return ""
-	}
-	f := term.MatchFields[0]
-	if f.Key != "metadata.name" || f.Operator != v1.NodeSelectorOpIn || len(f.Values) != 1 {
-		return ""
-	}
-	return f.Values[0]
+	logger.V(5).Info("Pod of lower priority with claims bound, which the pod held back by the headroom may preempt", "pod", klog.KObj(pod), "holder", klog.KObj(holder), "node", holder.Spec.NodeName)
+	return fwk.Queue, nil
 }
 
 // topodraAnnotationsChanged reports whether the annotations through which

@@ -863,9 +863,10 @@ func TestFreedDeviceTakenAgainForgotten(t *testing.T) {
 	}
 }
 
-// TestLowerHolderRequeuesHeldBackPod: a claim newly reserved for a pod of
-// lower priority requeues a pod that the headroom held back while it could
-// preempt no holder, so that it may preempt at once; nothing else does.
+// TestLowerHolderRequeuesHeldBackPod: a pod of lower priority that holds
+// claims, bound to a node the held pod may use, requeues a pod that the
+// headroom held back while it could preempt no holder, so that it may
+// preempt at once; nothing else does.
 func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 	withPriority := func(p *v1.Pod, prio int32) *v1.Pod {
 		p.Spec.Priority = ptr.To(prio)
@@ -876,15 +877,9 @@ func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 	never.Spec.PreemptionPolicy = ptr.To(v1.PreemptNever)
 	outranking := withPriority(testPod("outranking"), 100)
 	free := withPriority(testPod("free"), 100)
-	low, equal, high := withPriority(testPod("low"), 10), withPriority(testPod("equal"), 100), withPriority(testPod("high"), 200)
-	recreated := withPriority(testPod("recreated"), 10)
+	elsewhere := withPriority(testPod("elsewhere"), 100)
+	elsewhere.Spec.NodeSelector = map[string]string{"pool": "other"}
 
-	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
-	for _, p := range []*v1.Pod{held, never, outranking, free, low, equal, high, recreated} {
-		if err := indexer.Add(p); err != nil {
-			t.Fatal(err)
-		}
-	}
 	nodes := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	cordoned := testNode("cordoned")
 	cordoned.Spec.Unschedulable = true
@@ -894,56 +889,35 @@ func TestLowerHolderRequeuesHeldBackPod(t *testing.T) {
 		}
 	}
 	pl := &TopologyDRA{nodes: corelisters.NewNodeLister(nodes)}
-	pl.heldBack.lister = corelisters.NewPodLister(indexer)
-	for _, p := range []*v1.Pod{held, never, outranking} {
+	for _, p := range []*v1.Pod{held, never, outranking, elsewhere} {
 		pl.heldBack.hold(p)
 	}
 	pl.heldBack.setOutranks(outranking, true)
 
-	claim := func(allocated bool, holders ...*v1.Pod) *resourceapi.ResourceClaim {
-		c := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: testNS, Name: "theirs"}}
-		if allocated {
-			c.Status.Allocation = &resourceapi.AllocationResult{}
-		}
-		for _, h := range holders {
-			c.Status.ReservedFor = append(c.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: h.Name, UID: h.UID})
-		}
-		return c
+	bound := func(name string, prio int32, node string, claims ...string) *v1.Pod {
+		p := withPriority(testPod(name, claims...), prio)
+		p.Spec.NodeName = node
+		return p
 	}
-	on := func(c *resourceapi.ResourceClaim, node string) *resourceapi.ResourceClaim {
-		c.Status.Allocation.NodeSelector = &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
-			MatchFields: []v1.NodeSelectorRequirement{{Key: "metadata.name", Operator: v1.NodeSelectorOpIn, Values: []string{node}}},
-		}}}
-		return c
-	}
-	stale := claim(true)
-	stale.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: recreated.Name, UID: "an-earlier-pod"}}
-	for _, tc := range []struct {
-		name     string
-		pod      *v1.Pod
-		old, new *resourceapi.ResourceClaim
-		want     fwk.QueueingHint
+	extended := bound("extended", 10, "open")
+	extended.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "extended-gpus"}
+	for name, tc := range map[string]struct {
+		pod, bound *v1.Pod
+		want       fwk.QueueingHint
 	}{
-		{name: "allocated for a lower pod", pod: held, old: claim(false), new: claim(true, low), want: fwk.Queue},
-		{name: "created allocated for a lower pod", pod: held, new: claim(true, low), want: fwk.Queue},
-		{name: "a lower pod joins a shared claim", pod: held, old: claim(true, high), new: claim(true, high, low), want: fwk.Queue},
-		{name: "allocated for a lower pod on a node the pod may use", pod: held, old: claim(false), new: on(claim(true, low), "open"), want: fwk.Queue},
-		{name: "allocated for a lower pod on a cordoned node", pod: held, old: claim(false), new: on(claim(true, low), "cordoned"), want: fwk.QueueSkip},
-		{name: "allocated for a pod of equal priority", pod: held, old: claim(false), new: claim(true, equal), want: fwk.QueueSkip},
-		{name: "allocated for a higher pod", pod: held, old: claim(false), new: claim(true, high), want: fwk.QueueSkip},
-		{name: "the lower holder was there before", pod: held, old: claim(true, low), new: claim(true, low, high), want: fwk.QueueSkip},
-		{name: "reserved, not allocated", pod: held, old: claim(false), new: claim(false, low), want: fwk.QueueSkip},
-		{name: "holder's name now another pod's", pod: held, old: claim(false), new: stale, want: fwk.QueueSkip},
-		{name: "pod may not preempt", pod: never, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
-		{name: "pod was not held back", pod: free, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
-		{name: "pod outranked a holder already", pod: outranking, old: claim(false), new: claim(true, low), want: fwk.QueueSkip},
+		"a lower pod with claims bound":              {pod: held, bound: bound("low", 10, "open", "c"), want: fwk.Queue},
+		"a lower pod with extended resources bound":  {pod: held, bound: extended, want: fwk.Queue},
+		"a lower pod bound to a cordoned node":       {pod: held, bound: bound("low", 10, "cordoned", "c"), want: fwk.QueueSkip},
+		"a lower pod bound where the pod may not go": {pod: elsewhere, bound: bound("low", 10, "open", "c"), want: fwk.QueueSkip},
+		"a lower pod without claims bound":           {pod: held, bound: bound("plain", 10, "open"), want: fwk.QueueSkip},
+		"a pod of equal priority bound":              {pod: held, bound: bound("equal", 100, "open", "c"), want: fwk.QueueSkip},
+		"a higher pod bound":                         {pod: held, bound: bound("high", 200, "open", "c"), want: fwk.QueueSkip},
+		"pod may not preempt":                        {pod: never, bound: bound("low", 10, "open", "c"), want: fwk.QueueSkip},
+		"pod was not held back":                      {pod: free, bound: bound("low", 10, "open", "c"), want: fwk.QueueSkip},
+		"pod outranked a holder already":             {pod: outranking, bound: bound("low", 10, "open", "c"), want: fwk.QueueSkip},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var oldObj any
-			if tc.old != nil {
-				oldObj = tc.old
-			}
-			got, err := pl.isSchedulableAfterClaimChange(klog.Background(), tc.pod, oldObj, tc.new)
+		t.Run(name, func(t *testing.T) {
+			got, err := pl.isSchedulableAfterAssignedPodAdd(klog.Background(), tc.pod, nil, tc.bound)
 			if err != nil {
 				t.Fatal(err)
 			}

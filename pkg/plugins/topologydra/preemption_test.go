@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -359,11 +360,11 @@ func TestPreemptorRequeued(t *testing.T) {
 	}
 }
 
-// TestNominationReleasedRequeues: a pending pod nominated to a node that
-// is deleted or nominated elsewhere (the scheduler sends its old object as
-// an assigned pod's deletion, to pods of the same or lower priority)
-// requeues the pods that Filter kept off that node for it, where it may
-// hold devices; a pending pod without a nomination does not.
+// TestNominationReleasedRequeues: a pending pod that was nominated to a
+// node and is deleted or nominated elsewhere (the scheduler sends its old
+// object as an assigned pod's deletion) requeues the pods that Filter kept
+// off that node for it, where it holds claims; one that holds none (a
+// device plugin's extended resource only) or was not nominated does not.
 func TestNominationReleasedRequeues(t *testing.T) {
 	pl := &TopologyDRA{}
 	waiting := testPod("waiting", "two")
@@ -372,19 +373,26 @@ func TestNominationReleasedRequeues(t *testing.T) {
 		p.Status.NominatedNodeName = node
 		return p
 	}
-	for _, tc := range []struct {
-		name string
+	devicePlugin := nominated("a")
+	devicePlugin.Spec.Containers = []v1.Container{{Name: "main", Resources: v1.ResourceRequirements{Requests: v1.ResourceList{"nvidia.com/gpu": resource.MustParse("8")}}}}
+	extended := nominated("a")
+	extended.Status.ExtendedResourceClaimStatus = &v1.PodExtendedResourceClaimStatus{ResourceClaimName: "preemptor-extended"}
+	for name, tc := range map[string]struct {
 		gone *v1.Pod
 		want fwk.QueueingHint
 	}{
-		{name: "nominated, with claims", gone: nominated("a", "eight"), want: fwk.Queue},
-		{name: "nominated, without claims or extended resources", gone: nominated("a"), want: fwk.QueueSkip},
-		{name: "not nominated", gone: nominated("", "eight"), want: fwk.QueueSkip},
+		"nominated, with claims":                          {gone: nominated("a", "eight"), want: fwk.Queue},
+		"nominated, with its extended resources' claim":   {gone: extended, want: fwk.Queue},
+		"nominated, a device plugin's resource only":      {gone: devicePlugin, want: fwk.QueueSkip},
+		"nominated, without claims or extended resources": {gone: nominated("a"), want: fwk.QueueSkip},
+		"not nominated": {gone: nominated("", "eight"), want: fwk.QueueSkip},
 	} {
-		got, err := pl.isSchedulableAfterAssignedPodDelete(klog.Background(), waiting, tc.gone, nil)
-		if err != nil || got != tc.want {
-			t.Errorf("%s: %v %v, want %v", tc.name, got, err, tc.want)
-		}
+		t.Run(name, func(t *testing.T) {
+			got, err := pl.isSchedulableAfterAssignedPodDelete(klog.Background(), waiting, tc.gone, nil)
+			if err != nil || got != tc.want {
+				t.Errorf("%v %v, want %v", got, err, tc.want)
+			}
+		})
 	}
 }
 
