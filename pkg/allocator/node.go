@@ -30,6 +30,9 @@ type nodeDevice struct {
 	// capacityFails is capacityCheckFails for a request without capacity
 	// requests.
 	capacityFails bool
+	// uncountable: counting is not exact for a request that matches the
+	// device (see exactUnits).
+	uncountable bool
 }
 
 // nodeState is what Allocate knows about one node's devices.
@@ -443,6 +446,7 @@ func (a *Allocator) appendSliceDevices(ns *nodeState, slice *resourceapi.Resourc
 			// Computed where the node's devices are gathered, which the
 			// node cache keeps.
 			capacityFails: len(d.Capacity) > 0 && capacityCheckFails(nil, d.Capacity),
+			uncountable:   uncountable(d),
 		})
 	}
 }

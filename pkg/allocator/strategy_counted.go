@@ -129,8 +129,7 @@ func exactUnits(ns *nodeState, claims []*resourceapi.ResourceClaim, infos []*cla
 			if !m {
 				continue
 			}
-			d := ns.devices[i].device
-			if len(d.ConsumesCounters) > 0 || ptr.Deref(d.AllowMultipleAllocations, false) || len(d.BindingConditions) > 0 || hasRequestPolicy(d) {
+			if ns.devices[i].uncountable {
 				return nil, nil, false
 			}
 			// Devices of slices that skip node operations are allocatable
@@ -309,9 +308,15 @@ func countedPlan(p *planner, infos []*claimInfo, nUnits int) ([]resourceapi.Allo
 	return results, p.groups, true
 }
 
-// hasRequestPolicy reports whether a capacity of the device has a request
-// policy.
-func hasRequestPolicy(d *resourceapi.Device) bool {
+// uncountable reports whether counting is not exact for a request that
+// matches the device: it is shared, consumes counters, has binding
+// conditions or has a capacity with a request policy (upstream's capacity
+// check passes over a device whose policy the capacity it would consume
+// breaks; API validation allows policies only on shared devices).
+func uncountable(d *resourceapi.Device) bool {
+	if len(d.ConsumesCounters) > 0 || ptr.Deref(d.AllowMultipleAllocations, false) || len(d.BindingConditions) > 0 {
+		return true
+	}
 	for _, c := range d.Capacity {
 		if c.RequestPolicy != nil {
 			return true
