@@ -337,6 +337,15 @@ func TestNewWarnsAboutArgsWithoutEffect(t *testing.T) {
 	}
 }
 
+// TestNewWarnsWithoutDeviceTaints: with the DRADeviceTaints gate off, the
+// allocator ignores device taints, the health taint included: New says so.
+func TestNewWarnsWithoutDeviceTaints(t *testing.T) {
+	featuregatetesting.SetFeatureGateDuringTest(t, utilfeature.DefaultFeatureGate, features.DRADeviceTaints, false)
+	if got := newWithLog(t, DefaultArgs()); !strings.Contains(got, "Warning: the DRADeviceTaints feature gate is off") {
+		t.Errorf("New logged %q, want a warning that device taints are ignored", got)
+	}
+}
+
 // TestWholeNodeDevicesReachesThePolicy: wholeNodeDevices becomes the
 // allocator policy's whole node and the pending-pod index's, 8 by
 // default.

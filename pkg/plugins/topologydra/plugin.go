@@ -198,6 +198,9 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		return nil, fmt.Errorf("%s needs the scheduler's DRA manager (DynamicResourceAllocation feature disabled?)", Name)
 	}
 	features := dynamicresources.AllocatorFeatures(fts)
+	if !features.DeviceTaints {
+		klog.FromContext(ctx).Info("Warning: the DRADeviceTaints feature gate is off: " + Name + " allocates devices whatever their taints, gpu.topodra.io/unhealthy included; turn it on, as it is by default")
+	}
 	pl := &TopologyDRA{
 		args:     *args,
 		features: features,
