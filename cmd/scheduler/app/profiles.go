@@ -165,6 +165,10 @@ func checkPoints(logger klog.Logger, path *field.Path, prof *schedconfig.KubeSch
 			"profile %q runs %s, but not at %s: it must run at PreFilter, Filter, Reserve and PreBind together (and at PreScore where it scores), or pods are bound with their claims unallocated and devices in flight are never released; enable it under multiPoint and do not disable it at these extension points",
 			prof.SchedulerName, topologydra.Name, strings.Join(missing, ", "))))
 	}
+	if weight, ok := scoreWeight(prof.Plugins, topologydra.Name); ok && weight == 0 {
+		logger.Info("Warning: "+topologydra.Name+" scores with no weight given, which kube-scheduler counts as 1, so other scores may outweigh topology: the shipped configuration gives it 4 (multiPoint: enabled: [{name: "+topologydra.Name+", weight: 4}]); to stop it scoring, disable it at score",
+			"profile", prof.SchedulerName)
+	}
 	post := pointOrder(prof.Plugins, "PostFilter")
 	switch self, preemption := slices.Index(post, topologydra.Name), slices.Index(post, names.DefaultPreemption); {
 	case self < 0:
@@ -175,6 +179,21 @@ func checkPoints(logger klog.Logger, path *field.Path, prof *schedconfig.KubeSch
 			"profile", prof.SchedulerName)
 	}
 	return errs
+}
+
+// scoreWeight is the weight that the plugin name scores with, as the
+// framework takes it (score's entry before multiPoint's), 0 where none is
+// given; ok is false where it does not run at Score.
+func scoreWeight(plugins *schedconfig.Plugins, name string) (weight int32, ok bool) {
+	if !runsAt(plugins, "Score", name) {
+		return 0, false
+	}
+	for _, p := range append(slices.Clone(plugins.Score.Enabled), plugins.MultiPoint.Enabled...) {
+		if p.Name == name {
+			return p.Weight, true
+		}
+	}
+	return 0, true
 }
 
 // runsAt reports whether the framework runs the plugin name at the

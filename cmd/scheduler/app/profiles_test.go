@@ -40,6 +40,7 @@ const topodraProfile = configHeader + `profiles:
     multiPoint:
       enabled:
       - name: TopologyDRA
+        weight: 4
       disabled:
       - name: DynamicResources
     postFilter:
@@ -134,6 +135,23 @@ func TestCheckConfigFile(t *testing.T) {
 			config:   strings.TrimSuffix(topodraProfile, "    postFilter:\n      enabled:\n      - name: TopologyDRA\n"),
 			wantWarn: "TopologyDRA runs after DefaultPreemption at PostFilter",
 		},
+		"TopologyDRA without a score weight": {
+			config:   strings.Replace(topodraProfile, "        weight: 4\n", "", 1),
+			wantWarn: "TopologyDRA scores with no weight given, which kube-scheduler counts as 1",
+		},
+		"TopologyDRA with a score weight at score": {
+			config: strings.Replace(topodraProfile, "        weight: 4\n", "", 1) + `    score:
+      enabled:
+      - name: TopologyDRA
+        weight: 2
+`,
+		},
+		"TopologyDRA disabled at score, without a weight": {
+			config: strings.Replace(topodraProfile, "        weight: 4\n", "", 1) + `    score:
+      disabled:
+      - name: TopologyDRA
+`,
+		},
 		"TopologyDRA disabled at PostFilter": {
 			config: strings.TrimSuffix(topodraProfile, "    postFilter:\n      enabled:\n      - name: TopologyDRA\n") + `    postFilter:
       disabled:
@@ -155,6 +173,7 @@ func TestCheckConfigFile(t *testing.T) {
     multiPoint:
       enabled:
       - name: TopologyDRA
+        weight: 4
       - name: DefaultBinder
       - name: PrioritySort
       disabled:
