@@ -356,8 +356,9 @@ type Agent struct {
 	// API server (when they were first found gone is in the checkpoint).
 	staleMutex   sync.Mutex
 	goneReported map[types.UID]bool
-	// unusedBefore, guarded by staleMutex, holds the claims past their
-	// grace period that the kubelet reported unused in the last check.
+	// unusedBefore, guarded by staleMutex, holds the prepared claims gone
+	// from the API server that the kubelet reported unused in the last
+	// check (see unreferenced).
 	unusedBefore sets.Set[types.UID]
 	// podResourcesReported, guarded by staleMutex: a
 	// ReasonPodResourcesUnavailable event was recorded and no check has

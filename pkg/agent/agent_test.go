@@ -112,7 +112,13 @@ func newEnv(t *testing.T) *env {
 // start runs a publish-only agent with state, as after a (re)start.
 func (e *env) start(ctx context.Context, t *testing.T) *agent.Agent {
 	t.Helper()
-	a, err := agent.New(ctx, e.options(t))
+	return startWith(ctx, t, e.options(t))
+}
+
+// startWith runs an agent with opts until the test ends.
+func startWith(ctx context.Context, t *testing.T, opts agent.Options) *agent.Agent {
+	t.Helper()
+	a, err := agent.New(ctx, opts)
 	if err != nil {
 		t.Fatalf("start agent: %v", err)
 	}

@@ -169,11 +169,7 @@ func TestStaleClaimKeptWithoutKubelet(t *testing.T) {
 	e.staleClaimGrace = time.Nanosecond
 	opts := e.options(t)
 	opts.PodResourcesSocket = filepath.Join(t.TempDir(), "kubelet.sock")
-	a, err := agent.New(ctx, opts)
-	if err != nil {
-		t.Fatalf("start agent: %v", err)
-	}
-	t.Cleanup(a.Stop)
+	a := startWith(ctx, t, opts)
 	held := claim("held", gpus("gpus", "gpu-1")...)
 	if err := prepareOne(ctx, t, a, held); err != nil {
 		t.Fatalf("prepare: %v", err)
@@ -195,11 +191,7 @@ func TestStaleClaimNeedsKubeletToListAgentPod(t *testing.T) {
 	e.staleClaimGrace = time.Nanosecond
 	opts := e.options(t)
 	opts.Pod = types.NamespacedName{Namespace: "kube-system", Name: "topodra-node-agent-x7k2p"}
-	a, err := agent.New(ctx, opts)
-	if err != nil {
-		t.Fatalf("start agent: %v", err)
-	}
-	t.Cleanup(a.Stop)
+	a := startWith(ctx, t, opts)
 	held := claim("held", gpus("gpus", "gpu-1")...)
 	if err := prepareOne(ctx, t, a, held); err != nil {
 		t.Fatalf("prepare: %v", err)

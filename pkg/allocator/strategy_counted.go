@@ -93,11 +93,8 @@ func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 // exactUnits returns the units of the pod and the claims with
 // matchAttribute constraints; ok is false where counting is not exact:
 // All mode, several alternatives, capacity requests, derived attributes,
-// admin access, CEL runtime errors, or matching devices that are shared,
-// consume counters, have binding conditions or have a capacity with a
-// request policy (upstream's capacity check passes over a device whose
-// policy the capacity it would consume breaks; API validation allows
-// policies only on shared devices).
+// admin access, CEL runtime errors, or matching devices that counting
+// cannot judge (uncountable).
 func exactUnits(ns *nodeState, claims []*resourceapi.ResourceClaim, infos []*claimInfo) (units []*unit, constrained []int, ok bool) {
 	for ci, info := range infos {
 		if info.hasAll {

@@ -202,7 +202,7 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodAdd(logger klog.Logger, pod 
 		return fwk.QueueSkip, nil
 	}
 	holder, ok := newObj.(*v1.Pod)
-	if !ok || holder.Spec.NodeName == "" || corev1helpers.PodPriority(holder) >= corev1helpers.PodPriority(pod) || !usesClaims(holder) {
+	if !ok || holder.Spec.NodeName == "" || !holdsBelow(corev1helpers.PodPriority(pod), holder) {
 		return fwk.QueueSkip, nil
 	}
 	if !pl.mayUse(logger, pod, nodeaffinity.GetRequiredNodeAffinity(pod), holder.Spec.NodeName) {

@@ -455,11 +455,17 @@ func (pl *TopologyDRA) protected(pods []*v1.Pod) bool {
 // on the node.
 func lowerHolder(prio int32, nodeInfo fwk.NodeInfo) bool {
 	for _, pi := range nodeInfo.GetPods() {
-		if p := pi.GetPod(); corev1helpers.PodPriority(p) < prio && usesClaims(p) {
+		if holdsBelow(prio, pi.GetPod()) {
 			return true
 		}
 	}
 	return false
+}
+
+// holdsBelow reports whether p is of priority below prio and holds claims:
+// a pod that a pod of priority prio may preempt for devices.
+func holdsBelow(prio int32, p *v1.Pod) bool {
+	return corev1helpers.PodPriority(p) < prio && usesClaims(p)
 }
 
 // outranksHolder reports whether the pod may preempt a pod that holds
