@@ -13,6 +13,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/kubernetes/test/utils/ktesting"
@@ -23,6 +24,7 @@ import (
 	"github.com/topodra/topodra/pkg/agent"
 	"github.com/topodra/topodra/pkg/agent/mockgpu"
 	"github.com/topodra/topodra/pkg/invariant"
+	"github.com/topodra/topodra/pkg/plugins/topologydra"
 	"github.com/topodra/topodra/pkg/topology"
 	"github.com/topodra/topodra/test/integration/framework"
 )
@@ -59,6 +61,11 @@ func TestBesideDefaultScheduler(t *testing.T) {
 		if r.checkExit != invariant.ExitClean {
 			t.Errorf("topodra-check exited %d, want %d", r.checkExit, invariant.ExitClean)
 		}
+		// Every default-scheduler pod, pending for the owned taint, is
+		// told which scheduler its claims need.
+		if r.pendingStock == 0 || r.noticedStock != r.pendingStock {
+			t.Errorf("%d of %d pending default-scheduler pods got a %s event, want all (and some pending)", r.noticedStock, r.pendingStock, topologydra.OwnedNoticeReason)
+		}
 	})
 	t.Run("not owned", func(t *testing.T) {
 		r := runBesideDefault(t, false)
@@ -74,6 +81,9 @@ func TestBesideDefaultScheduler(t *testing.T) {
 		}
 		if r.checkExit != invariant.ExitViolations {
 			t.Errorf("topodra-check exited %d at the end, want %d", r.checkExit, invariant.ExitViolations)
+		}
+		if r.noticedStock != 0 {
+			t.Errorf("%d default-scheduler pods got a %s event although their devices carry no owned taint", r.noticedStock, topologydra.OwnedNoticeReason)
 		}
 	})
 }
@@ -110,6 +120,10 @@ type besideResult struct {
 	violations               []invariant.Violation
 	boundTopodra, boundStock int
 	checkExit                int
+	// pendingStock counts the default-scheduler pods pending at the end,
+	// noticedStock those of them with topodra's notice that their claims
+	// need it.
+	pendingStock, noticedStock int
 }
 
 func runBesideDefault(t *testing.T, owned bool) besideResult {
@@ -244,8 +258,49 @@ func runBesideDefault(t *testing.T, owned bool) besideResult {
 	for _, v := range seen {
 		r.violations = append(r.violations, v)
 	}
+	r.pendingStock, r.noticedStock = stockNotices(tCtx, c, ns, owned)
 	var stdout, stderr bytes.Buffer
 	r.checkExit = invariant.Run(tCtx, []string{"--kubeconfig", c.Kubeconfig}, &stdout, &stderr)
 	t.Logf("topodra-check: exit %d\n%s%s", r.checkExit, stdout.String(), stderr.String())
 	return r
+}
+
+// stockNotices counts the default-scheduler pods of ns that are pending
+// and those of them with topodra's notice (topologydra.OwnedNoticeReason)
+// that their claims need it: with owned devices, once every pending pod
+// has one or 30 s have passed; without, after 5 s. A count that fails
+// leaves the counts of the one before.
+func stockNotices(tCtx ktesting.TContext, c *framework.ControlPlane, ns string, owned bool) (pending, noticed int) {
+	count := func(ctx context.Context) (bool, error) {
+		pods, err := c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil // counted again at the next poll
+		}
+		evs, err := c.Client.EventsV1().Events(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		told := map[types.UID]bool{}
+		for _, ev := range evs.Items {
+			if ev.Reason == topologydra.OwnedNoticeReason && ev.Type == v1.EventTypeWarning {
+				told[ev.Regarding.UID] = true
+			}
+		}
+		pending, noticed = 0, 0
+		for _, p := range pods.Items {
+			if p.Spec.SchedulerName == stockName && p.Spec.NodeName == "" {
+				pending++
+				if told[p.UID] {
+					noticed++
+				}
+			}
+		}
+		return owned && pending > 0 && noticed == pending, nil
+	}
+	timeout := 5 * time.Second
+	if owned {
+		timeout = 30 * time.Second
+	}
+	_ = wait.PollUntilContextTimeout(tCtx, 200*time.Millisecond, timeout, true, count)
+	return pending, noticed
 }

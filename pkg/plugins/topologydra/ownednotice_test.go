@@ -1,0 +1,142 @@
+package topologydra
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/topodra/topodra/pkg/topology"
+)
+
+// stockFailed is pod as another scheduler leaves it when the stock
+// DynamicResources plugin found no allocation.
+func stockFailed(pod *v1.Pod, scheduler string) *v1.Pod {
+	pod.UID = ""
+	pod.Spec.SchedulerName = scheduler
+	pod.Status.Conditions = []v1.PodCondition{{
+		Type: v1.PodScheduled, Status: v1.ConditionFalse, Reason: v1.PodReasonUnschedulable,
+		Message: "0/2 nodes are available: 2 cannot allocate all claims. preemption: 0/2 nodes are available: 2 Preemption is not helpful for scheduling.",
+	}}
+	return pod
+}
+
+// TestOwnedNoticeForPodsOfOtherSchedulers: a pod of another scheduler
+// whose claim asks for devices that all carry the owned taint, and that
+// the stock plugin failed to place, gets one Warning event naming the
+// claim and request and saying to set spec.schedulerName; a second
+// replica writes no second one. Pods whose requests other devices could
+// serve, that tolerate the taint, that match no device at all, that this
+// profile schedules, or that failed for something else, get none.
+func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
+	free := testSlice("node-1", 2)
+	free.Spec.Driver = "nic.example.com"
+	free.Spec.Pool.Name = "node-1-nics"
+	free.Name = "node-1-nics"
+	nicClass := &resourceapi.DeviceClass{
+		ObjectMeta: metav1.ObjectMeta{Name: "nic"},
+		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{
+			CEL: &resourceapi.CELDeviceSelector{Expression: `device.driver == "nic.example.com"`},
+		}}},
+	}
+	tolerating := testClaim("tolerating", 1)
+	tolerating.Spec.Devices.Requests[0].Exactly.Tolerations = []resourceapi.DeviceToleration{{Key: topology.DefaultTaintKey, Operator: resourceapi.DeviceTolerationOpExists}}
+	nic := testClaim("nic", 1)
+	nic.Spec.Devices.Requests[0].Exactly.DeviceClassName = "nic"
+	gpuNIC := testClaim("gpu-nic", 1)
+	nicReq := nic.Spec.Devices.Requests[0]
+	nicReq.Name = "nic"
+	gpuNIC.Spec.Devices.Requests = append(gpuNIC.Spec.Devices.Requests, nicReq)
+	h := newHarness(t, []*v1.Node{testNode("node-0"), testNode("node-1")},
+		testDeviceClass(), nicClass, ownedSlice("node-0", 4), free,
+		testClaim("owned", 2), tolerating, testClaim("nowhere", 1, `device.attributes["resource.kubernetes.io"].pcieRoot == "pci-none"`), nic, gpuNIC)
+	for _, c := range []string{"owned", "tolerating", "nowhere", "nic", "gpu-nic"} {
+		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+
+	create := func(pod *v1.Pod) {
+		t.Helper()
+		_, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+		h.tCtx.ExpectNoError(err, "create pod "+pod.Name)
+	}
+	otherReason := stockFailed(testPod("cpu", "owned"), "default-scheduler")
+	otherReason.Status.Conditions[0].Message = "0/2 nodes are available: 2 Insufficient cpu."
+	for _, pod := range []*v1.Pod{
+		stockFailed(testPod("wants-owned", "owned"), "default-scheduler"),
+		stockFailed(testPod("gpu-and-nic", "gpu-nic"), "default-scheduler"),
+		stockFailed(testPod("tolerates", "tolerating"), "default-scheduler"),
+		stockFailed(testPod("matches-nothing", "nowhere"), "default-scheduler"),
+		stockFailed(testPod("unowned", "nic"), "default-scheduler"),
+		stockFailed(testPod("ours", "owned"), h.pl.handle.ProfileName()),
+		otherReason,
+	} {
+		create(pod)
+	}
+	notices := func() map[string]string {
+		list, err := h.client.EventsV1().Events(testNS).List(h.tCtx, metav1.ListOptions{})
+		h.tCtx.ExpectNoError(err, "list events")
+		out := map[string]string{}
+		for _, ev := range list.Items {
+			if ev.Reason == OwnedNoticeReason {
+				if _, dup := out[ev.Regarding.Name]; dup {
+					t.Errorf("pod %s got a second notice: %s", ev.Regarding.Name, ev.Note)
+				}
+				out[ev.Regarding.Name] = ev.Note
+			}
+		}
+		return out
+	}
+	var got map[string]string
+	err := wait.PollUntilContextTimeout(h.tCtx, 20*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		got = notices()
+		return len(got) >= 2, nil
+	})
+	h.tCtx.ExpectNoError(err, "notices written: %v", got)
+	for pod, want := range map[string]string{
+		"wants-owned": "default-scheduler cannot allocate the devices of claim owned request gpu: every device it matches carries the taint " + topology.DefaultTaintKey,
+		"gpu-and-nic": "default-scheduler cannot allocate the devices of claim gpu-nic request gpu: every device",
+	} {
+		if !strings.Contains(got[pod], want) || !strings.Contains(got[pod], "Create the pod again with spec.schedulerName: "+h.pl.handle.ProfileName()) {
+			t.Errorf("notice of pod %s = %q, want it to contain %q and say which scheduler to set", pod, got[pod], want)
+		}
+	}
+	if strings.Contains(got["gpu-and-nic"], "request nic") {
+		t.Errorf("notice of pod gpu-and-nic names the NIC request, which unowned devices serve: %q", got["gpu-and-nic"])
+	}
+
+	// A second replica watching the same pods writes no second notice.
+	second := newOwnedNotices(h.pl, h.pl.handle.ProfileName(), h.client, h.pl.pods)
+	for _, name := range []string{"wants-owned", "gpu-and-nic", "tolerates"} {
+		pod, err := h.pl.pods.Pods(testNS).Get(name)
+		h.tCtx.ExpectNoError(err)
+		second.consider(pod)
+		if !second.next(h.tCtx) {
+			t.Fatal("the second replica's queue shut down")
+		}
+	}
+	// The other pods get none: their requests are served without the
+	// owned taint, tolerate it or match nothing, or the pod is not one
+	// that another scheduler failed to place for its claims.
+	for _, name := range []string{"tolerates", "matches-nothing", "unowned"} {
+		pod, err := h.pl.pods.Pods(testNS).Get(name)
+		h.tCtx.ExpectNoError(err)
+		if blocked, err := h.pl.ownedOnly(h.tCtx, pod); err != nil || len(blocked) > 0 {
+			t.Errorf("pod %s: requests needing the owned taint %v, %v; want none", name, blocked, err)
+		}
+	}
+	for _, name := range []string{"ours", "cpu"} {
+		pod, err := h.pl.pods.Pods(testNS).Get(name)
+		h.tCtx.ExpectNoError(err)
+		if second.candidate(pod) {
+			t.Errorf("pod %s is taken for one another scheduler failed to place for its claims", name)
+		}
+	}
+	if got = notices(); len(got) != 2 {
+		t.Errorf("notices on %d pods, want 2 (wants-owned, gpu-and-nic): %v", len(got), got)
+	}
+}
