@@ -282,6 +282,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	}
 	if pl.client != nil {
 		go wait.UntilWithContext(ctx, func(ctx context.Context) { pl.rereadUncertain(ctx, time.Now()) }, uncertainRereadInterval)
+		go warnVersionSkew(ctx, pl.client)
 	}
 	warnUnusedArgs(klog.FromContext(ctx), args)
 	if args.OwnedTaintKey != "" {
