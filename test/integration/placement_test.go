@@ -559,7 +559,7 @@ func TestWholeNodePodLeavesHeadroom(t *testing.T) {
 // has far fewer than 8 free), the pod is retried and starts.
 func TestHeadroomCountsNodesWithRoom(t *testing.T) {
 	heldByHeadroom(t, "headroom-room", []heldGPUs{{"one-1", 1, 0, 1}, {"six-2", 2, 0, 6}, {"one-2", 2, 6, 7}},
-		"16 are free, 15 of them on nodes with 2 or more free, and this pod needs 8, which would leave fewer than 8 there", "one-2")
+		"16 are free (15 of them on nodes with 2 or more free) and this pod needs 8 (that would leave fewer than 8)", "one-2")
 }
 
 // gpuRange names the GPUs gpu-from to gpu-(to-1) of a DGX-like node.

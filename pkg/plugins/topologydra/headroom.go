@@ -199,7 +199,9 @@ func checkHeadroom(percent int32, whole int, counts headroom, node string, alloc
 			if counts.matched {
 				which = "devices that this pod's requests match on the nodes it may use"
 			}
-			return fmt.Sprintf("keeping %d of the %d %s %s free for smaller pods (smallPodHeadroomPercent %d); %d are free, %d of them on nodes with %d or more free, and this pod needs %d, which would leave fewer than %d there; it is retried when devices are given back",
+			// No commas: the framework joins the reasons of the
+			// node groups with ", ".
+			return fmt.Sprintf("keeping %d of the %d %s %s free for smaller pods (smallPodHeadroomPercent %d): %d are free (%d of them on nodes with %d or more free) and this pod needs %d (that would leave fewer than %d); the pod needs no change: it is retried when devices are given back",
 				h, c.total, driver, which, percent, c.free, c.spare, SpareOnNode, n, h)
 		}
 	}

@@ -119,7 +119,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 			t.Errorf("Filter(%s) succeeded on a node without 8 free GPUs", n)
 		}
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 8 of the 64") || !strings.Contains(msg, "15 are free, 15 of them on nodes with 2 or more free, and this pod needs 8") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 8 of the 64") || !strings.Contains(msg, "15 are free (15 of them on nodes with 2 or more free) and this pod needs 8") {
 		t.Errorf("message %q does not say what is kept and why", msg)
 	}
 	_, st = h.cycle(testPod("small", "one"), names...)
@@ -168,7 +168,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
 		t.Errorf("5 free: Filter(node-0) for 4 GPUs = %v, want UnschedulableAndUnresolvable", st["node-0"])
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 2 of the 64") || !strings.Contains(msg, "5 are free, 5 of them on nodes with 2 or more free, and this pod needs 4") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "keeping 2 of the 64") || !strings.Contains(msg, "5 are free (5 of them on nodes with 2 or more free) and this pod needs 4") {
 		t.Errorf("message %q does not say what is kept and why", msg)
 	}
 	if _, st = h.cycle(testPod("p", "two"), "node-0"); !st["node-0"].IsSuccess() {
@@ -184,7 +184,7 @@ func TestFilterKeepsHeadroom(t *testing.T) {
 	if code(st["node-0"]) != fwk.UnschedulableAndUnresolvable {
 		t.Errorf("8 free besides the empty node, one alone on its node: Filter(node-0) = %v, want UnschedulableAndUnresolvable", st["node-0"])
 	}
-	if msg := st["node-0"].Message(); !strings.Contains(msg, "16 are free, 15 of them on nodes with 2 or more free, and this pod needs 8, which would leave fewer than 8 there") {
+	if msg := st["node-0"].Message(); !strings.Contains(msg, "16 are free (15 of them on nodes with 2 or more free) and this pod needs 8 (that would leave fewer than 8)") {
 		t.Errorf("message %q does not say that single free GPUs do not count", msg)
 	}
 	h = setup(4, 1, 1)
@@ -562,7 +562,7 @@ func TestHeadroomAmongTheModelThePodAsks(t *testing.T) {
 	before := heldPods()
 	for range 2 {
 		_, st = h.cycle(pod, "node-0")
-		if msg := st["node-0"].Message(); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(msg, "8 are free, 8 of them on nodes with 2 or more free") {
+		if msg := st["node-0"].Message(); code(st["node-0"]) != fwk.UnschedulableAndUnresolvable || !strings.Contains(msg, "8 are free (8 of them on nodes with 2 or more free)") {
 			t.Fatalf("only node-0 free: Filter(node-0) = %v, want the pod held back", st["node-0"])
 		}
 	}
