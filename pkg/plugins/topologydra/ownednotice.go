@@ -62,6 +62,9 @@ type ownedNotices struct {
 	pods     corelisters.PodLister
 	queue    workqueue.TypedRateLimitingInterface[cache.ObjectName]
 
+	// view is the latest devicesView (currentView).
+	view *devicesView
+
 	mu sync.Mutex
 	// sent holds the pods noticed, by UID, until they are deleted.
 	sent sets.Set[types.UID]
@@ -165,7 +168,11 @@ func (n *ownedNotices) notice(ctx context.Context, key cache.ObjectName) error {
 	if err != nil || !n.candidate(pod) {
 		return nil
 	}
-	blocked, err := n.pl.ownedOnly(ctx, pod)
+	view, err := n.currentView(ctx)
+	if err != nil || view == nil {
+		return err
+	}
+	blocked, err := n.pl.ownedOnly(ctx, pod, view)
 	if err != nil || len(blocked) == 0 {
 		return err
 	}
@@ -228,8 +235,9 @@ func noticeName(pod *v1.Pod) string {
 // toleration that TopologyDRA adds. Each request is judged alone, without
 // the claim's constraints. Requests it cannot judge by counting (fields
 // the allocator does not interpret, input errors) are left out, as are
-// claims that do not exist yet.
-func (pl *TopologyDRA) ownedOnly(ctx context.Context, pod *v1.Pod) ([]string, error) {
+// claims that do not exist yet. view holds the devices to judge by; nil
+// builds one.
+func (pl *TopologyDRA) ownedOnly(ctx context.Context, pod *v1.Pod, view *devicesView) ([]string, error) {
 	if pl.ownedToleration == nil {
 		return nil, nil
 	}
@@ -237,28 +245,12 @@ func (pl *TopologyDRA) ownedOnly(ctx context.Context, pod *v1.Pod) ([]string, er
 	if err != nil {
 		return nil, nil
 	}
-	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
-	if err != nil {
-		return nil, fmt.Errorf("list resource slices: %w", err)
-	}
-	// Nothing allocated: whether a device could ever serve the request.
-	a, err := allocator.New(ctx, allocator.Options{
-		Features:    pl.features,
-		ClassLister: pl.draManager.DeviceClasses(),
-		Slices:      slices,
-		CELCache:    pl.celCache,
-		Cache:       pl.cache,
-		Policy:      pl.policy,
-	})
-	if err != nil {
-		return nil, nil
-	}
-	nodes := sets.New[string]()
-	for _, s := range slices {
-		if s.Spec.NodeName != nil && *s.Spec.NodeName != "" {
-			nodes.Insert(*s.Spec.NodeName)
+	if view == nil {
+		if view, err = pl.newDevicesView(ctx); err != nil || view == nil {
+			return nil, err
 		}
 	}
+	a, nodes := view.allocator, view.nodes
 	servable := func(claim *resourceapi.ResourceClaim) (yes, known bool) {
 		counts, matched, err := a.CountDevices(ctx, []*resourceapi.ResourceClaim{claim}, nodes)
 		if err != nil || !matched {
@@ -294,4 +286,55 @@ func (pl *TopologyDRA) ownedOnly(ctx context.Context, pod *v1.Pod) ([]string, er
 		}
 	}
 	return blocked, nil
+}
+
+// devicesView is an Allocator over the cluster's slices with nothing
+// allocated, and the nodes with slices: what ownedOnly judges requests
+// with.
+type devicesView struct {
+	allocator *allocator.Allocator
+	nodes     sets.Set[string]
+	built     time.Time
+}
+
+// viewReuse is how long the notices judge pods with one devicesView: a
+// burst of pods is judged without indexing every slice for each.
+const viewReuse = 10 * time.Second
+
+// newDevicesView builds a devicesView from the slices as the scheduler
+// sees them now; nil where the allocator cannot be built.
+func (pl *TopologyDRA) newDevicesView(ctx context.Context) (*devicesView, error) {
+	slices, err := pl.draManager.ResourceSlices().ListWithDeviceTaintRules()
+	if err != nil {
+		return nil, fmt.Errorf("list resource slices: %w", err)
+	}
+	a, err := allocator.New(ctx, allocator.Options{
+		Features:    pl.features,
+		ClassLister: pl.draManager.DeviceClasses(),
+		Slices:      slices,
+		CELCache:    pl.celCache,
+		Cache:       pl.cache,
+		Policy:      pl.policy,
+	})
+	if err != nil {
+		return nil, nil
+	}
+	nodes := sets.New[string]()
+	for _, s := range slices {
+		if s.Spec.NodeName != nil && *s.Spec.NodeName != "" {
+			nodes.Insert(*s.Spec.NodeName)
+		}
+	}
+	return &devicesView{allocator: a, nodes: nodes, built: time.Now()}, nil
+}
+
+// currentView returns the view built within viewReuse, or a new one. Only
+// the notices' one worker calls it.
+func (n *ownedNotices) currentView(ctx context.Context) (*devicesView, error) {
+	if n.view != nil && time.Since(n.view.built) < viewReuse {
+		return n.view, nil
+	}
+	view, err := n.pl.newDevicesView(ctx)
+	n.view = view
+	return view, err
 }

@@ -125,7 +125,7 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 	for _, name := range []string{"tolerates", "matches-nothing", "unowned"} {
 		pod, err := h.pl.pods.Pods(testNS).Get(name)
 		h.tCtx.ExpectNoError(err)
-		if blocked, err := h.pl.ownedOnly(h.tCtx, pod); err != nil || len(blocked) > 0 {
+		if blocked, err := h.pl.ownedOnly(h.tCtx, pod, nil); err != nil || len(blocked) > 0 {
 			t.Errorf("pod %s: requests needing the owned taint %v, %v; want none", name, blocked, err)
 		}
 	}
