@@ -89,12 +89,14 @@ import (
 	"github.com/topodra/topodra/pkg/topology"
 )
 
-// HealthTaintKey is the device taint that marks a faulty device.
-const HealthTaintKey = topology.DriverName + "/unhealthy"
+// HealthTaintKey is the device taint that marks a faulty device
+// (topology.HealthTaintKey).
+const HealthTaintKey = topology.HealthTaintKey
 
 // NVMLUnusableTaintKey is the device taint on every device while the agent
-// cannot use NVML: such devices cannot be prepared.
-const NVMLUnusableTaintKey = topology.DriverName + "/nvml-unusable"
+// cannot use NVML: such devices cannot be prepared
+// (topology.NVMLUnusableTaintKey).
+const NVMLUnusableTaintKey = topology.NVMLUnusableTaintKey
 
 // DefaultRescanInterval is how often the agent rediscovers devices.
 const DefaultRescanInterval = time.Minute

@@ -18,8 +18,9 @@ import (
 
 // DevicePluginTaintKey is the NoSchedule device taint on every device while
 // the Node advertises GPUs of a device plugin (see
-// Options.DevicePluginResources): neither scheduler allocates them then.
-const DevicePluginTaintKey = topology.DriverName + "/device-plugin"
+// Options.DevicePluginResources): neither scheduler allocates them then
+// (topology.DevicePluginTaintKey).
+const DevicePluginTaintKey = topology.DevicePluginTaintKey
 
 // DefaultDevicePluginResources are the node agent command's default for
 // Options.DevicePluginResources: the extended resources of NVIDIA's device

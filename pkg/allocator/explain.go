@@ -108,11 +108,11 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 			// Fewer free than it needs even with the tainted ones: the
 			// taints are named too, since they keep devices from the
 			// request once others are given back.
-			reason = fmt.Sprintf("only %s (needs %d), %d of them with untolerated taints (%s)", matchPhrase(u.upper), re.Needed, u.upper-len(u.free), strings.Join(untoleratedKeys(ns, u), ", "))
+			reason = fmt.Sprintf("%s (needs %d); %d of them tainted: %s", onlyMatch(u.upper), re.Needed, u.upper-len(u.free), taintPhrase(untoleratedKeys(ns, u)))
 		case u.upper < re.Needed:
-			reason = fmt.Sprintf("only %s (needs %d)", matchPhrase(u.upper), re.Needed)
+			reason = fmt.Sprintf("%s (needs %d)", onlyMatch(u.upper), re.Needed)
 		case len(u.free) < re.Needed:
-			reason = fmt.Sprintf("only %s when untolerated taints are excluded (needs %d; tainted %s)", matchPhrase(len(u.free)), re.Needed, strings.Join(untoleratedKeys(ns, u), ", "))
+			reason = fmt.Sprintf("%s once tainted devices are left out (needs %d); taints: %s", onlyMatch(len(u.free)), re.Needed, taintPhrase(untoleratedKeys(ns, u)))
 		case unusable:
 			reason = matchPhrase(len(u.free))
 		default:
@@ -143,6 +143,25 @@ func untoleratedKeys(ns *nodeState, u *unit) []string {
 		}
 	}
 	return sets.List(keys)
+}
+
+// taintPhrase names the taints that keep devices from a request, keys as
+// untoleratedKeys gives them: the node agent's own with what they mean and
+// who must act (topology.TaintExplanation; a toleration is not the fix),
+// the others as untolerated. Without commas, as every reason.
+func taintPhrase(keys []string) string {
+	var other, parts []string
+	for _, key := range keys {
+		if e := topology.TaintExplanation(key); e != "" {
+			parts = append(parts, key+" ("+e+")")
+		} else {
+			other = append(other, key)
+		}
+	}
+	if len(other) > 0 {
+		parts = append([]string{"untolerated " + strings.Join(other, " and ")}, parts...)
+	}
+	return strings.Join(parts, "; ")
 }
 
 // unusablePools says, as a suffix for a reason, that the node has pools
@@ -178,6 +197,15 @@ func unusablePoolNames(ns *nodeState) string {
 		parts = append(parts, fmt.Sprintf("%s (%s)", pool, ns.invalid[pool]))
 	}
 	return strings.Join(parts, ", ")
+}
+
+// onlyMatch says "no free device matches", "only 1 free device matches"
+// or "only 3 free devices match".
+func onlyMatch(n int) string {
+	if n == 0 {
+		return "no free device matches"
+	}
+	return "only " + matchPhrase(n)
 }
 
 // matchPhrase says "1 free device matches" or "3 free devices match".

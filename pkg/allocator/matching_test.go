@@ -7,6 +7,7 @@ import (
 	"maps"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -288,9 +289,13 @@ func TestExplanationNamesTaints(t *testing.T) {
 	if err != nil || res.Allocations != nil || res.Explanation == nil || len(res.Explanation.Requests) != 1 {
 		t.Fatalf("Allocate: %v, %+v; want no allocation with an explanation", err, res)
 	}
-	want := "only 0 free devices match when untolerated taints are excluded (needs 1; tainted example.com/broken, gpu.topodra.io/device-plugin)"
+	devicePlugin := "gpu.topodra.io/device-plugin (NVIDIA's device plugin also hands out these GPUs; a cluster admin must disable it on the node as docs/install.md says; no claim may tolerate this taint)"
+	want := "no free device matches once tainted devices are left out (needs 1); taints: untolerated example.com/broken; " + devicePlugin
 	if got := res.Explanation.Requests[0].Reason; got != want {
 		t.Errorf("reason %q, want %q", got, want)
+	}
+	if got := res.Explanation.String(); strings.Contains(got, ",") {
+		t.Errorf("explanation %q has a comma, which kube-scheduler's summary of nodes uses as separator", got)
 	}
 	// Asking for more than are not in use, tainted or not: the taints are
 	// named as well, as they keep the devices once others are given back.
@@ -298,9 +303,53 @@ func TestExplanationNamesTaints(t *testing.T) {
 	if err != nil || res.Allocations != nil || res.Explanation == nil || len(res.Explanation.Requests) != 1 {
 		t.Fatalf("Allocate of 4: %v, %+v; want no allocation with an explanation", err, res)
 	}
-	want = "only 3 free devices match (needs 4), 3 of them with untolerated taints (example.com/broken, gpu.topodra.io/device-plugin)"
+	want = "only 3 free devices match (needs 4); 3 of them tainted: untolerated example.com/broken; " + devicePlugin
 	if got := res.Explanation.Requests[0].Reason; got != want {
 		t.Errorf("reason for 4 %q, want %q", got, want)
+	}
+}
+
+// TestExplanationOfAgentTaints: the node agent's taints, which no claim
+// should tolerate, are named with what they mean rather than as
+// untolerated taints, alone or beside others.
+func TestExplanationOfAgentTaints(t *testing.T) {
+	ctx := quietContext(t)
+	for name, tc := range map[string]struct {
+		keys []string
+		want string
+	}{
+		"health": {
+			keys: []string{"gpu.topodra.io/unhealthy"},
+			want: "no free device matches once tainted devices are left out (needs 1); taints: gpu.topodra.io/unhealthy (a GPU fault that the node agent reported; the taint's value names it)",
+		},
+		"nvml": {
+			keys: []string{"gpu.topodra.io/nvml-unusable"},
+			want: "no free device matches once tainted devices are left out (needs 1); taints: gpu.topodra.io/nvml-unusable (the node agent cannot read the node's GPUs through NVML; a cluster admin must repair the node's NVIDIA driver or reboot the node)",
+		},
+		"other keys": {
+			keys: []string{"example.com/b", "example.com/a"},
+			want: "no free device matches once tainted devices are left out (needs 1); taints: untolerated example.com/a and example.com/b",
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			var gpus []resourceapi.Device
+			for i, key := range tc.keys {
+				d := device(fmt.Sprintf("gpu-%d", i), nil)
+				d.Taints = []resourceapi.DeviceTaint{{Key: key, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+				gpus = append(gpus, d)
+			}
+			a, err := New(ctx, Options{Features: allFeatures, ClassLister: defaultClasses, Slices: []*resourceapi.ResourceSlice{slice("n", gpuDriver, gpus...)}, Policy: DefaultPolicy()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := a.Allocate(ctx, node("n"), []*resourceapi.ResourceClaim{claim("c").request("gpu", "gpu", 1).obj()})
+			if err != nil || res.Allocations != nil || res.Explanation == nil || len(res.Explanation.Requests) != 1 {
+				t.Fatalf("Allocate: %v, %+v; want no allocation with an explanation", err, res)
+			}
+			if got := res.Explanation.Requests[0].Reason; got != tc.want {
+				t.Errorf("reason %q, want %q", got, tc.want)
+			}
+		})
 	}
 }
 

@@ -1,7 +1,7 @@
 // Package topology is the shared vocabulary of topodra: the device attribute
 // names that carry topology, the driver name of the topodra node agent, the
-// claim annotations, and device coordinates (a device's domain value per
-// topology attribute).
+// claim annotations, the device taint keys of the node agent, and device
+// coordinates (a device's domain value per topology attribute).
 package topology
 
 import resourceapi "k8s.io/api/resource/v1"
@@ -41,8 +41,3 @@ const (
 	// devices of the pod's other claims that carry the same annotation.
 	AnnotationAlignWith = "topodra.io/align-with"
 )
-
-// DefaultTaintKey is the device taint key that the node agent can publish on
-// devices that only topodra should hand out: topodra tolerates it, the
-// default scheduler does not.
-const DefaultTaintKey = "gpu.topodra.io/topodra-only"

@@ -1,0 +1,34 @@
+package topology
+
+// Device taint keys that the node agent publishes.
+const (
+	// DefaultTaintKey is the device taint key that the node agent can
+	// publish on devices that only topodra should hand out: topodra
+	// tolerates it, the default scheduler does not.
+	DefaultTaintKey = DriverName + "/topodra-only"
+	// HealthTaintKey marks a faulty device; its value is the reason
+	// ("xid-79").
+	HealthTaintKey = DriverName + "/unhealthy"
+	// NVMLUnusableTaintKey is on every device while the node agent cannot
+	// use NVML: such devices cannot be prepared.
+	NVMLUnusableTaintKey = DriverName + "/nvml-unusable"
+	// DevicePluginTaintKey is on every device while the Node advertises
+	// GPUs of a device plugin, which hands out the same GPUs.
+	DevicePluginTaintKey = DriverName + "/device-plugin"
+)
+
+// TaintExplanation says, for a pod author, what a device taint of the node
+// agent (HealthTaintKey, NVMLUnusableTaintKey, DevicePluginTaintKey) means
+// and who must act; "" for any other key. The text has no commas, since
+// kube-scheduler joins the reasons of its nodes with ", ".
+func TaintExplanation(key string) string {
+	switch key {
+	case DevicePluginTaintKey:
+		return "NVIDIA's device plugin also hands out these GPUs; a cluster admin must disable it on the node as docs/install.md says; no claim may tolerate this taint"
+	case HealthTaintKey:
+		return "a GPU fault that the node agent reported; the taint's value names it"
+	case NVMLUnusableTaintKey:
+		return "the node agent cannot read the node's GPUs through NVML; a cluster admin must repair the node's NVIDIA driver or reboot the node"
+	}
+	return ""
+}
