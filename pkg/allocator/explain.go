@@ -248,17 +248,25 @@ func (a *Allocator) bestDomain(ns *nodeState, devs []int) (string, int) {
 func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *group, require bool) *Explanation {
 	expl := &Explanation{}
 	if require && requireGroup != nil {
-		names := make([]string, 0, len(a.policy.Attributes))
-		for _, attr := range a.policy.Attributes {
-			names = append(names, topology.ShortName(attr))
-		}
-		for _, u := range requireGroup.units {
-			reason := fmt.Sprintf("%s but not within one %s (alignment=require)", plural(len(u.free), "device")+" free", strings.Join(names, " or "))
-			if len(u.free) < u.count {
-				reason = ""
+		if len(requireGroup.units) > 1 {
+			// Name the requests that are short by themselves; if none
+			// is, the group as a whole.
+			for _, u := range requireGroup.units {
+				if len(u.free) < u.count {
+					expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+				}
 			}
-			expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, reason))
+			if len(expl.Requests) == 0 {
+				expl.Requests = append(expl.Requests, a.groupExplanation(ns, infos, requireGroup))
+			}
+			return expl
 		}
+		u := requireGroup.units[0]
+		reason := fmt.Sprintf("%s but not within one %s (alignment=require)", plural(len(u.free), "device")+" free", a.domainKinds())
+		if len(u.free) < u.count {
+			reason = ""
+		}
+		expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, reason))
 		return expl
 	}
 	// Name the requests that are short of devices; if none is, the
@@ -298,6 +306,210 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 	return expl
 }
 
+// domainKinds names the policy's topology attributes for users:
+// "nvlinkClique or pcieRoot or numaNode".
+func (a *Allocator) domainKinds() string {
+	names := make([]string, 0, len(a.policy.Attributes))
+	for _, attr := range a.policy.Attributes {
+		names = append(names, topology.ShortName(attr))
+	}
+	return strings.Join(names, " or ")
+}
+
+// groupExplanation says why an alignment=require group of several
+// requests (of one claim, or of the claims with align-with=pod) fits in no
+// domain although each request has enough free devices: the domain that
+// serves most of them at once, and which requests it is short of. Free
+// is what that domain serves, Matching the most that a domain could serve
+// once every device in use is given back (see Explanation.Freeable);
+// where counting cannot tell (the domain has enough free devices, or the
+// requests have other subrequests), Matching makes it freeable as soon as
+// any of the requests' matching devices is in use.
+func (a *Allocator) groupExplanation(ns *nodeState, infos []*claimInfo, g *group) RequestExplanation {
+	several := len(g.claims) > 1
+	bestName, served, short := "", 0, ""
+	servable := 0
+	usable := a.usableLists(ns, g.units)
+	restrict := make([]bool, len(g.units))
+	for k := range restrict {
+		restrict[k] = true
+	}
+	for l, attr := range a.policy.Attributes {
+		valueOf := func(i int) string { return ns.devices[i].coords[l] }
+		v, n, sh := bestShare(g.units, valueOf, several)
+		if n > served {
+			bestName, served, short = topology.FormatDomain(attr, v), n, sh
+		}
+		n, _ = mostFilled(g.units, usable, restrict, func(i int) (string, bool) { return valueOf(i), true })
+		servable = max(servable, n)
+	}
+	re := RequestExplanation{
+		Matching:       servable,
+		Free:           served,
+		Needed:         g.need,
+		BestDomain:     bestName,
+		BestDomainFree: served,
+	}
+	var reqs []string
+	for _, u := range g.units {
+		reqs = append(reqs, u.displayName())
+	}
+	what, mode := "all requests", "alignment=require"
+	if several {
+		var claims []string
+		for _, ci := range g.claims {
+			claims = append(claims, infos[ci].claim.Name)
+		}
+		re.Claim = strings.Join(claims, " and ")
+		what, mode = "all their requests", "align-with=pod and alignment=require"
+	} else {
+		re.Claim = g.units[0].claim.Name
+		re.Request = strings.Join(reqs, ",")
+	}
+	switch {
+	case served >= g.need:
+		// Counting does not see why (the devices' counters, the pod's
+		// other requests): upstream found no such allocation.
+		re.Reason = fmt.Sprintf("no %s has free devices for %s that can be allocated together (%s; needs %d)", a.domainKinds(), what, mode, g.need)
+	case served > 0:
+		re.Reason = fmt.Sprintf("no %s has free devices for %s (%s; needs %d; the best has %d%s)", a.domainKinds(), what, mode, g.need, served, short)
+	default:
+		re.Reason = fmt.Sprintf("no %s has free devices for %s (%s; needs %d)", a.domainKinds(), what, mode, g.need)
+	}
+	re.Reason += unusablePools(ns)
+	exact := true
+	for _, u := range g.units {
+		exact = exact && u.subName == ""
+	}
+	if served >= g.need || !exact {
+		// Counting cannot tell whether giving devices back helps (or
+		// another subrequest might fit then): freeable where any
+		// request's matching devices are in use.
+		re.Matching = served
+		for _, u := range g.units {
+			if len(u.free) < u.nMatch {
+				re.Matching = max(served+1, g.need)
+			}
+		}
+	}
+	re.UnusablePools = unusablePoolNames(ns)
+	return re
+}
+
+// bestShare finds the value (valueOf of a device; "" for none) where
+// distinct free devices fill the most request slots of units at once
+// (ties: the smaller value), how many, and which of units have fewer
+// free devices there than they need, as ": 0 of 1 nic free there" ("" if
+// none is short; requests as "claim/request" with several claims).
+func bestShare(units []*unit, valueOf func(i int) string, several bool) (best string, served int, short string) {
+	values := sets.New[string]()
+	for _, u := range units {
+		for _, i := range u.free {
+			if v := valueOf(i); v != "" {
+				values.Insert(v)
+			}
+		}
+	}
+	in := func(u *unit, v string) []int {
+		var out []int
+		for _, i := range u.free {
+			if valueOf(i) == v {
+				out = append(out, i)
+			}
+		}
+		return out
+	}
+	for _, v := range sets.List(values) {
+		var slots [][]int
+		for _, u := range units {
+			devs := in(u, v)
+			for range u.count {
+				slots = append(slots, devs)
+			}
+		}
+		if n := fillSlots(slots, false); n > served {
+			best, served = v, n
+		}
+	}
+	if served == 0 {
+		return "", 0, ""
+	}
+	var parts []string
+	for _, u := range units {
+		if n := len(in(u, best)); n < u.count {
+			name := u.displayName()
+			if several {
+				name = u.claim.Name + "/" + name
+			}
+			parts = append(parts, fmt.Sprintf("%d of %d %s", n, u.count, name))
+		}
+	}
+	if len(parts) > 0 {
+		short = ": " + strings.Join(parts, " and ") + " free there"
+	}
+	return best, served, short
+}
+
+// mostFilled is the most request slots of units that distinct devices of
+// one value (valueOf; "" for none) fill at once: unit k takes devices of
+// devs[k], of that value only where restrict[k]. ok is false where valueOf
+// cannot tell the value of such a device.
+func mostFilled(units []*unit, devs [][]int, restrict []bool, valueOf func(i int) (string, bool)) (most int, ok bool) {
+	values := sets.New[string]()
+	for k := range units {
+		if !restrict[k] {
+			continue
+		}
+		for _, i := range devs[k] {
+			v, ok := valueOf(i)
+			if !ok {
+				return 0, false
+			}
+			if v != "" {
+				values.Insert(v)
+			}
+		}
+	}
+	for v := range values {
+		var slots [][]int
+		for k, u := range units {
+			in := devs[k]
+			if restrict[k] {
+				in = slices.DeleteFunc(slices.Clone(in), func(i int) bool { w, _ := valueOf(i); return w != v })
+			}
+			for range u.count {
+				slots = append(slots, in)
+			}
+		}
+		most = max(most, fillSlots(slots, false))
+	}
+	return most, true
+}
+
+// freeLists gives the free devices of each unit.
+func freeLists(units []*unit) [][]int {
+	out := make([][]int, len(units))
+	for k, u := range units {
+		out[k] = u.free
+	}
+	return out
+}
+
+// usableLists gives, per unit, the devices it could have once every
+// device in use is given back: those that match it and that no taint
+// keeps from it.
+func (a *Allocator) usableLists(ns *nodeState, units []*unit) [][]int {
+	out := make([][]int, len(units))
+	for k, u := range units {
+		for i, m := range u.matching {
+			if m && !(a.features.DeviceTaints && taintPrevents(ns.devices[i].device, u.tolerations)) {
+				out[k] = append(out[k], i)
+			}
+		}
+	}
+	return out
+}
+
 // explainSpan explains why alignment=prefer groups had to span domains.
 func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resourceapi.AllocationResult) *Explanation {
 	var expl *Explanation
@@ -324,62 +536,93 @@ func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resour
 	return expl
 }
 
-// matchExplanation says why no class can serve a constrained claim.
+// matchExplanation says why no class can serve a constrained claim
+// (classOf and names as matchClasses gives them). Its reason names the
+// constrained requests that the best value (the one that serves most of
+// them at once) is short of; its counts are for the whole claim: Free is
+// the most of the claim's requests one value serves now, Matching the most
+// once every device in use is given back (see Explanation.Freeable).
 func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []int, names []string) RequestExplanation {
 	var reqNames []string
-	need, matching := 0, 0
-	freeAll := map[int]bool{}
+	var cons, all []*unit
+	var restrict []bool
+	needC, need := 0, 0
+	without := sets.New[int]()
 	for _, r := range info.requests {
+		u := r.alts[0]
+		all = append(all, u)
+		need += u.count
+		restrict = append(restrict, constrained(info, r.name))
 		if !constrained(info, r.name) {
 			continue
 		}
-		u := r.alts[0]
+		cons = append(cons, u)
 		reqNames = append(reqNames, u.displayName())
-		need += u.count
-		matching = max(matching, u.nMatch)
+		needC += u.count
 		for _, i := range u.free {
-			freeAll[i] = true
+			if classOf[i] == -1 {
+				without.Insert(i)
+			}
 		}
 	}
-	perClass := make([]int, len(names))
-	without := 0
-	for i := range freeAll {
-		if classOf[i] >= 0 {
-			perClass[classOf[i]]++
-		} else {
-			without++
+	valueOf := func(i int) string {
+		if classOf[i] < 0 {
+			return ""
 		}
+		return names[classOf[i]]
 	}
-	best, bestN := "", 0
-	for c, n := range perClass {
-		if n > bestN || (n == bestN && n > 0 && names[c] < best) {
-			best, bestN = names[c], n
-		}
-	}
+	best, served, short := bestShare(cons, valueOf, false)
+	// The claim's unconstrained requests take devices of any value.
+	free, _ := mostFilled(all, freeLists(all), restrict, func(i int) (string, bool) { return valueOf(i), true })
 	var attrs []string
 	for _, c := range info.claim.Spec.Devices.Constraints {
 		attrs = append(attrs, string(*c.MatchAttribute))
 	}
 	which := "all requests"
 	if len(reqNames) < len(info.requests) {
-		which = "requests " + strings.Join(reqNames, ", ")
+		which = "requests " + strings.Join(reqNames, " and ")
 	}
-	reason := fmt.Sprintf("no single value of %s has enough free matching devices for %s (needs %d", strings.Join(attrs, ", "), which, need)
-	if bestN > 0 {
-		reason += fmt.Sprintf(", at most %d share one", bestN)
+	var reason string
+	if served == needC {
+		// The constrained requests fit in one value; the claim's others
+		// do not fit beside them.
+		reason = fmt.Sprintf("no single value of %s leaves free devices for the claim's other requests (needs %d in all)", strings.Join(attrs, " and "), need)
+	} else {
+		reason = fmt.Sprintf("no single value of %s has free devices for %s (needs %d", strings.Join(attrs, " and "), which, needC)
+		if served > 0 {
+			reason += fmt.Sprintf("; the best has %d%s", served, short)
+		}
+		reason += ")"
 	}
-	reason += ")"
-	if without > 0 {
-		reason += fmt.Sprintf("; %s lack the attribute", plural(without, "free device"))
+	if without.Len() > 0 {
+		verb := " lack"
+		if without.Len() == 1 {
+			verb = " lacks"
+		}
+		reason += "; " + plural(without.Len(), "free device") + verb + " the attribute"
+	}
+	// Every device's class, in use or not: where one is a list value,
+	// counting cannot tell, and the claim may fit once devices are given
+	// back.
+	var key strings.Builder
+	servable, ok := mostFilled(all, a.usableLists(ns, all), restrict, func(i int) (string, bool) {
+		found, scalar := classKey(&key, ns, info, i)
+		if !found {
+			return "", scalar
+		}
+		return key.String(), scalar
+	})
+	if !ok {
+		servable = need
 	}
 	return RequestExplanation{
 		Claim:          info.claim.Name,
 		Request:        strings.Join(reqNames, ","),
-		Matching:       matching,
-		Free:           len(freeAll),
+		Matching:       servable,
+		Free:           free,
 		Needed:         need,
 		BestDomain:     displayValue(best),
-		BestDomainFree: bestN,
+		BestDomainFree: served,
 		Reason:         reason,
 	}
 }

@@ -106,7 +106,6 @@ func typedValue(attr resourceapi.DeviceAttribute) (string, bool) {
 // for devices that lack an attribute (or are not used by the claim).
 // ok is false if a device has a list or unknown value.
 func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string, ok bool) {
-	constraints := info.claim.Spec.Devices.Constraints
 	classOf = make([]int, len(ns.devices))
 	for i := range classOf {
 		classOf[i] = -2 // not evaluated
@@ -121,25 +120,11 @@ func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string
 			if classOf[i] != -2 {
 				continue
 			}
-			d := &ns.devices[i]
-			key.Reset()
-			missing := false
-			for k, c := range constraints {
-				attr, found := lookupAttribute(d.driver, d.device, *c.MatchAttribute)
-				if !found {
-					missing = true
-					break
-				}
-				v, scalar := typedValue(attr)
-				if !scalar {
-					return nil, nil, false
-				}
-				if k > 0 {
-					key.WriteByte(0)
-				}
-				key.WriteString(v)
+			found, scalar := classKey(&key, ns, info, i)
+			if !scalar {
+				return nil, nil, false
 			}
-			if missing {
+			if !found {
 				classOf[i] = -1
 				continue
 			}
@@ -153,6 +138,30 @@ func matchClasses(ns *nodeState, info *claimInfo) (classOf []int, names []string
 		}
 	}
 	return classOf, names, true
+}
+
+// classKey writes into key (reset first) the class name of device i: the
+// typed values of info's constrained attributes, separated by NUL. found
+// is false where the device lacks one of them, scalar false where one is
+// a list or of an unknown type.
+func classKey(key *strings.Builder, ns *nodeState, info *claimInfo, i int) (found, scalar bool) {
+	key.Reset()
+	d := &ns.devices[i]
+	for k, c := range info.claim.Spec.Devices.Constraints {
+		attr, ok := lookupAttribute(d.driver, d.device, *c.MatchAttribute)
+		if !ok {
+			return false, true
+		}
+		v, ok := typedValue(attr)
+		if !ok {
+			return true, false
+		}
+		if k > 0 {
+			key.WriteByte(0)
+		}
+		key.WriteString(v)
+	}
+	return true, true
 }
 
 // restrictTo returns a copy of info whose constrained (single-alternative)
@@ -183,22 +192,31 @@ func restrictTo(info *claimInfo, classOf []int, c int) *claimInfo {
 // canServe reports whether distinct free devices can serve all requests of
 // info at once (a bipartite matching of request slots to devices).
 func canServe(info *claimInfo) bool {
-	var slots []*unit
+	var slots [][]int
 	for _, r := range info.requests {
 		u := r.alts[0]
 		if len(u.free) < u.count {
 			return false
 		}
 		for range u.count {
-			slots = append(slots, u)
+			slots = append(slots, u.free)
 		}
 	}
+	return fillSlots(slots, true) == len(slots)
+}
+
+// fillSlots gives request slots distinct devices, slot s any device of
+// slots[s], and returns how many slots a maximum matching fills. With
+// stopEarly it returns at the first slot that stays empty (a count below
+// len(slots), not necessarily the maximum).
+func fillSlots(slots [][]int, stopEarly bool) int {
 	owner := map[int]int{} // device -> slot
+	filled := 0
 	for s := range slots {
 		seen := map[int]bool{}
 		var augment func(s int) bool
 		augment = func(s int) bool {
-			for _, i := range slots[s].free {
+			for _, i := range slots[s] {
 				if seen[i] {
 					continue
 				}
@@ -211,9 +229,12 @@ func canServe(info *claimInfo) bool {
 			}
 			return false
 		}
-		if !augment(s) {
-			return false
+		switch {
+		case augment(s):
+			filled++
+		case stopEarly:
+			return filled
 		}
 	}
-	return true
+	return filled
 }

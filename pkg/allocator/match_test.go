@@ -34,6 +34,74 @@ func partialMatchClaim(name string, n, constrained int, attr resourceapi.FullyQu
 	return c
 }
 
+// gpuNICClaim is a claim of one GPU and one NIC with matchAttribute on
+// attr.
+func gpuNICClaim(name string, attr resourceapi.FullyQualifiedName) *resourceapi.ResourceClaim {
+	c := claim(name).request("gpu", "gpu", 1).request("nic", "nic", 1).obj()
+	c.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(attr)}}
+	return c
+}
+
+// withDevices adds the named devices of a pool of driver to state.
+func withDevices(state *structured.AllocatedState, driver, pool string, names ...string) *structured.AllocatedState {
+	for _, n := range names {
+		state.AllocatedDevices.Insert(structured.MakeDeviceID(driver, pool, n))
+	}
+	return state
+}
+
+// TestMatchExplanationFreeable: a constrained claim that no value serves
+// is freeable (preemption may help) exactly where one value could serve
+// all its requests once the devices in use are given back; a device that
+// a taint keeps from the claim does not count.
+func TestMatchExplanationFreeable(t *testing.T) {
+	const nodeName = "worker"
+	pcieRoot := resourceapi.FullyQualifiedName(topology.AttrPCIeRoot)
+	root := func(r string) attrs { return attrs{topology.AttrPCIeRoot: str(r)} }
+	tainted := func(d resourceapi.Device) resourceapi.Device {
+		d.Taints = []resourceapi.DeviceTaint{{Key: "example.com/broken", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+		return d
+	}
+	gpus := func() *resourceapi.ResourceSlice {
+		return slice(nodeName, gpuDriver, device("gpu-0", root("a")), device("gpu-1", root("a")), device("gpu-2", root("a")))
+	}
+	for name, tc := range map[string]struct {
+		slices    []*resourceapi.ResourceSlice
+		allocated *structured.AllocatedState
+		freeable  bool
+	}{
+		"nic-in-use-beside-free-gpus": {
+			slices:    gpuNIC(nodeName),
+			allocated: withDevices(allocated(gpuDriver, nodeName, "gpu-2", "gpu-3"), nicDriver, nodeName, "nic-1"),
+			freeable:  true,
+		},
+		"nic-on-a-root-without-gpus": {
+			slices:    []*resourceapi.ResourceSlice{gpus(), slice(nodeName, nicDriver, device("nic-0", root("b")))},
+			allocated: allocated(gpuDriver, nodeName, "gpu-0", "gpu-1"),
+			freeable:  false,
+		},
+		"nic-beside-the-gpus-tainted": {
+			slices:    []*resourceapi.ResourceSlice{gpus(), slice(nodeName, nicDriver, tainted(device("nic-0", root("a"))), device("nic-1", root("b")))},
+			allocated: allocated(gpuDriver, nodeName, "gpu-0"),
+			freeable:  false,
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			_, res, upResult := allocateBoth(ctx, t, nodeName, tc.slices, tc.allocated, DefaultPolicy(), []*resourceapi.ResourceClaim{gpuNICClaim("c", pcieRoot)})
+			if res.Allocations != nil || upResult != nil || res.Explanation == nil {
+				t.Fatalf("allocates %v (upstream %v); want neither, with an explanation", deviceNames(res.Allocations), deviceNames(upResult))
+			}
+			if !strings.Contains(res.Explanation.String(), "no single value of") {
+				t.Fatalf("explanation %q is not the constraint's", res.Explanation)
+			}
+			if got := res.Explanation.Freeable(); got != tc.freeable {
+				t.Errorf("Freeable() = %v, want %v (%+v)", got, tc.freeable, res.Explanation.Requests)
+			}
+		})
+	}
+}
+
 // TestMatchAttributeByCounting checks claims with matchAttribute
 // constraints that Allocate decides by counting per attribute value: the
 // devices chosen, that the result is counted (Unverified) where it should
@@ -111,7 +179,17 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			claims:    []*resourceapi.ResourceClaim{partialMatchClaim("c", 3, 2, pcieRoot)},
 			want:      nil,
 			counted:   true,
-			explain:   "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices for requests gpu-0, gpu-1 (needs 2, at most 1 share one)",
+			explain:   "no single value of resource.kubernetes.io/pcieRoot has free devices for requests gpu-0 and gpu-1 (needs 2; the best has 1)",
+		},
+		"constrained-fit-the-other-does-not": {
+			// gpu-0 and gpu-1 fit in root 0, the only free GPUs; gpu-2
+			// gets none.
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-2", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7"),
+			claims:    []*resourceapi.ResourceClaim{partialMatchClaim("c", 3, 2, pcieRoot)},
+			want:      nil,
+			counted:   true,
+			explain:   "no single value of resource.kubernetes.io/pcieRoot leaves free devices for the claim's other requests (needs 3 in all)",
 		},
 		"no-root-has-enough": {
 			slices:    pcieBox(nodeName),
@@ -119,7 +197,18 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 4, pcieRoot)},
 			want:      nil,
 			counted:   true,
-			explain:   "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices for all requests (needs 4, at most 3 share one)",
+			explain:   "no single value of resource.kubernetes.io/pcieRoot has free devices for all requests (needs 4; the best has 3)",
+		},
+		"gpu-and-nic-on-no-root": {
+			// Root 0 has two free GPUs and its NIC in use, root 1 its
+			// NIC and no free GPU: the GPUs of root 0 count once, for
+			// the GPU request.
+			slices:    gpuNIC(nodeName),
+			allocated: withDevices(allocated(gpuDriver, nodeName, "gpu-2", "gpu-3"), nicDriver, nodeName, "nic-1"),
+			claims:    []*resourceapi.ResourceClaim{gpuNICClaim("c", pcieRoot)},
+			want:      nil,
+			counted:   true,
+			explain:   "claim c request gpu,nic: no single value of resource.kubernetes.io/pcieRoot has free devices for all requests (needs 2; the best has 1: 0 of 1 nic free there)",
 		},
 		"two-claims-two-roots": {
 			slices: pcieBox(nodeName),
@@ -141,7 +230,7 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			claims:    []*resourceapi.ResourceClaim{matchClaim("c", 2, pcieRoot)},
 			want:      nil,
 			counted:   true,
-			explain:   "1 free device lack the attribute",
+			explain:   "(needs 2; the best has 1); 1 free device lacks the attribute",
 		},
 		"short-name-of-the-driver-domain": {
 			slices:  odd(),

@@ -399,7 +399,9 @@ type Explanation struct {
 // RequestExplanation describes one request of one claim on one node.
 type RequestExplanation struct {
 	// Claim and Request name the request ("request/subrequest" for the
-	// chosen subrequest of firstAvailable).
+	// chosen subrequest of firstAvailable; several joined by ","). An
+	// explanation of the align-with=pod group as a whole has no Request,
+	// and Claim names its claims ("a and b").
 	Claim, Request string
 	// Matching counts the devices that match the class and selectors,
 	// Free those of them that are also available (not allocated, taints
@@ -442,6 +444,10 @@ func (e *Explanation) String() string {
 	}
 	parts := make([]string, 0, len(e.Requests))
 	for _, r := range e.Requests {
+		if r.Request == "" {
+			parts = append(parts, fmt.Sprintf("claims %s: %s", r.Claim, r.Reason))
+			continue
+		}
 		parts = append(parts, fmt.Sprintf("claim %s request %s: %s", r.Claim, r.Request, r.Reason))
 	}
 	return strings.Join(parts, "; ")

@@ -265,7 +265,7 @@ func TestMatchAttributeConstraint(t *testing.T) {
 	pod, err := framework.WaitForPodUnschedulable(tCtx, cp.Client, e.ns, "too-big", waitTimeout)
 	tCtx.ExpectNoError(err)
 	msg := framework.PodScheduledCondition(pod).Message
-	if !strings.Contains(msg, "no single value of resource.kubernetes.io/pcieRoot has enough free matching devices") {
+	if !strings.Contains(msg, "no single value of resource.kubernetes.io/pcieRoot has free devices for all requests") {
 		t.Errorf("pod condition %q does not explain the constraint", msg)
 	}
 }
