@@ -352,6 +352,12 @@ func TestBadInput(t *testing.T) {
 			claim: claim("my-claim").request("my-request", "gpu", 1, `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`).obj(),
 			want:  []string{"default/my-claim", "my-request", "`device.attributes[\"gpu.topodra.io\"].noSuchAttribute > 3`", "fails on device", "no such key"},
 		},
+		"cel-runtime-error-other-drivers-domain": {
+			// Written for NVIDIA's driver: the device's domains say so.
+			claim: claim("my-claim").request("my-request", "gpu", 1, `device.attributes["gpu.nvidia.com"].productName == "H100"`).obj(),
+			want: []string{"fails on device", "no such key: productName",
+				"(the device's attribute domains: gpu.topodra.io, resource.kubernetes.io; capacity domains: none)"},
+		},
 		"cel-runtime-error-two-devices": {
 			claim: claim("my-claim").request("my-request", "gpu", 2, `device.attributes["gpu.topodra.io"].noSuchAttribute > 3`).obj(),
 			want:  []string{"default/my-claim", "my-request", "`device.attributes[\"gpu.topodra.io\"].noSuchAttribute > 3`", "fails on device"},

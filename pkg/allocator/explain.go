@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -722,6 +723,9 @@ func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *r
 				Capacity:                 d.Capacity,
 			})
 			if derr != nil {
+				if missingKey(derr) {
+					derr = fmt.Errorf("%w (%s)", derr, deviceDomains(driver, d))
+				}
 				return &InputError{Claim: klog.KObj(claim).String(), Request: request,
 					Detail: fmt.Sprintf("%s `%s` fails on device %s", origins[k], expr, deviceName), Err: derr}
 			}
@@ -744,4 +748,43 @@ func (a *Allocator) failingSelector(ctx context.Context, ns *nodeState, claim *r
 		}
 	}
 	return nil
+}
+
+// missingKey reports whether a selector's run-time error is a lookup of a
+// key the device does not have (an attribute or capacity, or a domain
+// with none): the errors that upstream's cel.EnhanceRuntimeError wraps
+// with a hint, which it returns as they are otherwise.
+func missingKey(err error) bool {
+	return reflect.TypeOf(cel.EnhanceRuntimeError(err)) != reflect.TypeOf(err)
+}
+
+// maxDomains bounds how many domains deviceDomains names of each kind.
+const maxDomains = 4
+
+// deviceDomains names the domains of a device's attributes and capacities
+// (a name without one is in the driver's), sorted, at most maxDomains of
+// each: for a selector that looks in the wrong domain, e.g.
+// "the device's attribute domains: gpu.topodra.io, resource.kubernetes.io;
+// capacity domains: none".
+func deviceDomains(driver string, d *resourceapi.Device) string {
+	domains := func(names []resourceapi.QualifiedName) string {
+		set := sets.New[string]()
+		for _, name := range names {
+			domain, _, ok := strings.Cut(string(name), "/")
+			if !ok {
+				domain = driver
+			}
+			set.Insert(domain)
+		}
+		list := sets.List(set)
+		switch {
+		case len(list) == 0:
+			return "none"
+		case len(list) > maxDomains:
+			return strings.Join(list[:maxDomains], ", ") + fmt.Sprintf(" and %d more", len(list)-maxDomains)
+		}
+		return strings.Join(list, ", ")
+	}
+	return "the device's attribute domains: " + domains(slices.Collect(maps.Keys(d.Attributes))) +
+		"; capacity domains: " + domains(slices.Collect(maps.Keys(d.Capacity)))
 }

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
 
 	"github.com/topodra/topodra/pkg/topology"
@@ -97,5 +98,29 @@ func TestRequireGroupExplanation(t *testing.T) {
 				t.Errorf("Freeable() = %v, want %v (%+v)", got, tc.freeable, res.Explanation.Requests)
 			}
 		})
+	}
+}
+
+// TestMissingKey: the run-time errors of selectors that look up a key the
+// device lacks are told apart from others, which get no list of domains.
+func TestMissingKey(t *testing.T) {
+	d := device("gpu-0", attrs{"model": str("H100")})
+	for expr, want := range map[string]bool{
+		`device.attributes["gpu.nvidia.com"].productName == "H100"`:               true,
+		`device.attributes["gpu.topodra.io"].memory > 3`:                          true,
+		`device.capacity["gpu.topodra.io"].memory.isGreaterThan(quantity("1Gi"))`: true,
+		`device.attributes["gpu.topodra.io"].model > 3`:                           false,
+	} {
+		compiled := newCELCache().GetOrCompile(expr)
+		if compiled.Error != nil {
+			t.Fatalf("%s: %v", expr, compiled.Error)
+		}
+		_, _, err := compiled.DeviceMatches(t.Context(), cel.Device{Driver: gpuDriver, Attributes: d.Attributes})
+		if err == nil {
+			t.Fatalf("%s: no error", expr)
+		}
+		if got := missingKey(err); got != want {
+			t.Errorf("%s: missingKey(%v) = %v, want %v", expr, err, got, want)
+		}
 	}
 }

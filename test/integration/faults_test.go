@@ -170,7 +170,7 @@ func TestBadCELDoesNotBlockOthers(t *testing.T) {
 
 	failing := map[string]struct{ expression, want string }{
 		"type-error":        {`device.attributes["gpu.topodra.io"].productName > 3`, "no such overload"},
-		"missing-attribute": {`device.attributes["gpu.topodra.io"].vendorSKU == "sxm5"`, "no such key"},
+		"missing-attribute": {`device.attributes["gpu.topodra.io"].vendorSKU == "sxm5"`, "no such key: vendorSKU (the device's attribute domains: gpu.topodra.io"},
 	}
 	for name, c := range failing {
 		tCtx.ExpectNoError(e.selectorTemplate(name, e.class, c.expression), "template "+name)
