@@ -233,7 +233,14 @@ func TestAllocateShapes(t *testing.T) {
 			claims:       []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 1, `device.attributes["gpu.topodra.io"].model == "B200"`).obj()},
 			want:         nil,
 			upstreamWant: nil,
-			wantExplain:  "no device matches class gpu",
+			wantExplain:  "claim c request gpus: the node has 8 devices of class gpu but none matches the request's selectors",
+		},
+		"no-device-of-the-class": {
+			slices:       dgx(nodeName),
+			claims:       []*resourceapi.ResourceClaim{claim("c").request("nics", "nic", 1).obj()},
+			want:         nil,
+			upstreamWant: nil,
+			wantExplain:  "claim c request nics: the node has no device of class nic",
 		},
 		"spread-policy": {
 			// LeastAllocated: the single GPU goes to the emptiest domain.
@@ -684,7 +691,7 @@ func TestPoolsLikeUpstream(t *testing.T) {
 		inUse       []string
 		wantExplain string
 	}{
-		"incomplete-pool":            {slices: incomplete, wantExplain: "resource pools are incomplete"},
+		"incomplete-pool":            {slices: incomplete, wantExplain: "the node's usable resource pools have no device of class gpu; some of the node's resource pools are incomplete"},
 		"incomplete-pool-all-in-use": {slices: incomplete, inUse: all, wantExplain: "resource pools are incomplete"},
 		"duplicate-device-names":     {slices: duplicate, wantExplain: "invalid resource pools"},
 		"missing-counter-set":        {slices: partitioned(resourceapi.DeviceCounterConsumption{CounterSet: "gone", Counters: gb}), wantExplain: "invalid resource pools"},

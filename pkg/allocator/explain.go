@@ -36,7 +36,7 @@ func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
 
 // countCheck returns an explanation if some request cannot fit by counting
 // alone (an upper bound of what upstream can allocate), nil otherwise.
-func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
+func (a *Allocator) countCheck(ctx context.Context, ns *nodeState, infos []*claimInfo) *Explanation {
 	var expl *Explanation
 	for _, info := range infos {
 		for _, r := range info.requests {
@@ -54,7 +54,7 @@ func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
 			if expl == nil {
 				expl = &Explanation{}
 			}
-			expl.Requests = append(expl.Requests, a.alternativesExplanation(r, ns))
+			expl.Requests = append(expl.Requests, a.alternativesExplanation(ctx, r, ns))
 		}
 	}
 	return expl
@@ -63,14 +63,14 @@ func (a *Allocator) countCheck(ns *nodeState, infos []*claimInfo) *Explanation {
 // alternativesExplanation describes a request none of whose alternatives
 // fits: the one alternative of an exact request, or every subrequest of
 // a prioritized list (the pod would run with any of them).
-func (a *Allocator) alternativesExplanation(r *request, ns *nodeState) RequestExplanation {
-	first := a.requestExplanation(r.alts[0], ns, "")
+func (a *Allocator) alternativesExplanation(ctx context.Context, r *request, ns *nodeState) RequestExplanation {
+	first := a.requestExplanation(ctx, r.alts[0], ns, "")
 	if len(r.alts) == 1 {
 		return first
 	}
 	parts := make([]string, 0, len(r.alts))
 	for _, u := range r.alts {
-		re := a.requestExplanation(u, ns, "")
+		re := a.requestExplanation(ctx, u, ns, "")
 		reason, _, _ := strings.Cut(re.Reason, "; ") // the pools' suffix once, below
 		parts = append(parts, u.subName+": "+reason)
 	}
@@ -80,7 +80,7 @@ func (a *Allocator) alternativesExplanation(r *request, ns *nodeState) RequestEx
 }
 
 // requestExplanation describes one unit; ns may be nil (no domain info).
-func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) RequestExplanation {
+func (a *Allocator) requestExplanation(ctx context.Context, u *unit, ns *nodeState, reason string) RequestExplanation {
 	re := RequestExplanation{
 		Claim:    u.claim.Name,
 		Request:  u.displayName(),
@@ -97,10 +97,16 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 	unusable := ns != nil && (len(ns.incomplete) > 0 || len(ns.invalid) > 0)
 	if reason == "" {
 		switch {
-		case u.nMatch == 0 && unusable:
-			reason = fmt.Sprintf("no device of the node's usable resource pools matches class %s and the request's selectors", u.class.Name)
 		case u.nMatch == 0:
-			reason = fmt.Sprintf("no device matches class %s and the request's selectors", u.class.Name)
+			where := "the node has"
+			if unusable {
+				where = "the node's usable resource pools have"
+			}
+			if n := a.classDevices(ctx, ns, u); n > 0 {
+				reason = fmt.Sprintf("%s %s of class %s but none matches the request's selectors", where, plural(n, "device"), u.class.Name)
+			} else {
+				reason = fmt.Sprintf("%s no device of class %s", where, u.class.Name)
+			}
 		case u.nMatch < re.Needed:
 			reason = fmt.Sprintf("the node has only %s (needs %d)", plural(u.nMatch, "matching device"), re.Needed)
 		case u.upper == 0:
@@ -124,6 +130,31 @@ func (a *Allocator) requestExplanation(u *unit, ns *nodeState, reason string) Re
 	re.Reason = reason
 	re.UnusablePools = unusablePoolNames(ns)
 	return re
+}
+
+// classDevices counts the node's devices that u's class selectors match
+// (the request's own selectors aside), as evaluate does; ns nil counts
+// none. Only explanations call it: evaluate has filled the slices' memos
+// for these selectors.
+func (a *Allocator) classDevices(ctx context.Context, ns *nodeState, u *unit) int {
+	if ns == nil {
+		return 0
+	}
+	selectors := u.selectors[:len(u.class.Spec.Selectors)]
+	n := 0
+	var memo *sliceMemo
+	var memoSlice *resourceapi.ResourceSlice
+	for i := range ns.devices {
+		d := &ns.devices[i]
+		if d.slice != memoSlice {
+			memoSlice = d.slice
+			memo = a.cache.forSlice(d.slice.UID, d.slice.Generation, a.features.ListTypeAttributes)
+		}
+		if matches, _ := selectorsMatch(ctx, memo, d.slice, d.deviceIndex, d.device, selectors); matches {
+			n++
+		}
+	}
+	return n
 }
 
 // untoleratedKeys names, sorted, the keys of the taints that keep u's
@@ -246,7 +277,7 @@ func (a *Allocator) bestDomain(ns *nodeState, devs []int) (string, int) {
 
 // explain describes why nothing fit: for a failed alignment=require group
 // (requireGroup != nil), or in general.
-func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *group, require bool) *Explanation {
+func (a *Allocator) explain(ctx context.Context, infos []*claimInfo, ns *nodeState, requireGroup *group, require bool) *Explanation {
 	expl := &Explanation{}
 	if require && requireGroup != nil {
 		if len(requireGroup.units) > 1 {
@@ -254,7 +285,7 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 			// is, the group as a whole.
 			for _, u := range requireGroup.units {
 				if len(u.free) < u.count {
-					expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+					expl.Requests = append(expl.Requests, a.requestExplanation(ctx, u, ns, ""))
 				}
 			}
 			if len(expl.Requests) == 0 {
@@ -267,7 +298,7 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 		if len(u.free) < u.count {
 			reason = ""
 		}
-		expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, reason))
+		expl.Requests = append(expl.Requests, a.requestExplanation(ctx, u, ns, reason))
 		return expl
 	}
 	// Name the requests that are short of devices; if none is, the
@@ -280,7 +311,7 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 				if first == nil {
 					first = r.alts[0]
 				}
-				expl.Requests = append(expl.Requests, a.alternativesExplanation(r, ns))
+				expl.Requests = append(expl.Requests, a.alternativesExplanation(ctx, r, ns))
 				continue
 			}
 			if u == nil {
@@ -294,12 +325,12 @@ func (a *Allocator) explain(infos []*claimInfo, ns *nodeState, requireGroup *gro
 				needed = u.nMatch
 			}
 			if len(u.free) < needed || u.nMatch == 0 {
-				expl.Requests = append(expl.Requests, a.requestExplanation(u, ns, ""))
+				expl.Requests = append(expl.Requests, a.requestExplanation(ctx, u, ns, ""))
 			}
 		}
 	}
 	if len(expl.Requests) == 0 && first != nil {
-		expl.Requests = append(expl.Requests, a.requestExplanation(first, ns, ""))
+		expl.Requests = append(expl.Requests, a.requestExplanation(ctx, first, ns, ""))
 	}
 	if len(expl.Requests) == 0 {
 		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node"})
@@ -512,7 +543,7 @@ func (a *Allocator) usableLists(ns *nodeState, units []*unit) [][]int {
 }
 
 // explainSpan explains why alignment=prefer groups had to span domains.
-func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resourceapi.AllocationResult) *Explanation {
+func (a *Allocator) explainSpan(ctx context.Context, ns *nodeState, groups []*group, results []resourceapi.AllocationResult) *Explanation {
 	var expl *Explanation
 	for _, g := range groups {
 		if g.need < 2 || g.mode != AlignmentPrefer {
@@ -526,7 +557,7 @@ func (a *Allocator) explainSpan(ns *nodeState, groups []*group, results []resour
 			if expl == nil {
 				expl = &Explanation{}
 			}
-			re := a.requestExplanation(u, ns, "")
+			re := a.requestExplanation(ctx, u, ns, "")
 			re.Reason = fmt.Sprintf("devices span domains: the best domain %s has %d of %d needed free devices (alignment=prefer)", re.BestDomain, re.BestDomainFree, g.need)
 			if re.BestDomain == "" {
 				re.Reason = "devices span domains: the matching devices publish no topology attributes (alignment=prefer)"

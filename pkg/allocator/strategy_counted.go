@@ -69,7 +69,7 @@ func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 	if !ok {
 		return nil, nil
 	}
-	if expl := a.countCheck(ns, infos); expl != nil {
+	if expl := a.countCheck(ctx, ns, infos); expl != nil {
 		return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 	}
 	// Pods whose claims each take one device are served device by device;
@@ -77,7 +77,7 @@ func (countedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 	// groups, matchAttribute constraints) by the planner.
 	var res *Result
 	if len(constrained) > 0 || !a.simplePod(p.claims) {
-		res = a.countedPlanned(ns, infos, units, constrained)
+		res = a.countedPlanned(ctx, ns, infos, units, constrained)
 	} else {
 		res = a.countedSingles(ns, infos, units)
 	}
@@ -187,7 +187,7 @@ func (a *Allocator) matchChoices(ns *nodeState, infos []*claimInfo, constrained 
 // group's) domain and devices, as for the views; with several classes for
 // constrained claims, the combination whose plan scores best. It returns
 // nil where the planner cannot place every request.
-func (a *Allocator) countedPlanned(ns *nodeState, infos []*claimInfo, units []*unit, constrained []int) *Result {
+func (a *Allocator) countedPlanned(ctx context.Context, ns *nodeState, infos []*claimInfo, units []*unit, constrained []int) *Result {
 	choices, res, ok := a.matchChoices(ns, infos, constrained)
 	if !ok || res != nil {
 		return res
@@ -220,7 +220,7 @@ func (a *Allocator) countedPlanned(ns *nodeState, infos []*claimInfo, units []*u
 		}
 	}
 	if best != nil && !best.Quality.Aligned {
-		best.Explanation = a.explainSpan(ns, bestGroups, best.Allocations)
+		best.Explanation = a.explainSpan(ctx, ns, bestGroups, best.Allocations)
 	}
 	return best
 }

@@ -52,7 +52,7 @@ func (orderedStrategy) allocate(ctx context.Context, p *podNode) (*Result, error
 		return a.upstreamFailure(ctx, p, err)
 	}
 	if results == nil {
-		return &Result{Explanation: a.explain(infos, ns, nil, false)}, nil
+		return &Result{Explanation: a.explain(ctx, infos, ns, nil, false)}, nil
 	}
 	if ok, _ := a.accept(ns, infos, nil, results, false); !ok {
 		// First-fit over the best-fit order handed a device that a

@@ -40,7 +40,7 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 		return nil, err
 	}
 	if !passthrough {
-		if expl := a.countCheck(ns, infos); expl != nil {
+		if expl := a.countCheck(ctx, ns, infos); expl != nil {
 			klog.FromContext(ctx).V(5).Info("Claims do not fit by counting", "node", klog.KObj(p.node), "reason", expl.String())
 			return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 		}
@@ -58,7 +58,7 @@ func (viewsStrategy) allocate(ctx context.Context, p *podNode) (*Result, error) 
 				}
 			}
 			var res *Result
-			attempts, res = a.preferredViews(ns, infos, groups, p.units)
+			attempts, res = a.preferredViews(ctx, ns, infos, groups, p.units)
 			if res != nil {
 				return res, nil
 			}
@@ -86,7 +86,7 @@ func ownOrderDecides(infos []*claimInfo) bool {
 // preferredViews returns the preferred views for the planned groups, most
 // preferred first, or a Result when an alignment=require group fits in no
 // domain with any choice of its firstAvailable subrequests.
-func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*group, units []*unit) ([]viewAttempt, *Result) {
+func (a *Allocator) preferredViews(ctx context.Context, ns *nodeState, infos []*claimInfo, groups []*group, units []*unit) ([]viewAttempt, *Result) {
 	p := &planner{ns: ns, levels: len(a.policy.Attributes), pack: a.policy.Packing, groups: groups, allUnits: units}
 	maxPlans := 2
 	for _, g := range groups {
@@ -97,7 +97,7 @@ func (a *Allocator) preferredViews(ns *nodeState, infos []*claimInfo, groups []*
 				avail[i] = true
 			}
 			if len(p.fittingDomains(g, avail, false)) == 0 && !p.alignedAlternative(infos, g, avail) {
-				return nil, &Result{Explanation: a.explain(infos, ns, g, true), DevicesConsidered: len(ns.devices)}
+				return nil, &Result{Explanation: a.explain(ctx, infos, ns, g, true), DevicesConsidered: len(ns.devices)}
 			}
 		}
 	}
@@ -186,7 +186,7 @@ func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, p
 		q := a.quality(ns, infos, p.units, results)
 		res := &Result{Allocations: results, Quality: q, DevicesConsidered: len(ns.devices)}
 		if !q.Aligned {
-			res.Explanation = a.explainSpan(ns, groups, results)
+			res.Explanation = a.explainSpan(ctx, ns, groups, results)
 		}
 		logger.V(5).Info("View accepted", "node", klog.KObj(p.node), "attempt", n, "of", len(preferred)+1)
 		logAllocated(ctx, p, "views", q)
@@ -196,13 +196,13 @@ func (a *Allocator) tryViews(ctx context.Context, p *podNode, groups []*group, p
 	if requireRejected {
 		for _, g := range groups {
 			if g.mode == AlignmentRequire && g.need > 1 {
-				expl = a.explain(infos, ns, g, true)
+				expl = a.explain(ctx, infos, ns, g, true)
 				break
 			}
 		}
 	}
 	if expl == nil {
-		expl = a.explain(infos, ns, nil, false)
+		expl = a.explain(ctx, infos, ns, nil, false)
 	}
 	return &Result{Explanation: expl, DevicesConsidered: len(ns.devices)}, nil
 }
