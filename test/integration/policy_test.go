@@ -119,26 +119,27 @@ func TestOwnedTaintPolicy(t *testing.T) {
 		noRequests               bool
 		refused                  bool
 		// says is what the refusal must say; "topodra-scheduler" where
-		// empty.
-		says string
+		// empty. lacks is what it must not say.
+		says, lacks string
 	}
 	devicePlugin := toleration(agent.DevicePluginTaintKey, resourceapi.DeviceTolerationOpExists)
-	const disable = "disable the device plugin on that node"
+	const disable = "ask the cluster admin to disable the device plugin on that node"
+	const emptyKeyHint = "a claim not meant for topodra's GPUs should name the keys of the taints it tolerates"
 
 	cases := func(owned string) map[string]testCase {
 		return map[string]testCase{
-			"owned key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"owned key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true, lacks: emptyKeyHint},
 			"owned key, Equal":                      {tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpEqual)}, refused: true},
-			"empty key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true, says: "an empty key tolerates every taint of its effect, " + agent.DevicePluginTaintKey},
+			"empty key, Exists":                     {tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true, says: emptyKeyHint},
 			"owned key after another":               {tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
 			"owned key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
-			"empty key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"empty key in firstAvailable":           {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true, says: emptyKeyHint},
 			"empty key, NoSchedule":                 {tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoSchedule)}, refused: true},
 			"owned key, NoExecute":                  {tolerations: []resourceapi.DeviceToleration{withEffect(toleration(owned, resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}, refused: true},
 			"empty key, NoExecute":                  {tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}},
 			"empty key, NoExecute, firstAvailable":  {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{withEffect(toleration("", resourceapi.DeviceTolerationOpExists), resourceapi.DeviceTaintEffectNoExecute)}},
 			"template, owned key":                   {template: true, tolerations: []resourceapi.DeviceToleration{toleration(owned, resourceapi.DeviceTolerationOpExists)}, refused: true},
-			"template, empty key in firstAvailable": {template: true, firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true},
+			"template, empty key in firstAvailable": {template: true, firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("", resourceapi.DeviceTolerationOpExists)}, refused: true, says: emptyKeyHint},
 			"no tolerations":                        {},
 			"no requests":                           {noRequests: true},
 			"template, no requests":                 {template: true, noRequests: true},
@@ -166,6 +167,8 @@ func TestOwnedTaintPolicy(t *testing.T) {
 				t.Errorf("key %s, %s: refused with an unexpected error: %v", owned, name, err)
 			case tc.refused && !strings.Contains(err.Error(), cmp.Or(tc.says, "topodra-scheduler")):
 				t.Errorf("key %s, %s: the refusal does not tell the user what to do: %v", owned, name, err)
+			case tc.refused && tc.lacks != "" && strings.Contains(err.Error(), tc.lacks):
+				t.Errorf("key %s, %s: the refusal says %q, which does not apply: %v", owned, name, tc.lacks, err)
 			case !tc.refused && err != nil:
 				t.Errorf("key %s, %s: refused, want admitted: %v", owned, name, err)
 			}
