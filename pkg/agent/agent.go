@@ -15,11 +15,17 @@
 // # Rolling updates
 //
 // With [Options.RollingUpdateUID] (the pod's UID) the kubelet sockets are
-// the pod's own, and [Start] starts them before it waits for the lock that
-// the agent it replaces holds: the kubelet registers the new agent beside
-// the old one, never has the driver unregistered (so it never wipes the
-// node's slices), and sends its calls to the newer agent, which answers
+// the pod's own, and the agent starts them before it waits for the lock
+// that the agent it replaces holds: the kubelet registers the new agent
+// beside the old one, never has the driver unregistered (so it never wipes
+// the node's slices), and sends its calls to the newer agent, which answers
 // them once the old one has exited and it has taken over the checkpoint.
+// Before it starts its sockets the new agent checks, without the lock,
+// that it can take over: that it reads the checkpoint and writes CDI
+// specs ([Start] fails otherwise), and a dry run of discovery, of the
+// devices it would publish and of their CDI spec (it waits and retries
+// otherwise, see [ReasonTakeOverBlocked]). Until both pass it is not
+// ready, so that a rollout of a bad build stops at the first node.
 //
 // # Publish-only mode (simulators)
 //
@@ -145,8 +151,9 @@ type Options struct {
 	// sockets of its own (kubeletplugin.RollingUpdate; kubelet 1.33 or
 	// later), so that a new agent pod can run beside the old one during a
 	// DaemonSet rolling update and the kubelet always has a registered
-	// plugin of the driver: [Start] starts the kubelet sockets before it
-	// takes the lock on StateDir, Ready succeeds once the kubelet has
+	// plugin of the driver: the agent starts the kubelet sockets before
+	// it takes the lock on StateDir, once its takeover check passes (see
+	// ReasonTakeOverBlocked), Ready succeeds once the kubelet has
 	// registered them (so that the rollout stops the old pod), and the
 	// kubelet's calls that arrive before the old agent has exited and
 	// this one has started wait for that. Empty: the sockets are named
@@ -257,7 +264,8 @@ type Options struct {
 	// (ReasonDeviceNodeMissing) when Prepare fails for a device node
 	// missing on the node; a Warning (ReasonSliceFieldsDropped) when the API server drops fields of a
 	// published slice; a Warning (ReasonCheckpointUnreadable) before New
-	// fails on an unreadable checkpoint; a Warning
+	// fails on an unreadable checkpoint; a Warning (ReasonTakeOverBlocked)
+	// while an agent with RollingUpdateUID does not take over; a Warning
 	// (ReasonPreparedClaimsRecovered) at start when the checkpoint is
 	// missing and CDIDir holds the specs of prepared claims; a Warning
 	// (ReasonHealthPartlyWatched) when health watching leaves some GPUs
@@ -343,7 +351,14 @@ type Agent struct {
 	// helper is the kubelet plugin helper (nil with PublishOnly). The
 	// agent publishes through its own publisher, not the helper's, so
 	// that the owner of its slices can follow the Node (see CheckNode).
-	helper *kubeletplugin.Helper
+	// It is set before helperUp is closed, or before started where
+	// helperUp stays open.
+	helper   *kubeletplugin.Helper
+	helperUp chan struct{}
+	// takeOverRun is the dry run of the takeover check that has not
+	// returned yet (see checkTakeOver), nil otherwise; only the starting
+	// goroutine uses it.
+	takeOverRun *dryRun
 	// publisher publishes the devices (nil until the first publish),
 	// with the Node of UID ownerUID as owner of the slices ("": the
 	// controller looks the Node up). Both change under publishMutex.
@@ -606,6 +621,7 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 		nodeCheckNow:  make(chan struct{}, 1),
 		started:       make(chan struct{}),
 		startDone:     make(chan struct{}),
+		helperUp:      make(chan struct{}),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
@@ -618,13 +634,14 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 			a.cancel(err)
 			return nil, err
 		}
-		if err := a.startHelper(); err != nil {
-			a.cancel(err)
-			return nil, err
-		}
 	}
 	a.wg.Go(func() {
 		defer close(a.startDone)
+		if err := a.takeOver(); err != nil {
+			a.startErr.Store(&err)
+			a.cancel(err)
+			return
+		}
 		if err := a.start(); err != nil {
 			a.startErr.Store(&err)
 			a.cancel(err)
@@ -649,8 +666,22 @@ func (a *Agent) hasStarted() bool {
 	}
 }
 
-// start does what New does after the checks of Start, in a.ctx. Where it
-// fails, Stop releases what it took.
+// takeOver does, with RollingUpdateUID, what comes before start: it
+// waits until the takeover check passes (see awaitTakeOver), then starts
+// the kubelet sockets, beside those of the running agent. Without
+// RollingUpdateUID it does nothing.
+func (a *Agent) takeOver() error {
+	if a.opts.RollingUpdateUID == "" {
+		return nil
+	}
+	if err := a.awaitTakeOver(a.ctx); err != nil {
+		return err
+	}
+	return a.startHelper()
+}
+
+// start does what New does after the checks of Start and takeOver, in
+// a.ctx. Where it fails, Stop releases what it took.
 func (a *Agent) start() error {
 	ctx, opts := a.ctx, a.opts
 	logger := klog.FromContext(ctx)
@@ -763,6 +794,7 @@ func (a *Agent) startHelper() error {
 		return fmt.Errorf("start kubelet plugin: %w", err)
 	}
 	a.helper = helper
+	close(a.helperUp)
 	if timeout := opts.RegistrationTimeout; timeout >= 0 {
 		if timeout == 0 {
 			timeout = DefaultRegistrationTimeout
@@ -773,7 +805,8 @@ func (a *Agent) startHelper() error {
 }
 
 // startStep is a step of start: what it does, since when, and whether it
-// waits for another agent (which may take as long as that agent runs).
+// waits for another agent, or for its takeover check to pass (which may
+// take as long as that agent runs).
 type startStep struct {
 	what      string
 	since     time.Time
@@ -912,31 +945,6 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 		return err
 	}
 	return a.loadFaults()
-}
-
-// canTakeOver checks, before an agent with RollingUpdateUID registers
-// with the kubelet (which then sends its calls to it, not to the agent
-// it replaces), what it can check without the lock on StateDir: that it
-// can write CDI specs and read the checkpoint as the running agent left
-// it. Where it cannot, Start fails: the pod does not become ready, the
-// rollout stops on this node, and the running agent keeps serving (an
-// agent rolled back to a build that cannot read a newer checkpoint).
-func (a *Agent) canTakeOver(ctx context.Context) error {
-	if a.opts.StateDir == "" || a.opts.CDIDir == "" {
-		return nil
-	}
-	if err := probeDir(a.opts.CDIDir); err != nil {
-		return fmt.Errorf("%w: %s: %w", ErrCDIDir, a.opts.CDIDir, err)
-	}
-	if _, err := checkpoint.Read(a.opts.StateDir); err != nil {
-		err = fmt.Errorf("%w: %w", ErrCheckpoint, err)
-		klog.FromContext(ctx).Error(err, "Cannot take over from the running agent: the record of prepared claims is unreadable", "path", filepath.Join(a.opts.StateDir, checkpoint.FileName))
-		a.nodeEvent(v1.EventTypeWarning, ReasonCheckpointUnreadable, "TakeOver",
-			"%s does not take over from the agent that runs on this node: %v; that agent keeps serving, and this pod stays unready, which stops the rollout here. Roll back to the agent that wrote the file, or forward to one that reads it (docs/agent.md: \"Unreadable checkpoint\")",
-			a.opts.DriverName, err)
-		return err
-	}
-	return nil
 }
 
 // ErrCheckpoint is returned (wrapped) by New when the checkpoint of
@@ -1255,13 +1263,23 @@ func (a *Agent) listOwnSlices(ctx context.Context) (*resourceapi.ResourceSliceLi
 }
 
 // publishedInventory reads the devices of the agent's pool that are in
-// the API (the newest generation of its slices on this node) as an
-// inventory; ok is false where the slices cannot be listed.
+// the API (see publishedDevices) as an inventory; ok is false where the
+// slices cannot be listed.
 func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventory, ok bool) {
-	list, err := a.listOwnSlices(ctx)
+	devices, err := a.publishedDevices(ctx)
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "Cannot read the published devices, publishing nothing until they can be read or discovery works")
 		return &discovery.Inventory{}, false
+	}
+	return discovery.InventoryFromDevices(devices), true
+}
+
+// publishedDevices reads the devices of the agent's pool that are in the
+// API: those of the newest generation of its slices on this node.
+func (a *Agent) publishedDevices(ctx context.Context) ([]resourceapi.Device, error) {
+	list, err := a.listOwnSlices(ctx)
+	if err != nil {
+		return nil, err
 	}
 	var generation int64
 	var devices []resourceapi.Device
@@ -1276,7 +1294,7 @@ func (a *Agent) publishedInventory(ctx context.Context) (inv *discovery.Inventor
 			devices = append(devices, s.Spec.Devices...)
 		}
 	}
-	return discovery.InventoryFromDevices(devices), true
+	return devices, nil
 }
 
 // adoptPublished reads the published devices again while holdPublishing.
@@ -1575,7 +1593,8 @@ func (a *Agent) NoGPU() error {
 // Until the agent has started Ready fails, except with RollingUpdateUID,
 // where the kubelet's registration of its sockets is enough: the rollout
 // stops the agent that this one replaces (and that holds the lock on
-// StateDir) only once this one is ready.
+// StateDir) only once this one is ready. Those sockets start once the
+// takeover check passes; until then Ready says why it does not.
 func (a *Agent) Ready() error {
 	if err := a.Err(); err != nil {
 		return err
@@ -1587,10 +1606,16 @@ func (a *Agent) Ready() error {
 }
 
 // helperStarted says whether a.helper may be read (it is set, or nil
-// for PublishOnly): with RollingUpdateUID from Start on, otherwise once
-// the agent has started.
+// for PublishOnly): with RollingUpdateUID once the takeover check has
+// passed and the sockets have started, otherwise once the agent has
+// started.
 func (a *Agent) helperStarted() bool {
-	return a.opts.RollingUpdateUID != "" || a.hasStarted()
+	select {
+	case <-a.helperUp:
+		return true
+	default:
+		return a.hasStarted()
+	}
 }
 
 // Live returns nil while the agent runs and, unless it is publish-only,

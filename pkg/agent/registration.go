@@ -128,6 +128,9 @@ func registrationSocketName(opts *Options) string {
 // Registered reports whether the kubelet has registered the plugin (false
 // with PublishOnly).
 func (a *Agent) Registered() bool {
+	if !a.helperStarted() {
+		return false
+	}
 	a.mutex.Lock()
 	defer a.mutex.Unlock()
 	return a.helper != nil && a.registration.registered

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -129,5 +130,34 @@ func (a *Agent) unlockState() {
 	if f != nil {
 		// Closing the only descriptor of the open file releases the lock.
 		_ = f.Close()
+	}
+}
+
+// stateLockHeld reports whether another agent holds the lock on
+// LockFileName in dir, without waiting: it takes a shared lock, which
+// fails only while another holds the exclusive one, and releases it at
+// once. A missing file is a lock that nobody holds.
+func stateLockHeld(dir string) (bool, error) {
+	path := filepath.Join(dir, LockFileName)
+	f, err := os.Open(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("open lock file %s: %w", path, err)
+	}
+	// Closing the only descriptor of the open file releases the lock.
+	defer func() { _ = f.Close() }()
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB)
+		switch {
+		case err == nil:
+			return false, nil
+		case errors.Is(err, unix.EINTR):
+		case errors.Is(err, unix.EWOULDBLOCK):
+			return true, nil
+		default:
+			return false, fmt.Errorf("lock %s: %w", path, err)
+		}
 	}
 }

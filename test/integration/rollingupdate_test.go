@@ -6,9 +6,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/google/go-cmp/cmp"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -217,6 +219,122 @@ watch:
 		if ev := <-recorder.Events; strings.Contains(ev, agent.ReasonStateLocked) {
 			t.Errorf("event during a rolling update that took %s: %s", time.Since(stopped), ev)
 		}
+	}
+	e.expectClean()
+}
+
+// TestAgentRollingUpdateBadBuild: a new agent whose discovery fails on a
+// node where the old agent's works (a bad build: here NVML cannot be
+// initialized) does not register with the kubelet and stays unready, with
+// a TopodraTakeOverBlocked Warning, so that a rollout stops at this node
+// with the old agent serving: the kubelet prepares and unprepares a pod
+// through it meanwhile and the node's slice stays. Once discovery works
+// the new agent registers, is ready, and takes over when the old one
+// stops, with the same slice.
+func TestAgentRollingUpdateBadBuild(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "badbuild")
+	nodeName := e.ns + "-node"
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "badbuild"})
+	tCtx.ExpectNoError(err)
+
+	dirs := shortDirs(tCtx, "tb", "p", "r", "k", "s", "c")
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
+	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
+	recorder := events.NewFakeRecorder(100)
+	options := func(podUID types.UID) agent.Options {
+		opts := kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir)
+		opts.RollingUpdateUID, opts.Recorder = podUID, recorder
+		opts.NoGPURetry = 100 * time.Millisecond
+		return opts
+	}
+	newUID := types.UID("new-agent-pod")
+	newSocket := filepath.Join(registryDir, kubeletplugin.RollingUpdateRegistrarSocketFile(registryDir, topology.DriverName, newUID))
+
+	old, _ := startMockAgent(tCtx, nodeName, options("old-agent-pod"))
+	defer func() { old.Stop() }()
+	slice := waitForSlice(tCtx, t, cp.Client, topology.DriverName, nodeName, "8 devices", func(s *resourceapi.ResourceSlice) bool {
+		return len(s.Spec.Devices) == 8
+	})
+	startTopodra(tCtx)
+	template := e.template(1, nil)
+
+	// The new agent's NVML cannot be initialized until fixed is set.
+	newOpts, machine := mockAgentOptions(tCtx, nodeName, options(newUID))
+	broken := machine.Library("")
+	broken.Break()
+	var fixed atomic.Bool
+	newOpts.Discovery = discovery.NewLazy(func() (nvml.Interface, error) {
+		if fixed.Load() {
+			return machine.Library(""), nil
+		}
+		return broken, nil
+	}, discovery.NVMLOptions{Sysfs: machine.Sysfs()})
+	replacement, err := agent.Start(tCtx, newOpts)
+	tCtx.ExpectNoError(err, "start the new agent")
+	defer replacement.Stop()
+
+	// 1. Not ready, not registered, and it says why.
+	var readyErr error
+	if err := wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(context.Context) (bool, error) {
+		readyErr = replacement.Ready()
+		_, statErr := os.Stat(newSocket)
+		return statErr == nil || (readyErr != nil && strings.Contains(readyErr.Error(), "NVML cannot be initialized")), nil
+	}); err != nil {
+		t.Fatalf("Ready() = %v, want an error naming NVML", readyErr)
+	}
+	if _, err := os.Stat(newSocket); !os.IsNotExist(err) {
+		t.Fatalf("the new agent, whose discovery fails, started its registration socket: %v", err)
+	}
+	var warning string
+	for warning == "" {
+		select {
+		case ev := <-recorder.Events:
+			if strings.Contains(ev, agent.ReasonTakeOverBlocked) {
+				warning = ev
+			}
+		case <-time.After(waitTimeout):
+			t.Fatalf("no %s event", agent.ReasonTakeOverBlocked)
+		}
+	}
+	if !strings.Contains(warning, "keeps serving") {
+		t.Errorf("event %q does not say that the running agent keeps serving", warning)
+	}
+
+	// 2. The old agent serves: the kubelet prepares and unprepares through it.
+	e.pod("during", topodraName, "badbuild", template)
+	during := e.waitScheduled("during")
+	kubeletPrepare(tCtx, manager, during)
+	cdiWriter, err := cdi.New(cdiDir)
+	tCtx.ExpectNoError(err)
+	unprepareOnKubelet(tCtx, manager, during, cdiWriter.SpecPath(e.onlyClaim(during).UID))
+	if err := replacement.Ready(); err == nil {
+		t.Error("the new agent became ready while its discovery fails")
+	}
+	tCtx.ExpectNoError(old.Err(), "the old agent")
+
+	// 3. Discovery works: the new agent registers, is ready and takes
+	// over once the old one stops.
+	fixed.Store(true)
+	if err := wait.PollUntilContextTimeout(tCtx, 50*time.Millisecond, waitTimeout, true, func(context.Context) (bool, error) {
+		readyErr = replacement.Ready()
+		return readyErr == nil, nil
+	}); err != nil {
+		t.Fatalf("the new agent is not ready once its discovery works: %v", readyErr)
+	}
+	old.Stop()
+	select {
+	case <-replacement.Started():
+	case <-replacement.Done():
+		t.Fatalf("the new agent stopped: %v", replacement.Err())
+	case <-time.After(waitTimeout):
+		t.Fatal("the new agent did not start after the old one stopped")
+	}
+	kubeletPrepare(tCtx, manager, during)
+	slices, err := nodeSlices(tCtx, cp.Client, topology.DriverName, nodeName)
+	tCtx.ExpectNoError(err)
+	if len(slices) != 1 || slices[0].UID != slice.UID {
+		t.Errorf("after the rolling update the node has %s, want the original slice %s", describeSlices(slices), slice.Name)
 	}
 	e.expectClean()
 }
