@@ -259,6 +259,7 @@ func TestCleanupDeallocatedClaim(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	e.kubelet.run("default", "server", "kept")
 	if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 		t.Errorf("first check: removed %v (%v), want none", removed, err)
 	}
@@ -370,6 +371,7 @@ func TestCleanupStaleClaims(t *testing.T) {
 	a.Stop()
 	e.staleClaimGrace = time.Nanosecond
 	a = e.start(ctx, t)
+	e.kubelet.run("default", "server", "live")
 	e.kubelet.run("default", "here", "gone")
 	for _, step := range []struct {
 		what string

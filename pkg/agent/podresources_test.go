@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -15,6 +16,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/klog/v2/ktesting"
@@ -35,6 +38,9 @@ type fakeKubelet struct {
 	pods  map[types.NamespacedName][]string
 	err   error
 	lists int
+	// noClaims leaves out the claims of containers, as a kubelet whose
+	// feature gate KubeletPodResourcesDynamicResources is off.
+	noClaims bool
 }
 
 func startFakeKubelet(t *testing.T) *fakeKubelet {
@@ -68,6 +74,9 @@ func (k *fakeKubelet) List(context.Context, *podresourcesv1.ListPodResourcesRequ
 	for pod, claims := range k.pods {
 		container := &podresourcesv1.ContainerResources{Name: "main"}
 		for _, c := range claims {
+			if k.noClaims {
+				break
+			}
 			container.DynamicResources = append(container.DynamicResources, &podresourcesv1.DynamicResource{ClaimName: c, ClaimNamespace: pod.Namespace})
 		}
 		resp.PodResources = append(resp.PodResources, &podresourcesv1.PodResources{
@@ -105,6 +114,13 @@ func (k *fakeKubelet) restart() {
 	defer k.mutex.Unlock()
 	clear(k.pods)
 	k.err = nil
+}
+
+// reportClaims sets whether List reports the claims of containers.
+func (k *fakeKubelet) reportClaims(report bool) {
+	k.mutex.Lock()
+	defer k.mutex.Unlock()
+	k.noClaims = !report
 }
 
 func (k *fakeKubelet) listCalls() int {
@@ -249,6 +265,54 @@ func TestPodResourcesUnavailableEvent(t *testing.T) {
 	unavailable("the kubelet answers", 0)
 	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
 	unavailable("unavailable once more", 1)
+}
+
+// TestStaleClaimKeptWhileKubeletReportsNoClaims: a kubelet that does not
+// report the claims of containers (its feature gate
+// KubeletPodResourcesDynamicResources off) lists the containers of a claim
+// that the API server no longer has without it. While the agent holds a
+// prepared claim that the API server still has and the kubelet lists no
+// container using any such claim, its answers do not count: the gone
+// claim is kept, with a TopodraPodResourcesUnavailable Warning naming the
+// feature gate. Once the kubelet reports the live claim's container, the
+// gone claim is dropped at the second check.
+func TestStaleClaimKeptWhileKubeletReportsNoClaims(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	e.staleClaimGrace = time.Nanosecond
+	a := e.start(ctx, t)
+	live := claim("live", gpus("gpus", "gpu-1")...)
+	gone := claim("gone", gpus("gpus", "gpu-2")...)
+	if _, err := e.client.ResourceV1().ResourceClaims(live.Namespace).Create(ctx, live, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []*resourceapi.ResourceClaim{live, gone} {
+		if err := prepareOne(ctx, t, a, c); err != nil {
+			t.Fatalf("prepare %s: %v", c.Name, err)
+		}
+	}
+	e.kubelet.reportClaims(false)
+	e.kubelet.run("default", "server", "live")
+	e.kubelet.run("default", "trainer", "gone")
+	for i := range 4 {
+		checkRemoved(ctx, t, a, fmt.Sprintf("check %d of a kubelet that reports no claims", i+1))
+	}
+	evs := drainEvents(recorder)
+	if n := countPrefix(evs, "Warning "+agent.ReasonPodResourcesUnavailable); n != 1 {
+		t.Errorf("events %q, want one %s", evs, agent.ReasonPodResourcesUnavailable)
+	}
+	for _, ev := range evs {
+		if strings.HasPrefix(ev, "Warning "+agent.ReasonPodResourcesUnavailable) && !strings.Contains(ev, "KubeletPodResourcesDynamicResources") {
+			t.Errorf("event %q does not name the feature gate", ev)
+		}
+	}
+
+	e.kubelet.reportClaims(true)
+	e.kubelet.stop("default", "trainer")
+	checkRemoved(ctx, t, a, "first check that finds it unused")
+	checkRemoved(ctx, t, a, "second check that finds it unused", gone.UID)
 }
 
 // checkRemoved runs a stale-claim check and fails the test unless it

@@ -114,8 +114,9 @@ const (
 	// ReasonPodResourcesUnavailable (Warning, once until a check reaches
 	// the kubelet again): a prepared claim is past its grace period but
 	// the kubelet's PodResources API cannot be asked which claims the
-	// node's containers use, so it is kept; the note names the socket and
-	// the error.
+	// node's containers use, or answers without claims (see
+	// unreferenced), so it is kept; the note names the socket and the
+	// error.
 	ReasonPodResourcesUnavailable = "TopodraPodResourcesUnavailable"
 )
 
@@ -140,8 +141,10 @@ const (
 // the node using a claim of its namespace and name, the claim is
 // unprepared (CDI spec and checkpoint entry removed) with a
 // ReasonPreparedClaimDropped event; a negative grace never drops it.
-// Errors reading a claim or reaching the kubelet keep the claim. It
-// returns the claims it dropped.
+// Errors reading a claim or reaching the kubelet keep the claim, and so
+// does an answer of the kubelet that lists none of the prepared claims
+// that the API server still has (see unreferenced). It returns the claims
+// it dropped.
 //
 // It also forgets what claims held before the last reboot once such a
 // claim is gone or no longer allocated: a later allocation is not the one
@@ -187,6 +190,8 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	// when they were first found gone.
 	gone := map[types.UID]time.Time{}
 	var goneNow, expired []types.UID
+	// live are the prepared claims that the API server has, allocated.
+	live := sets.New[types.NamespacedName]()
 	for uid, c := range cp.Claims {
 		if isRecovered(c) {
 			// Unnamed: only the kubelet's Prepare or Unprepare
@@ -207,6 +212,7 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 			why = "it is no longer allocated (its pods went without the kubelet unpreparing it?)"
 		default:
 			delete(a.goneReported, uid)
+			live.Insert(types.NamespacedName{Namespace: c.Namespace, Name: c.Name})
 			continue
 		}
 		since, seen := cp.Gone[uid]
@@ -233,18 +239,18 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	if grace < 0 {
 		goneNow = nil
 	}
-	unused, err := a.unreferenced(ctx, cp, goneNow)
+	unused, err := a.unreferenced(ctx, cp, goneNow, live)
 	switch {
 	case err != nil && len(expired) > 0:
-		logger.Error(err, "Cannot ask the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has past their grace period", "claims", len(expired))
+		logger.Error(err, "Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has past their grace period", "claims", len(expired))
 		if !a.podResourcesReported {
 			a.podResourcesReported = true
 			a.nodeEvent(v1.EventTypeWarning, ReasonPodResourcesUnavailable, "Unprepare",
-				"%d prepared claims that the API server no longer has are past --stale-claim-grace, but the agent cannot ask the kubelet which claims the node's containers use (--pod-resources-socket %s), so it keeps them and their GPUs: %v",
+				"%d prepared claims that the API server no longer has are past --stale-claim-grace, but the agent cannot learn from the kubelet which claims the node's containers use (--pod-resources-socket %s), so it keeps them and their GPUs: %v",
 				len(expired), a.opts.PodResourcesSocket, err)
 		}
 	case err != nil:
-		logger.Info("Cannot ask the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
+		logger.Info("Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
 	case len(goneNow) > 0:
 		a.podResourcesReported = false
 	}
@@ -369,10 +375,15 @@ const (
 // one before (see claimsInUse). Two checks in a row are needed because a
 // kubelet that has just started lists no pods until it has read them from
 // the API server; where the agent knows its own pod (Options.Pod), an
-// answer that does not list it does not count either. A check that
-// cannot reach the kubelet returns the error and no claim, and the next
-// check starts over. The caller holds staleMutex.
-func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gone []types.UID) (sets.Set[types.UID], error) {
+// answer that does not list it does not count either. Nor does an answer
+// that lists none of live (the prepared claims that the API server still
+// has), where there are such claims: a kubelet that does not report
+// claims (its feature gate KubeletPodResourcesDynamicResources off)
+// answers so, and would make every gone claim look unused while its
+// containers run. A check that cannot reach the kubelet, or gets such an
+// answer, returns the error and no claim, and the next check starts over.
+// The caller holds staleMutex.
+func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gone []types.UID, live sets.Set[types.NamespacedName]) (sets.Set[types.UID], error) {
 	before := a.unusedBefore
 	a.unusedBefore = nil
 	if len(gone) == 0 {
@@ -381,6 +392,9 @@ func (a *Agent) unreferenced(ctx context.Context, cp *checkpoint.Checkpoint, gon
 	used, err := a.claimsInUse(ctx)
 	if err != nil {
 		return nil, err
+	}
+	if live.Len() > 0 && !used.HasAny(live.UnsortedList()...) {
+		return nil, fmt.Errorf("the kubelet's PodResources API at %s lists no container using any of the %d prepared claims that the API server still has, so its answer cannot tell that a claim is unused (is the kubelet's feature gate KubeletPodResourcesDynamicResources off?)", a.opts.PodResourcesSocket, live.Len())
 	}
 	logger := klog.FromContext(ctx)
 	unused := sets.New[types.UID]()
