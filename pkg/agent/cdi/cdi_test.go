@@ -208,3 +208,63 @@ func TestClaimSpecsReadsWrittenSpecs(t *testing.T) {
 		})
 	}
 }
+
+// TestNamesAreStable pins the names that outlive an agent version: the
+// kubelet keeps the CDI device ids that Prepare returned for a prepared
+// claim (in its checkpoint, across its restarts) and hands them to the
+// runtime for every container it starts, while a newer agent regenerates
+// the claim's spec under the names it computes itself and finds the specs
+// of an older one by file name (ClaimSpecs, when its checkpoint is
+// missing). Changing the spec file name, the CDI kind or the device name
+// within the spec makes the kubelet's cached ids unresolvable (containers
+// of running pods fail to start after a restart) or leaves an older
+// agent's specs behind unrecognized. These values must not change.
+func TestNamesAreStable(t *testing.T) {
+	const (
+		uid      = types.UID("f4b3c2a1-0d9e-4f8a-b7c6-d5e4f3a2b1c0")
+		specFile = "gpu.topodra.io-gpu_f4b3c2a1-0d9e-4f8a-b7c6-d5e4f3a2b1c0.json"
+		id       = "gpu.topodra.io/gpu=f4b3c2a1-0d9e-4f8a-b7c6-d5e4f3a2b1c0-gpu-3"
+		// spec is a claim spec as an agent writes it.
+		spec = `{"cdiVersion":"0.3.0","kind":"gpu.topodra.io/gpu","devices":[{"name":"f4b3c2a1-0d9e-4f8a-b7c6-d5e4f3a2b1c0-gpu-3","containerEdits":{"env":["TOPODRA_GPU_3=GPU-d"]}}],"containerEdits":{"env":["NVIDIA_VISIBLE_DEVICES=GPU-d"]}}`
+	)
+	if got := DeviceID(uid, "gpu-3"); got != id {
+		t.Errorf("DeviceID = %q, want %q", got, id)
+	}
+	dir := t.TempDir()
+	w, err := New(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := w.SpecPath(uid); got != filepath.Join(dir, specFile) {
+		t.Errorf("SpecPath = %q, want %q in %s", filepath.Base(got), specFile, dir)
+	}
+
+	// What the agent writes is found under the pinned names.
+	ids, err := w.WriteClaimSpec(uid, []Device{{Name: "gpu-3", UUID: "GPU-d", Minor: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ids["gpu-3"] != id {
+		t.Errorf("WriteClaimSpec returns id %q, want %q", ids["gpu-3"], id)
+	}
+	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dev := cache.GetDevice(id); dev == nil || filepath.Base(dev.GetSpec().GetPath()) != specFile {
+		t.Errorf("the runtime does not resolve %s from %s: %v", id, specFile, cache.GetErrors())
+	}
+
+	// A spec under the pinned name, as an agent wrote it, is recognized.
+	if err := os.WriteFile(filepath.Join(dir, specFile), []byte(spec), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	specs, err := w.ClaimSpecs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Device{{Name: "gpu-3", UUID: "GPU-d", Minor: -1}}
+	if len(specs) != 1 || specs[0].UID != uid || !slices.Equal(specs[0].Devices, want) {
+		t.Errorf("ClaimSpecs = %+v, want claim %s with %+v", specs, uid, want)
+	}
+}
