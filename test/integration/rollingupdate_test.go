@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/events"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	kubeletdra "k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/test/utils/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent"
@@ -54,20 +55,9 @@ func TestAgentRollingUpdate(t *testing.T) {
 
 func testRollingUpdate(t *testing.T, oldUID types.UID) {
 	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "rolling")
-	nodeName := e.ns + "-node"
-	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "rolling"})
-	tCtx.ExpectNoError(err)
-
-	dirs := shortDirs(tCtx, "tu", "p", "r", "k", "s", "c")
-	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
-	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
-	recorder := events.NewFakeRecorder(100)
-	options := func(podUID types.UID) agent.Options {
-		opts := kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir)
-		opts.RollingUpdateUID, opts.Recorder = podUID, recorder
-		return opts
-	}
+	r := newRollingNode(tCtx, "rolling", "tu")
+	e, nodeName, registryDir, cdiDir, manager, recorder := r.env, r.nodeName, r.registryDir, r.cdiDir, r.manager, r.recorder
+	options := r.options
 	newUID := types.UID("new-agent-pod")
 	oldSocket := filepath.Join(registryDir, topology.DriverName+"-reg.sock")
 	if oldUID != "" {
@@ -233,18 +223,10 @@ watch:
 // stops, with the same slice.
 func TestAgentRollingUpdateBadBuild(t *testing.T) {
 	tCtx := ktesting.Init(t)
-	e := newEnv(tCtx, "badbuild")
-	nodeName := e.ns + "-node"
-	_, err := framework.CreateReadyNode(tCtx, cp.Client, nodeName, map[string]string{"test": e.ns, "group": "badbuild"})
-	tCtx.ExpectNoError(err)
-
-	dirs := shortDirs(tCtx, "tb", "p", "r", "k", "s", "c")
-	pluginDir, registryDir, kubeletState, stateDir, cdiDir := dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
-	manager := startKubeletDRA(tCtx, nodeName, registryDir, kubeletState)
-	recorder := events.NewFakeRecorder(100)
+	r := newRollingNode(tCtx, "badbuild", "tb")
+	e, nodeName, registryDir, cdiDir, manager, recorder := r.env, r.nodeName, r.registryDir, r.cdiDir, r.manager, r.recorder
 	options := func(podUID types.UID) agent.Options {
-		opts := kubeletAgentOptions(pluginDir, registryDir, stateDir, cdiDir)
-		opts.RollingUpdateUID, opts.Recorder = podUID, recorder
+		opts := r.options(podUID)
 		opts.NoGPURetry = 100 * time.Millisecond
 		return opts
 	}
@@ -350,4 +332,35 @@ func mockAgentOptions(tCtx ktesting.TContext, nodeName string, opts agent.Option
 	tCtx.ExpectNoError(err)
 	opts.NodeName, opts.KubeClient, opts.Discovery = nodeName, cp.Client, disc
 	return opts, machine
+}
+
+// rollingNode is a node for a rolling update of its agent: a Node of its
+// own group, the kubelet's DRA manager on its registration directory, and
+// the directories and event recorder its agents share.
+type rollingNode struct {
+	env                                                    *env
+	nodeName                                               string
+	pluginDir, registryDir, kubeletState, stateDir, cdiDir string
+	manager                                                *kubeletdra.Manager
+	recorder                                               *events.FakeRecorder
+}
+
+// newRollingNode sets up a rollingNode in a namespace of group; prefix
+// keeps its directories' paths short (socket paths are limited).
+func newRollingNode(tCtx ktesting.TContext, group, prefix string) *rollingNode {
+	e := newEnv(tCtx, group)
+	r := &rollingNode{env: e, nodeName: e.ns + "-node", recorder: events.NewFakeRecorder(100)}
+	_, err := framework.CreateReadyNode(tCtx, cp.Client, r.nodeName, map[string]string{"test": e.ns, "group": group})
+	tCtx.ExpectNoError(err)
+	dirs := shortDirs(tCtx, prefix, "p", "r", "k", "s", "c")
+	r.pluginDir, r.registryDir, r.kubeletState, r.stateDir, r.cdiDir = dirs[0], dirs[1], dirs[2], dirs[3], dirs[4]
+	r.manager = startKubeletDRA(tCtx, r.nodeName, r.registryDir, r.kubeletState)
+	return r
+}
+
+// options are the options of an agent of the node in the pod with podUID.
+func (r *rollingNode) options(podUID types.UID) agent.Options {
+	opts := kubeletAgentOptions(r.pluginDir, r.registryDir, r.stateDir, r.cdiDir)
+	opts.RollingUpdateUID, opts.Recorder = podUID, r.recorder
+	return opts
 }
