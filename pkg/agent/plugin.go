@@ -380,7 +380,7 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 				klog.KObj(claim), ErrDevicePluginConflict, a.opts.NodeName, r.Device, gpu.UUID)
 		}
 		if devicePlugin != "" && !admin {
-			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: node %s advertises %s from a device plugin, which the kubelet hands out to pods that ask for it, %s (GPU %s) included; disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false), then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: node %s advertises %s from a device plugin, which the kubelet hands out to pods that ask for it, %s (GPU %s) included; a cluster admin must disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false); then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDevicePluginConflict, a.opts.NodeName, devicePlugin, r.Device, gpu.UUID)
 		}
 		if owner, uid, ok := preparedElsewhere(cp, a.preparing, claim.UID, gpu.UUID, admin); ok {
