@@ -236,11 +236,7 @@ func TestPrepareRefusesOpaqueConfig(t *testing.T) {
 // for another claim; an allocated claim stays.
 func TestCleanupDeallocatedClaim(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	recorder := events.NewFakeRecorder(20)
-	e.recorder = recorder
-	e.staleClaimGrace = time.Nanosecond
-	a := e.start(ctx, t)
+	e, recorder, a := startStale(ctx, t)
 	kept := claim("kept", gpus("gpus", "gpu-0")...)
 	given := claim("given-back", gpus("gpus", "gpu-1")...)
 	res, err := a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{kept, given})

@@ -231,11 +231,7 @@ func TestStaleClaimNeedsKubeletToListAgentPod(t *testing.T) {
 // naming the socket, once until a check reaches the kubelet again.
 func TestPodResourcesUnavailableEvent(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	recorder := events.NewFakeRecorder(20)
-	e.recorder = recorder
-	e.staleClaimGrace = time.Nanosecond
-	a := e.start(ctx, t)
+	e, recorder, a := startStale(ctx, t)
 	held := claim("held", gpus("gpus", "gpu-1")...)
 	if err := prepareOne(ctx, t, a, held); err != nil {
 		t.Fatalf("prepare: %v", err)
@@ -278,11 +274,7 @@ func TestPodResourcesUnavailableEvent(t *testing.T) {
 // gone claim is dropped at the second check.
 func TestStaleClaimKeptWhileKubeletReportsNoClaims(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	e := newEnv(t)
-	recorder := events.NewFakeRecorder(20)
-	e.recorder = recorder
-	e.staleClaimGrace = time.Nanosecond
-	a := e.start(ctx, t)
+	e, recorder, a := startStale(ctx, t)
 	live := claim("live", gpus("gpus", "gpu-1")...)
 	gone := claim("gone", gpus("gpus", "gpu-2")...)
 	if _, err := e.client.ResourceV1().ResourceClaims(live.Namespace).Create(ctx, live, metav1.CreateOptions{}); err != nil {
@@ -323,4 +315,14 @@ func checkRemoved(ctx context.Context, t *testing.T, a *agent.Agent, what string
 	if err != nil || !slices.Equal(removed, want) {
 		t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
 	}
+}
+
+// startStale starts an agent of a new env that drops a gone claim as soon
+// as the kubelet reports it unused (grace 1 ns), recording its events.
+func startStale(ctx context.Context, t *testing.T) (*env, *events.FakeRecorder, *agent.Agent) {
+	e := newEnv(t)
+	recorder := events.NewFakeRecorder(20)
+	e.recorder = recorder
+	e.staleClaimGrace = time.Nanosecond
+	return e, recorder, e.start(ctx, t)
 }

@@ -151,15 +151,7 @@ func TestLongSocketPaths(t *testing.T) {
 func TestNoTakeOverWithoutState(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	e := newEnv(t)
-	base := socketDirs(t)
-	registry, plugins := filepath.Join(base, "r"), filepath.Join(base, "p")
-	options := func(uid types.UID) agent.Options {
-		opts := e.options(t)
-		opts.PublishOnly = false
-		opts.PluginDataDir, opts.RegistrarDir = plugins, registry
-		opts.RollingUpdateUID = uid
-		return opts
-	}
+	options, registry := rollingOptions(t, e)
 	running, err := agent.New(ctx, options("running-pod"))
 	if err != nil {
 		t.Fatal(err)
@@ -211,4 +203,19 @@ func TestNoTakeOverWithoutState(t *testing.T) {
 	if err := running.Err(); err != nil {
 		t.Errorf("the running agent stopped: %v", err)
 	}
+}
+
+// rollingOptions returns the options of e's agents in the pod with a UID,
+// serving the kubelet through sockets in the registration directory it
+// returns (short paths, for socket names), as in a rolling update.
+func rollingOptions(t *testing.T, e *env) (options func(uid types.UID) agent.Options, registry string) {
+	base := socketDirs(t)
+	registry, plugins := filepath.Join(base, "r"), filepath.Join(base, "p")
+	return func(uid types.UID) agent.Options {
+		opts := e.options(t)
+		opts.PublishOnly = false
+		opts.PluginDataDir, opts.RegistrarDir = plugins, registry
+		opts.RollingUpdateUID = uid
+		return opts
+	}, registry
 }

@@ -170,13 +170,9 @@ func TestTakeOverWaitsForWorkingDiscovery(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
 			e := newEnv(t)
-			base := socketDirs(t)
-			registry, plugins := filepath.Join(base, "r"), filepath.Join(base, "p")
+			rolling, registry := rollingOptions(t, e)
 			options := func(uid types.UID) agent.Options {
-				opts := e.options(t)
-				opts.PublishOnly = false
-				opts.PluginDataDir, opts.RegistrarDir = plugins, registry
-				opts.RollingUpdateUID = uid
+				opts := rolling(uid)
 				opts.NoGPURetry = 10 * time.Millisecond
 				return opts
 			}

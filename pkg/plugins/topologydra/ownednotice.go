@@ -70,8 +70,9 @@ type ownedNotices struct {
 	sent sets.Set[types.UID]
 }
 
-// newOwnedNotices returns the notices of pl's profile; start runs them.
-func newOwnedNotices(pl *TopologyDRA, profile string, client kubernetes.Interface, pods corelisters.PodLister) *ownedNotices {
+// newOwnedNotices returns the notices of pl's profile, written with pl's
+// client about the pods of pl's pod lister; run runs them.
+func newOwnedNotices(pl *TopologyDRA, profile string) *ownedNotices {
 	instance, err := os.Hostname()
 	if err != nil || instance == "" {
 		instance = profile
@@ -80,8 +81,8 @@ func newOwnedNotices(pl *TopologyDRA, profile string, client kubernetes.Interfac
 		pl:       pl,
 		profile:  profile,
 		instance: instance,
-		client:   client,
-		pods:     pods,
+		client:   pl.client,
+		pods:     pl.pods,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[cache.ObjectName](),
 			workqueue.TypedRateLimitingQueueConfig[cache.ObjectName]{Name: "topodra_owned_notices"}),
 		sent: sets.New[types.UID](),
@@ -176,10 +177,8 @@ func (n *ownedNotices) notice(ctx context.Context, key cache.ObjectName) error {
 	if err != nil || len(blocked) == 0 {
 		return err
 	}
-	owned := ""
-	if n.pl.ownedToleration != nil {
-		owned = n.pl.ownedToleration.Key
-	}
+	// ownedOnly names requests only where the profile has an owned key.
+	owned := n.pl.ownedToleration.Key
 	scheduler := pod.Spec.SchedulerName
 	if scheduler == "" {
 		scheduler = v1.DefaultSchedulerName
@@ -191,10 +190,9 @@ func (n *ownedNotices) notice(ctx context.Context, key cache.ObjectName) error {
 	note := eventnote.Format("%s cannot allocate the devices of %s: every device %s carries the taint %s, which only %s tolerates. "+
 		"Create the pod again with spec.schedulerName: %s (a pod's scheduler cannot be changed; for a Deployment, Job or StatefulSet set it in the pod template)",
 		scheduler, what, match, owned, n.profile, n.profile)
-	now := time.Now()
 	ev := &eventsv1.Event{
 		ObjectMeta:          metav1.ObjectMeta{Name: noticeName(pod), Namespace: pod.Namespace},
-		EventTime:           metav1.NewMicroTime(now),
+		EventTime:           metav1.NewMicroTime(time.Now()),
 		ReportingController: n.profile,
 		ReportingInstance:   n.instance,
 		Action:              "Scheduling",

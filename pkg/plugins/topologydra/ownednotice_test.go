@@ -112,7 +112,7 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 	}
 
 	// A second replica watching the same pods writes no second notice.
-	second := newOwnedNotices(h.pl, h.pl.handle.ProfileName(), h.client, h.pl.pods)
+	second := newOwnedNotices(h.pl, h.pl.handle.ProfileName())
 	for _, name := range []string{"wants-owned", "gpu-and-nic", "tolerates"} {
 		pod, err := h.pl.pods.Pods(testNS).Get(name)
 		h.tCtx.ExpectNoError(err)

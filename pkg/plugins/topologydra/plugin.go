@@ -291,7 +291,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			Operator: resourceapi.DeviceTolerationOpExists,
 		}
 		if f := h.SharedInformerFactory(); f != nil && pl.client != nil {
-			notices := newOwnedNotices(pl, h.ProfileName(), pl.client, f.Core().V1().Pods().Lister())
+			notices := newOwnedNotices(pl, h.ProfileName())
 			if _, err := f.Core().V1().Pods().Informer().AddEventHandler(notices.handler()); err != nil {
 				return nil, fmt.Errorf("watch pods of other schedulers: %w", err)
 			}
