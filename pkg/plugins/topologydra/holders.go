@@ -3,6 +3,7 @@ package topologydra
 import (
 	"slices"
 	"sync"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -41,7 +42,17 @@ import (
 // the claim now: where this listener is behind a release, the device
 // stays free. Where this listener is behind both a claim's taking of a
 // device and the release that the set then applied to it, the device
-// stays free until this listener catches up. Safe for concurrent use.
+// stays free until this listener catches up.
+//
+// A device taken while another claim held it may also be allocated to
+// both at once (another scheduler, a hand-written allocation): restore
+// checks both claims in the claim cache, and where both have held the
+// device for twiceConfirm (the cache too shows claims out of order for
+// the moment a relist takes) it counts it in devicesAllocatedTwice and
+// logs it once at level 0.
+// While both hold it, the first holder is kept: when either gives the
+// device back, the other stays its holder, so the device stays allocated.
+// Safe for concurrent use.
 type deviceHolders struct {
 	logger             klog.Logger
 	consumableCapacity bool
@@ -53,8 +64,27 @@ type deviceHolders struct {
 	// allocated claim's UID and devices: a deletion whose last state the
 	// informer lost gives back what was recorded.
 	claims map[string]heldClaim
-	// suspects are the devices the set may have lost (see above).
-	suspects sets.Set[structured.DeviceID]
+	// suspects are the devices the set may have lost (see above), each
+	// with the claim that held it when another was seen taking it (zero
+	// where none did, or once that claim no longer holds it).
+	suspects map[structured.DeviceID]holderRef
+	// twice holds the devices that restore found allocated to two claims
+	// at once.
+	twice map[structured.DeviceID]twiceHeld
+	// now is the clock of twiceHeld.since.
+	now func() time.Time
+}
+
+// twiceConfirm is how long two claims must be seen holding one device
+// before it is reported as allocated twice.
+const twiceConfirm = 10 * time.Second
+
+// twiceHeld is a device that two claims hold: their UIDs, when restore
+// first saw it, and whether it has been reported.
+type twiceHeld struct {
+	uids     [2]types.UID
+	since    time.Time
+	reported bool
 }
 
 // holderRef names the claim that holds a device.
@@ -75,7 +105,9 @@ func newDeviceHolders(logger klog.Logger, consumableCapacity bool) *deviceHolder
 		consumableCapacity: consumableCapacity,
 		holder:             map[structured.DeviceID]holderRef{},
 		claims:             map[string]heldClaim{},
-		suspects:           sets.New[structured.DeviceID](),
+		suspects:           map[structured.DeviceID]holderRef{},
+		twice:              map[structured.DeviceID]twiceHeld{},
+		now:                time.Now,
 	}
 }
 
@@ -139,11 +171,13 @@ func (h *deviceHolders) set(key string, claim *resourceapi.ResourceClaim) {
 // take records that claim ref (key) holds id. Caller holds mu.
 func (h *deviceHolders) take(id structured.DeviceID, ref holderRef, key string, switched bool) {
 	if other, ok := h.holder[id]; ok && other.uid != ref.uid {
-		h.suspects.Insert(id)
+		h.suspects[id] = other
 		h.logger.V(2).Info("Device seen taken by a claim while another claim held it (claims seen out of order after the claim informer listed anew, or allocated twice): it stays allocated while either holds it",
 			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	} else if switched {
-		h.suspects.Insert(id)
+		if _, ok := h.suspects[id]; !ok {
+			h.suspects[id] = holderRef{}
+		}
 		h.logger.V(2).Info("Claim seen allocated other devices without being seen deallocated (the claim informer listed anew): its new devices stay allocated",
 			"device", id, "claim", key)
 	}
@@ -157,8 +191,21 @@ func (h *deviceHolders) giveBack(id structured.DeviceID, uid types.UID, key stri
 	case !ok:
 	case other.uid == uid:
 		delete(h.holder, id)
+		// The claim it displaced may still hold the device: it is the
+		// holder again, and restore checks it in the claim cache.
+		if before := h.suspects[id]; before.uid != "" {
+			h.holder[id] = before
+			h.suspects[id] = holderRef{}
+		}
 	default:
-		h.suspects.Insert(id)
+		if before := h.suspects[id]; before.uid == uid {
+			// The displaced claim gave the device back.
+			h.suspects[id] = holderRef{}
+			return
+		}
+		if _, ok := h.suspects[id]; !ok {
+			h.suspects[id] = holderRef{}
+		}
 		h.logger.V(2).Info("Device given back by a claim after another claim was seen taking it (claims seen out of order after the claim informer listed anew): it stays allocated",
 			"device", id, "claim", key, "holder", klog.KRef(other.namespace, other.name))
 	}
@@ -167,28 +214,72 @@ func (h *deviceHolders) giveBack(id structured.DeviceID, uid types.UID, key stri
 // restore adds to allocated (a copy of the scheduler's set of allocated
 // devices) each suspect the set lacks that its recorded holder holds as
 // get (the scheduler's claim cache) shows the claim now, and forgets the
-// suspects no claim holds any longer; it returns how many it added.
+// suspects no claim holds any longer; it returns how many it added. It
+// also finds the suspects that two claims hold at once as get shows them
+// (see deviceHolders).
 func (h *deviceHolders) restore(allocated sets.Set[structured.DeviceID], get func(namespace, name string) (*resourceapi.ResourceClaim, error)) int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	holds := func(ref holderRef, id structured.DeviceID) bool {
+		claim, err := get(ref.namespace, ref.name)
+		return err == nil && claim.UID == ref.uid && slices.Contains(h.heldDevices(claim), id)
+	}
 	added := 0
-	for id := range h.suspects {
+	for id, before := range h.suspects {
 		ref, held := h.holder[id]
 		if !held {
-			h.suspects.Delete(id)
+			delete(h.suspects, id)
 			continue
 		}
-		if allocated.Has(id) {
-			continue
+		holderHolds := holds(ref, id)
+		if before.uid != "" {
+			if holds(before, id) {
+				if holderHolds {
+					h.allocatedTwice(id, before, ref)
+				}
+			} else {
+				h.suspects[id] = holderRef{}
+			}
 		}
-		claim, err := get(ref.namespace, ref.name)
-		if err != nil || claim.UID != ref.uid || !slices.Contains(h.heldDevices(claim), id) {
+		if allocated.Has(id) || !holderHolds {
 			continue
 		}
 		allocated.Insert(id)
 		added++
 	}
+	reported := 0
+	for id, t := range h.twice {
+		if before, ok := h.suspects[id]; !ok || before.uid != t.uids[0] || h.holder[id].uid != t.uids[1] {
+			delete(h.twice, id)
+			if t.reported {
+				h.logger.Info("Device no longer allocated to two claims", "device", id)
+			}
+			continue
+		}
+		if t.reported {
+			reported++
+		}
+	}
+	devicesAllocatedTwice.Set(float64(reported))
 	return added
+}
+
+// allocatedTwice records that claims first and second both hold id, and
+// reports it, once, after twiceConfirm. Caller holds mu.
+func (h *deviceHolders) allocatedTwice(id structured.DeviceID, first, second holderRef) {
+	uids := [2]types.UID{first.uid, second.uid}
+	t, ok := h.twice[id]
+	if !ok || t.uids != uids {
+		h.twice[id] = twiceHeld{uids: uids, since: h.now()}
+		return
+	}
+	if t.reported || h.now().Sub(t.since) < twiceConfirm {
+		return
+	}
+	t.reported = true
+	h.twice[id] = t
+	h.logger.Error(nil, "Device allocated to two claims at once: both claims' pods may use it. Another scheduler or a hand-written allocation gave it out; delete one of the claims' pods so that its claim is deallocated, and run topodra-check",
+		"device", id, "claim", klog.KRef(first.namespace, first.name), "otherClaim", klog.KRef(second.namespace, second.name))
 }
 
 // handler feeds set from the claim informer.

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/component-base/metrics/testutil"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2/ktesting"
 	fwk "k8s.io/kube-scheduler/framework"
@@ -41,6 +42,101 @@ func holderClaim(name, rv string, allocated bool) *resourceapi.ResourceClaim {
 }
 
 var deviceX = structured.MakeDeviceID("d", "p", "x")
+
+// TestDeviceAllocatedTwice: a device that two claims hold at once in the
+// claim cache's view is reported (the gauge, once) only after
+// twiceConfirm, and stays allocated while either claim holds it, whichever
+// gives it back first. Claims seen out of order, and a view that shows
+// both only for a moment, report nothing.
+func TestDeviceAllocatedTwice(t *testing.T) {
+	logger, _ := ktesting.NewTestContext(t)
+	a, aFree, b, bFree := holderClaim("a", "10", true), holderClaim("a", "20", false), holderClaim("b", "30", true), holderClaim("b", "40", false)
+	now := time.Unix(1000, 0)
+	newHolders := func() *deviceHolders {
+		h := newDeviceHolders(logger, false)
+		h.now = func() time.Time { return now }
+		return h
+	}
+	restore := func(h *deviceHolders, view ...*resourceapi.ResourceClaim) sets.Set[structured.DeviceID] {
+		byName := map[string]*resourceapi.ResourceClaim{}
+		for _, c := range view {
+			byName[c.Namespace+"/"+c.Name] = c
+		}
+		set := sets.New[structured.DeviceID]()
+		h.restore(set, func(namespace, name string) (*resourceapi.ResourceClaim, error) {
+			if c, ok := byName[namespace+"/"+name]; ok {
+				return c, nil
+			}
+			return nil, apierrors.NewNotFound(resourceapi.Resource("resourceclaims"), name)
+		})
+		return set
+	}
+	gauge := func(step string, want float64) {
+		t.Helper()
+		got, err := testutil.GetGaugeMetricValue(devicesAllocatedTwice)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != want {
+			t.Errorf("%s: topodra_devices_allocated_twice %v, want %v", step, got, want)
+		}
+	}
+
+	for _, first := range []string{"a", "b"} {
+		h := newHolders()
+		h.set("ns/a", a)
+		h.set("ns/b", b) // both hold x
+		restore(h, a, b)
+		gauge("both hold x, just seen", 0)
+		now = now.Add(twiceConfirm)
+		restore(h, a, b)
+		gauge("both hold x for twiceConfirm", 1)
+		restore(h, a, b)
+		gauge("both hold x, seen again", 1)
+		// The set drops x when either claim gives it back; the other
+		// still holds it.
+		view := []*resourceapi.ResourceClaim{aFree, b}
+		if first == "a" {
+			h.set("ns/a", aFree)
+		} else {
+			h.set("ns/b", bFree)
+			view = []*resourceapi.ResourceClaim{a, bFree}
+		}
+		if got := restore(h, view...); !got.Has(deviceX) {
+			t.Errorf("%s gave x back while the other claim holds it: x is not allocated", first)
+		}
+		gauge(first+" gave x back", 0)
+		h.set("ns/a", aFree)
+		h.set("ns/b", bFree)
+		if got := restore(h, aFree, bFree); got.Len() != 0 {
+			t.Errorf("both gave x back: restored %v", got.UnsortedList())
+		}
+	}
+
+	// Seen out of order: b takes x before a is seen giving it back, which
+	// the claim cache already shows.
+	h := newHolders()
+	h.set("ns/a", a)
+	h.set("ns/b", b)
+	restore(h, aFree, b)
+	now = now.Add(twiceConfirm)
+	restore(h, aFree, b)
+	gauge("out of order", 0)
+	h.set("ns/a", aFree)
+	restore(h, aFree, b)
+	gauge("out of order, caught up", 0)
+
+	// The view shows both for a moment, then a's release.
+	h = newHolders()
+	h.set("ns/a", a)
+	h.set("ns/b", b)
+	restore(h, a, b)
+	now = now.Add(twiceConfirm / 2)
+	restore(h, aFree, b)
+	now = now.Add(twiceConfirm)
+	restore(h, aFree, b)
+	gauge("both for a moment", 0)
+}
 
 // TestDeviceHoldersRestore: a device that the scheduler's set lacks is
 // put back where its recorded holder holds it in the claim cache's view,
@@ -264,7 +360,7 @@ func TestDeviceHoldersWired(t *testing.T) {
 	}
 	// As after claims seen out of order: gpu-0 is a suspect.
 	h.pl.holders.mu.Lock()
-	h.pl.holders.suspects.Insert(held)
+	h.pl.holders.suspects[held] = holderRef{}
 	h.pl.holders.mu.Unlock()
 	h.pl.draManager = lossyManager{SharedDRAManager: h.pl.draManager, claims: lossyClaims{ResourceClaimTracker: h.pl.draManager.ResourceClaims(), lose: held}}
 	state, err := h.pl.gatherAllocatedState(h.tCtx)

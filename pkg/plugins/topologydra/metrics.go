@@ -71,12 +71,18 @@ var (
 		Help:           "Claims whose allocation write failed without telling whether the API server stored it, and whose state could not be read since: their devices stay taken until it can.",
 		StabilityLevel: metrics.ALPHA,
 	})
+	devicesAllocatedTwice = metrics.NewGauge(&metrics.GaugeOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "devices_allocated_twice",
+		Help:           "Dedicated devices that two claims hold at once as the scheduler's claim cache shows them (another scheduler or a hand-written allocation gave a device out twice), as of the latest scheduling attempt.",
+		StabilityLevel: metrics.ALPHA,
+	})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations, uncertainClaims)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations, uncertainClaims, devicesAllocatedTwice)
 	})
 }
 
