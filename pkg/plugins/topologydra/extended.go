@@ -510,17 +510,18 @@ func (pl *TopologyDRA) deleteExtendedClaim(ctx context.Context, claim *resourcea
 // status, and Unreserve deletes it when a later step fails; one is left
 // where that delete failed, or where the scheduler stopped between
 // PreBind and Bind. Only called for a pod that is being scheduled, so
-// every such claim is left over. A failed delete is logged and tried
-// again at the pod's next attempt; the devices it frees count once the
+// every such claim is left over. It returns an error where one cannot be
+// deleted: the attempt must not go on, since the pod would be bound with
+// a new claim while the leftover, reserved for it, keeps its devices for
+// as long as the pod runs. The devices a deleted one frees count once the
 // claim cache has seen the delete (an allocation that Unreserve kept in
 // flight for it goes at once).
 // It reports whether it found any.
-func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) (found bool) {
+func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1.Pod) (found bool, err error) {
 	logger := klog.FromContext(ctx)
 	claims, err := pl.draManager.ResourceClaims().List()
 	if err != nil {
-		logger.Error(err, "List claims for leftover extended resource claims", "pod", klog.KObj(pod))
-		return false
+		return false, fmt.Errorf("list claims for leftover extended resource claims: %w", err)
 	}
 	for _, claim := range claims {
 		if claim.Namespace != pod.Namespace || claim.Annotations[resourceapi.ExtendedResourceClaimAnnotation] != "true" || claim.DeletionTimestamp != nil {
@@ -531,14 +532,13 @@ func (pl *TopologyDRA) deleteLeftoverExtendedClaims(ctx context.Context, pod *v1
 		}
 		found = true
 		if err := pl.deleteExtendedClaim(ctx, claim); err != nil {
-			logger.Error(err, "Delete leftover extended resource claim", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
-			continue
+			return true, fmt.Errorf("delete the extended resource claim %s of an earlier attempt (it is tried again at the pod's next attempt): %w", claim.Name, err)
 		}
 		// Its allocation, if Unreserve kept it in flight, is gone too.
 		pl.settleGone(claim.UID)
 		logger.V(2).Info("Deleted leftover extended resource claim of an earlier attempt", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
 	}
-	return found
+	return found, nil
 }
 
 // extendedNames lists the resources of mappings, for messages.

@@ -542,6 +542,60 @@ func TestExtendedLeftoverClaimDeleted(t *testing.T) {
 	}
 }
 
+// TestExtendedLeftoverNotDeletedStopsAttempt: where the extended resource
+// claim of an earlier attempt, still reserved for the pod, cannot be
+// deleted, the attempt stops with an error naming it (the pod would
+// otherwise be bound with a new claim while the leftover keeps two more
+// GPUs for as long as it runs); once the delete works, the pod is
+// scheduled with one claim.
+func TestExtendedLeftoverNotDeletedStopsAttempt(t *testing.T) {
+	pod := extPod("p", 2)
+	leftover := allocatedOn(testClaim("p-extended-resources-old", 2), "node-a", "gpu-0", "gpu-1")
+	leftover.OwnerReferences = []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: pod.Name, UID: pod.UID, Controller: ptr.To(true)}}
+	leftover.Annotations = map[string]string{resourceapi.ExtendedResourceClaimAnnotation: "true"}
+	leftover.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: pod.Name, UID: pod.UID}}
+	var refuse atomic.Bool
+	refuse.Store(true)
+	h := newHarnessWith(t, func(h *harness) {
+		h.client.PrependReactor("delete", "resourceclaims", func(cgotesting.Action) (bool, runtime.Object, error) {
+			if refuse.Load() {
+				return true, nil, apierrors.NewServiceUnavailable("etcd leader changed")
+			}
+			return false, nil, nil
+		})
+	}, []*v1.Node{testNode("node-a")}, extClass(), testSlice("node-a", 4), leftover)
+	h.waitForClaim(leftover.Name, func(*resourceapi.ResourceClaim) bool { return true })
+	created, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
+	h.tCtx.ExpectNoError(err)
+	pod = created
+
+	_, st := h.pl.PreFilter(h.tCtx, framework.NewCycleState(), pod, nil)
+	if code(st) != fwk.Error || !strings.Contains(st.Message(), leftover.Name) {
+		t.Fatalf("PreFilter while the leftover cannot be deleted: %v, want an error naming %s", st, leftover.Name)
+	}
+
+	refuse.Store(false)
+	h.waitForClaim(leftover.Name, func(*resourceapi.ResourceClaim) bool { return true })
+	cs := h.reserve(pod, "node-a")
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); !st.IsSuccess() {
+		t.Fatalf("PreBind once the leftover could be deleted: %v", st)
+	}
+	claims, err := h.client.ResourceV1().ResourceClaims(testNS).List(h.tCtx, metav1.ListOptions{})
+	h.tCtx.ExpectNoError(err)
+	held := 0
+	for _, c := range claims.Items {
+		if c.Name == leftover.Name {
+			t.Errorf("the leftover %s is still there", c.Name)
+		}
+		if c.Status.Allocation != nil {
+			held += len(c.Status.Allocation.Devices.Results)
+		}
+	}
+	if held != 2 {
+		t.Errorf("the pod's claims hold %d GPUs, want its 2", held)
+	}
+}
+
 // TestResizeDeferredPodLeftAlone: with InPlacePodVerticalScalingSchedulerPreemption
 // the scheduler queues a bound pod whose resize is deferred, to find room
 // by preemption. Its claims are in use: PreFilter skips it, so its

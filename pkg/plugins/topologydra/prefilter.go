@@ -126,8 +126,12 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 	extClaim := pl.extendedClaimOf(pod, extended)
 	if extClaim != nil {
 		apiCtx, cancel := context.WithTimeout(ctx, preFilterAPITimeout)
-		earlier := pl.deleteLeftoverExtendedClaims(apiCtx, pod) || pod.Status.ExtendedResourceClaimStatus != nil
+		leftover, err := pl.deleteLeftoverExtendedClaims(apiCtx, pod)
 		cancel()
+		if err != nil {
+			return nil, internalError(klog.FromContext(ctx), err, "pod", klog.KObj(pod))
+		}
+		earlier := leftover || pod.Status.ExtendedResourceClaimStatus != nil
 		ext = &extendedClaim{index: len(claims), resources: extended, pendingUID: extClaim.UID, pod: pod, earlier: earlier,
 			variants: map[string]*extendedVariant{}, nodes: map[string]*extendedVariant{}}
 		claims = append(claims, extClaim)
