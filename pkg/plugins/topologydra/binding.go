@@ -224,8 +224,9 @@ func hasBindingConditions(claims []*resourceapi.ResourceClaim) bool {
 // claim cache (informer). It tells the user on the pod that it waits, and
 // records upstream's binding-condition metrics. A failure or timeout, or a
 // claim that is deallocated or being deleted meanwhile, fails the attempt
-// with an error (the pod is retried with backoff, and then
-// Filter and PostFilter release the allocation). So does the pod's own
+// with an error (the pod is retried with backoff; Unreserve removes the
+// allocations this attempt wrote, and Filter and PostFilter release one
+// written before). So does the pod's own
 // deletion: nothing would use the devices it waits for.
 func (pl *TopologyDRA) waitForBindingConditions(ctx context.Context, pod *v1.Pod, nodeName string, s *stateData) *fwk.Status {
 	if !pl.features.DeviceBindingAndStatus || !hasBindingConditions(s.claims) {

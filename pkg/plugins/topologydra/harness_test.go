@@ -236,8 +236,10 @@ func (h *harness) apiClaim(name string) *resourceapi.ResourceClaim {
 }
 
 // versionReactor gives created objects a UID (and a name from their
-// generateName) and every write a new resource version, as the API server
-// does; the fake tracker does none of that.
+// generateName) and every write a new resource version, newer than the
+// version of the object it replaces (which a test may have stored in the
+// tracker directly), as the API server does; the fake tracker does none
+// of that.
 func versionReactor(tracker cgotesting.ObjectTracker) cgotesting.ReactionFunc {
 	var mu sync.Mutex
 	version := 0
@@ -262,6 +264,15 @@ func versionReactor(tracker cgotesting.ObjectTracker) cgotesting.ReactionFunc {
 		}
 		if action.GetVerb() == "create" && meta.GetUID() == "" {
 			meta.SetUID(types.UID(fmt.Sprintf("uid-%s-%s", meta.GetNamespace(), meta.GetName())))
+		}
+		if action.GetVerb() == "update" {
+			if stored, err := tracker.Get(action.GetResource(), meta.GetNamespace(), meta.GetName()); err == nil {
+				if m, err := metaOf(stored); err == nil {
+					if v, err := strconv.Atoi(m.GetResourceVersion()); err == nil && v > version {
+						version = v
+					}
+				}
+			}
 		}
 		version++
 		meta.SetResourceVersion(strconv.Itoa(version))

@@ -8,6 +8,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/dynamic-resource-allocation/resourceclaim"
@@ -87,7 +88,11 @@ func (pl *TopologyDRA) PreBind(ctx context.Context, cs fwk.CycleState, pod *v1.P
 // the one that write started from). Only the claim with claim's UID is
 // written: where the name now belongs to another claim (deleted and
 // created again), it returns an error, and the claim it returns still
-// has claim's UID.
+// has claim's UID. Where allocation is nil (the claim was allocated
+// before the cycle), the pod is reserved only while the claim has the
+// allocation the cycle chose the node by: one deallocated and allocated
+// again meanwhile (its last pod gone, another pod's cycle) may be on
+// another node, and the pod would be bound where its devices are not.
 func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim, allocation *resourceapi.AllocationResult) (*resourceapi.ResourceClaim, error) {
 	logger := klog.FromContext(ctx)
 	claims := pl.client.ResourceV1().ResourceClaims(claim.Namespace)
@@ -103,6 +108,9 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 			if latest.UID != claim.UID {
 				// Its allocation was made for the deleted claim's spec.
 				return fmt.Errorf("claim %s was deleted and created again since it was allocated", claim.Name)
+			}
+			if allocation == nil && latest.Status.Allocation != nil && !apiequality.Semantic.DeepEqual(latest.Status.Allocation, claim.Status.Allocation) {
+				return fmt.Errorf("claim %s was deallocated and allocated again since the pod's node was chosen", claim.Name)
 			}
 			claim = latest
 		}

@@ -24,6 +24,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	resourcev1client "k8s.io/client-go/kubernetes/typed/resource/v1"
 	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/dynamic-resource-allocation/resourceclaim"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -137,6 +138,90 @@ func TestPreBindClaimRecreated(t *testing.T) {
 	}
 }
 
+// TestPreBindClaimAllocatedAgain: pod p's shared claim c is allocated on
+// node-a when p's node is chosen; before PreBind writes p's reservation, c
+// is deallocated (its last pod gone) and allocated again on node-b for
+// another pod. PreBind fails instead of binding p to node-a, where its
+// devices are not; once it is tried again, p goes to node-b.
+func TestPreBindClaimAllocatedAgain(t *testing.T) {
+	h := newHarnessWith(t, preconditionReactor, []*v1.Node{testNode("node-a"), testNode("node-b")}, testDeviceClass(),
+		testSlice("node-a", 2), testSlice("node-b", 2), allocatedOn(testClaim("c", 1), "node-a", "gpu-0"))
+	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation != nil })
+	pod := testPod("p", "c")
+	cs := h.reserve(pod, "node-a")
+	c := h.apiClaim("c")
+	c.Status.Allocation = nil
+	c, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, c, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	c.Status.Allocation = allocatedOn(testClaim("c", 1), "node-b", "gpu-1").Status.Allocation
+	c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "other", UID: "uid-other"}}
+	_, err = h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, c, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+
+	st := h.pl.PreBind(h.tCtx, cs, pod, "node-a")
+	if st.IsSuccess() || !strings.Contains(st.Message(), "allocated again") {
+		t.Errorf("PreBind on node-a after claim c was allocated again on node-b: %v, want an error that says so", st)
+	}
+	if got := h.apiClaim("c"); resourceclaim.IsReservedForPod(pod, got, false) {
+		t.Errorf("claim c, allocated on node-b, is reserved for pod p bound to node-a: %v", got.Status.ReservedFor)
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	h.waitForClaim("c", func(c *resourceapi.ResourceClaim) bool { return len(c.Status.ReservedFor) == 1 })
+	if _, st := h.cycle(pod, "node-a", "node-b"); st["node-a"].IsSuccess() || !st["node-b"].IsSuccess() {
+		t.Errorf("the next attempt: node-a %v, node-b %v; want node-b only", st["node-a"], st["node-b"])
+	}
+}
+
+// TestUnreserveGivesBackWrittenAllocation: pod p names claims a and b;
+// PreBind writes a's allocation and then fails on b (deleted and created
+// again). Unreserve removes a's allocation, not only p's reservation:
+// nothing else would give a's GPU back once p is deleted. A claim that was
+// allocated before the cycle keeps its allocation, and so does one that
+// another pod reserved after the write.
+func TestUnreserveGivesBackWrittenAllocation(t *testing.T) {
+	h := newHarnessWith(t, preconditionReactor, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
+		testClaim("a", 1), testClaim("b", 1), testClaim("d", 1), allocatedOn(testClaim("kept", 1), "node-a", "gpu-3"))
+	for _, name := range []string{"a", "b", "d", "kept"} {
+		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
+	}
+	pod := testPod("p", "kept", "a", "b")
+	cs := h.reserve(pod, "node-a")
+	h.recreateClaim("b", 1)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although claim b was created again")
+	}
+	if a := h.apiClaim("a"); a.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, a, false) {
+		t.Fatalf("PreBind did not write claim a before it failed: %+v", a.Status)
+	}
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if a := h.apiClaim("a"); a.Status.Allocation != nil || len(a.Status.ReservedFor) != 0 {
+		t.Errorf("claim a after Unreserve: allocated %v, reserved for %v; want neither", a.Status.Allocation != nil, a.Status.ReservedFor)
+	}
+	if kept := h.apiClaim("kept"); kept.Status.Allocation == nil || len(kept.Status.ReservedFor) != 0 {
+		t.Errorf("claim kept after Unreserve: allocated %v, reserved for %v; want its allocation kept and p's reservation gone", kept.Status.Allocation != nil, kept.Status.ReservedFor)
+	}
+
+	// Another pod reserved claim a after p3's write: a stays allocated for
+	// it, and only p3's reservation goes.
+	pod = testPod("p3", "a", "d")
+	pod2 := testPod("p2", "a")
+	pod2.UID = "uid-p2"
+	h.waitForClaim("a", func(c *resourceapi.ResourceClaim) bool { return c.Status.Allocation == nil })
+	cs = h.reserve(pod, "node-a")
+	h.recreateClaim("d", 1)
+	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+		t.Fatal("PreBind succeeded although claim d was created again")
+	}
+	a := h.apiClaim("a")
+	a.Status.ReservedFor = append(a.Status.ReservedFor, resourceapi.ResourceClaimConsumerReference{Resource: "pods", Name: pod2.Name, UID: pod2.UID})
+	_, err := h.client.ResourceV1().ResourceClaims(testNS).UpdateStatus(h.tCtx, a, metav1.UpdateOptions{})
+	h.tCtx.ExpectNoError(err)
+	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+	if a := h.apiClaim("a"); a.Status.Allocation == nil || resourceclaim.IsReservedForPod(pod, a, false) || !resourceclaim.IsReservedForPod(pod2, a, false) {
+		t.Errorf("claim a that p2 reserved after p3's write: allocated %v, reserved for %v; want it allocated for p2 only", a.Status.Allocation != nil, a.Status.ReservedFor)
+	}
+}
+
 // TestPreFilterUncertainClaimRecreated: claim c's allocation write has an
 // unknown outcome, and the claim is then deleted and created again while
 // the claim informer lags. The pod's next PreFilter reads the claim: the
@@ -159,9 +244,10 @@ func TestPreFilterUncertainClaimRecreated(t *testing.T) {
 }
 
 // TestPreBindFailureKeepsWrittenClaims: PreBind writes claim a and fails
-// on claim b while the claim informer lags behind the API. Unreserve must
-// not put back the informer's unallocated copy of a: the devices a holds
-// in the API would look free, and another pod would get them too.
+// on claim b while the claim informer lags behind the API, and Unreserve
+// cannot remove a's allocation (refused). Unreserve must not put back the
+// informer's unallocated copy of a: the devices a holds in the API would
+// look free, and another pod would get them too.
 func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 	var delay atomic.Int64
 	h := newHarnessWith(t, func(h *harness) { lagClaimWatch(h, &delay) }, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 4),
@@ -174,8 +260,9 @@ func TestPreBindFailureKeepsWrittenClaims(t *testing.T) {
 	delay.Store(int64(2 * time.Second))
 	h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
 		u := action.(cgotesting.UpdateAction)
-		if u.GetSubresource() == "status" && u.GetObject().(*resourceapi.ResourceClaim).Name == "b" {
-			return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "b", errors.New("denied by an admission webhook"))
+		c := u.GetObject().(*resourceapi.ResourceClaim)
+		if u.GetSubresource() == "status" && (c.Name == "b" || c.Status.Allocation == nil) {
+			return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), c.Name, errors.New("denied by an admission webhook"))
 		}
 		return false, nil, nil
 	})
@@ -238,36 +325,54 @@ func TestPreBindRetryAfterUnreserveReservesAgain(t *testing.T) {
 }
 
 // TestPreBindWriteOutcomeUnknown: the API server stores claim c's
-// allocation but the reply is lost (a timeout). PreBind fails; Unreserve
-// must leave the scheduler counting c's devices and take the pod out of
-// c's reservedFor, as after a write that succeeded.
+// allocation but the reply is lost (a timeout). PreBind fails and learns
+// from a read that the write was stored; Unreserve removes the allocation
+// and the reservation, as after a write that succeeded. Where that removal
+// is refused, the scheduler must go on counting c's devices, and the pod
+// is taken out of c's reservedFor.
 func TestPreBindWriteOutcomeUnknown(t *testing.T) {
-	var lag atomic.Int64
-	var lose atomic.Bool
-	hook := func(h *harness) {
-		lagClaimWatch(h, &lag)
-		loseStatusReplies(h, &lose, true, errors.New("apiserver: timeout"))
-	}
-	h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
-	h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
-	h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
-	pod := testPod("p", "c")
-	cs := h.reserve(pod, "node-a")
-	lag.Store(int64(2 * time.Second))
-	lose.Store(true)
-	if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
-		t.Fatal("PreBind succeeded although the reply was lost")
-	}
-	lose.Store(false)
-	if c := h.apiClaim("c"); c.Status.Allocation == nil {
-		t.Fatal("the lost write did not reach the API")
-	}
-	h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
-	if c := h.apiClaim("c"); len(c.Status.ReservedFor) != 0 {
-		t.Errorf("claim c still reserved for %v after Unreserve", c.Status.ReservedFor)
-	}
-	if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
-		t.Errorf("a 2-GPU pod fits on node-a while claim c holds both GPUs in the API")
+	for name, refuseRemoval := range map[string]bool{"removed": false, "removal refused": true} {
+		t.Run(name, func(t *testing.T) {
+			var lag atomic.Int64
+			var lose atomic.Bool
+			hook := func(h *harness) {
+				lagClaimWatch(h, &lag)
+				loseStatusReplies(h, &lose, true, errors.New("apiserver: timeout"))
+				h.client.PrependReactor("update", "resourceclaims", func(action cgotesting.Action) (bool, runtime.Object, error) {
+					u := action.(cgotesting.UpdateAction)
+					if refuseRemoval && u.GetSubresource() == "status" && u.GetObject().(*resourceapi.ResourceClaim).Status.Allocation == nil {
+						return true, nil, apierrors.NewForbidden(resourceapi.Resource("resourceclaims"), "c", errors.New("denied by an admission webhook"))
+					}
+					return false, nil, nil
+				})
+			}
+			h := newHarnessWith(t, hook, []*v1.Node{testNode("node-a")}, testDeviceClass(), testSlice("node-a", 2), testClaim("c", 2), testClaim("q", 2))
+			h.waitForClaim("c", func(*resourceapi.ResourceClaim) bool { return true })
+			h.waitForClaim("q", func(*resourceapi.ResourceClaim) bool { return true })
+			pod := testPod("p", "c")
+			cs := h.reserve(pod, "node-a")
+			lag.Store(int64(2 * time.Second))
+			lose.Store(true)
+			if st := h.pl.PreBind(h.tCtx, cs, pod, "node-a"); st.IsSuccess() {
+				t.Fatal("PreBind succeeded although the reply was lost")
+			}
+			lose.Store(false)
+			if c := h.apiClaim("c"); c.Status.Allocation == nil {
+				t.Fatal("the lost write did not reach the API")
+			}
+			h.pl.Unreserve(h.tCtx, cs, pod, "node-a")
+			c := h.apiClaim("c")
+			if len(c.Status.ReservedFor) != 0 {
+				t.Errorf("claim c still reserved for %v after Unreserve", c.Status.ReservedFor)
+			}
+			if (c.Status.Allocation != nil) != refuseRemoval {
+				t.Errorf("claim c allocated after Unreserve: %v, want %v", c.Status.Allocation != nil, refuseRemoval)
+			}
+			_, st := h.cycle(testPod("q", "q"), "node-a")
+			if fits := code(st["node-a"]) == fwk.Success; fits == refuseRemoval {
+				t.Errorf("a 2-GPU pod fits on node-a: %v; want it to fit only where claim c holds no devices in the API (%v)", fits, st["node-a"])
+			}
+		})
 	}
 }
 
@@ -340,8 +445,8 @@ func (c ctxClaims) Patch(ctx context.Context, name string, pt types.PatchType, d
 // plugin's PreBind failed, or the pod was preempted) before claim c's
 // write is sent, or while its reply is awaited after the API stored it.
 // The claim can still be read, so the outcome is known: after Unreserve
-// the devices are free where the write was not stored, and stay taken by
-// the claim (no longer reserved for the pod) where it was.
+// the claim is not allocated, and its devices are free, whether the write
+// was stored (Unreserve removes the allocation) or not.
 func TestPreBindCancelledSettlesWrite(t *testing.T) {
 	for name, stored := range map[string]bool{"not sent": false, "stored, reply lost": true} {
 		t.Run(name, func(t *testing.T) {
@@ -379,12 +484,11 @@ func TestPreBindCancelledSettlesWrite(t *testing.T) {
 				t.Errorf("the write of claim c is uncertain although the claim could be read")
 			}
 			c := h.apiClaim("c")
-			if stored != (c.Status.Allocation != nil) || len(c.Status.ReservedFor) != 0 {
-				t.Fatalf("claim c in the API: allocation %v, reserved for %v; want stored=%v, reserved for nobody", c.Status.Allocation, c.Status.ReservedFor, stored)
+			if c.Status.Allocation != nil || len(c.Status.ReservedFor) != 0 {
+				t.Fatalf("claim c in the API: allocation %v, reserved for %v; want neither", c.Status.Allocation, c.Status.ReservedFor)
 			}
-			_, st := h.cycle(testPod("q", "q"), "node-a")
-			if fits := code(st["node-a"]) == fwk.Success; fits == stored {
-				t.Errorf("a 2-GPU pod fits on node-a: %v; want it to fit only where claim c holds no devices in the API (stored=%v)", fits, stored)
+			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) != fwk.Success {
+				t.Errorf("a 2-GPU pod does not fit on node-a although claim c holds no devices in the API: %v", st["node-a"])
 			}
 		})
 	}
@@ -505,9 +609,10 @@ func TestWriteRefused(t *testing.T) {
 // resourceVersion, so that at most one of the two is stored, and learns
 // the outcome from that. Where PreBind's context was cancelled (the
 // scheduler may be stopping), it writes nothing more: the pod's next
-// attempt sends the write again. Either way the claim's devices stay
-// taken, and the first write, landing late, cannot give them to a second
-// claim.
+// attempt sends the write again, and the claim's devices stay taken
+// meanwhile. Otherwise Unreserve removes the allocation that is known to
+// be stored. Either way the first write, landing late, cannot give the
+// devices to a second claim.
 func TestPreBindWriteNotStoredYet(t *testing.T) {
 	for name, tc := range map[string]struct{ lateFirst, cancelled bool }{
 		"the first write lands after the second":               {},
@@ -577,7 +682,7 @@ func TestPreBindWriteNotStoredYet(t *testing.T) {
 			if h.pl.uncertain.has(uid) != tc.cancelled {
 				t.Errorf("the write of claim c is uncertain: %v, want %v", h.pl.uncertain.has(uid), tc.cancelled)
 			}
-			if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) == fwk.Success {
+			if _, st := h.cycle(testPod("q", "q"), "node-a"); tc.cancelled && code(st["node-a"]) == fwk.Success {
 				t.Errorf("a 2-GPU pod fits on node-a while claim c's write may still be stored")
 			}
 			reservedFor := 0
@@ -598,6 +703,15 @@ func TestPreBindWriteNotStoredYet(t *testing.T) {
 				t.Errorf("the first write, landing after the second: %v, want a conflict", err)
 			}
 			c := h.apiClaim("c")
+			if !tc.cancelled {
+				if c.Status.Allocation != nil || len(c.Status.ReservedFor) != 0 {
+					t.Errorf("claim c in the API: allocation %v, reserved for %v; want neither after Unreserve", c.Status.Allocation, c.Status.ReservedFor)
+				}
+				if _, st := h.cycle(testPod("q", "q"), "node-a"); code(st["node-a"]) != fwk.Success {
+					t.Errorf("a 2-GPU pod does not fit on node-a although claim c holds no devices: %v", st["node-a"])
+				}
+				return
+			}
 			if c.Status.Allocation == nil || len(c.Status.ReservedFor) != reservedFor {
 				t.Errorf("claim c in the API: allocation %v, reserved for %v; want allocated, reserved for %d pod(s)", c.Status.Allocation, c.Status.ReservedFor, reservedFor)
 			}

@@ -107,9 +107,11 @@ func (pl *TopologyDRA) Reserve(ctx context.Context, cs fwk.CycleState, pod *v1.P
 }
 
 // Unreserve undoes Reserve and whatever PreBind managed to write: in-flight
-// allocations are dropped (the claim cache goes back to the API's view) and
-// the pod is removed from reservedFor of claims that list it. It is
-// idempotent.
+// allocations are dropped (the claim cache goes back to the API's view),
+// an allocation PreBind wrote for a claim that only this pod uses is
+// removed (nothing else would give back a claim the pod names, once the
+// pod is gone), and the pod is removed from reservedFor of the other
+// claims that list it. It is idempotent.
 func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, nodeName string) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -178,6 +180,9 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		if claim.Status.Allocation == nil || !resourceclaim.IsReservedForPod(pod, claim, false) {
 			continue
 		}
+		if s.allocations[i] != nil && len(claim.Status.ReservedFor) == 1 && !pl.uncertain.has(claim.UID) && pl.deallocateWritten(ctx, pod, claim) {
+			continue
+		}
 		// A strategic merge patch removes just this pod, whatever else
 		// changed in the claim meanwhile.
 		patch := fmt.Sprintf(`{"metadata":{"uid":%q},"status":{"reservedFor":[{"$patch":"delete","uid":%q}]}}`, claim.UID, pod.UID)
@@ -195,6 +200,30 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 			logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(patched), "err", err)
 		}
 	}
+}
+
+// deallocateWritten removes the allocation and the pod's reservation that
+// PreBind wrote to claim (claim is the object as written), provided
+// nothing changed the claim since: another pod that reserved it meanwhile
+// keeps it allocated. It reports whether the claim was deallocated.
+func (pl *TopologyDRA) deallocateWritten(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
+	logger := klog.FromContext(ctx)
+	claim = claim.DeepCopy()
+	claim.Status.ReservedFor = nil
+	claim.Status.Allocation = nil
+	claim.Status.Devices = nil
+	// The resourceVersion of the write makes a changed claim a conflict.
+	updated, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+	if err != nil {
+		logger.V(2).Info("Allocation written in a failed binding cycle not removed; removing the pod's reservation only", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "err", err)
+		return false
+	}
+	logger.V(5).Info("Removed allocation written in a failed binding cycle", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
+	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(updated); err != nil {
+		// Only fails when the informer already has a newer object.
+		logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(updated), "err", err)
+	}
+	return true
 }
 
 // noteUnowned counts, per driver, the devices of allocations written to
