@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 )
 
 func find[T runtime.Object](objs []runtime.Object, match func(T) bool) (T, bool) {
@@ -361,5 +362,49 @@ func TestOverlays(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestAgentNodeSelection: the agent's node affinity, as each overlay
+// renders it, takes nodes labelled for topodra, by Node Feature Discovery
+// or by the GPU Operator (the mock overlay only the first), and leaves out
+// a node labelled topodra.io/gpu=false, whatever else labels it, and a
+// node labelled topodra.io/driver-upgrade.
+func TestAgentNodeSelection(t *testing.T) {
+	nodes := map[string]struct {
+		labels map[string]string
+		// want: the agent runs there (real overlays; mock: only with
+		// topodra.io/gpu=true).
+		want, mock bool
+	}{
+		"topodra":                      {labels: map[string]string{"topodra.io/gpu": "true"}, want: true, mock: true},
+		"nfd vendor":                   {labels: map[string]string{"feature.node.kubernetes.io/pci-10de.present": "true"}, want: true},
+		"nfd class":                    {labels: map[string]string{"feature.node.kubernetes.io/pci-0302_10de.present": "true"}, want: true},
+		"gpu operator":                 {labels: map[string]string{"nvidia.com/gpu.present": "true"}, want: true},
+		"nfd, opted out":               {labels: map[string]string{"feature.node.kubernetes.io/pci-10de.present": "true", "nvidia.com/gpu.present": "true", "topodra.io/gpu": "false"}},
+		"topodra, driver upgrade":      {labels: map[string]string{"topodra.io/gpu": "true", "topodra.io/driver-upgrade": "true"}},
+		"gpu operator, driver upgrade": {labels: map[string]string{"nvidia.com/gpu.present": "true", "topodra.io/driver-upgrade": ""}},
+		"no gpu":                       {labels: map[string]string{"kubernetes.io/os": "linux"}},
+		"nfd other vendor":             {labels: map[string]string{"feature.node.kubernetes.io/pci-1002.present": "true"}},
+	}
+	for _, dir := range overlayDirs() {
+		objs := sets(t)[dir]
+		ds, _, _ := agentOf(t, objs)
+		pod := &v1.Pod{Spec: ds.Spec.Template.Spec}
+		affinity := nodeaffinity.GetRequiredNodeAffinity(pod)
+		for name, n := range nodes {
+			node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: n.labels}}
+			got, err := affinity.Match(node)
+			if err != nil {
+				t.Fatalf("%s: %v", dir, err)
+			}
+			want := n.want
+			if dir == "overlays/mock" {
+				want = n.mock
+			}
+			if got != want {
+				t.Errorf("%s: the agent runs on a node labelled %v: %v, want %v", dir, n.labels, got, want)
+			}
+		}
 	}
 }
