@@ -113,10 +113,19 @@ func (n *ownedNotices) consider(obj any) {
 	}
 }
 
+// topologyProfiles holds the names of the profiles of this scheduler
+// process that run TopologyDRA (registered by New): their pods are not
+// other schedulers' pods. A profile of another TopologyDRA process is not
+// known here.
+var topologyProfiles sync.Map
+
 // candidate reports whether pod is one that another scheduler failed to
 // place for its claims, with no notice yet.
 func (n *ownedNotices) candidate(pod *v1.Pod) bool {
 	if pod.Spec.SchedulerName == n.profile || pod.Spec.NodeName != "" || pod.DeletionTimestamp != nil || len(pod.Spec.ResourceClaims) == 0 {
+		return false
+	}
+	if _, ours := topologyProfiles.Load(pod.Spec.SchedulerName); ours {
 		return false
 	}
 	scheduled := false

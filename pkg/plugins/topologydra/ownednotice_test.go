@@ -66,6 +66,11 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 		_, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
 		h.tCtx.ExpectNoError(err, "create pod "+pod.Name)
 	}
+	// Another profile of this process that runs TopologyDRA, whose pod
+	// failed with the bare message (TopologyDRA's where it has no
+	// explanation): not another scheduler's pod.
+	topologyProfiles.Store("second-topodra", true)
+	t.Cleanup(func() { topologyProfiles.Delete("second-topodra") })
 	otherReason := stockFailed(testPod("cpu", "owned"), "default-scheduler")
 	otherReason.Status.Conditions[0].Message = "0/2 nodes are available: 2 Insufficient cpu."
 	for _, pod := range []*v1.Pod{
@@ -75,6 +80,7 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 		stockFailed(testPod("matches-nothing", "nowhere"), "default-scheduler"),
 		stockFailed(testPod("unowned", "nic"), "default-scheduler"),
 		stockFailed(testPod("ours", "owned"), h.pl.handle.ProfileName()),
+		stockFailed(testPod("second-profile", "owned"), "second-topodra"),
 		otherReason,
 	} {
 		create(pod)
@@ -131,7 +137,7 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 			t.Errorf("pod %s: requests needing the owned taint %v, %v; want none", name, blocked, err)
 		}
 	}
-	for _, name := range []string{"ours", "cpu"} {
+	for _, name := range []string{"ours", "second-profile", "cpu"} {
 		pod, err := h.pl.pods.Pods(testNS).Get(name)
 		h.tCtx.ExpectNoError(err)
 		if second.candidate(pod) {

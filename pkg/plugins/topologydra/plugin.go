@@ -290,6 +290,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 			Key:      args.OwnedTaintKey,
 			Operator: resourceapi.DeviceTolerationOpExists,
 		}
+		topologyProfiles.Store(h.ProfileName(), true)
 		if f := h.SharedInformerFactory(); f != nil && pl.client != nil {
 			notices := newOwnedNotices(pl, h.ProfileName())
 			if _, err := f.Core().V1().Pods().Informer().AddEventHandler(notices.handler()); err != nil {
