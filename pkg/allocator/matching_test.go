@@ -326,6 +326,14 @@ func TestExplanationOfAgentTaints(t *testing.T) {
 			keys: []string{"gpu.topodra.io/nvml-unusable"},
 			want: "no free device matches once tainted devices are left out (needs 1); taints: gpu.topodra.io/nvml-unusable (the node agent cannot read the node's GPUs through NVML; a cluster admin must repair the node's NVIDIA driver or reboot the node)",
 		},
+		"other driver": {
+			keys: []string{"gpu.topodra.io/other-driver"},
+			want: "no free device matches once tainted devices are left out (needs 1); taints: gpu.topodra.io/other-driver (another DRA driver (the taint's value names it) also publishes these GPUs; a cluster admin must remove that driver from the node as docs/install.md says; no claim may tolerate this taint)",
+		},
+		"fabric": {
+			keys: []string{"gpu.topodra.io/fabric-not-ready"},
+			want: "no free device matches once tainted devices are left out (needs 1); taints: gpu.topodra.io/fabric-not-ready (the GPU's NVLink fabric is not ready so CUDA cannot start on it; a cluster admin must get the NVIDIA fabric manager on the node running (systemctl status nvidia-fabricmanager); no claim may tolerate this taint)",
+		},
 		"other keys": {
 			keys: []string{"example.com/b", "example.com/a"},
 			want: "no free device matches once tainted devices are left out (needs 1); taints: untolerated example.com/a and example.com/b",
@@ -348,6 +356,9 @@ func TestExplanationOfAgentTaints(t *testing.T) {
 			}
 			if got := res.Explanation.Requests[0].Reason; got != tc.want {
 				t.Errorf("reason %q, want %q", got, tc.want)
+			}
+			if got := res.Explanation.String(); strings.Contains(got, ",") {
+				t.Errorf("explanation %q has a comma, which kube-scheduler's summary of nodes uses as separator", got)
 			}
 		})
 	}

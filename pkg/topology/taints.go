@@ -15,16 +15,31 @@ const (
 	// DevicePluginTaintKey is on every device while the Node advertises
 	// GPUs of a device plugin, which hands out the same GPUs.
 	DevicePluginTaintKey = DriverName + "/device-plugin"
+	// OtherDriverTaintKey is on each device that another DRA driver
+	// (NVIDIA's gpu.nvidia.com) publishes on the same node as well: the
+	// default scheduler hands out that driver's devices, so the same GPU
+	// could go to two pods. Its value names the other driver.
+	OtherDriverTaintKey = DriverName + "/other-driver"
+	// FabricNotReadyTaintKey is on each GPU whose NVLink fabric
+	// (NVSwitch systems) is not ready: CUDA cannot initialize on it.
+	// Its value is the fabric's state ("not-started", "in-progress",
+	// "failed").
+	FabricNotReadyTaintKey = DriverName + "/fabric-not-ready"
 )
 
 // TaintExplanation says, for a pod author, what a device taint of the node
-// agent (HealthTaintKey, NVMLUnusableTaintKey, DevicePluginTaintKey) means
+// agent (HealthTaintKey, NVMLUnusableTaintKey, DevicePluginTaintKey,
+// OtherDriverTaintKey, FabricNotReadyTaintKey) means
 // and who must act; "" for any other key. The text has no commas, since
 // kube-scheduler joins the reasons of its nodes with ", ".
 func TaintExplanation(key string) string {
 	switch key {
 	case DevicePluginTaintKey:
 		return "NVIDIA's device plugin also hands out these GPUs; a cluster admin must disable it on the node as docs/install.md says; no claim may tolerate this taint"
+	case OtherDriverTaintKey:
+		return "another DRA driver (the taint's value names it) also publishes these GPUs; a cluster admin must remove that driver from the node as docs/install.md says; no claim may tolerate this taint"
+	case FabricNotReadyTaintKey:
+		return "the GPU's NVLink fabric is not ready so CUDA cannot start on it; a cluster admin must get the NVIDIA fabric manager on the node running (systemctl status nvidia-fabricmanager); no claim may tolerate this taint"
 	case HealthTaintKey:
 		return "a GPU fault that the node agent reported; the taint's value names it"
 	case NVMLUnusableTaintKey:
