@@ -133,9 +133,36 @@ type GPU struct {
 	// PCIBusID is the canonical bus id ("0000:1b:00.0"), empty if NVML
 	// did not report one.
 	PCIBusID string
+	// Fabric says why the GPU's NVLink fabric is not ready, nil where it
+	// is or where the GPU has none (see FabricNotReady).
+	Fabric *FabricNotReady
 	// Device is what gets published for this GPU: name, attributes and
 	// capacity. It never carries taints; the agent adds those.
 	Device resourceapi.Device
+}
+
+// States of FabricNotReady.
+const (
+	// FabricNotStarted: the GPU's registration with the fabric has not
+	// started (the NVIDIA fabric manager is not running).
+	FabricNotStarted = "not-started"
+	// FabricInProgress: the registration is under way (the fabric
+	// manager is starting, or training the links).
+	FabricInProgress = "in-progress"
+	// FabricFailed: the registration ended with an error (Status).
+	FabricFailed = "failed"
+)
+
+// FabricNotReady describes a GPU of an NVSwitch system (HGX and DGX
+// H100, H200, B200; GB200) whose NVLink fabric is not ready: NVML lists
+// the GPU, but CUDA does not initialize on it (CUDA_ERROR_SYSTEM_NOT_READY)
+// until the fabric manager has registered it with the fabric.
+type FabricNotReady struct {
+	// State is FabricNotStarted, FabricInProgress or FabricFailed: a
+	// label value, published as the value of the agent's taint.
+	State string
+	// Status is NVML's error of a failed registration, empty otherwise.
+	Status string
 }
 
 // Skipped is a GPU that discovery found but does not publish as a whole

@@ -274,6 +274,11 @@ func TestDiscoverMIGEnabledGPUIsNotPublished(t *testing.T) {
 	if s.Index != 2 || s.UUID != m.UUID(2) || s.PCIBusID != "0000:52:00.0" || !strings.Contains(s.Reason, "MIG mode is enabled") {
 		t.Errorf("unexpected skipped entry: %+v", s)
 	}
+	// Another DRA driver on the node would hand out the GPUs that the
+	// agent publishes.
+	if strings.Contains(s.Reason, "DRA driver") || !strings.Contains(s.Reason, "-mig 0") {
+		t.Errorf("reason %q: want it to say how to disable MIG and not to suggest another DRA driver", s.Reason)
+	}
 	// The remaining seven still form one clique, but not the clique of eight.
 	clique := *inv.GPUs[0].Device.Attributes["nvlinkClique"].StringValue
 	if clique == cliqueDGX {
@@ -1022,4 +1027,127 @@ func meshOf(gpus []string) []discovery.Link {
 		}
 	}
 	return links
+}
+
+// noSymbols is an NVML library whose LookupSymbol finds nothing, as a
+// driver's library that lacks a function.
+type noSymbols struct{ nvml.Interface }
+
+func (noSymbols) Extensions() nvml.ExtendedInterface {
+	return &nvmlmock.ExtendedInterface{LookupSymbolFunc: func(name string) error { return fmt.Errorf("%s: undefined symbol", name) }}
+}
+
+// TestDiscoverFabric: a GPU of an NVSwitch machine whose fabric
+// registration has not started, is in progress or failed is published
+// with Fabric saying so, the others without; a GPU or driver without
+// fabric info, or an answer that does not say, leaves it nil; a lost GPU
+// is skipped and a lost driver fails discovery, as for any other query.
+func TestDiscoverFabric(t *testing.T) {
+	testcases := map[string]struct {
+		profile string
+		// set changes GPU 3.
+		set     func(m *mockgpu.Machine)
+		noSym   bool
+		want    *discovery.FabricNotReady
+		skipped bool
+		wantErr error
+	}{
+		"dgx-h100: completed":    {profile: mockgpu.ProfileDGXH100},
+		"pcie: not supported":    {profile: mockgpu.ProfilePCIeNVLinkPairs},
+		"workstation: no fabric": {profile: mockgpu.ProfileWorkstation2GPU},
+		"not started": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.SetFabric(3, nvml.GPU_FABRIC_STATE_NOT_STARTED, nvml.SUCCESS) },
+			want:    &discovery.FabricNotReady{State: discovery.FabricNotStarted},
+		},
+		"in progress": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.SetFabric(3, nvml.GPU_FABRIC_STATE_IN_PROGRESS, nvml.SUCCESS) },
+			want:    &discovery.FabricNotReady{State: discovery.FabricInProgress},
+		},
+		"completed with an error": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.SetFabric(3, nvml.GPU_FABRIC_STATE_COMPLETED, nvml.ERROR_UNKNOWN) },
+			want:    &discovery.FabricNotReady{State: discovery.FabricFailed, Status: "ERROR_UNKNOWN"},
+		},
+		"state not supported": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.SetFabric(3, nvml.GPU_FABRIC_STATE_NOT_SUPPORTED, nvml.SUCCESS) },
+		},
+		"function not found": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.FailFabricInfo(3, nvml.ERROR_FUNCTION_NOT_FOUND) },
+		},
+		"not supported": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.FailFabricInfo(3, nvml.ERROR_NOT_SUPPORTED) },
+		},
+		"unknown error: published as ready": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.FailFabricInfo(3, nvml.ERROR_UNKNOWN) },
+		},
+		"library without the function: not asked": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.SetFabric(3, nvml.GPU_FABRIC_STATE_NOT_STARTED, nvml.SUCCESS) },
+			noSym:   true,
+		},
+		"GPU lost": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.FailFabricInfo(3, nvml.ERROR_GPU_IS_LOST) },
+			skipped: true,
+		},
+		"driver lost": {
+			profile: mockgpu.ProfileDGXH100,
+			set:     func(m *mockgpu.Machine) { m.FailFabricInfo(3, nvml.ERROR_LIB_RM_VERSION_MISMATCH) },
+			wantErr: discovery.ErrDriverChanged,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.New(tc.profile, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.set != nil {
+				tc.set(m)
+			}
+			lib := m.NVML()
+			if tc.noSym {
+				lib = noSymbols{lib}
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib, Sysfs: m.Sysfs()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := d.Discover(ctx)
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("Discover: %v, want an error wrapping %v", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Discover: %v", err)
+			}
+			if tc.skipped {
+				if len(inv.Skipped) != 1 || inv.Skipped[0].Index != 3 || !inv.Skipped[0].Lost || inv.GPU("gpu-3") != nil {
+					t.Errorf("skipped %+v, want GPU 3 skipped as lost", inv.Skipped)
+				}
+				return
+			}
+			if len(inv.Skipped) != 0 || len(inv.GPUs) != len(m.Spec().GPUs) {
+				t.Fatalf("%d GPUs published, skipped %+v; want all %d", len(inv.GPUs), inv.Skipped, len(m.Spec().GPUs))
+			}
+			for _, g := range inv.GPUs {
+				want := (*discovery.FabricNotReady)(nil)
+				if g.Index == 3 {
+					want = tc.want
+				}
+				if diff := cmp.Diff(want, g.Fabric); diff != "" {
+					t.Errorf("%s: fabric (-want +got):\n%s", g.Name, diff)
+				}
+			}
+		})
+	}
 }

@@ -153,6 +153,11 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 		logger.V(2).Info("CUDA driver version unavailable", "err", ret)
 	}
 
+	fabricInfo := hasSymbol(d.lib, fabricInfoSymbol)
+	if !fabricInfo {
+		logger.V(4).Info("NVML has no fabric info, not checking NVLink fabrics", "function", fabricInfoSymbol)
+	}
+
 	inv := &Inventory{}
 	var infos []gpuInfo
 	for i := 0; i < count; i++ {
@@ -167,7 +172,7 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 			logger.Info("skipping GPU", "index", i, "reason", inv.Skipped[len(inv.Skipped)-1].Reason)
 			continue
 		}
-		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion)
+		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion, fabricInfo)
 		if driverChanged(err) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
@@ -229,7 +234,9 @@ func pciBusID(dev nvml.Device) string {
 }
 
 // describe reads one GPU. It returns exactly one of info, skipped or err.
-func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string) (*gpuInfo, *Skipped, error) {
+// fabricInfo says whether the library has the function that
+// fabricNotReady calls.
+func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string, fabricInfo bool) (*gpuInfo, *Skipped, error) {
 	logger := klog.FromContext(ctx)
 
 	index, ret := dev.GetIndex()
@@ -256,10 +263,24 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 			UUID:     uuid,
 			Index:    index,
 			PCIBusID: busID,
-			Reason:   "MIG mode is enabled: topodra publishes whole GPUs only; disable MIG (nvidia-smi -i " + strconv.Itoa(index) + " -mig 0) or use a MIG-aware DRA driver for this GPU",
+			Reason:   "MIG mode is enabled: topodra publishes whole GPUs only; disable MIG (nvidia-smi -i " + strconv.Itoa(index) + " -mig 0), or keep MIG GPUs on nodes that topodra's agent does not serve (no other GPU driver may run beside it)",
 		}, nil
 	} else if ret != nvml.SUCCESS && ret != nvml.ERROR_NOT_SUPPORTED {
 		return nil, nil, fmt.Errorf("get MIG mode: %w", ret)
+	}
+
+	var fabric *FabricNotReady
+	if fabricInfo {
+		var err error
+		fabric, err = fabricNotReady(dev)
+		switch {
+		case driverChanged(err), errors.Is(err, nvml.ERROR_GPU_IS_LOST):
+			return nil, nil, err
+		case err != nil:
+			// Not known: published as ready, as before the fabric
+			// was read at all.
+			logger.V(2).Info("fabric state unavailable", "index", index, "err", err)
+		}
 	}
 
 	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
@@ -312,6 +333,7 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 			Index:    index,
 			Minor:    minor,
 			PCIBusID: busID,
+			Fabric:   fabric,
 			Device: resourceapi.Device{
 				Name:       name,
 				Attributes: attrs,
@@ -323,6 +345,46 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 		info.links = activeLinks(ctx, dev, busID)
 	}
 	return info, nil, nil
+}
+
+// fabricInfoSymbol is the NVML function that fabricNotReady calls. A
+// driver's library that lacks it (before R525) would crash the process
+// when it is called, so discover looks it up first.
+const fabricInfoSymbol = "nvmlDeviceGetGpuFabricInfo"
+
+// hasSymbol says whether lib has the function name.
+func hasSymbol(lib nvml.Interface, name string) bool {
+	ext := lib.Extensions()
+	return ext != nil && ext.LookupSymbol(name) == nil
+}
+
+// fabricNotReady reads the state of a GPU's NVLink fabric registration
+// (GetGpuFabricInfo; its later versions cannot be mocked and add nothing
+// that this needs). It returns nil where the fabric is ready (COMPLETED
+// with SUCCESS) or where there is none: NVML answers
+// ERROR_NOT_SUPPORTED (GPUs before Hopper, boards without NVSwitch) or
+// ERROR_FUNCTION_NOT_FOUND, or reports GPU_FABRIC_STATE_NOT_SUPPORTED.
+// Other errors are returned.
+func fabricNotReady(dev nvml.Device) (*FabricNotReady, error) {
+	info, ret := dev.GetGpuFabricInfo()
+	switch ret {
+	case nvml.SUCCESS:
+	case nvml.ERROR_NOT_SUPPORTED, nvml.ERROR_FUNCTION_NOT_FOUND:
+		return nil, nil
+	default:
+		return nil, fmt.Errorf("get fabric info: %w", ret)
+	}
+	switch info.State {
+	case nvml.GPU_FABRIC_STATE_NOT_STARTED:
+		return &FabricNotReady{State: FabricNotStarted}, nil
+	case nvml.GPU_FABRIC_STATE_IN_PROGRESS:
+		return &FabricNotReady{State: FabricInProgress}, nil
+	case nvml.GPU_FABRIC_STATE_COMPLETED:
+		if status := nvml.Return(info.Status); status != nvml.SUCCESS {
+			return &FabricNotReady{State: FabricFailed, Status: status.Error()}, nil
+		}
+	}
+	return nil, nil
 }
 
 // pciAttributes returns the standard attributes derived from the bus id:

@@ -53,6 +53,16 @@ type Machine struct {
 	// registerFails is what RegisterEvents returns per GPU index, where
 	// it fails.
 	registerFails map[int]nvml.Return
+	// fabric is what GetGpuFabricInfo answers per GPU index.
+	fabric []fabricAnswer
+}
+
+// fabricAnswer is what GetGpuFabricInfo answers for one GPU: ret, and
+// where that is SUCCESS the registration's state and status.
+type fabricAnswer struct {
+	ret    nvml.Return
+	state  nvml.GpuFabricState
+	status nvml.Return
 }
 
 type remoteEnd struct {
@@ -93,6 +103,13 @@ func NewFromSpec(spec Spec, opts Options) (*Machine, error) {
 	}
 	if len(m.server.Devices) != len(spec.GPUs) {
 		return nil, fmt.Errorf("NVML mock server has %d devices, spec has %d GPUs", len(m.server.Devices), len(spec.GPUs))
+	}
+	m.fabric = make([]fabricAnswer, len(spec.GPUs))
+	for i := range m.fabric {
+		m.fabric[i] = fabricAnswer{ret: nvml.ERROR_NOT_SUPPORTED}
+		if spec.NVSwitchLinks > 0 {
+			m.fabric[i] = fabricAnswer{ret: nvml.SUCCESS, state: nvml.GPU_FABRIC_STATE_COMPLETED, status: nvml.SUCCESS}
+		}
 	}
 	m.links = make([][]remoteEnd, len(spec.GPUs))
 	for i := range spec.GPUs {
@@ -209,6 +226,18 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		}
 		return dev.MemoryInfo, nvml.SUCCESS
 	}
+	dev.GetGpuFabricInfoFunc = func() (nvml.GpuFabricInfo, nvml.Return) {
+		m.mutex.Lock()
+		defer m.mutex.Unlock()
+		if m.offBus[i] {
+			return nvml.GpuFabricInfo{}, nvml.ERROR_GPU_IS_LOST
+		}
+		answer := m.fabric[i]
+		if answer.ret != nvml.SUCCESS {
+			return nvml.GpuFabricInfo{}, answer.ret
+		}
+		return nvml.GpuFabricInfo{State: uint8(answer.state), Status: uint32(answer.status)}, nvml.SUCCESS
+	}
 	dev.GetSupportedEventTypesFunc = func() (uint64, nvml.Return) {
 		return nvml.EventTypeXidCriticalError | nvml.EventTypeDoubleBitEccError | nvml.EventTypeSingleBitEccError, nvml.SUCCESS
 	}
@@ -319,6 +348,27 @@ func (m *Machine) SetMIG(gpu int, enabled bool) {
 		mode = nvml.DEVICE_MIG_ENABLE
 	}
 	m.devices[gpu].SetMigMode(mode)
+}
+
+// SetFabric sets the state of a GPU's NVLink fabric registration that
+// NVML's GetGpuFabricInfo reports, and where it is COMPLETED its status
+// (nvml.SUCCESS, or the error the registration ended with), as the
+// NVIDIA fabric manager moves a GPU of an NVSwitch system through them.
+// GPUs of a Spec with NVSwitchLinks start COMPLETED with nvml.SUCCESS.
+func (m *Machine) SetFabric(gpu int, state nvml.GpuFabricState, status nvml.Return) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	m.fabric[gpu] = fabricAnswer{ret: nvml.SUCCESS, state: state, status: status}
+}
+
+// FailFabricInfo makes NVML's GetGpuFabricInfo return ret for a GPU:
+// ERROR_NOT_SUPPORTED, as for every GPU of a Spec without NVSwitchLinks
+// (GPUs before Hopper answer so), or ERROR_FUNCTION_NOT_FOUND, as a
+// driver without the function does. SetFabric makes it answer again.
+func (m *Machine) FailFabricInfo(gpu int, ret nvml.Return) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	m.fabric[gpu] = fabricAnswer{ret: ret}
 }
 
 // InjectXID queues a critical-XID event for a GPU, as NVML would deliver it

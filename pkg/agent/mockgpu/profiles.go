@@ -55,7 +55,10 @@ type Spec struct {
 	// NUMASockets maps each NUMA node to its CPU socket.
 	NUMASockets []int
 	// NVSwitchLinks > 0 joins every GPU to the NVSwitch fabric with that
-	// many links per GPU (spread over four switches).
+	// many links per GPU (spread over four switches); NVML's
+	// GetGpuFabricInfo then reports each GPU's fabric registration as
+	// COMPLETED (see Machine.SetFabric), and otherwise answers
+	// ERROR_NOT_SUPPORTED.
 	NVSwitchLinks int
 	// HiddenSwitches makes NVML fail to report the PCI info of NVSwitch
 	// link ends, as on systems whose switches are not PCI devices.
