@@ -53,7 +53,9 @@
 // the GPU is missing from discovery, and is kept in the checkpoint (where
 // the agent has one) across agent restarts. While the agent cannot use
 // NVML (see [Agent.NVMLUnusable]) every device carries the NoSchedule taint
-// [NVMLUnusableTaintKey].
+// [NVMLUnusableTaintKey]. A GPU whose NVLink fabric is not ready carries
+// the NoSchedule taint [FabricNotReadyTaintKey] until a rescan finds it
+// ready.
 package agent
 
 import (
@@ -272,7 +274,10 @@ type Options struct {
 	// unwatched, a Normal one (ReasonHealthWatched) when a retry watches
 	// them all; a Warning (ReasonGPUNotPublished) when discovery finds
 	// GPUs that it does not publish, a Normal one (ReasonAllGPUsPublished)
-	// when it publishes them all after that; a Warning (ReasonStateLocked) when New waits for another
+	// when it publishes them all after that; a Warning
+	// (ReasonFabricNotReady) when discovery finds GPUs whose NVLink
+	// fabric is not ready, a Normal one (ReasonFabricReady) once every
+	// fabric is ready after that; a Warning (ReasonStateLocked) when New waits for another
 	// agent's lock on StateDir; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
@@ -468,6 +473,10 @@ type Agent struct {
 	// skipped identifies the GPUs that the last successful discovery
 	// found and does not publish (see skippedKey), "" for none.
 	skipped string
+	// fabricNotReady identifies the GPUs whose fabric the last
+	// successful discovery found not ready (see recordFabric), "" for
+	// none.
+	fabricNotReady string
 	// healthActive says whether the health source is watching now.
 	healthActive bool
 	// unwatched are the GPUs that the health source does not watch while
@@ -1115,7 +1124,8 @@ func ValidateUnhealthyTaintEffect(effect resourceapi.DeviceTaintEffect) error {
 
 // BuildResources turns an inventory into the pool that the agent publishes:
 // one slice with all devices in index order, each with the owned taint (if
-// enabled) and a health taint if it is in unhealthy. The result is a pure
+// enabled), FabricNotReadyTaintKey if its GPU's fabric is not ready, and
+// a health taint if it is in unhealthy. The result is a pure
 // function of its inputs, so republishing an unchanged node is a no-op.
 func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[string]discovery.HealthEvent, taints TaintOptions) resourceslice.DriverResources {
 	resources := inv.DriverResources(poolName)
@@ -1142,6 +1152,9 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 				Key:    NVMLUnusableTaintKey,
 				Effect: resourceapi.DeviceTaintEffectNoSchedule,
 			})
+		}
+		if taint := fabricTaint(inv.GPU(devices[i].Name)); taint != nil {
+			devices[i].Taints = append(devices[i].Taints, *taint)
 		}
 		if ev, ok := unhealthy[devices[i].Name]; ok {
 			taint := resourceapi.DeviceTaint{
@@ -1509,6 +1522,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	}
 	if err == nil && inv != nil {
 		a.recordSkipped(ctx, inv)
+		a.recordFabric(ctx, inv)
 	}
 }
 

@@ -602,9 +602,22 @@ func TestBuildResourcesTaints(t *testing.T) {
 		nvmlUnusable bool
 		effect       resourceapi.DeviceTaintEffect
 		unhealthy    map[string]discovery.HealthEvent
-		want         map[string][]resourceapi.DeviceTaint
+		// fabric is the fabric state of gpu-1.
+		fabric *discovery.FabricNotReady
+		want   map[string][]resourceapi.DeviceTaint
 	}{
 		"no taints": {},
+		"fabric not ready: that GPU, beside the owned taint": {
+			owned:  true,
+			fabric: &discovery.FabricNotReady{State: discovery.FabricInProgress},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-0": {{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule}},
+				"gpu-1": {
+					{Key: topology.DefaultTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule},
+					{Key: agent.FabricNotReadyTaintKey, Value: "in-progress", Effect: resourceapi.DeviceTaintEffectNoSchedule},
+				},
+			},
+		},
 		"owned taint on every device": {
 			owned: true,
 			want: map[string][]resourceapi.DeviceTaint{
@@ -668,6 +681,7 @@ func TestBuildResourcesTaints(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			inv.GPU("gpu-1").Fabric = tc.fabric
 			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned, NVMLUnusable: tc.nvmlUnusable, Unhealthy: tc.effect})
 			if len(res.Pools) != 1 || len(res.Pools["pool"].Slices) != 1 {
 				t.Fatalf("want one pool with one slice, got %+v", res)
