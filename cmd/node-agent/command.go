@@ -79,6 +79,7 @@ type options struct {
 	ownedTaintKey       string
 	unhealthyEffect     string
 	devicePlugin        []string
+	otherDriverCheck    bool
 	numaList            bool
 	rescanInterval      time.Duration
 	staleClaimGrace     time.Duration
@@ -153,6 +154,7 @@ the command line wins.`,
 	fs.StringVar(&o.ownedTaintKey, "owned-taint-key", topology.DefaultTaintKey, "Key of the --owned-taint taint; must not be empty while --owned-taint is on.")
 	fs.StringVar(&o.unhealthyEffect, "unhealthy-taint-effect", string(resourceapi.DeviceTaintEffectNoSchedule), "Effect of the "+agent.HealthTaintKey+" taint of a GPU that reported a critical XID or fell off the bus: NoSchedule keeps new allocations off it and leaves the pods that use it alone; NoExecute also has kube-controller-manager's device taint eviction controller evict every pod whose claim holds the GPU (running, or bound and not started because the agent refuses to prepare a faulty GPU), so that its controller creates it again on healthy GPUs. Where NVML cannot tell which GPU is lost, every GPU of the node is tainted, and with NoExecute every pod using one is evicted. Admin access does not exempt a pod; only a claim that tolerates the taint with effect NoExecute keeps it.")
 	fs.StringSliceVar(&o.devicePlugin, "device-plugin-resources", agent.DefaultDevicePluginResources, "Extended resources of a device plugin that hands out the same GPUs (names, or prefixes ending in *): while the Node's allocatable has any of them, every published device carries the NoSchedule taint "+agent.DevicePluginTaintKey+" and the Node a "+agent.ReasonDevicePlugin+" event, so that neither scheduler hands out a GPU that the device plugin may give to another pod. Read at start and every --rescan-interval (every minute when rescanning is off). Empty disables the check.")
+	fs.BoolVar(&o.otherDriverCheck, "other-driver-check", agent.DefaultOtherDriverCheck, "Watch the ResourceSlices of other DRA drivers on this node (NVIDIA's gpu.nvidia.com): while one lists a device with the resource.kubernetes.io/pciBusID or uuid of a GPU that the agent publishes, which the default scheduler hands out through that driver, the agent's device carries the NoSchedule taint "+agent.OtherDriverTaintKey+", the Node a "+agent.ReasonOtherDriver+" Warning, and new claims on it are not prepared, until no other driver lists it. Read at start before the first publish, then watched.")
 	fs.BoolVar(&o.numaList, "numa-list", false, "Publish resource.kubernetes.io/numaNode as a list (physical node first, then same-socket nodes at minimum distance). Needs the DRAListTypeAttributes feature gate in the cluster.")
 	fs.DurationVar(&o.rescanInterval, "rescan-interval", agent.DefaultRescanInterval, "How often to rediscover GPUs and republish on change, to check prepared claims against the API (see --stale-claim-grace) and, while the health of some GPU is not watched, to try watching it again, and to read the Node (see --device-plugin-resources; a Node deleted and created again gets the agent's slices, owned by the new Node); 0 or less disables rescanning (prepared claims, health watching and the Node are then checked every "+agent.DefaultRescanInterval.String()+").")
 	fs.DurationVar(&o.staleClaimGrace, "stale-claim-grace", agent.DefaultStaleClaimGrace, "How long a prepared claim that the API server no longer has (deleted while prepared, as for a force-deleted pod whose containers may still run), or has without an allocation (given back without the kubelet unpreparing it), keeps its GPUs before the agent drops it; it is dropped only once the kubelet (--pod-resources-socket) has reported, in two checks in a row, no container on this node using it. Until then its GPUs are not prepared for other claims, the Node gets a "+agent.ReasonPreparedClaimGone+" Warning naming it, and the kubelet unprepares it once its containers are gone. 0 or less: never dropped by the agent.")
@@ -400,6 +402,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		OwnedTaintKey:         o.ownedTaintKey,
 		UnhealthyTaintEffect:  resourceapi.DeviceTaintEffect(o.unhealthyEffect),
 		DevicePluginResources: o.devicePlugin,
+		OtherDriverCheck:      o.otherDriverCheck,
 		NodeCheck:             checkInterval(o.rescanInterval),
 		RescanInterval:        rescan(o.rescanInterval),
 		StaleClaimCheck:       checkInterval(o.rescanInterval),

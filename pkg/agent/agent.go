@@ -53,7 +53,9 @@
 // the GPU is missing from discovery, and is kept in the checkpoint (where
 // the agent has one) across agent restarts. While the agent cannot use
 // NVML (see [Agent.NVMLUnusable]) every device carries the NoSchedule taint
-// [NVMLUnusableTaintKey]. A GPU whose NVLink fabric is not ready carries
+// [NVMLUnusableTaintKey]. With [Options.OtherDriverCheck] a device whose
+// GPU another DRA driver publishes on the node too carries the NoSchedule
+// taint [OtherDriverTaintKey]. A GPU whose NVLink fabric is not ready carries
 // the NoSchedule taint [FabricNotReadyTaintKey] until a rescan finds it
 // ready.
 package agent
@@ -235,6 +237,17 @@ type Options struct {
 	// NoSchedule taint DevicePluginTaintKey (see CheckNode).
 	// Empty disables the check.
 	DevicePluginResources []string
+	// OtherDriverCheck watches the ResourceSlices of other DRA drivers on
+	// the node (NVIDIA's gpu.nvidia.com): a device of theirs whose
+	// resource.kubernetes.io/pciBusID or uuid attribute is that of one of
+	// the agent's GPUs is the same GPU, which the default scheduler hands
+	// out through that driver, so while one does the agent's device
+	// carries the NoSchedule taint OtherDriverTaintKey, the Node gets a
+	// ReasonOtherDriver Warning, and claims not prepared yet are refused
+	// with ErrOtherDriverConflict. The slices are read at start before
+	// the first publish, then watched. The command's default is
+	// DefaultOtherDriverCheck.
+	OtherDriverCheck bool
 	// NodeCheck is how often the Node is read after the read at start
 	// (default DefaultRescanInterval): for DevicePluginResources, and
 	// for its UID, which owns the published ResourceSlices (see
@@ -277,7 +290,9 @@ type Options struct {
 	// when it publishes them all after that; a Warning
 	// (ReasonFabricNotReady) when discovery finds GPUs whose NVLink
 	// fabric is not ready, a Normal one (ReasonFabricReady) once every
-	// fabric is ready after that; a Warning (ReasonStateLocked) when New waits for another
+	// fabric is ready after that; a Warning (ReasonOtherDriver) when
+	// another DRA driver publishes GPUs of the agent, a Normal one
+	// (ReasonOtherDriverGone) once none does after that; a Warning (ReasonStateLocked) when New waits for another
 	// agent's lock on StateDir; see also CleanupStaleClaims.
 	Recorder events.EventRecorder
 }
@@ -466,6 +481,12 @@ type Agent struct {
 	// devicePlugin lists the device plugin's resources the Node
 	// advertises ("name=quantity, ..."), empty where it has none.
 	devicePlugin string
+	// foreign are the devices of other drivers on the node that name a
+	// GPU (see OtherDriverCheck); otherDrivers identifies the agent's
+	// GPUs among them as last reported (see reportOtherDrivers), "" for
+	// none.
+	foreign      []foreignDevice
+	otherDrivers string
 	// healthChanged is closed (and replaced) when a device becomes
 	// unhealthy or healthActive changes: it wakes up the kubelet's health
 	// streams.
@@ -756,12 +777,18 @@ func (a *Agent) start() error {
 		}
 		a.setDevicePlugin(ctx, found)
 	}
+	if opts.OtherDriverCheck {
+		a.listOtherDrivers(ctx)
+	}
 	// After the device plugin check: a clear publishes.
 	if nodeErr == nil {
 		a.clearFaults(ctx, node)
 	}
 	if err := a.publish(ctx); err != nil {
 		return err
+	}
+	if opts.OtherDriverCheck {
+		a.wg.Go(func() { a.watchOtherDrivers(ctx) })
 	}
 	if a.health != nil {
 		a.startHealth(inv)
@@ -1092,6 +1119,7 @@ func (a *Agent) resourcesLocked() resourceslice.DriverResources {
 		Owned:        a.opts.OwnedTaint,
 		OwnedKey:     a.opts.OwnedTaintKey,
 		DevicePlugin: a.devicePlugin != "",
+		OtherDriver:  a.otherDriverTaintsLocked(),
 		NVMLUnusable: a.nvmlUnusable != nil,
 		Unhealthy:    a.opts.UnhealthyTaintEffect,
 	})
@@ -1105,6 +1133,9 @@ type TaintOptions struct {
 	// DevicePlugin adds the NoSchedule taint DevicePluginTaintKey to
 	// every device.
 	DevicePlugin bool
+	// OtherDriver adds the NoSchedule taint OtherDriverTaintKey to the
+	// devices it names, with the other driver's name as value.
+	OtherDriver map[string]string
 	// NVMLUnusable adds the NoSchedule taint NVMLUnusableTaintKey to
 	// every device.
 	NVMLUnusable bool
@@ -1124,8 +1155,8 @@ func ValidateUnhealthyTaintEffect(effect resourceapi.DeviceTaintEffect) error {
 
 // BuildResources turns an inventory into the pool that the agent publishes:
 // one slice with all devices in index order, each with the owned taint (if
-// enabled), FabricNotReadyTaintKey if its GPU's fabric is not ready, and
-// a health taint if it is in unhealthy. The result is a pure
+// enabled), those that taints asks for, FabricNotReadyTaintKey if its
+// GPU's fabric is not ready, and a health taint if it is in unhealthy. The result is a pure
 // function of its inputs, so republishing an unchanged node is a no-op.
 func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[string]discovery.HealthEvent, taints TaintOptions) resourceslice.DriverResources {
 	resources := inv.DriverResources(poolName)
@@ -1144,6 +1175,13 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 		if taints.DevicePlugin {
 			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
 				Key:    DevicePluginTaintKey,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule,
+			})
+		}
+		if driver, ok := taints.OtherDriver[devices[i].Name]; ok {
+			devices[i].Taints = append(devices[i].Taints, resourceapi.DeviceTaint{
+				Key:    OtherDriverTaintKey,
+				Value:  driver,
 				Effect: resourceapi.DeviceTaintEffectNoSchedule,
 			})
 		}
@@ -1259,6 +1297,7 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	}
 	logger.V(2).Info("Devices changed")
 	logDiscovery(logger, inv)
+	a.reportOtherDrivers(ctx)
 	if restartHealth && a.health != nil {
 		a.startHealth(inv)
 	}

@@ -52,6 +52,8 @@ type env struct {
 	recorder events.EventRecorder
 	// devicePlugin is Options.DevicePluginResources.
 	devicePlugin []string
+	// otherDriverCheck is Options.OtherDriverCheck.
+	otherDriverCheck bool
 	// generator is Options.CDIGenerator; default: cdi.Static on devRoot.
 	generator cdi.Generator
 	// staleClaimGrace is Options.StaleClaimGrace.
@@ -154,6 +156,7 @@ func (e *env) options(t *testing.T) agent.Options {
 		Recorder:       e.recorder,
 
 		DevicePluginResources: e.devicePlugin,
+		OtherDriverCheck:      e.otherDriverCheck,
 		StaleClaimGrace:       e.staleClaimGrace,
 		OwnedTaint:            e.ownedTaint,
 		ToolkitConfig:         e.toolkitConfig,

@@ -65,6 +65,7 @@ const (
 	PrepareErrorUnhealthyDevice   = "unhealthy_device"    // ErrDeviceUnhealthy
 	PrepareErrorGPUMoved          = "gpu_moved"           // ErrGPUMoved
 	PrepareErrorDevicePlugin      = "device_plugin"       // ErrDevicePluginConflict
+	PrepareErrorOtherDriver       = "other_driver"        // ErrOtherDriverConflict
 	PrepareErrorDeviceNodeMissing = "device_node_missing" // cdi.ErrMissingDeviceNode
 	PrepareErrorOther             = "other"
 )
@@ -77,6 +78,7 @@ var prepareErrorReasons = [...]string{
 	PrepareErrorUnhealthyDevice,
 	PrepareErrorGPUMoved,
 	PrepareErrorDevicePlugin,
+	PrepareErrorOtherDriver,
 	PrepareErrorDeviceNodeMissing,
 	PrepareErrorOther,
 }
@@ -88,7 +90,7 @@ type prepareErrorCounts [len(prepareErrorReasons)]atomic.Uint64
 // prepareErrorCauses are the errors behind the reasons of
 // prepareErrorReasons, in its order; the last reason, other, has none.
 var prepareErrorCauses = [len(prepareErrorReasons) - 1]error{
-	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, ErrDevicePluginConflict, cdi.ErrMissingDeviceNode,
+	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, ErrDevicePluginConflict, ErrOtherDriverConflict, cdi.ErrMissingDeviceNode,
 }
 
 // prepareErrorIndex is the index in prepareErrorReasons of err's reason.

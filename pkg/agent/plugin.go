@@ -96,7 +96,9 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // Likewise, while the Node advertises GPUs of a device plugin, or could
 // not be read yet, a claim that is not prepared yet is refused with
 // ErrDevicePluginConflict (and a warning event on the claim), unless its
-// result has admin access.
+// result has admin access; so is one allocated a GPU that another DRA
+// driver publishes on the node too, with ErrOtherDriverConflict (see
+// Options.OtherDriverCheck).
 // A claim that was prepared before the node rebooted is refused with
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID. While the agent cannot use
@@ -239,6 +241,8 @@ func (a *Agent) prepareFailed(ctx context.Context, claim *resourceapi.ResourceCl
 		a.event(claim, nil, v1.EventTypeWarning, ReasonUnhealthyDeviceAllocated, "Prepare", "%v", err)
 	case errors.Is(err, ErrDevicePluginConflict):
 		a.event(claim, nil, v1.EventTypeWarning, ReasonDevicePluginAllocated, "Prepare", "%v", err)
+	case errors.Is(err, ErrOtherDriverConflict):
+		a.event(claim, nil, v1.EventTypeWarning, ReasonOtherDriverAllocated, "Prepare", "%v", err)
 	case errors.Is(err, cdi.ErrMissingDeviceNode):
 		// The node's set-up, not the claim's: the admin looks at the
 		// Node; the pod's events carry the error too.
@@ -382,6 +386,14 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		if devicePlugin != "" && !admin {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: node %s advertises %s from a device plugin, which the kubelet hands out to pods that ask for it, %s (GPU %s) included; a cluster admin must disable the device plugin on this node (GPU Operator: devicePlugin.enabled=false); then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDevicePluginConflict, a.opts.NodeName, devicePlugin, r.Device, gpu.UUID)
+		}
+		if others := a.otherDriverDevices(gpu); len(others) > 0 && !admin {
+			names := make([]string, 0, len(others))
+			for _, d := range others {
+				names = append(names, d.String())
+			}
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s is also %s, which the default scheduler hands out to other pods; a cluster admin must remove that driver from this node (docs/install.md: \"Beside NVIDIA's DRA driver\"); then delete the pod so that its claim is allocated again (a claim created by hand must be created again)",
+				klog.KObj(claim), ErrOtherDriverConflict, r.Device, gpu.UUID, a.opts.NodeName, strings.Join(names, " and "))
 		}
 		if owner, uid, ok := preparedElsewhere(cp, a.preparing, claim.UID, gpu.UUID, admin); ok {
 			// The message reaches the pod's events: a claim of another
