@@ -124,6 +124,8 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	}
 	devicePlugin := toleration(agent.DevicePluginTaintKey, resourceapi.DeviceTolerationOpExists)
 	const disable = "ask the cluster admin to disable the device plugin on that node"
+	const removeDriver = "ask the cluster admin to remove that driver from the node"
+	const fabricManager = "ask the cluster admin to get the NVIDIA fabric manager running on that node"
 	const emptyKeyHint = "a claim not meant for topodra's GPUs should name the keys of the taints it tolerates"
 
 	cases := func(owned string) map[string]testCase {
@@ -150,6 +152,10 @@ func TestOwnedTaintPolicy(t *testing.T) {
 			"device-plugin key, Equal":              {tolerations: []resourceapi.DeviceToleration{toleration(agent.DevicePluginTaintKey, resourceapi.DeviceTolerationOpEqual)}, refused: true, says: disable},
 			"device-plugin key in firstAvailable":   {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), devicePlugin}, refused: true, says: disable},
 			"template, device-plugin key":           {template: true, tolerations: []resourceapi.DeviceToleration{devicePlugin}, refused: true, says: disable},
+			"other-driver key":                      {tolerations: []resourceapi.DeviceToleration{toleration(agent.OtherDriverTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: removeDriver},
+			"other-driver key in firstAvailable":    {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(agent.OtherDriverTaintKey, resourceapi.DeviceTolerationOpEqual)}, refused: true, says: removeDriver},
+			"fabric key":                            {tolerations: []resourceapi.DeviceToleration{toleration(agent.FabricNotReadyTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: fabricManager},
+			"template, fabric key":                  {template: true, tolerations: []resourceapi.DeviceToleration{toleration(agent.FabricNotReadyTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: fabricManager},
 		}
 	}
 	run := func(owned string) {
@@ -331,6 +337,30 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	tCtx.ExpectNoError(err, "the shipped policy never refused the device-plugin key again")
 	if err := writeStatus(before.Name, allocate); err == nil || !strings.Contains(err.Error(), "allocate it") || !strings.Contains(err.Error(), disable) {
 		t.Errorf("an allocation of a claim that tolerates the device-plugin key: %v, want refused", err)
+	}
+
+	// Likewise a claim that tolerated the fabric taint before.
+	fabric := toleration(agent.FabricNotReadyTaintKey, resourceapi.DeviceTolerationOpExists)
+	fabricLiteral := "'" + agent.FabricNotReadyTaintKey + "'"
+	if !bytes.Contains(policy, []byte(fabricLiteral)) {
+		t.Fatalf("base/admission-policy.yaml does not hold the fabric key as %s", fabricLiteral)
+	}
+	tCtx.ExpectNoError(c.Apply(tCtx, bytes.ReplaceAll(policy, []byte(fabricLiteral), []byte("'example.com/none'")), nil), "apply the policy without the fabric key")
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		before, err = c.Client.ResourceV1().ResourceClaims(ns).Create(tCtx, &resourceapi.ResourceClaim{
+			ObjectMeta: metav1.ObjectMeta{Name: "fabric-before", Finalizers: []string{resourceapi.Finalizer}},
+			Spec:       claimSpec(false, fabric),
+		}, metav1.CreateOptions{})
+		return err == nil, nil
+	})
+	tCtx.ExpectNoError(err, "a claim tolerating the fabric key was never admitted by a policy without that key")
+	tCtx.ExpectNoError(c.Apply(tCtx, policy, nil), "apply the shipped policy again")
+	err = wait.PollUntilContextTimeout(tCtx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return create(false, claimSpec(false, fabric)) != nil, nil
+	})
+	tCtx.ExpectNoError(err, "the shipped policy never refused the fabric key again")
+	if err := writeStatus(before.Name, allocate); err == nil || !strings.Contains(err.Error(), "allocate it") || !strings.Contains(err.Error(), fabricManager) {
+		t.Errorf("an allocation of a claim that tolerates the fabric key: %v, want refused", err)
 	}
 }
 
