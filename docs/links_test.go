@@ -101,6 +101,7 @@ func TestAnchor(t *testing.T) {
 		"The node agent (`topodra-node-agent`)":                  "the-node-agent-topodra-node-agent",
 		"Beside the default scheduler: topodra owns its devices": "beside-the-default-scheduler-topodra-owns-its-devices",
 		"Beside NVIDIA's device plugin":                          "beside-nvidias-device-plugin",
+		"Beside NVIDIA's DRA driver":                             "beside-nvidias-dra-driver",
 		"`NVIDIA_VISIBLE_DEVICES` in pods":                       "nvidia_visible_devices-in-pods",
 		"Rules 1-5, the final sweep":                             "rules-1-5-the-final-sweep",
 	} {
