@@ -228,3 +228,55 @@ func TestAgentPublishesSlices(t *testing.T) {
 		t.Errorf("gpu-3 lost its health taint on republish: %v", taints)
 	}
 }
+
+// TestAgentTaintsGPUsOfOtherDriver: NVIDIA's DRA driver publishes one of
+// the node's GPUs (by its PCI bus id) on a real API server, which serves
+// the field selectors that the agent's watch of other drivers and its own
+// resourceslice controller use: the agent publishes that GPU tainted
+// gpu.topodra.io/other-driver and leaves the other driver's slice alone;
+// once that slice is deleted the taint goes.
+func TestAgentTaintsGPUsOfOtherDriver(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	client := cp.Client
+	ns, err := framework.CreateNamespace(tCtx, client, "other-driver")
+	tCtx.ExpectNoError(err)
+	nodeName := ns + "-node"
+	_, err = framework.CreateReadyNode(tCtx, client, nodeName, nil)
+	tCtx.ExpectNoError(err)
+
+	const nvidia = "gpu.nvidia.com"
+	other, err := client.ResourceV1().ResourceSlices().Create(tCtx, framework.SliceForNode(nodeName, nvidia, []framework.Device{{
+		Name:       "gpu-0",
+		Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{"resource.kubernetes.io/pciBusID": {StringValue: ptr.To("0000:52:00.0")}},
+	}}), metav1.CreateOptions{})
+	tCtx.ExpectNoError(err, "create the other driver's slice")
+
+	machine, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: nodeName})
+	tCtx.ExpectNoError(err)
+	disc, err := discovery.NewNVML(discovery.NVMLOptions{Lib: machine.NVML(), Sysfs: machine.Sysfs()})
+	tCtx.ExpectNoError(err)
+	a, err := agent.New(tCtx, agent.Options{
+		NodeName:         nodeName,
+		KubeClient:       client,
+		Discovery:        disc,
+		PublishOnly:      true,
+		RescanInterval:   -1,
+		OtherDriverCheck: true,
+	})
+	tCtx.ExpectNoError(err, "start agent")
+	defer a.Stop()
+
+	otherTaint := agent.OtherDriverTaintKey + "=" + nvidia + ":NoSchedule"
+	waitForSlice(tCtx, t, client, topology.DriverName, nodeName, "gpu-2 tainted "+otherTaint, func(s *resourceapi.ResourceSlice) bool {
+		taints := taintsByDevice(s)
+		return len(s.Spec.Devices) == 8 && len(taints) == 1 && slices.Equal(taints["gpu-2"], []string{otherTaint})
+	})
+	if _, err := client.ResourceV1().ResourceSlices().Get(tCtx, other.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("the other driver's slice: %v, want it left alone", err)
+	}
+
+	tCtx.ExpectNoError(client.ResourceV1().ResourceSlices().Delete(tCtx, other.Name, metav1.DeleteOptions{}))
+	waitForSlice(tCtx, t, client, topology.DriverName, nodeName, "no taints", func(s *resourceapi.ResourceSlice) bool {
+		return len(s.Spec.Devices) == 8 && len(taintsByDevice(s)) == 0
+	})
+}
