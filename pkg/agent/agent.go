@@ -1155,9 +1155,10 @@ func ValidateUnhealthyTaintEffect(effect resourceapi.DeviceTaintEffect) error {
 
 // BuildResources turns an inventory into the pool that the agent publishes:
 // one slice with all devices in index order, each with the owned taint (if
-// enabled), those that taints asks for, FabricNotReadyTaintKey if its
-// GPU's fabric is not ready, and a health taint if it is in unhealthy. The result is a pure
-// function of its inputs, so republishing an unchanged node is a no-op.
+// enabled) and the others that taints asks for, FabricNotReadyTaintKey if
+// its GPU's fabric is not ready, and a health taint if it is in
+// unhealthy. The result is a pure function of its inputs, so republishing
+// an unchanged node is a no-op.
 func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[string]discovery.HealthEvent, taints TaintOptions) resourceslice.DriverResources {
 	resources := inv.DriverResources(poolName)
 	devices := resources.Pools[poolName].Slices[0].Devices
