@@ -27,6 +27,13 @@ const (
 	// kube-controller-manager's default 20 QPS, about 5 minutes for
 	// 2,000 claims.
 	DefaultStaleAfter = 10 * time.Minute
+	// DefaultUnpublishedAfter outlasts what removes a pool's slices
+	// for a while: a kubelet that restarts, a driver restarted or
+	// upgraded (the kubelet removes its slices 30 s after it
+	// unregisters), and a deleted Node, whose pods the pod garbage
+	// collector deletes within a minute, after which the resourceclaim
+	// controller deallocates their claims.
+	DefaultUnpublishedAfter = 5 * time.Minute
 )
 
 // CheckOptions tune [CheckWith]. The zero value asks for the defaults.
@@ -53,6 +60,15 @@ type CheckOptions struct {
 	// DefaultStaleAfter. Negative: none, a StaleReservation is reported
 	// once every read finds it.
 	StaleAfter time.Duration
+	// UnpublishedAfter is how long the pool of an UnpublishedPool must
+	// have been found without ResourceSlices before it is reported;
+	// until then it is pending. Nothing in the cluster records when a
+	// pool's slices went, so the time counts from the first read that
+	// found it: such a pool is reported only where the reads span
+	// UnpublishedAfter (and every read finds it). Zero:
+	// DefaultUnpublishedAfter. Negative: none, an UnpublishedPool is
+	// reported once every read finds it.
+	UnpublishedAfter time.Duration
 }
 
 func (o CheckOptions) withDefaults() (CheckOptions, error) {
@@ -76,6 +92,9 @@ func (o CheckOptions) withDefaults() (CheckOptions, error) {
 	if o.StaleAfter == 0 {
 		o.StaleAfter = DefaultStaleAfter
 	}
+	if o.UnpublishedAfter == 0 {
+		o.UnpublishedAfter = DefaultUnpublishedAfter
+	}
 	return o, nil
 }
 
@@ -88,9 +107,11 @@ type Report struct {
 	// may yet resolve on its own, each with why: a VanishedDevice of a
 	// device that is DevicePending at the last read (see
 	// [Publication.Presence]: an artefact of a pool its driver is
-	// republishing slice by slice), and a StaleReservation whose pods
-	// have not been done for CheckOptions.StaleAfter. They are not in
-	// Violations; [Find], judging a cluster at rest, reports them.
+	// republishing slice by slice), a StaleReservation whose pods
+	// have not been done for CheckOptions.StaleAfter, and an
+	// UnpublishedPool not found so for CheckOptions.UnpublishedAfter.
+	// They are not in Violations; [Find], judging a cluster at rest,
+	// reports them.
 	Pending []PendingViolation
 	// Reads is how many times the cluster was read in full.
 	Reads int
@@ -145,11 +166,14 @@ func Check(ctx context.Context, client kubernetes.Interface) ([]Violation, error
 // device, counter, pod and claims). While such a violation is pending
 // (see [Report.Pending]) it reads again, up to opts.Reads times in all; a
 // violation still pending at the last read goes to Report.Pending. So
-// does it while a StaleReservation is found, which is reported only if
-// every one of the opts.Reads reads finds it and its pods have been done
-// for opts.StaleAfter at the last read (see [CheckOptions]): the
-// resourceclaim controller repairs it on its own when it runs. A first
-// read without violations is the answer, without a wait.
+// does it while a StaleReservation or an UnpublishedPool is found, which
+// is reported only if every one of the opts.Reads reads finds it and, at
+// the last read, its pods have been done for opts.StaleAfter, or its
+// pool has been without slices since a read opts.UnpublishedAfter
+// earlier (see [CheckOptions]): the resourceclaim controller repairs the
+// one on its own when it runs, the pool's driver or the deletion of the
+// pods on a deleted node the other. A first read without violations is
+// the answer, without a wait.
 //
 // An error of the first read, or of opts, comes with an empty Report. An
 // error of a re-read is an [*IncompleteError], and comes with the
@@ -186,6 +210,7 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			found = again(found, now)
 		}
 		settleStale(found, readAt, opts.StaleAfter)
+		settleUnpublished(found, readAt, opts.UnpublishedAfter)
 		if len(found) == 0 || read >= 2 && (read == opts.Reads || !anyUnsettled(found)) {
 			r := report(found, read)
 			if state.NodesUnread != nil {
@@ -238,6 +263,27 @@ func settleStale(found []finding, readAt time.Time, staleAfter time.Duration) {
 		case f.doneSince.IsZero() && readAt.Sub(f.firstSeen) < staleAfter:
 			f.pending = fmt.Sprintf("its pods are gone (or record no finish time) and the reads span %s, less than the stale-after time %s: the resourceclaim controller may still be working through a backlog (to judge it, read for longer: more reads or a longer interval)", readAt.Sub(f.firstSeen).Truncate(time.Millisecond), staleAfter)
 		}
+	}
+}
+
+// settleUnpublished marks pending each UnpublishedPool of found that the
+// reads up to readAt have found for less than unpublishedAfter (see
+// [CheckOptions.UnpublishedAfter]), and says in the message of the
+// others how long they have lasted; a negative unpublishedAfter marks
+// none.
+func settleUnpublished(found []finding, readAt time.Time, unpublishedAfter time.Duration) {
+	for i := range found {
+		f := &found[i]
+		if f.Kind != UnpublishedPool {
+			continue
+		}
+		lasted := readAt.Sub(f.firstSeen)
+		if unpublishedAfter >= 0 && lasted < unpublishedAfter {
+			f.pending = fmt.Sprintf("%s; the reads found it for %s, less than the unpublished-after time %s (to judge it, read for longer: more reads or a longer interval)", unpublishedPending, lasted.Truncate(time.Millisecond), unpublishedAfter)
+			continue
+		}
+		f.pending = ""
+		f.Message = fmt.Sprintf("%s, through reads spanning %s: neither has its driver published the pool again nor have the pods holding its devices been deleted", f.unpublishedMessage, lasted.Truncate(time.Millisecond))
 	}
 }
 

@@ -228,10 +228,12 @@ func TestCheckWith(t *testing.T) {
 	tests := map[string]struct {
 		reads []fakeRead
 		// staleAfter is CheckOptions.StaleAfter.
-		staleAfter  time.Duration
-		want        []Violation
-		wantPending []Violation
-		wantReads   int
+		staleAfter time.Duration
+		// unpublishedAfter is CheckOptions.UnpublishedAfter.
+		unpublishedAfter time.Duration
+		want             []Violation
+		wantPending      []Violation
+		wantReads        int
 		// wantIncomplete: the error is an IncompleteError after
 		// wantReads reads.
 		wantIncomplete bool
@@ -351,6 +353,32 @@ func TestCheckWith(t *testing.T) {
 			wantPending: []Violation{{Kind: UnpublishedPool, Pool: driver + "/node-a", Claims: []string{"ns/a", "ns/b"}}},
 			wantReads:   DefaultReads,
 		},
+		"devices of a pool without slices through reads spanning unpublished-after are reported": {
+			// Two waits of at least 1 ms each.
+			reads: []fakeRead{{state: State{
+				Slices: []*resourceapi.ResourceSlice{slice("node-b", 1, devices("gpu-0")...)},
+				Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2", "gpu-3"), claim("b", "node-a", "", "gpu-0")},
+			}}},
+			unpublishedAfter: 2 * time.Millisecond,
+			want:             []Violation{{Kind: UnpublishedPool, Pool: driver + "/node-a", Claims: []string{"ns/a", "ns/b"}}},
+			wantReads:        DefaultReads,
+		},
+		"devices of a pool without slices without a wait are reported": {
+			reads:            []fakeRead{{state: State{Claims: onGPU2}}},
+			unpublishedAfter: -1,
+			want:             []Violation{{Kind: UnpublishedPool, Pool: driver + "/node-a", Claims: []string{"ns/a"}}},
+			wantReads:        DefaultReads,
+		},
+		"a pool without slices published again at the last read": {
+			// Every read must find it, also without a wait.
+			reads: []fakeRead{
+				{state: State{Claims: onGPU2}},
+				{state: State{Claims: onGPU2}},
+				{state: State{Slices: complete, Claims: onGPU2}},
+			},
+			unpublishedAfter: -1,
+			wantReads:        DefaultReads,
+		},
 		"a pool without slices published again": {
 			reads: []fakeRead{
 				{state: State{Claims: onGPU2}},
@@ -419,7 +447,7 @@ func TestCheckWith(t *testing.T) {
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
 			client := newFakeCluster(tc.reads...)
-			report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond, StaleAfter: tc.staleAfter})
+			report, err := CheckWith(context.Background(), client, CheckOptions{Interval: time.Millisecond, StaleAfter: tc.staleAfter, UnpublishedAfter: tc.unpublishedAfter})
 			var incomplete *IncompleteError
 			switch {
 			case tc.wantIncomplete:
@@ -624,7 +652,21 @@ func TestCommandCheck(t *testing.T) {
 			reads:      []fakeRead{{state: State{Slices: slices, Claims: twice}}},
 			output:     "json",
 			wantCode:   ExitViolations,
-			wantStdout: []string{`"kind": "DoubleAllocation"`, `"claims": [`, `"message": "`, `"confirmed": true`},
+			wantStdout: []string{`"kind": "DoubleAllocation"`, `"claims": [`, `"message": "`, `"confirmed": true`, `"pending": false`},
+		},
+		"pending only, json": {
+			reads:      []fakeRead{{state: State{Slices: midRepublish, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-2")}}}},
+			output:     "json",
+			wantCode:   ExitClean,
+			wantStdout: []string{`"kind": "VanishedDevice"`, `"pending": true`, `"pendingReason": "its pool is being republished"`, `"confirmed": true`},
+			wantStderr: []string{"being republished", "VanishedDevice", "gpu-2"},
+		},
+		"violation and a pool without slices, json": {
+			reads:      []fakeRead{{state: State{Claims: twice}}},
+			output:     "json",
+			wantCode:   ExitViolations,
+			wantStdout: []string{`"kind": "DoubleAllocation"`, `"kind": "UnpublishedPool"`, `"pool": "gpu.example.com/node-a"`, `"pending": true`, `"pendingReason": "its pool may be published again`, "less than the unpublished-after time 5m0s"},
+			wantStderr: []string{"not reported, its pool may be published again", "UnpublishedPool"},
 		},
 		"clean, json": {
 			reads:      []fakeRead{{state: State{Slices: slices}}},
@@ -739,6 +781,41 @@ func TestCommandJSONClaimsArray(t *testing.T) {
 	}
 	if claims := string(got[0]["claims"]); claims != "[]" {
 		t.Errorf(`"claims": %s, want []`, claims)
+	}
+}
+
+// TestCommandJSONPending: -o json lists the confirmed violations, each
+// with "pending": false, then the pending ones, each with "pending": true
+// and why in "pendingReason"; only the confirmed ones set the exit code.
+func TestCommandJSONPending(t *testing.T) {
+	twice := []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-0"), claim("b", "node-b", "", "gpu-0")}
+	// Pool node-a is published, node-b is not.
+	state := State{Slices: []*resourceapi.ResourceSlice{poolSlice("first", 1, 1, devices("gpu-0")...)}, Claims: append(twice, claim("c", "node-a", "", "gpu-0"))}
+	var stdout, stderr bytes.Buffer
+	code := check(context.Background(), newFakeCluster(fakeRead{state: state}), CheckOptions{Interval: time.Millisecond}, "json", &stdout, &stderr)
+	t.Logf("stdout:\n%sstderr:\n%s", stdout.String(), stderr.String())
+	if code != ExitViolations {
+		t.Errorf("exit code %d, want %d", code, ExitViolations)
+	}
+	var got []struct {
+		Kind          Kind   `json:"kind"`
+		Pool          string `json:"pool"`
+		Pending       *bool  `json:"pending"`
+		PendingReason string `json:"pendingReason"`
+		Confirmed     bool   `json:"confirmed"`
+	}
+	if err := json.Unmarshal(stdout.Bytes(), &got); err != nil {
+		t.Fatalf("stdout is not a JSON array of objects: %v", err)
+	}
+	if len(got) != 2 {
+		t.Fatalf("%d entries, want the DoubleAllocation and the pending UnpublishedPool", len(got))
+	}
+	if v := got[0]; v.Kind != DoubleAllocation || v.Pending == nil || *v.Pending || v.PendingReason != "" || !v.Confirmed {
+		t.Errorf("first entry %+v, want a confirmed DoubleAllocation with \"pending\": false", v)
+	}
+	if p := got[1]; p.Kind != UnpublishedPool || p.Pool != driver+"/node-b" || p.Pending == nil || !*p.Pending ||
+		!strings.Contains(p.PendingReason, "unpublished-after") || !p.Confirmed {
+		t.Errorf("second entry %+v, want UnpublishedPool of %s/node-b with \"pending\": true and why", p, driver)
 	}
 }
 

@@ -26,7 +26,9 @@ const (
 // prints every confirmed violation on stdout (text, or JSON with -o json)
 // and returns ExitViolations if there is one and ExitClean if there is
 // none. A pending violation (see [Report.Pending]) is noted on stderr and
-// does not change the exit code. It returns ExitError if the flags are
+// does not change the exit code; JSON lists it too, with "pending": true
+// and why in "pendingReason" (the violations have "pending": false). It
+// returns ExitError if the flags are
 // wrong or the cluster could not be read, the reason on stderr; when a
 // re-read failed ([IncompleteError]) it first prints the violations found
 // so far on stdout, marked unconfirmed (the text ends with
@@ -41,6 +43,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	reads := fs.Int("reads", DefaultReads, "The most times the cluster is read: a violation must be found again by the second read, a StaleReservation by every read. At least 2.")
 	interval := fs.Duration("interval", DefaultInterval, "The wait before each read after the first. More than 0.")
 	staleAfter := fs.Duration("stale-after", DefaultStaleAfter, "How long the pods of a claim reserved only for pods that are done or gone must have been so before it is reported (StaleReservation); until then it is noted on stderr. A pod that succeeded or failed counts from its containers' latest finishedAt (or its conditions' latest change), a pod deleted before it was bound from its deletionTimestamp; a pod that is gone, or records no such time, from the first read, so such a claim is reported only if the reads span this time (e.g. --reads 6 --interval 2m: five waits, 10m). The resourceclaim controller clears reservations at kube-controller-manager's client rate (20 QPS by default), which takes minutes after thousands of pods finish. 0: report once every read finds it.")
+	unpublishedAfter := fs.Duration("unpublished-after", DefaultUnpublishedAfter, "How long the reads must find a pool without any ResourceSlice whose devices are allocated before it is reported (UnpublishedPool); until then it is noted on stderr. Nothing records when a pool's slices went, so the time counts from the first read that found it: such a pool is reported only if the reads span this time (e.g. --reads 6 --interval 1m: five waits, 5m). The kubelet removes a node's slices when it starts and 30 s after a driver unregisters, and a deleted Node takes its slices (its pods are deleted within minutes). 0: report once every read finds it.")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, `Usage: topodra-check [flags]
 
@@ -62,12 +65,14 @@ NoExecute taint (of its ResourceSlice or of a DeviceTaintRule) that the
 allocation does not tolerate. A violation is reported only if a second
 read (--interval later) finds it again, and such a claim reserved for no
 one only if every read (--reads) does and its pods have been done for
---stale-after. Noted on stderr, not reported: an allocated
-device missing from a pool that its driver is still republishing,
-allocated devices of a pool without any ResourceSlice (the kubelet
-removes a node's slices when it starts and when a driver unregisters; a
-deleted Node takes its slices), and a claim reserved for no one whose
-pods stopped more recently.
+--stale-after, and allocated devices of a pool without any ResourceSlice
+only if the reads span --unpublished-after (the kubelet removes a
+node's slices when it starts and when a driver unregisters; a deleted
+Node takes its slices). Noted on stderr, not reported: an allocated
+device missing from a pool that its driver is still republishing, such
+a pool found without slices for a shorter time, and a claim reserved
+for no one whose pods stopped more recently. With -o json these are
+listed too, with "pending": true.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
 cluster could not be read (the reason on stderr; if a re-read failed, the
@@ -108,6 +113,10 @@ Flags:
 		fmt.Fprintf(stderr, "topodra-check: --stale-after must not be negative, not %s\n", *staleAfter)
 		return ExitError
 	}
+	if *unpublishedAfter < 0 {
+		fmt.Fprintf(stderr, "topodra-check: --unpublished-after must not be negative, not %s\n", *unpublishedAfter)
+		return ExitError
+	}
 	if *output != "text" && *output != "json" {
 		fmt.Fprintf(stderr, "topodra-check: --output must be text or json, not %q\n", *output)
 		return ExitError
@@ -124,10 +133,14 @@ Flags:
 		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
 		return ExitError
 	}
-	opts := CheckOptions{Reads: *reads, Interval: *interval, StaleAfter: *staleAfter}
+	opts := CheckOptions{Reads: *reads, Interval: *interval, StaleAfter: *staleAfter, UnpublishedAfter: *unpublishedAfter}
+	// CheckOptions asks for no wait with a negative StaleAfter or
+	// UnpublishedAfter.
 	if *staleAfter == 0 {
-		// CheckOptions asks for no wait with a negative StaleAfter.
 		opts.StaleAfter = -1
+	}
+	if *unpublishedAfter == 0 {
+		opts.UnpublishedAfter = -1
 	}
 	return check(ctx, client, opts, *output, stdout, stderr)
 }
@@ -146,7 +159,7 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 	for _, why := range report.NotJudged {
 		fmt.Fprintf(stderr, "topodra-check: %s\n", why)
 	}
-	if werr := write(stdout, output, report.Violations, incomplete == nil); werr != nil {
+	if werr := write(stdout, output, report.Violations, report.Pending, incomplete == nil); werr != nil {
 		fmt.Fprintf(stderr, "topodra-check: write: %v\n", werr)
 		return ExitError
 	}
@@ -163,22 +176,30 @@ func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, 
 // unconfirmedText ends the text output when a re-read failed.
 const unconfirmedText = ", unconfirmed: a re-read failed"
 
-// jsonViolation is a violation as -o json prints it: its fields, and
-// whether every read found it (false when a re-read failed).
+// jsonViolation is a violation as -o json prints it: its fields, whether
+// every read found it (false when a re-read failed), and whether it is
+// pending (not reported, see [Report.Pending]) and why.
 type jsonViolation struct {
 	Violation
-	Confirmed bool `json:"confirmed"`
+	Confirmed     bool   `json:"confirmed"`
+	Pending       bool   `json:"pending"`
+	PendingReason string `json:"pendingReason,omitempty"`
 }
 
-// write prints violations as text or, with format json, as a JSON array;
-// confirmed is false when a re-read failed, and the output says so.
-func write(w io.Writer, format string, violations []Violation, confirmed bool) error {
+// write prints violations as text or, with format json, as a JSON array
+// of the violations followed by the pending ones (text leaves those to
+// stderr); confirmed is false when a re-read failed, and the output says
+// so.
+func write(w io.Writer, format string, violations []Violation, pending []PendingViolation, confirmed bool) error {
 	if format == "json" {
 		enc := json.NewEncoder(w)
 		enc.SetIndent("", "  ")
-		out := make([]jsonViolation, len(violations))
-		for i, v := range violations {
-			out[i] = jsonViolation{Violation: v, Confirmed: confirmed}
+		out := make([]jsonViolation, 0, len(violations)+len(pending))
+		for _, v := range violations {
+			out = append(out, jsonViolation{Violation: v, Confirmed: confirmed})
+		}
+		for _, p := range pending {
+			out = append(out, jsonViolation{Violation: p.Violation, Confirmed: confirmed, Pending: true, PendingReason: p.Why})
 		}
 		return enc.Encode(out)
 	}

@@ -75,8 +75,9 @@ const (
 	// driver restart or upgrade), and a deleted Node takes its slices
 	// with it: the driver publishes the pool again, or the pods on a
 	// deleted node are deleted and their claims deallocated. So
-	// [CheckWith] never reports it, it notes it as pending; [Find],
-	// judging a cluster at rest, reports it.
+	// [CheckWith] reports it only once its reads have found it for
+	// CheckOptions.UnpublishedAfter, and notes it as pending until then;
+	// [Find], judging a cluster at rest, reports it.
 	UnpublishedPool Kind = "UnpublishedPool"
 	// PodClaimUnallocated: a pod is bound to a node while one of its
 	// claims is missing or unallocated.
@@ -210,11 +211,15 @@ type finding struct {
 	Violation
 	// pending, when set, says why it may yet resolve itself and is not
 	// reported by [CheckWith]: set on a VanishedDevice of a device that
-	// is DevicePending, and by CheckWith on a StaleReservation whose
-	// pods have not been done for CheckOptions.StaleAfter.
+	// is DevicePending, on an UnpublishedPool (CheckWith clears it once
+	// its reads have found the pool so for
+	// CheckOptions.UnpublishedAfter), and by CheckWith on a
+	// StaleReservation whose pods have not been done for
+	// CheckOptions.StaleAfter.
 	pending string
-	// repairable is set on a StaleReservation: the cluster's own
-	// controller undoes it, so it counts only if it outlasts every read.
+	// repairable is set on a StaleReservation and an UnpublishedPool:
+	// the cluster's own controllers or the pool's driver undo them, so
+	// they count only if they outlast every read.
 	repairable bool
 	// doneSince is set on a StaleReservation whose pods all record when
 	// they stopped (see podDoneSince): the latest of those times. Zero
@@ -223,6 +228,9 @@ type finding struct {
 	// firstSeen is when the first read that found it began (set by
 	// [CheckWith]).
 	firstSeen time.Time
+	// unpublishedMessage is the message of an UnpublishedPool as [Find]
+	// words it, which [CheckWith] extends by how long it lasted.
+	unpublishedMessage string
 	// identity is what makes it the same violation in another read,
 	// beside its kind: the device or counter for the device kinds (the
 	// claims involved may change from read to read while the device stays
@@ -426,6 +434,9 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 	return out
 }
 
+// unpublishedPending says why an UnpublishedPool may resolve itself.
+const unpublishedPending = "its pool may be published again or its pods deleted: the kubelet removes a node's slices when it starts and 30 s after a driver unregisters (a driver restart or upgrade), and a deleted Node takes its slices with it"
+
 func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []finding {
 	holders := map[Device][]string{}
 	// dedicated counts the results without a ShareID: upstream, such a
@@ -546,12 +557,15 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 		slices.Sort(claimNames)
 		claimNames = slices.Compact(claimNames)
 		pool := id.driver + "/" + id.pool
+		message := fmt.Sprintf("pool %s has no ResourceSlices, but its devices %s are allocated to %s", pool, strings.Join(names, ", "), strings.Join(claimNames, ", "))
 		out = append(out, finding{
-			pending:  "its pool may be published again or its pods deleted: the kubelet removes a node's slices when it starts and 30 s after a driver unregisters (a driver restart or upgrade), and a deleted Node takes its slices with it",
-			identity: pool,
+			pending:            unpublishedPending,
+			repairable:         true,
+			identity:           pool,
+			unpublishedMessage: message,
 			Violation: Violation{
 				Kind: UnpublishedPool, Pool: pool, Claims: claimNames,
-				Message: fmt.Sprintf("pool %s has no ResourceSlices, but its devices %s are allocated to %s", pool, strings.Join(names, ", "), strings.Join(claimNames, ", ")),
+				Message: message,
 			},
 		})
 	}

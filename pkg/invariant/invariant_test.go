@@ -667,14 +667,15 @@ func TestRunRejectsBadCommandLine(t *testing.T) {
 		args []string
 		want []string
 	}{
-		"unknown flag":         {args: []string{"--kubeconfg", "x"}, want: []string{"unknown flag: --kubeconfg", "--help"}},
-		"flag without value":   {args: []string{"--context"}, want: []string{"--context", "--help"}},
-		"positional argument":  {args: []string{"other.yaml"}, want: []string{`"other.yaml"`, "--kubeconfig other.yaml"}},
-		"argument after flag":  {args: []string{"-o", "json", "other.yaml"}, want: []string{"--kubeconfig other.yaml"}},
-		"one read":             {args: []string{"--reads", "1"}, want: []string{"--reads must be at least 2", "not 1"}},
-		"no interval":          {args: []string{"--interval", "0s"}, want: []string{"--interval must be more than 0", "not 0s"}},
-		"negative stale-after": {args: []string{"--stale-after", "-1m"}, want: []string{"--stale-after must not be negative", "not -1m0s"}},
-		"interval not a time":  {args: []string{"--interval", "5"}, want: []string{"--interval", "--help"}},
+		"unknown flag":               {args: []string{"--kubeconfg", "x"}, want: []string{"unknown flag: --kubeconfg", "--help"}},
+		"flag without value":         {args: []string{"--context"}, want: []string{"--context", "--help"}},
+		"positional argument":        {args: []string{"other.yaml"}, want: []string{`"other.yaml"`, "--kubeconfig other.yaml"}},
+		"argument after flag":        {args: []string{"-o", "json", "other.yaml"}, want: []string{"--kubeconfig other.yaml"}},
+		"one read":                   {args: []string{"--reads", "1"}, want: []string{"--reads must be at least 2", "not 1"}},
+		"no interval":                {args: []string{"--interval", "0s"}, want: []string{"--interval must be more than 0", "not 0s"}},
+		"negative stale-after":       {args: []string{"--stale-after", "-1m"}, want: []string{"--stale-after must not be negative", "not -1m0s"}},
+		"negative unpublished-after": {args: []string{"--unpublished-after", "-1m"}, want: []string{"--unpublished-after must not be negative", "not -1m0s"}},
+		"interval not a time":        {args: []string{"--interval", "5"}, want: []string{"--interval", "--help"}},
 	}
 	for name, tc := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -697,7 +698,7 @@ func TestRunRejectsBadCommandLine(t *testing.T) {
 
 func TestWriteJSON(t *testing.T) {
 	var out bytes.Buffer
-	if err := write(&out, "json", nil, true); err != nil {
+	if err := write(&out, "json", nil, nil, true); err != nil {
 		t.Fatal(err)
 	}
 	var got []Violation
