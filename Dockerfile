@@ -1,6 +1,10 @@
 # Multi-stage build of the topodra images:
 #   docker build --target scheduler  --build-arg VERSION=v0.1.0 -t ghcr.io/topodra/topodra-scheduler:v0.1.0 .
 #   docker build --target node-agent --build-arg VERSION=v0.1.0 -t ghcr.io/topodra/topodra-node-agent:v0.1.0 .
+# The scheduler image also holds /topodra-check, the allocation invariant
+# checker (static, like the scheduler), which the CronJob of
+# manifests/components/invariant-check runs: no third image to build,
+# push and keep at the scheduler's tag.
 #
 # Bases are pinned by release; pin them by digest (image@sha256:...) with
 # --build-arg for reproducible release builds. The agent's build and runtime
@@ -19,6 +23,7 @@ RUN go mod download
 COPY . .
 ENV LDFLAGS="-X github.com/topodra/topodra/pkg/version.Version=${VERSION} -X k8s.io/component-base/version.gitVersion=${K8S_VERSION} -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37"
 RUN CGO_ENABLED=0 go build -trimpath -ldflags "${LDFLAGS}" -o /out/topodra-scheduler ./cmd/scheduler
+RUN CGO_ENABLED=0 go build -trimpath -ldflags "${LDFLAGS}" -o /out/topodra-check ./cmd/topodra-check
 # The agent loads libnvidia-ml through dlopen (go-nvml), so it needs cgo and
 # glibc. The library itself is not in the image: the agent finds it below
 # --container-driver-root (the node's driver root, mounted by the DaemonSet).
@@ -26,6 +31,7 @@ RUN CGO_ENABLED=1 CGO_CFLAGS=-Wno-deprecated-declarations go build -trimpath -ld
 
 FROM ${SCHEDULER_BASE_IMAGE} AS scheduler
 COPY --from=build /out/topodra-scheduler /topodra-scheduler
+COPY --from=build /out/topodra-check /topodra-check
 ENTRYPOINT ["/topodra-scheduler"]
 
 FROM ${AGENT_BASE_IMAGE} AS node-agent

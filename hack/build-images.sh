@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # build-images.sh: build the topodra-scheduler and topodra-node-agent images
-# with the version stamped in (the same ldflags as `make build`).
+# with the version stamped in (the same ldflags as `make build`). The
+# scheduler image also holds /topodra-check (the invariant checker that
+# manifests/components/invariant-check runs as a CronJob).
 #   hack/build-images.sh                      # tag: `git describe --tags --always --dirty`
 #   VERSION=v0.2.0 REGISTRY=example.com/me hack/build-images.sh
 # The tag defaults to what `git describe` says of this checkout, so that
@@ -39,7 +41,7 @@ for target in scheduler node-agent; do
     echo "building ${image}" >&2
     "${docker}" build --target "${target}" --build-arg VERSION="${version}" -t "${image}" "$@" "${root}" >&2
 done
-echo "built ${registry}/topodra-scheduler:${version} and ${registry}/topodra-node-agent:${version}" >&2
+echo "built ${registry}/topodra-scheduler:${version} (with /topodra-check) and ${registry}/topodra-node-agent:${version}" >&2
 if [[ "${registry}" != ghcr.io/topodra || "${version}" != "${manifest_tag}" ]]; then
     echo "push the images, then point an overlay (or your own kustomization) at them:" >&2
     for target in scheduler node-agent; do
