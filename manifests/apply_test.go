@@ -10,6 +10,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	authorizationv1 "k8s.io/api/authorization/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	v1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -677,5 +678,86 @@ func TestAgentSurgeDoesNotPreempt(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestOptionalComponentsApply: the host overlay with every optional
+// component is accepted by a real API server (the Prometheus operator's
+// kinds left out: the server has no such CRDs), and so is a Job made from
+// the checker's CronJob as `kubectl create job --from=cronjob/...` makes
+// it; the checker's ServiceAccount reads everything topodra-check judges,
+// and the metrics scraper's may get /metrics and nothing else.
+func TestOptionalComponentsApply(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	cp := startCluster(t, ctx)
+	data, err := manifests.RenderWithComponents("overlays/host", "components/invariant-check", "components/monitoring")
+	if err != nil {
+		t.Fatal(err)
+	}
+	skipped := 0
+	if err := cp.Apply(ctx, data, func(obj *unstructured.Unstructured) bool {
+		if obj.GroupVersionKind().Group == "monitoring.coreos.com" {
+			skipped++
+			return false
+		}
+		return true
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if skipped == 0 {
+		t.Error("no object of the Prometheus operator's kinds: the monitoring component was not rendered")
+	}
+	cron, err := cp.Client.BatchV1().CronJobs(metav1.NamespaceSystem).Get(ctx, "topodra-check", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	job := &batchv1.Job{
+		ObjectMeta: metav1.ObjectMeta{Name: "topodra-check-manual", Namespace: cron.Namespace, Annotations: map[string]string{"cronjob.kubernetes.io/instantiate": "manual"}},
+		Spec:       cron.Spec.JobTemplate.Spec,
+	}
+	if _, err := cp.Client.BatchV1().Jobs(job.Namespace).Create(ctx, job, metav1.CreateOptions{}); err != nil {
+		t.Errorf("a Job from the CronJob's template: %v", err)
+	}
+
+	sa := cron.Spec.JobTemplate.Spec.Template.Spec.ServiceAccountName
+	client, err := kubernetes.NewForConfig(impersonate(cp.Config, cron.Namespace, sa))
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := invariant.CheckOptions{Reads: 2, Interval: 10 * time.Millisecond}
+	var report invariant.Report
+	// RBAC's authorizer learns of the new binding from its informer.
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		var err error
+		report, err = invariant.CheckWith(ctx, client, opts)
+		return err == nil, nil
+	}); err != nil {
+		_, err := invariant.CheckWith(ctx, client, opts)
+		t.Fatalf("the CronJob's ServiceAccount %s cannot read the cluster: %v", sa, err)
+	}
+	for _, why := range report.NotJudged {
+		if strings.Contains(why, "forbidden") {
+			t.Errorf("not judged for want of permission: %s", why)
+		}
+	}
+
+	scraper := "system:serviceaccount:" + metav1.NamespaceSystem + ":topodra-metrics-scraper"
+	allowed := func(attrs authorizationv1.SubjectAccessReviewSpec) bool {
+		t.Helper()
+		attrs.User = scraper
+		attrs.Groups = []string{"system:serviceaccounts", "system:serviceaccounts:" + metav1.NamespaceSystem, "system:authenticated"}
+		review, err := cp.Client.AuthorizationV1().SubjectAccessReviews().Create(ctx, &authorizationv1.SubjectAccessReview{Spec: attrs}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return review.Status.Allowed
+	}
+	if err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+		return allowed(authorizationv1.SubjectAccessReviewSpec{NonResourceAttributes: &authorizationv1.NonResourceAttributes{Path: "/metrics", Verb: "get"}}), nil
+	}); err != nil {
+		t.Errorf("%s may not get /metrics", scraper)
+	}
+	if allowed(authorizationv1.SubjectAccessReviewSpec{ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: "list", Resource: "pods"}}) {
+		t.Errorf("%s may list pods", scraper)
 	}
 }

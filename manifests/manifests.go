@@ -16,3 +16,8 @@ var FS embed.FS
 
 // Overlays are the install variants, each a directory overlays/<name>.
 var Overlays = []string{"host", "gpu-operator", "gpu-operator-host-driver", "mock"}
+
+// Optional are the components, each a directory components/<name>, that
+// an admin may add to any overlay in a kustomization of their own: they
+// add objects and change none of the overlay's.
+var Optional = []string{"invariant-check", "monitoring"}

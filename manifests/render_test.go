@@ -20,6 +20,38 @@ func Render(dir string) ([]byte, error) {
 // edit (where not nil) may change first: it gets each file's path, such as
 // "base/ownership.yaml", and returns the content to use.
 func renderEdited(dir string, edit func(path string, data []byte) []byte) ([]byte, error) {
+	memFS, err := copyManifests(edit)
+	if err != nil {
+		return nil, err
+	}
+	return run(memFS, dir)
+}
+
+// RenderWithComponents renders a kustomization of an admin's own that
+// takes the kustomization in dir as its resource and adds components
+// (directories such as "components/monitoring"), as docs/install.md
+// shows, and returns the multi-document YAML.
+func RenderWithComponents(dir string, components ...string) ([]byte, error) {
+	memFS, err := copyManifests(nil)
+	if err != nil {
+		return nil, err
+	}
+	kustomization := "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n- ../" + dir + "\ncomponents:\n"
+	for _, c := range components {
+		kustomization += "- ../" + c + "\n"
+	}
+	if err := memFS.MkdirAll("/mine"); err != nil {
+		return nil, err
+	}
+	if err := memFS.WriteFile("/mine/kustomization.yaml", []byte(kustomization)); err != nil {
+		return nil, err
+	}
+	return run(memFS, "mine")
+}
+
+// copyManifests copies the embedded manifests into an in-memory file
+// system, each file as edit (where not nil) returns it.
+func copyManifests(edit func(path string, data []byte) []byte) (filesys.FileSystem, error) {
 	memFS := filesys.MakeFsInMemory()
 	err := fs.WalkDir(FS, ".", func(p string, d fs.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
@@ -40,6 +72,12 @@ func renderEdited(dir string, edit func(path string, data []byte) []byte) ([]byt
 	if err != nil {
 		return nil, fmt.Errorf("copy manifests: %w", err)
 	}
+	return memFS, nil
+}
+
+// run builds the kustomization in dir of memFS with kustomize's default
+// options, as `kubectl kustomize` does.
+func run(memFS filesys.FileSystem, dir string) ([]byte, error) {
 	resources, err := krusty.MakeKustomizer(krusty.MakeDefaultOptions()).Run(memFS, "/"+dir)
 	if err != nil {
 		return nil, fmt.Errorf("kustomize %s: %w", dir, err)
