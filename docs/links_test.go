@@ -96,6 +96,39 @@ func TestLinks(t *testing.T) {
 	}
 }
 
+// runbookURL matches the runbook_url annotations of the alerts.
+var runbookURL = regexp.MustCompile(`runbook_url:\s*(\S+)`)
+
+// The runbook_url of every alert the monitoring component ships names
+// this repository's documents on GitHub, and a heading of the document.
+func TestRunbookURLs(t *testing.T) {
+	const repo = "https://github.com/topodra/topodra/blob/main/"
+	data, err := os.ReadFile("../manifests/components/monitoring/prometheusrule.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	urls := runbookURL.FindAllStringSubmatch(string(data), -1)
+	if len(urls) == 0 {
+		t.Fatal("no runbook_url in the alerts")
+	}
+	for _, m := range urls {
+		path, ok := strings.CutPrefix(m[1], repo)
+		file, fragment, _ := strings.Cut(path, "#")
+		if !ok || fragment == "" {
+			t.Errorf("runbook_url %s: want %s<file>#<heading>", m[1], repo)
+			continue
+		}
+		content, err := os.ReadFile(filepath.Join("..", file))
+		if err != nil {
+			t.Errorf("runbook_url %s: %v", m[1], err)
+			continue
+		}
+		if !anchors(string(content))[fragment] {
+			t.Errorf("runbook_url %s: %s has no heading with the anchor %q", m[1], file, fragment)
+		}
+	}
+}
+
 func TestAnchor(t *testing.T) {
 	for heading, want := range map[string]string{
 		"The node agent (`topodra-node-agent`)":                  "the-node-agent-topodra-node-agent",

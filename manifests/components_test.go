@@ -623,3 +623,53 @@ func prefixed(prefix string, names []string) []string {
 	}
 	return out
 }
+
+// TestDocumentedMonitoringLabel: the patch that docs/operations.md gives
+// for a Prometheus that selects PodMonitors and PrometheusRules by label
+// (kube-prometheus-stack's release label) labels those, and nothing else.
+func TestDocumentedMonitoringLabel(t *testing.T) {
+	doc, err := os.ReadFile("../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var patch string
+	for _, block := range strings.Split(string(doc), "```yaml\n")[1:] {
+		block, _, _ = strings.Cut(block, "```")
+		if strings.Contains(block, "group: "+monitoringGroup) {
+			patch = block
+		}
+	}
+	if patch == "" {
+		t.Fatal("docs/operations.md has no yaml block with a patch of the monitoring kinds")
+	}
+	data, err := renderMine("overlays/host", []string{"components/monitoring"}, patch)
+	if err != nil {
+		t.Fatalf("the documented patch: %v", err)
+	}
+	labelled := 0
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for {
+		doc, err := reader.Read()
+		if err != nil {
+			break
+		}
+		var head struct {
+			APIVersion string            `json:"apiVersion"`
+			Kind       string            `json:"kind"`
+			Metadata   metav1.ObjectMeta `json:"metadata"`
+		}
+		if err := yaml.Unmarshal(doc, &head); err != nil || head.Kind == "" {
+			continue
+		}
+		_, has := head.Metadata.Labels["release"]
+		if monitoring := strings.HasPrefix(head.APIVersion, monitoringGroup+"/"); has != monitoring {
+			t.Errorf("%s %s: release label %v, want it on the Prometheus operator's kinds only", head.Kind, head.Metadata.Name, has)
+		}
+		if has {
+			labelled++
+		}
+	}
+	if labelled != 3 {
+		t.Errorf("%d objects labelled, want the 2 PodMonitors and the PrometheusRule", labelled)
+	}
+}

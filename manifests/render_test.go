@@ -32,6 +32,13 @@ func renderEdited(dir string, edit func(path string, data []byte) []byte) ([]byt
 // (directories such as "components/monitoring"), as docs/install.md
 // shows, and returns the multi-document YAML.
 func RenderWithComponents(dir string, components ...string) ([]byte, error) {
+	return renderMine(dir, components, "")
+}
+
+// renderMine renders a kustomization of an admin's own, as
+// RenderWithComponents does, with extra (YAML of further fields, such as
+// patches) appended to it.
+func renderMine(dir string, components []string, extra string) ([]byte, error) {
 	memFS, err := copyManifests(nil)
 	if err != nil {
 		return nil, err
@@ -40,6 +47,7 @@ func RenderWithComponents(dir string, components ...string) ([]byte, error) {
 	for _, c := range components {
 		kustomization += "- ../" + c + "\n"
 	}
+	kustomization += extra
 	if err := memFS.MkdirAll("/mine"); err != nil {
 		return nil, err
 	}
