@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -21,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	sigsjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
 	"github.com/topodra/topodra/pkg/invariant"
@@ -126,8 +128,8 @@ func TestOptionalComponentsOnlyAdd(t *testing.T) {
 // podMonitor is the part of a monitoring.coreos.com/v1 PodMonitor that the
 // shipped ones use, with the Prometheus operator's field names (its
 // PodMonitorSpec, PodMetricsEndpoint, SafeAuthorization, SafeTLSConfig
-// and RelabelConfig). It is decoded strictly: a field that is not here
-// (misspelled, or of another version) fails the test.
+// and RelabelConfig). It is decoded strictly (decodeStrict): a field that
+// is not here (misspelled, or of another version) fails the test.
 type podMonitor struct {
 	APIVersion string            `json:"apiVersion"`
 	Kind       string            `json:"kind"`
@@ -156,6 +158,21 @@ type podMonitor struct {
 			} `json:"relabelings"`
 		} `json:"podMetricsEndpoints"`
 	} `json:"spec"`
+}
+
+// decodeStrict decodes a YAML document into v as the API server decodes
+// an object with strict field validation: a field that v does not have,
+// also one that differs from v's only in case, is an error.
+func decodeStrict(doc []byte, v any) error {
+	data, err := yaml.YAMLToJSON(doc)
+	if err != nil {
+		return err
+	}
+	strict, err := sigsjson.UnmarshalStrict(data, v)
+	if err != nil {
+		return err
+	}
+	return errors.Join(strict...)
 }
 
 // prometheusRule is the part of a monitoring.coreos.com/v1 PrometheusRule
@@ -219,7 +236,7 @@ func TestMonitoringComponent(t *testing.T) {
 			}
 			for _, doc := range r.monitoring["PodMonitor"] {
 				var pm podMonitor
-				if err := yaml.UnmarshalStrict(doc, &pm); err != nil {
+				if err := decodeStrict(doc, &pm); err != nil {
 					t.Fatalf("PodMonitor: %v\n%s", err, doc)
 				}
 				checkPodMonitor(t, r, &pm, workloads, jobs)
@@ -234,7 +251,7 @@ func TestMonitoringComponent(t *testing.T) {
 				t.Fatalf("%d PrometheusRules, want 1", len(r.monitoring["PrometheusRule"]))
 			}
 			var rule prometheusRule
-			if err := yaml.UnmarshalStrict(r.monitoring["PrometheusRule"][0], &rule); err != nil {
+			if err := decodeStrict(r.monitoring["PrometheusRule"][0], &rule); err != nil {
 				t.Fatalf("PrometheusRule: %v", err)
 			}
 			checkAlerts(t, &rule, jobs)
