@@ -51,7 +51,8 @@ type CheckOptions struct {
 	// DefaultPageSize. Must not be negative.
 	PageSize int64
 	// StaleAfter is how long the pods of a StaleReservation must have
-	// been done before it is reported; until then it is pending. A pod
+	// been done before it is reported, and how long the reads must have
+	// found an UnreservedAllocation; until then it is pending. A pod
 	// that succeeded or failed is done since the time it records (see
 	// podDoneSince), a pod deleted before it was bound since its
 	// deletionTimestamp. A pod that is gone, or records no such time,
@@ -201,6 +202,8 @@ func CheckWith(ctx context.Context, client kubernetes.Interface, opts CheckOptio
 			return report(found, read-1), &IncompleteError{Reads: read - 1, Err: err}
 		}
 		now, notes := find(j, state)
+		now = append(now, unreservedAllocations(state.Pods, state.Claims)...)
+		sortFindings(now)
 		for i := range now {
 			now[i].firstSeen = readAt
 		}
@@ -246,7 +249,8 @@ func again(before, now []finding) []finding {
 }
 
 // settleStale marks pending each StaleReservation of found whose pods
-// have not been done for staleAfter at readAt (see
+// have not been done for staleAfter at readAt, and each
+// UnreservedAllocation that the reads have not found for staleAfter (see
 // [CheckOptions.StaleAfter]); a negative staleAfter marks none.
 func settleStale(found []finding, readAt time.Time, staleAfter time.Duration) {
 	if staleAfter < 0 {
@@ -254,6 +258,12 @@ func settleStale(found []finding, readAt time.Time, staleAfter time.Duration) {
 	}
 	for i := range found {
 		f := &found[i]
+		if f.Kind == UnreservedAllocation {
+			if readAt.Sub(f.firstSeen) < staleAfter {
+				f.pending = fmt.Sprintf("the reads span %s, less than the stale-after time %s: a pod that uses the claim may be on its way, or the claim's allocation about to be removed (to judge it, read for longer: more reads or a longer interval)", readAt.Sub(f.firstSeen).Truncate(time.Millisecond), staleAfter)
+			}
+			continue
+		}
 		if f.Kind != StaleReservation {
 			continue
 		}

@@ -225,6 +225,12 @@ func TestCheckWith(t *testing.T) {
 	}
 	oneClique := claim("a", "node-a", "", "gpu-2", "gpu-3")
 	oneClique.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{sameClique()}
+	// Allocated by a scheduler (with the allocation's finalizer) and
+	// reserved for no one: its pod's binding cycle failed.
+	unreserved := claim("a", "node-a", "", "gpu-2")
+	unreserved.Finalizers = []string{resourceapi.Finalizer}
+	pending := pod("waiting", "waiting-uid", "", "a")
+	succeeded := finishedPod("done", "done-uid", "node-a", time.Now().Add(-time.Hour), "a")
 	tests := map[string]struct {
 		reads []fakeRead
 		// staleAfter is CheckOptions.StaleAfter.
@@ -429,6 +435,27 @@ func TestCheckWith(t *testing.T) {
 				{state: State{Slices: cliques("a", "a"), Claims: []*resourceapi.ResourceClaim{oneClique}}},
 			},
 			wantReads: 2,
+		},
+		"allocation reserved for no one, used by no pod, is reported after stale-after": {
+			reads:      []fakeRead{{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{unreserved}, Pods: []*v1.Pod{succeeded}}}},
+			staleAfter: -1,
+			want:       []Violation{{Kind: UnreservedAllocation, Claims: []string{"ns/a"}}},
+			wantReads:  3,
+		},
+		"allocation reserved for no one is pending before stale-after": {
+			reads:       []fakeRead{{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{unreserved}}}},
+			wantPending: []Violation{{Kind: UnreservedAllocation, Claims: []string{"ns/a"}}},
+			wantReads:   3,
+		},
+		"allocation reserved for no one that a pending pod uses": {
+			reads:      []fakeRead{{state: State{Slices: complete, Claims: []*resourceapi.ResourceClaim{unreserved}, Pods: []*v1.Pod{pending}}}},
+			staleAfter: -1,
+			wantReads:  1,
+		},
+		"allocation reserved for no one without the finalizer (written ahead of its pods)": {
+			reads:      []fakeRead{{state: State{Slices: complete, Claims: onGPU2}}},
+			staleAfter: -1,
+			wantReads:  1,
 		},
 		"re-read fails": {
 			reads: []fakeRead{

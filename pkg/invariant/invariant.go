@@ -110,6 +110,24 @@ const (
 	// pods have been done for CheckOptions.StaleAfter. A claim reserved
 	// for anything other than pods (a PodGroup) is not judged.
 	StaleReservation Kind = "StaleReservation"
+	// UnreservedAllocation: a claim is allocated, reserved for no one, and
+	// used by no pod that may still run (none names it in its
+	// spec.resourceClaims, its status, or as its extended resource claim,
+	// apart from pods that succeeded or failed or were deleted before they
+	// were bound), so its devices are held for no one, and nothing in the
+	// cluster gives them back: the resourceclaim controller deallocates a
+	// claim only where it removes the last reservation itself, and deletes
+	// only the claims it made from a template, when their pod goes. A
+	// binding cycle that failed after it wrote the allocation leaves this
+	// once its pod is deleted (the stock scheduler plugin keeps such an
+	// allocation for the pod's next attempt), and so does an allocation
+	// written by hand. Only claims with the allocation's finalizer
+	// (resource.kubernetes.io/delete-protection), which schedulers add
+	// with the allocation, are judged. Only [CheckWith] looks for it (a claim allocated
+	// ahead of its pods is a state of its own to [Find]), and reports it
+	// only once the reads have found it for CheckOptions.StaleAfter. A
+	// claim being deleted is not judged.
+	UnreservedAllocation Kind = "UnreservedAllocation"
 	// AllocationMismatch: a claim is allocated devices that its spec does
 	// not allow: a result for a request the spec does not have, more or
 	// fewer devices than a request's exact count (or than the count of
@@ -217,7 +235,8 @@ type finding struct {
 	// StaleReservation whose pods have not been done for
 	// CheckOptions.StaleAfter.
 	pending string
-	// repairable is set on a StaleReservation and an UnpublishedPool:
+	// repairable is set on a StaleReservation, an UnreservedAllocation and
+	// an UnpublishedPool:
 	// the cluster's own controllers or the pool's driver undo them, so
 	// they count only if they outlast every read.
 	repairable bool
@@ -263,15 +282,21 @@ func find(j judge, s State) ([]finding, []string) {
 		out = append(out, finding{Violation: v})
 	}
 	out = append(out, staleReservations(s.Pods, s.Claims)...)
-	for i := range out {
-		if out[i].Claims == nil {
-			out[i].Claims = []string{}
+	sortFindings(out)
+	return out, notes
+}
+
+// sortFindings sorts found as [Find] does, and gives each an empty list
+// of claims where it has none.
+func sortFindings(found []finding) {
+	for i := range found {
+		if found[i].Claims == nil {
+			found[i].Claims = []string{}
 		}
 	}
-	slices.SortFunc(out, func(a, b finding) int {
+	slices.SortFunc(found, func(a, b finding) int {
 		return cmp.Or(cmp.Compare(a.Kind, b.Kind), cmp.Compare(deviceKey(a.Device), deviceKey(b.Device)), cmp.Compare(a.Counter, b.Counter), cmp.Compare(a.Pool, b.Pool), cmp.Compare(a.Pod, b.Pod), slices.Compare(a.Claims, b.Claims))
 	})
-	return out, notes
 }
 
 func deviceKey(d *Device) string {
@@ -792,6 +817,34 @@ func staleReservations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []fi
 		out = append(out, finding{repairable: true, doneSince: since, identity: name + "|" + strings.Join(uids, ","), Violation: Violation{
 			Kind: StaleReservation, Claims: []string{name},
 			Message: fmt.Sprintf("claim %s holds %s but is reserved only for pods that will not run: %s; kube-controller-manager's resourceclaim controller removes such reservations and deallocates the claim (is it running? see its log)", name, allocatedDevices(c), strings.Join(stale, ", ")),
+		}})
+	}
+	return out
+}
+
+// unreservedAllocations finds the allocated claims that are reserved for
+// no one and that no pod that may still run uses.
+func unreservedAllocations(pods []*v1.Pod, claims []*resourceapi.ResourceClaim) []finding {
+	used := map[string]bool{}
+	for _, p := range pods {
+		if p.Status.Phase == v1.PodSucceeded || p.Status.Phase == v1.PodFailed || p.DeletionTimestamp != nil && p.Spec.NodeName == "" {
+			continue
+		}
+		for _, ref := range PodClaimNames(p) {
+			if ref.Name != "" {
+				used[p.Namespace+"/"+ref.Name] = true
+			}
+		}
+	}
+	var out []finding
+	for _, c := range claims {
+		name := c.Namespace + "/" + c.Name
+		if c.Status.Allocation == nil || len(c.Status.ReservedFor) > 0 || c.DeletionTimestamp != nil || used[name] || !slices.Contains(c.Finalizers, resourceapi.Finalizer) {
+			continue
+		}
+		out = append(out, finding{repairable: true, identity: name + "|" + string(c.UID), Violation: Violation{
+			Kind: UnreservedAllocation, Claims: []string{name},
+			Message: fmt.Sprintf("claim %s holds %s but is reserved for no one and no pod that may run uses it; nothing in the cluster deallocates such a claim: delete it if no pod will use it again (a pod that uses it is placed on its devices' node)", name, allocatedDevices(c)),
 		}})
 	}
 	return out
