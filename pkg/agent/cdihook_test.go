@@ -9,6 +9,7 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2/ktesting"
 	cdispec "tags.cncf.io/container-device-interface/specs-go"
 
@@ -46,8 +47,9 @@ func (g *hookGenerator) CheckHook() error {
 
 // TestCDIHookMissing: a CDI generator whose hook is missing on the node
 // gets a TopodraCDIHookMissing Warning on the Node at start, with its
-// error; Prepare fails for the claim with that error and succeeds, without
-// a restart, once the hook is there. A generator that finds its hook
+// error; Prepare fails for the claim with that error (counted under
+// cdi_hook_missing) and succeeds, without a restart, once the hook is
+// there. A generator that finds its hook
 // there, or cannot check, leaves no event.
 func TestCDIHookMissing(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
@@ -58,6 +60,8 @@ func TestCDIHookMissing(t *testing.T) {
 	gen.missing.Store(true)
 	e.generator = gen
 	a := e.start(ctx, t)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
 
 	if ev := expectEvent(t, recorder); !strings.HasPrefix(ev, "Warning "+agent.ReasonCDIHookMissing+" ") || !strings.Contains(ev, errHook.Error()) {
 		t.Errorf("event %q, want a %s warning with %q", ev, agent.ReasonCDIHookMissing, errHook)
@@ -70,6 +74,10 @@ func TestCDIHookMissing(t *testing.T) {
 	if err := result[c.UID].Err; !errors.Is(err, cdi.ErrHookMissing) || !strings.Contains(err.Error(), "/usr/bin/nvidia-cdi-hook") {
 		t.Errorf("prepare with the hook missing: %v, want %v", err, errHook)
 	}
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricPrepareErrors + `{reason="cdi_hook_missing"}`: 1,
+		agent.MetricPrepareErrors + `{reason="other"}`:            0,
+	})
 
 	gen.missing.Store(false)
 	result, err = a.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{c})

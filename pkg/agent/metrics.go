@@ -2,6 +2,7 @@ package agent
 
 import (
 	"errors"
+	"strings"
 	"sync/atomic"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -60,47 +61,68 @@ const (
 
 // Values of the "reason" label of MetricPrepareErrors.
 const (
-	PrepareErrorDeviceInUse       = "device_in_use"       // ErrDeviceInUse
-	PrepareErrorClaimBusy         = "claim_busy"          // ErrClaimBusy
-	PrepareErrorUnhealthyDevice   = "unhealthy_device"    // ErrDeviceUnhealthy
-	PrepareErrorGPUMoved          = "gpu_moved"           // ErrGPUMoved
-	PrepareErrorDevicePlugin      = "device_plugin"       // ErrDevicePluginConflict
-	PrepareErrorOtherDriver       = "other_driver"        // ErrOtherDriverConflict
-	PrepareErrorDeviceNodeMissing = "device_node_missing" // cdi.ErrMissingDeviceNode
-	PrepareErrorOther             = "other"
+	PrepareErrorDeviceInUse        = "device_in_use"        // ErrDeviceInUse
+	PrepareErrorClaimBusy          = "claim_busy"           // ErrClaimBusy
+	PrepareErrorUnhealthyDevice    = "unhealthy_device"     // ErrDeviceUnhealthy
+	PrepareErrorGPUMoved           = "gpu_moved"            // ErrGPUMoved
+	PrepareErrorReallocated        = "reallocated"          // ErrReallocated
+	PrepareErrorConfigNotSupported = "config_not_supported" // ErrConfigNotSupported
+	PrepareErrorDevicePlugin       = "device_plugin"        // ErrDevicePluginConflict
+	PrepareErrorOtherDriver        = "other_driver"         // ErrOtherDriverConflict
+	PrepareErrorDeviceNodeMissing  = "device_node_missing"  // cdi.ErrMissingDeviceNode
+	PrepareErrorCDIHookMissing     = "cdi_hook_missing"     // cdi.ErrHookMissing
+	PrepareErrorNVMLUnusable       = "nvml_unusable"        // ErrNVMLUnusable
+	PrepareErrorNoState            = "no_state"             // ErrNoState
+	PrepareErrorOther              = "other"
 )
 
-// prepareErrorReasons are the values of the "reason" label, in the order
-// of Agent.prepareErrors.
-var prepareErrorReasons = [...]string{
-	PrepareErrorDeviceInUse,
-	PrepareErrorClaimBusy,
-	PrepareErrorUnhealthyDevice,
-	PrepareErrorGPUMoved,
-	PrepareErrorDevicePlugin,
-	PrepareErrorOtherDriver,
-	PrepareErrorDeviceNodeMissing,
-	PrepareErrorOther,
+// prepareErrorReasons are the values of the "reason" label of
+// MetricPrepareErrors with the errors behind them, in the order of
+// Agent.prepareErrors; an error counts under the first reason whose cause
+// it wraps. The last reason, other, has no cause and takes the rest.
+// From device_plugin on, the others are the node's set-up, not the
+// claim's: every new claim fails there until an admin fixes the node.
+var prepareErrorReasons = [...]struct {
+	reason string
+	cause  error
+}{
+	{PrepareErrorDeviceInUse, ErrDeviceInUse},
+	{PrepareErrorClaimBusy, ErrClaimBusy},
+	{PrepareErrorUnhealthyDevice, ErrDeviceUnhealthy},
+	{PrepareErrorGPUMoved, ErrGPUMoved},
+	{PrepareErrorReallocated, ErrReallocated},
+	{PrepareErrorConfigNotSupported, ErrConfigNotSupported},
+	{PrepareErrorDevicePlugin, ErrDevicePluginConflict},
+	{PrepareErrorOtherDriver, ErrOtherDriverConflict},
+	{PrepareErrorDeviceNodeMissing, cdi.ErrMissingDeviceNode},
+	{PrepareErrorCDIHookMissing, cdi.ErrHookMissing},
+	{PrepareErrorNVMLUnusable, ErrNVMLUnusable},
+	{PrepareErrorNoState, ErrNoState},
+	{PrepareErrorOther, nil},
 }
 
 // prepareErrorCounts counts failed claims by the index of their reason in
 // prepareErrorReasons.
 type prepareErrorCounts [len(prepareErrorReasons)]atomic.Uint64
 
-// prepareErrorCauses are the errors behind the reasons of
-// prepareErrorReasons, in its order; the last reason, other, has none.
-var prepareErrorCauses = [len(prepareErrorReasons) - 1]error{
-	ErrDeviceInUse, ErrClaimBusy, ErrDeviceUnhealthy, ErrGPUMoved, ErrDevicePluginConflict, ErrOtherDriverConflict, cdi.ErrMissingDeviceNode,
-}
-
 // prepareErrorIndex is the index in prepareErrorReasons of err's reason.
 func prepareErrorIndex(err error) int {
-	for i, cause := range prepareErrorCauses {
-		if errors.Is(err, cause) {
+	for i, r := range prepareErrorReasons {
+		if r.cause != nil && errors.Is(err, r.cause) {
 			return i
 		}
 	}
 	return len(prepareErrorReasons) - 1
+}
+
+// PrepareErrorReasons returns the values of the "reason" label of
+// MetricPrepareErrors, in the order the metric reports them.
+func PrepareErrorReasons() []string {
+	out := make([]string, 0, len(prepareErrorReasons))
+	for _, r := range prepareErrorReasons {
+		out = append(out, r.reason)
+	}
+	return out
 }
 
 // countPrepareErrors counts the claims of a Prepare call that were not
@@ -181,7 +203,7 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 			"Prepared ResourceClaims that the API server no longer has, or has without an allocation: their GPUs stay reserved until the kubelet unprepares them or --stale-claim-grace ends (see the Node's "+ReasonPreparedClaimGone+" events).",
 			nil, nil, metrics.ALPHA, ""),
 		prepareErrors: metrics.NewDesc(MetricPrepareErrors,
-			"ResourceClaims that a Prepare call did not prepare, by reason: device_in_use, claim_busy, unhealthy_device, gpu_moved, device_node_missing, other. The kubelet retries; the pod's events and the node agent's log say why.",
+			"ResourceClaims that a Prepare call did not prepare, by reason: "+strings.Join(PrepareErrorReasons(), ", ")+". The kubelet retries; the pod's events and the node agent's log say why.",
 			[]string{"reason"}, nil, metrics.ALPHA, ""),
 		registered: metrics.NewDesc(MetricKubeletRegistered,
 			"1 once the kubelet has registered the node agent's DRA plugin, 0 before and while the kubelet refuses it: pods with claims of the node's GPUs cannot start then (see the Node's "+ReasonNotRegistered+" events).",
@@ -224,8 +246,8 @@ func (c *collector) CollectWithStability(ch chan<- metrics.Metric) {
 	}
 	ch <- metrics.NewLazyConstMetric(c.prepared, metrics.GaugeValue, float64(a.preparedClaims.Load()))
 	ch <- metrics.NewLazyConstMetric(c.stale, metrics.GaugeValue, float64(a.staleClaims.Load()))
-	for i, reason := range prepareErrorReasons {
-		ch <- metrics.NewLazyConstMetric(c.prepareErrors, metrics.CounterValue, float64(a.prepareErrors[i].Load()), reason)
+	for i, r := range prepareErrorReasons {
+		ch <- metrics.NewLazyConstMetric(c.prepareErrors, metrics.CounterValue, float64(a.prepareErrors[i].Load()), r.reason)
 	}
 	registered := 0.0
 	if a.Registered() {

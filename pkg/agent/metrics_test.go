@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -144,3 +146,91 @@ func TestMetricsPerAgent(t *testing.T) {
 	expectMetrics(ctx, t, ra, map[string]float64{agent.MetricPreparedClaims: 1})
 	expectMetrics(ctx, t, rb, map[string]float64{agent.MetricPreparedClaims: 0})
 }
+
+// backticked matches the words that Markdown sets as code.
+var backticked = regexp.MustCompile("`([^`]+)`")
+
+// TestMetricReasonsDocumented: the reasons that the help text of a
+// metric with a "reason" label and the metrics section of
+// docs/install.md list are exactly those that the agent reports, in its
+// order, and so are the rows of the runbook's table of Prepare errors
+// (docs/operations.md).
+func TestMetricReasonsDocumented(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	a := newEnv(t).start(ctx, t)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	help := map[string]string{}
+	for _, f := range families {
+		help[f.GetName()] = f.GetHelp()
+	}
+	doc, err := os.ReadFile("../../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The document names the metric, then lists "reasons `a`, `b`;".
+	documented := func(metric string) []string {
+		text := string(doc)
+		i := strings.Index(text, "`"+metric+"{reason}`")
+		if i < 0 {
+			t.Fatalf("docs/install.md does not name %s{reason}", metric)
+		}
+		text = text[i:]
+		j := strings.Index(text, "reasons ")
+		k := strings.Index(text[max(j, 0):], ";")
+		if j < 0 || k < 0 {
+			t.Fatalf("docs/install.md lists no reasons after %s{reason} (\"reasons `a`, `b`;\")", metric)
+		}
+		var out []string
+		for _, m := range backticked.FindAllStringSubmatch(text[j:j+k], -1) {
+			out = append(out, m[1])
+		}
+		return out
+	}
+	// The help text lists "by reason: a, b. ..." (after the ALPHA prefix).
+	inHelp := func(metric string) []string {
+		h := help[metric]
+		_, list, ok := strings.Cut(h, "by reason: ")
+		list, _, _ = strings.Cut(list, ". ")
+		if !ok || list == "" {
+			t.Fatalf("help of %s lists no reasons (\"by reason: a, b. \"): %q", metric, h)
+		}
+		return strings.Split(list, ", ")
+	}
+	for metric, reasons := range map[string][]string{
+		agent.MetricPrepareErrors: agent.PrepareErrorReasons(),
+	} {
+		if got := documented(metric); !slices.Equal(got, reasons) {
+			t.Errorf("docs/install.md lists the reasons of %s as %v, the agent reports %v", metric, got, reasons)
+		}
+		if got := inHelp(metric); !slices.Equal(got, reasons) {
+			t.Errorf("the help of %s lists the reasons %v, the agent reports %v", metric, got, reasons)
+		}
+	}
+
+	runbook, err := os.ReadFile("../../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, ok := strings.Cut(string(runbook), "\n### TopodraPrepareErrors\n")
+	if !ok {
+		t.Fatal("docs/operations.md has no section TopodraPrepareErrors")
+	}
+	section, _, _ = strings.Cut(section, "\n### ")
+	var rows []string
+	for _, line := range strings.Split(section, "\n") {
+		if m := tableRowReason.FindStringSubmatch(line); m != nil {
+			rows = append(rows, m[1])
+		}
+	}
+	if want := agent.PrepareErrorReasons(); !slices.Equal(rows, want) {
+		t.Errorf("docs/operations.md's TopodraPrepareErrors table has rows for %v, the agent reports %v", rows, want)
+	}
+}
+
+// tableRowReason matches a Markdown table row that starts with a reason.
+var tableRowReason = regexp.MustCompile("^\\| `([a-z_]+)` \\|")

@@ -79,6 +79,12 @@ const ReasonDevicePluginAllocated = "DevicePluginGPUAllocated"
 // ignoring it would run the pod with a configuration it did not ask for.
 var ErrConfigNotSupported = errors.New("opaque device configuration is not supported")
 
+// ErrNVMLUnusable is the per-claim error for a claim that is not prepared
+// yet while the agent cannot use NVML (see Agent.NVMLUnusable); the error
+// wraps why as well. It is not discovery.ErrNVMLUnusable, which only NVML's
+// initialization returns.
+var ErrNVMLUnusable = errors.New("cannot use NVML")
+
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin. For each claim
 // it writes a CDI spec with the claim's GPUs and records the claim in the
 // checkpoint, then returns the CDI device ids. It is idempotent: a claim
@@ -103,7 +109,7 @@ var ErrConfigNotSupported = errors.New("opaque device configuration is not suppo
 // ErrGPUMoved (and a warning event on the claim) if one of its device
 // names now names a GPU with another UUID. While the agent cannot use
 // NVML (NVMLUnusable), a claim that is not prepared yet is refused with
-// an error that wraps why.
+// ErrNVMLUnusable, wrapping why.
 //
 // CDI spec generation calls NVML, which can hang on a GPU in a bad state.
 // It runs holding only the locks of the call's own claims (see
@@ -339,7 +345,7 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s is not allocated", klog.KObj(claim))
 	}
 	if err := a.NVMLUnusable(); err != nil {
-		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: the agent on node %s cannot use NVML, so it cannot prepare GPUs (it retries; after a driver upgrade, reboot the node): %w", klog.KObj(claim), a.opts.NodeName, err)
+		return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: the agent on node %s %w, so it cannot prepare GPUs (it retries; after a driver upgrade, reboot the node): %w", klog.KObj(claim), a.opts.NodeName, ErrNVMLUnusable, err)
 	}
 
 	if err := a.checkConfig(claim); err != nil {
