@@ -11,12 +11,15 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -585,14 +588,31 @@ func healthHandler(p prober, metrics http.Handler) http.Handler {
 	return mux
 }
 
-// metricsHandler serves the metrics of the process (legacyregistry: Go
-// runtime, process, client-go) and those of the agent a
-// (agent.Agent.MetricsCollector), which a registry of its own holds, so
-// that nothing registers an agent's metrics globally.
+// metricsHandler serves the metrics of the process and those of the agent
+// a (agent.Agent.MetricsCollector), which a registry of its own holds, so
+// that nothing registers an agent's metrics globally. The process's are
+// legacyregistry's (client-go's REST and work queue metrics, the process
+// collector) without its Go collector, which exports every runtime/metrics
+// series (over 200 per agent, on every node of a cluster), and the Go
+// collector's default set instead (goroutines, threads, GC, memory
+// statistics).
 func metricsHandler(a *agent.Agent) http.Handler {
 	registry := metrics.NewKubeRegistry()
 	registry.CustomMustRegister(a.MetricsCollector())
-	return metrics.HandlerFor(prometheus.Gatherers{legacyregistry.DefaultGatherer, registry}, metrics.HandlerOpts{})
+	goRuntime := prometheus.NewRegistry()
+	goRuntime.MustRegister(collectors.NewGoCollector())
+	return metrics.HandlerFor(prometheus.Gatherers{withoutGoMetrics(legacyregistry.DefaultGatherer), goRuntime, registry}, metrics.HandlerOpts{})
+}
+
+// withoutGoMetrics gathers what g does, less the Go collector's metrics
+// (go_*).
+func withoutGoMetrics(g prometheus.Gatherer) prometheus.Gatherer {
+	return prometheus.GathererFunc(func() ([]*dto.MetricFamily, error) {
+		families, err := g.Gather()
+		return slices.DeleteFunc(families, func(f *dto.MetricFamily) bool {
+			return strings.HasPrefix(f.GetName(), "go_")
+		}), err
+	})
 }
 
 // serveHealth listens on address until the returned function is called.

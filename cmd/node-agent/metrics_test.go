@@ -23,7 +23,9 @@ import (
 
 // TestMetricsEndpoint: the health port's /metrics serves the agent's
 // metrics, as ALPHA metrics with their values, beside the process's own
-// (legacyregistry), and follows a Prepare.
+// (legacyregistry, with the Go collector's default set rather than every
+// runtime metric: a cluster scrapes one agent per node), and follows a
+// Prepare.
 func TestMetricsEndpoint(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
@@ -83,8 +85,19 @@ func TestMetricsEndpoint(t *testing.T) {
 	if !strings.Contains(body, "\n# HELP topodra_agent_gpus [ALPHA] ") {
 		t.Error("/metrics lacks the ALPHA help of topodra_agent_gpus")
 	}
-	if !strings.Contains(body, "\ngo_goroutines ") {
-		t.Error("/metrics lacks the process's metrics (go_goroutines)")
+	for _, name := range []string{"go_goroutines", "go_memstats_heap_alloc_bytes", "process_resident_memory_bytes"} {
+		if !strings.Contains(body, "\n"+name+" ") {
+			t.Errorf("/metrics lacks the process's metric %s", name)
+		}
+	}
+	goSeries := 0
+	for _, line := range strings.Split(body, "\n") {
+		if strings.HasPrefix(line, "go_") {
+			goSeries++
+		}
+	}
+	if goSeries > 60 {
+		t.Errorf("/metrics has %d series of Go runtime metrics (go_*), want the Go collector's default set (under 60)", goSeries)
 	}
 
 	claim := func(name string) *resourceapi.ResourceClaim {
