@@ -401,6 +401,10 @@ type Agent struct {
 	// ReasonPodResourcesUnavailable event was recorded and no check has
 	// reached the kubelet since.
 	podResourcesReported bool
+	// podResourcesLogged, guarded by staleMutex: what the log last said
+	// of a check that could not learn from the kubelet which claims are
+	// in use (see podResourcesFailed), "" once a check has learnt it.
+	podResourcesLogged string
 
 	// claimLocks serialize the Prepare and Unprepare calls of each claim
 	// (the kubelet plugin helper does not serialize calls). A Prepare

@@ -20,6 +20,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/events"
+	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
 
@@ -228,9 +229,17 @@ func TestStaleClaimNeedsKubeletToListAgentPod(t *testing.T) {
 
 // TestPodResourcesUnavailableEvent: a claim past its grace period that is
 // kept because the kubelet cannot be asked gets a Warning on the Node
-// naming the socket, once until a check reaches the kubelet again.
+// naming the socket, once until a check reaches the kubelet again. The
+// log (at the agent's --v=2) says that the kubelet cannot be asked when
+// that starts, when a claim is kept past its grace period because of it,
+// and again after the kubelet answered, not at every check.
 func TestPodResourcesUnavailableEvent(t *testing.T) {
-	_, ctx := ktesting.NewTestContext(t)
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(2), ktesting.BufferLogs(true)))
+	ctx, cancel := context.WithCancel(klog.NewContext(context.Background(), logger))
+	t.Cleanup(cancel)
+	logged := func() int {
+		return strings.Count(logger.GetSink().(ktesting.Underlier).GetBuffer().String(), "Cannot learn from the kubelet")
+	}
 	e, recorder, a := startStale(ctx, t)
 	held := claim("held", gpus("gpus", "gpu-1")...)
 	if err := prepareOne(ctx, t, a, held); err != nil {
@@ -238,7 +247,7 @@ func TestPodResourcesUnavailableEvent(t *testing.T) {
 	}
 	e.kubelet.run("default", "trainer", "held")
 	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
-	unavailable := func(what string, want int) {
+	unavailable := func(what string, want, wantLogged int) {
 		t.Helper()
 		if removed, err := a.CleanupStaleClaims(ctx); err != nil || len(removed) != 0 {
 			t.Fatalf("%s: removed %v (%v), want none", what, removed, err)
@@ -253,14 +262,18 @@ func TestPodResourcesUnavailableEvent(t *testing.T) {
 				t.Errorf("%s: event %q does not name the socket %s", what, ev, e.kubelet.socket)
 			}
 		}
+		if got := logged(); got != wantLogged {
+			t.Errorf("%s: the log said %d times in all that the kubelet cannot be asked, want %d", what, got, wantLogged)
+		}
 	}
-	unavailable("within the grace period", 0)
-	unavailable("past the grace period", 1)
-	unavailable("again", 0)
+	unavailable("within the grace period", 0, 1)
+	unavailable("past the grace period", 1, 2)
+	unavailable("again", 0, 2)
+	unavailable("and again", 0, 2)
 	e.kubelet.fail(nil)
-	unavailable("the kubelet answers", 0)
+	unavailable("the kubelet answers", 0, 2)
 	e.kubelet.fail(status.Error(codes.Unavailable, "connection refused"))
-	unavailable("unavailable once more", 1)
+	unavailable("unavailable once more", 1, 3)
 }
 
 // TestStaleClaimKeptWhileKubeletReportsNoClaims: a kubelet that does not

@@ -242,7 +242,11 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 	unused, err := a.unreferenced(ctx, cp, goneNow, live)
 	switch {
 	case err != nil && len(expired) > 0:
-		logger.Error(err, "Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has past their grace period", "claims", len(expired))
+		if a.podResourcesFailed(err, true) {
+			logger.Error(err, "Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has past their grace period", "claims", len(expired))
+		} else {
+			logger.V(4).Info("Still cannot learn from the kubelet which claims the node's containers use", "claims", len(expired), "err", err)
+		}
 		if !a.podResourcesReported {
 			a.podResourcesReported = true
 			a.nodeEvent(v1.EventTypeWarning, ReasonPodResourcesUnavailable, "Unprepare",
@@ -250,9 +254,17 @@ func (a *Agent) CleanupStaleClaims(ctx context.Context) ([]types.UID, error) {
 				len(expired), a.opts.PodResourcesSocket, err)
 		}
 	case err != nil:
-		logger.Info("Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
+		if a.podResourcesFailed(err, false) {
+			logger.Info("Cannot learn from the kubelet which claims the node's containers use, keeping the prepared claims that the API server no longer has", "claims", len(goneNow), "err", err)
+		} else {
+			logger.V(4).Info("Still cannot learn from the kubelet which claims the node's containers use", "claims", len(goneNow), "err", err)
+		}
 	case len(goneNow) > 0:
 		a.podResourcesReported = false
+		if a.podResourcesLogged != "" {
+			a.podResourcesLogged = ""
+			logger.Info("The kubelet tells again which claims the node's containers use")
+		}
 	}
 	for _, uid := range expired {
 		if unused.Has(uid) {
@@ -368,6 +380,19 @@ const (
 	// kubelet's own client allows.
 	podResourcesMaxMessage = 16 << 20
 )
+
+// podResourcesFailed records that a check could not learn from the
+// kubelet which claims are in use (err), with claims past their grace
+// period or not (expired), and says whether that differs from what the
+// check before logged: while the kubelet does not answer, the log says so
+// when the cause changes, not at every check. The caller holds
+// staleMutex.
+func (a *Agent) podResourcesFailed(err error, expired bool) bool {
+	key := fmt.Sprintf("%t %v", expired, err)
+	changed := key != a.podResourcesLogged
+	a.podResourcesLogged = key
+	return changed
+}
 
 // unreferenced returns the claims among gone (the prepared claims found
 // gone from the API server in this check) that the kubelet reports no

@@ -21,6 +21,7 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
@@ -643,6 +644,63 @@ func TestStandardAttributesFromSysfs(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestConditionsLoggedOnChange: a rescan every minute logs an attribute
+// that sysfs lacks when it goes missing, and again once it went missing
+// again after it was there, not at every discovery (at the agent's
+// --v=2).
+func TestConditionsLoggedOnChange(t *testing.T) {
+	const busID = "0000:9d:00.0"
+	m, err := mockgpu.NewFromSpec(sncSpec(), mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := t.TempDir()
+	if err := m.WriteSysfs(root); err != nil {
+		t.Fatal(err)
+	}
+	entry := root + "/bus/pci/devices/" + busID
+	target, err := os.Readlink(entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(2), ktesting.BufferLogs(true)))
+	ctx := klog.NewContext(context.Background(), logger)
+	d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: os.DirFS(root).(fs.ReadLinkFS)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	logged := func() int {
+		return strings.Count(logger.GetSink().(ktesting.Underlier).GetBuffer().String(), "no pcieRoot attribute")
+	}
+	steps := []struct {
+		what    string
+		present bool
+		want    int
+	}{
+		{what: "missing", want: 1},
+		{what: "still missing", want: 1},
+		{what: "still missing again", want: 1},
+		{what: "back", present: true, want: 1},
+		{what: "missing once more", want: 2},
+		{what: "still missing once more", want: 2},
+	}
+	for _, step := range steps {
+		_ = os.Remove(entry)
+		if step.present {
+			if err := os.Symlink(target, entry); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := d.Discover(ctx); err != nil {
+			t.Fatalf("%s: %v", step.what, err)
+		}
+		if got := logged(); got != step.want {
+			t.Fatalf("pcieRoot of %s %s: logged %d times at V(2), want %d", busID, step.what, got, step.want)
+		}
 	}
 }
 

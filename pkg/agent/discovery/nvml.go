@@ -79,8 +79,12 @@ type NVML struct {
 	numaForm NUMAForm
 
 	// mutex serializes NVML calls: the library is thread-safe, but a
-	// discovery run should see one consistent machine.
+	// discovery run should see one consistent machine. It guards logged
+	// and noted.
 	mutex sync.Mutex
+	// logged holds the conditions that the last discovery logged (see
+	// logChange), noted those that the running one has logged so far.
+	logged, noted map[string]string
 }
 
 var _ Interface = &NVML{}
@@ -130,6 +134,8 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 	logger := klog.FromContext(ctx)
 	d.mutex.Lock()
 	defer d.mutex.Unlock()
+	d.noted = map[string]string{}
+	defer func() { d.logged, d.noted = d.noted, nil }()
 
 	count, ret := d.lib.DeviceGetCount()
 	if ret != nvml.SUCCESS {
@@ -145,12 +151,12 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 	if v, ret := d.lib.SystemGetDriverVersion(); ret == nvml.SUCCESS {
 		driverVersion = semver(v)
 	} else {
-		logger.V(2).Info("driver version unavailable", "err", ret)
+		d.logChange(logger, 2, "driverVersion", ret.Error(), "driver version unavailable", "err", ret)
 	}
 	if v, ret := d.lib.SystemGetCudaDriverVersion(); ret == nvml.SUCCESS {
 		cudaDriverVersion = fmt.Sprintf("%d.%d.0", v/1000, (v%1000)/10)
 	} else {
-		logger.V(2).Info("CUDA driver version unavailable", "err", ret)
+		d.logChange(logger, 2, "cudaDriverVersion", ret.Error(), "CUDA driver version unavailable", "err", ret)
 	}
 
 	fabricInfo := hasSymbol(d.lib, fabricInfoSymbol)
@@ -168,8 +174,9 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 		if ret != nvml.SUCCESS {
 			// A lost GPU still counts but cannot be opened: report it,
 			// publish the others.
-			inv.Skipped = append(inv.Skipped, Skipped{Index: i, Reason: fmt.Sprintf("get device handle: %v", ret), Lost: ret == nvml.ERROR_GPU_IS_LOST})
-			logger.Info("skipping GPU", "index", i, "reason", inv.Skipped[len(inv.Skipped)-1].Reason)
+			skipped := Skipped{Index: i, Reason: fmt.Sprintf("get device handle: %v", ret), Lost: ret == nvml.ERROR_GPU_IS_LOST}
+			inv.Skipped = append(inv.Skipped, skipped)
+			d.logChange(logger, 0, fmt.Sprintf("skipped %d", i), skipped.Reason, "skipping GPU", "index", i, "reason", skipped.Reason)
 			continue
 		}
 		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion, fabricInfo)
@@ -177,13 +184,14 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
 		if err != nil {
-			inv.Skipped = append(inv.Skipped, Skipped{Index: i, PCIBusID: pciBusID(dev), Reason: err.Error(), Lost: errors.Is(err, nvml.ERROR_GPU_IS_LOST)})
-			logger.Info("skipping GPU", "index", i, "pciBusID", inv.Skipped[len(inv.Skipped)-1].PCIBusID, "reason", err.Error())
+			skipped := Skipped{Index: i, PCIBusID: pciBusID(dev), Reason: err.Error(), Lost: errors.Is(err, nvml.ERROR_GPU_IS_LOST)}
+			inv.Skipped = append(inv.Skipped, skipped)
+			d.logChange(logger, 0, fmt.Sprintf("skipped %d", i), skipped.PCIBusID+" "+skipped.Reason, "skipping GPU", "index", i, "pciBusID", skipped.PCIBusID, "reason", skipped.Reason)
 			continue
 		}
 		if skipped != nil {
 			inv.Skipped = append(inv.Skipped, *skipped)
-			logger.Info("not publishing GPU as a whole GPU", "index", skipped.Index, "uuid", skipped.UUID, "reason", skipped.Reason)
+			d.logChange(logger, 0, fmt.Sprintf("skipped %d", i), skipped.UUID+" "+skipped.Reason, "not publishing GPU as a whole GPU", "index", skipped.Index, "uuid", skipped.UUID, "reason", skipped.Reason)
 			continue
 		}
 		infos = append(infos, *info)
@@ -253,7 +261,7 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 	}
 	busID := pciBusID(dev)
 	if busID == "" {
-		logger.V(2).Info("PCI info unavailable", "index", index)
+		d.logChange(logger, 2, "pciInfo "+uuid, "", "PCI info unavailable", "index", index)
 	}
 
 	// A GPU in MIG mode is partitioned; publishing it whole would hand out
@@ -279,7 +287,7 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 		case err != nil:
 			// Not known: published as ready, as before the fabric
 			// was read at all.
-			logger.V(2).Info("fabric state unavailable", "index", index, "err", err)
+			d.logChange(logger, 2, "fabric "+uuid, err.Error(), "fabric state unavailable", "index", index, "err", err)
 		}
 	}
 
@@ -317,12 +325,12 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 	if mem, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS && mem.Total > 0 {
 		capacity[CapacityMemory] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(int64(mem.Total), resource.BinarySI)}
 	} else if ret != nvml.SUCCESS {
-		logger.V(2).Info("memory info unavailable", "index", index, "err", ret)
+		d.logChange(logger, 2, "memory "+uuid, ret.Error(), "memory info unavailable", "index", index, "err", ret)
 	}
 	if da, ret := dev.GetAttributes(); ret == nvml.SUCCESS && da.MultiprocessorCount > 0 {
 		capacity[CapacityMultiprocessors] = resourceapi.DeviceCapacity{Value: *resource.NewQuantity(int64(da.MultiprocessorCount), resource.DecimalSI)}
 	} else if ret != nvml.SUCCESS {
-		logger.V(2).Info("device attributes unavailable", "index", index, "err", ret)
+		d.logChange(logger, 2, "attributes "+uuid, ret.Error(), "device attributes unavailable", "index", index, "err", ret)
 	}
 
 	name := DeviceName(minor)
@@ -387,6 +395,21 @@ func fabricNotReady(dev nvml.Device) (*FabricNotReady, error) {
 	return nil, nil
 }
 
+// logChange logs msg at verbosity v where the condition key has a value
+// that the discovery before did not log for it (it did not have the
+// condition, or had it with another value), and at V(5) otherwise: a
+// condition that stays (an attribute that sysfs lacks, a value that NVML
+// does not support, a GPU that cannot be published) is logged when it
+// appears or changes, not at every rescan. The caller holds d.mutex
+// within discover.
+func (d *NVML) logChange(logger klog.Logger, v int, key, value, msg string, keysAndValues ...any) {
+	d.noted[key] = value
+	if last, ok := d.logged[key]; ok && last == value {
+		v = 5
+	}
+	logger.V(v).Info(msg, keysAndValues...)
+}
+
 // pciAttributes returns the standard attributes derived from the bus id:
 // pciBusID always, pcieRoot and numaNode when sysfs knows them. numaNode is
 // omitted when the kernel reports -1 (no affinity).
@@ -400,13 +423,13 @@ func (d *NVML) pciAttributes(ctx context.Context, busID string) []deviceattribut
 	if attr, err := deviceattribute.GetPCIBusIDAttribute(busID); err == nil {
 		attrs = append(attrs, attr)
 	} else {
-		logger.V(2).Info("no pciBusID attribute", "pciBusID", busID, "err", err)
+		d.logChange(logger, 2, "pciBusID "+busID, err.Error(), "no pciBusID attribute", "pciBusID", busID, "err", err)
 		return nil
 	}
 	if attr, err := deviceattribute.GetPCIeRootAttributeByPCIBusID(busID, mods...); err == nil {
 		attrs = append(attrs, attr)
 	} else {
-		logger.V(2).Info("no pcieRoot attribute", "pciBusID", busID, "err", err)
+		d.logChange(logger, 2, "pcieRoot "+busID, err.Error(), "no pcieRoot attribute", "pciBusID", busID, "err", err)
 	}
 	if attr, err := deviceattribute.GetNUMANodeAttributeByPCIBusID(busID, d.numaForm, mods...); err == nil {
 		attrs = append(attrs, attr)
