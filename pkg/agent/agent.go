@@ -278,7 +278,9 @@ type Options struct {
 	// unprivileged containers choose GPUs; a Warning
 	// (ReasonDeviceNodeMissing) when Prepare fails for a device node
 	// missing on the node; a Warning (ReasonSliceFieldsDropped) when the API server drops fields of a
-	// published slice; a Warning (ReasonCheckpointUnreadable) before New
+	// published slice; a Warning (ReasonPublishFailed) when it refuses the
+	// slices for a cause that retrying does not fix, a Normal one
+	// (ReasonPublished) once it takes them after that; a Warning (ReasonCheckpointUnreadable) before New
 	// fails on an unreadable checkpoint; a Warning (ReasonTakeOverBlocked)
 	// while an agent with RollingUpdateUID does not take over; a Warning
 	// (ReasonPreparedClaimsRecovered) at start when the checkpoint is
@@ -384,6 +386,10 @@ type Agent struct {
 	// controller looks the Node up). Both change under publishMutex.
 	publisher *Publisher
 	ownerUID  types.UID
+	// publishing is publisher, for readers that must not wait for
+	// publishMutex, which is held while a new publisher waits for the API
+	// server (see setPublisherLocked).
+	publishing atomic.Pointer[Publisher]
 	// nodeCheckNow asks the node loop for a check before its interval
 	// ends (see checkNodeSoon).
 	nodeCheckNow chan struct{}
@@ -443,6 +449,9 @@ type Agent struct {
 	// that Prepare did not prepare (MetricPrepareErrors).
 	preparedClaims, staleClaims atomic.Int64
 	prepareErrors               prepareErrorCounts
+	// publishErrors counts the errors that publishing reports
+	// (MetricPublishErrors).
+	publishErrors publishErrorCounts
 
 	// mutex guards the fields below.
 	mutex sync.Mutex
@@ -482,6 +491,9 @@ type Agent struct {
 	// droppedFields holds the messages of the DroppedFieldsErrors
 	// reported on the Node.
 	droppedFields map[string]bool
+	// publishRefused holds the causes of the ReasonPublishFailed events
+	// recorded since the slices were last published (see publishFailed).
+	publishRefused sets.Set[string]
 	// devicePlugin lists the device plugin's resources the Node
 	// advertises ("name=quantity, ..."), empty where it has none.
 	devicePlugin string
@@ -642,20 +654,21 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 	ctx = klog.NewContext(ctx, logger)
 
 	a := &Agent{
-		opts:          opts,
-		discovery:     opts.Discovery,
-		health:        opts.Health,
-		faults:        map[string]discovery.HealthEvent{},
-		faultLast:     map[string]time.Time{},
-		faultsCleared: map[string]uint64{},
-		created:       time.Now(),
-		healthChanged: make(chan struct{}),
-		goneReported:  map[types.UID]bool{},
-		droppedFields: map[string]bool{},
-		nodeCheckNow:  make(chan struct{}, 1),
-		started:       make(chan struct{}),
-		startDone:     make(chan struct{}),
-		helperUp:      make(chan struct{}),
+		opts:           opts,
+		discovery:      opts.Discovery,
+		health:         opts.Health,
+		faults:         map[string]discovery.HealthEvent{},
+		faultLast:      map[string]time.Time{},
+		faultsCleared:  map[string]uint64{},
+		created:        time.Now(),
+		healthChanged:  make(chan struct{}),
+		goneReported:   map[types.UID]bool{},
+		droppedFields:  map[string]bool{},
+		publishRefused: sets.New[string](),
+		nodeCheckNow:   make(chan struct{}, 1),
+		started:        make(chan struct{}),
+		startDone:      make(chan struct{}),
+		helperUp:       make(chan struct{}),
 	}
 	if a.health == nil {
 		if hw, ok := opts.Discovery.(discovery.HealthWatcher); ok {
@@ -1239,12 +1252,19 @@ func (a *Agent) publish(ctx context.Context) error {
 	}
 	// The same controller that the kubelet plugin helper would run,
 	// started directly and owned by the Node.
-	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, a.ownerUID, resources, a.checkDroppedFields)
+	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, a.ownerUID, resources, a.publishHooks())
 	if err != nil {
 		return err
 	}
-	a.publisher = publisher
+	a.setPublisherLocked(publisher)
 	return nil
+}
+
+// setPublisherLocked makes p the agent's publisher. The caller holds
+// publishMutex.
+func (a *Agent) setPublisherLocked(p *Publisher) {
+	a.publisher = p
+	a.publishing.Store(p)
 }
 
 // PublishStatus reports on publishing; ok is false until the agent has
@@ -1653,6 +1673,12 @@ func (a *Agent) NoGPU() error {
 // stops the agent that this one replaces (and that holds the lock on
 // StateDir) only once this one is ready. Those sockets start once the
 // takeover check passes; until then Ready says why it does not.
+//
+// Publishing does not affect readiness: where the API server refuses or
+// does not take the agent's slice writes, the cause is mostly the
+// cluster's (the API server, RBAC, an admission policy), so every agent
+// would be unready at once. MetricSlicesSynced, MetricPublishErrors and
+// the ReasonPublishFailed events on the Node say so instead.
 func (a *Agent) Ready() error {
 	if err := a.Err(); err != nil {
 		return err

@@ -21,9 +21,10 @@ const (
 	// (see [Agent.NVMLUnusable]), 1 otherwise.
 	MetricNVMLUsable = "topodra_agent_nvml_usable"
 	// MetricGPUs (gauge) counts GPUs by state (label "state", see the
-	// GPUState constants). The states overlap: unhealthy and unwatched
-	// GPUs are published too (unless an unhealthy GPU is missing from
-	// discovery).
+	// GPUState constants), as the agent finds them and wants them
+	// published; MetricSlicesSynced says whether the API has them so.
+	// The states overlap: unhealthy and unwatched GPUs are published too
+	// (unless an unhealthy GPU is missing from discovery).
 	MetricGPUs = "topodra_agent_gpus"
 	// MetricPreparedClaims (gauge) counts the prepared claims in the
 	// checkpoint.
@@ -41,6 +42,16 @@ const (
 	// registered the plugin, 0 before and while it refuses it (see
 	// ReasonNotRegistered); always 0 for a publish-only agent.
 	MetricKubeletRegistered = "topodra_agent_kubelet_registered"
+	// MetricSlicesSynced (gauge) is 1 while the node's ResourceSlices in
+	// the API are those the agent wants published (Publisher.Synced), 0
+	// while a write fails, the API server dropped fields, a change waits
+	// to be written, and while the agent publishes nothing (before its
+	// first publish; NVML unusable and its slices unreadable).
+	MetricSlicesSynced = "topodra_agent_slices_synced"
+	// MetricPublishErrors (counter) counts the errors that publishing
+	// the node's ResourceSlices reports, by reason (label "reason", see
+	// the PublishError constants); failed writes are retried.
+	MetricPublishErrors = "topodra_agent_publish_errors_total"
 )
 
 // Values of the "state" label of MetricGPUs.
@@ -48,7 +59,8 @@ const (
 	// GPUStatePublished: devices in the pool the agent publishes.
 	GPUStatePublished = "published"
 	// GPUStateUnhealthy: GPUs that reported a critical fault during this
-	// boot; they carry HealthTaintKey.
+	// boot; the agent publishes them with HealthTaintKey (in the API once
+	// MetricSlicesSynced is 1).
 	GPUStateUnhealthy = "unhealthy"
 	// GPUStateUnwatched: published GPUs without a fault whose health is
 	// not watched: the kubelet gets their health as Unknown, and an XID
@@ -155,14 +167,16 @@ func (a *Agent) recordClaimCounts(cp *checkpoint.Checkpoint) {
 
 // metricsState is what the gauges report, read at once.
 type metricsState struct {
-	nvmlUsable                                    bool
+	nvmlUsable, synced                            bool
 	published, unhealthy, unwatched, notPublished int
 }
 
 func (a *Agent) readMetricsState() metricsState {
+	synced := a.slicesSynced()
 	a.mutex.Lock()
 	defer a.mutex.Unlock()
 	s := metricsState{
+		synced:       synced,
 		nvmlUsable:   a.nvmlUnusable == nil,
 		unhealthy:    len(a.faults),
 		notPublished: len(a.inventory.Skipped),
@@ -194,7 +208,7 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 			"1 while the node agent can use NVML, 0 while it cannot: GPUs cannot be prepared for new claims then and carry the "+NVMLUnusableTaintKey+" taint (after a driver upgrade: reboot the node).",
 			nil, nil, metrics.ALPHA, ""),
 		gpus: metrics.NewDesc(MetricGPUs,
-			"GPUs of the node by state: published (in the agent's pool), unhealthy (critical fault during this boot, tainted "+HealthTaintKey+"), unwatched (published, no fault, health not watched: Unknown to the kubelet), not_published (found by NVML, not published). States overlap.",
+			"GPUs of the node by state, as the node agent finds them and wants them published ("+MetricSlicesSynced+" says whether the API has them so): published (in the agent's pool), unhealthy (critical fault during this boot; the agent publishes them tainted "+HealthTaintKey+"), unwatched (in the pool, no fault, health not watched: Unknown to the kubelet), not_published (found by NVML, left out of the pool). States overlap.",
 			[]string{"state"}, nil, metrics.ALPHA, ""),
 		prepared: metrics.NewDesc(MetricPreparedClaims,
 			"ResourceClaims prepared on the node (in the agent's checkpoint).",
@@ -205,6 +219,12 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 		prepareErrors: metrics.NewDesc(MetricPrepareErrors,
 			"ResourceClaims that a Prepare call did not prepare, by reason: "+strings.Join(PrepareErrorReasons(), ", ")+". The kubelet retries; the pod's events and the node agent's log say why.",
 			[]string{"reason"}, nil, metrics.ALPHA, ""),
+		synced: metrics.NewDesc(MetricSlicesSynced,
+			"1 while the node's ResourceSlices in the API are what the node agent publishes, 0 while a write fails, the API server dropped fields of a slice, a change waits to be written, or the agent publishes nothing: devices and taints (a faulty GPU's "+HealthTaintKey+") that changed since are not in the API then (see "+MetricPublishErrors+" and the Node's "+ReasonPublishFailed+" and "+ReasonSliceFieldsDropped+" events).",
+			nil, nil, metrics.ALPHA, ""),
+		publishErrors: metrics.NewDesc(MetricPublishErrors,
+			"Errors publishing the node's ResourceSlices, by reason: "+strings.Join(PublishErrorReasons(), ", ")+". Failed writes are retried; forbidden and invalid do not fix themselves (see the Node's "+ReasonPublishFailed+" events).",
+			[]string{"reason"}, nil, metrics.ALPHA, ""),
 		registered: metrics.NewDesc(MetricKubeletRegistered,
 			"1 once the kubelet has registered the node agent's DRA plugin, 0 before and while the kubelet refuses it: pods with claims of the node's GPUs cannot start then (see the Node's "+ReasonNotRegistered+" events).",
 			nil, nil, metrics.ALPHA, ""),
@@ -214,15 +234,15 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 // collector is the metrics.StableCollector of one Agent.
 type collector struct {
 	metrics.BaseStableCollector
-	agent                                                        *Agent
-	nvmlUsable, gpus, prepared, stale, prepareErrors, registered *metrics.Desc
+	agent                                                                               *Agent
+	nvmlUsable, gpus, prepared, stale, prepareErrors, registered, synced, publishErrors *metrics.Desc
 }
 
 var _ metrics.StableCollector = &collector{}
 
 // DescribeWithStability implements metrics.StableCollector.
 func (c *collector) DescribeWithStability(ch chan<- *metrics.Desc) {
-	for _, d := range []*metrics.Desc{c.nvmlUsable, c.gpus, c.prepared, c.stale, c.prepareErrors, c.registered} {
+	for _, d := range []*metrics.Desc{c.nvmlUsable, c.gpus, c.prepared, c.stale, c.prepareErrors, c.registered, c.synced, c.publishErrors} {
 		ch <- d
 	}
 }
@@ -254,4 +274,12 @@ func (c *collector) CollectWithStability(ch chan<- metrics.Metric) {
 		registered = 1
 	}
 	ch <- metrics.NewLazyConstMetric(c.registered, metrics.GaugeValue, registered)
+	synced := 0.0
+	if s.synced {
+		synced = 1
+	}
+	ch <- metrics.NewLazyConstMetric(c.synced, metrics.GaugeValue, synced)
+	for i, reason := range publishErrorReasons {
+		ch <- metrics.NewLazyConstMetric(c.publishErrors, metrics.CounterValue, float64(a.publishErrors[i].Load()), reason)
+	}
 }

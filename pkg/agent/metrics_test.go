@@ -76,8 +76,8 @@ func expectMetrics(ctx context.Context, t *testing.T, registry metrics.KubeRegis
 }
 
 // TestMetrics: the agent's collector reports the GPUs by state, the
-// prepared claims and, by reason, the claims that Prepare refused; a GPU
-// fault moves a GPU to unhealthy.
+// prepared claims, by reason, the claims that Prepare refused, and that
+// the API has the slices; a GPU fault moves a GPU to unhealthy.
 func TestMetrics(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	a, _, e := startRecorded(ctx, t, 100)
@@ -98,6 +98,8 @@ func TestMetrics(t *testing.T) {
 		agent.MetricPrepareErrors + `{reason="unhealthy_device"}`:    0,
 		agent.MetricPrepareErrors + `{reason="other"}`:               0,
 		agent.MetricPrepareErrors + `{reason="device_node_missing"}`: 0,
+		agent.MetricSlicesSynced:                                     1,
+		agent.MetricPublishErrors + `{reason="other"}`:               0,
 	})
 
 	first := claim("first", gpus("gpus", "gpu-4")...)
@@ -118,6 +120,7 @@ func TestMetrics(t *testing.T) {
 	expectMetrics(ctx, t, registry, map[string]float64{
 		agent.MetricGPUs + `{state="published"}`: 8,
 		agent.MetricGPUs + `{state="unhealthy"}`: 1,
+		agent.MetricSlicesSynced:                 1,
 	})
 	late := claim("late", gpus("gpus", "gpu-5")...)
 	if err := prepareOne(ctx, t, a, late); !errors.Is(err, agent.ErrDeviceUnhealthy) {
@@ -203,6 +206,7 @@ func TestMetricReasonsDocumented(t *testing.T) {
 	}
 	for metric, reasons := range map[string][]string{
 		agent.MetricPrepareErrors: agent.PrepareErrorReasons(),
+		agent.MetricPublishErrors: agent.PublishErrorReasons(),
 	} {
 		if got := documented(metric); !slices.Equal(got, reasons) {
 			t.Errorf("docs/install.md lists the reasons of %s as %v, the agent reports %v", metric, got, reasons)

@@ -73,15 +73,15 @@ func (a *Agent) followNode(ctx context.Context, node *v1.Node) error {
 		logger.Info("The Node was created again, publishing the devices owned by the new Node", "uid", node.UID, "previousUID", old)
 	}
 	a.publisher.Stop() // nil after a failed start below: a no-op
-	a.publisher = nil
+	a.setPublisherLocked(nil)
 	deleted, delErr := a.deleteSlicesOwnedByOthers(ctx, node.UID)
-	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, node.UID, *resources, a.checkDroppedFields)
+	publisher, err := publishStatic(a.ctx, a.opts.KubeClient, a.opts.DriverName, a.opts.NodeName, node.UID, *resources, a.publishHooks())
 	if err != nil {
 		// ownerUID stays the old one: the next node check tries again.
 		return errors.Join(delErr, err)
 	}
 	a.ownerUID = node.UID
-	a.publisher = publisher
+	a.setPublisherLocked(publisher)
 	if unknown && deleted == 0 {
 		return delErr
 	}

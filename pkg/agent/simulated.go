@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -116,6 +117,7 @@ func (s *Simulated) Stop() {
 type Publisher struct {
 	controller *resourceslice.Controller
 	queue      *countingQueue
+	state      *syncState
 }
 
 // PublishStatus describes a [Publisher].
@@ -126,6 +128,9 @@ type PublishStatus struct {
 	Syncs int64
 	// Stats counts the API writes the controller made.
 	Stats resourceslice.Stats
+	// Synced says whether the slices in the API are those of the
+	// resources last handed to the publisher (see Publisher.Synced).
+	Synced bool
 }
 
 // PublishStatic publishes fixed resources of one driver for one node (the
@@ -133,16 +138,29 @@ type PublishStatus struct {
 // called. Simulators use it for devices without a driver of their own, like
 // mockgpu's NICs; publish-only agents use it for their GPUs.
 func PublishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, resources resourceslice.DriverResources) (*Publisher, error) {
-	return publishStatic(ctx, client, driverName, nodeName, "", resources, nil)
+	return publishStatic(ctx, client, driverName, nodeName, "", resources, publishHooks{})
+}
+
+// publishHooks tell the owner of a Publisher what its controller does.
+// Nil hooks are not called. The controller calls them from its worker,
+// one at a time.
+type publishHooks struct {
+	// failed gets each error that the controller reports, after it is
+	// logged: a sync that failed (it is retried with backoff, up to
+	// publishRetryMax apart) or a resourceslice.DroppedFieldsError.
+	failed func(ctx context.Context, err error)
+	// synced is called after each sync that leaves the slices in the API
+	// as desired (see Publisher.Synced).
+	synced func(ctx context.Context)
 }
 
 // publishStatic is PublishStatic with the Node's UID, if known (otherwise
-// the controller looks it up once), and onError, if not nil, called after
-// each publishing error is logged.
-func publishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, nodeUID types.UID, resources resourceslice.DriverResources, onError func(context.Context, error)) (*Publisher, error) {
+// the controller looks it up once), and hooks.
+func publishStatic(ctx context.Context, client kubernetes.Interface, driverName, nodeName string, nodeUID types.UID, resources resourceslice.DriverResources, hooks publishHooks) (*Publisher, error) {
 	logger := klog.LoggerWithValues(klog.FromContext(ctx), "node", nodeName, "driver", driverName)
 	ctx = klog.NewContext(ctx, klog.LoggerWithName(logger, "ResourceSlice controller"))
-	p := &Publisher{queue: newCountingQueue()}
+	state := newSyncState(&resources)
+	p := &Publisher{queue: newCountingQueue(ctx, state, hooks.synced), state: state}
 	var err error
 	p.controller, err = resourceslice.StartController(ctx, resourceslice.Options{
 		DriverName: driverName,
@@ -154,8 +172,9 @@ func publishStatic(ctx context.Context, client kubernetes.Interface, driverName,
 			// Like the kubelet plugin helper: publishing errors are
 			// not fixed by a restart, so they are all recoverable.
 			utilruntime.HandleErrorWithContext(ctx, err, msg)
-			if onError != nil {
-				onError(ctx, err)
+			state.report(err)
+			if hooks.failed != nil {
+				hooks.failed(ctx, err)
 			}
 		},
 	})
@@ -168,11 +187,28 @@ func publishStatic(ctx context.Context, client kubernetes.Interface, driverName,
 // Update replaces the published resources.
 func (p *Publisher) Update(resources resourceslice.DriverResources) {
 	p.controller.Update(&resources)
+	// After the controller has them: a sync that begins before this
+	// counts for the resources before, which it may have published
+	// already or not.
+	p.state.update(&resources)
 }
 
 // Status reports what the controller has done so far.
 func (p *Publisher) Status() PublishStatus {
-	return PublishStatus{Syncs: p.queue.done.Load(), Stats: p.controller.GetStats()}
+	return PublishStatus{Syncs: p.queue.done.Load(), Stats: p.controller.GetStats(), Synced: p.state.synced()}
+}
+
+// Synced says whether the slices in the API are those of the resources
+// last handed to the publisher, as far as the controller can tell: the
+// last sync of each of their pools began after they were handed over,
+// made every write it needed, and the API server stored every field of
+// the slices it wrote (no resourceslice.DroppedFieldsError for them); and
+// no sync of another pool, whose slices the controller deletes, has
+// failed since it last succeeded. Changes that others make in the API
+// count once the controller's informer has seen them and synced again
+// (within its sync delay, 30 s).
+func (p *Publisher) Synced() bool {
+	return p.state.synced()
 }
 
 // Stop stops publishing and waits for the controller. The slices stay.
@@ -184,23 +220,59 @@ func (p *Publisher) Stop() {
 	p.controller.Stop()
 }
 
-// countingQueue is the controller's default work queue, counting Done calls
-// (one per processed item).
+// publishRetryMax is the longest a Publisher waits before it tries a
+// failed sync again. The controller's default backoff grows to more than
+// 16 minutes, which an outage of the API server of half an hour reaches:
+// a faulty GPU's taint would wait that long after the API server is back.
+const publishRetryMax = time.Minute
+
+// countingQueue is the controller's work queue, with its backoff capped at
+// publishRetryMax, counting Done calls (one per processed item) and
+// telling state when a sync of a pool begins and ends; synced, if not nil,
+// is called with ctx after a sync that leaves the API as desired.
 type countingQueue struct {
 	workqueue.TypedRateLimitingInterface[string]
-	done atomic.Int64
+	done   atomic.Int64
+	state  *syncState
+	ctx    context.Context
+	synced func(ctx context.Context)
 }
 
-func newCountingQueue() *countingQueue {
+func newCountingQueue(ctx context.Context, state *syncState, synced func(context.Context)) *countingQueue {
 	return &countingQueue{
 		TypedRateLimitingInterface: workqueue.NewTypedRateLimitingQueueWithConfig(
-			workqueue.DefaultTypedControllerRateLimiter[string](),
+			publishRateLimiter(),
 			workqueue.TypedRateLimitingQueueConfig[string]{Name: "node_resource_slices"},
 		),
+		state:  state,
+		ctx:    ctx,
+		synced: synced,
 	}
 }
 
+// publishRateLimiter is the backoff of a Publisher's failed syncs: the
+// controller's default, from 5 ms doubling at each failure, capped at
+// publishRetryMax.
+func publishRateLimiter() workqueue.TypedRateLimiter[string] {
+	return workqueue.NewTypedItemExponentialFailureRateLimiter[string](5*time.Millisecond, publishRetryMax)
+}
+
+// Get is called by the controller's one worker before it syncs a pool.
+func (q *countingQueue) Get() (string, bool) {
+	item, shutdown := q.TypedRateLimitingInterface.Get()
+	if !shutdown {
+		q.state.begin()
+	}
+	return item, shutdown
+}
+
+// Done is called by the controller's worker after it synced item, and
+// after it reported the sync's errors.
 func (q *countingQueue) Done(item string) {
+	synced := q.state.end(item)
 	q.TypedRateLimitingInterface.Done(item)
 	q.done.Add(1)
+	if synced && q.synced != nil {
+		q.synced(q.ctx)
+	}
 }
