@@ -271,7 +271,9 @@ type Options struct {
 
 	// Recorder, if set, receives events about the Node: a Warning
 	// (reason ReasonNoGPU) when discovery finds no GPU, a Normal one
-	// (ReasonGPUsFound) when it finds GPUs after that; a Warning
+	// (ReasonGPUsFound) when it finds GPUs after that; Warnings about
+	// conditions that last (ReasonNoGPU, ReasonNVMLUnusable,
+	// ReasonDeviceUnhealthy) again every EventRepeat while they last; a Warning
 	// (ReasonCDIHookMissing) at start when CDIGenerator is a
 	// cdi.HookChecker that finds its hook missing; a Warning
 	// (ReasonVisibleDevicesEnvAccepted) at start when ToolkitConfig lets
@@ -307,16 +309,21 @@ const DefaultNoGPURetry = 5 * time.Second
 
 // Event reasons on the Node.
 const (
-	ReasonNoGPU     = "TopodraNoGPU"
+	// ReasonNoGPU (Warning, when discovery finds no GPU, its cause
+	// changes, and every EventRepeat while it lasts): the note says why.
+	ReasonNoGPU = "TopodraNoGPU"
+	// ReasonGPUsFound (Normal): discovery finds GPUs, after ReasonNoGPU
+	// or ReasonNVMLUnusable.
 	ReasonGPUsFound = "TopodraGPUsFound"
 	// ReasonNVMLReload (Warning): NVML lost the kernel driver (an
 	// upgrade or unload); the agent stops so that its restart loads the
 	// new library.
 	ReasonNVMLReload = "TopodraNVMLReload"
-	// ReasonNVMLUnusable (Warning): discovery fails (NVML cannot be
-	// initialized, see discovery.ErrNVMLUnusable), so GPUs cannot be
-	// prepared; the note names the error. A Normal ReasonGPUsFound
-	// follows once discovery works.
+	// ReasonNVMLUnusable (Warning, when discovery fails, its error
+	// changes, and every EventRepeat while it lasts): discovery fails
+	// (NVML cannot be initialized, see discovery.ErrNVMLUnusable), so
+	// GPUs cannot be prepared; the note names the error. A Normal
+	// ReasonGPUsFound follows once discovery works.
 	ReasonNVMLUnusable = "TopodraNVMLUnusable"
 	// ReasonCDIHookMissing (Warning, at start): the program that the CDI
 	// specs' hooks run is missing on the node (cdi.HookChecker); Prepare
@@ -494,6 +501,9 @@ type Agent struct {
 	// publishRefused holds the causes of the ReasonPublishFailed events
 	// recorded since the slices were last published (see publishFailed).
 	publishRefused sets.Set[string]
+	// warned holds when the last Warning about each condition that
+	// lasts was recorded, while it lasts (see warnDueLocked).
+	warned map[warning]time.Time
 	// devicePlugin lists the device plugin's resources the Node
 	// advertises ("name=quantity, ..."), empty where it has none.
 	devicePlugin string
@@ -665,6 +675,7 @@ func Start(ctx context.Context, opts Options) (*Agent, error) {
 		goneReported:   map[types.UID]bool{},
 		droppedFields:  map[string]bool{},
 		publishRefused: sets.New[string](),
+		warned:         map[warning]time.Time{},
 		nodeCheckNow:   make(chan struct{}, 1),
 		started:        make(chan struct{}),
 		startDone:      make(chan struct{}),
@@ -807,14 +818,18 @@ func (a *Agent) start() error {
 	if opts.OtherDriverCheck {
 		a.wg.Go(func() { a.watchOtherDrivers(ctx) })
 	}
+	// Health watching is retried, and Warnings about conditions that
+	// last are repeated, every rescan, every DefaultRescanInterval where
+	// rescans are off.
+	every := opts.RescanInterval
+	if every < 0 {
+		every = DefaultRescanInterval
+	}
 	if a.health != nil {
 		a.startHealth(inv)
-		retry := opts.RescanInterval
-		if retry < 0 {
-			retry = DefaultRescanInterval
-		}
-		a.wg.Go(func() { a.healthRetryLoop(ctx, retry) })
+		a.wg.Go(func() { a.healthRetryLoop(ctx, every) })
 	}
+	a.wg.Go(func() { a.repeatLoop(ctx, every) })
 	a.wg.Go(func() { a.rescanLoop(ctx) })
 	a.wg.Go(func() { a.nodeLoop(ctx, opts.NodeCheck) })
 	if a.store != nil && opts.StaleClaimCheck > 0 {
@@ -1547,7 +1562,9 @@ func (a *Agent) rescanLoop(ctx context.Context) {
 
 // recordDiscovery remembers whether discovery found GPUs (err wraps
 // discovery.ErrNoGPU when it did not, err is another error when NVML is
-// unusable) and reports a change in the log and as an event on the Node.
+// unusable) and reports a change in the log and as an event on the Node;
+// a Warning that still holds is reported again once it is EventRepeat
+// old.
 func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, err error) {
 	logger := klog.FromContext(ctx)
 	var noGPU, unusable error
@@ -1562,13 +1579,21 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	prev, prevUnusable := a.noGPU, a.nvmlUnusable
 	a.noGPU, a.nvmlUnusable, a.discovered = noGPU, unusable, true
 	held, devices := a.holdPublishing, len(a.inventory.GPUs)
+	warnNoGPU := noGPU != nil && a.warnDueLocked(warning{reason: ReasonNoGPU}, first || prev == nil || prev.Error() != noGPU.Error())
+	warnUnusable := unusable != nil && a.warnDueLocked(warning{reason: ReasonNVMLUnusable}, prevUnusable == nil || prevUnusable.Error() != unusable.Error())
+	if noGPU == nil {
+		delete(a.warned, warning{reason: ReasonNoGPU})
+	}
+	if unusable == nil {
+		delete(a.warned, warning{reason: ReasonNVMLUnusable})
+	}
 	a.mutex.Unlock()
 
 	switch {
-	case noGPU != nil && (first || prev == nil || prev.Error() != noGPU.Error()):
+	case warnNoGPU:
 		logger.Info("No GPUs found, publishing an empty pool and retrying", "reason", noGPU.Error())
 		a.nodeCauseEvent(v1.EventTypeWarning, ReasonNoGPU, "Discover", "%s found no GPU, retrying: %v", a.opts.DriverName, noGPU)
-	case unusable != nil && (prevUnusable == nil || prevUnusable.Error() != unusable.Error()):
+	case warnUnusable:
 		published := fmt.Sprintf("the %d published GPUs stay, tainted %s (NoSchedule)", devices, NVMLUnusableTaintKey)
 		switch {
 		case held:

@@ -158,6 +158,7 @@ func (a *Agent) clearFaults(ctx context.Context, node *v1.Node) {
 		}
 		delete(a.faults, uuid)
 		delete(a.faultLast, uuid)
+		delete(a.warned, warning{reason: ReasonDeviceUnhealthy, subject: uuid})
 		a.clearGen++
 		a.faultsCleared[uuid] = a.clearGen
 		cleared = append(cleared, what)

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"testing"
 	"time"
 )
@@ -11,4 +12,10 @@ func SetTakeOverDiscoveryTimeout(t *testing.T, d time.Duration) {
 	old := takeOverDiscoveryTimeout
 	takeOverDiscoveryTimeout = d
 	t.Cleanup(func() { takeOverDiscoveryTimeout = old })
+}
+
+// RepeatWarnings records again the Warnings about faulty GPUs that are
+// due, as the agent does every rescan interval.
+func (a *Agent) RepeatWarnings(ctx context.Context) {
+	a.repeatWarnings(ctx)
 }

@@ -233,6 +233,7 @@ func (a *Agent) markUnhealthy(ctx context.Context, ev discovery.HealthEvent) {
 		fault := ev
 		fault.Device, fault.UUID = g.Name, g.UUID
 		a.faults[g.UUID] = fault
+		a.warnDueLocked(warning{reason: ReasonDeviceUnhealthy, subject: g.UUID}, true)
 		delete(a.faultLast, g.UUID)
 		delete(a.faultsCleared, g.UUID)
 		added[g.UUID] = fault
@@ -377,12 +378,15 @@ func (a *Agent) loadFaults() error {
 // ReasonDeviceUnhealthy is the reason of the warning events on the node and
 // on the prepared claims whose device became unhealthy. The FieldPath of
 // their regarding reference names the devices ("devices{gpu-3}"), so that
-// faults of different GPUs are separate events.
+// faults of different GPUs are separate events. They are recorded again
+// every EventRepeat while the fault lasts.
 const ReasonDeviceUnhealthy = "DeviceUnhealthy"
 
 // reportUnhealthy tells the users of the devices: a warning event on every
 // prepared claim that holds one of them (the pods that use the claim may
-// fail), and one on the node that names those claims.
+// fail), and one on the node that names those claims. It is called when
+// the devices become unhealthy, and again every EventRepeat while they
+// stay so (see repeatWarnings).
 func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev discovery.HealthEvent) {
 	if a.opts.Recorder == nil {
 		return
@@ -431,7 +435,7 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 		inUse = "used by claims " + strings.Join(users, ", ")
 	}
 	a.devicesNodeEvent(devices, v1.EventTypeWarning, ReasonDeviceUnhealthy, "HealthCheck",
-		"devices %s are unhealthy (%s), tainted %s until the node reboots or the annotation %s clears the fault after a GPU reset; %s", strings.Join(devices, ", "), what, HealthTaintKey, ClearFaultsAnnotation, inUse)
+		"devices %s are unhealthy since %s (%s), tainted %s until the node reboots or the annotation %s clears the fault after a GPU reset; %s", strings.Join(devices, ", "), ev.Time.UTC().Format(time.RFC3339), what, HealthTaintKey, ClearFaultsAnnotation, inUse)
 }
 
 // WatchHealthStatus implements kubeletplugin.DRAPlugin. An agent without a
