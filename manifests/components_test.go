@@ -57,31 +57,45 @@ func renderComposed(t *testing.T, dir string, components ...string) rendered {
 		t.Fatalf("render %s with %v: %v", dir, components, err)
 	}
 	r := rendered{monitoring: map[string][][]byte{}, ids: map[string]string{}}
-	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
 	var scheme bytes.Buffer
-	for {
-		doc, err := reader.Read()
-		if err != nil {
-			break
-		}
-		var head struct {
-			APIVersion string            `json:"apiVersion"`
-			Kind       string            `json:"kind"`
-			Metadata   metav1.ObjectMeta `json:"metadata"`
-		}
-		if err := yaml.Unmarshal(doc, &head); err != nil || head.Kind == "" {
-			continue
-		}
-		r.ids[head.APIVersion+"|"+head.Kind+"|"+head.Metadata.Namespace+"|"+head.Metadata.Name] = string(doc)
-		if strings.HasPrefix(head.APIVersion, monitoringGroup+"/") {
-			r.monitoring[head.Kind] = append(r.monitoring[head.Kind], doc)
+	for _, d := range documents(data) {
+		r.ids[d.APIVersion+"|"+d.Kind+"|"+d.Metadata.Namespace+"|"+d.Metadata.Name] = string(d.doc)
+		if strings.HasPrefix(d.APIVersion, monitoringGroup+"/") {
+			r.monitoring[d.Kind] = append(r.monitoring[d.Kind], d.doc)
 			continue
 		}
 		scheme.WriteString("---\n")
-		scheme.Write(doc)
+		scheme.Write(d.doc)
 	}
 	r.objs = decodeAll(t, dir, scheme.Bytes())
 	return r
+}
+
+// document is one object of a rendered set: its text and what every
+// object has.
+type document struct {
+	doc        []byte
+	APIVersion string            `json:"apiVersion"`
+	Kind       string            `json:"kind"`
+	Metadata   metav1.ObjectMeta `json:"metadata"`
+}
+
+// documents splits rendered YAML into its objects, leaving out documents
+// without a kind.
+func documents(data []byte) []document {
+	var out []document
+	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	for {
+		doc, err := reader.Read()
+		if err != nil {
+			return out
+		}
+		d := document{doc: doc}
+		if err := yaml.Unmarshal(doc, &d); err != nil || d.Kind == "" {
+			continue
+		}
+		out = append(out, d)
+	}
 }
 
 // TestOptionalComponentsOnlyAdd: each optional component, added to each
@@ -664,20 +678,7 @@ func TestDocumentedMonitoringLabel(t *testing.T) {
 		t.Fatalf("the documented patch: %v", err)
 	}
 	labelled := 0
-	reader := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
-	for {
-		doc, err := reader.Read()
-		if err != nil {
-			break
-		}
-		var head struct {
-			APIVersion string            `json:"apiVersion"`
-			Kind       string            `json:"kind"`
-			Metadata   metav1.ObjectMeta `json:"metadata"`
-		}
-		if err := yaml.Unmarshal(doc, &head); err != nil || head.Kind == "" {
-			continue
-		}
+	for _, head := range documents(data) {
 		_, has := head.Metadata.Labels["release"]
 		if monitoring := strings.HasPrefix(head.APIVersion, monitoringGroup+"/"); has != monitoring {
 			t.Errorf("%s %s: release label %v, want it on the Prometheus operator's kinds only", head.Kind, head.Metadata.Name, has)
