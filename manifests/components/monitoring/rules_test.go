@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -128,12 +129,29 @@ func registered(t *testing.T) map[string]*metric {
 		switch {
 		case strings.HasPrefix(name, "topodra_agent_"):
 			add(name, labels, agentJob)
-		case strings.HasPrefix(name, "topodra_"), strings.HasPrefix(name, "scheduler_"), strings.HasPrefix(name, "leader_election_"):
+		case strings.HasPrefix(name, "topodra_"), strings.HasPrefix(name, "scheduler_"), strings.HasPrefix(name, "leader_election_"),
+			strings.HasPrefix(name, "go_"):
+			// The agent serves legacyregistry without its Go collector
+			// (below).
 			add(name, labels, schedulerJob)
 		default:
-			// The process's, Go's and client-go's: both binaries.
+			// The process's and client-go's: both binaries.
 			add(name, labels, schedulerJob, agentJob)
 		}
+	}
+	// The agent's Go metrics: the Go collector's default set, as its
+	// command serves them beside legacyregistry's other metrics.
+	goDescs := make(chan *prometheus.Desc)
+	go func() {
+		collectors.NewGoCollector().Describe(goDescs)
+		close(goDescs)
+	}()
+	for d := range goDescs {
+		name, labels, err := parseDesc(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		add(name, labels, agentJob)
 	}
 
 	// The agent: the collector its command serves on the health port,
@@ -364,6 +382,10 @@ func TestAlertCheckerFails(t *testing.T) {
 		"agent metric of the scheduler's job": {
 			expr: `topodra_agent_nvml_usable{job="topodra-scheduler"} == 0`,
 			want: "not by job topodra-scheduler",
+		},
+		"Go runtime metric the agent does not serve": {
+			expr: `rate(go_gc_heap_allocs_bytes_total{job="topodra-node-agent"}[5m]) > 1e9`,
+			want: "not by job topodra-node-agent",
 		},
 		"scheduler metric without a job": {
 			expr: `topodra_uncertain_allocation_writes > 0`,
