@@ -5,7 +5,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
@@ -36,12 +35,8 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		if len(reserved) > 1 || (len(reserved) == 1 && reserved[0].UID != pod.UID) {
 			continue // in use by another pod: leave it
 		}
-		claim = claim.DeepCopy()
-		claim.Status.ReservedFor = nil
-		claim.Status.Allocation = nil
-		claim.Status.Devices = nil
 		logger.V(2).Info("Deallocating claim that no node can use", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
-		if _, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		if _, err := pl.deallocate(ctx, claim); err != nil {
 			return nil, internalError(logger, err, "claim", klog.KObj(claim))
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")

@@ -153,10 +153,7 @@ func (pl *TopologyDRA) bindClaim(ctx context.Context, pod *v1.Pod, claim *resour
 		return nil
 	})
 	if modified {
-		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
-			// Only fails when the informer already has a newer object.
-			logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
-		}
+		pl.assumeWritten(logger, claim)
 	}
 	if err != nil {
 		return claim, fmt.Errorf("write allocation and reservation of claim %s: %w", claim.Name, err)

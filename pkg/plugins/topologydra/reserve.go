@@ -195,10 +195,7 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 		// The claim cache may hold the copy PreBind wrote, reserved for
 		// the pod: the next attempt must see the reservation gone and
 		// write it again, whatever the informer shows by then.
-		if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(patched); err != nil {
-			// Only fails when the informer already has a newer object.
-			logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(patched), "err", err)
-		}
+		pl.assumeWritten(logger, patched)
 	}
 }
 
@@ -208,22 +205,35 @@ func (pl *TopologyDRA) Unreserve(ctx context.Context, cs fwk.CycleState, pod *v1
 // keeps it allocated. It reports whether the claim was deallocated.
 func (pl *TopologyDRA) deallocateWritten(ctx context.Context, pod *v1.Pod, claim *resourceapi.ResourceClaim) bool {
 	logger := klog.FromContext(ctx)
-	claim = claim.DeepCopy()
-	claim.Status.ReservedFor = nil
-	claim.Status.Allocation = nil
-	claim.Status.Devices = nil
 	// The resourceVersion of the write makes a changed claim a conflict.
-	updated, err := pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+	updated, err := pl.deallocate(ctx, claim)
 	if err != nil {
 		logger.V(2).Info("Allocation written in a failed binding cycle not removed; removing the pod's reservation only", "pod", klog.KObj(pod), "claim", klog.KObj(claim), "err", err)
 		return false
 	}
 	logger.V(5).Info("Removed allocation written in a failed binding cycle", "pod", klog.KObj(pod), "claim", klog.KObj(claim))
-	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(updated); err != nil {
-		// Only fails when the informer already has a newer object.
-		logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(updated), "err", err)
-	}
+	pl.assumeWritten(logger, updated)
 	return true
+}
+
+// deallocate writes claim without its allocation, reservations and
+// devices' status, at claim's resourceVersion (a claim changed since is a
+// conflict), and returns the claim written.
+func (pl *TopologyDRA) deallocate(ctx context.Context, claim *resourceapi.ResourceClaim) (*resourceapi.ResourceClaim, error) {
+	claim = claim.DeepCopy()
+	claim.Status.ReservedFor = nil
+	claim.Status.Allocation = nil
+	claim.Status.Devices = nil
+	return pl.client.ResourceV1().ResourceClaims(claim.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+}
+
+// assumeWritten puts claim, as a write of this scheduler returned it, into
+// the claim cache.
+func (pl *TopologyDRA) assumeWritten(logger klog.Logger, claim *resourceapi.ResourceClaim) {
+	if err := pl.draManager.ResourceClaims().AssumeClaimAfterAPICall(claim); err != nil {
+		// Only fails when the informer already has a newer object.
+		logger.V(5).Info("Claim not stored in assume cache", "claim", klog.KObj(claim), "err", err)
+	}
 }
 
 // noteUnowned counts, per driver, the devices of allocations written to
