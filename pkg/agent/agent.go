@@ -1615,6 +1615,15 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	}
 }
 
+// swap sets *field, a field of the agent that a.mutex guards, to now and
+// returns what it was.
+func (a *Agent) swap(field *string, now string) (prev string) {
+	a.mutex.Lock()
+	defer a.mutex.Unlock()
+	prev, *field = *field, now
+	return prev
+}
+
 // recordSkipped reports the GPUs that a successful discovery found and
 // does not publish, when they differ from those of the discovery before:
 // a ReasonGPUNotPublished Warning on the Node naming them, or a
@@ -1622,11 +1631,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 // them at every discovery (logDiscovery).
 func (a *Agent) recordSkipped(ctx context.Context, inv *discovery.Inventory) {
 	key := skippedKey(inv.Skipped)
-	a.mutex.Lock()
-	prev := a.skipped
-	a.skipped = key
-	a.mutex.Unlock()
-	if key == prev {
+	if a.swap(&a.skipped, key) == key {
 		return
 	}
 	if len(inv.Skipped) == 0 {

@@ -132,10 +132,7 @@ const devicePluginUnknown = "unknown"
 // setDevicePlugin records what readDevicePlugin found, reports a change
 // in the log and on the Node, and says whether it changed.
 func (a *Agent) setDevicePlugin(ctx context.Context, found string) bool {
-	a.mutex.Lock()
-	prev := a.devicePlugin
-	a.devicePlugin = found
-	a.mutex.Unlock()
+	prev := a.swap(&a.devicePlugin, found)
 	if found == prev {
 		return false
 	}

@@ -75,11 +75,7 @@ func (a *Agent) recordFabric(ctx context.Context, inv *discovery.Inventory) {
 	}
 	slices.Sort(keys)
 	key := strings.Join(keys, "\n")
-	a.mutex.Lock()
-	prev := a.fabricNotReady
-	a.fabricNotReady = key
-	a.mutex.Unlock()
-	if key == prev {
+	if a.swap(&a.fabricNotReady, key) == key {
 		return
 	}
 	logger := klog.FromContext(ctx)
