@@ -253,6 +253,7 @@ func allRequestsRefused(claims []*resourceapi.ResourceClaim, ns *nodeState, err 
 			Claim: claim, Request: request,
 			Reason:        "asks for all matching devices, which cannot be told while a pool is incomplete or invalid" + pools,
 			UnusablePools: unusablePoolNames(ns),
+			Cause:         CausePools,
 		})
 	}
 	for _, claim := range claims {
@@ -350,6 +351,7 @@ func (a *Allocator) requireBroken(ns *nodeState, infos []*claimInfo, results []r
 			expl.Requests = append(expl.Requests, RequestExplanation{
 				Claim: infos[ci].claim.Name, Request: "*",
 				Reason: fmt.Sprintf("the devices it can get are not within one %s (alignment=require)", strings.Join(names, " or ")),
+				Cause:  CauseConstraints,
 			})
 		}
 		return expl

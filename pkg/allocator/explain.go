@@ -31,7 +31,7 @@ func nodeFailure(claims []*resourceapi.ResourceClaim, err error) *Explanation {
 	if len(claims) > 0 {
 		name = claims[0].Name
 	}
-	return &Explanation{Requests: []RequestExplanation{{Claim: name, Request: "*", Reason: strings.TrimSpace(err.Error())}}}
+	return &Explanation{Requests: []RequestExplanation{{Claim: name, Request: "*", Reason: strings.TrimSpace(err.Error()), Cause: CausePools}}}
 }
 
 // countCheck returns an explanation if some request cannot fit by counting
@@ -96,6 +96,7 @@ func (a *Allocator) requestExplanation(ctx context.Context, u *unit, ns *nodeSta
 	}
 	unusable := ns != nil && (len(ns.incomplete) > 0 || len(ns.invalid) > 0)
 	if reason == "" {
+		re.Cause = requestCause(u, re.Needed, unusable)
 		switch {
 		case u.nMatch == 0:
 			where := "the node has"
@@ -130,6 +131,24 @@ func (a *Allocator) requestExplanation(ctx context.Context, u *unit, ns *nodeSta
 	re.Reason = reason
 	re.UnusablePools = unusablePoolNames(ns)
 	return re
+}
+
+// requestCause classifies a request of u that needs needed devices, as
+// requestExplanation's reasons do; unusable says that a pool of the node
+// is incomplete or invalid.
+func requestCause(u *unit, needed int, unusable bool) Cause {
+	switch {
+	case u.nMatch < needed || u.nMatch == 0:
+		return CauseNoMatch
+	case u.upper < needed:
+		return CauseInUse
+	case len(u.free) < needed:
+		return CauseTainted
+	case unusable:
+		return CausePools
+	default:
+		return CauseConstraints
+	}
 }
 
 // classDevices counts the node's devices that u's class selectors match
@@ -333,7 +352,7 @@ func (a *Allocator) explain(ctx context.Context, infos []*claimInfo, ns *nodeSta
 		expl.Requests = append(expl.Requests, a.requestExplanation(ctx, first, ns, ""))
 	}
 	if len(expl.Requests) == 0 {
-		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node"})
+		expl.Requests = append(expl.Requests, RequestExplanation{Claim: "*", Request: "*", Reason: "the claims cannot be allocated on this node", Cause: CauseConstraints})
 	}
 	return expl
 }
@@ -381,6 +400,7 @@ func (a *Allocator) groupExplanation(ns *nodeState, infos []*claimInfo, g *group
 		Needed:         g.need,
 		BestDomain:     bestName,
 		BestDomainFree: served,
+		Cause:          CauseConstraints,
 	}
 	var reqs []string
 	for _, u := range g.units {
@@ -656,6 +676,7 @@ func (a *Allocator) matchExplanation(ns *nodeState, info *claimInfo, classOf []i
 		BestDomain:     displayValue(best),
 		BestDomainFree: served,
 		Reason:         reason,
+		Cause:          CauseConstraints,
 	}
 }
 

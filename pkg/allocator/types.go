@@ -3,6 +3,7 @@ package allocator
 import (
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -416,6 +417,56 @@ type RequestExplanation struct {
 	// UnusablePools names the node's pools that nothing was allocated
 	// from, and why (incomplete, invalid); for logs. Empty if none.
 	UnusablePools string
+	// Cause classifies Reason for metrics; empty counts as CauseOther.
+	Cause Cause
+}
+
+// Cause classifies why a request does not fit on a node. Its values are
+// metric label values: lowercase, stable.
+type Cause string
+
+const (
+	// CauseNoMatch: fewer of the node's devices match the request's class
+	// and selectors than it needs, in use or not.
+	CauseNoMatch Cause = "no_matching_devices"
+	// CausePools: a resource pool of the node is incomplete or invalid,
+	// and what is usable does not serve the request.
+	CausePools Cause = "pools_unusable"
+	// CauseTainted: enough devices match and are not allocated, but taints
+	// the claim does not tolerate keep too many of them from it.
+	CauseTainted Cause = "devices_tainted"
+	// CauseInUse: enough devices match, but too few are not allocated.
+	CauseInUse Cause = "devices_in_use"
+	// CauseConstraints: enough devices are free, but no combination meets
+	// the claims' constraints (matchAttribute, alignment=require, counters,
+	// the pod's other requests) together.
+	CauseConstraints Cause = "constraints"
+	// CauseOther: none of the above.
+	CauseOther Cause = "other"
+)
+
+// causeOrder ranks causes from the one that says most about the node to
+// the one that says least: a request with no matching device explains a
+// node better than another request's constraints.
+var causeOrder = []Cause{CauseNoMatch, CausePools, CauseTainted, CauseInUse, CauseConstraints, CauseOther}
+
+// Cause returns the first of the requests' causes in causeOrder, or
+// CauseOther for an explanation without requests.
+func (e *Explanation) Cause() Cause {
+	if e == nil {
+		return CauseOther
+	}
+	best := len(causeOrder) - 1
+	for _, r := range e.Requests {
+		c := r.Cause
+		if c == "" {
+			c = CauseOther
+		}
+		if i := slices.Index(causeOrder, c); i >= 0 && i < best {
+			best = i
+		}
+	}
+	return causeOrder[best]
 }
 
 // Freeable reports whether giving back allocated devices could make the

@@ -52,6 +52,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		}
 	}
 	if unavailable != nil {
+		s.rejected.add(rejectClaimUnusable)
 		return unavailable
 	}
 	if s.allocator == nil {
@@ -64,6 +65,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 	if s.extended != nil && variant == nil {
 		if msg := earlierStatusMessage(pod.Status.ExtendedResourceClaimStatus); msg != "" {
 			// The status stays; no later attempt changes this.
+			s.rejected.add(rejectClaimUnusable)
 			return unresolvable(msg)
 		}
 	}
@@ -84,6 +86,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		if waiting != nil {
 			// Names no node, so that the pod's message counts the nodes
 			// that fail alike once.
+			s.rejected.add(rejectNominated)
 			return unschedulable("node(s) keep devices for a pod of the same or higher priority nominated to them")
 		}
 	}
@@ -108,6 +111,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// node's devices. The message names the claim, request and
 		// expression; the claim gets a warning event, once per cycle.
 		s.reportOnce.Do(func() {
+			countAttempt(rejectInvalidClaim)
 			pl.claimsInvalid(pod, true)
 			for _, index := range s.toAllocate {
 				if s.isExtendedInMemory(index) {
@@ -125,6 +129,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		devicesConsidered.Observe(float64(res.DevicesConsidered))
 	}
 	if res.Allocations == nil {
+		s.rejected.add(causeRejection(res.Explanation.Cause()))
 		msg := "cannot allocate all claims"
 		if res.Explanation != nil {
 			if e := res.Explanation.String(); e != "" {
@@ -192,6 +197,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 			if !freed {
 				pl.heldBack.hold(pod)
 				s.heldOnce.Do(headroomHolds.Inc)
+				s.rejected.add(rejectHeldBack)
 			}
 			return unresolvable("node(s) fit but are held back: " + why)
 		}

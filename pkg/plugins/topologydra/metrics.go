@@ -77,12 +77,18 @@ var (
 		Help:           "Dedicated devices that two claims hold at once as the scheduler's claim cache shows them (another scheduler or a hand-written allocation gave a device out twice), as of the latest scheduling attempt.",
 		StabilityLevel: metrics.ALPHA,
 	})
+	unschedulableAttempts = metrics.NewCounterVec(&metrics.CounterOpts{
+		Subsystem:      metricsSubsystem,
+		Name:           "unschedulable_attempts_total",
+		Help:           "Scheduling attempts in which TopologyDRA turned the pod down, by reason: of the pod's claims, or the reason it turned down the most nodes for (" + strings.Join(rejectionNames[:], ", ") + "). Attempts in which only other plugins turned nodes down are not counted.",
+		StabilityLevel: metrics.ALPHA,
+	}, []string{"reason"})
 	registerOnce sync.Once
 )
 
 func init() {
 	registerOnce.Do(func() {
-		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations, uncertainClaims, devicesAllocatedTwice)
+		legacyregistry.MustRegister(allocationDuration, placements, devicesAllocated, devicesConsidered, verifyMismatches, headroomHolds, headroomHeldPods, unownedAllocations, uncertainClaims, devicesAllocatedTwice, unschedulableAttempts)
 	})
 }
 

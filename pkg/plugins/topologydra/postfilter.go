@@ -26,6 +26,9 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 	if err != nil {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
+	if r, ok := s.rejected.most(); ok {
+		countAttempt(r)
+	}
 	s.mu.Lock()
 	unavailable := s.unavailableClaims.UnsortedList()
 	s.mu.Unlock()

@@ -74,6 +74,9 @@ type stateData struct {
 	// heldOnce counts the cycle once in headroomHolds, however many
 	// nodes the headroom turned down.
 	heldOnce sync.Once
+	// rejected counts the nodes Filter turned the pod down on, by why;
+	// PostFilter counts the attempt by the most common.
+	rejected nodeRejections
 	// poolsOnce limits the log of the resource pools a node's allocation
 	// left out to one line per cycle at V(2) (the others at V(5)).
 	poolsOnce sync.Once
