@@ -58,6 +58,18 @@ var targetLabels = []string{"job", "namespace", "pod", "container", "endpoint", 
 // labels only.
 var upstream = map[string][]string{"up": nil}
 
+// stateMetrics are the series of kube-state-metrics that alerts use, with
+// their labels (kube-state-metrics' documentation): they describe
+// objects, so an alert selects them by object, not by the job that
+// scrapes kube-state-metrics, whose name each installation chooses.
+var stateMetrics = map[string][]string{
+	"kube_cronjob_created":                     {"namespace", "cronjob"},
+	"kube_cronjob_status_last_successful_time": {"namespace", "cronjob"},
+}
+
+// stateMetricsJob stands for the job of kube-state-metrics' targets.
+const stateMetricsJob = "kube-state-metrics"
+
 // metric is what the binaries register under one name.
 type metric struct {
 	labels []string
@@ -208,6 +220,12 @@ func registered(t *testing.T) map[string]*metric {
 	}
 	for name, labels := range upstream {
 		add(name, labels, schedulerJob, agentJob)
+	}
+	for name, labels := range stateMetrics {
+		m := add(name, labels, stateMetricsJob)
+		// The objects the shipped components create.
+		m.values["namespace"] = []string{metav1.NamespaceSystem}
+		m.values["cronjob"] = []string{checkCronJob(t)}
 	}
 	return out
 }
@@ -375,6 +393,14 @@ func TestAlertCheckerFails(t *testing.T) {
 			expr: `topodra_agent_gpus{job="topodra-node-agent", state="unhealty"} > 0`,
 			want: `state="unhealty"`,
 		},
+		"another CronJob's name": {
+			expr: `time() - kube_cronjob_status_last_successful_time{namespace="kube-system", cronjob="topodra-checker"} > 4500`,
+			want: `cronjob="topodra-checker"`,
+		},
+		"a kube-state-metrics series misspelled": {
+			expr: `time() - kube_cronjob_status_last_successfull_time{namespace="kube-system", cronjob="topodra-check"} > 4500`,
+			want: `kube_cronjob_status_last_successfull_time is not registered`,
+		},
 		"another plugin's name": {
 			expr: `scheduler_unschedulable_pods{job="topodra-scheduler", plugin="TopologyDra"} > 0`,
 			want: `plugin="TopologyDra"`,
@@ -463,7 +489,7 @@ func (c checker) check(expr string) []error {
 	for _, s := range selectors {
 		jobs = append(jobs, jobsOf(s)...)
 	}
-	if len(jobs) == 0 {
+	if len(jobs) == 0 && !c.onlyStateMetrics(selectors) {
 		errs = append(errs, fmt.Errorf("%s selects no job (job=%q or job=%q)", expr, schedulerJob, agentJob))
 	}
 	// Labels that a grouping may name: those of its metrics and targets.
@@ -477,6 +503,9 @@ func (c checker) check(expr string) []error {
 		own := jobsOf(s)
 		if len(own) == 0 {
 			own = jobs
+		}
+		if len(own) == 0 && slices.Equal(m.jobs, []string{stateMetricsJob}) {
+			own = m.jobs
 		}
 		allowed := slices.Concat(targetLabels, m.labels)
 		for _, j := range own {
@@ -505,6 +534,38 @@ func (c checker) check(expr string) []error {
 		}
 	}
 	return errs
+}
+
+// onlyStateMetrics reports whether every selector is of a
+// kube-state-metrics series.
+func (c checker) onlyStateMetrics(selectors []selector) bool {
+	for _, s := range selectors {
+		if m := c.known[s.metric]; m == nil || !slices.Equal(m.jobs, []string{stateMetricsJob}) {
+			return false
+		}
+	}
+	return len(selectors) > 0
+}
+
+// checkCronJob returns the name of the invariant-check component's
+// CronJob.
+func checkCronJob(t *testing.T) string {
+	t.Helper()
+	data, err := manifests.FS.ReadFile("components/invariant-check/invariant-check.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, doc := range strings.Split(string(data), "\n---\n") {
+		var obj metav1.PartialObjectMetadata
+		if err := yaml.Unmarshal([]byte(doc), &obj); err != nil {
+			t.Fatal(err)
+		}
+		if obj.Kind == "CronJob" {
+			return obj.Name
+		}
+	}
+	t.Fatal("the invariant-check component has no CronJob")
+	return ""
 }
 
 // jobsOf returns the jobs that a selector's job matcher names.
