@@ -53,9 +53,13 @@ fuzz:
 images:
 	hack/build-images.sh
 
+# logcheck: Kubernetes' checker of structured, contextual logging calls
+# (fetched from the Go module proxy on first use).
+LOGCHECK ?= sigs.k8s.io/logtools/logcheck@v0.11.0
 verify:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
+	$(GO) run $(LOGCHECK) -check-contextual -config hack/logcheck.conf ./...
 
 demo:
 	$(GO) run ./cmd/simulator $(DEMO_ARGS)

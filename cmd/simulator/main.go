@@ -385,7 +385,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}
-	defer klog.Flush()
+	defer klog.Flush() //nolint:logcheck // the log file is the process's; flushed once at exit
 	progress, err := quietStderr(c.logFile)
 	if err != nil {
 		fmt.Fprintln(stderr, err)

@@ -276,8 +276,8 @@ func allRequestsRefused(claims []*resourceapi.ResourceClaim, ns *nodeState, err 
 
 // logAllocated logs a chosen allocation.
 func logAllocated(ctx context.Context, p *podNode, how string, q Quality) {
-	if logger := klog.FromContext(ctx); logger.V(4).Enabled() {
-		logger.V(4).Info("Allocated", "node", klog.KObj(p.node), "strategy", how, "devices", q.Devices, "level", q.LevelName, "score", q.Score)
+	if logger := klog.FromContext(ctx).V(4); logger.Enabled() {
+		logger.Info("Allocated", "node", klog.KObj(p.node), "strategy", how, "devices", q.Devices, "level", q.LevelName, "score", q.Score)
 	}
 }
 

@@ -315,6 +315,6 @@ func (s *apiServer) stop() {
 		return
 	}
 	if err, ok := <-s.done; ok && err != nil && !errors.Is(err, context.Canceled) {
-		s.logger.Error(err, "kube-apiserver did not shut down cleanly")
+		s.logger.Error(err, "Stopping kube-apiserver did not end cleanly")
 	}
 }

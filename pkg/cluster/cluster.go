@@ -135,7 +135,7 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
-	logger.V(2).Info("etcd ready", "url", c.etcd.clientURL, "elapsed", time.Since(start))
+	logger.V(2).Info("Started etcd", "url", c.etcd.clientURL, "elapsed", time.Since(start))
 
 	token := make([]byte, 16)
 	if _, err := rand.Read(token); err != nil {
@@ -156,7 +156,7 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		return nil, err
 	}
 	c.apiserverConfig.port = c.apiserver.port
-	logger.V(2).Info("kube-apiserver ready", "host", c.apiserver.config.Host, "elapsed", time.Since(start))
+	logger.V(2).Info("Started kube-apiserver", "host", c.apiserver.config.Host, "elapsed", time.Since(start))
 
 	c.Config = c.apiserver.config
 	c.Client, err = kubernetes.NewForConfig(c.Config)

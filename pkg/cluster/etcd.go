@@ -32,11 +32,11 @@ const etcdStartAttempts = 3
 // free loopback ports, and waits until it serves. fsync is off: the data
 // lives as long as the process and is never restarted from.
 func startEtcd(ctx context.Context, dir string, timeout time.Duration) (*etcdServer, error) {
-	logger := klog.FromContext(ctx).WithName("etcd")
+	ctx = klog.NewContext(ctx, klog.LoggerWithName(klog.FromContext(ctx), "etcd"))
 	var errs []string
 	for attempt := range etcdStartAttempts {
 		memberDir := fmt.Sprintf("%s-%d", dir, attempt)
-		s, err := startEtcdOnce(ctx, logger, memberDir, timeout)
+		s, err := startEtcdOnce(ctx, memberDir, timeout)
 		if err == nil {
 			return s, nil
 		}
@@ -49,7 +49,7 @@ func startEtcd(ctx context.Context, dir string, timeout time.Duration) (*etcdSer
 	return nil, fmt.Errorf("start etcd: %s", strings.Join(errs, "; "))
 }
 
-func startEtcdOnce(ctx context.Context, logger klog.Logger, dir string, timeout time.Duration) (*etcdServer, error) {
+func startEtcdOnce(ctx context.Context, dir string, timeout time.Duration) (*etcdServer, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
@@ -69,7 +69,7 @@ func startEtcdOnce(ctx context.Context, logger klog.Logger, dir string, timeout 
 	cfg.ListenPeerUrls = []url.URL{peerURL}
 	cfg.AdvertisePeerUrls = []url.URL{peerURL}
 	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
-	log := &klogWriter{logger: logger}
+	log := &klogWriter{logger: klog.FromContext(ctx)}
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(log.zap())
 
 	e, err := embed.StartEtcd(cfg)

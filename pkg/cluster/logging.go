@@ -26,7 +26,7 @@ func SetUpLogging(path string, verbosity int) error {
 		}
 	}
 	if path == "" {
-		klog.SetOutput(io.Discard)
+		klog.SetOutput(io.Discard) //nolint:logcheck // the process's log output is configured here, once
 		return nil
 	}
 	return kfs.Set("log_file", path)

@@ -113,7 +113,7 @@ func (c *Cluster) StartScheduler(ctx context.Context, opts SchedulerOptions) (fu
 		if err != nil && ctx.Err() == nil {
 			// Failed on its own (bad config, API unreachable): say so
 			// where a test log or the simulator's output shows it.
-			logger.Error(err, "scheduler failed")
+			logger.Error(err, "Scheduler failed")
 			fmt.Fprintf(os.Stderr, "scheduler %s failed: %v\n", name, err)
 			if opts.OnFailure != nil {
 				opts.OnFailure(err)

@@ -28,7 +28,7 @@ import (
 func TestDeviceLostGetsNoAllocations(t *testing.T) {
 	tCtx := ktesting.Init(t)
 	e := newEnv(tCtx, "lost")
-	broadcaster := events.NewEventBroadcasterAdapter(cp.Client)
+	broadcaster := events.NewEventBroadcasterAdapterWithContext(tCtx, cp.Client)
 	broadcaster.StartRecordingToSink(tCtx.Done())
 	defer broadcaster.Shutdown()
 	node := startAgentNode(tCtx, t, e, agent.SimulatedOptions{Recorder: broadcaster.NewRecorder("topodra-node-agent")})

@@ -225,8 +225,8 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 		inv.GPUs = append(inv.GPUs, info.GPU)
 	}
 	slices.SortFunc(inv.GPUs, func(a, b GPU) int { return a.Index - b.Index })
-	if logger.V(5).Enabled() {
-		logger.V(5).Info("discovered GPUs", "published", len(inv.GPUs), "skipped", len(inv.Skipped), "cliques", cliques)
+	if logger := logger.V(5); logger.Enabled() {
+		logger.Info("Discovered GPUs", "published", len(inv.GPUs), "skipped", len(inv.Skipped), "cliques", cliques)
 	}
 	return inv, nil
 }

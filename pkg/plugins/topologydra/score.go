@@ -92,8 +92,8 @@ func (pl *TopologyDRA) PreScore(ctx context.Context, cs fwk.CycleState, pod *v1.
 			}
 		}
 	}
-	if logger := klog.FromContext(ctx); logger.V(5).Enabled() {
-		logger.V(5).Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade, "draining", sets.List(s.draining), "sparesNICs", s.sparesNICs)
+	if logger := klog.FromContext(ctx).V(5); logger.Enabled() {
+		logger.Info("Scoring policy chosen", "pod", klog.KObj(pod), "wholeNodeTrade", s.scorePolicy.WholeNodeTrade, "draining", sets.List(s.draining), "sparesNICs", s.sparesNICs)
 	}
 	return nil
 }
