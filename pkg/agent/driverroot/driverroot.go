@@ -18,6 +18,11 @@
 // Symbolic links inside the tree are resolved relative to the tree, so an
 // absolute link like /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 ->
 // /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.550.54.15 stays inside Path.
+//
+// Where a node's driver root is not known in advance (a GPU Operator
+// cluster whose nodes have either the operator's driver container or a
+// driver installed on the host), a [Selector] picks it among
+// [AutoCandidates]: the first that holds the NVML library.
 package driverroot
 
 import (
@@ -41,6 +46,10 @@ const NVMLLibrary = "libnvidia-ml.so.1"
 
 // ErrNotFound is returned (wrapped) when a driver file is not in the root.
 var ErrNotFound = errors.New("not found in driver root")
+
+// ErrOutsideRoot is returned (wrapped) by [Root.WithNVMLLibrary] for an
+// absolute path that is not below the root's HostPath.
+var ErrOutsideRoot = errors.New("not below the driver root")
 
 // LibrarySearchPaths are the directories, relative to the root, searched
 // for driver libraries, in order.
@@ -77,6 +86,11 @@ type Root struct {
 	// the node's. Set both with [Root.WithDevRoot].
 	DevRoot         string
 	DevRootHostPath string
+	// NVMLLibrary is where [Root.NVMLLibraryPath] looks for the NVML
+	// library: a path relative to the root, with a leading slash. Empty
+	// means [NVMLLibrary] in each of [LibrarySearchPaths]. Set it with
+	// [Root.WithNVMLLibrary].
+	NVMLLibrary string
 }
 
 // New returns the root mounted at path that is hostPath on the node. An
@@ -106,9 +120,48 @@ func (r Root) FindBinary(name string) (string, error) {
 	return r.find(name, BinarySearchPaths)
 }
 
-// NVMLLibraryPath is the agent-side path of libnvidia-ml.so.1.
+// NVMLLibraryPath is the agent-side path of libnvidia-ml.so.1: the file
+// that NVMLLibrary names where set, otherwise the first found in
+// [LibrarySearchPaths]. Symbolic links are resolved within the root. The
+// error wraps [ErrNotFound].
 func (r Root) NVMLLibraryPath() (string, error) {
-	return r.FindLibrary(NVMLLibrary)
+	if r.NVMLLibrary == "" {
+		return r.FindLibrary(NVMLLibrary)
+	}
+	resolved, err := r.Resolve(r.NVMLLibrary)
+	if err != nil {
+		return "", fmt.Errorf("%s %w %s: %w", r.NVMLLibrary, ErrNotFound, r.Path, err)
+	}
+	return resolved, nil
+}
+
+// WithNVMLLibrary returns r with the NVML library at path, for a driver
+// whose library is outside [LibrarySearchPaths]: a path relative to the
+// root (usr/local/nvidia/lib64/libnvidia-ml.so.1), or an absolute path as
+// the node sees it, which must be below HostPath (with HostPath
+// /run/nvidia/driver, /run/nvidia/driver/usr/lib64/libnvidia-ml.so.1);
+// the error for one that is not wraps [ErrOutsideRoot]. A relative path
+// may not leave the root (".."). Empty path means the search of
+// [LibrarySearchPaths].
+func (r Root) WithNVMLLibrary(path string) (Root, error) {
+	switch {
+	case path == "":
+		r.NVMLLibrary = ""
+		return r, nil
+	case filepath.IsAbs(path):
+		rel, err := filepath.Rel(r.HostPath, filepath.Clean(path))
+		if err != nil || rel == "." || rel == ".." || strings.HasPrefix(rel, "../") {
+			return Root{}, fmt.Errorf("NVML library %s is %w %s", path, ErrOutsideRoot, r.HostPath)
+		}
+		r.NVMLLibrary = "/" + rel
+	default:
+		rel := filepath.Clean(path)
+		if rel == "." || rel == ".." || strings.HasPrefix(rel, "../") {
+			return Root{}, fmt.Errorf("NVML library %s leaves the driver root", path)
+		}
+		r.NVMLLibrary = "/" + rel
+	}
+	return r, nil
 }
 
 // ControlDevice is the device node that every NVIDIA driver creates; a
