@@ -42,7 +42,9 @@ func TestDRMByPathLinksInContainer(t *testing.T) {
 				},
 			}
 			g := &NVCDI{opts: NVCDIOptions{Root: root}}
-			got, err := g.toHost(edits, tc.devs)
+			devs := tc.devs
+			devs.root = root
+			got, err := g.toHost(edits, devs)
 			if err != nil {
 				t.Fatal(err)
 			}

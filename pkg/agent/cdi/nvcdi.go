@@ -33,8 +33,14 @@ var ErrMissingDeviceNode = errors.New("device node missing")
 
 // NVCDIOptions configure [NewNVCDI].
 type NVCDIOptions struct {
-	// Root is the driver root. Required.
+	// Root is the driver root. Required unless LoadedRoot is set.
 	Root driverroot.Root
+	// LoadedRoot, where set, returns the driver root in place of Root:
+	// the root whose NVML library NVML returns, where that is chosen
+	// when the library is loaded (driverroot.Selector.Loaded).
+	// Generation fails while it returns false. It is called on every
+	// generation.
+	LoadedRoot func() (driverroot.Root, bool)
 	// NVML returns the NVML library (initialized or not); nvcdi queries it
 	// for the driver version and the GPUs. Required. It is called on
 	// every generation, so a library loaded after start is picked up.
@@ -89,14 +95,18 @@ type NVCDI struct {
 	mutex sync.Mutex
 	lib   nvml.Interface
 	nvcdi nvcdi.Interface
-	// devs is the device root nvcdi was set up with, which toHost
-	// rewrites: the driver root's /dev once it holds the device nodes,
-	// the node's /dev before.
+	// devs is the driver root and device root nvcdi was set up with,
+	// which toHost rewrites.
 	devs devRoots
 }
 
-// devRoots is a device root as the agent and as the node see it.
-type devRoots struct{ path, hostPath string }
+// devRoots is a driver root and the device root that goes with it: the
+// driver root's /dev once it holds the device nodes, the node's /dev
+// before; the device root as the agent and as the node see it.
+type devRoots struct {
+	root           driverroot.Root
+	path, hostPath string
+}
 
 var _ Generator = &NVCDI{}
 
@@ -106,7 +116,7 @@ func NewNVCDI(opts NVCDIOptions) (*NVCDI, error) {
 	if opts.NVML == nil {
 		return nil, errors.New("NVML must be set")
 	}
-	if opts.Root.Path == "" || opts.Root.HostPath == "" {
+	if opts.LoadedRoot == nil && (opts.Root.Path == "" || opts.Root.HostPath == "") {
 		return nil, errors.New("driver root must be set")
 	}
 	if opts.HookPath == "" {
@@ -155,7 +165,13 @@ func (g *NVCDI) get() (nvcdi.Interface, devRoots, error) {
 		return nil, devRoots{}, errors.New("NVML is not loaded")
 	}
 	root := g.opts.Root
-	var devs devRoots
+	if g.opts.LoadedRoot != nil {
+		var ok bool
+		if root, ok = g.opts.LoadedRoot(); !ok {
+			return nil, devRoots{}, errors.New("no driver root chosen: NVML is not loaded")
+		}
+	}
+	devs := devRoots{root: root}
 	devs.path, devs.hostPath = root.DevRoots()
 	g.mutex.Lock()
 	defer g.mutex.Unlock()
@@ -185,7 +201,7 @@ func (g *NVCDI) get() (nvcdi.Interface, devRoots, error) {
 // toHost rewrites the agent-side paths of edits, which nvcdi found below
 // the driver root and the device root devs, to the node's.
 func (g *NVCDI) toHost(edits cdispec.ContainerEdits, devs devRoots) (cdispec.ContainerEdits, error) {
-	root := g.opts.Root
+	root := devs.root
 	spec := &cdispec.Spec{ContainerEdits: edits}
 	devPath, devHostPath := devs.path, devs.hostPath
 	t := transformroot.NewDriverTransformer(

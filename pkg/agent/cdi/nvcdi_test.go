@@ -569,3 +569,57 @@ func writeHook(mode os.FileMode) func(t *testing.T, nodeRoot string) {
 		writeFile(t, filepath.Join(nodeRoot, "/usr/local/nvidia/toolkit/nvidia-cdi-hook"), mode)
 	}
 }
+
+// TestNVCDILoadedRoot: with LoadedRoot the spec names the driver files
+// below the node path of the root that it returns at generation (the
+// root whose NVML library was loaded), and nothing is generated before
+// there is one.
+func TestNVCDILoadedRoot(t *testing.T) {
+	m, lib := workstation(t)
+	mountPoint := fakeDriverRoot(t, m)
+	operator, err := driverroot.New(driverroot.GPUOperatorHostPath, mountPoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, err := driverroot.New("/", mountPoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var loaded *driverroot.Root
+	gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{
+		LoadedRoot: func() (driverroot.Root, bool) {
+			if loaded == nil {
+				return driverroot.Root{}, false
+			}
+			return *loaded, true
+		},
+		NVML: func() nvml.Interface { return lib },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gen.CommonEdits(); err == nil {
+		t.Fatal("common edits generated before a driver root was chosen")
+	}
+	const lib1 = "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so." + driverVersion
+	for _, root := range []driverroot.Root{operator, host} {
+		loaded = &root
+		edits, err := gen.CommonEdits()
+		if err != nil {
+			t.Fatalf("root %s: %v", root.HostPath, err)
+		}
+		want := filepath.Join(root.HostPath, lib1)
+		found := false
+		for _, mnt := range edits.Mounts {
+			if mnt.ContainerPath == lib1 {
+				found = mnt.HostPath == want
+			}
+			if strings.HasPrefix(mnt.HostPath, mountPoint) {
+				t.Errorf("root %s: mount %s names the agent's mount point", root.HostPath, mnt.HostPath)
+			}
+		}
+		if !found {
+			t.Errorf("root %s: no mount of %s from %s in %+v", root.HostPath, lib1, want, edits.Mounts)
+		}
+	}
+}
