@@ -61,6 +61,7 @@ type options struct {
 	nvml                string
 	driverRoot          string
 	containerDriverRoot string
+	nvmlLibrary         string
 	containerDevRoot    string
 	cdiHookPath         string
 	containerHookPath   string
@@ -136,8 +137,9 @@ the command line wins.`,
 	fs.StringVar(&o.podUID, "pod-uid", "", "UID of the agent's pod (the DaemonSet sets it from metadata.uid). With it the agent registers with the kubelet through sockets of its own (kubelet 1.33 or later), so that a rolling update can start the new agent pod beside the old one (maxSurge: 1): the new pod registers once a dry run of discovery, the devices it would publish and their CDI spec passes (a TopodraTakeOverBlocked event on the Node says why not), is ready once the kubelet has registered it, takes over the checkpoint of prepared claims when the old pod has exited, and answers the kubelet's calls from then on (calls that come meanwhile wait), so the kubelet never has the driver unregistered and never deletes the node's slices. Empty: the sockets are named by the driver alone, and an update must stop the old pod before it starts the new one (maxSurge: 0).")
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "Kubeconfig file, for running outside the cluster. Empty: in-cluster configuration.")
 	fs.StringVar(&o.nvml, "nvml", "real", "Where GPUs come from: 'real' (libnvidia-ml) or 'mock:<profile>' with profile one of "+strings.Join(mockgpu.Profiles(), ", ")+".")
-	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container. CDI specs name driver files below it.")
-	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. Empty: --driver-root itself (running on the host).")
+	fs.StringVar(&o.driverRoot, "driver-root", driverroot.DefaultHostPath, "Root of the NVIDIA driver installation on the node: '/' for a driver installed on the host, '"+driverroot.GPUOperatorHostPath+"' for the GPU Operator's driver container, or '"+driverroot.Auto+"' to choose on each node the first of "+strings.Join(driverroot.AutoHostPaths, " and ")+" that holds libnvidia-ml.so.1 (see --nvml-library; an empty directory does not count), for a GPU Operator cluster whose nodes have either the operator's driver container or a driver installed on the host. With "+driverroot.Auto+", --container-driver-root is where the node's '/' is mounted; the roots are looked at until NVML is loaded from one, and again at every rescan: where "+driverroot.GPUOperatorHostPath+" holds the library after the agent loaded the host's (the driver container became ready later), the agent records a "+agent.ReasonNVMLReload+" event and exits, and its restart loads the container's. The choice is logged and recorded as a "+reasonDriverRoot+" event on the Node. CDI specs name driver files below the root.")
+	fs.StringVar(&o.containerDriverRoot, "container-driver-root", "", "Where --driver-root is mounted in this container (for example /driver-root); libnvidia-ml.so.1 is loaded from there. With --driver-root="+driverroot.Auto+": where the node's '/' is mounted, with mounts made on the node later visible (HostToContainer), so that "+driverroot.GPUOperatorHostPath+" is seen below it. Empty: --driver-root itself (running on the host).")
+	fs.StringVar(&o.nvmlLibrary, "nvml-library", "", "Where libnvidia-ml.so.1 is in the driver root, for a driver whose library is not in the standard library directories ("+strings.Join(driverroot.LibrarySearchPaths, ", ")+"): relative to the driver root (opt/nvidia/lib64/libnvidia-ml.so.1), or absolute as the node sees it and below --driver-root (with "+driverroot.Auto+", the roots it is not below are not looked at). Symbolic links are resolved inside the root. While it is missing the agent reports no GPU (a TopodraNoGPU event naming it) and retries. Empty: the standard directories.")
 	fs.StringVar(&o.containerDevRoot, "container-dev-root", "/", "Where the node's /dev is found in this container, as <dir>/dev, for a --driver-root whose dev/ has no nvidiactl (a driver installed on the host, a driver directory without device nodes); CDI specs name the device nodes found there by the node's /dev. '/' is this container's own /dev, which holds only the device nodes that existed when the container started. The DaemonSet mounts the node's /dev at /host/dev and sets /host.")
 	fs.StringVar(&o.cdiHookPath, "nvidia-cdi-hook-path", cdi.DefaultHookPath, "Path of nvidia-cdi-hook on the node (NVIDIA Container Toolkit); the CDI specs' hooks run it. GPU Operator: /usr/local/nvidia/toolkit/nvidia-cdi-hook.")
 	fs.StringVar(&o.containerHookPath, "container-nvidia-cdi-hook-path", "", "Where --nvidia-cdi-hook-path is visible in this container (the DaemonSet: /driver-root/usr/bin/nvidia-cdi-hook, with the GPU Operator /host/usr/local/nvidia/toolkit/nvidia-cdi-hook). Where it is missing or not executable, the agent logs an error and records a "+agent.ReasonCDIHookMissing+" Warning event on the Node at start, and Prepare of real GPUs fails with what to do, looking again each time. A path that ends with --nvidia-cdi-hook-path has its symbolic links resolved inside the directory before that (the node's root as mounted here). Empty: not checked.")
@@ -246,7 +248,9 @@ func (o *options) registryDir() string {
 type source struct {
 	discovery discovery.Interface
 	cdi       cdi.Generator
-	close     func() error
+	// roots selects the driver root of real NVML; nil for mock GPUs.
+	roots *driverroot.Selector
+	close func() error
 }
 
 // newSource builds discovery and CDI generation for --nvml. Real NVML is
@@ -282,25 +286,17 @@ func newSource(o *options, nodeName string) (*source, error) {
 	}
 	switch {
 	case o.nvml == "real":
-		root, err := driverroot.New(o.driverRoot, o.containerDriverRoot)
+		roots, err := o.driverRoots()
 		if err != nil {
 			return nil, err
-		}
-		// A driver root that is not there is a mistyped setting, not a
-		// machine without GPUs (which the dry run reports with exit 0).
-		if info, err := os.Stat(root.Path); err != nil || !info.IsDir() {
-			return nil, fmt.Errorf("--driver-root %q (or DRIVER_ROOT; seen here as %s, --container-driver-root): not a directory: %v", o.driverRoot, root.Path, errOrFile(err))
-		}
-		if root, err = root.WithDevRoot("/", o.containerDevRoot); err != nil {
-			return nil, fmt.Errorf("--container-dev-root (or CONTAINER_DEV_ROOT): %w", err)
 		}
 		var sysfs fs.ReadLinkFS
 		if o.sysfsRoot != "/sys" {
 			sysfs = os.DirFS(o.sysfsRoot).(fs.ReadLinkFS)
 		}
-		disc := discovery.NewLazy(discovery.OpenFromRoot(root), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
+		disc := discovery.NewLazy(openNVML(roots, o.nvmlLibrary), discovery.NVMLOptions{Sysfs: sysfs, NUMAForm: form})
 		gen, err := cdi.NewNVCDI(cdi.NVCDIOptions{
-			Root:              root,
+			LoadedRoot:        roots.Loaded,
 			NVML:              disc.Lib,
 			HookPath:          o.cdiHookPath,
 			ContainerHookPath: o.containerHookPath,
@@ -313,7 +309,7 @@ func newSource(o *options, nodeName string) (*source, error) {
 		if err != nil {
 			return nil, err
 		}
-		return &source{discovery: disc, cdi: gen, close: disc.Close}, nil
+		return &source{discovery: rootCheckingDiscovery{Lazy: disc, roots: roots}, cdi: gen, roots: roots, close: disc.Close}, nil
 	case strings.HasPrefix(o.nvml, "mock:"):
 		m, err := mockgpu.New(strings.TrimPrefix(o.nvml, "mock:"), mockgpu.Options{NodeName: nodeName})
 		if err != nil {
@@ -362,6 +358,9 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	src, err := newSource(o, nodeName)
 	if err == nil {
 		defer func() { _ = src.close() }()
+		if src.roots != nil {
+			src.roots.Notify(reportRootChoice(logger, nil, nodeName))
+		}
 	}
 	if o.dryRun {
 		if err == nil {
@@ -389,13 +388,17 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	broadcaster := events.NewBroadcaster(sink)
 	broadcaster.StartRecordingToSink(ctx.Done())
 	defer broadcaster.Shutdown()
+	recorder := broadcaster.NewRecorder(scheme.Scheme, "topodra-node-agent")
+	if src.roots != nil && len(src.roots.Candidates()) > 1 {
+		src.roots.Notify(reportRootChoice(logger, recorder, nodeName))
+	}
 	a, err := agent.Start(ctx, agent.Options{
 		NodeName:              nodeName,
 		RollingUpdateUID:      types.UID(o.podUID),
 		KubeClient:            client,
 		Discovery:             src.discovery,
 		CDIGenerator:          src.cdi,
-		Recorder:              broadcaster.NewRecorder(scheme.Scheme, "topodra-node-agent"),
+		Recorder:              recorder,
 		PublishOnly:           o.publishOnly,
 		PluginDataDir:         o.pluginDir(),
 		RegistrarDir:          o.registryDir(),
@@ -432,7 +435,7 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	}
 	select {
 	case <-a.Started():
-		logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint, "podUID", o.podUID)
+		logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "driverRootInUse", src.rootInUse(), "nvmlLibrary", o.nvmlLibrary, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint, "podUID", o.podUID)
 	case <-a.Done():
 	}
 	err = waitAgent(ctx, sink, a)
