@@ -8,10 +8,13 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/agent/driverroot"
+	"github.com/topodra/topodra/pkg/agent/mockgpu"
 )
 
 // touchAll creates empty files (and their directories) below dir.
@@ -177,5 +180,52 @@ func TestAutoDriverRootSource(t *testing.T) {
 	}
 	if got := src.rootInUse(); got != "/" {
 		t.Errorf("root in use %q after the change was refused, want /", got)
+	}
+}
+
+// TestRootCheckingDiscovery: while NVML works from the host's root, a
+// rescan that finds the GPU Operator's root holding the library fails
+// with discovery.ErrDriverChanged, naming both roots; before that it
+// discovers the GPUs.
+func TestRootCheckingDiscovery(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	node := t.TempDir()
+	touchAll(t, node, "usr/lib64/libnvidia-ml.so.1")
+	candidates, err := driverroot.AutoCandidates(node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots, err := driverroot.NewSelector(candidates...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := mockgpu.New(mockgpu.ProfileWorkstation2GPU, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The mock machine stands in for the library of the root loaded.
+	open := func() (nvml.Interface, error) {
+		if _, err := roots.Load(); err != nil {
+			return nil, err
+		}
+		return m.NVML(), nil
+	}
+	lazy := discovery.NewLazy(open, discovery.NVMLOptions{Sysfs: m.Sysfs()})
+	defer func() { _ = lazy.Close() }()
+	d := rootCheckingDiscovery{Lazy: lazy, roots: roots}
+	inv, err := d.Discover(ctx)
+	if err != nil || len(inv.GPUs) != 2 {
+		t.Fatalf("discovery from the host's root: %v, %v", inv, err)
+	}
+	if _, err := d.Discover(ctx); err != nil {
+		t.Fatalf("rescan, nothing changed: %v", err)
+	}
+	touchAll(t, node, filepath.Join(driverroot.GPUOperatorHostPath, "usr/lib64/libnvidia-ml.so.1"))
+	_, err = d.Discover(ctx)
+	if !errors.Is(err, discovery.ErrDriverChanged) || !strings.Contains(err.Error(), "driver root /run/nvidia/driver") {
+		t.Fatalf("rescan once the operator's root holds the library: %v, want a driver change naming it", err)
+	}
+	if _, ok := any(d).(discovery.HealthWatcher); !ok {
+		t.Error("the discovery does not watch health")
 	}
 }
