@@ -15,6 +15,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
+
+	"github.com/topodra/topodra/pkg/agent/driverroot"
 )
 
 func find[T runtime.Object](objs []runtime.Object, match func(T) bool) (T, bool) {
@@ -137,7 +139,9 @@ func checkUnprivileged(t *testing.T, what string, pod *v1.PodSpec, c *v1.Contain
 // variant shares (probes, tolerations, requests, images, least privilege).
 func TestOverlays(t *testing.T) {
 	testcases := map[string]struct {
-		driverRoot string // "" means: no driver root at all (mock)
+		// driverRoot is DRIVER_ROOT: a path on the node, "auto", or ""
+		// for no driver root at all (mock).
+		driverRoot string
 		nvml       string
 		hook       string
 		// hookVolume is the volume through which the agent sees hook.
@@ -148,7 +152,7 @@ func TestOverlays(t *testing.T) {
 		privileged    bool
 	}{
 		"overlays/host":                     {driverRoot: "/", nvml: "real", hook: "/usr/bin/nvidia-cdi-hook", hookVolume: "driver-root", toolkitConfig: "/etc/nvidia-container-runtime/config.toml", privileged: true},
-		"overlays/gpu-operator":             {driverRoot: "/run/nvidia/driver", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", toolkitConfig: operatorToolkitConfig, privileged: true},
+		"overlays/gpu-operator":             {driverRoot: driverroot.Auto, nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", toolkitConfig: operatorToolkitConfig, privileged: true},
 		"overlays/mock":                     {nvml: "mock:dgx-h100"},
 		"overlays/gpu-operator-host-driver": {driverRoot: "/", nvml: "real", hook: "/usr/local/nvidia/toolkit/nvidia-cdi-hook", hookVolume: "nvidia-toolkit", toolkitConfig: operatorToolkitConfig, privileged: true},
 	}
@@ -199,8 +203,22 @@ func TestOverlays(t *testing.T) {
 				if rootVolume == nil || rootVolume.HostPath == nil || rootMount == nil {
 					t.Fatal("no driver-root hostPath volume and mount")
 				}
-				if env["DRIVER_ROOT"] != tc.driverRoot || rootVolume.HostPath.Path != tc.driverRoot {
-					t.Errorf("DRIVER_ROOT=%q, volume %q, want both %q", env["DRIVER_ROOT"], rootVolume.HostPath.Path, tc.driverRoot)
+				// The volume is the driver root on the node; with auto,
+				// the node's "/", below which the agent sees each
+				// candidate root at its node path.
+				wantVolume := tc.driverRoot
+				if tc.driverRoot == driverroot.Auto {
+					wantVolume = "/"
+				}
+				if env["DRIVER_ROOT"] != tc.driverRoot || rootVolume.HostPath.Path != wantVolume {
+					t.Errorf("DRIVER_ROOT=%q, volume %q, want %q and %q", env["DRIVER_ROOT"], rootVolume.HostPath.Path, tc.driverRoot, wantVolume)
+				}
+				if tc.driverRoot == driverroot.Auto {
+					for _, candidate := range driverroot.AutoHostPaths {
+						if got := onNode(ds, c, path.Join(env["CONTAINER_DRIVER_ROOT"], candidate)+"/"); got != candidate {
+							t.Errorf("driver root %s is seen in the agent as the node's %q, want %s", candidate, got, candidate)
+						}
+					}
 				}
 				if env["CONTAINER_DRIVER_ROOT"] != rootMount.MountPath || !rootMount.ReadOnly {
 					t.Errorf("CONTAINER_DRIVER_ROOT=%q, mounted read-only %v at %q", env["CONTAINER_DRIVER_ROOT"], rootMount.ReadOnly, rootMount.MountPath)
