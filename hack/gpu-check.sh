@@ -12,6 +12,7 @@
 # arguments go to the agent, e.g.
 #   hack/gpu-check.sh --owned-taint --numa-list
 #   DRIVER_ROOT=/run/nvidia/driver hack/gpu-check.sh   # GPU Operator node
+#   DRIVER_ROOT=auto hack/gpu-check.sh                 # whichever holds libnvidia-ml.so.1
 #
 # Exits 0 with "no NVIDIA GPU here: <reason>" where there is no GPU (no
 # libnvidia-ml.so, no kernel driver, or zero devices); any other failure is
