@@ -435,12 +435,12 @@ func run(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	}
 	select {
 	case <-a.Started():
-		logger.Info("node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "driverRootInUse", src.rootInUse(), "nvmlLibrary", o.nvmlLibrary, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint, "podUID", o.podUID)
+		logger.Info("Node agent running", "node", nodeName, "nvml", o.nvml, "driverRoot", o.driverRoot, "driverRootInUse", src.rootInUse(), "nvmlLibrary", o.nvmlLibrary, "containerDevRoot", o.containerDevRoot, "cdiHook", o.cdiHookPath, "disabledCDIHooks", o.disabledCDIHooks, "publishOnly", o.publishOnly, "ownedTaint", o.ownedTaint, "podUID", o.podUID)
 	case <-a.Done():
 	}
 	err = waitAgent(ctx, sink, a)
 	if ctx.Err() != nil {
-		logger.Info("shutting down", "reason", context.Cause(ctx))
+		logger.Info("Shutting down", "reason", context.Cause(ctx))
 		return nil
 	}
 	return err

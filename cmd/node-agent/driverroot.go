@@ -125,7 +125,7 @@ func reportRootChoice(logger klog.Logger, recorder events.EventRecorder, nodeNam
 		for _, m := range c.Passed {
 			passed = append(passed, fmt.Sprintf("%s: %v", m.Root.HostPath, m.Err))
 		}
-		logger.Info("driver root chosen: the first that holds the NVML library", "driverRoot", c.Root.HostPath, "containerPath", c.Root.Path, "library", c.Library, "passedOver", passed)
+		logger.Info("Driver root chosen: the first that holds the NVML library", "driverRoot", c.Root.HostPath, "containerPath", c.Root.Path, "library", c.Library, "passedOver", passed)
 		if recorder == nil {
 			return
 		}
