@@ -65,6 +65,29 @@ func GatherBy(g Gatherer, name string, match map[string]string, by string) (map[
 	return out, nil
 }
 
+// CountersBy sums the counter called name over its series whose labels
+// match, by the value of label by.
+func CountersBy(g Gatherer, name string, match map[string]string, by string) (map[string]float64, error) {
+	families, err := g.Gather()
+	if err != nil {
+		return nil, fmt.Errorf("gather metrics: %w", err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			c := m.GetCounter()
+			if c == nil || !matches(m, match) {
+				continue
+			}
+			out[labelValue(m, by)] += c.GetValue()
+		}
+	}
+	return out, nil
+}
+
 func matches(m *dto.Metric, match map[string]string) bool {
 	for k, v := range match {
 		if labelValue(m, k) != v {

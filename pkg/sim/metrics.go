@@ -10,6 +10,35 @@ import (
 // (scheduling algorithm + binding), labeled by result and profile.
 const attemptMetric = "scheduler_scheduling_attempt_duration_seconds"
 
+// turnedDownMetric counts the attempts TopologyDRA turns down, by profile
+// and reason.
+const turnedDownMetric = "topodra_unschedulable_attempts_total"
+
+// turnedDown is a reading of turnedDownMetric for one profile, by reason.
+type turnedDown map[string]float64
+
+// readTurnedDown reads turnedDownMetric as readAttempts reads its
+// histogram; a profile without TopologyDRA reads empty.
+func readTurnedDown(profile string) turnedDown {
+	by, err := measure.CountersBy(legacyregistry.DefaultGatherer, turnedDownMetric, map[string]string{"profile": profile}, "reason")
+	if err != nil {
+		return turnedDown{}
+	}
+	return by
+}
+
+// since returns the attempts between an earlier reading and t, leaving
+// out reasons without any.
+func (t turnedDown) since(before turnedDown) map[string]uint64 {
+	out := map[string]uint64{}
+	for reason, v := range t {
+		if d := v - before[reason]; d > 0 {
+			out[reason] = uint64(d)
+		}
+	}
+	return out
+}
+
 // attempts is a reading of attemptMetric for one profile, by result.
 type attempts map[string]measure.Histogram
 

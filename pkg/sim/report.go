@@ -1,8 +1,10 @@
 package sim
 
 import (
+	"cmp"
 	"fmt"
 	"io"
+	"maps"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -256,6 +258,9 @@ type Result struct {
 	AttemptP50Ms float64           `json:"attemptP50Ms"`
 	AttemptP99Ms float64           `json:"attemptP99Ms"`
 	Attempts     map[string]uint64 `json:"attempts,omitempty"`
+	// TurnedDown counts the attempts that TopologyDRA turned down, by
+	// reason (topodra_unschedulable_attempts_total); empty for stock.
+	TurnedDown map[string]uint64 `json:"turnedDown,omitempty"`
 	// SlowAttempts counts the successful attempts of more than 4 s (the
 	// histogram's bucket above 4.096 s). Under faults these are, as a
 	// rule, binding cycles that met a restart of the kube-apiserver,
@@ -527,6 +532,7 @@ func resultRows(results []Result) []resultRow {
 		{"attempts: scheduled / unschedulable", true, func(res Result) string {
 			return fmt.Sprintf("%d / %d", res.Attempts["scheduled"], res.Attempts["unschedulable"])
 		}},
+		{"attempts TopologyDRA turned down, by reason", true, turnedDownText},
 		{"scheduler CPU", true, schedulerCPUText},
 		{"create->bind p50 / p99", false, func(res Result) string {
 			return fmt.Sprintf("%.0f / %.0f ms", res.LatencyP50Ms, res.LatencyP99Ms)
@@ -730,6 +736,24 @@ func (res Result) SchedulerCPUMsPerPod() float64 {
 		return -1
 	}
 	return 1000 * res.SchedulerCPUSeconds / float64(res.Placed)
+}
+
+// turnedDownText lists the attempts TopologyDRA turned down by reason,
+// most first: "devices_in_use 212, held_back 31"; "none" for a scheduler
+// without any.
+func turnedDownText(res Result) string {
+	if len(res.TurnedDown) == 0 {
+		return "none"
+	}
+	reasons := slices.Collect(maps.Keys(res.TurnedDown))
+	slices.SortFunc(reasons, func(a, b string) int {
+		return cmp.Or(cmp.Compare(res.TurnedDown[b], res.TurnedDown[a]), strings.Compare(a, b))
+	})
+	parts := make([]string, 0, len(reasons))
+	for _, r := range reasons {
+		parts = append(parts, fmt.Sprintf("%s %d", r, res.TurnedDown[r]))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // schedulerCPUText is the scheduler's CPU time over the run and per pod

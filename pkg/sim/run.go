@@ -320,6 +320,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	// (The probe pods after kube-apiserver restarts are counted, one
 	// attempt each: the workload's pods are attempted meanwhile.)
 	before := readAttempts(schedulerName)
+	beforeTurnedDown := readTurnedDown(schedulerName)
 	setup := time.Since(start)
 	opts.progressf("[%s] cluster ready in %.1fs; running %d pods over %d ticks", sched, setup.Seconds(), len(workload.Jobs), workload.Ticks())
 
@@ -411,6 +412,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	res.AttemptP99Ms = 1000 * att.quantile(0.99)
 	res.SlowAttempts = att.slow()
 	res.Attempts = att.byResult()
+	res.TurnedDown = readTurnedDown(schedulerName).since(beforeTurnedDown)
 	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
 	for _, e := range res.Nodes {
 		res.Fit8 += e.Fit8

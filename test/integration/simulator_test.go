@@ -499,9 +499,17 @@ value: 1000
 			if res.Evicted[v1.PodReasonPreemptionByScheduler] != 1 || urgentPending || res.RunningAtEnd != 2 || res.Finished != 0 {
 				t.Errorf("topodra: evicted %v, urgent pending %v, running at end %d; want one preempted, the urgent job and one other running", res.Evicted, urgentPending, res.RunningAtEnd)
 			}
+			// The urgent job's first attempt, before its victim was
+			// evicted, found the node's GPUs in use.
+			if res.TurnedDown["devices_in_use"] == 0 {
+				t.Errorf("topodra: attempts turned down by reason %v, want the urgent job's under devices_in_use", res.TurnedDown)
+			}
 		case sim.SchedulerStock:
 			if len(res.Evicted) != 0 || !urgentPending {
 				t.Errorf("stock: evicted %v, urgent pending %v; want nothing evicted and the urgent job waiting", res.Evicted, urgentPending)
+			}
+			if len(res.TurnedDown) != 0 {
+				t.Errorf("stock: attempts turned down by TopologyDRA %v, want none (its profile has no TopologyDRA)", res.TurnedDown)
 			}
 		}
 	}

@@ -111,7 +111,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// node's devices. The message names the claim, request and
 		// expression; the claim gets a warning event, once per cycle.
 		s.reportOnce.Do(func() {
-			countAttempt(rejectInvalidClaim)
+			pl.countAttempt(rejectInvalidClaim)
 			pl.claimsInvalid(pod, true)
 			for _, index := range s.toAllocate {
 				if s.isExtendedInMemory(index) {

@@ -80,9 +80,9 @@ var (
 	unschedulableAttempts = metrics.NewCounterVec(&metrics.CounterOpts{
 		Subsystem:      metricsSubsystem,
 		Name:           "unschedulable_attempts_total",
-		Help:           "Scheduling attempts in which TopologyDRA turned the pod down, by reason: of the pod's claims, or the reason it turned down the most nodes for (" + strings.Join(rejectionNames[:], ", ") + "). Attempts in which only other plugins turned nodes down are not counted.",
+		Help:           "Scheduling attempts in which TopologyDRA turned the pod down, by profile and reason: of the pod's claims, or the reason it turned down the most nodes for (" + strings.Join(rejectionNames[:], ", ") + "). Attempts in which only other plugins turned nodes down are not counted.",
 		StabilityLevel: metrics.ALPHA,
-	}, []string{"reason"})
+	}, []string{"profile", "reason"})
 	registerOnce sync.Once
 )
 

@@ -51,6 +51,8 @@ const Name = "TopologyDRA"
 // changes later (the memos, trackers and sets) are safe for concurrent
 // use.
 type TopologyDRA struct {
+	// attempts counts the attempts this profile turns down, by reason.
+	attempts attemptCounters
 	// The pod-independent parts of queueing hints, once per event.
 	nodeEventMemo  eventMemo[corev1.Node]
 	sliceEventMemo eventMemo[resourceapi.ResourceSlice]
@@ -213,6 +215,7 @@ func New(ctx context.Context, obj runtime.Object, h fwk.Handle) (fwk.Plugin, err
 		draManager:         h.SharedDRAManager(),
 		client:             h.ClientSet(),
 		handle:             h,
+		attempts:           newAttemptCounters(h.ProfileName()),
 		cache:              allocator.NewCache(),
 		bindingTimeout:     time.Duration(args.BindingTimeoutSeconds) * time.Second,
 		headroomPercent:    args.SmallPodHeadroomPercent,

@@ -27,7 +27,7 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	if r, ok := s.rejected.most(); ok {
-		countAttempt(r)
+		pl.countAttempt(r)
 	}
 	s.mu.Lock()
 	unavailable := s.unavailableClaims.UnsortedList()

@@ -116,12 +116,12 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			// The claim cache may be behind; a claim event requeues the pod.
 			// Unresolvable, as with the stock plugin: no node can take the
 			// pod, and preempting pods would not change that.
-			countAttempt(rejectClaimNotReady)
+			pl.countAttempt(rejectClaimNotReady)
 			return nil, unresolvable(err.Error())
 		}
 	}
 	if err := checkExtendedCounts(pod, extended); err != nil {
-		countAttempt(rejectInvalidClaim)
+		pl.countAttempt(rejectInvalidClaim)
 		return nil, unresolvable(err.Error())
 	}
 	var ext *extendedClaim
@@ -170,7 +170,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 			if !resourceclaim.CanBeReserved(claim) && !resourceclaim.IsReservedForPod(pod, claim, false) {
 				// Shared claim with a full reservedFor list; a claim
 				// update (a consumer leaving) requeues the pod.
-				countAttempt(rejectClaimInUse)
+				pl.countAttempt(rejectClaimInUse)
 				return nil, unresolvable(fmt.Sprintf("resource claim %s is in use by %d pods, the most a claim can be reserved for", claim.Name, len(claim.Status.ReservedFor)))
 			}
 			if sel := claim.Status.Allocation.NodeSelector; sel != nil {
@@ -190,14 +190,14 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		if pl.draManager.ResourceClaims().GetPendingAllocation(claim.UID) != nil {
 			// Another pod's cycle is allocating this shared claim right
 			// now; its claim update requeues us.
-			countAttempt(rejectClaimInUse)
+			pl.countAttempt(rejectClaimInUse)
 			return nil, unresolvable(fmt.Sprintf("resource claim %s is being allocated for another pod", claim.Name))
 		}
 		if ext == nil || i != ext.index {
 			// The in-memory claim's requests name the classes that the
 			// class resolver found; Filter reports what they match.
 			if st := pl.validateClaim(ctx, claim); st != nil {
-				countAttempt(rejectInvalidClaim)
+				pl.countAttempt(rejectInvalidClaim)
 				pl.claimsInvalid(pod, true)
 				return nil, st
 			}
@@ -245,7 +245,7 @@ func (pl *TopologyDRA) PreFilter(ctx context.Context, cs fwk.CycleState, pod *v1
 		Parallelize:    pl.parallelize,
 	})
 	if err != nil {
-		countAttempt(rejectOther)
+		pl.countAttempt(rejectOther)
 		return nil, unresolvable(err.Error())
 	}
 	s.allocator = a

@@ -3,6 +3,8 @@ package topologydra
 import (
 	"sync/atomic"
 
+	"k8s.io/component-base/metrics"
+
 	"github.com/topodra/topodra/pkg/allocator"
 )
 
@@ -82,7 +84,21 @@ func (n *nodeRejections) most() (rejection, bool) {
 	return best, count > 0
 }
 
+// attemptCounters are one profile's children of
+// topodra_unschedulable_attempts_total, one per rejection.
+type attemptCounters [numRejections]metrics.CounterMetric
+
+func newAttemptCounters(profile string) attemptCounters {
+	var c attemptCounters
+	for r := range numRejections {
+		c[r] = unschedulableAttempts.WithLabelValues(profile, r.String())
+	}
+	return c
+}
+
 // countAttempt counts one attempt that TopologyDRA turned the pod down in.
-func countAttempt(r rejection) {
-	unschedulableAttempts.WithLabelValues(r.String()).Inc()
+func (pl *TopologyDRA) countAttempt(r rejection) {
+	if pl.attempts[r] != nil {
+		pl.attempts[r].Inc()
+	}
 }

@@ -15,12 +15,13 @@ import (
 	"github.com/topodra/topodra/pkg/topology"
 )
 
-// attemptCounts reads topodra_unschedulable_attempts_total per reason.
-func attemptCounts(t *testing.T) map[string]float64 {
+// attemptCounts reads topodra_unschedulable_attempts_total of profile
+// per reason.
+func attemptCounts(t *testing.T, profile string) map[string]float64 {
 	t.Helper()
 	out := map[string]float64{}
 	for _, name := range rejectionNames {
-		v, err := testutil.GetCounterMetricValue(unschedulableAttempts.WithLabelValues(name))
+		v, err := testutil.GetCounterMetricValue(unschedulableAttempts.WithLabelValues(profile, name))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -31,9 +32,9 @@ func attemptCounts(t *testing.T) map[string]float64 {
 
 // expectAttempt checks that the counts went up by one for reason since
 // before, and not for any other reason ("" for none).
-func expectAttempt(t *testing.T, what string, before map[string]float64, reason string) {
+func expectAttempt(t *testing.T, what, profile string, before map[string]float64, reason string) {
 	t.Helper()
-	after := attemptCounts(t)
+	after := attemptCounts(t, profile)
 	for name, v := range after {
 		want := before[name]
 		if name == reason {
@@ -66,7 +67,8 @@ func TestUnschedulableAttemptsByReason(t *testing.T) {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 	all := []string{"node-a", "node-b", "node-c"}
-	before := attemptCounts(t)
+	profile := h.pl.handle.ProfileName() // the harness's framework has none: ""
+	before := attemptCounts(t, profile)
 	turnedDown := func(what string, pod *v1.Pod, reason string, nodes ...string) {
 		t.Helper()
 		cs, st := h.cycle(pod, nodes...)
@@ -76,7 +78,7 @@ func TestUnschedulableAttemptsByReason(t *testing.T) {
 			}
 		}
 		h.pl.PostFilter(h.tCtx, cs, pod, nil)
-		expectAttempt(t, what, before, reason)
+		expectAttempt(t, what, profile, before, reason)
 	}
 
 	turnedDown("8 GPUs on nodes of 2 and 4", testPod("p1", "eight"), "no_matching_devices", all...)
@@ -96,13 +98,13 @@ func TestUnschedulableAttemptsByReason(t *testing.T) {
 		t.Fatalf("PreFilter of a pod whose claim is missing: %v", st)
 	}
 	h.pl.PostFilter(h.tCtx, cs, testPod("p5", "not-there"), nil)
-	expectAttempt(t, "a claim not created yet", before, "claim_not_ready")
+	expectAttempt(t, "a claim not created yet", profile, before, "claim_not_ready")
 	cs = framework.NewCycleState()
 	if _, st := h.pl.PreFilter(h.tCtx, cs, testPod("p6", "no-class"), nil); code(st) != fwk.UnschedulableAndUnresolvable {
 		t.Fatalf("PreFilter of a pod whose claim names a missing class: %v", st)
 	}
 	h.pl.PostFilter(h.tCtx, cs, testPod("p6", "no-class"), nil)
-	expectAttempt(t, "a missing device class", before, "invalid_claim")
+	expectAttempt(t, "a missing device class", profile, before, "invalid_claim")
 
 	// Other plugins turned every node down: TopologyDRA's Filter was not
 	// called, or passed.
@@ -111,7 +113,7 @@ func TestUnschedulableAttemptsByReason(t *testing.T) {
 		t.Fatalf("PreFilter: %v", st)
 	}
 	h.pl.PostFilter(h.tCtx, cs, testPod("p7", "two"), nil)
-	expectAttempt(t, "no node turned down by TopologyDRA", before, "")
+	expectAttempt(t, "no node turned down by TopologyDRA", profile, before, "")
 }
 
 // TestRejectionCounts: the reason of the most nodes wins, the first in
