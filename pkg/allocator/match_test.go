@@ -238,6 +238,21 @@ func TestMatchAttributeByCounting(t *testing.T) {
 			want:    []string{"gpu-0", "gpu-1"},
 			counted: true,
 		},
+		"overlapping-selectors": {
+			// Request a takes any GPU, request b only the free one of
+			// bridge-0 (gpu-1 is in use): a's first choice, gpu-0, must
+			// go to b, and a takes another GPU of the same root.
+			slices:    pcieBox(nodeName),
+			allocated: allocated(gpuDriver, nodeName, "gpu-1"),
+			claims: []*resourceapi.ResourceClaim{func() *resourceapi.ResourceClaim {
+				c := claim("c").request("a", "gpu", 1).
+					request("b", "gpu", 1, fmt.Sprintf(`device.attributes[%q].nvlinkClique == "bridge-0"`, topology.DriverName)).obj()
+				c.Spec.Devices.Constraints = []resourceapi.DeviceConstraint{{MatchAttribute: ptr.To(pcieRoot)}}
+				return c
+			}()},
+			want:    []string{"gpu-0", "gpu-2"},
+			counted: false,
+		},
 		"list-values-left-to-upstream": {
 			slices: []*resourceapi.ResourceSlice{slice(nodeName, gpuDriver,
 				device("gpu-0", attrs{topology.AttrNUMANode: nums(0, 1)}),
@@ -318,4 +333,25 @@ func sharesDomainOf(pool []*resourceapi.ResourceSlice, alloc resourceapi.Allocat
 		first = value
 	}
 	return true
+}
+
+// TestFillSlots: a maximum matching of request slots to distinct devices
+// moves a device to another slot where that fills both.
+func TestFillSlots(t *testing.T) {
+	for name, tc := range map[string]struct {
+		slots     [][]int
+		stopEarly bool
+		want      int
+	}{
+		"disjoint":                 {slots: [][]int{{0}, {1}}, want: 2},
+		"first takes the second's": {slots: [][]int{{0, 1}, {0}}, want: 2},
+		"chain of moves":           {slots: [][]int{{0, 1}, {1, 2}, {0}}, want: 3},
+		"one device, two slots":    {slots: [][]int{{0}, {0}, {1}}, want: 2},
+		"stop at the first empty":  {slots: [][]int{{0}, {0}, {1}}, stopEarly: true, want: 1},
+		"none":                     {slots: [][]int{{}, {}}, want: 0},
+	} {
+		if got := fillSlots(tc.slots, tc.stopEarly); got != tc.want {
+			t.Errorf("%s: fillSlots(%v, %v) = %d, want %d", name, tc.slots, tc.stopEarly, got, tc.want)
+		}
+	}
 }

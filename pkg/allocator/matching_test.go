@@ -243,24 +243,25 @@ func TestCountDevicesInParallel(t *testing.T) {
 }
 
 // TestDeviceHasTaint: a device of the newest generation of its pool, with
-// and without the taint; the older generation's copy of the pool, where
-// the device was untainted, does not count; an unknown device is not
-// found.
+// and without the taint; the older generation's copy of the pool (its
+// slice listed first), where gpu-0 was untainted, gpu-1 tainted and gpu-8
+// published, does not count; an unknown device is not found.
 func TestDeviceHasTaint(t *testing.T) {
 	ctx := quietContext(t)
-	old := slice("n", gpuDriver, device("gpu-0", nil), device("gpu-1", nil))
-	old.Name += "-old"
+	old := slice("n", gpuDriver, device("gpu-0", nil), device("gpu-1", nil), device("gpu-8", nil))
+	old.Name = "a-old-" + old.Name
+	old.Spec.Devices[1].Taints = []resourceapi.DeviceTaint{{Key: "example.com/owned", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
 	current := slice("n", gpuDriver, device("gpu-0", nil), device("gpu-1", nil))
 	current.Spec.Pool.Generation = 2
 	current.Spec.Devices[0].Taints = []resourceapi.DeviceTaint{{Key: "example.com/owned", Effect: resourceapi.DeviceTaintEffectNoSchedule}}
-	a, err := New(ctx, Options{Features: allFeatures, ClassLister: defaultClasses, Slices: []*resourceapi.ResourceSlice{old, current}, Policy: DefaultPolicy()})
+	a, err := New(ctx, Options{Features: allFeatures, ClassLister: defaultClasses, Slices: []*resourceapi.ResourceSlice{current, old}, Policy: DefaultPolicy()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
 		device         string
 		found, tainted bool
-	}{{"gpu-0", true, true}, {"gpu-1", true, false}, {"gpu-9", false, false}} {
+	}{{"gpu-0", true, true}, {"gpu-1", true, false}, {"gpu-8", false, false}, {"gpu-9", false, false}} {
 		if found, tainted := a.DeviceHasTaint(gpuDriver, "n", tc.device, "example.com/owned"); found != tc.found || tainted != tc.tainted {
 			t.Errorf("DeviceHasTaint(%s) = %v, %v; want %v, %v", tc.device, found, tainted, tc.found, tc.tainted)
 		}
