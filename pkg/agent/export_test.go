@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // SetTakeOverDiscoveryTimeout sets how long the takeover check waits for
@@ -18,4 +20,14 @@ func SetTakeOverDiscoveryTimeout(t *testing.T, d time.Duration) {
 // due, as the agent does every rescan interval.
 func (a *Agent) RepeatWarnings(ctx context.Context) {
 	a.repeatWarnings(ctx)
+}
+
+// HoldClaim takes the lock that a Prepare or Unprepare of the claim holds
+// while it works, as one that is slow would; it returns the unlock.
+func (a *Agent) HoldClaim(t *testing.T, uid types.UID) func() {
+	unlock, ok := a.claimLocks.tryLock(uid)
+	if !ok {
+		t.Fatalf("claim %s is locked already", uid)
+	}
+	return unlock
 }

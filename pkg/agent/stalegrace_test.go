@@ -67,3 +67,38 @@ func TestStaleClaimGraceSurvivesRestart(t *testing.T) {
 	clock.SetTime(start.Add(grace))
 	check(a, "when the grace period ends", orphan.UID)
 }
+
+// TestStaleClaimInUseKept: a stale claim that a Prepare or Unprepare
+// works on (its lock held) is not dropped: its CDI spec and checkpoint
+// entry stay until a check finds it free.
+func TestStaleClaimInUseKept(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.staleClaimGrace = time.Minute
+	start := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+	clock := testingclock.NewFakePassiveClock(start)
+	opts := e.options(t)
+	opts.Clock = clock
+	a, err := agent.New(ctx, opts)
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	t.Cleanup(a.Stop)
+	orphan := claim("orphan", gpus("gpus", "gpu-1")...)
+	if err := prepareOne(ctx, t, a, orphan); err != nil {
+		t.Fatalf("prepare: %v", err)
+	}
+	check := func(what string, want ...types.UID) {
+		t.Helper()
+		removed, err := a.CleanupStaleClaims(ctx)
+		if err != nil || !slices.Equal(removed, want) {
+			t.Fatalf("%s: removed %v (%v), want %v", what, removed, err, want)
+		}
+	}
+	check("first found gone")
+	clock.SetTime(start.Add(time.Minute))
+	unlock := a.HoldClaim(t, orphan.UID)
+	check("grace over, the claim locked")
+	unlock()
+	check("grace over, the claim free", orphan.UID)
+}
