@@ -136,6 +136,17 @@ type GPU struct {
 	// Fabric says why the GPU's NVLink fabric is not ready, nil where it
 	// is or where the GPU has none (see FabricNotReady).
 	Fabric *FabricNotReady
+	// ResetRequired says why the GPU needs a reset before it takes work:
+	// RowRemapPending or PageRetirementPending; "" where it does not, or
+	// where NVML cannot say.
+	ResetRequired string
+	// RowRemapFailed: NVML reports that a row of the GPU's memory could
+	// not be remapped (RowRemapFailure); false where NVML cannot say. The
+	// GPU keeps the faulty row until it is repaired or replaced.
+	RowRemapFailed bool
+	// ComputeProhibited: the GPU's compute mode is Prohibited, so that
+	// no CUDA context can be created on it; false where NVML cannot say.
+	ComputeProhibited bool
 	// Device is what gets published for this GPU: name, attributes and
 	// capacity. It never carries taints; the agent adds those.
 	Device resourceapi.Device
@@ -164,6 +175,22 @@ type FabricNotReady struct {
 	// Status is NVML's error of a failed registration, empty otherwise.
 	Status string
 }
+
+// Values of GPU.ResetRequired, and RowRemapFailure: label values that the
+// agent publishes as taint values.
+const (
+	// RowRemapPending: the GPU's row remapper has remapped rows of its
+	// memory that take effect at the next GPU reset; until then the
+	// faulty rows stay in use.
+	RowRemapPending = "row-remap-pending"
+	// PageRetirementPending: a GPU without row remapping (before Ampere)
+	// has retired pages of its memory that take effect at the next GPU
+	// reset or reboot; until then they stay in use.
+	PageRetirementPending = "page-retirement-pending"
+	// RowRemapFailure names GPU.RowRemapFailed: a row of the GPU's memory
+	// could not be remapped.
+	RowRemapFailure = "row-remap-failure"
+)
 
 // Skipped is a GPU that discovery found but does not publish as a whole
 // GPU, with the reason: MIG-enabled GPUs (handing one out as a whole GPU

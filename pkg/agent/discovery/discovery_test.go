@@ -1209,3 +1209,277 @@ func TestDiscoverFabric(t *testing.T) {
 		})
 	}
 }
+
+// conditions is what discovery reads of a GPU's memory repair and compute
+// mode.
+type conditions struct {
+	ResetRequired     string
+	RowRemapFailed    bool
+	ComputeProhibited bool
+}
+
+func conditionsOf(g discovery.GPU) conditions {
+	return conditions{ResetRequired: g.ResetRequired, RowRemapFailed: g.RowRemapFailed, ComputeProhibited: g.ComputeProhibited}
+}
+
+// TestDiscoverConditions: a GPU whose row remapper has remaps pending, or
+// that has no row remapping and retired pages pending, is published as
+// needing a reset; one whose row remapper failed as such; one whose
+// compute mode is Prohibited as such; the others without. A feature that
+// the GPU or library lacks (NOT_SUPPORTED, FUNCTION_NOT_FOUND, a library
+// without GetRemappedRows) and an NVML error leave the GPU published
+// without the condition; a lost GPU is skipped and a lost driver fails
+// discovery, as for any other query.
+func TestDiscoverConditions(t *testing.T) {
+	noRemap := func(m *mockgpu.Machine) { m.FailRowRemap(3, nvml.ERROR_NOT_SUPPORTED) }
+	testcases := map[string]struct {
+		// set changes GPU 3.
+		set     func(m *mockgpu.Machine)
+		noSym   bool
+		want    conditions
+		skipped bool
+		wantErr error
+	}{
+		"nothing to report": {},
+		"row remap pending": {
+			set:  func(m *mockgpu.Machine) { m.SetRowRemap(3, true, false) },
+			want: conditions{ResetRequired: discovery.RowRemapPending},
+		},
+		"row remap failed": {
+			set:  func(m *mockgpu.Machine) { m.SetRowRemap(3, false, true) },
+			want: conditions{RowRemapFailed: true},
+		},
+		"row remap pending and failed": {
+			set:  func(m *mockgpu.Machine) { m.SetRowRemap(3, true, true) },
+			want: conditions{ResetRequired: discovery.RowRemapPending, RowRemapFailed: true},
+		},
+		"row remap error: not known": {
+			set: func(m *mockgpu.Machine) {
+				m.FailRowRemap(3, nvml.ERROR_UNKNOWN)
+				m.SetRetiredPagesPending(3, true)
+			},
+		},
+		"no row remapping, retired pages pending": {
+			set: func(m *mockgpu.Machine) {
+				noRemap(m)
+				m.SetRetiredPagesPending(3, true)
+			},
+			want: conditions{ResetRequired: discovery.PageRetirementPending},
+		},
+		"row remapping function not found, retired pages pending": {
+			set: func(m *mockgpu.Machine) {
+				m.FailRowRemap(3, nvml.ERROR_FUNCTION_NOT_FOUND)
+				m.SetRetiredPagesPending(3, true)
+			},
+			want: conditions{ResetRequired: discovery.PageRetirementPending},
+		},
+		"library without GetRemappedRows: retired pages only": {
+			set: func(m *mockgpu.Machine) {
+				m.SetRowRemap(3, true, true)
+				m.SetRetiredPagesPending(3, true)
+			},
+			noSym: true,
+			want:  conditions{ResetRequired: discovery.PageRetirementPending},
+		},
+		"no row remapping, no retired pages pending": {
+			set: func(m *mockgpu.Machine) {
+				noRemap(m)
+				m.SetRetiredPagesPending(3, false)
+			},
+		},
+		"neither row remapping nor page retirement": {set: noRemap},
+		"no row remapping, retired pages error: not known": {
+			set: func(m *mockgpu.Machine) {
+				noRemap(m)
+				m.FailRetiredPagesPending(3, nvml.ERROR_UNKNOWN)
+			},
+		},
+		"compute mode prohibited": {
+			set:  func(m *mockgpu.Machine) { m.SetComputeMode(3, nvml.COMPUTEMODE_PROHIBITED) },
+			want: conditions{ComputeProhibited: true},
+		},
+		"compute mode exclusive process": {
+			set: func(m *mockgpu.Machine) { m.SetComputeMode(3, nvml.COMPUTEMODE_EXCLUSIVE_PROCESS) },
+		},
+		"compute mode not supported": {
+			set: func(m *mockgpu.Machine) { m.FailComputeMode(3, nvml.ERROR_NOT_SUPPORTED) },
+		},
+		"compute mode error: not known": {
+			set: func(m *mockgpu.Machine) { m.FailComputeMode(3, nvml.ERROR_UNKNOWN) },
+		},
+		"every condition": {
+			set: func(m *mockgpu.Machine) {
+				m.SetRowRemap(3, true, true)
+				m.SetComputeMode(3, nvml.COMPUTEMODE_PROHIBITED)
+			},
+			want: conditions{ResetRequired: discovery.RowRemapPending, RowRemapFailed: true, ComputeProhibited: true},
+		},
+		"GPU lost (row remapper)": {
+			set:     func(m *mockgpu.Machine) { m.FailRowRemap(3, nvml.ERROR_GPU_IS_LOST) },
+			skipped: true,
+		},
+		"GPU lost (retired pages)": {
+			set: func(m *mockgpu.Machine) {
+				noRemap(m)
+				m.FailRetiredPagesPending(3, nvml.ERROR_GPU_IS_LOST)
+			},
+			skipped: true,
+		},
+		"GPU lost (compute mode)": {
+			set:     func(m *mockgpu.Machine) { m.FailComputeMode(3, nvml.ERROR_GPU_IS_LOST) },
+			skipped: true,
+		},
+		"driver lost (row remapper)": {
+			set:     func(m *mockgpu.Machine) { m.FailRowRemap(3, nvml.ERROR_LIB_RM_VERSION_MISMATCH) },
+			wantErr: discovery.ErrDriverChanged,
+		},
+		"driver lost (compute mode)": {
+			set:     func(m *mockgpu.Machine) { m.FailComputeMode(3, nvml.ERROR_DRIVER_NOT_LOADED) },
+			wantErr: discovery.ErrDriverChanged,
+		},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.set != nil {
+				tc.set(m)
+			}
+			lib := m.NVML()
+			if tc.noSym {
+				lib = noSymbols{lib}
+			}
+			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib, Sysfs: m.Sysfs()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			inv, err := d.Discover(ctx)
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Fatalf("Discover: %v, want an error wrapping %v", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Discover: %v", err)
+			}
+			if tc.skipped {
+				if len(inv.Skipped) != 1 || inv.Skipped[0].Index != 3 || !inv.Skipped[0].Lost || inv.GPU("gpu-3") != nil {
+					t.Errorf("skipped %+v, want GPU 3 skipped as lost", inv.Skipped)
+				}
+				return
+			}
+			if len(inv.Skipped) != 0 || len(inv.GPUs) != len(m.Spec().GPUs) {
+				t.Fatalf("%d GPUs published, skipped %+v; want all %d", len(inv.GPUs), inv.Skipped, len(m.Spec().GPUs))
+			}
+			for _, g := range inv.GPUs {
+				want := conditions{}
+				if g.Index == 3 {
+					want = tc.want
+				}
+				if diff := cmp.Diff(want, conditionsOf(g)); diff != "" {
+					t.Errorf("%s: conditions (-want +got):\n%s", g.Name, diff)
+				}
+			}
+		})
+	}
+}
+
+// TestConditionsReadAtEachDiscovery: each discovery reads the memory
+// repair and compute mode again, so that a condition that is gone (after
+// a GPU reset, or nvidia-smi -c DEFAULT) is gone from the next inventory;
+// an NVML error reading them is logged when it appears (at the agent's
+// --v=2), not at every discovery.
+func TestConditionsReadAtEachDiscovery(t *testing.T) {
+	m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.Verbosity(2), ktesting.BufferLogs(true)))
+	ctx := klog.NewContext(context.Background(), logger)
+	d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: m.NVML(), Sysfs: m.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	logged := func(msg string) int {
+		return strings.Count(logger.GetSink().(ktesting.Underlier).GetBuffer().String(), msg)
+	}
+	steps := []struct {
+		what string
+		set  func()
+		// want is the conditions of GPUs 3 and 5.
+		want [2]conditions
+		// memory and compute count the logged errors.
+		memory, compute int
+	}{
+		{
+			what: "faults",
+			set: func() {
+				m.SetRowRemap(3, true, true)
+				m.SetComputeMode(3, nvml.COMPUTEMODE_PROHIBITED)
+				m.FailRowRemap(5, nvml.ERROR_NOT_SUPPORTED)
+				m.SetRetiredPagesPending(5, true)
+			},
+			want: [2]conditions{
+				{ResetRequired: discovery.RowRemapPending, RowRemapFailed: true, ComputeProhibited: true},
+				{ResetRequired: discovery.PageRetirementPending},
+			},
+		},
+		{
+			what: "reset and compute mode Default",
+			set: func() {
+				m.SetRowRemap(3, false, false)
+				m.SetComputeMode(3, nvml.COMPUTEMODE_DEFAULT)
+				m.SetRetiredPagesPending(5, false)
+			},
+		},
+		{
+			what: "NVML errors",
+			set: func() {
+				m.FailRowRemap(3, nvml.ERROR_UNKNOWN)
+				m.FailComputeMode(3, nvml.ERROR_UNKNOWN)
+			},
+			memory: 1, compute: 1,
+		},
+		{what: "the same errors", set: func() {}, memory: 1, compute: 1},
+		{what: "the same errors again", set: func() {}, memory: 1, compute: 1},
+		{
+			what: "answers again",
+			set: func() {
+				m.SetRowRemap(3, true, false)
+				m.SetComputeMode(3, nvml.COMPUTEMODE_DEFAULT)
+			},
+			want:   [2]conditions{{ResetRequired: discovery.RowRemapPending}},
+			memory: 1, compute: 1,
+		},
+		{
+			what:   "errors once more",
+			set:    func() { m.FailRowRemap(3, nvml.ERROR_UNKNOWN) },
+			memory: 2, compute: 1,
+		},
+	}
+	for _, step := range steps {
+		step.set()
+		inv, err := d.Discover(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", step.what, err)
+		}
+		if len(inv.GPUs) != len(m.Spec().GPUs) {
+			t.Fatalf("%s: %d GPUs published, want %d", step.what, len(inv.GPUs), len(m.Spec().GPUs))
+		}
+		got := [2]conditions{conditionsOf(*inv.GPU("gpu-3")), conditionsOf(*inv.GPU("gpu-5"))}
+		if diff := cmp.Diff(step.want, got); diff != "" {
+			t.Errorf("%s: conditions of gpu-3 and gpu-5 (-want +got):\n%s", step.what, diff)
+		}
+		if got := logged("memory repair state unavailable"); got != step.memory {
+			t.Errorf("%s: memory repair error logged %d times at V(2), want %d", step.what, got, step.memory)
+		}
+		if got := logged("compute mode unavailable"); got != step.compute {
+			t.Errorf("%s: compute mode error logged %d times at V(2), want %d", step.what, got, step.compute)
+		}
+	}
+}

@@ -159,9 +159,15 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 		d.logChange(logger, 2, "cudaDriverVersion", ret.Error(), "CUDA driver version unavailable", "err", ret)
 	}
 
-	fabricInfo := hasSymbol(d.lib, fabricInfoSymbol)
-	if !fabricInfo {
+	syms := symbols{
+		fabricInfo:   hasSymbol(d.lib, fabricInfoSymbol),
+		remappedRows: hasSymbol(d.lib, remappedRowsSymbol),
+	}
+	if !syms.fabricInfo {
 		logger.V(4).Info("NVML has no fabric info, not checking NVLink fabrics", "function", fabricInfoSymbol)
+	}
+	if !syms.remappedRows {
+		logger.V(4).Info("NVML has no row remapping info, checking retired pages only", "function", remappedRowsSymbol)
 	}
 
 	inv := &Inventory{}
@@ -179,7 +185,7 @@ func (d *NVML) discover(ctx context.Context) (*Inventory, error) {
 			d.logChange(logger, 0, fmt.Sprintf("skipped %d", i), skipped.Reason, "skipping GPU", "index", i, "reason", skipped.Reason)
 			continue
 		}
-		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion, fabricInfo)
+		info, skipped, err := d.describe(ctx, dev, driverVersion, cudaDriverVersion, syms)
 		if driverChanged(err) {
 			return nil, fmt.Errorf("GPU %d: %w", i, err)
 		}
@@ -241,10 +247,17 @@ func pciBusID(dev nvml.Device) string {
 	return CanonicalPCIBusID(cString(pci.BusId[:]))
 }
 
+// symbols says which of the NVML functions that not every driver's library
+// has this one has.
+type symbols struct {
+	// fabricInfo: the function that fabricNotReady calls.
+	fabricInfo bool
+	// remappedRows: the function that memoryRepair calls first.
+	remappedRows bool
+}
+
 // describe reads one GPU. It returns exactly one of info, skipped or err.
-// fabricInfo says whether the library has the function that
-// fabricNotReady calls.
-func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string, fabricInfo bool) (*gpuInfo, *Skipped, error) {
+func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cudaDriverVersion string, syms symbols) (*gpuInfo, *Skipped, error) {
 	logger := klog.FromContext(ctx)
 
 	index, ret := dev.GetIndex()
@@ -278,7 +291,7 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 	}
 
 	var fabric *FabricNotReady
-	if fabricInfo {
+	if syms.fabricInfo {
 		var err error
 		fabric, err = fabricNotReady(dev)
 		switch {
@@ -289,6 +302,22 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 			// was read at all.
 			d.logChange(logger, 2, "fabric "+uuid, err.Error(), "fabric state unavailable", "index", index, "err", err)
 		}
+	}
+	// Where NVML cannot say, the GPU is published as if it had neither
+	// condition, as before they were read at all.
+	resetRequired, remapFailed, err := memoryRepair(dev, syms.remappedRows)
+	switch {
+	case driverChanged(err), errors.Is(err, nvml.ERROR_GPU_IS_LOST):
+		return nil, nil, err
+	case err != nil:
+		d.logChange(logger, 2, "memoryRepair "+uuid, err.Error(), "memory repair state unavailable", "index", index, "err", err)
+	}
+	prohibited, err := computeProhibited(dev)
+	switch {
+	case driverChanged(err), errors.Is(err, nvml.ERROR_GPU_IS_LOST):
+		return nil, nil, err
+	case err != nil:
+		d.logChange(logger, 2, "computeMode "+uuid, err.Error(), "compute mode unavailable", "index", index, "err", err)
 	}
 
 	attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
@@ -336,12 +365,15 @@ func (d *NVML) describe(ctx context.Context, dev nvml.Device, driverVersion, cud
 	name := DeviceName(minor)
 	info := &gpuInfo{
 		GPU: GPU{
-			Name:     name,
-			UUID:     uuid,
-			Index:    index,
-			Minor:    minor,
-			PCIBusID: busID,
-			Fabric:   fabric,
+			Name:              name,
+			UUID:              uuid,
+			Index:             index,
+			Minor:             minor,
+			PCIBusID:          busID,
+			Fabric:            fabric,
+			ResetRequired:     resetRequired,
+			RowRemapFailed:    remapFailed,
+			ComputeProhibited: prohibited,
 			Device: resourceapi.Device{
 				Name:       name,
 				Attributes: attrs,
@@ -393,6 +425,67 @@ func fabricNotReady(dev nvml.Device) (*FabricNotReady, error) {
 		}
 	}
 	return nil, nil
+}
+
+// remappedRowsSymbol is the NVML function that memoryRepair calls first;
+// a driver's library before R450 lacks it (see fabricInfoSymbol).
+const remappedRowsSymbol = "nvmlDeviceGetRemappedRows"
+
+// unsupported says whether NVML's ret means that the GPU or the library
+// lacks the feature asked for (not a fault).
+func unsupported(ret nvml.Return) bool {
+	return ret == nvml.ERROR_NOT_SUPPORTED || ret == nvml.ERROR_FUNCTION_NOT_FOUND
+}
+
+// memoryRepair reads what repairing the GPU's memory asks for. On a GPU
+// that remaps rows (Ampere and later; remappedRows says whether the
+// library has GetRemappedRows) it returns RowRemapPending where remapped
+// rows wait for a GPU reset, and failed where a row could not be
+// remapped. On a GPU without row remapping (NVML answers
+// ERROR_NOT_SUPPORTED or ERROR_FUNCTION_NOT_FOUND) it returns
+// PageRetirementPending where retired pages wait for a reset. A GPU that
+// has neither feature has nothing to repair. Other NVML errors are
+// returned, with "" and false.
+func memoryRepair(dev nvml.Device, remappedRows bool) (resetRequired string, failed bool, err error) {
+	if remappedRows {
+		_, _, pending, failure, ret := dev.GetRemappedRows()
+		switch {
+		case ret == nvml.SUCCESS:
+			if pending {
+				resetRequired = RowRemapPending
+			}
+			return resetRequired, failure, nil
+		case !unsupported(ret):
+			return "", false, fmt.Errorf("get remapped rows: %w", ret)
+		}
+	}
+	pending, ret := dev.GetRetiredPagesPendingStatus()
+	switch {
+	case ret == nvml.SUCCESS:
+		if pending == nvml.FEATURE_ENABLED {
+			return PageRetirementPending, false, nil
+		}
+		return "", false, nil
+	case unsupported(ret):
+		return "", false, nil
+	default:
+		return "", false, fmt.Errorf("get retired pages pending status: %w", ret)
+	}
+}
+
+// computeProhibited says whether the GPU's compute mode is Prohibited. A
+// GPU or library that does not report the compute mode has none: false.
+// Other NVML errors are returned, with false.
+func computeProhibited(dev nvml.Device) (bool, error) {
+	mode, ret := dev.GetComputeMode()
+	switch {
+	case ret == nvml.SUCCESS:
+		return mode == nvml.COMPUTEMODE_PROHIBITED, nil
+	case unsupported(ret):
+		return false, nil
+	default:
+		return false, fmt.Errorf("get compute mode: %w", ret)
+	}
 }
 
 // logChange logs msg at verbosity v where the condition key has a value

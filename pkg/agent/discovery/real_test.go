@@ -19,6 +19,9 @@ import (
 // TestRealNVML discovers this machine's GPUs with the real NVML library of
 // the driver root that DRIVER_ROOT names (default "/"), then watches their
 // health for three seconds: a healthy GPU must raise no health event.
+// The conditions the agent taints a GPU for (fabric not ready, memory
+// repair pending or failed, compute mode Prohibited) are logged where a
+// GPU has them, not judged: a real GPU may.
 // Where there is no NVML library or no GPU (CI) it skips and says why.
 func TestRealNVML(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
@@ -56,6 +59,9 @@ func TestRealNVML(t *testing.T) {
 		}
 		slices.Sort(names)
 		t.Logf("%s: %s, PCI %s, attributes %v, memory %v", g.Name, g.UUID, g.PCIBusID, names, ptr.To(g.Device.Capacity[discovery.CapacityMemory].Value))
+		if g.Fabric != nil || g.ResetRequired != "" || g.RowRemapFailed || g.ComputeProhibited {
+			t.Logf("%s: the agent taints it: fabric %+v, reset required %q, row remap failed %v, compute prohibited %v", g.Name, g.Fabric, g.ResetRequired, g.RowRemapFailed, g.ComputeProhibited)
+		}
 	}
 	for _, s := range inv.Skipped {
 		t.Logf("not published: GPU %d %s: %s", s.Index, s.UUID, s.Reason)

@@ -55,6 +55,25 @@ type Machine struct {
 	registerFails map[int]nvml.Return
 	// fabric is what GetGpuFabricInfo answers per GPU index.
 	fabric []fabricAnswer
+	// rowRemap, pagesPending and computeMode are what GetRemappedRows,
+	// GetRetiredPagesPendingStatus and GetComputeMode answer per GPU
+	// index.
+	rowRemap     []answer[rowRemapState]
+	pagesPending []answer[nvml.EnableState]
+	computeMode  []answer[nvml.ComputeMode]
+}
+
+// answer is what an NVML query answers for one GPU: ret, and where that
+// is SUCCESS the value.
+type answer[T any] struct {
+	ret   nvml.Return
+	value T
+}
+
+// rowRemapState is what GetRemappedRows reports of a GPU's row remapper
+// beside the counts of remapped rows.
+type rowRemapState struct {
+	pending, failed bool
 }
 
 // fabricAnswer is what GetGpuFabricInfo answers for one GPU: ret, and
@@ -110,6 +129,13 @@ func NewFromSpec(spec Spec, opts Options) (*Machine, error) {
 		if spec.NVSwitchLinks > 0 {
 			m.fabric[i] = fabricAnswer{ret: nvml.SUCCESS, state: nvml.GPU_FABRIC_STATE_COMPLETED, status: nvml.SUCCESS}
 		}
+	}
+	// GPUs since Ampere remap rows and do not retire pages.
+	m.rowRemap = make([]answer[rowRemapState], len(spec.GPUs))
+	m.pagesPending = make([]answer[nvml.EnableState], len(spec.GPUs))
+	m.computeMode = make([]answer[nvml.ComputeMode], len(spec.GPUs))
+	for i := range spec.GPUs {
+		m.pagesPending[i].ret = nvml.ERROR_NOT_SUPPORTED
 	}
 	m.links = make([][]remoteEnd, len(spec.GPUs))
 	for i := range spec.GPUs {
@@ -238,6 +264,16 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		}
 		return nvml.GpuFabricInfo{State: uint8(answer.state), Status: uint32(answer.status)}, nvml.SUCCESS
 	}
+	dev.GetRemappedRowsFunc = func() (int, int, bool, bool, nvml.Return) {
+		a, ret := answerOf(m, i, m.rowRemap)
+		return 0, 0, a.pending, a.failed, ret
+	}
+	dev.GetRetiredPagesPendingStatusFunc = func() (nvml.EnableState, nvml.Return) {
+		return answerOf(m, i, m.pagesPending)
+	}
+	dev.GetComputeModeFunc = func() (nvml.ComputeMode, nvml.Return) {
+		return answerOf(m, i, m.computeMode)
+	}
 	dev.GetSupportedEventTypesFunc = func() (uint64, nvml.Return) {
 		return nvml.EventTypeXidCriticalError | nvml.EventTypeDoubleBitEccError | nvml.EventTypeSingleBitEccError, nvml.SUCCESS
 	}
@@ -249,6 +285,30 @@ func (m *Machine) overlay(i int, dev *server.Device) {
 		}
 		return nvml.SUCCESS
 	}
+}
+
+// answerOf returns what answers holds for GPU i: ERROR_GPU_IS_LOST once
+// the GPU fell off the bus, the zero value beside an error.
+func answerOf[T any](m *Machine, i int, answers []answer[T]) (T, nvml.Return) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	var zero T
+	switch a := answers[i]; {
+	case m.offBus[i]:
+		return zero, nvml.ERROR_GPU_IS_LOST
+	case a.ret != nvml.SUCCESS:
+		return zero, a.ret
+	default:
+		return a.value, nvml.SUCCESS
+	}
+}
+
+// setAnswer records what a query answers for a GPU in answers (one of the
+// machine's slices).
+func setAnswer[T any](m *Machine, answers []answer[T], gpu int, a answer[T]) {
+	m.mutex.Lock()
+	defer m.mutex.Unlock()
+	answers[gpu] = a
 }
 
 func (m *Machine) newEventSet() (nvml.EventSet, nvml.Return) {
@@ -371,6 +431,52 @@ func (m *Machine) FailFabricInfo(gpu int, ret nvml.Return) {
 	m.fabric[gpu] = fabricAnswer{ret: ret}
 }
 
+// SetRowRemap sets what NVML's GetRemappedRows reports of a GPU's row
+// remapper: pending, remapped rows that a GPU reset applies; failed, a row
+// that could not be remapped. Every GPU starts with neither.
+func (m *Machine) SetRowRemap(gpu int, pending, failed bool) {
+	setAnswer(m, m.rowRemap, gpu, answer[rowRemapState]{value: rowRemapState{pending: pending, failed: failed}})
+}
+
+// FailRowRemap makes NVML's GetRemappedRows return ret for a GPU:
+// ERROR_NOT_SUPPORTED, as GPUs before Ampere answer (they retire pages
+// instead, see SetRetiredPagesPending), or another error. SetRowRemap makes
+// it answer again.
+func (m *Machine) FailRowRemap(gpu int, ret nvml.Return) {
+	setAnswer(m, m.rowRemap, gpu, answer[rowRemapState]{ret: ret})
+}
+
+// SetRetiredPagesPending sets whether NVML's GetRetiredPagesPendingStatus
+// reports retired pages of a GPU that a GPU reset (or reboot) applies.
+// Every GPU starts answering ERROR_NOT_SUPPORTED, as GPUs that remap rows
+// do.
+func (m *Machine) SetRetiredPagesPending(gpu int, pending bool) {
+	state := nvml.FEATURE_DISABLED
+	if pending {
+		state = nvml.FEATURE_ENABLED
+	}
+	setAnswer(m, m.pagesPending, gpu, answer[nvml.EnableState]{value: state})
+}
+
+// FailRetiredPagesPending makes NVML's GetRetiredPagesPendingStatus return
+// ret for a GPU. SetRetiredPagesPending makes it answer again.
+func (m *Machine) FailRetiredPagesPending(gpu int, ret nvml.Return) {
+	setAnswer(m, m.pagesPending, gpu, answer[nvml.EnableState]{ret: ret})
+}
+
+// SetComputeMode sets the compute mode that NVML's GetComputeMode reports
+// for a GPU, as nvidia-smi -c sets it. Every GPU starts in
+// COMPUTEMODE_DEFAULT.
+func (m *Machine) SetComputeMode(gpu int, mode nvml.ComputeMode) {
+	setAnswer(m, m.computeMode, gpu, answer[nvml.ComputeMode]{value: mode})
+}
+
+// FailComputeMode makes NVML's GetComputeMode return ret for a GPU.
+// SetComputeMode makes it answer again.
+func (m *Machine) FailComputeMode(gpu int, ret nvml.Return) {
+	setAnswer(m, m.computeMode, gpu, answer[nvml.ComputeMode]{ret: ret})
+}
+
 // InjectXID queues a critical-XID event for a GPU, as NVML would deliver it
 // to an event set. It fails when too many events are pending.
 func (m *Machine) InjectXID(gpu int, xid uint64) error {
@@ -401,8 +507,9 @@ func (m *Machine) LoseGPU() {
 }
 
 // FallOffBus makes a GPU fall off the bus: event sets report
-// ERROR_GPU_IS_LOST from now on, and the GPU's UUID and memory queries
-// answer ERROR_GPU_IS_LOST.
+// ERROR_GPU_IS_LOST from now on, and the GPU's queries of its UUID,
+// memory, fabric, row remapper, retired pages and compute mode answer
+// ERROR_GPU_IS_LOST.
 func (m *Machine) FallOffBus(gpu int) {
 	m.mutex.Lock()
 	defer m.mutex.Unlock()
