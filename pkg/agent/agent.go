@@ -57,7 +57,15 @@
 // GPU another DRA driver publishes on the node too carries the NoSchedule
 // taint [OtherDriverTaintKey]. A GPU whose NVLink fabric is not ready carries
 // the NoSchedule taint [FabricNotReadyTaintKey] until a rescan finds it
-// ready.
+// ready; likewise a GPU that needs a reset to apply a repair of its memory
+// (row remapping or page retirement pending) carries
+// [ResetRequiredTaintKey], and one whose compute mode is Prohibited
+// [ComputeProhibitedTaintKey]. A GPU whose row remapping failed carries
+// [HealthTaintKey] with the value "row-remap-failure" and the effect
+// [Options.UnhealthyTaintEffect], and is Unhealthy to the kubelet, for as
+// long as discovery reads the failure. Unlike for a fault that NVML
+// reported as an event, Prepare does not refuse a claim that was allocated
+// such a GPU before it was tainted.
 package agent
 
 import (
@@ -520,10 +528,11 @@ type Agent struct {
 	// skipped identifies the GPUs that the last successful discovery
 	// found and does not publish (see skippedKey), "" for none.
 	skipped string
-	// fabricNotReady identifies the GPUs whose fabric the last
-	// successful discovery found not ready (see recordFabric), "" for
-	// none.
-	fabricNotReady string
+	// fabricNotReady, resetRequired, rowRemapFailed and
+	// computeProhibited identify the GPUs that the last successful
+	// discovery found with each gpuCondition (see recordCondition), ""
+	// for none.
+	fabricNotReady, resetRequired, rowRemapFailed, computeProhibited string
 	// healthActive says whether the health source is watching now.
 	healthActive bool
 	// unwatched are the GPUs that the health source does not watch while
@@ -1188,8 +1197,11 @@ func ValidateUnhealthyTaintEffect(effect resourceapi.DeviceTaintEffect) error {
 // BuildResources turns an inventory into the pool that the agent publishes:
 // one slice with all devices in index order, each with the owned taint (if
 // enabled) and the others that taints asks for, FabricNotReadyTaintKey if
-// its GPU's fabric is not ready, and a health taint if it is in
-// unhealthy. The result is a pure function of its inputs, so republishing
+// its GPU's fabric is not ready, ResetRequiredTaintKey if the GPU needs a
+// reset, ComputeProhibitedTaintKey if its compute mode is Prohibited, and
+// a health taint if it is in unhealthy (that fault's) or its row
+// remapping failed (discovery.RowRemapFailure, without a time). The
+// result is a pure function of its inputs, so republishing
 // an unchanged node is a no-op.
 func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[string]discovery.HealthEvent, taints TaintOptions) resourceslice.DriverResources {
 	resources := inv.DriverResources(poolName)
@@ -1224,10 +1236,17 @@ func BuildResources(inv *discovery.Inventory, poolName string, unhealthy map[str
 				Effect: resourceapi.DeviceTaintEffectNoSchedule,
 			})
 		}
-		if taint := fabricTaint(inv.GPU(devices[i].Name)); taint != nil {
-			devices[i].Taints = append(devices[i].Taints, *taint)
+		gpu := inv.GPU(devices[i].Name)
+		for _, taint := range []*resourceapi.DeviceTaint{fabricTaint(gpu), resetTaint(gpu), computeTaint(gpu)} {
+			if taint != nil {
+				devices[i].Taints = append(devices[i].Taints, *taint)
+			}
 		}
-		if ev, ok := unhealthy[devices[i].Name]; ok {
+		ev, ok := unhealthy[devices[i].Name]
+		if !ok && gpu != nil && gpu.RowRemapFailed {
+			ev, ok = rowRemapFault, true
+		}
+		if ok {
 			taint := resourceapi.DeviceTaint{
 				Key:    HealthTaintKey,
 				Value:  ev.Reason,
@@ -1329,6 +1348,9 @@ func (a *Agent) Rescan(ctx context.Context) error {
 	restartHealth := (changed && !sameUUIDs(old, inv)) || wasUnusable
 	if changed {
 		a.inventory = inv
+		if !slices.Equal(rowRemapFailed(old), rowRemapFailed(inv)) {
+			a.healthChangedLocked()
+		}
 	}
 	a.holdPublishing = false
 	a.mutex.Unlock()
@@ -1611,7 +1633,7 @@ func (a *Agent) recordDiscovery(ctx context.Context, inv *discovery.Inventory, e
 	}
 	if err == nil && inv != nil {
 		a.recordSkipped(ctx, inv)
-		a.recordFabric(ctx, inv)
+		a.recordConditions(ctx, inv)
 	}
 }
 

@@ -605,11 +605,38 @@ func TestBuildResourcesTaints(t *testing.T) {
 		nvmlUnusable bool
 		effect       resourceapi.DeviceTaintEffect
 		unhealthy    map[string]discovery.HealthEvent
-		// fabric is the fabric state of gpu-1.
+		// fabric is the fabric state of gpu-1; set changes gpu-1 further.
 		fabric *discovery.FabricNotReady
+		set    func(g *discovery.GPU)
 		want   map[string][]resourceapi.DeviceTaint
 	}{
 		"no taints": {},
+		"reset required, compute prohibited: that GPU": {
+			set: func(g *discovery.GPU) {
+				g.ResetRequired = discovery.PageRetirementPending
+				g.ComputeProhibited = true
+			},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-1": {
+					{Key: agent.ResetRequiredTaintKey, Value: "page-retirement-pending", Effect: resourceapi.DeviceTaintEffectNoSchedule},
+					{Key: agent.ComputeProhibitedTaintKey, Effect: resourceapi.DeviceTaintEffectNoSchedule},
+				},
+			},
+		},
+		"row remap failure: the health taint with its effect": {
+			effect: resourceapi.DeviceTaintEffectNoExecute,
+			set:    func(g *discovery.GPU) { g.RowRemapFailed = true },
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-1": {{Key: agent.HealthTaintKey, Value: "row-remap-failure", Effect: resourceapi.DeviceTaintEffectNoExecute}},
+			},
+		},
+		"row remap failure of a faulty GPU: the fault's taint only": {
+			set:       func(g *discovery.GPU) { g.RowRemapFailed = true },
+			unhealthy: map[string]discovery.HealthEvent{"gpu-1": {Device: "gpu-1", Reason: "xid-79", Time: at}},
+			want: map[string][]resourceapi.DeviceTaint{
+				"gpu-1": {{Key: agent.HealthTaintKey, Value: "xid-79", Effect: resourceapi.DeviceTaintEffectNoSchedule, TimeAdded: &metav1.Time{Time: at.Truncate(time.Second)}}},
+			},
+		},
 		"fabric not ready: that GPU, beside the owned taint": {
 			owned:  true,
 			fabric: &discovery.FabricNotReady{State: discovery.FabricInProgress},
@@ -685,6 +712,9 @@ func TestBuildResourcesTaints(t *testing.T) {
 				t.Fatal(err)
 			}
 			inv.GPU("gpu-1").Fabric = tc.fabric
+			if tc.set != nil {
+				tc.set(inv.GPU("gpu-1"))
+			}
 			res := agent.BuildResources(inv, "pool", tc.unhealthy, agent.TaintOptions{Owned: tc.owned, NVMLUnusable: tc.nvmlUnusable, Unhealthy: tc.effect})
 			if len(res.Pools) != 1 || len(res.Pools["pool"].Slices) != 1 {
 				t.Fatalf("want one pool with one slice, got %+v", res)

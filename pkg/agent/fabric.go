@@ -1,14 +1,9 @@
 package agent
 
 import (
-	"context"
 	"fmt"
-	"slices"
-	"strings"
 
-	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	"k8s.io/klog/v2"
 
 	"github.com/topodra/topodra/pkg/agent/discovery"
 	"github.com/topodra/topodra/pkg/topology"
@@ -59,33 +54,26 @@ func fabricText(f *discovery.FabricNotReady) string {
 	return "fabric " + f.State
 }
 
-// recordFabric reports the GPUs of a successful discovery whose fabric is
-// not ready, when they or their states differ from those of the discovery
-// before: a ReasonFabricNotReady Warning on the Node naming them, or a
-// ReasonFabricReady Normal event once there are none after some.
-func (a *Agent) recordFabric(ctx context.Context, inv *discovery.Inventory) {
-	var names, descs, keys []string
-	for _, g := range inv.GPUs {
-		if g.Fabric == nil {
-			continue
-		}
-		names = append(names, g.Name)
-		descs = append(descs, fmt.Sprintf("%s (UUID %s, PCI bus id %s): %s", g.Name, g.UUID, orUnknown(g.PCIBusID), fabricText(g.Fabric)))
-		keys = append(keys, g.UUID+"/"+g.Fabric.State+"/"+g.Fabric.Status)
+// fabricCondition is the gpuCondition of GPUs whose fabric is not ready.
+func (a *Agent) fabricCondition() gpuCondition {
+	driver := a.opts.DriverName
+	return gpuCondition{
+		last: &a.fabricNotReady,
+		of: func(g *discovery.GPU) string {
+			if g.Fabric == nil {
+				return ""
+			}
+			return fabricText(g.Fabric)
+		},
+		taint:      FabricNotReadyTaintKey,
+		warning:    ReasonFabricNotReady,
+		normal:     ReasonFabricReady,
+		logSet:     "GPUs whose NVLink fabric is not ready, tainting them",
+		logCleared: "Every GPU's NVLink fabric is ready, removing the taint",
+		note: func(n int, gpus string) string {
+			return fmt.Sprintf("the NVLink fabric of %d GPUs is not ready, so CUDA cannot start on them (CUDA_ERROR_SYSTEM_NOT_READY): %s; %s publishes them tainted %s (NoSchedule) until a rescan finds the fabric ready; check the NVIDIA fabric manager on the node (systemctl status nvidia-fabricmanager, journalctl -u nvidia-fabricmanager) and the GPUs' fabric state (nvidia-smi -q | grep -A2 Fabric)",
+				n, gpus, driver, FabricNotReadyTaintKey)
+		},
+		cleared: fmt.Sprintf("the NVLink fabric of every GPU is ready: %s devices are no longer tainted %s", driver, FabricNotReadyTaintKey),
 	}
-	slices.Sort(keys)
-	key := strings.Join(keys, "\n")
-	if a.swap(&a.fabricNotReady, key) == key {
-		return
-	}
-	logger := klog.FromContext(ctx)
-	if len(names) == 0 {
-		logger.Info("Every GPU's NVLink fabric is ready, removing the taint", "taint", FabricNotReadyTaintKey)
-		a.nodeEvent(v1.EventTypeNormal, ReasonFabricReady, "Discover", "the NVLink fabric of every GPU is ready: %s devices are no longer tainted %s", a.opts.DriverName, FabricNotReadyTaintKey)
-		return
-	}
-	logger.Info("GPUs whose NVLink fabric is not ready, tainting them", "devices", descs, "taint", FabricNotReadyTaintKey)
-	a.devicesNodeEvent(names, v1.EventTypeWarning, ReasonFabricNotReady, "Discover",
-		"the NVLink fabric of %d GPUs is not ready, so CUDA cannot start on them (CUDA_ERROR_SYSTEM_NOT_READY): %s; %s publishes them tainted %s (NoSchedule) until a rescan finds the fabric ready; check the NVIDIA fabric manager on the node (systemctl status nvidia-fabricmanager, journalctl -u nvidia-fabricmanager) and the GPUs' fabric state (nvidia-smi -q | grep -A2 Fabric)",
-		len(names), strings.Join(descs, "; "), a.opts.DriverName, FabricNotReadyTaintKey)
 }

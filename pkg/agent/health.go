@@ -450,8 +450,9 @@ func (a *Agent) reportUnhealthy(ctx context.Context, devices, uuids []string, ev
 // Unknown rather than the stream ending: the kubelet does not ask again
 // for as long as the agent stays registered. A device that the source
 // does not watch while it watches others is Unknown with a message that
-// says why. A faulty GPU that discovery no longer finds stays in the
-// report as Unhealthy.
+// says why. A GPU whose row remapping the last discovery found failed is
+// Unhealthy, watched or not. A faulty GPU that discovery no longer finds
+// stays in the report as Unhealthy.
 func (a *Agent) WatchHealthStatus(ctx context.Context, reports chan<- kubeletplugin.DeviceHealthReport) error {
 	if a.health == nil {
 		return kubeletplugin.ErrHealthNotSupported
@@ -499,6 +500,9 @@ func (a *Agent) healthReportLocked() kubeletplugin.DeviceHealthReport {
 			h.Health = kubeletplugin.HealthStatusUnhealthy
 			h.Message = ev.Message
 			h.LastUpdated = ev.Time
+		} else if g.RowRemapFailed {
+			h.Health = kubeletplugin.HealthStatusUnhealthy
+			h.Message = rowRemapFault.Message
 		} else if why, ok := a.unwatched[g.UUID]; ok {
 			h.Health = kubeletplugin.HealthStatusUnknown
 			h.Message = "health not watched: " + why

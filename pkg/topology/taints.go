@@ -7,7 +7,7 @@ const (
 	// tolerates it, the default scheduler does not.
 	DefaultTaintKey = DriverName + "/topodra-only"
 	// HealthTaintKey marks a faulty device; its value is the reason
-	// ("xid-79").
+	// ("xid-79", "row-remap-failure").
 	HealthTaintKey = DriverName + "/unhealthy"
 	// NVMLUnusableTaintKey is on every device while the node agent cannot
 	// use NVML: such devices cannot be prepared.
@@ -25,11 +25,20 @@ const (
 	// Its value is the fabric's state ("not-started", "in-progress",
 	// "failed").
 	FabricNotReadyTaintKey = DriverName + "/fabric-not-ready"
+	// ResetRequiredTaintKey is on each GPU that needs a GPU reset to
+	// apply a repair of its memory: until then the faulty memory stays
+	// in use. Its value says which repair ("row-remap-pending",
+	// "page-retirement-pending").
+	ResetRequiredTaintKey = DriverName + "/reset-required"
+	// ComputeProhibitedTaintKey is on each GPU whose compute mode is
+	// Prohibited: no CUDA context can be created on it.
+	ComputeProhibitedTaintKey = DriverName + "/compute-prohibited"
 )
 
 // TaintExplanation says, for a pod author, what a device taint of the node
 // agent (HealthTaintKey, NVMLUnusableTaintKey, DevicePluginTaintKey,
-// OtherDriverTaintKey, FabricNotReadyTaintKey) means
+// OtherDriverTaintKey, FabricNotReadyTaintKey, ResetRequiredTaintKey,
+// ComputeProhibitedTaintKey) means
 // and who must act; "" for any other key. The text has no commas, since
 // kube-scheduler joins the reasons of its nodes with ", ".
 func TaintExplanation(key string) string {
@@ -40,6 +49,10 @@ func TaintExplanation(key string) string {
 		return "another DRA driver (the taint's value names it) also publishes these GPUs; a cluster admin must remove that driver from the node as docs/install.md says; no claim may tolerate this taint"
 	case FabricNotReadyTaintKey:
 		return "the GPU's NVLink fabric is not ready so CUDA cannot start on it; a cluster admin must get the NVIDIA fabric manager on the node running (systemctl status nvidia-fabricmanager); no claim may tolerate this taint"
+	case ResetRequiredTaintKey:
+		return "the GPU must be reset to apply a repair of its memory (the taint's value names it) and until then uses the faulty memory; a cluster admin must drain the GPU and reset it (nvidia-smi -r) or reboot the node; no claim may tolerate this taint"
+	case ComputeProhibitedTaintKey:
+		return "the GPU's compute mode is Prohibited so CUDA cannot start on it; a cluster admin must set it back (nvidia-smi -c DEFAULT); no claim may tolerate this taint"
 	case HealthTaintKey:
 		return "a GPU fault that the node agent reported; the taint's value names it"
 	case NVMLUnusableTaintKey:
