@@ -23,8 +23,9 @@ const (
 	// MetricGPUs (gauge) counts GPUs by state (label "state", see the
 	// GPUState constants), as the agent finds them and wants them
 	// published; MetricSlicesSynced says whether the API has them so.
-	// The states overlap: unhealthy and unwatched GPUs are published too
-	// (unless an unhealthy GPU is missing from discovery).
+	// The states overlap: GPUs in the other states are published too
+	// (unless an unhealthy GPU is missing from discovery), and a GPU may
+	// be in several of them.
 	MetricGPUs = "topodra_agent_gpus"
 	// MetricPreparedClaims (gauge) counts the prepared claims in the
 	// checkpoint.
@@ -59,17 +60,45 @@ const (
 	// GPUStatePublished: devices in the pool the agent publishes.
 	GPUStatePublished = "published"
 	// GPUStateUnhealthy: GPUs that reported a critical fault during this
-	// boot; the agent publishes them with HealthTaintKey (in the API once
+	// boot, or whose row remapping discovery finds failed; the agent
+	// publishes them with HealthTaintKey (in the API once
 	// MetricSlicesSynced is 1).
 	GPUStateUnhealthy = "unhealthy"
 	// GPUStateUnwatched: published GPUs without a fault whose health is
 	// not watched: the kubelet gets their health as Unknown, and an XID
 	// does not taint them.
 	GPUStateUnwatched = "unwatched"
+	// GPUStateFabricNotReady: GPUs whose NVLink fabric is not ready; the
+	// agent publishes them with FabricNotReadyTaintKey.
+	GPUStateFabricNotReady = "fabric_not_ready"
+	// GPUStateResetRequired: GPUs that need a reset to apply a repair of
+	// their memory; the agent publishes them with ResetRequiredTaintKey.
+	GPUStateResetRequired = "reset_required"
+	// GPUStateComputeProhibited: GPUs whose compute mode is Prohibited;
+	// the agent publishes them with ComputeProhibitedTaintKey.
+	GPUStateComputeProhibited = "compute_prohibited"
 	// GPUStateNotPublished: GPUs that NVML finds and the agent does not
 	// publish (ReasonGPUNotPublished).
 	GPUStateNotPublished = "not_published"
 )
+
+// gpuStates are the values of the "state" label of MetricGPUs, in the
+// order the metric reports them.
+var gpuStates = [...]string{
+	GPUStatePublished,
+	GPUStateUnhealthy,
+	GPUStateUnwatched,
+	GPUStateNotPublished,
+	GPUStateFabricNotReady,
+	GPUStateResetRequired,
+	GPUStateComputeProhibited,
+}
+
+// GPUStates returns the values of the "state" label of MetricGPUs, in the
+// order the metric reports them.
+func GPUStates() []string {
+	return gpuStates[:]
+}
 
 // Values of the "reason" label of MetricPrepareErrors.
 const (
@@ -167,32 +196,44 @@ func (a *Agent) recordClaimCounts(cp *checkpoint.Checkpoint) {
 
 // metricsState is what the gauges report, read at once.
 type metricsState struct {
-	nvmlUsable, synced                            bool
-	published, unhealthy, unwatched, notPublished int
+	nvmlUsable, synced bool
+	// gpus counts the GPUs by state (MetricGPUs).
+	gpus map[string]int
 }
 
 func (a *Agent) readMetricsState() metricsState {
 	synced := a.slicesSynced()
 	a.mutex.Lock()
 	defer a.mutex.Unlock()
-	s := metricsState{
-		synced:       synced,
-		nvmlUsable:   a.nvmlUnusable == nil,
-		unhealthy:    len(a.faults),
-		notPublished: len(a.inventory.Skipped),
+	gpus := map[string]int{
+		GPUStateUnhealthy:    len(a.faults),
+		GPUStateNotPublished: len(a.inventory.Skipped),
 	}
 	if !a.holdPublishing {
-		s.published = len(a.inventory.GPUs)
+		gpus[GPUStatePublished] = len(a.inventory.GPUs)
 	}
 	for _, g := range a.inventory.GPUs {
+		if g.Fabric != nil {
+			gpus[GPUStateFabricNotReady]++
+		}
+		if g.ResetRequired != "" {
+			gpus[GPUStateResetRequired]++
+		}
+		if g.ComputeProhibited {
+			gpus[GPUStateComputeProhibited]++
+		}
 		if _, faulty := a.faults[g.UUID]; faulty {
 			continue
 		}
+		if g.RowRemapFailed {
+			gpus[GPUStateUnhealthy]++
+			continue
+		}
 		if _, unwatched := a.unwatched[g.UUID]; a.health == nil || !a.healthActive || unwatched {
-			s.unwatched++
+			gpus[GPUStateUnwatched]++
 		}
 	}
-	return s
+	return metricsState{synced: synced, nvmlUsable: a.nvmlUnusable == nil, gpus: gpus}
 }
 
 // MetricsCollector returns a collector of the agent's metrics (the Metric
@@ -208,7 +249,7 @@ func (a *Agent) MetricsCollector() metrics.StableCollector {
 			"1 while the node agent can use NVML, 0 while it cannot: GPUs cannot be prepared for new claims then and carry the "+NVMLUnusableTaintKey+" taint (after a driver upgrade: reboot the node).",
 			nil, nil, metrics.ALPHA, ""),
 		gpus: metrics.NewDesc(MetricGPUs,
-			"GPUs of the node by state, as the node agent finds them and wants them published ("+MetricSlicesSynced+" says whether the API has them so): published (in the agent's pool), unhealthy (critical fault during this boot; the agent publishes them tainted "+HealthTaintKey+"), unwatched (in the pool, no fault, health not watched: Unknown to the kubelet), not_published (found by NVML, left out of the pool). States overlap.",
+			"GPUs of the node by state, as the node agent finds them and wants them published ("+MetricSlicesSynced+" says whether the API has them so): published (in the agent's pool), unhealthy (critical fault during this boot, or row remapping failed; the agent publishes them tainted "+HealthTaintKey+"), unwatched (in the pool, no fault, health not watched: Unknown to the kubelet), not_published (found by NVML, left out of the pool), fabric_not_ready (tainted "+FabricNotReadyTaintKey+"), reset_required (memory repair pending a GPU reset; tainted "+ResetRequiredTaintKey+"), compute_prohibited (compute mode Prohibited; tainted "+ComputeProhibitedTaintKey+"). States overlap.",
 			[]string{"state"}, nil, metrics.ALPHA, ""),
 		prepared: metrics.NewDesc(MetricPreparedClaims,
 			"ResourceClaims prepared on the node (in the agent's checkpoint).",
@@ -256,13 +297,8 @@ func (c *collector) CollectWithStability(ch chan<- metrics.Metric) {
 		usable = 1
 	}
 	ch <- metrics.NewLazyConstMetric(c.nvmlUsable, metrics.GaugeValue, usable)
-	for state, n := range map[string]int{
-		GPUStatePublished:    s.published,
-		GPUStateUnhealthy:    s.unhealthy,
-		GPUStateUnwatched:    s.unwatched,
-		GPUStateNotPublished: s.notPublished,
-	} {
-		ch <- metrics.NewLazyConstMetric(c.gpus, metrics.GaugeValue, float64(n), state)
+	for _, state := range gpuStates {
+		ch <- metrics.NewLazyConstMetric(c.gpus, metrics.GaugeValue, float64(s.gpus[state]), state)
 	}
 	ch <- metrics.NewLazyConstMetric(c.prepared, metrics.GaugeValue, float64(a.preparedClaims.Load()))
 	ch <- metrics.NewLazyConstMetric(c.stale, metrics.GaugeValue, float64(a.staleClaims.Load()))

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/component-base/metrics"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
@@ -132,6 +134,99 @@ func TestMetrics(t *testing.T) {
 		agent.MetricPrepareErrors + `{reason="device_in_use"}`:    1,
 		agent.MetricPrepareErrors + `{reason="unhealthy_device"}`: 1,
 	})
+}
+
+// TestMetricsGPUConditions: a GPU whose fabric is not ready, that needs a
+// reset, or whose compute mode is Prohibited counts in its state, one
+// whose row remapping failed as unhealthy (and not as unwatched), until a
+// rescan finds the condition gone.
+func TestMetricsGPUConditions(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.machine.SetFabric(1, nvml.GPU_FABRIC_STATE_IN_PROGRESS, nvml.SUCCESS)
+	e.machine.SetRowRemap(2, true, false)
+	e.machine.FailRowRemap(3, nvml.ERROR_NOT_SUPPORTED)
+	e.machine.SetRetiredPagesPending(3, true)
+	e.machine.SetRowRemap(4, false, true)
+	e.machine.SetComputeMode(6, nvml.COMPUTEMODE_PROHIBITED)
+	a := e.start(ctx, t)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricGPUs + `{state="published"}`:          8,
+		agent.MetricGPUs + `{state="unhealthy"}`:          1,
+		agent.MetricGPUs + `{state="unwatched"}`:          0,
+		agent.MetricGPUs + `{state="fabric_not_ready"}`:   1,
+		agent.MetricGPUs + `{state="reset_required"}`:     2,
+		agent.MetricGPUs + `{state="compute_prohibited"}`: 1,
+	})
+	e.machine.SetFabric(1, nvml.GPU_FABRIC_STATE_COMPLETED, nvml.SUCCESS)
+	e.machine.SetRowRemap(2, false, false)
+	e.machine.SetRetiredPagesPending(3, false)
+	e.machine.SetRowRemap(4, false, false)
+	e.machine.SetComputeMode(6, nvml.COMPUTEMODE_DEFAULT)
+	if err := a.Rescan(ctx); err != nil {
+		t.Fatal(err)
+	}
+	expectMetrics(ctx, t, registry, map[string]float64{
+		agent.MetricGPUs + `{state="published"}`:          8,
+		agent.MetricGPUs + `{state="unhealthy"}`:          0,
+		agent.MetricGPUs + `{state="fabric_not_ready"}`:   0,
+		agent.MetricGPUs + `{state="reset_required"}`:     0,
+		agent.MetricGPUs + `{state="compute_prohibited"}`: 0,
+	})
+}
+
+// TestMetricStatesDocumented: the states that the metrics section of
+// docs/install.md lists for MetricGPUs are exactly those the agent
+// reports, in its order, and the metric's help explains each.
+func TestMetricStatesDocumented(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	a := newEnv(t).start(ctx, t)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+	families, err := registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reported []string
+	for _, f := range families {
+		if f.GetName() != agent.MetricGPUs {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "state" {
+					reported = append(reported, l.GetValue())
+				}
+			}
+		}
+		for _, state := range agent.GPUStates() {
+			if !strings.Contains(f.GetHelp(), " "+state+" (") {
+				t.Errorf("the help of %s does not explain the state %s (\"%s (...)\"): %q", agent.MetricGPUs, state, state, f.GetHelp())
+			}
+		}
+	}
+	if want := agent.GPUStates(); !slices.Equal(slices.Sorted(slices.Values(reported)), slices.Sorted(slices.Values(want))) {
+		t.Errorf("%s reports the states %v, GPUStates says %v", agent.MetricGPUs, reported, want)
+	}
+	doc, err := os.ReadFile("../../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The document lists "`topodra_agent_gpus{state}` (`a`, `b`: ...".
+	_, text, ok := strings.Cut(string(doc), "`"+agent.MetricGPUs+"{state}` (")
+	text, _, _ = strings.Cut(text, ":")
+	if !ok {
+		t.Fatalf("docs/install.md does not name %s{state}", agent.MetricGPUs)
+	}
+	var documented []string
+	for _, m := range backticked.FindAllStringSubmatch(text, -1) {
+		documented = append(documented, m[1])
+	}
+	if want := agent.GPUStates(); !slices.Equal(documented, want) {
+		t.Errorf("docs/install.md lists the states of %s as %v, the agent reports %v", agent.MetricGPUs, documented, want)
+	}
 }
 
 // TestMetricsPerAgent: two agents in one process (a simulator) each
