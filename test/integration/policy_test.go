@@ -126,6 +126,8 @@ func TestOwnedTaintPolicy(t *testing.T) {
 	const disable = "ask the cluster admin to disable the device plugin on that node"
 	const removeDriver = "ask the cluster admin to remove that driver from the node"
 	const fabricManager = "ask the cluster admin to get the NVIDIA fabric manager running on that node"
+	const resetGPUs = "ask the cluster admin to reset those GPUs"
+	const computeDefault = "ask the cluster admin to set their compute mode back to Default"
 	const emptyKeyHint = "a claim not meant for topodra's GPUs should name the keys of the taints it tolerates"
 
 	cases := func(owned string) map[string]testCase {
@@ -156,6 +158,10 @@ func TestOwnedTaintPolicy(t *testing.T) {
 			"other-driver key in firstAvailable":    {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration("example.com/flaky", resourceapi.DeviceTolerationOpExists), toleration(agent.OtherDriverTaintKey, resourceapi.DeviceTolerationOpEqual)}, refused: true, says: removeDriver},
 			"fabric key":                            {tolerations: []resourceapi.DeviceToleration{toleration(agent.FabricNotReadyTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: fabricManager},
 			"template, fabric key":                  {template: true, tolerations: []resourceapi.DeviceToleration{toleration(agent.FabricNotReadyTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: fabricManager},
+			"reset key":                             {tolerations: []resourceapi.DeviceToleration{toleration(agent.ResetRequiredTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: resetGPUs},
+			"reset key in firstAvailable, Equal":    {firstAvailable: true, tolerations: []resourceapi.DeviceToleration{toleration(agent.ResetRequiredTaintKey, resourceapi.DeviceTolerationOpEqual)}, refused: true, says: resetGPUs},
+			"compute key":                           {tolerations: []resourceapi.DeviceToleration{toleration(agent.ComputeProhibitedTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: computeDefault},
+			"template, compute key":                 {template: true, tolerations: []resourceapi.DeviceToleration{toleration(agent.ComputeProhibitedTaintKey, resourceapi.DeviceTolerationOpExists)}, refused: true, says: computeDefault},
 		}
 	}
 	run := func(owned string) {
