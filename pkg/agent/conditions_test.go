@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -244,5 +245,37 @@ func TestRowRemapFailureWakesHealthStream(t *testing.T) {
 		case <-soon:
 			t.Fatal("no report with gpu-2 unhealthy within 5s of the rescan")
 		}
+	}
+}
+
+// TestRowRemapFailureRefusesPrepare: a claim not prepared yet that was
+// allocated a GPU whose row remapping failed is refused, as one on a GPU
+// with a critical XID is; other GPUs, and the GPU once NVML no longer
+// reports the failure, are prepared. A GPU that needs a reset or whose
+// compute mode is Prohibited is tainted only: claims allocated before
+// are prepared.
+func TestRowRemapFailureRefusesPrepare(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	e.machine.SetRowRemap(2, false, true)
+	e.machine.SetRowRemap(4, true, false)
+	e.machine.SetComputeMode(5, nvml.COMPUTEMODE_PROHIBITED)
+	a := e.start(ctx, t)
+
+	err := prepareOne(ctx, t, a, claim("broken", gpus("gpus", "gpu-2")...))
+	if !errors.Is(err, agent.ErrDeviceUnhealthy) || !strings.Contains(err.Error(), "gpu-2") || !strings.Contains(err.Error(), "row remapping failure") {
+		t.Errorf("prepare of a claim on gpu-2, whose row remapping failed: %v, want ErrDeviceUnhealthy naming the GPU and the failure", err)
+	}
+	for _, device := range []string{"gpu-3", "gpu-4", "gpu-5"} {
+		if err := prepareOne(ctx, t, a, claim("on-"+device, gpus("gpus", device)...)); err != nil {
+			t.Errorf("prepare of a claim on %s: %v", device, err)
+		}
+	}
+	e.machine.SetRowRemap(2, false, false)
+	if err := a.Rescan(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := prepareOne(ctx, t, a, claim("repaired", gpus("gpus", "gpu-2")...)); err != nil {
+		t.Errorf("prepare on gpu-2 once NVML reports no row remapping failure: %v", err)
 	}
 }

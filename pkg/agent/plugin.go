@@ -384,6 +384,10 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots or the Node annotation %s clears the fault after a GPU reset; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message, ClearFaultsAnnotation)
 		}
+		if gpu.RowRemapFailed && !admin {
+			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reports a row remapping failure (%s): %s; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
+				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, HealthTaintKey+"="+rowRemapFault.Reason, rowRemapFault.Message)
+		}
 		if devicePlugin == devicePluginUnknown && !admin {
 			a.checkNodeSoon()
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: the agent could not read Node %s yet, so it does not know whether a device plugin there hands out %s (GPU %s) too; it reads the Node again now, and the kubelet retries",
