@@ -324,8 +324,9 @@ const (
 	// or ReasonNVMLUnusable.
 	ReasonGPUsFound = "TopodraGPUsFound"
 	// ReasonNVMLReload (Warning): NVML lost the kernel driver (an
-	// upgrade or unload); the agent stops so that its restart loads the
-	// new library.
+	// upgrade or unload), or another driver root holds the library to
+	// load now (--driver-root=auto); the agent stops so that its restart
+	// loads it.
 	ReasonNVMLReload = "TopodraNVMLReload"
 	// ReasonNVMLUnusable (Warning, when discovery fails, its error
 	// changes, and every EventRepeat while it lasts): discovery fails
@@ -1442,9 +1443,11 @@ func (a *Agent) driverChanged(ctx context.Context, err error) {
 	if a.ctx.Err() != nil {
 		return
 	}
-	klog.FromContext(ctx).Info("NVML lost the kernel driver, stopping so that a restart loads the new library", "err", err.Error())
-	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; restarting the agent to load NVML again and republish the GPUs (was the NVIDIA driver upgraded?)", a.opts.DriverName, err)
-	a.cancel(fmt.Errorf("NVML lost the kernel driver; restart to load the new library: %w", err))
+	// err says why: the kernel driver changed (ErrDriverChanged's text),
+	// or another driver root holds the library to load now.
+	klog.FromContext(ctx).Info("NVML must be loaded again, stopping so that a restart loads it", "err", err.Error())
+	a.nodeEvent(v1.EventTypeWarning, ReasonNVMLReload, "Discover", "%s: %v; restarting the agent to load NVML again and republish the GPUs", a.opts.DriverName, err)
+	a.cancel(fmt.Errorf("restart to load NVML again: %w", err))
 }
 
 // nodeRef is how events refer to the Node: the UID is the node name, as
