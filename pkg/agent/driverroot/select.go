@@ -238,5 +238,23 @@ func describeMisses(misses []Miss) string {
 	for _, m := range misses {
 		parts = append(parts, fmt.Sprintf("%s: %v", describe(m.Root), m.Err))
 	}
+	// The directories searched, where every root was searched in the same
+	// ones, once at the end: the message goes into an event's note, which
+	// the API server limits.
+	if _, searched, ok := strings.Cut(parts[0], " (searched "); ok && len(parts) > 1 {
+		suffix := " (searched " + searched
+		if !strings.HasSuffix(suffix, ")") || strings.Contains(searched, " (searched ") {
+			return strings.Join(parts, "; ")
+		}
+		for _, p := range parts {
+			if !strings.HasSuffix(p, suffix) {
+				return strings.Join(parts, "; ")
+			}
+		}
+		for k := range parts {
+			parts[k] = strings.TrimSuffix(parts[k], suffix)
+		}
+		return strings.Join(parts, "; ") + "; each searched in " + strings.TrimSuffix(searched, ")")
+	}
 	return strings.Join(parts, "; ")
 }

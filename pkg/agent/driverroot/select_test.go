@@ -110,6 +110,11 @@ func TestAutoDetect(t *testing.T) {
 				if tc.library != "" && !strings.Contains(err.Error(), tc.library) {
 					t.Errorf("error %q does not name the library %s", err, tc.library)
 				}
+				// The standard directories, searched in each root, are
+				// named once (the error goes into an event's note).
+				if n := strings.Count(err.Error(), LibrarySearchPaths[0]); tc.library == "" && n != 1 {
+					t.Errorf("error %q names %s %d times, want once", err, LibrarySearchPaths[0], n)
+				}
 				return
 			}
 			if err != nil {
