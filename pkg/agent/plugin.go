@@ -263,6 +263,10 @@ func (a *Agent) reserveLocked(uid types.UID, prepared checkpoint.PreparedClaim) 
 	if a.preparing == nil {
 		a.preparing = map[types.UID]checkpoint.PreparedClaim{}
 	}
+	// A copy of the devices: the caller goes on to fill in its own
+	// (their CDI device ids) without prepareMutex, while other Prepares
+	// read this one under it.
+	prepared.Devices = slices.Clone(prepared.Devices)
 	a.preparing[uid] = prepared
 }
 
