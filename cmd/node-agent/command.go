@@ -457,13 +457,16 @@ func waitAgent(ctx context.Context, sink *eventSink, a *agent.Agent) error {
 
 // exitError is the error the command exits with where the agent could
 // not start or stopped: one that a flag causes names the flag. Where the
-// checkpoint is unreadable it first waits (up to eventFlushTimeout) until
-// the agent's ReasonCheckpointUnreadable event has been sent to the API
-// server: the process exits next, and events are sent in the background.
+// checkpoint is unreadable or the state cannot be written it first waits
+// (up to eventFlushTimeout) until the agent's ReasonCheckpointUnreadable
+// or ReasonStateUnwritable event has been sent to the API server: the
+// process exits next, and events are sent in the background.
 func exitError(ctx context.Context, sink *eventSink, err error) error {
 	switch {
 	case errors.Is(err, agent.ErrCheckpoint):
 		flushEvent(ctx, sink, agent.ReasonCheckpointUnreadable)
+	case errors.Is(err, agent.ErrStateUnwritable):
+		flushEvent(ctx, sink, agent.ReasonStateUnwritable)
 	case errors.Is(err, agent.ErrCDIDir):
 		return fmt.Errorf("--cdi-dir (or CDI_DIR): %w", err)
 	case errors.Is(err, agent.ErrSocketPath):

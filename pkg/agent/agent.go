@@ -351,6 +351,11 @@ const (
 	// ReasonCheckpointUnreadable (Warning, at start): the checkpoint of
 	// prepared claims cannot be read (ErrCheckpoint); New fails.
 	ReasonCheckpointUnreadable = "TopodraCheckpointUnreadable"
+	// ReasonStateUnwritable (Warning, once per distinct error): the agent
+	// cannot write its state directory or the CDI directory (a full or
+	// read-only file system): at start (ErrStateUnwritable; New fails),
+	// or in a Prepare or Unprepare, which fails until it can.
+	ReasonStateUnwritable = "TopodraStateUnwritable"
 	// ReasonHealthPartlyWatched (Warning, when health watching starts,
 	// and when a retry watches more GPUs but not all): the health source
 	// watches some GPUs but not the ones the event names; the kubelet
@@ -1019,10 +1024,29 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 	if err := a.checkBootID(ctx); err != nil {
 		if errors.Is(err, ErrCheckpoint) {
 			a.checkpointUnreadable(ctx, err)
+			return err
 		}
-		return err
+		return a.stateUnwritable(ctx, "Start", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 	}
 	return a.loadFaults()
+}
+
+// ErrStateUnwritable is returned (wrapped) by New when the agent cannot
+// record the state it found at start (the claims of an earlier boot, the
+// claims recovered from their CDI specs) in its state directory or the
+// CDI directory.
+var ErrStateUnwritable = errors.New("the agent's state cannot be written")
+
+// stateUnwritable reports err, a failure to read or write the agent's
+// state directory or the CDI directory, in the log and as a
+// ReasonStateUnwritable Warning on the Node (one per distinct error), and
+// returns it. action is what failed: Start, Prepare or Unprepare.
+func (a *Agent) stateUnwritable(ctx context.Context, action string, err error) error {
+	klog.FromContext(ctx).Error(err, "Cannot read or write the agent's state", "action", action, "stateDir", a.opts.StateDir, "cdiDir", a.opts.CDIDir)
+	a.nodeCauseEvent(v1.EventTypeWarning, ReasonStateUnwritable, action,
+		"%s: %s failed: %v; GPU claims on this node are not prepared or unprepared until the agent can write %s and %s (a full or read-only file system?); running containers keep their GPUs",
+		a.opts.DriverName, action, err, a.opts.StateDir, a.opts.CDIDir)
+	return err
 }
 
 // ErrCheckpoint is returned (wrapped) by New when the checkpoint of

@@ -164,7 +164,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	cp, err := a.store.Load()
 	if err != nil {
 		a.prepareMutex.Unlock()
-		return nil, err
+		return nil, a.stateUnwritable(ctx, "Prepare", err)
 	}
 	for _, claim := range claims {
 		before, known := cp.Claims[claim.UID]
@@ -202,7 +202,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	defer a.prepareMutex.Unlock()
 	cp, err = a.store.Load()
 	if err != nil {
-		return nil, err
+		return nil, a.stateUnwritable(ctx, "Prepare", err)
 	}
 	changed := false
 	for _, p := range plans {
@@ -222,7 +222,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
-			return nil, err
+			return nil, a.stateUnwritable(ctx, "Prepare", err)
 		}
 	}
 	for _, claim := range claims {
@@ -639,13 +639,13 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 
 	cp, err := a.store.Load()
 	if err != nil {
-		return nil, err
+		return nil, a.stateUnwritable(ctx, "Unprepare", err)
 	}
 	result := make(map[types.UID]error, len(claims))
 	changed := false
 	for _, claim := range claims {
 		if err := a.cdi.DeleteClaimSpec(claim.UID); err != nil {
-			result[claim.UID] = err
+			result[claim.UID] = a.stateUnwritable(ctx, "Unprepare", fmt.Errorf("claim %s: %w", claim.NamespacedName, err))
 			continue
 		}
 		if _, ok := cp.Claims[claim.UID]; ok {
@@ -661,7 +661,7 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
-			return nil, err
+			return nil, a.stateUnwritable(ctx, "Unprepare", err)
 		}
 	}
 	return result, nil

@@ -50,12 +50,12 @@ const stateLockRetry = 100 * time.Millisecond
 func (a *Agent) lockState(ctx context.Context) error {
 	dir := a.opts.StateDir
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return fmt.Errorf("create state directory %s: %w", dir, err)
+		return a.stateUnwritable(ctx, "Start", fmt.Errorf("%w: create state directory %s: %w", ErrStateUnwritable, dir, err))
 	}
 	path := filepath.Join(dir, LockFileName)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
-		return fmt.Errorf("open lock file %s: %w", path, err)
+		return a.stateUnwritable(ctx, "Start", fmt.Errorf("%w: open lock file %s: %w", ErrStateUnwritable, path, err))
 	}
 	logger := klog.FromContext(ctx)
 	var patience time.Duration
