@@ -1794,6 +1794,9 @@ func (a *Agent) Live() error {
 	if err := a.startHung(); err != nil {
 		return err
 	}
+	if err := a.socketsGone(); err != nil {
+		return err
+	}
 	return a.registrationRefused()
 }
 

@@ -3,6 +3,8 @@ package agent
 import (
 	"context"
 	"fmt"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -107,6 +109,34 @@ func (a *Agent) registrationRefused() error {
 		return fmt.Errorf("kubelet refused plugin registration: %s", r.refusal)
 	}
 	return nil
+}
+
+// socketsGone returns an error where the kubelet plugin helper serves
+// and its registration or DRA socket is no longer in its directory (the
+// kubelet's plugin directories were wiped or recreated): the kubelet
+// deregisters a driver whose registration socket goes and finds nothing
+// to register again, and only a new process creates the sockets. nil
+// before the helper starts, with PublishOnly, and while both are there.
+func (a *Agent) socketsGone() error {
+	if !a.helperStarted() || a.helper == nil {
+		return nil
+	}
+	for _, path := range []string{a.registrationSocket(), filepath.Join(a.opts.PluginDataDir, draSocketName(a.opts.PluginDataDir, a.opts.RollingUpdateUID))} {
+		info, err := os.Lstat(path)
+		if err == nil && info.Mode().Type() == fs.ModeSocket {
+			continue
+		}
+		return fmt.Errorf("the kubelet plugin socket %s is gone (%v): the kubelet cannot call or register the driver; a restart creates it again", path, errOrKind(err, info))
+	}
+	return nil
+}
+
+// errOrKind says why a path is not a socket: err, or what it is.
+func errOrKind(err error, info fs.FileInfo) string {
+	if err != nil {
+		return err.Error()
+	}
+	return "not a socket: " + info.Mode().Type().String()
 }
 
 // registrationSocket is the path of the registration socket the kubelet

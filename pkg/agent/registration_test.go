@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -97,6 +98,19 @@ func TestReadyOnceKubeletRegisters(t *testing.T) {
 		t.Error("Registered() false after the kubelet registered the plugin")
 	}
 	expectEventWithPrefix(t, recorder, "Normal "+agent.ReasonRegistered)
+
+	// The kubelet's plugin directories wiped: the sockets are gone, the
+	// kubelet deregisters the driver and would never call it again. Not
+	// live, so that a restart creates them.
+	if err := os.RemoveAll(opts.RegistrarDir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(opts.RegistrarDir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Live(); err == nil || !strings.Contains(err.Error(), socket) {
+		t.Errorf("registration socket removed: Live() = %v, want an error naming it", err)
+	}
 }
 
 // TestPublishOnlyReadyWithoutKubelet: a publish-only agent (simulators,
