@@ -9,7 +9,7 @@ LDFLAGS   := -X github.com/topodra/topodra/pkg/version.Version=$(VERSION) -X k8s
 export CGO_CFLAGS ?= -Wno-deprecated-declarations
 TEST_FLAGS ?= -count=1 -timeout=40m -p=2
 
-.PHONY: all build test unit integration test-gpu verify demo bench bench-short placement fuzz images clean
+.PHONY: all build test unit integration test-gpu race verify demo bench bench-short placement fuzz images clean
 
 all: build
 
@@ -19,13 +19,22 @@ build:
 	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-check ./cmd/topodra-check
 	@if ls cmd/simulator/*.go >/dev/null 2>&1; then $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/topodra-sim ./cmd/simulator; fi
 
-# What CI runs: unit, integration and load tests, then each fuzz target
-# for 100 executions (a count, not a time: an input still running when a
-# fuzz time runs out fails the target; the instrumented builds take minutes
-# the first time).
+# What CI runs: unit, integration and load tests, the concurrent code
+# under the race detector, then each fuzz target for 100 executions (a
+# count, not a time: an input still running when a fuzz time runs out
+# fails the target; the instrumented builds take minutes the first time).
 test:
 	$(GO) test $(TEST_FLAGS) ./...
+	$(MAKE) race
 	$(MAKE) fuzz FUZZTIME=100x
+
+# The code that runs concurrently, under the race detector: the plugin
+# (Filter runs for many nodes at once, beside informer handlers), the
+# checker, and the agent's tests of calls that run at once (the kubelet's
+# Prepares and Unprepares, the stale-claim check, claim locks).
+race:
+	$(GO) test -race $(TEST_FLAGS) ./pkg/plugins/topologydra/ ./pkg/invariant/
+	$(GO) test -race $(TEST_FLAGS) -run 'Concurrent|Lock|Stale|Busy' ./pkg/agent/
 
 unit:
 	$(GO) test $(TEST_FLAGS) ./pkg/... ./cmd/...
