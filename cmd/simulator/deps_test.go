@@ -63,15 +63,7 @@ func TestForbiddenMatches(t *testing.T) {
 // command of the module (`go list -deps ./cmd/...`) and fails if package
 // testing or test scaffolding is among them.
 func TestShippedBinariesLinkNoTestCode(t *testing.T) {
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Fatalf("go command not found: %v", err)
-	}
-	gomod, err := exec.Command(goBin, "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatalf("go env GOMOD: %v", err)
-	}
-	root := filepath.Dir(strings.TrimSpace(string(gomod)))
+	goBin, root := goAndModule(t)
 	cmd := exec.Command(goBin, "list", "-deps", "./cmd/...")
 	cmd.Dir = root
 	out, err := cmd.Output()
@@ -172,15 +164,7 @@ func TestOwnDoubleImports(t *testing.T) {
 // as perBinary allows), and links neither the embedded control plane nor
 // the simulator.
 func TestShippedBinariesLinkNoTestDoubles(t *testing.T) {
-	goBin, err := exec.LookPath("go")
-	if err != nil {
-		t.Fatalf("go command not found: %v", err)
-	}
-	gomod, err := exec.Command(goBin, "env", "GOMOD").Output()
-	if err != nil {
-		t.Fatalf("go env GOMOD: %v", err)
-	}
-	root := filepath.Dir(strings.TrimSpace(string(gomod)))
+	goBin, root := goAndModule(t)
 	for cmdPath, rules := range perBinary {
 		cmd := exec.Command(goBin, "list", "-deps", "-f", "{{.ImportPath}}{{range .Imports}} {{.}}{{end}}", cmdPath)
 		cmd.Dir = root
@@ -205,4 +189,18 @@ func TestShippedBinariesLinkNoTestDoubles(t *testing.T) {
 			}
 		}
 	}
+}
+
+// goAndModule returns the go command and the module's root directory.
+func goAndModule(t *testing.T) (goBin, root string) {
+	t.Helper()
+	goBin, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatalf("go command not found: %v", err)
+	}
+	gomod, err := exec.Command(goBin, "env", "GOMOD").Output()
+	if err != nil {
+		t.Fatalf("go env GOMOD: %v", err)
+	}
+	return goBin, filepath.Dir(strings.TrimSpace(string(gomod)))
 }
