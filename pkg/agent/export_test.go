@@ -31,3 +31,11 @@ func (a *Agent) HoldClaim(t *testing.T, uid types.UID) func() {
 	}
 	return unlock
 }
+
+// SpecTimesTellBoot says whether the agent tells specs of an earlier boot
+// in dir by their modification time, and before which time they are of
+// an earlier boot.
+func SpecTimesTellBoot(dir string) (time.Time, bool) {
+	boot := bootTime()
+	return boot, !livesOneBoot(dir) && !boot.IsZero()
+}

@@ -36,14 +36,15 @@ const ReasonPreparedClaimsRecovered = "TopodraPreparedClaimsRecovered"
 // to a claim prepared during this boot whose containers may run: a
 // checkpoint that is missing (a changed --state-dir or --kubelet-dir, a
 // wiped plugin directory) must not let another claim be prepared with
-// those GPUs. It returns how many claims it recorded; a claim spec that
-// cannot be read fails it with ErrCheckpoint (wrapping
+// those GPUs. It returns how many claims it recorded; a claim spec of
+// this boot that cannot be read fails it with ErrCheckpoint (wrapping
 // cdi.ErrUnreadableSpec), as the agent cannot tell which GPUs that claim
-// holds. Files in CDIDir that are not named as this driver's claim specs
-// are not read.
+// holds, and leaves cp as it was. Files in CDIDir that are not named as
+// this driver's claim specs are not read.
 //
-// Specs of an earlier boot are removed instead, as checkBootID removes
-// those of claims prepared during another boot: where CDIDir is a tmpfs
+// Specs of an earlier boot are removed instead, unread, whatever they
+// hold (a power loss can leave one empty), as checkBootID removes those
+// of claims prepared during another boot: where CDIDir is a tmpfs
 // (/var/run is one), every spec in it was written during this boot;
 // otherwise a spec last written before the node booted (btime in
 // /proc/stat, by the clock that file times are in) is of an earlier boot.
@@ -66,11 +67,11 @@ func (a *Agent) recoverClaims(ctx context.Context, cp *checkpoint.Checkpoint) (i
 	if exists {
 		return 0, nil
 	}
-	specs, err := a.cdi.ClaimSpecs()
+	files, err := a.cdi.ListClaimSpecs()
 	if err != nil {
 		return 0, fmt.Errorf("%w: the checkpoint %s does not exist and the CDI specs of prepared claims cannot be read: %w", ErrCheckpoint, a.store.Path(), err)
 	}
-	if len(specs) == 0 {
+	if len(files) == 0 {
 		return 0, nil
 	}
 	logger := klog.FromContext(ctx)
@@ -78,16 +79,30 @@ func (a *Agent) recoverClaims(ctx context.Context, cp *checkpoint.Checkpoint) (i
 	if !livesOneBoot(a.opts.CDIDir) {
 		boot = bootTime()
 	}
+	// Specs of an earlier boot go by their time alone: a damaged one
+	// must not stop the start.
+	var ofThisBoot []cdi.SpecFile
+	for _, f := range files {
+		if !ofEarlierBoot(f, boot) {
+			ofThisBoot = append(ofThisBoot, f)
+			continue
+		}
+		logger.Info("No checkpoint of prepared claims, removing the CDI spec of a claim prepared before the node booted", "uid", f.UID, "path", f.Path, "written", f.ModTime, "bootTime", boot)
+		if err := a.cdi.DeleteClaimSpec(f.UID); err != nil {
+			return 0, err
+		}
+	}
+	specs := make([]cdi.ClaimSpec, 0, len(ofThisBoot))
+	for _, f := range ofThisBoot {
+		spec, err := cdi.ReadClaimSpec(f)
+		if err != nil {
+			return 0, fmt.Errorf("%w: the checkpoint %s does not exist and the CDI specs of prepared claims cannot be read: %w", ErrCheckpoint, a.store.Path(), err)
+		}
+		specs = append(specs, spec)
+	}
 	var claims []string
 	recovered := 0
 	for _, spec := range specs {
-		if ofEarlierBoot(spec, boot) {
-			logger.Info("No checkpoint of prepared claims, removing the CDI spec of a claim prepared before the node booted", "uid", spec.UID, "path", spec.Path, "written", spec.ModTime, "bootTime", boot)
-			if err := a.cdi.DeleteClaimSpec(spec.UID); err != nil {
-				return 0, err
-			}
-			continue
-		}
 		prepared := checkpoint.PreparedClaim{}
 		for _, d := range spec.Devices {
 			prepared.Devices = append(prepared.Devices, checkpoint.PreparedDevice{
@@ -113,11 +128,11 @@ func (a *Agent) recoverClaims(ctx context.Context, cp *checkpoint.Checkpoint) (i
 	return recovered, nil
 }
 
-// ofEarlierBoot says whether a claim spec was last written before the
-// node booted at boot; a zero boot time (unknown, or a CDI directory that
-// lives one boot) says no.
-func ofEarlierBoot(spec cdi.ClaimSpec, boot time.Time) bool {
-	return !boot.IsZero() && spec.ModTime.Before(boot)
+// ofEarlierBoot says whether a claim spec file was last written before
+// the node booted at boot; a zero boot time (unknown, or a CDI directory
+// that lives one boot) says no.
+func ofEarlierBoot(f cdi.SpecFile, boot time.Time) bool {
+	return !boot.IsZero() && f.ModTime.Before(boot)
 }
 
 // Magic numbers (statfs f_type) of the file systems whose content lives

@@ -24,7 +24,7 @@ func TestOfEarlierBoot(t *testing.T) {
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
-			if got := ofEarlierBoot(cdi.ClaimSpec{ModTime: tc.written}, tc.boot); got != tc.want {
+			if got := ofEarlierBoot(cdi.SpecFile{ModTime: tc.written}, tc.boot); got != tc.want {
 				t.Errorf("ofEarlierBoot(written %v, boot %v) = %v, want %v", tc.written, tc.boot, got, tc.want)
 			}
 		})
@@ -42,7 +42,7 @@ func TestBootTime(t *testing.T) {
 	if !boot.Before(now) || boot.Before(time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)) {
 		t.Errorf("boot time %v, want between 2000 and now (%v)", boot, now)
 	}
-	if ofEarlierBoot(cdi.ClaimSpec{ModTime: now}, boot) {
+	if ofEarlierBoot(cdi.SpecFile{ModTime: now}, boot) {
 		t.Errorf("a spec written now counts as of an earlier boot (boot time %v)", boot)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -299,6 +300,89 @@ func TestRecoverUnreadableClaimSpec(t *testing.T) {
 			ev := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonCheckpointUnreadable)
 			if !strings.Contains(ev, path) {
 				t.Errorf("event %q does not name %s", ev, path)
+			}
+		})
+	}
+}
+
+// TestRecoverRemovesSpecsOfEarlierBoot: an agent without a checkpoint on
+// a --cdi-dir that outlives a reboot removes the claim specs last written
+// before the node booted, unread: an empty one (what a power loss can
+// leave) does not stop its start, and a good one of an earlier boot does
+// not hold its GPUs. A claim spec of this boot is recovered, or, where it
+// is damaged, stops the start as before.
+func TestRecoverRemovesSpecsOfEarlierBoot(t *testing.T) {
+	const damaged = types.UID("uid-damaged")
+	testcases := map[string]struct {
+		goodOld, damagedOld bool
+	}{
+		"both of an earlier boot":                      {goodOld: true, damagedOld: true},
+		"damaged of an earlier boot, good of this one": {damagedOld: true},
+		"good of an earlier boot, damaged of this one": {goodOld: true},
+	}
+	for name, tc := range testcases {
+		t.Run(name, func(t *testing.T) {
+			_, ctx := ktesting.NewTestContext(t)
+			e := newEnv(t)
+			boot, ok := agent.SpecTimesTellBoot(e.cdiDir)
+			if !ok {
+				t.Skipf("the CDI directory %s lives one boot, or the boot time is unknown: every spec there is of this boot", e.cdiDir)
+			}
+			yearAgo := time.Now().AddDate(-1, 0, 0)
+			if !yearAgo.Before(boot) {
+				t.Skipf("the node booted %v, over a year ago", boot)
+			}
+			held := claim("held", gpus("gpus", "gpu-1", "gpu-2")...)
+			loseCheckpoint(ctx, t, e, held)
+			w, err := cdi.New(e.cdiDir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(w.SpecPath(damaged), nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			for uid, old := range map[types.UID]bool{held.UID: tc.goodOld, damaged: tc.damagedOld} {
+				if !old {
+					continue
+				}
+				if err := os.Chtimes(w.SpecPath(uid), yearAgo, yearAgo); err != nil {
+					t.Fatal(err)
+				}
+			}
+
+			a, err := agent.New(ctx, e.options(t))
+			if !tc.damagedOld {
+				if err == nil {
+					a.Stop()
+					t.Fatal("agent started with an empty claim spec of this boot and no checkpoint")
+				}
+				if !errors.Is(err, agent.ErrCheckpoint) || !errors.Is(err, cdi.ErrUnreadableSpec) || !strings.Contains(err.Error(), w.SpecPath(damaged)) {
+					t.Errorf("error %v, want ErrCheckpoint and cdi.ErrUnreadableSpec naming %s", err, w.SpecPath(damaged))
+				}
+			} else {
+				if err != nil {
+					t.Fatalf("agent does not start: %v", err)
+				}
+				t.Cleanup(a.Stop)
+			}
+			for uid, old := range map[types.UID]bool{held.UID: tc.goodOld, damaged: tc.damagedOld} {
+				_, err := os.Stat(w.SpecPath(uid))
+				if old && !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("spec of %s of an earlier boot: %v, want it removed", uid, err)
+				}
+				if !old && err != nil {
+					t.Errorf("spec of %s of this boot: %v, want it kept", uid, err)
+				}
+			}
+			if a == nil || err != nil {
+				return
+			}
+			err = prepareOne(ctx, t, a, claim("other", gpus("gpus", "gpu-1")...))
+			switch {
+			case tc.goodOld && err != nil:
+				t.Errorf("other claim on gpu-1, held by a claim of an earlier boot: %v", err)
+			case !tc.goodOld && !errors.Is(err, agent.ErrDeviceInUse):
+				t.Errorf("other claim on gpu-1, held by a recovered claim of this boot: %v, want ErrDeviceInUse", err)
 			}
 		})
 	}

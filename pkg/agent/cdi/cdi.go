@@ -162,6 +162,9 @@ func specName(claimUID types.UID) string {
 	return cdiapi.GenerateTransientSpecName(Vendor, Class, string(claimUID)) + ".json"
 }
 
+// specPrefix starts the file names that specName gives.
+var specPrefix = cdiapi.GenerateSpecName(Vendor, Class) + "_"
+
 // SpecPath is the file that holds the spec of a claim.
 func (w *Writer) SpecPath(claimUID types.UID) string {
 	return filepath.Join(w.dir, specName(claimUID))
@@ -263,32 +266,37 @@ func (w *Writer) DeleteClaimSpec(claimUID types.UID) error {
 	return nil
 }
 
-// ErrUnreadableSpec is returned (wrapped) by [Writer.ClaimSpecs] for a
-// claim spec file of this driver that cannot be read or does not record
-// its claim's GPUs.
+// ErrUnreadableSpec is returned (wrapped) by [Writer.ListClaimSpecs] and
+// [ReadClaimSpec] for a claim spec file of this driver that cannot be
+// read or does not record its claim's GPUs.
 var ErrUnreadableSpec = errors.New("claim CDI spec is unreadable")
 
-// ClaimSpec is what a claim's spec file records about the claim.
-type ClaimSpec struct {
+// SpecFile is a claim spec file of this driver, as listed, not read.
+type SpecFile struct {
 	// UID is the claim's UID, from the file name.
 	UID types.UID
 	// Path is the spec file.
 	Path string
 	// ModTime is when the file was last written.
 	ModTime time.Time
+}
+
+// ClaimSpec is what a claim's spec file records about the claim.
+type ClaimSpec struct {
+	SpecFile
 	// Devices are the claim's GPUs: the DRA device name and the GPU UUID
 	// of each (from its [DeviceEnv] variable) and the minor number of its
 	// /dev/nvidia<minor> device node, -1 where the spec lists none.
 	Devices []Device
 }
 
-// ClaimSpecs reads the claim spec files in the writer's directory (the
-// files named as [Writer.SpecPath] names them), in the order of their
-// names; other files are not read. A path that does not exist or is not
-// a directory holds none. A claim spec file that cannot be read or parsed, is empty, is of
-// another kind, or lacks a device's name or UUID fails the call with
+// ListClaimSpecs lists the claim spec files in the writer's directory
+// (the files named as [Writer.SpecPath] names them), in the order of their
+// names, without reading them; other files are left out. A path that
+// does not exist or is not a directory holds none. A claim spec file
+// whose modification time cannot be read fails the call with
 // ErrUnreadableSpec.
-func (w *Writer) ClaimSpecs() ([]ClaimSpec, error) {
+func (w *Writer) ListClaimSpecs() ([]SpecFile, error) {
 	entries, err := os.ReadDir(w.dir)
 	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
 		return nil, nil
@@ -296,32 +304,33 @@ func (w *Writer) ClaimSpecs() ([]ClaimSpec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read CDI directory %s: %w", w.dir, err)
 	}
-	// The names that specName gives.
-	prefix := cdiapi.GenerateSpecName(Vendor, Class) + "_"
-	var out []ClaimSpec
+	var out []SpecFile
 	for _, e := range entries {
 		name := e.Name()
-		if e.IsDir() || !strings.HasPrefix(name, prefix) || !strings.HasSuffix(name, ".json") {
+		if e.IsDir() || !strings.HasPrefix(name, specPrefix) || !strings.HasSuffix(name, ".json") {
 			continue
 		}
-		uid := types.UID(strings.TrimSuffix(strings.TrimPrefix(name, prefix), ".json"))
-		spec, err := readClaimSpec(filepath.Join(w.dir, name), uid)
+		path := filepath.Join(w.dir, name)
+		info, err := os.Stat(path)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("%w: %s: %w", ErrUnreadableSpec, path, err)
 		}
-		out = append(out, spec)
+		out = append(out, SpecFile{
+			UID:     types.UID(strings.TrimSuffix(strings.TrimPrefix(name, specPrefix), ".json")),
+			Path:    path,
+			ModTime: info.ModTime(),
+		})
 	}
 	return out, nil
 }
 
-// readClaimSpec reads the spec of the claim uid from path.
-func readClaimSpec(path string, uid types.UID) (ClaimSpec, error) {
+// ReadClaimSpec reads a claim spec file that [Writer.ListClaimSpecs]
+// listed. A file that cannot be read or parsed, is empty, is of another
+// kind, or lacks a device's name or UUID fails it with ErrUnreadableSpec.
+func ReadClaimSpec(f SpecFile) (ClaimSpec, error) {
+	path, uid := f.Path, f.UID
 	fail := func(format string, args ...any) (ClaimSpec, error) {
 		return ClaimSpec{}, fmt.Errorf("%w: %s: %s", ErrUnreadableSpec, path, fmt.Sprintf(format, args...))
-	}
-	info, err := os.Stat(path)
-	if err != nil {
-		return fail("%v", err)
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -338,7 +347,7 @@ func readClaimSpec(path string, uid types.UID) (ClaimSpec, error) {
 	case len(spec.Devices) == 0:
 		return fail("no device")
 	}
-	out := ClaimSpec{UID: uid, Path: path, ModTime: info.ModTime()}
+	out := ClaimSpec{SpecFile: f}
 	for _, d := range spec.Devices {
 		name, ok := strings.CutPrefix(d.Name, string(uid)+"-")
 		if !ok || name == "" {

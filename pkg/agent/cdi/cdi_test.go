@@ -153,8 +153,9 @@ func (nodeGenerator) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	return cdispec.ContainerEdits{DeviceNodes: []*cdispec.DeviceNode{{Path: fmt.Sprintf("/dev/nvidia%d", d.Minor)}}}, nil
 }
 
-// TestClaimSpecsReadsWrittenSpecs: what WriteClaimSpec wrote, ClaimSpecs
-// reads back per claim (UID, device names, GPU UUIDs, minor numbers where
+// TestClaimSpecsReadsWrittenSpecs: what WriteClaimSpec wrote,
+// ListClaimSpecs lists and ReadClaimSpec reads back per claim (UID,
+// device names, GPU UUIDs, minor numbers where
 // the spec lists device nodes), leaving other files alone.
 func TestClaimSpecsReadsWrittenSpecs(t *testing.T) {
 	testcases := map[string]struct {
@@ -188,10 +189,7 @@ func TestClaimSpecsReadsWrittenSpecs(t *testing.T) {
 			if err := os.WriteFile(filepath.Join(dir, "nvidia.com-gpu.json"), []byte("{not json"), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			specs, err := w.ClaimSpecs()
-			if err != nil {
-				t.Fatal(err)
-			}
+			specs := readAll(t, w)
 			got := map[types.UID][]Device{}
 			for _, s := range specs {
 				if s.Path != w.SpecPath(s.UID) || s.ModTime.IsZero() {
@@ -209,12 +207,30 @@ func TestClaimSpecsReadsWrittenSpecs(t *testing.T) {
 	}
 }
 
+// readAll lists the claim specs in w's directory and reads each.
+func readAll(t *testing.T, w *Writer) []ClaimSpec {
+	t.Helper()
+	files, err := w.ListClaimSpecs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []ClaimSpec
+	for _, f := range files {
+		spec, err := ReadClaimSpec(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, spec)
+	}
+	return out
+}
+
 // TestNamesAreStable pins the names that outlive an agent version: the
 // kubelet keeps the CDI device ids that Prepare returned for a prepared
 // claim (in its checkpoint, across its restarts) and hands them to the
 // runtime for every container it starts, while a newer agent regenerates
 // the claim's spec under the names it computes itself and finds the specs
-// of an older one by file name (ClaimSpecs, when its checkpoint is
+// of an older one by file name (ListClaimSpecs, when its checkpoint is
 // missing). Changing the spec file name, the CDI kind or the device name
 // within the spec makes the kubelet's cached ids unresolvable (containers
 // of running pods fail to start after a restart) or leaves an older
@@ -259,12 +275,9 @@ func TestNamesAreStable(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, specFile), []byte(spec), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	specs, err := w.ClaimSpecs()
-	if err != nil {
-		t.Fatal(err)
-	}
+	specs := readAll(t, w)
 	want := []Device{{Name: "gpu-3", UUID: "GPU-d", Minor: -1}}
 	if len(specs) != 1 || specs[0].UID != uid || !slices.Equal(specs[0].Devices, want) {
-		t.Errorf("ClaimSpecs = %+v, want claim %s with %+v", specs, uid, want)
+		t.Errorf("claim specs = %+v, want claim %s with %+v", specs, uid, want)
 	}
 }
