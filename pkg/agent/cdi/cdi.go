@@ -118,11 +118,15 @@ func (s Static) DeviceEdits(d Device) (cdispec.ContainerEdits, error) {
 	return cdispec.ContainerEdits{DeviceNodes: s.nodes(fmt.Sprintf("/dev/nvidia%d", d.Minor))}, nil
 }
 
-// Writer writes and removes claim specs in one directory.
+// Writer writes and removes claim specs in one directory. It keeps no
+// CDI cache of the directory: it validates each spec it writes as the CDI
+// library validates a spec file that a container runtime loads, and the
+// runtimes' caches read the files.
 type Writer struct {
 	dir       string
-	cache     *cdiapi.Cache
 	generator Generator
+	// write writes data to the temporary file of a spec: writeAll.
+	write func(f *os.File, data []byte) error
 }
 
 // Option configures [New].
@@ -135,11 +139,7 @@ func WithGenerator(g Generator) Option {
 
 // New returns a writer for dir (created on first write).
 func New(dir string, opts ...Option) (*Writer, error) {
-	cache, err := cdiapi.NewCache(cdiapi.WithSpecDirs(dir), cdiapi.WithAutoRefresh(false))
-	if err != nil {
-		return nil, fmt.Errorf("create CDI cache for %s: %w", dir, err)
-	}
-	w := &Writer{dir: dir, cache: cache, generator: Static{}}
+	w := &Writer{dir: dir, generator: Static{}, write: writeAll}
 	for _, opt := range opts {
 		opt(w)
 	}
@@ -147,6 +147,12 @@ func New(dir string, opts ...Option) (*Writer, error) {
 		return nil, errors.New("CDI generator must not be nil")
 	}
 	return w, nil
+}
+
+// writeAll writes data to f.
+func writeAll(f *os.File, data []byte) error {
+	_, err := f.Write(data)
+	return err
 }
 
 // DeviceID is the fully qualified CDI device id of one GPU of one claim.
@@ -164,6 +170,18 @@ func specName(claimUID types.UID) string {
 
 // specPrefix starts the file names that specName gives.
 var specPrefix = cdiapi.GenerateSpecName(Vendor, Class) + "_"
+
+// Temporary files, in which the writer writes a claim's spec before it
+// renames the file to the spec's name, are named ".", the spec's name, a
+// random part and tempSuffix: hidden, and without the .json or .yaml
+// extension that container runtimes read, so that no runtime takes one
+// for a spec, and distinct from the "spec.*.tmp" of other writers of the
+// directory (the CDI library, nvidia-ctk).
+const tempSuffix = ".tmp"
+
+func tempPattern(claimUID types.UID) string {
+	return "." + specName(claimUID) + ".*" + tempSuffix
+}
 
 // SpecPath is the file that holds the spec of a claim.
 func (w *Writer) SpecPath(claimUID types.UID) string {
@@ -224,14 +242,17 @@ func Spec(g Generator, claimUID types.UID, devices []Device) (*cdispec.Spec, err
 // WriteClaimSpec generates the spec of a claim, writes it (or atomically
 // replaces the claim's spec) unless the file already holds the same spec,
 // and returns the CDI device id of each GPU, by DRA device name. Where
-// generating fails, the claim's spec file stays as it was.
+// generating, validating (as a container runtime validates the file) or
+// writing fails, the claim's spec file stays as it was and no temporary
+// file is left behind, so a write that failed for lack of space succeeds
+// once there is space again.
 func (w *Writer) WriteClaimSpec(claimUID types.UID, devices []Device) (map[string]string, error) {
 	spec, err := Spec(w.generator, claimUID, devices)
 	if err != nil {
 		return nil, fmt.Errorf("CDI spec for claim %s: %w", claimUID, err)
 	}
 	if !sameSpec(w.SpecPath(claimUID), spec) {
-		if err := w.cache.WriteSpec(spec, specName(claimUID)); err != nil {
+		if err := w.writeSpec(claimUID, spec); err != nil {
 			return nil, fmt.Errorf("write CDI spec for claim %s: %w", claimUID, err)
 		}
 	}
@@ -240,6 +261,60 @@ func (w *Writer) WriteClaimSpec(claimUID types.UID, devices []Device) (map[strin
 		ids[d.Name] = DeviceID(claimUID, d.Name)
 	}
 	return ids, nil
+}
+
+// writeSpec replaces the claim's spec file with spec, atomically and
+// durably: it writes a temporary file (mode 0600) in the directory,
+// syncs it, reads it back through the CDI library's validation, renames
+// it to the spec's name and syncs the directory. It removes the temporary
+// file on any error.
+func (w *Writer) writeSpec(claimUID types.UID, spec *cdispec.Spec) error {
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return fmt.Errorf("encode: %w", err)
+	}
+	if err := os.MkdirAll(w.dir, 0o755); err != nil {
+		return fmt.Errorf("create directory: %w", err)
+	}
+	tmp, err := os.CreateTemp(w.dir, tempPattern(claimUID))
+	if err != nil {
+		return fmt.Errorf("create temporary file: %w", err)
+	}
+	fail := func(what string, err error) error {
+		_ = tmp.Close()
+		_ = os.Remove(tmp.Name())
+		return fmt.Errorf("%s temporary file: %w", what, err)
+	}
+	if err := w.write(tmp, data); err != nil {
+		return fail("write", err)
+	}
+	if err := tmp.Sync(); err != nil {
+		return fail("sync", err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fail("close", err)
+	}
+	if _, err := cdiapi.ReadSpec(tmp.Name(), 0); err != nil {
+		return fail("validate", err)
+	}
+	if err := os.Rename(tmp.Name(), w.SpecPath(claimUID)); err != nil {
+		_ = os.Remove(tmp.Name())
+		return fmt.Errorf("replace spec: %w", err)
+	}
+	return syncDir(w.dir)
+}
+
+// syncDir makes the changes to dir's entries durable.
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("open directory: %w", err)
+	}
+	defer func() { _ = d.Close() }()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("sync directory %s: %w", dir, err)
+	}
+	return nil
 }
 
 // sameSpec says whether the file at path holds spec: the same content in
@@ -260,7 +335,7 @@ func sameSpec(path string, spec *cdispec.Spec) bool {
 
 // DeleteClaimSpec removes the spec of a claim. A missing spec is no error.
 func (w *Writer) DeleteClaimSpec(claimUID types.UID) error {
-	if err := w.cache.RemoveSpec(specName(claimUID)); err != nil {
+	if err := os.Remove(w.SpecPath(claimUID)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove CDI spec for claim %s: %w", claimUID, err)
 	}
 	return nil
