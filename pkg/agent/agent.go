@@ -986,7 +986,8 @@ func (o *Options) setNames() {
 
 // openState takes the lock on StateDir (waiting while another agent holds
 // it, see LockFileName), opens the checkpoint there and the CDI spec
-// writer on CDIDir (checking, unless PublishOnly, that specs can be written there:
+// writer on CDIDir (removing the temporary spec files that an agent left
+// behind there, and checking, unless PublishOnly, that specs can be written there:
 // the kubelet's first Prepare must not be what finds out), drops claims prepared during another boot, records
 // the claims whose CDI specs exist where the checkpoint is missing (see
 // recoverClaims) and takes over the GPU
@@ -1014,6 +1015,17 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 	writer, err := cdi.New(a.opts.CDIDir, cdiOpts...)
 	if err != nil {
 		return err
+	}
+	// With the lock held no other agent writes specs there: what
+	// temporary files of this driver are there, an agent that ended while
+	// it wrote left behind, and they would keep their space on a tmpfs.
+	// One that cannot be removed costs space only, not the start.
+	removed, rmErr := writer.RemoveTempFiles()
+	if len(removed) > 0 {
+		klog.FromContext(ctx).Info("Removed temporary CDI spec files left behind", "files", removed)
+	}
+	if rmErr != nil {
+		klog.FromContext(ctx).Error(rmErr, "Cannot remove temporary CDI spec files left behind", "cdiDir", a.opts.CDIDir)
 	}
 	if !a.opts.PublishOnly {
 		if err := probeDir(a.opts.CDIDir); err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -113,5 +114,47 @@ func TestPrepareAfterCDIDirFull(t *testing.T) {
 	}
 	if left := tempFiles(t, e.cdiDir); len(left) > 0 {
 		t.Errorf("temporary files %v left", left)
+	}
+}
+
+// TestStartRemovesOwnTempSpecFiles: an agent that starts removes the
+// temporary spec files that an agent of this driver left behind in the
+// CDI directory (it ended while it wrote a spec), and leaves those of
+// other writers (the CDI library's and nvidia-ctk's spec.*.tmp), and
+// the specs themselves, alone.
+func TestStartRemovesOwnTempSpecFiles(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	e := newEnv(t)
+	held := claim("held", gpus("gpus", "gpu-1")...)
+	a := e.start(ctx, t)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Fatal(err)
+	}
+	a.Stop()
+	ours := []string{
+		".gpu.topodra.io-gpu_uid-held.json.2212345.tmp",
+		".gpu.topodra.io-gpu_uid-gone.json.99.tmp",
+	}
+	others := []string{"spec.123.tmp", "spec.4567.tmp", "nvidia.com-gpu.json"}
+	for _, name := range append(slices.Clone(ours), others...) {
+		if err := os.WriteFile(filepath.Join(e.cdiDir, name), []byte(`{"cdiVersion":"0.6.0","kind":`), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	a = e.start(ctx, t)
+	for _, name := range ours {
+		if _, err := os.Stat(filepath.Join(e.cdiDir, name)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the agent's temporary file %s after start: %v, want it removed", name, err)
+		}
+	}
+	for _, name := range others {
+		if _, err := os.Stat(filepath.Join(e.cdiDir, name)); err != nil {
+			t.Errorf("%s of another writer after start: %v, want it kept", name, err)
+		}
+	}
+	readSpec(t, e, held.UID)
+	if err := prepareOne(ctx, t, a, held); err != nil {
+		t.Errorf("prepare again after start: %v", err)
 	}
 }

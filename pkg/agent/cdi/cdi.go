@@ -172,12 +172,15 @@ func specName(claimUID types.UID) string {
 var specPrefix = cdiapi.GenerateSpecName(Vendor, Class) + "_"
 
 // Temporary files, in which the writer writes a claim's spec before it
-// renames the file to the spec's name, are named ".", the spec's name, a
-// random part and tempSuffix: hidden, and without the .json or .yaml
-// extension that container runtimes read, so that no runtime takes one
-// for a spec, and distinct from the "spec.*.tmp" of other writers of the
-// directory (the CDI library, nvidia-ctk).
+// renames the file to the spec's name, are named tempPrefix, the claim
+// UID, ".json.", a random part and tempSuffix: hidden, and without the
+// .json or .yaml extension that container runtimes read, so that no
+// runtime takes one for a spec, and distinct from the "spec.*.tmp" of
+// other writers of the directory (the CDI library, nvidia-ctk), so that
+// [Writer.RemoveTempFiles] removes only this driver's.
 const tempSuffix = ".tmp"
+
+var tempPrefix = "." + specPrefix
 
 func tempPattern(claimUID types.UID) string {
 	return "." + specName(claimUID) + ".*" + tempSuffix
@@ -315,6 +318,38 @@ func syncDir(dir string) error {
 		return fmt.Errorf("sync directory %s: %w", dir, err)
 	}
 	return nil
+}
+
+// RemoveTempFiles removes the temporary files of this driver's writers
+// from the writer's directory (those that a process which ended while it
+// wrote a spec left behind) and returns their paths; other files,
+// temporary files of other writers among them, stay. A directory that
+// does not exist holds none. It must be called only while no other
+// writer of this driver writes to the directory (the agent holds the lock
+// on its state directory).
+func (w *Writer) RemoveTempFiles() ([]string, error) {
+	entries, err := os.ReadDir(w.dir)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read CDI directory %s: %w", w.dir, err)
+	}
+	var removed []string
+	var errs []error
+	for _, e := range entries {
+		name := e.Name()
+		if !e.Type().IsRegular() || !strings.HasPrefix(name, tempPrefix) || !strings.HasSuffix(name, tempSuffix) {
+			continue
+		}
+		path := filepath.Join(w.dir, name)
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("remove temporary CDI spec file: %w", err))
+			continue
+		}
+		removed = append(removed, path)
+	}
+	return removed, errors.Join(errs...)
 }
 
 // sameSpec says whether the file at path holds spec: the same content in

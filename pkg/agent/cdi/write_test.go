@@ -159,3 +159,79 @@ func TestWriteClaimSpecFailure(t *testing.T) {
 		})
 	}
 }
+
+// TestRemoveTempFiles: the temporary files that the writer writes a spec
+// to before it renames them are named so that RemoveTempFiles finds them
+// (also those of an agent of another version: the names are pinned), and
+// it removes nothing else: not the temporary files of other writers of
+// the directory (the CDI library's and nvidia-ctk's spec.*.tmp), nor
+// specs.
+func TestRemoveTempFiles(t *testing.T) {
+	dir := t.TempDir()
+	w, err := New(dir, WithGenerator(Static{EnvOnly: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const uid = types.UID("0b6f3c1e-2d4a-4c1b-9a51-7e2f0c9d8a10")
+	var tempName string
+	w.write = func(f *os.File, data []byte) error {
+		tempName = filepath.Base(f.Name())
+		return writeAll(f, data)
+	}
+	if _, err := w.WriteClaimSpec(uid, []Device{{Name: "gpu-0", UUID: "GPU-a"}}); err != nil {
+		t.Fatal(err)
+	}
+	const pinnedPrefix = ".gpu.topodra.io-gpu_" + string(uid) + ".json."
+	if !strings.HasPrefix(tempName, pinnedPrefix) || !strings.HasSuffix(tempName, ".tmp") {
+		t.Errorf("temporary file %q, want %s*.tmp", tempName, pinnedPrefix)
+	}
+
+	ours := []string{
+		tempName,
+		".gpu.topodra.io-gpu_uid-2.json.123456.tmp",
+	}
+	others := []string{
+		"spec.123.tmp",
+		"spec.2212345.tmp",
+		".gpu.topodra.io-gpu_uid-3.json.bak",
+		"nvidia.com-gpu.json",
+		".topodra-probe-123",
+	}
+	for _, name := range append(slices.Clone(ours), others...) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("{partial"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A directory is not a file the writer left.
+	if err := os.Mkdir(filepath.Join(dir, ".gpu.topodra.io-gpu_uid-4.json.1.tmp"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	others = append(others, ".gpu.topodra.io-gpu_uid-4.json.1.tmp", filepath.Base(w.SpecPath(uid)))
+
+	removed, err := w.RemoveTempFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want []string
+	for _, name := range ours {
+		want = append(want, filepath.Join(dir, name))
+	}
+	slices.Sort(want)
+	slices.Sort(removed)
+	if !slices.Equal(removed, want) {
+		t.Errorf("removed %v, want %v", removed, want)
+	}
+	got := dirNames(t, dir)
+	slices.Sort(others)
+	if !slices.Equal(got, others) {
+		t.Errorf("directory holds %v, want %v", got, others)
+	}
+
+	missing, err := New(filepath.Join(dir, "missing"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if removed, err := missing.RemoveTempFiles(); err != nil || len(removed) != 0 {
+		t.Errorf("in a missing directory: removed %v, %v; want nothing", removed, err)
+	}
+}
