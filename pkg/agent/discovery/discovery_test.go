@@ -1162,40 +1162,9 @@ func TestDiscoverFabric(t *testing.T) {
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
-			_, ctx := ktesting.NewTestContext(t)
-			m, err := mockgpu.New(tc.profile, mockgpu.Options{NodeName: "node-1"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if tc.set != nil {
-				tc.set(m)
-			}
-			lib := m.NVML()
-			if tc.noSym {
-				lib = noSymbols{lib}
-			}
-			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib, Sysfs: m.Sysfs()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			inv, err := d.Discover(ctx)
-			if tc.wantErr != nil {
-				if !errors.Is(err, tc.wantErr) {
-					t.Fatalf("Discover: %v, want an error wrapping %v", err, tc.wantErr)
-				}
+			inv := discoverGPU3(t, tc.profile, tc.set, tc.noSym, tc.wantErr, tc.skipped)
+			if inv == nil {
 				return
-			}
-			if err != nil {
-				t.Fatalf("Discover: %v", err)
-			}
-			if tc.skipped {
-				if len(inv.Skipped) != 1 || inv.Skipped[0].Index != 3 || !inv.Skipped[0].Lost || inv.GPU("gpu-3") != nil {
-					t.Errorf("skipped %+v, want GPU 3 skipped as lost", inv.Skipped)
-				}
-				return
-			}
-			if len(inv.Skipped) != 0 || len(inv.GPUs) != len(m.Spec().GPUs) {
-				t.Fatalf("%d GPUs published, skipped %+v; want all %d", len(inv.GPUs), inv.Skipped, len(m.Spec().GPUs))
 			}
 			for _, g := range inv.GPUs {
 				want := (*discovery.FabricNotReady)(nil)
@@ -1340,40 +1309,9 @@ func TestDiscoverConditions(t *testing.T) {
 	}
 	for name, tc := range testcases {
 		t.Run(name, func(t *testing.T) {
-			_, ctx := ktesting.NewTestContext(t)
-			m, err := mockgpu.New(mockgpu.ProfileDGXH100, mockgpu.Options{NodeName: "node-1"})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if tc.set != nil {
-				tc.set(m)
-			}
-			lib := m.NVML()
-			if tc.noSym {
-				lib = noSymbols{lib}
-			}
-			d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib, Sysfs: m.Sysfs()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			inv, err := d.Discover(ctx)
-			if tc.wantErr != nil {
-				if !errors.Is(err, tc.wantErr) {
-					t.Fatalf("Discover: %v, want an error wrapping %v", err, tc.wantErr)
-				}
+			inv := discoverGPU3(t, mockgpu.ProfileDGXH100, tc.set, tc.noSym, tc.wantErr, tc.skipped)
+			if inv == nil {
 				return
-			}
-			if err != nil {
-				t.Fatalf("Discover: %v", err)
-			}
-			if tc.skipped {
-				if len(inv.Skipped) != 1 || inv.Skipped[0].Index != 3 || !inv.Skipped[0].Lost || inv.GPU("gpu-3") != nil {
-					t.Errorf("skipped %+v, want GPU 3 skipped as lost", inv.Skipped)
-				}
-				return
-			}
-			if len(inv.Skipped) != 0 || len(inv.GPUs) != len(m.Spec().GPUs) {
-				t.Fatalf("%d GPUs published, skipped %+v; want all %d", len(inv.GPUs), inv.Skipped, len(m.Spec().GPUs))
 			}
 			for _, g := range inv.GPUs {
 				want := conditions{}
@@ -1482,4 +1420,50 @@ func TestConditionsReadAtEachDiscovery(t *testing.T) {
 			t.Errorf("%s: compute mode error logged %d times at V(2), want %d", step.what, got, step.compute)
 		}
 	}
+}
+
+// discoverGPU3 discovers the GPUs of a mock machine of profile that set
+// changed (noSym: a library without the newer NVML functions), where GPU
+// 3 is the one a case is about. It checks the outcome the case expects:
+// an error wrapping wantErr, GPU 3 skipped as lost, or every GPU
+// published; it returns the inventory in that last case only, nil
+// otherwise.
+func discoverGPU3(t *testing.T, profile string, set func(*mockgpu.Machine), noSym bool, wantErr error, skipped bool) *discovery.Inventory {
+	t.Helper()
+	_, ctx := ktesting.NewTestContext(t)
+	m, err := mockgpu.New(profile, mockgpu.Options{NodeName: "node-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if set != nil {
+		set(m)
+	}
+	lib := m.NVML()
+	if noSym {
+		lib = noSymbols{lib}
+	}
+	d, err := discovery.NewNVML(discovery.NVMLOptions{Lib: lib, Sysfs: m.Sysfs()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := d.Discover(ctx)
+	if wantErr != nil {
+		if !errors.Is(err, wantErr) {
+			t.Fatalf("Discover: %v, want an error wrapping %v", err, wantErr)
+		}
+		return nil
+	}
+	if err != nil {
+		t.Fatalf("Discover: %v", err)
+	}
+	if skipped {
+		if len(inv.Skipped) != 1 || inv.Skipped[0].Index != 3 || !inv.Skipped[0].Lost || inv.GPU("gpu-3") != nil {
+			t.Errorf("skipped %+v, want GPU 3 skipped as lost", inv.Skipped)
+		}
+		return nil
+	}
+	if len(inv.Skipped) != 0 || len(inv.GPUs) != len(m.Spec().GPUs) {
+		t.Fatalf("%d GPUs published, skipped %+v; want all %d", len(inv.GPUs), inv.Skipped, len(m.Spec().GPUs))
+	}
+	return inv
 }
