@@ -1043,10 +1043,11 @@ func (a *Agent) openState(ctx context.Context) (err error) {
 	return a.loadFaults()
 }
 
-// ErrStateUnwritable is returned (wrapped) by New when the agent cannot
-// record the state it found at start (the claims of an earlier boot, the
-// claims recovered from their CDI specs) in its state directory or the
-// CDI directory.
+// ErrStateUnwritable is returned (wrapped) where the agent cannot read or
+// write its state directory or the CDI directory: by New for the state it
+// found at start (the claims of an earlier boot, the claims recovered from
+// their CDI specs), by Prepare and Unprepare for their checkpoint and the
+// claims' CDI specs.
 var ErrStateUnwritable = errors.New("the agent's state cannot be written")
 
 // stateUnwritable reports err, a failure to read or write the agent's
@@ -1055,10 +1056,16 @@ var ErrStateUnwritable = errors.New("the agent's state cannot be written")
 // returns it. action is what failed: Start, Prepare or Unprepare.
 func (a *Agent) stateUnwritable(ctx context.Context, action string, err error) error {
 	klog.FromContext(ctx).Error(err, "Cannot read or write the agent's state", "action", action, "stateDir", a.opts.StateDir, "cdiDir", a.opts.CDIDir)
+	a.stateUnwritableEvent(action, err)
+	return err
+}
+
+// stateUnwritableEvent is stateUnwritable's event alone, for an error
+// already logged.
+func (a *Agent) stateUnwritableEvent(action string, err error) {
 	a.nodeCauseEvent(v1.EventTypeWarning, ReasonStateUnwritable, action,
 		"%s: %s failed: %v; GPU claims on this node are not prepared or unprepared until the agent can write %s and %s (a full or read-only file system?); running containers keep their GPUs",
 		a.opts.DriverName, action, err, a.opts.StateDir, a.opts.CDIDir)
-	return err
 }
 
 // ErrCheckpoint is returned (wrapped) by New when the checkpoint of

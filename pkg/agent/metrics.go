@@ -114,6 +114,7 @@ const (
 	PrepareErrorCDIHookMissing     = "cdi_hook_missing"     // cdi.ErrHookMissing
 	PrepareErrorNVMLUnusable       = "nvml_unusable"        // ErrNVMLUnusable
 	PrepareErrorNoState            = "no_state"             // ErrNoState
+	PrepareErrorStateUnwritable    = "state_unwritable"     // ErrStateUnwritable
 	PrepareErrorOther              = "other"
 )
 
@@ -139,6 +140,7 @@ var prepareErrorReasons = [...]struct {
 	{PrepareErrorCDIHookMissing, cdi.ErrHookMissing},
 	{PrepareErrorNVMLUnusable, ErrNVMLUnusable},
 	{PrepareErrorNoState, ErrNoState},
+	{PrepareErrorStateUnwritable, ErrStateUnwritable},
 	{PrepareErrorOther, nil},
 }
 

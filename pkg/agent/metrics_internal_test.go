@@ -28,6 +28,8 @@ func TestPrepareErrorReason(t *testing.T) {
 		"CDI hook missing":      {err: fmt.Errorf("write CDI spec: common edits: %w: /usr/bin/nvidia-cdi-hook", cdi.ErrHookMissing), want: PrepareErrorCDIHookMissing},
 		"NVML unusable":         {err: fmt.Errorf("claim default/a: the agent on node n %w, so it cannot prepare GPUs: %w", ErrNVMLUnusable, errors.New("discover devices: ERROR_LIB_RM_VERSION_MISMATCH")), want: PrepareErrorNVMLUnusable},
 		"no state (whole call)": {err: ErrNoState, want: PrepareErrorNoState},
+		"spec not written":      {err: fmt.Errorf("%w: %w for claim uid-a: no space left on device", ErrStateUnwritable, cdi.ErrWriteSpec), want: PrepareErrorStateUnwritable},
+		"checkpoint not saved":  {err: fmt.Errorf("%w: write temporary checkpoint: read-only file system", ErrStateUnwritable), want: PrepareErrorStateUnwritable},
 		"not allocated":         {err: errors.New("claim default/a is not allocated"), want: PrepareErrorOther},
 	}
 	for name, tc := range testcases {

@@ -164,7 +164,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	cp, err := a.store.Load()
 	if err != nil {
 		a.prepareMutex.Unlock()
-		return nil, a.stateUnwritable(ctx, "Prepare", err)
+		return nil, a.stateUnwritable(ctx, "Prepare", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 	}
 	for _, claim := range claims {
 		before, known := cp.Claims[claim.UID]
@@ -202,7 +202,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	defer a.prepareMutex.Unlock()
 	cp, err = a.store.Load()
 	if err != nil {
-		return nil, a.stateUnwritable(ctx, "Prepare", err)
+		return nil, a.stateUnwritable(ctx, "Prepare", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 	}
 	changed := false
 	for _, p := range plans {
@@ -222,7 +222,7 @@ func (a *Agent) prepareClaims(ctx context.Context, claims []*resourceapi.Resourc
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
-			return nil, a.stateUnwritable(ctx, "Prepare", err)
+			return nil, a.stateUnwritable(ctx, "Prepare", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 		}
 	}
 	for _, claim := range claims {
@@ -249,6 +249,10 @@ func (a *Agent) prepareFailed(ctx context.Context, claim *resourceapi.ResourceCl
 		a.event(claim, nil, v1.EventTypeWarning, ReasonDevicePluginAllocated, "Prepare", "%v", err)
 	case errors.Is(err, ErrOtherDriverConflict):
 		a.event(claim, nil, v1.EventTypeWarning, ReasonOtherDriverAllocated, "Prepare", "%v", err)
+	case errors.Is(err, ErrStateUnwritable):
+		// The node's file system, not the claim: the admin looks at
+		// the Node.
+		a.stateUnwritableEvent("Prepare", fmt.Errorf("claim %s: %w", klog.KObj(claim), err))
 	case errors.Is(err, cdi.ErrMissingDeviceNode):
 		// The node's set-up, not the claim's: the admin looks at the
 		// Node; the pod's events carry the error too.
@@ -458,6 +462,9 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 // claim.
 func (a *Agent) writeSpec(ctx context.Context, claim *resourceapi.ResourceClaim, prepared *checkpoint.PreparedClaim, isNew bool) error {
 	ids, err := a.cdi.WriteClaimSpec(claim.UID, a.cdiDevices(*prepared))
+	if errors.Is(err, cdi.ErrWriteSpec) {
+		err = fmt.Errorf("%w: %w", ErrStateUnwritable, err)
+	}
 	if !isNew {
 		if err != nil {
 			if _, statErr := os.Stat(a.cdi.SpecPath(claim.UID)); statErr != nil {
@@ -639,13 +646,13 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 
 	cp, err := a.store.Load()
 	if err != nil {
-		return nil, a.stateUnwritable(ctx, "Unprepare", err)
+		return nil, a.stateUnwritable(ctx, "Unprepare", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 	}
 	result := make(map[types.UID]error, len(claims))
 	changed := false
 	for _, claim := range claims {
 		if err := a.cdi.DeleteClaimSpec(claim.UID); err != nil {
-			result[claim.UID] = a.stateUnwritable(ctx, "Unprepare", fmt.Errorf("claim %s: %w", claim.NamespacedName, err))
+			result[claim.UID] = a.stateUnwritable(ctx, "Unprepare", fmt.Errorf("%w: claim %s: %w", ErrStateUnwritable, claim.NamespacedName, err))
 			continue
 		}
 		if _, ok := cp.Claims[claim.UID]; ok {
@@ -661,7 +668,7 @@ func (a *Agent) UnprepareResourceClaims(ctx context.Context, claims []kubeletplu
 	}
 	if changed {
 		if err := a.saveClaims(cp); err != nil {
-			return nil, a.stateUnwritable(ctx, "Unprepare", err)
+			return nil, a.stateUnwritable(ctx, "Unprepare", fmt.Errorf("%w: %w", ErrStateUnwritable, err))
 		}
 	}
 	return result, nil

@@ -12,6 +12,7 @@ import (
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/topodra/topodra/pkg/agent"
+	"github.com/topodra/topodra/pkg/agent/cdi"
 )
 
 // replaceWithFile puts a file where dir was, so that nothing can be
@@ -28,9 +29,9 @@ func replaceWithFile(t *testing.T, dir string) {
 
 // TestStateUnwritableReported: where the agent cannot write its state
 // directory at start, New fails with ErrStateUnwritable; where the state
-// or CDI directory cannot be written later, Prepare and Unprepare fail.
-// Each time the Node gets a TopodraStateUnwritable Warning naming the
-// error.
+// or CDI directory cannot be written later, Prepare and Unprepare fail
+// (a claim whose spec cannot be written, that claim). Each time the Node
+// gets a TopodraStateUnwritable Warning naming the error.
 func TestStateUnwritableReported(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 
@@ -63,6 +64,16 @@ func TestStateUnwritableReported(t *testing.T) {
 	}
 	if ev := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonStateUnwritable); !strings.Contains(ev, "Unprepare failed") || !strings.Contains(ev, "prepared") {
 		t.Errorf("event %q does not say that Unprepare of the claim failed", ev)
+	}
+
+	// A new claim's spec cannot be written either: the claim's error,
+	// and the Node is told.
+	unwritten := claim("unwritten", gpus("gpus", "gpu-2")...)
+	if err := prepareOne(ctx, t, a, unwritten); !errors.Is(err, cdi.ErrWriteSpec) {
+		t.Errorf("prepare with the CDI directory a file: %v, want ErrWriteSpec", err)
+	}
+	if ev := expectEventWithPrefix(t, recorder, "Warning "+agent.ReasonStateUnwritable); !strings.Contains(ev, "Prepare failed") || !strings.Contains(ev, "unwritten") {
+		t.Errorf("event %q does not say that Prepare of the claim failed", ev)
 	}
 
 	replaceWithFile(t, e.stateDir)

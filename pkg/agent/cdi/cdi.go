@@ -256,7 +256,7 @@ func (w *Writer) WriteClaimSpec(claimUID types.UID, devices []Device) (map[strin
 	}
 	if !sameSpec(w.SpecPath(claimUID), spec) {
 		if err := w.writeSpec(claimUID, spec); err != nil {
-			return nil, fmt.Errorf("write CDI spec for claim %s: %w", claimUID, err)
+			return nil, fmt.Errorf("%w for claim %s: %w", ErrWriteSpec, claimUID, err)
 		}
 	}
 	ids := make(map[string]string, len(devices))
@@ -375,6 +375,11 @@ func (w *Writer) DeleteClaimSpec(claimUID types.UID) error {
 	}
 	return nil
 }
+
+// ErrWriteSpec is returned (wrapped) by [Writer.WriteClaimSpec] where the
+// spec was generated but could not be written to the directory (a full
+// or read-only file system).
+var ErrWriteSpec = errors.New("cannot write CDI spec")
 
 // ErrUnreadableSpec is returned (wrapped) by [Writer.ListClaimSpecs] and
 // [ReadClaimSpec] for a claim spec file of this driver that cannot be
