@@ -61,11 +61,6 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 		h.waitForClaim(c, func(*resourceapi.ResourceClaim) bool { return true })
 	}
 
-	create := func(pod *v1.Pod) {
-		t.Helper()
-		_, err := h.client.CoreV1().Pods(testNS).Create(h.tCtx, pod, metav1.CreateOptions{})
-		h.tCtx.ExpectNoError(err, "create pod "+pod.Name)
-	}
 	// Another profile of this process that runs TopologyDRA, whose pod
 	// failed with the bare message (TopologyDRA's where it has no
 	// explanation): not another scheduler's pod.
@@ -83,7 +78,8 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 		stockFailed(testPod("second-profile", "owned"), "second-topodra"),
 		otherReason,
 	} {
-		create(pod)
+		// The checks below read the plugin's pod lister.
+		h.createSeen(pod)
 	}
 	notices := func() map[string]string {
 		list, err := h.client.EventsV1().Events(testNS).List(h.tCtx, metav1.ListOptions{})
