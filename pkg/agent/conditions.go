@@ -99,6 +99,17 @@ func rowRemapFailed(inv *discovery.Inventory) []string {
 	return uuids
 }
 
+// whenSet describes a GPU by text where set says it has the condition,
+// by "" otherwise (gpuCondition.of).
+func whenSet(set func(*discovery.GPU) bool, text string) func(*discovery.GPU) string {
+	return func(g *discovery.GPU) string {
+		if !set(g) {
+			return ""
+		}
+		return text
+	}
+}
+
 // resetText says, for humans, what a GPU that needs a reset waits for.
 func resetText(g *discovery.GPU) string {
 	switch g.ResetRequired {
@@ -154,13 +165,8 @@ func (a *Agent) gpuConditions() []gpuCondition {
 			cleared: fmt.Sprintf("no GPU needs a reset to apply a repair of its memory: %s devices are no longer tainted %s", driver, ResetRequiredTaintKey),
 		},
 		{
-			last: &a.rowRemapFailed,
-			of: func(g *discovery.GPU) string {
-				if !g.RowRemapFailed {
-					return ""
-				}
-				return "row remapping failed"
-			},
+			last:       &a.rowRemapFailed,
+			of:         whenSet(func(g *discovery.GPU) bool { return g.RowRemapFailed }, "row remapping failed"),
 			taint:      HealthTaintKey,
 			warning:    ReasonRowRemapFailed,
 			normal:     ReasonRowRemapFailureGone,
@@ -173,13 +179,8 @@ func (a *Agent) gpuConditions() []gpuCondition {
 			cleared: fmt.Sprintf("no GPU reports a row remapping failure: %s devices are no longer tainted %s=%s", driver, HealthTaintKey, discovery.RowRemapFailure),
 		},
 		{
-			last: &a.computeProhibited,
-			of: func(g *discovery.GPU) string {
-				if !g.ComputeProhibited {
-					return ""
-				}
-				return "compute mode Prohibited"
-			},
+			last:       &a.computeProhibited,
+			of:         whenSet(func(g *discovery.GPU) bool { return g.ComputeProhibited }, "compute mode Prohibited"),
 			taint:      ComputeProhibitedTaintKey,
 			warning:    ReasonComputeProhibited,
 			normal:     ReasonComputeAllowed,
