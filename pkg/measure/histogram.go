@@ -41,51 +41,51 @@ func Gather(g Gatherer, name string, match map[string]string) (Histogram, error)
 // label by (series without it under ""). With by == "" all matching series
 // are summed under "".
 func GatherBy(g Gatherer, name string, match map[string]string, by string) (map[string]Histogram, error) {
-	families, err := g.Gather()
-	if err != nil {
-		return nil, fmt.Errorf("gather metrics: %w", err)
-	}
 	out := map[string]Histogram{}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
+	err := eachSeries(g, name, match, func(m *dto.Metric) {
+		h := m.GetHistogram()
+		if h == nil {
+			return
 		}
-		for _, m := range f.GetMetric() {
-			h := m.GetHistogram()
-			if h == nil || !matches(m, match) {
-				continue
-			}
-			key := ""
-			if by != "" {
-				key = labelValue(m, by)
-			}
-			out[key] = out[key].add(fromProto(h))
+		key := ""
+		if by != "" {
+			key = labelValue(m, by)
 		}
-	}
-	return out, nil
+		out[key] = out[key].add(fromProto(h))
+	})
+	return out, err
 }
 
 // CountersBy sums the counter called name over its series whose labels
 // match, by the value of label by.
 func CountersBy(g Gatherer, name string, match map[string]string, by string) (map[string]float64, error) {
+	out := map[string]float64{}
+	err := eachSeries(g, name, match, func(m *dto.Metric) {
+		if c := m.GetCounter(); c != nil {
+			out[labelValue(m, by)] += c.GetValue()
+		}
+	})
+	return out, err
+}
+
+// eachSeries calls fn with each series of the metric called name whose
+// labels match.
+func eachSeries(g Gatherer, name string, match map[string]string, fn func(*dto.Metric)) error {
 	families, err := g.Gather()
 	if err != nil {
-		return nil, fmt.Errorf("gather metrics: %w", err)
+		return fmt.Errorf("gather metrics: %w", err)
 	}
-	out := map[string]float64{}
 	for _, f := range families {
 		if f.GetName() != name {
 			continue
 		}
 		for _, m := range f.GetMetric() {
-			c := m.GetCounter()
-			if c == nil || !matches(m, match) {
-				continue
+			if matches(m, match) {
+				fn(m)
 			}
-			out[labelValue(m, by)] += c.GetValue()
 		}
 	}
-	return out, nil
+	return nil
 }
 
 func matches(m *dto.Metric, match map[string]string) bool {
