@@ -6,7 +6,9 @@ import (
 	"sync"
 
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 )
@@ -32,7 +34,10 @@ const SortName = "DeviceCountSort"
 // of the active queue until the claim is there. A pod's count, once all
 // its claims were found, is kept until the pod is bound or deleted, so
 // that its place in the queue's heap does not move while it waits (a
-// claim deleted and created again meanwhile would move it). Entities that
+// claim deleted and created again meanwhile would move it); a count taken
+// after the pod's deletion was handled (the queue compares a pod until its
+// own handler, on another listener, removes it) is dropped again where the
+// pod lister no longer has the pod. Entities that
 // are not single pods (pod groups) count as asking for none.
 //
 // All profiles of a scheduler share one queue, so every profile must
@@ -43,6 +48,9 @@ type DeviceCountSort struct {
 	// UID; nil where the scheduler has no informer factory to tell when
 	// pods go (then counts are taken afresh at every comparison).
 	known *sync.Map
+	// pods is the lister of the informer whose events drop counts from
+	// known; set with known.
+	pods corelisters.PodLister
 }
 
 var _ fwk.QueueSortPlugin = &DeviceCountSort{}
@@ -56,6 +64,7 @@ func NewSort(_ context.Context, _ runtime.Object, h fwk.Handle) (fwk.Plugin, err
 	s := &DeviceCountSort{claims: m.ResourceClaims().Get}
 	if f := h.SharedInformerFactory(); f != nil {
 		s.known = &sync.Map{}
+		s.pods = f.Core().V1().Pods().Lister()
 		if _, err := f.Core().V1().Pods().Informer().AddEventHandler(s.forgetHandler()); err != nil {
 			return nil, fmt.Errorf("%s: watch pods: %w", SortName, err)
 		}
@@ -112,6 +121,20 @@ func (s *DeviceCountSort) devices(e fwk.QueuedEntityInfo) int {
 	n, all := podDevices(pod, s.claims, false)
 	if all && s.known != nil {
 		s.known.Store(pod.UID, n)
+		if s.gone(pod) {
+			s.known.Delete(pod.UID)
+		}
 	}
 	return n
+}
+
+// gone reports whether the pod lister has no unbound pod of pod's name and
+// UID any more: its deletion, replacement or binding was handled, maybe
+// before the count was stored, and no later event will drop it.
+func (s *DeviceCountSort) gone(pod *v1.Pod) bool {
+	if s.pods == nil {
+		return false
+	}
+	p, err := s.pods.Pods(pod.Namespace).Get(pod.Name)
+	return apierrors.IsNotFound(err) || err == nil && (p.UID != pod.UID || p.Spec.NodeName != "")
 }

@@ -11,6 +11,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	fwk "k8s.io/kube-scheduler/framework"
 	"k8s.io/kubernetes/pkg/scheduler/framework"
@@ -158,5 +159,51 @@ func TestDeviceCountSortKeyStaysWhileQueued(t *testing.T) {
 	sorter.forgetHandler().OnDelete(cache.DeletedFinalStateUnknown{Obj: small})
 	if _, ok := sorter.known.Load(small.UID); ok {
 		t.Error("a deleted pod's count is kept")
+	}
+}
+
+// TestDeviceCountSortForgetsPodsGoneBeforeTheirCount: the queue compares a
+// pod until its own handler removes it, which may run after the plugin's
+// handler saw the pod deleted. A count taken then is dropped again, as it
+// is for a pod replaced by one of the same name or bound meanwhile; the
+// counts of pods still waiting are kept.
+func TestDeviceCountSortForgetsPodsGoneBeforeTheirCount(t *testing.T) {
+	claim := testClaim("two", 2)
+	get := func(_, name string) (*resourceapi.ResourceClaim, error) {
+		if name == claim.Name {
+			return claim, nil
+		}
+		return nil, apierrors.NewNotFound(schema.GroupResource{Resource: "resourceclaims"}, name)
+	}
+	indexer := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	sorter := &DeviceCountSort{claims: get, known: &sync.Map{}, pods: corelisters.NewPodLister(indexer)}
+	queued := func(pod *v1.Pod) fwk.QueuedEntityInfo {
+		pi, err := framework.NewPodInfo(pod)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &framework.QueuedPodInfo{PodInfo: pi}
+	}
+	waiting, deleted, replaced, bound := testPod("waiting", "two"), testPod("deleted", "two"), testPod("replaced", "two"), testPod("bound", "two")
+	successor := testPod("replaced", "two")
+	successor.UID += "-new"
+	boundNow := bound.DeepCopy()
+	boundNow.Spec.NodeName = "node-a"
+	for _, pod := range []*v1.Pod{waiting, successor, boundNow} {
+		if err := indexer.Add(pod); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The plugin's handler already saw these go; the queue compares them
+	// once more before its own handler removes them.
+	for _, pod := range []*v1.Pod{deleted, replaced, bound} {
+		sorter.forgetHandler().OnDelete(pod)
+		sorter.Less(queued(waiting), queued(pod))
+		if _, ok := sorter.known.Load(pod.UID); ok {
+			t.Errorf("pod %s: its count was kept after the lister stopped having it unbound", pod.Name)
+		}
+	}
+	if _, ok := sorter.known.Load(waiting.UID); !ok {
+		t.Error("the count of a pod still waiting was not kept")
 	}
 }
