@@ -66,7 +66,8 @@ type ownedNotices struct {
 	view *devicesView
 
 	mu sync.Mutex
-	// sent holds the pods noticed, by UID, until they are deleted.
+	// sent holds the pods noticed, by UID, until they are deleted (also
+	// where the deletion was handled while the notice was written).
 	sent sets.Set[types.UID]
 }
 
@@ -222,6 +223,13 @@ func (n *ownedNotices) notice(ctx context.Context, key cache.ObjectName) error {
 	n.mu.Lock()
 	n.sent.Insert(pod.UID)
 	n.mu.Unlock()
+	// Deleted while the notice was written: the delete handler may have
+	// run before the insert, and no later event would drop the pod.
+	if p, err := n.pods.Pods(pod.Namespace).Get(pod.Name); apierrors.IsNotFound(err) || err == nil && p.UID != pod.UID {
+		n.mu.Lock()
+		n.sent.Delete(pod.UID)
+		n.mu.Unlock()
+	}
 	return nil
 }
 

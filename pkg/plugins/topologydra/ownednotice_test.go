@@ -4,14 +4,19 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes/fake"
+	cgotesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/topodra/topodra/pkg/topology"
 )
@@ -147,6 +152,53 @@ func TestOwnedNoticeForPodsOfOtherSchedulers(t *testing.T) {
 
 // BenchmarkOwnedNotice measures what the notices cost per pod of another
 // scheduler on 1,000 nodes of 8 owned GPUs: building the view of the
+
+// TestOwnedNoticeForgetsPodDeletedWhileWritten: a pod of another scheduler
+// is deleted while its notice is written, and the informer delivers the
+// deletion before the write returns. The pod is not kept as noticed: no
+// later event would drop it.
+func TestOwnedNoticeForgetsPodDeletedWhileWritten(t *testing.T) {
+	h := newHarness(t, []*v1.Node{testNode("node-0")}, testDeviceClass(), ownedSlice("node-0", 4), testClaim("owned", 2))
+	h.waitForClaim("owned", func(*resourceapi.ResourceClaim) bool { return true })
+	n := newOwnedNotices(h.pl, h.pl.handle.ProfileName())
+	deleted := make(chan struct{})
+	var once sync.Once
+	_, err := h.pl.handle.SharedInformerFactory().Core().V1().Pods().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		DeleteFunc: func(obj any) {
+			n.handler().OnDelete(obj)
+			once.Do(func() { close(deleted) })
+		},
+	})
+	h.tCtx.ExpectNoError(err)
+	pod := h.createSeen(stockFailed(testPod("victim", "owned"), "default-scheduler"))
+	events := fake.NewClientset()
+	events.PrependReactor("create", "events", func(cgotesting.Action) (bool, runtime.Object, error) {
+		if err := h.client.CoreV1().Pods(testNS).Delete(h.tCtx, pod.Name, metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete pod: %v", err)
+		}
+		select {
+		case <-deleted:
+		case <-time.After(10 * time.Second):
+			t.Error("the deletion was not delivered")
+		}
+		return false, nil, nil
+	})
+	n.client = events
+	n.queue.Add(cache.MetaObjectToName(pod))
+	if !n.next(h.tCtx) {
+		t.Fatal("queue shut down")
+	}
+	if _, err := h.pl.pods.Pods(testNS).Get(pod.Name); !apierrors.IsNotFound(err) {
+		t.Fatalf("pod still in the lister: %v", err)
+	}
+	n.mu.Lock()
+	kept := n.sent.Has(pod.UID)
+	n.mu.Unlock()
+	if kept {
+		t.Error("the pod deleted while its notice was written is kept as noticed")
+	}
+}
+
 // devices (at most once per viewReuse) and judging one pod with a view.
 func BenchmarkOwnedNotice(b *testing.B) {
 	var nodes []*v1.Node
