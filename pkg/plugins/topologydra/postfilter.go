@@ -16,10 +16,11 @@ import (
 // allocated it and the node is gone) and no other pod uses that claim, the
 // allocation is removed so the next attempt can allocate afresh. One claim
 // per attempt, like the stock plugin. Otherwise, for a pod nominated to a
-// node (see nominatedTo) where it fits once claims of pods that are gone
-// give their devices back (its preemption's victims, see trialData), it
-// keeps the nomination and ends PostFilter, so that DefaultPreemption does
-// not look for more victims while those devices are given back.
+// node (see nominatedTo) where it fits once the claims of pods that are
+// gone or terminating by preemption give their devices back (its
+// preemption's victims, see trialData and freeing), it keeps the
+// nomination and ends PostFilter, so that DefaultPreemption does not look
+// for more victims while those devices are given back.
 func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -49,13 +50,14 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 	}
 	freeing := pl.freeing(ctx, s)
 	if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" && pl.fitsOnceGone(ctx, s, freeing, nominated) {
-		// The pod's victims are gone and their claims not given back
-		// yet: it waits for them on its node, and DefaultPreemption,
-		// which a success ends, evicts nobody more meanwhile. A claim
-		// event requeues the pod.
-		logger.V(2).Info("Waiting for the devices of pods that are gone to be given back on the nominated node", "pod", klog.KObj(pod), "node", nominated)
+		// The pod's victims are gone or terminating and their claims
+		// not given back yet: it waits for them on its node, and
+		// DefaultPreemption, which a success ends, evicts nobody more
+		// meanwhile. The victims' deletion and claim events requeue
+		// the pod.
+		logger.V(2).Info("Waiting for the devices of preempted pods to be given back on the nominated node", "pod", klog.KObj(pod), "node", nominated)
 		return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: nominated, NominatingMode: fwk.ModeOverride}},
-			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for devices of pods that are gone to be given back")
+			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for the devices of preempted pods to be given back")
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
 }
@@ -99,14 +101,18 @@ func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, freeing sets.Set[structured.Devi
 }
 
 // freeing returns the devices that are being given back: those of claims
-// of pods that no longer exist (not the pod's own claims), and those of
-// claims given back since the cycle's allocator was built. The claim
-// controller releases a preemption's victims' claims one by one, and the
-// pod may be retried in between: counted as in use by the cycle, they
-// are neither allocated now nor claims of pods that are gone.
+// whose pods no longer exist or terminate because the scheduler preempted
+// them (not the pod's own claims), and those of claims given back since
+// the cycle's allocator was built. The claim controller releases a
+// preemption's victims' claims one by one, and the pod may be retried in
+// between: counted as in use by the cycle, they are neither allocated now
+// nor claims of pods that are gone. A victim that terminates counts as
+// DefaultPreemption counts it (it does not preempt again while one is on
+// the nominated node), but as the pod lister has it: the cycle's snapshot,
+// which DefaultPreemption reads, may not show the victim terminating yet.
 func (pl *TopologyDRA) freeing(ctx context.Context, s *stateData) sets.Set[structured.DeviceID] {
 	freeing := sets.New[structured.DeviceID]()
-	addAllBut(freeing, s.leaving(pl).gone, s.claimUIDs())
+	addAllBut(freeing, s.leaving(pl).preempted, s.claimUIDs())
 	if now, err := pl.gatherAllocatedState(ctx); err == nil {
 		for id := range s.allocator.ReleasedSince(now.AllocatedDevices) {
 			freeing.Insert(id)

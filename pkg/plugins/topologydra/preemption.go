@@ -16,6 +16,7 @@ import (
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
 	fwk "k8s.io/kube-scheduler/framework"
+	"k8s.io/kubernetes/pkg/scheduler/framework/preemption"
 
 	"github.com/topodra/topodra/pkg/allocator"
 )
@@ -306,17 +307,23 @@ func (pl *TopologyDRA) unallocatedClaims(pod *v1.Pod, own sets.Set[types.UID]) [
 
 // leavingSets are the devices taken whole by allocated claims whose pods
 // are leaving, per claim UID: gone, where every pod of the claim no
-// longer exists (the claim controller is about to give it back), and
-// leaving, where every pod of the claim is gone or terminating.
+// longer exists (the claim controller is about to give it back);
+// preempted, where every pod of the claim is gone or terminating because
+// the scheduler preempted it; and leaving, where every pod of the claim is
+// gone or terminating.
 type leavingSets struct {
-	gone, leaving map[types.UID]sets.Set[structured.DeviceID]
+	gone, preempted, leaving map[types.UID]sets.Set[structured.DeviceID]
 }
 
 // leaving returns the claims whose pods are leaving, read once per cycle
 // (see trialData); empty without a pod lister.
 func (s *stateData) leaving(pl *TopologyDRA) leavingSets {
 	s.leavingOnce.Do(func() {
-		s.leavingSets = leavingSets{gone: map[types.UID]sets.Set[structured.DeviceID]{}, leaving: map[types.UID]sets.Set[structured.DeviceID]{}}
+		s.leavingSets = leavingSets{
+			gone:      map[types.UID]sets.Set[structured.DeviceID]{},
+			preempted: map[types.UID]sets.Set[structured.DeviceID]{},
+			leaving:   map[types.UID]sets.Set[structured.DeviceID]{},
+		}
 		if pl.pods == nil {
 			return
 		}
@@ -328,14 +335,17 @@ func (s *stateData) leaving(pl *TopologyDRA) leavingSets {
 			if claim.Status.Allocation == nil {
 				continue
 			}
-			gone, leaving := pl.podsLeaving(claim)
-			if !leaving {
+			how := pl.podsLeaving(claim)
+			if !how.leaving {
 				continue
 			}
 			devices := sets.New[structured.DeviceID]()
 			pl.addTaken(devices, claim.Status.Allocation)
 			s.leavingSets.leaving[claim.UID] = devices
-			if gone {
+			if how.preempted {
+				s.leavingSets.preempted[claim.UID] = devices
+			}
+			if how.gone {
 				s.leavingSets.gone[claim.UID] = devices
 			}
 		}
@@ -364,37 +374,47 @@ func (s *stateData) claimUIDs() sets.Set[types.UID] {
 	return own
 }
 
-// podsLeaving reports whether every pod of an allocated claim is gone
-// (gone), and whether each is gone or terminating (leaving). The pods of
-// a claim are those it is reserved for, or, reserved for none, the pod it
-// was made for; a claim with neither is in use by nobody that leaves.
-func (pl *TopologyDRA) podsLeaving(claim *resourceapi.ResourceClaim) (gone, leaving bool) {
+// claimLeaving says how the pods of an allocated claim are leaving (see
+// podsLeaving): each is gone; each is gone or terminating because the
+// scheduler preempted it; each is gone or terminating.
+type claimLeaving struct {
+	gone, preempted, leaving bool
+}
+
+// podsLeaving reports how the pods of an allocated claim are leaving. The
+// pods of a claim are those it is reserved for, or, reserved for none,
+// the pod it was made for; a claim with neither is in use by nobody that
+// leaves. A pod terminates because the scheduler preempted it where it
+// has a deletion timestamp and a DisruptionTarget condition of reason
+// PreemptionByScheduler, as DefaultPreemption tells its victims.
+func (pl *TopologyDRA) podsLeaving(claim *resourceapi.ResourceClaim) claimLeaving {
 	var refs []metav1.OwnerReference
 	for _, c := range claim.Status.ReservedFor {
 		if c.APIGroup != "" || c.Resource != "pods" {
-			return false, false
+			return claimLeaving{}
 		}
 		refs = append(refs, metav1.OwnerReference{Name: c.Name, UID: c.UID})
 	}
 	if len(refs) == 0 {
 		owner := metav1.GetControllerOf(claim)
 		if owner == nil || owner.APIVersion != "v1" || owner.Kind != "Pod" {
-			return false, false
+			return claimLeaving{}
 		}
 		refs = append(refs, *owner)
 	}
-	gone, leaving = true, true
+	how := claimLeaving{gone: true, preempted: true, leaving: true}
 	for _, ref := range refs {
 		pod, err := pl.pods.Pods(claim.Namespace).Get(ref.Name)
 		switch {
 		case err != nil || pod.UID != ref.UID:
 		case pod.DeletionTimestamp != nil:
-			gone = false
+			how.gone = false
+			how.preempted = how.preempted && preemption.PodTerminatingByPreemption(pod)
 		default:
-			return false, false
+			return claimLeaving{}
 		}
 	}
-	return gone, leaving
+	return how
 }
 
 // mayPreempt reports whether preemption could make room for pod's devices

@@ -10,6 +10,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	resourceapi "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -240,6 +241,43 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 		}
 		h.nominator.DeleteNominatedPodIfExists(pod)
 	}
+	// The claim's pod terminates because the scheduler preempted it, as
+	// the pod lister says before the cycle's snapshot may: its devices are
+	// counted as being given back, as DefaultPreemption counts a victim
+	// terminating on the nominated node (it preempts no more then).
+	// Terminating for another reason, the pod still uses them.
+	seen := func(what string, ok func(*v1.Pod, error) bool) {
+		t.Helper()
+		err := wait.PollUntilContextTimeout(h.tCtx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+			return ok(h.pl.pods.Pods(testNS).Get(gone.Name)), nil
+		})
+		h.tCtx.ExpectNoError(err, "the pod lister never saw "+what)
+	}
+	terminating := gone.DeepCopy()
+	terminating.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	terminating.Status.Conditions = []v1.PodCondition{{Type: v1.DisruptionTarget, Status: v1.ConditionTrue, Reason: v1.PodReasonPreemptionByScheduler}}
+	terminating = h.createSeen(terminating)
+	for _, reason := range []string{v1.PodReasonPreemptionByScheduler, "DeletionByTaintManager"} {
+		if terminating.Status.Conditions[0].Reason != reason {
+			terminating.Status.Conditions[0].Reason = reason
+			var err error
+			terminating, err = h.client.CoreV1().Pods(testNS).UpdateStatus(h.tCtx, terminating, metav1.UpdateOptions{})
+			h.tCtx.ExpectNoError(err)
+			seen("the pod's new condition", func(p *v1.Pod, err error) bool {
+				return err == nil && len(p.Status.Conditions) == 1 && p.Status.Conditions[0].Reason == reason
+			})
+		}
+		pod := testPod("p", "want")
+		pod.Status.NominatedNodeName = "node-a"
+		cs, _ := h.cycle(pod, "node-a", "node-b")
+		res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+		if want := reason == v1.PodReasonPreemptionByScheduler; want != st.IsSuccess() || want && (res == nil || res.NominatingInfo == nil || res.NominatedNodeName != "node-a") {
+			t.Errorf("the claim's pod terminating, DisruptionTarget %s: PostFilter %+v %v, want success %v with the nomination kept", reason, res, st, want)
+		}
+	}
+	h.tCtx.ExpectNoError(h.client.CoreV1().Pods(testNS).Delete(h.tCtx, gone.Name, metav1.DeleteOptions{}))
+	seen("the pod deleted", func(_ *v1.Pod, err error) bool { return apierrors.IsNotFound(err) })
+
 	// The claim's pod exists: its claim is in use.
 	h.createSeen(gone)
 	pod = testPod("p", "want")
