@@ -39,6 +39,11 @@ type Cache struct {
 	numSlices atomic.Int64
 	nodes     sync.Map // nodeKey -> *nodeStatic
 	numNodes  atomic.Int64
+	// forgotten holds, per slice UID, the newest generation ForgetSlice
+	// dropped: a cycle still holding that version (or an older one) gets
+	// no entry for it again, which nothing would drop but the bound.
+	forgotten    sync.Map // types.UID -> int64
+	numForgotten atomic.Int64
 	// index is the index of the slices of the latest Allocator; the next
 	// one reuses it where its slices are the same objects.
 	index atomic.Pointer[sliceIndex]
@@ -130,6 +135,11 @@ const (
 	// again. Past the bound the node cache starts over, which costs one
 	// rebuild per node.
 	maxCachedNodes = 50000
+	// maxForgotten bounds the record of forgotten slice versions (one
+	// entry per slice that changed or went). Past the bound the record
+	// starts over: versions forgotten before may be cached again, up to
+	// maxCachedSlices.
+	maxForgotten = 200000
 	// maxMemoExprs bounds the selector expressions whose results one
 	// slice entry keeps: claims may each bring selectors of their own.
 	// Past the bound the slice's results start over, which costs one CEL
@@ -218,6 +228,9 @@ func (c *Cache) forSlice(uid types.UID, generation int64, listTypes bool) *slice
 	if sm, ok := c.slices.Load(key); ok {
 		return sm.(*sliceMemo)
 	}
+	if c.isForgotten(uid, generation) {
+		return nil
+	}
 	if c.numSlices.Load() > maxCachedSlices {
 		c.slices.Clear()
 		c.numSlices.Store(0)
@@ -225,8 +238,20 @@ func (c *Cache) forSlice(uid types.UID, generation int64, listTypes bool) *slice
 	sm, loaded := c.slices.LoadOrStore(key, &sliceMemo{byExpr: map[string][]uint8{}})
 	if !loaded {
 		c.numSlices.Add(1)
+		// ForgetSlice may have run since the check above.
+		if c.isForgotten(uid, generation) {
+			c.forgetKey(key)
+			return nil
+		}
 	}
 	return sm.(*sliceMemo)
+}
+
+// isForgotten reports whether ForgetSlice dropped this version of the
+// slice, or a newer one.
+func (c *Cache) isForgotten(uid types.UID, generation int64) bool {
+	g, ok := c.forgotten.Load(uid)
+	return ok && generation <= g.(int64)
 }
 
 func (sm *sliceMemo) get(expr string, deviceIndex int) uint8 {
@@ -256,14 +281,34 @@ func (sm *sliceMemo) set(expr string, deviceIndex, numDevices int, state uint8) 
 }
 
 // ForgetSlice drops what the cache keeps for one version of a slice (UID
-// and metadata.generation): call it when the slice changes or is deleted,
-// so that entries of versions no Allocator will see again do not wait for
-// the bound.
+// and metadata.generation), and keeps that version and older ones from
+// being cached again: call it when the slice changes or is deleted, so
+// that entries of versions no Allocator will see again do not wait for
+// the bound. An Allocator still holding such a version (a cycle in
+// flight) works on without caching it.
 func (c *Cache) ForgetSlice(uid types.UID, generation int64) {
-	for _, listTypes := range []bool{false, true} {
-		if _, loaded := c.slices.LoadAndDelete(sliceKey{uid: uid, generation: generation, listTypes: listTypes}); loaded {
-			c.numSlices.Add(-1)
+	for {
+		old, loaded := c.forgotten.LoadOrStore(uid, generation)
+		if !loaded {
+			if c.numForgotten.Add(1) > maxForgotten {
+				c.forgotten.Clear()
+				c.numForgotten.Store(0)
+			}
+			break
 		}
+		if old.(int64) >= generation || c.forgotten.CompareAndSwap(uid, old, generation) {
+			break
+		}
+	}
+	for _, listTypes := range []bool{false, true} {
+		c.forgetKey(sliceKey{uid: uid, generation: generation, listTypes: listTypes})
+	}
+}
+
+// forgetKey drops one slice entry.
+func (c *Cache) forgetKey(key sliceKey) {
+	if _, loaded := c.slices.LoadAndDelete(key); loaded {
+		c.numSlices.Add(-1)
 	}
 }
 

@@ -120,6 +120,34 @@ func TestCacheForgets(t *testing.T) {
 	if n := cache.numSlices.Load(); n != 0 {
 		t.Errorf("%d slice entries after every slice was forgotten", n)
 	}
+	// A cycle still holding the versions forgotten allocates as before
+	// without caching them again: nothing would drop them but the bound.
+	// Newer versions are cached.
+	allocate := func(list []*resourceapi.ResourceSlice) {
+		t.Helper()
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
+			ClassLister: defaultClasses, Slices: list, CELCache: newCELCache(), Cache: cache, Policy: twoProfiles[0]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}); err != nil || res.Allocations == nil {
+			t.Fatalf("Allocate: %v", err)
+		}
+	}
+	allocate(slices)
+	if n := cache.numSlices.Load(); n != 0 {
+		t.Errorf("%d slice entries after a cycle with the versions forgotten", n)
+	}
+	var newer []*resourceapi.ResourceSlice
+	for _, s := range slices {
+		s = s.DeepCopy()
+		s.Generation++
+		newer = append(newer, s)
+	}
+	allocate(newer)
+	if n := cache.numSlices.Load(); n == 0 {
+		t.Error("no slice entries after a cycle with newer versions")
+	}
 	cache.ForgetNode("other-node")
 	if cache.node(key) == nil {
 		t.Error("another node forgotten dropped this one")
