@@ -512,8 +512,9 @@ type Agent struct {
 	// droppedFields holds the messages of the DroppedFieldsErrors
 	// reported on the Node.
 	droppedFields map[string]bool
-	// publishRefused holds the causes of the ReasonPublishFailed events
-	// recorded since the slices were last published (see publishFailed).
+	// publishRefused holds the causes (refusalCause) of the
+	// ReasonPublishFailed events recorded since the slices were last
+	// published, at most maxPublishRefused (see publishFailed).
 	publishRefused sets.Set[string]
 	// warned holds when the last Warning about each condition that
 	// lasts was recorded, while it lasts (see warnDueLocked).

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -18,8 +19,9 @@ import (
 
 // Event reasons on the Node about publishing.
 const (
-	// ReasonPublishFailed (Warning, once per distinct cause until the
-	// slices are published): the API server refuses the agent's
+	// ReasonPublishFailed (Warning, once per distinct cause whichever
+	// slice the API server's message names, for at most 8 causes, until
+	// the slices are published): the API server refuses the agent's
 	// ResourceSlice writes for a cause that retrying does not fix (401
 	// or 403: RBAC, a webhook, the agent's credentials; 422 or 400: an
 	// admission policy, or the slice is invalid). The node's slices in
@@ -123,13 +125,38 @@ func apiMessage(err error) string {
 	return err.Error()
 }
 
+// refusalCause identifies the cause of a slice write that the API server
+// refused with reason (a value of publishErrorReasons): reason and the API
+// server's message, with the refused slice's name, where the answer's
+// details give it, replaced by "<name>". The API server names a slice
+// that the controller creates (generateName) before admission, so each
+// retry of a refused create names another slice in the message; the cause
+// is the same.
+func refusalCause(reason string, err error) string {
+	msg := apiMessage(err)
+	var status apierrors.APIStatus
+	if errors.As(err, &status) {
+		if details := status.Status().Details; details != nil && details.Name != "" {
+			msg = strings.ReplaceAll(msg, details.Name, "<name>")
+		}
+	}
+	return reason + ": " + msg
+}
+
+// maxPublishRefused is how many causes of refused slice writes are
+// reported on the Node until the slices are published: a refusal for
+// another cause is only logged, so that messages that differ on every
+// retry (a webhook's that names the generated slice without the
+// answer's details naming it) cannot add an event per retry.
+const maxPublishRefused = 8
+
 // publishFailed handles an error that the resourceslice controller
 // reports (see publishHooks): it counts it in MetricPublishErrors, reports
 // dropped fields (checkDroppedFields), and reports a write that the API
 // server refuses for a cause that retrying does not fix as a
-// ReasonPublishFailed Warning on the Node, once per cause (reason and the
-// API server's message) until the slices are published (publishSynced).
-// The controller has logged the error and retries.
+// ReasonPublishFailed Warning on the Node, once per cause (refusalCause)
+// and for at most maxPublishRefused causes until the slices are published
+// (publishSynced). The controller has logged the error and retries.
 func (a *Agent) publishFailed(ctx context.Context, err error) {
 	a.checkDroppedFields(ctx, err)
 	i := publishErrorIndex(err)
@@ -143,12 +170,18 @@ func (a *Agent) publishFailed(ctx context.Context, err error) {
 	default:
 		return
 	}
-	cause := publishErrorReasons[i] + ": " + apiMessage(err)
+	cause := refusalCause(publishErrorReasons[i], err)
 	a.mutex.Lock()
 	seen := a.publishRefused.Has(cause)
-	a.publishRefused.Insert(cause)
+	full := !seen && a.publishRefused.Len() >= maxPublishRefused
+	if !seen && !full {
+		a.publishRefused.Insert(cause)
+	}
 	a.mutex.Unlock()
-	if seen {
+	if full {
+		klog.FromContext(ctx).V(2).Info("Not reporting another cause of refused ResourceSlice writes on the Node", "reported", maxPublishRefused, "cause", cause)
+	}
+	if seen || full {
 		return
 	}
 	a.nodeCauseEvent(v1.EventTypeWarning, ReasonPublishFailed, "Publish",

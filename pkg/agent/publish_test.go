@@ -11,10 +11,13 @@ import (
 	"testing"
 	"time"
 
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilrand "k8s.io/apimachinery/pkg/util/rand"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 	"k8s.io/apimachinery/pkg/util/wait"
 	cgotesting "k8s.io/client-go/testing"
 	"k8s.io/component-base/metrics"
@@ -211,6 +214,112 @@ func TestPublishRefusedAgainAfterSuccess(t *testing.T) {
 			expectMetrics(ctx, t, registry, map[string]float64{agent.MetricSlicesSynced: 1})
 		}
 	}
+}
+
+// refuseSliceCreates makes the fake API server answer every create of a
+// ResourceSlice with the error that refusal returns for the slice's name,
+// while it holds a function. Like the API server it generates the name of
+// a slice created with generateName before it refuses the create, so the
+// name differs on each create. It returns the number of creates refused.
+func refuseSliceCreates(e *env) (*atomic.Pointer[func(name string) error], *atomic.Int64) {
+	var refusal atomic.Pointer[func(name string) error]
+	var refused atomic.Int64
+	e.client.PrependReactor("create", "resourceslices", func(action cgotesting.Action) (bool, runtime.Object, error) {
+		refuse := refusal.Load()
+		if refuse == nil {
+			return false, nil, nil
+		}
+		slice := action.(cgotesting.CreateAction).GetObject().(*resourceapi.ResourceSlice)
+		name := slice.Name
+		if name == "" {
+			name = slice.GenerateName + utilrand.String(5)
+		}
+		refused.Add(1)
+		return true, nil, (*refuse)(name)
+	})
+	return &refusal, &refused
+}
+
+// TestPublishRefusedGeneratedNames: the API server refuses the agent's
+// slice creates (an admission policy, validation), and its message names
+// the slice by the name that it generated for that create. However many
+// creates it refuses, the Node gets one TopodraPublishFailed Warning per
+// cause, with the API server's message and what to check; another cause
+// gets another, and once the slices were published a refusal is reported
+// again.
+func TestPublishRefusedGeneratedNames(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	gr := schema.GroupResource{Group: "resource.k8s.io", Resource: "resourceslices"}
+	// policy is the refusal of a ValidatingAdmissionPolicy, as the API
+	// server's admission builds it.
+	policy := func(name string) error {
+		message := "ValidatingAdmissionPolicy 'topodra-node-agent-own-slices' with binding 'topodra-node-agent-own-slices' denied request: the topodra-node-agent identity has no node"
+		err := apierrors.NewForbidden(gr, name, errors.New(message))
+		err.ErrStatus.Reason = metav1.StatusReasonInvalid
+		err.ErrStatus.Code = http.StatusUnprocessableEntity
+		err.ErrStatus.Details.Causes = append(err.ErrStatus.Details.Causes, metav1.StatusCause{Message: message})
+		return err
+	}
+	// invalid is the API server's validation error, which names the
+	// slice twice.
+	invalid := func(name string) error {
+		return apierrors.NewInvalid(schema.GroupKind{Group: "resource.k8s.io", Kind: "ResourceSlice"}, name, field.ErrorList{
+			field.Invalid(field.NewPath("metadata", "name"), name, "must be no more than 63 characters"),
+		})
+	}
+	e := newEnv(t)
+	refusal, refused := refuseSliceCreates(e)
+	refusal.Store(&policy)
+	recorder := &noteRecorder{}
+	e.recorder = recorder
+	a := e.start(ctx, t)
+	registry := metrics.NewKubeRegistry()
+	registry.CustomMustRegister(a.MetricsCollector())
+
+	// expectWarnings waits for more than creates refused creates (the
+	// controller's one worker handles a refusal before it creates again),
+	// then expects want Warnings, the last one with the API server's
+	// message (of which it has message) and check.
+	expectWarnings := func(what string, creates int64, want int, message, check string) {
+		t.Helper()
+		if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+			return refused.Load() > creates, nil
+		}); err != nil {
+			t.Fatalf("%s: %d creates refused, want more than %d", what, refused.Load(), creates)
+		}
+		failed := recorder.notes("Warning " + agent.ReasonPublishFailed)
+		if len(failed) != want {
+			t.Fatalf("%s: %d %s Warnings after %d refused creates, want %d: %q", what, len(failed), agent.ReasonPublishFailed, refused.Load(), want, failed)
+		}
+		if last := failed[want-1]; !strings.Contains(last, check) || !strings.Contains(last, message) {
+			t.Errorf("%s: %s Warning %q does not say what to check (%q) and the API server's message (%q)", what, agent.ReasonPublishFailed, last, check, message)
+		}
+	}
+	expectWarnings("refused by the admission policy", 6, 1, "identity has no node", "ServiceAccountTokenPodNodeInfo")
+	refusal.Store(&invalid)
+	expectWarnings("refused as invalid", refused.Load()+3, 2, "must be no more than 63 characters", "--owned-taint-key")
+
+	refusal.Store(nil)
+	expectMetrics(ctx, t, registry, map[string]float64{agent.MetricSlicesSynced: 1})
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return len(recorder.notes("Normal "+agent.ReasonPublished)) == 1, nil
+	}); err != nil {
+		t.Fatalf("%d %s events once the slices are published, want 1", len(recorder.notes("Normal "+agent.ReasonPublished)), agent.ReasonPublished)
+	}
+
+	// The slices are gone, and the policy refuses them again.
+	refusal.Store(&policy)
+	list, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, slice := range list.Items {
+		if err := e.client.ResourceV1().ResourceSlices().Delete(ctx, slice.Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	injectXIDOnceWatched(ctx, t, e, 2, 79)
+	expectWarnings("refused by the admission policy again", refused.Load()+2, 3, "identity has no node", "ServiceAccountTokenPodNodeInfo")
 }
 
 // apiMessage is the message of the API server's answer err.
