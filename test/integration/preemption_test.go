@@ -269,3 +269,57 @@ func TestPodKeptOffForNomineeGoesWhenNomineeDeleted(t *testing.T) {
 	}
 	tCtx.Logf("the 2-GPU pod got %v on %s", e.devicesOf(scheduled), scheduled.Spec.NodeName)
 }
+
+// TestPreemptorLeavesRuledOutNode: a high-priority pod preempts the
+// low-priority pod on one of two full DGX nodes and waits there for the
+// victim's GPUs; the victim terminates and never finishes (no kubelet, as
+// on an unreachable node). The node is then cordoned: it is ruled out for
+// reasons preemption cannot resolve, so the pod no longer waits there and
+// preempts the low-priority pod on the other node, as DefaultPreemption
+// does where a nominated node is ruled out.
+func TestPreemptorLeavesRuledOutNode(t *testing.T) {
+	tCtx := ktesting.Init(t)
+	e := newEnv(tCtx, "cordon")
+	nodes := e.dgxNodes("g", 2, "256")
+	eight := e.template(8, nil)
+	startTopodra(tCtx)
+	for i, n := range nodes {
+		e.podEdited(fmt.Sprintf("low-%d", i), topodraName, "g", func(p *v1.Pod) { p.Spec.NodeSelector["kubernetes.io/hostname"] = n }, eight)
+	}
+	for i := range nodes {
+		e.waitScheduled(fmt.Sprintf("low-%d", i))
+	}
+	high := e.highPriority()
+	e.podEdited("important", topodraName, "g", func(p *v1.Pod) { p.Spec.PriorityClassName = high }, eight)
+	p, err := framework.WaitForPod(tCtx, cp.Client, e.ns, "important", waitTimeout, "nominated", func(p *v1.Pod) (bool, error) {
+		return p.Status.NominatedNodeName != "", nil
+	})
+	tCtx.ExpectNoError(err)
+	nominated := p.Status.NominatedNodeName
+	victim, other := "low-0", "low-1"
+	if nominated == nodes[1] {
+		victim, other = other, victim
+	}
+	_, err = framework.WaitForPod(tCtx, cp.Client, e.ns, victim, waitTimeout, "terminating", func(p *v1.Pod) (bool, error) {
+		return p.DeletionTimestamp != nil, nil
+	})
+	tCtx.ExpectNoError(err)
+	if o, err := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, other, metav1.GetOptions{}); err != nil || o.DeletionTimestamp != nil || hasDisruptionTarget(o) {
+		tCtx.Fatalf("before the cordon: %s preempted too (%v)", other, err)
+	}
+	node, err := cp.Client.CoreV1().Nodes().Get(tCtx, nominated, metav1.GetOptions{})
+	tCtx.ExpectNoError(err)
+	node.Spec.Unschedulable = true
+	_, err = cp.Client.CoreV1().Nodes().Update(tCtx, node, metav1.UpdateOptions{})
+	tCtx.ExpectNoError(err)
+	// A node added, which requeues the pod (the same informer delivers
+	// the cordon first).
+	_, err = framework.CreateReadyNodeWithCPU(tCtx, cp.Client, e.ns+"-extra", map[string]string{"test": e.ns, "group": "none"}, "4")
+	tCtx.ExpectNoError(err)
+	if _, err := framework.WaitForPod(tCtx, cp.Client, e.ns, other, waitTimeout, "preempted", func(p *v1.Pod) (bool, error) {
+		return p.DeletionTimestamp != nil || hasDisruptionTarget(p), nil
+	}); err != nil {
+		p, _ := cp.Client.CoreV1().Pods(e.ns).Get(tCtx, "important", metav1.GetOptions{})
+		tCtx.Fatalf("%s was cordoned and the important pod did not preempt %s on the other node: nominated %q, %+v", nominated, other, p.Status.NominatedNodeName, framework.PodScheduledCondition(p))
+	}
+}

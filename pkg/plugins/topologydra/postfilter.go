@@ -20,8 +20,11 @@ import (
 // gone or terminating by preemption give their devices back (its
 // preemption's victims, see trialData and freeing), it keeps the
 // nomination and ends PostFilter, so that DefaultPreemption does not look
-// for more victims while those devices are given back.
-func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, _ fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
+// for more victims while those devices are given back. It does not wait
+// on a node that another plugin found unschedulable in a way preemption
+// cannot resolve (cordoned, unreachable, no longer matching the pod's
+// affinity): DefaultPreemption preempts elsewhere then.
+func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, statuses fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
 	if err != nil {
@@ -49,7 +52,7 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
 	freeing := pl.freeing(ctx, s)
-	if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" && pl.fitsOnceGone(ctx, s, freeing, nominated) {
+	if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" && !ruledOut(statuses, nominated) && pl.fitsOnceGone(ctx, s, freeing, nominated) {
 		// The pod's victims are gone or terminating and their claims
 		// not given back yet: it waits for them on its node, and
 		// DefaultPreemption, which a success ends, evicts nobody more
@@ -60,6 +63,18 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for the devices of preempted pods to be given back")
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
+}
+
+// ruledOut reports whether a plugin other than TopologyDRA found the node
+// unschedulable in a way that preemption cannot resolve: DefaultPreemption
+// then preempts again, elsewhere, as it does where the nominated node is
+// ruled out.
+func ruledOut(statuses fwk.NodeToStatusReader, node string) bool {
+	if statuses == nil {
+		return false
+	}
+	st := statuses.Get(node)
+	return st.Code() == fwk.UnschedulableAndUnresolvable && st.Plugin() != Name
 }
 
 // nominationWindow is how long after a preemption trial in which a pod fit

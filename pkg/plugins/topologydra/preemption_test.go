@@ -220,6 +220,27 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 			t.Errorf("%s nominated to %q: result %+v, want the nomination kept", tc.claim, tc.nominated, res)
 		}
 	}
+	// Where another plugin rules the nominated node out (cordoned,
+	// unreachable), the pod does not wait there: DefaultPreemption
+	// preempts elsewhere. A node that only TopologyDRA turns down, or that
+	// another plugin turns down for what preemption frees, it waits on.
+	for _, tc := range []struct {
+		status *fwk.Status
+		wait   bool
+	}{
+		{fwk.NewStatus(fwk.UnschedulableAndUnresolvable, "node(s) were unschedulable").WithPlugin("NodeUnschedulable"), false},
+		{fwk.NewStatus(fwk.UnschedulableAndUnresolvable, "node(s) cannot allocate claim").WithPlugin(Name), true},
+		{fwk.NewStatus(fwk.Unschedulable, "Insufficient cpu").WithPlugin("NodeResourcesFit"), true},
+	} {
+		pod := testPod("p", "want")
+		pod.Status.NominatedNodeName = "node-a"
+		cs, _ := h.cycle(pod, "node-a", "node-b")
+		statuses := framework.NewDefaultNodeToStatus()
+		statuses.Set("node-a", tc.status)
+		if _, st := h.pl.PostFilter(h.tCtx, cs, pod, statuses); st.IsSuccess() != tc.wait {
+			t.Errorf("nominated node turned down by %s (%s): PostFilter %v, want success %v", tc.status.Plugin(), tc.status.Code(), st, tc.wait)
+		}
+	}
 	// Nominated in the scheduler's record, before its status says so: the
 	// record is read within nominationWindow of a preemption trial in
 	// which a pod fit.
