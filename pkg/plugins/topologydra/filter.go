@@ -190,8 +190,9 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// On the node a preemptor is nominated to it is not held back
 		// either, even where no pod of lower priority holds claims any
 		// more (it evicted the last ones): the room it made would stay
-		// kept for it and unused.
-		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" {
+		// kept for it and unused. Until the scheduler's write of the
+		// nomination comes back, its own record says so.
+		if why := checkHeadroom(pl.headroomPercent, pl.wholeNode(), s.headroom, node.Name, res.Allocations); why != "" && !pl.nominatedByRecord(pod, node.Name) {
 			// Not this node's doing, and evicting pods would not help:
 			// the pod is retried when devices are given back.
 			if !freed {

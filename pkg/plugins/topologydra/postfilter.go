@@ -106,13 +106,28 @@ func (pl *TopologyDRA) nominatedTo(pod *v1.Pod, freeing sets.Set[structured.Devi
 		return pod.Status.NominatedNodeName
 	}
 	for node := range s.allocator.NodesOf(freeing) {
-		for _, pi := range pl.handle.NominatedPodsForNode(node) {
-			if pi.GetPod().UID == pod.UID {
-				return node
-			}
+		if pl.inNominationRecord(pod, node) {
+			return node
 		}
 	}
 	return ""
+}
+
+// nominatedByRecord reports whether a pod whose status names no node is
+// nominated to node in the scheduler's record only (see nominatedTo).
+func (pl *TopologyDRA) nominatedByRecord(pod *v1.Pod, node string) bool {
+	return pod.Status.NominatedNodeName == "" && pl.handle != nil && pl.mayBeNominated(pod) && pl.inNominationRecord(pod, node)
+}
+
+// inNominationRecord reports whether the scheduler's own record of
+// nominations has the pod nominated to node.
+func (pl *TopologyDRA) inNominationRecord(pod *v1.Pod, node string) bool {
+	for _, pi := range pl.handle.NominatedPodsForNode(node) {
+		if pi.GetPod().UID == pod.UID {
+			return true
+		}
+	}
+	return false
 }
 
 // freeing returns the devices that are being given back: those of claims

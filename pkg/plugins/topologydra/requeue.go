@@ -310,14 +310,13 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	if !ok {
 		return true
 	}
-	if nominated := pod.Status.NominatedNodeName; nominated != "" {
-		// A preemptor waits for its victims' devices on the node it is
-		// nominated to: their release is what it waits for, whatever
-		// the counts below say (its trial judged the node).
-		for _, site := range fs.sites {
-			if site.node == nominated {
-				return true
-			}
+	// A preemptor waits for its victims' devices on the node it is
+	// nominated to (its status, or the scheduler's record until the
+	// status says so): their release is what it waits for, whatever the
+	// counts below say (its trial judged the node).
+	for _, site := range fs.sites {
+		if site.node != "" && (site.node == pod.Status.NominatedNodeName || pl.nominatedByRecord(pod, site.node)) {
+			return true
 		}
 	}
 	// A pod whose headroom Filter counted over only the devices its
