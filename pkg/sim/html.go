@@ -49,7 +49,7 @@ func (r *Report) WriteHTML(out io.Writer) error {
 		p("</tr>\n")
 	}
 	p("</tbody>\n</table>\n")
-	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
+	p("<p class=\"note\">Alignment: allocations inside one domain / allocations for which such a domain with enough free devices existed, at the moment the allocation was written, on a node the pod could use; &ldquo;aligned, where a placement there could miss&rdquo; leaves out the allocations on a node where every GPU (for GPU+NIC pairs every GPU and NIC) is in one domain of the level, aligned whatever the scheduler does. Attempt latency: the scheduler's scheduling_attempt_duration_seconds histogram (algorithm + binding), successful attempts. Create→bind: from the pod's creation to its binding being seen, for pods bound on arrival. Throughput: those pods per second of waiting for them.</p>\n")
 
 	// What the run noticed beyond the numbers, and inconsistencies (a
 	// run with any exits 1).

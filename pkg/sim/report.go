@@ -47,6 +47,14 @@ type Placement struct {
 	BusyNodeHadRoom bool `json:"busyNodeHadRoom,omitempty"`
 	NICSameRoot     bool `json:"nicSameRoot,omitempty"`
 	NICPossible     bool `json:"nicPossible,omitempty"`
+	// The *Trivial fields say that the allocation could not have missed
+	// the level on its node: every GPU of the node (for NICRootTrivial
+	// every GPU and NIC) shares one domain of it, so any allocation there
+	// is aligned. Each implies its In* (or NICSameRoot) field.
+	CliqueTrivial  bool `json:"cliqueTrivial,omitempty"`
+	RootTrivial    bool `json:"rootTrivial,omitempty"`
+	NUMATrivial    bool `json:"numaTrivial,omitempty"`
+	NICRootTrivial bool `json:"nicRootTrivial,omitempty"`
 }
 
 // Snapshot is the device assignment at one tick: device key -> pod.
@@ -144,6 +152,49 @@ type Alignment struct {
 	NUMA     Ratio `json:"numaNode"`
 	GPUNIC   int   `json:"gpuNIC"`
 	NICRoot  Ratio `json:"gpuNICPCIeRoot"`
+	// Trivial counts, per measure, the aligned allocations that could not
+	// have missed (Placement's *Trivial fields); they are counted in the
+	// Ratios above too. Nil in reports written before they were counted.
+	Trivial *TrivialCounts `json:"trivial,omitempty"`
+}
+
+// TrivialCounts counts, per measure, the allocations that were aligned
+// whatever the scheduler did: every GPU of the node they went to (for the
+// GPU+NIC measure every GPU and NIC) shares one domain of the level, say
+// the one NVLink clique of all eight GPUs of a DGX H100.
+type TrivialCounts struct {
+	Clique  int `json:"nvlinkClique"`
+	Root    int `json:"pcieRoot"`
+	NUMA    int `json:"numaNode"`
+	NICRoot int `json:"gpuNICPCIeRoot"`
+}
+
+// add counts one allocation: a multi-GPU one in the GPU measures, a
+// GPU+NIC one in the NIC measure, and its trivial levels in Trivial (which
+// it creates where nil).
+func (a *Alignment) add(p Placement) {
+	if a.Trivial == nil {
+		a.Trivial = &TrivialCounts{}
+	}
+	trivial := func(n *int, yes bool) {
+		if yes {
+			*n++
+		}
+	}
+	if p.MultiGPU {
+		a.MultiGPU++
+		a.Clique.add(p.InClique, p.CliquePossible)
+		a.Root.add(p.InRoot, p.RootPossible)
+		a.NUMA.add(p.InNUMA, p.NUMAPossible)
+		trivial(&a.Trivial.Clique, p.CliqueTrivial)
+		trivial(&a.Trivial.Root, p.RootTrivial)
+		trivial(&a.Trivial.NUMA, p.NUMATrivial)
+	}
+	if p.GPUNIC {
+		a.GPUNIC++
+		a.NICRoot.add(p.NICSameRoot, p.NICPossible)
+		trivial(&a.Trivial.NICRoot, p.NICRootTrivial)
+	}
 }
 
 // Counts sums the aligned and the possible allocations over the four
@@ -160,6 +211,40 @@ func (a Alignment) Fraction() float64 {
 		return 1
 	}
 	return float64(aligned) / float64(possible)
+}
+
+// MissableCounts is Counts without the trivial allocations: the aligned
+// and the possible ones, over the four measures, on nodes where an
+// allocation could have missed the level. ok is false where the trivial
+// ones were not counted (Trivial is nil).
+func (a Alignment) MissableCounts() (aligned, possible int, ok bool) {
+	if a.Trivial == nil {
+		return 0, 0, false
+	}
+	aligned, possible = a.Counts()
+	n := a.Trivial.Clique + a.Trivial.Root + a.Trivial.NUMA + a.Trivial.NICRoot
+	return aligned - n, possible - n, true
+}
+
+// MissableFraction is the aligned over the possible of MissableCounts.
+// ok is false where that has nothing to say: the trivial allocations were
+// not counted, or every possible one was trivial.
+func (a Alignment) MissableFraction() (fraction float64, ok bool) {
+	aligned, possible, ok := a.MissableCounts()
+	if !ok || possible == 0 {
+		return 0, false
+	}
+	return float64(aligned) / float64(possible), true
+}
+
+// missableText is MissableFraction in percent, "-" where it has nothing
+// to say.
+func missableText(a Alignment) string {
+	f, ok := a.MissableFraction()
+	if !ok {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*f)
 }
 
 // NodeEnd is a node's free capacity at the end of a run.
@@ -215,6 +300,9 @@ type Result struct {
 	// jobs, but a scheduler that keeps it free while such pods wait (the
 	// headroom for smaller pods) does not give it to them.
 	Fit8Waited int `json:"fit8GPUWhileWaiting,omitempty"`
+	// Fit4Waited is the same for Fit4: how many of its NUMA-node slots
+	// the pods asking for 4 GPUs that still wait at the end could take.
+	Fit4Waited int `json:"fit4GPUNUMAAlignedWhileWaiting,omitempty"`
 	FreeGPUs   int `json:"freeGPUs"`
 	// PendingPodTicks sums, over all pods, the ticks from arrival to
 	// binding (to the end of the run for pods never bound).
@@ -490,6 +578,7 @@ func resultRows(results []Result) []resultRow {
 		{"GPU+NIC allocations", false, func(res Result) string { return fmt.Sprint(res.Alignment.GPUNIC) }},
 		{"sharing a PCIe root", true, func(res Result) string { return res.Alignment.NICRoot.String() }},
 		{"aligned overall", false, func(res Result) string { return fmt.Sprintf("%.1f%%", 100*res.AlignedFraction) }},
+		{"aligned, where a placement there could miss", true, func(res Result) string { return missableText(res.Alignment) }},
 		{"waiting: pod-ticks in all", false, func(res Result) string { return fmt.Sprint(res.PendingPodTicks) }},
 		{"mean ticks by GPUs per pod", true, waitText},
 		{"GPU-ticks waiting / GPUs idle meanwhile", true, func(res Result) string {
@@ -518,8 +607,8 @@ func resultRows(results []Result) []resultRow {
 			return fmt.Sprint(res.InvariantViolations)
 		}},
 		{"free GPUs at end", false, func(res Result) string { return fmt.Sprint(res.FreeGPUs) }},
-		{"more 8-GPU jobs fit", true, func(res Result) string { return fit8Label(res.Fit8, res.Fit8Waited) }},
-		{"more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fmt.Sprint(res.Fit4) }},
+		{"more 8-GPU jobs fit", true, func(res Result) string { return fitLabel(res.Fit8, res.Fit8Waited, 8) }},
+		{"more 4-GPU NUMA-aligned jobs fit", true, func(res Result) string { return fitLabel(res.Fit4, res.Fit4Waited, 4) }},
 		{"throughput (pods/s)", false, func(res Result) string { return fmt.Sprintf("%.1f", res.Throughput) }},
 		{"attempt latency p50 / p99", false, func(res Result) string {
 			return fmt.Sprintf("%.1f / %.1f ms", res.AttemptP50Ms, res.AttemptP99Ms)
@@ -575,7 +664,13 @@ func (r *Report) runTargetBasis(t Target) string {
 	case t.alignment:
 		ta, tp := topodra.Alignment.Counts()
 		sa, sp := stock.Alignment.Counts()
-		return fmt.Sprintf("%d of %d vs %d of %d aligned where possible", ta, tp, sa, sp)
+		basis := fmt.Sprintf("%d of %d vs %d of %d aligned where possible", ta, tp, sa, sp)
+		_, tm, tok := topodra.Alignment.MissableCounts()
+		_, sm, sok := stock.Alignment.MissableCounts()
+		if tok && sok {
+			basis += fmt.Sprintf(", of which %d vs %d could not miss", tp-tm, sp-sm)
+		}
+		return basis
 	}
 	return ""
 }
@@ -719,14 +814,14 @@ func nodeEnds(topo []NodeTopology, snap Snapshot) []NodeEnd {
 	return out
 }
 
-// fit8Label is the number of 8-GPU jobs that fit at the end, with how
-// many of those slots 8-GPU pods still waiting could take (see
-// Result.Fit8Waited).
-func fit8Label(fit, waited int) string {
+// fitLabel is the number of jobs of gpus GPUs that fit at the end, with
+// how many of those slots pods of that size still waiting could take (see
+// Result.Fit8Waited and Result.Fit4Waited).
+func fitLabel(fit, waited, gpus int) string {
 	if waited == 0 {
 		return fmt.Sprint(fit)
 	}
-	return fmt.Sprintf("%d (%d while 8-GPU pods wait)", fit, waited)
+	return fmt.Sprintf("%d (%d while %d-GPU pods wait)", fit, waited, gpus)
 }
 
 // SchedulerCPUMsPerPod is the scheduler's CPU time per pod placed, in

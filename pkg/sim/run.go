@@ -413,13 +413,7 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	res.SlowAttempts = att.slow()
 	res.Attempts = att.byResult()
 	res.TurnedDown = readTurnedDown(schedulerName).since(beforeTurnedDown)
-	res.Nodes = nodeEnds(topo, res.Snapshots[len(res.Snapshots)-1])
-	for _, e := range res.Nodes {
-		res.Fit8 += e.Fit8
-		res.Fit4 += e.Fit4
-		res.FreeGPUs += e.FreeGPUs
-	}
-	res.Fit8Waited = min(res.Fit8, tr.pendingWithGPUs(8))
+	tr.fillEnds(res, topo, res.Snapshots[len(res.Snapshots)-1])
 	// The invariant checker, as topodra-check runs it, on the cluster as
 	// the run leaves it: each violation is an inconsistency of the run.
 	if violations, err := invariant.Check(ctx, client); err != nil {
@@ -438,6 +432,21 @@ func runOne(ctx context.Context, opts Options, nodes []NodeSpec, workload *Workl
 	}
 	res.WallSeconds = time.Since(start).Seconds()
 	return res, topo, nil
+}
+
+// fillEnds fills in res the nodes' free capacity as snap, the end of
+// the run, leaves it, and how many of the slots for 8-GPU and for 4-GPU
+// jobs pods of that size still waiting could take (Fit8Waited,
+// Fit4Waited).
+func (t *tracker) fillEnds(res *Result, topo []NodeTopology, snap Snapshot) {
+	res.Nodes = nodeEnds(topo, snap)
+	for _, e := range res.Nodes {
+		res.Fit8 += e.Fit8
+		res.Fit4 += e.Fit4
+		res.FreeGPUs += e.FreeGPUs
+	}
+	res.Fit8Waited = min(res.Fit8, t.pendingWithGPUs(8))
+	res.Fit4Waited = min(res.Fit4, t.pendingAsking(4))
 }
 
 // topology lists the nodes' devices in display order.
@@ -753,17 +762,9 @@ func (t *tracker) fill(res *Result) {
 	res.LatencyP50Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.50))
 	res.LatencyP99Ms = measure.ZeroIfNaN(measure.Quantile(latencies, 0.99))
 	res.Placements = slices.Clone(t.placements)
+	res.Alignment.Trivial = &TrivialCounts{}
 	for _, p := range t.placements {
-		if p.MultiGPU {
-			res.Alignment.MultiGPU++
-			res.Alignment.Clique.add(p.InClique, p.CliquePossible)
-			res.Alignment.Root.add(p.InRoot, p.RootPossible)
-			res.Alignment.NUMA.add(p.InNUMA, p.NUMAPossible)
-		}
-		if p.GPUNIC {
-			res.Alignment.GPUNIC++
-			res.Alignment.NICRoot.add(p.NICSameRoot, p.NICPossible)
-		}
+		res.Alignment.add(p)
 		if ps := t.pods[p.Pod]; ps != nil && ps.Bound && ps.Node != p.Node {
 			t.errs = append(t.errs, fmt.Sprintf("claim %s of pod %s allocated on %s, pod bound to %s", p.Claim, p.Pod, p.Node, ps.Node))
 		}

@@ -88,11 +88,13 @@ type SweepRow struct {
 	// Fit8Waited is Result.Fit8Waited.
 	Fit8Waited int `json:"fit8GPUWhileWaiting,omitempty"`
 	Fit4       int `json:"fit4GPUNUMAAligned"`
+	// Fit4Waited is Result.Fit4Waited.
+	Fit4Waited int `json:"fit4GPUNUMAAlignedWhileWaiting,omitempty"`
 	// FreeInWholeNUMA is Result.FreeInWholeNUMA.
 	FreeInWholeNUMA float64 `json:"freeInWholeNUMA"`
 	Aligned         float64 `json:"alignedFraction"`
 	// Alignment is Result.Alignment: the counts behind Aligned, per
-	// measure.
+	// measure, and the trivial ones among them.
 	Alignment    Alignment `json:"alignment"`
 	Throughput   float64   `json:"throughputPodsPerSecond"`
 	AttemptP50Ms float64   `json:"attemptP50Ms"`
@@ -113,7 +115,7 @@ var SweepSizes = []int{1, 2, 4, 8}
 func rowOf(scenario string, seed int64, round int, res *Result) SweepRow {
 	row := SweepRow{Scenario: scenario, Seed: seed, Round: round, Scheduler: res.Scheduler, PodTicks: res.PendingPodTicks,
 		GPUTicks: res.PendingGPUTicks, Idle: res.IdleWhileWaiting,
-		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit8Waited: res.Fit8Waited, Fit4: res.Fit4,
+		MeanWait: map[int]float64{}, NeverPlaced: res.Pending, Fit8: res.Fit8, Fit8Waited: res.Fit8Waited, Fit4: res.Fit4, Fit4Waited: res.Fit4Waited,
 		FreeInWholeNUMA: res.FreeInWholeNUMA, Aligned: res.AlignedFraction, Alignment: res.Alignment, Throughput: res.Throughput,
 		AttemptP50Ms: res.AttemptP50Ms, SchedulerCPUMsPerPod: res.SchedulerCPUMsPerPod(), Errors: len(res.Errors), Stuck: res.Stuck,
 		Tainted: len(res.TaintedAllocations), WaitedBy: res.WaitedBy}
@@ -163,13 +165,16 @@ func (s Stat) String() string {
 
 // SweepSummary aggregates one scheduler over all rows of a sweep.
 type SweepSummary struct {
-	Scheduler  string       `json:"scheduler"`
-	Runs       int          `json:"runs"`
-	PodTicks   Stat         `json:"pendingPodTicks"`
-	MeanWait   map[int]Stat `json:"meanWaitByGPUs"`
-	Aligned    Stat         `json:"alignedFraction"`
-	Throughput Stat         `json:"throughputPodsPerSecond"`
-	AttemptP50 Stat         `json:"attemptP50Ms"`
+	Scheduler string       `json:"scheduler"`
+	Runs      int          `json:"runs"`
+	PodTicks  Stat         `json:"pendingPodTicks"`
+	MeanWait  map[int]Stat `json:"meanWaitByGPUs"`
+	Aligned   Stat         `json:"alignedFraction"`
+	// AlignedMissable is Alignment.MissableFraction, over the runs where
+	// it has something to say. No target uses it.
+	AlignedMissable Stat `json:"alignedWhereMissable"`
+	Throughput      Stat `json:"throughputPodsPerSecond"`
+	AttemptP50      Stat `json:"attemptP50Ms"`
 	// SchedulerCPU is over the runs where it was measured.
 	SchedulerCPU Stat `json:"schedulerCPUMsPerPod"`
 	// Sums over runs.
@@ -179,6 +184,7 @@ type SweepSummary struct {
 	Fit8        int `json:"fit8GPU"`
 	Fit8Waited  int `json:"fit8GPUWhileWaiting,omitempty"`
 	Fit4        int `json:"fit4GPUNUMAAligned"`
+	Fit4Waited  int `json:"fit4GPUNUMAAlignedWhileWaiting,omitempty"`
 	Errors      int `json:"errors"`
 	Stuck       int `json:"stuckPods,omitempty"`
 	Tainted     int `json:"taintedAllocations,omitempty"`
@@ -192,7 +198,7 @@ type SweepSummary struct {
 
 func summarize(scheduler string, rows []SweepRow) SweepSummary {
 	s := SweepSummary{Scheduler: scheduler, MeanWait: map[int]Stat{}, WaitedBy: WaitedBy{}, WaitedRuns: WaitedBy{}}
-	var ticks, aligned, tput, p50, cpu []float64
+	var ticks, aligned, missable, tput, p50, cpu []float64
 	waits := map[int][]float64{}
 	for _, r := range rows {
 		if r.Scheduler != scheduler {
@@ -204,6 +210,9 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		// alignment (its fraction is 1 by convention).
 		if _, possible := r.Alignment.Counts(); possible > 0 {
 			aligned = append(aligned, r.Aligned)
+		}
+		if f, ok := r.Alignment.MissableFraction(); ok {
+			missable = append(missable, f)
 		}
 		tput = append(tput, r.Throughput)
 		p50 = append(p50, r.AttemptP50Ms)
@@ -219,6 +228,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		s.Fit8 += r.Fit8
 		s.Fit8Waited += r.Fit8Waited
 		s.Fit4 += r.Fit4
+		s.Fit4Waited += r.Fit4Waited
 		s.Errors += r.Errors
 		s.Stuck += r.Stuck
 		s.Tainted += r.Tainted
@@ -232,7 +242,7 @@ func summarize(scheduler string, rows []SweepRow) SweepSummary {
 		}
 	}
 	s.PodTicks, s.Aligned, s.Throughput, s.AttemptP50 = statOf(ticks), statOf(aligned), statOf(tput), statOf(p50)
-	s.SchedulerCPU = statOf(cpu)
+	s.SchedulerCPU, s.AlignedMissable = statOf(cpu), statOf(missable)
 	for g, w := range waits {
 		s.MeanWait[g] = statOf(w)
 	}
@@ -376,7 +386,7 @@ func targets(t, s SweepSummary, rows []SweepRow) []Target {
 		// A whole-node slot that an 8-GPU pod still waits for is no room
 		// for the next one: the target counts the others.
 		Target{Measure: "8-GPU jobs that fit at the end (sum)", Want: ">= stock (aim 2x)",
-			Topodra: fit8Label(t.Fit8, t.Fit8Waited), Stock: fit8Label(s.Fit8, s.Fit8Waited), Met: t.Fit8-t.Fit8Waited >= s.Fit8-s.Fit8Waited},
+			Topodra: fitLabel(t.Fit8, t.Fit8Waited, 8), Stock: fitLabel(s.Fit8, s.Fit8Waited, 8), Met: t.Fit8-t.Fit8Waited >= s.Fit8-s.Fit8Waited},
 		alignment,
 		Target{Measure: "median throughput", Want: ">= 0.95 x stock",
 			Topodra: fmt.Sprintf("%.1f", t.Throughput.Median), Stock: fmt.Sprintf("%.1f", s.Throughput.Median), Met: t.Throughput.Median >= 0.95*s.Throughput.Median},
@@ -739,7 +749,7 @@ func mixedProvenance(reports []*SweepReport) []string {
 	return out
 }
 
-const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t"
+const sweepHeader = "scenario\tseed\tscheduler\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\twhole-NUMA free\taligned\taligned, could miss\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t"
 
 func writeRow(w io.Writer, r SweepRow) {
 	wait := func(g int) string {
@@ -752,9 +762,9 @@ func writeRow(w io.Writer, r SweepRow) {
 	if r.SchedulerCPUMsPerPod >= 0 {
 		cpu = fmt.Sprintf("%.2f", r.SchedulerCPUMsPerPod)
 	}
-	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%.1f\t%.1f\t%s\t\n",
+	fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.0f%%\t%.1f%%\t%s\t%.1f\t%.1f\t%s\t\n",
 		r.Scenario, r.Seed, r.Scheduler, r.PodTicks, r.GPUTicks, r.Idle, wait(1), wait(2), wait(4), wait(8),
-		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, r.Throughput, r.AttemptP50Ms, cpu)
+		r.NeverPlaced, r.Fit8, r.Fit4, 100*r.FreeInWholeNUMA, 100*r.Aligned, missableText(r.Alignment), r.Throughput, r.AttemptP50Ms, cpu)
 }
 
 // runsLine says what the runs are: seeds, and rounds where more than one.
@@ -796,11 +806,15 @@ func (r *SweepReport) WriteSummary(out io.Writer) error {
 	}
 	fmt.Fprintf(w, "pods' CPU and memory requests: %s\n", r.HostRequests)
 	fmt.Fprintf(w, "medians [p25-p75] over the runs (%s); GPU-ticks waiting, GPU-ticks idle while pods wait, never placed, fit 8 and fit 4 summed\n", r.runsLine())
-	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")
+	fmt.Fprintln(w, "scenario\tscheduler\truns\tpod-ticks\tGPU-ticks\tidle\twait 1\twait 2\twait 4\twait 8\tnever placed\tfit 8\tfit 4 NUMA\taligned\taligned, could miss\tpods/s\tattempt p50 ms\tsched CPU ms/pod\t")
 	line := func(name string, s SweepSummary) {
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%.1f\t%.1f\t%.2f\t\n", name, s.Scheduler, s.Runs,
+		missable := "-"
+		if s.AlignedMissable.N > 0 {
+			missable = fmt.Sprintf("%.1f%%", 100*s.AlignedMissable.Median)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%.1f%%\t%s\t%.1f\t%.1f\t%.2f\t\n", name, s.Scheduler, s.Runs,
 			s.PodTicks, s.GPUTicks, s.Idle, s.MeanWait[1], s.MeanWait[2], s.MeanWait[4], s.MeanWait[8], s.NeverPlaced, s.Fit8, s.Fit4,
-			100*s.Aligned.Median, s.Throughput.Median, s.AttemptP50.Median, s.SchedulerCPU.Median)
+			100*s.Aligned.Median, missable, s.Throughput.Median, s.AttemptP50.Median, s.SchedulerCPU.Median)
 	}
 	for _, sc := range r.Scenarios {
 		for _, s := range r.PerScenario[sc.Name] {

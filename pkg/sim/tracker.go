@@ -603,6 +603,9 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 		p.InClique, p.CliquePossible = clique.Aligned, clique.Possible
 		p.InRoot, p.RootPossible = root.Aligned, root.Possible
 		p.InNUMA, p.NUMAPossible = numa.Aligned, numa.Possible
+		p.CliqueTrivial = p.InClique && t.oneDomain(p.Node, measure.LevelNVLink, false)
+		p.RootTrivial = p.InRoot && t.oneDomain(p.Node, measure.LevelPCIeRoot, false)
+		p.NUMATrivial = p.InNUMA && t.oneDomain(p.Node, measure.LevelNUMA, false)
 	}
 	// Did the claim break into a node that no other pod used, although a
 	// node in use offered a placement as tight (the same kind of domain)?
@@ -657,8 +660,27 @@ func (t *tracker) judge(claim, pod string, keys []string) Placement {
 		p.GPUNIC = true
 		v := t.inv.Judge(slices.Concat(gpus, nics), measure.LevelPCIeRoot, scope)
 		p.NICSameRoot, p.NICPossible = v.Aligned, v.Possible
+		p.NICRootTrivial = p.NICSameRoot && t.oneDomain(t.devices[gpus[0]].Node, measure.LevelPCIeRoot, true)
 	}
 	return p
+}
+
+// oneDomain reports whether every GPU of node, and every NIC too where
+// nics, is in one and the same domain of level: no allocation of those
+// devices there can miss the level. Caller holds mu.
+func (t *tracker) oneDomain(node string, level measure.Level, nics bool) bool {
+	value := ""
+	for _, d := range t.inv.NodeDevices(node) {
+		if d.NIC && !nics {
+			continue
+		}
+		v := d.Domain(level)
+		if v == "" || (value != "" && v != value) {
+			return false
+		}
+		value = v
+	}
+	return value != ""
 }
 
 // settled reports whether every named pod is bound with all its claims
@@ -770,6 +792,19 @@ func (t *tracker) pendingWithGPUs(gpus int) int {
 	n := 0
 	for _, ps := range t.pods {
 		if !ps.Bound && ps.GPUs >= gpus {
+			n++
+		}
+	}
+	return n
+}
+
+// pendingAsking counts the pods not bound that ask for exactly gpus GPUs.
+func (t *tracker) pendingAsking(gpus int) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for _, ps := range t.pods {
+		if !ps.Bound && ps.GPUs == gpus {
 			n++
 		}
 	}

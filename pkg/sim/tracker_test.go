@@ -9,6 +9,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
@@ -106,8 +107,8 @@ func TestFit8WhileWaiting(t *testing.T) {
 		{Result{Fit8: 3}, "3"},
 		{Result{Fit8: 3, Fit8Waited: 2}, "3 (2 while 8-GPU pods wait)"},
 	} {
-		if got := fit8Label(tc.res.Fit8, tc.res.Fit8Waited); got != tc.want {
-			t.Errorf("fit8Label(%d, %d) = %q, want %q", tc.res.Fit8, tc.res.Fit8Waited, got, tc.want)
+		if got := fitLabel(tc.res.Fit8, tc.res.Fit8Waited, 8); got != tc.want {
+			t.Errorf("fitLabel(%d, %d, 8) = %q, want %q", tc.res.Fit8, tc.res.Fit8Waited, got, tc.want)
 		}
 	}
 	rows := []SweepRow{
@@ -117,7 +118,7 @@ func TestFit8WhileWaiting(t *testing.T) {
 	}
 	for scheduler, want := range map[string]string{"topodra": "3 (1 while 8-GPU pods wait)", "stock": "1"} {
 		sum := summarize(scheduler, rows)
-		if got := fit8Label(sum.Fit8, sum.Fit8Waited); got != want {
+		if got := fitLabel(sum.Fit8, sum.Fit8Waited, 8); got != want {
 			t.Errorf("%s's sum %q, want %q", scheduler, got, want)
 		}
 	}
@@ -421,5 +422,221 @@ func TestClaimAllocatedAnewUnseen(t *testing.T) {
 	tr.fill(res)
 	if len(res.Placements) != 1 || len(res.Placements[0].GPUs) != 1 || res.Placements[0].GPUs[0] != "gpu-1" || len(res.Errors) != 0 {
 		t.Errorf("placements %+v, errors %q; want one placement on gpu-1, no error", res.Placements, res.Errors)
+	}
+}
+
+// domains are where a test device sits; an empty clique or root, or a
+// negative NUMA node, leaves the attribute out.
+type domains struct {
+	clique, root string
+	numa         int64
+}
+
+// topologySlices are one node's ResourceSlices: a GPU slice and, where
+// nics has any, a NIC slice, with devices gpu-0, gpu-1, … and nic-0, ….
+func topologySlices(node string, gpus, nics []domains) []resourceapi.ResourceSlice {
+	devices := func(prefix string, ds []domains) []resourceapi.Device {
+		var out []resourceapi.Device
+		for i, d := range ds {
+			attrs := map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{}
+			if d.clique != "" {
+				attrs[topology.AttrNVLinkClique] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.clique)}
+			}
+			if d.root != "" {
+				attrs[topology.AttrPCIeRoot] = resourceapi.DeviceAttribute{StringValue: ptr.To(d.root)}
+			}
+			if d.numa >= 0 {
+				attrs[topology.AttrNUMANode] = resourceapi.DeviceAttribute{IntValue: ptr.To(d.numa)}
+			}
+			out = append(out, resourceapi.Device{Name: fmt.Sprintf("%s-%d", prefix, i), Attributes: attrs})
+		}
+		return out
+	}
+	slice := func(driver string, devs []resourceapi.Device) resourceapi.ResourceSlice {
+		return resourceapi.ResourceSlice{Spec: resourceapi.ResourceSliceSpec{Driver: driver, NodeName: ptr.To(node), Pool: resourceapi.ResourcePool{Name: node}, Devices: devs}}
+	}
+	out := []resourceapi.ResourceSlice{slice(topology.DriverName, devices("gpu", gpus))}
+	if len(nics) > 0 {
+		out = append(out, slice(mockNICDriver, devices("nic", nics)))
+	}
+	return out
+}
+
+// dgxSlices are the ResourceSlices of a DGX-like node: eight GPUs in one
+// NVLink clique, two to a PCIe root, four to a NUMA node, and one NIC on
+// each root.
+func dgxSlices(node string) []resourceapi.ResourceSlice {
+	var gpus, nics []domains
+	for g := range 8 {
+		gpus = append(gpus, domains{clique: "clique-0", root: fmt.Sprintf("root-%d", g/2), numa: int64(g / 4)})
+	}
+	for r := range 4 {
+		nics = append(nics, domains{root: fmt.Sprintf("root-%d", r), numa: int64(r / 2)})
+	}
+	return topologySlices(node, gpus, nics)
+}
+
+// dgxTracker is a tracker of n DGX-like nodes n0, n1, …, and their
+// topology.
+func dgxTracker(n int) (*tracker, []NodeTopology) {
+	var slices_ []resourceapi.ResourceSlice
+	var nodes []*v1.Node
+	var specs []NodeSpec
+	for i := range n {
+		name := fmt.Sprintf("n%d", i)
+		slices_ = append(slices_, dgxSlices(name)...)
+		nodes = append(nodes, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}})
+		specs = append(specs, NodeSpec{Name: name})
+	}
+	tr := newTracker(Namespace)
+	tr.loadDevices(slices_, nodes)
+	return tr, tr.topology(specs)
+}
+
+// TestJudgeTrivial: an allocation on a node where every GPU (for the NIC
+// measure every GPU and NIC) shares one domain of a level is aligned at
+// that level whatever the scheduler did, and is counted as trivial; one
+// on a node with several domains of the level is not, aligned or missed.
+// The share aligned where a placement could miss leaves the trivial ones
+// out of both the aligned and the possible, and the existing measure
+// keeps them.
+func TestJudgeTrivial(t *testing.T) {
+	// Node m: two GPUs and a NIC, all on one PCIe root and NUMA node, no
+	// NVLink clique.
+	oneRoot := topologySlices("m", []domains{{root: "root-m", numa: 0}, {root: "root-m", numa: 0}}, []domains{{root: "root-m", numa: 0}})
+	// Node k: the same with a second NIC, on another root.
+	nicApart := topologySlices("k", []domains{{root: "root-k", numa: 0}, {root: "root-k", numa: 0}}, []domains{{root: "root-k", numa: 0}, {root: "root-x", numa: 0}})
+	type verdict struct{ clique, cliqueTrivial, root, rootTrivial, numa, numaTrivial, nic, nicTrivial bool }
+	tests := map[string]struct {
+		node    string
+		devices []string // gpu-… and nic-… of node
+		want    verdict
+		// aligned and possible over the four measures, all and without the
+		// trivial ones; missable is the report's text.
+		aligned, possible, missAligned, missPossible int
+		missable                                     string
+	}{
+		"DGX: across NUMA nodes, the one clique is trivial": {
+			node: "n0", devices: []string{"gpu-3", "gpu-4"},
+			want:    verdict{clique: true, cliqueTrivial: true},
+			aligned: 1, possible: 3, missAligned: 0, missPossible: 2, missable: "0.0%",
+		},
+		"DGX: on one root, root and NUMA node are not trivial": {
+			node: "n0", devices: []string{"gpu-0", "gpu-1"},
+			want:    verdict{clique: true, cliqueTrivial: true, root: true, numa: true},
+			aligned: 3, possible: 3, missAligned: 2, missPossible: 2, missable: "100.0%",
+		},
+		"DGX: a GPU and a NIC on one of four roots": {
+			node: "n0", devices: []string{"gpu-2", "nic-1"},
+			want:    verdict{nic: true},
+			aligned: 1, possible: 1, missAligned: 1, missPossible: 1, missable: "100.0%",
+		},
+		// The NVLink clique is missed: the pod could have gone to n0.
+		"one root and NUMA node: those are trivial": {
+			node: "m", devices: []string{"gpu-0", "gpu-1", "nic-0"},
+			want:    verdict{root: true, rootTrivial: true, numa: true, numaTrivial: true, nic: true, nicTrivial: true},
+			aligned: 3, possible: 4, missAligned: 0, missPossible: 1, missable: "0.0%",
+		},
+		"a NIC on another root: the GPU+NIC root is not trivial": {
+			node: "k", devices: []string{"gpu-0", "gpu-1", "nic-0"},
+			want:    verdict{root: true, rootTrivial: true, numa: true, numaTrivial: true, nic: true},
+			aligned: 3, possible: 4, missAligned: 1, missPossible: 2, missable: "50.0%",
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			tr := newTracker(Namespace)
+			tr.loadDevices(slices.Concat(dgxSlices("n0"), oneRoot, nicApart), []*v1.Node{{ObjectMeta: metav1.ObjectMeta{Name: "n0"}}, {ObjectMeta: metav1.ObjectMeta{Name: "m"}}, {ObjectMeta: metav1.ObjectMeta{Name: "k"}}})
+			pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: Namespace}, Spec: v1.PodSpec{ResourceClaims: []v1.PodResourceClaim{{Name: "devs", ResourceClaimName: ptr.To("c")}}}}
+			tr.created(pod, 0, nil, 2)
+			claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: "c", Namespace: Namespace, UID: "c-1",
+				OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: "p"}}},
+				Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{}}}
+			for _, dev := range tc.devices {
+				driver := topology.DriverName
+				if strings.HasPrefix(dev, "nic-") {
+					driver = mockNICDriver
+				}
+				claim.Status.Allocation.Devices.Results = append(claim.Status.Allocation.Devices.Results,
+					resourceapi.DeviceRequestAllocationResult{Request: "devs", Driver: driver, Pool: tc.node, Device: dev})
+			}
+			tr.onClaim(claim, false)
+			res := &Result{}
+			tr.fill(res)
+			if len(res.Placements) != 1 {
+				t.Fatalf("placements %+v, want one", res.Placements)
+			}
+			p := res.Placements[0]
+			got := verdict{p.InClique, p.CliqueTrivial, p.InRoot, p.RootTrivial, p.InNUMA, p.NUMATrivial, p.NICSameRoot, p.NICRootTrivial}
+			if got != tc.want {
+				t.Errorf("verdict %+v, want %+v", got, tc.want)
+			}
+			if aligned, possible := res.Alignment.Counts(); aligned != tc.aligned || possible != tc.possible {
+				t.Errorf("aligned overall %d of %d, want %d of %d", aligned, possible, tc.aligned, tc.possible)
+			}
+			if aligned, possible, ok := res.Alignment.MissableCounts(); !ok || aligned != tc.missAligned || possible != tc.missPossible {
+				t.Errorf("aligned where a placement could miss %d of %d (counted %v), want %d of %d", aligned, possible, ok, tc.missAligned, tc.missPossible)
+			}
+			if got := missableText(res.Alignment); got != tc.missable {
+				t.Errorf("report text %q, want %q", got, tc.missable)
+			}
+		})
+	}
+}
+
+// TestFit4WhileWaiting: of the whole free NUMA nodes at the end, those
+// that 4-GPU pods still waiting could take are counted and shown beside
+// them, as for 8-GPU pods and whole nodes; bound pods and pending pods of
+// other sizes do not count, and no more are counted than there are slots.
+func TestFit4WhileWaiting(t *testing.T) {
+	tr, topo := dgxTracker(8)
+	// 20 of the 64 GPUs kept free, 5 after a 4-GPU allocation.
+	tr.setHeadroom(30, 8)
+	// All used but NUMA node 0 of n0 and of n1: two 4-GPU slots, which
+	// the headroom keeps free.
+	for key, d := range tr.devices {
+		if d.GPU && !((d.Node == "n0" || d.Node == "n1") && d.NUMA == "0") {
+			tr.inv.Use(key, "other")
+		}
+	}
+	pods := func(gpus int, bound bool, names ...string) {
+		for _, name := range names {
+			tr.created(&v1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name}}, 0, &demand{GPUs: gpus}, gpus)
+			tr.pods[name].Bound = bound
+		}
+	}
+	pods(4, false, "four-waiting")
+	pods(4, true, "four-bound")
+	pods(8, false, "eight-waiting")
+	pods(2, false, "two-waiting")
+	tr.mu.Lock()
+	fits := tr.fitsWithHeadroom(labels.Everything(), 4)
+	tr.mu.Unlock()
+	if fits {
+		t.Fatal("a 4-GPU pod fits within the headroom; the test needs one held back")
+	}
+	res := &Result{}
+	tr.fillEnds(res, topo, tr.snapshot("end"))
+	if res.Fit4 != 2 || res.Fit4Waited != 1 || res.Fit8 != 0 || res.Fit8Waited != 0 {
+		t.Errorf("fit 4 %d (%d while waiting), fit 8 %d (%d while waiting), want 2 (1) and 0 (0)", res.Fit4, res.Fit4Waited, res.Fit8, res.Fit8Waited)
+	}
+	want := "2 (1 while 4-GPU pods wait)"
+	for _, row := range resultRows([]Result{*res}) {
+		if row.label == "more 4-GPU NUMA-aligned jobs fit" {
+			if got := row.cell(*res); got != want {
+				t.Errorf("report %q, want %q", got, want)
+			}
+		}
+	}
+	rows := []SweepRow{rowOf("a", 1, 1, res), {Scheduler: res.Scheduler, Fit4: 2}}
+	if sum := summarize(res.Scheduler, rows); sum.Fit4 != 4 || sum.Fit4Waited != 1 {
+		t.Errorf("sweep sums fit 4 %d (%d while waiting), want 4 (1)", sum.Fit4, sum.Fit4Waited)
+	}
+	// Three 4-GPU pods waiting could take both slots, not three.
+	pods(4, false, "four-waiting-too", "four-waiting-three")
+	res = &Result{}
+	tr.fillEnds(res, topo, tr.snapshot("end"))
+	if res.Fit4Waited != 2 {
+		t.Errorf("with three 4-GPU pods waiting, %d slots while waiting, want 2", res.Fit4Waited)
 	}
 }

@@ -137,6 +137,9 @@ func checkCounts(t *testing.T, res sim.Result, pods, totalGPUs int) {
 	if a.NICRoot.Aligned > a.NICRoot.Possible || a.NICRoot.Possible > a.GPUNIC {
 		t.Errorf("%s: GPU+NIC: aligned %d, possible %d, total %d", name, a.NICRoot.Aligned, a.NICRoot.Possible, a.GPUNIC)
 	}
+	if tr := a.Trivial; tr == nil || tr.Clique > a.Clique.Aligned || tr.Root > a.Root.Aligned || tr.NUMA > a.NUMA.Aligned || tr.NICRoot > a.NICRoot.Aligned {
+		t.Errorf("%s: trivial allocations %+v, want counted and among the aligned (%+v)", name, tr, a)
+	}
 	end := res.Snapshots[len(res.Snapshots)-1]
 	usedGPUs, unhealthyFree := 0, 0
 	for key := range end.Used {
