@@ -164,6 +164,7 @@ func (pl *TopologyDRA) Filter(ctx context.Context, cs fwk.CycleState, pod *v1.Po
 		// lower-priority pods removed (see trialData). The stock plugin
 		// says unresolvable here, so it never preempts for devices.
 		if res.Explanation.Freeable() && mayPreempt(pod, nodeInfo) {
+			s.preemptible.Store(true)
 			return unschedulable(msg)
 		}
 		return unresolvable(msg)

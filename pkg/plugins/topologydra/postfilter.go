@@ -5,6 +5,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/structured"
 	"k8s.io/klog/v2"
@@ -23,7 +24,11 @@ import (
 // for more victims while those devices are given back. It does not wait
 // on a node that another plugin found unschedulable in a way preemption
 // cannot resolve (cordoned, unreachable, no longer matching the pod's
-// affinity): DefaultPreemption preempts elsewhere then.
+// affinity): DefaultPreemption preempts elsewhere then. A pod nominated
+// nowhere that preemption might help (Filter found lower-priority pods
+// holding devices it could use) and that fits on a node once the claims of
+// pods that no longer exist give their devices back waits for them too,
+// without a nomination, rather than evict pods elsewhere.
 func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v1.Pod, statuses fwk.NodeToStatusReader) (*fwk.PostFilterResult, *fwk.Status) {
 	logger := klog.FromContext(ctx)
 	s, err := getState(cs)
@@ -48,19 +53,39 @@ func (pl *TopologyDRA) PostFilter(ctx context.Context, cs fwk.CycleState, pod *v
 		}
 		return nil, fwk.NewStatus(fwk.Unschedulable, "deallocated resource claim "+claim.Name+" so that it can be allocated again")
 	}
-	if s.allocator == nil || pl.handle == nil || !pl.mayBeNominated(pod) {
+	if s.allocator == nil || pl.handle == nil {
 		return nil, fwk.NewStatus(fwk.Unschedulable)
 	}
-	freeing := pl.freeing(ctx, s)
-	if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" && !ruledOut(statuses, nominated) && pl.fitsOnceGone(ctx, s, freeing, nominated) {
-		// The pod's victims are gone or terminating and their claims
-		// not given back yet: it waits for them on its node, and
-		// DefaultPreemption, which a success ends, evicts nobody more
-		// meanwhile. The victims' deletion and claim events requeue
-		// the pod.
-		logger.V(2).Info("Waiting for the devices of preempted pods to be given back on the nominated node", "pod", klog.KObj(pod), "node", nominated)
-		return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: nominated, NominatingMode: fwk.ModeOverride}},
-			fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for the devices of preempted pods to be given back")
+	if pl.mayBeNominated(pod) {
+		freeing := pl.freeing(ctx, s, s.leaving(pl).preempted)
+		if nominated := pl.nominatedTo(pod, freeing, s); nominated != "" {
+			if !ruledOut(statuses, nominated) && pl.fitsOnceGone(ctx, s, freeing, nominated) {
+				// The pod's victims are gone or terminating and their
+				// claims not given back yet: it waits for them on its
+				// node, and DefaultPreemption, which a success ends,
+				// evicts nobody more meanwhile. The victims' deletion
+				// and claim events requeue the pod.
+				logger.V(2).Info("Waiting for the devices of preempted pods to be given back on the nominated node", "pod", klog.KObj(pod), "node", nominated)
+				return &fwk.PostFilterResult{NominatingInfo: &fwk.NominatingInfo{NominatedNodeName: nominated, NominatingMode: fwk.ModeOverride}},
+					fwk.NewStatus(fwk.Success, "waiting on node "+nominated+" for the devices of preempted pods to be given back")
+			}
+			return nil, fwk.NewStatus(fwk.Unschedulable)
+		}
+	}
+	if s.preemptible.Load() {
+		// Preemption's trials count the devices of pods that are gone
+		// as free (see trialData), so on a node where those let the pod
+		// fit a trial gives every victim back, and DefaultPreemption
+		// leaves the node out and evicts pods elsewhere. The pod waits
+		// for those devices instead; the claim events of their release
+		// requeue it, and where it still does not fit then, it preempts.
+		freeing := pl.freeing(ctx, s, s.leaving(pl).gone)
+		for _, node := range sets.List(s.allocator.NodesOf(freeing)) {
+			if !ruledOut(statuses, node) && pl.fitsOnceGone(ctx, s, freeing, node) {
+				logger.V(2).Info("Not preempting: the pod fits once the devices of pods that are gone are given back", "pod", klog.KObj(pod), "node", node)
+				return nil, fwk.NewStatus(fwk.Success, "node "+node+" fits once the devices of pods that are gone are given back: not preempting")
+			}
+		}
 	}
 	return nil, fwk.NewStatus(fwk.Unschedulable)
 }
@@ -130,9 +155,10 @@ func (pl *TopologyDRA) inNominationRecord(pod *v1.Pod, node string) bool {
 	return false
 }
 
-// freeing returns the devices that are being given back: those of claims
-// whose pods no longer exist or terminate because the scheduler preempted
-// them (not the pod's own claims), and those of claims given back since
+// freeing returns the devices that are being given back: those of the
+// claims of leaving (a leavingSets map: claims whose pods no longer exist,
+// or also those whose pods terminate because the scheduler preempted
+// them), not the pod's own claims, and those of claims given back since
 // the cycle's allocator was built. The claim controller releases a
 // preemption's victims' claims one by one, and the pod may be retried in
 // between: counted as in use by the cycle, they are neither allocated now
@@ -140,9 +166,9 @@ func (pl *TopologyDRA) inNominationRecord(pod *v1.Pod, node string) bool {
 // DefaultPreemption counts it (it does not preempt again while one is on
 // the nominated node), but as the pod lister has it: the cycle's snapshot,
 // which DefaultPreemption reads, may not show the victim terminating yet.
-func (pl *TopologyDRA) freeing(ctx context.Context, s *stateData) sets.Set[structured.DeviceID] {
+func (pl *TopologyDRA) freeing(ctx context.Context, s *stateData, leaving map[types.UID]sets.Set[structured.DeviceID]) sets.Set[structured.DeviceID] {
 	freeing := sets.New[structured.DeviceID]()
-	addAllBut(freeing, s.leaving(pl).preempted, s.claimUIDs())
+	addAllBut(freeing, leaving, s.claimUIDs())
 	if now, err := pl.gatherAllocatedState(ctx); err == nil {
 		for id := range s.allocator.ReleasedSince(now.AllocatedDevices) {
 			freeing.Insert(id)

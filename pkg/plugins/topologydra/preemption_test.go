@@ -309,6 +309,42 @@ func TestPostFilterWaitsForVictimsDevices(t *testing.T) {
 	}
 }
 
+// TestPostFilterWaitsForGoneDevicesUnnominated: a pod nominated nowhere
+// fits on node-a once the claim of a pod that no longer exists gives its
+// GPU back. Preemption's trials count that GPU as free, so node-a would
+// need no victim and DefaultPreemption would evict the lower-priority pod
+// on node-b; PostFilter ends it and the pod waits, without a nomination.
+// Where the GPU given back is not enough, or the pod may not preempt
+// anyway, PostFilter leaves the pod to DefaultPreemption.
+func TestPostFilterWaitsForGoneDevicesUnnominated(t *testing.T) {
+	gone := testPod("gone")
+	h := newHarness(t, []*v1.Node{testNode("node-a"), testNode("node-b")}, testDeviceClass(), testSlice("node-a", 2), testSlice("node-b", 2),
+		reservedFor(allocatedOn(testClaim("gone-claim", 1), "node-a", "gpu-0"), gone),
+		testClaim("want", 1), testClaim("want-two", 2))
+	for node, devices := range map[string][]string{"node-a": {"gpu-1"}, "node-b": {"gpu-0", "gpu-1"}} {
+		low := testPod("low-"+node, "low-"+node+"-claim")
+		low.Spec.NodeName = node
+		low = h.createSeen(low)
+		h.create(reservedFor(allocatedOn(testClaim("low-"+node+"-claim", int64(len(devices))), node, devices...), low))
+		h.waitForClaim("low-"+node+"-claim", func(*resourceapi.ResourceClaim) bool { return true })
+		h.nodes[node].AddPodInfo(podInfo(t, low))
+	}
+	h.waitForClaim("gone-claim", func(*resourceapi.ResourceClaim) bool { return true })
+	for _, tc := range []struct {
+		claim    string
+		priority int32
+		wait     bool
+	}{{"want", 100, true}, {"want-two", 100, false}, {"want", 0, false}} {
+		pod := testPod("p", tc.claim)
+		pod.Spec.Priority = ptr.To(tc.priority)
+		cs, _ := h.cycle(pod, "node-a", "node-b")
+		res, st := h.pl.PostFilter(h.tCtx, cs, pod, nil)
+		if st.IsSuccess() != tc.wait || res != nil && res.NominatingInfo != nil {
+			t.Errorf("%s, priority %d: PostFilter %+v %v, want success %v without a nomination", tc.claim, tc.priority, res, st, tc.wait)
+		}
+	}
+}
+
 // TestTrialKeepsSharedClaim: the pod shares an allocated claim with a
 // victim. A trial that removes the victim does not free that claim (the
 // pod keeps using it, so its other claims cannot have its GPUs); a trial

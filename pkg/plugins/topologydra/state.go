@@ -4,6 +4,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/util/sets"
@@ -77,6 +78,10 @@ type stateData struct {
 	// rejected counts the nodes Filter turned the pod down on, by why;
 	// PostFilter counts the attempt by the most common.
 	rejected nodeRejections
+	// preemptible is set where Filter turned the pod down on a node where
+	// preemption may free devices for it (Filter's unschedulable, not
+	// unresolvable).
+	preemptible atomic.Bool
 	// poolsOnce limits the log of the resource pools a node's allocation
 	// left out to one line per cycle at V(2) (the others at V(5)).
 	poolsOnce sync.Once
