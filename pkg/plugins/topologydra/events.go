@@ -83,7 +83,7 @@ func (pl *TopologyDRA) isSchedulableAfterAssignedPodDelete(logger klog.Logger, p
 		logger.V(5).Info("Pod nominated to a node deleted or nominated elsewhere: the devices kept for it there are free for others", "pod", klog.KObj(pod), "nominated", klog.KObj(gone), "node", gone.Status.NominatedNodeName)
 		return fwk.Queue, nil
 	}
-	if node := gone.Spec.NodeName; node != "" && mayHoldDevices(gone) && (pod.Status.NominatedNodeName == node || pl.nominatedByRecord(pod, node)) {
+	if nominated := pod.Status.NominatedNodeName; nominated != "" && gone.Spec.NodeName == nominated && mayHoldDevices(gone) {
 		logger.V(5).Info("Pod on the node the pod is nominated to deleted: requeued", "pod", klog.KObj(pod), "deleted", klog.KObj(gone))
 		return fwk.Queue, nil
 	}

@@ -455,43 +455,6 @@ func TestPreemptorRequeued(t *testing.T) {
 	}
 }
 
-// TestPreemptorInRecordRequeued: a pod nominated to a node in the
-// scheduler's record only, until its status says so (within
-// nominationWindow of a preemption trial in which a pod fit), is requeued
-// as TestPreemptorRequeued's pod nominated there.
-func TestPreemptorInRecordRequeued(t *testing.T) {
-	h := newHarness(t, []*v1.Node{testNode("a"), testNode("b")}, testDeviceClass(), testSlice("a", 4), testSlice("b", 4),
-		testClaim("big", 4),
-		allocatedOn(testClaim("x", 2), "a", "gpu-0", "gpu-1"),
-		allocatedOn(testClaim("y", 1), "a", "gpu-2"))
-	for _, name := range []string{"big", "x", "y"} {
-		h.waitForClaim(name, func(*resourceapi.ResourceClaim) bool { return true })
-	}
-	y := h.apiClaim("y")
-	victim := testPod("victim", "x")
-	victim.Spec.NodeName = "a"
-	pod := testPod("big", "big")
-	h.nominator.AddNominatedPod(klog.Background(), podInfo(t, pod), &fwk.NominatingInfo{NominatedNodeName: "a", NominatingMode: fwk.ModeOverride})
-	for i, trial := range []bool{false, true} {
-		// An event of its own each time: the hint keeps what it counted
-		// for the last event.
-		deallocated := y.DeepCopy()
-		deallocated.Status.Allocation = nil
-		deallocated.ResourceVersion += fmt.Sprintf("-next-%d", i)
-		want := fwk.QueueSkip
-		if trial {
-			h.pl.lastTrialFit.Store(time.Now().UnixNano())
-			want = fwk.Queue
-		}
-		if got, err := h.pl.isSchedulableAfterClaimChange(klog.Background(), pod, y, deallocated); err != nil || got != want {
-			t.Errorf("claim hint, nominated to a in the record, preemption trial %v: %v %v, want %v", trial, got, err, want)
-		}
-		if got, err := h.pl.isSchedulableAfterAssignedPodDelete(klog.Background(), pod, victim, nil); err != nil || got != want {
-			t.Errorf("pod delete hint, nominated to a in the record, preemption trial %v: %v %v, want %v", trial, got, err, want)
-		}
-	}
-}
-
 // TestNominationReleasedRequeues: a pending pod that was nominated to a
 // node and is deleted or nominated elsewhere (the scheduler sends its old
 // object as an assigned pod's deletion) requeues the pods that Filter kept

@@ -310,13 +310,17 @@ func (pl *TopologyDRA) freedEnough(logger klog.Logger, pod *v1.Pod, claim *resou
 	if !ok {
 		return true
 	}
-	// A preemptor waits for its victims' devices on the node it is
-	// nominated to (its status, or the scheduler's record until the
-	// status says so): their release is what it waits for, whatever the
-	// counts below say (its trial judged the node).
-	for _, site := range fs.sites {
-		if site.node != "" && (site.node == pod.Status.NominatedNodeName || pl.nominatedByRecord(pod, site.node)) {
-			return true
+	if nominated := pod.Status.NominatedNodeName; nominated != "" {
+		// A preemptor waits for its victims' devices on the node it is
+		// nominated to: their release is what it waits for, whatever
+		// the counts below say (its trial judged the node). Only its
+		// status says so here: hints run under the scheduling queue's
+		// lock, which reading the scheduler's record of nominations
+		// (NominatedPodsForNode) takes too.
+		for _, site := range fs.sites {
+			if site.node == nominated {
+				return true
+			}
 		}
 	}
 	// A pod whose headroom Filter counted over only the devices its
