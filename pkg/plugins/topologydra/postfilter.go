@@ -145,7 +145,8 @@ func (pl *TopologyDRA) nominatedByRecord(pod *v1.Pod, node string) bool {
 }
 
 // inNominationRecord reports whether the scheduler's own record of
-// nominations has the pod nominated to node.
+// nominations has the pod nominated to node. Never from a queueing hint:
+// hints run under the scheduling queue's lock, which the record takes.
 func (pl *TopologyDRA) inNominationRecord(pod *v1.Pod, node string) bool {
 	for _, pi := range pl.handle.NominatedPodsForNode(node) {
 		if pi.GetPod().UID == pod.UID {
