@@ -6,9 +6,11 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/dynamic-resource-allocation/cel"
+	"k8s.io/utils/ptr"
 )
 
 // celCacheSize is how many compiled selectors a [judge] keeps.
@@ -78,8 +80,10 @@ func (u unjudged) notes(prefix string) []string {
 // of an ExactCount request (or of the one subrequest chosen) are as many
 // as its count, those of an All request at least one, every device
 // matches the selectors of its request's DeviceClass and of its request,
-// and the devices of the requests of a matchAttribute constraint have the
-// attribute with one type and value. Admin access changes none of this.
+// the devices of the requests of a matchAttribute constraint have the
+// attribute with one type and value, and a result has admin access only
+// where its request asks for it (see [grantsAdminAccess]). Admin access
+// changes nothing else of this.
 //
 // classes are the DeviceClasses by name; nil where they could not be
 // read, and then class selectors are not judged. A class selector is
@@ -89,6 +93,16 @@ func (u unjudged) notes(prefix string) []string {
 // not judged (a selector that does not compile or evaluate, a missing or
 // changed class, a list-valued attribute of a constraint) come back as
 // notes, not violations.
+//
+// Devices are judged as published now, not as they were when they were
+// allocated, which nothing records: a driver may change a device's
+// attributes or capacity while it is allocated (topodra's agent changes
+// or drops gpu.topodra.io/nvlinkClique when an NVLink fails). A mismatch
+// that rests on the published attributes or capacity of a device whose
+// ResourceSlice changed after the devices were chosen (see
+// [allocationView] and [changedSince]) is still reported, and its
+// message says so and where to look; the others are reported as they
+// are.
 func allocationMismatches(j judge, claims []*resourceapi.ResourceClaim, classes map[string]*resourceapi.DeviceClass, published pools) ([]finding, []string) {
 	var out []finding
 	skipped := unjudged{}
@@ -115,16 +129,100 @@ func allocationMismatches(j judge, claims []*resourceapi.ResourceClaim, classes 
 		}
 		out = append(out, finding{identity: name + "|" + string(c.UID) + "|" + allocatedDevices(c), Violation: Violation{
 			Kind: AllocationMismatch, Claims: []string{name},
-			Message: fmt.Sprintf("claim %s is allocated %s, which its spec does not allow (its devices as published now): %s", name, allocatedDevices(c), strings.Join(problems, "; ")),
+			Message: mismatchMessage(c, problems, published),
 		}})
 	}
 	return out, skipped.notes(string(AllocationMismatch) + " not judged in part")
 }
 
+// mismatch is one way in which an allocation breaks its claim's spec.
+type mismatch struct {
+	text string
+	// devices are the allocated devices on whose published attributes
+	// or capacity the mismatch rests; none where it rests on the
+	// allocation and the spec alone.
+	devices []Device
+}
+
+// mismatchMessage words the AllocationMismatch of claim c with problems.
+// Each problem that rests on a device whose ResourceSlice changed since
+// the devices were chosen (see [allocationView] and [changedSince]) names
+// the slice; where some do, the message ends by saying what that means
+// and where to look, and where not all do, that the others cannot be
+// explained so.
+func mismatchMessage(c *resourceapi.ResourceClaim, problems []mismatch, published pools) string {
+	name := c.Namespace + "/" + c.Name
+	since, allocated := allocationView(c)
+	texts := make([]string, len(problems))
+	changed := 0
+	for i, p := range problems {
+		texts[i] = p.text
+		var changes []string
+		for _, d := range p.devices {
+			if src, ok := published.sources[d]; ok && changedSince(src.changed, since) {
+				changes = append(changes, fmt.Sprintf("%s changed at %s", src.name, src.changed.UTC().Format(time.RFC3339)))
+			}
+		}
+		if len(changes) > 0 {
+			changed++
+			texts[i] += fmt.Sprintf(" (ResourceSlice %s)", strings.Join(slices.Compact(changes), ", "))
+		}
+	}
+	message := fmt.Sprintf("claim %s is allocated %s, which its spec does not allow (its devices as published now): %s", name, allocatedDevices(c), strings.Join(texts, "; "))
+	if changed == 0 {
+		return message
+	}
+	const hint = "for GPUs of gpu.topodra.io: an NVLink that failed, which changes or drops nvlinkClique, or a driver upgrade; the node's events and its agent's log, \"Devices changed\""
+	if changed == len(problems) {
+		return message + fmt.Sprintf("; every one of these rests on a device whose ResourceSlice changed after the devices were chosen (%s), so the devices may have been as the spec asks then: look first for a change to them (%s), and report the allocation only where none explains it", allocated, hint)
+	}
+	return message + fmt.Sprintf("; %d of these %d (those that name a ResourceSlice) rest on devices whose ResourceSlice changed after the devices were chosen (%s) and may come of a change to them (%s); the others cannot", changed, len(problems), allocated, hint)
+}
+
+// allocationView is the earliest time at which the devices of c's
+// allocation may have been chosen, and how that is known (in words): a
+// scheduler chooses them from a view that may be up to AllocationLag
+// older than the allocationTimestamp it writes, and never before the
+// claim was created. Where the allocation records no allocationTimestamp,
+// the claim's creation. Zero where c records neither.
+func allocationView(c *resourceapi.ResourceClaim) (time.Time, string) {
+	created := c.CreationTimestamp.Time
+	if ts := c.Status.Allocation.AllocationTimestamp; ts != nil {
+		return latest(ts.Add(-AllocationLag), created), fmt.Sprintf("at most %s before the allocation's timestamp %s", AllocationLag, ts.UTC().Format(time.RFC3339))
+	}
+	return created, fmt.Sprintf("the allocation records no time; the claim was created at %s", created.UTC().Format(time.RFC3339))
+}
+
+// changedSince tells whether a ResourceSlice last changed at changed (see
+// specChanged) may have changed after a view of the devices taken no
+// earlier than since (see allocationView): where either time is
+// unknown (zero), it cannot be told, and the slice counts as unchanged.
+func changedSince(changed, since time.Time) bool {
+	return !changed.IsZero() && !since.IsZero() && !changed.Before(since)
+}
+
+// grantsAdminAccess tells whether result r of claim c has admin access
+// that its request asks for, as the upstream allocator writes it: the
+// result says so and names a request of c's spec whose adminAccess is
+// set (a subrequest of a firstAvailable request cannot ask for it). Only
+// such a result leaves its device to other claims; a result that says so
+// without its request asking is an exclusive use of its device.
+func grantsAdminAccess(c *resourceapi.ResourceClaim, r resourceapi.DeviceRequestAllocationResult) bool {
+	if !ptr.Deref(r.AdminAccess, false) {
+		return false
+	}
+	for _, req := range c.Spec.Devices.Requests {
+		if req.Name == r.Request {
+			return req.Exactly != nil && ptr.Deref(req.Exactly.AdminAccess, false)
+		}
+	}
+	return false
+}
+
 // claimMismatches returns what in the allocation of c breaks its spec;
 // devs are the published devices of its results, in order. skip is told
 // why a part was not judged.
-func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.Device, classes map[string]*resourceapi.DeviceClass, skip func(reason string)) []string {
+func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.Device, classes map[string]*resourceapi.DeviceClass, skip func(reason string)) []mismatch {
 	results := c.Status.Allocation.Devices.Results
 	specs := map[string]requestSpec{}
 	for _, r := range c.Spec.Devices.Requests {
@@ -137,20 +235,32 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 				capacity: sub.Capacity, derived: derivedNames(sub.DerivedAttributes)}
 		}
 	}
-	var problems []string
+	var problems []mismatch
+	// structural adds a problem that rests on the allocation and the
+	// spec alone.
+	structural := func(texts ...string) {
+		for _, t := range texts {
+			problems = append(problems, mismatch{text: t})
+		}
+	}
 	byRequest := map[string]int{}
 	for i, r := range results {
 		if _, ok := specs[r.Request]; !ok {
-			problems = append(problems, fmt.Sprintf("device %s is allocated for request %q, which the spec does not have", deviceOf(r), r.Request))
+			structural(fmt.Sprintf("device %s is allocated for request %q, which the spec does not have", deviceOf(r), r.Request))
 			continue
 		}
+		if ptr.Deref(r.AdminAccess, false) && !grantsAdminAccess(c, r) {
+			structural(fmt.Sprintf("device %s is allocated with admin access for request %q, which does not ask for admin access (the allocation counts as an exclusive use of the device)", deviceOf(r), r.Request))
+		}
 		byRequest[r.Request]++
-		problems = append(problems, selectorMismatches(j, c, r, devs[i], specs[r.Request], classes, skip)...)
+		for _, t := range selectorMismatches(j, c, r, devs[i], specs[r.Request], classes, skip) {
+			problems = append(problems, mismatch{text: t, devices: []Device{resultDevice(r)}})
+		}
 		problems = append(problems, capacityMismatches(r, devs[i], specs[r.Request].capacity)...)
 	}
 	for _, r := range c.Spec.Devices.Requests {
 		if r.Exactly != nil {
-			problems = append(problems, countMismatch(r.Name, specs[r.Name], byRequest[r.Name])...)
+			structural(countMismatch(r.Name, specs[r.Name], byRequest[r.Name])...)
 			continue
 		}
 		var chosen []string
@@ -161,11 +271,11 @@ func claimMismatches(j judge, c *resourceapi.ResourceClaim, devs []*resourceapi.
 		}
 		switch len(chosen) {
 		case 0:
-			problems = append(problems, fmt.Sprintf("request %q has no device", r.Name))
+			structural(fmt.Sprintf("request %q has no device", r.Name))
 		case 1:
-			problems = append(problems, countMismatch(chosen[0], specs[chosen[0]], byRequest[chosen[0]])...)
+			structural(countMismatch(chosen[0], specs[chosen[0]], byRequest[chosen[0]])...)
 		default:
-			problems = append(problems, fmt.Sprintf("request %q has devices of %d of its subrequests (%s), want those of one", r.Name, len(chosen), strings.Join(chosen, ", ")))
+			structural(fmt.Sprintf("request %q has devices of %d of its subrequests (%s), want those of one", r.Name, len(chosen), strings.Join(chosen, ", ")))
 		}
 	}
 	for i, constraint := range c.Spec.Devices.Constraints {
@@ -222,20 +332,21 @@ func derivedIn(constraint resourceapi.DeviceConstraint, specs map[string]request
 // consumed than asked. Like the upstream allocator it takes a request's
 // amount as the least that is consumed (a request policy may round it
 // up, never down).
-func capacityMismatches(r resourceapi.DeviceRequestAllocationResult, d *resourceapi.Device, asked *resourceapi.CapacityRequirements) []string {
+func capacityMismatches(r resourceapi.DeviceRequestAllocationResult, d *resourceapi.Device, asked *resourceapi.CapacityRequirements) []mismatch {
 	if asked == nil {
 		return nil
 	}
-	var problems []string
+	var problems []mismatch
+	onDevice := []Device{resultDevice(r)}
 	for _, name := range slices.Sorted(maps.Keys(asked.Requests)) {
 		want := asked.Requests[name]
 		has, ok := d.Capacity[name]
 		switch {
 		case !ok:
-			problems = append(problems, fmt.Sprintf("device %s has no capacity %s, which request %q asks for", deviceOf(r), name, r.Request))
+			problems = append(problems, mismatch{text: fmt.Sprintf("device %s has no capacity %s, which request %q asks for", deviceOf(r), name, r.Request), devices: onDevice})
 			continue
 		case has.Value.Cmp(want) < 0:
-			problems = append(problems, fmt.Sprintf("device %s has %s of capacity %s, request %q asks for %s", deviceOf(r), has.Value.String(), name, r.Request, want.String()))
+			problems = append(problems, mismatch{text: fmt.Sprintf("device %s has %s of capacity %s, request %q asks for %s", deviceOf(r), has.Value.String(), name, r.Request, want.String()), devices: onDevice})
 			continue
 		}
 		if r.ShareID == nil {
@@ -246,7 +357,8 @@ func capacityMismatches(r resourceapi.DeviceRequestAllocationResult, d *resource
 			if ok {
 				recorded = consumed.String()
 			}
-			problems = append(problems, fmt.Sprintf("the share %s of device %s records %s of capacity %s consumed, request %q asks for %s", *r.ShareID, deviceOf(r), recorded, name, r.Request, want.String()))
+			// What a share records rests on the allocation alone.
+			problems = append(problems, mismatch{text: fmt.Sprintf("the share %s of device %s records %s of capacity %s consumed, request %q asks for %s", *r.ShareID, deviceOf(r), recorded, name, r.Request, want.String())})
 		}
 	}
 	return problems
@@ -313,11 +425,11 @@ func unmatched(j judge, r resourceapi.DeviceRequestAllocationResult, d *resource
 // matchAttributeMismatch says whether the devices of the requests of
 // constraint (the i-th of the claim) lack its attribute or differ in its
 // type or value, judged as the upstream allocator judges it.
-func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []string {
+func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []mismatch {
 	attribute := *constraint.MatchAttribute
 	applies := constraintApplies(constraint)
 	var first *resourceapi.DeviceAttribute
-	var firstDevice string
+	var firstResult resourceapi.DeviceRequestAllocationResult
 	for k, r := range results {
 		if !applies(r.Request) {
 			continue
@@ -325,14 +437,15 @@ func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, resu
 		value := lookupAttribute(devs[k], r.Driver, attribute)
 		switch {
 		case value == nil:
-			return []string{fmt.Sprintf("constraint #%d matchAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r))}
+			return []mismatch{{text: fmt.Sprintf("constraint #%d matchAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r)), devices: []Device{resultDevice(r)}}}
 		case scalar(*value) == "":
 			skip(fmt.Sprintf("constraint #%d matchAttribute %s has a list value or one of no known type, not checked", i, attribute))
 			return nil
 		case first == nil:
-			first, firstDevice = value, deviceOf(r)
+			first, firstResult = value, r
 		case scalar(*value) != scalar(*first):
-			return []string{fmt.Sprintf("constraint #%d matchAttribute %s: device %s has %s, device %s has %s", i, attribute, firstDevice, scalar(*first), deviceOf(r), scalar(*value))}
+			return []mismatch{{text: fmt.Sprintf("constraint #%d matchAttribute %s: device %s has %s, device %s has %s", i, attribute, deviceOf(firstResult), scalar(*first), deviceOf(r), scalar(*value)),
+				devices: []Device{resultDevice(firstResult), resultDevice(r)}}}
 		}
 	}
 	return nil
@@ -342,17 +455,17 @@ func matchAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, resu
 // constraint (the i-th of the claim) lack its attribute or two of them
 // have the same type and value, judged as the upstream allocator judges
 // it.
-func distinctAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []string {
+func distinctAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, results []resourceapi.DeviceRequestAllocationResult, devs []*resourceapi.Device, skip func(string)) []mismatch {
 	attribute := *constraint.DistinctAttribute
 	applies := constraintApplies(constraint)
-	holder := map[string]string{}
+	holder := map[string]resourceapi.DeviceRequestAllocationResult{}
 	for k, r := range results {
 		if !applies(r.Request) {
 			continue
 		}
 		value := lookupAttribute(devs[k], r.Driver, attribute)
 		if value == nil {
-			return []string{fmt.Sprintf("constraint #%d distinctAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r))}
+			return []mismatch{{text: fmt.Sprintf("constraint #%d distinctAttribute %s: device %s does not have the attribute", i, attribute, deviceOf(r)), devices: []Device{resultDevice(r)}}}
 		}
 		v := scalar(*value)
 		if v == "" {
@@ -360,9 +473,10 @@ func distinctAttributeMismatch(i int, constraint resourceapi.DeviceConstraint, r
 			return nil
 		}
 		if other, ok := holder[v]; ok {
-			return []string{fmt.Sprintf("constraint #%d distinctAttribute %s: devices %s and %s both have %s", i, attribute, other, deviceOf(r), v)}
+			return []mismatch{{text: fmt.Sprintf("constraint #%d distinctAttribute %s: devices %s and %s both have %s", i, attribute, deviceOf(other), deviceOf(r), v),
+				devices: []Device{resultDevice(other), resultDevice(r)}}}
 		}
-		holder[v] = deviceOf(r)
+		holder[v] = r
 	}
 	return nil
 }
@@ -416,6 +530,10 @@ func lookupAttribute(d *resourceapi.Device, driver string, name resourceapi.Full
 	return nil
 }
 
+func resultDevice(r resourceapi.DeviceRequestAllocationResult) Device {
+	return Device{r.Driver, r.Pool, r.Device}
+}
+
 func deviceOf(r resourceapi.DeviceRequestAllocationResult) string {
-	return Device{r.Driver, r.Pool, r.Device}.String()
+	return resultDevice(r).String()
 }

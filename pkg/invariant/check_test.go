@@ -851,13 +851,12 @@ func TestCommandJSONPending(t *testing.T) {
 // on stderr, say so; the rest of an allocation is still judged. Any other
 // error of the class list fails the read.
 func TestCheckWithoutClassList(t *testing.T) {
-	slices := []*resourceapi.ResourceSlice{slice("node-a", 1, gpu("gpu-0", "gpu", "a"), gpu("cpu-0", "cpu", "a"))}
+	slices := []*resourceapi.ResourceSlice{slice("node-a", 1, gpu("gpu-0", "gpu", "a"), gpu("gpu-1", "gpu", "a"), gpu("cpu-0", "cpu", "a"))}
 	// cpu-0 is not of the class; claim b has one device too many.
 	notOfClass := claim("a", "node-a", "", "cpu-0")
 	notOfClass.Spec.Devices.Requests[0].Exactly.DeviceClassName = "typed"
-	overCount := claim("b", "node-a", "", "gpu-0", "gpu-0")
+	overCount := claim("b", "node-a", "", "gpu-0", "gpu-1")
 	overCount.Spec.Devices.Requests[0].Exactly.Count = 1
-	overCount.Status.Allocation.Devices.Results[1].AdminAccess = ptr.To(true)
 	classes := []*resourceapi.DeviceClass{deviceClass("typed", `device.attributes["`+driver+`"].type == "gpu"`)}
 	state := State{Slices: slices, Claims: []*resourceapi.ResourceClaim{notOfClass, overCount}, DeviceClasses: classes}
 

@@ -10,9 +10,11 @@
 // no claim stays reserved only for pods that will not run, and no claim is
 // allocated devices that its spec does not allow, and no device is
 // allocated although it had a NoSchedule or NoExecute taint that the
-// allocation does not tolerate. Allocations with admin
-// access count for none of the device kinds, as for the upstream
-// allocator; they are judged against their claim's spec like any other.
+// allocation does not tolerate. Allocations with admin access that their
+// request asks for count for none of the device kinds, as for the
+// upstream allocator; they are judged against their claim's spec like any
+// other, and an allocation with admin access that its request does not
+// ask for counts as an exclusive use.
 //
 // [Find] judges a set of objects; [Check] lists them from a cluster. Both
 // are safe for concurrent use.
@@ -46,7 +48,9 @@ const (
 	// allocations, or although one of its allocations has no share ID.
 	// An allocation without a share ID holds the whole device, even on a
 	// device that allows multiple allocations, as for the upstream
-	// allocator. Allocations with admin access do not count.
+	// allocator. Allocations with admin access do not count where their
+	// request asks for it (see AllocationMismatch for those whose request
+	// does not).
 	DoubleAllocation Kind = "DoubleAllocation"
 	// CounterExceeded: the devices allocated from a pool (each once,
 	// however many claims share it) consume more of a counter of one of
@@ -136,10 +140,14 @@ const (
 	// selector of its request or of the request's DeviceClass, or
 	// devices of a matchAttribute constraint that lack the attribute or
 	// differ in its type or value, or of a distinctAttribute constraint
-	// that lack it or share a type and value. Judged on the devices as the newest
-	// generations of their pools publish them, for claims whose devices
-	// are all published; see allocationMismatches for what is not
-	// judged.
+	// that lack it or share a type and value, or a result with admin
+	// access whose request does not ask for it (which counts as an
+	// exclusive use of its device for the device kinds). Judged on the
+	// devices as the newest generations of their pools publish them, for
+	// claims whose devices are all published; see allocationMismatches
+	// for what is not judged. A driver may change a device's attributes
+	// or capacity after it was allocated: the message says where a
+	// mismatch rests on a device whose ResourceSlice changed since.
 	AllocationMismatch Kind = "AllocationMismatch"
 	// UntoleratedDeviceTaint: a claim is allocated a device that had,
 	// more than AllocationLag before the allocation's
@@ -368,12 +376,25 @@ type pools struct {
 	// reach holds, for every published device, the nodes it can be
 	// used on: its slice's, or its own where its slice selects nodes per
 	// device.
-	reach    map[Device]deviceReach
+	reach map[Device]deviceReach
+	// sources holds, for every published device, the ResourceSlice that
+	// publishes it.
+	sources  map[Device]sliceSource
 	counters map[counterKey]resource.Quantity
 	// complete tells, for every pool that a slice publishes, whether as
 	// many slices of its newest generation exist as the resourceSliceCount
 	// of the first of them (the upstream allocator's test).
 	complete map[poolID]bool
+}
+
+// sliceSource is the ResourceSlice that publishes a device: its name,
+// and when it was last changed as far as its metadata tells (see
+// specChanged: its creation, for a slice created anew, or its latest
+// managed-fields entry, which the API server stamps whenever a writer
+// changes a field it owns); zero where the slice records no time.
+type sliceSource struct {
+	name    string
+	changed time.Time
 }
 
 // deviceReach is the node selection of a published device: one node, the
@@ -421,7 +442,7 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 			newest[id] = s.Spec.Pool.Generation
 		}
 	}
-	out := pools{devices: map[Device]*resourceapi.Device{}, reach: map[Device]deviceReach{}, counters: map[counterKey]resource.Quantity{}, complete: map[poolID]bool{}}
+	out := pools{devices: map[Device]*resourceapi.Device{}, reach: map[Device]deviceReach{}, sources: map[Device]sliceSource{}, counters: map[counterKey]resource.Quantity{}, complete: map[poolID]bool{}}
 	sliceCount := map[poolID]int64{}
 	seen := map[poolID]int64{}
 	for _, s := range resourceSlices {
@@ -434,10 +455,12 @@ func publishedPools(resourceSlices []*resourceapi.ResourceSlice) pools {
 		}
 		seen[id]++
 		perDevice := ptr.Deref(s.Spec.PerDeviceNodeSelection, false)
+		source := sliceSource{name: s.Name, changed: specChanged(s.ObjectMeta)}
 		for i := range s.Spec.Devices {
 			d := &s.Spec.Devices[i]
 			id := Device{s.Spec.Driver, s.Spec.Pool.Name, d.Name}
 			out.devices[id] = d
+			out.sources[id] = source
 			if perDevice {
 				out.reach[id] = deviceReach{node: ptr.Deref(d.NodeName, ""), selector: d.NodeSelector, all: ptr.Deref(d.AllNodes, false)}
 			} else {
@@ -474,7 +497,7 @@ func deviceViolations(claims []*resourceapi.ResourceClaim, published pools) []fi
 			continue
 		}
 		for _, r := range c.Status.Allocation.Devices.Results {
-			if r.AdminAccess != nil && *r.AdminAccess {
+			if grantsAdminAccess(c, r) {
 				continue
 			}
 			d := Device{r.Driver, r.Pool, r.Device}

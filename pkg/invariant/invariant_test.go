@@ -72,7 +72,15 @@ func onNode(c *resourceapi.ResourceClaim, node string) *resourceapi.ResourceClai
 	return c
 }
 
+// adminAccess has every request of c's spec ask for admin access and
+// gives every result of its allocation admin access, as the upstream
+// allocator writes it.
 func adminAccess(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+	for i := range c.Spec.Devices.Requests {
+		if e := c.Spec.Devices.Requests[i].Exactly; e != nil {
+			e.AdminAccess = ptr.To(true)
+		}
+	}
 	for i := range c.Status.Allocation.Devices.Results {
 		c.Status.Allocation.Devices.Results[i].AdminAccess = ptr.To(true)
 	}
@@ -1003,6 +1011,218 @@ func TestAllocationMismatch(t *testing.T) {
 				if len(got) != 1 || !strings.Contains(got[0].Message, w) {
 					t.Errorf("message does not contain %q", w)
 				}
+			}
+		})
+	}
+}
+
+// TestAdminAccessItsRequestAsksFor: a result with admin access leaves its
+// device to other claims only where its request asks for admin access; one
+// whose request does not (a plain request, or a subrequest of a
+// firstAvailable request, which cannot ask) is an AllocationMismatch and
+// an exclusive use of the device for the device kinds.
+func TestAdminAccessItsRequestAsksFor(t *testing.T) {
+	nodeA := slice("node-a", 1, devices("gpu-0", "gpu-1")...)
+	pool := partitioned("node-p", 1)
+	gpu0 := &Device{driver, "node-a", "gpu-0"}
+	// unasked is claim name with its results marked admin access, which
+	// its plain request does not ask for.
+	unasked := func(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+		for i := range c.Status.Allocation.Devices.Results {
+			c.Status.Allocation.Devices.Results[i].AdminAccess = ptr.To(true)
+		}
+		return c
+	}
+	// subrequest is claim name allocated gpu-0 of node-a with admin
+	// access for a subrequest of a firstAvailable request.
+	subrequest := func(name string) *resourceapi.ResourceClaim {
+		c := claim(name, "node-a", "", "gpu-0")
+		c.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "req", FirstAvailable: []resourceapi.DeviceSubRequest{
+			{Name: "one", DeviceClassName: "gpu", AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1},
+		}}}
+		c.Status.Allocation.Devices.Results[0].Request = "req/one"
+		return unasked(c)
+	}
+	tests := map[string]struct {
+		state State
+		want  []Violation
+		// wantIn are words of the message of the AllocationMismatch.
+		wantIn []string
+	}{
+		"admin access its request asks for, beside a running pod": {
+			state: State{Slices: []*resourceapi.ResourceSlice{nodeA}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-a", "uid-a", "gpu-0"), adminAccess(claim("b", "node-a", "uid-b", "gpu-0")),
+			}, Pods: []*v1.Pod{pod("pa", "uid-a", "node-a", "a"), pod("pb", "uid-b", "node-a", "b")}},
+		},
+		"admin access its request does not ask for, beside a running pod": {
+			state: State{Slices: []*resourceapi.ResourceSlice{nodeA}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-a", "uid-a", "gpu-0"), unasked(claim("b", "node-a", "uid-b", "gpu-0")),
+			}, Pods: []*v1.Pod{pod("pa", "uid-a", "node-a", "a"), pod("pb", "uid-b", "node-a", "b")}},
+			want: []Violation{
+				{Kind: AllocationMismatch, Claims: []string{"ns/b"}},
+				{Kind: DoubleAllocation, Device: gpu0, Claims: []string{"ns/a", "ns/b"}},
+			},
+			wantIn: []string{"device " + driver + `/node-a/gpu-0 is allocated with admin access for request "req", which does not ask for admin access`, "exclusive use"},
+		},
+		"admin access its request does not ask for, alone": {
+			state: State{Slices: []*resourceapi.ResourceSlice{nodeA}, Claims: []*resourceapi.ResourceClaim{unasked(claim("b", "node-a", "", "gpu-0"))}},
+			want:  []Violation{{Kind: AllocationMismatch, Claims: []string{"ns/b"}}},
+		},
+		"admin access for a subrequest": {
+			state: State{Slices: []*resourceapi.ResourceSlice{nodeA}, Claims: []*resourceapi.ResourceClaim{claim("a", "node-a", "", "gpu-0"), subrequest("b")}},
+			want: []Violation{
+				{Kind: AllocationMismatch, Claims: []string{"ns/b"}},
+				{Kind: DoubleAllocation, Device: gpu0, Claims: []string{"ns/a", "ns/b"}},
+			},
+			wantIn: []string{`request "req/one", which does not ask for admin access`},
+		},
+		"admin access its request does not ask for consumes counters": {
+			state: State{Slices: []*resourceapi.ResourceSlice{pool}, Claims: []*resourceapi.ResourceClaim{
+				claim("a", "node-p", "", "gpu-0-1g-0"), unasked(claim("admin", "node-p", "", "gpu-0")),
+			}},
+			want: []Violation{
+				{Kind: AllocationMismatch, Claims: []string{"ns/admin"}},
+				{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/memory", Claims: []string{"ns/a", "ns/admin"}},
+				{Kind: CounterExceeded, Counter: driver + "/node-p/gpu-0/slices", Claims: []string{"ns/a", "ns/admin"}},
+			},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			tc.state.DeviceClasses = []*resourceapi.DeviceClass{gpuClass()}
+			got := Find(tc.state)
+			expectViolations(t, got, tc.want)
+			for _, w := range tc.wantIn {
+				if len(got) == 0 || got[0].Kind != AllocationMismatch || !strings.Contains(got[0].Message, w) {
+					t.Errorf("AllocationMismatch message does not contain %q", w)
+				}
+			}
+		})
+	}
+}
+
+// TestAllocationMismatchAfterSliceChange: devices are judged as published
+// now. A mismatch that rests on the attributes or capacity of a device
+// whose ResourceSlice changed after the devices were chosen (no earlier
+// than AllocationLag before the allocation's timestamp, or than the
+// claim's creation where the allocation records no time) is still an
+// AllocationMismatch, whose message names the change and where to look; a
+// mismatch on a slice that did not change since, or one that rests on the
+// allocation and the spec alone, is worded as always.
+func TestAllocationMismatchAfterSliceChange(t *testing.T) {
+	// nodeC publishes gpu-1 in another clique than gpu-0 (an NVLink
+	// failed), gpu-2 in none (its clique split up), gpu-3 with less
+	// memory than its request asks; it was created at created and
+	// changed at changed (no change where zero).
+	nodeC := func(created, changed time.Time) *resourceapi.ResourceSlice {
+		s := slice("node-c", 2, gpu("gpu-0", "gpu", "a"), gpu("gpu-1", "gpu", "b"), gpu("gpu-2", "gpu", nil), withCapacity(gpu("gpu-3", "gpu", "a"), "memory", "20Gi"))
+		s.CreationTimestamp = metav1.NewTime(created)
+		if !changed.IsZero() {
+			s.ManagedFields = []metav1.ManagedFieldsEntry{{Manager: "topodra-node-agent", Operation: metav1.ManagedFieldsOperationUpdate, Time: ptr.To(metav1.NewTime(changed))}}
+		}
+		return s
+	}
+	two := []resourceapi.DeviceRequest{exactly("gpus", "gpu", 2)}
+	cliques := []resourceapi.DeviceConstraint{sameClique()}
+	memory := exactly("mem", "gpu", 1)
+	memory.Exactly.Capacity = &resourceapi.CapacityRequirements{Requests: map[resourceapi.QualifiedName]resource.Quantity{"memory": resource.MustParse("40Gi")}}
+	// allocated is c allocated at allocatedAt, reserved for a running pod.
+	allocated := func(c *resourceapi.ResourceClaim) *resourceapi.ResourceClaim {
+		c.Status.Allocation.AllocationTimestamp = &metav1.Time{Time: allocatedAt}
+		c.Status.ReservedFor = []resourceapi.ResourceClaimConsumerReference{{Resource: "pods", Name: "p", UID: "uid-p"}}
+		return c
+	}
+	before := allocatedAt.Add(-time.Hour)
+	after := allocatedAt.Add(time.Hour)
+	// explained are words of a message whose every mismatch rests on a
+	// slice changed since.
+	explained := []string{"(ResourceSlice node-c-slice changed at " + after.Format(time.RFC3339) + ")",
+		"every one of these rests on a device whose ResourceSlice changed after the devices were chosen",
+		"nvlinkClique", "look first for a change to them"}
+	tests := map[string]struct {
+		slice *resourceapi.ResourceSlice
+		claim *resourceapi.ResourceClaim
+		// wantIn are words of the message; wantNotIn words it lacks.
+		wantIn, wantNotIn []string
+	}{
+		"matchAttribute broken by a slice changed after the allocation": {
+			slice:  nodeC(before, after),
+			claim:  allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1")),
+			wantIn: append([]string{`device ` + driver + `/node-c/gpu-0 has string "a", device ` + driver + `/node-c/gpu-1 has string "b"`}, explained...),
+		},
+		"an attribute dropped by a slice recreated after the allocation": {
+			slice:  nodeC(after, time.Time{}),
+			claim:  allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-2")),
+			wantIn: append([]string{"gpu-2 does not have the attribute"}, explained...),
+		},
+		"a selector unmatched after the slice changed": {
+			slice:  nodeC(before, after),
+			claim:  allocated(specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "gpu", 1, `device.attributes["`+driver+`"].clique == "a"`)}, nil, "gpus=gpu-1")),
+			wantIn: explained,
+		},
+		"capacity short after the slice changed": {
+			slice:  nodeC(before, after),
+			claim:  allocated(specClaim("c", []resourceapi.DeviceRequest{memory}, nil, "mem=gpu-3")),
+			wantIn: append([]string{"gpu-3 has 20Gi of capacity memory"}, explained...),
+		},
+		"a slice changed within the allocation lag before the timestamp": {
+			slice:  nodeC(before, allocatedAt.Add(-AllocationLag/2)),
+			claim:  allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1")),
+			wantIn: []string{"every one of these rests on a device whose ResourceSlice changed", "at most 30m0s before the allocation's timestamp " + allocatedAt.Format(time.RFC3339)},
+		},
+		"an allocation without a timestamp, the slice changed after the claim was created": {
+			slice: nodeC(claimCreated.Add(-time.Hour), claimCreated.Add(time.Hour)),
+			claim: func() *resourceapi.ResourceClaim {
+				c := allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1"))
+				c.Status.Allocation.AllocationTimestamp = nil
+				return c
+			}(),
+			wantIn: []string{"every one of these rests on a device whose ResourceSlice changed", "the allocation records no time; the claim was created at " + claimCreated.UTC().Format(time.RFC3339)},
+		},
+		"matchAttribute broken on a slice unchanged since the allocation": {
+			slice:     nodeC(before.Add(-time.Hour), before),
+			claim:     allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1")),
+			wantIn:    []string{`has string "a"`},
+			wantNotIn: []string{"ResourceSlice", "nvlinkClique"},
+		},
+		"a slice that records no time": {
+			slice:     nodeC(time.Time{}, time.Time{}),
+			claim:     allocated(specClaim("c", two, cliques, "gpus=gpu-0", "gpus=gpu-1")),
+			wantNotIn: []string{"ResourceSlice", "nvlinkClique"},
+		},
+		"a count mismatch beside a slice changed after the allocation": {
+			slice:     nodeC(before, after),
+			claim:     allocated(specClaim("c", two, nil, "gpus=gpu-0", "gpus=gpu-1", "gpus=gpu-2")),
+			wantIn:    []string{`request "gpus" has 3 devices, want its count 2`},
+			wantNotIn: []string{"ResourceSlice", "nvlinkClique"},
+		},
+		"a count mismatch and a changed attribute": {
+			slice:     nodeC(before, after),
+			claim:     allocated(specClaim("c", []resourceapi.DeviceRequest{exactly("gpus", "gpu", 3)}, cliques, "gpus=gpu-0", "gpus=gpu-1")),
+			wantIn:    []string{`has 2 devices, want its count 3; constraint #0`, `has string "b" (ResourceSlice node-c-slice changed at`, "1 of these 2 (those that name a ResourceSlice) rest on devices whose ResourceSlice changed after the devices were chosen", "the others cannot"},
+			wantNotIn: []string{"every one of these", "report the allocation only where"},
+		},
+	}
+	for name, tc := range tests {
+		t.Run(name, func(t *testing.T) {
+			state := State{Slices: []*resourceapi.ResourceSlice{tc.slice}, Claims: []*resourceapi.ResourceClaim{tc.claim},
+				Pods: []*v1.Pod{pod("p", "uid-p", "node-c", "c")}, DeviceClasses: []*resourceapi.DeviceClass{gpuClass()}}
+			got := Find(state)
+			expectViolations(t, got, []Violation{{Kind: AllocationMismatch, Claims: []string{"ns/c"}}})
+			for _, w := range tc.wantIn {
+				if len(got) != 1 || !strings.Contains(got[0].Message, w) {
+					t.Errorf("message does not contain %q", w)
+				}
+			}
+			for _, w := range tc.wantNotIn {
+				if len(got) == 1 && strings.Contains(got[0].Message, w) {
+					t.Errorf("message contains %q", w)
+				}
+			}
+			// It still needs a human: topodra-check fails.
+			var stdout, stderr bytes.Buffer
+			if code := check(context.Background(), newFakeCluster(fakeRead{state: state}), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr); code != ExitViolations {
+				t.Errorf("topodra-check: exit %d, want %d; stdout %q", code, ExitViolations, stdout.String())
 			}
 		})
 	}

@@ -17,7 +17,9 @@ import (
 // lag the API server, and stamps the allocation later, in PreBind, after
 // the Permit wait (at most 15 minutes in the scheduling framework) and
 // the PreBind plugins before it (volume binding waits up to 10 minutes by
-// default). A taint added in that time may have been missed legally.
+// default). A taint added in that time may have been missed legally, and
+// a ResourceSlice changed in that time may have changed after the devices
+// were chosen (see AllocationMismatch).
 const AllocationLag = 30 * time.Minute
 
 // deviceTaint is a taint of a device and where it comes from.
