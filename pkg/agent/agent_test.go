@@ -191,6 +191,11 @@ func claim(name string, allocs ...alloc) *resourceapi.ResourceClaim {
 			r.AdminAccess = ptr.To(true)
 		}
 		c.Status.Allocation.Devices.Results = append(c.Status.Allocation.Devices.Results, r)
+		if !slices.ContainsFunc(c.Spec.Devices.Requests, func(req resourceapi.DeviceRequest) bool { return req.Name == a.request }) {
+			c.Spec.Devices.Requests = append(c.Spec.Devices.Requests, resourceapi.DeviceRequest{
+				Name: a.request, Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: "gpu.topodra.io", AdminAccess: ptr.To(a.admin)},
+			})
+		}
 	}
 	return c
 }
@@ -402,6 +407,10 @@ func TestPrepareUnprepare(t *testing.T) {
 	admin1b := claim("admin-b", alloc{request: "monitor", device: "gpu-1", admin: true})
 	// One request with admin access and one without, both allocated gpu-1.
 	mixed1 := claim("mixed", alloc{request: "monitor", device: "gpu-1", admin: true}, alloc{request: "work", device: "gpu-1"})
+	// A result marked admin access whose request does not ask for it (the
+	// API server does not compare the two): an exclusive use.
+	forged1 := claim("forged", alloc{request: "gpus", device: "gpu-1", admin: true})
+	forged1.Spec.Devices.Requests[0].Exactly.AdminAccess = nil
 
 	// step is one call; wantErr maps claim names to the error they must get
 	// (errAny: any error); all other claims must succeed.
@@ -440,6 +449,10 @@ func TestPrepareUnprepare(t *testing.T) {
 		// Admin access (monitoring) overlaps any allocation, as the
 		// scheduler allocates it: beside a workload's claim, before or
 		// after it, and beside other admin claims.
+		"admin access its request does not ask for is exclusive": {
+			{prepare: []*resourceapi.ResourceClaim{a01}, wantPrepared: []string{"a"}},
+			{prepare: []*resourceapi.ResourceClaim{forged1}, wantErr: map[string]error{"forged": agent.ErrDeviceInUse}, wantPrepared: []string{"a"}},
+		},
 		"admin access shares with any claim": {
 			{prepare: []*resourceapi.ResourceClaim{admin1, admin1b}, wantPrepared: []string{"admin", "admin-b"}},
 			{prepare: []*resourceapi.ResourceClaim{b1}, wantPrepared: []string{"admin", "admin-b", "b"}},

@@ -387,7 +387,7 @@ func (a *Agent) planClaim(ctx context.Context, cp *checkpoint.Checkpoint, claim 
 					klog.KObj(claim), ErrGPUMoved, r.Device, uuid, a.opts.NodeName, gpu.UUID)
 			}
 		}
-		admin := ptr.Deref(r.AdminAccess, false)
+		admin := grantsAdminAccess(claim, r)
 		if fault, ok := a.fault(gpu.UUID); ok && !admin {
 			return checkpoint.PreparedClaim{}, false, fmt.Errorf("claim %s: %w: %s (GPU %s) on node %s reported %s at %s (%s) and keeps its health taint until the node reboots or the Node annotation %s clears the fault after a GPU reset; delete the pod so that its claim is allocated other devices (a claim created by hand must be created again)",
 				klog.KObj(claim), ErrDeviceUnhealthy, r.Device, gpu.UUID, a.opts.NodeName, fault.Reason, fault.Time.UTC().Format(time.RFC3339), fault.Message, ClearFaultsAnnotation)
@@ -600,6 +600,23 @@ func preparedElsewhere(cp *checkpoint.Checkpoint, preparing map[types.UID]checkp
 		}
 	}
 	return checkpoint.PreparedClaim{}, "", false
+}
+
+// grantsAdminAccess reports whether result r of claim gives admin access
+// to its device: the result says so and so does the request it is for (a
+// result of a firstAvailable subrequest never does). The API server does
+// not check a result against its request, so a result marked by hand
+// counts as an exclusive use of the device, not as one beside others.
+func grantsAdminAccess(claim *resourceapi.ResourceClaim, r resourceapi.DeviceRequestAllocationResult) bool {
+	if !ptr.Deref(r.AdminAccess, false) {
+		return false
+	}
+	for _, req := range claim.Spec.Devices.Requests {
+		if req.Name == r.Request {
+			return req.Exactly != nil && ptr.Deref(req.Exactly.AdminAccess, false)
+		}
+	}
+	return false
 }
 
 // cdiDevices lists the GPUs of a prepared claim for its CDI spec. The

@@ -209,7 +209,7 @@ func (a *Agent) adoptRecovered(claim *resourceapi.ResourceClaim, recovered check
 			if i, ok := seen[r.Device]; ok {
 				// Exclusive where any of the claim's results is (see planClaim).
 				adopted.Devices[i].Requests = append(adopted.Devices[i].Requests, r.Request)
-				adopted.Devices[i].AdminAccess = adopted.Devices[i].AdminAccess && ptr.Deref(r.AdminAccess, false)
+				adopted.Devices[i].AdminAccess = adopted.Devices[i].AdminAccess && grantsAdminAccess(claim, r)
 				continue
 			}
 			now = append(now, r.Device)
@@ -219,7 +219,7 @@ func (a *Agent) adoptRecovered(claim *resourceapi.ResourceClaim, recovered check
 			}
 			d := recovered.Devices[i]
 			d.Requests = []string{r.Request}
-			d.AdminAccess = ptr.Deref(r.AdminAccess, false)
+			d.AdminAccess = grantsAdminAccess(claim, r)
 			seen[r.Device] = len(adopted.Devices)
 			adopted.Devices = append(adopted.Devices, d)
 		}
