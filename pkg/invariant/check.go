@@ -341,7 +341,9 @@ func wait(ctx context.Context, d time.Duration) error {
 }
 
 // List reads the objects the invariants are judged on, each kind in pages
-// of DefaultPageSize objects.
+// of DefaultPageSize objects. The pods, claims and nodes come without
+// their managed fields, which nothing judges and which are a large part
+// of each object.
 func List(ctx context.Context, client kubernetes.Interface) (State, error) {
 	return list(ctx, client, DefaultPageSize)
 }
@@ -349,21 +351,21 @@ func List(ctx context.Context, client kubernetes.Interface) (State, error) {
 func list(ctx context.Context, client kubernetes.Interface, pageSize int64) (State, error) {
 	var s State
 	var err error
-	s.Pods, err = listAll[v1.Pod](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+	s.Pods, err = listAll[v1.Pod](ctx, pageSize, withoutManagedFields(func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.CoreV1().Pods(metav1.NamespaceAll).List(ctx, opts)
-	})
+	}))
 	if err != nil {
 		return State{}, fmt.Errorf("list pods: %w", err)
 	}
-	s.Claims, err = listAll[resourceapi.ResourceClaim](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+	s.Claims, err = listAll[resourceapi.ResourceClaim](ctx, pageSize, withoutManagedFields(func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.ResourceV1().ResourceClaims(metav1.NamespaceAll).List(ctx, opts)
-	})
+	}))
 	if err != nil {
 		return State{}, fmt.Errorf("list resource claims: %w", err)
 	}
-	s.Nodes, err = listAll[v1.Node](ctx, pageSize, func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+	s.Nodes, err = listAll[v1.Node](ctx, pageSize, withoutManagedFields(func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
 		return client.CoreV1().Nodes().List(ctx, opts)
-	})
+	}))
 	// Nodes serve one kind of violation only; without them that kind is
 	// not judged, and the report says so.
 	if s.NodesUnread, err = optionalList("nodes", err, false); err != nil {
@@ -408,6 +410,29 @@ func optionalList(kind string, err error, notServed bool) (unread, fatal error) 
 		return fmt.Errorf("list %s: %w", kind, err), nil
 	default:
 		return nil, fmt.Errorf("list %s: %w", kind, err)
+	}
+}
+
+// withoutManagedFields is page with the managed fields of the objects it
+// lists dropped as each page arrives, so that a read holds only what the
+// judges use. Of managed fields they read only those of ResourceSlices,
+// DeviceClasses and DeviceTaintRules (specChanged), whose lists keep
+// them.
+func withoutManagedFields(page pager.ListPageFunc) pager.ListPageFunc {
+	return func(ctx context.Context, opts metav1.ListOptions) (runtime.Object, error) {
+		obj, err := page(ctx, opts)
+		if err != nil {
+			return obj, err
+		}
+		err = meta.EachListItem(obj, func(o runtime.Object) error {
+			m, err := meta.Accessor(o)
+			if err != nil {
+				return err
+			}
+			m.SetManagedFields(nil)
+			return nil
+		})
+		return obj, err
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -626,6 +627,60 @@ func TestCheckReadsInPages(t *testing.T) {
 			}
 		}
 	}
+}
+
+// TestListDropsManagedFields: a read drops the managed fields of the
+// pods, claims and nodes, on every page, and keeps those of the
+// ResourceSlices, DeviceClasses and DeviceTaintRules, which the judges
+// read.
+func TestListDropsManagedFields(t *testing.T) {
+	managed := []metav1.ManagedFieldsEntry{{Manager: "kubectl", Operation: metav1.ManagedFieldsOperationUpdate, Time: ptr.To(metav1.Now())}}
+	var s State
+	for i := range 3 {
+		name := strconv.Itoa(i)
+		s.Pods = append(s.Pods, pod("p-"+name, "", ""))
+		s.Claims = append(s.Claims, claim("c-"+name, "node-a", "", "gpu-"+name))
+		s.Nodes = append(s.Nodes, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "n-" + name}})
+		s.Slices = append(s.Slices, poolSlice("slice-"+name, 1, 3, devices("gpu-"+name)...))
+		s.DeviceClasses = append(s.DeviceClasses, deviceClass("class-"+name, "true"))
+		s.DeviceTaintRules = append(s.DeviceTaintRules, &resourceapi.DeviceTaintRule{ObjectMeta: metav1.ObjectMeta{Name: "rule-" + name}})
+	}
+	for _, o := range slices.Concat(objects(s.Pods), objects(s.Claims), objects(s.Nodes), objects(s.Slices), objects(s.DeviceClasses), objects(s.DeviceTaintRules)) {
+		o.SetManagedFields(managed)
+	}
+	got, err := list(context.Background(), newFakeCluster(fakeRead{state: s}), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(kind string, objs []metav1.Object, keep bool) {
+		t.Helper()
+		if len(objs) != 3 {
+			t.Errorf("%d %s read, want 3", len(objs), kind)
+		}
+		for _, o := range objs {
+			if kept := len(o.GetManagedFields()) > 0; kept != keep {
+				t.Errorf("%s %s: managed fields kept %v, want %v", kind, o.GetName(), kept, keep)
+			}
+		}
+	}
+	check("pods", objects(got.Pods), false)
+	check("claims", objects(got.Claims), false)
+	check("nodes", objects(got.Nodes), false)
+	check("slices", objects(got.Slices), true)
+	check("device classes", objects(got.DeviceClasses), true)
+	check("device taint rules", objects(got.DeviceTaintRules), true)
+}
+
+// objects is objs as metav1.Objects.
+func objects[T any, P interface {
+	*T
+	metav1.Object
+}](objs []P) []metav1.Object {
+	out := make([]metav1.Object, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o)
+	}
+	return out
 }
 
 // TestCheckOptions: options out of range are refused before the cluster

@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/spf13/pflag"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 )
 
@@ -17,6 +19,16 @@ const (
 	ExitClean      = 0
 	ExitViolations = 1
 	ExitError      = 2
+)
+
+// Defaults of Run's --kube-api-qps and --kube-api-burst: the most list
+// requests per second, and at once, that its client sends. Run lists one
+// page after another, so the rate stays below this wherever a page takes
+// the API server more than 20 ms; client-go's own defaults (5 and 10)
+// would make a read of 300 pages take a minute however fast the server.
+const (
+	DefaultKubeAPIQPS   = 50
+	DefaultKubeAPIBurst = 100
 )
 
 // Run is the topodra-check command line: it checks the cluster named by
@@ -33,8 +45,47 @@ const (
 // re-read failed ([IncompleteError]) it first prints the violations found
 // so far on stdout, marked unconfirmed (the text ends with
 // "unconfirmed: a re-read failed"; in JSON each violation has
-// "confirmed": false). It takes no positional arguments.
+// "confirmed": false). A check that runs out of --timeout returns
+// ExitError in the same way (on stdout only if a re-read was cut short),
+// and says so on stderr's last line. It takes no positional arguments.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	c, code, ok := parse(args, stderr)
+	if !ok {
+		return code
+	}
+	cfg, err := c.restConfig()
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-check: load kubeconfig: %v\n", err)
+		return ExitError
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
+		return ExitError
+	}
+	if c.timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = withTimeout(ctx, c.timeout)
+		defer cancel()
+	}
+	return check(ctx, client, c.opts, c.output, stdout, stderr)
+}
+
+// command is what Run's flags ask for.
+type command struct {
+	kubeconfig, context string
+	output              string
+	opts                CheckOptions
+	// qps and burst are the client's rate limits.
+	qps   float32
+	burst int
+	// timeout bounds the whole check; 0: no bound.
+	timeout time.Duration
+}
+
+// parse reads Run's flags. Where Run is done (help, or flags it refuses,
+// the reason on stderr) ok is false and code is Run's exit code.
+func parse(args []string, stderr io.Writer) (c command, code int, ok bool) {
 	fs := pflag.NewFlagSet("topodra-check", pflag.ContinueOnError)
 	fs.SetOutput(stderr)
 	kubeconfig := fs.String("kubeconfig", "", "Kubeconfig file. Empty: $KUBECONFIG, ~/.kube/config, or the in-cluster configuration.")
@@ -44,6 +95,9 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	interval := fs.Duration("interval", DefaultInterval, "The wait before each read after the first. More than 0.")
 	staleAfter := fs.Duration("stale-after", DefaultStaleAfter, "How long the pods of a claim reserved only for pods that are done or gone must have been so before it is reported (StaleReservation), and how long the reads must find a claim allocated for no one (UnreservedAllocation); until then it is noted on stderr. A pod that succeeded or failed counts from its containers' latest finishedAt (or its conditions' latest change), a pod deleted before it was bound from its deletionTimestamp; a pod that is gone, or records no such time, from the first read, so such a claim is reported only if the reads span this time (e.g. --reads 6 --interval 2m: five waits, 10m). The resourceclaim controller clears reservations at kube-controller-manager's client rate (20 QPS by default), which takes minutes after thousands of pods finish. 0: report once every read finds it.")
 	unpublishedAfter := fs.Duration("unpublished-after", DefaultUnpublishedAfter, "How long the reads must find a pool without any ResourceSlice whose devices are allocated before it is reported (UnpublishedPool); until then it is noted on stderr. Nothing records when a pool's slices went, so the time counts from the first read that found it: such a pool is reported only if the reads span this time (e.g. --reads 6 --interval 1m: five waits, 5m). The kubelet removes a node's slices when it starts and 30 s after a driver unregisters, and a deleted Node takes its slices (its pods are deleted within minutes). 0: report once every read finds it.")
+	qps := fs.Float32("kube-api-qps", DefaultKubeAPIQPS, fmt.Sprintf("The most list requests per second that the client sends to the API server (a request reads a page of %d objects). More than 0.", DefaultPageSize))
+	burst := fs.Int("kube-api-burst", DefaultKubeAPIBurst, "The most list requests that the client sends at once, above --kube-api-qps. At least 1.")
+	timeout := fs.Duration("timeout", 0, "The most time the check takes: when it is up, the check stops and exits with code 2, printing the violations found so far marked unconfirmed, as when a re-read fails. Set it below the activeDeadlineSeconds of a Job that runs the check: a Job past its deadline deletes its pod and the pod's log. 0: no bound.")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, `Usage: topodra-check [flags]
 
@@ -75,8 +129,9 @@ for no one whose pods stopped more recently. With -o json these are
 listed too, with "pending": true.
 
 Exit code 0: none found; 1: violations (printed); 2: bad flags, or the
-cluster could not be read (the reason on stderr; if a re-read failed, the
-violations found so far are printed, marked unconfirmed). Needs list on
+cluster could not be read, or --timeout ran out (the reason on stderr; if
+a re-read failed or was cut short, the violations found so far are
+printed, marked unconfirmed). Needs list on
 resourceslices, and on pods and resourceclaims in all namespaces; without
 list on nodes, pods on another node than their claims' devices are not
 looked for, without list on deviceclasses the selectors of classes are
@@ -92,62 +147,93 @@ Flags:
 	}
 	if err := fs.Parse(args); err != nil {
 		if err == pflag.ErrHelp {
-			return ExitClean
+			return c, ExitClean, false
 		}
 		fmt.Fprintf(stderr, "topodra-check: %v\nRun 'topodra-check --help' for usage.\n", err)
-		return ExitError
+		return c, ExitError, false
+	}
+	refuse := func(format string, a ...any) (command, int, bool) {
+		fmt.Fprintf(stderr, "topodra-check: "+format+"\n", a...)
+		return c, ExitError, false
 	}
 	if rest := fs.Args(); len(rest) > 0 {
-		fmt.Fprintf(stderr, "topodra-check: takes no arguments, got %q; to check the cluster of a kubeconfig file, use --kubeconfig %s\n", rest, rest[0])
-		return ExitError
+		return refuse("takes no arguments, got %q; to check the cluster of a kubeconfig file, use --kubeconfig %s", rest, rest[0])
 	}
-	if *reads < 2 {
-		fmt.Fprintf(stderr, "topodra-check: --reads must be at least 2 (a read and one that confirms it), not %d\n", *reads)
-		return ExitError
+	switch {
+	case *reads < 2:
+		return refuse("--reads must be at least 2 (a read and one that confirms it), not %d", *reads)
+	case *interval <= 0:
+		return refuse("--interval must be more than 0, not %s", *interval)
+	case *staleAfter < 0:
+		return refuse("--stale-after must not be negative, not %s", *staleAfter)
+	case *unpublishedAfter < 0:
+		return refuse("--unpublished-after must not be negative, not %s", *unpublishedAfter)
+	case *output != "text" && *output != "json":
+		return refuse("--output must be text or json, not %q", *output)
+	case !(*qps > 0):
+		return refuse("--kube-api-qps must be more than 0, not %v", *qps)
+	case *burst < 1:
+		return refuse("--kube-api-burst must be at least 1, not %d", *burst)
+	case *timeout < 0:
+		return refuse("--timeout must not be negative, not %s", *timeout)
 	}
-	if *interval <= 0 {
-		fmt.Fprintf(stderr, "topodra-check: --interval must be more than 0, not %s\n", *interval)
-		return ExitError
+	c = command{
+		kubeconfig: *kubeconfig,
+		context:    *kubeContext,
+		output:     *output,
+		opts:       CheckOptions{Reads: *reads, Interval: *interval, StaleAfter: *staleAfter, UnpublishedAfter: *unpublishedAfter},
+		qps:        *qps,
+		burst:      *burst,
+		timeout:    *timeout,
 	}
-	if *staleAfter < 0 {
-		fmt.Fprintf(stderr, "topodra-check: --stale-after must not be negative, not %s\n", *staleAfter)
-		return ExitError
-	}
-	if *unpublishedAfter < 0 {
-		fmt.Fprintf(stderr, "topodra-check: --unpublished-after must not be negative, not %s\n", *unpublishedAfter)
-		return ExitError
-	}
-	if *output != "text" && *output != "json" {
-		fmt.Fprintf(stderr, "topodra-check: --output must be text or json, not %q\n", *output)
-		return ExitError
-	}
-	rules := clientcmd.NewDefaultClientConfigLoadingRules()
-	rules.ExplicitPath = *kubeconfig
-	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: *kubeContext}).ClientConfig()
-	if err != nil {
-		fmt.Fprintf(stderr, "topodra-check: load kubeconfig: %v\n", err)
-		return ExitError
-	}
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		fmt.Fprintf(stderr, "topodra-check: create client: %v\n", err)
-		return ExitError
-	}
-	opts := CheckOptions{Reads: *reads, Interval: *interval, StaleAfter: *staleAfter, UnpublishedAfter: *unpublishedAfter}
 	// CheckOptions asks for no wait with a negative StaleAfter or
 	// UnpublishedAfter.
 	if *staleAfter == 0 {
-		opts.StaleAfter = -1
+		c.opts.StaleAfter = -1
 	}
 	if *unpublishedAfter == 0 {
-		opts.UnpublishedAfter = -1
+		c.opts.UnpublishedAfter = -1
 	}
-	return check(ctx, client, opts, *output, stdout, stderr)
+	return c, 0, true
+}
+
+// restConfig is the client configuration of the cluster that --kubeconfig
+// and --context name, with the rate limits of --kube-api-qps and
+// --kube-api-burst.
+func (c command) restConfig() (*rest.Config, error) {
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	rules.ExplicitPath = c.kubeconfig
+	cfg, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: c.context}).ClientConfig()
+	if err != nil {
+		return nil, err
+	}
+	cfg.QPS, cfg.Burst = c.qps, c.burst
+	return cfg, nil
+}
+
+// timeoutError is the cause of the end of a check that ran out of
+// --timeout.
+type timeoutError struct {
+	timeout time.Duration
+}
+
+func (e timeoutError) Error() string {
+	return fmt.Sprintf("the check ran out of its --timeout of %s before its reads were done (docs/operations.md, \"Sizing the invariant check\", says what to change)", e.timeout)
+}
+
+// withTimeout is ctx ending after timeout, with a timeoutError as its
+// cause.
+func withTimeout(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeoutCause(ctx, timeout, timeoutError{timeout})
 }
 
 // check is Run once the flags are read and the client is made.
 func check(ctx context.Context, client kubernetes.Interface, opts CheckOptions, output string, stdout, stderr io.Writer) int {
 	report, err := CheckWith(ctx, client, opts)
+	var timedOut timeoutError
+	if err != nil && errors.As(context.Cause(ctx), &timedOut) {
+		defer fmt.Fprintf(stderr, "topodra-check: %v\n", timedOut)
+	}
 	var incomplete *IncompleteError
 	if err != nil && !errors.As(err, &incomplete) {
 		fmt.Fprintf(stderr, "topodra-check: %v\n", err)

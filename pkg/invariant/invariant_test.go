@@ -1219,10 +1219,16 @@ func TestAllocationMismatchAfterSliceChange(t *testing.T) {
 					t.Errorf("message contains %q", w)
 				}
 			}
-			// It still needs a human: topodra-check fails.
+			// It still needs a human: topodra-check fails, and says the
+			// same of the slices it reads.
 			var stdout, stderr bytes.Buffer
 			if code := check(context.Background(), newFakeCluster(fakeRead{state: state}), CheckOptions{Interval: time.Millisecond}, "text", &stdout, &stderr); code != ExitViolations {
 				t.Errorf("topodra-check: exit %d, want %d; stdout %q", code, ExitViolations, stdout.String())
+			}
+			for _, w := range tc.wantIn {
+				if !strings.Contains(stdout.String(), w) {
+					t.Errorf("topodra-check's output does not contain %q", w)
+				}
 			}
 		})
 	}
