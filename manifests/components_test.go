@@ -443,9 +443,13 @@ func checkAlerts(t *testing.T, rule *prometheusRule, jobs map[string]string) {
 // component, a CronJob runs topodra-check from the scheduler's image, as
 // a ServiceAccount bound to the ClusterRole topodra-checker, with flags
 // that topodra-check accepts, reading for longer than --stale-after and
-// --unpublished-after, within the Job's deadline; a Job that exits with
-// topodra-check's codes for violations or an unreadable cluster fails at
-// once, naming the code.
+// --unpublished-after, within its --timeout, which ends before the Job's
+// deadline, which ends before the next run is due; with GOMEMLIMIT at
+// its memory limit. A Job fails at once however the checker fails, and
+// through the pod failure policy (the Failed condition's reason that
+// the alerts read) only on topodra-check's code for violations; a pod
+// evicted or preempted is run again whatever its exit code. Failed Jobs,
+// with their pods and logs, are kept for hours.
 func TestInvariantCheckComponent(t *testing.T) {
 	for _, dir := range overlayDirs() {
 		t.Run(dir, func(t *testing.T) {
@@ -472,7 +476,9 @@ func TestInvariantCheckComponent(t *testing.T) {
 			if len(c.Command) == 0 || c.Command[0] != "/topodra-check" || len(c.Args) != 0 {
 				t.Fatalf("command %q, args %q; want /topodra-check and its flags", c.Command, c.Args)
 			}
-			checkCheckerFlags(t, c.Command[1:], job.ActiveDeadlineSeconds)
+			period := schedulePeriod(t, cron.Spec.Schedule)
+			checkCheckerFlags(t, c.Command[1:], job.ActiveDeadlineSeconds, period)
+			checkMemoryLimit(t, &c)
 			checkUnprivileged(t, "checker", &pod, &c)
 			if sc := c.SecurityContext; sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
 				t.Error("the checker may run as root or write its root file system")
@@ -480,8 +486,14 @@ func TestInvariantCheckComponent(t *testing.T) {
 			if cron.Spec.ConcurrencyPolicy != batchv1.ForbidConcurrent {
 				t.Errorf("concurrency policy %s, want Forbid: a slow check must not overlap the next", cron.Spec.ConcurrencyPolicy)
 			}
-			if cron.Spec.FailedJobsHistoryLimit == nil || *cron.Spec.FailedJobsHistoryLimit < 1 {
-				t.Error("failed Jobs are not kept: their result would be gone")
+			// Long enough for whoever TopodraInvariantViolations
+			// wakes to read the failed run's log, even if the runs
+			// after it fail too.
+			if kept := time.Duration(ptrValue(cron.Spec.FailedJobsHistoryLimit)) * period; kept < 4*time.Hour {
+				t.Errorf("failedJobsHistoryLimit %d keeps %s of failed runs every %s, want at least 4h: their results would be gone", ptrValue(cron.Spec.FailedJobsHistoryLimit), kept, period)
+			}
+			if job.TTLSecondsAfterFinished != nil {
+				t.Errorf("ttlSecondsAfterFinished %d deletes a failed Job, its pod and log, before failedJobsHistoryLimit does", *job.TTLSecondsAfterFinished)
 			}
 			// A failed check is the result, not to be retried until it
 			// passes by chance.
@@ -489,16 +501,37 @@ func TestInvariantCheckComponent(t *testing.T) {
 				t.Errorf("backoffLimit %v, restartPolicy %s; want 0 and Never", job.BackoffLimit, pod.RestartPolicy)
 			}
 			var failsOn []int32
+			ignoresDisruption := false
 			if job.PodFailurePolicy != nil {
 				for _, rule := range job.PodFailurePolicy.Rules {
-					if rule.Action == batchv1.PodFailurePolicyActionFailJob && rule.OnExitCodes != nil &&
-						rule.OnExitCodes.Operator == batchv1.PodFailurePolicyOnExitCodesOpIn && ptrValue(rule.OnExitCodes.ContainerName) == c.Name {
-						failsOn = append(failsOn, rule.OnExitCodes.Values...)
+					// The first rule that matches decides, and a
+					// disrupted checker exits with its code for an
+					// unread cluster.
+					if rule.Action == batchv1.PodFailurePolicyActionIgnore && slices.ContainsFunc(rule.OnPodConditions, func(p batchv1.PodFailurePolicyOnPodConditionsPattern) bool {
+						// The API server defaults the status to True.
+						return p.Type == v1.DisruptionTarget && (p.Status == "" || p.Status == v1.ConditionTrue)
+					}) {
+						ignoresDisruption = true
+						continue
 					}
+					if rule.Action != batchv1.PodFailurePolicyActionFailJob {
+						continue
+					}
+					if !ignoresDisruption {
+						t.Errorf("a FailJob rule of the pod failure policy comes before the rule that ignores %s: a disrupted check fails the Job", v1.DisruptionTarget)
+					}
+					if rule.OnExitCodes == nil || rule.OnExitCodes.Operator != batchv1.PodFailurePolicyOnExitCodesOpIn || ptrValue(rule.OnExitCodes.ContainerName) != c.Name {
+						t.Errorf("a FailJob rule of the pod failure policy other than for exit codes of container %s: %+v", c.Name, rule)
+						continue
+					}
+					failsOn = append(failsOn, rule.OnExitCodes.Values...)
 				}
 			}
-			if !slices.Contains(failsOn, int32(invariant.ExitViolations)) || !slices.Contains(failsOn, int32(invariant.ExitError)) {
-				t.Errorf("the pod failure policy fails the Job on exit codes %v of container %s, want %d (violations) and %d (cluster unreadable)", failsOn, c.Name, invariant.ExitViolations, invariant.ExitError)
+			if !ignoresDisruption {
+				t.Errorf("the pod failure policy does not ignore pods with condition %s: an evicted or preempted check fails the Job", v1.DisruptionTarget)
+			}
+			if !slices.Equal(failsOn, []int32{invariant.ExitViolations}) {
+				t.Errorf("the pod failure policy fails the Job on exit codes %v of container %s, want only %d (violations), so that its reason tells them from other failures", failsOn, c.Name, invariant.ExitViolations)
 			}
 			sa := pod.ServiceAccountName
 			if _, ok := find(r.objs, func(s *v1.ServiceAccount) bool { return s.Namespace == cron.Namespace && s.Name == sa }); !ok {
@@ -522,11 +555,57 @@ func ptrValue[T any](p *T) T {
 	return *p
 }
 
+// TestDocumentedCheckerSizing: the patch of the checker's CronJob that
+// docs/operations.md gives for a large cluster keeps the reads within
+// --timeout and the Job's deadline, as TestInvariantCheckComponent asks
+// of the shipped one, and GOMEMLIMIT follows the raised memory limit.
+func TestDocumentedCheckerSizing(t *testing.T) {
+	doc, err := os.ReadFile("../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var patch string
+	for _, block := range strings.Split(string(doc), "```yaml\n")[1:] {
+		block, _, _ = strings.Cut(block, "```")
+		if strings.Contains(block, "kind: CronJob") && strings.Contains(block, "name: topodra-check") {
+			patch = block
+		}
+	}
+	if patch == "" {
+		t.Fatal("docs/operations.md has no yaml block with a patch of the CronJob topodra-check")
+	}
+	data, err := renderMine("overlays/host", []string{"components/invariant-check"}, patch)
+	if err != nil {
+		t.Fatalf("the documented patch: %v", err)
+	}
+	var scheme bytes.Buffer
+	for _, d := range documents(data) {
+		scheme.WriteString("---\n")
+		scheme.Write(d.doc)
+	}
+	cron, ok := find(decodeAll(t, "patched", scheme.Bytes()), func(c *batchv1.CronJob) bool { return c.Name == "topodra-check" })
+	if !ok {
+		t.Fatal("no CronJob topodra-check")
+	}
+	job := cron.Spec.JobTemplate.Spec
+	c := job.Template.Spec.Containers[0]
+	shipped := renderComposed(t, "overlays/host", "components/invariant-check")
+	before, _ := find(shipped.objs, func(c *batchv1.CronJob) bool { return c.Name == "topodra-check" })
+	if slices.Equal(c.Command, before.Spec.JobTemplate.Spec.Template.Spec.Containers[0].Command) {
+		t.Error("the documented patch does not change the checker's flags")
+	}
+	checkCheckerFlags(t, c.Command[1:], job.ActiveDeadlineSeconds, schedulePeriod(t, cron.Spec.Schedule))
+	checkMemoryLimit(t, &c)
+}
+
 // checkCheckerFlags runs topodra-check's command line with args and a
 // kubeconfig that does not exist: flags it accepts get as far as loading
 // the kubeconfig. The reads must span --stale-after and
-// --unpublished-after, and end within the Job's deadline.
-func checkCheckerFlags(t *testing.T, args []string, deadlineSeconds *int64) {
+// --unpublished-after and end within --timeout, which must end before
+// the Job's deadline, with room for the pod to start (a Job past its
+// deadline deletes its pod and log), which must end before the next run
+// is due.
+func checkCheckerFlags(t *testing.T, args []string, deadlineSeconds *int64, period time.Duration) {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
 	missing := filepath.Join(t.TempDir(), "kubeconfig")
@@ -564,9 +643,56 @@ func checkCheckerFlags(t *testing.T, args []string, deadlineSeconds *int64) {
 			t.Errorf("the reads span %s, less than --%s %s: what it would report stays a note", span, name, after)
 		}
 	}
-	if deadlineSeconds == nil || time.Duration(*deadlineSeconds)*time.Second < span+2*time.Minute {
-		t.Errorf("activeDeadlineSeconds %v, want the reads' %s and two minutes more", deadlineSeconds, span)
+	timeout := flag("timeout", 0)
+	if timeout < span+2*time.Minute {
+		t.Errorf("--timeout %s, want the reads' %s and two minutes more", timeout, span)
 	}
+	if deadlineSeconds == nil {
+		t.Fatal("no activeDeadlineSeconds")
+	}
+	deadline := time.Duration(*deadlineSeconds) * time.Second
+	if deadline < timeout+2*time.Minute {
+		t.Errorf("activeDeadlineSeconds %d, want --timeout %s and two minutes more for the pod to start: past the deadline, the pod and its log are deleted", *deadlineSeconds, timeout)
+	}
+	if deadline >= period {
+		t.Errorf("activeDeadlineSeconds %d, want less than the %s between runs", *deadlineSeconds, period)
+	}
+}
+
+// checkMemoryLimit: the container has a memory limit, and GOMEMLIMIT is
+// that limit in bytes.
+func checkMemoryLimit(t *testing.T, c *v1.Container) {
+	t.Helper()
+	if _, ok := c.Resources.Limits[v1.ResourceMemory]; !ok {
+		t.Errorf("container %s has no memory limit", c.Name)
+	}
+	for _, e := range c.Env {
+		if e.Name != "GOMEMLIMIT" {
+			continue
+		}
+		var ref *v1.ResourceFieldSelector
+		if e.ValueFrom != nil {
+			ref = e.ValueFrom.ResourceFieldRef
+		}
+		if ref == nil || ref.Resource != "limits.memory" || (ref.ContainerName != "" && ref.ContainerName != c.Name) || (!ref.Divisor.IsZero() && ref.Divisor.Value() != 1) {
+			t.Errorf("GOMEMLIMIT of container %s is %+v, want its limits.memory in bytes", c.Name, e)
+		}
+		return
+	}
+	t.Errorf("container %s has no GOMEMLIMIT: its heap may grow past its memory limit", c.Name)
+}
+
+// schedulePeriod is the time between the runs of a CronJob of schedule
+// "*/N * * * *".
+func schedulePeriod(t *testing.T, schedule string) time.Duration {
+	t.Helper()
+	every, ok := strings.CutPrefix(schedule, "*/")
+	every, ok2 := strings.CutSuffix(every, " * * * *")
+	minutes, err := strconv.Atoi(every)
+	if !ok || !ok2 || err != nil || minutes < 1 || 60%minutes != 0 {
+		t.Fatalf("schedule %q is not */N * * * * with N a divisor of 60", schedule)
+	}
+	return time.Duration(minutes) * time.Minute
 }
 
 // dockerTargets reads the Dockerfile: for each stage built from the build

@@ -58,13 +58,32 @@ var targetLabels = []string{"job", "namespace", "pod", "container", "endpoint", 
 // labels only.
 var upstream = map[string][]string{"up": nil}
 
-// stateMetrics are the series of kube-state-metrics that alerts use, with
-// their labels (kube-state-metrics' documentation): they describe
-// objects, so an alert selects them by object, not by the job that
-// scrapes kube-state-metrics, whose name each installation chooses.
-var stateMetrics = map[string][]string{
-	"kube_cronjob_created":                     {"namespace", "cronjob"},
-	"kube_cronjob_status_last_successful_time": {"namespace", "cronjob"},
+// stateMetric is a series of kube-state-metrics that alerts use: its
+// labels and, where it writes only some values of a label, those values
+// (kube-state-metrics' documentation, and its source for the values).
+type stateMetric struct {
+	labels []string
+	values map[string][]string
+}
+
+// stateMetrics are the series of kube-state-metrics that alerts use. They
+// describe objects, so an alert selects them by object, not by the job
+// that scrapes kube-state-metrics, whose name each installation chooses.
+var stateMetrics = map[string]stateMetric{
+	"kube_cronjob_created":                     {labels: []string{"namespace", "cronjob"}},
+	"kube_cronjob_status_last_successful_time": {labels: []string{"namespace", "cronjob"}},
+	"kube_job_created":                         {labels: []string{"namespace", "job_name"}},
+	"kube_job_owner":                           {labels: []string{"namespace", "job_name", "owner_kind", "owner_name", "owner_is_controller"}},
+	"kube_job_failed": {
+		labels: []string{"namespace", "job_name", "condition"},
+		values: map[string][]string{"condition": {"true", "false", "unknown"}},
+	},
+	// The reasons of a Failed condition that it knows, each 1 or 0, or
+	// "" with the count of failed pods for any other reason.
+	"kube_job_status_failed": {
+		labels: []string{"namespace", "job_name", "reason"},
+		values: map[string][]string{"reason": {"BackoffLimitExceeded", "DeadlineExceeded", "Evicted", ""}},
+	},
 }
 
 // stateMetricsJob stands for the job of kube-state-metrics' targets.
@@ -221,11 +240,22 @@ func registered(t *testing.T) map[string]*metric {
 	for name, labels := range upstream {
 		add(name, labels, schedulerJob, agentJob)
 	}
-	for name, labels := range stateMetrics {
-		m := add(name, labels, stateMetricsJob)
-		// The objects the shipped components create.
+	cronJob := checkCronJob(t)
+	for name, sm := range stateMetrics {
+		m := add(name, sm.labels, stateMetricsJob)
+		for l, v := range sm.values {
+			m.values[l] = v
+		}
+		// The objects the shipped components create: the CronJob, and
+		// the Jobs it owns.
 		m.values["namespace"] = []string{metav1.NamespaceSystem}
-		m.values["cronjob"] = []string{checkCronJob(t)}
+		if slices.Contains(sm.labels, "cronjob") {
+			m.values["cronjob"] = []string{cronJob}
+		}
+		if slices.Contains(sm.labels, "owner_name") {
+			m.values["owner_kind"] = []string{"CronJob"}
+			m.values["owner_name"] = []string{cronJob}
+		}
 	}
 	return out
 }
@@ -401,6 +431,26 @@ func TestAlertCheckerFails(t *testing.T) {
 			expr: `time() - kube_cronjob_status_last_successfull_time{namespace="kube-system", cronjob="topodra-check"} > 4500`,
 			want: `kube_cronjob_status_last_successfull_time is not registered`,
 		},
+		"a Job owned by another CronJob": {
+			expr: `kube_job_failed{namespace="kube-system", condition="true"} == 1 and on (namespace, job_name) kube_job_owner{namespace="kube-system", owner_kind="CronJob", owner_name="topodra-checker"}`,
+			want: `owner_name="topodra-checker"`,
+		},
+		"a condition kube-state-metrics does not write": {
+			expr: `kube_job_failed{namespace="kube-system", condition="True"} == 1`,
+			want: `condition="True"`,
+		},
+		"a failure reason misspelled among others": {
+			expr: `kube_job_status_failed{namespace="kube-system", reason=~"BackoffLimitExceeded|DeadlineExceed"} == 1`,
+			want: `reason is never "DeadlineExceed"`,
+		},
+		"a Job series by the CronJob's label": {
+			expr: `kube_job_failed{namespace="kube-system", cronjob="topodra-check"} == 1`,
+			want: `label "cronjob"`,
+		},
+		"joining on a misspelled label": {
+			expr: `kube_job_failed{namespace="kube-system", condition="true"} == 1 and on (namespace, job_nme) kube_job_owner{namespace="kube-system", owner_name="topodra-check"}`,
+			want: `grouping by label "job_nme"`,
+		},
 		"another plugin's name": {
 			expr: `scheduler_unschedulable_pods{job="topodra-scheduler", plugin="TopologyDra"} > 0`,
 			want: `plugin="TopologyDra"`,
@@ -523,8 +573,20 @@ func (c checker) check(expr string) []error {
 				errs = append(errs, fmt.Errorf("%s has no label %q (it has %v)", s.metric, mt.label, allowed))
 				continue
 			}
-			if values, ok := m.values[mt.label]; ok && mt.op == "=" && !slices.Contains(values, mt.value) {
+			values, ok := m.values[mt.label]
+			if !ok {
+				continue
+			}
+			switch {
+			case mt.op == "=" && !slices.Contains(values, mt.value):
 				errs = append(errs, fmt.Errorf("%s{%s=%q}: %s is never %q (it is one of %v)", s.metric, mt.label, mt.value, mt.label, mt.value, values))
+			case mt.op == "=~":
+				// An alternation of plain values: each must be one.
+				for _, v := range strings.Split(mt.value, "|") {
+					if regexp.QuoteMeta(v) == v && !slices.Contains(values, v) {
+						errs = append(errs, fmt.Errorf("%s{%s=~%q}: %s is never %q (it is one of %v)", s.metric, mt.label, mt.value, mt.label, v, values))
+					}
+				}
 			}
 		}
 	}
