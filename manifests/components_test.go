@@ -555,11 +555,10 @@ func ptrValue[T any](p *T) T {
 	return *p
 }
 
-// TestDocumentedCheckerSizing: the patch of the checker's CronJob that
-// docs/operations.md gives for a large cluster keeps the reads within
-// --timeout and the Job's deadline, as TestInvariantCheckComponent asks
-// of the shipped one, and GOMEMLIMIT follows the raised memory limit.
-func TestDocumentedCheckerSizing(t *testing.T) {
+// documentedPatch returns the last yaml block of docs/operations.md that
+// holds every one of marks; what names the patch in the failure.
+func documentedPatch(t *testing.T, what string, marks ...string) string {
+	t.Helper()
 	doc, err := os.ReadFile("../docs/operations.md")
 	if err != nil {
 		t.Fatal(err)
@@ -567,13 +566,26 @@ func TestDocumentedCheckerSizing(t *testing.T) {
 	var patch string
 	for _, block := range strings.Split(string(doc), "```yaml\n")[1:] {
 		block, _, _ = strings.Cut(block, "```")
-		if strings.Contains(block, "kind: CronJob") && strings.Contains(block, "name: topodra-check") {
+		all := true
+		for _, m := range marks {
+			all = all && strings.Contains(block, m)
+		}
+		if all {
 			patch = block
 		}
 	}
 	if patch == "" {
-		t.Fatal("docs/operations.md has no yaml block with a patch of the CronJob topodra-check")
+		t.Fatalf("docs/operations.md has no yaml block with %s", what)
 	}
+	return patch
+}
+
+// TestDocumentedCheckerSizing: the patch of the checker's CronJob that
+// docs/operations.md gives for a large cluster keeps the reads within
+// --timeout and the Job's deadline, as TestInvariantCheckComponent asks
+// of the shipped one, and GOMEMLIMIT follows the raised memory limit.
+func TestDocumentedCheckerSizing(t *testing.T) {
+	patch := documentedPatch(t, "a patch of the CronJob topodra-check", "kind: CronJob", "name: topodra-check")
 	data, err := renderMine("overlays/host", []string{"components/invariant-check"}, patch)
 	if err != nil {
 		t.Fatalf("the documented patch: %v", err)
@@ -802,20 +814,7 @@ func prefixed(prefix string, names []string) []string {
 // for a Prometheus that selects PodMonitors and PrometheusRules by label
 // (kube-prometheus-stack's release label) labels those, and nothing else.
 func TestDocumentedMonitoringLabel(t *testing.T) {
-	doc, err := os.ReadFile("../docs/operations.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var patch string
-	for _, block := range strings.Split(string(doc), "```yaml\n")[1:] {
-		block, _, _ = strings.Cut(block, "```")
-		if strings.Contains(block, "group: "+monitoringGroup) {
-			patch = block
-		}
-	}
-	if patch == "" {
-		t.Fatal("docs/operations.md has no yaml block with a patch of the monitoring kinds")
-	}
+	patch := documentedPatch(t, "a patch of the monitoring kinds", "group: "+monitoringGroup)
 	data, err := renderMine("overlays/host", []string{"components/monitoring"}, patch)
 	if err != nil {
 		t.Fatalf("the documented patch: %v", err)
