@@ -99,14 +99,20 @@ func TestCacheForgets(t *testing.T) {
 	ctx := quietContext(t)
 	slices := dgx(nodeName)
 	cache := NewCache()
-	a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
-		ClassLister: defaultClasses, Slices: slices, CELCache: newCELCache(), Cache: cache, Policy: twoProfiles[0]})
-	if err != nil {
-		t.Fatal(err)
+	// allocate runs one cycle on list with the cache.
+	allocate := func(list []*resourceapi.ResourceSlice) *Allocator {
+		t.Helper()
+		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
+			ClassLister: defaultClasses, Slices: list, CELCache: newCELCache(), Cache: cache, Policy: twoProfiles[0]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}); err != nil || res.Allocations == nil {
+			t.Fatalf("Allocate: %v", err)
+		}
+		return a
 	}
-	if res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}); err != nil || res.Allocations == nil {
-		t.Fatalf("Allocate: %v", err)
-	}
+	a := allocate(slices)
 	key := nodeKey{name: nodeName, attrsKey: a.attrsKey, features: allFeatures}
 	if cache.node(key) == nil || cache.numNodes.Load() != 1 || cache.numSlices.Load() == 0 {
 		t.Fatalf("after a cycle: node cached %v, %d nodes, %d slices; want the node and its slices", cache.node(key) != nil, cache.numNodes.Load(), cache.numSlices.Load())
@@ -123,17 +129,6 @@ func TestCacheForgets(t *testing.T) {
 	// A cycle still holding the versions forgotten allocates as before
 	// without caching them again: nothing would drop them but the bound.
 	// Newer versions are cached.
-	allocate := func(list []*resourceapi.ResourceSlice) {
-		t.Helper()
-		a, err := New(ctx, Options{Features: allFeatures, AllocatedState: allocated(gpuDriver, nodeName),
-			ClassLister: defaultClasses, Slices: list, CELCache: newCELCache(), Cache: cache, Policy: twoProfiles[0]})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if res, err := a.Allocate(ctx, node(nodeName), []*resourceapi.ResourceClaim{claim("c").request("gpus", "gpu", 2).obj()}); err != nil || res.Allocations == nil {
-			t.Fatalf("Allocate: %v", err)
-		}
-	}
 	allocate(slices)
 	if n := cache.numSlices.Load(); n != 0 {
 		t.Errorf("%d slice entries after a cycle with the versions forgotten", n)
